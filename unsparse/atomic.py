@@ -1,0 +1,52 @@
+"""Atomic file writes: write a temporary file beside the target, flush it to disk, then rename over it.
+
+A reader (or a crash, or Ctrl-C) sees either the old complete file or the new complete file, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+
+def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
+    """Call ``write(file)`` on a temporary file in ``path``'s folder, fsync it, and rename it to ``path``.
+
+    The folder is created if missing. On any exception the temporary file is removed and ``path`` is left
+    untouched.
+
+    Returns:
+        ``path`` as a Path.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(handle, "wb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    """Atomically replace ``path`` with ``data``."""
+    return atomic_write(path, lambda file: file.write(data))
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Atomically replace ``path`` with UTF-8 ``text``."""
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, data: Any) -> Path:
+    """Atomically replace ``path`` with ``data`` as indented JSON."""
+    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")

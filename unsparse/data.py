@@ -1,0 +1,149 @@
+"""Real data sets, read from local files only (nothing downloads at run time).
+
+- Fashion-MNIST from Debian's package ``dataset-fashion-mnist`` (``/usr/share/datasets/fashion-mnist``),
+  read through ``torchvision.datasets.FashionMNIST``.
+- scikit-learn's ``load_digits`` (8x8 digits shipped inside scikit-learn), upsampled to 28x28.
+
+Images come out as ``(N, 1, 28, 28)`` float32 tensors normalised to zero mean / unit variance of the
+training split, labels as ``(N,)`` int64.
+"""
+
+from __future__ import annotations
+
+import gzip
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
+FASHION_MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
+                       "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
+                         "Bag", "Ankle boot")
+
+
+class DatasetUnavailableError(FileNotFoundError):
+    """A data set's local files are missing; the message says how to install them."""
+
+
+@dataclass
+class Splits:
+    """Train / validation / test tensors of one data set.
+
+    Attributes:
+        train, val, test: ``(images (N, 1, 28, 28) float32, labels (N,) int64)`` pairs.
+        num_classes: number of labels.
+        name: data set name.
+    """
+
+    train: tuple[torch.Tensor, torch.Tensor]
+    val: tuple[torch.Tensor, torch.Tensor]
+    test: tuple[torch.Tensor, torch.Tensor]
+    num_classes: int
+    name: str
+
+    def loaders(self, batch_size: int, eval_batch_size: int = 1000, seed: int = 0) -> dict[str, DataLoader]:
+        """``{"train", "val", "test"}`` loaders; only train shuffles (with a generator seeded by ``seed``)."""
+        generator = torch.Generator().manual_seed(seed)
+        return {
+            "train": DataLoader(TensorDataset(*self.train), batch_size=batch_size, shuffle=True, generator=generator),
+            "val": DataLoader(TensorDataset(*self.val), batch_size=eval_batch_size),
+            "test": DataLoader(TensorDataset(*self.test), batch_size=eval_batch_size),
+        }
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("UNSPARSE_CACHE", Path.home() / ".cache" / "unsparse"))
+
+
+def _prepare_fashion_mnist_root(source: Path) -> Path:
+    """Lay out (decompressed) copies of the Debian files where torchvision's FashionMNIST looks for them.
+
+    Returns:
+        The ``root`` to pass to ``torchvision.datasets.FashionMNIST`` (files under ``root/FashionMNIST/raw``).
+
+    Raises:
+        DatasetUnavailableError: if a file is missing from ``source``.
+    """
+    root = _cache_dir() / "torchvision"
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for name in FASHION_MNIST_FILES:
+        target = raw / name
+        if target.exists():
+            continue
+        compressed, plain = source / f"{name}.gz", source / name
+        if not compressed.exists() and not plain.exists():
+            raise DatasetUnavailableError(
+                f"Fashion-MNIST file {compressed} not found. Install Debian's package: "
+                "`apt-get install dataset-fashion-mnist` (or set data.root to a folder holding the four "
+                "idx files).")
+        temporary = target.with_suffix(".partial")
+        with (gzip.open(compressed) if compressed.exists() else open(plain, "rb")) as src, open(temporary, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        temporary.replace(target)
+    return root
+
+
+def _split_validation(images: torch.Tensor, labels: torch.Tensor, val_size: int, seed: int):
+    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
+    val, train = order[:val_size], order[val_size:]
+    return (images[train], labels[train]), (images[val], labels[val])
+
+
+def _normalise(splits: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    mean, std = splits["train"][0].mean(), splits["train"][0].std()
+    return {key: ((images - mean) / std, labels) for key, (images, labels) in splits.items()}
+
+
+def _subset(pair: tuple[torch.Tensor, torch.Tensor], limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return pair if limit is None else (pair[0][:limit], pair[1][:limit])
+
+
+def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, limit_train: int | None = None,
+                  limit_test: int | None = None, seed: int = 0) -> Splits:
+    """Fashion-MNIST (60k train, 10k test, 10 classes), the validation split carved from train.
+
+    Args:
+        root: folder with the four idx files (``.gz`` or plain), Debian's location by default.
+        val_size: training images held out for validation (the pruners' accuracy signal).
+        limit_train, limit_test: keep only the first N train / (validation and test) images (smoke runs).
+        seed: seed of the validation split.
+
+    Raises:
+        DatasetUnavailableError: files missing (the message names the Debian package).
+    """
+    from torchvision.datasets import FashionMNIST
+
+    torchvision_root = _prepare_fashion_mnist_root(Path(root))
+    train = FashionMNIST(str(torchvision_root), train=True, download=False)
+    test = FashionMNIST(str(torchvision_root), train=False, download=False)
+    images = train.data.unsqueeze(1).float() / 255.0
+    train_pair, val_pair = _split_validation(images, train.targets.long(), val_size, seed)
+    splits = _normalise({"train": _subset(train_pair, limit_train), "val": _subset(val_pair, limit_test),
+                         "test": _subset((test.data.unsqueeze(1).float() / 255.0, test.targets.long()), limit_test)})
+    return Splits(**splits, num_classes=10, name="fashion_mnist")
+
+
+def digits(test_size: int = 360, val_size: int = 180, seed: int = 0, limit_train: int | None = None,
+           limit_test: int | None = None) -> Splits:
+    """scikit-learn's handwritten digits (1797 8x8 images, 10 classes), bilinearly upsampled to 28x28.
+
+    The test split is the last ``test_size`` images; validation is drawn from the rest with ``seed``.
+    """
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    images = F.interpolate(images, size=(28, 28), mode="bilinear", align_corners=False)
+    labels = torch.tensor(bunch.target, dtype=torch.long)
+    rest, test = (images[:-test_size], labels[:-test_size]), (images[-test_size:], labels[-test_size:])
+    train_pair, val_pair = _split_validation(*rest, val_size, seed)
+    splits = _normalise({"train": _subset(train_pair, limit_train), "val": val_pair,
+                         "test": _subset(test, limit_test)})
+    return Splits(**splits, num_classes=10, name="digits")

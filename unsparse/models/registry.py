@@ -1,0 +1,42 @@
+"""A model registry in the manner of timm: ``@register_model`` on a factory, ``create_model(name, **kwargs)``.
+
+``create_model`` records ``model.unsparse_spec = {"name": ..., "kwargs": ...}`` so that an exported file can
+rebuild the architecture without pickling code (DESIGN.md, File).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+_MODELS: dict[str, Callable[..., nn.Module]] = {}
+
+
+def register_model(factory: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    """Decorator: register ``factory`` under its function name."""
+    _MODELS[factory.__name__] = factory
+    return factory
+
+
+def list_models() -> list[str]:
+    """Registered model names, sorted."""
+    return sorted(_MODELS)
+
+
+def create_model(name: str, **kwargs: Any) -> nn.Module:
+    """Build a registered model with randomly initialised weights (nothing is downloaded).
+
+    Args:
+        name: a name from :func:`list_models`.
+        kwargs: JSON-serialisable keyword arguments of the factory (e.g. ``num_classes``).
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    if name not in _MODELS:
+        raise ValueError(f"model: unknown name {name!r}; known: {list_models()}")
+    model = _MODELS[name](**kwargs)
+    model.unsparse_spec = {"name": name, "kwargs": dict(kwargs)}
+    return model

@@ -1,0 +1,101 @@
+"""The pruner lifecycle, shaped like ``torch.ao.pruning``'s sparsifiers: ``prepare`` -> ``step`` -> ``squash_mask``.
+
+``prepare`` attaches :class:`~unsparse.prune.masks.WeightMask` parametrizations, ``step`` updates the masks,
+``squash_mask`` folds them into the weights. :meth:`Pruner.run` is the whole schedule of a method (how
+``step`` interleaves with training) and returns a :class:`PruneResult`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from unsparse.prune.masks import (
+    WeightMask,
+    attach_masks,
+    layer_sparsity,
+    model_weighted_sparsity,
+    prunable_layers,
+    remove_masks,
+)
+from unsparse.train import Trainer
+
+
+@dataclass
+class PruneResult:
+    """Outcome of a pruning run.
+
+    Attributes:
+        method: the pruner's name.
+        weighted_sparsity: paper 004 eq. 7-8 over all prunable layers, in ``[0, 1]``.
+        layer_sparsity: per-layer fraction of zeros.
+        history: one dict per epoch/iteration (method-specific keys; at least ``val`` metric and sparsity).
+        wall_time_s: seconds spent in ``run``.
+    """
+
+    method: str
+    weighted_sparsity: float
+    layer_sparsity: dict[str, float]
+    history: list[dict[str, Any]] = field(default_factory=list)
+    wall_time_s: float = 0.0
+
+
+class Pruner(ABC):
+    """Base class of pruning methods.
+
+    Args:
+        target: target weighted sparsity in ``[0, 1)``.
+        layers: names of the layers to prune (default: every Conv1d/Conv2d/Linear).
+    """
+
+    name: str = "pruner"
+
+    def __init__(self, target: float, layers: list[str] | None = None) -> None:
+        if not 0.0 <= target < 1.0:
+            raise ValueError(f"target: sparsity {target} outside [0, 1)")
+        self.target = target
+        self.layer_names = layers
+        self.model: nn.Module | None = None
+        self.masks: dict[str, WeightMask] = {}
+
+    def prepare(self, model: nn.Module) -> None:
+        """Attach masks (all ones) to the chosen layers of ``model`` (mutated) and remember it."""
+        self.model = model
+        self.masks = attach_masks(model, self.layer_names)
+
+    @abstractmethod
+    def step(self) -> None:
+        """Update the masks of the prepared model."""
+
+    def squash_mask(self) -> nn.Module:
+        """Fold the masks into the weights and detach them; returns the (mutated) model."""
+        model = self._prepared()
+        remove_masks(model)
+        self.masks = {}
+        return model
+
+    def layer_sizes(self) -> dict[str, int]:
+        """Weight element count of each masked layer."""
+        layers = prunable_layers(self._prepared())
+        return {name: layers[name].weight.numel() for name in self.masks}
+
+    def result(self, history: list[dict[str, Any]], wall_time_s: float) -> PruneResult:
+        """A :class:`PruneResult` describing the prepared model now."""
+        model = self._prepared()
+        return PruneResult(self.name, model_weighted_sparsity(model), layer_sparsity(model), history, wall_time_s)
+
+    @abstractmethod
+    def run(self, model: nn.Module, trainer: Trainer, workdir: str | Path) -> PruneResult:
+        """Prune ``model`` (mutated; masks stay attached) with training from ``trainer``.
+
+        ``workdir`` holds the method's checkpoints so an interrupted run resumes.
+        """
+
+    def _prepared(self) -> nn.Module:
+        if self.model is None:
+            raise RuntimeError(f"{type(self).__name__}: call prepare(model) first")
+        return self.model

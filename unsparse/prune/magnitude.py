@@ -1,0 +1,65 @@
+"""One-shot magnitude (L1 unstructured) pruning followed by masked fine-tuning.
+
+The baseline of Han et al. (Deep Compression), as compared against in paper 004 Tables 1-4: keep the
+weights of largest ``|w|``, either over the whole model at once (``scope="global"``, which reaches the
+target weighted sparsity of eq. 7-8 exactly) or layer by layer (``scope="layer"``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from unsparse.prune.base import Pruner, PruneResult
+from unsparse.prune.masks import dense_weight, prunable_layers, threshold_mask
+from unsparse.train import Trainer
+
+
+class MagnitudePruner(Pruner):
+    """Prune to ``target`` by ``|w|`` in one step, then fine-tune ``fine_tune_epochs`` epochs with masks on.
+
+    Args:
+        target: weighted sparsity to reach.
+        scope: ``"global"`` (one threshold over all masked layers) or ``"layer"`` (each layer to ``target``).
+        fine_tune_epochs: masked training epochs after the step.
+        lr: fine-tuning learning rate (None: the trainer's).
+        layers: layers to prune (default all prunable).
+    """
+
+    name = "magnitude"
+
+    def __init__(self, target: float = 0.9, scope: str = "global", fine_tune_epochs: int = 3,
+                 lr: float | None = None, layers: list[str] | None = None) -> None:
+        super().__init__(target, layers)
+        if scope not in ("global", "layer"):
+            raise ValueError(f"scope: expected 'global' or 'layer', got {scope!r}")
+        self.scope, self.fine_tune_epochs, self.lr = scope, fine_tune_epochs, lr
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Set every mask so the masked layers reach ``target`` by magnitude (ties broken by position)."""
+        layers = prunable_layers(self._prepared())
+        magnitudes = {name: dense_weight(layers[name]).abs() for name in self.masks}
+        if self.scope == "layer":
+            for name, magnitude in magnitudes.items():
+                self.masks[name].set(threshold_mask(magnitude, self.target))
+            return
+        flat = torch.cat([m.reshape(-1).float().cpu() for m in magnitudes.values()])
+        keep = threshold_mask(flat, self.target)
+        start = 0
+        for name, magnitude in magnitudes.items():
+            stop = start + magnitude.numel()
+            self.masks[name].set(keep[start:stop].reshape(magnitude.shape).to(magnitude.device))
+            start = stop
+
+    def run(self, model: nn.Module, trainer: Trainer, workdir: str | Path) -> PruneResult:
+        """``prepare``, one ``step``, then masked fine-tuning (checkpointed in ``workdir/finetune.pt``)."""
+        started = time.perf_counter()
+        self.prepare(model)
+        self.step()
+        history = trainer.fit(model, self.fine_tune_epochs, Path(workdir) / "finetune.pt", lr=self.lr,
+                              desc=f"{self.name} fine-tune")
+        return self.result(history, time.perf_counter() - started)

@@ -1,0 +1,170 @@
+"""Pruning masks carried by ``torch.nn.utils.parametrize`` and the sparsity measures of UnSparse-Opt §3.1.
+
+A mask is a binary tensor of the weight's shape (paper 004 eq. 3, 5). It rides on the layer as a
+parametrization, so ``layer.weight`` always evaluates to ``original * mask`` (eq. 9) during training and the
+dense original stays in ``layer.parametrizations.weight.original``.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+PRUNABLE_TYPES = (nn.Conv1d, nn.Conv2d, nn.Linear)
+"""Layer types whose ``weight`` is pruned (convolutional and fully-connected, paper 004 eq. 2)."""
+
+
+class WeightMask(nn.Module):
+    """Parametrization ``weight -> weight * mask`` (paper 004 eq. 9).
+
+    Attributes:
+        mask: buffer of the weight's shape and dtype holding 0 and 1; mutated by pruners through
+            :meth:`set` (in place, so optimizers and references stay valid).
+    """
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.ones_like(weight))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.mask
+
+    def set(self, keep: torch.Tensor) -> None:
+        """Overwrite the mask in place with ``keep`` (bool or 0/1 tensor of the weight's shape).
+
+        Raises:
+            ValueError: on a shape mismatch.
+        """
+        if keep.shape != self.mask.shape:
+            raise ValueError(f"mask: shape {tuple(keep.shape)} differs from weight {tuple(self.mask.shape)}")
+        self.mask.copy_(keep.to(self.mask.dtype))
+
+
+def prunable_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Conv1d/Conv2d/Linear layers of ``model`` by qualified name, in module order."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, PRUNABLE_TYPES)}
+
+
+def attach_masks(model: nn.Module, names: Iterable[str] | None = None) -> dict[str, WeightMask]:
+    """Register a :class:`WeightMask` (all ones) on the weight of each named prunable layer (default: all).
+
+    Layers that already carry a mask keep it. Mutates ``model``.
+
+    Returns:
+        The masks by layer name.
+    """
+    layers = prunable_layers(model)
+    chosen = layers if names is None else {name: layers[name] for name in names}
+    for layer in chosen.values():
+        if mask_of(layer) is None:
+            parametrize.register_parametrization(layer, "weight", WeightMask(layer.weight))
+    return {name: mask_of(layer) for name, layer in chosen.items()}
+
+
+def mask_of(layer: nn.Module) -> WeightMask | None:
+    """The :class:`WeightMask` on ``layer.weight``, or None."""
+    if not parametrize.is_parametrized(layer, "weight"):
+        return None
+    found = [p for p in layer.parametrizations.weight if isinstance(p, WeightMask)]
+    return found[0] if found else None
+
+
+def masks_of(model: nn.Module) -> dict[str, WeightMask]:
+    """Every attached mask in ``model`` by layer name."""
+    return {name: mask for name, layer in prunable_layers(model).items() if (mask := mask_of(layer)) is not None}
+
+
+def dense_weight(layer: nn.Module) -> torch.Tensor:
+    """The unmasked weight tensor (the parametrization's ``original`` if masked, else ``layer.weight``)."""
+    if parametrize.is_parametrized(layer, "weight"):
+        return layer.parametrizations.weight.original
+    return layer.weight
+
+
+def remove_masks(model: nn.Module) -> nn.Module:
+    """Fold every mask into its weight (``weight <- weight * mask``) and drop the parametrizations.
+
+    The analogue of ``torch.ao.pruning``'s ``squash_mask``. Mutates and returns ``model``.
+    """
+    for layer in prunable_layers(model).values():
+        if mask_of(layer) is not None:
+            parametrize.remove_parametrizations(layer, "weight", leave_parametrized=True)
+    return model
+
+
+@torch.no_grad()
+def squashed_copy(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parametrized tensors (masks included) are folded into plain parameters.
+
+    ``model`` is left untouched. (``parametrize.remove_parametrizations`` on a deep copy would edit the
+    parametrized class that the copy shares with the original, so the copy's modules get their original
+    class back one instance at a time instead.)
+    """
+    folded = copy.deepcopy(model)
+    for module in folded.modules():
+        if not parametrize.is_parametrized(module):
+            continue
+        effective = {name: (getattr(module, name).detach().clone(), module.parametrizations[name].original)
+                     for name in module.parametrizations}
+        module.__class__ = module.__class__.__bases__[0]
+        del module._modules["parametrizations"]
+        for name, (tensor, original) in effective.items():
+            setattr(module, name, nn.Parameter(tensor, requires_grad=original.requires_grad))
+    return folded
+
+
+@torch.no_grad()
+def layer_sparsity(model: nn.Module) -> dict[str, float]:
+    """Fraction of zero entries in each prunable layer's effective weight (paper 004 eq. 6)."""
+    return {name: float((layer.weight == 0).sum()) / layer.weight.numel()
+            for name, layer in prunable_layers(model).items()}
+
+
+def weighted_sparsity(sparsity: dict[str, float], sizes: dict[str, int]) -> float:
+    """Weighted sparsity ``sum_l size_l * s_l / sum_l size_l`` (paper 004 eq. 7-8).
+
+    Args:
+        sparsity: per-layer sparsity in ``[0, 1]``.
+        sizes: per-layer weight element counts, same keys.
+
+    Raises:
+        ValueError: if keys differ or the total size is zero.
+    """
+    if set(sparsity) != set(sizes):
+        raise ValueError(f"sparsity and sizes name different layers: {sorted(set(sparsity) ^ set(sizes))}")
+    total = sum(sizes.values())
+    if total == 0:
+        raise ValueError("sizes: total weight count is zero")
+    return sum(sizes[name] * sparsity[name] for name in sizes) / total
+
+
+def model_weighted_sparsity(model: nn.Module) -> float:
+    """:func:`weighted_sparsity` over all prunable layers of ``model`` (effective, masked weights)."""
+    sizes = {name: layer.weight.numel() for name, layer in prunable_layers(model).items()}
+    return weighted_sparsity(layer_sparsity(model), sizes)
+
+
+def threshold_mask(importance: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """Boolean keep-mask zeroing exactly ``round(sparsity * numel)`` entries of lowest importance.
+
+    Ties are broken by position (stable sort), so the count is exact whatever the values (paper 004
+    eq. 13-14: the threshold that reaches the requested sparsity).
+
+    Args:
+        importance: any-shape float tensor (e.g. ``|w|`` or ``|w| + alpha*|G|``).
+        sparsity: target fraction of zeros in ``[0, 1]``.
+
+    Raises:
+        ValueError: if ``sparsity`` is outside ``[0, 1]``.
+    """
+    if not 0.0 <= sparsity <= 1.0:
+        raise ValueError(f"sparsity: {sparsity} outside [0, 1]")
+    pruned = round(sparsity * importance.numel())
+    order = torch.sort(importance.reshape(-1), stable=True).indices
+    keep = torch.ones(importance.numel(), dtype=torch.bool, device=importance.device)
+    keep[order[:pruned]] = False
+    return keep.reshape(importance.shape)

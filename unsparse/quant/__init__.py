@@ -1,0 +1,1 @@
+"""Quantization after pruning (paper 004 §4): linear fixed point, FP16, k-means codebooks."""

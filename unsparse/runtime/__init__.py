@@ -1,0 +1,7 @@
+"""Running sparse models: backends, sparse modules, timing, the comparator and its plans."""
+
+from unsparse.runtime.backends import available_backends, backend_names, get_backend
+from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, sparsify
+
+__all__ = ["SparseConv", "available_backends", "backend_names", "get_backend", "set_backend", "sparse_layers",
+           "sparsify"]

@@ -1,0 +1,93 @@
+"""The interface every convolution backend implements, and the registry that names them.
+
+A backend computes ``torch.nn.functional.conv2d(x, csr.to_dense(), bias, ...)`` its own way. The
+comparator (DESIGN.md, Runtime and comparator) asks each backend whether it supports a layer, which tuning
+parameters it has, and times :meth:`ConvBackend.conv` for each.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+
+from unsparse.sparse.format import UniformCSR
+from unsparse.sparse.geometry import ConvGeometry
+
+
+class ConvBackend(ABC):
+    """One way to run a sparse convolution.
+
+    Class attributes:
+        name: registry name (``"reference"``, ``"cudnn"``, ``"direct"``, ``"im2col_cublas"``, ...).
+        device_types: torch device types it runs on (``{"cpu"}``, ``{"cuda"}`` or both).
+        sparse: True if it exploits the weight's sparsity (dense backends run ``csr.to_dense()``).
+    """
+
+    name: ClassVar[str]
+    device_types: ClassVar[frozenset[str]]
+    sparse: ClassVar[bool] = True
+
+    def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
+        """Why this backend cannot run the layer on this input, or None if it can."""
+        if x.device.type not in self.device_types:
+            return f"{self.name} runs on {sorted(self.device_types)}, input is on {x.device.type}"
+        if geometry.groups != 1 and self.sparse:
+            return f"groups={geometry.groups} is not supported by sparse backends"
+        return None
+
+    def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
+        """Parameter settings worth timing for this layer and input; ``[{}]`` when there is nothing to tune."""
+        return [{}]
+
+    @abstractmethod
+    def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+             **params: Any) -> torch.Tensor:
+        """Run the convolution.
+
+        Args:
+            x: ``(N, C, H, W)`` input on a supported device (Conv1d: ``(N, C, 1, L)``).
+            csr: weight on ``x``'s device, validated.
+            bias: ``(M,)`` or None.
+            geometry: stride, padding, dilation, groups.
+            params: one entry of :meth:`tuning_space`.
+
+        Returns:
+            ``(N, M, E, F)`` output of ``x``'s dtype.
+        """
+
+
+_REGISTRY: dict[str, Callable[[], ConvBackend]] = {}
+_INSTANCES: dict[str, ConvBackend] = {}
+
+
+def register_backend(factory: type[ConvBackend]) -> type[ConvBackend]:
+    """Class decorator: make a backend available under ``factory.name``."""
+    _REGISTRY[factory.name] = factory
+    return factory
+
+
+def get_backend(name: str) -> ConvBackend:
+    """The backend instance registered under ``name`` (created once).
+
+    Raises:
+        KeyError: with the list of known names, if ``name`` is not registered.
+    """
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown backend {name!r}; known: {sorted(_REGISTRY)}")
+    if name not in _INSTANCES:
+        _INSTANCES[name] = _REGISTRY[name]()
+    return _INSTANCES[name]
+
+
+def backend_names() -> list[str]:
+    """All registered backend names, sorted."""
+    return sorted(_REGISTRY)
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Registered backends that run on ``device``'s type (and whose dependencies import)."""
+    device_type = torch.device(device).type
+    return [name for name in backend_names() if device_type in _REGISTRY[name].device_types]

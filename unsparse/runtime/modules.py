@@ -1,0 +1,109 @@
+"""``SparseConv2d`` / ``SparseConv1d`` modules and :func:`sparsify`, which swaps them in for dense convs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from unsparse.prune.masks import squashed_copy
+from unsparse.sparse.format import UniformCSR
+from unsparse.sparse.functional import sparse_conv
+from unsparse.sparse.geometry import ConvGeometry
+
+log = logging.getLogger(__name__)
+
+
+class SparseConv(nn.Module):
+    """A convolution whose weight is stored as a UniformCSR (buffers ``values`` and ``col_idx``).
+
+    Args:
+        csr: the weight, ``(M, C/groups, R, S)`` (Conv2d) or ``(M, C/groups, S)`` (Conv1d).
+        bias: ``(M,)`` or None; kept as a parameter.
+        geometry: stride/padding/dilation/groups; ``geometry.spatial_dims`` decides 1-D or 2-D inputs.
+        backend: backend name used by :meth:`forward` (see ``unsparse.runtime.backends``).
+        backend_params: tuning parameters for that backend (e.g. chosen by the comparator).
+
+    Forward: ``(N, C, H, W)`` -> ``(N, M, E, F)`` for 2-D, ``(N, C, L)`` -> ``(N, M, L_out)`` for 1-D.
+    """
+
+    def __init__(self, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+                 backend: str = "reference", backend_params: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.register_buffer("values", csr.values.detach().clone())
+        self.register_buffer("col_idx", csr.col_idx.detach().clone())
+        self.weight_shape = csr.weight_shape
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.geometry = geometry
+        self.backend = backend
+        self.backend_params = dict(backend_params or {})
+        self._csr: UniformCSR | None = None
+
+    @property
+    def csr(self) -> UniformCSR:
+        """The weight as a UniformCSR over the module's current buffers (rebuilt after ``.to()``)."""
+        csr = self._csr
+        if csr is None or csr.values is not self.values or csr.col_idx is not self.col_idx:
+            csr = UniformCSR(self.values, self.col_idx, self.weight_shape)
+            self._csr = csr
+        return csr
+
+    def set_csr(self, csr: UniformCSR) -> None:
+        """Replace the stored weight (same ``weight_shape``); used by quantization and file loading.
+
+        Raises:
+            ValueError: if the shape differs.
+        """
+        if csr.weight_shape != self.weight_shape:
+            raise ValueError(f"weight_shape: {csr.weight_shape} differs from the layer's {self.weight_shape}")
+        self.values = csr.values
+        self.col_idx = csr.col_idx
+        self._csr = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        one_dim = self.geometry.spatial_dims == 1
+        out = sparse_conv(x.unsqueeze(2) if one_dim else x, self.csr, self.bias, self.geometry, self.backend,
+                          **self.backend_params)
+        return out.squeeze(2) if one_dim else out
+
+    def extra_repr(self) -> str:
+        csr = self.csr
+        return (f"weight_shape={self.weight_shape}, L={csr.row_length}, sparsity={csr.sparsity:.3f}, "
+                f"{self.geometry}, backend={self.backend!r}")
+
+
+def sparse_from_conv(conv: nn.Conv1d | nn.Conv2d, backend: str = "reference") -> SparseConv:
+    """A :class:`SparseConv` computing the same function as ``conv`` (its effective weight, masks applied)."""
+    return SparseConv(UniformCSR.from_dense(conv.weight), conv.bias, ConvGeometry.from_module(conv), backend)
+
+
+def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
+    """Copy ``model`` with every ``nn.Conv1d``/``nn.Conv2d`` replaced by a :class:`SparseConv`.
+
+    Pruning parametrizations (masks) are folded into the weights of the copy first, so the copy's convs hold
+    exactly the masked weights; other modules (Linear, BatchNorm, ...) are copied unchanged. The input
+    model is not modified. The copy keeps ``model.unsparse_spec`` (registry name and kwargs) if present.
+
+    Returns:
+        The sparse copy, in eval mode.
+    """
+    sparse_model = squashed_copy(model)
+    for parent in list(sparse_model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Conv1d | nn.Conv2d):
+                setattr(parent, name, sparse_from_conv(child, backend))
+    return sparse_model.eval()
+
+
+def sparse_layers(model: nn.Module) -> dict[str, SparseConv]:
+    """Every :class:`SparseConv` in ``model`` by qualified name, in module order."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, SparseConv)}
+
+
+def set_backend(model: nn.Module, backend: str, **params: Any) -> nn.Module:
+    """Point every :class:`SparseConv` of ``model`` at ``backend`` (in place); returns ``model``."""
+    for layer in sparse_layers(model).values():
+        layer.backend, layer.backend_params = backend, dict(params)
+    return model

@@ -1,0 +1,178 @@
+"""UniformCSR: a convolution weight as a CSR matrix whose rows all hold the same number of entries.
+
+A convolution weight ``W`` of shape ``(M, C/groups, R, S)`` (Conv2d) or ``(M, C/groups, S)`` (Conv1d) is
+read as an ``M x K`` matrix with ``K = C/groups * R * S`` (the lowered filter matrix of Escoin, paper 000
+§2.2, Fig. 3). Each row is one output channel. UnSparse-Opt (paper 004 §5) pads every row to the same
+number of stored entries ``L = max_m nnz(row m)`` by marking some zeros as "non-zero"; the row pointer is
+then implicit (``rowptr[m] = m * L``), which removes the per-row length lookup from the kernel.
+
+Padding entries have value 0 and a column index that is valid and not used by another entry of the same
+row, so a row never names a column twice and ``to_dense`` is an exact inverse of ``from_dense``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+INDEX_DTYPE = torch.int32
+"""dtype of ``col_idx`` (the flat ``(c, r, s)`` filter index), as stored in files and passed to kernels."""
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+"""Value dtypes a UniformCSR may hold."""
+
+
+class SparseFormatError(ValueError):
+    """A UniformCSR (or a file holding one) is malformed; the message names the offending field."""
+
+
+@dataclass(frozen=True, eq=False)
+class UniformCSR:
+    """Uniform-nnz CSR form of one convolution weight (UnSparse-Opt §5; Escoin §2.3, Fig. 4).
+
+    Attributes:
+        values: ``(M, L)`` tensor of the layer dtype (float16/bfloat16/float32/float64). Row ``m`` holds the
+            nonzero weights of output channel ``m`` in ascending column order, then zero padding.
+        col_idx: ``(M, L)`` int32 tensor, each entry in ``[0, K)``: the flat filter index
+            ``k = (c * R + r) * S + s`` of the matching value (``R = 1`` for Conv1d). No row repeats a column.
+        weight_shape: shape of the dense weight, ``(M, C/groups, R, S)`` or ``(M, C/groups, S)``.
+
+    Raises:
+        SparseFormatError: from :meth:`validate` (called by the constructor) when shapes, dtypes, devices
+            or index ranges are inconsistent.
+    """
+
+    values: torch.Tensor
+    col_idx: torch.Tensor
+    weight_shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "weight_shape", tuple(int(d) for d in self.weight_shape))
+        self.validate()
+
+    @classmethod
+    def from_dense(cls, weight: torch.Tensor) -> UniformCSR:
+        """Compress a dense convolution weight.
+
+        Args:
+            weight: ``(M, C/groups, R, S)`` or ``(M, C/groups, S)`` float tensor, any device. Entries equal
+                to zero (including ``-0.0``) are dropped; NaN and inf are kept as nonzeros.
+
+        Returns:
+            A UniformCSR on ``weight``'s device with ``L = max_m nnz(row m)`` entries per row.
+
+        Raises:
+            SparseFormatError: if ``weight`` is not 3-D/4-D or not a float dtype.
+        """
+        if weight.dim() not in (3, 4):
+            raise SparseFormatError(f"weight: expected 3-D (Conv1d) or 4-D (Conv2d), got shape {tuple(weight.shape)}")
+        if weight.dtype not in FLOAT_DTYPES:
+            raise SparseFormatError(f"weight: dtype {weight.dtype} is not a float dtype")
+        weight = weight.detach()
+        M = weight.shape[0]
+        rows = weight.reshape(M, -1)
+        nonzero = rows != 0
+        L = int(nonzero.sum(dim=1).max().item()) if M > 0 and rows.shape[1] > 0 else 0
+        # A stable sort on "is zero" puts each row's nonzero columns first (ascending), then its zero
+        # columns (ascending): the first L columns are the nonzeros plus distinct, unused padding columns.
+        order = torch.sort((~nonzero).to(torch.int8), dim=1, stable=True).indices[:, :L]
+        values = torch.gather(rows, 1, order)
+        return cls(values=values.contiguous(), col_idx=order.to(INDEX_DTYPE).contiguous(),
+                   weight_shape=tuple(weight.shape))
+
+    def to_dense(self) -> torch.Tensor:
+        """Rebuild the dense weight, shape :attr:`weight_shape`, dtype and device of :attr:`values`.
+
+        Entries are accumulated, so a (hand-made) matrix that names a column twice sums them, the same
+        semantics the convolution backends use.
+        """
+        M, K = self.out_channels, self.columns
+        dense = torch.zeros(M, K, dtype=self.values.dtype, device=self.values.device)
+        dense.scatter_add_(1, self.col_idx.long(), self.values)
+        return dense.reshape(self.weight_shape)
+
+    def validate(self) -> None:
+        """Check every field before anything reads through ``col_idx``.
+
+        Raises:
+            SparseFormatError: naming the field: non-tensor fields, wrong rank, wrong dtype, mismatched
+                shapes or devices, or a column index outside ``[0, K)``.
+        """
+        if len(self.weight_shape) not in (3, 4) or any(d < 0 for d in self.weight_shape):
+            raise SparseFormatError(f"weight_shape: expected 3 or 4 non-negative dims, got {self.weight_shape}")
+        for name in ("values", "col_idx"):
+            if not isinstance(getattr(self, name), torch.Tensor):
+                raise SparseFormatError(f"{name}: expected a torch.Tensor, got {type(getattr(self, name)).__name__}")
+        if self.values.dtype not in FLOAT_DTYPES:
+            raise SparseFormatError(f"values: dtype {self.values.dtype} is not one of {FLOAT_DTYPES}")
+        if self.col_idx.dtype != INDEX_DTYPE:
+            raise SparseFormatError(f"col_idx: dtype {self.col_idx.dtype}, expected {INDEX_DTYPE}")
+        if self.values.dim() != 2:
+            raise SparseFormatError(f"values: expected 2-D (M, L), got shape {tuple(self.values.shape)}")
+        if self.col_idx.shape != self.values.shape:
+            raise SparseFormatError(
+                f"col_idx: shape {tuple(self.col_idx.shape)} differs from values {tuple(self.values.shape)}")
+        if self.values.shape[0] != self.weight_shape[0]:
+            raise SparseFormatError(
+                f"values: {self.values.shape[0]} rows, weight_shape says {self.weight_shape[0]} output channels")
+        if self.values.shape[1] > self.columns:
+            raise SparseFormatError(f"values: row length {self.values.shape[1]} exceeds K = {self.columns}")
+        if self.col_idx.device != self.values.device:
+            raise SparseFormatError(f"col_idx: on {self.col_idx.device}, values on {self.values.device}")
+        if self.col_idx.numel() > 0:
+            low, high = int(self.col_idx.min()), int(self.col_idx.max())
+            if low < 0 or high >= self.columns:
+                raise SparseFormatError(f"col_idx: entries must lie in [0, {self.columns}), found [{low}, {high}]")
+
+    @property
+    def out_channels(self) -> int:
+        """``M``, the number of rows (output channels)."""
+        return self.weight_shape[0]
+
+    @property
+    def in_channels_per_group(self) -> int:
+        """``C / groups``."""
+        return self.weight_shape[1]
+
+    @property
+    def kernel_size(self) -> tuple[int, int]:
+        """``(R, S)``; ``R = 1`` for a Conv1d weight."""
+        return (1, self.weight_shape[2]) if len(self.weight_shape) == 3 else tuple(self.weight_shape[2:])
+
+    @property
+    def columns(self) -> int:
+        """``K = C/groups * R * S``, the number of matrix columns."""
+        return math.prod(self.weight_shape[1:])
+
+    @property
+    def row_length(self) -> int:
+        """``L``, the stored entries per row (UnSparse-Opt §5: the largest nnz of any row)."""
+        return self.values.shape[1]
+
+    @property
+    def rowptr(self) -> torch.Tensor:
+        """Implicit CSR row pointer ``m * L`` for ``m`` in ``[0, M]``, int32, on the values' device."""
+        return torch.arange(self.out_channels + 1, dtype=INDEX_DTYPE, device=self.values.device) * self.row_length
+
+    @property
+    def nnz(self) -> int:
+        """Number of stored values that are nonzero (padding excluded)."""
+        return int((self.values != 0).sum())
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of the dense weight's ``M * K`` entries that are zero (paper 004 eq. 6)."""
+        total = self.out_channels * self.columns
+        return 1.0 - self.nnz / total if total else 0.0
+
+    def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> UniformCSR:
+        """Copy to another device and/or value dtype; ``col_idx`` stays int32."""
+        return UniformCSR(values=self.values.to(device=device, dtype=dtype), col_idx=self.col_idx.to(device=device),
+                          weight_shape=self.weight_shape)
+
+    def to_torch_csr(self) -> torch.Tensor:
+        """The ``(M, K)`` matrix as a ``torch.sparse_csr_tensor`` (int32 indices), padding stored as zeros."""
+        return torch.sparse_csr_tensor(self.rowptr, self.col_idx.reshape(-1), self.values.reshape(-1),
+                                       size=(self.out_channels, self.columns))

@@ -1,0 +1,78 @@
+"""``sparse_conv2d`` / ``sparse_conv1d``: run a convolution whose weight is a UniformCSR on a named backend.
+
+Layers a backend cannot run (``groups > 1``, a device it does not support, a dtype it lacks) fall back to the
+dense convolution (cuDNN on CUDA, torch's CPU convolution otherwise) and the reason is logged once per
+(backend, reason), never silently.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from unsparse.sparse.format import UniformCSR
+from unsparse.sparse.geometry import ConvGeometry
+
+log = logging.getLogger(__name__)
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def dense_fallback_backend(device: torch.device) -> str:
+    """Name of the dense backend used when a sparse backend declines a layer on ``device``."""
+    return "cudnn" if device.type == "cuda" else "dense_cpu"
+
+
+def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+                backend: str = "reference", **params: Any) -> torch.Tensor:
+    """Convolution of an NCHW input with a UniformCSR weight on ``backend``.
+
+    Args:
+        x: ``(N, C, H, W)`` float tensor (Conv1d inputs are passed as ``(N, C, 1, L)``).
+        csr: weight ``(M, C/groups, R, S)`` in UniformCSR form, on ``x``'s device.
+        bias: ``(M,)`` or None.
+        geometry: stride/padding/dilation/groups.
+        backend: a registered backend name (``unsparse.runtime.backends.backend_names()``).
+        params: tuning parameters for that backend (one entry of its tuning space).
+
+    Returns:
+        ``(N, M, E, F)``, equal (within the dtype's rounding) to ``F.conv2d(x, csr.to_dense(), bias, ...)``.
+
+    Raises:
+        KeyError: unknown backend name.
+        ValueError: input channels that do not match the weight.
+    """
+    from unsparse.runtime.backends import get_backend
+
+    if x.dim() != 4:
+        raise ValueError(f"x: expected (N, C, H, W), got shape {tuple(x.shape)}")
+    if x.shape[1] != csr.in_channels_per_group * geometry.groups:
+        raise ValueError(f"x: {x.shape[1]} channels, weight expects {csr.in_channels_per_group * geometry.groups}")
+    chosen = get_backend(backend)
+    reason = chosen.unsupported_reason(x, csr, geometry)
+    if reason is not None:
+        if (backend, reason) not in _LOGGED:
+            _LOGGED.add((backend, reason))
+            log.warning("backend %s falls back to dense convolution: %s", backend, reason)
+        chosen, params = get_backend(dense_fallback_backend(x.device)), {}
+    return chosen.conv(x, csr, bias, geometry, **params)
+
+
+def sparse_conv2d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = None,
+                  stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0,
+                  dilation: int | tuple[int, int] = 1, groups: int = 1, backend: str = "reference",
+                  **params: Any) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.conv2d(x, csr.to_dense(), bias, stride, padding, dilation, groups)``.
+
+    ``x`` is ``(N, C, H, W)``; returns ``(N, M, E, F)``. See :func:`sparse_conv` for backends and errors.
+    """
+    return sparse_conv(x, csr, bias, ConvGeometry.of(stride, padding, dilation, groups, 2), backend, **params)
+
+
+def sparse_conv1d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = None, stride: int = 1,
+                  padding: int = 0, dilation: int = 1, groups: int = 1, backend: str = "reference",
+                  **params: Any) -> torch.Tensor:
+    """Drop-in for ``torch.nn.functional.conv1d``: ``x`` ``(N, C, L)`` -> ``(N, M, L_out)``."""
+    geometry = ConvGeometry.of(stride, padding, dilation, groups, 1)
+    return sparse_conv(x.unsqueeze(2), csr, bias, geometry, backend, **params).squeeze(2)

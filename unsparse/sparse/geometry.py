@@ -1,0 +1,139 @@
+"""Convolution geometry: stride, padding, dilation, groups, output sizes and stretched offsets.
+
+Conv1d is handled as Conv2d over an input of height 1 (``R = 1``, stride/padding/dilation 1/0/1 along H).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from unsparse.sparse.format import SparseFormatError
+
+
+def _pair(value: int | tuple[int, ...] | list[int], name: str) -> tuple[int, int]:
+    if isinstance(value, int):
+        return (value, value)
+    value = tuple(int(v) for v in value)
+    if len(value) != 2:
+        raise SparseFormatError(f"{name}: expected an int or a pair, got {value}")
+    return value
+
+
+@dataclass(frozen=True)
+class ConvGeometry:
+    """Everything about a convolution except its weight and input.
+
+    Attributes:
+        stride, padding, dilation: ``(along H, along W)`` in elements; a Conv1d uses ``(1, s)``,
+            ``(0, p)`` and ``(1, d)``.
+        groups: channel groups (``C`` and ``M`` divisible by it).
+        spatial_dims: 2 for Conv2d (NCHW input), 1 for Conv1d (NCL input).
+
+    Raises:
+        SparseFormatError: on a non-positive stride/dilation/groups, negative padding, or ``spatial_dims``
+            other than 1 or 2.
+    """
+
+    stride: tuple[int, int] = (1, 1)
+    padding: tuple[int, int] = (0, 0)
+    dilation: tuple[int, int] = (1, 1)
+    groups: int = 1
+    spatial_dims: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("stride", "padding", "dilation"):
+            object.__setattr__(self, name, _pair(getattr(self, name), name))
+        if self.spatial_dims not in (1, 2):
+            raise SparseFormatError(f"spatial_dims: expected 1 or 2, got {self.spatial_dims}")
+        if min(self.stride) < 1 or min(self.dilation) < 1 or min(self.padding) < 0 or self.groups < 1:
+            raise SparseFormatError(f"geometry: invalid {self}")
+
+    @classmethod
+    def of(cls, stride: int | tuple[int, ...] = 1, padding: int | tuple[int, ...] = 0,
+           dilation: int | tuple[int, ...] = 1, groups: int = 1, spatial_dims: int = 2) -> ConvGeometry:
+        """Build from ``torch.nn.functional.conv1d/conv2d``-style arguments (ints or 1-/2-tuples)."""
+        if spatial_dims == 1:
+            def lift(v: int | tuple[int, ...], fill: int) -> tuple[int, int]:
+                return (fill, v) if isinstance(v, int) else (fill, *tuple(v))
+            return cls(lift(stride, 1), lift(padding, 0), lift(dilation, 1), groups, 1)
+        return cls(_pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation"), groups, 2)
+
+    @classmethod
+    def from_module(cls, conv: nn.Conv1d | nn.Conv2d) -> ConvGeometry:
+        """Geometry of an ``nn.Conv1d``/``nn.Conv2d``.
+
+        Raises:
+            SparseFormatError: for string padding (``'same'``) other than already-resolved ints, or a
+                padding mode other than ``'zeros'``.
+        """
+        if isinstance(conv.padding, str):
+            raise SparseFormatError(f"padding: string padding {conv.padding!r} is not supported; use ints")
+        if conv.padding_mode != "zeros":
+            raise SparseFormatError(f"padding_mode: {conv.padding_mode!r} is not supported, only 'zeros'")
+        dims = 1 if isinstance(conv, nn.Conv1d) else 2
+        return cls.of(conv.stride, conv.padding, conv.dilation, conv.groups, dims)
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (lists instead of tuples)."""
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(self).items()}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ConvGeometry:
+        """Inverse of :meth:`to_dict`.
+
+        Raises:
+            SparseFormatError: on missing or extra keys or bad values.
+        """
+        expected = {"stride", "padding", "dilation", "groups", "spatial_dims"}
+        if not isinstance(data, dict) or set(data) != expected:
+            raise SparseFormatError(f"geometry: expected keys {sorted(expected)}, got {data!r}")
+        try:
+            return cls(tuple(data["stride"]), tuple(data["padding"]), tuple(data["dilation"]),
+                       int(data["groups"]), int(data["spatial_dims"]))
+        except (TypeError, ValueError) as error:
+            raise SparseFormatError(f"geometry: {error}") from error
+
+    def padded_size(self, height: int, width: int) -> tuple[int, int]:
+        """``(Hp, Wp)``: the input size after zero padding."""
+        return height + 2 * self.padding[0], width + 2 * self.padding[1]
+
+    def output_size(self, height: int, width: int, kernel_size: tuple[int, int]) -> tuple[int, int]:
+        """``(E, F)``, the ofmap size (Escoin eq. 1 generalised to stride, padding and dilation).
+
+        Raises:
+            SparseFormatError: if the dilated kernel is larger than the padded input.
+        """
+        hp, wp = self.padded_size(height, width)
+        sizes = []
+        for padded, k, d, s in zip((hp, wp), kernel_size, self.dilation, self.stride, strict=True):
+            span = d * (k - 1) + 1
+            if span > padded:
+                raise SparseFormatError(f"input: padded size {(hp, wp)} smaller than dilated kernel {kernel_size}")
+            sizes.append((padded - span) // s + 1)
+        return sizes[0], sizes[1]
+
+    def stretched_offsets(self, col_idx: torch.Tensor, kernel_size: tuple[int, int],
+                          padded_hw: tuple[int, int]) -> torch.Tensor:
+        """Weight stretching (Escoin §3.1): the offset of each filter entry in one padded NCHW image.
+
+        For ``k = (c * R + r) * S + s`` the offset is ``c * Hp * Wp + r * dil_h * Wp + s * dil_w``, so the
+        input element feeding output pixel ``(e, f)`` through that entry is
+        ``x_padded_flat[offset + e * stride_h * Wp + f * stride_w]``.
+
+        Args:
+            col_idx: ``(M, L)`` int tensor of flat filter indices (validated, in ``[0, C/groups * R * S)``).
+            kernel_size: ``(R, S)``.
+            padded_hw: ``(Hp, Wp)`` of the padded input.
+
+        Returns:
+            ``(M, L)`` int64 tensor on ``col_idx``'s device.
+        """
+        R, S = kernel_size
+        hp, wp = padded_hw
+        k = col_idx.long()
+        c, rs = k // (R * S), k % (R * S)
+        r, s = rs // S, rs % S
+        return c * (hp * wp) + r * (self.dilation[0] * wp) + s * self.dilation[1]

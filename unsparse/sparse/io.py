@@ -1,0 +1,236 @@
+"""The sparse model file: safetensors tensors plus one JSON metadata block (DESIGN.md, File). No pickle.
+
+Layout:
+- every state-dict tensor of the sparsified model, under its state-dict key (``<layer>.values``,
+  ``<layer>.col_idx``, ``<layer>.bias``, BatchNorm and Linear tensors, ...), or, for a tensor with a codec
+  (:mod:`unsparse.sparse.codecs`), the codec's parts under ``<key>::<part>``;
+- metadata key ``"unsparse"``: JSON with ``format_version``, ``model`` (registry name and kwargs),
+  ``layers`` (per sparse conv: ``weight_shape``, ``geometry``, ``row_length``, ``nnz``, ``sparsity``),
+  ``tensors`` (per state-dict key: ``shape``, ``dtype``, ``codec``), ``quantization`` and ``extra``.
+
+Loading treats the file as untrusted: the architecture is built on the ``meta`` device (no memory), every
+tensor's presence, dtype, shape and index range is checked against it, and only then are real tensors
+assigned. Every problem raises :class:`SparseFileError` (a ``ValueError``) naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+from torch import nn
+
+from unsparse.atomic import atomic_write_bytes
+from unsparse.runtime.modules import SparseConv, sparse_layers
+from unsparse.sparse.codecs import PART_SEPARATOR, get_codec
+from unsparse.sparse.format import SparseFormatError, UniformCSR
+from unsparse.sparse.geometry import ConvGeometry
+
+FORMAT_VERSION = 1
+METADATA_KEY = "unsparse"
+DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
+    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
+    torch.int32, torch.int64, torch.bool)}
+
+
+class SparseFileError(SparseFormatError):
+    """A sparse model file is malformed or inconsistent; the message names the field."""
+
+
+def _codec_spec(model: nn.Module, key: str) -> dict[str, Any]:
+    module_name, _, tensor_name = key.rpartition(".")
+    module = model.get_submodule(module_name) if module_name else model
+    return dict(getattr(module, "unsparse_codecs", {}).get(tensor_name, {"name": "raw"}))
+
+
+def describe_layers(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """Per sparse conv of ``model``: weight shape, geometry, L, nnz, sparsity (JSON-ready)."""
+    layers = {}
+    for name, layer in sparse_layers(model).items():
+        csr = layer.csr
+        layers[name] = {"weight_shape": list(csr.weight_shape), "geometry": layer.geometry.to_dict(),
+                        "row_length": csr.row_length, "nnz": csr.nnz, "sparsity": csr.sparsity}
+    return layers
+
+
+def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes:
+    """The file's bytes for a sparsified model (see the module docstring).
+
+    Raises:
+        ValueError: if the model has no ``unsparse_spec`` (build it with ``create_model``) or no sparse layer.
+    """
+    from unsparse.quant.state import describe_quantization
+
+    spec = getattr(model, "unsparse_spec", None)
+    if spec is None:
+        raise ValueError("model: no unsparse_spec; build the model with unsparse.models.create_model")
+    if not sparse_layers(model):
+        raise ValueError("model: no SparseConv layer; call unsparse.sparsify(model) first")
+    tensors: dict[str, torch.Tensor] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    for key, tensor in model.state_dict().items():
+        codec = _codec_spec(model, key)
+        for part, data in get_codec(codec["name"], key).encode(tensor.detach(), codec).items():
+            tensors[f"{key}{PART_SEPARATOR}{part}" if part else key] = data.detach().cpu().contiguous()
+        entries[key] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
+                        "codec": codec}
+    metadata = {"format_version": FORMAT_VERSION, "model": spec, "layers": describe_layers(model),
+                "tensors": entries, "quantization": describe_quantization(model), "extra": extra or {}}
+    return safetensors_save(tensors, metadata={METADATA_KEY: json.dumps(metadata)})
+
+
+def save_sparse(model: nn.Module, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
+    """Write a sparsified model to ``path`` atomically (an existing file is replaced only by a complete one).
+
+    Args:
+        model: output of :func:`unsparse.sparsify` on a model from ``create_model``.
+        path: destination, conventionally ``*.safetensors``.
+        extra: JSON-serialisable notes stored in the metadata (e.g. accuracy, data set).
+
+    Returns:
+        ``path``. Raises ``ValueError`` as :func:`encode_model`.
+    """
+    return atomic_write_bytes(path, encode_model(model, extra))
+
+
+def _require(condition: bool, field: str, message: str) -> None:
+    if not condition:
+        raise SparseFileError(f"{field}: {message}")
+
+
+def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    try:
+        data = path.read_bytes()
+    except OSError as error:
+        raise SparseFileError(f"file: cannot read {path}: {error}") from error
+    try:
+        tensors = safetensors_load(data)
+        header_length = int.from_bytes(data[:8], "little")
+        header = json.loads(data[8:8 + header_length])
+    except (SafetensorError, ValueError, UnicodeDecodeError) as error:
+        raise SparseFileError(f"file: {path} is not a valid safetensors file ({error})") from error
+    raw = header.get("__metadata__", {}).get(METADATA_KEY)
+    _require(raw is not None, "metadata", f"no {METADATA_KEY!r} block; not an UnSparse file")
+    try:
+        metadata = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise SparseFileError(f"metadata: invalid JSON ({error})") from error
+    _require(isinstance(metadata, dict), "metadata", "expected a JSON object")
+    version = metadata.get("format_version")
+    _require(version == FORMAT_VERSION, "format_version", f"unsupported version {version!r}, expected {FORMAT_VERSION}")
+    for key, kind in (("model", dict), ("layers", dict), ("tensors", dict), ("extra", dict)):
+        _require(isinstance(metadata.get(key), kind), key, f"missing or not a {kind.__name__}")
+    return metadata, tensors
+
+
+def _build_architecture(spec: dict[str, Any]) -> nn.Module:
+    from unsparse.models import create_model
+
+    name, kwargs = spec.get("name"), spec.get("kwargs", {})
+    _require(isinstance(name, str) and isinstance(kwargs, dict), "model", f"bad model spec {spec!r}")
+    try:
+        with torch.device("meta"):
+            return create_model(name, **kwargs)
+    except (TypeError, ValueError) as error:
+        raise SparseFileError(f"model: cannot build {name!r} with {kwargs}: {error}") from error
+
+
+def _decode_tensors(metadata: dict[str, Any], stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    parts_by_key: dict[str, dict[str, torch.Tensor]] = {}
+    for stored_key, tensor in stored.items():
+        key, _, part = stored_key.partition(PART_SEPARATOR)
+        parts_by_key.setdefault(key, {})[part] = tensor
+    entries = metadata["tensors"]
+    _require(set(parts_by_key) == set(entries), "tensors",
+             f"stored tensors and metadata differ: {sorted(set(parts_by_key) ^ set(entries))}")
+    decoded = {}
+    for key, entry in entries.items():
+        _require(isinstance(entry, dict) and isinstance(entry.get("shape"), list)
+                 and all(isinstance(d, int) and d >= 0 for d in entry["shape"]), key, f"bad entry {entry!r}")
+        dtype = DTYPES.get(entry.get("dtype"))
+        _require(dtype is not None, key, f"unknown dtype {entry.get('dtype')!r}")
+        codec = entry.get("codec", {"name": "raw"})
+        _require(isinstance(codec, dict) and isinstance(codec.get("name"), str), key, f"bad codec {codec!r}")
+        tensor = get_codec(codec["name"], key).decode(parts_by_key[key], codec, tuple(entry["shape"]), key)
+        _require(tensor.dtype == dtype, key, f"dtype {tensor.dtype} differs from metadata {entry['dtype']}")
+        decoded[key] = tensor
+    return decoded
+
+
+def _check_against(model: nn.Module, decoded: dict[str, torch.Tensor]) -> None:
+    expected = model.state_dict()
+    missing, unexpected = sorted(set(expected) - set(decoded)), sorted(set(decoded) - set(expected))
+    _require(not missing and not unexpected, "tensors", f"missing {missing}, unexpected {unexpected}")
+    for key, reference in expected.items():
+        tensor = decoded[key]
+        _require(tensor.shape == reference.shape, key,
+                 f"shape {tuple(tensor.shape)}, architecture needs {tuple(reference.shape)}")
+        _require(tensor.dtype.is_floating_point == reference.dtype.is_floating_point
+                 and (tensor.dtype.is_floating_point or tensor.dtype == reference.dtype), key,
+                 f"dtype {tensor.dtype} incompatible with {reference.dtype}")
+        if tensor.dtype.is_floating_point:
+            _require(bool(torch.isfinite(tensor).all()), key, "non-finite values")
+
+
+def _sparse_layer(name: str, conv: nn.Module, layer_meta: Any, decoded: dict[str, torch.Tensor]) -> SparseConv:
+    _require(isinstance(layer_meta, dict), f"layers.{name}", "missing from the file")
+    geometry = ConvGeometry.from_dict(layer_meta.get("geometry"))
+    _require(geometry == ConvGeometry.from_module(conv), f"layers.{name}.geometry",
+             f"{geometry} differs from the architecture's {ConvGeometry.from_module(conv)}")
+    _require(layer_meta.get("weight_shape") == list(conv.weight.shape), f"layers.{name}.weight_shape",
+             f"{layer_meta.get('weight_shape')} differs from the architecture's {list(conv.weight.shape)}")
+    for part in ("values", "col_idx"):
+        _require(f"{name}.{part}" in decoded, f"{name}.{part}", "missing")
+    _require((f"{name}.bias" in decoded) == (conv.bias is not None), f"{name}.bias",
+             "presence differs from the architecture")
+    try:
+        csr = UniformCSR(decoded[f"{name}.values"], decoded[f"{name}.col_idx"], tuple(conv.weight.shape))
+    except SparseFormatError as error:
+        raise SparseFileError(f"{name}.{error}") from error
+    return SparseConv(csr, decoded.get(f"{name}.bias"), geometry)
+
+
+def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: str = "reference") -> nn.Module:
+    """Read and fully validate a file written by :func:`save_sparse`; rebuild the sparse model.
+
+    Args:
+        path: the ``.safetensors`` file (untrusted).
+        device: where the returned model's tensors live.
+        backend: backend name given to every SparseConv.
+
+    Returns:
+        The model in eval mode, with ``unsparse_spec`` and ``unsparse_metadata`` (the JSON block) attributes.
+
+    Raises:
+        SparseFileError: (a ``ValueError``) unreadable or non-safetensors file, missing metadata, unknown
+            format version or model name, missing/extra/misshapen tensors, wrong dtypes, column indices
+            outside ``[0, K)``, geometry or shape disagreeing with the architecture, non-finite values.
+    """
+    from unsparse.quant.state import restore_quantization
+
+    metadata, stored = _read_file(Path(path))
+    model = _build_architecture(metadata["model"])
+    decoded = _decode_tensors(metadata, stored)
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, nn.Conv1d | nn.Conv2d):
+                name = next(n for n, m in model.named_modules() if m is child)
+                setattr(parent, child_name, _sparse_layer(name, child, metadata["layers"].get(name), decoded))
+    _require(set(metadata["layers"]) == set(sparse_layers(model)), "layers",
+             f"names differ from the architecture's convolutions: "
+             f"{sorted(set(metadata['layers']) ^ set(sparse_layers(model)))}")
+    restore_quantization(model, metadata.get("quantization"))
+    _check_against(model, decoded)
+    model.load_state_dict(decoded, strict=True, assign=True)
+    _require(not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "tensors",
+             "the architecture has tensors the file does not provide")
+    for layer in sparse_layers(model).values():
+        layer.backend = backend
+    model.unsparse_spec = metadata["model"]
+    model.unsparse_metadata = metadata
+    return model.to(device).eval()

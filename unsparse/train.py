@@ -1,0 +1,158 @@
+"""Training and evaluation loops, with per-epoch checkpoints that resume exactly.
+
+A checkpoint is written atomically after every epoch (model, optimizer, scheduler, RNG states, history), so
+Ctrl-C loses at most the epoch in progress; ``fit`` called again with the same checkpoint path continues
+where it stopped. Checkpoints hold only tensors and plain containers and load with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+
+from unsparse.atomic import atomic_write_bytes
+
+log = logging.getLogger(__name__)
+
+LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "cross_entropy": F.cross_entropy,
+    "mse": F.mse_loss,
+}
+
+
+def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
+    """Atomically write ``state`` (tensors, numbers, strings, lists, dicts) with ``torch.save``."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def load_checkpoint(path: str | Path) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no code is unpickled)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+@dataclass
+class Trainer:
+    """SGD training on one data set.
+
+    Attributes:
+        loaders: ``{"train", "val", "test"}`` DataLoaders of ``(input, target)`` batches.
+        device: where the model runs.
+        loss: ``"cross_entropy"`` (classification; metric top-1 %) or ``"mse"`` (reconstruction; the metric
+            is the mean squared error, reported as ``mse``; :meth:`score` negates it so higher is better).
+        lr, momentum, weight_decay: SGD settings; the learning rate follows a cosine schedule within ``fit``.
+        progress: show tqdm bars.
+    """
+
+    loaders: dict[str, DataLoader]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    loss: str = "cross_entropy"
+    lr: float = 0.05
+    momentum: float = 0.9
+    weight_decay: float = 5e-4
+    progress: bool = True
+
+    def optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
+        """SGD with Nesterov momentum over ``model``'s trainable parameters."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        return torch.optim.SGD(params, lr=self.lr if lr is None else lr, momentum=self.momentum,
+                               weight_decay=self.weight_decay, nesterov=self.momentum > 0)
+
+    def train_epoch(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    after_step: Callable[[], None] | None = None, desc: str = "train") -> float:
+        """One pass over the training loader. Mutates ``model`` and ``optimizer``.
+
+        Args:
+            after_step: called after every optimizer step (e.g. gradient statistics, paper 004 eq. 10).
+
+        Returns:
+            Mean training loss over the epoch.
+        """
+        model.train()
+        loss_fn = LOSSES[self.loss]
+        total, count = 0.0, 0
+        for inputs, targets in tqdm(self.loaders["train"], desc=desc, leave=False, disable=not self.progress):
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+            optimizer.step()
+            if after_step is not None:
+                after_step()
+            total += float(loss) * len(inputs)
+            count += len(inputs)
+        return total / max(count, 1)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, split: str = "val", desc: str | None = None) -> dict[str, float]:
+        """Metrics of ``model`` on a split, in eval mode: ``{"top1": %, "loss"}`` or ``{"mse", "loss"}``."""
+        model.eval()
+        loss_fn = LOSSES[self.loss]
+        correct, total_loss, count = 0, 0.0, 0
+        for inputs, targets in tqdm(self.loaders[split], desc=desc or f"eval {split}", leave=False,
+                                    disable=not self.progress):
+            inputs, targets = inputs.to(self.device), targets.to(self.device)
+            outputs = model(inputs)
+            total_loss += float(loss_fn(outputs.float(), targets, reduction="sum"))
+            count += len(inputs)
+            if self.loss == "cross_entropy":
+                correct += int((outputs.argmax(dim=1) == targets).sum())
+        if self.loss == "cross_entropy":
+            return {"top1": 100.0 * correct / max(count, 1), "loss": total_loss / max(count, 1)}
+        per_element = total_loss / max(count * targets[0].numel(), 1)
+        return {"mse": per_element, "loss": per_element}
+
+    def score(self, model: nn.Module, split: str = "val") -> float:
+        """Higher-is-better scalar: top-1 % for classification, ``-mse`` for reconstruction."""
+        metrics = self.evaluate(model, split)
+        return metrics["top1"] if self.loss == "cross_entropy" else -metrics["mse"]
+
+    def fit(self, model: nn.Module, epochs: int, checkpoint: str | Path | None = None, lr: float | None = None,
+            desc: str = "fit") -> list[dict[str, float]]:
+        """Train for ``epochs`` epochs with a cosine learning-rate schedule, evaluating on ``val`` each epoch.
+
+        If ``checkpoint`` exists, training resumes from it (model, optimizer, schedule, RNG, history); after
+        each epoch it is rewritten atomically. Masks attached as parametrizations stay applied throughout.
+
+        Returns:
+            One ``{"epoch", "train_loss", <val metrics>}`` dict per epoch (resumed epochs included).
+        """
+        model.to(self.device)
+        optimizer = self.optimizer(model, lr)
+        schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(epochs, 1))
+        history: list[dict[str, float]] = []
+        generator = self.loaders["train"].generator
+        if checkpoint is not None and Path(checkpoint).exists():
+            state = load_checkpoint(checkpoint)
+            model.load_state_dict(state["model"])
+            optimizer.load_state_dict(state["optimizer"])
+            schedule.load_state_dict(state["schedule"])
+            torch.set_rng_state(state["rng"])
+            if generator is not None:
+                generator.set_state(state["loader_rng"])
+            history = state["history"]
+            log.info("resumed %s from %s after epoch %d", desc, checkpoint, len(history))
+        for epoch in tqdm(range(len(history), epochs), desc=desc, initial=len(history), total=epochs,
+                          disable=not self.progress):
+            train_loss = self.train_epoch(model, optimizer, desc=f"{desc} epoch {epoch + 1}")
+            schedule.step()
+            history.append({"epoch": epoch + 1, "train_loss": train_loss, **self.evaluate(model, "val")})
+            log.info("%s epoch %d: %s", desc, epoch + 1, history[-1])
+            if checkpoint is not None:
+                save_checkpoint(checkpoint, {
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "schedule": schedule.state_dict(), "rng": torch.get_rng_state(),
+                    "loader_rng": generator.get_state() if generator is not None else torch.empty(0),
+                    "history": history})
+        return history
