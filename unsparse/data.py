@@ -11,6 +11,7 @@ training split, labels as ``(N,)`` int64.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import os
 import shutil
 from dataclasses import dataclass
@@ -64,13 +65,16 @@ def _cache_dir() -> Path:
 def _prepare_fashion_mnist_root(source: Path) -> Path:
     """Lay out (decompressed) copies of the Debian files where torchvision's FashionMNIST looks for them.
 
+    The copies live in a cache folder keyed by ``source``'s path (``$UNSPARSE_CACHE``, default
+    ``~/.cache/unsparse``), written atomically (temporary file + rename).
+
     Returns:
         The ``root`` to pass to ``torchvision.datasets.FashionMNIST`` (files under ``root/FashionMNIST/raw``).
 
     Raises:
         DatasetUnavailableError: if a file is missing from ``source``.
     """
-    root = _cache_dir() / "torchvision"
+    root = _cache_dir() / "torchvision" / hashlib.sha1(str(source.resolve()).encode()).hexdigest()[:12]
     raw = root / "FashionMNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     for name in FASHION_MNIST_FILES:

@@ -90,7 +90,7 @@ class Trainer:
             optimizer.step()
             if after_step is not None:
                 after_step()
-            total += float(loss) * len(inputs)
+            total += float(loss.detach()) * len(inputs)
             count += len(inputs)
         return total / max(count, 1)
 
@@ -119,11 +119,12 @@ class Trainer:
         return metrics["top1"] if self.loss == "cross_entropy" else -metrics["mse"]
 
     def fit(self, model: nn.Module, epochs: int, checkpoint: str | Path | None = None, lr: float | None = None,
-            desc: str = "fit") -> list[dict[str, float]]:
+            desc: str = "fit", after_step: Callable[[], None] | None = None) -> list[dict[str, float]]:
         """Train for ``epochs`` epochs with a cosine learning-rate schedule, evaluating on ``val`` each epoch.
 
         If ``checkpoint`` exists, training resumes from it (model, optimizer, schedule, RNG, history); after
         each epoch it is rewritten atomically. Masks attached as parametrizations stay applied throughout.
+        ``after_step`` is passed to :meth:`train_epoch` (e.g. a pruning schedule).
 
         Returns:
             One ``{"epoch", "train_loss", <val metrics>}`` dict per epoch (resumed epochs included).
@@ -145,7 +146,7 @@ class Trainer:
             log.info("resumed %s from %s after epoch %d", desc, checkpoint, len(history))
         for epoch in tqdm(range(len(history), epochs), desc=desc, initial=len(history), total=epochs,
                           disable=not self.progress):
-            train_loss = self.train_epoch(model, optimizer, desc=f"{desc} epoch {epoch + 1}")
+            train_loss = self.train_epoch(model, optimizer, after_step, desc=f"{desc} epoch {epoch + 1}")
             schedule.step()
             history.append({"epoch": epoch + 1, "train_loss": train_loss, **self.evaluate(model, "val")})
             log.info("%s epoch %d: %s", desc, epoch + 1, history[-1])

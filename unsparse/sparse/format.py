@@ -13,6 +13,7 @@ row, so a row never names a column twice and ``to_dense`` is an exact inverse of
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -174,5 +175,7 @@ class UniformCSR:
 
     def to_torch_csr(self) -> torch.Tensor:
         """The ``(M, K)`` matrix as a ``torch.sparse_csr_tensor`` (int32 indices), padding stored as zeros."""
-        return torch.sparse_csr_tensor(self.rowptr, self.col_idx.reshape(-1), self.values.reshape(-1),
-                                       size=(self.out_channels, self.columns))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+            return torch.sparse_csr_tensor(self.rowptr, self.col_idx.reshape(-1), self.values.reshape(-1),
+                                           size=(self.out_channels, self.columns), check_invariants=False)

@@ -195,6 +195,25 @@ def _sparse_layer(name: str, conv: nn.Module, layer_meta: Any, decoded: dict[str
     return SparseConv(csr, decoded.get(f"{name}.bias"), geometry)
 
 
+def file_tensor_bytes(path: str | Path) -> dict[str, int]:
+    """Bytes each stored tensor (or codec part) occupies in a safetensors file, read from its header only.
+
+    Returns:
+        ``{stored key: bytes}``; keys of codec parts keep their ``::part`` suffix.
+
+    Raises:
+        SparseFileError: unreadable file or malformed header.
+    """
+    try:
+        with open(path, "rb") as file:
+            header_length = int.from_bytes(file.read(8), "little")
+            header = json.loads(file.read(header_length))
+        return {key: int(entry["data_offsets"][1]) - int(entry["data_offsets"][0])
+                for key, entry in header.items() if key != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
+        raise SparseFileError(f"file: cannot read the safetensors header of {path}: {error}") from error
+
+
 def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: str = "reference") -> nn.Module:
     """Read and fully validate a file written by :func:`save_sparse`; rebuild the sparse model.
 

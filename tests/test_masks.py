@@ -1,0 +1,82 @@
+"""Masks as parametrizations, exact thresholds, weighted sparsity, and one-shot magnitude pruning."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from unsparse import create_model
+from unsparse.prune import (
+    MagnitudePruner,
+    attach_masks,
+    layer_sparsity,
+    masks_of,
+    model_weighted_sparsity,
+    remove_masks,
+    threshold_mask,
+    weighted_sparsity,
+)
+from unsparse.prune.masks import squashed_copy
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.3, 0.9, 0.999, 1.0])
+def test_threshold_mask_prunes_exactly_the_requested_count(sparsity):
+    importance = torch.randint(0, 3, (7, 5, 3, 3)).float()  # many ties
+    keep = threshold_mask(importance, sparsity)
+    assert int((~keep).sum()) == round(sparsity * importance.numel())
+    if keep.any() and (~keep).any():
+        assert importance[keep].min() >= importance[~keep].max()
+
+
+def test_threshold_mask_rejects_bad_sparsity():
+    with pytest.raises(ValueError, match="sparsity"):
+        threshold_mask(torch.ones(4), 1.5)
+
+
+def test_weighted_sparsity_formula():
+    assert weighted_sparsity({"a": 0.5, "b": 1.0}, {"a": 300, "b": 100}) == pytest.approx(0.625)
+    with pytest.raises(ValueError, match="layers"):
+        weighted_sparsity({"a": 0.5}, {"b": 1})
+
+
+@pytest.mark.parametrize("scope", ["global", "layer"])
+def test_magnitude_step_reaches_target_and_masks_survive_training(scope):
+    torch.manual_seed(0)
+    model = create_model("vgg_small", width=8)
+    pruner = MagnitudePruner(0.8, scope=scope)
+    pruner.prepare(model)
+    pruner.step()
+    assert model_weighted_sparsity(model) == pytest.approx(0.8, abs=1e-3)
+    if scope == "layer":
+        assert all(value == pytest.approx(0.8, abs=0.01) for value in layer_sparsity(model).values())
+    zeros = {name: layer.weight == 0 for name, layer in model.named_modules() if name in masks_of(model)}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=1e-3)
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(torch.randn(8, 1, 28, 28)).square().mean().backward()
+        optimizer.step()
+    for name, layer in model.named_modules():
+        if name in zeros:
+            assert torch.all(layer.weight[zeros[name]] == 0)
+    remove_masks(model)
+    assert not masks_of(model)
+    assert model_weighted_sparsity(model) >= 0.8 - 1e-3
+
+
+def test_squashed_copy_leaves_the_original_parametrized():
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
+    masks = attach_masks(model)
+    masks["0"].set(torch.rand(3, 2, 3, 3) > 0.5)
+    copy = squashed_copy(model)
+    assert not masks_of(copy) and masks_of(model)
+    assert torch.equal(copy[0].weight, model[0].weight)
+    x = torch.randn(2, 2, 6, 6)
+    assert torch.equal(copy(x), model(x))
+
+
+def test_pruner_needs_prepare():
+    with pytest.raises(RuntimeError, match="prepare"):
+        MagnitudePruner(0.5).step()
+    with pytest.raises(ValueError, match="target"):
+        MagnitudePruner(1.0)

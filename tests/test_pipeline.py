@@ -1,0 +1,93 @@
+"""The main job end to end on a small real subset (Fashion-MNIST if installed, else sklearn digits)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from unsparse import create_model, load_sparse
+from unsparse.data import DatasetUnavailableError, digits, fashion_mnist
+from unsparse.pipeline import TimingSettings, TrainSettings, run_pipeline
+from unsparse.prune import MagnitudePruner
+
+
+def small_real_data():
+    try:
+        return fashion_mnist(limit_train=1500, limit_test=400, val_size=500)
+    except DatasetUnavailableError:
+        return digits()
+
+
+def test_fashion_mnist_reads_the_debian_files():
+    try:
+        splits = fashion_mnist(limit_train=100, limit_test=50, val_size=100)
+    except DatasetUnavailableError as error:
+        assert "apt-get install dataset-fashion-mnist" in str(error)
+        pytest.skip("Debian's dataset-fashion-mnist is not installed")
+    assert splits.train[0].shape == (100, 1, 28, 28) and splits.test[0].shape == (50, 1, 28, 28)
+    assert set(splits.train[1].tolist()) <= set(range(10))
+
+
+def test_missing_dataset_error_names_the_package(tmp_path):
+    with pytest.raises(DatasetUnavailableError, match="dataset-fashion-mnist"):
+        fashion_mnist(root=tmp_path, limit_train=10)
+
+
+def test_digits_shapes():
+    splits = digits()
+    assert splits.train[0].shape[1:] == (1, 28, 28)
+    assert len(splits.test[1]) == 360
+
+
+def test_pipeline_smoke_on_real_data(tmp_path):
+    torch.manual_seed(0)
+    splits = small_real_data()
+    report = run_pipeline(
+        splits, create_model("vgg_small", width=8), MagnitudePruner(0.9, fine_tune_epochs=1),
+        lambda model, loader: model, tmp_path, TrainSettings(epochs=1, batch_size=64),
+        TimingSettings(batch_size=8, repeats=2, warmup=1), progress=False)
+    for name in ("report.json", "report.md", "layers.png", "timings.png", "model.safetensors", "dense.pt"):
+        assert (tmp_path / name).exists(), name
+    assert report["pruning"]["weighted_sparsity"] == pytest.approx(0.9, abs=1e-3)
+    accuracy = report["accuracy"]
+    assert abs(accuracy["sparse_run"] - accuracy["pruned"]) <= 0.1
+    assert accuracy["dense"] > 30.0  # one epoch on real data learns something
+    backends = {entry["backend"] for entry in report["timings"]}
+    assert {"reference", "dense_cpu", "im2col_cublas", "im2col_cusparse"} <= backends
+    assert all(entry["rel_error"] < 1e-4 for entry in report["timings"])
+    assert json.loads((tmp_path / "report.json").read_text())["accuracy"] == accuracy
+    assert "sparse" in (tmp_path / "report.md").read_text()
+    assert load_sparse(tmp_path / "model.safetensors").unsparse_metadata["extra"]["accuracy"]["pruned"] == \
+        accuracy["pruned"]
+
+
+def test_training_resumes_exactly_after_ctrl_c(tmp_path):
+    from unsparse.train import Trainer
+
+    splits = digits(limit_train=300)
+
+    def trained(checkpoint, interrupt_in_epoch=None):
+        torch.manual_seed(1)
+        model = create_model("vgg_small", width=4)
+        trainer = Trainer(splits.loaders(32, seed=1), progress=False)
+        if interrupt_in_epoch is not None:
+            epochs_started = []
+            train_epoch = trainer.train_epoch
+
+            def interrupted(*args, **kwargs):
+                epochs_started.append(1)
+                if len(epochs_started) == interrupt_in_epoch:
+                    raise KeyboardInterrupt
+                return train_epoch(*args, **kwargs)
+            trainer.train_epoch = interrupted
+        trainer.fit(model, 2, checkpoint)
+        return model
+
+    straight = trained(tmp_path / "a.pt")
+    with pytest.raises(KeyboardInterrupt):
+        trained(tmp_path / "b.pt", interrupt_in_epoch=2)
+    resumed = trained(tmp_path / "b.pt")
+    for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name

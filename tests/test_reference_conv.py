@@ -1,0 +1,111 @@
+"""Every CPU backend against torch.nn.functional.conv2d/conv1d in float64 on fresh random inputs."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv1d, sparse_conv2d
+from unsparse.sparse.reference import reference_sparse_conv
+
+CPU_BACKENDS = ["reference", "dense_cpu", "im2col_cublas", "im2col_cusparse"]
+
+# (N, C, H, W, M, R, S, stride, padding, dilation)
+CASES_2D = [
+    (2, 3, 9, 9, 4, 1, 1, 1, 0, 1),
+    (3, 5, 13, 11, 7, 3, 3, 1, 1, 1),
+    (2, 4, 17, 15, 6, 5, 5, 2, 2, 1),
+    (1, 3, 63, 63, 8, 11, 11, 4, 2, 1),
+    (2, 6, 12, 10, 5, 2, 5, (2, 1), (0, 2), 1),
+    (2, 4, 15, 14, 3, 3, 3, 1, 2, (2, 3)),
+    (1, 2, 5, 7, 3, 3, 3, 2, 0, 1),
+]
+
+
+def sparse_weight(shape, sparsity, generator):
+    weight = torch.randn(shape, generator=generator, dtype=torch.float64)
+    weight[torch.rand(shape, generator=generator) < sparsity] = 0
+    weight[0] = 0  # an all-zero output channel
+    if shape[0] > 2:
+        weight[-1] = torch.randn(shape[1:], generator=generator, dtype=torch.float64)  # a fully dense row
+    return weight
+
+
+def relative_error(output, reference):
+    return float((output - reference).norm() / reference.norm())
+
+
+@pytest.mark.parametrize("case", CASES_2D)
+@pytest.mark.parametrize("sparsity", [0.0, 0.5, 0.9, 0.99])
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_conv2d_matches_torch(case, sparsity, backend):
+    N, C, H, W, M, R, S, stride, padding, dilation = case
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    weight = sparse_weight((M, C, R, S), sparsity, generator)
+    x = torch.randn(N, C, H, W, generator=generator, dtype=torch.float64)
+    bias = torch.randn(M, generator=generator, dtype=torch.float64)
+    expected = F.conv2d(x, weight, bias, stride, padding, dilation)
+    output = sparse_conv2d(x, UniformCSR.from_dense(weight), bias, stride, padding, dilation, backend=backend)
+    assert output.shape == expected.shape
+    assert relative_error(output, expected) < 1e-12
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(("kernel", "stride", "padding", "dilation"), [(3, 1, 1, 1), (1, 2, 0, 1), (5, 3, 4, 2)])
+def test_conv1d_matches_torch(backend, kernel, stride, padding, dilation):
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    weight = sparse_weight((6, 4, kernel), 0.7, generator)
+    x = torch.randn(3, 4, 37, generator=generator, dtype=torch.float64)
+    bias = torch.randn(6, generator=generator, dtype=torch.float64)
+    expected = F.conv1d(x, weight, bias, stride, padding, dilation)
+    output = sparse_conv1d(x, UniformCSR.from_dense(weight), bias, stride, padding, dilation, backend=backend)
+    assert relative_error(output, expected) < 1e-12
+
+
+def test_all_zero_weight_gives_bias_only():
+    weight = torch.zeros(4, 3, 3, 3, dtype=torch.float64)
+    csr = UniformCSR.from_dense(weight)
+    assert csr.row_length == 0
+    bias = torch.randn(4, dtype=torch.float64)
+    output = sparse_conv2d(torch.randn(2, 3, 8, 8, dtype=torch.float64), csr, bias, padding=1)
+    assert torch.equal(output, bias[None, :, None, None].expand(2, 4, 8, 8))
+
+
+def test_half_precision_input_accumulates_in_float32():
+    generator = torch.Generator().manual_seed(3)
+    weight = sparse_weight((8, 16, 3, 3), 0.5, generator).half()
+    x = torch.randn(2, 16, 10, 10, generator=generator).half()
+    output = sparse_conv2d(x, UniformCSR.from_dense(weight), padding=1)
+    expected = F.conv2d(x.double(), weight.double(), padding=1)
+    assert output.dtype == torch.float16
+    assert relative_error(output.double(), expected) < 2e-3
+
+
+def test_groups_fall_back_to_dense_with_a_logged_reason(caplog):
+    generator = torch.Generator().manual_seed(4)
+    weight = sparse_weight((6, 2, 3, 3), 0.5, generator)
+    x = torch.randn(2, 6, 9, 9, generator=generator, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING):
+        output = sparse_conv2d(x, UniformCSR.from_dense(weight), groups=3, padding=1, backend="reference")
+    assert relative_error(output, F.conv2d(x, weight, groups=3, padding=1)) < 1e-12
+    assert any("groups=3" in record.getMessage() and "falls back" in record.getMessage()
+               for record in caplog.records)
+    with pytest.raises(ValueError, match="groups"):
+        reference_sparse_conv(x, UniformCSR.from_dense(weight), None, ConvGeometry.of(groups=3))
+
+
+def test_channel_mismatch_is_rejected():
+    csr = UniformCSR.from_dense(torch.randn(4, 3, 3, 3))
+    with pytest.raises(ValueError, match="channels"):
+        sparse_conv2d(torch.randn(1, 5, 8, 8), csr)
+
+
+def test_stretched_offsets_address_the_padded_input():
+    geometry = ConvGeometry.of(stride=2, padding=1, dilation=(1, 2))
+    col_idx = torch.tensor([[0, 5, 17]], dtype=torch.int32)  # (c, r, s) = (0,0,0), (0,1,2), (1,2,2)
+    offsets = geometry.stretched_offsets(col_idx, (3, 3), (10, 12))
+    assert offsets.tolist() == [[0, 1 * 12 + 2 * 2, 1 * 120 + 2 * 12 + 2 * 2]]
+    assert geometry.output_size(8, 10, (3, 3)) == (4, 4)

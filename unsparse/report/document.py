@@ -1,0 +1,109 @@
+"""Write a run's report: ``report.json`` for machines, ``report.md`` (with PNG plots) for people.
+
+When a sparse backend is slower than the dense baseline the report says so, layer by layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from unsparse.atomic import atomic_write_json, atomic_write_text
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub-flavoured Markdown table; floats get 4 significant digits."""
+    def cell(value: Any) -> str:
+        return f"{value:.4g}" if isinstance(value, float) else str(value)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(value) for value in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
+    """Per layer: baseline time, fastest backend, its speedup over the baseline and a plain verdict.
+
+    Args:
+        timings: entries with ``layer``, ``backend``, ``time_ms`` (median, ms) and ``sparse`` (bool).
+        baseline: the dense backend the speedups are relative to (``cudnn`` on GPU, ``dense_cpu`` on CPU).
+
+    Returns:
+        One dict per layer: ``layer``, ``baseline_ms``, ``fastest``, ``fastest_ms``, ``best_sparse``,
+        ``best_sparse_ms``, ``sparse_speedup`` (baseline time / best sparse time; < 1 means slower) and
+        ``verdict``.
+    """
+    verdicts = []
+    for layer in dict.fromkeys(entry["layer"] for entry in timings):
+        entries = [entry for entry in timings if entry["layer"] == layer]
+        fastest = min(entries, key=lambda entry: entry["time_ms"])
+        base = next((entry for entry in entries if entry["backend"] == baseline), None)
+        sparse = [entry for entry in entries if entry.get("sparse")]
+        best_sparse = min(sparse, key=lambda entry: entry["time_ms"]) if sparse else None
+        speedup = base["time_ms"] / best_sparse["time_ms"] if base and best_sparse else None
+        if speedup is None:
+            verdict = "no sparse/baseline pair measured"
+        elif speedup >= 1.0:
+            verdict = f"sparse faster ({speedup:.2f}x)"
+        else:
+            verdict = f"sparse SLOWER ({1 / speedup:.2f}x the baseline time)"
+        verdicts.append({"layer": layer, "baseline_ms": base["time_ms"] if base else None,
+                         "fastest": fastest["backend"], "fastest_ms": fastest["time_ms"],
+                         "best_sparse": best_sparse["backend"] if best_sparse else None,
+                         "best_sparse_ms": best_sparse["time_ms"] if best_sparse else None,
+                         "sparse_speedup": speedup, "verdict": verdict})
+    return verdicts
+
+
+def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, Path]) -> dict[str, Path]:
+    """Write ``report.json`` and ``report.md`` into ``outdir`` (atomically).
+
+    Args:
+        report: JSON-ready dict with keys ``run``, ``accuracy``, ``pruning``, ``quantization``, ``layers``
+            (rows of :func:`unsparse.report.layers.layer_rows`), ``timings``, ``timing_baseline``, ``file``.
+        figures: title -> PNG path (relative links are written into the Markdown).
+
+    Returns:
+        ``{"json": path, "markdown": path}``.
+    """
+    outdir = Path(outdir)
+    report = {**report, "timing_verdicts": timing_verdicts(report.get("timings", []), report["timing_baseline"])}
+    run, accuracy, pruning = report["run"], report["accuracy"], report["pruning"]
+    sections = [
+        f"# UnSparse report: {run['model']['name']} on {run['data']}",
+        f"Device: {run['device']}; torch {run['torch']}; weights: {run['weights']}; commit {run.get('commit')}.",
+        "## Accuracy",
+        markdown_table(["stage", "top-1 (%)"], [[key, value] for key, value in accuracy.items()]),
+        "## Pruning",
+        f"Method **{pruning['method']}**, weighted sparsity **{100 * pruning['weighted_sparsity']:.2f}%** "
+        f"(paper 004 eq. 7-8, over conv and linear layers), wall time {pruning['wall_time_s']:.1f} s.",
+        markdown_table(["layer", "sparsity (%)"],
+                       [[name, 100 * value] for name, value in pruning["layer_sparsity"].items()]),
+    ]
+    if report.get("quantization"):
+        quant = report["quantization"]
+        sections += ["## Quantization", markdown_table(["key", "value"], [[k, v] for k, v in quant.items()])]
+    file_info = report["file"]
+    sections += [
+        "## Export",
+        f"`{file_info['path']}`: {file_info['bytes']} bytes in the file; the conv weights would take "
+        f"{file_info['dense_conv_fp32_bytes']} bytes dense in FP32 and take {file_info['sparse_conv_bytes']} here.",
+        markdown_table(["layer", "kind", "weight shape", "stride", "sparsity (%)", "nnz", "L", "padding entries",
+                        "file bytes", "dense FP32 bytes"],
+                       [[r["layer"], r["kind"], "x".join(map(str, r["weight_shape"])), r["stride"],
+                         100 * r["sparsity"], r["nnz"], r["row_length"], r["padding_entries"], r["file_bytes"],
+                         r["dense_fp32_bytes"]] for r in report["layers"]]),
+        "## Per-layer time",
+        f"Median of timed calls after warm-up on {run['device']} (see `timings` in report.json for every "
+        f"measurement). Speedups are relative to `{report['timing_baseline']}`, measured in the same run.",
+        markdown_table(["layer", "input shape", "backend", "params", "median ms", "rel. error vs reference"],
+                       [[t["layer"], "x".join(map(str, t["input_shape"])), t["backend"], t.get("params") or "",
+                         t["time_ms"], t.get("rel_error", "")] for t in report.get("timings", [])]),
+        markdown_table(["layer", "baseline ms", "fastest", "best sparse", "sparse speedup", "verdict"],
+                       [[v["layer"], v["baseline_ms"], v["fastest"], v["best_sparse"], v["sparse_speedup"],
+                         v["verdict"]] for v in report["timing_verdicts"]]),
+    ]
+    sections += [f"## {title}\n\n![{title}]({path.relative_to(outdir)})" for title, path in figures.items()]
+    paths = {"json": atomic_write_json(outdir / "report.json", report),
+             "markdown": atomic_write_text(outdir / "report.md", "\n\n".join(sections) + "\n")}
+    return paths

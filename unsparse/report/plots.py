@@ -1,0 +1,71 @@
+"""PNG plots for the reports (matplotlib, Agg backend: no display needed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def _save(figure: plt.Figure, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return path
+
+
+def plot_layers(rows: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Per-layer sparsity (bars, left) and file bytes vs dense FP32 bytes (right), one PNG at ``path``."""
+    names = [row["layer"] for row in rows]
+    figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
+    left.bar(names, [100 * row["sparsity"] for row in rows], color="tab:blue")
+    for index, row in enumerate(rows):
+        left.annotate(f"L={row['row_length']}", (index, 100 * row["sparsity"]), ha="center", va="bottom", fontsize=7)
+    left.set(ylabel="sparsity (%)", title="Weight sparsity per conv layer (L = stored entries per row)", ylim=(0, 105))
+    positions = range(len(rows))
+    right.bar([p - 0.2 for p in positions], [row["dense_fp32_bytes"] / 1024 for row in rows], 0.4, label="dense FP32")
+    right.bar([p + 0.2 for p in positions], [row["file_bytes"] / 1024 for row in rows], 0.4, label="sparse file")
+    right.set(ylabel="KiB", title="Storage per conv layer", xticks=list(positions))
+    right.set_xticklabels(names)
+    right.legend()
+    for axis in (left, right):
+        axis.tick_params(axis="x", labelrotation=60, labelsize=7)
+    return _save(figure, path)
+
+
+def plot_backend_times(timings: Sequence[dict[str, Any]], path: Path) -> Path:
+    """Median time (ms, log scale) of every backend on every layer, grouped by layer."""
+    layers = list(dict.fromkeys(entry["layer"] for entry in timings))
+    backends = list(dict.fromkeys(entry["backend"] for entry in timings))
+    width = 0.8 / max(len(backends), 1)
+    figure, axis = plt.subplots(figsize=(max(8, 0.9 * len(layers) * max(len(backends), 1) / 2), 4))
+    for index, backend in enumerate(backends):
+        times = {entry["layer"]: entry["time_ms"] for entry in timings if entry["backend"] == backend}
+        axis.bar([p + index * width for p in range(len(layers))], [times.get(layer, 0.0) for layer in layers],
+                 width, label=backend)
+    axis.set_yscale("log")
+    axis.set(ylabel="median time per call (ms)", title="Per-layer time by backend (lower is better)")
+    axis.set_xticks([p + 0.4 - width / 2 for p in range(len(layers))])
+    axis.set_xticklabels(layers, rotation=60, fontsize=7)
+    axis.legend(fontsize=8)
+    return _save(figure, path)
+
+
+def plot_history(history: Sequence[dict[str, Any]], path: Path, metric: str, title: str) -> Path:
+    """``metric`` (left axis) and ``weighted_sparsity`` (right axis, %) over the entries of ``history``."""
+    steps = list(range(1, len(history) + 1))
+    figure, axis = plt.subplots(figsize=(8, 4))
+    axis.plot(steps, [entry.get(metric) for entry in history], marker="o", color="tab:blue", label=metric)
+    axis.set(xlabel="iteration / epoch", ylabel=metric, title=title)
+    if any("weighted_sparsity" in entry for entry in history):
+        twin = axis.twinx()
+        twin.plot(steps, [100 * entry.get("weighted_sparsity", float("nan")) for entry in history], marker="s",
+                  color="tab:red", label="weighted sparsity")
+        twin.set_ylabel("weighted sparsity (%)", color="tab:red")
+    return _save(figure, path)
