@@ -21,7 +21,7 @@ KERNEL_FILE = KERNEL_DIR / "direct_conv.cu"
 COMPILE_OPTIONS = ("-std=c++17",)
 ROWS_CHUNK = 256
 """Stored entries of one row staged in shared memory at a time by ``direct_rows`` (template JC)."""
-PATCH_MAX_CODES = 192
+PATCH_MAX_CODES = 256
 """Largest ``MB * R * S`` the ``direct_patch`` switch covers (``PATCH_MAX_CODES`` in the .cu file)."""
 TAP_SHIFT_BITS = 16
 """``direct_rows`` packs a tap's (row shift, column shift) as ``dy << 16 | dx``; both must be < 2**15."""
@@ -141,6 +141,14 @@ def get_kernel(name: str) -> Any:
 
     module = cupy.RawModule(code=_source(), options=COMPILE_OPTIONS, name_expressions=[name])
     return module.get_function(name)
+
+
+def precompile(names: list[str], workers: int = 16) -> None:
+    """Compile several instantiations concurrently (NVRTC runs outside the GIL); each is then cached."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(get_kernel, names))
 
 
 def as_cupy(tensor: torch.Tensor) -> Any:

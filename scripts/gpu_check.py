@@ -1,0 +1,77 @@
+"""The one script the GPU machine runs: GPU tests (``pytest -m gpu``), then the benchmark.
+
+Writes under ``--out`` (default ``$OUT``): ``gpu_check.log`` (environment, pytest output), and the
+benchmark's ``bench.json``, ``bench.md``, ``plan.json`` and PNG plots. The git commit comes from
+``UNSPARSE_COMMIT`` (pass it in: ``.git`` does not travel to the device machine) or ``git rev-parse``.
+
+Usage (repository root): ``PYTHONPATH=. python3 scripts/gpu_check.py --quick``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+QUICK = {"models": ["vgg16", "alexnet", "resnet50", "googlenet"], "sparsities": [0.9], "batches": [128],
+         "precisions": ["fp32"], "end_to_end": ["vgg16"]}
+
+
+def commit_hash() -> str | None:
+    """``UNSPARSE_COMMIT`` if set, else ``git rev-parse HEAD`` if ``.git`` is there, else None."""
+    if os.environ.get("UNSPARSE_COMMIT"):
+        return os.environ["UNSPARSE_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run tests and benchmark; returns pytest's exit code (the benchmark still runs after failures)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "gpu_out"))
+    parser.add_argument("--quick", action="store_true", help="FP32, batch 128, sparsity 0.9, VGG16 end to end")
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-bench", action="store_true")
+    parser.add_argument("--models", nargs="*")
+    parser.add_argument("--sparsities", nargs="*", type=float)
+    parser.add_argument("--batches", nargs="*", type=int)
+    parser.add_argument("--precisions", nargs="*")
+    parser.add_argument("--end-to-end", nargs="*")
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--layer-filter")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from unsparse.runtime.bench import environment, run_bench
+
+    env = environment(commit_hash())
+    log = out / "gpu_check.log"
+    log.write_text(json.dumps(env, indent=1) + "\n")
+    print(json.dumps(env), flush=True)
+    code = 0
+    if not args.skip_tests:
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider",
+                                "tests/gpu"], capture_output=True, text=True)
+        with log.open("a") as handle:
+            handle.write(tests.stdout + tests.stderr)
+        print(tests.stdout[-3000:] + tests.stderr[-2000:], flush=True)
+        code = tests.returncode
+    if not args.skip_bench:
+        settings = dict(QUICK) if args.quick else {}
+        for name in ("models", "sparsities", "batches", "precisions", "end_to_end"):
+            if getattr(args, name) is not None:
+                settings[name] = getattr(args, name)
+        result = run_bench(out, runs=args.runs, commit=env["commit"], layer_filter=args.layer_filter, **settings)
+        print(json.dumps(result["targets"], indent=1), flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""Every CUDA backend (every tuning setting of ``direct``) against a float64 CPU reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unsparse.runtime import get_backend, sparsify
+from unsparse.runtime.backends.direct import patch_space, rows_space
+from unsparse.runtime.comparator import plan_model, relative_error, tolerance
+from unsparse.runtime.plan import Plan
+from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
+
+CUDA = torch.device("cuda")
+
+
+def poison_allocator(numel: int, dtype: torch.dtype) -> None:
+    """Fill a freed block of the caching allocator with NaN so that the next output of that size starts
+    poisoned: an element a kernel forgets to write stays NaN and fails the check."""
+    block = torch.full((numel,), float("nan"), dtype=dtype, device=CUDA)
+    del block
+
+
+def random_weight(M: int, C: int, R: int, S: int, sparsity: float, gen: torch.Generator,
+                  empty_rows: int = 0, dense_rows: int = 0) -> torch.Tensor:
+    """``(M, C, R, S)`` random weight with about ``sparsity`` zeros, the first ``empty_rows`` rows all zero and
+    the next ``dense_rows`` rows without zeros."""
+    weight = torch.randn(M, C, R, S, generator=gen, dtype=torch.float64)
+    weight[torch.rand(M, C, R, S, generator=gen, dtype=torch.float64) < sparsity] = 0
+    weight[:empty_rows] = 0
+    weight[empty_rows:empty_rows + dense_rows] = torch.randn(dense_rows, C, R, S, generator=gen,
+                                                             dtype=torch.float64)
+    return weight
+
+
+# (N, C, H, W, M, R, S, stride, padding, dilation, sparsity, empty_rows, dense_rows)
+CASES = {
+    "odd_3x3": (3, 5, 13, 11, 7, 3, 3, 1, 1, 1, 0.7, 0, 0),
+    "stride2_3x3": (5, 6, 17, 15, 9, 3, 3, 2, 1, 1, 0.8, 0, 0),
+    "one_by_one": (4, 24, 9, 7, 33, 1, 1, 1, 0, 1, 0.9, 0, 0),
+    "alexnet_11x11_s4": (2, 3, 67, 67, 10, 11, 11, 4, 2, 1, 0.8, 0, 0),
+    "dilation2": (2, 4, 15, 16, 6, 3, 3, 1, 2, 2, 0.6, 0, 0),
+    "empty_and_dense_rows": (3, 8, 12, 12, 12, 3, 3, 1, 1, 1, 0.9, 3, 2),
+    "all_zero_weight": (2, 4, 8, 8, 5, 3, 3, 1, 1, 1, 1.0, 0, 0),
+    "fully_dense": (2, 16, 10, 10, 17, 3, 3, 1, 1, 1, 0.0, 0, 0),
+    "five_by_five_pad2": (3, 7, 14, 14, 11, 5, 5, 1, 2, 1, 0.85, 0, 0),
+    "conv1d_shape": (3, 6, 1, 37, 8, 1, 5, 1, 2, 1, 0.7, 0, 0),
+}
+
+
+def make_case(name: str, dtype: torch.dtype, seed: int):
+    N, C, H, W, M, R, S, stride, padding, dilation, sparsity, empty, dense = CASES[name]
+    gen = torch.Generator().manual_seed(seed)
+    weight = random_weight(M, C, R, S, sparsity, gen, empty, dense)
+    x = torch.randn(N, C, H, W, generator=gen, dtype=torch.float64)
+    bias = torch.randn(M, generator=gen, dtype=torch.float64)
+    spatial = 1 if name.startswith("conv1d") else 2
+    if spatial == 1:
+        geometry = ConvGeometry.of(stride, padding, dilation, 1, 1)
+        weight_stored = weight[:, :, 0, :]
+    else:
+        geometry = ConvGeometry.of(stride, padding, dilation)
+        weight_stored = weight
+    # The reference sees the values the kernel sees: inputs and weights rounded to the storage dtype.
+    x_q, w_q, b_q = x.to(dtype), weight_stored.to(dtype), bias.to(dtype)
+    ref = F.conv2d(x_q.double(), w_q.double().reshape(weight.shape), b_q.double(), geometry.stride,
+                   geometry.padding, geometry.dilation)
+    return x_q.to(CUDA), UniformCSR.from_dense(w_q).to(CUDA), b_q.to(CUDA), geometry, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.dtype) -> None:
+    x, csr, bias, geometry, ref = make_case(case, dtype, seed=hash(case) % 1000)
+    backend = get_backend("direct")
+    assert backend.unsupported_reason(x, csr, geometry) is None
+    out_hw = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
+    space = rows_space(x.shape[0], out_hw[0] * out_hw[1], prune=False)
+    if geometry.stride == (1, 1) and geometry.dilation == (1, 1) and geometry.spatial_dims == 2:
+        space += patch_space(x.shape[0], out_hw, csr.kernel_size, prune=False)
+    assert all(p in space for p in backend.tuning_space(x, csr, geometry))
+    backend.precompile(x, csr, geometry, space)
+    for params in space:
+        poison_allocator(ref.numel(), dtype)
+        out = backend.conv(x, csr, bias, geometry, **params)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), f"{params}: unwritten or non-finite outputs"
+        error = relative_error(out.cpu(), ref)
+        assert error <= tolerance(dtype), f"{case} {params}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("backend", ["cudnn", "im2col_cublas", "im2col_cusparse", "reference"])
+@pytest.mark.parametrize("case", ["odd_3x3", "stride2_3x3", "alexnet_11x11_s4", "empty_and_dense_rows",
+                                  "conv1d_shape"])
+def test_baselines_match_float64_reference(case: str, backend: str) -> None:
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    x, csr, bias, geometry, ref = make_case(case, torch.float32, seed=7)
+    chosen = get_backend(backend)
+    for params in chosen.tuning_space(x, csr, geometry):
+        poison_allocator(ref.numel(), torch.float32)
+        out = chosen.conv(x, csr, bias, geometry, **params)
+        assert relative_error(out.cpu(), ref) <= tolerance(torch.float32)
+
+
+def test_direct_rejects_bad_indices_before_launch() -> None:
+    x, csr, bias, geometry, _ = make_case("odd_3x3", torch.float32, seed=3)
+    forged = UniformCSR(csr.values, csr.col_idx, csr.weight_shape)
+    object.__setattr__(forged, "col_idx", csr.col_idx + 10_000)
+    with pytest.raises(ValueError, match="offsets"):
+        get_backend("direct").conv(x, forged, bias, geometry, variant="rows")
+
+
+def test_fallback_for_groups_and_unsupported_dtype() -> None:
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(8, 2, 3, 3, generator=gen)
+    x = torch.randn(2, 4, 9, 9, generator=gen)
+    geometry = ConvGeometry.of(1, 1, 1, groups=2)
+    csr = UniformCSR.from_dense(weight).to(CUDA)
+    assert "groups" in get_backend("direct").unsupported_reason(x.to(CUDA), csr, geometry)
+    out = sparse_conv(x.to(CUDA), csr, None, geometry, backend="direct")
+    ref = F.conv2d(x.double(), weight.double(), None, 1, 1, 1, 2)
+    assert relative_error(out.cpu(), ref) <= tolerance(torch.float32, tf32=True)
+    x64 = torch.randn(2, 2, 9, 9, dtype=torch.float64, device=CUDA)
+    csr64 = UniformCSR.from_dense(torch.randn(3, 2, 3, 3, dtype=torch.float64)).to(CUDA)
+    assert "float64" in get_backend("direct").unsupported_reason(x64, csr64, ConvGeometry.of(1, 1))
+
+
+class SmallNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, 2, 1),
+                                      nn.BatchNorm2d(32), nn.ReLU(), nn.Conv2d(32, 32, 1), nn.ReLU(),
+                                      nn.Conv2d(32, 32, 3, padding=2, dilation=2, groups=2))
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def test_whole_model_auto_matches_dense_and_plan_is_reused(tmp_path) -> None:
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(11)
+    model = SmallNet().eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d):
+                module.weight[torch.rand_like(module.weight) < 0.8] = 0
+    model = model.to(CUDA)
+    x = torch.randn(6, 3, 20, 20, device=CUDA)
+    sparse = sparsify(model)
+    plan, comparisons = plan_model(sparse, x, runs=3)
+    assert len(comparisons) == 4 and all(layer.backend == "auto" for layer in sparse.modules()
+                                         if hasattr(layer, "plan_key"))
+    with torch.no_grad():
+        error = relative_error(sparse(x).double(), model(x).double())
+    assert error <= 10 * tolerance(torch.float32)
+    plan.save(tmp_path / "plan.json")
+    again, comparisons = plan_model(sparsify(model), x, Plan.load(tmp_path / "plan.json"), runs=3)
+    assert comparisons == [] and again.entries.keys() == plan.entries.keys()

@@ -1,0 +1,486 @@
+"""``unsparse bench`` as a plain function (Hydra-free): per-layer and end-to-end comparisons on a GPU.
+
+Models: torchvision VGG16, ResNet-50, AlexNet and GoogLeNet at 224x224 with synthetic weights (torchvision's
+random initialisation, magnitude-pruned per layer to each sparsity; the report says so), and optionally a
+trained model from a sparse file. Per layer and (batch, precision, sparsity) every backend is compared by
+:func:`~unsparse.runtime.comparator.compare_layer`; end to end, the dense model (cuDNN) is timed against
+the sparse model running its plan. Output: ``bench.json``, ``bench.md`` and PNG plots in ``out_dir``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from unsparse.runtime.comparator import compare_layer, plan_model, relative_error, tolerance
+from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
+from unsparse.runtime.plan import Plan, device_name
+from unsparse.runtime.timing import MIN_RUNS, time_fn
+from unsparse.sparse.format import UniformCSR
+from unsparse.sparse.geometry import ConvGeometry
+
+PRECISIONS = {"fp32": (torch.float32, False), "tf32": (torch.float32, True), "fp16": (torch.float16, False)}
+"""Precision name -> (dtype, TF32 allowed)."""
+
+MODELS = ("vgg16", "resnet50", "alexnet", "googlenet")
+ESCOIN_MODELS = ("alexnet", "googlenet", "resnet50")
+"""Models of Escoin's Fig. 8 comparison against im2col + cuBLAS / cuSPARSE."""
+ESCOIN_TARGETS = {"im2col_cublas": 2.63, "im2col_cusparse": 3.07}
+"""Escoin's P100 geometric-mean speedups of direct sparse convolution (paper 000 §4), issue 5 targets."""
+LOWERING_LIMIT_BYTES = 4 * 2**30
+"""Lowering backends are skipped (and the skip recorded) when the im2col matrix would exceed this."""
+
+
+@dataclass(frozen=True)
+class ConvLayer:
+    """One distinct conv layer of a model: dense weight, geometry, input ``(C, H, W)``, occurrences."""
+
+    name: str
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    geometry: ConvGeometry
+    in_chw: tuple[int, int, int]
+    count: int
+    stem: bool
+
+
+def environment(commit: str | None = None) -> dict[str, Any]:
+    """GPU name, driver, torch/CUDA/cuDNN/CuPy versions, host, commit: recorded in every result file."""
+    info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit,
+                            "python": platform.python_version(), "host": platform.node(),
+                            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(gpu=props.name, sm_count=props.multi_processor_count,
+                    l2_bytes=getattr(props, "L2_cache_size", None), cudnn=torch.backends.cudnn.version())
+        try:
+            import cupy
+
+            info.update(cupy=cupy.__version__, driver=cupy.cuda.runtime.driverGetVersion())
+        except ImportError:
+            info.update(cupy=None)
+    return info
+
+
+def build_model(name: str) -> nn.Module:
+    """A torchvision model by name with random weights (no download), eval mode.
+
+    Raises:
+        KeyError: for names outside :data:`MODELS`.
+    """
+    import torchvision
+
+    if name not in MODELS:
+        raise KeyError(f"model {name!r}; known: {MODELS}")
+    kwargs = {"aux_logits": False, "init_weights": True} if name == "googlenet" else {}
+    return getattr(torchvision.models, name)(weights=None, **kwargs).eval()
+
+
+def magnitude_prune_(model: nn.Module, sparsity: float) -> nn.Module:
+    """Zero the smallest-magnitude ``sparsity`` fraction of every conv weight, per layer (in place).
+
+    Raises:
+        ValueError: if ``sparsity`` is outside [0, 1).
+    """
+    if not 0 <= sparsity < 1:
+        raise ValueError(f"sparsity: {sparsity} outside [0, 1)")
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Conv1d | nn.Conv2d):
+                weight = module.weight
+                drop = int(sparsity * weight.numel())
+                if drop:
+                    threshold = weight.abs().flatten().kthvalue(drop).values
+                    weight[weight.abs() <= threshold] = 0
+    return model
+
+
+def conv_layers(model: nn.Module, input_shape: Sequence[int]) -> list[ConvLayer]:
+    """The distinct conv layers of ``model`` for one input of ``input_shape`` (batch 1 is run on the CPU).
+
+    Layers with equal weight shape, geometry and input size are merged (``count`` says how many); the
+    first instance's weights are kept. The first conv of the model is marked ``stem``.
+    """
+    seen: dict[tuple, ConvLayer] = {}
+    order: list[tuple] = []
+
+    def hook(module: nn.Module, args: tuple[torch.Tensor, ...], name: str) -> None:
+        x = args[0]
+        chw = (x.shape[1], 1, x.shape[2]) if x.dim() == 3 else tuple(x.shape[1:])
+        geometry = ConvGeometry.from_module(module)
+        key = (tuple(module.weight.shape), geometry, chw)
+        if key in seen:
+            layer = seen[key]
+            seen[key] = ConvLayer(layer.name, layer.weight, layer.bias, geometry, chw, layer.count + 1, layer.stem)
+        else:
+            bias = None if module.bias is None else module.bias.detach().clone()
+            seen[key] = ConvLayer(name, module.weight.detach().clone(), bias, geometry, chw, 1, not order)
+            order.append(key)
+
+    handles = [module.register_forward_pre_hook(lambda m, a, n=name: hook(m, a, n))
+               for name, module in model.named_modules() if isinstance(module, nn.Conv1d | nn.Conv2d)]
+    try:
+        with torch.no_grad():
+            model.cpu()(torch.randn(1, *input_shape))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [seen[key] for key in order]
+
+
+@contextmanager
+def precision_mode(tf32: bool) -> Iterator[None]:
+    """Allow or forbid TF32 in cuDNN and cuBLAS for the duration; restores the previous flags."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def layer_backends(layer: ConvLayer, batch: int, dtype: torch.dtype, lowering: bool) -> tuple[list[str], str | None]:
+    """Backends to compare on a layer, and why lowering was left out (im2col matrix too large), if so."""
+    names = ["cudnn", "direct"]
+    if not lowering:
+        return names, "lowering baselines not requested"
+    C, H, W = layer.in_chw
+    R, S = (1, layer.weight.shape[2]) if layer.weight.dim() == 3 else tuple(layer.weight.shape[2:])
+    E, F_ = layer.geometry.output_size(H, W, (R, S))
+    lowered = C // layer.geometry.groups * R * S * batch * E * F_ * torch.finfo(dtype).bits // 8
+    if lowered > LOWERING_LIMIT_BYTES:
+        return names, f"im2col matrix {lowered / 2**30:.1f} GiB > {LOWERING_LIMIT_BYTES / 2**30:.0f} GiB limit"
+    return [*names, "im2col_cublas", "im2col_cusparse"], None
+
+
+def bench_layer(layer: ConvLayer, batch: int, precision: str, device: torch.device, lowering: bool,
+                runs: int, plan: Plan) -> dict[str, Any]:
+    """Compare backends on one layer; returns a JSON-ready record and adds the winner to ``plan``."""
+    dtype, tf32 = PRECISIONS[precision]
+    with precision_mode(tf32):
+        weight = layer.weight.to(device, dtype)
+        csr = UniformCSR.from_dense(weight)
+        bias = None if layer.bias is None else layer.bias.to(device, dtype)
+        C, H, W = layer.in_chw
+        x = torch.randn(batch, C, H, W, device=device, dtype=dtype)
+        names, skipped = layer_backends(layer, batch, dtype, lowering)
+        comparison = compare_layer(x, csr, bias, layer.geometry, names, runs=runs)
+        if comparison.best is not None:
+            plan.entries[comparison.key] = comparison.plan_entry()
+    E, F_ = layer.geometry.output_size(H, W, csr.kernel_size)
+    useful = 2 * batch * csr.nnz * E * F_
+    record = {"layer": layer.name, "count": layer.count, "stem": layer.stem, "in_chw": list(layer.in_chw),
+              "weight_shape": list(csr.weight_shape), "geometry": layer.geometry.to_dict(), "batch": batch,
+              "precision": precision, "sparsity": csr.sparsity, "row_length": csr.row_length,
+              "dense_flop": 2 * batch * csr.out_channels * csr.columns * E * F_, "useful_flop": useful,
+              "lowering_skipped": skipped, "comparison": comparison.to_dict(), "best_ms": {}}
+    for name in names:
+        fastest = comparison.fastest(name)
+        record["best_ms"][name] = None if fastest is None else fastest.timing.median_ms
+    direct = comparison.fastest("direct")
+    record["direct_params"] = None if direct is None else direct.params
+    record["direct_useful_tflops"] = None if direct is None else useful / direct.timing.median_ms / 1e9
+    for name in ("cudnn", "im2col_cublas", "im2col_cusparse"):
+        base = record["best_ms"].get(name)
+        record[f"speedup_vs_{name}"] = (base / direct.timing.median_ms
+                                        if base is not None and direct is not None else None)
+    return record
+
+
+def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, precision: str,
+                     device: torch.device, runs: int, plan: Plan, backends: list[str] | None) -> dict[str, Any]:
+    """Time the dense model (cuDNN) against its sparsified copy running the plan ("auto"), same precision.
+
+    The sparse copy is planned with :func:`plan_model` (entries already in ``plan`` are reused); outputs
+    of the two are compared with the dtype's tolerance (TF32-aware).
+    """
+    dtype, tf32 = PRECISIONS[precision]
+    with precision_mode(tf32):
+        dense = model.to(device, dtype).eval()
+        sparse = sparsify(dense)
+        x = torch.randn(batch, *input_shape, device=device, dtype=dtype)
+        reused_before = len(plan.entries)
+        plan, comparisons = plan_model(sparse, x, plan, backends)
+        with torch.no_grad():
+            dense_out, sparse_out = dense(x), sparse(x)
+            dense_t = time_fn(lambda i: dense(x), device, runs=runs)
+            sparse_t = time_fn(lambda i: sparse(x), device, runs=runs)
+        error = relative_error(sparse_out.double(), dense_out.double())
+    chosen: dict[str, int] = {}
+    for layer in sparse_layers(sparse).values():
+        entry = plan.get(layer.plan_key)
+        if entry is not None:
+            chosen[entry.backend] = chosen.get(entry.backend, 0) + 1
+    return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
+            "speedup": dense_t.median_ms / sparse_t.median_ms, "rel_error": error,
+            "tolerance": 10 * tolerance(dtype, tf32), "layers_planned_now": len(comparisons),
+            "plan_entries_reused": reused_before, "dense_timing": dense_t.to_dict(),
+            "planned_timing": sparse_t.to_dict(), "backend_counts": chosen}
+
+
+def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: Sequence[float] = (0.8, 0.9, 0.95),
+              batches: Sequence[int] = (1, 32, 128), precisions: Sequence[str] = ("fp32", "tf32", "fp16"),
+              lowering_models: Sequence[str] = ESCOIN_MODELS, end_to_end: Sequence[str] = MODELS,
+              end_to_end_sparsity: float = 0.9, end_to_end_batch: int = 128, runs: int = MIN_RUNS,
+              sparse_file: str | Path | None = None, sparse_input_shape: Sequence[int] | None = None,
+              plan_path: str | Path | None = None, commit: str | None = None, seed: int = 0,
+              layer_filter: str | None = None) -> dict[str, Any]:
+    """Run the benchmark on ``cuda:0`` and write ``bench.json``, ``bench.md`` and plots to ``out_dir``.
+
+    Args:
+        out_dir: output folder (created).
+        models: torchvision models (:data:`MODELS`) for the per-layer comparison at 224x224, synthetic weights.
+        sparsities: per-layer magnitude-pruning ratios. batches: batch sizes. precisions: keys of
+            :data:`PRECISIONS`.
+        lowering_models: models whose layers are also compared with im2col + cuBLAS / cuSPARSE.
+        end_to_end, end_to_end_sparsity, end_to_end_batch: models timed whole (dense vs planned), at every
+            precision in ``precisions``.
+        runs: timed runs per setting (>= 20 per the protocol).
+        sparse_file, sparse_input_shape: a trained sparse model (``unsparse.sparse.io.load_sparse``) and its
+            per-sample input shape, e.g. ``(1, 28, 28)``; planned and timed end to end at each batch size.
+        plan_path: plan JSON to extend and rewrite (reuse across runs); ``out_dir/plan.json`` if None.
+        commit: git commit recorded in the results. seed: torch seed.
+        layer_filter: only per-layer records whose layer name contains this string.
+
+    Returns:
+        The dict written to ``bench.json``.
+
+    Raises:
+        RuntimeError: without CUDA.
+    """
+    if not torch.cuda.is_available():
+        raise RuntimeError("run_bench needs a CUDA GPU")
+    torch.manual_seed(seed)
+    device = torch.device("cuda", 0)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    plan_path = Path(plan_path) if plan_path is not None else out_dir / "plan.json"
+    plan = Plan.load(plan_path) if plan_path.exists() else Plan()
+    result: dict[str, Any] = {"environment": environment(commit), "device": device_name(device),
+                              "weights": "synthetic (torchvision random init, per-layer magnitude pruning)",
+                              "input": [3, 224, 224], "runs": runs, "layers": [], "end_to_end": []}
+    for name in models:
+        for sparsity in sparsities:
+            layers = conv_layers(magnitude_prune_(build_model(name), sparsity), (3, 224, 224))
+            for layer in layers:
+                if layer_filter is not None and layer_filter not in layer.name:
+                    continue
+                for batch in batches:
+                    for precision in precisions:
+                        record = bench_layer(layer, batch, precision, device, name in lowering_models, runs, plan)
+                        record.update(model=name, target_sparsity=sparsity)
+                        result["layers"].append(record)
+                        _progress(record)
+                        torch.cuda.empty_cache()
+    for name in end_to_end:
+        model = magnitude_prune_(build_model(name), end_to_end_sparsity)
+        for precision in precisions:
+            record = bench_end_to_end(model, (3, 224, 224), end_to_end_batch, precision, device, runs, plan,
+                                      ["cudnn", "direct"])
+            record.update(model=name, sparsity=end_to_end_sparsity, weights="synthetic")
+            result["end_to_end"].append(record)
+            print(f"e2e {name} {precision}: dense {record['dense_ms']:.3f} ms, planned {record['planned_ms']:.3f} ms")
+    if sparse_file is not None:
+        from unsparse.sparse.io import load_sparse
+
+        if sparse_input_shape is None:
+            raise ValueError("sparse_input_shape: needed with sparse_file")
+        for batch in batches:
+            trained = load_sparse(sparse_file).to(device)
+            set_backend(trained, "cudnn")
+            record = bench_end_to_end_sparse(trained, sparse_input_shape, batch, device, runs, plan)
+            record.update(model=str(sparse_file), weights="trained")
+            result["end_to_end"].append(record)
+    plan.save(plan_path)
+    result["targets"] = evaluate_targets(result)
+    (out_dir / "bench.json").write_text(json.dumps(result, indent=1, default=_json_default))
+    (out_dir / "bench.md").write_text(markdown_report(result))
+    plot_results(result, out_dir)
+    return result
+
+
+def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch: int, device: torch.device,
+                            runs: int, plan: Plan) -> dict[str, Any]:
+    """A model that is already sparse (loaded from a file): its dense fallback (cuDNN) vs its plan."""
+    layers = sparse_layers(model)
+    dtype = next(iter(layers.values())).values.dtype if layers else torch.float32
+    precision = "fp16" if dtype == torch.float16 else "fp32"
+    with precision_mode(False):
+        x = torch.randn(batch, *input_shape, device=device, dtype=dtype)
+        set_backend(model, "cudnn")
+        with torch.no_grad():
+            dense_out = model(x)
+            dense_t = time_fn(lambda i: model(x), device, runs=runs)
+        reused_before = len(plan.entries)
+        plan, comparisons = plan_model(model, x, plan)
+        with torch.no_grad():
+            sparse_out = model(x)
+            sparse_t = time_fn(lambda i: model(x), device, runs=runs)
+    return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
+            "speedup": dense_t.median_ms / sparse_t.median_ms,
+            "rel_error": relative_error(sparse_out.double(), dense_out.double()),
+            "tolerance": 10 * tolerance(dtype), "layers_planned_now": len(comparisons),
+            "plan_entries_reused": reused_before, "dense_timing": dense_t.to_dict(),
+            "planned_timing": sparse_t.to_dict()}
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, tuple):
+        return list(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def _progress(record: dict[str, Any]) -> None:
+    best = record["best_ms"]
+    text = ", ".join(f"{k} {v:.3f}" for k, v in best.items() if v is not None)
+    print(f"{record['model']} {record['layer']} {record['in_chw']} b{record['batch']} {record['precision']} "
+          f"s{record['target_sparsity']}: {text} ms", flush=True)
+
+
+def geomean(values: Sequence[float]) -> float | None:
+    """Geometric mean of positive values; None for an empty sequence."""
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def evaluate_targets(result: dict[str, Any]) -> dict[str, Any]:
+    """Issue 5's targets computed from the measured records (batch 128, H100, sparsity 0.9).
+
+    * ``vgg16_fp32_2x``: per VGG16 3x3 layer with input 224..28, direct FP32 vs cuDNN FP32 (TF32 off) >= 2.
+    * ``escoin_geomean``: geometric mean over non-stem layers of AlexNet, GoogLeNet and ResNet-50 of
+      direct vs im2col + cuBLAS (>= 2.63) and vs im2col + cuSPARSE (>= 3.07), FP32.
+    * ``end_to_end``: planned model not slower than dense (3% noise allowance), per model and precision.
+    """
+    layers = [r for r in result["layers"] if r["batch"] == 128 and abs(r["target_sparsity"] - 0.9) < 1e-9]
+    vgg = [r for r in layers if r["model"] == "vgg16" and r["precision"] == "fp32"
+           and r["weight_shape"][2:] == [3, 3] and 28 <= r["in_chw"][1] <= 224]
+    vgg_rows = [{"layer": r["layer"], "in_chw": r["in_chw"], "speedup": r["speedup_vs_cudnn"],
+                 "met": r["speedup_vs_cudnn"] is not None and r["speedup_vs_cudnn"] >= 2} for r in vgg]
+    targets: dict[str, Any] = {"vgg16_fp32_2x": {"layers": vgg_rows,
+                                                 "met": bool(vgg_rows) and all(r["met"] for r in vgg_rows)}}
+    escoin = [r for r in layers if r["model"] in ESCOIN_MODELS and r["precision"] == "fp32" and not r["stem"]]
+    for name, goal in ESCOIN_TARGETS.items():
+        speedups = [r[f"speedup_vs_{name}"] for r in escoin for _ in range(r["count"])
+                    if r[f"speedup_vs_{name}"] is not None]
+        value = geomean(speedups)
+        targets[f"escoin_geomean_vs_{name}"] = {"geomean": value, "goal": goal, "layers": len(speedups),
+                                                "met": value is not None and value >= goal}
+    e2e = [{"model": r["model"], "precision": r["precision"], "speedup": r["speedup"],
+            "met": r["planned_ms"] <= 1.03 * r["dense_ms"]} for r in result["end_to_end"]]
+    targets["end_to_end_not_slower"] = {"runs": e2e, "met": bool(e2e) and all(r["met"] for r in e2e)}
+    return targets
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_report(result: dict[str, Any]) -> str:
+    """Markdown tables: environment, targets, every per-layer record, end-to-end runs."""
+    env = result["environment"]
+    lines = ["# UnSparse benchmark", "", f"GPU: {env.get('gpu')}; driver {env.get('driver')}; torch {env['torch']}; "
+             f"CUDA {env['cuda']}; cuDNN {env.get('cudnn')}; CuPy {env.get('cupy')}; commit {env['commit']}; "
+             f"{env['date_utc']}.", "", f"Weights: {result['weights']}. Medians of {result['runs']} runs (ms), "
+             "CUDA events, inputs rotated beyond L2. FP32 columns have TF32 off.", "", "## Targets (issue 5)", ""]
+    targets = result["targets"]
+    vgg = targets["vgg16_fp32_2x"]
+    verdict = "met" if vgg["met"] else "missed"
+    lines.append(f"- VGG16 3x3 layers 224..28, FP32, b128, 0.9: direct >= 2x cuDNN: **{verdict}**")
+    lines += [f"  - {r['layer']} {r['in_chw']}: {_fmt(r['speedup'], 2)}x" for r in vgg["layers"]]
+    for name in ESCOIN_TARGETS:
+        t = targets[f"escoin_geomean_vs_{name}"]
+        lines.append(f"- geomean direct vs {name} (AlexNet/GoogLeNet/ResNet-50 non-stem layers, FP32, b128, 0.9, "
+                     f"{t['layers']} layers): {_fmt(t['geomean'], 2)}x, goal {t['goal']}x: "
+                     f"**{'met' if t['met'] else 'missed'}**")
+    e2e = targets["end_to_end_not_slower"]
+    lines.append(f"- end to end, planned not slower than dense: **{'met' if e2e['met'] else 'missed'}**")
+    lines += ["", "## Per layer", "", "| model | layer | n | C,H,W | weight | stride | batch | prec | sparsity | L "
+              "| cuDNN | direct | im2col+cuBLAS | im2col+cuSPARSE | direct/cuDNN | direct TFLOP/s | direct params |",
+              "|" + "---|" * 17]
+    for r in result["layers"]:
+        best = r["best_ms"]
+        lines.append(f"| {r['model']} | {r['layer']} | {r['count']} | {r['in_chw']} | {r['weight_shape']} | "
+                     f"{r['geometry']['stride']} | {r['batch']} | {r['precision']} | {r['sparsity']:.3f} | "
+                     f"{r['row_length']} | {_fmt(best.get('cudnn'))} | {_fmt(best.get('direct'))} | "
+                     f"{_fmt(best.get('im2col_cublas'))} | {_fmt(best.get('im2col_cusparse'))} | "
+                     f"{_fmt(r['speedup_vs_cudnn'], 2)} | {_fmt(r['direct_useful_tflops'], 1)} | "
+                     f"{json.dumps(r['direct_params'])} |")
+    lines += ["", "## End to end", "", "| model | weights | batch | prec | dense ms | planned ms | speedup "
+              "| rel. error | backends |", "|" + "---|" * 9]
+    for r in result["end_to_end"]:
+        lines.append(f"| {r['model']} | {r['weights']} | {r['batch']} | {r['precision']} | {_fmt(r['dense_ms'])} | "
+                     f"{_fmt(r['planned_ms'])} | {_fmt(r['speedup'], 2)} | {r['rel_error']:.2e} | "
+                     f"{r.get('backend_counts', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_results(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """``speedup.png`` (direct over cuDNN per layer vs sparsity, batch 128 FP32, one panel per model),
+    ``breakdown.png`` (summed layer time per backend and model) and ``end_to_end.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    layers = [r for r in result["layers"] if r["precision"] == "fp32" and r["batch"] == max(
+        (q["batch"] for q in result["layers"]), default=0)]
+    models = sorted({r["model"] for r in layers})
+    if models:
+        fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+        for ax, name in zip(axes[0], models, strict=True):
+            by_layer: dict[str, list[tuple[float, float]]] = {}
+            for r in layers:
+                if r["model"] == name and r["speedup_vs_cudnn"] is not None:
+                    by_layer.setdefault(r["layer"], []).append((r["target_sparsity"], r["speedup_vs_cudnn"]))
+            for layer, points in by_layer.items():
+                points.sort()
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=layer)
+            ax.axhline(1.0, color="gray", linestyle="--")
+            ax.set(title=f"{name} FP32 (synthetic weights)", xlabel="sparsity", ylabel="speedup over cuDNN")
+            if len(by_layer) <= 16:
+                ax.legend(fontsize=6)
+        fig.tight_layout()
+        paths.append(out_dir / "speedup.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(8, 4))
+        backends = ["cudnn", "direct", "im2col_cublas", "im2col_cusparse"]
+        width = 0.8 / len(backends)
+        for i, backend in enumerate(backends):
+            totals = [sum(r["best_ms"].get(backend) * r["count"] for r in layers
+                          if r["model"] == m and abs(r["target_sparsity"] - 0.9) < 1e-9
+                          and r["best_ms"].get(backend) is not None) for m in models]
+            ax.bar([j + i * width for j in range(len(models))], totals, width, label=backend)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
+        ax.set(ylabel="sum of conv layer times (ms), sparsity 0.9", yscale="log")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out_dir / "breakdown.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    if result["end_to_end"]:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        labels = [f"{r['model'].split('/')[-1]}\n{r['precision']} b{r['batch']}" for r in result["end_to_end"]]
+        xs = range(len(labels))
+        ax.bar([x - 0.2 for x in xs], [r["dense_ms"] for r in result["end_to_end"]], 0.4, label="dense (cuDNN)")
+        ax.bar([x + 0.2 for x in xs], [r["planned_ms"] for r in result["end_to_end"]], 0.4, label="planned")
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set(ylabel="model time (ms)")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out_dir / "end_to_end.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths

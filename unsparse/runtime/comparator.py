@@ -1,0 +1,260 @@
+"""The per-layer comparator (DESIGN.md, Runtime and comparator).
+
+For one layer and input it runs every applicable backend over its tuning space, checks each setting's
+output against a float64 reference, times the correct ones, and names the fastest. Large tuning spaces
+are screened first (a few runs each) and only the best settings are timed with the full run count; both
+measurements are recorded. :func:`plan_model` does this for every sparse layer of a model and fills a
+:class:`~unsparse.runtime.plan.Plan`, reusing entries already planned.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unsparse.runtime.backends import available_backends, get_backend
+from unsparse.runtime.modules import SparseConv, sparse_layers
+from unsparse.runtime.plan import Plan, PlanEntry, layer_key, use_plan
+from unsparse.runtime.timing import MIN_RUNS, Timing, cache_bytes, rotated_inputs, rotation_count, time_fn
+from unsparse.sparse.format import UniformCSR
+from unsparse.sparse.geometry import ConvGeometry
+
+log = logging.getLogger(__name__)
+
+COMPARED_BY_DEFAULT_EXCLUDES = frozenset({"reference", "auto"})
+"""Backends not timed unless asked for: the reference is the check, ``auto`` is the plan itself."""
+
+
+def tolerance(dtype: torch.dtype, tf32: bool = False) -> float:
+    """Relative-error bound ``||out - ref|| / ||ref||`` for a backend output of ``dtype``.
+
+    float32 1e-5 (5e-3 when TF32 is allowed), float16 2e-3, bfloat16 1.5e-2, float64 1e-10.
+    """
+    if dtype == torch.float32:
+        return 5e-3 if tf32 else 1e-5
+    return {torch.float16: 2e-3, torch.bfloat16: 1.5e-2, torch.float64: 1e-10}[dtype]
+
+
+def check_images(batch: int) -> list[int]:
+    """Images whose outputs are checked: first, middle and last (covers sub-batch starts and tails)."""
+    return sorted({0, batch // 2, batch - 1})
+
+
+def reference_output(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+                     images: list[int]) -> torch.Tensor:
+    """float64 ``F.conv2d`` of the selected images with the decompressed weight, on ``x``'s device.
+
+    Returns:
+        ``(len(images), M, E, F)`` float64.
+    """
+    R, S = csr.kernel_size
+    weight = csr.to_dense().double().reshape(csr.out_channels, csr.in_channels_per_group, R, S)
+    return F.conv2d(x[images].double(), weight, None if bias is None else bias.double(), geometry.stride,
+                    geometry.padding, geometry.dilation, geometry.groups)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64 (absolute when ``ref`` is all zero); inf for NaN or shape
+    mismatch."""
+    if out.shape != ref.shape:
+        return float("inf")
+    diff = torch.linalg.vector_norm(out.double() - ref).item()
+    scale = torch.linalg.vector_norm(ref).item()
+    error = diff / scale if scale > 0 else diff
+    return error if error == error else float("inf")
+
+
+@dataclass
+class Measurement:
+    """One backend setting on one layer.
+
+    Attributes:
+        backend, params: what ran. status: ``"ok"`` (correct and timed), ``"wrong"`` (failed the check),
+            ``"unsupported"``, ``"error"`` (raised). rel_error: against the float64 reference.
+        screen: timing of the screening pass (few runs), if any. timing: full timing (>= 20 runs), if any.
+        reason: why it is not ``"ok"``.
+    """
+
+    backend: str
+    params: dict[str, Any]
+    status: str
+    rel_error: float | None = None
+    screen: Timing | None = None
+    timing: Timing | None = None
+    reason: str | None = None
+
+    @property
+    def median_ms(self) -> float:
+        """Full-timing median (ms), else the screening median, else inf."""
+        chosen = self.timing or self.screen
+        return chosen.median_ms if chosen is not None else float("inf")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form (timings as dicts)."""
+        data = asdict(self)
+        data["median_ms"] = self.median_ms if self.median_ms != float("inf") else None
+        return data
+
+
+@dataclass
+class LayerComparison:
+    """All measurements of one layer on one input, and the fastest correct one (``best``)."""
+
+    key: str
+    measurements: list[Measurement] = field(default_factory=list)
+
+    @property
+    def best(self) -> Measurement | None:
+        """Fastest fully timed correct setting (None if nothing ran correctly)."""
+        timed = [m for m in self.measurements if m.status == "ok" and m.timing is not None]
+        return min(timed, key=lambda m: m.timing.median_ms) if timed else None
+
+    def fastest(self, backend: str) -> Measurement | None:
+        """Fastest fully timed correct setting of one backend."""
+        timed = [m for m in self.measurements if m.backend == backend and m.status == "ok" and m.timing]
+        return min(timed, key=lambda m: m.timing.median_ms) if timed else None
+
+    def plan_entry(self) -> PlanEntry:
+        """The plan entry this comparison implies.
+
+        Raises:
+            RuntimeError: if no backend ran correctly.
+        """
+        best = self.best
+        if best is None:
+            raise RuntimeError(f"{self.key}: no backend produced a correct output")
+        others = sorted({m.backend for m in self.measurements if m.status == "ok" and m.backend != best.backend})
+        runner = min(others, key=lambda b: self.fastest(b).median_ms) if others else None
+        return PlanEntry(best.backend, best.params, best.timing.median_ms, runner)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form with every measurement and the winner."""
+        best = self.best
+        return {"key": self.key, "best": None if best is None else best.to_dict(),
+                "measurements": [m.to_dict() for m in self.measurements]}
+
+
+def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+                  backends: list[str] | None = None, runs: int = MIN_RUNS, warmup: int = 3,
+                  screen_runs: int = 3, keep: int = 3, tol: float | None = None) -> LayerComparison:
+    """Compare backends on one layer (DESIGN.md, Runtime and comparator).
+
+    Args:
+        x: ``(N, C, H, W)`` input on the device to compare on. csr, bias, geometry: the layer.
+        backends: names to try; default every backend available on ``x``'s device except those in
+            :data:`COMPARED_BY_DEFAULT_EXCLUDES`.
+        runs, warmup: full timing of each backend's ``keep`` best settings (runs >= 1; the protocol wants
+            >= 20). screen_runs: runs per setting when a backend has more than ``keep`` settings.
+        tol: relative error bound; default :func:`tolerance` of ``x.dtype`` (TF32-aware).
+
+    Returns:
+        Every measurement, correct or not; ``best`` is the fastest correct one.
+    """
+    names = backends if backends is not None else [
+        b for b in available_backends(x.device) if b not in COMPARED_BY_DEFAULT_EXCLUDES]
+    tf32 = x.device.type == "cuda" and torch.backends.cudnn.allow_tf32
+    bound = tol if tol is not None else tolerance(x.dtype, tf32)
+    images = check_images(x.shape[0])
+    with torch.no_grad():
+        ref = reference_output(x, csr, bias, geometry, images)
+        inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(x.device)))
+        result = LayerComparison(layer_key(x, csr, geometry))
+        for name in names:
+            result.measurements += _measure_backend(name, inputs, csr, bias, geometry, ref, images, bound,
+                                                    runs, warmup, screen_runs, keep)
+    return result
+
+
+def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bias: torch.Tensor | None,
+                     geometry: ConvGeometry, ref: torch.Tensor, images: list[int], bound: float, runs: int,
+                     warmup: int, screen_runs: int, keep: int) -> list[Measurement]:
+    backend = get_backend(name)
+    x = inputs[0]
+    reason = backend.unsupported_reason(x, csr, geometry)
+    if reason is not None:
+        return [Measurement(name, {}, "unsupported", reason=reason)]
+    measurements = []
+    space = backend.tuning_space(x, csr, geometry)
+    precompile = getattr(backend, "precompile", None)
+    if precompile is not None:
+        precompile(x, csr, geometry, space)
+    for params in space:
+        try:
+            out = backend.conv(x, csr, bias, geometry, **params)
+            error = relative_error(out[images], ref)
+        except (RuntimeError, ValueError) as exc:
+            measurements.append(Measurement(name, params, "error", reason=f"{type(exc).__name__}: {exc}"))
+            continue
+        if error > bound:
+            measurements.append(Measurement(name, params, "wrong", error,
+                                            reason=f"relative error {error:.3g} > {bound:.3g}"))
+            continue
+        measurements.append(Measurement(name, params, "ok", error))
+
+    def timed(m: Measurement, count: int, warm: int) -> Timing:
+        return time_fn(lambda i: backend.conv(inputs[i % len(inputs)], csr, bias, geometry, **m.params),
+                       x.device, runs=count, warmup=warm, rotation=len(inputs))
+
+    correct = [m for m in measurements if m.status == "ok"]
+    if len(correct) > keep:
+        for m in correct:
+            m.screen = timed(m, screen_runs, 1)
+        correct = sorted(correct, key=lambda m: m.screen.median_ms)[:keep]
+    for m in correct:
+        m.timing = timed(m, runs, warmup)
+    return measurements
+
+
+def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None,
+               backends: list[str] | None = None, **compare_kwargs: Any) -> tuple[Plan, list[LayerComparison]]:
+    """Plan every :class:`SparseConv` of ``model`` for input ``example`` and switch them to ``"auto"``.
+
+    One forward pass runs the layers on their dense fallback; before each sparse layer runs, its actual
+    input is compared with :func:`compare_layer` unless its key is already in ``plan`` (plan reuse).
+    The resulting plan is activated (:func:`~unsparse.runtime.plan.use_plan`); each layer's key is left in
+    its ``plan_key`` attribute.
+
+    Args:
+        model: holds SparseConv layers, on the device of ``example``.
+        example: a model input (batch size and dtype as they will be run).
+        plan: earlier plan to extend; a new one if None. backends, compare_kwargs: for :func:`compare_layer`.
+
+    Returns:
+        The plan and the comparisons made in this call (empty for fully reused plans).
+    """
+    from unsparse.sparse.functional import dense_fallback_backend
+
+    plan = plan if plan is not None else Plan()
+    comparisons: list[LayerComparison] = []
+
+    def before(layer: SparseConv, args: tuple[torch.Tensor, ...]) -> None:
+        x = args[0].unsqueeze(2) if layer.geometry.spatial_dims == 1 else args[0]
+        key = layer_key(x, layer.csr, layer.geometry)
+        layer.plan_key = key
+        if plan.get(key) is None:
+            comparison = compare_layer(x, layer.csr, layer.bias, layer.geometry, backends, **compare_kwargs)
+            comparisons.append(comparison)
+            plan.entries[key] = comparison.plan_entry()
+
+    layers = sparse_layers(model)
+    saved = {name: (layer.backend, layer.backend_params) for name, layer in layers.items()}
+    handles = [layer.register_forward_pre_hook(before) for layer in layers.values()]
+    try:
+        for layer in layers.values():
+            layer.backend, layer.backend_params = dense_fallback_backend(example.device), {}
+        with torch.no_grad():
+            model(example)
+    finally:
+        for handle in handles:
+            handle.remove()
+        for name, layer in layers.items():
+            layer.backend, layer.backend_params = saved[name]
+    for layer in layers.values():
+        layer.backend, layer.backend_params = "auto", {}
+    use_plan(plan)
+    return plan, comparisons
