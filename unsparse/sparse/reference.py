@@ -1,9 +1,12 @@
-"""CPU reference direct sparse convolution over a UniformCSR weight (Escoin Algorithm 2, §3.1).
+"""CPU reference direct sparse convolution over a UniformCSR weight (Escoin §3.1, Algorithm 2).
 
-This is the algorithm the GPU kernels implement, written with torch gathers: the input is zero padded and
-flattened per image, each stored entry's stretched offset selects a shifted window of it, and the window is
-scaled by the entry's value and accumulated into its output channel. It is deliberately independent of
-``torch.nn.functional.conv2d`` so that tests comparing the two catch indexing errors.
+The input is zero padded and flattened per image (NCHW). Each stored entry's stretched offset (weight
+stretching) plus the offset of output pixel ``(e, f)`` addresses the input element it multiplies
+(Escoin's dynamic indexing). Entries of different rows that share a filter position share an offset, so the
+windows are gathered once per distinct offset and the rows combine them with one small product: the work
+is proportional to the distinct filter positions actually stored, and nothing is lowered for positions
+that no row uses. It is independent of ``torch.nn.functional.conv2d``, so tests comparing the two catch
+indexing errors, and fast enough to run a whole test set on the CPU.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ def output_pixel_offsets(geometry: ConvGeometry, out_hw: tuple[int, int], padded
 
 
 def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None,
-                          geometry: ConvGeometry, entries_per_step: int = 8) -> torch.Tensor:
+                          geometry: ConvGeometry, images_per_step: int = 64) -> torch.Tensor:
     """Direct sparse convolution, ``groups == 1``.
 
     Args:
@@ -38,7 +41,7 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
         csr: weight with ``C`` input channels and kernel ``(R, S)``.
         bias: ``(M,)`` or None.
         geometry: stride, padding, dilation (``groups`` must be 1).
-        entries_per_step: stored entries gathered per vectorised step (memory ~ N*M*E*F*entries_per_step).
+        images_per_step: images gathered at once (memory ~ images_per_step * distinct offsets * E * F).
 
     Returns:
         ``(N, M, E, F)`` tensor of ``x``'s dtype; float16/bfloat16 inputs accumulate in float32.
@@ -49,7 +52,7 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
     if geometry.groups != 1:
         raise ValueError("reference_sparse_conv: groups must be 1 (callers fall back to dense for groups > 1)")
     N, C, H, W = x.shape
-    if csr.in_channels_per_group != C:
+    if C != csr.in_channels_per_group:
         raise ValueError(f"x: {C} channels, weight expects {csr.in_channels_per_group}")
     accumulate = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     padded = F.pad(x.to(accumulate), (geometry.padding[1], geometry.padding[1],
@@ -57,15 +60,15 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
     padded_hw = (padded.shape[2], padded.shape[3])
     E, F_ = geometry.output_size(H, W, csr.kernel_size)
     flat = padded.reshape(N, -1)
-    offsets = geometry.stretched_offsets(csr.col_idx, csr.kernel_size, padded_hw)
-    pixels = output_pixel_offsets(geometry, (E, F_), padded_hw, x.device)
-    values = csr.values.to(accumulate)
-    out = torch.zeros(N, csr.out_channels, E * F_, dtype=accumulate, device=x.device)
-    for start in range(0, csr.row_length, entries_per_step):
-        stop = min(start + entries_per_step, csr.row_length)
-        index = offsets[:, start:stop, None] + pixels  # (M, j, E*F)
-        window = flat[:, index]  # (N, M, j, E*F)
-        out += torch.einsum("nmjp,mj->nmp", window, values[:, start:stop])
+    offsets = geometry.stretched_offsets(csr.col_idx, csr.kernel_size, padded_hw)  # (M, L)
+    distinct, slot = torch.unique(offsets, return_inverse=True)  # (U,), (M, L)
+    rows = torch.arange(csr.out_channels, device=x.device)[:, None].expand_as(slot)
+    combine = torch.zeros(csr.out_channels, len(distinct), dtype=accumulate, device=x.device)
+    combine.index_put_((rows, slot), csr.values.to(accumulate), accumulate=True)  # (M, U)
+    index = distinct[:, None] + output_pixel_offsets(geometry, (E, F_), padded_hw, x.device)  # (U, E*F)
+    out = torch.empty(N, csr.out_channels, E * F_, dtype=accumulate, device=x.device)
+    for start in range(0, N, images_per_step):
+        out[start:start + images_per_step] = combine @ flat[start:start + images_per_step, index]
     if bias is not None:
         out += bias.to(accumulate)[None, :, None]
     return out.reshape(N, csr.out_channels, E, F_).to(x.dtype)
