@@ -90,6 +90,7 @@ __global__ void direct_rows(const T* __restrict__ x,            // (N, C, H, W),
         s_val[j] = unsparse::load_float(values + idx);
       }
       __syncthreads();
+#pragma unroll 4
       for (int j = 0; j < count; ++j) {
         const int off = s_off[j];
         const int dy = s_tap[j] >> TAP_SHIFT_BITS;
@@ -216,9 +217,17 @@ __global__ void __launch_bounds__((TE / PE) * (TF / PF))
         for (int i = 0; i < PE + R - 1; ++i)
 #pragma unroll
           for (int j = 0; j < PF + S - 1; ++j) patch[i][j] = tile[cc][e_local + i][f_local + j];
+        // The next entry's code and weight are loaded before this one's switch runs, so the load latency
+        // overlaps the FMAs instead of preceding every indirect branch.
+        int next_code = __ldg(codes + begin);
+        float next_w = __ldg(weights + begin);
         for (int t = begin; t < end; ++t) {
-          const int code = __ldg(codes + t);
-          const float w = __ldg(weights + t);
+          const int code = next_code;
+          const float w = next_w;
+          if (t + 1 < end) {
+            next_code = __ldg(codes + t + 1);
+            next_w = __ldg(weights + t + 1);
+          }
           switch (code) {
             UNSPARSE_TAP_CASES64(0)
             UNSPARSE_TAP_CASES64(64)

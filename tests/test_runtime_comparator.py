@@ -1,0 +1,169 @@
+"""CPU tests of timing, plans, the ``auto`` backend and the comparator (with CPU backends and fakes)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from unsparse.runtime import sparsify
+from unsparse.runtime.backends import base, get_backend
+from unsparse.runtime.backends.base import ConvBackend
+from unsparse.runtime.comparator import compare_layer, plan_model, relative_error, tolerance
+from unsparse.runtime.plan import Plan, PlanEntry, PlanError, layer_key, use_plan
+from unsparse.runtime.timing import rotation_count, time_backend, time_fn
+from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
+
+
+def small_layer(seed: int = 0, batch: int = 3):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(6, 4, 3, 3, generator=gen)
+    weight[torch.rand(weight.shape, generator=gen) < 0.7] = 0
+    return torch.randn(batch, 4, 10, 9, generator=gen), UniformCSR.from_dense(weight), torch.randn(6, generator=gen)
+
+
+class Broken(ConvBackend):
+    name = "test_broken"
+    device_types = frozenset({"cpu"})
+
+    def conv(self, x, csr, bias, geometry, **params: Any) -> torch.Tensor:
+        out = get_backend("dense_cpu").conv(x, csr, bias, geometry)
+        out[-1, 0, 0, 0] += 1.0  # wrong in the last image only
+        return out
+
+
+class Slow(ConvBackend):
+    name = "test_slow"
+    device_types = frozenset({"cpu"})
+
+    def tuning_space(self, x, csr, geometry) -> list[dict[str, Any]]:
+        return [{"delay": d} for d in (0.08, 0.001, 0.1, 0.002, 0.06)]
+
+    def conv(self, x, csr, bias, geometry, delay: float = 0.0, **params: Any) -> torch.Tensor:
+        time.sleep(delay)
+        return get_backend("dense_cpu").conv(x, csr, bias, geometry)
+
+
+@pytest.fixture
+def fakes(monkeypatch: pytest.MonkeyPatch) -> None:
+    for cls in (Broken, Slow):
+        monkeypatch.setitem(base._REGISTRY, cls.name, cls)
+
+
+def test_time_fn_counts_runs_and_reports_milliseconds() -> None:
+    calls = []
+    timing = time_fn(lambda i: (calls.append(i), time.sleep(0.002)), "cpu", runs=20, warmup=2, rotation=3)
+    assert calls == [0, 1, *range(20)]
+    assert timing.runs == 20 and timing.rotation == 3
+    assert 2.0 <= timing.min_ms <= timing.median_ms <= timing.max_ms < 1000
+    with pytest.raises(ValueError, match="runs"):
+        time_fn(lambda i: None, "cpu", runs=0)
+
+
+def test_rotation_count_exceeds_twice_the_cache() -> None:
+    assert rotation_count(10, 0) == 1
+    count = rotation_count(30 * 2**20, 50 * 2**20)
+    assert count * 30 * 2**20 > 100 * 2**20 and (count - 1) * 30 * 2**20 <= 100 * 2**20
+    assert rotation_count(1, 2**30, limit=8) == 8
+    with pytest.raises(ValueError):
+        rotation_count(-1, 0)
+
+
+def test_time_backend_on_cpu() -> None:
+    x, csr, bias = small_layer()
+    timing = time_backend("dense_cpu", x, csr, bias, ConvGeometry.of(1, 1), runs=20)
+    assert timing.runs == 20 and timing.median_ms > 0
+
+
+def test_compare_layer_rejects_wrong_backend_and_picks_fastest(fakes: None) -> None:
+    x, csr, bias = small_layer(batch=5)
+    result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["test_broken", "test_slow", "im2col_cublas"],
+                           runs=20, screen_runs=2, keep=2)
+    broken = [m for m in result.measurements if m.backend == "test_broken"]
+    assert [m.status for m in broken] == ["wrong"] and broken[0].timing is None
+    slow = [m for m in result.measurements if m.backend == "test_slow"]
+    assert all(m.screen is not None for m in slow)
+    fully_timed = sorted(m.params["delay"] for m in slow if m.timing is not None)
+    assert fully_timed == [0.001, 0.002]
+    assert result.best.backend != "test_broken"
+    assert result.best.timing.median_ms == min(m.timing.median_ms for m in result.measurements if m.timing)
+    assert json.loads(json.dumps(result.to_dict()))["best"]["backend"] == result.best.backend
+
+
+def test_compare_layer_records_unsupported_backends() -> None:
+    x, csr, bias = small_layer()
+    result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["direct", "dense_cpu"], runs=3)
+    direct = [m for m in result.measurements if m.backend == "direct"]
+    assert direct[0].status == "unsupported" and "cuda" in direct[0].reason
+    assert result.best.backend == "dense_cpu"
+
+
+def test_relative_error_and_tolerance() -> None:
+    ref = torch.ones(4, dtype=torch.float64)
+    assert relative_error(ref.float(), ref) == 0
+    assert relative_error(torch.tensor([1.0, 1.0, 1.0, float("nan")]), ref) == float("inf")
+    assert relative_error(torch.ones(3), ref) == float("inf")
+    assert tolerance(torch.float16) > tolerance(torch.float32) and tolerance(torch.float32, tf32=True) > 1e-4
+
+
+def test_plan_json_round_trip_and_validation(tmp_path) -> None:
+    plan = Plan({"k1": PlanEntry("direct", {"variant": "rows", "sub_batch": 4}, 1.5, "cudnn")})
+    plan.save(tmp_path / "p.json")
+    loaded = Plan.load(tmp_path / "p.json")
+    assert loaded.to_dict() == plan.to_dict()
+    with pytest.raises(PlanError, match="version"):
+        Plan.from_dict({"version": 99, "entries": {}})
+    with pytest.raises(PlanError, match="backend"):
+        Plan.from_dict({"version": 1, "entries": {"k": {"backend": "nope", "params": {}, "median_ms": 1,
+                                                           "runner_up": None}}})
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(PlanError, match="JSON"):
+        Plan.load(tmp_path / "bad.json")
+
+
+def test_layer_key_separates_batch_dtype_shape_and_geometry() -> None:
+    x, csr, _ = small_layer()
+    g = ConvGeometry.of(1, 1)
+    keys = {layer_key(x, csr, g), layer_key(x[:2], csr, g), layer_key(x.double(), csr.to(dtype=torch.float64), g),
+            layer_key(x, csr, ConvGeometry.of(2, 1)), layer_key(x, csr, g, device="NVIDIA H100")}
+    assert len(keys) == 5 and "cpu" in layer_key(x, csr, g)
+
+
+def test_auto_backend_follows_plan_and_falls_back(fakes: None) -> None:
+    x, csr, bias = small_layer(seed=4)
+    g = ConvGeometry.of(1, 1)
+    missing = sparse_conv(x, csr, bias, g, backend="auto")
+    dense = get_backend("dense_cpu").conv(x, csr, bias, g)
+    assert torch.equal(missing, dense)
+    use_plan(Plan({layer_key(x, csr, g): PlanEntry("test_broken", {}, 1.0)}))
+    planned = sparse_conv(x, csr, bias, g, backend="auto")
+    assert not torch.equal(planned, dense)  # the (deliberately wrong) planned backend really ran
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2),
+                                  nn.Conv2d(8, 4, 1))
+        self.conv1d = nn.Conv1d(4, 4, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.body(x)
+        return self.conv1d(y.flatten(2))
+
+
+def test_plan_model_on_cpu_matches_dense_and_reuses_plan() -> None:
+    torch.manual_seed(2)
+    model = Net().eval()
+    x = torch.randn(2, 3, 12, 12)
+    sparse = sparsify(model)
+    plan, comparisons = plan_model(sparse, x, backends=["dense_cpu", "im2col_cublas", "reference"], runs=3)
+    assert len(comparisons) == 4 and len(plan.entries) == 4
+    with torch.no_grad():
+        assert relative_error(sparse(x).double(), model(x).double()) < 1e-5
+    _, comparisons = plan_model(sparsify(model), x, plan, runs=3)
+    assert comparisons == []
