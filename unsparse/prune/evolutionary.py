@@ -1,0 +1,503 @@
+"""Evolutionary pruning with gradient statistics and rewinding (UnSparse-Opt Algorithm 2, paper 004 §3.1).
+
+The paper's text lacks its equations; this follows the reading in ``DESIGN.md``. One iteration ``t``:
+
+1. choose a subset ``C_t`` of layers to prune further (line 10), drawn without replacement with probability
+   proportional to the weights a layer may still lose, ``size_l * (max_layer_sparsity - s_l)``;
+2. train ``batches_per_iteration`` batches (or one epoch) with the masks applied (eq. 9: the
+   ``WeightMask`` parametrization multiplies every forward's weight by its mask, so pruned weights are 0 in
+   every step) and accumulate ``|grad|`` of the dense weights (line 11);
+3. ``G_l`` = mean ``|grad|`` per weight over those batches (eq. 10, line 12);
+4. validation score (top-1 %, or ``-MSE``) and sensitivity = its relative change against the score before
+   the iteration (lines 13-14). The change answers the mask update of the previous iteration, so it goes to
+   the layers chosen then (``pending``), whose step follows eq. 11 (lines 16-17):
+   ``Δ_l <- clip(Δ_l * (1 + β * sensitivity), min_step, max_step)`` (a negative sensitivity shrinks ``Δ_l``);
+5. the evaluated solution (masks, weights, score) enters the ranked list of the best ``L`` (lines 18-22);
+6. masks of ``C_t`` from importance ``I = |w| + α |G|`` (eq. 12) thresholded to ``s_l + Δ_l`` (eq. 13-14,
+   line 24); the last step is scaled so the weighted sparsity (eq. 7-8) lands exactly on the target;
+7. if the sensitivity is below ``-epsilon`` (progress not satisfactory, line 25), the previously chosen
+   layers are repaired instead of pruning ``C_t``: with probability ``mutation_threshold`` by mutation —
+   sparsity lowered by ``r * Δ_l``, ``r ~ U(0, 1)``, reviving the pruned weights of highest importance
+   (eq. 15-16) — otherwise by crossover — they take the masks of a random ranked solution (eq. 17-18); then,
+   if ``rewind``, every parameter and buffer returns to its value before this iteration's training
+   (line 34). The next iteration only trains (nothing pending), so a repair is never judged against the
+   score from before the damage, which a rewound model could not reach and would loop on.
+
+Dense weights keep their values where masked (only the effective weight is zeroed), so a revived weight
+comes back with the value it had when pruned. The run starts from the model as given (normally trained
+dense) with masks at ``initial_sparsity`` by magnitude, stops when the weighted sparsity reaches ``target``
+or after ``iterations``, then fine-tunes with masks on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler
+from tqdm.auto import tqdm
+
+from unsparse.prune.base import Pruner, PruneResult
+from unsparse.prune.masks import dense_weight, prunable_layers, threshold_mask
+from unsparse.train import Trainer, load_checkpoint, save_checkpoint
+
+CHECKPOINT = "evolutionary.pt"
+LOG = "prune_log.jsonl"
+FINE_TUNE_CHECKPOINT = "finetune.pt"
+
+
+def importance(weight: torch.Tensor, grad_stat: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Weight importance ``|w| + alpha * |G|`` (paper 004 eq. 12), same shape and dtype as ``weight``."""
+    return weight.abs() + alpha * grad_stat.abs()
+
+
+def resize_mask(keep: torch.Tensor, score: torch.Tensor, pruned: int) -> torch.Tensor:
+    """Boolean keep-mask with exactly ``pruned`` zeros by thresholding ``score`` (paper 004 eq. 13-14).
+
+    Growing the sparsity prunes the lowest-``score`` kept entries and leaves the pruned ones pruned; lowering
+    it (mutation, eq. 15-16) revives the highest-``score`` pruned entries and leaves the kept ones kept.
+
+    Args:
+        keep: current boolean mask (any shape).
+        score: importance of the same shape (e.g. :func:`importance`).
+        pruned: number of zeros wanted, in ``[0, keep.numel()]``.
+
+    Raises:
+        ValueError: if ``pruned`` is outside ``[0, keep.numel()]``.
+    """
+    if not 0 <= pruned <= keep.numel():
+        raise ValueError(f"pruned: {pruned} outside [0, {keep.numel()}]")
+    growing = pruned >= int((~keep).sum())
+    ranked = score.float().masked_fill(~keep if growing else keep, -math.inf if growing else math.inf)
+    return threshold_mask(ranked, pruned / keep.numel())
+
+
+def crossover_masks(current: Mapping[str, torch.Tensor], donor: Mapping[str, torch.Tensor],
+                    layers: list[str]) -> dict[str, torch.Tensor]:
+    """``current`` with the masks of ``layers`` taken from ``donor`` (crossover, paper 004 eq. 17-18).
+
+    Returns a new dict; donor tensors are cloned onto each current mask's device.
+
+    Raises:
+        KeyError: a named layer is missing from either side.
+        ValueError: a donor mask's shape differs from the current one.
+    """
+    crossed = dict(current)
+    for name in layers:
+        if donor[name].shape != current[name].shape:
+            raise ValueError(f"crossover: {name} mask shape {tuple(donor[name].shape)} differs from "
+                             f"{tuple(current[name].shape)}")
+        crossed[name] = donor[name].to(device=current[name].device, dtype=torch.bool, copy=True)
+    return crossed
+
+
+@dataclass
+class Solution:
+    """One entry of the ranked list (paper 004 Alg. 2 lines 19-21), held on the CPU.
+
+    Attributes:
+        score: validation score, higher is better (top-1 %, or ``-MSE``).
+        iteration: the iteration that produced it.
+        weighted_sparsity: eq. 7-8 of its masks.
+        masks: boolean keep-mask per layer.
+        state: the model's ``state_dict`` (dense originals, masks, biases, BatchNorm buffers).
+    """
+
+    score: float
+    iteration: int
+    weighted_sparsity: float
+    masks: dict[str, torch.Tensor]
+    state: dict[str, torch.Tensor]
+
+
+class RankedList:
+    """The best ``length`` solutions by score, best first (paper 004 Alg. 2 lines 18-22).
+
+    Ties keep the earlier solution ahead. Mutated by :meth:`offer` and :meth:`load_state`.
+    """
+
+    def __init__(self, length: int) -> None:
+        if length < 1:
+            raise ValueError(f"length: {length} < 1")
+        self.length = length
+        self.solutions: list[Solution] = []
+
+    def __len__(self) -> int:
+        return len(self.solutions)
+
+    def accepts(self, score: float) -> bool:
+        """Whether a solution of ``score`` would enter (list not full, or better than the worst)."""
+        return len(self.solutions) < self.length or score > self.solutions[-1].score
+
+    def offer(self, solution: Solution) -> bool:
+        """Insert ``solution`` if :meth:`accepts`; drop the worst beyond ``length``. Returns whether it entered."""
+        if not self.accepts(solution.score):
+            return False
+        position = next((i for i, kept in enumerate(self.solutions) if solution.score > kept.score),
+                        len(self.solutions))
+        self.solutions.insert(position, solution)
+        del self.solutions[self.length:]
+        return True
+
+    def sample(self, generator: torch.Generator) -> Solution:
+        """A uniformly random solution (crossover partner). Raises IndexError when empty."""
+        if not self.solutions:
+            raise IndexError("ranked list is empty")
+        return self.solutions[int(torch.randint(len(self.solutions), (), generator=generator))]
+
+    def state(self) -> list[dict[str, Any]]:
+        """Plain containers of tensors for a checkpoint."""
+        return [dataclasses.asdict(solution) for solution in self.solutions]
+
+    def load_state(self, state: list[dict[str, Any]]) -> None:
+        """Replace the contents with a :meth:`state`."""
+        self.solutions = [Solution(**entry) for entry in state]
+
+
+class EvolutionaryPruner(Pruner):
+    """UnSparse-Opt Algorithm 2 (paper 004 §3.1) as read in DESIGN.md; see the module docstring.
+
+    Args:
+        target: weighted sparsity (eq. 7-8) at which the iterations stop.
+        iterations: iteration budget.
+        batches_per_iteration: training batches per iteration (None: one epoch).
+        alpha: weight of the gradient statistics in the importance (eq. 12).
+        beta: scale of the sensitivity in the step update (eq. 11).
+        epsilon: relative score drop beyond which progress is not satisfactory (line 25).
+        ranked_list_length: ``L``, solutions kept in the ranked list.
+        unit_step: initial per-layer sparsity step ``Δ_l``: one value, or a mapping layer name -> value.
+        min_step, max_step: bounds of ``Δ_l``.
+        layers_per_iteration: size of the chosen subset ``C_t``.
+        mutation_threshold: probability of mutation rather than crossover on a stall.
+        initial_sparsity: per-layer sparsity of the first masks (by magnitude).
+        max_layer_sparsity: no layer is pruned beyond this.
+        rewind: rewind the weights on a stall (line 34).
+        lr: learning rate of the iterations (None: the trainer's).
+        fine_tune_epochs: masked fine-tuning epochs after the iterations.
+        fine_tune_lr: their learning rate (None: the trainer's).
+        seed: seed of the layer choice, mutation and crossover.
+        layers: layers to prune (default all prunable).
+
+    Raises:
+        ValueError: on out-of-range constants.
+    """
+
+    name = "evolutionary"
+
+    def __init__(self, target: float = 0.9, iterations: int = 100, batches_per_iteration: int | None = None,
+                 alpha: float = 0.1, beta: float = 10.0, epsilon: float = 0.005, ranked_list_length: int = 16,
+                 unit_step: float | Mapping[str, float] = 0.05, min_step: float = 0.005, max_step: float = 0.2,
+                 layers_per_iteration: int = 2, mutation_threshold: float = 0.5, initial_sparsity: float = 0.0,
+                 max_layer_sparsity: float = 0.99, rewind: bool = True, lr: float | None = 0.01,
+                 fine_tune_epochs: int = 3, fine_tune_lr: float | None = None, seed: int = 0,
+                 layers: list[str] | None = None) -> None:
+        super().__init__(target, layers)
+        if not 0.0 < min_step <= max_step <= 1.0:
+            raise ValueError(f"steps: need 0 < min_step {min_step} <= max_step {max_step} <= 1")
+        if not 0.0 <= initial_sparsity <= max_layer_sparsity <= 1.0:
+            raise ValueError(f"need 0 <= initial_sparsity {initial_sparsity} <= max_layer_sparsity "
+                             f"{max_layer_sparsity} <= 1")
+        if iterations < 0 or layers_per_iteration < 1 or (batches_per_iteration or 1) < 1:
+            raise ValueError("iterations must be >= 0, layers_per_iteration and batches_per_iteration >= 1")
+        self.iterations, self.batches_per_iteration = iterations, batches_per_iteration
+        self.alpha, self.beta, self.epsilon = alpha, beta, epsilon
+        self.ranked = RankedList(ranked_list_length)
+        self.unit_step = dict(unit_step) if isinstance(unit_step, Mapping) else unit_step
+        self.min_step, self.max_step = min_step, max_step
+        self.layers_per_iteration, self.mutation_threshold = layers_per_iteration, mutation_threshold
+        self.initial_sparsity, self.max_layer_sparsity, self.rewind = initial_sparsity, max_layer_sparsity, rewind
+        self.lr, self.fine_tune_epochs, self.fine_tune_lr, self.seed = lr, fine_tune_epochs, fine_tune_lr, seed
+        self.generator = torch.Generator()
+        self.grad_stats: dict[str, torch.Tensor] = {}
+        self.delta: dict[str, float] = {}
+        self.sensitivity: dict[str, float] = {}
+        self.chosen: list[str] = []
+        self.pending: list[str] = []
+        self.iteration = 0
+        self.score = -math.inf
+
+    def prepare(self, model: nn.Module) -> None:
+        """Attach masks and reset the state: ``Δ_l`` to its unit step, ``G`` to zeros, the generator to ``seed``."""
+        super().prepare(model)
+        layers = prunable_layers(model)
+        units = self.unit_step if isinstance(self.unit_step, dict) else dict.fromkeys(self.masks, self.unit_step)
+        self.delta = {name: float(min(max(units[name], self.min_step), self.max_step)) for name in self.masks}
+        self.sensitivity = dict.fromkeys(self.masks, 0.0)
+        self.grad_stats = {name: torch.zeros_like(dense_weight(layers[name])) for name in self.masks}
+        self.generator.manual_seed(self.seed)
+        self.ranked.solutions = []
+        self.chosen, self.pending, self.iteration, self.score = [], [], 0, -math.inf
+
+    def zero_counts(self) -> dict[str, int]:
+        """Number of pruned (mask 0) entries per masked layer."""
+        return {name: int((mask.mask == 0).sum()) for name, mask in self.masks.items()}
+
+    def mask_sparsity(self) -> dict[str, float]:
+        """Per-layer fraction of mask zeros (paper 004 eq. 6)."""
+        sizes = self.layer_sizes()
+        return {name: count / sizes[name] for name, count in self.zero_counts().items()}
+
+    def mask_weighted_sparsity(self) -> float:
+        """Weighted sparsity of the masks (eq. 7-8): total mask zeros over total masked weights."""
+        return sum(self.zero_counts().values()) / sum(self.layer_sizes().values())
+
+    def target_zeros(self) -> int:
+        """Mask zeros that meet ``target``: ``ceil(target * total)`` (a tiny tolerance absorbs float error)."""
+        return math.ceil(self.target * sum(self.layer_sizes().values()) - 1e-9)
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Prune each layer of ``chosen`` by its ``Δ_l`` on importance ``|w| + α|G|`` (eq. 12-14).
+
+        Increments are capped by ``max_layer_sparsity`` and scaled down so the total number of mask zeros
+        does not pass :meth:`target_zeros`. Mutates the masks; the dense weights keep their values.
+        """
+        sizes, zeros = self.layer_sizes(), self.zero_counts()
+        room = {name: max(math.floor(self.max_layer_sparsity * sizes[name]) - zeros[name], 0)
+                for name in self.chosen}
+        extra = {name: min(round(self.delta[name] * sizes[name]), room[name]) for name in self.chosen}
+        needed = max(self.target_zeros() - sum(zeros.values()), 0)
+        planned = sum(extra.values())
+        if planned > needed:
+            extra = {name: count * needed // planned for name, count in extra.items()}
+            for name in self.chosen:
+                top_up = min(room[name] - extra[name], needed - sum(extra.values()))
+                extra[name] += top_up
+        self._resize({name: zeros[name] + extra[name] for name in self.chosen})
+
+    @torch.no_grad()
+    def mutate(self) -> None:
+        """Lower each ``pending`` layer's sparsity by ``r * Δ_l``, ``r ~ U(0, 1)`` (eq. 15-16; mutates masks)."""
+        sizes, zeros = self.layer_sizes(), self.zero_counts()
+        self._resize({name: max(zeros[name] - round(float(torch.rand((), generator=self.generator))
+                                                    * self.delta[name] * sizes[name]), 0)
+                      for name in self.pending})
+
+    @torch.no_grad()
+    def crossover(self) -> int:
+        """Give the ``pending`` layers the masks of a random ranked solution (eq. 17-18). Returns its iteration."""
+        donor = self.ranked.sample(self.generator)
+        current = {name: mask.mask.bool() for name, mask in self.masks.items()}
+        for name, keep in crossover_masks(current, donor.masks, self.pending).items():
+            self.masks[name].set(keep)
+        return donor.iteration
+
+    def _resize(self, pruned: Mapping[str, int]) -> None:
+        """Give each named layer exactly ``pruned[name]`` mask zeros by importance ``|w| + α|G|`` (eq. 12-14)."""
+        layers = prunable_layers(self._prepared())
+        for name, count in pruned.items():
+            score = importance(dense_weight(layers[name]), self.grad_stats[name], self.alpha)
+            self.masks[name].set(resize_mask(self.masks[name].mask.bool(), score, count))
+
+    def run(self, model: nn.Module, trainer: Trainer, workdir: str | Path) -> PruneResult:
+        """Algorithm 2 then masked fine-tuning; resumes from ``workdir`` if a checkpoint is there.
+
+        Mutates ``model`` (masks stay attached). Appends one JSON line per iteration to
+        ``workdir/prune_log.jsonl`` and rewrites ``workdir/evolutionary.pt`` atomically after each.
+
+        Returns:
+            A :class:`PruneResult` whose ``history`` has one entry per iteration (``phase: "prune"``) and
+            per fine-tuning epoch (``phase: "fine_tune"``), each with ``iteration``, ``weighted_sparsity``,
+            ``val_score`` and ``val_top1`` or ``val_mse``.
+        """
+        started = time.perf_counter()
+        workdir = Path(workdir)
+        workdir.mkdir(parents=True, exist_ok=True)
+        model.to(trainer.device)
+        self.prepare(model)
+        optimizer = trainer.optimizer(model, self.lr)
+        checkpoint, log_path = workdir / CHECKPOINT, workdir / LOG
+        if checkpoint.exists():
+            history, elapsed = self._load(checkpoint, optimizer, trainer, log_path)
+        else:
+            history, elapsed = [self._begin(trainer)], 0.0
+            log_path.unlink(missing_ok=True)
+            self._record(history[-1], log_path, checkpoint, optimizer, trainer, history, elapsed, started)
+        bar = tqdm(total=self.iterations, initial=self.iteration, desc=self.name, disable=not trainer.progress)
+        while self._continues():
+            history.append(self._iterate(trainer, optimizer))
+            self._record(history[-1], log_path, checkpoint, optimizer, trainer, history, elapsed, started)
+            bar.update(1)
+            bar.set_postfix(ws=f"{history[-1]['next_weighted_sparsity']:.4f}",
+                            score=f"{history[-1]['val_score']:.4g}")
+        bar.close()
+        elapsed += time.perf_counter() - started
+        started = time.perf_counter()
+        tuned = trainer.fit(model, self.fine_tune_epochs, workdir / FINE_TUNE_CHECKPOINT, lr=self.fine_tune_lr,
+                            desc=f"{self.name} fine-tune")
+        sparsity = self.mask_weighted_sparsity()
+        history += [{"phase": "fine_tune", "iteration": self.iteration + entry["epoch"],
+                     "weighted_sparsity": sparsity, **val_metrics(entry)} for entry in tuned]
+        return self.result(history, elapsed + time.perf_counter() - started)
+
+    def _continues(self) -> bool:
+        eligible = any(zeros < math.floor(self.max_layer_sparsity * size)
+                       for zeros, size in zip(self.zero_counts().values(), self.layer_sizes().values(), strict=True))
+        return (self.iteration < self.iterations and sum(self.zero_counts().values()) < self.target_zeros()
+                and eligible)
+
+    def _begin(self, trainer: Trainer) -> dict[str, Any]:
+        """Initial masks by magnitude at ``initial_sparsity``; evaluate; seed the ranked list (lines 1-7)."""
+        self.chosen = list(self.masks)
+        self.delta, steps = dict.fromkeys(self.masks, self.initial_sparsity), self.delta
+        self.step()
+        self.delta, self.chosen = steps, []
+        metrics = trainer.evaluate(self._prepared(), "val")
+        self.score = _score(metrics)
+        self._offer(self.score)
+        return {"phase": "prune", "iteration": 0, "weighted_sparsity": self.mask_weighted_sparsity(),
+                "next_weighted_sparsity": self.mask_weighted_sparsity(), "layer_sparsity": self.mask_sparsity(),
+                "delta": dict(self.delta), "sensitivity": dict(self.sensitivity), "chosen": [], "events": [],
+                **val_metrics(metrics)}
+
+    def _iterate(self, trainer: Trainer, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """One iteration of Algorithm 2 (lines 10-34); mutates model, masks, optimizer and state.
+
+        ``chosen`` is emptied on a stall, so its log entry lists the layers actually pruned.
+        """
+        model = self._prepared()
+        self.iteration += 1
+        self.chosen = self._choose()
+        before = {key: value.detach().clone() for key, value in model.state_dict().items()}
+        train_loss = self._train(trainer, optimizer)
+        metrics = trainer.evaluate(model, "val")
+        score = _score(metrics)
+        sensitivity = (score - self.score) / max(abs(self.score), 1e-12)
+        for name in self.pending:
+            self.sensitivity[name] = sensitivity
+            self.delta[name] = min(max(self.delta[name] * (1.0 + self.beta * sensitivity), self.min_step),
+                                   self.max_step)
+        evaluated = {"weighted_sparsity": self.mask_weighted_sparsity(), "layer_sparsity": self.mask_sparsity()}
+        events = ["ranked"] if self._offer(score) else []
+        if sensitivity < -self.epsilon and self.pending:
+            if not self.ranked or float(torch.rand((), generator=self.generator)) < self.mutation_threshold:
+                self.mutate()
+                events.append("mutation")
+            else:
+                events.append(f"crossover:{self.crossover()}")
+            if self.rewind:
+                self._rewind(before)
+                events.append("rewind")
+            self.chosen = []
+        self.step()
+        self.score = score
+        self.pending = self.chosen
+        return {"phase": "prune", "iteration": self.iteration, **evaluated,
+                "next_weighted_sparsity": self.mask_weighted_sparsity(),
+                "next_layer_sparsity": self.mask_sparsity(), "delta": dict(self.delta),
+                "sensitivity": dict(self.sensitivity), "relative_change": sensitivity, "chosen": self.chosen,
+                "events": events, "train_loss": train_loss, **val_metrics(metrics)}
+
+    def _choose(self) -> list[str]:
+        """Draw ``C_t`` without replacement, weights ``size_l * (max_layer_sparsity - s_l)`` (line 10)."""
+        sizes, zeros = self.layer_sizes(), self.zero_counts()
+        names = list(self.masks)
+        weights = torch.tensor([max(math.floor(self.max_layer_sparsity * sizes[n]) - zeros[n], 0) for n in names],
+                               dtype=torch.float64)
+        count = min(self.layers_per_iteration, int((weights > 0).sum()))
+        picked = torch.multinomial(weights, count, replacement=False, generator=self.generator)
+        return [names[i] for i in sorted(picked.tolist())]
+
+    def _train(self, trainer: Trainer, optimizer: torch.optim.Optimizer) -> float:
+        """Masked training (eq. 9) gathering ``G`` = mean ``|grad|`` of the dense weights (eq. 10).
+
+        The gradient of a dense weight is the masked gradient, so ``G`` is 0 at pruned entries.
+        """
+        layers = prunable_layers(self._prepared())
+        totals = {name: torch.zeros_like(stat) for name, stat in self.grad_stats.items()}
+        steps = 0
+
+        def after_step() -> None:
+            nonlocal steps
+            steps += 1
+            for name, total in totals.items():
+                grad = dense_weight(layers[name]).grad
+                if grad is not None:
+                    total.add_(grad.abs())
+
+        loss = self._iteration_trainer(trainer).train_epoch(self._prepared(), optimizer, after_step,
+                                                             desc=f"{self.name} iteration {self.iteration}")
+        self.grad_stats = {name: total / max(steps, 1) for name, total in totals.items()}
+        return loss
+
+    def _iteration_trainer(self, trainer: Trainer) -> Trainer:
+        """``trainer``, or a copy whose train loader draws ``batches_per_iteration`` random batches."""
+        if self.batches_per_iteration is None:
+            return trainer
+        loader = trainer.loaders["train"]
+        sampler = RandomSampler(loader.dataset, num_samples=self.batches_per_iteration * loader.batch_size,
+                                generator=loader.generator)
+        batches = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler)
+        return dataclasses.replace(trainer, loaders={**trainer.loaders, "train": batches})
+
+    @torch.no_grad()
+    def _rewind(self, before: dict[str, torch.Tensor]) -> None:
+        """Restore parameters and buffers from ``before`` but keep the current masks (line 34)."""
+        masks = {name: mask.mask.clone() for name, mask in self.masks.items()}
+        self._prepared().load_state_dict(before)
+        for name, keep in masks.items():
+            self.masks[name].set(keep)
+
+    def _offer(self, score: float) -> bool:
+        """Copy the current solution to the CPU and offer it to the ranked list, if it would enter."""
+        if not self.ranked.accepts(score):
+            return False
+        return self.ranked.offer(Solution(
+            score, self.iteration, self.mask_weighted_sparsity(),
+            {name: mask.mask.bool().cpu() for name, mask in self.masks.items()},
+            {key: value.detach().cpu().clone() for key, value in self._prepared().state_dict().items()}))
+
+    def _record(self, entry: dict[str, Any], log_path: Path, checkpoint: Path, optimizer: torch.optim.Optimizer,
+                trainer: Trainer, history: list[dict[str, Any]], elapsed: float, started: float) -> None:
+        """Append ``entry`` to the log, then checkpoint the whole state atomically (log offset included)."""
+        with open(log_path, "a", encoding="utf-8") as log:
+            log.write(json.dumps(entry) + "\n")
+        generator = trainer.loaders["train"].generator
+        save_checkpoint(checkpoint, {
+            "model": self._prepared().state_dict(), "optimizer": optimizer.state_dict(),
+            "grad_stats": self.grad_stats, "delta": self.delta, "sensitivity": self.sensitivity,
+            "pending": self.pending, "ranked": self.ranked.state(), "iteration": self.iteration,
+            "score": self.score, "history": history, "log_bytes": log_path.stat().st_size,
+            "rng": torch.get_rng_state(), "generator": self.generator.get_state(),
+            "loader_rng": generator.get_state() if generator is not None else torch.empty(0),
+            "elapsed_s": elapsed + time.perf_counter() - started})
+
+    def _load(self, checkpoint: Path, optimizer: torch.optim.Optimizer, trainer: Trainer,
+              log_path: Path) -> tuple[list[dict[str, Any]], float]:
+        """Restore the state written by :meth:`_record`; cut the log back to its checkpointed length."""
+        state = load_checkpoint(checkpoint)
+        device = trainer.device
+        self._prepared().load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        self.grad_stats = {name: stat.to(device) for name, stat in state["grad_stats"].items()}
+        self.delta, self.sensitivity, self.pending = state["delta"], state["sensitivity"], state["pending"]
+        self.ranked.load_state(state["ranked"])
+        self.iteration, self.score = state["iteration"], state["score"]
+        torch.set_rng_state(state["rng"])
+        self.generator.set_state(state["generator"])
+        generator = trainer.loaders["train"].generator
+        if generator is not None:
+            generator.set_state(state["loader_rng"])
+        with open(log_path, "r+b") as log:
+            log.truncate(state["log_bytes"])
+        return state["history"], state["elapsed_s"]
+
+
+def _score(metrics: Mapping[str, float]) -> float:
+    """Higher-is-better score of :meth:`Trainer.evaluate` metrics: top-1 %, or ``-mse`` (as ``Trainer.score``)."""
+    return metrics["top1"] if "top1" in metrics else -metrics["mse"]
+
+
+def val_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """History keys of validation ``metrics`` (from :meth:`Trainer.evaluate`): ``val_score`` (higher is
+    better) plus ``val_top1`` or ``val_mse``, and ``val_loss``."""
+    return {"val_score": _score(metrics), **{f"val_{key}": value for key, value in metrics.items()
+                                             if key in ("top1", "mse", "loss")}}
