@@ -1,0 +1,118 @@
+"""Gradual magnitude pruning with the cubic schedule of Zhu & Gupta (2017), "To prune, or not to prune".
+
+Sparsity rises from ``s_i`` to ``s_f`` over ``n`` pruning steps every ``Δt`` training steps from ``t0``:
+``s_t = s_f + (s_i - s_f) * (1 - (t - t0) / (n Δt))^3``. At each pruning step the masks are recomputed by
+magnitude of the masked weights (:meth:`MagnitudePruner.step`), so pruned weights stay pruned; training
+continues with masks applied, and ``fine_tune_epochs`` epochs follow the last pruning step.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from torch import nn
+
+from unsparse.prune.base import PruneResult
+from unsparse.prune.evolutionary import val_metrics
+from unsparse.prune.magnitude import MagnitudePruner
+from unsparse.train import Trainer, load_checkpoint
+
+CHECKPOINT = "gradual.pt"
+UNITS = ("epoch", "step")
+
+
+def cubic_sparsity(t: float, initial: float, final: float, start: float, frequency: float, steps: int) -> float:
+    """Zhu & Gupta (2017) eq. 1: ``s_f + (s_i - s_f)(1 - (t - t0)/(n Δt))^3``, held at ``s_f`` after the end.
+
+    Args:
+        t: training time (steps or epochs, same unit as ``start`` and ``frequency``).
+        initial, final: ``s_i`` and ``s_f`` in ``[0, 1]``.
+        start: ``t0``; before it the sparsity is 0 (no pruning yet).
+        frequency: ``Δt`` (> 0).
+        steps: ``n`` (>= 0; 0 prunes straight to ``final`` at ``t0``).
+    """
+    if t < start:
+        return 0.0
+    if steps == 0:
+        return final
+    progress = min((t - start) / (steps * frequency), 1.0)
+    return final + (initial - final) * (1.0 - progress) ** 3
+
+
+class GradualMagnitudePruner(MagnitudePruner):
+    """Zhu & Gupta (2017) gradual pruning to ``target`` by magnitude, then fine-tuning.
+
+    Args:
+        target: ``s_f``, the final weighted sparsity (exact for ``scope="global"``).
+        initial_sparsity: ``s_i``.
+        start: ``t0`` in ``unit``s.
+        frequency: ``Δt`` in ``unit``s.
+        pruning_steps: ``n``.
+        unit: ``"epoch"`` (prune at epoch boundaries) or ``"step"`` (after optimizer steps).
+        scope: ``"global"`` (one magnitude threshold) or ``"layer"`` (each layer at ``s_t``, as in the paper).
+        fine_tune_epochs: masked training epochs after the epoch of the last pruning step.
+        lr: learning rate (None: the trainer's); cosine-annealed over the whole run.
+        layers: layers to prune (default all prunable).
+
+    Raises:
+        ValueError: on a bad unit, scope or schedule constant.
+    """
+
+    name = "gradual"
+
+    def __init__(self, target: float = 0.9, initial_sparsity: float = 0.0, start: int = 0, frequency: int = 1,
+                 pruning_steps: int = 5, unit: str = "epoch", scope: str = "global", fine_tune_epochs: int = 3,
+                 lr: float | None = None, layers: list[str] | None = None) -> None:
+        super().__init__(target, scope, fine_tune_epochs, lr, layers)
+        if unit not in UNITS:
+            raise ValueError(f"unit: expected one of {UNITS}, got {unit!r}")
+        if start < 0 or frequency < 1 or pruning_steps < 0 or not 0.0 <= initial_sparsity <= target:
+            raise ValueError("need start >= 0, frequency >= 1, pruning_steps >= 0, 0 <= initial_sparsity <= target")
+        self.initial_sparsity, self.start, self.frequency = initial_sparsity, start, frequency
+        self.pruning_steps, self.unit = pruning_steps, unit
+
+    def sparsity_at(self, t: float) -> float:
+        """The scheduled sparsity at time ``t`` (in ``unit``s)."""
+        return cubic_sparsity(t, self.initial_sparsity, self.target, self.start, self.frequency,
+                              self.pruning_steps)
+
+    def epochs(self, steps_per_epoch: int) -> int:
+        """Total training epochs: through the epoch of the last pruning step, plus ``fine_tune_epochs``."""
+        end = self.start + self.pruning_steps * self.frequency
+        return (end if self.unit == "epoch" else math.ceil(end / steps_per_epoch)) + self.fine_tune_epochs
+
+    def run(self, model: nn.Module, trainer: Trainer, workdir: str | Path) -> PruneResult:
+        """Masked training with the cubic schedule (checkpoint ``workdir/gradual.pt`` per epoch, exact resume).
+
+        Mutates ``model`` (masks stay attached).
+
+        Returns:
+            A :class:`PruneResult`; ``history`` has one entry per epoch with ``iteration`` (the epoch),
+            ``weighted_sparsity`` (the schedule's value at the epoch's end), ``val_score`` and ``val_top1``
+            or ``val_mse``.
+        """
+        started = time.perf_counter()
+        checkpoint = Path(workdir) / CHECKPOINT
+        self.prepare(model)
+        steps_per_epoch = len(trainer.loaders["train"])
+        scale = steps_per_epoch if self.unit == "epoch" else 1
+        points = {(self.start + i * self.frequency) * scale for i in range(self.pruning_steps + 1)}
+        done = len(load_checkpoint(checkpoint)["history"]) if checkpoint.exists() else 0
+        counter = done * steps_per_epoch
+        if counter == 0 and 0 in points:
+            self.step(self.sparsity_at(0))
+
+        def after_step() -> None:
+            nonlocal counter
+            counter += 1
+            if counter in points:
+                self.step(self.sparsity_at(counter / scale))
+
+        tuned = trainer.fit(model, self.epochs(steps_per_epoch), checkpoint, lr=self.lr, desc=self.name,
+                            after_step=after_step)
+        history = [{"phase": "prune", "iteration": entry["epoch"],
+                    "weighted_sparsity": self.sparsity_at(entry["epoch"] * steps_per_epoch / scale),
+                    **val_metrics(entry)} for entry in tuned]
+        return self.result(history, time.perf_counter() - started)
