@@ -1,0 +1,66 @@
+"""Real time series shipped inside statsmodels' wheel (nothing downloads), cut into autoencoder windows.
+
+Series (``statsmodels.api.datasets``): ``co2`` (weekly Mauna Loa CO2, 1958-2001, 2284 points, 59 gaps
+filled by linear interpolation), ``sunspots`` (yearly, 1700-2008, 309 points), ``elnino`` (monthly sea
+surface temperature, 1950-2010, 732 points). statsmodels is imported inside :func:`statsmodels_series` only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unsparse.data import Splits
+
+SERIES = ("co2", "sunspots", "elnino")
+
+
+def statsmodels_series(name: str) -> torch.Tensor:
+    """The named series as a ``(T,)`` float32 tensor in its original units, gaps interpolated.
+
+    Raises:
+        ValueError: unknown name.
+        ImportError: statsmodels missing.
+    """
+    if name not in SERIES:
+        raise ValueError(f"series: unknown name {name!r}; known: {SERIES}")
+    from statsmodels.api import datasets
+
+    if name == "co2":
+        values = datasets.co2.load_pandas().data["co2"].interpolate().to_numpy()
+    elif name == "sunspots":
+        values = datasets.sunspots.load_pandas().data["SUNACTIVITY"].to_numpy()
+    else:
+        values = datasets.elnino.load_pandas().data.drop(columns="YEAR").to_numpy().reshape(-1)
+    return torch.tensor(values, dtype=torch.float32)
+
+
+def windows(series: torch.Tensor, length: int, stride: int) -> torch.Tensor:
+    """Overlapping windows ``(N, 1, length)`` of a ``(T,)`` series, each minus its own mean (level removed).
+
+    Raises:
+        ValueError: the series is shorter than ``length``.
+    """
+    if len(series) < length:
+        raise ValueError(f"series of {len(series)} points is shorter than the window {length}")
+    cut = series.unfold(0, length, stride)
+    return (cut - cut.mean(dim=1, keepdim=True)).unsqueeze(1)
+
+
+def timeseries(name: str = "co2", window: int = 64, stride: int = 4, val_fraction: float = 0.15,
+               test_fraction: float = 0.15) -> Splits:
+    """Chronological train / val / test windows of a statsmodels series for reconstruction.
+
+    The series is split in time first (no window crosses a split), windowed, levelled per window and scaled by
+    the training windows' standard deviation. Inputs and targets are the same ``(N, 1, window)`` float32
+    tensor, so ``Trainer(loss="mse")`` trains an autoencoder; ``num_classes`` is 0.
+
+    Raises:
+        ValueError: unknown series, or a split shorter than ``window``.
+    """
+    series = statsmodels_series(name)
+    test_start = round(len(series) * (1.0 - test_fraction))
+    val_start = round(len(series) * (1.0 - test_fraction - val_fraction))
+    parts = {"train": series[:val_start], "val": series[val_start:test_start], "test": series[test_start:]}
+    cut = {key: windows(part, window, stride) for key, part in parts.items()}
+    scale = cut["train"].std()
+    return Splits(**{key: (value / scale, value / scale) for key, value in cut.items()}, num_classes=0, name=name)
