@@ -1,0 +1,239 @@
+"""Evolutionary pruner (paper 004 §3.1, Alg. 2): mask operations, ranked list, invariants, exact resume."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unsparse.prune import evolutionary as evo
+from unsparse.prune.evolutionary import (
+    EvolutionaryPruner,
+    RankedList,
+    Solution,
+    crossover_masks,
+    importance,
+    resize_mask,
+)
+from unsparse.prune.masks import model_weighted_sparsity, prunable_layers, threshold_mask, weighted_sparsity
+from unsparse.train import Trainer
+
+
+def tiny_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 8, 3), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(8 * 4 * 4, 3))
+
+
+def tiny_trainer(cls: type[Trainer] = Trainer) -> Trainer:
+    data = torch.Generator().manual_seed(1)
+    images, labels = torch.randn(96, 1, 8, 8, generator=data), torch.randint(0, 3, (96,), generator=data)
+    loaders = {"train": DataLoader(TensorDataset(images[:64], labels[:64]), batch_size=16, shuffle=True,
+                                   generator=torch.Generator().manual_seed(2)),
+               "val": DataLoader(TensorDataset(images[64:], labels[64:]), batch_size=32),
+               "test": DataLoader(TensorDataset(images[64:], labels[64:]), batch_size=32)}
+    return cls(loaders, lr=0.05, progress=False)
+
+
+def pruner(**kwargs) -> EvolutionaryPruner:
+    settings = {"target": 0.7, "iterations": 6, "batches_per_iteration": 2, "unit_step": 0.2, "fine_tune_epochs": 1,
+                "seed": 3}
+    return EvolutionaryPruner(**{**settings, **kwargs})
+
+
+def test_weighted_sparsity_is_size_weighted_mean():
+    assert weighted_sparsity({"a": 0.5, "b": 0.0}, {"a": 100, "b": 300}) == pytest.approx(0.125)
+    model = tiny_model()
+    layers = prunable_layers(model)
+    with torch.no_grad():
+        layers["0"].weight[:2] = 0
+    zeros = sum(int((layer.weight == 0).sum()) for layer in layers.values())
+    total = sum(layer.weight.numel() for layer in layers.values())
+    assert model_weighted_sparsity(model) == pytest.approx(zeros / total)
+    with pytest.raises(ValueError):
+        weighted_sparsity({"a": 0.5}, {"b": 3})
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.1, 0.37, 0.5, 0.99, 1.0])
+def test_threshold_hits_sparsity_exactly_even_with_ties(sparsity):
+    for values in (torch.rand(7, 5, 3), torch.ones(7, 5, 3)):
+        keep = threshold_mask(values, sparsity)
+        assert keep.shape == values.shape and keep.dtype == torch.bool
+        assert int((~keep).sum()) == round(sparsity * values.numel())
+
+
+def test_resize_mask_grows_and_shrinks_monotonically():
+    generator = torch.Generator().manual_seed(0)
+    score = torch.rand(10, 10, generator=generator)
+    keep = threshold_mask(torch.rand(10, 10, generator=generator), 0.3)
+    sparser = resize_mask(keep, score, 55)
+    assert int((~sparser).sum()) == 55 and not (sparser & ~keep).any()
+    kept_scores = score[keep & ~sparser]
+    assert kept_scores.max() <= score[sparser].min()
+    denser = resize_mask(sparser, score, 20)
+    assert int((~denser).sum()) == 20 and not (sparser & ~denser).any()
+    with pytest.raises(ValueError):
+        resize_mask(keep, score, 101)
+
+
+def test_importance_weights_gradient_statistics():
+    weight, grad = torch.tensor([-1.0, 0.5, 0.0]), torch.tensor([2.0, -10.0, 3.0])
+    assert torch.equal(importance(weight, grad, 0.1), torch.tensor([1.2, 1.5, 0.3]))
+
+
+def solution(score: float, iteration: int) -> Solution:
+    return Solution(score, iteration, 0.0, {"a": torch.ones(2, dtype=torch.bool)}, {"w": torch.zeros(1)})
+
+
+def test_ranked_list_keeps_best_length_sorted():
+    ranked = RankedList(4)
+    scores = [3.0, 9.0, 1.0, 7.0, 5.0, 9.0, 2.0, 8.0]
+    entered = [ranked.offer(solution(score, i)) for i, score in enumerate(scores)]
+    assert [s.score for s in ranked.solutions] == [9.0, 9.0, 8.0, 7.0]
+    assert [s.iteration for s in ranked.solutions][:2] == [1, 5]
+    assert entered == [True, True, True, True, True, True, False, True]
+    assert not ranked.accepts(7.0) and ranked.accepts(7.5)
+    restored = RankedList(4)
+    restored.load_state(ranked.state())
+    assert [(s.score, s.iteration) for s in restored.solutions] == [(s.score, s.iteration) for s in ranked.solutions]
+
+
+def test_crossover_copies_named_layers_only():
+    current = {"a": torch.ones(3, 3, dtype=torch.bool), "b": torch.ones(4, dtype=torch.bool)}
+    donor = {"a": torch.eye(3, dtype=torch.bool), "b": torch.zeros(4, dtype=torch.bool)}
+    crossed = crossover_masks(current, donor, ["a"])
+    assert torch.equal(crossed["a"], donor["a"]) and crossed["a"] is not donor["a"]
+    assert torch.equal(crossed["b"], current["b"])
+    with pytest.raises(ValueError):
+        crossover_masks(current, {"a": torch.ones(2, dtype=torch.bool)}, ["a"])
+
+
+def prepared(**kwargs) -> EvolutionaryPruner:
+    result = pruner(**kwargs)
+    result.prepare(tiny_model())
+    return result
+
+
+def test_step_prunes_each_chosen_layer_by_its_delta_and_stops_at_target():
+    p = prepared(target=0.9)
+    sizes = p.layer_sizes()
+    p.chosen, p.delta = ["0", "2"], {"0": 0.25, "2": 0.5, "5": 0.1}
+    p.step()
+    zeros = p.zero_counts()
+    assert zeros == {"0": round(0.25 * sizes["0"]), "2": round(0.5 * sizes["2"]), "5": 0}
+    p.chosen, p.delta = ["0", "2", "5"], dict.fromkeys(sizes, 0.99)
+    p.step()
+    assert sum(p.zero_counts().values()) == p.target_zeros() == math.ceil(0.9 * sum(sizes.values()))
+    assert p.mask_weighted_sparsity() >= 0.9
+
+
+def test_mutation_lowers_sparsity_of_previous_layers_with_valid_masks():
+    p = prepared()
+    p.chosen, p.delta = list(p.masks), dict.fromkeys(p.masks, 0.5)
+    p.step()
+    before = {name: mask.mask.clone() for name, mask in p.masks.items()}
+    p.pending = ["2"]
+    p.mutate()
+    for name, mask in p.masks.items():
+        assert mask.mask.shape == before[name].shape
+        assert set(mask.mask.unique().tolist()) <= {0.0, 1.0}
+        assert not (before[name].bool() & ~mask.mask.bool()).any()
+    assert p.zero_counts()["0"] == int((before["0"] == 0).sum())
+    dropped = int((before["2"] == 0).sum()) - p.zero_counts()["2"]
+    assert 0 <= dropped <= round(0.5 * p.layer_sizes()["2"])
+
+
+def test_crossover_takes_masks_from_ranked_solution():
+    p = prepared()
+    p.ranked.offer(Solution(1.0, 0, 0.0, {name: torch.zeros_like(m.mask, dtype=torch.bool)
+                                           for name, m in p.masks.items()}, {}))
+    p.pending = ["5"]
+    assert p.crossover() == 0
+    assert p.zero_counts()["5"] == p.layer_sizes()["5"] and p.zero_counts()["0"] == 0
+
+
+class CheckingTrainer(Trainer):
+    """Asserts after every optimizer step that masked-out effective weights are exactly zero."""
+
+    def train_epoch(self, model, optimizer, after_step=None, desc="train"):
+        def checked():
+            if after_step is not None:
+                after_step()
+            assert_pruned_zero(model)
+
+        return super().train_epoch(model, optimizer, checked, desc)
+
+
+def assert_pruned_zero(model: nn.Module) -> None:
+    for layer in prunable_layers(model).values():
+        mask = layer.parametrizations.weight[0].mask
+        assert set(mask.unique().tolist()) <= {0.0, 1.0}
+        assert torch.all(layer.weight[mask == 0] == 0)
+
+
+def test_pruned_weights_stay_zero_through_training_and_rewinds(tmp_path):
+    model = tiny_model()
+    result = pruner(epsilon=-math.inf, iterations=6, target=0.95).run(model, tiny_trainer(CheckingTrainer), tmp_path)
+    events = [event for entry in result.history if entry["phase"] == "prune" for event in entry["events"]]
+    assert "rewind" in events and any(e == "mutation" or e.startswith("crossover") for e in events)
+    assert_pruned_zero(model)
+    for entry in result.history:
+        assert {"iteration", "weighted_sparsity", "val_score", "val_top1"} <= set(entry)
+    lines = (tmp_path / evo.LOG).read_text().splitlines()
+    assert len(lines) == sum(entry["phase"] == "prune" for entry in result.history)
+
+
+def test_reaches_target_then_fine_tunes(tmp_path):
+    model = tiny_model()
+    result = pruner(target=0.5, iterations=50).run(model, tiny_trainer(), tmp_path)
+    assert result.weighted_sparsity >= 0.5
+    assert result.history[-1]["phase"] == "fine_tune"
+    assert result.method == "evolutionary"
+
+
+def test_resume_after_crash_equals_uninterrupted_run(tmp_path, monkeypatch):
+    settings = {"epsilon": 0.0, "iterations": 7, "target": 0.95}
+    reference_model = tiny_model()
+    reference = pruner(**settings).run(reference_model, tiny_trainer(), tmp_path / "a")
+
+    calls = {"count": 0}
+    original = evo.save_checkpoint
+
+    def crashing(path, state):
+        calls["count"] += 1
+        if calls["count"] == 4:
+            raise KeyboardInterrupt
+        original(path, state)
+
+    monkeypatch.setattr(evo, "save_checkpoint", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        pruner(**settings).run(tiny_model(), tiny_trainer(), tmp_path / "b")
+    monkeypatch.setattr(evo, "save_checkpoint", original)
+    torch.manual_seed(12345)
+    resumed_model = tiny_model()
+    resumed = pruner(**settings).run(resumed_model, tiny_trainer(), tmp_path / "b")
+
+    reference_state, resumed_state = reference_model.state_dict(), resumed_model.state_dict()
+    assert reference_state.keys() == resumed_state.keys()
+    assert all(torch.equal(reference_state[key], resumed_state[key]) for key in reference_state)
+    assert resumed.history == reference.history
+    assert (tmp_path / "b" / evo.LOG).read_bytes() == (tmp_path / "a" / evo.LOG).read_bytes()
+
+
+def test_rejects_bad_constants():
+    with pytest.raises(ValueError):
+        EvolutionaryPruner(min_step=0.3, max_step=0.2)
+    with pytest.raises(ValueError):
+        EvolutionaryPruner(target=1.0)
+    with pytest.raises(ValueError):
+        EvolutionaryPruner(layers_per_iteration=0)
+
+
+def test_log_and_checkpoint_written(tmp_path: Path):
+    pruner(iterations=2, fine_tune_epochs=0).run(tiny_model(), tiny_trainer(), tmp_path)
+    assert (tmp_path / evo.CHECKPOINT).exists()
+    assert len((tmp_path / evo.LOG).read_text().splitlines()) == 3

@@ -1,0 +1,59 @@
+"""Gradual magnitude pruning (Zhu & Gupta 2017): cubic schedule values, monotone masks, exact final sparsity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_prune_evolutionary import tiny_model, tiny_trainer
+
+from unsparse.prune.gradual import GradualMagnitudePruner, cubic_sparsity
+from unsparse.prune.masks import model_weighted_sparsity, prunable_layers
+from unsparse.train import Trainer
+
+
+def test_cubic_schedule_values():
+    assert cubic_sparsity(0, 0.0, 0.8, start=1, frequency=1, steps=4) == 0.0
+    assert cubic_sparsity(1, 0.1, 0.8, start=1, frequency=1, steps=4) == pytest.approx(0.1)
+    assert cubic_sparsity(3, 0.0, 0.8, start=1, frequency=1, steps=4) == pytest.approx(0.8 - 0.8 * 0.5 ** 3)
+    assert cubic_sparsity(5, 0.0, 0.8, start=1, frequency=1, steps=4) == pytest.approx(0.8)
+    assert cubic_sparsity(50, 0.0, 0.8, start=1, frequency=1, steps=4) == pytest.approx(0.8)
+    assert cubic_sparsity(7, 0.0, 0.8, start=0, frequency=10, steps=0) == 0.8
+    values = [cubic_sparsity(t, 0.0, 0.9, start=0, frequency=2, steps=5) for t in range(12)]
+    assert values == sorted(values)
+
+
+def test_epochs_cover_schedule_and_fine_tune():
+    assert GradualMagnitudePruner(start=1, frequency=2, pruning_steps=3, fine_tune_epochs=2).epochs(10) == 9
+    assert GradualMagnitudePruner(unit="step", start=0, frequency=7, pruning_steps=3,
+                                  fine_tune_epochs=1).epochs(10) == 4
+    with pytest.raises(ValueError):
+        GradualMagnitudePruner(unit="batch")
+
+
+class MonotoneTrainer(Trainer):
+    """Records every mask after each optimizer step and asserts pruned entries never come back."""
+
+    def train_epoch(self, model, optimizer, after_step=None, desc="train"):
+        def checked():
+            previous = {name: layer.parametrizations.weight[0].mask.clone()
+                        for name, layer in prunable_layers(model).items()}
+            if after_step is not None:
+                after_step()
+            for name, layer in prunable_layers(model).items():
+                mask = layer.parametrizations.weight[0].mask
+                assert not ((previous[name] == 0) & (mask == 1)).any()
+                assert torch.all(layer.weight[mask == 0] == 0)
+
+        return super().train_epoch(model, optimizer, checked, desc)
+
+
+@pytest.mark.parametrize("unit", ["epoch", "step"])
+def test_run_reaches_target_with_monotone_masks(tmp_path, unit):
+    model = tiny_model()
+    pruner = GradualMagnitudePruner(target=0.75, pruning_steps=3, frequency=1 if unit == "epoch" else 2, unit=unit,
+                                    fine_tune_epochs=1, lr=0.05)
+    result = pruner.run(model, tiny_trainer(MonotoneTrainer), tmp_path)
+    assert model_weighted_sparsity(model) == pytest.approx(0.75, abs=1e-3)
+    assert [entry["iteration"] for entry in result.history] == list(range(1, len(result.history) + 1))
+    assert result.history[-1]["weighted_sparsity"] == pytest.approx(0.75)
+    assert {"iteration", "weighted_sparsity", "val_score", "val_top1"} <= set(result.history[0])
