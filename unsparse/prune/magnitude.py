@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from unsparse.prune.base import Pruner, PruneResult
-from unsparse.prune.masks import dense_weight, prunable_layers, threshold_mask
+from unsparse.prune.masks import prunable_layers, threshold_mask
 from unsparse.train import Trainer
 
 
@@ -39,16 +39,21 @@ class MagnitudePruner(Pruner):
         self.scope, self.fine_tune_epochs, self.lr = scope, fine_tune_epochs, lr
 
     @torch.no_grad()
-    def step(self) -> None:
-        """Set every mask so the masked layers reach ``target`` by magnitude (ties broken by position)."""
+    def step(self, sparsity: float | None = None) -> None:
+        """Set every mask so the masked layers reach ``sparsity`` (default ``target``) by magnitude.
+
+        Ranks the effective (masked) weights, so weights already pruned rank lowest and stay pruned while the
+        sparsity grows (Zhu & Gupta 2017); ties are broken by position.
+        """
+        sparsity = self.target if sparsity is None else sparsity
         layers = prunable_layers(self._prepared())
-        magnitudes = {name: dense_weight(layers[name]).abs() for name in self.masks}
+        magnitudes = {name: layers[name].weight.abs() for name in self.masks}
         if self.scope == "layer":
             for name, magnitude in magnitudes.items():
-                self.masks[name].set(threshold_mask(magnitude, self.target))
+                self.masks[name].set(threshold_mask(magnitude, sparsity))
             return
         flat = torch.cat([m.reshape(-1).float().cpu() for m in magnitudes.values()])
-        keep = threshold_mask(flat, self.target)
+        keep = threshold_mask(flat, sparsity)
         start = 0
         for name, magnitude in magnitudes.items():
             stop = start + magnitude.numel()
