@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import json
 import math
 import platform
 import subprocess
@@ -114,6 +115,13 @@ def verdict(block: dict[str, Any], key: str) -> list[str]:
         lines = []
     lines.append(f"Evolutionary {'beats' if better else 'does NOT beat'} gradual magnitude at matched sparsity "
                  f"({key} difference {gap:+.4g} in evolutionary's favour).")
+    iterations = [entry for entry in evo["history"] if entry["phase"] == "prune" and entry["iteration"] > 0]
+    stalls = [entry for entry in iterations if "rewind" in entry["events"]]
+    mutations = sum("mutation" in entry["events"] for entry in stalls)
+    lines.append(f"Evolutionary used {len(iterations)} iterations; {len(stalls)} were stalls ({mutations} mutations, "
+                 f"{len(stalls) - mutations} crossovers) whose training was rewound, so "
+                 f"{len(stalls) / max(len(iterations), 1):.0%} of its iteration batches were discarded while "
+                 "gradual magnitude kept all of its training.")
     return lines
 
 
@@ -149,12 +157,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny budgets (smoke run)")
     parser.add_argument("--workdir", type=Path, default=Path("outputs/prune_table"))
+    parser.add_argument("--render", action="store_true",
+                        help="rewrite the markdown from the JSON beside it without running anything")
     parser.add_argument("--out", type=Path, default=None,
                         help="markdown path (default docs/pruning_results.md; --quick: under --workdir)")
     args = parser.parse_args()
     budget = BUDGETS["quick" if args.quick else "full"]
     workdir = args.workdir / ("quick" if args.quick else "full")
     out = args.out or (workdir / "pruning_results.md" if args.quick else Path("docs/pruning_results.md"))
+    if args.render:
+        saved = json.loads(out.with_suffix(".json").read_text())
+        atomic_write_text(out, markdown(saved["blocks"], saved["meta"]))
+        return
     splits = trim(fashion_mnist(limit_train=budget["limit_train"]), budget["val"], budget["test"])
     blocks = []
     for name in ("vgg_small", "resnet_small"):
