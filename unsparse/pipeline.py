@@ -18,9 +18,10 @@ from torch import nn
 
 from unsparse.data import Splits
 from unsparse.prune.base import Pruner
-from unsparse.report import layer_rows, write_report
+from unsparse.report import layer_rows, timing_verdicts, write_report
 from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
-from unsparse.runtime.modules import sparse_layers, sparsify
+from unsparse.runtime.comparator import plan_model
+from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.sparse.functional import dense_fallback_backend
 from unsparse.sparse.io import load_sparse, save_sparse
 from unsparse.train import Trainer
@@ -45,8 +46,8 @@ class TimingSettings:
     """Per-layer timing in the report (``runtime.timing:``): images per call, timed runs, warm-up runs."""
 
     batch_size: int = 64
-    repeats: int = 10
-    warmup: int = 2
+    repeats: int = 20
+    warmup: int = 3
 
 
 def resolve_device(name: str) -> torch.device:
@@ -65,61 +66,52 @@ def git_commit() -> str | None:
         return None
 
 
-@torch.no_grad()
-def capture_layer_inputs(model: nn.Module, batch: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Run ``batch`` through ``model`` and keep the input each SparseConv received (NCHW, or NCL for 1-D)."""
-    captured: dict[str, torch.Tensor] = {}
-    hooks = [layer.register_forward_pre_hook(lambda module, args, name=name: captured.setdefault(name, args[0]))
-             for name, layer in sparse_layers(model).items()]
+def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettings) -> list[dict[str, Any]]:
+    """Plan ``model`` on ``example`` with the comparator and flatten its results into report rows.
+
+    Every available backend is timed on every SparseConv with the input ``example`` produces there and
+    checked against the float64 reference (:func:`unsparse.runtime.comparator.plan_model`); the model's
+    layers are left on ``"auto"`` following the new plan.
+
+    Args:
+        model: holds SparseConv layers on ``example``'s device (mutated: backends set to ``"auto"``).
+        example: a model input batch.
+        timing: timed runs and warm-up runs per setting.
+
+    Returns:
+        Rows with ``layer``, ``backend``, ``sparse``, ``params``, ``status`` (``ok``/``wrong``/``unsupported``/
+        ``error``), ``input_shape``, ``time_ms`` (median, ms; None if not timed), ``runs``, ``rel_error``
+        (vs the float64 reference) and ``reason``; layers sharing a plan key share their measurements.
+    """
+    from unsparse.runtime.backends import get_backend
+
+    shapes: dict[str, list[int]] = {}
+
+    def record_shape(layer: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        shapes[names[layer]] = list(args[0].shape)
+
+    names = {layer: name for name, layer in sparse_layers(model).items()}
+    hooks = [layer.register_forward_pre_hook(record_shape) for layer in names]
     try:
-        model.eval()(batch)
+        _, comparisons = plan_model(model, example, runs=timing.repeats, warmup=timing.warmup)
     finally:
         for hook in hooks:
             hook.remove()
-    return captured
-
-
-def relative_error(output: torch.Tensor, reference: torch.Tensor) -> float:
-    """``||output - reference|| / ||reference||`` in float64 (0 when both are zero)."""
-    difference = torch.linalg.vector_norm((output.double() - reference.double()).reshape(-1))
-    scale = torch.linalg.vector_norm(reference.double().reshape(-1))
-    return float(difference / scale) if scale > 0 else float(difference)
-
-
-def time_layers(model: nn.Module, batch: torch.Tensor, backends: list[str], settings: TimingSettings
-                ) -> list[dict[str, Any]]:
-    """Time every backend on every SparseConv of ``model`` with the inputs ``batch`` produces there.
-
-    Each backend's output is compared with the reference backend's (relative error reported). Layers a
-    sparse backend does not support are reported with the reason instead of a time.
-
-    Returns:
-        One entry per (layer, backend): ``layer``, ``backend``, ``sparse``, ``input_shape``, ``device``,
-        ``time_ms`` (median), ``min_ms``, ``runs``, ``rel_error``; or ``unsupported`` with the reason.
-    """
-    from unsparse.runtime.backends import get_backend
-    from unsparse.runtime.timing import time_backend
-
-    inputs = capture_layer_inputs(model, batch)
-    entries = []
+    by_key = {comparison.key: comparison for comparison in comparisons}
+    rows = []
     for name, layer in sparse_layers(model).items():
-        x = inputs[name].unsqueeze(2) if layer.geometry.spatial_dims == 1 else inputs[name]
-        csr, bias, geometry = layer.csr, layer.bias, layer.geometry
-        reference = get_backend("reference").conv(x, csr, bias, geometry) if geometry.groups == 1 else None
-        for backend_name in backends:
-            backend = get_backend(backend_name)
-            entry: dict[str, Any] = {"layer": name, "backend": backend_name, "sparse": backend.sparse,
-                                     "input_shape": list(x.shape), "device": str(x.device)}
-            reason = backend.unsupported_reason(x, csr, geometry)
-            if reason is not None:
-                entries.append({**entry, "unsupported": reason})
-                continue
-            timing = time_backend(backend_name, x, csr, bias, geometry, runs=settings.repeats,
-                                  warmup=settings.warmup)
-            output = backend.conv(x, csr, bias, geometry)
-            entries.append({**entry, "time_ms": timing.median_ms, "min_ms": timing.min_ms, "runs": timing.runs,
-                            "rel_error": None if reference is None else relative_error(output, reference)})
-    return entries
+        comparison = by_key.get(getattr(layer, "plan_key", None))
+        if comparison is None:
+            continue
+        for measurement in comparison.measurements:
+            timing = measurement.timing
+            rows.append({"layer": name, "backend": measurement.backend,
+                         "sparse": get_backend(measurement.backend).sparse, "params": measurement.params,
+                         "status": measurement.status, "input_shape": shapes[name],
+                         "time_ms": None if timing is None else timing.median_ms,
+                         "runs": None if timing is None else timing.runs, "rel_error": measurement.rel_error,
+                         "reason": measurement.reason})
+    return rows
 
 
 def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Callable[..., nn.Module],
@@ -135,7 +127,9 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         model: a fresh model from ``create_model`` (mutated: trained, then masked).
         pruner: e.g. :class:`unsparse.prune.MagnitudePruner`.
         quantizer: ``quantizer(sparse_model, calibration_loader) -> sparse_model`` (identity for none).
-        backend: backend the reloaded sparse model runs on.
+        backend: backend the reloaded sparse model runs the test set on; ``"auto"`` follows the comparator's
+            plan (made on one evaluation batch). Whatever the choice, every available backend is compared per
+            layer on ``timing.batch_size`` images (``eval_batch_size`` for ``"auto"``) for the report.
 
     Returns:
         The report dict (also written as ``report.json``).
@@ -143,6 +137,9 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     device = device or torch.device("cpu")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(seed)
     loaders = splits.loaders(train.batch_size, train.eval_batch_size, seed)
     trainer = Trainer(loaders, device, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay,
@@ -157,14 +154,14 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     sparse_model = quantizer(sparsify(model.cpu()), loaders["val"])
     path = save_sparse(sparse_model, outdir / "model.safetensors",
                        extra={"data": splits.name, "accuracy": accuracy, "weighted_sparsity": result.weighted_sparsity})
-    loaded = load_sparse(path, device=device, backend=backend)
-    accuracy["sparse_run"] = trainer.evaluate(loaded, "test", f"test sparse ({backend})")["top1"]
+    loaded = load_sparse(path, device=device)
 
     rows = layer_rows(loaded, path)
-    from unsparse.runtime.backends import available_backends
-
-    batch = splits.test[0][: timing.batch_size].to(device)
-    timings = time_layers(loaded, batch, available_backends(device), timing)
+    example = splits.test[0][: train.eval_batch_size if backend == "auto" else timing.batch_size].to(device)
+    timings = compare_layers(loaded, example, timing)
+    if backend != "auto":
+        set_backend(loaded, backend)
+    accuracy["sparse_run"] = trainer.evaluate(loaded, "test", f"test sparse ({backend})")["top1"]
     report = {
         "run": {"data": splits.name, "model": model.unsparse_spec, "device": str(device), "torch": torch.__version__,
                 "weights": "trained on the data set (not synthetic)", "commit": git_commit(), "seed": seed},
@@ -175,9 +172,11 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
                     "history": result.history},
         "quantization": getattr(loaded, "unsparse_quantization", None),
         "layers": rows,
-        "timings": [entry for entry in timings if "time_ms" in entry],
-        "unsupported": [entry for entry in timings if "unsupported" in entry],
+        "timings": [entry for entry in timings if entry["time_ms"] is not None],
+        "not_timed": [entry for entry in timings if entry["time_ms"] is None],
         "timing_baseline": dense_fallback_backend(device),
+        "timing_verdicts": timing_verdicts([entry for entry in timings if entry["time_ms"] is not None],
+                                           dense_fallback_backend(device)),
         "file": {"path": path.name, "bytes": path.stat().st_size,
                  "sparse_conv_bytes": sum(row["file_bytes"] for row in rows),
                  "dense_conv_fp32_bytes": sum(row["dense_fp32_bytes"] for row in rows)},

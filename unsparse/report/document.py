@@ -60,14 +60,14 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
 
     Args:
         report: JSON-ready dict with keys ``run``, ``accuracy``, ``pruning``, ``quantization``, ``layers``
-            (rows of :func:`unsparse.report.layers.layer_rows`), ``timings``, ``timing_baseline``, ``file``.
+            (rows of :func:`unsparse.report.layers.layer_rows`), ``timings``, ``timing_baseline``,
+            ``timing_verdicts`` (from :func:`timing_verdicts`) and ``file``.
         figures: title -> PNG path (relative links are written into the Markdown).
 
     Returns:
         ``{"json": path, "markdown": path}``.
     """
     outdir = Path(outdir)
-    report = {**report, "timing_verdicts": timing_verdicts(report.get("timings", []), report["timing_baseline"])}
     run, accuracy, pruning = report["run"], report["accuracy"], report["pruning"]
     sections = [
         f"# UnSparse report: {run['model']['name']} on {run['data']}",
@@ -98,7 +98,7 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
         f"measurement). Speedups are relative to `{report['timing_baseline']}`, measured in the same run.",
         markdown_table(["layer", "input shape", "backend", "params", "median ms", "rel. error vs reference"],
                        [[t["layer"], "x".join(map(str, t["input_shape"])), t["backend"], t.get("params") or "",
-                         t["time_ms"], t.get("rel_error", "")] for t in report.get("timings", [])]),
+                         t["time_ms"], t["rel_error"]] for t in report["timings"]]),
         markdown_table(["layer", "baseline ms", "fastest", "best sparse", "sparse speedup", "verdict"],
                        [[v["layer"], v["baseline_ms"], v["fastest"], v["best_sparse"], v["sparse_speedup"],
                          v["verdict"]] for v in report["timing_verdicts"]]),

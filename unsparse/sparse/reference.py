@@ -52,7 +52,7 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
     if geometry.groups != 1:
         raise ValueError("reference_sparse_conv: groups must be 1 (callers fall back to dense for groups > 1)")
     N, C, H, W = x.shape
-    if C != csr.in_channels_per_group:
+    if csr.in_channels_per_group != C:
         raise ValueError(f"x: {C} channels, weight expects {csr.in_channels_per_group}")
     accumulate = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
     padded = F.pad(x.to(accumulate), (geometry.padding[1], geometry.padding[1],
