@@ -16,9 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-QUICK = {"models": ["vgg16", "alexnet", "resnet50", "googlenet"], "sparsities": [0.9], "batches": [128],
-         "precisions": ["fp32"], "end_to_end": ["vgg16"]}
-
 
 def commit_hash() -> str | None:
     """``UNSPARSE_COMMIT`` if set, else ``git rev-parse HEAD`` if ``.git`` is there, else None."""
@@ -49,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from unsparse.runtime.bench import environment, run_bench
+    from unsparse.runtime.bench import QUICK, environment, run_bench
 
     env = environment(commit_hash())
     log = out / "gpu_check.log"

@@ -7,7 +7,7 @@ the 1D-CNN autoencoder (paper 004 §6.1) on statsmodels' CO2 series with its rec
 Writes ``docs/pruning_results.md`` and ``docs/pruning_results.json`` (histories included). Every figure in
 them comes from this run. Runs resume from ``--workdir`` checkpoints.
 
-    PYTHONPATH=. python scripts/prune_table.py            # full (about 45 minutes on 2 CPU cores)
+    PYTHONPATH=. python scripts/prune_table.py            # full (about an hour on 2 CPU cores)
     PYTHONPATH=. python scripts/prune_table.py --quick    # smoke run (a few minutes)
 """
 
@@ -36,7 +36,7 @@ from unsparse.timeseries import timeseries
 from unsparse.train import Trainer
 
 BUDGETS = {
-    "full": {"limit_train": 6000, "val": 2000, "test": None, "width": 16, "dense_epochs": 5, "iterations": 30,
+    "full": {"limit_train": 6000, "val": 2000, "test": None, "width": 16, "dense_epochs": 5, "iterations": 45,
              "batches": 12, "fine_tune_epochs": 2, "ae_dense_epochs": 20, "ae_iterations": 40, "ae_batches": 4},
     "quick": {"limit_train": 1024, "val": 256, "test": 512, "width": 8, "dense_epochs": 1, "iterations": 6,
               "batches": 2, "fine_tune_epochs": 1, "ae_dense_epochs": 3, "ae_iterations": 6, "ae_batches": 2},

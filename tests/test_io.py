@@ -37,7 +37,7 @@ def exported(tmp_path_factory):
 
 def read(path):
     with safe_open(str(path), "pt") as file:
-        return {key: file.get_tensor(key) for key in file.keys()}, json.loads(file.metadata()["unsparse"])
+        return {key: file.get_tensor(key) for key in file.keys()}, json.loads(file.metadata()["unsparse"])  # noqa: SIM118 (safe_open is not a dict)
 
 
 def write(path, tensors, metadata):

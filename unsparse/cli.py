@@ -38,20 +38,16 @@ def run(cfg: DictConfig) -> None:
              accuracy["sparse_run"], outdir / "report.md")
 
 
-QUICK_BENCH = {"models": ["vgg16", "alexnet", "resnet50", "googlenet"], "sparsities": [0.9], "batches": [128],
-               "precisions": ["fp32"], "end_to_end": ["vgg16"]}
-
-
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="bench")
 def bench(cfg: DictConfig) -> None:
     """``unsparse bench``: the GPU per-layer comparison (needs CUDA); outputs in Hydra's output directory."""
     from unsparse.pipeline import git_commit
-    from unsparse.runtime.bench import run_bench
+    from unsparse.runtime.bench import QUICK, run_bench
 
     settings = OmegaConf.to_container(cfg, resolve=True)
     settings.pop("hydra", None)
     if settings.pop("quick"):
-        settings.update(QUICK_BENCH)
+        settings.update(QUICK)
     run_bench(HydraConfig.get().runtime.output_dir, commit=git_commit(), **settings)
 
 

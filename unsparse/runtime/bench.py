@@ -37,6 +37,9 @@ ESCOIN_MODELS = ("alexnet", "googlenet", "resnet50")
 """Models of Escoin's Fig. 8 comparison against im2col + cuBLAS / cuSPARSE."""
 ESCOIN_TARGETS = {"im2col_cublas": 2.63, "im2col_cusparse": 3.07}
 """Escoin's P100 geometric-mean speedups of direct sparse convolution (paper 000 §4), issue 5 targets."""
+QUICK = {"models": ["vgg16", "alexnet", "resnet50", "googlenet"], "sparsities": [0.9], "batches": [128],
+         "precisions": ["fp32"], "end_to_end": ["vgg16"]}
+"""Quick mode (one device call of a few minutes): every model at FP32, batch 128, sparsity 0.9."""
 LOWERING_LIMIT_BYTES = 4 * 2**30
 """Lowering backends are skipped (and the skip recorded) when the im2col matrix would exceed this."""
 
