@@ -23,19 +23,19 @@ def _save(figure: plt.Figure, path: Path) -> Path:
 def plot_layers(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     """Per-layer sparsity (bars, left) and file bytes vs dense FP32 bytes (right), one PNG at ``path``."""
     names = [row["layer"] for row in rows]
+    positions = list(range(len(rows)))
     figure, (left, right) = plt.subplots(1, 2, figsize=(12, 4))
-    left.bar(names, [100 * row["sparsity"] for row in rows], color="tab:blue")
+    left.bar(positions, [100 * row["sparsity"] for row in rows], color="tab:blue")
     for index, row in enumerate(rows):
         left.annotate(f"L={row['row_length']}", (index, 100 * row["sparsity"]), ha="center", va="bottom", fontsize=7)
     left.set(ylabel="sparsity (%)", title="Weight sparsity per conv layer (L = stored entries per row)", ylim=(0, 105))
-    positions = range(len(rows))
     right.bar([p - 0.2 for p in positions], [row["dense_fp32_bytes"] / 1024 for row in rows], 0.4, label="dense FP32")
     right.bar([p + 0.2 for p in positions], [row["file_bytes"] / 1024 for row in rows], 0.4, label="sparse file")
-    right.set(ylabel="KiB", title="Storage per conv layer", xticks=list(positions))
-    right.set_xticklabels(names)
+    right.set(ylabel="KiB", title="Storage per conv layer")
     right.legend()
     for axis in (left, right):
-        axis.tick_params(axis="x", labelrotation=60, labelsize=7)
+        axis.set_xticks(positions)
+        axis.set_xticklabels(names, rotation=60, fontsize=7)
     return _save(figure, path)
 
 
