@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unsparse.runtime.comparator import compare_layer, plan_model, relative_error, tolerance
+from unsparse.runtime.comparator import LayerComparison, compare_layer, plan_model, relative_error, tolerance
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.runtime.plan import Plan, device_name
 from unsparse.runtime.timing import MIN_RUNS, time_fn
@@ -186,10 +186,8 @@ def bench_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devi
               "weight_shape": list(csr.weight_shape), "geometry": layer.geometry.to_dict(), "batch": batch,
               "precision": precision, "sparsity": csr.sparsity, "row_length": csr.row_length,
               "dense_flop": 2 * batch * csr.out_channels * csr.columns * E * F_, "useful_flop": useful,
-              "lowering_skipped": skipped, "comparison": comparison.to_dict(), "best_ms": {}}
-    for name in names:
-        fastest = comparison.fastest(name)
-        record["best_ms"][name] = None if fastest is None else fastest.timing.median_ms
+              "lowering_skipped": skipped, "comparison": comparison.to_dict(),
+              "best_ms": best_times(comparison, names)}
     direct = comparison.fastest("direct")
     record["direct_params"] = None if direct is None else direct.params
     record["direct_useful_tflops"] = None if direct is None else useful / direct.timing.median_ms / 1e9
@@ -198,6 +196,12 @@ def bench_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devi
         record[f"speedup_vs_{name}"] = (base / direct.timing.median_ms
                                         if base is not None and direct is not None else None)
     return record
+
+
+def best_times(comparison: LayerComparison, names: Sequence[str]) -> dict[str, float | None]:
+    """Median ms of each backend's fastest parameter set on a layer (None: not timed or failed)."""
+    fastest = {name: comparison.fastest(name) for name in names}
+    return {name: None if m is None else m.timing.median_ms for name, m in fastest.items()}
 
 
 def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, precision: str,
@@ -329,8 +333,13 @@ def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch:
         with torch.no_grad():
             sparse_out = model(x)
             sparse_t = time_fn(lambda i: model(x), device, runs=runs)
+    layer_records = []
+    for comparison in comparisons:
+        best = comparison.best
+        layer_records.append({"key": comparison.key, "best": None if best is None else best.backend,
+                              "best_ms": best_times(comparison, sorted({m.backend for m in comparison.measurements}))})
     return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
-            "speedup": dense_t.median_ms / sparse_t.median_ms,
+            "speedup": dense_t.median_ms / sparse_t.median_ms, "layers": layer_records,
             "rel_error": relative_error(sparse_out.double(), dense_out.double()),
             "tolerance": 10 * tolerance(dtype), "layers_planned_now": len(comparisons),
             "plan_entries_reused": reused_before, "dense_timing": dense_t.to_dict(),
@@ -408,6 +417,15 @@ def markdown_report(result: dict[str, Any]) -> str:
                      f"**{'met' if t['met'] else 'missed'}**")
     e2e = targets["end_to_end_not_slower"]
     lines.append(f"- end to end, planned not slower than dense: **{'met' if e2e['met'] else 'missed'}**")
+    lines += ["", "## Where sparse is slower", ""]
+    for precision in PRECISIONS:
+        speedups = [r["speedup_vs_cudnn"] for r in result["layers"]
+                    if r["precision"] == precision and r["speedup_vs_cudnn"] is not None]
+        if speedups:
+            slower = sum(value < 1 for value in speedups)
+            lines.append(f"- {precision}: direct is SLOWER than cuDNN on {slower} of {len(speedups)} layer settings "
+                         f"(geomean direct/cuDNN speedup {_fmt(geomean(speedups), 2)}x, best "
+                         f"{_fmt(max(speedups), 2)}x, worst {_fmt(min(speedups), 2)}x).")
     lines += ["", "## Per layer", "", "| model | layer | n | C,H,W | weight | stride | batch | prec | sparsity | L "
               "| cuDNN | direct | im2col+cuBLAS | im2col+cuSPARSE | direct/cuDNN | direct TFLOP/s | direct params |",
               "|" + "---|" * 17]
@@ -425,6 +443,15 @@ def markdown_report(result: dict[str, Any]) -> str:
         lines.append(f"| {r['model']} | {r['weights']} | {r['batch']} | {r['precision']} | {_fmt(r['dense_ms'])} | "
                      f"{_fmt(r['planned_ms'])} | {_fmt(r['speedup'], 2)} | {r['rel_error']:.2e} | "
                      f"{r.get('backend_counts', '')} |")
+    trained = [(r, layer) for r in result["end_to_end"] for layer in r.get("layers", [])]
+    if trained:
+        lines += ["", "## Trained model, per layer (every backend, ms)", "",
+                  "| batch | layer key | chosen | cuDNN | direct | im2col+cuBLAS | im2col+cuSPARSE |", "|" + "---|" * 7]
+        for r, layer in trained:
+            best = layer["best_ms"]
+            lines.append(f"| {r['batch']} | `{layer['key']}` | {layer['best']} | {_fmt(best.get('cudnn'))} | "
+                         f"{_fmt(best.get('direct'))} | {_fmt(best.get('im2col_cublas'))} | "
+                         f"{_fmt(best.get('im2col_cusparse'))} |")
     return "\n".join(lines) + "\n"
 
 

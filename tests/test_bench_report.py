@@ -1,0 +1,66 @@
+"""The benchmark's target evaluation and report rendering, on hand-made records (CPU, no timing)."""
+
+from __future__ import annotations
+
+import pytest
+
+from unsparse.runtime.bench import evaluate_targets, markdown_report, plot_results
+
+
+def layer(model, name, in_chw, kernel, cudnn_ms, direct_ms, cublas_ms=None, cusparse_ms=None, precision="fp32",
+          count=1, stem=False):
+    return {"model": model, "layer": name, "count": count, "stem": stem, "in_chw": in_chw,
+            "weight_shape": [64, in_chw[0], kernel, kernel], "geometry": {"stride": [1, 1]}, "batch": 128,
+            "precision": precision, "sparsity": 0.9, "target_sparsity": 0.9, "row_length": 58,
+            "best_ms": {"cudnn": cudnn_ms, "direct": direct_ms, "im2col_cublas": cublas_ms,
+                        "im2col_cusparse": cusparse_ms},
+            "speedup_vs_cudnn": cudnn_ms / direct_ms,
+            "speedup_vs_im2col_cublas": None if cublas_ms is None else cublas_ms / direct_ms,
+            "speedup_vs_im2col_cusparse": None if cusparse_ms is None else cusparse_ms / direct_ms,
+            "direct_useful_tflops": 1.0, "direct_params": {"kernel": "rows"}}
+
+
+@pytest.fixture
+def result():
+    return {"environment": {"gpu": "test", "driver": "0", "torch": "x", "cuda": "x", "cudnn": 1, "cupy": "x",
+                            "commit": "abc", "date_utc": "today"},
+            "weights": "synthetic", "runs": 20,
+            "layers": [layer("vgg16", "features.2", [64, 224, 224], 3, 10.0, 4.0),
+                       layer("vgg16", "features.28", [512, 14, 14], 3, 1.0, 3.0),
+                       layer("vgg16", "features.19", [256, 28, 28], 3, 6.0, 2.0),
+                       layer("alexnet", "features.3", [64, 27, 27], 5, 1.0, 1.0, 4.0, 8.0, count=1),
+                       layer("resnet50", "layer1.0.conv1", [64, 56, 56], 1, 1.0, 1.0, 1.0, 1.0, count=3),
+                       layer("resnet50", "conv1", [3, 224, 224], 7, 1.0, 0.1, 100.0, 100.0, stem=True)],
+            "end_to_end": [{"model": "vgg16", "weights": "synthetic", "batch": 128, "precision": "fp32",
+                            "dense_ms": 10.0, "planned_ms": 10.2, "speedup": 10 / 10.2, "rel_error": 1e-7,
+                            "backend_counts": {"cudnn": 3}},
+                           {"model": "model.safetensors", "weights": "trained", "batch": 32, "precision": "fp32",
+                            "dense_ms": 1.0, "planned_ms": 2.0, "speedup": 0.5, "rel_error": 1e-7,
+                            "layers": [{"key": "k1", "best": "cudnn",
+                                        "best_ms": {"cudnn": 0.1, "direct": 0.3}}]}]}
+
+
+def test_targets_follow_the_measured_ratios(result):
+    targets = evaluate_targets(result)
+    vgg = {r["layer"]: r["met"] for r in targets["vgg16_fp32_2x"]["layers"]}
+    assert vgg == {"features.2": True, "features.19": True}  # 14x14 is outside the 224..28 target range
+    assert targets["vgg16_fp32_2x"]["met"]
+    cublas = targets["escoin_geomean_vs_im2col_cublas"]
+    assert cublas["layers"] == 4  # alexnet once, resnet50 layer three times, stem excluded
+    assert cublas["geomean"] == pytest.approx(4.0 ** 0.25)
+    assert not cublas["met"]
+    assert targets["escoin_geomean_vs_im2col_cusparse"]["geomean"] == pytest.approx(8.0 ** 0.25)
+    runs = targets["end_to_end_not_slower"]["runs"]
+    assert [r["met"] for r in runs] == [True, False]  # 2% slower is noise; 2x slower is not
+    assert not targets["end_to_end_not_slower"]["met"]
+
+
+def test_report_says_where_sparse_is_slower(result, tmp_path):
+    result["targets"] = evaluate_targets(result)
+    text = markdown_report(result)
+    assert "direct is SLOWER than cuDNN on 1 of 6 layer settings" in text
+    assert "| 32 | `k1` | cudnn | 0.100 | 0.300 |" in text
+    assert "**missed**" in text
+    paths = plot_results(result, tmp_path)
+    assert {path.name for path in paths} == {"speedup.png", "breakdown.png", "end_to_end.png"}
+    assert all(path.stat().st_size > 0 for path in paths)
