@@ -456,31 +456,37 @@ def markdown_report(result: dict[str, Any]) -> str:
 
 
 def plot_results(result: dict[str, Any], out_dir: Path) -> list[Path]:
-    """``speedup.png`` (direct over cuDNN per layer vs sparsity, batch 128 FP32, one panel per model),
-    ``breakdown.png`` (summed layer time per backend and model) and ``end_to_end.png``."""
+    """``speedup.png`` (direct over cuDNN of the same precision per layer against sparsity, largest batch; one
+    panel per model and precision: the break-even plot), ``breakdown.png`` (summed FP32 layer time per backend
+    and model at sparsity 0.9) and ``end_to_end.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    layers = [r for r in result["layers"] if r["precision"] == "fp32" and r["batch"] == max(
-        (q["batch"] for q in result["layers"]), default=0)]
-    models = sorted({r["model"] for r in layers})
+    largest = max((q["batch"] for q in result["layers"]), default=0)
+    records = [r for r in result["layers"] if r["batch"] == largest]
+    layers = [r for r in records if r["precision"] == "fp32"]
+    models = sorted({r["model"] for r in records})
+    precisions = [p for p in PRECISIONS if any(r["precision"] == p for r in records)]
     if models:
-        fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
-        for ax, name in zip(axes[0], models, strict=True):
-            by_layer: dict[str, list[tuple[float, float]]] = {}
-            for r in layers:
-                if r["model"] == name and r["speedup_vs_cudnn"] is not None:
-                    by_layer.setdefault(r["layer"], []).append((r["target_sparsity"], r["speedup_vs_cudnn"]))
-            for layer, points in by_layer.items():
-                points.sort()
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=layer)
-            ax.axhline(1.0, color="gray", linestyle="--")
-            ax.set(title=f"{name} FP32 (synthetic weights)", xlabel="sparsity", ylabel="speedup over cuDNN")
-            if len(by_layer) <= 16:
-                ax.legend(fontsize=6)
+        fig, axes = plt.subplots(len(precisions), len(models), figsize=(5 * len(models), 4 * len(precisions)),
+                                 squeeze=False)
+        for row, precision in zip(axes, precisions, strict=True):
+            for ax, name in zip(row, models, strict=True):
+                by_layer: dict[str, list[tuple[float, float]]] = {}
+                for r in records:
+                    if r["model"] == name and r["precision"] == precision and r["speedup_vs_cudnn"] is not None:
+                        by_layer.setdefault(r["layer"], []).append((r["target_sparsity"], r["speedup_vs_cudnn"]))
+                for layer, points in by_layer.items():
+                    points.sort()
+                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=layer)
+                ax.axhline(1.0, color="gray", linestyle="--")
+                ax.set(title=f"{name} {precision} b{largest} (synthetic weights)", xlabel="sparsity",
+                       ylabel=f"speedup over cuDNN {precision}")
+                if 0 < len(by_layer) <= 16:
+                    ax.legend(fontsize=6)
         fig.tight_layout()
         paths.append(out_dir / "speedup.png")
         fig.savefig(paths[-1], dpi=100)
