@@ -14,14 +14,17 @@
 //   keeps SB*PB partial sums in registers and reuses each weight for SB*PB FMAs. Padding is handled by a
 //   bounds check on the unpadded input instead of a padded copy.
 //
-// direct_patch: register-blocked variant for stride 1, dilation 1 Conv2d (the 3x3 and 1x1 layers that
-//   carry most of the work). A block owns MB output channels and a TE x TF output tile of one image at a
-//   time (it walks its SB images). Input channels are staged CC at a time into shared memory with their
-//   halo (zero outside the image, so padding needs no copy). Each thread loads its (PE+R-1) x (PF+S-1)
-//   input patch of a channel into registers once and applies every nonzero of the block's MB rows in that
-//   channel to it: one loaded input feeds up to MB*R*S taps. Nonzeros are pre-grouped per
-//   (channel group, input channel) at plan time as (code = (m_local*R + r)*S + s, value); the loop over
-//   them is warp-uniform and a switch on the code selects compile-time register indices.
+// direct_tile: stride 1, dilation 1 Conv2d (the 3x3 and 1x1 layers that carry most of the work). A block
+//   owns WARPS * MW output channels, a TE x TF output tile (TE = (32 / WX) * PY, TF = WX) and NB images.
+//   Input channels are staged CC at a time into shared memory with their halo (zero outside the image, so
+//   padding needs no copy); float16 tiles hold __half2 pairs of images so one 4-byte load feeds two FMAs.
+//   Each warp walks the nonzeros of its MW rows in the staged channels: per nonzero one broadcast load of
+//   (offset into the staged chunk, weight) (Escoin §3.1 stretching, done at plan time against the tile
+//   layout), then for each of the lane's PY * NB outputs one shared load at offset + a compile-time
+//   displacement and one FMA. The nonzero loop is warp-uniform (no divergence, weight and offset are
+//   broadcasts), its bound is the per-(row, chunk) count (UnSparse-Opt's uniform padding entries are
+//   dropped at plan time), and the lanes of a warp read 32 distinct banks (padded row width chosen on the
+//   Python side).
 
 #include <cuda_fp16.h>
 
@@ -124,137 +127,152 @@ __global__ void direct_rows(const T* __restrict__ x,            // (N, C, H, W),
   }
 }
 
-template <int MM, int RR, int SS, int MB, int PE, int PF, int PH, int PW>
-__device__ __forceinline__ void apply_tap(float (&acc)[MB][PE][PF], const float (&patch)[PH][PW], float w) {
-#pragma unroll
-  for (int i = 0; i < PE; ++i)
-#pragma unroll
-    for (int j = 0; j < PF; ++j) acc[MM][i][j] = fmaf(w, patch[i + RR][j + SS], acc[MM][i][j]);
+// Shared-memory element of direct_tile: float32 inputs one image per element; float16 inputs two images per
+// element (a __half2 of images n and n+1), so one 4-byte shared load feeds two FMAs.
+template <typename T>
+struct TileElem;
+template <>
+struct TileElem<float> {
+  using type = float;
+  static constexpr int images = 1;
+  __device__ static void to_float(float v, float (&out)[1]) { out[0] = v; }
+};
+template <>
+struct TileElem<__half> {
+  using type = __half2;
+  static constexpr int images = 2;
+  __device__ static void to_float(__half2 v, float (&out)[2]) {
+    const float2 f = __half22float2(v);
+    out[0] = f.x;
+    out[1] = f.y;
+  }
+};
+
+template <typename T, int IMAGES>
+__device__ __forceinline__ typename TileElem<T>::type pack_images(const float (&v)[IMAGES]);
+template <>
+__device__ __forceinline__ float pack_images<float, 1>(const float (&v)[1]) { return v[0]; }
+template <>
+__device__ __forceinline__ __half2 pack_images<__half, 2>(const float (&v)[2]) {
+  return __floats2half2_rn(v[0], v[1]);
 }
 
-// One switch case per code k = (m_local * R + r) * S + s; codes at or beyond MB * R * S never occur
-// (checked at plan time) and compile to empty cases.
-#define UNSPARSE_TAP_CASE(k)                                                                 \
-  case (k):                                                                                  \
-    if constexpr ((k) < MB * R * S) {                                                        \
-      apply_tap<(k) / (R * S), ((k) / S) % R, (k) % S, MB, PE, PF, PE + R - 1, PF + S - 1>( \
-          acc, patch, w);                                                                    \
-    }                                                                                        \
-    break;
-#define UNSPARSE_TAP_CASES4(k) \
-  UNSPARSE_TAP_CASE(k) UNSPARSE_TAP_CASE((k) + 1) UNSPARSE_TAP_CASE((k) + 2) UNSPARSE_TAP_CASE((k) + 3)
-#define UNSPARSE_TAP_CASES16(k)                                                    \
-  UNSPARSE_TAP_CASES4(k) UNSPARSE_TAP_CASES4((k) + 4) UNSPARSE_TAP_CASES4((k) + 8) \
-  UNSPARSE_TAP_CASES4((k) + 12)
-#define UNSPARSE_TAP_CASES64(k)                                                        \
-  UNSPARSE_TAP_CASES16(k) UNSPARSE_TAP_CASES16((k) + 16) UNSPARSE_TAP_CASES16((k) + 32) \
-  UNSPARSE_TAP_CASES16((k) + 48)
-
-// Largest MB * R * S the switch covers; the Python side rejects tilings beyond it.
-constexpr int PATCH_MAX_CODES = 256;
-
-template <typename T, int R, int S, int MB, int PE, int PF, int TE, int TF, int CC>
-__global__ void __launch_bounds__((TE / PE) * (TF / PF))
-    direct_patch(const T* __restrict__ x,               // (N, C, H, W), unpadded
-                 const int* __restrict__ group_ptr,     // (G * C + 1,): entries of (g, c) are [g*C+c, g*C+c+1)
-                 const int* __restrict__ codes,         // (nnz,): (m_local * R + r) * S + s
-                 const float* __restrict__ weights,     // (nnz,)
-                 const T* __restrict__ bias,            // (M,) or nullptr
-                 T* __restrict__ out,                   // (N, M, E, F)
-                 int N, int C, int H, int W, int M, int E, int F, int pad_h, int pad_w, int tiles_f,
-                 int sub_batch) {
-  static_assert(TE % PE == 0 && TF % PF == 0, "tile must be a multiple of the thread tile");
-  static_assert(MB * R * S <= PATCH_MAX_CODES, "switch covers PATCH_MAX_CODES codes");
+template <typename T, int R, int S, int WX, int PY, int NB, int MW, int WARPS, int CC, int IWP>
+__global__ void __launch_bounds__(WARPS * 32)
+    direct_tile(const T* __restrict__ x,                // (N, C, H, W), unpadded
+                const int* __restrict__ chunk_ptr,      // (M * K + 1,): entries of (m, k) are [m*K+k, m*K+k+1)
+                const int2* __restrict__ entries,       // (nnz,): (tile offset, float32 bits of the weight)
+                const T* __restrict__ bias,             // (M,) or nullptr
+                T* __restrict__ out,                    // (N, M, E, F)
+                int N, int C, int H, int W, int M, int E, int F, int pad_h, int pad_w, int tiles_f,
+                int groups) {
+  using Elem = typename TileElem<T>::type;
+  constexpr int IPE = TileElem<T>::images;
+  static_assert(NB % IPE == 0, "float16 tiles pair images: NB must be even");
+  static_assert(32 % WX == 0, "a warp row holds WX lanes");
+  constexpr int NBE = NB / IPE;
+  constexpr int WY = 32 / WX;
+  constexpr int TE = WY * PY;
   constexpr int IH = TE + R - 1;
-  constexpr int IW = TF + S - 1;
-  constexpr int THREADS = (TE / PE) * (TF / PF);
-  __shared__ float tile[CC][IH][IW];
+  constexpr int IW = WX + S - 1;
+  static_assert(IWP >= IW, "padded tile row holds the halo");
+  constexpr int PLANE = IH * IWP;
+  constexpr int CS = NBE * PLANE;  // one input channel of the tile, all its image elements
+  constexpr int THREADS = WARPS * 32;
+  constexpr int STAGED = CC * NBE * IH * IW;
+  __shared__ Elem tile[CC * CS];
 
-  const int group = blockIdx.x;
-  const int m0 = group * MB;
-  const int e0 = (blockIdx.y / tiles_f) * TE;
-  const int f0 = (blockIdx.y % tiles_f) * TF;
-  const int e_local = (threadIdx.x / (TF / PF)) * PE;
-  const int f_local = (threadIdx.x % (TF / PF)) * PF;
-  const int* ptr = group_ptr + static_cast<long long>(group) * C;
+  const int group = blockIdx.x % groups;
+  const int tile_id = blockIdx.x / groups;
+  const int e0 = (tile_id / tiles_f) * TE;
+  const int f0 = (tile_id % tiles_f) * WX;
+  const int n0 = blockIdx.y * NB;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int ly = lane / WX;
+  const int lx = lane % WX;
+  const int base = ly * IWP + lx;
+  const int m_base = group * (WARPS * MW) + warp * MW;
+  const int K = (C + CC - 1) / CC;
+  const long long image_size = static_cast<long long>(C) * H * W;
 
-  for (int b = 0; b < sub_batch; ++b) {
-    const int n = blockIdx.z * sub_batch + b;
-    if (n >= N) break;
-    const T* x_image = x + static_cast<long long>(n) * C * H * W;
-    float acc[MB][PE][PF];
+  float acc[MW][NBE][PY][IPE];
 #pragma unroll
-    for (int mm = 0; mm < MB; ++mm)
+  for (int j = 0; j < MW; ++j)
 #pragma unroll
-      for (int i = 0; i < PE; ++i)
+    for (int ie = 0; ie < NBE; ++ie)
 #pragma unroll
-        for (int j = 0; j < PF; ++j) acc[mm][i][j] = 0.f;
+      for (int py = 0; py < PY; ++py)
+#pragma unroll
+        for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = 0.f;
 
-    for (int c0 = 0; c0 < C; c0 += CC) {
-      if (ptr[c0] == ptr[min(c0 + CC, C)]) continue;  // no nonzero in these channels: uniform skip
-      __syncthreads();
-      for (int idx = threadIdx.x; idx < CC * IH * IW; idx += THREADS) {
-        const int cc = idx / (IH * IW);
-        const int rest = idx - cc * (IH * IW);
-        const int yy = rest / IW;
-        const int xx = rest - yy * IW;
-        const int c = c0 + cc;
-        const int iy = e0 + yy - pad_h;
-        const int ix = f0 + xx - pad_w;
-        const bool inside = c < C && static_cast<unsigned>(iy) < static_cast<unsigned>(H) &&
-                            static_cast<unsigned>(ix) < static_cast<unsigned>(W);
-        tile[cc][yy][xx] =
-            inside ? unsparse::load_float(x_image + (static_cast<long long>(c) * H + iy) * W + ix) : 0.f;
+  for (int k = 0; k < K; ++k) {
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < STAGED; idx += THREADS) {
+      const int xx = idx % IW;
+      int rest = idx / IW;
+      const int yy = rest % IH;
+      rest /= IH;
+      const int ie = rest % NBE;
+      const int cc = rest / NBE;
+      const int c = k * CC + cc;
+      const int iy = e0 + yy - pad_h;
+      const int ix = f0 + xx - pad_w;
+      const bool inside = c < C && static_cast<unsigned>(iy) < static_cast<unsigned>(H) &&
+                          static_cast<unsigned>(ix) < static_cast<unsigned>(W);
+      const int within = inside ? (c * H + iy) * W + ix : 0;
+      float v[IPE];
+#pragma unroll
+      for (int q = 0; q < IPE; ++q) {
+        const int n = n0 + ie * IPE + q;
+        v[q] = (inside && n < N) ? unsparse::load_float(x + n * image_size + within) : 0.f;
       }
-      __syncthreads();
-      const int c_end = min(CC, C - c0);
-      for (int cc = 0; cc < c_end; ++cc) {
-        const int begin = ptr[c0 + cc];
-        const int end = ptr[c0 + cc + 1];
-        if (begin == end) continue;
-        float patch[PE + R - 1][PF + S - 1];
-#pragma unroll
-        for (int i = 0; i < PE + R - 1; ++i)
-#pragma unroll
-          for (int j = 0; j < PF + S - 1; ++j) patch[i][j] = tile[cc][e_local + i][f_local + j];
-        // The next entry's code and weight are loaded before this one's switch runs, so the load latency
-        // overlaps the FMAs instead of preceding every indirect branch.
-        int next_code = __ldg(codes + begin);
-        float next_w = __ldg(weights + begin);
-        for (int t = begin; t < end; ++t) {
-          const int code = next_code;
-          const float w = next_w;
-          if (t + 1 < end) {
-            next_code = __ldg(codes + t + 1);
-            next_w = __ldg(weights + t + 1);
-          }
-          switch (code) {
-            UNSPARSE_TAP_CASES64(0)
-            UNSPARSE_TAP_CASES64(64)
-            UNSPARSE_TAP_CASES64(128)
-            UNSPARSE_TAP_CASES64(192)
-            default:
-              break;
-          }
-        }
-      }
+      tile[cc * CS + ie * PLANE + yy * IWP + xx] = pack_images<T, IPE>(v);
     }
+    __syncthreads();
 
 #pragma unroll
-    for (int mm = 0; mm < MB; ++mm) {
-      const int m = m0 + mm;
+    for (int j = 0; j < MW; ++j) {
+      const int m = m_base + j;
       if (m >= M) break;
-      const float bias_m = bias != nullptr ? unsparse::load_float(bias + m) : 0.f;
-      T* dst = out + (static_cast<long long>(n) * M + m) * E * F;
+      const int begin = __ldg(chunk_ptr + m * K + k);
+      const int end = __ldg(chunk_ptr + m * K + k + 1);
+#pragma unroll 4
+      for (int t = begin; t < end; ++t) {
+        const int2 entry = __ldg(entries + t);
+        const float w = __int_as_float(entry.y);
+        const Elem* src = tile + entry.x + base;
 #pragma unroll
-      for (int i = 0; i < PE; ++i) {
-        const int e = e0 + e_local + i;
+        for (int ie = 0; ie < NBE; ++ie)
 #pragma unroll
-        for (int j = 0; j < PF; ++j) {
-          const int f = f0 + f_local + j;
-          if (e < E && f < F) unsparse::store_float(dst + e * F + f, acc[mm][i][j] + bias_m);
-        }
+          for (int py = 0; py < PY; ++py) {
+            float v[IPE];
+            TileElem<T>::to_float(src[ie * PLANE + py * WY * IWP], v);
+#pragma unroll
+            for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = fmaf(w, v[q], acc[j][ie][py][q]);
+          }
       }
     }
+  }
+
+  const int f = f0 + lx;
+#pragma unroll
+  for (int j = 0; j < MW; ++j) {
+    const int m = m_base + j;
+    if (m >= M) break;
+    const float bias_m = bias != nullptr ? unsparse::load_float(bias + m) : 0.f;
+#pragma unroll
+    for (int ie = 0; ie < NBE; ++ie)
+#pragma unroll
+      for (int q = 0; q < IPE; ++q) {
+        const int n = n0 + ie * IPE + q;
+        if (n >= N) continue;
+        T* dst = out + (static_cast<long long>(n) * M + m) * E * F;
+#pragma unroll
+        for (int py = 0; py < PY; ++py) {
+          const int e = e0 + ly + py * WY;
+          if (e < E && f < F) unsparse::store_float(dst + e * F + f, acc[j][ie][py][q] + bias_m);
+        }
+      }
   }
 }

@@ -13,14 +13,15 @@ import torch.nn.functional as F
 
 from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime.backends.direct import (
+    TILE_TILINGS,
     DirectBackend,
-    PatchArrays,
-    patch_space,
-    prepare_patch,
+    TileArrays,
     prepare_rows,
+    prepare_tile,
     rows_space,
-    validate_patch,
+    tile_space,
     validate_rows,
+    validate_tile,
 )
 from unsparse.sparse import ConvGeometry, UniformCSR
 
@@ -75,43 +76,62 @@ def emulate_rows(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, threa
     return out.reshape(N, csr.out_channels, E, F_)
 
 
-def emulate_patch(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, channels: int,
-                  thread_tile: tuple[int, int], block_tile: tuple[int, int], sub_batch: int) -> torch.Tensor:
-    """``direct_patch`` in Python: grid, tile origin, shared tile with zero halo, grouped codes."""
+def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tiling: cl.TileTiling,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``direct_tile`` in Python: grid decode, staged chunk in the kernel's flat layout (zero halo, images
+    packed per element), per-(row, chunk) entries, lane-to-output map and every shared-memory index checked
+    against the chunk's size."""
     N, C, H, W = x.shape
     R, S = csr.kernel_size
     E, F_ = geometry.output_size(H, W, csr.kernel_size)
-    chunk = 4
-    spec = cl.patch_launch(torch.float32, N, csr.out_channels, (E, F_), (R, S), channels, thread_tile,
-                           block_tile, chunk, sub_batch)
-    arrays = prepare_patch(csr, channels)
-    (PE, PF), (TE, TF) = thread_tile, block_tile
-    tiles_f = math.ceil(F_ / TF)
-    out = torch.full((N, csr.out_channels, E, F_), float("nan"), dtype=x.dtype)
+    layout = cl.tile_layout(dtype, (R, S), tiling)
+    spec = cl.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling)
+    arrays = prepare_tile(csr, layout)
+    ipe = cl.images_per_element(dtype)
+    (te, tf), wy = tiling.tile_hw, tiling.wy
+    tiles_f, groups, K = math.ceil(F_ / tf), math.ceil(csr.out_channels / tiling.channels), math.ceil(C / tiling.cc)
     ph, pw = geometry.padding
-    for group, tile_id, bz in [(a, b, c) for a in range(spec.grid[0]) for b in range(spec.grid[1])
-                               for c in range(spec.grid[2])]:
-        e0, f0 = (tile_id // tiles_f) * TE, (tile_id % tiles_f) * TF
-        for n in range(bz * sub_batch, min(N, (bz + 1) * sub_batch)):
-            acc = torch.zeros(channels, TE, TF, dtype=x.dtype)
-            for c in range(C):
-                tile = torch.zeros(TE + R - 1, TF + S - 1, dtype=x.dtype)
-                for yy in range(TE + R - 1):
-                    for xx in range(TF + S - 1):
-                        iy, ix = e0 + yy - ph, f0 + xx - pw
-                        if 0 <= iy < H and 0 <= ix < W:
-                            tile[yy, xx] = x[n, c, iy, ix]
-                key = group * C + c
-                for t in range(int(arrays.group_ptr[key]), int(arrays.group_ptr[key + 1])):
-                    code, w = int(arrays.codes[t]), float(arrays.weights[t])
-                    m_local, r, s = code // (R * S), (code // S) % R, code % S
-                    acc[m_local] += w * tile[r:r + TE, s:s + TF]
-            for m_local in range(channels):
-                m = group * channels + m_local
-                if m < csr.out_channels:
-                    e1, f1 = min(E, e0 + TE), min(F_, f0 + TF)
-                    out[n, m, e0:e1, f0:f1] = acc[m_local, :e1 - e0, :f1 - f0]
-    assert TE % PE == 0 and TF % PF == 0
+    lane = torch.arange(32)
+    ly, lx = lane // tiling.wx, lane % tiling.wx
+    base = ly * layout.padded_width + lx
+    py = torch.arange(tiling.py)
+    out = torch.full((N, csr.out_channels, E, F_), float("nan"), dtype=x.dtype)
+    for bx, by in [(a, b) for a in range(spec.grid[0]) for b in range(spec.grid[1])]:
+        group, tile_id = bx % groups, bx // groups
+        e0, f0, n0 = (tile_id // tiles_f) * te, (tile_id % tiles_f) * tf, by * tiling.nb
+        acc = torch.zeros(spec.block[0] // 32, tiling.mw, tiling.nb, tiling.py, 32, dtype=x.dtype)
+        for k in range(K):
+            chunk = torch.zeros(layout.elements(), ipe, dtype=x.dtype)
+            for cc, ie, yy, xx in [(a, b, c, d) for a in range(tiling.cc) for b in range(layout.image_elements)
+                                   for c in range(layout.tile_h) for d in range(layout.tile_w)]:
+                c, iy, ix = k * tiling.cc + cc, e0 + yy - ph, f0 + xx - pw
+                for q in range(ipe):
+                    n = n0 + ie * ipe + q
+                    if c < C and 0 <= iy < H and 0 <= ix < W and n < N:
+                        index = cc * layout.channel_stride + ie * layout.plane + yy * layout.padded_width + xx
+                        chunk[index, q] = x[n, c, iy, ix]
+            for warp in range(spec.block[0] // 32):
+                for j in range(tiling.mw):
+                    m = group * tiling.channels + warp * tiling.mw + j
+                    if m >= csr.out_channels:
+                        break
+                    for t in range(int(arrays.chunk_ptr[m * K + k]), int(arrays.chunk_ptr[m * K + k + 1])):
+                        offset = int(arrays.entries[t, 0])
+                        w = float(arrays.entries[t, 1:2].view(torch.float32))
+                        for ie in range(layout.image_elements):
+                            rows = (py * wy * layout.padded_width)[:, None]
+                            index = offset + base[None, :] + ie * layout.plane + rows
+                            assert int(index.min()) >= 0 and int(index.max()) < layout.elements()
+                            for q in range(ipe):
+                                acc[warp, j, ie * ipe + q] += w * chunk[index, q]
+        for warp, j, b in [(a, b, c) for a in range(spec.block[0] // 32) for b in range(tiling.mw)
+                           for c in range(tiling.nb)]:
+            m, n = group * tiling.channels + warp * tiling.mw + j, n0 + b
+            if m >= csr.out_channels or n >= N:
+                continue
+            e, f = e0 + ly[None, :] + py[:, None] * wy, (f0 + lx)[None, :].expand(tiling.py, 32)
+            live = (e < E) & (f < F_)
+            out[n, m, e[live], f[live]] = acc[warp, j, b][live]
     return out
 
 
@@ -124,19 +144,53 @@ def test_rows_emulation_matches_conv2d(case: tuple, threads: int, pixels: int, s
     assert torch.allclose(out, ref, atol=1e-10)
 
 
+SMALL_TILINGS = [cl.TileTiling(wx=8, py=2, nb=2, mw=2, warps=2, cc=2),
+                 cl.TileTiling(wx=4, py=3, nb=1, mw=3, warps=1, cc=3)]
+
+
 @pytest.mark.parametrize("case", [g for g in GEOMETRIES if g[7] == 1 and g[9] == 1 and g[2] > 1])
-def test_patch_emulation_matches_conv2d(case: tuple) -> None:
+@pytest.mark.parametrize("tiling", SMALL_TILINGS)
+def test_tile_emulation_matches_conv2d(case: tuple, tiling: cl.TileTiling) -> None:
     x, csr, geometry, ref = layer(case, seed=3)
-    out = emulate_patch(x, csr, geometry, 4, (2, 4), (4, 8), 2)
-    assert torch.allclose(out, ref, atol=1e-5)  # the patch arrays hold float32 weights
+    out = emulate_tile(x, csr, geometry, tiling)
+    assert torch.allclose(out, ref, atol=1e-5)  # the entries hold float32 weights
 
 
-def test_patch_arrays_drop_padding_and_group_by_channel() -> None:
-    weight = torch.zeros(3, 2, 1, 2)
-    weight[0, 1, 0, 1], weight[2, 0, 0, 0], weight[2, 1, 0, 0] = 1.0, 2.0, 3.0
-    arrays = prepare_patch(UniformCSR.from_dense(weight), channels_per_block=2)
-    assert arrays.group_ptr.tolist() == [0, 0, 1, 2, 3]  # (g0,c0) (g0,c1) (g1,c0) (g1,c1)
-    assert arrays.codes.tolist() == [1, 0, 0] and arrays.weights.tolist() == [1.0, 2.0, 3.0]
+def test_tile_emulation_float16_layout_pairs_images() -> None:
+    x, csr, geometry, ref = layer((3, 5, 7, 9, 4, 3, 3, 1, 1, 1), seed=4)
+    out = emulate_tile(x, csr, geometry, SMALL_TILINGS[0], dtype=torch.float16)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_tile_arrays_drop_padding_and_group_by_chunk() -> None:
+    weight = torch.zeros(2, 3, 3, 3)
+    weight[0, 2, 1, 2], weight[1, 0, 0, 0], weight[1, 1, 2, 1] = 1.0, 2.0, 3.0
+    csr = UniformCSR.from_dense(weight)
+    assert csr.row_length == 2  # row 0 carries one padding entry
+    tiling = cl.TileTiling(wx=32, py=2, nb=2, mw=1, warps=1, cc=2)
+    layout = cl.tile_layout(torch.float32, (3, 3), tiling)
+    assert (layout.tile_h, layout.tile_w, layout.padded_width, layout.channel_stride) == (4, 34, 34, 272)
+    arrays = prepare_tile(csr, layout)
+    assert arrays.chunk_ptr.tolist() == [0, 0, 1, 3, 3]  # (m0,k0) (m0,k1) (m1,k0) (m1,k1); CC = 2
+    assert arrays.entries[:, 0].tolist() == [0 * 272 + 1 * 34 + 2, 0, 272 + 2 * 34 + 1]
+    assert arrays.entries[:, 1].view(torch.float32).tolist() == [1.0, 2.0, 3.0]
+
+
+def test_tile_layout_is_bank_conflict_free() -> None:
+    for tiling in [*TILE_TILINGS, *SMALL_TILINGS]:
+        for kernel in [(1, 1), (3, 3), (5, 5)]:
+            layout = cl.tile_layout(torch.float32, kernel, tiling)
+            assert layout.padded_width >= tiling.wx + kernel[1] - 1
+            if tiling.wx < 32 and 32 % tiling.wx == 0 and tiling.wx > 1:
+                lanes = torch.arange(32)
+                banks = ((lanes // tiling.wx) * layout.padded_width + lanes % tiling.wx) % 32
+                assert banks.unique().numel() == 32, (tiling, kernel)
+    half = cl.tile_layout(torch.float16, (3, 3), TILE_TILINGS[0])
+    assert half.image_elements == TILE_TILINGS[0].nb // 2
+    with pytest.raises(ValueError, match="NB"):
+        cl.tile_layout(torch.float16, (3, 3), cl.TileTiling(wx=32, py=4, nb=1, mw=4, warps=8, cc=8))
+    with pytest.raises(ValueError, match="WX"):
+        cl.tile_layout(torch.float32, (3, 3), cl.TileTiling(wx=12, py=4, nb=1, mw=4, warps=8, cc=8))
 
 
 def test_validation_rejects_out_of_range_offsets_and_taps() -> None:
@@ -154,37 +208,59 @@ def test_validation_rejects_out_of_range_offsets_and_taps() -> None:
     validate_rows(offsets, taps, 3, (9, 11))
 
 
-def test_validation_rejects_bad_patch_arrays() -> None:
-    _, csr, _, _ = layer(GEOMETRIES[0])
-    good = prepare_patch(csr, 4)
-    groups = 2
-    with pytest.raises(ValueError, match="codes"):
-        validate_patch(PatchArrays(good.group_ptr, good.codes + 36, good.weights), groups, 3, 36)
-    broken = good.group_ptr.clone()
+def test_validation_rejects_bad_tile_arrays() -> None:
+    _, csr, _, _ = layer(GEOMETRIES[0])  # C = 3, 3x3
+    tiling = cl.TileTiling(wx=8, py=2, nb=2, mw=2, warps=2, cc=2)
+    layout = cl.tile_layout(torch.float32, (3, 3), tiling)
+    good = prepare_tile(csr, layout)
+    M = csr.out_channels
+
+    def entries_with(offsets: torch.Tensor) -> TileArrays:
+        return TileArrays(good.chunk_ptr, torch.stack([offsets.to(torch.int32), good.entries[:, 1]], dim=1))
+
+    offsets = good.entries[:, 0].long()
+    for forged in [offsets + 2 * layout.channel_stride,  # beyond the staged chunk
+                   offsets + 3,  # s beyond S - 1
+                   offsets + 3 * layout.padded_width,  # r beyond R - 1
+                   offsets - 1_000_000]:
+        with pytest.raises(ValueError, match="entries"):
+            validate_tile(entries_with(forged), M, 3, (3, 3), layout)
+    # The entries of (m, chunk 1) name channel 2; moved to cc = 1 they would name channel 3 >= C.
+    ptr = good.chunk_ptr.long()
+    m = next(m for m in range(M) if ptr[2 * m + 2] > ptr[2 * m + 1])
+    moved = offsets.clone()
+    moved[ptr[2 * m + 1]:ptr[2 * m + 2]] += layout.channel_stride
+    with pytest.raises(ValueError, match="entries"):
+        validate_tile(entries_with(moved), M, 3, (3, 3), layout)
+    broken = good.chunk_ptr.clone()
     broken[2] = int(broken[3]) + 1
-    with pytest.raises(ValueError, match="group_ptr"):
-        validate_patch(PatchArrays(broken, good.codes, good.weights), groups, 3, 36)
-    with pytest.raises(ValueError, match="group_ptr"):
-        validate_patch(PatchArrays(good.group_ptr[:-1], good.codes, good.weights), groups, 3, 36)
-    with pytest.raises(ValueError, match="codes"):
-        validate_patch(good, groups, 3, cl.PATCH_MAX_CODES + 1)
+    with pytest.raises(ValueError, match="chunk_ptr"):
+        validate_tile(TileArrays(broken, good.entries), M, 3, (3, 3), layout)
+    with pytest.raises(ValueError, match="chunk_ptr"):
+        validate_tile(TileArrays(good.chunk_ptr[:-1], good.entries), M, 3, (3, 3), layout)
+    with pytest.raises(ValueError, match="entries"):
+        validate_tile(TileArrays(good.chunk_ptr, good.entries[:, :1]), M, 3, (3, 3), layout)
+    validate_tile(good, M, 3, (3, 3), layout)
 
 
 def test_launch_geometry() -> None:
     spec = cl.rows_launch(torch.float16, 130, 64, 56 * 56, 128, 2, 4, 8)
     assert spec.grid == (math.ceil(3136 / 256), 8, 33) and spec.block == (128, 1, 1)
     assert spec.name == f"direct_rows<__half,2,4,{cl.ROWS_CHUNK}>"
-    spec = cl.patch_launch(torch.float32, 128, 100, (28, 28), (3, 3), 16, (2, 4), (16, 32), 8, 4)
-    assert spec.grid == (7, 2, 32) and spec.block == (64, 1, 1)
-    assert spec.name == "direct_patch<float,3,3,16,2,4,16,32,8>"
+    tiling = cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=8)
+    spec = cl.tile_launch(torch.float32, 127, 200, (28, 28), (3, 3), tiling)
+    assert spec.grid == (4 * 4 * 2, 64, 1) and spec.block == (256, 1, 1)
+    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,8,48>"
+    spec = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8))
+    assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32>"
     with pytest.raises(ValueError, match="threads"):
         cl.rows_launch(torch.float32, 1, 1, 1, 100, 1, 1, 1)
     with pytest.raises(ValueError, match="grid"):
         cl.rows_launch(torch.float32, 2**17, 1, 1, 64, 1, 1, 1)
-    with pytest.raises(ValueError, match="block_tile"):
-        cl.patch_launch(torch.float32, 1, 1, (8, 8), (3, 3), 8, (3, 4), (16, 32), 8, 1)
-    with pytest.raises(ValueError, match="channels_per_block"):
-        cl.patch_launch(torch.float32, 1, 1, (8, 8), (7, 7), 8, (2, 4), (16, 32), 8, 1)
+    with pytest.raises(ValueError, match="tiling"):
+        cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(32, 4, 2, 4, 64, 8))
+    with pytest.raises(ValueError, match="tiling"):
+        cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(32, 8, 4, 4, 8, 16))
     with pytest.raises(ValueError, match="dtype"):
         cl.cuda_type(torch.bfloat16)
 
@@ -195,14 +271,18 @@ def test_tuning_spaces() -> None:
     assert all(p["threads"] * p["pixels"] <= 98 or (p["threads"], p["pixels"]) == (64, 1) for p in rows)
     assert {p["sub_batch"] for p in rows_space(128, 3136)} == {1, 2, 4, 8}
     assert len(rows_space(1, 1, prune=False)) == 6
-    assert patch_space(8, (7, 7), (3, 3)) == []
-    big = patch_space(8, (56, 56), (3, 3))
-    assert big and all(p["channels"] * 9 <= cl.PATCH_MAX_CODES for p in big)
+    assert all(p["wx"] <= 14 for p in tile_space(8, (7, 7), (3, 3), torch.float32))
+    big = tile_space(128, (56, 56), (3, 3), torch.float32)
+    assert len(big) == len(TILE_TILINGS)
+    assert all(p["nb"] % 2 == 0 for p in tile_space(128, (56, 56), (3, 3), torch.float16))
+    assert all(p["nb"] <= 2 for p in tile_space(1, (56, 56), (3, 3), torch.float16))
+    single = tile_space(1, (56, 56), (3, 3), torch.float32)
+    assert single and all(p["nb"] == 1 for p in single)
     x = torch.zeros(2, 4, 16, 16)
     csr = UniformCSR.from_dense(torch.randn(8, 4, 3, 3))
     backend = DirectBackend()
-    assert not any(p["variant"] == "patch" for p in backend.tuning_space(x, csr, ConvGeometry.of(2, 1)))
-    assert any(p["variant"] == "patch" for p in backend.tuning_space(torch.zeros(2, 4, 64, 64), csr,
+    assert not any(p["variant"] == "tile" for p in backend.tuning_space(x, csr, ConvGeometry.of(2, 1)))
+    assert any(p["variant"] == "tile" for p in backend.tuning_space(torch.zeros(2, 4, 64, 64), csr,
                                                                      ConvGeometry.of(1, 1)))
     assert "cuda" in backend.unsupported_reason(x, csr, ConvGeometry.of(1, 1))
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unsparse.runtime import get_backend, sparsify
-from unsparse.runtime.backends.direct import patch_space, rows_space
+from unsparse.runtime.backends.direct import rows_space, tile_space
 from unsparse.runtime.comparator import plan_model, relative_error, tolerance
 from unsparse.runtime.plan import Plan
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
@@ -47,6 +47,7 @@ CASES = {
     "fully_dense": (2, 16, 10, 10, 17, 3, 3, 1, 1, 1, 0.0, 0, 0),
     "five_by_five_pad2": (3, 7, 14, 14, 11, 5, 5, 1, 2, 1, 0.85, 0, 0),
     "conv1d_shape": (3, 6, 1, 37, 8, 1, 5, 1, 2, 1, 0.7, 0, 0),
+    "groups_tiles_chunks": (5, 21, 30, 34, 70, 3, 3, 1, 1, 1, 0.9, 1, 1),
 }
 
 
@@ -79,7 +80,7 @@ def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.
     out_hw = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
     space = rows_space(x.shape[0], out_hw[0] * out_hw[1], prune=False)
     if geometry.stride == (1, 1) and geometry.dilation == (1, 1) and geometry.spatial_dims == 2:
-        space += patch_space(x.shape[0], out_hw, csr.kernel_size, prune=False)
+        space += tile_space(x.shape[0], out_hw, csr.kernel_size, dtype, prune=False)
     assert all(p in space for p in backend.tuning_space(x, csr, geometry))
     backend.precompile(x, csr, geometry, space)
     for params in space:

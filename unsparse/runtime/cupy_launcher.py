@@ -1,6 +1,6 @@
 """Loading ``kernels/*.cu`` through CuPy, launch geometry, and torch <-> CuPy hand-over without copies.
 
-Launch geometry lives here and only here (:func:`rows_launch`, :func:`patch_launch`): pure Python, so the
+Launch geometry lives here and only here (:func:`rows_launch`, :func:`tile_launch`): pure Python, so the
 CPU tests check it. CuPy is imported lazily; importing this module needs neither CuPy nor a GPU.
 """
 
@@ -21,8 +21,8 @@ KERNEL_FILE = KERNEL_DIR / "direct_conv.cu"
 COMPILE_OPTIONS = ("-std=c++17",)
 ROWS_CHUNK = 256
 """Stored entries of one row staged in shared memory at a time by ``direct_rows`` (template JC)."""
-PATCH_MAX_CODES = 256
-"""Largest ``MB * R * S`` the ``direct_patch`` switch covers (``PATCH_MAX_CODES`` in the .cu file)."""
+SHARED_LIMIT_BYTES = 48 * 1024
+"""Static shared memory a block may use without opting in (CUDA default)."""
 TAP_SHIFT_BITS = 16
 """``direct_rows`` packs a tap's (row shift, column shift) as ``dy << 16 | dx``; both must be < 2**15."""
 
@@ -81,41 +81,126 @@ def rows_launch(dtype: torch.dtype, batch: int, out_channels: int, out_pixels: i
     return Launch(name, grid, (threads, 1, 1))
 
 
-def patch_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple[int, int],
-                 kernel_size: tuple[int, int], channels_per_block: int, thread_tile: tuple[int, int],
-                 block_tile: tuple[int, int], channel_chunk: int, sub_batch: int) -> Launch:
-    """Geometry of ``direct_patch``: grid (channel groups, output tiles, sub-batches), fastest over groups.
+@dataclass(frozen=True)
+class TileTiling:
+    """One ``direct_tile`` instantiation (without dtype and kernel size).
 
-    Channel groups vary fastest so that the blocks reading one input tile run close together in time
-    and find it in L2.
+    A warp covers a ``(32 / WX) * PY`` x ``WX`` output tile of ``NB`` images (lane ``(ly, lx)`` owns rows
+    ``ly + py * 32 / WX``); each of the ``WARPS`` warps accumulates ``MW`` output channels over it, so a block
+    owns ``WARPS * MW`` channels. ``CC`` input channels are staged in shared memory at a time.
+    """
 
-    Args:
-        out_hw: (E, F). kernel_size: (R, S).
-        channels_per_block: MB output channels per block. thread_tile: (PE, PF) outputs per thread.
-        block_tile: (TE, TF) outputs per block, multiples of the thread tile.
-        channel_chunk: CC input channels staged in shared memory at once. sub_batch: images per block.
+    wx: int
+    py: int
+    nb: int
+    mw: int
+    warps: int
+    cc: int
+
+    @property
+    def wy(self) -> int:
+        """Warp rows: lanes per output column of the warp tile, ``32 / WX``."""
+        return 32 // self.wx
+
+    @property
+    def tile_hw(self) -> tuple[int, int]:
+        """Output tile (TE, TF) = ``(WY * PY, WX)``."""
+        return self.wy * self.py, self.wx
+
+    @property
+    def channels(self) -> int:
+        """Output channels per block, ``WARPS * MW``."""
+        return self.warps * self.mw
+
+    def accumulators(self) -> int:
+        """float32 partial sums per thread, ``MW * NB * PY``."""
+        return self.mw * self.nb * self.py
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """Shared-memory layout of one staged chunk of ``direct_tile``, element units (one element holds
+    ``images_per_element`` images: 1 for float32, 2 (a ``__half2``) for float16).
+
+    Element ``(cc, ie, yy, xx)`` sits at ``cc * channel_stride + ie * plane + yy * padded_width + xx``.
+    """
+
+    tile_h: int
+    tile_w: int
+    padded_width: int
+    image_elements: int
+    chunk: int
+
+    @property
+    def plane(self) -> int:
+        """Elements of one image element's ``tile_h x padded_width`` plane."""
+        return self.tile_h * self.padded_width
+
+    @property
+    def channel_stride(self) -> int:
+        """Elements per staged input channel (all image elements)."""
+        return self.image_elements * self.plane
+
+    def elements(self) -> int:
+        """Elements of the whole staged chunk (the kernel's shared array)."""
+        return self.chunk * self.channel_stride
+
+
+def images_per_element(dtype: torch.dtype) -> int:
+    """Images one shared-memory element of ``direct_tile`` holds: 2 for float16 (``__half2``), else 1."""
+    return 2 if dtype == torch.float16 else 1
+
+
+def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTiling) -> TileLayout:
+    """The staged chunk layout for ``tiling`` (shared by :func:`tile_launch` and the plan-time offsets).
+
+    The padded row width is the smallest ``>= WX + S - 1`` that makes a warp's 32 loads hit 32 distinct
+    banks: any width when a warp covers one row (WX = 32), else one congruent to WX modulo 32, so that
+    lane ``(ly, lx)`` reads bank ``(ly * WX + lx) mod 32 = lane``.
 
     Raises:
-        ValueError: if the block tile is not a multiple of the thread tile, ``MB * R * S`` exceeds
-            :data:`PATCH_MAX_CODES`, the block has more than 1024 threads, or the grid is too large.
+        ValueError: if WX does not divide 32, NB is not a multiple of the images per element, or a size is
+            not positive.
     """
-    (E, F_), (R, S), (PE, PF), (TE, TF) = out_hw, kernel_size, thread_tile, block_tile
-    if TE % PE or TF % PF:
-        raise ValueError(f"block_tile: {block_tile} is not a multiple of thread_tile {thread_tile}")
-    if channels_per_block * R * S > PATCH_MAX_CODES:
-        raise ValueError(f"channels_per_block: {channels_per_block} * R * S = {channels_per_block * R * S} "
-                         f"exceeds {PATCH_MAX_CODES} switch cases")
-    threads = (TE // PE) * (TF // PF)
-    if not 1 <= threads <= 1024:
-        raise ValueError(f"block_tile: {threads} threads per block")
-    if min(batch, out_channels, E, F_, channel_chunk, sub_batch) < 1:
-        raise ValueError("patch_launch: every size must be positive")
-    grid = (math.ceil(out_channels / channels_per_block), math.ceil(E / TE) * math.ceil(F_ / TF),
-            math.ceil(batch / sub_batch))
+    (R, S) = kernel_size
+    if tiling.wx not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"tiling: WX={tiling.wx} does not divide 32")
+    if min(R, S, tiling.py, tiling.nb, tiling.mw, tiling.warps, tiling.cc) < 1:
+        raise ValueError(f"tiling: every size must be positive, got {tiling} with kernel {kernel_size}")
+    ipe = images_per_element(dtype)
+    if tiling.nb % ipe:
+        raise ValueError(f"tiling: NB={tiling.nb} is not a multiple of {ipe} images per element ({dtype})")
+    te, tf = tiling.tile_hw
+    width = tf + S - 1
+    if tiling.wy > 1:
+        width += (tiling.wx - width) % 32
+    return TileLayout(te + R - 1, tf + S - 1, width, tiling.nb // ipe, tiling.cc)
+
+
+def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple[int, int],
+                kernel_size: tuple[int, int], tiling: TileTiling) -> Launch:
+    """Geometry of ``direct_tile``: grid ``(channel groups * output tiles, ceil(N / NB))``, channel groups
+    fastest so that the blocks staging one input tile run together and find it in L2.
+
+    Raises:
+        ValueError: for an invalid tiling (:func:`tile_layout`), more than 1024 threads, a non-positive
+            size, a chunk beyond :data:`SHARED_LIMIT_BYTES`, or a grid beyond CUDA's limits.
+    """
+    (E, F_), (R, S) = out_hw, kernel_size
+    layout = tile_layout(dtype, kernel_size, tiling)
+    if min(batch, out_channels, E, F_) < 1:
+        raise ValueError("tile_launch: every size must be positive")
+    if tiling.warps * 32 > 1024:
+        raise ValueError(f"tiling: {tiling.warps} warps exceed 1024 threads")
+    if layout.elements() * 4 > SHARED_LIMIT_BYTES:
+        raise ValueError(f"tiling: staged chunk of {layout.elements() * 4} bytes exceeds {SHARED_LIMIT_BYTES}")
+    te, tf = tiling.tile_hw
+    groups = math.ceil(out_channels / tiling.channels)
+    grid = (groups * math.ceil(E / te) * math.ceil(F_ / tf), math.ceil(batch / tiling.nb), 1)
     _check_grid(grid)
-    name = (f"direct_patch<{cuda_type(dtype)},{R},{S},{channels_per_block},{PE},{PF},{TE},{TF},"
-            f"{channel_chunk}>")
-    return Launch(name, grid, (threads, 1, 1))
+    name = (f"direct_tile<{cuda_type(dtype)},{R},{S},{tiling.wx},{tiling.py},{tiling.nb},{tiling.mw},"
+            f"{tiling.warps},{tiling.cc},{layout.padded_width}>")
+    return Launch(name, grid, (tiling.warps * 32, 1, 1))
 
 
 def _check_grid(grid: tuple[int, int, int]) -> None:
@@ -162,7 +247,7 @@ def launch(spec: Launch, args: tuple[Any, ...], device: torch.device) -> None:
     """Run one kernel on torch's current stream of ``device``.
 
     Args:
-        spec: from :func:`rows_launch` or :func:`patch_launch`.
+        spec: from :func:`rows_launch` or :func:`tile_launch`.
         args: kernel arguments in declaration order: CUDA tensors (passed through DLPack), None for a
             null pointer, ints (passed as int32).
 

@@ -3,10 +3,11 @@
 Two kernel variants share the backend and its tuning space (parameter ``variant``):
 
 * ``"rows"``: Escoin §3 / UnSparse-Opt §5 (uniform nnz, sub-batch), any geometry.
-* ``"patch"``: register-blocked over output channels and pixels; stride 1, dilation 1, Conv2d.
+* ``"tile"``: input tiles with halos in shared memory, each warp accumulating several output channels over
+  a pixel x image tile; stride 1, dilation 1, Conv2d.
 
 Everything a kernel reads through an index is built and checked here at plan time (:func:`prepare_rows`,
-:func:`prepare_patch`) and cached per UniformCSR object and input size, so no kernel sees an unchecked
+:func:`prepare_tile`) and cached per UniformCSR object and input size, so no kernel sees an unchecked
 index.
 """
 
@@ -25,54 +26,25 @@ from unsparse.runtime.backends.base import ConvBackend, register_backend
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
-SHARED_LIMIT_BYTES = 48 * 1024
-"""Static shared memory a block may use without opting in (CUDA default)."""
-
 ROWS_THREADS = (64, 128, 256)
 ROWS_PIXELS = (1, 2)
 ROWS_SUB_BATCH = (1, 2, 4, 8)
 ROWS_CHANNELS = 8
 
-
-@dataclass(frozen=True)
-class PatchTiling:
-    """One ``direct_patch`` instantiation: MB channels, (PE, PF) thread tile, (TE, TF) block tile."""
-
-    channels: int
-    thread_tile: tuple[int, int]
-    block_tile: tuple[int, int]
-
-    def threads(self) -> int:
-        """Threads per block, ``(TE / PE) * (TF / PF)``."""
-        return (self.block_tile[0] // self.thread_tile[0]) * (self.block_tile[1] // self.thread_tile[1])
-
-
-PATCH_TILINGS = (
-    PatchTiling(4, (2, 4), (16, 32)),
-    PatchTiling(8, (2, 4), (16, 32)),
-    PatchTiling(8, (2, 4), (32, 32)),
-    PatchTiling(16, (2, 4), (16, 32)),
-    PatchTiling(8, (4, 4), (32, 32)),
-    PatchTiling(16, (2, 2), (16, 16)),
-    PatchTiling(32, (2, 4), (16, 32)),
+TILE_TILINGS = (
+    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=8),
+    cl.TileTiling(wx=32, py=4, nb=2, mw=8, warps=8, cc=8),
+    cl.TileTiling(wx=32, py=8, nb=2, mw=4, warps=8, cc=8),
+    cl.TileTiling(wx=32, py=4, nb=4, mw=4, warps=8, cc=8),
+    cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=8),
+    cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=8, cc=8),
+    cl.TileTiling(wx=8, py=2, nb=4, mw=4, warps=8, cc=4),
+    cl.TileTiling(wx=8, py=2, nb=2, mw=8, warps=4, cc=8),
+    cl.TileTiling(wx=32, py=8, nb=1, mw=8, warps=8, cc=8),
 )
-PATCH_SUB_BATCH = (1, 4)
-PATCH_REGISTER_BUDGET = 190
-"""Tilings whose accumulators plus input patch (``MB*PE*PF + (PE+R-1)*(PF+S-1)`` floats) exceed this are left
-out: beyond it ptxas spills to local memory (seen for 5x5 with MB=8 and a 4x4 thread tile)."""
-
-
-def patch_channel_chunk(kernel_size: tuple[int, int], block_tile: tuple[int, int]) -> int:
-    """Input channels staged at once (CC): the largest of 16, 8, 4, 2, 1 whose tile fits in shared memory.
-
-    Raises:
-        ValueError: if even one channel's tile does not fit.
-    """
-    (R, S), (TE, TF) = kernel_size, block_tile
-    for chunk in (16, 8, 4, 2, 1):
-        if chunk * (TE + R - 1) * (TF + S - 1) * 4 <= SHARED_LIMIT_BYTES:
-            return chunk
-    raise ValueError(f"block_tile: {block_tile} with kernel {kernel_size} does not fit in shared memory")
+"""``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM
+within the register file), warp tiles 4x32 to 8x8 for planes from 224x224 down to 7x7; NB = 1 for
+batch 1 in float32 (float16 pairs images, NB even)."""
 
 
 def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str, Any]]:
@@ -92,31 +64,34 @@ def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str
     return space
 
 
-def patch_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int],
-                prune: bool = True) -> list[dict[str, Any]]:
-    """``direct_patch`` settings: tilings whose switch covers ``MB * R * S`` codes and whose registers fit
-    :data:`PATCH_REGISTER_BUDGET`, x sub-batch.
+def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int], dtype: torch.dtype,
+               prune: bool = True) -> list[dict[str, Any]]:
+    """``direct_tile`` settings: the :data:`TILE_TILINGS` valid for ``dtype`` and whose staged chunk fits
+    in shared memory.
 
-    With ``prune``, tilings whose block tile is more than twice the output plane in either direction are
-    left out.
+    With ``prune``, tilings whose output tile is more than twice the plane in either direction, or whose
+    NB exceeds the batch (beyond the images per element), are left out.
     """
-    R, S = kernel_size
     E, F_ = out_hw
     space = []
-    for tiling in PATCH_TILINGS:
-        (PE, PF) = tiling.thread_tile
-        registers = tiling.channels * PE * PF + (PE + R - 1) * (PF + S - 1)
-        if tiling.channels * R * S > cl.PATCH_MAX_CODES or registers > PATCH_REGISTER_BUDGET:
+    for tiling in TILE_TILINGS:
+        try:
+            layout = cl.tile_layout(dtype, kernel_size, tiling)
+        except ValueError:
             continue
-        TE, TF = tiling.block_tile
-        if prune and (TE > 2 * E or TF > 2 * F_):
+        if layout.elements() * 4 > cl.SHARED_LIMIT_BYTES:
             continue
-        for sub_batch in PATCH_SUB_BATCH:
-            if sub_batch > batch and sub_batch != 1:
-                continue
-            space.append({"variant": "patch", "sub_batch": sub_batch, "channels": tiling.channels,
-                          "thread_tile": list(tiling.thread_tile), "block_tile": list(tiling.block_tile)})
+        te, tf = tiling.tile_hw
+        if prune and (te > 2 * E or tf > 2 * F_ or tiling.nb > max(batch, cl.images_per_element(dtype))):
+            continue
+        space.append({"variant": "tile", "wx": tiling.wx, "py": tiling.py, "nb": tiling.nb, "mw": tiling.mw,
+                      "warps": tiling.warps, "cc": tiling.cc})
     return space
+
+
+def tiling_of(params: dict[str, Any]) -> cl.TileTiling:
+    """The :class:`~unsparse.runtime.cupy_launcher.TileTiling` of a ``tile`` setting."""
+    return cl.TileTiling(params["wx"], params["py"], params["nb"], params["mw"], params["warps"], params["cc"])
 
 
 @dataclass(frozen=True)
@@ -133,18 +108,18 @@ class RowArrays:
 
 
 @dataclass(frozen=True)
-class PatchArrays:
-    """Plan-time arrays of ``direct_patch``: nonzeros grouped per (channel group g, input channel c).
+class TileArrays:
+    """Plan-time arrays of ``direct_tile``: nonzeros grouped per (output channel m, staged chunk k).
 
     Attributes:
-        group_ptr: ``(G*C + 1,)`` int32, entries of (g, c) are ``[group_ptr[g*C+c], group_ptr[g*C+c+1])``.
-        codes: ``(nnz,)`` int32, ``(m mod MB)*R*S + r*S + s``.
-        weights: ``(nnz,)`` float32 values.
+        chunk_ptr: ``(M*K + 1,)`` int32; entries of (m, k) are ``[chunk_ptr[m*K+k], chunk_ptr[m*K+k+1])``,
+            K = ceil(C / CC).
+        entries: ``(nnz, 2)`` int32: the tap's element offset in the staged chunk,
+            ``(c - k*CC) * channel_stride + r * padded_width + s``, and the float32 bits of the weight.
     """
 
-    group_ptr: torch.Tensor
-    codes: torch.Tensor
-    weights: torch.Tensor
+    chunk_ptr: torch.Tensor
+    entries: torch.Tensor
 
 
 def prepare_rows(csr: UniformCSR, geometry: ConvGeometry, in_hw: tuple[int, int]) -> RowArrays:
@@ -191,48 +166,71 @@ def validate_rows(offsets: torch.Tensor, taps: torch.Tensor, channels: int, in_h
         raise ValueError(f"offsets: entries outside [0, {channels}*{H}*{W}) or inconsistent with taps")
 
 
-def prepare_patch(csr: UniformCSR, channels_per_block: int) -> PatchArrays:
-    """Group the nonzeros of ``csr`` per (block of MB output channels, input channel) and validate them.
+def prepare_tile(csr: UniformCSR, layout: cl.TileLayout) -> TileArrays:
+    """Group the nonzeros of ``csr`` per (output channel, chunk of ``layout.chunk`` input channels) as offsets
+    into the staged chunk (Escoin §3.1 weight stretching, here against the shared-memory tile), then
+    validate them.
 
-    Stored padding entries (value 0, UnSparse-Opt uniform nnz) are dropped: this variant's loop bound is
-    the per-(group, channel) nonzero count.
+    Stored padding entries (value 0, UnSparse-Opt uniform nnz) are dropped: the loop bound of this variant
+    is the per-(channel, chunk) nonzero count. Within a group entries are sorted by offset.
     """
     M, C = csr.out_channels, csr.in_channels_per_group
     R, S = csr.kernel_size
+    K = math.ceil(C / layout.chunk)
     rows = torch.arange(M, device=csr.values.device)[:, None].expand_as(csr.col_idx)
     keep = csr.values != 0
     m, k = rows[keep], csr.col_idx.long()[keep]
-    groups = math.ceil(M / channels_per_block) if M else 0
-    key = (m // channels_per_block) * C + k // (R * S)
-    codes = (m % channels_per_block) * (R * S) + k % (R * S)
-    order = torch.argsort(key * (channels_per_block * R * S) + codes)
-    counts = torch.bincount(key, minlength=groups * C)
-    group_ptr = torch.zeros(groups * C + 1, dtype=torch.int64, device=csr.values.device)
-    group_ptr[1:] = torch.cumsum(counts, 0)
-    arrays = PatchArrays(group_ptr.to(torch.int32), codes[order].to(torch.int32).contiguous(),
-                         csr.values[keep][order].float().contiguous())
-    validate_patch(arrays, groups, C, channels_per_block * R * S)
+    c, r, s = k // (R * S), (k // S) % R, k % S
+    chunk = c // layout.chunk
+    offsets = (c - chunk * layout.chunk) * layout.channel_stride + r * layout.padded_width + s
+    key = m * K + chunk
+    order = torch.argsort(key * layout.elements() + offsets)
+    counts = torch.bincount(key, minlength=M * K)
+    chunk_ptr = torch.zeros(M * K + 1, dtype=torch.int64, device=csr.values.device)
+    chunk_ptr[1:] = torch.cumsum(counts, 0)
+    weights = csr.values[keep][order].float().contiguous().view(torch.int32)
+    entries = torch.stack([offsets[order].to(torch.int32), weights], dim=1).contiguous()
+    arrays = TileArrays(chunk_ptr.to(torch.int32), entries)
+    validate_tile(arrays, M, C, (R, S), layout)
     return arrays
 
 
-def validate_patch(arrays: PatchArrays, groups: int, channels: int, code_count: int) -> None:
-    """Check the grouped arrays before a kernel reads through them.
+def validate_tile(arrays: TileArrays, out_channels: int, channels: int, kernel_size: tuple[int, int],
+                  layout: cl.TileLayout) -> None:
+    """Check the grouped arrays before ``direct_tile`` reads through them.
+
+    The kernel reads ``tile[offset + (ly + py*WY) * padded_width + lx + ie * plane]`` for output rows
+    ``ly + py*WY < tile_h - R + 1`` and columns ``lx < tile_w - S + 1``. That index lies inside the staged
+    chunk, and in the right input channel, exactly when ``offset = cc * channel_stride + r * padded_width + s``
+    with ``r < R``, ``s < S`` and ``cc < CC`` such that ``k * CC + cc < C`` for the entry's chunk k.
 
     Raises:
-        ValueError: naming ``group_ptr`` (wrong length, not non-decreasing, not ending at nnz), ``codes``
-            (outside ``[0, code_count)`` or beyond the kernel's switch) or ``weights`` (length).
+        ValueError: naming ``chunk_ptr`` (wrong length, not from 0 to nnz, decreasing) or ``entries`` (shape,
+            or an offset that does not decompose as above).
     """
-    ptr, codes = arrays.group_ptr.long(), arrays.codes
-    if ptr.numel() != groups * channels + 1 or int(ptr[0]) != 0 or int(ptr[-1]) != codes.numel():
-        raise ValueError(f"group_ptr: expected {groups * channels + 1} entries from 0 to nnz={codes.numel()}")
+    R, S = kernel_size
+    K = math.ceil(channels / layout.chunk)
+    ptr, entries = arrays.chunk_ptr.long(), arrays.entries
+    if entries.dim() != 2 or entries.shape[1] != 2:
+        raise ValueError(f"entries: expected shape (nnz, 2), got {tuple(entries.shape)}")
+    nnz = entries.shape[0]
+    if ptr.numel() != out_channels * K + 1 or int(ptr[0]) != 0 or int(ptr[-1]) != nnz:
+        raise ValueError(f"chunk_ptr: expected {out_channels * K + 1} entries from 0 to nnz={nnz}")
     if bool((ptr[1:] < ptr[:-1]).any()):
-        raise ValueError("group_ptr: not non-decreasing")
-    if code_count > cl.PATCH_MAX_CODES:
-        raise ValueError(f"codes: {code_count} codes exceed the kernel's {cl.PATCH_MAX_CODES} switch cases")
-    if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= code_count):
-        raise ValueError(f"codes: entries outside [0, {code_count})")
-    if arrays.weights.numel() != codes.numel():
-        raise ValueError("weights: length differs from codes")
+        raise ValueError("chunk_ptr: not non-decreasing")
+    if layout.tile_h < R or layout.tile_w < S or layout.padded_width < layout.tile_w:
+        raise ValueError(f"entries: layout {layout} does not hold a {R}x{S} halo")
+    if nnz == 0:
+        return
+    offsets = entries[:, 0].long()
+    chunk = torch.repeat_interleave(torch.arange(out_channels * K, device=ptr.device) % K, ptr[1:] - ptr[:-1])
+    cc = torch.div(offsets, layout.channel_stride, rounding_mode="floor")
+    rest = offsets - cc * layout.channel_stride
+    r = torch.div(rest, layout.padded_width, rounding_mode="floor")
+    s = rest - r * layout.padded_width
+    bad = (offsets < 0) | (cc >= layout.chunk) | (chunk * layout.chunk + cc >= channels) | (r >= R) | (s >= S)
+    if bool(bad.any()):
+        raise ValueError(f"entries: offsets outside the staged chunk of {layout} or its channel range")
 
 
 @register_backend
@@ -267,11 +265,11 @@ class DirectBackend(ConvBackend):
         return geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
-        """Rows settings always; patch settings for stride 1, dilation 1 Conv2d."""
+        """Rows settings always; tile settings for stride 1, dilation 1 Conv2d."""
         out_hw = self._out_hw(x, csr, geometry)
         space = rows_space(x.shape[0], out_hw[0] * out_hw[1])
         if geometry.spatial_dims == 2 and geometry.stride == (1, 1) and geometry.dilation == (1, 1):
-            space += patch_space(x.shape[0], out_hw, csr.kernel_size)
+            space += tile_space(x.shape[0], out_hw, csr.kernel_size, x.dtype)
         return space
 
     def kernel_names(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
@@ -293,10 +291,7 @@ class DirectBackend(ConvBackend):
             return cl.rows_launch(x.dtype, N, csr.out_channels, E * F_, params.get("threads", 128),
                                   params.get("pixels", 1), params.get("sub_batch", 1),
                                   params.get("channels", ROWS_CHANNELS))
-        block_tile = tuple(params["block_tile"])
-        return cl.patch_launch(x.dtype, N, csr.out_channels, (E, F_), csr.kernel_size, params["channels"],
-                               tuple(params["thread_tile"]), block_tile,
-                               patch_channel_chunk(csr.kernel_size, block_tile), params["sub_batch"])
+        return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), csr.kernel_size, tiling_of(params))
 
     def _arrays(self, csr: UniformCSR, key: tuple, build: Any) -> Any:
         per_csr = self._cache.setdefault(csr, {})
@@ -325,15 +320,15 @@ class DirectBackend(ConvBackend):
             args = (x, arrays.offsets, arrays.taps, csr.values.contiguous(), bias, out, N, C, H, W,
                     csr.out_channels, csr.row_length, E, F_, *geometry.stride, *geometry.padding,
                     params.get("channels", ROWS_CHANNELS))
-        elif variant == "patch":
+        elif variant == "tile":
             if geometry.stride != (1, 1) or geometry.dilation != (1, 1) or geometry.spatial_dims != 2:
-                raise ValueError(f"variant: patch needs stride 1, dilation 1 Conv2d, got {geometry}")
-            arrays = self._arrays(csr, ("patch", params["channels"]),
-                                  lambda: prepare_patch(csr, params["channels"]))
-            tiles_f = math.ceil(F_ / params["block_tile"][1])
-            args = (x, arrays.group_ptr, arrays.codes, arrays.weights, bias, out, N, C, H, W, csr.out_channels,
-                    E, F_, *geometry.padding, tiles_f, params["sub_batch"])
+                raise ValueError(f"variant: tile needs stride 1, dilation 1 Conv2d, got {geometry}")
+            tiling = tiling_of(params)
+            layout = cl.tile_layout(x.dtype, csr.kernel_size, tiling)
+            arrays = self._arrays(csr, ("tile", layout), lambda: prepare_tile(csr, layout))
+            args = (x, arrays.chunk_ptr, arrays.entries, bias, out, N, C, H, W, csr.out_channels, E, F_,
+                    *geometry.padding, math.ceil(F_ / tiling.tile_hw[1]), math.ceil(csr.out_channels / tiling.channels))
         else:
-            raise ValueError(f"variant: unknown {variant!r}, expected 'rows' or 'patch'")
+            raise ValueError(f"variant: unknown {variant!r}, expected 'rows' or 'tile'")
         cl.launch(spec, args, x.device)
         return out
