@@ -1,0 +1,89 @@
+"""Signed linear fixed-point quantization (paper 004 §4, eq. 19-21).
+
+Equations 19-21 are missing from our copy of the paper; this is the standard linear fixed-point form (Lin
+et al., ICLR 2016, the paper's ref. [35]) that its text describes, reconstructed:
+
+- eq. 19, the mapping: ``Q(x) = Δ · clip(round(x / Δ), -q_max, q_max)`` with ``q_max = 2^(b-1) - 1`` for
+  ``b`` bits, signed and symmetric, so ``0`` maps to exactly ``0``;
+- eq. 20, the step: ``Δ = x_sat / q_max`` for a saturation level ``x_sat`` (values beyond ``±x_sat`` are
+  saturated); ``x_sat`` is ``max |x|`` for weights and a histogram quantile for activations
+  (:mod:`unsparse.quant.histogram`);
+- eq. 21, the power-of-two variant ("the scaling factor is essentially just a shift"): ``Δ = 2^-fl`` with
+  ``fl = b - 1 - ceil(log2 x_sat)`` fractional bits, i.e. ``b - fl`` integer bits (sign included).
+
+Codes are integers in ``[-q_max, q_max]``; a value is stored as its code and the layer's ``Δ``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+MIN_BITS = 2
+"""Fewest bits of a signed symmetric code (``q_max = 1``: codes -1, 0, 1)."""
+MAX_BITS = 16
+"""Most bits a code may have (codes are held in int16 at most)."""
+
+
+def check_bits(bits: int, field: str = "bits", low: int = MIN_BITS, high: int = MAX_BITS) -> int:
+    """``bits`` if it is an int in ``[low, high]``.
+
+    Raises:
+        ValueError: naming ``field`` otherwise (bools are refused).
+    """
+    if isinstance(bits, bool) or not isinstance(bits, int) or not low <= bits <= high:
+        raise ValueError(f"{field}: expected an integer number of bits in [{low}, {high}], got {bits!r}")
+    return bits
+
+
+def max_code(bits: int) -> int:
+    """``q_max = 2^(bits-1) - 1``, the largest code magnitude of a signed ``bits``-bit code (eq. 19)."""
+    return (1 << (check_bits(bits) - 1)) - 1
+
+
+def fixed_point_step(saturation: float, bits: int, power_of_two: bool = False) -> float:
+    """The step ``Δ`` for saturation level ``x_sat`` (eq. 20, or eq. 21 with ``power_of_two``).
+
+    Args:
+        saturation: ``x_sat > 0``, same unit as the values.
+        bits: ``b`` in ``[2, 16]``.
+        power_of_two: round ``Δ`` to ``2^-fl`` with ``fl = b - 1 - ceil(log2 x_sat)`` (a shift).
+
+    Returns:
+        ``Δ`` as a Python float that is exactly a float32 value (so the files can carry it in JSON exactly).
+
+    Raises:
+        ValueError: bits out of range, or ``saturation`` not finite and positive (e.g. an all-zero layer).
+    """
+    q_max = max_code(bits)
+    if not math.isfinite(saturation) or saturation <= 0:
+        raise ValueError(f"saturation: expected a finite level > 0, got {saturation!r} (all values zero?)")
+    step = 2.0 ** (math.ceil(math.log2(saturation)) + 1 - bits) if power_of_two else saturation / q_max
+    step32 = float(torch.tensor(step, dtype=torch.float32))
+    if not math.isfinite(step32) or step32 <= 0:
+        raise ValueError(f"saturation: {saturation!r} gives a step {step!r} outside float32's range")
+    return step32
+
+
+def to_codes(x: torch.Tensor, step: float, bits: int) -> torch.Tensor:
+    """Integer codes ``clip(round(x / Δ), -q_max, q_max)`` (eq. 19), int64, shape of ``x``.
+
+    ``round`` is round-half-to-even; ``x`` may be any float dtype.
+    """
+    q_max = max_code(bits)
+    scaled = x.to(torch.float32) / torch.tensor(step, dtype=torch.float32)
+    return torch.round(scaled).clamp(-q_max, q_max).to(torch.int64)
+
+
+def from_codes(codes: torch.Tensor, step: float) -> torch.Tensor:
+    """``codes · Δ`` as float32 (eq. 19's dequantized value); the one place values are rebuilt from codes.
+
+    The quantizers and the file codecs both call this, so a reloaded tensor is bitwise the quantized one.
+    """
+    return codes.to(torch.float32) * torch.tensor(step, dtype=torch.float32)
+
+
+def fake_quantize(x: torch.Tensor, step: float, bits: int) -> torch.Tensor:
+    """``Q(x)`` of eq. 19 in float32: ``|Q(x) - x| <= Δ/2`` for ``|x| <= q_max·Δ``; larger ``|x|`` saturate."""
+    return from_codes(to_codes(x, step, bits), step)

@@ -1,0 +1,81 @@
+"""Histogram analysis of magnitudes to choose a saturation level (paper 004 §4).
+
+The paper sets the activation saturation threshold to 0.99 after histogram analysis of outliers. We read
+it as a quantile: the saturation level ``x_sat`` is where the histogram of ``|x|`` (over calibration data)
+reaches the configured fraction of its mass, so that fraction of the values lies within ``±x_sat`` and the
+rest saturate. ``quantile = 1`` gives ``max |x|`` (nothing saturates).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def check_quantile(quantile: float) -> float:
+    """``quantile`` if it is a number in ``(0, 1]``; raises ``ValueError`` naming it otherwise."""
+    if isinstance(quantile, bool) or not isinstance(quantile, int | float) or not 0 < quantile <= 1:
+        raise ValueError(f"quantile: expected a number in (0, 1], got {quantile!r}")
+    return float(quantile)
+
+
+def check_count(value: int, field: str) -> int:
+    """``value`` if it is an integer >= 1 (bools refused); raises ``ValueError`` naming ``field`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{field}: expected an integer >= 1, got {value!r}")
+    return value
+
+
+class MagnitudeHistogram:
+    """Counts of ``|x|`` in ``bins`` equal bins over ``[0, upper]``, accumulated over batches.
+
+    Args:
+        upper: the largest magnitude to expect (e.g. ``max |x|`` from a first pass), finite and > 0; larger
+            magnitudes are counted in the last bin.
+        bins: number of bins (>= 1); the chosen level is exact to ``upper / bins``.
+
+    Raises:
+        ValueError: ``upper`` not finite and positive, or ``bins < 1``.
+    """
+
+    def __init__(self, upper: float, bins: int) -> None:
+        if not math.isfinite(upper) or upper <= 0:
+            raise ValueError(f"upper: expected a finite magnitude > 0, got {upper!r} (all values zero?)")
+        self.upper, self.bins = float(upper), check_count(bins, "bins")
+        self.counts = torch.zeros(bins, dtype=torch.float64)
+
+    def add(self, x: torch.Tensor) -> None:
+        """Count the magnitudes of ``x`` (any shape, float dtype)."""
+        magnitudes = x.detach().abs().to(torch.float64).reshape(-1).clamp(max=self.upper)
+        self.counts += torch.histc(magnitudes, self.bins, 0.0, self.upper).cpu()
+
+    def level(self, quantile: float) -> float:
+        """The saturation level: upper edge of the first bin where the cumulative share reaches ``quantile``.
+
+        The true quantile ``t`` of the counted magnitudes satisfies ``level - upper/bins <= t <= level``.
+
+        Raises:
+            ValueError: ``quantile`` outside ``(0, 1]``, or nothing counted.
+        """
+        quantile = check_quantile(quantile)
+        total = float(self.counts.sum())
+        if total == 0:
+            raise ValueError("histogram: no values counted")
+        cumulative = torch.cumsum(self.counts, 0) / total
+        index = int(torch.searchsorted(cumulative, torch.tensor([quantile], dtype=torch.float64)).clamp(
+            max=self.bins - 1))
+        return self.upper * (index + 1) / self.bins
+
+
+def saturation_level(x: torch.Tensor, quantile: float, bins: int) -> float:
+    """The histogram saturation level of one tensor's magnitudes (see :class:`MagnitudeHistogram`).
+
+    Raises:
+        ValueError: empty or all-zero ``x``, non-finite values, bad ``quantile`` or ``bins``.
+    """
+    if x.numel() == 0:
+        raise ValueError("saturation_level: no values")
+    histogram = MagnitudeHistogram(float(x.detach().abs().max()), bins)
+    histogram.add(x)
+    return histogram.level(quantile)
