@@ -195,6 +195,16 @@ def _sparse_layer(name: str, conv: nn.Module, layer_meta: Any, decoded: dict[str
     return SparseConv(csr, decoded.get(f"{name}.bias"), geometry)
 
 
+def _restore_codecs(model: nn.Module, entries: dict[str, dict[str, Any]]) -> None:
+    """Put each non-raw codec spec back on its module (``unsparse_codecs``), so a reloaded model saves alike."""
+    for key, entry in entries.items():
+        codec = entry.get("codec", {"name": "raw"})
+        if codec["name"] != "raw":
+            module_name, _, tensor_name = key.rpartition(".")
+            module = model.get_submodule(module_name) if module_name else model
+            module.unsparse_codecs = {**getattr(module, "unsparse_codecs", {}), tensor_name: dict(codec)}
+
+
 def file_tensor_bytes(path: str | Path) -> dict[str, int]:
     """Bytes each stored tensor (or codec part) occupies in a safetensors file, read from its header only.
 
@@ -246,6 +256,7 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
     restore_quantization(model, metadata.get("quantization"))
     _check_against(model, decoded)
     model.load_state_dict(decoded, strict=True, assign=True)
+    _restore_codecs(model, metadata["tensors"])
     _require(not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "tensors",
              "the architecture has tensors the file does not provide")
     for layer in sparse_layers(model).values():

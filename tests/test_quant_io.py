@@ -1,0 +1,213 @@
+"""Quantization schemes on sparse models: exact file round trips, zeros kept, error bounds, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save
+
+from unsparse import create_model, load_sparse, save_sparse, sparsify
+from unsparse.prune import MagnitudePruner
+from unsparse.quant import ActivationSpec, FP16Quantizer, KMeansQuantizer, LinearQuantizer, NoQuantization
+from unsparse.quant.histogram import saturation_level
+from unsparse.runtime import sparse_layers
+from unsparse.sparse.format import SparseFormatError
+from unsparse.sparse.io import file_tensor_bytes
+
+SCHEMES = {
+    "none": lambda: NoQuantization(),
+    "fp16": lambda: FP16Quantizer(progress=False),
+    "linear8": lambda: LinearQuantizer(bits=8, progress=False),
+    "linear16": lambda: LinearQuantizer(bits=16, activations=ActivationSpec(format="fixed", bits=16),
+                                        progress=False),
+    "linear4_pow2": lambda: LinearQuantizer(bits=4, power_of_two=True, progress=False,
+                                            activations=ActivationSpec(format="fixed", bits=6, power_of_two=True)),
+    "kmeans8": lambda: KMeansQuantizer(centroid_bits=8, n_init=1, progress=False),
+    "kmeans16": lambda: KMeansQuantizer(centroid_bits=16, n_init=1, progress=False),
+}
+
+
+def pruned_sparse_model(name="vgg_small", width=4, empty=None, constant=None):
+    """A magnitude-pruned (0.9) sparse model; optionally one conv all zero and one with a single nonzero value."""
+    torch.manual_seed(0)
+    model = create_model(name, width=width)
+    for module in model.modules():
+        if isinstance(module, torch.nn.BatchNorm2d):
+            module.running_mean.uniform_(-1, 1)
+            module.running_var.uniform_(0.5, 2)
+    pruner = MagnitudePruner(0.9, scope="layer")
+    pruner.prepare(model)
+    pruner.step()
+    sparse = sparsify(model.eval())
+    with torch.no_grad():
+        if empty:
+            sparse.get_submodule(empty).values.zero_()
+        if constant:
+            values = sparse.get_submodule(constant).values
+            values[values != 0] = 0.375
+    return sparse
+
+
+def calibration(batches=2, size=8):
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randn(size, 1, 28, 28, generator=generator), torch.zeros(size, dtype=torch.int64))
+            for _ in range(batches)]
+
+
+def contents(path):
+    """A file's stored tensors (codec parts under their ``::`` keys) and its metadata block."""
+    with safe_open(str(path), "pt") as file:
+        return ({key: file.get_tensor(key) for key in file.keys()},  # noqa: SIM118 (safe_open is not a dict)
+                json.loads(file.metadata()["unsparse"]))
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    return torch.randn(6, 1, 28, 28, generator=torch.Generator().manual_seed(2))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_every_scheme_round_trips_through_the_file_exactly(tmp_path, scheme, inputs):
+    model = SCHEMES[scheme]().quantize(pruned_sparse_model(), calibration())
+    path = save_sparse(model, tmp_path / "m.safetensors")
+    loaded = load_sparse(path)
+    with torch.no_grad():
+        assert torch.equal(loaded(inputs), model(inputs))
+    for name, layer in sparse_layers(model).items():
+        assert torch.equal(sparse_layers(loaded)[name].values, layer.values)
+    assert loaded.unsparse_metadata["quantization"] == getattr(model, "unsparse_quantization", None)
+    tensors, metadata = contents(path)
+    again, again_metadata = contents(save_sparse(loaded, tmp_path / "again.safetensors"))  # codecs kept on reload
+    assert again_metadata == metadata and again.keys() == tensors.keys()
+    assert all(torch.equal(again[key], tensor) for key, tensor in tensors.items())
+
+
+def test_quantized_files_are_smaller_and_store_packed_codes(tmp_path):
+    sizes, parts = {}, {}
+    for scheme, build in SCHEMES.items():
+        path = save_sparse(build().quantize(pruned_sparse_model(width=8), calibration()), tmp_path / f"{scheme}.st")
+        sizes[scheme], parts[scheme] = path.stat().st_size, file_tensor_bytes(path)
+    assert sizes["kmeans8"] < sizes["linear8"] < sizes["fp16"] < sizes["none"]
+    assert sizes["fp16"] < sizes["linear16"] < sizes["none"]
+    layer = "7.0.values"  # the widest conv: (32, L) values
+    L = pruned_sparse_model(width=8).get_submodule("7.0").values.shape[1]
+    assert parts["none"][layer] == 32 * L * 4
+    assert parts["fp16"][f"{layer}::half"] == 32 * L * 2
+    assert parts["linear8"][f"{layer}::codes"] == 32 * L
+    assert parts["linear16"][f"{layer}::codes"] == 32 * L * 2
+    assert parts["linear4_pow2"][f"{layer}::codes"] == (32 * L + 1) // 2
+    assert parts["kmeans8"][f"{layer}::indices"] == (32 * L + 1) // 2  # two 4-bit indices per byte
+    assert parts["kmeans8"][f"{layer}::centroids"] <= 16 and parts["kmeans16"][f"{layer}::centroids"] <= 32
+
+
+@pytest.mark.parametrize("scheme", [name for name in SCHEMES if name != "none"])
+def test_zeros_and_padding_stay_exactly_zero(scheme):
+    original = pruned_sparse_model()
+    quantized = SCHEMES[scheme]().quantize(pruned_sparse_model(), calibration())
+    for name, layer in sparse_layers(quantized).items():
+        before, after = sparse_layers(original)[name].csr, layer.csr
+        assert torch.equal(after.col_idx, before.col_idx)  # sparsify's layout is kept
+        assert bool((after.values[before.values == 0] == 0).all())  # UniformCSR padding entries
+        assert bool((after.to_dense()[before.to_dense() == 0] == 0).all())  # every pruned weight
+
+
+def test_kmeans_maps_each_layers_nonzero_weights_to_at_most_16_centroids():
+    original = pruned_sparse_model(width=8)
+    quantized = KMeansQuantizer(n_init=1, progress=False).quantize(pruned_sparse_model(width=8))
+    for name, layer in sparse_layers(quantized).items():
+        before, after = sparse_layers(original)[name].values, layer.values
+        centroids = torch.unique(after[before != 0])
+        assert centroids.numel() <= 16
+        if torch.unique(before[before != 0]).numel() > 16:  # clustered: each weight near its centroid
+            spread = float(before.abs().max())
+            assert float((after[before != 0] - before[before != 0]).abs().max()) < spread / 2
+
+
+def test_linear_weight_error_is_at_most_half_a_step():
+    original = pruned_sparse_model(width=8)
+    quantized = LinearQuantizer(bits=8, progress=False).quantize(pruned_sparse_model(width=8), calibration())
+    for name, layer in sparse_layers(quantized).items():
+        step = layer.unsparse_codecs["values"]["step"]
+        before = sparse_layers(original)[name].values
+        assert float((layer.values - before).abs().max()) <= step / 2 * (1 + 1e-6)
+        assert step == pytest.approx(float(before.abs().max()) / 127, rel=1e-6)
+
+
+def test_activation_saturation_is_the_configured_histogram_quantile():
+    batches = calibration(batches=3)
+    spec = ActivationSpec(format="fixed", bits=8, quantile=0.9, bins=512, calibration_batches=2)
+    model = LinearQuantizer(activations=spec, progress=False).quantize(pruned_sparse_model(), batches)
+    first = sparse_layers(model)["0.0"]
+    images = torch.cat([images for images, _ in batches[:2]])  # only the configured number of batches
+    assert float(first.input_quantizer.saturation) == pytest.approx(saturation_level(images, 0.9, 512))
+    x = torch.randn(4, 1, 28, 28)
+    step = float(first.input_quantizer.saturation) / 127
+    inside = x.abs() <= float(first.input_quantizer.saturation)
+    assert float((first.input_quantizer(x) - x)[inside].abs().max()) <= step / 2 * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("scheme", [name for name in SCHEMES if name != "none"])
+def test_empty_and_constant_layers_are_handled_exactly(tmp_path, scheme, inputs):
+    model = pruned_sparse_model(empty="3.0", constant="4.0")
+    model = SCHEMES[scheme]().quantize(model, calibration())
+    assert not bool(model.get_submodule("3.0").values.any())
+    constant = model.get_submodule("4.0").values
+    assert set(constant[constant != 0].tolist()) == {0.375}  # 0.375 is on every grid used here
+    loaded = load_sparse(save_sparse(model, tmp_path / "m.safetensors"))
+    with torch.no_grad():
+        assert torch.equal(loaded(inputs), model(inputs))
+
+
+@pytest.mark.parametrize(("build", "data", "match"), [
+    (lambda: LinearQuantizer(progress=False), None, "calibration"),
+    (lambda: LinearQuantizer(progress=False), [], "calibration"),
+    (lambda: LinearQuantizer(progress=False), [(torch.zeros(2, 1, 28, 28), torch.zeros(2))], "zero"),
+])
+def test_fixed_point_activations_need_usable_calibration_data(build, data, match):
+    model = pruned_sparse_model()
+    before = {name: layer.values.clone() for name, layer in sparse_layers(model).items()}
+    with pytest.raises(ValueError, match=match):
+        build().quantize(model, data)
+    assert all(torch.equal(layer.values, before[name]) for name, layer in sparse_layers(model).items())
+
+
+def test_quantizing_twice_or_a_dense_model_is_refused():
+    model = FP16Quantizer(progress=False).quantize(pruned_sparse_model())
+    with pytest.raises(ValueError, match="already quantized"):
+        KMeansQuantizer(progress=False).quantize(model)
+    with pytest.raises(ValueError, match="sparsify"):
+        FP16Quantizer(progress=False).quantize(create_model("vgg_small", width=4))
+
+
+def test_fp16_refuses_weights_beyond_its_range():
+    model = pruned_sparse_model()
+    with torch.no_grad():
+        model.get_submodule("0.0").values[0, 0] = 1e6
+    with pytest.raises(ValueError, match=r"0\.0: weights exceed float16"):
+        FP16Quantizer(progress=False).quantize(model)
+
+
+def rewrite(path, change):
+    tensors, metadata = contents(path)
+    change(tensors, metadata)
+    path.write_bytes(save(tensors, metadata={"unsparse": json.dumps(metadata)}))
+    return path
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda t, m: m["quantization"]["activations"].update(format="int3"), "quantization.activations"),
+    (lambda t, m: m["quantization"]["activations"].update(bits=40), "quantization.activations"),
+    (lambda t, m: m["quantization"].update(scheme="ternary"), "unknown scheme"),
+    (lambda t, m: m["tensors"]["0.0.values"]["codec"].update(step=-0.5), "0.0.values: step"),
+    (lambda t, m: t.update({"0.0.values::codes": t["0.0.values::codes"][:-1]}),
+     r"0.0.values::codes: \d+ bytes"),
+    (lambda t, m: t.pop("0.0.input_quantizer.saturation"), "saturation"),
+])
+def test_tampered_quantized_files_raise_naming_the_field(tmp_path, change, match):
+    model = LinearQuantizer(progress=False).quantize(pruned_sparse_model(), calibration())
+    path = rewrite(save_sparse(model, tmp_path / "m.safetensors"), change)
+    with pytest.raises(SparseFormatError, match=match):
+        load_sparse(path)

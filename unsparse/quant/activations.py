@@ -1,0 +1,177 @@
+"""Activation quantization at the input of every sparse convolution (paper 004 §4), as fake quantization.
+
+Each :class:`unsparse.runtime.SparseConv` gets a child module ``input_quantizer`` and a forward pre-hook that
+passes the layer's input through it, so the convolution sees activations on the chosen grid while the
+arithmetic stays float32 (on the CPU; FP16/INT kernels belong to the GPU runtime). Formats:
+
+- ``fp16``: round to the nearest float16 (the 16b activations of the paper's 16b/16b configuration);
+- ``fixed``: signed ``bits``-bit fixed point (eq. 19-21, :mod:`unsparse.quant.fixed_point`) with the
+  saturation level chosen by histogram analysis of calibration data (:mod:`unsparse.quant.histogram`),
+  stored per layer as the buffer ``input_quantizer.saturation`` (float32 scalar, same unit as activations).
+
+The structure is rebuilt on load from :meth:`ActivationSpec.to_dict` (see :mod:`unsparse.quant.state`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from itertools import islice
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from unsparse.quant.fixed_point import check_bits, fake_quantize, fixed_point_step
+from unsparse.quant.histogram import MagnitudeHistogram, check_count, check_quantile
+from unsparse.runtime.modules import sparse_layers
+
+FORMATS = ("none", "fp16", "fixed")
+
+
+@dataclass(frozen=True)
+class ActivationSpec:
+    """How the inputs of the sparse convolutions are quantized.
+
+    Args:
+        format: ``"none"`` (float32), ``"fp16"`` or ``"fixed"``.
+        bits: fixed-point bits in ``[2, 16]`` (``fixed`` only).
+        quantile: saturation quantile of ``|x|`` in ``(0, 1]`` (``fixed``; paper: 0.99).
+        bins: histogram bins over ``[0, max |x|]``; the level is exact to ``max |x| / bins``.
+        power_of_two: step as a power of two (eq. 21) instead of ``x_sat / q_max`` (eq. 20).
+        calibration_batches: calibration batches used (the first ones of the loader).
+
+    Raises:
+        ValueError: unknown format, bits out of range, bad quantile/bins/batches.
+    """
+
+    format: str = "none"
+    bits: int = 8
+    quantile: float = 0.99
+    bins: int = 2048
+    power_of_two: bool = False
+    calibration_batches: int = 4
+
+    def __post_init__(self) -> None:
+        if self.format not in FORMATS:
+            raise ValueError(f"activations.format: expected one of {FORMATS}, got {self.format!r}")
+        check_bits(self.bits, "activations.bits")
+        check_quantile(self.quantile)
+        check_count(self.bins, "activations.bins")
+        check_count(self.calibration_batches, "activations.calibration_batches")
+        if not isinstance(self.power_of_two, bool):
+            raise ValueError(f"activations.power_of_two: expected a bool, got {self.power_of_two!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (stored in the file's quantization description); only ``format`` unless fixed."""
+        return asdict(self) if self.format == "fixed" else {"format": self.format}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> ActivationSpec:
+        """Inverse of :meth:`to_dict`; raises ``ValueError`` (or ``TypeError`` for unknown keys) on bad data."""
+        if not isinstance(data, dict):
+            raise ValueError(f"activations: expected an object, got {data!r}")
+        return cls(**data)
+
+
+class ActivationQuantizer(nn.Module):
+    """Fake-quantizes a tensor to ``spec``'s format; output has the input's shape and dtype.
+
+    ``fixed`` needs :attr:`saturation` (``()`` float32 buffer, > 0) set by :func:`calibrate`.
+    """
+
+    def __init__(self, spec: ActivationSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        if spec.format == "fixed":
+            self.register_buffer("saturation", torch.zeros((), dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.spec.format == "fp16":
+            return x.to(torch.float16).to(x.dtype)
+        if self.spec.format == "fixed":
+            step = fixed_point_step(float(self.saturation), self.spec.bits, self.spec.power_of_two)
+            return fake_quantize(x, step, self.spec.bits).to(x.dtype)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"format={self.spec.format!r}" + (f", bits={self.spec.bits}" if self.spec.format == "fixed" else "")
+
+
+def _quantize_input(layer: nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    return (layer.input_quantizer(args[0]), *args[1:])
+
+
+def attach_activation_quantizers(model: nn.Module, spec: ActivationSpec) -> dict[str, ActivationQuantizer]:
+    """Give every SparseConv of ``model`` an ``input_quantizer`` and the pre-hook that applies it.
+
+    Works on a ``meta``-device model (file loading): buffers are created uncalibrated, to be loaded.
+
+    Returns:
+        The quantizers by layer name (empty for format ``none``, which attaches nothing).
+    """
+    if spec.format == "none":
+        return {}
+    quantizers = {}
+    for name, layer in sparse_layers(model).items():
+        layer.input_quantizer = ActivationQuantizer(spec)
+        layer.register_forward_pre_hook(_quantize_input)
+        quantizers[name] = layer.input_quantizer
+    return quantizers
+
+
+def _observe_inputs(model: nn.Module, batches: list[torch.Tensor], record: Callable[[str, torch.Tensor], None],
+                    desc: str, progress: bool) -> None:
+    """Run ``model`` on ``batches`` calling ``record(layer name, input)`` at every SparseConv."""
+    handles = [layer.register_forward_pre_hook(lambda module, args, name=name: record(name, args[0]))
+               for name, layer in sparse_layers(model).items()]
+    try:
+        for images in tqdm(batches, desc=desc, leave=False, disable=not progress):
+            model(images)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.Tensor]] | None,
+              spec: ActivationSpec, progress: bool = True) -> dict[str, float]:
+    """Saturation level of each SparseConv's input: the histogram analysis of paper 004 §4.
+
+    Two passes over the first ``spec.calibration_batches`` batches (model in eval mode, float32
+    activations; call it before :func:`attach_activation_quantizers`): the first finds ``max |x|`` per
+    layer, the second fills a :class:`MagnitudeHistogram` over ``[0, max]`` and takes its ``spec.quantile``
+    level. Inputs include exact zeros (e.g. after ReLU): the quantile is over all values.
+
+    Args:
+        model: CPU model with SparseConv layers.
+        calibration: batches ``(images (N, C, H, W) float32, labels)``.
+        spec: quantile, bins and number of batches.
+
+    Returns:
+        Saturation level per layer name (same unit as the activations).
+
+    Raises:
+        ValueError: no calibration batch, or a layer whose calibration inputs are all zero.
+    """
+    batches = [images for images, _ in islice(calibration or [], spec.calibration_batches)]
+    if not batches:
+        raise ValueError("calibration: fixed-point activations need at least one calibration batch")
+    maxima = dict.fromkeys(sparse_layers(model), 0.0)
+
+    def record_max(name: str, x: torch.Tensor) -> None:
+        maxima[name] = max(maxima[name], float(x.abs().max()))
+
+    was_training = model.training
+    model.eval()
+    try:
+        _observe_inputs(model, batches, record_max, "calibration: max |x|", progress)
+        for name, upper in maxima.items():
+            if upper <= 0:
+                raise ValueError(f"calibration: every input of layer {name!r} is zero; no saturation level")
+        histograms = {name: MagnitudeHistogram(upper, spec.bins) for name, upper in maxima.items()}
+        _observe_inputs(model, batches, lambda name, x: histograms[name].add(x), "calibration: histogram", progress)
+    finally:
+        model.train(was_training)
+    return {name: histogram.level(spec.quantile) for name, histogram in histograms.items()}

@@ -1,0 +1,35 @@
+"""``quant=fp16``: weights and activations in half precision, the 16b/16b configuration of paper 004 Table 5."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from unsparse.quant.activations import ActivationSpec
+from unsparse.quant.layerwise import LayerwiseQuantizer
+
+
+class FP16Quantizer(LayerwiseQuantizer):
+    """Round each sparse convolution's weights to float16 (stored as float16: 2 bytes per value) and, by
+    default, its input activations too (fake quantization on the CPU; see :mod:`unsparse.quant.layerwise`).
+
+    Weights below float16's subnormal range round to zero (they become stored zeros of the UniformCSR).
+    """
+
+    scheme = "fp16"
+    default_activations = ActivationSpec(format="fp16")
+
+    def quantize_values(self, values: torch.Tensor, layer: str) -> tuple[torch.Tensor, dict[str, Any]]:
+        """``values`` rounded to the nearest float16, as float32.
+
+        Raises:
+            ValueError: a weight beyond float16's range (``|w| > 65504``).
+        """
+        quantized = values.to(torch.float16).to(torch.float32)
+        if not bool(torch.isfinite(quantized).all()):
+            raise ValueError(f"{layer}: weights exceed float16's range (|w| > 65504)")
+        return quantized, {"name": "float16"}
+
+    def settings(self) -> dict[str, Any]:
+        return {"format": "float16"}
