@@ -135,12 +135,14 @@ template <>
 struct TileElem<float> {
   using type = float;
   static constexpr int images = 1;
+  static constexpr bool async_staging = true;
   __device__ static void to_float(float v, float (&out)[1]) { out[0] = v; }
 };
 template <>
 struct TileElem<__half> {
   using type = __half2;
   static constexpr int images = 2;
+  static constexpr bool async_staging = false;
   __device__ static void to_float(__half2 v, float (&out)[2]) {
     const float2 f = __half22float2(v);
     out[0] = f.x;
@@ -180,7 +182,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int CS = NBE * PLANE;  // one input channel of the tile, all its image elements
   constexpr int THREADS = WARPS * 32;
   constexpr int STAGED = CC * NBE * IH * IW;
-  __shared__ Elem tile[CC * CS];
+  constexpr int BUFFERS = TileElem<T>::async_staging ? 2 : 1;
+  __shared__ Elem tiles[BUFFERS][CC * CS];
 
   const int group = blockIdx.x % groups;
   const int tile_id = blockIdx.x / groups;
@@ -206,30 +209,60 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
         for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = 0.f;
 
-  for (int k = 0; k < K; ++k) {
-    __syncthreads();
+  // Stages chunk k into buffer b. float32: asynchronous 4-byte copies (zero-filled outside the image, no
+  // registers held), so chunk k + 1 streams in while chunk k is computed. float16: image pairs are packed
+  // into __half2 through registers, synchronously.
+  const auto stage = [&](int k, int b) {
     for (int idx = threadIdx.x; idx < STAGED; idx += THREADS) {
       const int xx = idx % IW;
-      int rest = idx / IW;
-      const int yy = rest % IH;
-      rest /= IH;
-      const int ie = rest % NBE;
-      const int cc = rest / NBE;
-      const int c = k * CC + cc;
+      const int row = idx / IW;  // (cc * NBE + ie) * IH + yy
+      const int yy = row % IH;
+      const int ie = (row / IH) % NBE;
+      const int c = k * CC + row / (IH * NBE);
       const int iy = e0 + yy - pad_h;
       const int ix = f0 + xx - pad_w;
       const bool inside = c < C && static_cast<unsigned>(iy) < static_cast<unsigned>(H) &&
                           static_cast<unsigned>(ix) < static_cast<unsigned>(W);
       const int within = inside ? (c * H + iy) * W + ix : 0;
-      float v[IPE];
+      Elem* dst = &tiles[b][row * IWP + xx];
+      if constexpr (TileElem<T>::async_staging) {
+        const int n = n0 + ie;
+        const bool live = inside && n < N;
+        const T* src = live ? x + n * image_size + within : x;
+        const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_addr), "l"(src),
+                     "r"(live ? 4 : 0));
+      } else {
+        float v[IPE];
 #pragma unroll
-      for (int q = 0; q < IPE; ++q) {
-        const int n = n0 + ie * IPE + q;
-        v[q] = (inside && n < N) ? unsparse::load_float(x + n * image_size + within) : 0.f;
+        for (int q = 0; q < IPE; ++q) {
+          const int n = n0 + ie * IPE + q;
+          v[q] = (inside && n < N) ? unsparse::load_float(x + n * image_size + within) : 0.f;
+        }
+        *dst = pack_images<T, IPE>(v);
       }
-      tile[cc * CS + ie * PLANE + yy * IWP + xx] = pack_images<T, IPE>(v);
+    }
+  };
+
+  if constexpr (TileElem<T>::async_staging) {
+    stage(0, 0);
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+  for (int k = 0; k < K; ++k) {
+    const int b = BUFFERS == 2 ? (k & 1) : 0;
+    if constexpr (TileElem<T>::async_staging) {
+      if (k + 1 < K) {
+        stage(k + 1, b ^ 1);
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+      } else {
+        asm volatile("cp.async.wait_group 0;\n" ::);
+      }
+    } else {
+      stage(k, 0);
     }
     __syncthreads();
+    const Elem* tile = tiles[b];
 
 #pragma unroll
     for (int j = 0; j < MW; ++j) {
@@ -253,6 +286,7 @@ __global__ void __launch_bounds__(WARPS * 32)
           }
       }
     }
+    __syncthreads();  // the buffer just read is staged again next (float16) or after next (float32)
   }
 
   const int f = f0 + lx;

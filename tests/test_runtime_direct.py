@@ -247,10 +247,13 @@ def test_launch_geometry() -> None:
     spec = cl.rows_launch(torch.float16, 130, 64, 56 * 56, 128, 2, 4, 8)
     assert spec.grid == (math.ceil(3136 / 256), 8, 33) and spec.block == (128, 1, 1)
     assert spec.name == f"direct_rows<__half,2,4,{cl.ROWS_CHUNK}>"
-    tiling = cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=8)
+    tiling = cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4)
     spec = cl.tile_launch(torch.float32, 127, 200, (28, 28), (3, 3), tiling)
     assert spec.grid == (4 * 4 * 2, 64, 1) and spec.block == (256, 1, 1)
-    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,8,48>"
+    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48>"
+    with pytest.raises(ValueError, match="exceed"):  # two float32 buffers of 30 KB
+        cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))
+    cl.tile_launch(torch.float16, 2, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))  # one buffer
     spec = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8))
     assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32>"
     with pytest.raises(ValueError, match="threads"):
@@ -273,7 +276,9 @@ def test_tuning_spaces() -> None:
     assert len(rows_space(1, 1, prune=False)) == 6
     assert all(p["wx"] <= 14 for p in tile_space(8, (7, 7), (3, 3), torch.float32))
     big = tile_space(128, (56, 56), (3, 3), torch.float32)
-    assert len(big) == len(TILE_TILINGS)
+    # float32 stages into two buffers: the largest chunks are float16-only; NB = 1 is float32-only.
+    assert len(big) == len(TILE_TILINGS) - 2 == len(tile_space(128, (56, 56), (3, 3), torch.float16)) - 1
+    assert len(tile_space(128, (56, 56), (5, 5), torch.float32)) < len(big)
     assert all(p["nb"] % 2 == 0 for p in tile_space(128, (56, 56), (3, 3), torch.float16))
     assert all(p["nb"] <= 2 for p in tile_space(1, (56, 56), (3, 3), torch.float16))
     single = tile_space(1, (56, 56), (3, 3), torch.float32)

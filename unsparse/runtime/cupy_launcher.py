@@ -130,6 +130,12 @@ class TileLayout:
     padded_width: int
     image_elements: int
     chunk: int
+    buffers: int
+
+    def shared_bytes(self) -> int:
+        """Static shared memory of the kernel: ``buffers`` staged chunks of 4-byte elements (float32 stages
+        asynchronously into two buffers, float16 synchronously into one)."""
+        return self.buffers * self.elements() * 4
 
     @property
     def plane(self) -> int:
@@ -174,7 +180,7 @@ def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTi
     width = tf + S - 1
     if tiling.wy > 1:
         width += (tiling.wx - width) % 32
-    return TileLayout(te + R - 1, tf + S - 1, width, tiling.nb // ipe, tiling.cc)
+    return TileLayout(te + R - 1, tf + S - 1, width, tiling.nb // ipe, tiling.cc, 2 if ipe == 1 else 1)
 
 
 def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple[int, int],
@@ -184,7 +190,7 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
 
     Raises:
         ValueError: for an invalid tiling (:func:`tile_layout`), more than 1024 threads, a non-positive
-            size, a chunk beyond :data:`SHARED_LIMIT_BYTES`, or a grid beyond CUDA's limits.
+            size, staged chunks beyond :data:`SHARED_LIMIT_BYTES`, or a grid beyond CUDA's limits.
     """
     (E, F_), (R, S) = out_hw, kernel_size
     layout = tile_layout(dtype, kernel_size, tiling)
@@ -192,8 +198,8 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
         raise ValueError("tile_launch: every size must be positive")
     if tiling.warps * 32 > 1024:
         raise ValueError(f"tiling: {tiling.warps} warps exceed 1024 threads")
-    if layout.elements() * 4 > SHARED_LIMIT_BYTES:
-        raise ValueError(f"tiling: staged chunk of {layout.elements() * 4} bytes exceeds {SHARED_LIMIT_BYTES}")
+    if layout.shared_bytes() > SHARED_LIMIT_BYTES:
+        raise ValueError(f"tiling: staged chunks of {layout.shared_bytes()} bytes exceed {SHARED_LIMIT_BYTES}")
     te, tf = tiling.tile_hw
     groups = math.ceil(out_channels / tiling.channels)
     grid = (groups * math.ceil(E / te) * math.ceil(F_ / tf), math.ceil(batch / tiling.nb), 1)

@@ -36,15 +36,18 @@ TILE_TILINGS = (
     cl.TileTiling(wx=32, py=4, nb=2, mw=8, warps=8, cc=8),
     cl.TileTiling(wx=32, py=8, nb=2, mw=4, warps=8, cc=8),
     cl.TileTiling(wx=32, py=4, nb=4, mw=4, warps=8, cc=8),
-    cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=8),
+    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=8),
+    cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4),
     cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=8, cc=8),
-    cl.TileTiling(wx=8, py=2, nb=4, mw=4, warps=8, cc=4),
-    cl.TileTiling(wx=8, py=2, nb=2, mw=8, warps=4, cc=8),
+    cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=8, cc=4),
+    cl.TileTiling(wx=8, py=2, nb=4, mw=4, warps=8, cc=2),
+    cl.TileTiling(wx=8, py=2, nb=2, mw=8, warps=4, cc=4),
     cl.TileTiling(wx=32, py=8, nb=1, mw=8, warps=8, cc=8),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM
-within the register file), warp tiles 4x32 to 8x8 for planes from 224x224 down to 7x7; NB = 1 for
-batch 1 in float32 (float16 pairs images, NB even)."""
+within the register file), warp tiles 4x32 to 8x8 for planes from 224x224 down to 7x7, 32 or 64 output
+channels per block; NB = 1 for batch 1 in float32 (float16 pairs images, NB even).
+float32 stages asynchronously into two buffers, so the two largest chunks (24 and 26 KB) are float16-only."""
 
 
 def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str, Any]]:
@@ -66,7 +69,7 @@ def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str
 
 def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int], dtype: torch.dtype,
                prune: bool = True) -> list[dict[str, Any]]:
-    """``direct_tile`` settings: the :data:`TILE_TILINGS` valid for ``dtype`` and whose staged chunk fits
+    """``direct_tile`` settings: the :data:`TILE_TILINGS` valid for ``dtype`` and whose staged chunks fit
     in shared memory.
 
     With ``prune``, tilings whose output tile is more than twice the plane in either direction, or whose
@@ -79,7 +82,7 @@ def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int]
             layout = cl.tile_layout(dtype, kernel_size, tiling)
         except ValueError:
             continue
-        if layout.elements() * 4 > cl.SHARED_LIMIT_BYTES:
+        if layout.shared_bytes() > cl.SHARED_LIMIT_BYTES:
             continue
         te, tf = tiling.tile_hw
         if prune and (te > 2 * E or tf > 2 * F_ or tiling.nb > max(batch, cl.images_per_element(dtype))):
