@@ -37,6 +37,8 @@ TILE_TILINGS = (
     cl.TileTiling(wx=32, py=8, nb=2, mw=4, warps=8, cc=8),
     cl.TileTiling(wx=32, py=4, nb=4, mw=4, warps=8, cc=8),
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=8),
+    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=8),
+    cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=16, cc=4),
     cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4),
     cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=8, cc=8),
     cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=8, cc=4),
@@ -45,9 +47,10 @@ TILE_TILINGS = (
     cl.TileTiling(wx=32, py=8, nb=1, mw=8, warps=8, cc=8),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM
-within the register file), warp tiles 4x32 to 8x8 for planes from 224x224 down to 7x7, 32 or 64 output
-channels per block; NB = 1 for batch 1 in float32 (float16 pairs images, NB even).
-float32 stages asynchronously into two buffers, so the two largest chunks (24 and 26 KB) are float16-only."""
+within the register file), warp tiles 4x32 to 8x8 for planes from 224x224 down to 7x7, 32 to 128 output
+channels per block (more channels share each staged chunk); NB = 1 for batch 1 in float32 (float16 pairs
+images, NB even). float32 stages asynchronously into two buffers, so the two largest chunks (24 and 26 KB)
+are float16-only."""
 
 
 def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str, Any]]:
