@@ -17,7 +17,8 @@
 // direct_tile: stride 1, dilation 1 Conv2d (the 3x3 and 1x1 layers that carry most of the work). A block
 //   owns WARPS * MW output channels, a TE x TF output tile (TE = (32 / WX) * PY, TF = WX) and NB images.
 //   Input channels are staged CC at a time into shared memory with their halo (zero outside the image, so
-//   padding needs no copy); float16 tiles hold __half2 pairs of images so one 4-byte load feeds two FMAs.
+//   padding needs no copy); float32 chunks stream in with cp.async into two buffers (chunk k + 1 loads
+//   while chunk k computes); float16 tiles hold __half2 pairs of images so one 4-byte load feeds two FMAs.
 //   Each warp walks the nonzeros of its MW rows in the staged channels: per nonzero one broadcast load of
 //   (offset into the staged chunk, weight) (Escoin §3.1 stretching, done at plan time against the tile
 //   layout), then for each of the lane's PY * NB outputs one shared load at offset + a compile-time
