@@ -9,7 +9,8 @@ arithmetic stays float32 (on the CPU; FP16/INT kernels belong to the GPU runtime
   saturation level chosen by histogram analysis of calibration data (:mod:`unsparse.quant.histogram`),
   stored per layer as the buffer ``input_quantizer.saturation`` (float32 scalar, same unit as activations).
 
-The structure is rebuilt on load from :meth:`ActivationSpec.to_dict` (see :mod:`unsparse.quant.state`).
+On load, :func:`unsparse.quant.layerwise.restore_layerwise` rebuilds the structure from
+:meth:`ActivationSpec.to_dict` (the restorer mechanism of :mod:`unsparse.quant.state`).
 """
 
 from __future__ import annotations
