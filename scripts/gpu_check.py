@@ -42,6 +42,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--end-to-end", nargs="*")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--layer-filter")
+    parser.add_argument("--time-budget", type=float, help="seconds after which the benchmark starts nothing new")
+    parser.add_argument("--sparse-file", help="a trained model (model.safetensors) timed per layer and end to end")
+    parser.add_argument("--sparse-input-shape", nargs="*", type=int, help="its per-sample input shape, e.g. 1 28 28")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -65,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
         for name in ("models", "sparsities", "batches", "precisions", "end_to_end"):
             if getattr(args, name) is not None:
                 settings[name] = getattr(args, name)
-        result = run_bench(out, runs=args.runs, commit=env["commit"], layer_filter=args.layer_filter, **settings)
+        result = run_bench(out, runs=args.runs, commit=env["commit"], layer_filter=args.layer_filter,
+                           time_budget_s=args.time_budget, sparse_file=args.sparse_file,
+                           sparse_input_shape=args.sparse_input_shape, **settings)
         print(json.dumps(result["targets"], indent=1), flush=True)
     return code
 

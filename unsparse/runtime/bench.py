@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from unsparse.atomic import atomic_write_text
 from unsparse.runtime.comparator import LayerComparison, compare_layer, plan_model, relative_error, tolerance
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.runtime.plan import Plan, device_name
@@ -241,7 +242,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
               end_to_end_sparsity: float = 0.9, end_to_end_batch: int = 128, runs: int = MIN_RUNS,
               sparse_file: str | Path | None = None, sparse_input_shape: Sequence[int] | None = None,
               plan_path: str | Path | None = None, commit: str | None = None, seed: int = 0,
-              layer_filter: str | None = None) -> dict[str, Any]:
+              layer_filter: str | None = None, time_budget_s: float | None = None) -> dict[str, Any]:
     """Run the benchmark on ``cuda:0`` and write ``bench.json``, ``bench.md`` and plots to ``out_dir``.
 
     Args:
@@ -258,6 +259,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         plan_path: plan JSON to extend and rewrite (reuse across runs); ``out_dir/plan.json`` if None.
         commit: git commit recorded in the results. seed: torch seed.
         layer_filter: only per-layer records whose layer name contains this string.
+        time_budget_s: wall-clock seconds after which no further per-layer or end-to-end setting is started
+            (None: no limit); what was skipped is recorded under ``stopped_early``. ``bench.json`` is rewritten
+            atomically after every record (``complete`` false until the end), so a killed run keeps its data.
 
     Returns:
         The dict written to ``bench.json``.
@@ -275,7 +279,16 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     plan = Plan.load(plan_path) if plan_path.exists() else Plan()
     result: dict[str, Any] = {"environment": environment(commit), "device": device_name(device),
                               "weights": "synthetic (torchvision random init, per-layer magnitude pruning)",
-                              "input": [3, 224, 224], "runs": runs, "layers": [], "end_to_end": []}
+                              "input": [3, 224, 224], "runs": runs, "complete": False, "stopped_early": [],
+                              "layers": [], "end_to_end": []}
+    deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
+
+    def out_of_time(what: str) -> bool:
+        if deadline is not None and time.monotonic() > deadline:
+            result["stopped_early"].append(what)
+            return True
+        return False
+
     for name in models:
         for sparsity in sparsities:
             layers = conv_layers(magnitude_prune_(build_model(name), sparsity), (3, 224, 224))
@@ -284,18 +297,24 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                     continue
                 for batch in batches:
                     for precision in precisions:
+                        if out_of_time(f"{name} {layer.name} s{sparsity} b{batch} {precision}"):
+                            continue
                         record = bench_layer(layer, batch, precision, device, name in lowering_models, runs, plan)
                         record.update(model=name, target_sparsity=sparsity)
                         result["layers"].append(record)
                         _progress(record)
+                        _save_partial(result, out_dir)
                         torch.cuda.empty_cache()
     for name in end_to_end:
         model = magnitude_prune_(build_model(name), end_to_end_sparsity)
         for precision in precisions:
+            if out_of_time(f"end to end {name} {precision}"):
+                continue
             record = bench_end_to_end(model, (3, 224, 224), end_to_end_batch, precision, device, runs, plan,
                                       ["cudnn", "direct"])
             record.update(model=name, sparsity=end_to_end_sparsity, weights="synthetic")
             result["end_to_end"].append(record)
+            _save_partial(result, out_dir)
             print(f"e2e {name} {precision}: dense {record['dense_ms']:.3f} ms, planned {record['planned_ms']:.3f} ms")
     if sparse_file is not None:
         from unsparse.sparse.io import load_sparse
@@ -303,6 +322,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         if sparse_input_shape is None:
             raise ValueError("sparse_input_shape: needed with sparse_file")
         for batch in batches:
+            if out_of_time(f"trained model {sparse_file} b{batch}"):
+                continue
             trained = load_sparse(sparse_file).to(device)
             set_backend(trained, "cudnn")
             record = bench_end_to_end_sparse(trained, sparse_input_shape, batch, device, runs, plan)
@@ -310,8 +331,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             result["end_to_end"].append(record)
     plan.save(plan_path)
     result["targets"] = evaluate_targets(result)
-    (out_dir / "bench.json").write_text(json.dumps(result, indent=1, default=_json_default))
-    (out_dir / "bench.md").write_text(markdown_report(result))
+    result["complete"] = not result["stopped_early"]
+    atomic_write_text(out_dir / "bench.json", json.dumps(result, indent=1, default=_json_default))
+    atomic_write_text(out_dir / "bench.md", markdown_report(result))
     plot_results(result, out_dir)
     return result
 
@@ -344,6 +366,11 @@ def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch:
             "tolerance": 10 * tolerance(dtype), "layers_planned_now": len(comparisons),
             "plan_entries_reused": reused_before, "dense_timing": dense_t.to_dict(),
             "planned_timing": sparse_t.to_dict()}
+
+
+def _save_partial(result: dict[str, Any], out_dir: Path) -> None:
+    """Rewrite ``bench.json`` with the records so far (``complete`` stays false), atomically."""
+    atomic_write_text(out_dir / "bench.json", json.dumps(result, indent=1, default=_json_default))
 
 
 def _json_default(value: Any) -> Any:
