@@ -64,3 +64,28 @@ def test_report_says_where_sparse_is_slower(result, tmp_path):
     paths = plot_results(result, tmp_path)
     assert {path.name for path in paths} == {"speedup.png", "breakdown.png", "end_to_end.png"}
     assert all(path.stat().st_size > 0 for path in paths)
+
+
+def test_synthetic_pruning_keeps_sparsity_and_layer_norm() -> None:
+    import torch
+    from torch import nn
+
+    from unsparse.runtime.bench import magnitude_prune_
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(8, 16, 3), nn.ReLU(), nn.Conv2d(16, 32, 1))
+    norms = [torch.linalg.vector_norm(m.weight).item() for m in model if isinstance(m, nn.Conv2d)]
+    magnitude_prune_(model, 0.9)
+    for module, norm in zip([m for m in model if isinstance(m, nn.Conv2d)], norms, strict=True):
+        assert (module.weight == 0).sum().item() == int(0.9 * module.weight.numel())
+        assert torch.linalg.vector_norm(module.weight).item() == pytest.approx(norm, rel=1e-5)
+    with pytest.raises(ValueError, match="sparsity"):
+        magnitude_prune_(model, 1.0)
+
+
+def test_report_lists_what_was_not_measured(result) -> None:
+    result["stopped_early"] = ["vgg16 features.2 s0.9 b1 fp16"]
+    result["failed"] = [{"what": "end to end googlenet fp16", "error": "no backend produced a correct output"}]
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "stopped by the time budget before: vgg16 features.2 s0.9 b1 fp16" in text
+    assert "FAILED: end to end googlenet fp16" in text

@@ -13,7 +13,7 @@ from torch import nn
 from unsparse.runtime import sparsify
 from unsparse.runtime.backends import base, get_backend
 from unsparse.runtime.backends.base import ConvBackend
-from unsparse.runtime.comparator import compare_layer, plan_model, relative_error, tolerance
+from unsparse.runtime.comparator import check_error, compare_layer, plan_model, relative_error, tolerance
 from unsparse.runtime.plan import Plan, PlanEntry, PlanError, layer_key, use_plan
 from unsparse.runtime.timing import rotation_count, time_backend, time_fn
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
@@ -108,6 +108,19 @@ def test_relative_error_and_tolerance() -> None:
     assert relative_error(torch.tensor([1.0, 1.0, 1.0, float("nan")]), ref) == float("inf")
     assert relative_error(torch.ones(3), ref) == float("inf")
     assert tolerance(torch.float16) > tolerance(torch.float32) and tolerance(torch.float32, tf32=True) > 1e-4
+
+
+def test_check_error_floors_at_the_dtype_resolution() -> None:
+    bound = tolerance(torch.float16)
+    tiny = torch.full((100,), 3e-7, dtype=torch.float64)  # float16 subnormals: spacing 2**-24 ~ 6e-8
+    stored = tiny.half()
+    assert relative_error(stored, tiny) > bound  # rounding alone reads as a large relative error
+    assert check_error(stored, tiny, bound) <= bound
+    off_by_two_steps = stored + 2 * 2.0**-24
+    assert check_error(off_by_two_steps.half(), tiny, bound) > bound
+    normal = torch.randn(100, dtype=torch.float64)
+    assert check_error(normal.half(), normal, bound) == pytest.approx(relative_error(normal.half(), normal))
+    assert check_error(normal.float() * 1.01, normal, tolerance(torch.float32)) > tolerance(torch.float32)
 
 
 def test_plan_json_round_trip_and_validation(tmp_path) -> None:

@@ -10,6 +10,7 @@ measurements are recorded. :func:`plan_model` does this for every sparse layer o
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -58,15 +59,36 @@ def reference_output(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None
                     geometry.padding, geometry.dilation, geometry.groups)
 
 
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """``||out - ref|| / ||ref||`` in float64 (absolute when ``ref`` is all zero); inf for NaN or shape
-    mismatch."""
+def resolution(dtype: torch.dtype) -> float:
+    """The spacing of ``dtype``'s subnormal numbers: no rounding to ``dtype`` can be closer than half of it.
+
+    float16 2**-24, bfloat16 2**-133, float32 2**-149, float64 0 (negligible).
+    """
+    return {torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133, torch.float32: 2.0**-149}.get(dtype, 0.0)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor, floor: float = 0.0) -> float:
+    """``||out - ref|| / max(||ref||, floor)`` in float64 (absolute when both are zero); inf for NaN or shape
+    mismatch.
+
+    ``floor`` keeps outputs whose magnitude is near the storage dtype's resolution (underflowing activations
+    in float16) from reading as large relative errors: :func:`check_error` sets it so that an RMS error of
+    one subnormal step counts as exactly at the tolerance.
+    """
     if out.shape != ref.shape:
         return float("inf")
     diff = torch.linalg.vector_norm(out.double() - ref).item()
-    scale = torch.linalg.vector_norm(ref).item()
+    scale = max(torch.linalg.vector_norm(ref).item(), floor)
     error = diff / scale if scale > 0 else diff
     return error if error == error else float("inf")
+
+
+def check_error(out: torch.Tensor, ref: torch.Tensor, bound: float) -> float:
+    """The error :func:`compare_layer` holds against ``bound``: :func:`relative_error` with a floor of
+    ``sqrt(numel) * resolution(out.dtype) / bound`` on ``||ref||``, i.e. accepted when
+    ``||out - ref|| <= max(bound * ||ref||, sqrt(numel) * resolution)``."""
+    floor = math.sqrt(ref.numel()) * resolution(out.dtype) / bound
+    return relative_error(out, ref, floor)
 
 
 @dataclass
@@ -186,7 +208,7 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
     for params in space:
         try:
             out = backend.conv(x, csr, bias, geometry, **params)
-            error = relative_error(out[images], ref)
+            error = check_error(out[images], ref, bound)
         except (RuntimeError, ValueError) as exc:
             measurements.append(Measurement(name, params, "error", reason=f"{type(exc).__name__}: {exc}"))
             continue
