@@ -36,14 +36,23 @@ class DenseBackend(ConvBackend):
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              memory_format: str = "contiguous", **params: Any) -> torch.Tensor:
+        """``F.conv2d`` on the cached dense weight; NCHW in and out.
+
+        With ``memory_format="channels_last"`` the input is converted to NHWC, cuDNN runs in NHWC and the output
+        is converted back to NCHW, so the measured time includes both conversions and a planned model keeps
+        one layout between layers (a layer's channels-last output fed to NCHW neighbours and concatenations
+        made whole models slower than their per-layer times promised).
+        """
         weight = self.dense_weight(csr, x.dtype)
-        if memory_format == "channels_last":
+        channels_last = memory_format == "channels_last"
+        if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
             weight = weight.contiguous(memory_format=torch.channels_last)
         if x.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
-        return F.conv2d(x, weight, None if bias is None else bias.to(x.dtype), geometry.stride, geometry.padding,
-                        geometry.dilation, geometry.groups)
+        out = F.conv2d(x, weight, None if bias is None else bias.to(x.dtype), geometry.stride, geometry.padding,
+                       geometry.dilation, geometry.groups)
+        return out.contiguous() if channels_last else out
 
 
 @register_backend
