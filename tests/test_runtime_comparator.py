@@ -191,3 +191,17 @@ def test_dense_backend_channels_last_returns_nchw() -> None:
     assert out.is_contiguous()
     ref = DenseCpuBackend().conv(x, csr, bias, geometry)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_auto_backend_follows_a_changed_plan() -> None:
+    from unsparse.runtime.backends import get_backend
+    from unsparse.runtime.plan import layer_key, use_plan
+
+    x, csr, _ = small_layer()
+    geometry = ConvGeometry.of(1, 1)
+    key = layer_key(x, csr, geometry)
+    auto = get_backend("auto")
+    use_plan(Plan({key: PlanEntry("dense_cpu", {}, 1.0)}))
+    assert auto.resolve(x, csr, geometry) == ("dense_cpu", {})
+    use_plan(Plan({key: PlanEntry("reference", {}, 0.5)}))
+    assert auto.resolve(x, csr, geometry) == ("reference", {})

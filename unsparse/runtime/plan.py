@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import tempfile
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -138,6 +139,7 @@ _ACTIVE = Plan()
 def use_plan(plan: Plan) -> None:
     """Make ``plan``'s entries visible to the ``"auto"`` backend (merged into the active plan)."""
     _ACTIVE.entries.update(plan.entries)
+    get_backend("auto").forget()
 
 
 def active_plan() -> Plan:
@@ -154,9 +156,26 @@ class AutoBackend(ConvBackend):
 
     def __init__(self) -> None:
         self._logged: set[str] = set()
+        self._resolved: weakref.WeakKeyDictionary[UniformCSR, dict[tuple, tuple[str, dict[str, Any]]]] = (
+            weakref.WeakKeyDictionary())
+
+    def forget(self) -> None:
+        """Drop the per-layer resolutions (called when the active plan changes)."""
+        self._resolved = weakref.WeakKeyDictionary()
 
     def resolve(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> tuple[str, dict[str, Any]]:
-        """``(backend, params)`` for this layer and input: the plan's entry, else the dense backend."""
+        """``(backend, params)`` for this layer and input: the plan's entry, else the dense backend.
+
+        Resolutions are cached per weight and (input shape, dtype, device, TF32 flag, geometry), so a planned
+        model pays the plan-key lookup once per layer, not on every forward pass.
+        """
+        signature = (tuple(x.shape), x.dtype, x.device, torch.backends.cudnn.allow_tf32, geometry)
+        per_csr = self._resolved.setdefault(csr, {})
+        if signature not in per_csr:
+            per_csr[signature] = self._lookup(x, csr, geometry)
+        return per_csr[signature]
+
+    def _lookup(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> tuple[str, dict[str, Any]]:
         from unsparse.sparse.functional import dense_fallback_backend
 
         key = layer_key(x, csr, geometry)
