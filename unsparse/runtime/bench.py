@@ -292,7 +292,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     plan_path = Path(plan_path) if plan_path is not None else out_dir / "plan.json"
     plan = Plan.load(plan_path) if plan_path.exists() else Plan()
     result: dict[str, Any] = {"environment": environment(commit), "device": device_name(device),
-                              "weights": "synthetic (torchvision random init, per-layer magnitude pruning)",
+                              "weights": "synthetic (He-normal random conv weights, per-layer magnitude pruning, "
+                                         "kept weights rescaled to the layer norm)",
                               "input": [3, 224, 224], "runs": runs, "complete": False, "stopped_early": [],
                               "failed": [], "layers": [], "end_to_end": []}
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
