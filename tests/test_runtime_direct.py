@@ -268,6 +268,19 @@ def test_launch_geometry() -> None:
         cl.cuda_type(torch.bfloat16)
 
 
+def test_kernel_arguments_are_checked_device_pointers() -> None:
+    x = torch.arange(12.0).reshape(3, 4)
+    cpu = torch.device("cpu")
+    pointer, null, count = cl.kernel_arguments((x, None, 7), cpu)
+    assert int(pointer) == x.data_ptr() and int(null) == 0 and int(count) == 7 and count.dtype.itemsize == 4
+    with pytest.raises(ValueError, match="argument 0: tensor is not contiguous"):
+        cl.kernel_arguments((x.t(),), cpu)
+    with pytest.raises(ValueError, match="argument 1: tensor on cpu"):
+        cl.kernel_arguments((None, x), torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="argument 0: 2147483648 does not fit int32"):
+        cl.kernel_arguments((2**31,), cpu)
+
+
 def test_tuning_spaces() -> None:
     rows = rows_space(batch=3, out_pixels=49)
     assert {p["sub_batch"] for p in rows} == {1, 2}

@@ -316,7 +316,8 @@ class DirectBackend(ConvBackend):
         N, C, H, W = x.shape
         E, F_ = self._out_hw(x, csr, geometry)
         variant = params.get("variant", "rows")
-        spec = self._launch(x, csr, geometry, params)
+        spec = self._arrays(csr, ("launch", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items()))),
+                            lambda: self._launch(x, csr, geometry, params))
         out = torch.empty(N, csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
         if csr.out_channels == 0 or N * E * F_ == 0:
