@@ -18,6 +18,7 @@ from unsparse.prune.evolutionary import (
     crossover_masks,
     importance,
     resize_mask,
+    share,
 )
 from unsparse.prune.masks import model_weighted_sparsity, prunable_layers, threshold_mask, weighted_sparsity
 from unsparse.train import Trainer
@@ -226,6 +227,84 @@ def test_resume_after_crash_equals_uninterrupted_run(tmp_path, monkeypatch):
     assert (tmp_path / "b" / evo.LOG).read_bytes() == (tmp_path / "a" / evo.LOG).read_bytes()
 
 
+def test_share_is_proportional_capped_and_falls_back_to_room():
+    assert share(10, {"a": 1.0, "b": 4.0}, {"a": 100, "b": 100}) == {"a": 2, "b": 8}
+    assert share(10, {"a": 1.0, "b": 4.0}, {"a": 100, "b": 3}) == {"a": 7, "b": 3}
+    assert share(10, {"a": 1.0, "b": 0.0}, {"a": 4, "b": 100}) == {"a": 4, "b": 6}
+    assert share(50, {"a": 1.0}, {"a": 4, "b": 5}) == {"a": 4, "b": 5}
+    assert share(0, {"a": 1.0}, {"a": 4}) == {"a": 0}
+    with pytest.raises(ValueError):
+        share(-1, {}, {})
+
+
+def test_floor_raises_a_small_step_to_the_deadline_pace():
+    p = prepared(target=0.8, iterations=10, deadline=0.5, unit_step=0.005, min_step=0.005)
+    sizes = p.layer_sizes()
+    p.chosen = ["2", "5"]
+    floor = p.floor_zeros()
+    assert floor == math.ceil(p.target_zeros() / 5)
+    p.step()
+    zeros = p.zero_counts()
+    assert sum(zeros.values()) >= floor and zeros["0"] == 0
+    assert all(zeros[name] <= math.floor(0.99 * sizes[name]) for name in zeros)
+    assert prepared(target=0.8, iterations=10).floor_zeros() == 0
+
+
+def test_floor_beyond_the_chosen_layers_room_spills_over_all_layers_by_room():
+    p = prepared(target=0.8, iterations=10, deadline=0.1, unit_step=0.1)
+    sizes = p.layer_sizes()
+    p.chosen = ["0"]
+    p.step()
+    zeros = p.zero_counts()
+    assert zeros["0"] == math.floor(0.99 * sizes["0"])
+    assert sum(zeros.values()) == p.target_zeros()
+    assert zeros["5"] > zeros["2"] > 0
+
+
+def test_deadline_reaches_target_within_budget_where_tiny_steps_do_not(tmp_path):
+    settings = {"target": 0.8, "iterations": 8, "unit_step": 0.005, "min_step": 0.005, "epsilon": math.inf,
+                "layers_per_iteration": 2, "fine_tune_epochs": 0}
+    crawling = pruner(**settings).run(tiny_model(), tiny_trainer(), tmp_path / "a")
+    assert crawling.weighted_sparsity < 0.1
+    paced = pruner(**settings, deadline=0.5).run(tiny_model(), tiny_trainer(), tmp_path / "b")
+    assert paced.weighted_sparsity >= 0.8
+    assert max(entry["iteration"] for entry in paced.history) <= 4
+
+
+def test_deadline_reaches_target_despite_stalls(tmp_path):
+    result = pruner(target=0.8, iterations=12, deadline=0.5, epsilon=0.0, unit_step=0.05,
+                    fine_tune_epochs=0).run(tiny_model(), tiny_trainer(), tmp_path)
+    assert result.weighted_sparsity >= 0.8
+    stalls = [entry for entry in result.history if "rewind" in entry.get("events", [])]
+    assert stalls and all(entry["next_weighted_sparsity"] <= entry["weighted_sparsity"] for entry in stalls)
+
+
+def test_initial_sparsity_prunes_each_layer_by_magnitude(tmp_path):
+    model = tiny_model()
+    dense = {name: layer.weight.detach().abs().clone() for name, layer in prunable_layers(model).items()}
+    p = pruner(iterations=0, initial_sparsity=0.5, deadline=0.5, fine_tune_epochs=0)
+    p.run(model, tiny_trainer(), tmp_path)
+    for name, mask in p.masks.items():
+        keep = mask.mask.bool()
+        assert int((~keep).sum()) == round(0.5 * keep.numel())
+        assert dense[name][~keep].max() <= dense[name][keep].min()
+
+
+def test_crossover_donors_are_at_most_max_regress_below_current_masks():
+    p = prepared(crossover_max_regress=0.05)
+    p.chosen, p.delta = list(p.masks), dict.fromkeys(p.masks, 0.5)
+    p.step()
+    masks = {name: m.mask.bool() for name, m in p.masks.items()}
+    p.ranked.offer(Solution(9.0, 1, 0.0, {name: torch.ones_like(keep) for name, keep in masks.items()}, {}))
+    assert p.ranked.candidates(p.donor_floor()) == []
+    p.pending = ["5"]
+    with pytest.raises(IndexError):
+        p.crossover()
+    p.ranked.offer(Solution(1.0, 2, 0.46, {name: keep.clone() for name, keep in masks.items()}, {}))
+    assert {p.crossover() for _ in range(5)} == {2}
+    assert prepared().donor_floor() < 0
+
+
 def test_rejects_bad_constants():
     with pytest.raises(ValueError):
         EvolutionaryPruner(min_step=0.3, max_step=0.2)
@@ -233,6 +312,10 @@ def test_rejects_bad_constants():
         EvolutionaryPruner(target=1.0)
     with pytest.raises(ValueError):
         EvolutionaryPruner(layers_per_iteration=0)
+    with pytest.raises(ValueError):
+        EvolutionaryPruner(deadline=0.0)
+    with pytest.raises(ValueError):
+        EvolutionaryPruner(crossover_max_regress=-0.1)
 
 
 def test_log_and_checkpoint_written(tmp_path: Path):

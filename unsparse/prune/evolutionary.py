@@ -23,6 +23,26 @@ The paper's text lacks its equations; this follows the reading in ``DESIGN.md``.
    (line 34). The next iteration only trains (nothing pending), so a repair is never judged against the
    score from before the damage, which a rewound model could not reach and would loop on.
 
+Deviations from the paper, each a config value whose constructor default turns it off:
+
+- ``initial_sparsity``: the paper starts from random weights with random masks at a starting sparsity
+  (Alg. 2 lines 1-2); here the run starts from the given (trained dense) model, so the first masks are by
+  magnitude (eq. 12 with ``G = 0``), which spends none of the iteration budget on what one-shot magnitude
+  pruning reaches for free.
+- ``deadline``: a floor under each pruning step. Eq. 11 with ``β = 10`` shrinks ``Δ_l`` to ``min_step``
+  after a few noisy negative sensitivities, and the paper's 200 epochs (§6.1) can afford crawling at that
+  pace; a CPU budget of tens of iterations cannot. With ``deadline = d`` a step adds at least
+  ``ceil(missing / max(ceil(d * iterations) - t, 1))`` mask zeros (``missing`` = zeros still needed for
+  ``target``), so without stalls the target is met by iteration ``ceil(d * iterations)`` and the iterations
+  after it are spare for stalls. The floor is shared over ``C_t`` in proportion to the eq.-11 increments
+  ``Δ_l * size_l`` (so sensitivity still sets the split); what ``C_t`` cannot take below
+  ``max_layer_sparsity`` goes to all layers in proportion to their remaining room, so it lands on the large
+  layers that dominate eq. 7-8 rather than filling a small chosen one.
+- ``crossover_max_regress``: eq. 17-18 draw the donor from the whole ranked list, which, ranked by score,
+  fills with the early, denser solutions; copying their masks undid most of the pruning in one stall. Donors
+  are restricted to ranked solutions whose weighted sparsity is at most this far below the current masks'
+  (``1.0``: any, the paper); with no such donor the repair is a mutation.
+
 Dense weights keep their values where masked (only the effective weight is zeroed), so a revived weight
 comes back with the value it had when pruned. The run starts from the model as given (normally trained
 dense) with masks at ``initial_sparsity`` by magnitude, stops when the weighted sparsity reaches ``target``
@@ -147,11 +167,20 @@ class RankedList:
         del self.solutions[self.length:]
         return True
 
-    def sample(self, generator: torch.Generator) -> Solution:
-        """A uniformly random solution (crossover partner). Raises IndexError when empty."""
-        if not self.solutions:
-            raise IndexError("ranked list is empty")
-        return self.solutions[int(torch.randint(len(self.solutions), (), generator=generator))]
+    def candidates(self, min_sparsity: float = 0.0) -> list[Solution]:
+        """Solutions whose weighted sparsity is at least ``min_sparsity``, best first."""
+        return [solution for solution in self.solutions if solution.weighted_sparsity >= min_sparsity]
+
+    def sample(self, generator: torch.Generator, min_sparsity: float = 0.0) -> Solution:
+        """A uniformly random solution among :meth:`candidates` (crossover partner).
+
+        Raises:
+            IndexError: when no solution has weighted sparsity ``>= min_sparsity``.
+        """
+        pool = self.candidates(min_sparsity)
+        if not pool:
+            raise IndexError(f"no ranked solution with weighted sparsity >= {min_sparsity}")
+        return pool[int(torch.randint(len(pool), (), generator=generator))]
 
     def state(self) -> list[dict[str, Any]]:
         """Plain containers of tensors for a checkpoint."""
@@ -177,8 +206,13 @@ class EvolutionaryPruner(Pruner):
         min_step, max_step: bounds of ``Δ_l``.
         layers_per_iteration: size of the chosen subset ``C_t``.
         mutation_threshold: probability of mutation rather than crossover on a stall.
-        initial_sparsity: per-layer sparsity of the first masks (by magnitude).
+        initial_sparsity: per-layer sparsity of the first masks (by magnitude; a deviation, see the module
+            docstring).
         max_layer_sparsity: no layer is pruned beyond this.
+        deadline: fraction of ``iterations`` by which the step floor reaches ``target`` (in ``(0, 1]``; None:
+            no floor, the paper). See the module docstring.
+        crossover_max_regress: how far (weighted sparsity, eq. 7-8) below the current masks a crossover donor
+            may be (``1.0``: any ranked solution, the paper). See the module docstring.
         rewind: rewind the weights on a stall (line 34).
         lr: learning rate of the iterations (None: the trainer's).
         fine_tune_epochs: masked fine-tuning epochs after the iterations.
@@ -196,7 +230,8 @@ class EvolutionaryPruner(Pruner):
                  alpha: float = 0.1, beta: float = 10.0, epsilon: float = 0.005, ranked_list_length: int = 16,
                  unit_step: float | Mapping[str, float] = 0.05, min_step: float = 0.005, max_step: float = 0.2,
                  layers_per_iteration: int = 2, mutation_threshold: float = 0.5, initial_sparsity: float = 0.0,
-                 max_layer_sparsity: float = 0.99, rewind: bool = True, lr: float | None = 0.01,
+                 max_layer_sparsity: float = 0.99, deadline: float | None = None,
+                 crossover_max_regress: float = 1.0, rewind: bool = True, lr: float | None = 0.01,
                  fine_tune_epochs: int = 3, fine_tune_lr: float | None = None, seed: int = 0,
                  layers: list[str] | None = None) -> None:
         super().__init__(target, layers)
@@ -207,6 +242,10 @@ class EvolutionaryPruner(Pruner):
                              f"{max_layer_sparsity} <= 1")
         if iterations < 0 or layers_per_iteration < 1 or (batches_per_iteration or 1) < 1:
             raise ValueError("iterations must be >= 0, layers_per_iteration and batches_per_iteration >= 1")
+        if deadline is not None and not 0.0 < deadline <= 1.0:
+            raise ValueError(f"deadline: {deadline} outside (0, 1]")
+        if crossover_max_regress < 0.0:
+            raise ValueError(f"crossover_max_regress: {crossover_max_regress} < 0")
         self.iterations, self.batches_per_iteration = iterations, batches_per_iteration
         self.alpha, self.beta, self.epsilon = alpha, beta, epsilon
         self.ranked = RankedList(ranked_list_length)
@@ -214,6 +253,7 @@ class EvolutionaryPruner(Pruner):
         self.min_step, self.max_step = min_step, max_step
         self.layers_per_iteration, self.mutation_threshold = layers_per_iteration, mutation_threshold
         self.initial_sparsity, self.max_layer_sparsity, self.rewind = initial_sparsity, max_layer_sparsity, rewind
+        self.deadline, self.crossover_max_regress = deadline, crossover_max_regress
         self.lr, self.fine_tune_epochs, self.fine_tune_lr, self.seed = lr, fine_tune_epochs, fine_tune_lr, seed
         self.generator = torch.Generator()
         self.grad_stats: dict[str, torch.Tensor] = {}
@@ -253,25 +293,52 @@ class EvolutionaryPruner(Pruner):
         """Mask zeros that meet ``target``: ``ceil(target * total)`` (a tiny tolerance absorbs float error)."""
         return math.ceil(self.target * sum(self.layer_sizes().values()) - 1e-9)
 
+    def floor_zeros(self) -> int:
+        """Fewest mask zeros the next pruning step adds (``deadline`` floor; 0 without a deadline).
+
+        ``ceil(missing / max(ceil(deadline * iterations) - iteration, 1))`` where ``missing`` is the number of
+        zeros still needed for :meth:`target_zeros`.
+        """
+        if self.deadline is None:
+            return 0
+        missing = max(self.target_zeros() - sum(self.zero_counts().values()), 0)
+        return math.ceil(missing / max(math.ceil(self.deadline * self.iterations) - self.iteration, 1))
+
     @torch.no_grad()
     def step(self) -> None:
-        """Prune each layer of ``chosen`` by its ``Δ_l`` on importance ``|w| + α|G|`` (eq. 12-14).
+        """Prune each layer of ``chosen`` by its ``Δ_l`` on importance ``|w| + α|G|`` (eq. 11-14).
 
-        Increments are capped by ``max_layer_sparsity`` and scaled down so the total number of mask zeros
-        does not pass :meth:`target_zeros`. Mutates the masks; the dense weights keep their values.
+        The total increment is raised to :meth:`floor_zeros` if below it; with nothing chosen (a stall) it
+        does nothing. Mutates the masks; the dense weights keep their values.
+        """
+        if self.chosen:
+            self._grow({name: self.delta[name] for name in self.chosen}, self.floor_zeros())
+
+    def _grow(self, fractions: Mapping[str, float], floor: int) -> None:
+        """Add ``round(fractions[l] * size_l)`` mask zeros to each named layer, at least ``floor`` in total.
+
+        Increments are capped by ``max_layer_sparsity``; a shortfall below ``floor`` is shared in proportion to
+        the increments, then over every masked layer in proportion to its remaining room (:func:`share`); the
+        total is then scaled down so the mask zeros do not pass :meth:`target_zeros`. Mutates the masks by
+        importance (eq. 12-14).
         """
         sizes, zeros = self.layer_sizes(), self.zero_counts()
-        room = {name: max(math.floor(self.max_layer_sparsity * sizes[name]) - zeros[name], 0)
-                for name in self.chosen}
-        extra = {name: min(round(self.delta[name] * sizes[name]), room[name]) for name in self.chosen}
+        room = {name: max(math.floor(self.max_layer_sparsity * sizes[name]) - zeros[name], 0) for name in self.masks}
+        extra = {name: min(round(fraction * sizes[name]), room[name]) for name, fraction in fractions.items()}
         needed = max(self.target_zeros() - sum(zeros.values()), 0)
+        shortfall = min(floor, needed) - sum(extra.values())
+        if shortfall > 0:
+            spare = {name: room[name] - extra.get(name, 0) for name in self.masks}
+            added = share(shortfall, extra, spare)
+            extra = {name: extra.get(name, 0) + count for name, count in added.items()
+                     if name in extra or count > 0}
         planned = sum(extra.values())
         if planned > needed:
             extra = {name: count * needed // planned for name, count in extra.items()}
-            for name in self.chosen:
+            for name in extra:
                 top_up = min(room[name] - extra[name], needed - sum(extra.values()))
                 extra[name] += top_up
-        self._resize({name: zeros[name] + extra[name] for name in self.chosen})
+        self._resize({name: zeros[name] + count for name, count in extra.items()})
 
     @torch.no_grad()
     def mutate(self) -> None:
@@ -281,10 +348,20 @@ class EvolutionaryPruner(Pruner):
                                                     * self.delta[name] * sizes[name]), 0)
                       for name in self.pending})
 
+    def donor_floor(self) -> float:
+        """Least weighted sparsity of a crossover donor: the masks' less ``crossover_max_regress``."""
+        return self.mask_weighted_sparsity() - self.crossover_max_regress
+
     @torch.no_grad()
     def crossover(self) -> int:
-        """Give the ``pending`` layers the masks of a random ranked solution (eq. 17-18). Returns its iteration."""
-        donor = self.ranked.sample(self.generator)
+        """Give the ``pending`` layers the masks of a random ranked solution (eq. 17-18). Returns its iteration.
+
+        The donor is drawn among the ranked solutions at least :meth:`donor_floor` sparse.
+
+        Raises:
+            IndexError: when there is no such solution.
+        """
+        donor = self.ranked.sample(self.generator, self.donor_floor())
         current = {name: mask.mask.bool() for name, mask in self.masks.items()}
         for name, keep in crossover_masks(current, donor.masks, self.pending).items():
             self.masks[name].set(keep)
@@ -346,10 +423,7 @@ class EvolutionaryPruner(Pruner):
 
     def _begin(self, trainer: Trainer) -> dict[str, Any]:
         """Initial masks by magnitude at ``initial_sparsity``; evaluate; seed the ranked list (lines 1-7)."""
-        self.chosen = list(self.masks)
-        self.delta, steps = dict.fromkeys(self.masks, self.initial_sparsity), self.delta
-        self.step()
-        self.delta, self.chosen = steps, []
+        self._grow(dict.fromkeys(self.masks, self.initial_sparsity), 0)
         metrics = trainer.evaluate(self._prepared(), "val")
         self.score = _score(metrics)
         self._offer(self.score)
@@ -378,7 +452,8 @@ class EvolutionaryPruner(Pruner):
         evaluated = {"weighted_sparsity": self.mask_weighted_sparsity(), "layer_sparsity": self.mask_sparsity()}
         events = ["ranked"] if self._offer(score) else []
         if sensitivity < -self.epsilon and self.pending:
-            if not self.ranked or float(torch.rand((), generator=self.generator)) < self.mutation_threshold:
+            donors = self.ranked.candidates(self.donor_floor())
+            if not donors or float(torch.rand((), generator=self.generator)) < self.mutation_threshold:
                 self.mutate()
                 events.append("mutation")
             else:
@@ -489,6 +564,37 @@ class EvolutionaryPruner(Pruner):
         with open(log_path, "r+b") as log:
             log.truncate(state["log_bytes"])
         return state["history"], state["elapsed_s"]
+
+
+def share(total: int, weights: Mapping[str, float], caps: Mapping[str, int]) -> dict[str, int]:
+    """Split ``total`` units over the names of ``caps``, none beyond its cap (water-filling).
+
+    Units go in proportion to ``weights`` (non-negative) among the names not yet at their cap; once every name
+    of positive weight is capped, the rest goes in proportion to the remaining room ``caps - given``. Fewer
+    than ``total`` units are given only when every cap is reached.
+
+    Returns:
+        Units per name, integers in ``[0, caps[name]]``.
+
+    Raises:
+        ValueError: on a negative ``total``, weight or cap.
+    """
+    if total < 0 or any(value < 0 for value in (*weights.values(), *caps.values())):
+        raise ValueError("share: total, weights and caps must be non-negative")
+    given = dict.fromkeys(caps, 0)
+    for by_room in (False, True):
+        while (left := total - sum(given.values())) > 0:
+            open_ = {name: float(caps[name] - given[name]) if by_room else float(weights.get(name, 0.0))
+                     for name in caps if given[name] < caps[name]}
+            open_ = {name: weight for name, weight in open_.items() if weight > 0}
+            if not open_:
+                break
+            norm = sum(open_.values())
+            for name, weight in open_.items():
+                units = min(caps[name] - given[name], max(math.floor(left * weight / norm), 1),
+                            total - sum(given.values()))
+                given[name] += units
+    return given
 
 
 def _score(metrics: Mapping[str, float]) -> float:
