@@ -205,3 +205,21 @@ def test_auto_backend_follows_a_changed_plan() -> None:
     assert auto.resolve(x, csr, geometry) == ("dense_cpu", {})
     use_plan(Plan({key: PlanEntry("reference", {}, 0.5)}))
     assert auto.resolve(x, csr, geometry) == ("reference", {})
+
+
+def test_plan_leaves_the_dense_default_only_for_a_gain_beyond_the_margin() -> None:
+    from unsparse.runtime.comparator import LayerComparison, Measurement
+    from unsparse.runtime.timing import Timing
+
+    def measured(backend: str, params: dict, ms: float) -> Measurement:
+        return Measurement(backend, params, "ok", 0.0, timing=Timing(ms, ms, ms, 20, 1))
+
+    nchw = measured("cudnn", {"memory_format": "contiguous"}, 1.00)
+    close = LayerComparison("k", [nchw, measured("cudnn", {"memory_format": "channels_last"}, 0.98),
+                                  measured("direct", {"variant": "tile"}, 0.99)])
+    assert close.best.params == {"memory_format": "channels_last"}  # the report still names the fastest
+    assert close.plan_entry().backend == "cudnn" and close.plan_entry().params == {"memory_format": "contiguous"}
+    clear = LayerComparison("k", [nchw, measured("direct", {"variant": "tile"}, 0.90)])
+    assert clear.plan_entry().backend == "direct" and clear.plan_entry(margin=0.2).backend == "cudnn"
+    no_default = LayerComparison("k", [measured("direct", {"variant": "rows"}, 2.0)])
+    assert no_default.plan_entry().backend == "direct"

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 COMPARED_BY_DEFAULT_EXCLUDES = frozenset({"reference", "auto"})
 """Backends not timed unless asked for: the reference is the check, ``auto`` is the plan itself."""
+DENSE_DEFAULTS = {"cudnn": {"memory_format": "contiguous"}, "dense_cpu": {}}
+"""Per backend name, the parameters of the dense default a plan falls back to (cuDNN in NCHW)."""
+PLAN_MARGIN = 0.03
+"""Fraction by which a setting must beat the dense default to be planned (run-to-run noise of the timings)."""
 
 
 def tolerance(dtype: torch.dtype, tf32: bool = False) -> float:
@@ -141,13 +145,28 @@ class LayerComparison:
         timed = [m for m in self.measurements if m.backend == backend and m.status == "ok" and m.timing]
         return min(timed, key=lambda m: m.timing.median_ms) if timed else None
 
-    def plan_entry(self) -> PlanEntry:
-        """The plan entry this comparison implies.
+    def chosen(self, margin: float = PLAN_MARGIN) -> Measurement | None:
+        """The setting a plan should run: :attr:`best`, unless the dense default (the dense backend in its
+        default layout, :data:`DENSE_DEFAULTS`) is within ``margin`` of it, then the default.
+
+        A layer-by-layer win smaller than run-to-run noise buys nothing and can cost a whole model time
+        (a layout switch, a kernel that behaves differently between neighbours), so a plan only leaves the
+        dense default for a measured gain of more than ``margin`` (a fraction of the default's median).
+        """
+        best = self.best
+        default = next((m for m in self.measurements if m.status == "ok" and m.timing is not None
+                        and DENSE_DEFAULTS.get(m.backend) == m.params), None)
+        if best is None or default is None:
+            return best
+        return default if best.timing.median_ms > (1 - margin) * default.timing.median_ms else best
+
+    def plan_entry(self, margin: float = PLAN_MARGIN) -> PlanEntry:
+        """The plan entry this comparison implies (:meth:`chosen`).
 
         Raises:
             RuntimeError: if no backend ran correctly.
         """
-        best = self.best
+        best = self.chosen(margin)
         if best is None:
             raise RuntimeError(f"{self.key}: no backend produced a correct output")
         others = sorted({m.backend for m in self.measurements if m.status == "ok" and m.backend != best.backend})
