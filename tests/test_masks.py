@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -24,9 +26,17 @@ from unsparse.prune.masks import squashed_copy
 def test_threshold_mask_prunes_exactly_the_requested_count(sparsity):
     importance = torch.randint(0, 3, (7, 5, 3, 3)).float()  # many ties
     keep = threshold_mask(importance, sparsity)
-    assert int((~keep).sum()) == round(sparsity * importance.numel())
+    assert int((~keep).sum()) == math.ceil(sparsity * importance.numel() - 1e-9)
     if keep.any() and (~keep).any():
         assert importance[keep].min() >= importance[~keep].max()
+
+
+def test_pruned_count_reaches_the_sparsity_without_overshooting_float_error():
+    from unsparse.prune.masks import pruned_count
+
+    assert pruned_count(0.9, 16) == 15 and 15 / 16 >= 0.9  # round() gave 14 = 0.875
+    assert pruned_count(0.9, 10) == 9  # 0.9 * 10 = 9.000000000000002 in float
+    assert pruned_count(0.0, 7) == 0 and pruned_count(1.0, 7) == 7
 
 
 def test_threshold_mask_rejects_bad_sparsity():
