@@ -89,3 +89,9 @@ def test_report_lists_what_was_not_measured(result) -> None:
     text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert "stopped by the time budget before: vgg16 features.2 s0.9 b1 fp16" in text
     assert "FAILED: end to end googlenet fp16" in text
+
+
+def test_targets_without_records_read_not_measured(result) -> None:
+    empty = {**result, "layers": [], "end_to_end": []}
+    text = markdown_report({**empty, "targets": evaluate_targets(empty)})
+    assert text.count("not measured in this run") == 4 and "missed" not in text
