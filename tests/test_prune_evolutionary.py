@@ -250,23 +250,23 @@ def test_floor_raises_a_small_step_to_the_deadline_pace():
     assert prepared(target=0.8, iterations=10).floor_zeros() == 0
 
 
-def test_floor_beyond_the_chosen_layers_room_spills_over_all_layers_by_room():
-    p = prepared(target=0.8, iterations=10, deadline=0.1, unit_step=0.1, max_step=1.0)
-    sizes = p.layer_sizes()
+def one_step_to_the_deadline(max_step: float):
+    """A pruner whose floor asks for the whole target in one step, having chosen only layer "0"."""
+    p = prepared(target=0.8, iterations=10, deadline=0.1, unit_step=0.1, max_step=max_step)
     p.chosen = ["0"]
     p.step()
-    zeros = p.zero_counts()
+    return p, p.layer_sizes(), p.zero_counts()
+
+
+def test_floor_beyond_the_chosen_layers_room_spills_over_all_layers_by_room():
+    p, sizes, zeros = one_step_to_the_deadline(max_step=1.0)
     assert zeros["0"] == math.floor(0.99 * sizes["0"])
     assert sum(zeros.values()) == p.target_zeros()
     assert zeros["5"] > zeros["2"] > 0
 
 
 def test_floor_spill_over_grows_no_layer_by_more_than_max_step():
-    p = prepared(target=0.8, iterations=10, deadline=0.1, unit_step=0.1, max_step=0.2)
-    sizes = p.layer_sizes()
-    p.chosen = ["0"]
-    p.step()
-    zeros = p.zero_counts()
+    p, sizes, zeros = one_step_to_the_deadline(max_step=0.2)
     assert all(zeros[name] <= math.ceil(0.2 * sizes[name]) for name in zeros)
     assert 0 < sum(zeros.values()) < p.target_zeros()
 
