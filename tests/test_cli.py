@@ -58,3 +58,17 @@ def test_multirun_sweeps_pruners_and_targets(tmp_path):
     assert methods == {"magnitude", "gradual"}
     for path in reports:
         assert json.loads(path.read_text())["pruning"]["weighted_sparsity"] == pytest.approx(0.8, abs=0.01)
+
+
+def test_every_bench_option_is_a_run_bench_argument():
+    import inspect
+
+    from omegaconf import OmegaConf
+
+    from unsparse.runtime.bench import run_bench
+
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base=None):
+        settings = OmegaConf.to_container(compose(config_name="bench"), resolve=True)
+    settings.pop("hydra", None)
+    settings.pop("quick")
+    assert set(settings) <= set(inspect.signature(run_bench).parameters)
