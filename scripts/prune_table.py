@@ -19,7 +19,6 @@ import dataclasses
 import json
 import math
 import platform
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from omegaconf import OmegaConf
 from unsparse.atomic import atomic_write_json, atomic_write_text
 from unsparse.data import Splits, fashion_mnist
 from unsparse.models import create_model
+from unsparse.pipeline import git_commit
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
 from unsparse.prune.magnitude import MagnitudePruner
@@ -208,7 +208,7 @@ def main() -> None:
     blocks.append({**block, "data": f"statsmodels co2 windows of 64 ({len(series.train[0])} train, "
                                     f"{len(series.val[0])} val, {len(series.test[0])} test)"})
     overridden = ("target", "iterations", "batches_per_iteration", "fine_tune_epochs", "seed")
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = (git_commit() or "")[:7]
     meta = {"quick": args.quick, "host": platform.node() or "unknown", "torch": torch.__version__,
             "threads": torch.get_num_threads(), "commit": commit or "none", "budget": budget,
             "targets": {"classification": TARGET, "autoencoder": AE_TARGET},

@@ -20,7 +20,6 @@ import copy
 import dataclasses
 import json
 import platform
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,6 +33,7 @@ from tqdm.auto import tqdm
 from unsparse.atomic import atomic_write_bytes, atomic_write_json, atomic_write_text
 from unsparse.data import Splits, fashion_mnist
 from unsparse.models import create_model
+from unsparse.pipeline import git_commit
 from unsparse.prune.magnitude import MagnitudePruner
 from unsparse.quant import ActivationSpec, FP16Quantizer, KMeansQuantizer, LinearQuantizer, NoQuantization
 from unsparse.quant.base import Quantizer
@@ -211,7 +211,7 @@ def main() -> None:
     for name in MODELS:
         trainer = Trainer(splits.loaders(BATCH_SIZE, EVAL_BATCH_SIZE), lr=LR)
         blocks.append(run_model(name, budget, trainer, workdir / name))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = (git_commit() or "")[:7]
     meta = {
         "quick": args.quick, "host": platform.node() or "unknown", "torch": torch.__version__,
         "sklearn": sklearn.__version__, "threads": torch.get_num_threads(), "commit": commit or "none",
