@@ -1,0 +1,62 @@
+"""Run one direct-kernel setting on one synthetic layer a few times, for a profiler (Nsight Compute) to catch.
+
+Synthetic weights: He-normal, magnitude-pruned to ``--sparsity`` per layer (as in the benchmark). Prints the
+median of CUDA-event timings of the runs so a profile can be matched to a benchmark figure.
+
+    ncu --kernel-name regex:direct_window --launch-skip 2 --launch-count 1 --section WarpStateStats \
+        python3 scripts/profile_direct.py --shape 128 256 56 56 --out-channels 256 \
+        --params '{"variant": "window", "lx": 8, "py": 2, "px": 4, "mw": 8, "warps": 8, "cc": 8}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def main() -> None:
+    """Parse arguments, build the layer, run the setting and print its median time (ms)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", nargs=4, type=int, required=True, metavar=("N", "C", "H", "W"))
+    parser.add_argument("--out-channels", type=int, required=True)
+    parser.add_argument("--kernel", type=int, default=3)
+    parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    parser.add_argument("--params", type=json.loads, action="append", required=True,
+                        help="a direct tuning setting as JSON; repeat to run several")
+    parser.add_argument("--runs", type=int, default=5)
+    args = parser.parse_args()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import torch
+
+    from unsparse.runtime import get_backend
+    from unsparse.sparse import ConvGeometry, UniformCSR
+
+    device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
+    N, C, H, W = args.shape
+    fan_in = C * args.kernel**2
+    weight = torch.randn(args.out_channels, C, args.kernel, args.kernel, device=device) * (2 / fan_in) ** 0.5
+    threshold = weight.abs().flatten().kthvalue(max(1, int(args.sparsity * weight.numel()))).values
+    weight[weight.abs() <= threshold] = 0
+    csr = UniformCSR.from_dense(weight.to(dtype))
+    x = torch.randn(N, C, H, W, device=device, dtype=dtype)
+    geometry = ConvGeometry.of(1, args.kernel // 2)
+    backend = get_backend("direct")
+    for params in args.params:
+        backend.conv(x, csr, None, geometry, **params)
+        times = []
+        for _ in range(args.runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            backend.conv(x, csr, None, geometry, **params)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        print(json.dumps({"params": params, "median_ms": statistics.median(times)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
