@@ -1,14 +1,26 @@
 """Pruning comparison table: dense vs evolutionary (UnSparse-Opt Alg. 2) vs gradual vs one-shot magnitude.
 
-Small VGG and small ResNet on Fashion-MNIST (a training subset, CPU budgets), every baseline at the weighted
-sparsity the evolutionary run reached and with about the same number of training batches as it used, plus
-the 1D-CNN autoencoder (paper 004 §6.1) on statsmodels' CO2 series with its reconstruction MSE.
+Small VGG and small ResNet on Fashion-MNIST, every baseline at the weighted sparsity the evolutionary run
+reached and with about the same number of training batches as it used, plus the 1D-CNN autoencoder (paper
+004 §6.1) on statsmodels' CO2 series with its reconstruction MSE. ``--budget`` picks the data and training
+budget (``BUDGETS``): ``quick`` (smoke run), ``full`` (a 6000-image training subset, for 2 CPU cores) or
+``gpu`` (the whole training set less 5000 validation images, for one CUDA GPU); ``--device`` where everything
+runs (default CUDA if available, else CPU).
 
-Writes ``docs/pruning_results.md`` and ``docs/pruning_results.json`` (histories included). Every figure in
-them comes from this run. Runs resume from ``--workdir`` checkpoints.
+Writes ``pruning_results.md`` and ``pruning_results.json`` (histories included; by default under ``docs/``,
+for ``quick`` under ``--workdir``; ``--out`` names the markdown file or a folder for both). Both are rewritten
+after every model, so a run stopped early keeps the models it finished; a model that raises is recorded with
+its error and the others still run (exit status 1). Every figure in them comes from this run, and they name
+the budget, the device and the commit (``$UNSPARSE_COMMIT`` if set, as where the tree has no ``.git``). Runs resume
+from ``--workdir`` checkpoints.
 
-    PYTHONPATH=. python scripts/prune_table.py            # full (about 15 minutes on 2 idle CPU cores)
-    PYTHONPATH=. python scripts/prune_table.py --quick    # smoke run (a few minutes)
+    PYTHONPATH=. python scripts/prune_table.py                   # full (about 15 minutes on 2 idle CPU cores)
+    PYTHONPATH=. python scripts/prune_table.py --budget quick    # smoke run (under a minute; --quick is the same)
+    bash scripts/prune_table_gpu.sh                              # gpu budget on a lent GPU machine (writes $OUT)
+
+Without omegaconf (it reads ``configs/prune/evolutionary.yaml``), statsmodels or Debian's Fashion-MNIST
+package, carry wheels, ``--series-file`` (see :func:`unsparse.timeseries.export_series`) and ``--data-root``
+as ``scripts/prune_table_gpu.sh`` does.
 """
 
 from __future__ import annotations
@@ -19,15 +31,16 @@ import dataclasses
 import json
 import math
 import platform
+import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import OmegaConf
 
 from unsparse.atomic import atomic_write_json, atomic_write_text
-from unsparse.data import Splits, fashion_mnist
+from unsparse.data import FASHION_MNIST_DIR, Splits, fashion_mnist
 from unsparse.models import create_model
 from unsparse.pipeline import git_commit
 from unsparse.prune.evolutionary import EvolutionaryPruner
@@ -36,7 +49,17 @@ from unsparse.prune.magnitude import MagnitudePruner
 from unsparse.timeseries import timeseries
 from unsparse.train import Trainer
 
+# Chosen before any GPU run, not tuned on test results. gpu: one CUDA GPU, about 4 minutes on an H100 (a
+# guess: these small models are bound by kernel launches and data loading, a few ms per batch of 128, and the
+# budget is at most 42,400 training batches for the two CNNs, ``planned_batches``; full's is 3,242), leaving
+# room in a single 8-minute device command. It trains on all 55,000 training images (5000 held out for validation,
+# the pruners' signal) and tests on all 10,000; 3x the dense epochs of full for the 9x larger training set;
+# 100 evolutionary iterations (the config's own budget) of 40 batches (about 9 epochs in all, so gradual
+# magnitude's matched schedule is as long) and 5 fine-tuning epochs; the autoencoder gets twice full's dense
+# epochs and 1.5x its iterations with 8 batches each (its training split is 12 batches of 64 an epoch).
 BUDGETS = {
+    "gpu": {"limit_train": None, "val": 5000, "test": None, "width": 16, "dense_epochs": 15, "iterations": 100,
+            "batches": 40, "fine_tune_epochs": 5, "ae_dense_epochs": 40, "ae_iterations": 60, "ae_batches": 8},
     "full": {"limit_train": 6000, "val": 2000, "test": None, "width": 16, "dense_epochs": 5, "iterations": 45,
              "batches": 12, "fine_tune_epochs": 2, "ae_dense_epochs": 20, "ae_iterations": 40, "ae_batches": 4},
     "quick": {"limit_train": 1024, "val": 256, "test": 512, "width": 8, "dense_epochs": 1, "iterations": 6,
@@ -46,6 +69,13 @@ BATCH_SIZE = 128
 EVOLUTIONARY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "prune" / "evolutionary.yaml"
 TARGET = 0.92
 AE_TARGET = 0.9
+MODELS = ("vgg_small", "resnet_small", "autoencoder1d")
+STARTED = time.perf_counter()
+
+
+def say(message: str) -> None:
+    """Print ``message`` with the seconds since start (progress in logs of non-interactive runs)."""
+    print(f"[{time.perf_counter() - STARTED:7.1f} s] {message}", flush=True)
 
 
 def trim(splits: Splits, val: int, test: int | None) -> Splits:
@@ -59,12 +89,24 @@ def evolutionary_settings() -> dict[str, Any]:
 
     Raises:
         FileNotFoundError: if the config file is missing.
+        ImportError: omegaconf missing (install it, e.g. from the wheels ``scripts/prune_table_gpu.sh`` carries).
     """
+    from omegaconf import OmegaConf
+
     config = OmegaConf.load(EVOLUTIONARY_CONFIG)
     config.seed = 0
     settings = OmegaConf.to_container(config, resolve=True)
     del settings["_target_"]
     return settings
+
+
+def planned_batches(budget: dict[str, Any], steps_per_epoch: int, iterations: int, batches: int,
+                    dense_epochs: int) -> int:
+    """Most training batches :func:`compare` spends on one model: dense, evolutionary with every iteration used,
+    gradual magnitude's matched schedule and one-shot magnitude, each with its fine-tuning epochs."""
+    fine_tune = budget["fine_tune_epochs"] * steps_per_epoch
+    schedule = max(math.ceil(iterations * batches / steps_per_epoch), 1) * steps_per_epoch
+    return dense_epochs * steps_per_epoch + (iterations * batches + fine_tune) + (schedule + fine_tune) + fine_tune
 
 
 def metric(trainer: Trainer, model: torch.nn.Module) -> dict[str, float]:
@@ -82,6 +124,7 @@ def compare(name: str, model_kwargs: dict[str, Any], trainer: Trainer, budget: d
     rows = [{"method": "dense", "test": metric(trainer, dense), "weighted_sparsity": 0.0, "layer_sparsity": {},
              "wall_time_s": time.perf_counter() - started, "train_batches": dense_epochs * len(
                  trainer.loaders["train"])}]
+    say(f"{name} dense: test {rows[0]['test']}")
     evolutionary = EvolutionaryPruner(**{**evolutionary_settings(), "target": target, "iterations": iterations,
                                          "batches_per_iteration": batches,
                                          "fine_tune_epochs": budget["fine_tune_epochs"]})
@@ -90,6 +133,7 @@ def compare(name: str, model_kwargs: dict[str, Any], trainer: Trainer, budget: d
     model = copy.deepcopy(dense)
     results["evolutionary"] = (evolutionary.run(model, trainer, workdir / "evolutionary"), model)
     reached = results["evolutionary"][0].weighted_sparsity
+    say(f"{name} evolutionary: weighted sparsity {reached:.4f}")
     used = sum(entry["phase"] == "prune" and entry["iteration"] > 0 for entry in results["evolutionary"][0].history)
     schedule_epochs = max(math.ceil(used * batches / steps_per_epoch), 1)
     pruners = {
@@ -101,6 +145,7 @@ def compare(name: str, model_kwargs: dict[str, Any], trainer: Trainer, budget: d
     for method, pruner in pruners.items():
         model = copy.deepcopy(dense)
         results[method] = (pruner.run(model, trainer, workdir / method), model)
+        say(f"{name} {method}: weighted sparsity {results[method][0].weighted_sparsity:.4f}")
     batches_used = {"evolutionary": used * batches + budget["fine_tune_epochs"] * steps_per_epoch,
                     "gradual": pruners["gradual"].epochs(steps_per_epoch) * steps_per_epoch,
                     "magnitude": budget["fine_tune_epochs"] * steps_per_epoch}
@@ -150,16 +195,31 @@ def verdict(block: dict[str, Any], key: str) -> list[str]:
 
 
 def markdown(blocks: list[dict[str, Any]], meta: dict[str, Any]) -> str:
-    """The results page."""
+    """The results page (also for JSON written before ``--budget``/``--device`` existed: a CPU run)."""
+    name = meta.get("budget_name", "quick" if meta.get("quick") else "full")
+    device = meta.get("device", "cpu")
+    where = " ".join(["the GPU" if device.startswith("cuda") else "the CPU", meta.get("device_name", "")]).strip()
+    option = "" if name == "full" else f" --budget {name}"
     out = ["# Pruning results", "",
-           f"Generated by `scripts/prune_table.py{' --quick' if meta['quick'] else ''}` on {meta['host']} "
-           f"(torch {meta['torch']}, {meta['threads']} CPU threads, commit {meta['commit']}). "
-           f"Budgets: {meta['budget']}.", "",
-           "Baselines run at the weighted sparsity the evolutionary run reached; gradual magnitude gets a "
-           "schedule over the same number of training batches as the evolutionary iterations used, and every "
-           "pruner fine-tunes the same number of epochs. Weighted sparsity is paper 004 eq. 7-8 over all "
-           "Conv/Linear weights. Wall time is CPU seconds of the pruning run (dense: training).", ""]
+           f"Generated by `scripts/prune_table.py{option}` on {meta['host']}, running on {where} (device "
+           f"`{device}`; torch {meta['torch']}, {meta['threads']} CPU threads, commit {meta['commit']}). "
+           f"Budget `{name}`: {meta['budget']}.", ""]
+    missing = [model for model in MODELS if model not in {block["model"] for block in blocks}]
+    failed = [block["model"] for block in blocks if "error" in block]
+    if missing or failed:
+        parts = [f"{', '.join(names)} {verb}" for names, verb in ((failed, "failed"), (missing, "not run"))
+                 if names]
+        out += [f"**Incomplete run**: {'; '.join(parts)}.", ""]
+    out += ["Baselines run at the weighted sparsity the evolutionary run reached; gradual magnitude gets a "
+            "schedule over the same number of training batches as the evolutionary iterations used, and every "
+            "pruner fine-tunes the same number of epochs. Weighted sparsity is paper 004 eq. 7-8 over all "
+            f"Conv/Linear weights. Wall time is wall-clock seconds of the pruning run on {where} (dense: "
+            "training).", ""]
     for block in blocks:
+        if "error" in block:
+            out += [f"## {block['model']} {block['model_kwargs']}: FAILED", "", "```",
+                    *block["error"].rstrip().splitlines()[-12:], "```", ""]
+            continue
         key = "top1" if "top1" in block["rows"][0]["test"] else "mse"
         out += [f"## {block['model']} {block['model_kwargs']} on {block['data']}", "",
                 f"| method | test {key} | vs dense | weighted sparsity | training batches | wall time (s) | "
@@ -177,53 +237,132 @@ def markdown(blocks: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def cpu_name() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (else ``platform.processor()``)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def output_path(out: Path | None, budget: str, workdir: Path) -> Path:
+    """The markdown path: ``out`` if it ends in ``.md``, else ``out/pruning_results.md``; by default
+    ``docs/pruning_results.md`` (``quick``: under ``workdir``). The JSON goes beside it."""
+    if out is None:
+        return workdir / "pruning_results.md" if budget == "quick" else Path("docs/pruning_results.md")
+    return out if out.suffix == ".md" else out / "pruning_results.md"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny budgets (smoke run)")
-    parser.add_argument("--workdir", type=Path, default=Path("outputs/prune_table"))
+    parser.add_argument("--budget", choices=list(BUDGETS), help="data and training budget (default full)")
+    parser.add_argument("--quick", action="store_const", const="quick", dest="budget", help="--budget quick")
+    parser.set_defaults(budget="full")
+    parser.add_argument("--device", default=None, help="torch device for every model (default: cuda if "
+                                                       "available, else cpu)")
+    parser.add_argument("--data-root", type=Path, default=FASHION_MNIST_DIR,
+                        help="folder with the four Fashion-MNIST idx files (.gz or plain)")
+    parser.add_argument("--series-file", type=Path, default=None,
+                        help="CO2 series written by unsparse.timeseries.export_series (default: from statsmodels)")
+    parser.add_argument("--workdir", type=Path, default=Path("outputs/prune_table"),
+                        help="checkpoints, under a folder named after the budget")
     parser.add_argument("--render", action="store_true",
                         help="rewrite the markdown from the JSON beside it without running anything")
     parser.add_argument("--out", type=Path, default=None,
-                        help="markdown path (default docs/pruning_results.md; --quick: under --workdir)")
+                        help="markdown path, or a folder for pruning_results.md/.json (default "
+                             "docs/pruning_results.md; quick: under --workdir)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                        help="tqdm progress bars (default: when stderr is a terminal)")
     args = parser.parse_args()
-    budget = BUDGETS["quick" if args.quick else "full"]
-    workdir = args.workdir / ("quick" if args.quick else "full")
-    out = args.out or (workdir / "pruning_results.md" if args.quick else Path("docs/pruning_results.md"))
+    budget = BUDGETS[args.budget]
+    workdir = args.workdir / args.budget
+    out = output_path(args.out, args.budget, workdir)
     if args.render:
         saved = json.loads(out.with_suffix(".json").read_text())
         atomic_write_text(out, markdown(saved["blocks"], saved["meta"]))
         return
-    splits = trim(fashion_mnist(limit_train=budget["limit_train"]), budget["val"], budget["test"])
-    blocks = []
-    for name in ("vgg_small", "resnet_small"):
-        trainer = Trainer(splits.loaders(BATCH_SIZE), lr=0.05)
-        block = compare(name, {"width": budget["width"]}, trainer, budget, TARGET, workdir / name,
-                        budget["iterations"], budget["batches"], budget["dense_epochs"])
-        blocks.append({**block, "data": f"Fashion-MNIST ({len(splits.train[1])} train, {len(splits.val[1])} "
-                                        f"val, {len(splits.test[1])} test images)"})
-    series = timeseries("co2", window=64, stride=2)
-    trainer = Trainer(series.loaders(64), loss="mse", lr=0.01)
-    block = compare("autoencoder1d", {"width": 16}, trainer, budget, AE_TARGET, workdir / "autoencoder1d",
-                    budget["ae_iterations"], budget["ae_batches"], budget["ae_dense_epochs"])
-    blocks.append({**block, "data": f"statsmodels co2 windows of 64 ({len(series.train[0])} train, "
-                                    f"{len(series.val[0])} val, {len(series.test[0])} test)"})
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device}: CUDA is not available")
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    progress = sys.stderr.isatty() if args.progress is None else args.progress
+    settings = evolutionary_settings()  # fails here, before any training, if omegaconf or the config is missing
     overridden = ("target", "iterations", "batches_per_iteration", "fine_tune_epochs", "seed")
     commit = (git_commit() or "")[:7]
-    meta = {"quick": args.quick, "host": platform.node() or "unknown", "torch": torch.__version__,
+    meta = {"quick": args.budget == "quick", "budget_name": args.budget, "device": str(device),
+            "device_name": device_name, "host": platform.node() or "unknown", "torch": torch.__version__,
             "threads": torch.get_num_threads(), "commit": commit or "none", "budget": budget,
             "targets": {"classification": TARGET, "autoencoder": AE_TARGET},
+            "series_source": str(args.series_file) if args.series_file else "statsmodels",
             "notes": [
                 "- Evolutionary settings: `configs/prune/evolutionary.yaml` "
-                f"{ {key: value for key, value in evolutionary_settings().items() if key not in overridden} }, "
+                f"{ {key: value for key, value in settings.items() if key not in overridden} }, "
                 "with the target, iterations, batches per iteration and fine-tuning epochs of the budget above.",
-                "- Top-1 on the Fashion-MNIST test split (10,000 images in the full run); one seed, so "
-                "differences of a few tenths of a point are within run-to-run noise.",
+                "- Top-1 on the Fashion-MNIST test split (its size is in each heading; 10,000 images unless the "
+                "budget cuts it); one seed, so differences of a few tenths of a point are within run-to-run "
+                "noise.",
                 "- The autoencoder's target is 90 % (the paper reports 77 % on MSL); its metric is the test "
                 "reconstruction MSE on standardised, per-window-levelled CO2 windows (lower is better).",
             ]}
-    atomic_write_json(out.with_suffix(".json"), {"meta": meta, "blocks": blocks})
-    atomic_write_text(out, markdown(blocks, meta))
+    say(f"budget {args.budget} on {device} ({device_name}), commit {meta['commit']}; writing {out} and "
+        f"{out.with_suffix('.json').name}")
+    loaded: dict[str, Splits] = {}
+
+    def fashion() -> Splits:
+        if "splits" not in loaded:
+            loaded["splits"] = trim(fashion_mnist(root=args.data_root, limit_train=budget["limit_train"]),
+                                    budget["val"], budget["test"])
+        return loaded["splits"]
+
+    def planned(name: str, trainer: Trainer, iterations: int, batches: int, dense_epochs: int) -> Trainer:
+        steps = len(trainer.loaders["train"])
+        say(f"{name}: {steps} batches an epoch, at most "
+            f"{planned_batches(budget, steps, iterations, batches, dense_epochs)} training batches")
+        return trainer
+
+    def classifier(name: str) -> dict[str, Any]:
+        splits = fashion()
+        trainer = planned(name, Trainer(splits.loaders(BATCH_SIZE), device=device, lr=0.05, progress=progress),
+                          budget["iterations"], budget["batches"], budget["dense_epochs"])
+        block = compare(name, {"width": budget["width"]}, trainer, budget, TARGET, workdir / name,
+                        budget["iterations"], budget["batches"], budget["dense_epochs"])
+        return {**block, "data": f"Fashion-MNIST ({len(splits.train[1])} train, {len(splits.val[1])} "
+                                 f"val, {len(splits.test[1])} test images)"}
+
+    def autoencoder() -> dict[str, Any]:
+        series = timeseries("co2", window=64, stride=2, source=args.series_file)
+        trainer = planned("autoencoder1d", Trainer(series.loaders(64), device=device, loss="mse", lr=0.01,
+                                                   progress=progress),
+                          budget["ae_iterations"], budget["ae_batches"], budget["ae_dense_epochs"])
+        block = compare("autoencoder1d", {"width": 16}, trainer, budget, AE_TARGET, workdir / "autoencoder1d",
+                        budget["ae_iterations"], budget["ae_batches"], budget["ae_dense_epochs"])
+        return {**block, "data": f"statsmodels co2 windows of 64 ({len(series.train[0])} train, "
+                                 f"{len(series.val[0])} val, {len(series.test[0])} test)"}
+
+    # The autoencoder (seconds) first, so a run stopped early still has it; every compare() seeds itself, so
+    # the order changes no figure.
+    jobs = {"autoencoder1d": autoencoder, "vgg_small": lambda: classifier("vgg_small"),
+            "resnet_small": lambda: classifier("resnet_small")}
+    done: dict[str, dict[str, Any]] = {}
+    for name, job in jobs.items():
+        try:
+            done[name] = job()
+        except Exception:  # one failed model must not lose the others of a one-shot device run
+            done[name] = {"model": name, "model_kwargs": {"width": 16 if name == "autoencoder1d" else
+                                                          budget["width"]}, "error": traceback.format_exc()}
+            say(f"{name} FAILED:\n{done[name]['error']}")
+        blocks = [done[model] for model in MODELS if model in done]
+        meta["complete"] = len(done) == len(MODELS) and not any("error" in block for block in blocks)
+        meta["wall_time_s"] = time.perf_counter() - STARTED
+        atomic_write_json(out.with_suffix(".json"), {"meta": meta, "blocks": blocks})
+        atomic_write_text(out, markdown(blocks, meta))
+        say(f"{name} done; wrote {out}")
     print(markdown(blocks, meta))
+    if not meta["complete"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -92,3 +92,12 @@ def test_training_resumes_exactly_after_ctrl_c(tmp_path):
     resumed = trained(tmp_path / "b.pt")
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_git_commit_prefers_the_environment(monkeypatch):
+    from unsparse.pipeline import git_commit
+
+    monkeypatch.setenv("UNSPARSE_COMMIT", " 0123456789abcdef ")
+    assert git_commit() == "0123456789abcdef"
+    monkeypatch.setenv("UNSPARSE_COMMIT", "")
+    assert git_commit() != "0123456789abcdef"

@@ -37,3 +37,17 @@ def test_timeseries_windows_reconstruct_themselves():
     assert cut.shape == (3, 1, 4) and torch.allclose(cut.mean(dim=2), torch.zeros(3, 1))
     with pytest.raises(ValueError):
         timeseries("nope")
+
+
+def test_exported_series_reads_back_exactly(tmp_path):
+    pytest.importorskip("statsmodels")
+    from unsparse.timeseries import export_series, read_series, statsmodels_series, timeseries
+
+    path = export_series("co2", tmp_path / "co2.txt")
+    assert torch.equal(read_series(path), statsmodels_series("co2"))
+    from_file, from_statsmodels = timeseries("co2", 64, 2, source=path), timeseries("co2", 64, 2)
+    for split in ("train", "val", "test"):
+        assert torch.equal(getattr(from_file, split)[0], getattr(from_statsmodels, split)[0])
+    (tmp_path / "bad.txt").write_text("1.0\nnan\n")
+    with pytest.raises(ValueError):
+        read_series(tmp_path / "bad.txt")

@@ -7,6 +7,7 @@ pipeline runs (and is tested) without Hydra.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,7 +59,10 @@ def resolve_device(name: str) -> torch.device:
 
 
 def git_commit() -> str | None:
-    """The repository's HEAD commit, or None outside a git checkout."""
+    """The repository's HEAD commit: ``$UNSPARSE_COMMIT`` where set and not empty (a copy of the tree without
+    ``.git``, such as a lent GPU machine's), else ``git rev-parse HEAD``, or None outside a git checkout."""
+    if commit := os.environ.get("UNSPARSE_COMMIT", "").strip():
+        return commit
     try:
         return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               cwd=Path(__file__).parent).stdout.strip()

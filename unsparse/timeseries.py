@@ -3,12 +3,19 @@
 Series (``statsmodels.api.datasets``): ``co2`` (weekly Mauna Loa CO2, 1958-2001, 2284 points, 59 gaps
 filled by linear interpolation), ``sunspots`` (yearly, 1700-2008, 309 points), ``elnino`` (monthly sea
 surface temperature, 1950-2010, 732 points). statsmodels is imported inside :func:`statsmodels_series` only.
+
+Where statsmodels is missing (e.g. a GPU machine without network), :func:`export_series` writes a series to a
+small text file here and ``timeseries(..., source=path)`` reads it back bit for bit.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import torch
 
+from unsparse.atomic import atomic_write_text
 from unsparse.data import Splits
 
 SERIES = ("co2", "sunspots", "elnino")
@@ -21,6 +28,11 @@ def statsmodels_series(name: str) -> torch.Tensor:
         ValueError: unknown name.
         ImportError: statsmodels missing.
     """
+    return torch.tensor(_statsmodels_values(name), dtype=torch.float32)
+
+
+def _statsmodels_values(name: str) -> np.ndarray:
+    """The named series as float64 values (see :func:`statsmodels_series`)."""
     if name not in SERIES:
         raise ValueError(f"series: unknown name {name!r}; known: {SERIES}")
     from statsmodels.api import datasets
@@ -31,6 +43,33 @@ def statsmodels_series(name: str) -> torch.Tensor:
         values = datasets.sunspots.load_pandas().data["SUNACTIVITY"].to_numpy()
     else:
         values = datasets.elnino.load_pandas().data.drop(columns="YEAR").to_numpy().reshape(-1)
+    return np.asarray(values, dtype=np.float64)
+
+
+def export_series(name: str, path: str | Path) -> Path:
+    """Write the named statsmodels series to ``path``, one float64 value a line (exact ``repr``).
+
+    :func:`read_series` of the file equals :func:`statsmodels_series` of ``name`` exactly.
+
+    Raises:
+        ValueError: unknown name.
+        ImportError: statsmodels missing.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return atomic_write_text(path, "".join(f"{float(value)!r}\n" for value in _statsmodels_values(name)))
+
+
+def read_series(path: str | Path) -> torch.Tensor:
+    """A series written by :func:`export_series` as a ``(T,)`` float32 tensor.
+
+    Raises:
+        FileNotFoundError: the file is missing.
+        ValueError: a line is not a number, or a value is not finite.
+    """
+    values = np.array([float(line) for line in Path(path).read_text(encoding="utf-8").split()], dtype=np.float64)
+    if not np.isfinite(values).all():
+        raise ValueError(f"{path}: series holds non-finite values")
     return torch.tensor(values, dtype=torch.float32)
 
 
@@ -47,17 +86,21 @@ def windows(series: torch.Tensor, length: int, stride: int) -> torch.Tensor:
 
 
 def timeseries(name: str = "co2", window: int = 64, stride: int = 4, val_fraction: float = 0.15,
-               test_fraction: float = 0.15) -> Splits:
+               test_fraction: float = 0.15, source: str | Path | None = None) -> Splits:
     """Chronological train / val / test windows of a statsmodels series for reconstruction.
 
     The series is split in time first (no window crosses a split), windowed, levelled per window and scaled by
     the training windows' standard deviation. Inputs and targets are the same ``(N, 1, window)`` float32
     tensor, so ``Trainer(loss="mse")`` trains an autoencoder; ``num_classes`` is 0.
 
+    Args:
+        source: a file written by :func:`export_series` to read instead of statsmodels (``name`` then only
+            names the splits).
+
     Raises:
         ValueError: unknown series, or a split shorter than ``window``.
     """
-    series = statsmodels_series(name)
+    series = statsmodels_series(name) if source is None else read_series(source)
     test_start = round(len(series) * (1.0 - test_fraction))
     val_start = round(len(series) * (1.0 - test_fraction - val_fraction))
     parts = {"train": series[:val_start], "val": series[val_start:test_start], "test": series[test_start:]}

@@ -1,0 +1,48 @@
+"""scripts/prune_table.py without training: budgets, output paths and the results page's device text."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "prune_table.py"
+
+
+@pytest.fixture(scope="module")
+def table():
+    spec = importlib.util.spec_from_file_location("prune_table", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_budgets_share_their_keys_and_the_gpu_budget_is_bounded(table):
+    keys = set(table.BUDGETS["full"])
+    assert all(set(budget) == keys for budget in table.BUDGETS.values())
+    gpu = table.BUDGETS["gpu"]
+    assert gpu["limit_train"] is None and gpu["test"] is None
+    # 55,000 training images in batches of 128: 430 an epoch; at most 21,200 batches a CNN (full: 1,621).
+    assert table.planned_batches(gpu, 430, gpu["iterations"], gpu["batches"], gpu["dense_epochs"]) == 21200
+    full = table.BUDGETS["full"]
+    assert table.planned_batches(full, 47, full["iterations"], full["batches"], full["dense_epochs"]) == 1621
+
+
+def test_output_path_takes_a_markdown_file_or_a_folder(table, tmp_path):
+    assert table.output_path(tmp_path / "x.md", "gpu", tmp_path) == tmp_path / "x.md"
+    assert table.output_path(tmp_path, "gpu", tmp_path) == tmp_path / "pruning_results.md"
+    assert table.output_path(None, "quick", tmp_path) == tmp_path / "pruning_results.md"
+    assert table.output_path(None, "gpu", tmp_path) == Path("docs/pruning_results.md")
+
+
+def test_markdown_names_the_device_and_what_is_missing(table):
+    meta = {"host": "h", "torch": "t", "threads": 16, "commit": "abc1234", "budget": {}, "notes": []}
+    legacy = table.markdown([], {**meta, "quick": False})
+    assert "on the CPU" in legacy and "CPU seconds" not in legacy and "--budget" not in legacy
+    failed = {"model": "vgg_small", "model_kwargs": {"width": 16}, "error": "Traceback\nRuntimeError: boom\n"}
+    page = table.markdown([failed], {**meta, "budget_name": "gpu", "device": "cuda",
+                                     "device_name": "NVIDIA H100 80GB HBM3"})
+    assert "`scripts/prune_table.py --budget gpu`" in page
+    assert "the GPU NVIDIA H100 80GB HBM3" in page and "on the CPU" not in page
+    assert "vgg_small failed; resnet_small, autoencoder1d not run" in page and "RuntimeError: boom" in page
