@@ -32,11 +32,14 @@
 //   PY x PX output block ((PY + R - 1) x (PX + S - 1) elements, 16-byte shared loads) of one staged input
 //   channel into registers once; every nonzero of the warp's MW output channels in that input channel then
 //   costs one warp-uniform (code, weight) load, one indirect jump on code = j * R * S + r * S + s and
-//   PY * PX FMAs on registers (WindowDispatch). The window feeds all MW rows, so at 90 % sparsity and
-//   MW = 8 each window element loaded feeds about 2.4 FMAs instead of one (Escoin §3.1's stretched offsets
-//   become the compile-time register operands of each table entry). A block owns WARPS * MW output
+//   PY * PX FMAs on registers; the loop over one (group, channel) list is generated threaded PTX
+//   (WindowDispatch::run: each table entry loads the next pair and jumps on it; a sentinel code exits). The
+//   window feeds all MW rows: at 90 % sparsity each window element loaded feeds 0.9 * MW * PY * PX / window
+//   FMAs (1.6 for 4x4 pixels and MW = 4) instead of one (Escoin §3.1's stretched offsets become the
+//   compile-time register operands of each table entry). A block owns WARPS * MW output
 //   channels over a (32 / LX * PY) x (LX * PX) output tile of one image; input channels are staged CC at a
-//   time with their halo (float32 by cp.async into two buffers; float16 converted to float32 on the way).
+//   time with their halo by cp.async into two buffers. float32 only (float16 instantiations spill under
+//   ptxas' 128-register cap with the jump table; float16 stays on direct_tile).
 
 #include <cuda_fp16.h>
 
@@ -350,8 +353,9 @@ __device__ __forceinline__ void load_window_row(const float* src, float (&row)[W
 template <typename T, int R, int S, int PY, int PX, int LX, int MW, int WARPS, int CC, int PITCH>
 __global__ void __launch_bounds__(WARPS * 32)
     direct_window(const T* __restrict__ x,              // (N, C, H, W), unpadded
-                  const int* __restrict__ group_ptr,    // (G * C + 1,): entries of (g, c) are [g*C+c, g*C+c+1)
-                  const int2* __restrict__ entries,     // (nnz + 1,): (j*R*S + r*S + s, float32 bits of w); last (0, 0)
+                  const int* __restrict__ group_ptr,    // (G * C + 1,): list of (g, c) is [g*C+c, g*C+c+1)
+                  const int2* __restrict__ entries,     // (nnz + G * C,): (j*R*S + r*S + s, float32 bits of w),
+                                                        // each list ended by the sentinel (MW*R*S, 0)
                   const T* __restrict__ bias,           // (M,) or nullptr
                   T* __restrict__ out,                  // (N, M, E, F)
                   int N, int C, int H, int W, int M, int E, int F, int pad_h, int pad_w, int tiles_f,
@@ -371,9 +375,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int PLANE = IH * PITCH;
   constexpr int THREADS = WARPS * 32;
   constexpr int STAGED = CC * IH * IW;
-  constexpr bool ASYNC = TileElem<T>::async_staging;
-  constexpr int BUFFERS = ASYNC ? 2 : 1;
-  __shared__ __align__(16) float tiles[BUFFERS][CC * PLANE];
+  static_assert(TileElem<T>::async_staging, "float32 only: float16 instantiations spill under the jump table");
+  __shared__ __align__(16) float tiles[2][CC * PLANE];
 
   const int block_channels = blockIdx.x % channel_blocks;
   const int tile_id = blockIdx.x / channel_blocks;
@@ -412,33 +415,23 @@ __global__ void __launch_bounds__(WARPS * 32)
       const bool inside = c < C && static_cast<unsigned>(iy) < static_cast<unsigned>(H) &&
                           static_cast<unsigned>(ix) < static_cast<unsigned>(W);
       const int within = inside ? (c * H + iy) * W + ix : 0;
-      float* dst = &tiles[b][(row / IH) * PLANE + yy * PITCH + xx];
-      if constexpr (ASYNC) {
-        const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_addr), "l"(x_image + within),
-                     "r"(inside ? 4 : 0));
-      } else {
-        *dst = inside ? unsparse::load_float(x_image + within) : 0.f;
-      }
+      const float* slot = &tiles[b][(row / IH) * PLANE + yy * PITCH + xx];
+      const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(slot));
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(x_image + within),
+                   "r"(inside ? 4 : 0));
     }
   };
 
-  if constexpr (ASYNC) {
-    stage(0, 0);
-    asm volatile("cp.async.commit_group;\n" ::);
-  }
+  stage(0, 0);
+  asm volatile("cp.async.commit_group;\n" ::);
   for (int k = 0; k < K; ++k) {
-    const int b = BUFFERS == 2 ? (k & 1) : 0;
-    if constexpr (ASYNC) {
-      if (k + 1 < K) {
-        stage(k + 1, b ^ 1);
-        asm volatile("cp.async.commit_group;\n" ::);
-        asm volatile("cp.async.wait_group 1;\n" ::);
-      } else {
-        asm volatile("cp.async.wait_group 0;\n" ::);
-      }
+    const int b = k & 1;
+    if (k + 1 < K) {
+      stage(k + 1, b ^ 1);
+      asm volatile("cp.async.commit_group;\n" ::);
+      asm volatile("cp.async.wait_group 1;\n" ::);
     } else {
-      stage(k, 0);
+      asm volatile("cp.async.wait_group 0;\n" ::);
     }
     // Lane l <= CC holds the start of channel k * CC + l's entries (the chunk's boundaries, one load).
     const int bound = active && lane <= CC ? __ldg(ptr + min(k * CC + lane, C)) : 0;
@@ -448,24 +441,15 @@ __global__ void __launch_bounds__(WARPS * 32)
       for (int cc = 0; cc < channels; ++cc) {
         const int begin = __shfl_sync(0xffffffffu, bound, cc);
         const int end = __shfl_sync(0xffffffffu, bound, cc + 1);
-        if (begin == end) continue;
+        if (end - begin == 1) continue;  // the sentinel alone
         float win[WH][WW];
         const float* src = tiles[b] + cc * PLANE + window_base;
 #pragma unroll
         for (int i = 0; i < WH; ++i) load_window_row<WW>(src + i * PITCH, win[i]);
-        const int2* e = entries + begin;
-        const int2* const e_end = entries + end;
-        int2 entry = __ldg(e);
-#pragma unroll 1
-        do {
-          const int2 next = __ldg(++e);  // entries holds one (0, 0) past the last group
-          const unsigned code = min(static_cast<unsigned>(entry.x), static_cast<unsigned>(Dispatch::codes - 1));
-          Dispatch::apply(acc, win, __int_as_float(entry.y), static_cast<int>(code));
-          entry = next;
-        } while (e < e_end);
+        Dispatch::run(acc, win, entries + begin);
       }
     }
-    __syncthreads();  // the buffer just read is staged again next (float16) or after next (float32)
+    __syncthreads();  // the buffer just read is staged again after next
   }
 
   if (!active) return;

@@ -21,27 +21,35 @@ from unsparse.runtime.backends.direct_window import (
     window_shape,
     window_space,
 )
-from unsparse.runtime.window_dispatch import HEADER_PATH, WINDOW_SHAPES, WindowShape, header, specialisation
+from unsparse.runtime.window_dispatch import HEADER_PATH, WINDOW_SHAPES, WindowShape, header, ptx_loop
 from unsparse.sparse import ConvGeometry, UniformCSR
 
 
 def table_of(shape: WindowShape) -> list[list[tuple[int, int]]]:
-    """Per code, the (accumulator, window element) pairs the generated PTX adds into, read back from the
-    ``fma.rn.f32 %acc, %w, %window, %acc`` lines of the specialisation (operands numbered as GCC asm does:
-    accumulators, then window elements, then w and code)."""
-    text = specialisation(shape)
+    """Per code, the (accumulator, window element) pairs the generated threaded PTX adds into, read back from
+    the ``fma.rn.f32 %acc, weight, %window, %acc`` lines of each table entry (operands numbered as GCC asm
+    does: accumulators, then window elements, then the list pointer). Also checks that every entry loads the
+    next pair and jumps on its clamped code, and that the sentinel code is the exit."""
+    lines = ptx_loop(shape)
     first_window = shape.accumulators()
     wh, ww = shape.window_hw
-    weight, code = first_window + wh * ww, first_window + wh * ww + 1
-    assert f'brx.idx %{code}, $Ltab;' in text and text.count("brx.idx") == 1
-    cases = re.split(r"\$Lc(\d+):", text.split("brx.idx")[1])
+    labels = [f"$Lc{k}" for k in range(shape.codes)] + ["$Lexit"]
+    assert f"$Ltab: .branchtargets {', '.join(labels)};" in lines and lines[-1] == "$Lexit:"
+    assert f"mov.b64 cursor, %{first_window + wh * ww};" in lines
+    jump = [f"min.u32 code, code, {shape.codes};", "brx.idx code, $Ltab;"]
+    starts = [i for i, line in enumerate(lines) if re.fullmatch(r"\$Lc\d+:", line)]
+    assert lines[starts[0] - 2:starts[0]] == jump
     table: dict[int, list[tuple[int, int]]] = {}
-    for label, body in zip(cases[1::2], cases[2::2], strict=True):
+    for begin, end in zip(starts, [*starts[1:], len(lines) - 1], strict=True):
+        body = lines[begin + 1:end]
+        assert body[:2] == ["ld.global.nc.v2.b32 {next_code, next_weight}, [cursor+8];", "add.s64 cursor, cursor, 8;"]
+        assert body[-4:] == ["mov.b32 code, next_code;", "mov.b32 weight, next_weight;", *jump]
         pairs = []
-        for acc, w, window, acc_in in re.findall(r"fma\.rn\.f32 %(\d+), %(\d+), %(\d+), %(\d+);", body):
-            assert acc == acc_in and int(w) == weight and first_window <= int(window) < weight
+        for line in body[2:-4]:
+            acc, window, acc_in = re.fullmatch(r"fma\.rn\.f32 %(\d+), weight, %(\d+), %(\d+);", line).groups()
+            assert acc == acc_in and first_window <= int(window) < first_window + wh * ww
             pairs.append((int(acc), int(window) - first_window))
-        table[int(label)] = pairs
+        table[int(lines[begin][3:-1])] = pairs
     assert sorted(table) == list(range(shape.codes))
     return [table[k] for k in range(shape.codes)]
 
@@ -67,8 +75,9 @@ def test_jump_table_adds_each_tap_to_its_channel(shape: WindowShape) -> None:
 def emulate_window(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tiling: cl.WindowTiling,
                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``direct_window`` in Python: grid decode, staged chunk in the kernel's flat layout (zero halo), the
-    chunk boundaries, window loads from shared memory (indices checked against the chunk) and, per nonzero,
-    the FMAs of the generated PTX table entry its code selects."""
+    chunk boundaries, window loads from shared memory (indices checked against the chunk) and the threaded
+    loop: from a list's start, the FMAs of the generated PTX table entry each (clamped) code selects, up to
+    the sentinel."""
     N, C, H, W = x.shape
     R, S = csr.kernel_size
     E, F_ = geometry.output_size(H, W, csr.kernel_size)
@@ -103,15 +112,20 @@ def emulate_window(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, til
                     continue
                 bounds = [int(arrays.group_ptr[group * C + min(k * tiling.cc + i, C)]) for i in range(tiling.cc + 1)]
                 for cc in range(min(tiling.cc, C - k * tiling.cc)):
+                    if bounds[cc + 1] - bounds[cc] == 1:
+                        continue
                     rows = [cc * layout.plane + window_base + i * layout.pitch for i in range(wh)]
                     index = torch.stack([row + q for row in rows for q in range(ww)])  # (WH*WW, 32)
                     assert int(index.min()) >= 0 and int(index.max()) < layout.chunk * layout.plane
                     assert all(int(row.min()) % 4 == 0 for row in rows)  # 16-byte window loads
                     window = chunk[index]
-                    for t in range(bounds[cc], bounds[cc + 1]):
-                        code, w = int(arrays.entries[t, 0]), float(arrays.entries[t, 1:2].view(torch.float32))
+                    t = bounds[cc]
+                    while (code := min(int(arrays.entries[t, 0]), shape.codes)) != shape.codes:
+                        w = float(arrays.entries[t, 1:2].view(torch.float32))
                         for a, v in table[code]:
                             acc[warp, a] += w * window[v]
+                        t += 1
+                    assert t == bounds[cc + 1] - 1
         for warp, j in [(a, b) for a in range(warps) for b in range(tiling.mw)]:
             m = (block_channels * tiling.warps + warp) * tiling.mw + j
             if m >= csr.out_channels:
@@ -125,7 +139,8 @@ def emulate_window(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, til
 
 SMALL_TILINGS = [cl.WindowTiling(lx=4, py=2, px=4, mw=4, warps=2, cc=3),
                  cl.WindowTiling(lx=8, py=2, px=4, mw=8, warps=1, cc=2),
-                 cl.WindowTiling(lx=2, py=2, px=4, mw=4, warps=1, cc=5)]
+                 cl.WindowTiling(lx=2, py=4, px=4, mw=4, warps=1, cc=5),
+                 cl.WindowTiling(lx=8, py=2, px=8, mw=4, warps=2, cc=4)]
 
 
 def window_layer(N: int, C: int, H: int, W: int, M: int, padding: int, sparsity: float, seed: int):
@@ -148,16 +163,16 @@ def test_window_emulation_matches_conv2d(tiling: cl.WindowTiling, case: tuple, p
     assert torch.allclose(out, ref, atol=1e-5)  # the entries hold float32 weights
 
 
-def test_window_arrays_drop_padding_and_group_channels() -> None:
+def test_window_arrays_drop_padding_and_end_lists_with_sentinels() -> None:
     weight = torch.zeros(5, 2, 3, 3)
     weight[4, 1, 2, 0] = 2.0  # group 1 (MW = 4), channel 1, j = 0, code r*3 + s = 6
     weight[1, 0, 0, 1] = -1.0  # group 0, channel 0, j = 1, code 9 + 1
     weight[1, 0, 1, 1] = 3.0  # code 9 + 4
     csr = UniformCSR.from_dense(weight)
     arrays = prepare_window(csr, WindowShape(3, 3, 2, 4, 4))
-    assert arrays.group_ptr.tolist() == [0, 2, 2, 2, 3]
-    assert arrays.entries[:, 0].tolist() == [10, 13, 6, 0]
-    assert arrays.entries[:, 1].view(torch.float32).tolist() == [-1.0, 3.0, 2.0, 0.0]
+    assert arrays.group_ptr.tolist() == [0, 3, 4, 5, 7]
+    assert arrays.entries[:, 0].tolist() == [10, 13, 36, 36, 36, 6, 36]
+    assert arrays.entries[:, 1].view(torch.float32).tolist() == [-1.0, 3.0, 0.0, 0.0, 0.0, 2.0, 0.0]
 
 
 def test_validation_rejects_bad_window_arrays() -> None:
@@ -172,21 +187,21 @@ def test_validation_rejects_bad_window_arrays() -> None:
         return WindowArrays(good.group_ptr, entries)
 
     with pytest.raises(ValueError, match="entries: codes outside"):
-        validate_window(with_code(0, shape.codes), 6, 3, shape)
+        validate_window(with_code(0, shape.codes), 6, 3, shape)  # a sentinel before the end of its list
     with pytest.raises(ValueError, match="entries: codes outside"):
         validate_window(with_code(0, -1), 6, 3, shape)
-    last_group = int(good.group_ptr[3])  # first entry of group 1 (channels 4..7 of which 6, 7 do not exist)
-    with pytest.raises(ValueError, match="output channel >= 6"):
-        validate_window(with_code(last_group, 2 * 9), 6, 3, shape)
     with pytest.raises(ValueError, match="sentinel"):
-        validate_window(WindowArrays(good.group_ptr, good.entries[:0]), 6, 3, shape)
+        validate_window(with_code(int(good.group_ptr[1]) - 1, 3), 6, 3, shape)  # a list without its sentinel
+    first_of_group_1 = int(good.group_ptr[3])  # group 1 holds channels 4..7, of which 6 and 7 do not exist
+    with pytest.raises(ValueError, match="output channel >= 6"):
+        validate_window(with_code(first_of_group_1, 2 * 9), 6, 3, shape)
     with pytest.raises(ValueError, match="group_ptr: expected"):
         validate_window(WindowArrays(good.group_ptr, good.entries[:-1]), 6, 3, shape)
     with pytest.raises(ValueError, match="group_ptr: expected"):
         validate_window(WindowArrays(good.group_ptr[:-1], good.entries), 6, 3, shape)
     broken = good.group_ptr.clone()
-    broken[1] = int(good.group_ptr[2]) + 1
-    with pytest.raises(ValueError, match="non-decreasing"):
+    broken[1] = int(good.group_ptr[2])  # an empty list
+    with pytest.raises(ValueError, match="not increasing"):
         validate_window(WindowArrays(broken, good.entries), 6, 3, shape)
     forged = UniformCSR(csr.values, csr.col_idx, csr.weight_shape)
     object.__setattr__(forged, "col_idx", csr.col_idx + 10_000)
@@ -200,12 +215,16 @@ def test_window_layout_is_bank_conflict_free_and_aligned() -> None:
     for tiling in WINDOW_TILINGS + tuple(SMALL_TILINGS):
         layout = cl.window_layout(torch.float32, (3, 3), tiling)
         assert layout.pitch >= layout.tile_w and layout.pitch % 4 == 0
+        if tiling.px != 4 or tiling.lx < 4:
+            continue  # 8 pixels per lane or 2 lanes per row: some 2-way conflicts are unavoidable
         for quarter in range(4):
             lanes = torch.arange(8 * quarter, 8 * quarter + 8)
             start = (lanes // tiling.lx) * tiling.py * layout.pitch + (lanes % tiling.lx) * tiling.px
             assert len(set((start // 4 % 8).tolist())) == 8, (tiling, layout)
-    assert cl.window_layout(torch.float32, (3, 3), WINDOW_TILINGS[0]) == cl.WindowLayout(18, 18, 24, 8, 2)
-    assert cl.window_layout(torch.float16, (3, 3), WINDOW_TILINGS[0]).buffers == 1
+    assert cl.window_layout(torch.float32, (3, 3), WINDOW_TILINGS[0]) == cl.WindowLayout(34, 18, 20, 8, 2)
+    with pytest.raises(ValueError, match="float32 only"):
+        cl.window_layout(torch.float16, (3, 3), WINDOW_TILINGS[0])
+    assert window_space(128, (56, 56), (3, 3), torch.float16) == []
     with pytest.raises(ValueError, match="no jump table"):
         cl.window_layout(torch.float32, (5, 5), WINDOW_TILINGS[0])
     with pytest.raises(ValueError, match="PX a multiple of 4"):
@@ -216,14 +235,16 @@ def test_window_layout_is_bank_conflict_free_and_aligned() -> None:
 
 def test_window_launch_geometry_and_space() -> None:
     spec = cl.window_launch(torch.float32, 128, 256, (56, 56), (3, 3), WINDOW_TILINGS[0])
-    assert spec.grid == (4 * 16, 128, 1) and spec.block == (256, 1, 1)
-    assert spec.name == "direct_window<float,3,3,2,4,4,8,8,8,24>"
-    spec = cl.window_launch(torch.float16, 3, 70, (9, 40), (3, 3), cl.WindowTiling(8, 2, 4, 4, 4, 8))
-    assert spec.grid == (5 * 2 * 2, 3, 1) and spec.name.startswith("direct_window<__half,3,3,2,4,8,4,4,8,")
+    assert spec.grid == (8 * 2 * 4, 128, 1) and spec.block == (256, 1, 1)
+    assert spec.name == "direct_window<float,3,3,4,4,4,4,8,8,20>"
+    spec = cl.window_launch(torch.float32, 3, 70, (9, 40), (3, 3), cl.WindowTiling(8, 2, 4, 4, 4, 8))
+    assert spec.grid == (5 * 2 * 2, 3, 1) and spec.name.startswith("direct_window<float,3,3,2,4,8,4,4,8,")
     with pytest.raises(ValueError, match="warps exceed"):
         cl.window_launch(torch.float32, 1, 8, (8, 8), (3, 3), cl.WindowTiling(4, 2, 4, 8, 64, 8))
     assert len(window_space(128, (56, 56), (3, 3), torch.float32)) == len(WINDOW_TILINGS)
-    assert all(p["lx"] * p["px"] <= 28 for p in window_space(2, (7, 14), (3, 3), torch.float32))
+    small = window_space(2, (14, 14), (3, 3), torch.float32)
+    assert small and all(p["lx"] * p["px"] <= 28 and 32 // p["lx"] * p["py"] <= 28 for p in small)
+    assert window_space(2, (7, 7), (3, 3), torch.float32) == []
     assert window_space(128, (56, 56), (1, 1), torch.float32) == []
     backend = DirectBackend()
     csr = UniformCSR.from_dense(torch.randn(8, 4, 3, 3))

@@ -247,7 +247,7 @@ class WindowTiling:
 
 @dataclass(frozen=True)
 class WindowLayout:
-    """Shared-memory layout of one staged chunk of ``direct_window`` (float32 elements, all dtypes).
+    """Shared-memory layout of one staged chunk of ``direct_window`` (float32, two buffers).
 
     Element ``(cc, yy, xx)`` sits at ``cc * plane + yy * pitch + xx``; ``plane = tile_h * pitch``.
     """
@@ -269,29 +269,28 @@ class WindowLayout:
 
 
 def window_pitch(tiling: WindowTiling, tile_w: int) -> int:
-    """The padded row width of ``direct_window``'s staged tile: the smallest multiple of 4 (16-byte aligned
-    window rows) ``>= tile_w`` at which the 8 lanes of every quarter warp read their 16-byte window vectors
-    from 8 distinct bank groups (a warp's ``LDS.128`` runs in four conflict-free phases)."""
-    pitch = tile_w + (-tile_w) % 4
-    while True:
-        for quarter in range(4):
-            lanes = range(8 * quarter, 8 * quarter + 8)
-            groups = {((lane // tiling.lx) * tiling.py * pitch + (lane % tiling.lx) * tiling.px) // 4 % 8
-                      for lane in lanes}
-            if len(groups) < 8:
-                break
-        else:
-            return pitch
-        pitch += 4
+    """The padded row width of ``direct_window``'s staged tile: among the multiples of 4 (16-byte aligned window
+    rows) from ``tile_w`` to ``tile_w + 32``, the smallest at which the 8 lanes of each quarter warp read their
+    16-byte window vectors from the most distinct bank groups (8: a warp's ``LDS.128`` runs in four
+    conflict-free phases; 2x4 and 4x4 lane blocks with LX >= 4 reach it, LX = 2 with PY = 4 cannot)."""
+    def groups(pitch: int) -> int:
+        return min(len({((lane // tiling.lx) * tiling.py * pitch + (lane % tiling.lx) * tiling.px) // 4 % 8
+                        for lane in range(8 * quarter, 8 * quarter + 8)}) for quarter in range(4))
+
+    first = tile_w + (-tile_w) % 4
+    return max(range(first, first + 33, 4), key=lambda pitch: (groups(pitch), -pitch))
 
 
 def window_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: WindowTiling) -> WindowLayout:
     """The staged chunk layout of ``tiling`` (shared by :func:`window_launch` and the tests).
 
     Raises:
-        ValueError: if LX does not divide 32, PX is not a multiple of 4 (16-byte window rows), a size is not
-            positive, or no jump table exists for ``(R, S, PY, PX, MW)``.
+        ValueError: for a dtype other than float32 (float16 instantiations spill: ptxas caps the kernel at 128
+            registers), if LX does not divide 32, PX is not a multiple of 4 (16-byte window rows), a size is
+            not positive, or no jump table exists for ``(R, S, PY, PX, MW)``.
     """
+    if dtype != torch.float32:
+        raise ValueError(f"dtype: direct_window is float32 only, got {dtype}")
     if tiling.lx not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"tiling: LX={tiling.lx} does not divide 32")
     if min(tiling.py, tiling.px, tiling.mw, tiling.warps, tiling.cc) < 1 or tiling.px % 4:
@@ -301,8 +300,7 @@ def window_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: Wind
     shape_of(kernel_size, tiling.py, tiling.px, tiling.mw)
     te, tf = tiling.tile_hw
     tile_h, tile_w = te + kernel_size[0] - 1, tf + kernel_size[1] - 1
-    buffers = 2 if dtype == torch.float32 else 1
-    return WindowLayout(tile_h, tile_w, window_pitch(tiling, tile_w), tiling.cc, buffers)
+    return WindowLayout(tile_h, tile_w, window_pitch(tiling, tile_w), tiling.cc, 2)
 
 
 def window_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple[int, int],

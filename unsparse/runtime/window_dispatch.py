@@ -1,4 +1,4 @@
-"""Generator of ``kernels/window_dispatch.cuh``: the per-nonzero jump tables of ``direct_window``.
+"""Generator of ``kernels/window_dispatch.cuh``: the nonzero loops of ``direct_window`` as PTX jump tables.
 
 ``direct_window`` keeps, per lane, a ``PY x PX`` output block of ``MW`` output channels (accumulators) and
 the block's ``(PY + R - 1) x (PX + S - 1)`` input window of one input channel in registers. A nonzero
@@ -8,11 +8,15 @@ the block's ``(PY + R - 1) x (PX + S - 1)`` input window of one input channel in
 registers instead of addresses).
 
 Registers cannot be indexed at run time, and NVVM lowers a 72-case ``switch`` to a compare tree (about 22 %
-of the issued instructions are FMAs; kernels/NOTES.md, 2026-11-23). This module writes one inline-PTX block
-per shape instead: a ``.branchtargets`` table over every code, one ``brx.idx`` on the code and, per code,
-the ``PY * PX`` ``fma.rn.f32`` on operands bound to the C++ accumulators and window: one indirect jump per
-nonzero. The table is text the compiler cannot derive from a template, so it is generated here and the
-header is committed; ``tests/test_runtime_window.py`` checks that the committed header equals this output.
+of the issued instructions are FMAs; kernels/NOTES.md, 2026-11-23). A C++ loop around one ``brx.idx`` per
+nonzero still spent 27 instructions per 8 FMAs (H100 profile, NOTES v5). This module writes the whole loop
+over one (group, channel) list as one inline-PTX block, threaded code: a ``.branchtargets`` table over every
+code plus an exit, and each entry of the table loads the next (code, weight), does its ``PY * PX``
+``fma.rn.f32`` on operands bound to the C++ accumulators and window, and jumps on the next code. A list ends
+with the sentinel code ``MW * R * S`` (the exit); codes are clamped to it (``min.u32``), so no value read
+from memory can jump outside the table. The table is text the compiler cannot derive from a template, so it
+is generated here and the header is committed; ``tests/test_runtime_window.py`` checks that the committed
+header equals this output and parses the table back.
 
     python -c "from unsparse.runtime.window_dispatch import main; main()"   # rewrite the header
 """
@@ -55,9 +59,11 @@ class WindowShape:
 WINDOW_SHAPES = (
     WindowShape(3, 3, 2, 4, 8),
     WindowShape(3, 3, 2, 4, 4),
+    WindowShape(3, 3, 4, 4, 4),
+    WindowShape(3, 3, 2, 8, 4),
 )
-"""Shapes with a generated table: 3x3 kernels, 2x4 pixels per lane, 8 or 4 output channels per warp (64 or
-32 accumulators; with the 24-element window, 90 or 58 asm operands)."""
+"""Shapes with a generated table: 3x3 kernels; 2x4 pixels per lane with 8 or 4 output channels per warp, or 4x4
+and 2x8 pixels with 4 (64, 32, 64 and 64 accumulators; with the window, 89, 57, 101 and 105 asm operands)."""
 
 
 def shape_of(kernel_size: tuple[int, int], py: int, px: int, mw: int) -> WindowShape:
@@ -76,29 +82,33 @@ def _operands(shape: WindowShape) -> tuple[list[str], list[str]]:
     outputs = [f'"+f"(a[{j}][{py}][{px}])' for j in range(shape.mw) for py in range(shape.py)
                for px in range(shape.px)]
     wh, ww = shape.window_hw
-    inputs = [f'"f"(v[{i}][{q}])' for i in range(wh) for q in range(ww)] + ['"f"(w)', '"r"(code)']
+    inputs = [f'"f"(v[{i}][{q}])' for i in range(wh) for q in range(ww)] + ['"l"(entries)']
     return outputs, inputs
 
 
-def _table(shape: WindowShape) -> list[str]:
-    """PTX lines of the jump table, operands numbered outputs first (as GCC-style asm numbers them)."""
+def ptx_loop(shape: WindowShape) -> list[str]:
+    """PTX lines of the threaded loop, operands numbered outputs first (as GCC-style asm numbers them):
+    accumulators, window elements, then the pointer to the list's first (code, weight bits) pair."""
     wh, ww = shape.window_hw
     first_window = shape.accumulators()
-    weight = first_window + wh * ww
-    code = weight + 1
+    pointer = first_window + wh * ww
     labels = [f"$Lc{k}" for k in range(shape.codes)]
-    lines = [f"$Ltab: .branchtargets {', '.join(labels)};", f"brx.idx %{code}, $Ltab;"]
+    jump = [f"min.u32 code, code, {shape.codes};", "brx.idx code, $Ltab;"]
+    lines = [".reg .b32 code, weight, next_code, next_weight;", ".reg .b64 cursor;",
+             f"mov.b64 cursor, %{pointer};", "ld.global.nc.v2.b32 {code, weight}, [cursor];",
+             f"$Ltab: .branchtargets {', '.join(labels)}, $Lexit;", *jump]
     for k, label in enumerate(labels):
         j, rest = divmod(k, shape.r * shape.s)
         r, s = divmod(rest, shape.s)
-        lines.append(f"{label}:")
+        lines += [f"{label}:", "ld.global.nc.v2.b32 {next_code, next_weight}, [cursor+8];",
+                  "add.s64 cursor, cursor, 8;"]
         for py in range(shape.py):
             for px in range(shape.px):
                 acc = (j * shape.py + py) * shape.px + px
                 window = first_window + (py + r) * ww + (px + s)
-                lines.append(f"fma.rn.f32 %{acc}, %{weight}, %{window}, %{acc};")
-        lines.append("bra.uni $Lend;")
-    lines.append("$Lend:")
+                lines.append(f"fma.rn.f32 %{acc}, weight, %{window}, %{acc};")
+        lines += ["mov.b32 code, next_code;", "mov.b32 weight, next_weight;", *jump]
+    lines.append("$Lexit:")
     return lines
 
 
@@ -106,13 +116,13 @@ def specialisation(shape: WindowShape) -> str:
     """C++ source of ``WindowDispatch<R, S, PY, PX, MW>`` for one shape."""
     wh, ww = shape.window_hw
     outputs, inputs = _operands(shape)
-    body = "\n".join(f'        "{line}\\n"' for line in ["{", *_table(shape), "}"])
+    body = "\n".join(f'        "{line}\\n"' for line in ["{", *ptx_loop(shape), "}"])
     return (f"template <>\n"
             f"struct WindowDispatch<{shape.r}, {shape.s}, {shape.py}, {shape.px}, {shape.mw}> {{\n"
             f"  static constexpr int codes = {shape.codes};\n"
-            f"  __device__ __forceinline__ static void apply(float (&a)[{shape.mw}][{shape.py}][{shape.px}],\n"
-            f"                                               const float (&v)[{wh}][{ww}], float w, int code) {{\n"
-            f"    asm(\n{body}\n"
+            f"  __device__ __forceinline__ static void run(float (&a)[{shape.mw}][{shape.py}][{shape.px}],\n"
+            f"                                             const float (&v)[{wh}][{ww}], const int2* entries) {{\n"
+            f"    asm volatile(\n{body}\n"
             f"        : {', '.join(outputs)}\n"
             f"        : {', '.join(inputs)});\n"
             f"  }}\n"
@@ -124,9 +134,9 @@ def header() -> str:
     parts = [
         "// Generated by unsparse/runtime/window_dispatch.py (main()); do not edit.",
         "//",
-        "// WindowDispatch<R, S, PY, PX, MW>::apply(acc, window, w, code) adds w * window[py + r][px + s] to",
-        "// acc[j][py][px] for all (py, px), where code = j * R * S + r * S + s, through one brx.idx jump.",
-        "// The caller guarantees 0 <= code < codes (validated on the host before launch and clamped in the kernel).",
+        "// WindowDispatch<R, S, PY, PX, MW>::run(acc, window, entries) walks the (code, weight bits) pairs from",
+        "// entries up to the sentinel code `codes`, adding weight * window[py + r][px + s] to acc[j][py][px] for",
+        "// all (py, px), code = j * R * S + r * S + s: one brx.idx jump per nonzero (threaded code).",
         "#pragma once",
         "",
         "template <int R, int S, int PY, int PX, int MW>",

@@ -20,16 +20,17 @@ from unsparse.runtime.window_dispatch import WINDOW_SHAPES, WindowShape
 from unsparse.sparse.format import UniformCSR
 
 WINDOW_TILINGS = (
+    cl.WindowTiling(lx=4, py=4, px=4, mw=4, warps=8, cc=8),
+    cl.WindowTiling(lx=4, py=4, px=4, mw=4, warps=16, cc=8),
+    cl.WindowTiling(lx=8, py=4, px=4, mw=4, warps=8, cc=8),
+    cl.WindowTiling(lx=4, py=2, px=8, mw=4, warps=8, cc=8),
     cl.WindowTiling(lx=4, py=2, px=4, mw=8, warps=8, cc=8),
-    cl.WindowTiling(lx=4, py=2, px=4, mw=8, warps=4, cc=8),
-    cl.WindowTiling(lx=4, py=2, px=4, mw=8, warps=16, cc=8),
-    cl.WindowTiling(lx=4, py=2, px=4, mw=4, warps=8, cc=8),
     cl.WindowTiling(lx=8, py=2, px=4, mw=8, warps=8, cc=8),
-    cl.WindowTiling(lx=2, py=2, px=4, mw=8, warps=8, cc=8),
 )
-"""``direct_window`` candidates: 2x4 pixels per lane; 8 output channels per warp (64 accumulators, the most
-reuse of each window) or 4 (32, more blocks per SM); warp tiles 16x16, 8x32 and 32x8; 32 to 128 output
-channels per block sharing each staged chunk of 8 input channels."""
+"""``direct_window`` candidates: 4x4 or 2x8 pixels per lane and 4 output channels per warp (16 FMAs per
+nonzero), or 2x4 pixels and 8 channels (8 FMAs per nonzero, more reuse of each window element); 64
+accumulators each. Warp tiles 32x16, 16x32, 16x16 and 8x32 pixels; 32 to 64 output channels per block share
+each staged chunk of 8 input channels."""
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,11 @@ class WindowArrays:
     channel c).
 
     Attributes:
-        group_ptr: ``(G*C + 1,)`` int32, G = ceil(M / MW); entries of (g, c) are
-            ``[group_ptr[g*C+c], group_ptr[g*C+c+1])``.
-        entries: ``(nnz + 1, 2)`` int32: the code ``j * R * S + r * S + s`` of weight ``W[g*MW + j, c, r, s]``
-            and the float32 bits of the weight; the last row is ``(0, 0)``, read (not used) by the kernel's
-            one-ahead prefetch.
+        group_ptr: ``(G*C + 1,)`` int32, G = ceil(M / MW); the list of (g, c) is
+            ``entries[group_ptr[g*C+c]:group_ptr[g*C+c+1]]``.
+        entries: ``(nnz + G*C, 2)`` int32: the code ``j * R * S + r * S + s`` of weight ``W[g*MW + j, c, r, s]``
+            and the float32 bits of the weight; every list ends with the sentinel ``(MW * R * S, 0)``, the
+            exit of the kernel's threaded loop (which reads the pair after each nonzero before jumping).
     """
 
     group_ptr: torch.Tensor
@@ -57,12 +58,15 @@ def window_shape(csr: UniformCSR, tiling: cl.WindowTiling) -> WindowShape:
 def window_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int], dtype: torch.dtype,
                  prune: bool = True) -> list[dict[str, Any]]:
     """``direct_window`` settings: the :data:`WINDOW_TILINGS` with a jump table for ``kernel_size`` whose
-    staged chunks fit in shared memory; empty for kernel sizes without a table.
+    staged chunks fit in shared memory; empty for kernel sizes without a table and for dtypes other than
+    float32.
 
     With ``prune``, tilings whose output tile is more than twice the plane in either direction are left out.
     """
     E, F_ = out_hw
-    space = []
+    space: list[dict[str, Any]] = []
+    if dtype != torch.float32:
+        return space
     for tiling in WINDOW_TILINGS:
         if WindowShape(*kernel_size, tiling.py, tiling.px, tiling.mw) not in WINDOW_SHAPES:
             continue
@@ -95,21 +99,22 @@ def prepare_window(csr: UniformCSR, shape: WindowShape) -> WindowArrays:
     M, C = csr.out_channels, csr.in_channels_per_group
     R, S = csr.kernel_size
     G = math.ceil(M / shape.mw)
-    rows = torch.arange(M, device=csr.values.device)[:, None].expand_as(csr.col_idx)
+    device = csr.values.device
+    rows = torch.arange(M, device=device)[:, None].expand_as(csr.col_idx)
     keep = csr.values != 0
     m, k = rows[keep], csr.col_idx.long()[keep]
     c, tap = k // (R * S), k % (R * S)
     if c.numel() and (int(k.min()) < 0 or int(c.max()) >= C):
         raise ValueError(f"entries: a column index lies outside the {C}x{R}x{S} columns of the weight")
-    code = (m % shape.mw) * (R * S) + tap
-    key = (m // shape.mw) * C + c
-    order = torch.argsort(key * shape.codes + code)
-    group_ptr = torch.zeros(G * C + 1, dtype=torch.int64, device=csr.values.device)
+    lists = torch.arange(G * C, device=device)
+    key = torch.cat([(m // shape.mw) * C + c, lists])
+    code = torch.cat([(m % shape.mw) * (R * S) + tap, torch.full_like(lists, shape.codes)])
+    weights = torch.cat([csr.values[keep].float(), torch.zeros(G * C, device=device)])
+    order = torch.argsort(key * (shape.codes + 1) + code)
+    group_ptr = torch.zeros(G * C + 1, dtype=torch.int64, device=device)
     group_ptr[1:] = torch.cumsum(torch.bincount(key, minlength=G * C), 0)
-    weights = csr.values[keep][order].float().contiguous().view(torch.int32)
-    entries = torch.stack([code[order].to(torch.int32), weights], dim=1)
-    entries = torch.cat([entries, entries.new_zeros(1, 2)]).contiguous()
-    arrays = WindowArrays(group_ptr.to(torch.int32), entries)
+    entries = torch.stack([code[order].to(torch.int32), weights[order].contiguous().view(torch.int32)], dim=1)
+    arrays = WindowArrays(group_ptr.to(torch.int32), entries.contiguous())
     validate_window(arrays, M, C, shape)
     return arrays
 
@@ -117,31 +122,34 @@ def prepare_window(csr: UniformCSR, shape: WindowShape) -> WindowArrays:
 def validate_window(arrays: WindowArrays, out_channels: int, channels: int, shape: WindowShape) -> None:
     """Check the grouped arrays before ``direct_window`` jumps through them.
 
-    The kernel jumps to table entry ``code`` of every nonzero in ``[group_ptr[g*C+c], group_ptr[g*C+c+1])``
-    and reads one entry past each range. Codes outside ``[0, codes)`` would jump outside the table; a code
-    whose channel ``g * MW + code // (R * S)`` is not below M would add into a row that does not exist.
+    From ``group_ptr[g*C+c]`` the kernel jumps on codes until it reaches the sentinel ``MW * R * S``,
+    reading one pair past each nonzero. So every list must be non-empty and end with the sentinel, hold no
+    sentinel before its end, and every other code must lie in ``[0, MW * R * S)`` and name an existing
+    output channel ``g * MW + code // (R * S) < M`` (codes beyond the sentinel are also clamped to it in
+    the kernel, so no value can jump outside the table).
 
     Raises:
-        ValueError: naming ``group_ptr`` (wrong length, not from 0 to nnz, decreasing) or ``entries`` (shape,
-            a missing sentinel row, a code out of range or naming a channel beyond M).
+        ValueError: naming ``group_ptr`` (wrong length, not from 0 to the entry count, an empty list) or
+            ``entries`` (dtype or shape, a list without its sentinel, a code out of range or naming a channel
+            beyond M).
     """
     G = math.ceil(out_channels / shape.mw)
     ptr, entries = arrays.group_ptr.long(), arrays.entries
     if entries.dim() != 2 or entries.shape[1] != 2 or entries.dtype != torch.int32:
-        raise ValueError(f"entries: expected int32 of shape (nnz + 1, 2), got {entries.dtype} "
+        raise ValueError(f"entries: expected int32 of shape (nnz + G*C, 2), got {entries.dtype} "
                          f"{tuple(entries.shape)}")
-    nnz = entries.shape[0] - 1
-    if nnz < 0:
-        raise ValueError("entries: missing the sentinel row after the last nonzero")
-    if ptr.numel() != G * channels + 1 or int(ptr[0]) != 0 or int(ptr[-1]) != nnz:
-        raise ValueError(f"group_ptr: expected {G * channels + 1} entries from 0 to nnz={nnz}")
-    if bool((ptr[1:] < ptr[:-1]).any()):
-        raise ValueError("group_ptr: not non-decreasing")
-    if nnz == 0:
-        return
-    codes = entries[:-1, 0].long()
+    if ptr.numel() != G * channels + 1 or int(ptr[0]) != 0 or int(ptr[-1]) != entries.shape[0]:
+        raise ValueError(f"group_ptr: expected {G * channels + 1} entries from 0 to {entries.shape[0]}")
+    if bool((ptr[1:] <= ptr[:-1]).any()):
+        raise ValueError("group_ptr: not increasing (every list holds at least its sentinel)")
+    codes = entries[:, 0].long()
+    last = torch.zeros(entries.shape[0], dtype=torch.bool, device=codes.device)
+    last[ptr[1:] - 1] = True
+    if bool((codes[last] != shape.codes).any()):
+        raise ValueError(f"entries: a list does not end with the sentinel code {shape.codes}")
     group = torch.repeat_interleave(torch.arange(G * channels, device=ptr.device) // channels, ptr[1:] - ptr[:-1])
     channel = group * shape.mw + torch.div(codes, shape.r * shape.s, rounding_mode="floor")
-    if bool(((codes < 0) | (codes >= shape.codes) | (channel >= out_channels)).any()):
+    bad = ~last & ((codes < 0) | (codes >= shape.codes) | (channel >= out_channels))
+    if bool(bad.any()):
         raise ValueError(f"entries: codes outside [0, {shape.codes}) or naming an output channel >= "
                          f"{out_channels}")
