@@ -3,9 +3,9 @@
 Synthetic weights: He-normal, magnitude-pruned to ``--sparsity`` per layer (as in the benchmark). Prints the
 median of CUDA-event timings of the runs so a profile can be matched to a benchmark figure.
 
-    ncu --kernel-name regex:direct_window --launch-skip 2 --launch-count 1 --section WarpStateStats \
+    ncu --kernel-name regex:direct_tile --launch-skip 2 --launch-count 1 --section WarpStateStats \
         python3 scripts/profile_direct.py --shape 128 256 56 56 --out-channels 256 \
-        --params '{"variant": "window", "lx": 8, "py": 2, "px": 4, "mw": 8, "warps": 8, "cc": 8}'
+        --params '{"variant": "tile", "wx": 32, "py": 4, "nb": 2, "mw": 4, "warps": 16, "cc": 8}'
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Loading ``kernels/*.cu`` through CuPy, launch geometry, and launching on torch tensors without copies.
 
-Launch geometry lives here and only here (:func:`rows_launch`, :func:`tile_launch`, :func:`window_launch`):
-pure Python, so the CPU tests check it. CuPy is imported lazily; importing this module needs neither CuPy nor a GPU.
+Launch geometry lives here and only here (:func:`rows_launch`, :func:`tile_launch`): pure Python, so the
+CPU tests check it. CuPy is imported lazily; importing this module needs neither CuPy nor a GPU.
 
 Tensors reach a kernel as their device pointers (zero copy), after a check of device and contiguity, on
 torch's current stream. A DLPack hand-over per argument (``cupy.from_dlpack``) cost about 0.3 ms of host
@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import functools
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-
-from unsparse.runtime.window_dispatch import shape_of
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels"
 """The repository's ``kernels/`` folder, located relative to this package."""
@@ -216,147 +213,14 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
     return Launch(name, grid, (tiling.warps * 32, 1, 1))
 
 
-@dataclass(frozen=True)
-class WindowTiling:
-    """One ``direct_window`` instantiation (without dtype and kernel size).
-
-    Lane ``(ly, lx)`` (``ly = lane / LX``) owns the ``PY x PX`` output block at rows ``ly * PY`` and columns
-    ``lx * PX`` of a ``(32 / LX) * PY`` x ``LX * PX`` warp tile and accumulates ``MW`` output channels over it;
-    the ``WARPS`` warps of a block share the tile with different channels (``WARPS * MW`` per block). ``CC``
-    input channels are staged in shared memory at a time. ``(R, S, PY, PX, MW)`` must have a generated jump
-    table (:data:`~unsparse.runtime.window_dispatch.WINDOW_SHAPES`).
-    """
-
-    lx: int
-    py: int
-    px: int
-    mw: int
-    warps: int
-    cc: int
-
-    @property
-    def tile_hw(self) -> tuple[int, int]:
-        """Output tile (TE, TF) = ``(32 / LX * PY, LX * PX)``."""
-        return 32 // self.lx * self.py, self.lx * self.px
-
-    @property
-    def channels(self) -> int:
-        """Output channels per block, ``WARPS * MW``."""
-        return self.warps * self.mw
-
-
-@dataclass(frozen=True)
-class WindowLayout:
-    """Shared-memory layout of one staged chunk of ``direct_window`` (float32, two buffers).
-
-    Element ``(cc, yy, xx)`` sits at ``cc * plane + yy * pitch + xx``; ``plane = tile_h * pitch``.
-    """
-
-    tile_h: int
-    tile_w: int
-    pitch: int
-    chunk: int
-    buffers: int
-
-    @property
-    def plane(self) -> int:
-        """Elements per staged input channel."""
-        return self.tile_h * self.pitch
-
-    def shared_bytes(self) -> int:
-        """Static shared memory of the kernel in bytes (``buffers`` chunks of float32)."""
-        return self.buffers * self.chunk * self.plane * 4
-
-
-def window_pitch(tiling: WindowTiling, tile_w: int) -> int:
-    """The padded row width of ``direct_window``'s staged tile: among the multiples of 4 (16-byte aligned window
-    rows) from ``tile_w`` to ``tile_w + 32``, the smallest at which the 8 lanes of each quarter warp read their
-    16-byte window vectors from the most distinct bank groups (8: a warp's ``LDS.128`` runs in four
-    conflict-free phases; 2x4 and 4x4 lane blocks with LX >= 4 reach it, LX = 2 with PY = 4 cannot)."""
-    def groups(pitch: int) -> int:
-        return min(len({((lane // tiling.lx) * tiling.py * pitch + (lane % tiling.lx) * tiling.px) // 4 % 8
-                        for lane in range(8 * quarter, 8 * quarter + 8)}) for quarter in range(4))
-
-    first = tile_w + (-tile_w) % 4
-    return max(range(first, first + 33, 4), key=lambda pitch: (groups(pitch), -pitch))
-
-
-def window_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: WindowTiling) -> WindowLayout:
-    """The staged chunk layout of ``tiling`` (shared by :func:`window_launch` and the tests).
-
-    Raises:
-        ValueError: for a dtype other than float32 (float16 instantiations spill: ptxas caps the kernel at 128
-            registers), if LX does not divide 32, PX is not a multiple of 4 (16-byte window rows), a size is
-            not positive, or no jump table exists for ``(R, S, PY, PX, MW)``.
-    """
-    if dtype != torch.float32:
-        raise ValueError(f"dtype: direct_window is float32 only, got {dtype}")
-    if tiling.lx not in (1, 2, 4, 8, 16, 32):
-        raise ValueError(f"tiling: LX={tiling.lx} does not divide 32")
-    if min(tiling.py, tiling.px, tiling.mw, tiling.warps, tiling.cc) < 1 or tiling.px % 4:
-        raise ValueError(f"tiling: sizes must be positive and PX a multiple of 4, got {tiling}")
-    if not 1 <= tiling.cc < 32:
-        raise ValueError(f"tiling: CC={tiling.cc} must be in [1, 31] (one lane per chunk boundary)")
-    shape_of(kernel_size, tiling.py, tiling.px, tiling.mw)
-    te, tf = tiling.tile_hw
-    tile_h, tile_w = te + kernel_size[0] - 1, tf + kernel_size[1] - 1
-    return WindowLayout(tile_h, tile_w, window_pitch(tiling, tile_w), tiling.cc, 2)
-
-
-def window_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple[int, int],
-                  kernel_size: tuple[int, int], tiling: WindowTiling) -> Launch:
-    """Geometry of ``direct_window``: grid ``(channel blocks * output tiles, N)``, channel blocks fastest (the
-    blocks staging one input tile run together and find it in L2); a channel block covers ``WARPS`` groups
-    of ``MW`` output channels.
-
-    Raises:
-        ValueError: for an invalid tiling (:func:`window_layout`), more than 1024 threads, a non-positive size,
-            staged chunks beyond :data:`SHARED_LIMIT_BYTES`, or a grid beyond CUDA's limits.
-    """
-    (E, F_), (R, S) = out_hw, kernel_size
-    layout = window_layout(dtype, kernel_size, tiling)
-    if min(batch, out_channels, E, F_) < 1:
-        raise ValueError("window_launch: every size must be positive")
-    if tiling.warps * 32 > 1024:
-        raise ValueError(f"tiling: {tiling.warps} warps exceed 1024 threads")
-    if layout.shared_bytes() > SHARED_LIMIT_BYTES:
-        raise ValueError(f"tiling: staged chunks of {layout.shared_bytes()} bytes exceed {SHARED_LIMIT_BYTES}")
-    te, tf = tiling.tile_hw
-    grid = (window_channel_blocks(out_channels, tiling) * math.ceil(E / te) * math.ceil(F_ / tf), batch, 1)
-    _check_grid(grid)
-    name = (f"direct_window<{cuda_type(dtype)},{R},{S},{tiling.py},{tiling.px},{tiling.lx},{tiling.mw},"
-            f"{tiling.warps},{tiling.cc},{layout.pitch}>")
-    return Launch(name, grid, (tiling.warps * 32, 1, 1))
-
-
-def window_channel_blocks(out_channels: int, tiling: WindowTiling) -> int:
-    """Channel blocks of ``direct_window``: ``ceil(ceil(M / MW) / WARPS)``."""
-    return math.ceil(math.ceil(out_channels / tiling.mw) / tiling.warps)
-
-
 def _check_grid(grid: tuple[int, int, int]) -> None:
     if grid[0] >= 2**31 or grid[1] >= 2**16 or grid[2] >= 2**16:
         raise ValueError(f"grid: {grid} exceeds CUDA's grid limits")
 
 
-_LOCAL_INCLUDE = re.compile(r'^#include "([A-Za-z0-9_./-]+)"\s*$', re.MULTILINE)
-
-
 @functools.cache
 def _source() -> str:
-    """``kernels/direct_conv.cu`` with its quoted includes from ``kernels/`` pasted in, so that CuPy's cache key
-    (the source text) changes whenever a header does.
-
-    Raises:
-        ValueError: for a quoted include outside ``kernels/``.
-    """
-    def paste(match: re.Match[str]) -> str:
-        path = (KERNEL_DIR / match.group(1)).resolve()
-        if path.parent != KERNEL_DIR:
-            raise ValueError(f"kernel include {match.group(1)!r} is not a file of {KERNEL_DIR}")
-        return path.read_text()
-
-    return _LOCAL_INCLUDE.sub(paste, KERNEL_FILE.read_text())
+    return KERNEL_FILE.read_text()
 
 
 @functools.cache

@@ -1,17 +1,14 @@
 """The ``direct`` backend: our CuPy direct sparse convolution kernels (``kernels/direct_conv.cu``).
 
-Three kernel variants share the backend and its tuning space (parameter ``variant``):
+Two kernel variants share the backend and its tuning space (parameter ``variant``):
 
 * ``"rows"``: Escoin §3 / UnSparse-Opt §5 (uniform nnz, sub-batch), any geometry.
 * ``"tile"``: input tiles with halos in shared memory, each warp accumulating several output channels over
   a pixel x image tile; stride 1, dilation 1, Conv2d.
-* ``"window"``: as ``tile``, but each lane holds its input window in registers and every nonzero is one
-  jump into a generated table of FMAs (:mod:`unsparse.runtime.backends.direct_window`); stride 1,
-  dilation 1, Conv2d with a generated table for the kernel size (3x3).
 
 Everything a kernel reads through an index is built and checked here at plan time (:func:`prepare_rows`,
-:func:`prepare_tile`, :func:`~unsparse.runtime.backends.direct_window.prepare_window`) and cached per
-UniformCSR object and input size, so no kernel sees an unchecked index.
+:func:`prepare_tile`) and cached per UniformCSR object and input size, so no kernel sees an unchecked
+index.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ import torch
 
 from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime.backends.base import ConvBackend, register_backend
-from unsparse.runtime.backends.direct_window import prepare_window, window_shape, window_space, window_tiling_of
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
@@ -275,12 +271,11 @@ class DirectBackend(ConvBackend):
         return geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
-        """Rows settings always; tile and window settings for stride 1, dilation 1 Conv2d."""
+        """Rows settings always; tile settings for stride 1, dilation 1 Conv2d."""
         out_hw = self._out_hw(x, csr, geometry)
         space = rows_space(x.shape[0], out_hw[0] * out_hw[1])
         if geometry.spatial_dims == 2 and geometry.stride == (1, 1) and geometry.dilation == (1, 1):
             space += tile_space(x.shape[0], out_hw, csr.kernel_size, x.dtype)
-            space += window_space(x.shape[0], out_hw, csr.kernel_size, x.dtype)
         return space
 
     def kernel_names(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
@@ -298,13 +293,10 @@ class DirectBackend(ConvBackend):
                 params: dict[str, Any]) -> cl.Launch:
         N = x.shape[0]
         E, F_ = self._out_hw(x, csr, geometry)
-        variant = params.get("variant", "rows")
-        if variant == "rows":
+        if params.get("variant", "rows") == "rows":
             return cl.rows_launch(x.dtype, N, csr.out_channels, E * F_, params.get("threads", 128),
                                   params.get("pixels", 1), params.get("sub_batch", 1),
                                   params.get("channels", ROWS_CHANNELS))
-        if variant == "window":
-            return cl.window_launch(x.dtype, N, csr.out_channels, (E, F_), csr.kernel_size, window_tiling_of(params))
         return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), csr.kernel_size, tiling_of(params))
 
     def _arrays(self, csr: UniformCSR, key: tuple, build: Any) -> Any:
@@ -335,22 +327,15 @@ class DirectBackend(ConvBackend):
             args = (x, arrays.offsets, arrays.taps, csr.values.contiguous(), bias, out, N, C, H, W,
                     csr.out_channels, csr.row_length, E, F_, *geometry.stride, *geometry.padding,
                     params.get("channels", ROWS_CHANNELS))
-        elif geometry.stride != (1, 1) or geometry.dilation != (1, 1) or geometry.spatial_dims != 2:
-            raise ValueError(f"variant: {variant} needs stride 1, dilation 1 Conv2d, got {geometry}")
         elif variant == "tile":
+            if geometry.stride != (1, 1) or geometry.dilation != (1, 1) or geometry.spatial_dims != 2:
+                raise ValueError(f"variant: tile needs stride 1, dilation 1 Conv2d, got {geometry}")
             tiling = tiling_of(params)
             layout = cl.tile_layout(x.dtype, csr.kernel_size, tiling)
             arrays = self._arrays(csr, ("tile", layout), lambda: prepare_tile(csr, layout))
             args = (x, arrays.chunk_ptr, arrays.entries, bias, out, N, C, H, W, csr.out_channels, E, F_,
                     *geometry.padding, math.ceil(F_ / tiling.tile_hw[1]), math.ceil(csr.out_channels / tiling.channels))
-        elif variant == "window":
-            tiling = window_tiling_of(params)
-            shape = window_shape(csr, tiling)
-            arrays = self._arrays(csr, ("window", shape), lambda: prepare_window(csr, shape))
-            args = (x, arrays.group_ptr, arrays.entries, bias, out, N, C, H, W, csr.out_channels, E, F_,
-                    *geometry.padding, math.ceil(F_ / tiling.tile_hw[1]),
-                    cl.window_channel_blocks(csr.out_channels, tiling))
         else:
-            raise ValueError(f"variant: unknown {variant!r}, expected 'rows', 'tile' or 'window'")
+            raise ValueError(f"variant: unknown {variant!r}, expected 'rows' or 'tile'")
         cl.launch(spec, args, x.device)
         return out
