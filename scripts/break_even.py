@@ -1,0 +1,83 @@
+"""Break-even report of the direct kernels against cuDNN FP32, TF32 and FP16 (issue 6's sparsity sweep).
+
+Reads benchmark JSON files written by ``scripts/gpu_check.py`` (one sweep may span several device calls; every
+ratio comes from the run that measured it) and writes a Markdown report and a PNG with one panel per layer.
+
+    PYTHONPATH=. python scripts/break_even.py benchmarks/results/h100_2026-11-23_vgg16_sweep_*.json \
+        --out benchmarks/results/h100_2026-11-23_break_even_vgg16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from unsparse.atomic import atomic_write_text
+from unsparse.report.break_even import MODES, break_even, break_even_markdown, curves, meets, plot_break_even
+
+FP32_GOAL, TF32_GOAL, FP16_GOAL = 0.70, 0.90, 0.95
+"""Issue 6: break-even against cuDNN FP32 <= 70 %, TF32 <= 90 %, FP16 <= 95 % (56x56 and larger layers)."""
+FP32_TFLOPS_GOAL, FP16_TFLOPS_GOAL = 30.0, 60.0
+"""Issue 6: useful throughput at 90 % sparsity on VGG16's 3x3 layers, TFLOP/s."""
+
+
+def goals(record: dict[str, Any]) -> dict[str, float]:
+    """The break-even goals of one layer: FP16 only for inputs of 56x56 and larger."""
+    chosen = {"fp32": FP32_GOAL, "tf32": TF32_GOAL}
+    if min(record["in_chw"][1:]) >= 56:
+        chosen["fp16"] = FP16_GOAL
+    return chosen
+
+
+def report(results: list[dict[str, Any]], sources: list[Path], batch: int, png_name: str) -> str:
+    """The Markdown text: sources and environment, the verdicts, per-layer tables and the plot."""
+    records = [record for result in results for record in result["layers"]]
+    lines = ["# Break-even of the direct kernels against cuDNN", ""]
+    for path, result in zip(sources, results, strict=True):
+        env = result["environment"]
+        lines.append(f"- `{path.name}`: {result['device']}, driver {env.get('driver')}, torch {env.get('torch')}, "
+                     f"CuPy {env.get('cupy')}, cuDNN {env.get('cudnn')}, commit {env.get('commit')}; "
+                     f"{len(result['layers'])} records; not measured: {result.get('stopped_early') or 'none'}.")
+    lines += ["", f"Weights: {results[0]['weights']}. Batch {batch}, {results[0]['runs']} timed runs per setting "
+              "after warm-up (CUDA events, median); each speedup is cuDNN ms / direct ms of the fastest setting of "
+              "each, measured in the same run. Direct computes in float32 against both cuDNN FP32 and TF32, and "
+              "in float16 storage with float32 accumulation against cuDNN FP16.", "", "## Targets (issue 6)", ""]
+    by_layer = curves(records, batch)
+    for precision, mode in MODES.items():
+        checked = [(layer, break_even(per_precision[precision]))
+                   for (model, layer), per_precision in by_layer.items() if precision in per_precision
+                   and precision in goals(next(r for r in records if r["model"] == model and r["layer"] == layer))]
+        goal = {"fp32": FP32_GOAL, "tf32": TF32_GOAL, "fp16": FP16_GOAL}[precision]
+        met = [layer for layer, result in checked if meets(result, goal)]
+        lines.append(f"- Break-even against {mode} <= {goal:g}: met on {len(met)} of {len(checked)} layers"
+                     + (f" ({', '.join(met)})" if met else "") + ".")
+    for precision, goal in (("fp32", FP32_TFLOPS_GOAL), ("fp16", FP16_TFLOPS_GOAL)):
+        rates = [r["direct_useful_tflops"] for r in records if r["precision"] == precision and r["batch"] == batch
+                 and abs(r["target_sparsity"] - 0.9) < 1e-9 and r.get("direct_useful_tflops") is not None]
+        if rates:
+            lines.append(f"- Useful {precision.upper()} throughput at 0.9 (2 x nnz x N x E x F / time): "
+                         f"{min(rates):.1f} to {max(rates):.1f} TFLOP/s against the {goal:g} asked: "
+                         f"{'met' if min(rates) >= goal else 'MISSED'}.")
+    lines += ["", f"![break-even]({png_name})", "", "## Per layer (speedup over cuDNN; below 1 the direct kernel is "
+              "SLOWER)", "", break_even_markdown(records, batch, goals)]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Write ``<out>.md`` and ``<out>.png`` from the given benchmark JSON files."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", type=Path, help="bench JSON files of one sweep")
+    parser.add_argument("--out", type=Path, required=True, help="output path without suffix")
+    parser.add_argument("--batch", type=int, default=128)
+    args = parser.parse_args(argv)
+    results = [json.loads(path.read_text()) for path in args.results]
+    png = plot_break_even([r for result in results for r in result["layers"]], args.batch,
+                          args.out.with_suffix(".png"))
+    atomic_write_text(args.out.with_suffix(".md"), report(results, args.results, args.batch, png.name))
+    print(f"wrote {args.out.with_suffix('.md')} and {png}")
+
+
+if __name__ == "__main__":
+    main()

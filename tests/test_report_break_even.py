@@ -1,0 +1,39 @@
+"""CPU tests of the break-even report: curves from benchmark records, the crossing, tables and the plot."""
+
+from __future__ import annotations
+
+import pytest
+
+from unsparse.report.break_even import break_even, break_even_markdown, curves, describe, meets, plot_break_even
+
+
+def record(layer: str, sparsity: float, precision: str, speedup: float | None, batch: int = 128) -> dict:
+    return {"model": "vgg16", "layer": layer, "in_chw": [64, 56, 56], "weight_shape": [64, 64, 3, 3],
+            "batch": batch, "precision": precision, "target_sparsity": sparsity, "speedup_vs_cudnn": speedup}
+
+
+def test_curves_group_sort_and_skip() -> None:
+    records = [record("a", 0.9, "fp32", 2.0), record("a", 0.5, "fp32", 0.5), record("a", 0.7, "tf32", None),
+               record("a", 0.7, "fp32", 1.0, batch=1), record("b", 0.8, "fp16", 0.3)]
+    assert curves(records, 128) == {("vgg16", "a"): {"fp32": [(0.5, 0.5), (0.9, 2.0)]},
+                                    ("vgg16", "b"): {"fp16": [(0.8, 0.3)]}}
+
+
+def test_break_even_interpolates_the_last_crossing() -> None:
+    assert break_even([(0.5, 0.5), (0.7, 0.9), (0.9, 1.3)]) == pytest.approx(("at", 0.75))
+    assert break_even([(0.5, 0.5), (0.6, 1.1), (0.7, 0.95), (0.8, 1.05)]) == pytest.approx(("at", 0.75))
+    assert break_even([(0.5, 1.2), (0.9, 3.0)]) == ("below", 0.5)
+    assert break_even([(0.5, 0.2), (0.98, 0.9)]) == ("above", 0.98)
+    assert break_even([]) == ("none", None)
+    assert [describe(break_even(c)) for c in ([(0.5, 1.2)], [(0.9, 0.5)], [])] == ["<= 0.50", "> 0.90", "n/a"]
+    assert meets(("at", 0.7), 0.7) and meets(("below", 0.5), 0.7)
+    assert not meets(("at", 0.71), 0.7) and not meets(("above", 0.98), 0.99) and not meets(("none", None), 1)
+
+
+def test_markdown_says_missed_and_not_measured(tmp_path) -> None:
+    records = [record("a", 0.8, "fp32", 0.8), record("a", 0.9, "fp32", 1.6), record("a", 0.9, "fp16", 0.4)]
+    text = break_even_markdown(records, 128, lambda r: {"fp32": 0.7, "fp16": 0.95})
+    assert "| cuDNN FP32 (TF32 off) | 0.80 | 1.60 | 0.825 | <= 0.7: MISSED |" in text
+    assert "| cuDNN FP16 (best layout) | not measured | 0.40 | > 0.90 | <= 0.95: MISSED |" in text
+    path = plot_break_even(records, 128, tmp_path / "b.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"

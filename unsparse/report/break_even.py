@@ -1,0 +1,140 @@
+"""Break-even sparsity of the direct kernels against each cuDNN mode, from benchmark records.
+
+A benchmark record (``unsparse.runtime.bench.bench_layer``) holds, for one layer, sparsity, batch and
+precision, the median time of the fastest direct setting and of the fastest cuDNN setting measured in the same
+run, and their ratio ``speedup_vs_cudnn`` (cuDNN ms / direct ms). The precision names the cuDNN mode: ``fp32``
+(TF32 off), ``tf32`` (direct still computes in float32) and ``fp16`` (both in float16, cuDNN's fastest layout).
+Paper 004 §6 and Escoin (paper 000) §5 report speedup against sparsity the same way; the break-even sparsity is
+where the speedup crosses 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+MODES = {"fp32": "cuDNN FP32 (TF32 off)", "tf32": "cuDNN TF32", "fp16": "cuDNN FP16 (best layout)"}
+"""Benchmark precisions and the cuDNN mode each compares the direct kernel against."""
+
+Curve = list[tuple[float, float]]
+"""``(sparsity, speedup)`` points sorted by sparsity; speedup = cuDNN ms / direct ms."""
+
+
+def curves(records: Sequence[dict[str, Any]], batch: int) -> dict[tuple[str, str], dict[str, Curve]]:
+    """Speedup-against-sparsity curves per ``(model, layer)`` and precision, at one batch size.
+
+    Args:
+        records: benchmark layer records (several runs may be concatenated; each record's ratio is from its
+            own run). Records without a direct or cuDNN time are skipped.
+        batch: the batch size to keep.
+
+    Returns:
+        ``{(model, layer): {precision: curve}}``; a later record for the same point replaces an earlier one.
+    """
+    points: dict[tuple[str, str], dict[str, dict[float, float]]] = {}
+    for record in records:
+        if record["batch"] != batch or record.get("speedup_vs_cudnn") is None:
+            continue
+        per_layer = points.setdefault((record["model"], record["layer"]), {})
+        per_layer.setdefault(record["precision"], {})[record["target_sparsity"]] = record["speedup_vs_cudnn"]
+    return {key: {precision: sorted(curve.items()) for precision, curve in per_precision.items()}
+            for key, per_precision in points.items()}
+
+
+def break_even(curve: Curve) -> tuple[str, float | None]:
+    """Where a speedup curve crosses 1.
+
+    Returns:
+        ``("at", s)`` with ``s`` linearly interpolated between the last measured sparsity below 1 and the next
+        one at or above 1, when the curve ends at or above 1 after being below it; ``("below", s_min)`` when
+        the lowest measured sparsity already breaks even; ``("above", s_max)`` when no measured sparsity
+        does; ``("none", None)`` for an empty curve. Only the last crossing counts (measurement noise can
+        make a curve cross more than once near 1).
+    """
+    if not curve:
+        return "none", None
+    if curve[-1][1] < 1.0:
+        return "above", curve[-1][0]
+    last_below = max((i for i, (_, speedup) in enumerate(curve) if speedup < 1.0), default=None)
+    if last_below is None:
+        return "below", curve[0][0]
+    (s0, v0), (s1, v1) = curve[last_below], curve[last_below + 1]
+    return "at", s0 + (1.0 - v0) * (s1 - s0) / (v1 - v0)
+
+
+def describe(result: tuple[str, float | None]) -> str:
+    """``break_even``'s result as table text: ``0.812``, ``<= 0.50``, ``> 0.98`` or ``n/a``."""
+    kind, value = result
+    if value is None:
+        return "n/a"
+    return {"at": f"{value:.3f}", "below": f"<= {value:.2f}", "above": f"> {value:.2f}"}[kind]
+
+
+def meets(result: tuple[str, float | None], goal: float) -> bool:
+    """Whether a break-even result is at or below the sparsity ``goal``."""
+    kind, value = result
+    return value is not None and kind in ("at", "below") and value <= goal + 1e-9
+
+
+def break_even_markdown(records: Sequence[dict[str, Any]], batch: int,
+                        goals: Callable[[dict[str, Any]], dict[str, float]] | None = None) -> str:
+    """Markdown tables: per layer, the measured speedups against sparsity and the break-even sparsity for each
+    cuDNN mode; with ``goals`` (a layer record -> {precision: sparsity}), whether each break-even meets its
+    goal."""
+    lines = []
+    by_layer = curves(records, batch)
+    for (model, layer), per_precision in by_layer.items():
+        record = next(r for r in records if r["model"] == model and r["layer"] == layer)
+        lines += [f"### {model} {layer}: {record['in_chw']} -> {record['weight_shape'][0]} channels, "
+                  f"{record['weight_shape'][2]}x{record['weight_shape'][3]}, batch {batch}", ""]
+        sparsities = sorted({s for curve in per_precision.values() for s, _ in curve})
+        layer_goals = goals(record) if goals else {}
+        header = ["against", *[f"{s:g}" for s in sparsities], "break-even"]
+        if goals:
+            header.append("goal")
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for precision, mode in MODES.items():
+            curve = dict(per_precision.get(precision, []))
+            if not curve:
+                continue
+            result = break_even(sorted(curve.items()))
+            row = [mode, *[f"{curve[s]:.2f}" if s in curve else "not measured" for s in sparsities], describe(result)]
+            if precision in layer_goals:
+                goal = layer_goals[precision]
+                row.append(f"<= {goal:g}: {'met' if meets(result, goal) else 'MISSED'}")
+            elif goals:
+                row.append("")
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_break_even(records: Sequence[dict[str, Any]], batch: int, path: str | Path) -> Path:
+    """``path`` (PNG): one panel per layer, speedup of the direct kernel over each cuDNN mode against sparsity
+    (log scale; the dashed line is break-even)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    by_layer = curves(records, batch)
+    columns = min(3, max(1, len(by_layer)))
+    rows = -(-len(by_layer) // columns) or 1
+    fig, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.4 * rows), squeeze=False)
+    for ax, ((model, layer), per_precision) in zip(axes.flat, by_layer.items(), strict=False):
+        for precision, mode in MODES.items():
+            curve = per_precision.get(precision)
+            if curve:
+                ax.plot([s for s, _ in curve], [v for _, v in curve], marker="o", label=f"over {mode}")
+        ax.axhline(1.0, color="gray", linestyle="--")
+        ax.set(title=f"{model} {layer}", xlabel="sparsity", ylabel="speedup (cuDNN ms / direct ms)", yscale="log")
+        ax.legend(fontsize=6)
+    for ax in list(axes.flat)[len(by_layer):]:
+        ax.set_visible(False)
+    fig.suptitle(f"Direct sparse kernels against cuDNN, batch {batch} (synthetic weights)")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
