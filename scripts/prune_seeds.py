@@ -1,0 +1,85 @@
+"""Summary of pruning tables run with several seeds (``scripts/prune_table.py --seed``): per model and method,
+the mean and sample standard deviation over seeds of the test metric and of its change from the same seed's
+dense model, the goal verdict on the mean, and how often evolutionary beats gradual magnitude.
+
+    PYTHONPATH=. python scripts/prune_seeds.py docs/pruning_results_h100_long.json \
+        docs/pruning_results_h100_long_seed*.json --out docs/pruning_results_h100_long_seeds.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from unsparse.atomic import atomic_write_text
+
+GOAL_SPARSITY, GOAL_DROP = 0.92, 0.5
+"""Issue 3's goal: >= 92 % weighted sparsity with <= 0.5 point top-1 drop from dense."""
+
+
+def spread(values: list[float], digits: int) -> str:
+    """``mean ± sample std (n)``; the std is left out for one value."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return f"{mean:.{digits}f} (n=1)"
+    return f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f} (n={len(values)})"
+
+
+def summary(runs: list[dict[str, Any]], sources: list[Path]) -> str:
+    """The Markdown page for runs of one budget with different seeds."""
+    budgets = {run["meta"].get("budget_name") for run in runs}
+    seeds = [run["meta"].get("seed", 0) for run in runs]
+    lines = ["# Pruning results over seeds", "",
+             f"Budget {', '.join(sorted(map(str, budgets)))}; seeds {seeds}; files: "
+             + ", ".join(f"`{path.name}` (commit {run['meta']['commit']})" for path, run in zip(sources, runs,
+                                                                                            strict=True)) + ".",
+             "Each seed trains its own dense model; changes are against that seed's dense model. ± is the sample "
+             "standard deviation over seeds.", ""]
+    models = [block["model"] for block in runs[0]["blocks"] if "error" not in block]
+    for model in models:
+        blocks = [next(b for b in run["blocks"] if b["model"] == model) for run in runs]
+        key = "top1" if "top1" in blocks[0]["rows"][0]["test"] else "mse"
+        change = "change (points)" if key == "top1" else "ratio to dense"
+        lines += [f"## {model}", "", f"| method | test {key} | {change} | weighted sparsity |", "|---|---|---|---|"]
+        per_method: dict[str, list[float]] = {}
+        for method in [row["method"] for row in blocks[0]["rows"]]:
+            values, changes, sparsity = [], [], []
+            for block in blocks:
+                dense = block["rows"][0]["test"][key]
+                row = next(r for r in block["rows"] if r["method"] == method)
+                values.append(row["test"][key])
+                changes.append(row["test"][key] - dense if key == "top1" else row["test"][key] / dense)
+                sparsity.append(row["weighted_sparsity"])
+            per_method[method] = changes
+            digits = 2 if key == "top1" else 5
+            lines.append(f"| {method} | {spread(values, digits)} | {spread(changes, 2)} | {min(sparsity):.4f} |")
+        evolutionary, gradual = per_method["evolutionary"], per_method["gradual"]
+        better = [e > g if key == "top1" else e < g for e, g in zip(evolutionary, gradual, strict=True)]
+        lines += ["", f"Evolutionary beats gradual magnitude in {sum(better)} of {len(better)} seeds."]
+        if key == "top1":
+            drop = -statistics.fmean(evolutionary)
+            met = drop <= GOAL_DROP and min(r["weighted_sparsity"] for b in blocks for r in b["rows"]
+                                            if r["method"] == "evolutionary") >= GOAL_SPARSITY - 1e-9
+            lines.append(f"Goal (>= {GOAL_SPARSITY:.0%} weighted sparsity, <= {GOAL_DROP} point drop): "
+                         f"{'met' if met else 'NOT met'} on the mean (drop {drop:.2f} points; per seed "
+                         f"{', '.join(f'{-c:.2f}' for c in evolutionary)}).")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Write the summary of the given ``pruning_results*.json`` files."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    runs = [json.loads(path.read_text()) for path in args.results]
+    atomic_write_text(args.out, summary(runs, args.results))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

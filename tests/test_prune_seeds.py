@@ -1,0 +1,31 @@
+"""scripts/prune_seeds.py: means, spreads and verdicts over seeds from hand-made results."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "prune_seeds.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("prune_seeds", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run(seed: int, dense: float, evolutionary: float, gradual: float) -> dict:
+    rows = [{"method": method, "test": {"top1": top1}, "weighted_sparsity": 0.0 if method == "dense" else 0.92}
+            for method, top1 in (("dense", dense), ("evolutionary", evolutionary), ("gradual", gradual))]
+    return {"meta": {"budget_name": "gpu_long", "seed": seed, "commit": "abc1234"},
+            "blocks": [{"model": "vgg_small", "rows": rows}]}
+
+
+def test_summary_means_changes_per_seed_and_judges_the_mean() -> None:
+    seeds = load()
+    text = seeds.summary([run(0, 93.0, 92.6, 92.0), run(1, 92.0, 91.2, 91.5)], [Path("a.json"), Path("b.json")])
+    assert "| evolutionary | 91.90 ± 0.99 (n=2) | -0.60 ± 0.28 (n=2) | 0.9200 |" in text
+    assert "Evolutionary beats gradual magnitude in 1 of 2 seeds." in text
+    assert "NOT met on the mean (drop 0.60 points; per seed 0.40, 0.80)" in text
+    assert "met on the mean (drop 0.40" in seeds.summary([run(0, 93.0, 92.6, 92.0)], [Path("a.json")])
