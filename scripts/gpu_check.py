@@ -17,17 +17,6 @@ import sys
 from pathlib import Path
 
 
-def commit_hash() -> str | None:
-    """``UNSPARSE_COMMIT`` if set, else ``git rev-parse HEAD`` if ``.git`` is there, else None."""
-    if os.environ.get("UNSPARSE_COMMIT"):
-        return os.environ["UNSPARSE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run tests and benchmark; returns pytest's exit code (the benchmark still runs after failures)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -49,9 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from unsparse.pipeline import git_commit
     from unsparse.runtime.bench import QUICK, environment, run_bench
 
-    env = environment(commit_hash())
+    env = environment(git_commit())
     log = out / "gpu_check.log"
     log.write_text(json.dumps(env, indent=1) + "\n")
     print(json.dumps(env), flush=True)
