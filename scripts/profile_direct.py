@@ -1,6 +1,7 @@
 """Run one direct-kernel setting on one synthetic layer a few times, for a profiler (Nsight Compute) to catch.
 
-Synthetic weights: He-normal, magnitude-pruned to ``--sparsity`` per layer (as in the benchmark). Prints the
+Synthetic weights as in the benchmark: He-normal, magnitude-pruned to ``--sparsity`` with the layer norm kept
+(``unsparse.runtime.bench.magnitude_prune_``). Prints the
 median of CUDA-event timings of the runs so a profile can be matched to a benchmark figure.
 
     ncu --kernel-name regex:direct_tile --launch-skip 2 --launch-count 1 --section WarpStateStats \
@@ -31,17 +32,18 @@ def main() -> None:
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
+    from torch import nn
 
     from unsparse.runtime import get_backend
+    from unsparse.runtime.bench import magnitude_prune_
     from unsparse.sparse import ConvGeometry, UniformCSR
 
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     N, C, H, W = args.shape
-    fan_in = C * args.kernel**2
-    weight = torch.randn(args.out_channels, C, args.kernel, args.kernel, device=device) * (2 / fan_in) ** 0.5
-    threshold = weight.abs().flatten().kthvalue(max(1, int(args.sparsity * weight.numel()))).values
-    weight[weight.abs() <= threshold] = 0
-    csr = UniformCSR.from_dense(weight.to(dtype))
+    conv = nn.Conv2d(C, args.out_channels, args.kernel, bias=False)
+    nn.init.kaiming_normal_(conv.weight, nonlinearity="relu")
+    magnitude_prune_(conv, args.sparsity)
+    csr = UniformCSR.from_dense(conv.weight.detach().to(device, dtype))
     x = torch.randn(N, C, H, W, device=device, dtype=dtype)
     geometry = ConvGeometry.of(1, args.kernel // 2)
     backend = get_backend("direct")

@@ -318,7 +318,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                         record.update(model=name, target_sparsity=sparsity)
                         result["layers"].append(record)
                         _progress(record)
-                        _save_partial(result, out_dir)
+                        _write_json(result, out_dir)
                         torch.cuda.empty_cache()
     for name in end_to_end:
         model = magnitude_prune_(build_model(name), end_to_end_sparsity)
@@ -334,7 +334,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                 continue
             record.update(model=name, sparsity=end_to_end_sparsity, weights="synthetic")
             result["end_to_end"].append(record)
-            _save_partial(result, out_dir)
+            _write_json(result, out_dir)
             print(f"e2e {name} {precision}: dense {record['dense_ms']:.3f} ms, planned {record['planned_ms']:.3f} ms")
     if sparse_file is not None:
         from unsparse.sparse.io import load_sparse
@@ -352,7 +352,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     plan.save(plan_path)
     result["targets"] = evaluate_targets(result)
     result["complete"] = not result["stopped_early"] and not result["failed"]
-    atomic_write_text(out_dir / "bench.json", json.dumps(result, indent=1, default=_json_default))
+    _write_json(result, out_dir)
     atomic_write_text(out_dir / "bench.md", markdown_report(result))
     plot_results(result, out_dir)
     return result
@@ -388,8 +388,8 @@ def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch:
             "planned_timing": sparse_t.to_dict()}
 
 
-def _save_partial(result: dict[str, Any], out_dir: Path) -> None:
-    """Rewrite ``bench.json`` with the records so far (``complete`` stays false), atomically."""
+def _write_json(result: dict[str, Any], out_dir: Path) -> None:
+    """Rewrite ``bench.json`` with the records so far, atomically (``complete`` is false until the end)."""
     atomic_write_text(out_dir / "bench.json", json.dumps(result, indent=1, default=_json_default))
 
 
