@@ -28,17 +28,41 @@ def spread(values: list[float], digits: int) -> str:
     return f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f} (n={len(values)})"
 
 
+def merge_by_seed(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One run per seed: runs of the same seed (``prune_table.py --models`` subsets) pooled, in order of first
+    appearance; each model's block comes from the first file that has it.
+
+    Raises:
+        ValueError: if two runs of one seed have different budgets (they are not one experiment).
+    """
+    merged: dict[int, dict[str, Any]] = {}
+    for run in runs:
+        seed = run["meta"].get("seed", 0)
+        if seed not in merged:
+            merged[seed] = {"meta": run["meta"], "blocks": list(run["blocks"])}
+            continue
+        if run["meta"].get("budget") != merged[seed]["meta"].get("budget"):
+            raise ValueError(f"runs of seed {seed} have different budgets: {merged[seed]['meta'].get('budget')} "
+                             f"and {run['meta'].get('budget')}")
+        have = {block["model"] for block in merged[seed]["blocks"]}
+        merged[seed]["blocks"] += [block for block in run["blocks"] if block["model"] not in have]
+    return list(merged.values())
+
+
 def summary(runs: list[dict[str, Any]], sources: list[Path]) -> str:
-    """The Markdown page for runs of one budget with different seeds."""
+    """The Markdown page for runs of one budget with different seeds (several files of one seed are merged)."""
     budgets = {run["meta"].get("budget_name") for run in runs}
+    files = ", ".join(f"`{path.name}` (seed {run['meta'].get('seed', 0)}, commit {run['meta']['commit']})"
+                      for path, run in zip(sources, runs, strict=True))
+    runs = merge_by_seed(runs)
     seeds = [run["meta"].get("seed", 0) for run in runs]
     lines = ["# Pruning results over seeds", "",
-             f"Budget {', '.join(sorted(map(str, budgets)))}; seeds {seeds}; files: "
-             + ", ".join(f"`{path.name}` (commit {run['meta']['commit']})" for path, run in zip(sources, runs,
-                                                                                            strict=True)) + ".",
+             f"Budget {', '.join(sorted(map(str, budgets)))}; seeds {seeds}; files: {files}.",
              "Each seed trains its own dense model; changes are against that seed's dense model. ± is the sample "
              "standard deviation over seeds.", ""]
-    models = [block["model"] for block in runs[0]["blocks"] if "error" not in block]
+    complete = [{block["model"] for block in run["blocks"] if "error" not in block} for run in runs]
+    models = [block["model"] for block in runs[0]["blocks"]
+              if "error" not in block and all(block["model"] in found for found in complete)]
     for model in models:
         blocks = [next(b for b in run["blocks"] if b["model"] == model) for run in runs]
         key = "top1" if "top1" in blocks[0]["rows"][0]["test"] else "mse"

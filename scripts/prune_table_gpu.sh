@@ -11,6 +11,11 @@
 # so a run stopped early keeps what it finished) and prune_table.log (everything printed). Copy the first two
 # to docs/ to publish them. The commit comes from $UNSPARSE_COMMIT (the device copy has no .git).
 #
+# With arguments NAME:OPTIONS, one table per argument runs concurrently on the same GPU, e.g. two seeds split
+# by model: bash scripts/prune_table_gpu.sh "s1a:--seed 1 --models autoencoder1d vgg_small" \
+#     "s1b:--seed 1 --models resnet_small"; each writes $OUT/NAME.json (at most 7 jobs: the device returns 8
+# files); their pages note that they shared the GPU, as their wall times include it.
+#
 # .carry/ (git-ignored) is prepared on the development machine, from the repository root:
 #
 #     mkdir -p .carry/wheels .carry/fashion-mnist
@@ -38,13 +43,41 @@ export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 UNSPARSE_CACHE=/tmp/unsparse-ca
 export UNSPARSE_COMMIT="${UNSPARSE_COMMIT:-}"
 mkdir -p "$OUT"
 
+run_table() {  # run_table OUTDIR [prune_table.py options...]: one table into OUTDIR, stopped before the limit
+    local into=$1
+    shift
+    # shellcheck disable=SC2086  # PRUNE_TABLE_ARGS is a list of options
+    timeout --signal=INT --kill-after=20 "${PRUNE_TABLE_TIMEOUT:-560}" \
+        python3 scripts/prune_table.py --budget gpu --device cuda --data-root .carry/fashion-mnist \
+        --series-file .carry/co2.txt --workdir "/tmp/prune_table/$(basename "$into")" --out "$into" --no-progress \
+        ${PRUNE_TABLE_ARGS:-} "$@"
+}
+
 set -o pipefail
 {
     nvidia-smi -L || true
     python3 -c 'import sys, torch, omegaconf; print("python", sys.version.split()[0], "torch", torch.__version__,
 "cuda", torch.cuda.is_available(), "omegaconf", omegaconf.__version__)'
-    # shellcheck disable=SC2086  # PRUNE_TABLE_ARGS is a list of options
-    timeout --signal=INT --kill-after=20 "${PRUNE_TABLE_TIMEOUT:-560}" \
-        python3 scripts/prune_table.py --budget gpu --device cuda --data-root .carry/fashion-mnist \
-        --series-file .carry/co2.txt --workdir /tmp/prune_table --out "$OUT" --no-progress ${PRUNE_TABLE_ARGS:-}
 } 2>&1 | tee "$OUT/prune_table.log"
+if (($# == 0)); then
+    run_table "$OUT" 2>&1 | tee -a "$OUT/prune_table.log"
+    exit
+fi
+# Jobs NAME:OPTIONS run at the same time on the one GPU (these small models leave it mostly idle); each writes
+# $OUT/NAME.json (render its page with prune_table.py --render), and the logs are appended one after another.
+status=0
+for job in "$@"; do
+    name=${job%%:*}
+    # shellcheck disable=SC2086  # the options after NAME: are a list
+    run_table "/tmp/prune_jobs/$name" ${job#*:} --note "This table ran at the same time as $(($# - 1)) other(s) on \
+the same GPU ($*); its wall times include that sharing." >"/tmp/prune_jobs_$name.log" 2>&1 &
+done
+for job in "$@"; do
+    wait -n || status=1
+done
+for job in "$@"; do
+    name=${job%%:*}
+    cp "/tmp/prune_jobs/$name/pruning_results.json" "$OUT/$name.json" || status=1
+    { echo "===== $job"; cat "/tmp/prune_jobs_$name.log"; } >>"$OUT/prune_table.log"
+done
+exit $status

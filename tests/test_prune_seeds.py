@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "prune_seeds.py"
 
 
@@ -29,3 +31,17 @@ def test_summary_means_changes_per_seed_and_judges_the_mean() -> None:
     assert "Evolutionary beats gradual magnitude in 1 of 2 seeds." in text
     assert "NOT met on the mean (drop 0.60 points; per seed 0.40, 0.80)" in text
     assert "met on the mean (drop 0.40" in seeds.summary([run(0, 93.0, 92.6, 92.0)], [Path("a.json")])
+
+
+def test_runs_of_one_seed_split_by_model_are_merged_and_partial_models_left_out() -> None:
+    seeds = load()
+    split = run(1, 92.0, 91.2, 91.5)
+    resnet = {"meta": split["meta"], "blocks": [{**split["blocks"][0], "model": "resnet_small"}]}
+    text = seeds.summary([run(0, 93.0, 92.6, 92.0), split, resnet],
+                         [Path("a.json"), Path("b_vgg.json"), Path("b_resnet.json")])
+    assert "seeds [0, 1]" in text and "`b_resnet.json` (seed 1, commit abc1234)" in text
+    assert "| evolutionary | 91.90 ± 0.99 (n=2) |" in text
+    assert "## resnet_small" not in text  # seed 0 has no resnet_small: no mean over one seed posing as two
+    other = {"meta": {**split["meta"], "budget": {"width": 32}}, "blocks": resnet["blocks"]}
+    with pytest.raises(ValueError, match="different budgets"):
+        seeds.merge_by_seed([split, other])

@@ -46,3 +46,11 @@ def test_markdown_names_the_device_and_what_is_missing(table):
     assert "`scripts/prune_table.py --budget gpu`" in page
     assert "the GPU NVIDIA H100 80GB HBM3" in page and "on the CPU" not in page
     assert "vgg_small failed; resnet_small, autoencoder1d not run" in page and "RuntimeError: boom" in page
+
+
+def test_markdown_counts_only_the_requested_models_as_missing(table):
+    meta = {"host": "h", "torch": "t", "threads": 16, "commit": "abc1234", "budget": {}, "notes": ["- shared"],
+            "budget_name": "gpu_w32", "device": "cuda", "models": ["vgg_small", "autoencoder1d"]}
+    page = table.markdown([], meta)
+    assert "vgg_small, autoencoder1d not run" in page and "resnet_small" not in page
+    assert "chosen after the `gpu` and `gpu_long` runs" in page and "- shared" in page
