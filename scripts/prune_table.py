@@ -135,9 +135,12 @@ def metric(trainer: Trainer, model: torch.nn.Module) -> dict[str, float]:
 
 
 def compare(name: str, model_kwargs: dict[str, Any], trainer: Trainer, budget: dict[str, Any], target: float,
-            workdir: Path, iterations: int, batches: int, dense_epochs: int, seed: int = 0) -> dict[str, Any]:
+            workdir: Path, iterations: int, batches: int, dense_epochs: int, seed: int = 0,
+            overrides: dict[str, Any] | None = None, fine_tune_lr: float = 0.01) -> dict[str, Any]:
     """Dense training, then the three pruners from copies of the dense model; one row per method. ``seed`` seeds
-    the initial weights and the evolutionary pruner (the trainer's loaders carry their own)."""
+    the initial weights and the evolutionary pruner (the trainer's loaders carry their own); ``overrides``
+    replace values of ``configs/prune/evolutionary.yaml``; ``fine_tune_lr`` is every pruner's fine-tuning
+    learning rate (gradual magnitude's cosine schedule spans its pruning and fine-tuning, so it starts there)."""
     torch.manual_seed(seed)
     dense = create_model(name, **model_kwargs)
     started = time.perf_counter()
@@ -146,9 +149,10 @@ def compare(name: str, model_kwargs: dict[str, Any], trainer: Trainer, budget: d
              "wall_time_s": time.perf_counter() - started, "train_batches": dense_epochs * len(
                  trainer.loaders["train"])}]
     say(f"{name} dense: test {rows[0]['test']}")
-    evolutionary = EvolutionaryPruner(**{**evolutionary_settings(seed), "target": target, "iterations": iterations,
-                                         "batches_per_iteration": batches,
-                                         "fine_tune_epochs": budget["fine_tune_epochs"]})
+    evolutionary = EvolutionaryPruner(**{**evolutionary_settings(seed), **(overrides or {}), "target": target,
+                                         "iterations": iterations, "batches_per_iteration": batches,
+                                         "fine_tune_epochs": budget["fine_tune_epochs"],
+                                         "fine_tune_lr": fine_tune_lr})
     steps_per_epoch = len(trainer.loaders["train"])
     results = {}
     model = copy.deepcopy(dense)
@@ -158,9 +162,9 @@ def compare(name: str, model_kwargs: dict[str, Any], trainer: Trainer, budget: d
     used = sum(entry["phase"] == "prune" and entry["iteration"] > 0 for entry in results["evolutionary"][0].history)
     schedule_epochs = max(math.ceil(used * batches / steps_per_epoch), 1)
     pruners = {
-        "gradual": GradualMagnitudePruner(target=reached, pruning_steps=schedule_epochs, lr=0.01,
+        "gradual": GradualMagnitudePruner(target=reached, pruning_steps=schedule_epochs, lr=fine_tune_lr,
                                           fine_tune_epochs=budget["fine_tune_epochs"]),
-        "magnitude": MagnitudePruner(target=reached, scope="global", lr=0.01,
+        "magnitude": MagnitudePruner(target=reached, scope="global", lr=fine_tune_lr,
                                      fine_tune_epochs=budget["fine_tune_epochs"]),
     }
     for method, pruner in pruners.items():
@@ -260,6 +264,20 @@ def markdown(blocks: list[dict[str, Any]], meta: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def setting(text: str) -> tuple[str, Any]:
+    """``KEY=VALUE`` (the value read as YAML: ``0.005``, ``null``, ``true``) as ``(key, value)``.
+
+    Raises:
+        argparse.ArgumentTypeError: if there is no ``=`` or the key is empty.
+    """
+    import yaml
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key.strip(), yaml.safe_load(value)
+
+
 def cpu_name() -> str:
     """The CPU's model name from ``/proc/cpuinfo`` (else ``platform.processor()``)."""
     try:
@@ -302,6 +320,11 @@ def main() -> None:
                              "validation and test splits stay fixed)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
                         help="run these models only (default: all; prune_seeds.py merges files of one seed)")
+    parser.add_argument("--evolutionary", action="append", default=[], type=setting, metavar="KEY=VALUE",
+                        help="override a value of configs/prune/evolutionary.yaml (repeatable; YAML value), e.g. "
+                             "one chosen on the validation split by scripts/prune_select.py")
+    parser.add_argument("--fine-tune-lr", type=float, default=0.01,
+                        help="every pruner's fine-tuning learning rate (default 0.01)")
     parser.add_argument("--note", action="append", default=[],
                         help="a sentence for the page's notes, e.g. how the run shared its machine (repeatable)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -320,7 +343,11 @@ def main() -> None:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     progress = sys.stderr.isatty() if args.progress is None else args.progress
     settings = evolutionary_settings()  # fails here, before any training, if omegaconf or the config is missing
-    overridden = ("target", "iterations", "batches_per_iteration", "fine_tune_epochs", "seed")
+    overrides = dict(args.evolutionary)
+    unknown = sorted(set(overrides) - set(settings))
+    if unknown:
+        parser.error(f"--evolutionary: {', '.join(unknown)} not in {EVOLUTIONARY_CONFIG.name}")
+    overridden = ("target", "iterations", "batches_per_iteration", "fine_tune_epochs", "fine_tune_lr", "seed")
     commit = (git_commit() or "")[:7]
     meta = {"quick": args.budget == "quick", "budget_name": args.budget, "seed": args.seed, "device": str(device),
             "device_name": device_name, "host": platform.node() or "unknown", "torch": torch.__version__,
@@ -328,10 +355,14 @@ def main() -> None:
             "models": [model for model in MODELS if model in args.models],
             "targets": {"classification": TARGET, "autoencoder": AE_TARGET},
             "series_source": str(args.series_file) if args.series_file else "statsmodels",
+            "evolutionary_overrides": overrides, "fine_tune_lr": args.fine_tune_lr,
             "notes": [
                 "- Evolutionary settings: `configs/prune/evolutionary.yaml` "
-                f"{ {key: value for key, value in settings.items() if key not in overridden} }, "
-                "with the target, iterations, batches per iteration and fine-tuning epochs of the budget above.",
+                f"{ {key: value for key, value in {**settings, **overrides}.items() if key not in overridden} }"
+                f"{f' (overridden here: {overrides})' if overrides else ''}, with the target, iterations, batches "
+                "per iteration and fine-tuning epochs of the budget above.",
+                f"- Fine-tuning learning rate of every pruner: {args.fine_tune_lr} (cosine schedule; gradual "
+                "magnitude's spans its pruning and fine-tuning).",
                 "- Top-1 on the Fashion-MNIST test split (its size is in each heading; 10,000 images unless the "
                 "budget cuts it); one seed, so differences of a few tenths of a point are within run-to-run "
                 "noise.",
@@ -361,7 +392,8 @@ def main() -> None:
                                         progress=progress),
                           budget["iterations"], budget["batches"], budget["dense_epochs"])
         block = compare(name, {"width": budget["width"]}, trainer, budget, TARGET, workdir / name,
-                        budget["iterations"], budget["batches"], budget["dense_epochs"], args.seed)
+                        budget["iterations"], budget["batches"], budget["dense_epochs"], args.seed, overrides,
+                        args.fine_tune_lr)
         return {**block, "data": f"Fashion-MNIST ({len(splits.train[1])} train, {len(splits.val[1])} "
                                  f"val, {len(splits.test[1])} test images)"}
 
@@ -371,7 +403,8 @@ def main() -> None:
                                                    lr=0.01, progress=progress),
                           budget["ae_iterations"], budget["ae_batches"], budget["ae_dense_epochs"])
         block = compare("autoencoder1d", {"width": 16}, trainer, budget, AE_TARGET, workdir / "autoencoder1d",
-                        budget["ae_iterations"], budget["ae_batches"], budget["ae_dense_epochs"], args.seed)
+                        budget["ae_iterations"], budget["ae_batches"], budget["ae_dense_epochs"], args.seed,
+                        overrides, args.fine_tune_lr)
         return {**block, "data": f"statsmodels co2 windows of 64 ({len(series.train[0])} train, "
                                  f"{len(series.val[0])} val, {len(series.test[0])} test)"}
 

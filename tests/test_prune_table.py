@@ -54,3 +54,10 @@ def test_markdown_counts_only_the_requested_models_as_missing(table):
     page = table.markdown([], meta)
     assert "vgg_small, autoencoder1d not run" in page and "resnet_small" not in page
     assert "chosen after the `gpu` and `gpu_long` runs" in page and "- shared" in page
+
+
+def test_setting_reads_yaml_values_and_rejects_text_without_a_key(table):
+    assert table.setting("epsilon=0.005") == ("epsilon", 0.005)
+    assert table.setting(" deadline = null") == ("deadline", None)
+    with pytest.raises(Exception, match="KEY=VALUE"):
+        table.setting("0.005")

@@ -1,0 +1,135 @@
+"""Choose evolutionary settings for the pruning table on the validation split, never the test split.
+
+For each CNN of ``scripts/prune_table.py``: train the dense model of a budget, run the evolutionary pruner
+(paper 004 Alg. 2, ``configs/prune/evolutionary.yaml``) to the table's 92 % target once per ``--epsilon``
+(the relative validation drop that counts as a stall, Alg. 2 line 25), then fine-tune a copy of each pruned
+model with masks on once per ``--fine-tune-lr`` for the budget's fine-tuning epochs. Every candidate is scored
+by top-1 on the validation split; the test split is never loaded into a metric. The best candidate per model is
+what ``prune_table.py --evolutionary epsilon=E --fine-tune-lr LR`` should then run with.
+
+    PYTHONPATH=. python scripts/prune_select.py --budget gpu_w32 --models vgg_small --out select.json
+
+Writes ``--out`` (JSON, atomically, after every candidate: a stopped run keeps what it finished) and prints a
+table. Checkpoints under ``--workdir`` make a rerun resume (dense training and pruning runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unsparse.atomic import atomic_write_json
+from unsparse.data import FASHION_MNIST_DIR, fashion_mnist
+from unsparse.models import create_model
+from unsparse.pipeline import git_commit
+from unsparse.prune.evolutionary import EvolutionaryPruner
+from unsparse.train import Trainer
+
+
+def _prune_table():
+    """``scripts/prune_table.py`` as a module (budgets, settings, target and batch size are shared)."""
+    spec = importlib.util.spec_from_file_location("prune_table", Path(__file__).resolve().parent / "prune_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TABLE = _prune_table()
+
+
+def best(candidates: list[dict[str, Any]]) -> dict[str, Any]:
+    """The candidate with the highest validation top-1 (the first of equals, i.e. the earlier in the grid)."""
+    return max(candidates, key=lambda candidate: candidate["val_top1"])
+
+
+def select(name: str, budget: dict[str, Any], epsilons: list[float], learning_rates: list[float],
+           trainer_for: Any, workdir: Path, seed: int, record: Any) -> list[dict[str, Any]]:
+    """Dense training, then the ``epsilons`` x ``learning_rates`` grid for model ``name``.
+
+    ``trainer_for()`` returns a fresh :class:`Trainer` (loaders reseeded, so every candidate sees the same
+    batch order); ``record(candidates)`` is called after every candidate. Returns one dict per candidate:
+    ``epsilon``, ``fine_tune_lr``, ``val_top1`` (%), ``weighted_sparsity`` (eq. 7-8), ``stalls``,
+    ``iterations`` and ``wall_time_s`` (s, pruning and this fine-tuning).
+    """
+    torch.manual_seed(seed)
+    dense = create_model(name, width=budget["width"])
+    trainer_for().fit(dense, budget["dense_epochs"], workdir / "dense.pt", desc=f"{name} dense")
+    candidates: list[dict[str, Any]] = []
+    for epsilon in epsilons:
+        started = time.perf_counter()
+        pruned = copy.deepcopy(dense)
+        pruner = EvolutionaryPruner(**{**TABLE.evolutionary_settings(seed), "epsilon": epsilon,
+                                       "target": TABLE.TARGET, "iterations": budget["iterations"],
+                                       "batches_per_iteration": budget["batches"], "fine_tune_epochs": 0})
+        result = pruner.run(pruned, trainer_for(), workdir / f"epsilon_{epsilon}")
+        iterations = [entry for entry in result.history if entry["phase"] == "prune" and entry["iteration"] > 0]
+        pruning_s = time.perf_counter() - started
+        for lr in learning_rates:
+            started = time.perf_counter()
+            tuned = copy.deepcopy(pruned)
+            torch.manual_seed(seed)
+            trainer = trainer_for()
+            trainer.fit(tuned, budget["fine_tune_epochs"], None, lr=lr, desc=f"{name} fine-tune lr {lr}")
+            candidates.append({
+                "model": name, "epsilon": epsilon, "fine_tune_lr": lr,
+                "val_top1": trainer.evaluate(tuned, "val")["top1"],
+                "weighted_sparsity": result.weighted_sparsity, "iterations": len(iterations),
+                "stalls": sum("rewind" in entry["events"] for entry in iterations),
+                "wall_time_s": pruning_s + time.perf_counter() - started})
+            TABLE.say(f"{name} epsilon {epsilon} lr {lr}: val top1 {candidates[-1]['val_top1']:.2f}")
+            record(candidates)
+    return candidates
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--budget", choices=list(TABLE.BUDGETS), default="gpu_w32")
+    parser.add_argument("--models", nargs="+", choices=("vgg_small", "resnet_small"),
+                        default=["vgg_small", "resnet_small"])
+    parser.add_argument("--epsilon", nargs="+", type=float, default=[0.015, 0.005])
+    parser.add_argument("--fine-tune-lr", nargs="+", type=float, default=[0.01, 0.05])
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--data-root", type=Path, default=FASHION_MNIST_DIR)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, default=Path("outputs/prune_select"))
+    parser.add_argument("--out", type=Path, required=True, help="JSON file")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
+    args = parser.parse_args()
+    budget = TABLE.BUDGETS[args.budget]
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    splits = TABLE.trim(fashion_mnist(root=args.data_root, limit_train=budget["limit_train"]), budget["val"],
+                        budget["test"])
+    meta = {"budget_name": args.budget, "budget": budget, "seed": args.seed, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else TABLE.cpu_name(),
+            "torch": torch.__version__, "commit": (git_commit() or "none")[:7], "selection": "validation top-1",
+            "grid": {"epsilon": args.epsilon, "fine_tune_lr": args.fine_tune_lr}}
+    done: dict[str, list[dict[str, Any]]] = {}
+
+    def write(model: str, candidates: list[dict[str, Any]]) -> None:
+        done[model] = list(candidates)
+        chosen = {name: best(found) for name, found in done.items() if found}
+        atomic_write_json(args.out, {"meta": meta, "candidates": done, "chosen": chosen})
+
+    def trainer_for() -> Trainer:
+        return Trainer(splits.loaders(TABLE.BATCH_SIZE, seed=args.seed), device=device, lr=0.05,
+                       progress=args.progress)
+
+    for name in args.models:
+        select(name, budget, args.epsilon, args.fine_tune_lr, trainer_for, args.workdir / f"seed{args.seed}" / name,
+               args.seed, lambda candidates, name=name: write(name, candidates))
+    print("| model | epsilon | fine-tune lr | val top1 | stalls / iterations | chosen |\n|---|---|---|---|---|---|")
+    for name, candidates in done.items():
+        for candidate in candidates:
+            print(f"| {name} | {candidate['epsilon']} | {candidate['fine_tune_lr']} | {candidate['val_top1']:.2f} | "
+                  f"{candidate['stalls']} / {candidate['iterations']} | "
+                  f"{'yes' if candidate is best(candidates) else ''} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""scripts/prune_select.py: a validation-only grid over epsilon and fine-tuning learning rate."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from unsparse.data import Splits
+from unsparse.train import Trainer
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "prune_select.py"
+
+
+@pytest.fixture(scope="module")
+def selector():
+    spec = importlib.util.spec_from_file_location("prune_select", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_grid_is_scored_on_validation_only_and_best_takes_the_highest(selector, tmp_path, monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+
+    def split(count: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.rand(count, 1, 28, 28, generator=generator), torch.randint(0, 10, (count,), generator=generator)
+
+    splits = Splits(train=split(256), val=split(64), test=split(64), num_classes=10, name="noise")
+    seen: list[str] = []
+    evaluate = Trainer.evaluate
+
+    def spy(self, model, split_name="val", desc=None):
+        seen.append(split_name)
+        return evaluate(self, model, split_name, desc)
+
+    monkeypatch.setattr(Trainer, "evaluate", spy)
+    budget = {**selector.TABLE.BUDGETS["quick"], "iterations": 4, "batches": 1}
+    recorded: list[int] = []
+    candidates = selector.select(
+        "vgg_small", budget, [0.015, 0.005], [0.01, 0.05],
+        lambda: Trainer(splits.loaders(32, seed=0), lr=0.05, progress=False), tmp_path, 0,
+        lambda found: recorded.append(len(found)))
+    assert [(c["epsilon"], c["fine_tune_lr"]) for c in candidates] == [(0.015, 0.01), (0.015, 0.05),
+                                                                       (0.005, 0.01), (0.005, 0.05)]
+    assert recorded == [1, 2, 3, 4]
+    assert all(0.0 <= c["val_top1"] <= 100.0 and c["iterations"] <= 4 for c in candidates)
+    assert seen and "test" not in seen
+    assert selector.best([{"val_top1": 80.0, "k": 1}, {"val_top1": 81.0, "k": 2}, {"val_top1": 81.0, "k": 3}])["k"] == 2
