@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
+from unsparse.atomic import atomic_write
+
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                        "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
@@ -87,10 +89,10 @@ def _prepare_fashion_mnist_root(source: Path) -> Path:
                 f"Fashion-MNIST file {compressed} not found. Install Debian's package: "
                 "`apt-get install dataset-fashion-mnist` (or set data.root to a folder holding the four "
                 "idx files).")
-        temporary = target.with_suffix(".partial")
-        with (gzip.open(compressed) if compressed.exists() else open(plain, "rb")) as src, open(temporary, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        temporary.replace(target)
+        # A unique temporary name per writer: processes preparing the same cache at once (several tables on
+        # one machine) each rename a whole file into place instead of renaming each other's half-written one.
+        with gzip.open(compressed) if compressed.exists() else open(plain, "rb") as src:
+            atomic_write(target, lambda dst, src=src: shutil.copyfileobj(src, dst))
     return root
 
 
