@@ -38,6 +38,8 @@ def merge_by_seed(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     merged: dict[int, dict[str, Any]] = {}
     for run in runs:
         seed = run["meta"].get("seed", 0)
+        settings = {key: run["meta"][key] for key in ("fine_tune_lr", "evolutionary_overrides") if key in run["meta"]}
+        run = {**run, "blocks": [{**block, "settings": settings} for block in run["blocks"]]}
         if seed not in merged:
             merged[seed] = {"meta": run["meta"], "blocks": list(run["blocks"])}
             continue
@@ -49,8 +51,9 @@ def merge_by_seed(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
-def summary(runs: list[dict[str, Any]], sources: list[Path]) -> str:
-    """The Markdown page for runs of one budget with different seeds (several files of one seed are merged)."""
+def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | None = None) -> str:
+    """The Markdown page for runs of one budget with different seeds (several files of one seed are merged);
+    ``notes`` are paragraphs placed under the heading (e.g. how the settings were chosen)."""
     budgets = {run["meta"].get("budget_name") for run in runs}
     files = ", ".join(f"`{path.name}` (seed {run['meta'].get('seed', 0)}, commit {run['meta']['commit']})"
                       for path, run in zip(sources, runs, strict=True))
@@ -59,7 +62,7 @@ def summary(runs: list[dict[str, Any]], sources: list[Path]) -> str:
     lines = ["# Pruning results over seeds", "",
              f"Budget {', '.join(sorted(map(str, budgets)))}; seeds {seeds}; files: {files}.",
              "Each seed trains its own dense model; changes are against that seed's dense model. ± is the sample "
-             "standard deviation over seeds.", ""]
+             "standard deviation over seeds.", "", *(line for note in notes or [] for line in (note, ""))]
     complete = [{block["model"] for block in run["blocks"] if "error" not in block} for run in runs]
     models = [block["model"] for block in runs[0]["blocks"]
               if "error" not in block and all(block["model"] in found for found in complete)]
@@ -67,7 +70,12 @@ def summary(runs: list[dict[str, Any]], sources: list[Path]) -> str:
         blocks = [next(b for b in run["blocks"] if b["model"] == model) for run in runs]
         key = "top1" if "top1" in blocks[0]["rows"][0]["test"] else "mse"
         change = "change (points)" if key == "top1" else "ratio to dense"
-        lines += [f"## {model}", "", f"| method | test {key} | {change} | weighted sparsity |", "|---|---|---|---|"]
+        lines += [f"## {model}", ""]
+        settings = {json.dumps(block["settings"], sort_keys=True) for block in blocks if block["settings"]}
+        if settings:
+            lines += [f"Run with {' / '.join(sorted(settings))} (the tables' `--fine-tune-lr` and `--evolutionary` "
+                      "options; unset: 0.01 and the config file).", ""]
+        lines += [f"| method | test {key} | {change} | weighted sparsity |", "|---|---|---|---|"]
         per_method: dict[str, list[float]] = {}
         for method in [row["method"] for row in blocks[0]["rows"]]:
             values, changes, sparsity = [], [], []
@@ -99,9 +107,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--note", action="append", default=[], help="a paragraph under the heading (repeatable)")
     args = parser.parse_args(argv)
     runs = [json.loads(path.read_text()) for path in args.results]
-    atomic_write_text(args.out, summary(runs, args.results))
+    atomic_write_text(args.out, summary(runs, args.results, args.note))
     print(f"wrote {args.out}")
 
 

@@ -9,8 +9,9 @@ what ``prune_table.py --evolutionary epsilon=E --fine-tune-lr LR`` should then r
 
     PYTHONPATH=. python scripts/prune_select.py --budget gpu_w32 --models vgg_small --out select.json
 
-Writes ``--out`` (JSON, atomically, after every candidate: a stopped run keeps what it finished) and prints a
-table. Checkpoints under ``--workdir`` make a rerun resume (dense training and pruning runs).
+Writes ``--out`` (JSON, atomically, after every candidate: a stopped run keeps what it finished) and prints the
+page that ``--render JSON... --out PAGE.md`` writes. Checkpoints under ``--workdir`` make a rerun resume (dense
+training and pruning runs; the fine-tunings start over).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import json
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from unsparse.atomic import atomic_write_json
+from unsparse.atomic import atomic_write_json, atomic_write_text
 from unsparse.data import FASHION_MNIST_DIR, fashion_mnist
 from unsparse.models import create_model
 from unsparse.pipeline import git_commit
@@ -87,6 +89,26 @@ def select(name: str, budget: dict[str, Any], epsilons: list[float], learning_ra
     return candidates
 
 
+def markdown(selections: list[dict[str, Any]]) -> str:
+    """The selection page: one row per candidate of every ``--out`` JSON given, the chosen one marked."""
+    lines = ["# Evolutionary settings chosen on the validation split", "",
+             "Written by `scripts/prune_select.py --render`. Each candidate: the evolutionary pruner to 92 % "
+             "weighted sparsity with the given epsilon, then the budget's masked fine-tuning at the given learning "
+             "rate; scored by validation top-1 only (the test split was not evaluated).", ""]
+    for selection in selections:
+        meta = selection["meta"]
+        lines += [f"Budget `{meta['budget_name']}` {meta['budget']}, seed {meta['seed']}, on {meta['device_name']}, "
+                  f"commit {meta['commit']}.", "",
+                  "| model | epsilon | fine-tune lr | val top1 | stalls / iterations | chosen |",
+                  "|---|---|---|---|---|---|"]
+        for name, candidates in selection["candidates"].items():
+            chosen = best(candidates)
+            lines += [f"| {name} | {c['epsilon']} | {c['fine_tune_lr']} | {c['val_top1']:.2f} | {c['stalls']} / "
+                      f"{c['iterations']} | {'yes' if c == chosen else ''} |" for c in candidates]
+        lines.append("")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", choices=list(TABLE.BUDGETS), default="gpu_w32")
@@ -98,9 +120,14 @@ def main() -> None:
     parser.add_argument("--data-root", type=Path, default=FASHION_MNIST_DIR)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path("outputs/prune_select"))
-    parser.add_argument("--out", type=Path, required=True, help="JSON file")
+    parser.add_argument("--out", type=Path, required=True, help="JSON file (with --render: the Markdown page)")
+    parser.add_argument("--render", nargs="+", type=Path, metavar="JSON",
+                        help="write the page for these --out files to --out and run nothing")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
     args = parser.parse_args()
+    if args.render:
+        atomic_write_text(args.out, markdown([json.loads(path.read_text()) for path in args.render]))
+        return
     budget = TABLE.BUDGETS[args.budget]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     splits = TABLE.trim(fashion_mnist(root=args.data_root, limit_train=budget["limit_train"]), budget["val"],
@@ -123,12 +150,7 @@ def main() -> None:
     for name in args.models:
         select(name, budget, args.epsilon, args.fine_tune_lr, trainer_for, args.workdir / f"seed{args.seed}" / name,
                args.seed, lambda candidates, name=name: write(name, candidates))
-    print("| model | epsilon | fine-tune lr | val top1 | stalls / iterations | chosen |\n|---|---|---|---|---|---|")
-    for name, candidates in done.items():
-        for candidate in candidates:
-            print(f"| {name} | {candidate['epsilon']} | {candidate['fine_tune_lr']} | {candidate['val_top1']:.2f} | "
-                  f"{candidate['stalls']} / {candidate['iterations']} | "
-                  f"{'yes' if candidate is best(candidates) else ''} |")
+    print(markdown([{"meta": meta, "candidates": done}]))
 
 
 if __name__ == "__main__":

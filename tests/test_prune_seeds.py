@@ -45,3 +45,12 @@ def test_runs_of_one_seed_split_by_model_are_merged_and_partial_models_left_out(
     other = {"meta": {**split["meta"], "budget": {"width": 32}}, "blocks": resnet["blocks"]}
     with pytest.raises(ValueError, match="different budgets"):
         seeds.merge_by_seed([split, other])
+
+
+def test_summary_states_each_models_settings() -> None:
+    seeds = load()
+    tuned = run(0, 93.0, 92.6, 92.0)
+    tuned["meta"] |= {"fine_tune_lr": 0.05, "evolutionary_overrides": {"epsilon": 0.005}}
+    text = seeds.summary([tuned], [Path("a.json")], ["Chosen on validation."])
+    assert "\n\nChosen on validation.\n\n" in text
+    assert 'Run with {"evolutionary_overrides": {"epsilon": 0.005}, "fine_tune_lr": 0.05}' in text
