@@ -26,8 +26,15 @@
 //   broadcasts), its bound is the per-(row, chunk) count (UnSparse-Opt's uniform padding entries are
 //   dropped at plan time), and the lanes of a warp read 32 distinct banks (padded row width chosen on the
 //   Python side).
+//   VEC = 1 (float32, WX = 32, W % 4 == 0, a 16-byte aligned input, pad_w <= S - 1; checked on the Python
+//   side): each staged row's 32 interior columns (input columns f0 .. f0 + 31) are copied as eight 16-byte
+//   cp.async, which the row layout aligns by starting column xx of every row at LEFT + xx with
+//   (LEFT + pad_w) % 4 == 0; the S - 1 halo columns stay 4-byte copies. Per staged element this issues
+//   about a fifth of the scalar path's address arithmetic (kernels/NOTES.md, third session).
 
 #include <cuda_fp16.h>
+
+#include <type_traits>
 
 namespace unsparse {
 
@@ -160,7 +167,18 @@ __device__ __forceinline__ __half2 pack_images<__half, 2>(const float (&v)[2]) {
   return __floats2half2_rn(v[0], v[1]);
 }
 
-template <typename T, int R, int S, int WX, int PY, int NB, int MW, int WARPS, int CC, int IWP>
+// One 4- or 16-byte cp.async into shared memory; `live` false zero-fills the destination.
+template <int BYTES>
+__device__ __forceinline__ void stage_async(void* dst, const void* src, bool live) {
+  const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if constexpr (BYTES == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src), "r"(live ? 16 : 0));
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_addr), "l"(src), "r"(live ? 4 : 0));
+  }
+}
+
+template <typename T, int R, int S, int WX, int PY, int NB, int MW, int WARPS, int CC, int IWP, int LEFT, int VEC>
 __global__ void __launch_bounds__(WARPS * 32)
     direct_tile(const T* __restrict__ x,                // (N, C, H, W), unpadded
                 const int* __restrict__ chunk_ptr,      // (M * K + 1,): entries of (m, k) are [m*K+k, m*K+k+1)
@@ -178,13 +196,15 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int TE = WY * PY;
   constexpr int IH = TE + R - 1;
   constexpr int IW = WX + S - 1;
-  static_assert(IWP >= IW, "padded tile row holds the halo");
+  static_assert(IWP >= LEFT + IW, "padded tile row holds the halo");
+  static_assert(!VEC || (TileElem<T>::async_staging && WX == 32 && IWP % 4 == 0),
+                "16-byte staging: float32, one 32-column warp row, rows of whole 16-byte vectors");
   constexpr int PLANE = IH * IWP;
   constexpr int CS = NBE * PLANE;  // one input channel of the tile, all its image elements
   constexpr int THREADS = WARPS * 32;
   constexpr int STAGED = CC * NBE * IH * IW;
   constexpr int BUFFERS = TileElem<T>::async_staging ? 2 : 1;
-  __shared__ Elem tiles[BUFFERS][CC * CS];
+  __shared__ __align__(16) Elem tiles[BUFFERS][CC * CS];
 
   const int group = blockIdx.x % groups;
   const int tile_id = blockIdx.x / groups;
@@ -195,7 +215,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int warp = threadIdx.x >> 5;
   const int ly = lane / WX;
   const int lx = lane % WX;
-  const int base = ly * IWP + lx;
+  const int base = ly * IWP + LEFT + lx;
   const int m_base = group * (WARPS * MW) + warp * MW;
   const int K = (C + CC - 1) / CC;
   const long long image_size = static_cast<long long>(C) * H * W;
@@ -214,6 +234,31 @@ __global__ void __launch_bounds__(WARPS * 32)
   // registers held), so chunk k + 1 streams in while chunk k is computed. float16: image pairs are packed
   // into __half2 through registers, synchronously.
   const auto stage = [&](int k, int b) {
+    if constexpr (VEC) {
+      // Rows (cc, ie, yy) as (row, column xx) copies: first WX / 4 interior vectors per row, then the S - 1
+      // halo columns (xx < pad_w or xx >= pad_w + WX); W % 4 == 0 puts every vector wholly inside or
+      // outside the image.
+      constexpr int ROWS = CC * NBE * IH;
+      const auto copy = [&](int row, int xx, auto bytes) {
+        const int iy = e0 + row % IH - pad_h;
+        const int ix = f0 + xx - pad_w;
+        const int n = n0 + (row / IH) % NBE;
+        const int c = k * CC + row / (IH * NBE);
+        const bool live = c < C && n < N && static_cast<unsigned>(iy) < static_cast<unsigned>(H) &&
+                          static_cast<unsigned>(ix) < static_cast<unsigned>(W);
+        stage_async<decltype(bytes)::value>(&tiles[b][row * IWP + LEFT + xx],
+                                            live ? x + n * image_size + (c * H + iy) * W + ix : x, live);
+      };
+#pragma unroll 1
+      for (int idx = threadIdx.x; idx < ROWS * (WX / 4); idx += THREADS)
+        copy(idx / (WX / 4), pad_w + 4 * (idx % (WX / 4)), std::integral_constant<int, 16>{});
+#pragma unroll 1
+      for (int idx = threadIdx.x; idx < ROWS * (IW - WX); idx += THREADS) {
+        const int slot = idx % (IW - WX);
+        copy(idx / (IW - WX), slot < pad_w ? slot : slot + WX, std::integral_constant<int, 4>{});
+      }
+      return;
+    }
     for (int idx = threadIdx.x; idx < STAGED; idx += THREADS) {
       const int xx = idx % IW;
       const int row = idx / IW;  // (cc * NBE + ie) * IH + yy
@@ -225,14 +270,11 @@ __global__ void __launch_bounds__(WARPS * 32)
       const bool inside = c < C && static_cast<unsigned>(iy) < static_cast<unsigned>(H) &&
                           static_cast<unsigned>(ix) < static_cast<unsigned>(W);
       const int within = inside ? (c * H + iy) * W + ix : 0;
-      Elem* dst = &tiles[b][row * IWP + xx];
+      Elem* dst = &tiles[b][row * IWP + LEFT + xx];
       if constexpr (TileElem<T>::async_staging) {
         const int n = n0 + ie;
         const bool live = inside && n < N;
-        const T* src = live ? x + n * image_size + within : x;
-        const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_addr), "l"(src),
-                     "r"(live ? 4 : 0));
+        stage_async<4>(dst, live ? x + n * image_size + within : x, live);
       } else {
         float v[IPE];
 #pragma unroll

@@ -76,16 +76,28 @@ def emulate_rows(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, threa
     return out.reshape(N, csr.out_channels, E, F_)
 
 
+def staged_columns(layout: cl.TileLayout, tiling: cl.TileTiling, pad_w: int) -> list[list[int]]:
+    """The columns ``xx`` each copy of one staged row writes, in the kernel's order: scalar staging one column
+    per copy; 16-byte staging (``layout.vector``) the WX / 4 interior vectors of 4 columns, then the halo."""
+    if not layout.vector:
+        return [[xx] for xx in range(layout.tile_w)]
+    halo = layout.tile_w - tiling.wx
+    return ([[pad_w + 4 * v + i for i in range(4)] for v in range(tiling.wx // 4)]
+            + [[h if h < pad_w else h + tiling.wx] for h in range(halo)])
+
+
 def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tiling: cl.TileTiling,
-                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                 dtype: torch.dtype = torch.float32, vector: bool = False) -> torch.Tensor:
     """``direct_tile`` in Python: grid decode, staged chunk in the kernel's flat layout (zero halo, images
-    packed per element), per-(row, chunk) entries, lane-to-output map and every shared-memory index checked
-    against the chunk's size."""
+    packed per element; with ``vector`` the 16-byte copies, each wholly inside or outside the image and
+    16-byte aligned in shared memory), per-(row, chunk) entries, lane-to-output map and every shared-memory
+    index checked against the chunk's size."""
     N, C, H, W = x.shape
     R, S = csr.kernel_size
     E, F_ = geometry.output_size(H, W, csr.kernel_size)
-    layout = cl.tile_layout(dtype, (R, S), tiling)
-    spec = cl.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling)
+    pad = geometry.padding[1] if vector else None
+    layout = cl.tile_layout(dtype, (R, S), tiling, pad)
+    spec = cl.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling, pad)
     arrays = prepare_tile(csr, layout)
     ipe = cl.images_per_element(dtype)
     (te, tf), wy = tiling.tile_hw, tiling.wy
@@ -93,7 +105,7 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
     ph, pw = geometry.padding
     lane = torch.arange(32)
     ly, lx = lane // tiling.wx, lane % tiling.wx
-    base = ly * layout.padded_width + lx
+    base = ly * layout.padded_width + layout.left + lx
     py = torch.arange(tiling.py)
     out = torch.full((N, csr.out_channels, E, F_), float("nan"), dtype=x.dtype)
     for bx, by in [(a, b) for a in range(spec.grid[0]) for b in range(spec.grid[1])]:
@@ -101,15 +113,18 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
         e0, f0, n0 = (tile_id // tiles_f) * te, (tile_id % tiles_f) * tf, by * tiling.nb
         acc = torch.zeros(spec.block[0] // 32, tiling.mw, tiling.nb, tiling.py, 32, dtype=x.dtype)
         for k in range(K):
-            chunk = torch.zeros(layout.elements(), ipe, dtype=x.dtype)
-            for cc, ie, yy, xx in [(a, b, c, d) for a in range(tiling.cc) for b in range(layout.image_elements)
-                                   for c in range(layout.tile_h) for d in range(layout.tile_w)]:
-                c, iy, ix = k * tiling.cc + cc, e0 + yy - ph, f0 + xx - pw
-                for q in range(ipe):
+            chunk = torch.full((layout.elements(), ipe), float("nan"), dtype=x.dtype)  # unstaged reads show
+            for cc, ie, yy, columns in [(a, b, c, d) for a in range(tiling.cc) for b in range(layout.image_elements)
+                                        for c in range(layout.tile_h) for d in staged_columns(layout, tiling, pw)]:
+                c, iy = k * tiling.cc + cc, e0 + yy - ph
+                row = cc * layout.channel_stride + ie * layout.plane + yy * layout.padded_width + layout.left
+                inside = [c < C and 0 <= iy < H and 0 <= f0 + xx - pw < W for xx in columns]
+                assert len(set(inside)) == 1, "a copy straddles the image border"
+                assert len(columns) == 1 or (row + columns[0]) % 4 == 0, "a 16-byte copy is not aligned"
+                for xx, q in [(a, b) for a in columns for b in range(ipe)]:
                     n = n0 + ie * ipe + q
-                    if c < C and 0 <= iy < H and 0 <= ix < W and n < N:
-                        index = cc * layout.channel_stride + ie * layout.plane + yy * layout.padded_width + xx
-                        chunk[index, q] = x[n, c, iy, ix]
+                    live = inside[0] and n < N
+                    chunk[row + xx, q] = x[n, c, iy, f0 + xx - pw] if live else 0.0
             for warp in range(spec.block[0] // 32):
                 for j in range(tiling.mw):
                     m = group * tiling.channels + warp * tiling.mw + j
@@ -154,6 +169,33 @@ def test_tile_emulation_matches_conv2d(case: tuple, tiling: cl.TileTiling) -> No
     x, csr, geometry, ref = layer(case, seed=3)
     out = emulate_tile(x, csr, geometry, tiling)
     assert torch.allclose(out, ref, atol=1e-5)  # the entries hold float32 weights
+
+
+@pytest.mark.parametrize("case", [(2, 3, 5, 36, 5, 3, 3, 1, 1, 1), (1, 2, 6, 40, 3, 3, 3, 1, 0, 1),
+                                  (2, 3, 7, 16, 4, 5, 5, 1, 2, 1), (2, 5, 3, 8, 6, 1, 1, 1, 0, 1)])
+def test_tile_emulation_of_16_byte_staging_matches_conv2d(case: tuple) -> None:
+    x, csr, geometry, ref = layer(case, seed=5)
+    tiling = cl.TileTiling(wx=32, py=2, nb=2, mw=2, warps=2, cc=2)
+    out = emulate_tile(x, csr, geometry, tiling, vector=True)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_vector_staging_eligibility() -> None:
+    assert cl.vector_staging_reason(torch.float32, 56, (3, 3), (1, 1)) is None
+    assert "float32" in cl.vector_staging_reason(torch.float16, 56, (3, 3), (1, 1))
+    assert "multiple of 4" in cl.vector_staging_reason(torch.float32, 14, (3, 3), (1, 1))
+    assert "pad_w" in cl.vector_staging_reason(torch.float32, 56, (3, 3), (0, 3))
+    layout = cl.tile_layout(torch.float32, (3, 3), cl.TileTiling(32, 4, 2, 4, 16, 8), vector_pad=1)
+    assert (layout.left, layout.padded_width, layout.vector) == (3, 40, True)
+    with pytest.raises(ValueError, match="16-byte"):
+        cl.tile_layout(torch.float32, (3, 3), cl.TileTiling(16, 4, 2, 4, 16, 8), vector_pad=1)
+    vector = [p for p in tile_space(128, (56, 56), (3, 3), torch.float32, vector_pad=1) if "stage" in p]
+    assert vector and all(p["wx"] == 32 and p["stage"] == "vector" for p in vector)
+    backend = DirectBackend()
+    csr = UniformCSR.from_dense(torch.randn(8, 4, 3, 3))
+    narrow = backend.tuning_space(torch.zeros(2, 4, 14, 14), csr, ConvGeometry.of(1, 1))
+    assert not any("stage" in p for p in narrow)
+    assert any("stage" in p for p in backend.tuning_space(torch.zeros(2, 4, 56, 56), csr, ConvGeometry.of(1, 1)))
 
 
 def test_tile_emulation_float16_layout_pairs_images() -> None:
@@ -250,12 +292,14 @@ def test_launch_geometry() -> None:
     tiling = cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4)
     spec = cl.tile_launch(torch.float32, 127, 200, (28, 28), (3, 3), tiling)
     assert spec.grid == (4 * 4 * 2, 64, 1) and spec.block == (256, 1, 1)
-    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48>"
+    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48,0,0>"
+    spec = cl.tile_launch(torch.float32, 127, 200, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 4, 16, 8), 1)
+    assert spec.name == "direct_tile<float,3,3,32,4,2,4,16,8,40,3,1>"
     with pytest.raises(ValueError, match="exceed"):  # two float32 buffers of 30 KB
         cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))
     cl.tile_launch(torch.float16, 2, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))  # one buffer
     spec = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8))
-    assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32>"
+    assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0>"
     with pytest.raises(ValueError, match="threads"):
         cl.rows_launch(torch.float32, 1, 1, 1, 100, 1, 1, 1)
     with pytest.raises(ValueError, match="grid"):

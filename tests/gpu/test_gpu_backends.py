@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime import get_backend, sparsify
 from unsparse.runtime.backends.direct import rows_space, tile_space
 from unsparse.runtime.comparator import plan_model, relative_error, tolerance
@@ -48,6 +49,10 @@ CASES = {
     "five_by_five_pad2": (3, 7, 14, 14, 11, 5, 5, 1, 2, 1, 0.85, 0, 0),
     "conv1d_shape": (3, 6, 1, 37, 8, 1, 5, 1, 2, 1, 0.7, 0, 0),
     "groups_tiles_chunks": (5, 21, 30, 34, 70, 3, 3, 1, 1, 1, 0.9, 1, 1),
+    # W % 4 == 0: the 16-byte staging ("stage": "vector"); partial right tile, no left halo, a 5x5 halo.
+    "vector_edges": (3, 9, 10, 36, 20, 3, 3, 1, 1, 1, 0.8, 1, 1),
+    "vector_pad0": (2, 5, 9, 40, 6, 3, 3, 1, 0, 1, 0.7, 0, 0),
+    "vector_5x5": (2, 4, 12, 16, 6, 5, 5, 1, 2, 1, 0.8, 0, 0),
 }
 
 
@@ -80,8 +85,12 @@ def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.
     out_hw = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
     space = rows_space(x.shape[0], out_hw[0] * out_hw[1], prune=False)
     if geometry.stride == (1, 1) and geometry.dilation == (1, 1) and geometry.spatial_dims == 2:
-        space += tile_space(x.shape[0], out_hw, csr.kernel_size, dtype, prune=False)
+        vector = cl.vector_staging_reason(dtype, x.shape[-1], csr.kernel_size, geometry.padding) is None
+        space += tile_space(x.shape[0], out_hw, csr.kernel_size, dtype, prune=False,
+                            vector_pad=geometry.padding[1] if vector else None)
     assert all(p in space for p in backend.tuning_space(x, csr, geometry))
+    if case.startswith("vector") and dtype == torch.float32:
+        assert any(p.get("stage") == "vector" for p in space)
     backend.precompile(x, csr, geometry, space)
     for params in space:
         poison_allocator(ref.numel(), dtype)
@@ -103,6 +112,22 @@ def test_baselines_match_float64_reference(case: str, backend: str) -> None:
         poison_allocator(ref.numel(), torch.float32)
         out = chosen.conv(x, csr, bias, geometry, **params)
         assert relative_error(out.cpu(), ref) <= tolerance(torch.float32)
+
+
+def test_vector_staging_on_a_misaligned_input_takes_the_scalar_kernel() -> None:
+    x, csr, bias, geometry, ref = make_case("vector_edges", torch.float32, seed=9)
+    backend = get_backend("direct")
+    params = next(p for p in backend.tuning_space(x, csr, geometry) if p.get("stage") == "vector")
+    storage = torch.empty(x.numel() + 1, dtype=x.dtype, device=CUDA)
+    shifted = storage[1:].view_as(x)  # 4 bytes past a 16-byte boundary
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16 == 4
+    for source in (x, shifted):
+        poison_allocator(ref.numel(), torch.float32)
+        assert relative_error(backend.conv(source, csr, bias, geometry, **params).cpu(), ref) <= tolerance(
+            torch.float32)
+    with pytest.raises(ValueError, match="stage"):
+        backend.conv(x[..., :35].contiguous(), csr, bias, geometry, **params)
 
 
 def test_direct_rejects_bad_indices_before_launch() -> None:

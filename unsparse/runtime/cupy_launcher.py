@@ -126,7 +126,8 @@ class TileLayout:
     """Shared-memory layout of one staged chunk of ``direct_tile``, element units (one element holds
     ``images_per_element`` images: 1 for float32, 2 (a ``__half2``) for float16).
 
-    Element ``(cc, ie, yy, xx)`` sits at ``cc * channel_stride + ie * plane + yy * padded_width + xx``.
+    Element ``(cc, ie, yy, xx)`` sits at ``cc * channel_stride + ie * plane + yy * padded_width + left + xx``.
+    ``vector``: rows are staged as 16-byte vectors (``left + pad_w`` a multiple of 4; :func:`tile_layout`).
     """
 
     tile_h: int
@@ -135,6 +136,8 @@ class TileLayout:
     image_elements: int
     chunk: int
     buffers: int
+    left: int = 0
+    vector: bool = False
 
     def shared_bytes(self) -> int:
         """Static shared memory of the kernel: ``buffers`` staged chunks of 4-byte elements (float32 stages
@@ -161,16 +164,23 @@ def images_per_element(dtype: torch.dtype) -> int:
     return 2 if dtype == torch.float16 else 1
 
 
-def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTiling) -> TileLayout:
+def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTiling,
+                vector_pad: int | None = None) -> TileLayout:
     """The staged chunk layout for ``tiling`` (shared by :func:`tile_launch` and the plan-time offsets).
 
     The padded row width is the smallest ``>= WX + S - 1`` that makes a warp's 32 loads hit 32 distinct
     banks: any width when a warp covers one row (WX = 32), else one congruent to WX modulo 32, so that
     lane ``(ly, lx)`` reads bank ``(ly * WX + lx) mod 32 = lane``.
 
+    With ``vector_pad`` (the layer's left padding ``pad_w``), rows are laid out for 16-byte staging: column
+    ``xx`` at ``left + xx`` with ``left = (-pad_w) mod 4``, so the interior columns ``pad_w .. pad_w + 31``
+    (input columns ``f0 .. f0 + 31``) start on a 16-byte boundary, and the row width is a multiple of 4
+    (a warp reads one row, so any width is conflict-free). The layer must also pass
+    :func:`vector_staging_reason` and the input be 16-byte aligned.
+
     Raises:
         ValueError: if WX does not divide 32, NB is not a multiple of the images per element, or a size is
-            not positive.
+            not positive; with ``vector_pad``: not float32, WX != 32, or ``pad_w`` outside ``[0, S - 1]``.
     """
     (R, S) = kernel_size
     if tiling.wx not in (1, 2, 4, 8, 16, 32):
@@ -181,23 +191,46 @@ def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTi
     if tiling.nb % ipe:
         raise ValueError(f"tiling: NB={tiling.nb} is not a multiple of {ipe} images per element ({dtype})")
     te, tf = tiling.tile_hw
+    buffers = 2 if ipe == 1 else 1
+    if vector_pad is not None:
+        if dtype != torch.float32 or tiling.wx != 32 or not 0 <= vector_pad <= S - 1:
+            raise ValueError(f"tiling: 16-byte staging needs float32, WX=32 and 0 <= pad_w <= S-1, got {dtype}, "
+                             f"WX={tiling.wx}, pad_w={vector_pad}, S={S}")
+        left = -vector_pad % 4
+        width = left + tf + S - 1
+        return TileLayout(te + R - 1, tf + S - 1, width + -width % 4, tiling.nb, tiling.cc, buffers, left, True)
     width = tf + S - 1
     if tiling.wy > 1:
         width += (tiling.wx - width) % 32
-    return TileLayout(te + R - 1, tf + S - 1, width, tiling.nb // ipe, tiling.cc, 2 if ipe == 1 else 1)
+    return TileLayout(te + R - 1, tf + S - 1, width, tiling.nb // ipe, tiling.cc, buffers)
+
+
+def vector_staging_reason(dtype: torch.dtype, width: int, kernel_size: tuple[int, int],
+                          padding: tuple[int, int]) -> str | None:
+    """Why a layer cannot stage 16-byte vectors, or None if it can: float32, input ``width % 4 == 0`` (every
+    vector of a row wholly inside or outside the image) and ``pad_w <= S - 1`` (the interior fits the staged
+    row). The input must also be 16-byte aligned, which only the call can tell."""
+    if dtype != torch.float32:
+        return f"dtype {dtype} (float32 only)"
+    if width % 4:
+        return f"input width {width} is not a multiple of 4"
+    if not 0 <= padding[1] <= kernel_size[1] - 1:
+        return f"pad_w={padding[1]} outside [0, S-1]"
+    return None
 
 
 def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple[int, int],
-                kernel_size: tuple[int, int], tiling: TileTiling) -> Launch:
+                kernel_size: tuple[int, int], tiling: TileTiling, vector_pad: int | None = None) -> Launch:
     """Geometry of ``direct_tile``: grid ``(channel groups * output tiles, ceil(N / NB))``, channel groups
-    fastest so that the blocks staging one input tile run together and find it in L2.
+    fastest so that the blocks staging one input tile run together and find it in L2. ``vector_pad``: the
+    16-byte staging layout of :func:`tile_layout` (template arguments LEFT and VEC).
 
     Raises:
         ValueError: for an invalid tiling (:func:`tile_layout`), more than 1024 threads, a non-positive
             size, staged chunks beyond :data:`SHARED_LIMIT_BYTES`, or a grid beyond CUDA's limits.
     """
     (E, F_), (R, S) = out_hw, kernel_size
-    layout = tile_layout(dtype, kernel_size, tiling)
+    layout = tile_layout(dtype, kernel_size, tiling, vector_pad)
     if min(batch, out_channels, E, F_) < 1:
         raise ValueError("tile_launch: every size must be positive")
     if tiling.warps * 32 > 1024:
@@ -209,7 +242,7 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
     grid = (groups * math.ceil(E / te) * math.ceil(F_ / tf), math.ceil(batch / tiling.nb), 1)
     _check_grid(grid)
     name = (f"direct_tile<{cuda_type(dtype)},{R},{S},{tiling.wx},{tiling.py},{tiling.nb},{tiling.mw},"
-            f"{tiling.warps},{tiling.cc},{layout.padded_width}>")
+            f"{tiling.warps},{tiling.cc},{layout.padded_width},{layout.left},{int(layout.vector)}>")
     return Launch(name, grid, (tiling.warps * 32, 1, 1))
 
 

@@ -71,18 +71,20 @@ def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str
 
 
 def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int], dtype: torch.dtype,
-               prune: bool = True) -> list[dict[str, Any]]:
+               prune: bool = True, vector_pad: int | None = None) -> list[dict[str, Any]]:
     """``direct_tile`` settings: the :data:`TILE_TILINGS` valid for ``dtype`` and whose staged chunks fit
-    in shared memory.
+    in shared memory; with ``vector_pad`` (the layer's ``pad_w``, where
+    :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason` allows it) also each tiling that can stage
+    16-byte vectors, as ``"stage": "vector"``.
 
     With ``prune``, tilings whose output tile is more than twice the plane in either direction, or whose
     NB exceeds the batch (beyond the images per element), are left out.
     """
     E, F_ = out_hw
     space = []
-    for tiling in TILE_TILINGS:
+    for tiling, pad in itertools.product(TILE_TILINGS, [None] if vector_pad is None else [None, vector_pad]):
         try:
-            layout = cl.tile_layout(dtype, kernel_size, tiling)
+            layout = cl.tile_layout(dtype, kernel_size, tiling, pad)
         except ValueError:
             continue
         if layout.shared_bytes() > cl.SHARED_LIMIT_BYTES:
@@ -91,7 +93,7 @@ def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int]
         if prune and (te > 2 * E or tf > 2 * F_ or tiling.nb > max(batch, cl.images_per_element(dtype))):
             continue
         space.append({"variant": "tile", "wx": tiling.wx, "py": tiling.py, "nb": tiling.nb, "mw": tiling.mw,
-                      "warps": tiling.warps, "cc": tiling.cc})
+                      "warps": tiling.warps, "cc": tiling.cc, **({} if pad is None else {"stage": "vector"})})
     return space
 
 
@@ -205,7 +207,7 @@ def validate_tile(arrays: TileArrays, out_channels: int, channels: int, kernel_s
                   layout: cl.TileLayout) -> None:
     """Check the grouped arrays before ``direct_tile`` reads through them.
 
-    The kernel reads ``tile[offset + (ly + py*WY) * padded_width + lx + ie * plane]`` for output rows
+    The kernel reads ``tile[offset + (ly + py*WY) * padded_width + left + lx + ie * plane]`` for output rows
     ``ly + py*WY < tile_h - R + 1`` and columns ``lx < tile_w - S + 1``. That index lies inside the staged
     chunk, and in the right input channel, exactly when ``offset = cc * channel_stride + r * padded_width + s``
     with ``r < R``, ``s < S`` and ``cc < CC`` such that ``k * CC + cc < C`` for the entry's chunk k.
@@ -224,7 +226,7 @@ def validate_tile(arrays: TileArrays, out_channels: int, channels: int, kernel_s
         raise ValueError(f"chunk_ptr: expected {out_channels * K + 1} entries from 0 to nnz={nnz}")
     if bool((ptr[1:] < ptr[:-1]).any()):
         raise ValueError("chunk_ptr: not non-decreasing")
-    if layout.tile_h < R or layout.tile_w < S or layout.padded_width < layout.tile_w:
+    if layout.tile_h < R or layout.tile_w < S or layout.padded_width < layout.left + layout.tile_w:
         raise ValueError(f"entries: layout {layout} does not hold a {R}x{S} halo")
     if nnz == 0:
         return
@@ -275,7 +277,9 @@ class DirectBackend(ConvBackend):
         out_hw = self._out_hw(x, csr, geometry)
         space = rows_space(x.shape[0], out_hw[0] * out_hw[1])
         if geometry.spatial_dims == 2 and geometry.stride == (1, 1) and geometry.dilation == (1, 1):
-            space += tile_space(x.shape[0], out_hw, csr.kernel_size, x.dtype)
+            vector = cl.vector_staging_reason(x.dtype, x.shape[-1], csr.kernel_size, geometry.padding) is None
+            space += tile_space(x.shape[0], out_hw, csr.kernel_size, x.dtype,
+                                vector_pad=geometry.padding[1] if vector else None)
         return space
 
     def kernel_names(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
@@ -297,7 +301,27 @@ class DirectBackend(ConvBackend):
             return cl.rows_launch(x.dtype, N, csr.out_channels, E * F_, params.get("threads", 128),
                                   params.get("pixels", 1), params.get("sub_batch", 1),
                                   params.get("channels", ROWS_CHANNELS))
-        return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), csr.kernel_size, tiling_of(params))
+        return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), csr.kernel_size, tiling_of(params),
+                              self._vector_pad(x, csr, geometry, params))
+
+    @staticmethod
+    def _vector_pad(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, params: dict[str, Any]) -> int | None:
+        """``pad_w`` for a ``"stage": "vector"`` tile setting on this input, None for scalar staging. An input
+        that is merely not 16-byte aligned (a view at an odd offset) takes the scalar kernel of the same
+        tiling, which computes the same result.
+
+        Raises:
+            ValueError: for an unknown ``stage``, or ``vector`` on a layer that can never stage vectors.
+        """
+        stage = params.get("stage", "scalar")
+        if stage not in ("scalar", "vector"):
+            raise ValueError(f"stage: unknown {stage!r}, expected 'scalar' or 'vector'")
+        if stage == "scalar":
+            return None
+        reason = cl.vector_staging_reason(x.dtype, x.shape[-1], csr.kernel_size, geometry.padding)
+        if reason is not None:
+            raise ValueError(f"stage: vector staging impossible here: {reason}")
+        return geometry.padding[1] if x.data_ptr() % 16 == 0 else None
 
     def _arrays(self, csr: UniformCSR, key: tuple, build: Any) -> Any:
         per_csr = self._cache.setdefault(csr, {})
@@ -316,8 +340,8 @@ class DirectBackend(ConvBackend):
         N, C, H, W = x.shape
         E, F_ = self._out_hw(x, csr, geometry)
         variant = params.get("variant", "rows")
-        spec = self._arrays(csr, ("launch", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items()))),
-                            lambda: self._launch(x, csr, geometry, params))
+        spec = self._arrays(csr, ("launch", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())),
+                                  x.data_ptr() % 16 == 0), lambda: self._launch(x, csr, geometry, params))
         out = torch.empty(N, csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
         if csr.out_channels == 0 or N * E * F_ == 0:
@@ -331,7 +355,7 @@ class DirectBackend(ConvBackend):
             if geometry.stride != (1, 1) or geometry.dilation != (1, 1) or geometry.spatial_dims != 2:
                 raise ValueError(f"variant: tile needs stride 1, dilation 1 Conv2d, got {geometry}")
             tiling = tiling_of(params)
-            layout = cl.tile_layout(x.dtype, csr.kernel_size, tiling)
+            layout = cl.tile_layout(x.dtype, csr.kernel_size, tiling, self._vector_pad(x, csr, geometry, params))
             arrays = self._arrays(csr, ("tile", layout), lambda: prepare_tile(csr, layout))
             args = (x, arrays.chunk_ptr, arrays.entries, bias, out, N, C, H, W, csr.out_channels, E, F_,
                     *geometry.padding, math.ceil(F_ / tiling.tile_hw[1]), math.ceil(csr.out_channels / tiling.channels))
