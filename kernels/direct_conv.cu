@@ -34,8 +34,6 @@
 
 #include <cuda_fp16.h>
 
-#include <type_traits>
-
 namespace unsparse {
 
 __device__ __forceinline__ float load_float(const float* p) { return __ldg(p); }
@@ -167,6 +165,12 @@ __device__ __forceinline__ __half2 pack_images<__half, 2>(const float (&v)[2]) {
   return __floats2half2_rn(v[0], v[1]);
 }
 
+// A copy width as a type (NVRTC has no <type_traits>).
+template <int BYTES>
+struct CopyBytes {
+  static constexpr int value = BYTES;
+};
+
 // One 4- or 16-byte cp.async into shared memory; `live` false zero-fills the destination.
 template <int BYTES>
 __device__ __forceinline__ void stage_async(void* dst, const void* src, bool live) {
@@ -251,11 +255,11 @@ __global__ void __launch_bounds__(WARPS * 32)
       };
 #pragma unroll 1
       for (int idx = threadIdx.x; idx < ROWS * (WX / 4); idx += THREADS)
-        copy(idx / (WX / 4), pad_w + 4 * (idx % (WX / 4)), std::integral_constant<int, 16>{});
+        copy(idx / (WX / 4), pad_w + 4 * (idx % (WX / 4)), CopyBytes<16>{});
 #pragma unroll 1
       for (int idx = threadIdx.x; idx < ROWS * (IW - WX); idx += THREADS) {
         const int slot = idx % (IW - WX);
-        copy(idx / (IW - WX), slot < pad_w ? slot : slot + WX, std::integral_constant<int, 4>{});
+        copy(idx / (IW - WX), slot < pad_w ? slot : slot + WX, CopyBytes<4>{});
       }
       return;
     }
