@@ -4,7 +4,9 @@ Two kernel variants share the backend and its tuning space (parameter ``variant`
 
 * ``"rows"``: Escoin §3 / UnSparse-Opt §5 (uniform nnz, sub-batch), any geometry.
 * ``"tile"``: input tiles with halos in shared memory, each warp accumulating several output channels over
-  a pixel x image tile; stride 1, dilation 1, Conv2d.
+  a pixel x image tile; stride 1, dilation 1, Conv2d. ``"stage": "vector"`` settings copy each staged row's
+  interior as 16-byte vectors (float32, 32-column warp rows, input width a multiple of 4; see
+  :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason`).
 
 Everything a kernel reads through an index is built and checked here at plan time (:func:`prepare_rows`,
 :func:`prepare_tile`) and cached per UniformCSR object and input size, so no kernel sees an unchecked
