@@ -63,7 +63,8 @@ if (($# == 0)); then
     run_table "$OUT" 2>&1 | tee -a "$OUT/prune_table.log"
     exit
 fi
-# Jobs NAME:OPTIONS run at the same time on the one GPU (these small models leave it mostly idle); each writes
+# Jobs NAME:OPTIONS run at the same time on the one GPU (sharing lengthens each: four width-32 tables took about
+# twice a lone table's time, so keep the jobs few enough to end inside PRUNE_TABLE_TIMEOUT); each writes
 # $OUT/NAME.json (render its page with prune_table.py --render), and the logs are appended one after another.
 status=0
 for job in "$@"; do
