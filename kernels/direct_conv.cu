@@ -165,12 +165,6 @@ __device__ __forceinline__ __half2 pack_images<__half, 2>(const float (&v)[2]) {
   return __floats2half2_rn(v[0], v[1]);
 }
 
-// A copy width as a type (NVRTC has no <type_traits>).
-template <int BYTES>
-struct CopyBytes {
-  static constexpr int value = BYTES;
-};
-
 // One 4- or 16-byte cp.async into shared memory; `live` false zero-fills the destination.
 template <int BYTES>
 __device__ __forceinline__ void stage_async(void* dst, const void* src, bool live) {
@@ -243,50 +237,55 @@ __global__ void __launch_bounds__(WARPS * 32)
       // halo columns (xx < pad_w or xx >= pad_w + WX); W % 4 == 0 puts every vector wholly inside or
       // outside the image.
       constexpr int ROWS = CC * NBE * IH;
-      const auto copy = [&](int row, int xx, auto bytes) {
+      const auto copy = [&](int row, int xx, bool vector) {
         const int iy = e0 + row % IH - pad_h;
         const int ix = f0 + xx - pad_w;
         const int n = n0 + (row / IH) % NBE;
         const int c = k * CC + row / (IH * NBE);
         const bool live = c < C && n < N && static_cast<unsigned>(iy) < static_cast<unsigned>(H) &&
                           static_cast<unsigned>(ix) < static_cast<unsigned>(W);
-        stage_async<decltype(bytes)::value>(&tiles[b][row * IWP + LEFT + xx],
-                                            live ? x + n * image_size + (c * H + iy) * W + ix : x, live);
+        Elem* dst = &tiles[b][row * IWP + LEFT + xx];
+        const T* src = live ? x + n * image_size + (c * H + iy) * W + ix : x;
+        if (vector) {
+          stage_async<16>(dst, src, live);
+        } else {
+          stage_async<4>(dst, src, live);
+        }
       };
 #pragma unroll 1
       for (int idx = threadIdx.x; idx < ROWS * (WX / 4); idx += THREADS)
-        copy(idx / (WX / 4), pad_w + 4 * (idx % (WX / 4)), CopyBytes<16>{});
+        copy(idx / (WX / 4), pad_w + 4 * (idx % (WX / 4)), true);
 #pragma unroll 1
       for (int idx = threadIdx.x; idx < ROWS * (IW - WX); idx += THREADS) {
         const int slot = idx % (IW - WX);
-        copy(idx / (IW - WX), slot < pad_w ? slot : slot + WX, CopyBytes<4>{});
+        copy(idx / (IW - WX), slot < pad_w ? slot : slot + WX, false);
       }
-      return;
-    }
-    for (int idx = threadIdx.x; idx < STAGED; idx += THREADS) {
-      const int xx = idx % IW;
-      const int row = idx / IW;  // (cc * NBE + ie) * IH + yy
-      const int yy = row % IH;
-      const int ie = (row / IH) % NBE;
-      const int c = k * CC + row / (IH * NBE);
-      const int iy = e0 + yy - pad_h;
-      const int ix = f0 + xx - pad_w;
-      const bool inside = c < C && static_cast<unsigned>(iy) < static_cast<unsigned>(H) &&
-                          static_cast<unsigned>(ix) < static_cast<unsigned>(W);
-      const int within = inside ? (c * H + iy) * W + ix : 0;
-      Elem* dst = &tiles[b][row * IWP + LEFT + xx];
-      if constexpr (TileElem<T>::async_staging) {
-        const int n = n0 + ie;
-        const bool live = inside && n < N;
-        stage_async<4>(dst, live ? x + n * image_size + within : x, live);
-      } else {
-        float v[IPE];
+    } else {
+      for (int idx = threadIdx.x; idx < STAGED; idx += THREADS) {
+        const int xx = idx % IW;
+        const int row = idx / IW;  // (cc * NBE + ie) * IH + yy
+        const int yy = row % IH;
+        const int ie = (row / IH) % NBE;
+        const int c = k * CC + row / (IH * NBE);
+        const int iy = e0 + yy - pad_h;
+        const int ix = f0 + xx - pad_w;
+        const bool inside = c < C && static_cast<unsigned>(iy) < static_cast<unsigned>(H) &&
+                            static_cast<unsigned>(ix) < static_cast<unsigned>(W);
+        const int within = inside ? (c * H + iy) * W + ix : 0;
+        Elem* dst = &tiles[b][row * IWP + LEFT + xx];
+        if constexpr (TileElem<T>::async_staging) {
+          const int n = n0 + ie;
+          const bool live = inside && n < N;
+          stage_async<4>(dst, live ? x + n * image_size + within : x, live);
+        } else {
+          float v[IPE];
 #pragma unroll
-        for (int q = 0; q < IPE; ++q) {
-          const int n = n0 + ie * IPE + q;
-          v[q] = (inside && n < N) ? unsparse::load_float(x + n * image_size + within) : 0.f;
+          for (int q = 0; q < IPE; ++q) {
+            const int n = n0 + ie * IPE + q;
+            v[q] = (inside && n < N) ? unsparse::load_float(x + n * image_size + within) : 0.f;
+          }
+          *dst = pack_images<T, IPE>(v);
         }
-        *dst = pack_images<T, IPE>(v);
       }
     }
   };

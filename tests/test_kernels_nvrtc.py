@@ -1,0 +1,69 @@
+"""The kernels compile under NVRTC, CuPy's runtime compiler, on a machine without a GPU.
+
+``test_kernels_compile_for_sm90`` builds them with nvcc, which finds the C++ standard headers; NVRTC does
+not (``<type_traits>`` once passed nvcc here and failed on the H100). This test runs NVRTC itself through
+ctypes, from the ``nvidia`` wheels torch installs, on every instantiation the tuning spaces of a few layers
+name.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import site
+from pathlib import Path
+
+import pytest
+import torch
+
+from unsparse.runtime import cupy_launcher as cl
+from unsparse.runtime.backends.direct import DirectBackend
+from unsparse.sparse import ConvGeometry, UniformCSR
+
+
+def nvrtc_library() -> Path | None:
+    """``libnvrtc.so`` from an installed ``nvidia`` wheel, or None."""
+    found = [Path(path) for folder in site.getsitepackages()
+             for path in glob.glob(f"{folder}/nvidia/*/lib/libnvrtc.so*")
+             if ".alt." not in path and "builtins" not in path]
+    return found[0] if found else None
+
+
+def compile_with_nvrtc(library: Path, source: str, names: list[str], options: list[str]) -> tuple[int, str]:
+    """NVRTC's status code and log for ``source`` with ``names`` as name expressions."""
+    for builtins in sorted(library.parent.glob("libnvrtc-builtins.so*")):
+        if ".alt." not in builtins.name:
+            ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
+    nvrtc = ctypes.CDLL(str(library))
+    program = ctypes.c_void_p()
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(program), source.encode(), b"direct_conv.cu", 0, None, None) == 0
+    for name in names:
+        assert nvrtc.nvrtcAddNameExpression(program, name.encode()) == 0
+    encoded = [option.encode() for option in options]
+    status = nvrtc.nvrtcCompileProgram(program, len(encoded), (ctypes.c_char_p * len(encoded))(*encoded))
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(program, log)
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+    return status, log.value.decode(errors="replace")
+
+
+@pytest.mark.skipif(nvrtc_library() is None, reason="no NVRTC library in the nvidia wheels")
+def test_every_tuned_instantiation_compiles_under_nvrtc() -> None:
+    library = nvrtc_library()
+    backend = DirectBackend()
+    names: set[str] = set()
+    for shape, kernel, geometry in [((128, 64, 56, 56), (3, 3), ConvGeometry.of(1, 1)),
+                                    ((128, 256, 14, 14), (1, 1), ConvGeometry.of(1, 0)),
+                                    ((32, 48, 28, 28), (5, 5), ConvGeometry.of(1, 2))]:
+        for dtype in cl.supported_dtypes():
+            x = torch.zeros(shape, dtype=dtype)
+            csr = UniformCSR.from_dense(torch.randn(16, shape[1], *kernel, dtype=dtype))
+            names.update(backend.kernel_names(x, csr, geometry))
+    assert any(name.endswith(",1>") for name in names)  # the 16-byte staging is among them
+    include = library.parent.parent / "include"
+    status, log = compile_with_nvrtc(library, cl.KERNEL_FILE.read_text(), sorted(names),
+                                     [*cl.COMPILE_OPTIONS, "-arch=compute_90", f"-I{include}"])
+    assert status == 0, log
+    assert " error" not in log, log
