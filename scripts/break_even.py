@@ -51,6 +51,9 @@ def report(results: list[dict[str, Any]], sources: list[Path], batch: int, png_n
                    and precision in goals(next(r for r in records if r["model"] == model and r["layer"] == layer))]
         goal = {"fp32": FP32_GOAL, "tf32": TF32_GOAL, "fp16": FP16_GOAL}[precision]
         met = [layer for layer, result in checked if meets(result, goal)]
+        if not checked:
+            lines.append(f"- Break-even against {mode} <= {goal:g}: not measured in these runs.")
+            continue
         lines.append(f"- Break-even against {mode} <= {goal:g}: met on {len(met)} of {len(checked)} layers"
                      + (f" ({', '.join(met)})" if met else "") + ".")
     for precision, goal in (("fp32", FP32_TFLOPS_GOAL), ("fp16", FP16_TFLOPS_GOAL)):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import pytest
 
 from unsparse.report.break_even import break_even, break_even_markdown, curves, describe, meets, plot_break_even
@@ -37,3 +40,16 @@ def test_markdown_says_missed_and_not_measured(tmp_path) -> None:
     assert "| cuDNN FP16 (best layout) | not measured | 0.40 | > 0.90 | <= 0.95: MISSED |" in text
     path = plot_break_even(records, 128, tmp_path / "b.png")
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_break_even_script_says_when_a_precision_was_not_measured(tmp_path) -> None:
+    script = Path(__file__).resolve().parent.parent / "scripts" / "break_even.py"
+    spec = importlib.util.spec_from_file_location("break_even_script", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    records = [{**record("a", s, "fp32", v), "direct_useful_tflops": 8.0} for s, v in ((0.8, 0.8), (0.9, 1.6))]
+    result = {"environment": {"commit": "abc"}, "device": "GPU", "layers": records, "weights": "synthetic",
+              "runs": 20}
+    text = module.report([result], [tmp_path / "r.json"], 128, "r.png")
+    assert "- Break-even against cuDNN FP32 (TF32 off) <= 0.7: met on 0 of 1 layers." in text
+    assert "- Break-even against cuDNN TF32 <= 0.9: not measured in these runs." in text
