@@ -21,6 +21,7 @@ import copy
 import importlib.util
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +52,8 @@ def best(candidates: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def select(name: str, budget: dict[str, Any], epsilons: list[float], learning_rates: list[float],
-           trainer_for: Any, workdir: Path, seed: int, record: Any) -> list[dict[str, Any]]:
+           trainer_for: Callable[[], Trainer], workdir: Path, seed: int,
+           record: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
     """Dense training, then the ``epsilons`` x ``learning_rates`` grid for model ``name``.
 
     ``trainer_for()`` returns a fresh :class:`Trainer` (loaders reseeded, so every candidate sees the same
