@@ -1,9 +1,53 @@
-"""Shared test setup: GPU tests skip cleanly without CUDA; every test gets a fixed-but-fresh seed."""
+"""Shared test setup: GPU tests skip cleanly without CUDA; every test gets a fixed-but-fresh seed. Fixtures:
+``load_script`` (a ``scripts/*.py`` file as a module) and ``tuned_kernel_names`` (the kernel instantiations
+the direct backend's tuning spaces name for a few representative layers)."""
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
 import pytest
 import torch
+
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+@functools.cache
+def _load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def load_script() -> Callable[[str], ModuleType]:
+    """``load_script("prune_table")`` imports ``scripts/prune_table.py`` (once; the folder is no package)."""
+    return _load_script
+
+
+@pytest.fixture(scope="session")
+def tuned_kernel_names() -> list[str]:
+    """Sorted template instantiations of every tuning setting of 3x3 (56x56), 1x1 (14x14) and 5x5 (28x28)
+    layers in each supported dtype, as the kernel compile tests build them."""
+    from unsparse.runtime import cupy_launcher as cl
+    from unsparse.runtime.backends.direct import DirectBackend
+    from unsparse.sparse import ConvGeometry, UniformCSR
+
+    backend = DirectBackend()
+    names: set[str] = set()
+    for shape, kernel, geometry in [((128, 64, 56, 56), (3, 3), ConvGeometry.of(1, 1)),
+                                    ((128, 256, 14, 14), (1, 1), ConvGeometry.of(1, 0)),
+                                    ((32, 48, 28, 28), (5, 5), ConvGeometry.of(1, 2))]:
+        for dtype in cl.supported_dtypes():
+            x = torch.zeros(shape, dtype=dtype)
+            csr = UniformCSR.from_dense(torch.randn(16, shape[1], *kernel, dtype=dtype))
+            names.update(backend.kernel_names(x, csr, geometry))
+    return sorted(names)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "prune_seeds.py"
 
-
-def load():
-    spec = importlib.util.spec_from_file_location("prune_seeds", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+@pytest.fixture(scope="module")
+def seeds(load_script):
+    return load_script("prune_seeds")
 
 
 def run(seed: int, dense: float, evolutionary: float, gradual: float) -> dict:
@@ -24,8 +19,7 @@ def run(seed: int, dense: float, evolutionary: float, gradual: float) -> dict:
             "blocks": [{"model": "vgg_small", "rows": rows}]}
 
 
-def test_summary_means_changes_per_seed_and_judges_the_mean() -> None:
-    seeds = load()
+def test_summary_means_changes_per_seed_and_judges_the_mean(seeds) -> None:
     text = seeds.summary([run(0, 93.0, 92.6, 92.0), run(1, 92.0, 91.2, 91.5)], [Path("a.json"), Path("b.json")])
     assert "| evolutionary | 91.90 ± 0.99 (n=2) | -0.60 ± 0.28 (n=2) | 0.9200 |" in text
     assert "Evolutionary beats gradual magnitude in 1 of 2 seeds." in text
@@ -33,8 +27,7 @@ def test_summary_means_changes_per_seed_and_judges_the_mean() -> None:
     assert "met on the mean (drop 0.40" in seeds.summary([run(0, 93.0, 92.6, 92.0)], [Path("a.json")])
 
 
-def test_runs_of_one_seed_split_by_model_are_merged_and_partial_models_left_out() -> None:
-    seeds = load()
+def test_runs_of_one_seed_split_by_model_are_merged_and_partial_models_left_out(seeds) -> None:
     split = run(1, 92.0, 91.2, 91.5)
     resnet = {"meta": split["meta"], "blocks": [{**split["blocks"][0], "model": "resnet_small"}]}
     text = seeds.summary([run(0, 93.0, 92.6, 92.0), split, resnet],
@@ -47,8 +40,7 @@ def test_runs_of_one_seed_split_by_model_are_merged_and_partial_models_left_out(
         seeds.merge_by_seed([split, other])
 
 
-def test_summary_states_each_models_settings() -> None:
-    seeds = load()
+def test_summary_states_each_models_settings(seeds) -> None:
     tuned = run(0, 93.0, 92.6, 92.0)
     tuned["meta"] |= {"fine_tune_lr": 0.05, "evolutionary_overrides": {"epsilon": 0.005}}
     text = seeds.summary([tuned], [Path("a.json")], ["Chosen on validation."])

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from unsparse.data import Splits
 from unsparse.train import Trainer
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "prune_select.py"
-
 
 @pytest.fixture(scope="module")
-def selector():
-    spec = importlib.util.spec_from_file_location("prune_select", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def selector(load_script):
+    return load_script("prune_select")
 
 
 def test_grid_is_scored_on_validation_only_and_best_takes_the_highest(selector, tmp_path, monkeypatch):

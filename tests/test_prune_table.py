@@ -2,20 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "prune_table.py"
-
 
 @pytest.fixture(scope="module")
-def table():
-    spec = importlib.util.spec_from_file_location("prune_table", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def table(load_script):
+    return load_script("prune_table")
 
 
 def test_budgets_share_their_keys_and_the_gpu_budget_is_bounded(table):

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
 from unsparse.report.break_even import break_even, break_even_markdown, curves, describe, meets, plot_break_even
@@ -42,11 +39,8 @@ def test_markdown_says_missed_and_not_measured(tmp_path) -> None:
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_break_even_script_says_when_a_precision_was_not_measured(tmp_path) -> None:
-    script = Path(__file__).resolve().parent.parent / "scripts" / "break_even.py"
-    spec = importlib.util.spec_from_file_location("break_even_script", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+def test_break_even_script_says_when_a_precision_was_not_measured(tmp_path, load_script) -> None:
+    module = load_script("break_even")
     records = [{**record("a", s, "fp32", v), "direct_useful_tflops": 8.0} for s, v in ((0.8, 0.8), (0.9, 1.6))]
     result = {"environment": {"commit": "abc"}, "device": "GPU", "layers": records, "weights": "synthetic",
               "runs": 20}

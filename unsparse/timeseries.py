@@ -55,8 +55,6 @@ def export_series(name: str, path: str | Path) -> Path:
         ValueError: unknown name.
         ImportError: statsmodels missing.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write_text(path, "".join(f"{float(value)!r}\n" for value in _statsmodels_values(name)))
 
 

@@ -342,8 +342,9 @@ class DirectBackend(ConvBackend):
         N, C, H, W = x.shape
         E, F_ = self._out_hw(x, csr, geometry)
         variant = params.get("variant", "rows")
+        vector_pad = self._vector_pad(x, csr, geometry, params) if variant == "tile" else None
         spec = self._arrays(csr, ("launch", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())),
-                                  x.data_ptr() % 16 == 0), lambda: self._launch(x, csr, geometry, params))
+                                  vector_pad), lambda: self._launch(x, csr, geometry, params))
         out = torch.empty(N, csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
         if csr.out_channels == 0 or N * E * F_ == 0:
@@ -357,7 +358,7 @@ class DirectBackend(ConvBackend):
             if geometry.stride != (1, 1) or geometry.dilation != (1, 1) or geometry.spatial_dims != 2:
                 raise ValueError(f"variant: tile needs stride 1, dilation 1 Conv2d, got {geometry}")
             tiling = tiling_of(params)
-            layout = cl.tile_layout(x.dtype, csr.kernel_size, tiling, self._vector_pad(x, csr, geometry, params))
+            layout = cl.tile_layout(x.dtype, csr.kernel_size, tiling, vector_pad)
             arrays = self._arrays(csr, ("tile", layout), lambda: prepare_tile(csr, layout))
             args = (x, arrays.chunk_ptr, arrays.entries, bias, out, N, C, H, W, csr.out_channels, E, F_,
                     *geometry.padding, math.ceil(F_ / tiling.tile_hw[1]), math.ceil(csr.out_channels / tiling.channels))
