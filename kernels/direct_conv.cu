@@ -1,6 +1,6 @@
 // Direct sparse convolution over a UniformCSR weight (Escoin, paper 000 §3; UnSparse-Opt, paper 004 §5).
 //
-// Two kernels, both templated on the storage dtype T (float or __half; arithmetic is always float) and
+// Three kernels, all templated on the storage dtype T (float or __half; arithmetic is always float) and
 // on their tile sizes. Launch geometry is computed in one place on the Python side
 // (unsparse/runtime/cupy_launcher.py); every index the kernels read was validated there first.
 //
@@ -14,7 +14,7 @@
 //   keeps SB*PB partial sums in registers and reuses each weight for SB*PB FMAs. Padding is handled by a
 //   bounds check on the unpadded input instead of a padded copy.
 //
-// direct_tile: stride 1, dilation 1 Conv2d (the 3x3 and 1x1 layers that carry most of the work). A block
+// direct_tile: stride 1, dilation 1 Conv2d (the 3x3 layers that carry most of the work). A block
 //   owns WARPS * MW output channels, a TE x TF output tile (TE = (32 / WX) * PY, TF = WX) and NB images.
 //   Input channels are staged CC at a time into shared memory with their halo (zero outside the image, so
 //   padding needs no copy); float32 chunks stream in with cp.async into two buffers (chunk k + 1 loads
@@ -354,5 +354,172 @@ __global__ void __launch_bounds__(WARPS * 32)
           if (e < E && f < F) unsparse::store_float(dst + e * F + f, acc[j][ie][py][q] + bias_m);
         }
       }
+  }
+}
+
+// direct_pointwise: 1x1, stride 1, unpadded Conv2d (the ResNet bottleneck and GoogLeNet 1x1 layers) as a sparse
+//   x dense product over the flattened columns j = n * P + p (P = H * W), so no column of a tile is wasted on a
+//   plane edge (direct_tile's 32-wide warp rows cover a 14x14 plane at 44 %). A block owns WARPS * MW output
+//   channels and TJ = 128 * PV consecutive columns; CC input channels x TJ columns are staged per chunk into two
+//   buffers (chunk k + 1 loads while chunk k computes). Lane l owns columns 4 * l + 128 * v (v < PV): per
+//   nonzero one broadcast load of (offset, weight) and, per v, one 16-byte (float) or 8-byte (half) shared load
+//   feeding 4 FMAs. Each thread stages the same UNIT columns of every chunk, so the (n, p) split of its column
+//   is worked out once per block.
+//   VEC = 1 (P a multiple of the 16-byte unit, 16-byte aligned input; checked on the Python side): staging by
+//   16-byte cp.async and vector stores of the outputs; VEC = 0: element-wise synchronous staging.
+template <typename T>
+__device__ __forceinline__ void load4(const T* p, float (&v)[4]);
+template <>
+__device__ __forceinline__ void load4<float>(const float* p, float (&v)[4]) {
+  const float4 q = *reinterpret_cast<const float4*>(p);
+  v[0] = q.x;
+  v[1] = q.y;
+  v[2] = q.z;
+  v[3] = q.w;
+}
+template <>
+__device__ __forceinline__ void load4<__half>(const __half* p, float (&v)[4]) {
+  const uint2 q = *reinterpret_cast<const uint2*>(p);
+  const float2 a = __half22float2(*reinterpret_cast<const __half2*>(&q.x));
+  const float2 b = __half22float2(*reinterpret_cast<const __half2*>(&q.y));
+  v[0] = a.x;
+  v[1] = a.y;
+  v[2] = b.x;
+  v[3] = b.y;
+}
+
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float (&v)[4]);
+template <>
+__device__ __forceinline__ void store4<float>(float* p, const float (&v)[4]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+}
+template <>
+__device__ __forceinline__ void store4<__half>(__half* p, const float (&v)[4]) {
+  const __half2 a = __floats2half2_rn(v[0], v[1]);
+  const __half2 b = __floats2half2_rn(v[2], v[3]);
+  *reinterpret_cast<uint2*>(p) = make_uint2(*reinterpret_cast<const unsigned*>(&a),
+                                            *reinterpret_cast<const unsigned*>(&b));
+}
+
+template <typename T, int PV, int MW, int WARPS, int CC, int VEC>
+__global__ void __launch_bounds__(WARPS * 32)
+    direct_pointwise(const T* __restrict__ x,            // (N, C, P), P = H * W
+                     const int* __restrict__ chunk_ptr,  // (M * K + 1,): entries of (m, k) are [m*K+k, m*K+k+1)
+                     const int2* __restrict__ entries,   // (nnz,): ((c - k*CC) * TJ, float32 bits of the weight)
+                     const T* __restrict__ bias,         // (M,) or nullptr
+                     T* __restrict__ out,                // (N, M, P)
+                     int N, int C, int P, int M, int groups) {
+  constexpr int TJ = 128 * PV;
+  constexpr int THREADS = WARPS * 32;
+  constexpr int UNIT = VEC ? 16 / static_cast<int>(sizeof(T)) : 1;  // columns per staging copy
+  constexpr int UPR = TJ / UNIT;                                      // copies per staged row
+  static_assert(THREADS % UPR == 0, "every thread stages one fixed column unit");
+  constexpr int ROW_STEP = THREADS / UPR;
+  __shared__ __align__(16) T tiles[2][CC * TJ];
+
+  const int group = blockIdx.x % groups;
+  const int j0 = (blockIdx.x / groups) * TJ;
+  const int J = N * P;  // < 2^31, checked on the Python side
+  const long long image_size = static_cast<long long>(C) * P;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int m_base = group * (WARPS * MW) + warp * MW;
+  const int K = (C + CC - 1) / CC;
+
+  const int unit = threadIdx.x % UPR;
+  const int row0 = threadIdx.x / UPR;
+  const int j_stage = j0 + unit * UNIT;
+  const bool column_live = j_stage < J;
+  const int n_stage = column_live ? j_stage / P : 0;
+  const T* x_column = x + n_stage * image_size + (column_live ? j_stage - n_stage * P : 0);
+
+  const auto stage = [&](int k, int b) {
+#pragma unroll 1
+    for (int row = row0; row < CC; row += ROW_STEP) {
+      const int c = k * CC + row;
+      const bool live = column_live && c < C;
+      T* dst = &tiles[b][row * TJ + unit * UNIT];
+      const T* src = live ? x_column + c * P : x;
+      if constexpr (VEC) {
+        stage_async<16>(dst, src, live);
+      } else {
+        *dst = live ? src[0] : T{};
+      }
+    }
+  };
+
+  float acc[MW][PV][4];
+#pragma unroll
+  for (int j = 0; j < MW; ++j)
+#pragma unroll
+    for (int v = 0; v < PV; ++v)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][v][i] = 0.f;
+
+  stage(0, 0);
+  if constexpr (VEC) asm volatile("cp.async.commit_group;\n" ::);
+  for (int k = 0; k < K; ++k) {
+    const int b = k & 1;
+    if (k + 1 < K) stage(k + 1, b ^ 1);
+    if constexpr (VEC) {
+      if (k + 1 < K) {
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+      } else {
+        asm volatile("cp.async.wait_group 0;\n" ::);
+      }
+    }
+    __syncthreads();
+    const T* lane_tile = tiles[b] + 4 * lane;
+
+#pragma unroll
+    for (int j = 0; j < MW; ++j) {
+      const int m = m_base + j;
+      if (m >= M) break;
+      const int begin = __ldg(chunk_ptr + m * K + k);
+      const int end = __ldg(chunk_ptr + m * K + k + 1);
+#pragma unroll 2
+      for (int t = begin; t < end; ++t) {
+        const int2 entry = __ldg(entries + t);
+        const float w = __int_as_float(entry.y);
+#pragma unroll
+        for (int v = 0; v < PV; ++v) {
+          float f[4];
+          load4(lane_tile + entry.x + 128 * v, f);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[j][v][i] = fmaf(w, f[i], acc[j][v][i]);
+        }
+      }
+    }
+    __syncthreads();  // buffer b is staged again at iteration k + 1
+  }
+
+#pragma unroll
+  for (int v = 0; v < PV; ++v) {
+    const int j = j0 + 128 * v + 4 * lane;
+    if (j >= J) continue;
+    int n[4], p[4];  // image and pixel of column j + i; n = N past the last column
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      n[i] = j + i < J ? (j + i) / P : N;
+      p[i] = j + i - n[i] * P;
+    }
+#pragma unroll
+    for (int jj = 0; jj < MW; ++jj) {
+      const int m = m_base + jj;
+      if (m >= M) break;
+      const float bias_m = bias != nullptr ? unsparse::load_float(bias + m) : 0.f;
+      float r[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r[i] = acc[jj][v][i] + bias_m;
+      if constexpr (VEC) {
+        store4(out + (static_cast<long long>(n[0]) * M + m) * P + p[0], r);
+      } else {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          if (n[i] < N) unsparse::store_float(out + (static_cast<long long>(n[i]) * M + m) * P + p[i], r[i]);
+      }
+    }
   }
 }

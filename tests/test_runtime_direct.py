@@ -16,6 +16,7 @@ from unsparse.runtime.backends.direct import (
     TILE_TILINGS,
     DirectBackend,
     TileArrays,
+    pointwise_space,
     prepare_rows,
     prepare_tile,
     rows_space,
@@ -148,6 +149,104 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
             live = (e < E) & (f < F_)
             out[n, m, e[live], f[live]] = acc[warp, j, b][live]
     return out
+
+
+def emulate_pointwise(x: torch.Tensor, csr: UniformCSR, tiling: cl.PointwiseTiling,
+                      dtype: torch.dtype = torch.float32, vector: bool = False) -> torch.Tensor:
+    """``direct_pointwise`` in Python: grid decode over the flattened ``n * P + p`` columns, each thread's
+    fixed staging unit and its rows of every chunk (a 16-byte copy wholly inside one image and aligned in
+    shared memory), the per-(row, chunk) entries, the lanes' 4-column groups, every shared-memory index
+    checked against the chunk's size, and the output decode."""
+    N, C, H, W = x.shape
+    P, M = H * W, csr.out_channels
+    J = N * P
+    layout = cl.pointwise_layout(dtype, tiling, vector)
+    spec = cl.pointwise_launch(dtype, N, M, P, tiling, vector)
+    arrays = prepare_tile(csr, layout)
+    unit, tj, threads = cl.pointwise_unit(dtype, vector), tiling.columns, spec.block[0]
+    copies_per_row = tj // unit
+    groups, K = math.ceil(M / tiling.channels), math.ceil(C / tiling.cc)
+    flat = x.reshape(N, C, P)
+    lane_columns = 4 * torch.arange(32)[:, None] + torch.arange(4)[None, :]  # (lane, i)
+    out = torch.full((N, M, P), float("nan"), dtype=x.dtype)
+    for bx in range(spec.grid[0]):
+        group, j0 = bx % groups, (bx // groups) * tj
+        acc = torch.zeros(tiling.warps, tiling.mw, tiling.pv, 32, 4, dtype=x.dtype)
+        for k in range(K):
+            chunk = torch.full((layout.elements(),), float("nan"), dtype=x.dtype)  # unstaged reads show
+            for thread in range(threads):
+                first = j0 + (thread % copies_per_row) * unit
+                for row in range(thread // copies_per_row, tiling.cc, threads // copies_per_row):
+                    c = k * tiling.cc + row
+                    live = first < J and c < C
+                    dst = row * tj + (thread % copies_per_row) * unit
+                    assert dst * layout.element_bytes % (16 if vector else layout.element_bytes) == 0
+                    assert not (vector and live) or (first + unit - 1) // P == first // P, "a copy spans images"
+                    for j in range(first, first + unit):
+                        chunk[dst + j - first] = flat[j // P, c, j % P] if live else 0.0
+            for warp, row in [(a, b) for a in range(tiling.warps) for b in range(tiling.mw)]:
+                m = group * tiling.channels + warp * tiling.mw + row
+                if m >= M:
+                    break
+                for t in range(int(arrays.chunk_ptr[m * K + k]), int(arrays.chunk_ptr[m * K + k + 1])):
+                    offset = int(arrays.entries[t, 0])
+                    w = float(arrays.entries[t, 1:2].view(torch.float32))
+                    for v in range(tiling.pv):
+                        index = offset + 128 * v + lane_columns
+                        assert int(index.min()) >= 0 and int(index.max()) < layout.elements()
+                        acc[warp, row, v] += w * chunk[index]
+        for warp, row, v in [(a, b, c) for a in range(tiling.warps) for b in range(tiling.mw)
+                             for c in range(tiling.pv)]:
+            m = group * tiling.channels + warp * tiling.mw + row
+            columns = j0 + 128 * v + lane_columns
+            live = columns < J
+            if m < M:
+                out[columns[live] // P, m, columns[live] % P] = acc[warp, row, v][live]
+    return out.reshape(N, M, H, W)
+
+
+# (N, C, H, W, M): several column tiles with a partial last one, partial chunks and channel groups
+POINTWISE_CASES = [(3, 5, 10, 10, 7), (2, 7, 7, 7, 9), (1, 3, 4, 8, 2), (2, 3, 8, 9, 5)]
+POINTWISE_SETTINGS = [(cl.PointwiseTiling(pv=1, mw=2, warps=2, cc=2), torch.float32, True),
+                      (cl.PointwiseTiling(pv=2, mw=3, warps=1, cc=3), torch.float16, True),
+                      (cl.PointwiseTiling(pv=1, mw=2, warps=4, cc=2), torch.float32, False),
+                      (cl.PointwiseTiling(pv=2, mw=1, warps=8, cc=4), torch.float16, False)]
+
+
+@pytest.mark.parametrize(("case", "tiling", "dtype", "vector"), [
+    (case, *setting) for case in POINTWISE_CASES for setting in POINTWISE_SETTINGS
+    if not setting[2] or cl.pointwise_vector_reason(setting[1], case[2] * case[3]) is None])
+def test_pointwise_emulation_matches_conv2d(case: tuple, tiling: cl.PointwiseTiling, dtype: torch.dtype,
+                                            vector: bool) -> None:
+    N, C, H, W, M = case
+    x, csr, _, ref = layer((N, C, H, W, M, 1, 1, 1, 0, 1), sparsity=0.6, seed=sum(case))
+    out = emulate_pointwise(x, csr, tiling, dtype, vector)
+    assert torch.allclose(out, ref, atol=1e-5)  # the entries hold float32 weights
+
+
+def test_pointwise_eligibility_and_launch() -> None:
+    assert cl.pointwise_vector_reason(torch.float32, 196) is None
+    assert "multiple of 8" in cl.pointwise_vector_reason(torch.float16, 196)
+    assert "multiple of 4" in cl.pointwise_vector_reason(torch.float32, 49)
+    with pytest.raises(ValueError, match="threads"):
+        cl.pointwise_layout(torch.float32, cl.PointwiseTiling(pv=1, mw=8, warps=2, cc=32), vector=False)
+    spec = cl.pointwise_launch(torch.float32, 128, 256, 196, cl.PointwiseTiling(1, 8, 16, 32), vector=True)
+    assert spec.grid == (2 * 196, 1, 1) and spec.block == (512, 1, 1)
+    assert spec.name == "direct_pointwise<float,1,8,16,32,1>"
+    layout = cl.pointwise_layout(torch.float16, cl.PointwiseTiling(2, 4, 16, 16), vector=True)
+    assert (layout.channel_stride, layout.shared_bytes()) == (256, 2 * 16 * 256 * 2)
+    backend = DirectBackend()
+    csr = UniformCSR.from_dense(torch.randn(8, 4, 1, 1))
+    x = torch.zeros(2, 4, 14, 14)
+    space = backend.tuning_space(x, csr, ConvGeometry.of(1, 0))
+    assert any(p["variant"] == "pointwise" and p.get("stage") == "vector" for p in space)
+    assert all(p in pointwise_space(2, 8, 196, torch.float32, prune=False, vector=True)
+               for p in space if p["variant"] == "pointwise")
+    for geometry in (ConvGeometry.of(2, 0), ConvGeometry.of(1, 1)):
+        assert not any(p["variant"] == "pointwise" for p in backend.tuning_space(x, csr, geometry))
+    assert not any(p["variant"] == "pointwise"
+                   for p in backend.tuning_space(x, UniformCSR.from_dense(torch.randn(8, 4, 3, 3)),
+                                                 ConvGeometry.of(1, 1)))
 
 
 @pytest.mark.parametrize("case", GEOMETRIES)

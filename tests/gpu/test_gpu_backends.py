@@ -9,7 +9,7 @@ from torch import nn
 
 from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime import get_backend, sparsify
-from unsparse.runtime.backends.direct import rows_space, tile_space
+from unsparse.runtime.backends.direct import is_pointwise, pointwise_space, rows_space, tile_space
 from unsparse.runtime.comparator import plan_model, relative_error, tolerance
 from unsparse.runtime.plan import Plan
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
@@ -53,6 +53,10 @@ CASES = {
     "vector_edges": (3, 9, 10, 36, 20, 3, 3, 1, 1, 1, 0.8, 1, 1),
     "vector_pad0": (2, 5, 9, 40, 6, 3, 3, 1, 0, 1, 0.7, 0, 0),
     "vector_5x5": (2, 4, 12, 16, 6, 5, 5, 1, 2, 1, 0.8, 0, 0),
+    # 1x1 "pointwise": 16-byte staging in both dtypes (P = 144), column tiles across images, partial chunks and
+    # channel groups; an odd plane (P = 49) with more than 256 output channels, element-wise staging.
+    "pointwise_vector": (3, 40, 12, 12, 70, 1, 1, 1, 0, 1, 0.9, 1, 1),
+    "pointwise_odd_plane": (2, 100, 7, 7, 300, 1, 1, 1, 0, 1, 0.95, 2, 1),
 }
 
 
@@ -88,8 +92,12 @@ def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.
         vector = cl.vector_staging_reason(dtype, x.shape[-1], csr.kernel_size, geometry.padding) is None
         space += tile_space(x.shape[0], out_hw, csr.kernel_size, dtype, prune=False,
                             vector_pad=geometry.padding[1] if vector else None)
+    if is_pointwise(csr, geometry):
+        pixels = out_hw[0] * out_hw[1]
+        space += pointwise_space(x.shape[0], csr.out_channels, pixels, dtype, prune=False,
+                                 vector=cl.pointwise_vector_reason(dtype, pixels) is None)
     assert all(p in space for p in backend.tuning_space(x, csr, geometry))
-    if case.startswith("vector") and dtype == torch.float32:
+    if (case.startswith("vector") and dtype == torch.float32) or case == "pointwise_vector":
         assert any(p.get("stage") == "vector" for p in space)
     backend.precompile(x, csr, geometry, space)
     for params in space:
@@ -114,10 +122,12 @@ def test_baselines_match_float64_reference(case: str, backend: str) -> None:
         assert relative_error(out.cpu(), ref) <= tolerance(torch.float32)
 
 
-def test_vector_staging_on_a_misaligned_input_takes_the_scalar_kernel() -> None:
-    x, csr, bias, geometry, ref = make_case("vector_edges", torch.float32, seed=9)
+@pytest.mark.parametrize(("case", "variant"), [("vector_edges", "tile"), ("pointwise_vector", "pointwise")])
+def test_vector_staging_on_a_misaligned_input_takes_the_scalar_kernel(case: str, variant: str) -> None:
+    x, csr, bias, geometry, ref = make_case(case, torch.float32, seed=9)
     backend = get_backend("direct")
-    params = next(p for p in backend.tuning_space(x, csr, geometry) if p.get("stage") == "vector")
+    params = next(p for p in backend.tuning_space(x, csr, geometry)
+                  if p.get("stage") == "vector" and p["variant"] == variant)
     storage = torch.empty(x.numel() + 1, dtype=x.dtype, device=CUDA)
     shifted = storage[1:].view_as(x)  # 4 bytes past a 16-byte boundary
     shifted.copy_(x)
@@ -127,7 +137,7 @@ def test_vector_staging_on_a_misaligned_input_takes_the_scalar_kernel() -> None:
         assert relative_error(backend.conv(source, csr, bias, geometry, **params).cpu(), ref) <= tolerance(
             torch.float32)
     with pytest.raises(ValueError, match="stage"):
-        backend.conv(x[..., :35].contiguous(), csr, bias, geometry, **params)
+        backend.conv(x[..., :-1, :-1].contiguous(), csr, bias, geometry, **params)  # width or plane not % 4
 
 
 def test_direct_rejects_bad_indices_before_launch() -> None:

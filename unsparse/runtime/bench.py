@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import platform
+import re
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -272,7 +273,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             per-sample input shape, e.g. ``(1, 28, 28)``; planned and timed end to end at each batch size.
         plan_path: plan JSON to extend and rewrite (reuse across runs); ``out_dir/plan.json`` if None.
         commit: git commit recorded in the results. seed: torch seed.
-        layer_filter: only per-layer records whose layer name contains this string.
+        layer_filter: only per-layer records whose layer name matches this regular expression
+            (``re.search``: a plain name such as ``features.1`` matches as a substring).
         time_budget_s: wall-clock seconds after which no further per-layer or end-to-end setting is started
             (None: no limit); what was skipped is recorded under ``stopped_early``. ``bench.json`` is rewritten
             atomically after every record (``complete`` false until the end), so a killed run keeps its data.
@@ -308,7 +310,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         for sparsity in sparsities:
             layers = conv_layers(magnitude_prune_(build_model(name), sparsity), (3, 224, 224))
             for layer in layers:
-                if layer_filter is not None and layer_filter not in layer.name:
+                if layer_filter is not None and re.search(layer_filter, layer.name) is None:
                     continue
                 for batch in batches:
                     for precision in precisions:

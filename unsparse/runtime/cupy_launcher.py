@@ -1,6 +1,7 @@
 """Loading ``kernels/*.cu`` through CuPy, launch geometry, and launching on torch tensors without copies.
 
-Launch geometry lives here and only here (:func:`rows_launch`, :func:`tile_launch`): pure Python, so the
+Launch geometry lives here and only here (:func:`rows_launch`, :func:`tile_launch`,
+:func:`pointwise_launch`): pure Python, so the
 CPU tests check it. CuPy is imported lazily; importing this module needs neither CuPy nor a GPU.
 
 Tensors reach a kernel as their device pointers (zero copy), after a check of device and contiguity, on
@@ -138,11 +139,12 @@ class TileLayout:
     buffers: int
     left: int = 0
     vector: bool = False
+    element_bytes: int = 4
 
     def shared_bytes(self) -> int:
-        """Static shared memory of the kernel: ``buffers`` staged chunks of 4-byte elements (float32 stages
-        asynchronously into two buffers, float16 synchronously into one)."""
-        return self.buffers * self.elements() * 4
+        """Static shared memory of the kernel: ``buffers`` staged chunks of ``element_bytes`` elements
+        (``direct_tile``: float32 stages asynchronously into two buffers, float16 synchronously into one)."""
+        return self.buffers * self.elements() * self.element_bytes
 
     @property
     def plane(self) -> int:
@@ -246,6 +248,93 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
     return Launch(name, grid, (tiling.warps * 32, 1, 1))
 
 
+@dataclass(frozen=True)
+class PointwiseTiling:
+    """One ``direct_pointwise`` instantiation (without dtype): a block owns ``WARPS * MW`` output channels and
+    ``128 * PV`` consecutive flattened columns ``n * P + p``; lane ``l`` owns columns ``4 * l + 128 * v``
+    (``v < PV``) of ``MW`` channels; ``CC`` input channels are staged at a time."""
+
+    pv: int
+    mw: int
+    warps: int
+    cc: int
+
+    @property
+    def columns(self) -> int:
+        """Flattened columns per block, ``TJ = 128 * PV``."""
+        return 128 * self.pv
+
+    @property
+    def channels(self) -> int:
+        """Output channels per block, ``WARPS * MW``."""
+        return self.warps * self.mw
+
+    def accumulators(self) -> int:
+        """float32 partial sums per thread, ``MW * 4 * PV``."""
+        return self.mw * 4 * self.pv
+
+
+def pointwise_unit(dtype: torch.dtype, vector: bool) -> int:
+    """Columns one staging copy of ``direct_pointwise`` moves: a 16-byte vector (4 float32, 8 float16) or 1."""
+    return 16 // torch.empty((), dtype=dtype).element_size() if vector else 1
+
+
+def pointwise_layout(dtype: torch.dtype, tiling: PointwiseTiling, vector: bool) -> TileLayout:
+    """The staged chunk of ``direct_pointwise`` as a :class:`TileLayout`: ``CC`` rows of ``TJ`` elements of
+    the storage dtype (a 1x1 "tile" whose padded width is TJ), two buffers; so input channel ``cc`` of a chunk
+    starts at element ``cc * TJ`` and :func:`~unsparse.runtime.backends.direct.prepare_tile` builds its
+    offsets.
+
+    Raises:
+        ValueError: for a non-positive size, or a block whose threads do not divide into whole staged rows
+            (``WARPS * 32`` must be a multiple of ``TJ / unit``, :func:`pointwise_unit`).
+    """
+    if min(tiling.pv, tiling.mw, tiling.warps, tiling.cc) < 1:
+        raise ValueError(f"tiling: every size must be positive, got {tiling}")
+    copies_per_row = tiling.columns // pointwise_unit(dtype, vector)
+    if (tiling.warps * 32) % copies_per_row:
+        raise ValueError(f"tiling: {tiling.warps * 32} threads do not divide into rows of {copies_per_row} copies")
+    element_bytes = torch.empty((), dtype=dtype).element_size()
+    return TileLayout(1, 1, tiling.columns, 1, tiling.cc, 2, vector=vector, element_bytes=element_bytes)
+
+
+def pointwise_vector_reason(dtype: torch.dtype, pixels: int) -> str | None:
+    """Why a 1x1 layer cannot stage 16-byte vectors in ``direct_pointwise``, or None if it can: the plane
+    ``P = H * W`` must be a multiple of the vector's columns (4 float32, 8 float16), so that no vector spans
+    two images. The input must also be 16-byte aligned, which only the call can tell."""
+    unit = pointwise_unit(dtype, True)
+    if pixels % unit:
+        return f"plane of {pixels} pixels is not a multiple of {unit}"
+    return None
+
+
+def pointwise_launch(dtype: torch.dtype, batch: int, out_channels: int, pixels: int, tiling: PointwiseTiling,
+                     vector: bool) -> Launch:
+    """Geometry of ``direct_pointwise``: grid ``(channel groups * column tiles,)`` over the ``N * P`` flattened
+    columns, channel groups fastest (as :func:`tile_launch`).
+
+    Raises:
+        ValueError: for an invalid tiling (:func:`pointwise_layout`), more than 1024 threads, a non-positive
+            size, ``batch * pixels >= 2**31`` (the kernel indexes columns in int32), staged chunks beyond
+            :data:`SHARED_LIMIT_BYTES`, or a grid beyond CUDA's limits.
+    """
+    layout = pointwise_layout(dtype, tiling, vector)
+    if min(batch, out_channels, pixels) < 1:
+        raise ValueError("pointwise_launch: every size must be positive")
+    if batch * pixels >= 2**31:
+        raise ValueError(f"pointwise_launch: {batch} x {pixels} columns exceed int32 column indexing")
+    if tiling.warps * 32 > 1024:
+        raise ValueError(f"tiling: {tiling.warps} warps exceed 1024 threads")
+    if layout.shared_bytes() > SHARED_LIMIT_BYTES:
+        raise ValueError(f"tiling: staged chunks of {layout.shared_bytes()} bytes exceed {SHARED_LIMIT_BYTES}")
+    groups = math.ceil(out_channels / tiling.channels)
+    grid = (groups * math.ceil(batch * pixels / tiling.columns), 1, 1)
+    _check_grid(grid)
+    name = (f"direct_pointwise<{cuda_type(dtype)},{tiling.pv},{tiling.mw},{tiling.warps},{tiling.cc},"
+            f"{int(vector)}>")
+    return Launch(name, grid, (tiling.warps * 32, 1, 1))
+
+
 def _check_grid(grid: tuple[int, int, int]) -> None:
     if grid[0] >= 2**31 or grid[1] >= 2**16 or grid[2] >= 2**16:
         raise ValueError(f"grid: {grid} exceeds CUDA's grid limits")
@@ -317,7 +406,7 @@ def launch(spec: Launch, args: tuple[Any, ...], device: torch.device) -> None:
     """Run one kernel on torch's current stream of ``device``.
 
     Args:
-        spec: from :func:`rows_launch` or :func:`tile_launch`.
+        spec: from :func:`rows_launch`, :func:`tile_launch` or :func:`pointwise_launch`.
         args: kernel arguments in declaration order (:func:`kernel_arguments`). Tensors must stay alive
             until the kernel has run, as with any asynchronous torch operation on the stream.
 

@@ -1,16 +1,19 @@
 """The ``direct`` backend: our CuPy direct sparse convolution kernels (``kernels/direct_conv.cu``).
 
-Two kernel variants share the backend and its tuning space (parameter ``variant``):
+Three kernel variants share the backend and its tuning space (parameter ``variant``):
 
 * ``"rows"``: Escoin §3 / UnSparse-Opt §5 (uniform nnz, sub-batch), any geometry.
 * ``"tile"``: input tiles with halos in shared memory, each warp accumulating several output channels over
   a pixel x image tile; stride 1, dilation 1, Conv2d. ``"stage": "vector"`` settings copy each staged row's
   interior as 16-byte vectors (float32, 32-column warp rows, input width a multiple of 4; see
   :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason`).
+* ``"pointwise"``: 1x1, stride 1, unpadded Conv2d as a sparse x dense product over the flattened
+  ``n * P + p`` columns; ``"stage": "vector"`` settings stage 16-byte vectors where the plane allows
+  (:func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`).
 
 Everything a kernel reads through an index is built and checked here at plan time (:func:`prepare_rows`,
-:func:`prepare_tile`) and cached per UniformCSR object and input size, so no kernel sees an unchecked
-index.
+:func:`prepare_tile`, which also serves ``pointwise``) and cached per UniformCSR object and input size, so
+no kernel sees an unchecked index.
 """
 
 from __future__ import annotations
@@ -55,6 +58,21 @@ images, NB even). float32 stages asynchronously into two buffers, so the two lar
 are float16-only."""
 
 
+POINTWISE_TILINGS = (
+    cl.PointwiseTiling(pv=1, mw=8, warps=8, cc=32),
+    cl.PointwiseTiling(pv=1, mw=8, warps=16, cc=32),
+    cl.PointwiseTiling(pv=1, mw=8, warps=16, cc=16),
+    cl.PointwiseTiling(pv=1, mw=16, warps=8, cc=32),
+    cl.PointwiseTiling(pv=1, mw=8, warps=32, cc=32),
+    cl.PointwiseTiling(pv=2, mw=4, warps=16, cc=16),
+    cl.PointwiseTiling(pv=2, mw=8, warps=8, cc=16),
+)
+"""``direct_pointwise`` candidates: 16 to 64 accumulators per thread, 64 to 256 output channels per block
+(every channel of a block reuses each staged element, so more channels cut the staging per FMA and the L2
+re-reads of the input), 128 or 256 columns, chunks of 16 or 32 input channels (16 to 32 KB in two float32
+buffers)."""
+
+
 def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str, Any]]:
     """``direct_rows`` settings: sub-batch x threads x pixels per thread (UnSparse-Opt §5, eq. 23).
 
@@ -97,6 +115,41 @@ def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int]
         space.append({"variant": "tile", "wx": tiling.wx, "py": tiling.py, "nb": tiling.nb, "mw": tiling.mw,
                       "warps": tiling.warps, "cc": tiling.cc, **({} if pad is None else {"stage": "vector"})})
     return space
+
+
+def pointwise_space(batch: int, out_channels: int, pixels: int, dtype: torch.dtype, prune: bool = True,
+                    vector: bool = False) -> list[dict[str, Any]]:
+    """``direct_pointwise`` settings: the :data:`POINTWISE_TILINGS` whose staged chunks fit, each with
+    element-wise staging and, with ``vector`` (the plane passes
+    :func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`), also as ``"stage": "vector"``.
+
+    With ``prune``, tilings with more than twice the output channels (beyond 64) or more than twice the
+    ``batch * pixels`` columns (beyond 128) are left out.
+    """
+    space = []
+    for tiling, stage in itertools.product(POINTWISE_TILINGS, ["scalar", "vector"] if vector else ["scalar"]):
+        try:
+            layout = cl.pointwise_layout(dtype, tiling, stage == "vector")
+        except ValueError:
+            continue
+        if layout.shared_bytes() > cl.SHARED_LIMIT_BYTES:
+            continue
+        if prune and (tiling.channels > max(2 * out_channels, 64) or tiling.columns > max(2 * batch * pixels, 128)):
+            continue
+        space.append({"variant": "pointwise", "pv": tiling.pv, "mw": tiling.mw, "warps": tiling.warps,
+                      "cc": tiling.cc, **({"stage": "vector"} if stage == "vector" else {})})
+    return space
+
+
+def pointwise_tiling_of(params: dict[str, Any]) -> cl.PointwiseTiling:
+    """The :class:`~unsparse.runtime.cupy_launcher.PointwiseTiling` of a ``pointwise`` setting."""
+    return cl.PointwiseTiling(params["pv"], params["mw"], params["warps"], params["cc"])
+
+
+def is_pointwise(csr: UniformCSR, geometry: ConvGeometry) -> bool:
+    """Whether a layer is a 1x1, stride 1, dilation 1, unpadded Conv2d (the ``pointwise`` variant's domain)."""
+    return (geometry.spatial_dims == 2 and csr.kernel_size == (1, 1) and geometry.stride == (1, 1)
+            and geometry.dilation == (1, 1) and geometry.padding == (0, 0))
 
 
 def tiling_of(params: dict[str, Any]) -> cl.TileTiling:
@@ -275,9 +328,14 @@ class DirectBackend(ConvBackend):
         return geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
-        """Rows settings always; tile settings for stride 1, dilation 1 Conv2d."""
+        """Rows settings always; tile settings for stride 1, dilation 1 Conv2d; pointwise settings for 1x1,
+        stride 1, unpadded Conv2d."""
         out_hw = self._out_hw(x, csr, geometry)
         space = rows_space(x.shape[0], out_hw[0] * out_hw[1])
+        if is_pointwise(csr, geometry):
+            pixels = out_hw[0] * out_hw[1]
+            space += pointwise_space(x.shape[0], csr.out_channels, pixels, x.dtype,
+                                     vector=cl.pointwise_vector_reason(x.dtype, pixels) is None)
         if geometry.spatial_dims == 2 and geometry.stride == (1, 1) and geometry.dilation == (1, 1):
             vector = cl.vector_staging_reason(x.dtype, x.shape[-1], csr.kernel_size, geometry.padding) is None
             space += tile_space(x.shape[0], out_hw, csr.kernel_size, x.dtype,
@@ -299,10 +357,14 @@ class DirectBackend(ConvBackend):
                 params: dict[str, Any]) -> cl.Launch:
         N = x.shape[0]
         E, F_ = self._out_hw(x, csr, geometry)
-        if params.get("variant", "rows") == "rows":
+        variant = params.get("variant", "rows")
+        if variant == "rows":
             return cl.rows_launch(x.dtype, N, csr.out_channels, E * F_, params.get("threads", 128),
                                   params.get("pixels", 1), params.get("sub_batch", 1),
                                   params.get("channels", ROWS_CHANNELS))
+        if variant == "pointwise":
+            return cl.pointwise_launch(x.dtype, N, csr.out_channels, E * F_, pointwise_tiling_of(params),
+                                       self._pointwise_vector(x, params))
         return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), csr.kernel_size, tiling_of(params),
                               self._vector_pad(x, csr, geometry, params))
 
@@ -325,6 +387,24 @@ class DirectBackend(ConvBackend):
             raise ValueError(f"stage: vector staging impossible here: {reason}")
         return geometry.padding[1] if x.data_ptr() % 16 == 0 else None
 
+    @staticmethod
+    def _pointwise_vector(x: torch.Tensor, params: dict[str, Any]) -> bool:
+        """Whether a ``pointwise`` setting stages 16-byte vectors on this input; a merely misaligned input
+        takes the element-wise kernel of the same tiling, as in :meth:`_vector_pad`.
+
+        Raises:
+            ValueError: for an unknown ``stage``, or ``vector`` on a plane that can never stage vectors.
+        """
+        stage = params.get("stage", "scalar")
+        if stage not in ("scalar", "vector"):
+            raise ValueError(f"stage: unknown {stage!r}, expected 'scalar' or 'vector'")
+        if stage == "scalar":
+            return False
+        reason = cl.pointwise_vector_reason(x.dtype, x.shape[2] * x.shape[3])
+        if reason is not None:
+            raise ValueError(f"stage: vector staging impossible here: {reason}")
+        return x.data_ptr() % 16 == 0
+
     def _arrays(self, csr: UniformCSR, key: tuple, build: Any) -> Any:
         per_csr = self._cache.setdefault(csr, {})
         if key not in per_csr:
@@ -342,9 +422,14 @@ class DirectBackend(ConvBackend):
         N, C, H, W = x.shape
         E, F_ = self._out_hw(x, csr, geometry)
         variant = params.get("variant", "rows")
-        vector_pad = self._vector_pad(x, csr, geometry, params) if variant == "tile" else None
+        if variant == "tile":
+            staging = self._vector_pad(x, csr, geometry, params)
+        elif variant == "pointwise":
+            staging = self._pointwise_vector(x, params)
+        else:
+            staging = None
         spec = self._arrays(csr, ("launch", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())),
-                                  vector_pad), lambda: self._launch(x, csr, geometry, params))
+                                  staging), lambda: self._launch(x, csr, geometry, params))
         out = torch.empty(N, csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
         if csr.out_channels == 0 or N * E * F_ == 0:
@@ -358,11 +443,19 @@ class DirectBackend(ConvBackend):
             if geometry.stride != (1, 1) or geometry.dilation != (1, 1) or geometry.spatial_dims != 2:
                 raise ValueError(f"variant: tile needs stride 1, dilation 1 Conv2d, got {geometry}")
             tiling = tiling_of(params)
-            layout = cl.tile_layout(x.dtype, csr.kernel_size, tiling, vector_pad)
+            layout = cl.tile_layout(x.dtype, csr.kernel_size, tiling, staging)
             arrays = self._arrays(csr, ("tile", layout), lambda: prepare_tile(csr, layout))
             args = (x, arrays.chunk_ptr, arrays.entries, bias, out, N, C, H, W, csr.out_channels, E, F_,
                     *geometry.padding, math.ceil(F_ / tiling.tile_hw[1]), math.ceil(csr.out_channels / tiling.channels))
+        elif variant == "pointwise":
+            if not is_pointwise(csr, geometry):
+                raise ValueError(f"variant: pointwise needs a 1x1, stride 1, unpadded Conv2d, got {geometry}")
+            tiling = pointwise_tiling_of(params)
+            layout = cl.pointwise_layout(x.dtype, tiling, staging)
+            arrays = self._arrays(csr, ("tile", layout), lambda: prepare_tile(csr, layout))
+            args = (x, arrays.chunk_ptr, arrays.entries, bias, out, N, C, H * W, csr.out_channels,
+                    math.ceil(csr.out_channels / tiling.channels))
         else:
-            raise ValueError(f"variant: unknown {variant!r}, expected 'rows' or 'tile'")
+            raise ValueError(f"variant: unknown {variant!r}, expected 'rows', 'tile' or 'pointwise'")
         cl.launch(spec, args, x.device)
         return out
