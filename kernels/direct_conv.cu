@@ -457,10 +457,34 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][v][i] = 0.f;
 
+  static_assert(2 * MW <= 32, "lanes 0 .. 2 MW - 1 hold the rows' entry ranges");
+  // Lane l < MW holds the first entry of row m_base + l in chunk k, lane MW + l its end (0 for rows >= M).
+  const auto load_ptr = [&](int k) {
+    const int m = m_base + lane % MW;
+    return lane < 2 * MW && m < M ? __ldg(chunk_ptr + m * K + k + lane / MW) : 0;
+  };
+  int ptr_lane = load_ptr(0);
+
   stage(0, 0);
   if constexpr (VEC) asm volatile("cp.async.commit_group;\n" ::);
   for (int k = 0; k < K; ++k) {
     const int b = k & 1;
+    // Every row's first 32 entries of chunk k are loaded at once, one per lane, before the chunk's barrier
+    // (one memory latency per chunk, overlapped with the staging, instead of one per nonzero) and broadcast
+    // by shuffles; entries beyond 32 (chunks of more than 32 channels, or repeated columns) are read one by one.
+    const int ptr_now = ptr_lane;
+    if (k + 1 < K) ptr_lane = load_ptr(k + 1);
+    const auto range = [&](int j, int& begin, int& count) {
+      begin = __shfl_sync(0xffffffffu, ptr_now, j);
+      count = __shfl_sync(0xffffffffu, ptr_now, MW + j) - begin;
+    };
+    int2 held[MW];
+#pragma unroll
+    for (int j = 0; j < MW; ++j) {
+      int begin, count;
+      range(j, begin, count);
+      held[j] = lane < count ? __ldg(entries + begin + lane) : make_int2(0, 0);
+    }
     if (k + 1 < K) stage(k + 1, b ^ 1);
     if constexpr (VEC) {
       if (k + 1 < K) {
@@ -472,24 +496,25 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
     __syncthreads();
     const T* lane_tile = tiles[b] + 4 * lane;
-
+    const auto apply = [&](int j, int offset, float w) {
+#pragma unroll
+      for (int v = 0; v < PV; ++v) {
+        float f[4];
+        load4(lane_tile + offset + 128 * v, f);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[j][v][i] = fmaf(w, f[i], acc[j][v][i]);
+      }
+    };
 #pragma unroll
     for (int j = 0; j < MW; ++j) {
-      const int m = m_base + j;
-      if (m >= M) break;
-      const int begin = __ldg(chunk_ptr + m * K + k);
-      const int end = __ldg(chunk_ptr + m * K + k + 1);
+      int begin, count;
+      range(j, begin, count);
 #pragma unroll 2
-      for (int t = begin; t < end; ++t) {
+      for (int t = 0; t < min(count, 32); ++t)
+        apply(j, __shfl_sync(0xffffffffu, held[j].x, t), __int_as_float(__shfl_sync(0xffffffffu, held[j].y, t)));
+      for (int t = begin + 32; t < begin + count; ++t) {
         const int2 entry = __ldg(entries + t);
-        const float w = __int_as_float(entry.y);
-#pragma unroll
-        for (int v = 0; v < PV; ++v) {
-          float f[4];
-          load4(lane_tile + entry.x + 128 * v, f);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[j][v][i] = fmaf(w, f[i], acc[j][v][i]);
-        }
+        apply(j, entry.x, __int_as_float(entry.y));
       }
     }
     __syncthreads();  // buffer b is staged again at iteration k + 1

@@ -230,6 +230,8 @@ def test_pointwise_eligibility_and_launch() -> None:
     assert "multiple of 4" in cl.pointwise_vector_reason(torch.float32, 49)
     with pytest.raises(ValueError, match="threads"):
         cl.pointwise_layout(torch.float32, cl.PointwiseTiling(pv=1, mw=8, warps=2, cc=32), vector=False)
+    with pytest.raises(ValueError, match="MW=17"):
+        cl.pointwise_layout(torch.float32, cl.PointwiseTiling(pv=1, mw=17, warps=8, cc=32), vector=False)
     spec = cl.pointwise_launch(torch.float32, 128, 256, 196, cl.PointwiseTiling(1, 8, 16, 32), vector=True)
     assert spec.grid == (2 * 196, 1, 1) and spec.block == (512, 1, 1)
     assert spec.name == "direct_pointwise<float,1,8,16,32,1>"

@@ -140,6 +140,27 @@ def test_vector_staging_on_a_misaligned_input_takes_the_scalar_kernel(case: str,
         backend.conv(x[..., :-1, :-1].contiguous(), csr, bias, geometry, **params)  # width or plane not % 4
 
 
+def test_pointwise_rows_with_more_than_32_entries_in_a_chunk() -> None:
+    """A hand-made matrix naming columns repeatedly puts 40 entries of a row in one chunk: the kernel reads
+    the first 32 held by the lanes and the rest one by one; the sum matches the accumulated dense weight."""
+    gen = torch.Generator().manual_seed(11)
+    M, C, L = 9, 64, 48
+    col_idx = torch.randint(0, 8, (M, L), generator=gen, dtype=torch.int32)  # every entry in chunk 0
+    col_idx[:, -8:] = torch.randint(8, C, (M, 8), generator=gen, dtype=torch.int32)
+    values = torch.randn(M, L, generator=gen, dtype=torch.float64).float()
+    csr = UniformCSR(values, col_idx, (M, C, 1, 1))
+    x = torch.randn(3, C, 8, 8, generator=gen, dtype=torch.float64).float()
+    ref = F.conv2d(x.double(), csr.to_dense().double())
+    backend, geometry = get_backend("direct"), ConvGeometry.of(1, 0)
+    x, csr = x.to(CUDA), csr.to(CUDA)
+    space = [p for p in backend.tuning_space(x, csr, geometry) if p["variant"] == "pointwise"]
+    assert space
+    for params in space:
+        poison_allocator(ref.numel(), torch.float32)
+        error = relative_error(backend.conv(x, csr, None, geometry, **params).cpu(), ref)
+        assert error <= tolerance(torch.float32), f"{params}: relative error {error:.3g}"
+
+
 def test_direct_rejects_bad_indices_before_launch() -> None:
     x, csr, bias, geometry, _ = make_case("odd_3x3", torch.float32, seed=3)
     forged = UniformCSR(csr.values, csr.col_idx, csr.weight_shape)

@@ -286,11 +286,13 @@ def pointwise_layout(dtype: torch.dtype, tiling: PointwiseTiling, vector: bool) 
     offsets.
 
     Raises:
-        ValueError: for a non-positive size, or a block whose threads do not divide into whole staged rows
+        ValueError: for a non-positive size, MW > 16, or a block whose threads do not divide into whole staged rows
             (``WARPS * 32`` must be a multiple of ``TJ / unit``, :func:`pointwise_unit`).
     """
     if min(tiling.pv, tiling.mw, tiling.warps, tiling.cc) < 1:
         raise ValueError(f"tiling: every size must be positive, got {tiling}")
+    if tiling.mw > 16:
+        raise ValueError(f"tiling: MW={tiling.mw} exceeds 16 (lanes 0 .. 2 MW - 1 hold the rows' entry ranges)")
     copies_per_row = tiling.columns // pointwise_unit(dtype, vector)
     if (tiling.warps * 32) % copies_per_row:
         raise ValueError(f"tiling: {tiling.warps * 32} threads do not divide into rows of {copies_per_row} copies")
