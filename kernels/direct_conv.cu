@@ -165,15 +165,14 @@ __device__ __forceinline__ __half2 pack_images<__half, 2>(const float (&v)[2]) {
   return __floats2half2_rn(v[0], v[1]);
 }
 
-// One 4-, 8- or 16-byte cp.async into shared memory; `live` false zero-fills the destination.
+// One 4- or 16-byte cp.async into shared memory; `live` false zero-fills the destination.
 template <int BYTES>
 __device__ __forceinline__ void stage_async(void* dst, const void* src, bool live) {
   const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   if constexpr (BYTES == 16) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src), "r"(live ? 16 : 0));
   } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst_addr), "l"(src), "n"(BYTES),
-                 "r"(live ? BYTES : 0));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_addr), "l"(src), "r"(live ? 4 : 0));
   }
 }
 
@@ -362,9 +361,9 @@ __global__ void __launch_bounds__(WARPS * 32)
 //   x dense product over the flattened columns j = n * P + p (P = H * W), so no column of a tile is wasted on a
 //   plane edge (direct_tile's 32-wide warp rows cover a 14x14 plane at 44 %). A block owns WARPS * MW output
 //   channels and TJ = 128 * PV consecutive columns; CC input channels x TJ columns are staged per chunk into two
-//   buffers (chunk k + 1 loads while chunk k computes), and each warp's entries of the chunk are copied beside
-//   it. Lane l owns columns 4 * l + 128 * v (v < PV): per nonzero one broadcast 8-byte shared load of (offset,
-//   weight) and, per v, one 16-byte (float) or 8-byte (half) shared load feeding 4 FMAs. Each thread stages the same UNIT columns of every chunk, so the (n, p) split of its column
+//   buffers (chunk k + 1 loads while chunk k computes). Lane l owns columns 4 * l + 128 * v (v < PV): per
+//   nonzero one broadcast load of (offset, weight) and, per v, one 16-byte (float) or 8-byte (half) shared load
+//   feeding 4 FMAs. Each thread stages the same UNIT columns of every chunk, so the (n, p) split of its column
 //   is worked out once per block.
 //   VEC = 1 (P a multiple of the 16-byte unit, 16-byte aligned input; checked on the Python side): staging by
 //   16-byte cp.async and vector stores of the outputs; VEC = 0: element-wise synchronous staging.
@@ -458,64 +457,40 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][v][i] = 0.f;
 
-  static_assert(2 * MW <= 32, "lanes 0 .. 2 MW - 1 hold the rows' entry ranges");
-  // Lane l < MW holds the first entry of row m_base + l in chunk k, lane MW + l its end (0 for rows >= M).
-  const auto load_ptr = [&](int k) {
-    const int m = m_base + lane % MW;
-    return lane < 2 * MW && m < M ? __ldg(chunk_ptr + m * K + k + lane / MW) : 0;
-  };
-  int ptr_lane = load_ptr(0);
-  // Each warp's rows' first SLOT entries of the current chunk (a 1x1 row has at most CC distinct columns per
-  // chunk), copied by the lanes with cp.async and read back as one broadcast 8-byte shared load per nonzero.
-  constexpr int SLOT = CC < 32 ? CC : 32;
-  __shared__ __align__(16) int2 held[WARPS][MW][SLOT];
-
   stage(0, 0);
   if constexpr (VEC) asm volatile("cp.async.commit_group;\n" ::);
   for (int k = 0; k < K; ++k) {
     const int b = k & 1;
-    const int ptr_now = ptr_lane;
-    if (k + 1 < K) ptr_lane = load_ptr(k + 1);
-    const auto range = [&](int j, int& begin, int& count) {
-      begin = __shfl_sync(0xffffffffu, ptr_now, j);
-      count = __shfl_sync(0xffffffffu, ptr_now, MW + j) - begin;
-    };
-#pragma unroll
-    for (int j = 0; j < MW; ++j) {
-      int begin, count;
-      range(j, begin, count);
-      if (lane < SLOT) stage_async<8>(&held[warp][j][lane], lane < count ? entries + begin + lane : entries,
-                                      lane < count);
-    }
-    asm volatile("cp.async.commit_group;\n" ::);
     if (k + 1 < K) stage(k + 1, b ^ 1);
-    // Groups in flight, oldest first: chunk k (VEC), this chunk's entries, chunk k + 1 (VEC): all but the
-    // newest must be complete.
-    if (VEC && k + 1 < K) {
-      asm volatile("cp.async.commit_group;\n" ::);
-      asm volatile("cp.async.wait_group 1;\n" ::);
-    } else {
-      asm volatile("cp.async.wait_group 0;\n" ::);
+    if constexpr (VEC) {
+      if (k + 1 < K) {
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+      } else {
+        asm volatile("cp.async.wait_group 0;\n" ::);
+      }
     }
     __syncthreads();
     const T* lane_tile = tiles[b] + 4 * lane;
-    const auto apply = [&](int j, int2 entry) {
-      const float w = __int_as_float(entry.y);
-#pragma unroll
-      for (int v = 0; v < PV; ++v) {
-        float f[4];
-        load4(lane_tile + entry.x + 128 * v, f);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[j][v][i] = fmaf(w, f[i], acc[j][v][i]);
-      }
-    };
+
 #pragma unroll
     for (int j = 0; j < MW; ++j) {
-      int begin, count;
-      range(j, begin, count);
+      const int m = m_base + j;
+      if (m >= M) break;
+      const int begin = __ldg(chunk_ptr + m * K + k);
+      const int end = __ldg(chunk_ptr + m * K + k + 1);
 #pragma unroll 2
-      for (int t = 0; t < min(count, SLOT); ++t) apply(j, held[warp][j][t]);
-      for (int t = begin + SLOT; t < begin + count; ++t) apply(j, __ldg(entries + t));  // repeated columns
+      for (int t = begin; t < end; ++t) {
+        const int2 entry = __ldg(entries + t);
+        const float w = __int_as_float(entry.y);
+#pragma unroll
+        for (int v = 0; v < PV; ++v) {
+          float f[4];
+          load4(lane_tile + entry.x + 128 * v, f);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[j][v][i] = fmaf(w, f[i], acc[j][v][i]);
+        }
+      }
     }
     __syncthreads();  // buffer b is staged again at iteration k + 1
   }

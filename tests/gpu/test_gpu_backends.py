@@ -141,8 +141,8 @@ def test_vector_staging_on_a_misaligned_input_takes_the_scalar_kernel(case: str,
 
 
 def test_pointwise_rows_with_more_than_32_entries_in_a_chunk() -> None:
-    """A hand-made matrix naming columns repeatedly puts 40 entries of a row in one chunk: the kernel reads
-    the first 32 held by the lanes and the rest one by one; the sum matches the accumulated dense weight."""
+    """A hand-made matrix naming columns repeatedly puts 40 entries of a row in one chunk, more than the chunk's
+    channels: every entry counts, and the sum matches the accumulated dense weight."""
     gen = torch.Generator().manual_seed(11)
     M, C, L = 9, 64, 48
     col_idx = torch.randint(0, 8, (M, L), generator=gen, dtype=torch.int32)  # every entry in chunk 0

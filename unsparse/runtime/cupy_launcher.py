@@ -140,13 +140,11 @@ class TileLayout:
     left: int = 0
     vector: bool = False
     element_bytes: int = 4
-    entry_bytes: int = 0
 
     def shared_bytes(self) -> int:
         """Static shared memory of the kernel: ``buffers`` staged chunks of ``element_bytes`` elements
-        (``direct_tile``: float32 stages asynchronously into two buffers, float16 synchronously into one),
-        plus ``entry_bytes`` of staged (offset, weight) entries (``direct_pointwise``)."""
-        return self.buffers * self.elements() * self.element_bytes + self.entry_bytes
+        (``direct_tile``: float32 stages asynchronously into two buffers, float16 synchronously into one)."""
+        return self.buffers * self.elements() * self.element_bytes
 
     @property
     def plane(self) -> int:
@@ -285,23 +283,19 @@ def pointwise_layout(dtype: torch.dtype, tiling: PointwiseTiling, vector: bool) 
     """The staged chunk of ``direct_pointwise`` as a :class:`TileLayout`: ``CC`` rows of ``TJ`` elements of
     the storage dtype (a 1x1 "tile" whose padded width is TJ), two buffers; so input channel ``cc`` of a chunk
     starts at element ``cc * TJ`` and :func:`~unsparse.runtime.backends.direct.prepare_tile` builds its
-    offsets. Beside it, each of the block's ``WARPS * MW`` rows has ``min(CC, 32)`` slots of 8-byte entries.
+    offsets.
 
     Raises:
-        ValueError: for a non-positive size, MW > 16, or a block whose threads do not divide into whole staged rows
+        ValueError: for a non-positive size, or a block whose threads do not divide into whole staged rows
             (``WARPS * 32`` must be a multiple of ``TJ / unit``, :func:`pointwise_unit`).
     """
     if min(tiling.pv, tiling.mw, tiling.warps, tiling.cc) < 1:
         raise ValueError(f"tiling: every size must be positive, got {tiling}")
-    if tiling.mw > 16:
-        raise ValueError(f"tiling: MW={tiling.mw} exceeds 16 (lanes 0 .. 2 MW - 1 hold the rows' entry ranges)")
     copies_per_row = tiling.columns // pointwise_unit(dtype, vector)
     if (tiling.warps * 32) % copies_per_row:
         raise ValueError(f"tiling: {tiling.warps * 32} threads do not divide into rows of {copies_per_row} copies")
     element_bytes = torch.empty((), dtype=dtype).element_size()
-    entry_bytes = tiling.channels * min(tiling.cc, 32) * 8
-    return TileLayout(1, 1, tiling.columns, 1, tiling.cc, 2, vector=vector, element_bytes=element_bytes,
-                      entry_bytes=entry_bytes)
+    return TileLayout(1, 1, tiling.columns, 1, tiling.cc, 2, vector=vector, element_bytes=element_bytes)
 
 
 def pointwise_vector_reason(dtype: torch.dtype, pixels: int) -> str | None:

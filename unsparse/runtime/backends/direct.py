@@ -59,18 +59,18 @@ are float16-only."""
 
 
 POINTWISE_TILINGS = (
-    cl.PointwiseTiling(pv=1, mw=4, warps=8, cc=32),
-    cl.PointwiseTiling(pv=1, mw=4, warps=16, cc=32),
-    cl.PointwiseTiling(pv=1, mw=4, warps=16, cc=16),
-    cl.PointwiseTiling(pv=1, mw=4, warps=32, cc=16),
-    cl.PointwiseTiling(pv=2, mw=4, warps=16, cc=16),
     cl.PointwiseTiling(pv=1, mw=8, warps=8, cc=32),
+    cl.PointwiseTiling(pv=1, mw=8, warps=16, cc=32),
     cl.PointwiseTiling(pv=1, mw=8, warps=16, cc=16),
+    cl.PointwiseTiling(pv=1, mw=16, warps=8, cc=32),
+    cl.PointwiseTiling(pv=1, mw=8, warps=32, cc=32),
+    cl.PointwiseTiling(pv=2, mw=4, warps=16, cc=16),
+    cl.PointwiseTiling(pv=2, mw=8, warps=8, cc=16),
 )
-"""``direct_pointwise`` candidates: 16 or 32 accumulators per thread (48-75 registers in nvcc 13.0's report,
-spills of at most 60 bytes), 32 to 128 output channels per block (every channel of a block reuses each staged
-element, so more channels cut the staging per FMA and the L2 re-reads of the input), 128 or 256 columns,
-chunks of 16 or 32 input channels; staged chunks and entry slots take 16 to 48 KB."""
+"""``direct_pointwise`` candidates: 16 to 64 accumulators per thread, 64 to 256 output channels per block
+(every channel of a block reuses each staged element, so more channels cut the staging per FMA and the L2
+re-reads of the input), 128 or 256 columns, chunks of 16 or 32 input channels (16 to 32 KB in two float32
+buffers)."""
 
 
 def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str, Any]]:
