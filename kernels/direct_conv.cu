@@ -360,10 +360,10 @@ __global__ void __launch_bounds__(WARPS * 32)
 // direct_pointwise: 1x1, stride 1, unpadded Conv2d (the ResNet bottleneck and GoogLeNet 1x1 layers) as a sparse
 //   x dense product over the flattened columns j = n * P + p (P = H * W), so no column of a tile is wasted on a
 //   plane edge (direct_tile's 32-wide warp rows cover a 14x14 plane at 44 %). A block owns WARPS * MW output
-//   channels and TJ = 128 * PV consecutive columns; CC input channels x TJ columns are staged per chunk into
-//   STAGES buffers (chunks k + 1 .. k + STAGES - 1 load while chunk k computes; element-wise staging uses 2).
-//   Lane l owns columns 4 * l + 128 * v (v < PV): per nonzero one broadcast load of (offset, weight) and, per v,
-//   one 16-byte (float) or 8-byte (half) shared load feeding 4 FMAs. Each thread stages the same UNIT columns of every chunk, so the (n, p) split of its column
+//   channels and TJ = 128 * PV consecutive columns; CC input channels x TJ columns are staged per chunk into two
+//   buffers (chunk k + 1 loads while chunk k computes). Lane l owns columns 4 * l + 128 * v (v < PV): per
+//   nonzero one broadcast load of (offset, weight) and, per v, one 16-byte (float) or 8-byte (half) shared load
+//   feeding 4 FMAs. Each thread stages the same UNIT columns of every chunk, so the (n, p) split of its column
 //   is worked out once per block.
 //   VEC = 1 (P a multiple of the 16-byte unit, 16-byte aligned input; checked on the Python side): staging by
 //   16-byte cp.async and vector stores of the outputs; VEC = 0: element-wise synchronous staging.
@@ -402,7 +402,7 @@ __device__ __forceinline__ void store4<__half>(__half* p, const float (&v)[4]) {
                                             *reinterpret_cast<const unsigned*>(&b));
 }
 
-template <typename T, int PV, int MW, int WARPS, int CC, int VEC, int STAGES>
+template <typename T, int PV, int MW, int WARPS, int CC, int VEC>
 __global__ void __launch_bounds__(WARPS * 32)
     direct_pointwise(const T* __restrict__ x,            // (N, C, P), P = H * W
                      const int* __restrict__ chunk_ptr,  // (M * K + 1,): entries of (m, k) are [m*K+k, m*K+k+1)
@@ -416,8 +416,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int UPR = TJ / UNIT;                                      // copies per staged row
   static_assert(THREADS % UPR == 0, "every thread stages one fixed column unit");
   constexpr int ROW_STEP = THREADS / UPR;
-  static_assert(STAGES >= 2 && (VEC || STAGES == 2), "element-wise staging double-buffers");
-  __shared__ __align__(16) T tiles[STAGES][CC * TJ];
+  __shared__ __align__(16) T tiles[2][CC * TJ];
 
   const int group = blockIdx.x % groups;
   const int j0 = (blockIdx.x / groups) * TJ;
@@ -458,20 +457,18 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][v][i] = 0.f;
 
-  // Chunks k + 1 .. k + STAGES - 1 are in flight while chunk k computes (one commit group per chunk, empty
-  // past the last, so that "all but the newest STAGES - 1 groups" is always chunk k and older).
-#pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
-    if (s < K) stage(s, s);
-    if constexpr (VEC) asm volatile("cp.async.commit_group;\n" ::);
-  }
+  stage(0, 0);
+  if constexpr (VEC) asm volatile("cp.async.commit_group;\n" ::);
   for (int k = 0; k < K; ++k) {
-    const int b = k % STAGES;
-    const int next = k + STAGES - 1;
-    if (next < K) stage(next, next % STAGES);
+    const int b = k & 1;
+    if (k + 1 < K) stage(k + 1, b ^ 1);
     if constexpr (VEC) {
-      asm volatile("cp.async.commit_group;\n" ::);
-      asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1));
+      if (k + 1 < K) {
+        asm volatile("cp.async.commit_group;\n" ::);
+        asm volatile("cp.async.wait_group 1;\n" ::);
+      } else {
+        asm volatile("cp.async.wait_group 0;\n" ::);
+      }
     }
     __syncthreads();
     const T* lane_tile = tiles[b] + 4 * lane;
@@ -495,7 +492,7 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
       }
     }
-    __syncthreads();  // buffer b is staged again at iteration k + 1 (with chunk k + STAGES)
+    __syncthreads();  // buffer b is staged again at iteration k + 1
   }
 
 #pragma unroll

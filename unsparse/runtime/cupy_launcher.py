@@ -252,14 +252,12 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
 class PointwiseTiling:
     """One ``direct_pointwise`` instantiation (without dtype): a block owns ``WARPS * MW`` output channels and
     ``128 * PV`` consecutive flattened columns ``n * P + p``; lane ``l`` owns columns ``4 * l + 128 * v``
-    (``v < PV``) of ``MW`` channels; ``CC`` input channels are staged at a time, ``stages - 1`` chunks ahead
-    with 16-byte staging (element-wise staging is double-buffered whatever ``stages`` says)."""
+    (``v < PV``) of ``MW`` channels; ``CC`` input channels are staged at a time."""
 
     pv: int
     mw: int
     warps: int
     cc: int
-    stages: int = 2
 
     @property
     def columns(self) -> int:
@@ -283,22 +281,21 @@ def pointwise_unit(dtype: torch.dtype, vector: bool) -> int:
 
 def pointwise_layout(dtype: torch.dtype, tiling: PointwiseTiling, vector: bool) -> TileLayout:
     """The staged chunk of ``direct_pointwise`` as a :class:`TileLayout`: ``CC`` rows of ``TJ`` elements of
-    the storage dtype (a 1x1 "tile" whose padded width is TJ) in ``stages`` buffers with ``vector``, else two;
-    so input channel ``cc`` of a chunk starts at element ``cc * TJ`` and
-    :func:`~unsparse.runtime.backends.direct.prepare_tile` builds its offsets.
+    the storage dtype (a 1x1 "tile" whose padded width is TJ), two buffers; so input channel ``cc`` of a chunk
+    starts at element ``cc * TJ`` and :func:`~unsparse.runtime.backends.direct.prepare_tile` builds its
+    offsets.
 
     Raises:
-        ValueError: for a non-positive size, fewer than 2 stages, or a block whose threads do not divide into
-            whole staged rows (``WARPS * 32`` must be a multiple of ``TJ / unit``, :func:`pointwise_unit`).
+        ValueError: for a non-positive size, or a block whose threads do not divide into whole staged rows
+            (``WARPS * 32`` must be a multiple of ``TJ / unit``, :func:`pointwise_unit`).
     """
-    if min(tiling.pv, tiling.mw, tiling.warps, tiling.cc) < 1 or tiling.stages < 2:
-        raise ValueError(f"tiling: every size must be positive and stages >= 2, got {tiling}")
+    if min(tiling.pv, tiling.mw, tiling.warps, tiling.cc) < 1:
+        raise ValueError(f"tiling: every size must be positive, got {tiling}")
     copies_per_row = tiling.columns // pointwise_unit(dtype, vector)
     if (tiling.warps * 32) % copies_per_row:
         raise ValueError(f"tiling: {tiling.warps * 32} threads do not divide into rows of {copies_per_row} copies")
     element_bytes = torch.empty((), dtype=dtype).element_size()
-    buffers = tiling.stages if vector else 2
-    return TileLayout(1, 1, tiling.columns, 1, tiling.cc, buffers, vector=vector, element_bytes=element_bytes)
+    return TileLayout(1, 1, tiling.columns, 1, tiling.cc, 2, vector=vector, element_bytes=element_bytes)
 
 
 def pointwise_vector_reason(dtype: torch.dtype, pixels: int) -> str | None:
@@ -334,7 +331,7 @@ def pointwise_launch(dtype: torch.dtype, batch: int, out_channels: int, pixels: 
     grid = (groups * math.ceil(batch * pixels / tiling.columns), 1, 1)
     _check_grid(grid)
     name = (f"direct_pointwise<{cuda_type(dtype)},{tiling.pv},{tiling.mw},{tiling.warps},{tiling.cc},"
-            f"{int(vector)},{layout.buffers}>")
+            f"{int(vector)}>")
     return Launch(name, grid, (tiling.warps * 32, 1, 1))
 
 

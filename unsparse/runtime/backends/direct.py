@@ -62,17 +62,15 @@ POINTWISE_TILINGS = (
     cl.PointwiseTiling(pv=1, mw=8, warps=8, cc=32),
     cl.PointwiseTiling(pv=1, mw=8, warps=16, cc=32),
     cl.PointwiseTiling(pv=1, mw=8, warps=16, cc=16),
+    cl.PointwiseTiling(pv=1, mw=16, warps=8, cc=32),
     cl.PointwiseTiling(pv=1, mw=8, warps=32, cc=32),
     cl.PointwiseTiling(pv=2, mw=4, warps=16, cc=16),
-    cl.PointwiseTiling(pv=1, mw=8, warps=8, cc=32, stages=3),
-    cl.PointwiseTiling(pv=1, mw=8, warps=16, cc=16, stages=4),
-    cl.PointwiseTiling(pv=1, mw=8, warps=8, cc=16, stages=4),
-    cl.PointwiseTiling(pv=2, mw=4, warps=16, cc=16, stages=3),
+    cl.PointwiseTiling(pv=2, mw=8, warps=8, cc=16),
 )
-"""``direct_pointwise`` candidates: 32 accumulators per thread, 64 to 256 output channels per block (every
-channel of a block reuses each staged element, so more channels cut the staging per FMA and the L2 re-reads of
-the input), 128 or 256 columns, chunks of 16 or 32 input channels, 2 to 4 stages of 16-byte staging (16 to 48
-KB of float32 buffers). MW = 16 and MW = 8 with 256 columns never won a layer of the first H100 run."""
+"""``direct_pointwise`` candidates: 16 to 64 accumulators per thread, 64 to 256 output channels per block
+(every channel of a block reuses each staged element, so more channels cut the staging per FMA and the L2
+re-reads of the input), 128 or 256 columns, chunks of 16 or 32 input channels (16 to 32 KB in two float32
+buffers)."""
 
 
 def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str, Any]]:
@@ -130,8 +128,6 @@ def pointwise_space(batch: int, out_channels: int, pixels: int, dtype: torch.dty
     """
     space = []
     for tiling, stage in itertools.product(POINTWISE_TILINGS, ["scalar", "vector"] if vector else ["scalar"]):
-        if stage == "scalar" and tiling.stages != 2:
-            continue  # element-wise staging is double-buffered: the same kernel as the 2-stage tiling
         try:
             layout = cl.pointwise_layout(dtype, tiling, stage == "vector")
         except ValueError:
@@ -141,13 +137,13 @@ def pointwise_space(batch: int, out_channels: int, pixels: int, dtype: torch.dty
         if prune and (tiling.channels > max(2 * out_channels, 64) or tiling.columns > max(2 * batch * pixels, 128)):
             continue
         space.append({"variant": "pointwise", "pv": tiling.pv, "mw": tiling.mw, "warps": tiling.warps,
-                      "cc": tiling.cc, "stages": tiling.stages, **({"stage": "vector"} if stage == "vector" else {})})
+                      "cc": tiling.cc, **({"stage": "vector"} if stage == "vector" else {})})
     return space
 
 
 def pointwise_tiling_of(params: dict[str, Any]) -> cl.PointwiseTiling:
     """The :class:`~unsparse.runtime.cupy_launcher.PointwiseTiling` of a ``pointwise`` setting."""
-    return cl.PointwiseTiling(params["pv"], params["mw"], params["warps"], params["cc"], params.get("stages", 2))
+    return cl.PointwiseTiling(params["pv"], params["mw"], params["warps"], params["cc"])
 
 
 def is_pointwise(csr: UniformCSR, geometry: ConvGeometry) -> bool:
