@@ -176,6 +176,26 @@ __device__ __forceinline__ void stage_async(void* dst, const void* src, bool liv
   }
 }
 
+// Walks the nonzeros of rows m_base .. m_base + MW - 1 (those below M) in staged chunk k, warp-uniformly, and calls
+// apply(j, offset, weight) for each: the per-(row, chunk) lists that direct_tile and direct_pointwise share
+// (chunk_ptr / entries, built and validated by prepare_tile on the Python side).
+template <int MW, int UNROLL, typename Apply>
+__device__ __forceinline__ void for_each_entry(const int* __restrict__ chunk_ptr, const int2* __restrict__ entries,
+                                               int m_base, int M, int K, int k, const Apply& apply) {
+#pragma unroll
+  for (int j = 0; j < MW; ++j) {
+    const int m = m_base + j;
+    if (m >= M) break;
+    const int begin = __ldg(chunk_ptr + m * K + k);
+    const int end = __ldg(chunk_ptr + m * K + k + 1);
+#pragma unroll UNROLL
+    for (int t = begin; t < end; ++t) {
+      const int2 entry = __ldg(entries + t);
+      apply(j, entry.x, __int_as_float(entry.y));
+    }
+  }
+}
+
 template <typename T, int R, int S, int WX, int PY, int NB, int MW, int WARPS, int CC, int IWP, int LEFT, int VEC>
 __global__ void __launch_bounds__(WARPS * 32)
     direct_tile(const T* __restrict__ x,                // (N, C, H, W), unpadded
@@ -310,28 +330,18 @@ __global__ void __launch_bounds__(WARPS * 32)
     __syncthreads();
     const Elem* tile = tiles[b];
 
+    for_each_entry<MW, 4>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, float w) {
+      const Elem* src = tile + offset + base;
 #pragma unroll
-    for (int j = 0; j < MW; ++j) {
-      const int m = m_base + j;
-      if (m >= M) break;
-      const int begin = __ldg(chunk_ptr + m * K + k);
-      const int end = __ldg(chunk_ptr + m * K + k + 1);
-#pragma unroll 4
-      for (int t = begin; t < end; ++t) {
-        const int2 entry = __ldg(entries + t);
-        const float w = __int_as_float(entry.y);
-        const Elem* src = tile + entry.x + base;
+      for (int ie = 0; ie < NBE; ++ie)
 #pragma unroll
-        for (int ie = 0; ie < NBE; ++ie)
+        for (int py = 0; py < PY; ++py) {
+          float v[IPE];
+          TileElem<T>::to_float(src[ie * PLANE + py * WY * IWP], v);
 #pragma unroll
-          for (int py = 0; py < PY; ++py) {
-            float v[IPE];
-            TileElem<T>::to_float(src[ie * PLANE + py * WY * IWP], v);
-#pragma unroll
-            for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = fmaf(w, v[q], acc[j][ie][py][q]);
-          }
-      }
-    }
+          for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = fmaf(w, v[q], acc[j][ie][py][q]);
+        }
+    });
     __syncthreads();  // the buffer just read is staged again next (float16) or after next (float32)
   }
 
@@ -473,25 +483,15 @@ __global__ void __launch_bounds__(WARPS * 32)
     __syncthreads();
     const T* lane_tile = tiles[b] + 4 * lane;
 
+    for_each_entry<MW, 2>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, float w) {
 #pragma unroll
-    for (int j = 0; j < MW; ++j) {
-      const int m = m_base + j;
-      if (m >= M) break;
-      const int begin = __ldg(chunk_ptr + m * K + k);
-      const int end = __ldg(chunk_ptr + m * K + k + 1);
-#pragma unroll 2
-      for (int t = begin; t < end; ++t) {
-        const int2 entry = __ldg(entries + t);
-        const float w = __int_as_float(entry.y);
+      for (int v = 0; v < PV; ++v) {
+        float f[4];
+        load4(lane_tile + offset + 128 * v, f);
 #pragma unroll
-        for (int v = 0; v < PV; ++v) {
-          float f[4];
-          load4(lane_tile + entry.x + 128 * v, f);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[j][v][i] = fmaf(w, f[i], acc[j][v][i]);
-        }
+        for (int i = 0; i < 4; ++i) acc[j][v][i] = fmaf(w, f[i], acc[j][v][i]);
       }
-    }
+    });
     __syncthreads();  // buffer b is staged again at iteration k + 1
   }
 

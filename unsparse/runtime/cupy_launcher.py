@@ -276,7 +276,7 @@ class PointwiseTiling:
 
 def pointwise_unit(dtype: torch.dtype, vector: bool) -> int:
     """Columns one staging copy of ``direct_pointwise`` moves: a 16-byte vector (4 float32, 8 float16) or 1."""
-    return 16 // torch.empty((), dtype=dtype).element_size() if vector else 1
+    return 16 // dtype.itemsize if vector else 1
 
 
 def pointwise_layout(dtype: torch.dtype, tiling: PointwiseTiling, vector: bool) -> TileLayout:
@@ -294,7 +294,7 @@ def pointwise_layout(dtype: torch.dtype, tiling: PointwiseTiling, vector: bool) 
     copies_per_row = tiling.columns // pointwise_unit(dtype, vector)
     if (tiling.warps * 32) % copies_per_row:
         raise ValueError(f"tiling: {tiling.warps * 32} threads do not divide into rows of {copies_per_row} copies")
-    element_bytes = torch.empty((), dtype=dtype).element_size()
+    element_bytes = dtype.itemsize
     return TileLayout(1, 1, tiling.columns, 1, tiling.cc, 2, vector=vector, element_bytes=element_bytes)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -369,10 +370,9 @@ class DirectBackend(ConvBackend):
                               self._vector_pad(x, csr, geometry, params))
 
     @staticmethod
-    def _vector_pad(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, params: dict[str, Any]) -> int | None:
-        """``pad_w`` for a ``"stage": "vector"`` tile setting on this input, None for scalar staging. An input
-        that is merely not 16-byte aligned (a view at an odd offset) takes the scalar kernel of the same
-        tiling, which computes the same result.
+    def _vector_requested(params: dict[str, Any], reason: Callable[[], str | None]) -> bool:
+        """Whether a ``tile`` or ``pointwise`` setting asks for 16-byte staging (``"stage": "vector"``);
+        ``reason`` says why the layer can never stage vectors (None if it can).
 
         Raises:
             ValueError: for an unknown ``stage``, or ``vector`` on a layer that can never stage vectors.
@@ -381,29 +381,34 @@ class DirectBackend(ConvBackend):
         if stage not in ("scalar", "vector"):
             raise ValueError(f"stage: unknown {stage!r}, expected 'scalar' or 'vector'")
         if stage == "scalar":
-            return None
-        reason = cl.vector_staging_reason(x.dtype, x.shape[-1], csr.kernel_size, geometry.padding)
-        if reason is not None:
-            raise ValueError(f"stage: vector staging impossible here: {reason}")
-        return geometry.padding[1] if x.data_ptr() % 16 == 0 else None
+            return False
+        why = reason()
+        if why is not None:
+            raise ValueError(f"stage: vector staging impossible here: {why}")
+        return True
 
-    @staticmethod
-    def _pointwise_vector(x: torch.Tensor, params: dict[str, Any]) -> bool:
+    def _vector_pad(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
+                    params: dict[str, Any]) -> int | None:
+        """``pad_w`` for a ``"stage": "vector"`` tile setting on this input, None for scalar staging. An input
+        that is merely not 16-byte aligned (a view at an odd offset) takes the scalar kernel of the same
+        tiling, which computes the same result.
+
+        Raises:
+            ValueError: from :meth:`_vector_requested`.
+        """
+        requested = self._vector_requested(
+            params, lambda: cl.vector_staging_reason(x.dtype, x.shape[-1], csr.kernel_size, geometry.padding))
+        return geometry.padding[1] if requested and x.data_ptr() % 16 == 0 else None
+
+    def _pointwise_vector(self, x: torch.Tensor, params: dict[str, Any]) -> bool:
         """Whether a ``pointwise`` setting stages 16-byte vectors on this input; a merely misaligned input
         takes the element-wise kernel of the same tiling, as in :meth:`_vector_pad`.
 
         Raises:
-            ValueError: for an unknown ``stage``, or ``vector`` on a plane that can never stage vectors.
+            ValueError: from :meth:`_vector_requested`.
         """
-        stage = params.get("stage", "scalar")
-        if stage not in ("scalar", "vector"):
-            raise ValueError(f"stage: unknown {stage!r}, expected 'scalar' or 'vector'")
-        if stage == "scalar":
-            return False
-        reason = cl.pointwise_vector_reason(x.dtype, x.shape[2] * x.shape[3])
-        if reason is not None:
-            raise ValueError(f"stage: vector staging impossible here: {reason}")
-        return x.data_ptr() % 16 == 0
+        requested = self._vector_requested(params, lambda: cl.pointwise_vector_reason(x.dtype, x.shape[2] * x.shape[3]))
+        return requested and x.data_ptr() % 16 == 0
 
     def _arrays(self, csr: UniformCSR, key: tuple, build: Any) -> Any:
         per_csr = self._cache.setdefault(csr, {})
