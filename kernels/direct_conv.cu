@@ -31,9 +31,6 @@
 //   cp.async, which the row layout aligns by starting column xx of every row at LEFT + xx with
 //   (LEFT + pad_w) % 4 == 0; the S - 1 halo columns stay 4-byte copies. Per staged element this issues
 //   about a fifth of the scalar path's address arithmetic (kernels/NOTES.md, third session).
-//   HALF = 1 (float16): each nonzero is one packed __hfma2 per staged __half2 (two images) into float16 partial
-//   sums instead of two conversions and two FMAs; the partial sums are added to the float32 accumulators after at
-//   most HALF_TERMS products of a row (for_each_entry's flush), which bounds the float16 rounding.
 
 #include <cuda_fp16.h>
 
@@ -145,7 +142,6 @@ struct TileElem<float> {
   using type = float;
   static constexpr int images = 1;
   static constexpr bool async_staging = true;
-  __device__ static float zero() { return 0.f; }
   __device__ static void to_float(float v, float (&out)[1]) { out[0] = v; }
 };
 template <>
@@ -153,7 +149,6 @@ struct TileElem<__half> {
   using type = __half2;
   static constexpr int images = 2;
   static constexpr bool async_staging = false;
-  __device__ static __half2 zero() { return __float2half2_rn(0.f); }
   __device__ static void to_float(__half2 v, float (&out)[2]) {
     const float2 f = __half22float2(v);
     out[0] = f.x;
@@ -183,46 +178,25 @@ __device__ __forceinline__ void stage_async(void* dst, const void* src, bool liv
 
 // Walks the nonzeros of rows m_base .. m_base + MW - 1 (those below M) in staged chunk k, warp-uniformly, and calls
 // apply(j, offset, weight) for each: the per-(row, chunk) lists that direct_tile and direct_pointwise share
-// (chunk_ptr / entries, built and validated by prepare_tile on the Python side). With FLUSH > 0 it also calls
-// flush(j) after every FLUSH entries of a row and after the row's last one in the chunk: the float16 partial sums
-// of the half2 accumulation (HALF = 1 below) then never hold more than FLUSH products.
-template <int MW, int UNROLL, int FLUSH, typename Apply, typename Flush>
+// (chunk_ptr / entries, built and validated by prepare_tile on the Python side).
+template <int MW, int UNROLL, typename Apply>
 __device__ __forceinline__ void for_each_entry(const int* __restrict__ chunk_ptr, const int2* __restrict__ entries,
-                                               int m_base, int M, int K, int k, const Apply& apply,
-                                               const Flush& flush) {
+                                               int m_base, int M, int K, int k, const Apply& apply) {
 #pragma unroll
   for (int j = 0; j < MW; ++j) {
     const int m = m_base + j;
     if (m >= M) break;
     const int begin = __ldg(chunk_ptr + m * K + k);
     const int end = __ldg(chunk_ptr + m * K + k + 1);
-    if constexpr (FLUSH == 0) {
 #pragma unroll UNROLL
-      for (int t = begin; t < end; ++t) {
-        const int2 entry = __ldg(entries + t);
-        apply(j, entry.x, __int_as_float(entry.y));
-      }
-    } else {
-      for (int t0 = begin; t0 < end; t0 += FLUSH) {
-        const int t1 = min(t0 + FLUSH, end);
-#pragma unroll UNROLL
-        for (int t = t0; t < t1; ++t) {
-          const int2 entry = __ldg(entries + t);
-          apply(j, entry.x, __int_as_float(entry.y));
-        }
-        flush(j);
-      }
+    for (int t = begin; t < end; ++t) {
+      const int2 entry = __ldg(entries + t);
+      apply(j, entry.x, __int_as_float(entry.y));
     }
   }
 }
 
-// Products a float16 partial sum of the half2 accumulation holds at most before it is added to the float32
-// accumulators (for_each_entry's FLUSH): bounds its rounding error to about 2^-11 * sqrt(HALF_TERMS / 2) of the
-// sum (kernels/NOTES.md, fifth session).
-constexpr int HALF_TERMS = 16;
-
-template <typename T, int R, int S, int WX, int PY, int NB, int MW, int WARPS, int CC, int IWP, int LEFT, int VEC,
-          int HALF>
+template <typename T, int R, int S, int WX, int PY, int NB, int MW, int WARPS, int CC, int IWP, int LEFT, int VEC>
 __global__ void __launch_bounds__(WARPS * 32)
     direct_tile(const T* __restrict__ x,                // (N, C, H, W), unpadded
                 const int* __restrict__ chunk_ptr,      // (M * K + 1,): entries of (m, k) are [m*K+k, m*K+k+1)
@@ -243,7 +217,6 @@ __global__ void __launch_bounds__(WARPS * 32)
   static_assert(IWP >= LEFT + IW, "padded tile row holds the halo");
   static_assert(!VEC || (TileElem<T>::async_staging && WX == 32 && IWP % 4 == 0),
                 "16-byte staging: float32, one 32-column warp row, rows of whole 16-byte vectors");
-  static_assert(!HALF || IPE == 2, "half2 accumulation: float16 storage");
   constexpr int PLANE = IH * IWP;
   constexpr int CS = NBE * PLANE;  // one input channel of the tile, all its image elements
   constexpr int THREADS = WARPS * 32;
@@ -274,12 +247,6 @@ __global__ void __launch_bounds__(WARPS * 32)
       for (int py = 0; py < PY; ++py)
 #pragma unroll
         for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = 0.f;
-  // HALF: float16 partial sums of the current row (image pairs), added to acc every HALF_TERMS products.
-  Elem partial[NBE][PY];
-#pragma unroll
-  for (int ie = 0; ie < NBE; ++ie)
-#pragma unroll
-    for (int py = 0; py < PY; ++py) partial[ie][py] = TileElem<T>::zero();
 
   // Stages chunk k into buffer b. float32: asynchronous 4-byte copies (zero-filled outside the image, no
   // registers held), so chunk k + 1 streams in while chunk k is computed. float16: image pairs are packed
@@ -363,41 +330,18 @@ __global__ void __launch_bounds__(WARPS * 32)
     __syncthreads();
     const Elem* tile = tiles[b];
 
-    for_each_entry<MW, 4, HALF ? HALF_TERMS : 0>(
-        chunk_ptr, entries, m_base, M, K, k,
-        [&](int j, int offset, float w) {
-          const Elem* src = tile + offset + base;
-          if constexpr (HALF) {
-            const __half2 w2 = __float2half2_rn(w);
+    for_each_entry<MW, 4>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, float w) {
+      const Elem* src = tile + offset + base;
 #pragma unroll
-            for (int ie = 0; ie < NBE; ++ie)
+      for (int ie = 0; ie < NBE; ++ie)
 #pragma unroll
-              for (int py = 0; py < PY; ++py)
-                partial[ie][py] = __hfma2(w2, src[ie * PLANE + py * WY * IWP], partial[ie][py]);
-          } else {
+        for (int py = 0; py < PY; ++py) {
+          float v[IPE];
+          TileElem<T>::to_float(src[ie * PLANE + py * WY * IWP], v);
 #pragma unroll
-            for (int ie = 0; ie < NBE; ++ie)
-#pragma unroll
-              for (int py = 0; py < PY; ++py) {
-                float v[IPE];
-                TileElem<T>::to_float(src[ie * PLANE + py * WY * IWP], v);
-#pragma unroll
-                for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = fmaf(w, v[q], acc[j][ie][py][q]);
-              }
-          }
-        },
-        [&](int j) {
-#pragma unroll
-          for (int ie = 0; ie < NBE; ++ie)
-#pragma unroll
-            for (int py = 0; py < PY; ++py) {
-              float v[IPE];
-              TileElem<T>::to_float(partial[ie][py], v);
-#pragma unroll
-              for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] += v[q];
-              partial[ie][py] = TileElem<T>::zero();
-            }
-        });
+          for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = fmaf(w, v[q], acc[j][ie][py][q]);
+        }
+    });
     __syncthreads();  // the buffer just read is staged again next (float16) or after next (float32)
   }
 
@@ -433,8 +377,6 @@ __global__ void __launch_bounds__(WARPS * 32)
 //   is worked out once per block.
 //   VEC = 1 (P a multiple of the 16-byte unit, 16-byte aligned input; checked on the Python side): staging by
 //   16-byte cp.async and vector stores of the outputs; VEC = 0: element-wise synchronous staging.
-//   HALF = 1 (float16): per nonzero two packed __hfma2 on the lane's 4 columns into float16 partial sums, flushed
-//   into the float32 accumulators as in direct_tile.
 template <typename T>
 __device__ __forceinline__ void load4(const T* p, float (&v)[4]);
 template <>
@@ -470,7 +412,7 @@ __device__ __forceinline__ void store4<__half>(__half* p, const float (&v)[4]) {
                                             *reinterpret_cast<const unsigned*>(&b));
 }
 
-template <typename T, int PV, int MW, int WARPS, int CC, int VEC, int HALF>
+template <typename T, int PV, int MW, int WARPS, int CC, int VEC>
 __global__ void __launch_bounds__(WARPS * 32)
     direct_pointwise(const T* __restrict__ x,            // (N, C, P), P = H * W
                      const int* __restrict__ chunk_ptr,  // (M * K + 1,): entries of (m, k) are [m*K+k, m*K+k+1)
@@ -484,7 +426,6 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int UPR = TJ / UNIT;                                      // copies per staged row
   static_assert(THREADS % UPR == 0, "every thread stages one fixed column unit");
   constexpr int ROW_STEP = THREADS / UPR;
-  static_assert(!HALF || sizeof(T) == 2, "half2 accumulation: float16 storage");
   __shared__ __align__(16) T tiles[2][CC * TJ];
 
   const int group = blockIdx.x % groups;
@@ -525,10 +466,6 @@ __global__ void __launch_bounds__(WARPS * 32)
     for (int v = 0; v < PV; ++v)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][v][i] = 0.f;
-  // HALF: float16 partial sums of the current row, columns (4 * lane + 128 * v) + {0, 1} and + {2, 3}.
-  __half2 partial[PV][2];
-#pragma unroll
-  for (int v = 0; v < PV; ++v) partial[v][0] = partial[v][1] = __float2half2_rn(0.f);
 
   stage(0, 0);
   if constexpr (VEC) asm volatile("cp.async.commit_group;\n" ::);
@@ -546,38 +483,15 @@ __global__ void __launch_bounds__(WARPS * 32)
     __syncthreads();
     const T* lane_tile = tiles[b] + 4 * lane;
 
-    for_each_entry<MW, 2, HALF ? HALF_TERMS : 0>(
-        chunk_ptr, entries, m_base, M, K, k,
-        [&](int j, int offset, float w) {
-          if constexpr (HALF) {
-            const __half2 w2 = __float2half2_rn(w);
+    for_each_entry<MW, 2>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, float w) {
 #pragma unroll
-            for (int v = 0; v < PV; ++v) {
-              const uint2 q = *reinterpret_cast<const uint2*>(lane_tile + offset + 128 * v);
-              partial[v][0] = __hfma2(w2, *reinterpret_cast<const __half2*>(&q.x), partial[v][0]);
-              partial[v][1] = __hfma2(w2, *reinterpret_cast<const __half2*>(&q.y), partial[v][1]);
-            }
-          } else {
+      for (int v = 0; v < PV; ++v) {
+        float f[4];
+        load4(lane_tile + offset + 128 * v, f);
 #pragma unroll
-            for (int v = 0; v < PV; ++v) {
-              float f[4];
-              load4(lane_tile + offset + 128 * v, f);
-#pragma unroll
-              for (int i = 0; i < 4; ++i) acc[j][v][i] = fmaf(w, f[i], acc[j][v][i]);
-            }
-          }
-        },
-        [&](int j) {
-#pragma unroll
-          for (int v = 0; v < PV; ++v)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const float2 f = __half22float2(partial[v][h]);
-              acc[j][v][2 * h] += f.x;
-              acc[j][v][2 * h + 1] += f.y;
-              partial[v][h] = __float2half2_rn(0.f);
-            }
-        });
+        for (int i = 0; i < 4; ++i) acc[j][v][i] = fmaf(w, f[i], acc[j][v][i]);
+      }
+    });
     __syncthreads();  // buffer b is staged again at iteration k + 1
   }
 

@@ -49,10 +49,7 @@ def compile_with_nvrtc(library: Path, source: str, names: list[str], options: li
 @pytest.mark.skipif(nvrtc_library() is None, reason="no NVRTC library in the nvidia wheels")
 def test_every_tuned_instantiation_compiles_under_nvrtc(tuned_kernel_names) -> None:
     library = nvrtc_library()
-    # The 16-byte staging and the half2 accumulation are among them (the last two template arguments).
-    assert any(name.endswith(",1,0>") for name in tuned_kernel_names)
-    assert any(name.startswith("direct_tile<__half") and name.endswith(",1>") for name in tuned_kernel_names)
-    assert any(name.startswith("direct_pointwise<__half") and name.endswith(",1>") for name in tuned_kernel_names)
+    assert any(name.endswith(",1>") for name in tuned_kernel_names)  # the 16-byte staging is among them
     include = library.parent.parent / "include"
     status, log = compile_with_nvrtc(library, cl.KERNEL_FILE.read_text(), tuned_kernel_names,
                                      [*cl.COMPILE_OPTIONS, "-arch=compute_90", f"-I{include}"])

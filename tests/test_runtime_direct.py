@@ -87,35 +87,18 @@ def staged_columns(layout: cl.TileLayout, tiling: cl.TileTiling, pad_w: int) -> 
             + [[h if h < pad_w else h + tiling.wx] for h in range(halo)])
 
 
-def entry_groups(begin: int, end: int, half: bool) -> list[range]:
-    """The entries ``[begin, end)`` of one (row, chunk) as the kernels' for_each_entry flushes them: one group,
-    or with half2 accumulation groups of at most ``cl.HALF_TERMS``."""
-    step = cl.HALF_TERMS if half else max(end - begin, 1)
-    return [range(t, min(t + step, end)) for t in range(begin, end, step)]
-
-
-def multiply_add(w: float, v: torch.Tensor, partial: torch.Tensor, half: bool) -> torch.Tensor:
-    """``w * v + partial`` in float64, or as ``__hfma2``: float16 weight (``__float2half2_rn``), one rounding
-    of the exact result to float16 (``v`` and ``partial`` hold float16 values)."""
-    if not half:
-        return w * v + partial
-    w16 = float(torch.tensor(w).half())
-    return (w16 * v + partial).half().double()
-
-
 def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tiling: cl.TileTiling,
-                 dtype: torch.dtype = torch.float32, vector: bool = False, half: bool = False) -> torch.Tensor:
+                 dtype: torch.dtype = torch.float32, vector: bool = False) -> torch.Tensor:
     """``direct_tile`` in Python: grid decode, staged chunk in the kernel's flat layout (zero halo, images
     packed per element; with ``vector`` the 16-byte copies, each wholly inside or outside the image and
     16-byte aligned in shared memory), per-(row, chunk) entries, lane-to-output map and every shared-memory
-    index checked against the chunk's size. ``half``: half2 accumulation (float16 partial sums flushed per
-    :func:`entry_groups`; ``x`` must hold float16 values)."""
+    index checked against the chunk's size."""
     N, C, H, W = x.shape
     R, S = csr.kernel_size
     E, F_ = geometry.output_size(H, W, csr.kernel_size)
     pad = geometry.padding[1] if vector else None
     layout = cl.tile_layout(dtype, (R, S), tiling, pad)
-    spec = cl.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling, pad, half)
+    spec = cl.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling, pad)
     arrays = prepare_tile(csr, layout)
     ipe = cl.images_per_element(dtype)
     (te, tf), wy = tiling.tile_hw, tiling.wy
@@ -148,20 +131,15 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
                     m = group * tiling.channels + warp * tiling.mw + j
                     if m >= csr.out_channels:
                         break
-                    for terms in entry_groups(int(arrays.chunk_ptr[m * K + k]),
-                                              int(arrays.chunk_ptr[m * K + k + 1]), half):
-                        partial = torch.zeros_like(acc[warp, j])
-                        for t in terms:
-                            offset = int(arrays.entries[t, 0])
-                            w = float(arrays.entries[t, 1:2].view(torch.float32))
-                            for ie in range(layout.image_elements):
-                                rows = (py * wy * layout.padded_width)[:, None]
-                                index = offset + base[None, :] + ie * layout.plane + rows
-                                assert int(index.min()) >= 0 and int(index.max()) < layout.elements()
-                                for q in range(ipe):
-                                    partial[ie * ipe + q] = multiply_add(w, chunk[index, q], partial[ie * ipe + q],
-                                                                         half)
-                        acc[warp, j] += partial
+                    for t in range(int(arrays.chunk_ptr[m * K + k]), int(arrays.chunk_ptr[m * K + k + 1])):
+                        offset = int(arrays.entries[t, 0])
+                        w = float(arrays.entries[t, 1:2].view(torch.float32))
+                        for ie in range(layout.image_elements):
+                            rows = (py * wy * layout.padded_width)[:, None]
+                            index = offset + base[None, :] + ie * layout.plane + rows
+                            assert int(index.min()) >= 0 and int(index.max()) < layout.elements()
+                            for q in range(ipe):
+                                acc[warp, j, ie * ipe + q] += w * chunk[index, q]
         for warp, j, b in [(a, b, c) for a in range(spec.block[0] // 32) for b in range(tiling.mw)
                            for c in range(tiling.nb)]:
             m, n = group * tiling.channels + warp * tiling.mw + j, n0 + b
@@ -174,16 +152,16 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
 
 
 def emulate_pointwise(x: torch.Tensor, csr: UniformCSR, tiling: cl.PointwiseTiling,
-                      dtype: torch.dtype = torch.float32, vector: bool = False, half: bool = False) -> torch.Tensor:
+                      dtype: torch.dtype = torch.float32, vector: bool = False) -> torch.Tensor:
     """``direct_pointwise`` in Python: grid decode over the flattened ``n * P + p`` columns, each thread's
     fixed staging unit and its rows of every chunk (a 16-byte copy wholly inside one image and aligned in
     shared memory), the per-(row, chunk) entries, the lanes' 4-column groups, every shared-memory index
-    checked against the chunk's size, and the output decode. ``half`` as in :func:`emulate_tile`."""
+    checked against the chunk's size, and the output decode."""
     N, C, H, W = x.shape
     P, M = H * W, csr.out_channels
     J = N * P
     layout = cl.pointwise_layout(dtype, tiling, vector)
-    spec = cl.pointwise_launch(dtype, N, M, P, tiling, vector, half)
+    spec = cl.pointwise_launch(dtype, N, M, P, tiling, vector)
     arrays = prepare_tile(csr, layout)
     unit, tj, threads = cl.pointwise_unit(dtype, vector), tiling.columns, spec.block[0]
     copies_per_row = tj // unit
@@ -210,17 +188,13 @@ def emulate_pointwise(x: torch.Tensor, csr: UniformCSR, tiling: cl.PointwiseTili
                 m = group * tiling.channels + warp * tiling.mw + row
                 if m >= M:
                     break
-                for terms in entry_groups(int(arrays.chunk_ptr[m * K + k]), int(arrays.chunk_ptr[m * K + k + 1]),
-                                          half):
-                    partial = torch.zeros_like(acc[warp, row])
-                    for t in terms:
-                        offset = int(arrays.entries[t, 0])
-                        w = float(arrays.entries[t, 1:2].view(torch.float32))
-                        for v in range(tiling.pv):
-                            index = offset + 128 * v + lane_columns
-                            assert int(index.min()) >= 0 and int(index.max()) < layout.elements()
-                            partial[v] = multiply_add(w, chunk[index], partial[v], half)
-                    acc[warp, row] += partial
+                for t in range(int(arrays.chunk_ptr[m * K + k]), int(arrays.chunk_ptr[m * K + k + 1])):
+                    offset = int(arrays.entries[t, 0])
+                    w = float(arrays.entries[t, 1:2].view(torch.float32))
+                    for v in range(tiling.pv):
+                        index = offset + 128 * v + lane_columns
+                        assert int(index.min()) >= 0 and int(index.max()) < layout.elements()
+                        acc[warp, row, v] += w * chunk[index]
         for warp, row, v in [(a, b, c) for a in range(tiling.warps) for b in range(tiling.mw)
                              for c in range(tiling.pv)]:
             m = group * tiling.channels + warp * tiling.mw + row
@@ -258,11 +232,7 @@ def test_pointwise_eligibility_and_launch() -> None:
         cl.pointwise_layout(torch.float32, cl.PointwiseTiling(pv=1, mw=8, warps=2, cc=32), vector=False)
     spec = cl.pointwise_launch(torch.float32, 128, 256, 196, cl.PointwiseTiling(1, 8, 16, 32), vector=True)
     assert spec.grid == (2 * 196, 1, 1) and spec.block == (512, 1, 1)
-    assert spec.name == "direct_pointwise<float,1,8,16,32,1,0>"
-    spec = cl.pointwise_launch(torch.float16, 128, 256, 196, cl.PointwiseTiling(1, 8, 16, 32), False, True)
-    assert spec.name == "direct_pointwise<__half,1,8,16,32,0,1>"
-    with pytest.raises(ValueError, match=r"accumulate.*float16"):
-        cl.pointwise_launch(torch.float32, 128, 256, 196, cl.PointwiseTiling(1, 8, 16, 32), True, True)
+    assert spec.name == "direct_pointwise<float,1,8,16,32,1>"
     layout = cl.pointwise_layout(torch.float16, cl.PointwiseTiling(2, 4, 16, 16), vector=True)
     assert (layout.channel_stride, layout.shared_bytes()) == (256, 2 * 16 * 256 * 2)
     backend = DirectBackend()
@@ -325,49 +295,6 @@ def test_vector_staging_eligibility() -> None:
     narrow = backend.tuning_space(torch.zeros(2, 4, 14, 14), csr, ConvGeometry.of(1, 1))
     assert not any("stage" in p for p in narrow)
     assert any("stage" in p for p in backend.tuning_space(torch.zeros(2, 4, 56, 56), csr, ConvGeometry.of(1, 1)))
-
-
-def test_half_terms_match_the_kernel_source() -> None:
-    assert f"constexpr int HALF_TERMS = {cl.HALF_TERMS};" in cl.KERNEL_FILE.read_text()
-
-
-def half_layer(case: tuple, seed: int):
-    """A layer whose inputs and weights hold float16 values, every output channel's first row dense (more
-    than ``cl.HALF_TERMS`` products per (row, chunk), so partial sums flush mid-row) and one row empty."""
-    x, csr, geometry, _ = layer(case, sparsity=0.8, seed=seed)
-    weight = csr.to_dense().reshape(case[4], case[1], case[5], case[6])
-    weight[0] = torch.randn(weight[0].shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
-    weight[-1] = 0
-    x, weight = x.half().double(), weight.half().double()
-    ref = F.conv2d(x, weight, None, geometry.stride, geometry.padding, geometry.dilation)
-    return x, UniformCSR.from_dense(weight), geometry, ref
-
-
-def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float(torch.linalg.vector_norm(out - ref) / torch.linalg.vector_norm(ref))
-
-
-@pytest.mark.parametrize("variant", ["tile", "pointwise"])
-def test_half_accumulation_emulation_stays_within_float16_tolerance(variant: str) -> None:
-    if variant == "tile":
-        case, tiling = (2, 8, 6, 9, 5, 3, 3, 1, 1, 1), cl.TileTiling(wx=8, py=2, nb=2, mw=2, warps=2, cc=4)
-        x, csr, geometry, ref = half_layer(case, seed=11)
-        layout = cl.tile_layout(torch.float16, (3, 3), tiling)
-        out = emulate_tile(x, csr, geometry, tiling, dtype=torch.float16, half=True)
-        exact = emulate_tile(x, csr, geometry, tiling, dtype=torch.float16)
-    else:
-        case, tiling = (2, 40, 4, 8, 5, 1, 1, 1, 0, 1), cl.PointwiseTiling(pv=1, mw=2, warps=4, cc=32)
-        x, csr, geometry, ref = half_layer(case, seed=12)
-        layout = cl.pointwise_layout(torch.float16, tiling, vector=False)
-        out = emulate_pointwise(x, csr, tiling, dtype=torch.float16, half=True)
-        exact = emulate_pointwise(x, csr, tiling, dtype=torch.float16)
-    counts = prepare_tile(csr, layout).chunk_ptr.diff()
-    assert int(counts.max()) > cl.HALF_TERMS  # a flush in the middle of a row's chunk
-    assert relative_error(exact, ref) < 1e-12
-    error = relative_error(out, ref)
-    # float16 partial sums of <= 16 products: ~2^-11 * sqrt(16 / 2) ~ 1.4e-3 at worst, inside float16's 2e-3
-    # (unsparse.runtime.comparator.tolerance), and visibly not exact.
-    assert 1e-5 < error < 2e-3
 
 
 def test_tile_emulation_float16_layout_pairs_images() -> None:
@@ -464,20 +391,14 @@ def test_launch_geometry() -> None:
     tiling = cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4)
     spec = cl.tile_launch(torch.float32, 127, 200, (28, 28), (3, 3), tiling)
     assert spec.grid == (4 * 4 * 2, 64, 1) and spec.block == (256, 1, 1)
-    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48,0,0,0>"
+    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48,0,0>"
     spec = cl.tile_launch(torch.float32, 127, 200, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 4, 16, 8), 1)
-    assert spec.name == "direct_tile<float,3,3,32,4,2,4,16,8,40,3,1,0>"
-    spec = cl.tile_launch(torch.float16, 127, 200, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 4, 16, 8),
-                          half_accumulate=True)
-    assert spec.name == "direct_tile<__half,3,3,32,4,2,4,16,8,34,0,0,1>"
-    with pytest.raises(ValueError, match=r"accumulate.*float16"):
-        cl.tile_launch(torch.float32, 127, 200, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 4, 16, 8),
-                       half_accumulate=True)
+    assert spec.name == "direct_tile<float,3,3,32,4,2,4,16,8,40,3,1>"
     with pytest.raises(ValueError, match="exceed"):  # two float32 buffers of 30 KB
         cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))
     cl.tile_launch(torch.float16, 2, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))  # one buffer
     spec = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8))
-    assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,0>"
+    assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0>"
     with pytest.raises(ValueError, match="threads"):
         cl.rows_launch(torch.float32, 1, 1, 1, 100, 1, 1, 1)
     with pytest.raises(ValueError, match="grid"):
@@ -511,15 +432,8 @@ def test_tuning_spaces() -> None:
     assert len(rows_space(1, 1, prune=False)) == 6
     assert all(p["wx"] <= 14 for p in tile_space(8, (7, 7), (3, 3), torch.float32))
     big = tile_space(128, (56, 56), (3, 3), torch.float32)
-    half = tile_space(128, (56, 56), (3, 3), torch.float16)
-    # float32 stages into two buffers: the largest chunks are float16-only; NB = 1 is float32-only; float16
-    # comes with and without half2 accumulation, float32 never with it.
-    assert not any("accumulate" in p for p in big)
-    assert [p for p in half if p.get("accumulate") == "half"] == [{**p, "accumulate": "half"}
-                                                                  for p in half if "accumulate" not in p]
-    assert len(big) == len(TILE_TILINGS) - 2 == len(half) // 2 - 1
-    assert any(p.get("accumulate") == "half" for p in pointwise_space(128, 256, 196, torch.float16))
-    assert not any("accumulate" in p for p in pointwise_space(128, 256, 196, torch.float32, vector=True))
+    # float32 stages into two buffers: the largest chunks are float16-only; NB = 1 is float32-only.
+    assert len(big) == len(TILE_TILINGS) - 2 == len(tile_space(128, (56, 56), (3, 3), torch.float16)) - 1
     assert len(tile_space(128, (56, 56), (5, 5), torch.float32)) < len(big)
     assert all(p["nb"] % 2 == 0 for p in tile_space(128, (56, 56), (3, 3), torch.float16))
     assert all(p["nb"] <= 2 for p in tile_space(1, (56, 56), (3, 3), torch.float16))

@@ -30,9 +30,6 @@ SHARED_LIMIT_BYTES = 48 * 1024
 """Static shared memory a block may use without opting in (CUDA default)."""
 TAP_SHIFT_BITS = 16
 """``direct_rows`` packs a tap's (row shift, column shift) as ``dy << 16 | dx``; both must be < 2**15."""
-HALF_TERMS = 16
-"""Products a float16 partial sum of the half2 accumulation holds at most before it joins the float32
-accumulators (``HALF_TERMS`` in ``kernels/direct_conv.cu``)."""
 
 _CUDA_TYPES = {torch.float32: "float", torch.float16: "__half"}
 """Storage dtypes the kernels are instantiated for; arithmetic is float32 for both."""
@@ -224,34 +221,18 @@ def vector_staging_reason(dtype: torch.dtype, width: int, kernel_size: tuple[int
     return None
 
 
-def half_accumulation_reason(dtype: torch.dtype) -> str | None:
-    """Why a layer cannot accumulate in half2 (template argument HALF of ``direct_tile`` and
-    ``direct_pointwise``), or None if it can: float16 storage only (float32 has no packed FMA)."""
-    return None if dtype == torch.float16 else f"dtype {dtype} (float16 only)"
-
-
-def _check_half_accumulation(dtype: torch.dtype, half_accumulate: bool) -> None:
-    reason = half_accumulation_reason(dtype)
-    if half_accumulate and reason is not None:
-        raise ValueError(f"accumulate: half2 accumulation impossible: {reason}")
-
-
 def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple[int, int],
-                kernel_size: tuple[int, int], tiling: TileTiling, vector_pad: int | None = None,
-                half_accumulate: bool = False) -> Launch:
+                kernel_size: tuple[int, int], tiling: TileTiling, vector_pad: int | None = None) -> Launch:
     """Geometry of ``direct_tile``: grid ``(channel groups * output tiles, ceil(N / NB))``, channel groups
     fastest so that the blocks staging one input tile run together and find it in L2. ``vector_pad``: the
-    16-byte staging layout of :func:`tile_layout` (template arguments LEFT and VEC). ``half_accumulate``:
-    float16 partial sums by packed ``__hfma2`` (template argument HALF; :func:`half_accumulation_reason`).
+    16-byte staging layout of :func:`tile_layout` (template arguments LEFT and VEC).
 
     Raises:
         ValueError: for an invalid tiling (:func:`tile_layout`), more than 1024 threads, a non-positive
-            size, staged chunks beyond :data:`SHARED_LIMIT_BYTES`, a grid beyond CUDA's limits, or
-            ``half_accumulate`` on a dtype other than float16.
+            size, staged chunks beyond :data:`SHARED_LIMIT_BYTES`, or a grid beyond CUDA's limits.
     """
     (E, F_), (R, S) = out_hw, kernel_size
     layout = tile_layout(dtype, kernel_size, tiling, vector_pad)
-    _check_half_accumulation(dtype, half_accumulate)
     if min(batch, out_channels, E, F_) < 1:
         raise ValueError("tile_launch: every size must be positive")
     if tiling.warps * 32 > 1024:
@@ -263,8 +244,7 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
     grid = (groups * math.ceil(E / te) * math.ceil(F_ / tf), math.ceil(batch / tiling.nb), 1)
     _check_grid(grid)
     name = (f"direct_tile<{cuda_type(dtype)},{R},{S},{tiling.wx},{tiling.py},{tiling.nb},{tiling.mw},"
-            f"{tiling.warps},{tiling.cc},{layout.padded_width},{layout.left},{int(layout.vector)},"
-            f"{int(half_accumulate)}>")
+            f"{tiling.warps},{tiling.cc},{layout.padded_width},{layout.left},{int(layout.vector)}>")
     return Launch(name, grid, (tiling.warps * 32, 1, 1))
 
 
@@ -329,18 +309,16 @@ def pointwise_vector_reason(dtype: torch.dtype, pixels: int) -> str | None:
 
 
 def pointwise_launch(dtype: torch.dtype, batch: int, out_channels: int, pixels: int, tiling: PointwiseTiling,
-                     vector: bool, half_accumulate: bool = False) -> Launch:
+                     vector: bool) -> Launch:
     """Geometry of ``direct_pointwise``: grid ``(channel groups * column tiles,)`` over the ``N * P`` flattened
-    columns, channel groups fastest (as :func:`tile_launch`); ``half_accumulate`` as there.
+    columns, channel groups fastest (as :func:`tile_launch`).
 
     Raises:
         ValueError: for an invalid tiling (:func:`pointwise_layout`), more than 1024 threads, a non-positive
             size, ``batch * pixels >= 2**31`` (the kernel indexes columns in int32), staged chunks beyond
-            :data:`SHARED_LIMIT_BYTES`, a grid beyond CUDA's limits, or ``half_accumulate`` on a dtype other
-            than float16.
+            :data:`SHARED_LIMIT_BYTES`, or a grid beyond CUDA's limits.
     """
     layout = pointwise_layout(dtype, tiling, vector)
-    _check_half_accumulation(dtype, half_accumulate)
     if min(batch, out_channels, pixels) < 1:
         raise ValueError("pointwise_launch: every size must be positive")
     if batch * pixels >= 2**31:
@@ -353,7 +331,7 @@ def pointwise_launch(dtype: torch.dtype, batch: int, out_channels: int, pixels: 
     grid = (groups * math.ceil(batch * pixels / tiling.columns), 1, 1)
     _check_grid(grid)
     name = (f"direct_pointwise<{cuda_type(dtype)},{tiling.pv},{tiling.mw},{tiling.warps},{tiling.cc},"
-            f"{int(vector)},{int(half_accumulate)}>")
+            f"{int(vector)}>")
     return Launch(name, grid, (tiling.warps * 32, 1, 1))
 
 

@@ -11,11 +11,6 @@ Three kernel variants share the backend and its tuning space (parameter ``varian
   ``n * P + p`` columns; ``"stage": "vector"`` settings stage 16-byte vectors where the plane allows
   (:func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`).
 
-For float16, ``tile`` and ``pointwise`` settings also come with ``"accumulate": "half"``: products summed by packed
-``__hfma2`` into float16 partial sums of at most 16 terms, which are then added to the float32 accumulators (issue 6's
-"half2 arithmetic"; without the key, every product is converted to float32 first). The comparator's error check
-against float64 applies to these settings as to every other.
-
 Everything a kernel reads through an index is built and checked here at plan time (:func:`prepare_rows`,
 :func:`prepare_tile`, which also serves ``pointwise``) and cached per UniformCSR object and input size, so
 no kernel sees an unchecked index.
@@ -96,27 +91,19 @@ def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str
     return space
 
 
-def accumulations(dtype: torch.dtype) -> list[dict[str, str]]:
-    """The ``accumulate`` choices of ``tile`` and ``pointwise`` settings for ``dtype``, as setting entries:
-    float32 accumulation (no key) always, ``{"accumulate": "half"}`` too where
-    :func:`~unsparse.runtime.cupy_launcher.half_accumulation_reason` allows it (float16)."""
-    return [{}] + ([{"accumulate": "half"}] if cl.half_accumulation_reason(dtype) is None else [])
-
-
 def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int], dtype: torch.dtype,
                prune: bool = True, vector_pad: int | None = None) -> list[dict[str, Any]]:
     """``direct_tile`` settings: the :data:`TILE_TILINGS` valid for ``dtype`` and whose staged chunks fit
     in shared memory; with ``vector_pad`` (the layer's ``pad_w``, where
     :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason` allows it) also each tiling that can stage
-    16-byte vectors, as ``"stage": "vector"``; each also with every :func:`accumulations` choice.
+    16-byte vectors, as ``"stage": "vector"``.
 
     With ``prune``, tilings whose output tile is more than twice the plane in either direction, or whose
     NB exceeds the batch (beyond the images per element), are left out.
     """
     E, F_ = out_hw
     space = []
-    for tiling, pad, accumulate in itertools.product(TILE_TILINGS, [None] if vector_pad is None else [None, vector_pad],
-                                                     accumulations(dtype)):
+    for tiling, pad in itertools.product(TILE_TILINGS, [None] if vector_pad is None else [None, vector_pad]):
         try:
             layout = cl.tile_layout(dtype, kernel_size, tiling, pad)
         except ValueError:
@@ -127,8 +114,7 @@ def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int]
         if prune and (te > 2 * E or tf > 2 * F_ or tiling.nb > max(batch, cl.images_per_element(dtype))):
             continue
         space.append({"variant": "tile", "wx": tiling.wx, "py": tiling.py, "nb": tiling.nb, "mw": tiling.mw,
-                      "warps": tiling.warps, "cc": tiling.cc, **({} if pad is None else {"stage": "vector"}),
-                      **accumulate})
+                      "warps": tiling.warps, "cc": tiling.cc, **({} if pad is None else {"stage": "vector"})})
     return space
 
 
@@ -136,15 +122,13 @@ def pointwise_space(batch: int, out_channels: int, pixels: int, dtype: torch.dty
                     vector: bool = False) -> list[dict[str, Any]]:
     """``direct_pointwise`` settings: the :data:`POINTWISE_TILINGS` whose staged chunks fit, each with
     element-wise staging and, with ``vector`` (the plane passes
-    :func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`), also as ``"stage": "vector"``; each also
-    with every :func:`accumulations` choice.
+    :func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`), also as ``"stage": "vector"``.
 
     With ``prune``, tilings with more than twice the output channels (beyond 64) or more than twice the
     ``batch * pixels`` columns (beyond 128) are left out.
     """
     space = []
-    stages = ["scalar", "vector"] if vector else ["scalar"]
-    for tiling, stage, accumulate in itertools.product(POINTWISE_TILINGS, stages, accumulations(dtype)):
+    for tiling, stage in itertools.product(POINTWISE_TILINGS, ["scalar", "vector"] if vector else ["scalar"]):
         try:
             layout = cl.pointwise_layout(dtype, tiling, stage == "vector")
         except ValueError:
@@ -154,25 +138,13 @@ def pointwise_space(batch: int, out_channels: int, pixels: int, dtype: torch.dty
         if prune and (tiling.channels > max(2 * out_channels, 64) or tiling.columns > max(2 * batch * pixels, 128)):
             continue
         space.append({"variant": "pointwise", "pv": tiling.pv, "mw": tiling.mw, "warps": tiling.warps,
-                      "cc": tiling.cc, **({"stage": "vector"} if stage == "vector" else {}), **accumulate})
+                      "cc": tiling.cc, **({"stage": "vector"} if stage == "vector" else {})})
     return space
 
 
 def pointwise_tiling_of(params: dict[str, Any]) -> cl.PointwiseTiling:
     """The :class:`~unsparse.runtime.cupy_launcher.PointwiseTiling` of a ``pointwise`` setting."""
     return cl.PointwiseTiling(params["pv"], params["mw"], params["warps"], params["cc"])
-
-
-def half_accumulate(params: dict[str, Any]) -> bool:
-    """Whether a ``tile`` or ``pointwise`` setting asks for half2 accumulation (``"accumulate": "half"``).
-
-    Raises:
-        ValueError: for an ``accumulate`` other than ``"float"`` or ``"half"``.
-    """
-    accumulate = params.get("accumulate", "float")
-    if accumulate not in ("float", "half"):
-        raise ValueError(f"accumulate: unknown {accumulate!r}, expected 'float' or 'half'")
-    return accumulate == "half"
 
 
 def is_pointwise(csr: UniformCSR, geometry: ConvGeometry) -> bool:
@@ -327,8 +299,7 @@ def validate_tile(arrays: TileArrays, out_channels: int, channels: int, kernel_s
 
 @register_backend
 class DirectBackend(ConvBackend):
-    """Direct sparse convolution on CUDA through CuPy; float32 and float16 storage, float32 arithmetic (float16
-    settings with ``"accumulate": "half"`` sum products in float16 partial sums of at most 16 terms)."""
+    """Direct sparse convolution on CUDA through CuPy; float32 and float16 storage, float32 arithmetic."""
 
     name = "direct"
     device_types = frozenset({"cuda"})
@@ -394,9 +365,9 @@ class DirectBackend(ConvBackend):
                                   params.get("channels", ROWS_CHANNELS))
         if variant == "pointwise":
             return cl.pointwise_launch(x.dtype, N, csr.out_channels, E * F_, pointwise_tiling_of(params),
-                                       self._pointwise_vector(x, params), half_accumulate(params))
+                                       self._pointwise_vector(x, params))
         return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), csr.kernel_size, tiling_of(params),
-                              self._vector_pad(x, csr, geometry, params), half_accumulate(params))
+                              self._vector_pad(x, csr, geometry, params))
 
     @staticmethod
     def _vector_requested(params: dict[str, Any], reason: Callable[[], str | None]) -> bool:
