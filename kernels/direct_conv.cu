@@ -17,8 +17,9 @@
 // direct_tile: stride 1, dilation 1 Conv2d (the 3x3 layers that carry most of the work). A block
 //   owns WARPS * MW output channels, a TE x TF output tile (TE = (32 / WX) * PY, TF = WX) and NB images.
 //   Input channels are staged CC at a time into shared memory with their halo (zero outside the image, so
-//   padding needs no copy); float32 chunks stream in with cp.async into two buffers (chunk k + 1 loads
-//   while chunk k computes); float16 tiles hold __half2 pairs of images so one 4-byte load feeds two FMAs.
+//   padding needs no copy); chunks stream in with cp.async into two buffers (chunk k + 1 loads while chunk k
+//   computes). Elements are 4 bytes: one float32 image, or a __half2 pair of float16 images read from an
+//   image-paired input (N/2, C, H, W, 2) that the Python side builds (one 4-byte load feeds two FMAs).
 //   Each warp walks the nonzeros of its MW rows in the staged channels: per nonzero one broadcast load of
 //   (offset into the staged chunk, weight) (Escoin §3.1 stretching, done at plan time against the tile
 //   layout), then for each of the lane's PY * NB outputs one shared load at offset + a compile-time
@@ -26,7 +27,7 @@
 //   broadcasts), its bound is the per-(row, chunk) count (UnSparse-Opt's uniform padding entries are
 //   dropped at plan time), and the lanes of a warp read 32 distinct banks (padded row width chosen on the
 //   Python side).
-//   VEC = 1 (float32, WX = 32, W % 4 == 0, a 16-byte aligned input, pad_w <= S - 1; checked on the Python
+//   VEC = 1 (WX = 32, W % 4 == 0, a 16-byte aligned input, pad_w <= S - 1; checked on the Python
 //   side): each staged row's 32 interior columns (input columns f0 .. f0 + 31) are copied as eight 16-byte
 //   cp.async, which the row layout aligns by starting column xx of every row at LEFT + xx with
 //   (LEFT + pad_w) % 4 == 0; the S - 1 halo columns stay 4-byte copies. Per staged element this issues
@@ -133,37 +134,26 @@ __global__ void direct_rows(const T* __restrict__ x,            // (N, C, H, W),
   }
 }
 
-// Shared-memory element of direct_tile: float32 inputs one image per element; float16 inputs two images per
-// element (a __half2 of images n and n+1), so one 4-byte shared load feeds two FMAs.
+// Input and shared-memory element of direct_tile: float32 one image per element; float16 two images per element
+// (a __half2 of images 2i and 2i + 1, from the image-paired input), so one 4-byte load feeds two FMAs.
 template <typename T>
 struct TileElem;
 template <>
 struct TileElem<float> {
   using type = float;
   static constexpr int images = 1;
-  static constexpr bool async_staging = true;
   __device__ static void to_float(float v, float (&out)[1]) { out[0] = v; }
 };
 template <>
 struct TileElem<__half> {
   using type = __half2;
   static constexpr int images = 2;
-  static constexpr bool async_staging = false;
   __device__ static void to_float(__half2 v, float (&out)[2]) {
     const float2 f = __half22float2(v);
     out[0] = f.x;
     out[1] = f.y;
   }
 };
-
-template <typename T, int IMAGES>
-__device__ __forceinline__ typename TileElem<T>::type pack_images(const float (&v)[IMAGES]);
-template <>
-__device__ __forceinline__ float pack_images<float, 1>(const float (&v)[1]) { return v[0]; }
-template <>
-__device__ __forceinline__ __half2 pack_images<__half, 2>(const float (&v)[2]) {
-  return __floats2half2_rn(v[0], v[1]);
-}
 
 // One 4- or 16-byte cp.async into shared memory; `live` false zero-fills the destination.
 template <int BYTES>
@@ -198,7 +188,7 @@ __device__ __forceinline__ void for_each_entry(const int* __restrict__ chunk_ptr
 
 template <typename T, int R, int S, int WX, int PY, int NB, int MW, int WARPS, int CC, int IWP, int LEFT, int VEC>
 __global__ void __launch_bounds__(WARPS * 32)
-    direct_tile(const T* __restrict__ x,                // (N, C, H, W), unpadded
+    direct_tile(const T* __restrict__ x,                // float32 (N, C, H, W); float16 (ceil(N/2), C, H, W, 2)
                 const int* __restrict__ chunk_ptr,      // (M * K + 1,): entries of (m, k) are [m*K+k, m*K+k+1)
                 const int2* __restrict__ entries,       // (nnz,): (tile offset, float32 bits of the weight)
                 const T* __restrict__ bias,             // (M,) or nullptr
@@ -215,14 +205,13 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int IH = TE + R - 1;
   constexpr int IW = WX + S - 1;
   static_assert(IWP >= LEFT + IW, "padded tile row holds the halo");
-  static_assert(!VEC || (TileElem<T>::async_staging && WX == 32 && IWP % 4 == 0),
-                "16-byte staging: float32, one 32-column warp row, rows of whole 16-byte vectors");
+  static_assert(!VEC || (WX == 32 && IWP % 4 == 0),
+                "16-byte staging: one 32-column warp row, rows of whole 16-byte vectors");
   constexpr int PLANE = IH * IWP;
   constexpr int CS = NBE * PLANE;  // one input channel of the tile, all its image elements
   constexpr int THREADS = WARPS * 32;
   constexpr int STAGED = CC * NBE * IH * IW;
-  constexpr int BUFFERS = TileElem<T>::async_staging ? 2 : 1;
-  __shared__ __align__(16) Elem tiles[BUFFERS][CC * CS];
+  __shared__ __align__(16) Elem tiles[2][CC * CS];
 
   const int group = blockIdx.x % groups;
   const int tile_id = blockIdx.x / groups;
@@ -236,7 +225,10 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int base = ly * IWP + LEFT + lx;
   const int m_base = group * (WARPS * MW) + warp * MW;
   const int K = (C + CC - 1) / CC;
-  const long long image_size = static_cast<long long>(C) * H * W;
+  const long long image_size = static_cast<long long>(C) * H * W;  // elements of one image element
+  const Elem* xe = reinterpret_cast<const Elem*>(x);
+  const int NE = (N + IPE - 1) / IPE;  // image elements of the input
+  const int ne0 = n0 / IPE;
 
   float acc[MW][NBE][PY][IPE];
 #pragma unroll
@@ -248,9 +240,8 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
         for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = 0.f;
 
-  // Stages chunk k into buffer b. float32: asynchronous 4-byte copies (zero-filled outside the image, no
-  // registers held), so chunk k + 1 streams in while chunk k is computed. float16: image pairs are packed
-  // into __half2 through registers, synchronously.
+  // Stages chunk k into buffer b by asynchronous 4-byte copies of one element (zero-filled outside the image, no
+  // registers held), so chunk k + 1 streams in while chunk k is computed.
   const auto stage = [&](int k, int b) {
     if constexpr (VEC) {
       // Rows (cc, ie, yy) as (row, column xx) copies: first WX / 4 interior vectors per row, then the S - 1
@@ -260,12 +251,12 @@ __global__ void __launch_bounds__(WARPS * 32)
       const auto copy = [&](int row, int xx, bool vector) {
         const int iy = e0 + row % IH - pad_h;
         const int ix = f0 + xx - pad_w;
-        const int n = n0 + (row / IH) % NBE;
+        const int n = ne0 + (row / IH) % NBE;
         const int c = k * CC + row / (IH * NBE);
-        const bool live = c < C && n < N && static_cast<unsigned>(iy) < static_cast<unsigned>(H) &&
+        const bool live = c < C && n < NE && static_cast<unsigned>(iy) < static_cast<unsigned>(H) &&
                           static_cast<unsigned>(ix) < static_cast<unsigned>(W);
         Elem* dst = &tiles[b][row * IWP + LEFT + xx];
-        const T* src = live ? x + n * image_size + (c * H + iy) * W + ix : x;
+        const Elem* src = live ? xe + n * image_size + (c * H + iy) * W + ix : xe;
         if (vector) {
           stage_async<16>(dst, src, live);
         } else {
@@ -281,6 +272,7 @@ __global__ void __launch_bounds__(WARPS * 32)
         copy(idx / (IW - WX), slot < pad_w ? slot : slot + WX, false);
       }
     } else {
+#pragma unroll 1
       for (int idx = threadIdx.x; idx < STAGED; idx += THREADS) {
         const int xx = idx % IW;
         const int row = idx / IW;  // (cc * NBE + ie) * IH + yy
@@ -292,40 +284,23 @@ __global__ void __launch_bounds__(WARPS * 32)
         const bool inside = c < C && static_cast<unsigned>(iy) < static_cast<unsigned>(H) &&
                             static_cast<unsigned>(ix) < static_cast<unsigned>(W);
         const int within = inside ? (c * H + iy) * W + ix : 0;
-        Elem* dst = &tiles[b][row * IWP + LEFT + xx];
-        if constexpr (TileElem<T>::async_staging) {
-          const int n = n0 + ie;
-          const bool live = inside && n < N;
-          stage_async<4>(dst, live ? x + n * image_size + within : x, live);
-        } else {
-          float v[IPE];
-#pragma unroll
-          for (int q = 0; q < IPE; ++q) {
-            const int n = n0 + ie * IPE + q;
-            v[q] = (inside && n < N) ? unsparse::load_float(x + n * image_size + within) : 0.f;
-          }
-          *dst = pack_images<T, IPE>(v);
-        }
+        const int n = ne0 + ie;
+        const bool live = inside && n < NE;
+        stage_async<4>(&tiles[b][row * IWP + LEFT + xx], live ? xe + n * image_size + within : xe, live);
       }
     }
   };
 
-  if constexpr (TileElem<T>::async_staging) {
-    stage(0, 0);
-    asm volatile("cp.async.commit_group;\n" ::);
-  }
+  stage(0, 0);
+  asm volatile("cp.async.commit_group;\n" ::);
   for (int k = 0; k < K; ++k) {
-    const int b = BUFFERS == 2 ? (k & 1) : 0;
-    if constexpr (TileElem<T>::async_staging) {
-      if (k + 1 < K) {
-        stage(k + 1, b ^ 1);
-        asm volatile("cp.async.commit_group;\n" ::);
-        asm volatile("cp.async.wait_group 1;\n" ::);
-      } else {
-        asm volatile("cp.async.wait_group 0;\n" ::);
-      }
+    const int b = k & 1;
+    if (k + 1 < K) {
+      stage(k + 1, b ^ 1);
+      asm volatile("cp.async.commit_group;\n" ::);
+      asm volatile("cp.async.wait_group 1;\n" ::);
     } else {
-      stage(k, 0);
+      asm volatile("cp.async.wait_group 0;\n" ::);
     }
     __syncthreads();
     const Elem* tile = tiles[b];
@@ -342,7 +317,7 @@ __global__ void __launch_bounds__(WARPS * 32)
           for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = fmaf(w, v[q], acc[j][ie][py][q]);
         }
     });
-    __syncthreads();  // the buffer just read is staged again next (float16) or after next (float32)
+    __syncthreads();  // the buffer just read is staged again at iteration k + 1
   }
 
   const int f = f0 + lx;

@@ -16,6 +16,7 @@ from unsparse.runtime.backends.direct import (
     TILE_TILINGS,
     DirectBackend,
     TileArrays,
+    pair_images,
     pointwise_space,
     prepare_rows,
     prepare_tile,
@@ -280,10 +281,9 @@ def test_tile_emulation_of_16_byte_staging_matches_conv2d(case: tuple) -> None:
 
 
 def test_vector_staging_eligibility() -> None:
-    assert cl.vector_staging_reason(torch.float32, 56, (3, 3), (1, 1)) is None
-    assert "float32" in cl.vector_staging_reason(torch.float16, 56, (3, 3), (1, 1))
-    assert "multiple of 4" in cl.vector_staging_reason(torch.float32, 14, (3, 3), (1, 1))
-    assert "pad_w" in cl.vector_staging_reason(torch.float32, 56, (3, 3), (0, 3))
+    assert cl.vector_staging_reason(56, (3, 3), (1, 1)) is None
+    assert "multiple of 4" in cl.vector_staging_reason(14, (3, 3), (1, 1))
+    assert "pad_w" in cl.vector_staging_reason(56, (3, 3), (0, 3))
     layout = cl.tile_layout(torch.float32, (3, 3), cl.TileTiling(32, 4, 2, 4, 16, 8), vector_pad=1)
     assert (layout.left, layout.padded_width, layout.vector) == (3, 40, True)
     with pytest.raises(ValueError, match="16-byte"):
@@ -301,6 +301,20 @@ def test_tile_emulation_float16_layout_pairs_images() -> None:
     x, csr, geometry, ref = layer((3, 5, 7, 9, 4, 3, 3, 1, 1, 1), seed=4)
     out = emulate_tile(x, csr, geometry, SMALL_TILINGS[0], dtype=torch.float16)
     assert torch.allclose(out, ref, atol=1e-5)
+    x, csr, geometry, ref = layer((3, 3, 5, 36, 5, 3, 3, 1, 1, 1), seed=6)
+    out = emulate_tile(x, csr, geometry, cl.TileTiling(wx=32, py=2, nb=2, mw=2, warps=2, cc=2), dtype=torch.float16,
+                       vector=True)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("batch", [1, 4, 5])
+def test_pair_images_interleaves_image_pairs(batch: int) -> None:
+    x = torch.randn(batch, 3, 4, 6, dtype=torch.float64)
+    paired = pair_images(x)
+    assert paired.shape == (math.ceil(batch / 2), 3, 4, 6, 2) and paired.is_contiguous()
+    for n in range(2 * paired.shape[0]):
+        expected = x[n] if n < batch else torch.zeros_like(x[0])
+        assert torch.equal(paired[n // 2, ..., n % 2], expected)
 
 
 def test_tile_arrays_drop_padding_and_group_by_chunk() -> None:

@@ -136,15 +136,14 @@ class TileLayout:
     padded_width: int
     image_elements: int
     chunk: int
-    buffers: int
     left: int = 0
     vector: bool = False
     element_bytes: int = 4
 
     def shared_bytes(self) -> int:
-        """Static shared memory of the kernel: ``buffers`` staged chunks of ``element_bytes`` elements
-        (``direct_tile``: float32 stages asynchronously into two buffers, float16 synchronously into one)."""
-        return self.buffers * self.elements() * self.element_bytes
+        """Static shared memory of the kernel: two staged chunks (chunk k + 1 streams in by ``cp.async`` while
+        chunk k is computed) of ``element_bytes`` elements."""
+        return 2 * self.elements() * self.element_bytes
 
     @property
     def plane(self) -> int:
@@ -162,7 +161,8 @@ class TileLayout:
 
 
 def images_per_element(dtype: torch.dtype) -> int:
-    """Images one shared-memory element of ``direct_tile`` holds: 2 for float16 (``__half2``), else 1."""
+    """Images one element of ``direct_tile`` holds, in shared memory and in its input: 2 for float16 (a
+    ``__half2`` of the image-paired input, :func:`~unsparse.runtime.backends.direct.pair_images`), else 1."""
     return 2 if dtype == torch.float16 else 1
 
 
@@ -182,7 +182,7 @@ def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTi
 
     Raises:
         ValueError: if WX does not divide 32, NB is not a multiple of the images per element, or a size is
-            not positive; with ``vector_pad``: not float32, WX != 32, or ``pad_w`` outside ``[0, S - 1]``.
+            not positive; with ``vector_pad``: WX != 32 or ``pad_w`` outside ``[0, S - 1]``.
     """
     (R, S) = kernel_size
     if tiling.wx not in (1, 2, 4, 8, 16, 32):
@@ -193,27 +193,24 @@ def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTi
     if tiling.nb % ipe:
         raise ValueError(f"tiling: NB={tiling.nb} is not a multiple of {ipe} images per element ({dtype})")
     te, tf = tiling.tile_hw
-    buffers = 2 if ipe == 1 else 1
     if vector_pad is not None:
-        if dtype != torch.float32 or tiling.wx != 32 or not 0 <= vector_pad <= S - 1:
-            raise ValueError(f"tiling: 16-byte staging needs float32, WX=32 and 0 <= pad_w <= S-1, got {dtype}, "
-                             f"WX={tiling.wx}, pad_w={vector_pad}, S={S}")
+        if tiling.wx != 32 or not 0 <= vector_pad <= S - 1:
+            raise ValueError(f"tiling: 16-byte staging needs WX=32 and 0 <= pad_w <= S-1, got WX={tiling.wx}, "
+                             f"pad_w={vector_pad}, S={S}")
         left = -vector_pad % 4
         width = left + tf + S - 1
-        return TileLayout(te + R - 1, tf + S - 1, width + -width % 4, tiling.nb, tiling.cc, buffers, left, True)
+        return TileLayout(te + R - 1, tf + S - 1, width + -width % 4, tiling.nb // ipe, tiling.cc, left, True)
     width = tf + S - 1
     if tiling.wy > 1:
         width += (tiling.wx - width) % 32
-    return TileLayout(te + R - 1, tf + S - 1, width, tiling.nb // ipe, tiling.cc, buffers)
+    return TileLayout(te + R - 1, tf + S - 1, width, tiling.nb // ipe, tiling.cc)
 
 
-def vector_staging_reason(dtype: torch.dtype, width: int, kernel_size: tuple[int, int],
-                          padding: tuple[int, int]) -> str | None:
-    """Why a layer cannot stage 16-byte vectors, or None if it can: float32, input ``width % 4 == 0`` (every
-    vector of a row wholly inside or outside the image) and ``pad_w <= S - 1`` (the interior fits the staged
-    row). The input must also be 16-byte aligned, which only the call can tell."""
-    if dtype != torch.float32:
-        return f"dtype {dtype} (float32 only)"
+def vector_staging_reason(width: int, kernel_size: tuple[int, int], padding: tuple[int, int]) -> str | None:
+    """Why a layer cannot stage 16-byte vectors in ``direct_tile``, or None if it can: input ``width % 4 == 0``
+    (a vector is 4 elements, every vector of a row wholly inside or outside the image) and ``pad_w <= S - 1``
+    (the interior fits the staged row). The input must also be 16-byte aligned, which only the call can tell
+    (the image-paired float16 input always is)."""
     if width % 4:
         return f"input width {width} is not a multiple of 4"
     if not 0 <= padding[1] <= kernel_size[1] - 1:
@@ -295,7 +292,7 @@ def pointwise_layout(dtype: torch.dtype, tiling: PointwiseTiling, vector: bool) 
     if (tiling.warps * 32) % copies_per_row:
         raise ValueError(f"tiling: {tiling.warps * 32} threads do not divide into rows of {copies_per_row} copies")
     element_bytes = dtype.itemsize
-    return TileLayout(1, 1, tiling.columns, 1, tiling.cc, 2, vector=vector, element_bytes=element_bytes)
+    return TileLayout(1, 1, tiling.columns, 1, tiling.cc, vector=vector, element_bytes=element_bytes)
 
 
 def pointwise_vector_reason(dtype: torch.dtype, pixels: int) -> str | None:

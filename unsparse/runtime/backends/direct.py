@@ -4,8 +4,9 @@ Three kernel variants share the backend and its tuning space (parameter ``varian
 
 * ``"rows"``: Escoin §3 / UnSparse-Opt §5 (uniform nnz, sub-batch), any geometry.
 * ``"tile"``: input tiles with halos in shared memory, each warp accumulating several output channels over
-  a pixel x image tile; stride 1, dilation 1, Conv2d. ``"stage": "vector"`` settings copy each staged row's
-  interior as 16-byte vectors (float32, 32-column warp rows, input width a multiple of 4; see
+  a pixel x image tile; stride 1, dilation 1, Conv2d. float16 inputs are first re-laid as image pairs
+  (:func:`pair_images`, a copy timed with the kernel). ``"stage": "vector"`` settings copy each staged row's
+  interior as 16-byte vectors (32-column warp rows, input width a multiple of 4; see
   :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason`).
 * ``"pointwise"``: 1x1, stride 1, unpadded Conv2d as a sparse x dense product over the flattened
   ``n * P + p`` columns; ``"stage": "vector"`` settings stage 16-byte vectors where the plane allows
@@ -55,8 +56,8 @@ TILE_TILINGS = (
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM
 within the register file), warp tiles 4x32 to 8x8 for planes from 224x224 down to 7x7, 32 to 128 output
 channels per block (more channels share each staged chunk); NB = 1 for batch 1 in float32 (float16 pairs
-images, NB even). float32 stages asynchronously into two buffers, so the two largest chunks (24 and 26 KB)
-are float16-only."""
+images, NB even). A float16 element holds two images, so the two largest chunks (two buffers of 24 KB) fit
+in float16 only."""
 
 
 POINTWISE_TILINGS = (
@@ -145,6 +146,16 @@ def pointwise_space(batch: int, out_channels: int, pixels: int, dtype: torch.dty
 def pointwise_tiling_of(params: dict[str, Any]) -> cl.PointwiseTiling:
     """The :class:`~unsparse.runtime.cupy_launcher.PointwiseTiling` of a ``pointwise`` setting."""
     return cl.PointwiseTiling(params["pv"], params["mw"], params["warps"], params["cc"])
+
+
+def pair_images(x: torch.Tensor) -> torch.Tensor:
+    """The image-paired input of float16 ``direct_tile``: ``(N, C, H, W)`` to ``(ceil(N / 2), C, H, W, 2)``
+    with element ``[i, c, h, w, q] = x[2i + q, c, h, w]`` (a zero image pads an odd N), so that one ``__half2``
+    holds the same pixel of two images and the kernel stages it asynchronously, 4 bytes (or 4 pixels, 16
+    bytes) per ``cp.async``. Returns a fresh contiguous (so 16-byte aligned) tensor; ``x`` is not modified."""
+    if x.shape[0] % 2:
+        x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+    return x.reshape(x.shape[0] // 2, 2, *x.shape[1:]).permute(0, 2, 3, 4, 1).contiguous()
 
 
 def is_pointwise(csr: UniformCSR, geometry: ConvGeometry) -> bool:
@@ -338,7 +349,7 @@ class DirectBackend(ConvBackend):
             space += pointwise_space(x.shape[0], csr.out_channels, pixels, x.dtype,
                                      vector=cl.pointwise_vector_reason(x.dtype, pixels) is None)
         if geometry.spatial_dims == 2 and geometry.stride == (1, 1) and geometry.dilation == (1, 1):
-            vector = cl.vector_staging_reason(x.dtype, x.shape[-1], csr.kernel_size, geometry.padding) is None
+            vector = cl.vector_staging_reason(x.shape[-1], csr.kernel_size, geometry.padding) is None
             space += tile_space(x.shape[0], out_hw, csr.kernel_size, x.dtype,
                                 vector_pad=geometry.padding[1] if vector else None)
         return space
@@ -389,16 +400,18 @@ class DirectBackend(ConvBackend):
 
     def _vector_pad(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                     params: dict[str, Any]) -> int | None:
-        """``pad_w`` for a ``"stage": "vector"`` tile setting on this input, None for scalar staging. An input
-        that is merely not 16-byte aligned (a view at an odd offset) takes the scalar kernel of the same
-        tiling, which computes the same result.
+        """``pad_w`` for a ``"stage": "vector"`` tile setting on this ``(N, C, H, W)`` input, None for scalar
+        staging. A float32 input that is merely not 16-byte aligned (a view at an odd offset) takes the scalar
+        kernel of the same tiling, which computes the same result; float16 inputs are always staged from a
+        fresh, aligned :func:`pair_images` copy.
 
         Raises:
             ValueError: from :meth:`_vector_requested`.
         """
         requested = self._vector_requested(
-            params, lambda: cl.vector_staging_reason(x.dtype, x.shape[-1], csr.kernel_size, geometry.padding))
-        return geometry.padding[1] if requested and x.data_ptr() % 16 == 0 else None
+            params, lambda: cl.vector_staging_reason(x.shape[-1], csr.kernel_size, geometry.padding))
+        aligned = cl.images_per_element(x.dtype) == 2 or x.data_ptr() % 16 == 0
+        return geometry.padding[1] if requested and aligned else None
 
     def _pointwise_vector(self, x: torch.Tensor, params: dict[str, Any]) -> bool:
         """Whether a ``pointwise`` setting stages 16-byte vectors on this input; a merely misaligned input
@@ -450,7 +463,8 @@ class DirectBackend(ConvBackend):
             tiling = tiling_of(params)
             layout = cl.tile_layout(x.dtype, csr.kernel_size, tiling, staging)
             arrays = self._arrays(csr, ("tile", layout), lambda: prepare_tile(csr, layout))
-            args = (x, arrays.chunk_ptr, arrays.entries, bias, out, N, C, H, W, csr.out_channels, E, F_,
+            source = pair_images(x) if cl.images_per_element(x.dtype) == 2 else x
+            args = (source, arrays.chunk_ptr, arrays.entries, bias, out, N, C, H, W, csr.out_channels, E, F_,
                     *geometry.padding, math.ceil(F_ / tiling.tile_hw[1]), math.ceil(csr.out_channels / tiling.channels))
         elif variant == "pointwise":
             if not is_pointwise(csr, geometry):
