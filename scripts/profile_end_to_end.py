@@ -20,7 +20,7 @@ import torch
 from unsparse.pipeline import git_commit
 from unsparse.runtime.bench import PRECISIONS, build_model, environment, magnitude_prune_, precision_mode
 from unsparse.runtime.modules import set_backend, sparsify
-from unsparse.runtime.timing import time_fn
+from unsparse.runtime.timing import time_fn, time_graph
 
 
 def host_ms(forward, runs: int) -> float:
@@ -32,20 +32,6 @@ def host_ms(forward, runs: int) -> float:
     elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
     return elapsed / runs * 1e3
-
-
-def graph_of(forward) -> torch.cuda.CUDAGraph:
-    """``forward()`` captured as a CUDA graph (after warm-up on a side stream, as torch's documentation asks)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            forward()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    return graph
 
 
 def main() -> None:
@@ -70,8 +56,7 @@ def main() -> None:
             row = {"model": name,
                    "gpu_ms": time_fn(lambda i, m=model: m(x), device, runs=args.runs).median_ms,
                    "host_ms": host_ms(lambda m=model: m(x), args.runs)}
-            graph = graph_of(lambda m=model: m(x))
-            row["graph_ms"] = time_fn(lambda i, g=graph: g.replay(), device, runs=args.runs).median_ms
+            row["graph_ms"] = time_graph(lambda m=model: m(x), device, runs=args.runs).median_ms
             result["rows"].append(row)
             print(row)
     out = Path(args.out)

@@ -33,6 +33,7 @@ def result():
                        layer("resnet50", "conv1", [3, 224, 224], 7, 1.0, 0.1, 100.0, 100.0, stem=True)],
             "end_to_end": [{"model": "vgg16", "weights": "synthetic", "batch": 128, "precision": "fp32",
                             "dense_ms": 10.0, "planned_ms": 10.2, "speedup": 10 / 10.2, "rel_error": 1e-7,
+                            "dense_graph_ms": 9.0, "planned_graph_ms": 8.0, "graph_speedup": 9 / 8,
                             "backend_counts": {"cudnn": 3}},
                            {"model": "model.safetensors", "weights": "trained", "batch": 32, "precision": "fp32",
                             "dense_ms": 1.0, "planned_ms": 2.0, "speedup": 0.5, "rel_error": 1e-7,
@@ -60,10 +61,22 @@ def test_report_says_where_sparse_is_slower(result, tmp_path):
     text = markdown_report(result)
     assert "direct is SLOWER than cuDNN on 1 of 6 layer settings" in text
     assert "| 32 | `k1` | cudnn | 0.100 | 0.300 |" in text
+    assert "| 10.000 | 10.200 | 0.98 | 9.000 | 8.000 | 1.12 |" in text  # eager, then graph replays
+    assert "| 1.000 | 2.000 | 0.50 | - | - | - |" in text  # no graph timings for that one
     assert "**missed**" in text
     paths = plot_results(result, tmp_path)
     assert {path.name for path in paths} == {"speedup.png", "breakdown.png", "end_to_end.png"}
     assert all(path.stat().st_size > 0 for path in paths)
+
+
+def test_graph_timings_say_why_they_are_missing_on_the_cpu() -> None:
+    import torch
+
+    from unsparse.runtime.bench import graph_timings
+
+    record = graph_timings({"dense": lambda: None, "planned": lambda: None}, torch.device("cpu"), runs=3)
+    assert record == {"dense_graph_ms": None, "planned_graph_ms": None, "graph_speedup": None,
+                      "graph_error": "no CUDA graphs on cpu"}
 
 
 def test_synthetic_pruning_keeps_sparsity_and_layer_norm() -> None:

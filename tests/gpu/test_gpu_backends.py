@@ -216,3 +216,23 @@ def test_whole_model_auto_matches_dense_and_plan_is_reused(tmp_path) -> None:
     plan.save(tmp_path / "plan.json")
     again, comparisons = plan_model(sparsify(model), x, Plan.load(tmp_path / "plan.json"), runs=3)
     assert comparisons == [] and again.entries.keys() == plan.entries.keys()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("case", "variant"), [("odd_3x3", "rows"), ("vector_edges", "tile"),
+                                               ("pointwise_vector", "pointwise")])
+def test_direct_kernels_replay_in_a_cuda_graph(case: str, variant: str, dtype: torch.dtype) -> None:
+    """The end-to-end benchmark's graph timings replay the direct kernels (CuPy launches on torch's stream,
+    float16 tiles' image pairing): a replay must recompute the captured output."""
+    from unsparse.runtime.timing import capture_graph
+
+    x, csr, bias, geometry, ref = make_case(case, dtype, seed=21)
+    backend = get_backend("direct")
+    params = next(p for p in backend.tuning_space(x, csr, geometry) if p["variant"] == variant)
+    outputs: list[torch.Tensor] = []
+    graph = capture_graph(lambda: outputs.append(backend.conv(x, csr, bias, geometry, **params)))
+    captured = outputs[-1]
+    captured.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(captured.cpu(), ref) <= tolerance(dtype), params

@@ -14,7 +14,7 @@ import math
 import platform
 import re
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +27,7 @@ from unsparse.atomic import atomic_write_text
 from unsparse.runtime.comparator import LayerComparison, compare_layer, plan_model, relative_error, tolerance
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.runtime.plan import Plan, device_name
-from unsparse.runtime.timing import MIN_RUNS, time_fn
+from unsparse.runtime.timing import MIN_RUNS, time_fn, time_graph
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
@@ -220,6 +220,26 @@ def best_times(comparison: LayerComparison, names: Sequence[str]) -> dict[str, f
     return {name: None if m is None else m.timing.median_ms for name, m in fastest.items()}
 
 
+def graph_timings(forwards: dict[str, Callable[[], Any]], device: torch.device, runs: int) -> dict[str, Any]:
+    """CUDA-graph medians (ms) of each forward, as ``{name}_graph_ms``, plus ``graph_speedup`` (dense over
+    planned) and ``graph_error`` (why there are none: not CUDA, or a capture that failed). Eager times include
+    the host's per-layer work; where a model is host-bound these tell how much of a gap is kernels."""
+    record: dict[str, Any] = {f"{name}_graph_ms": None for name in forwards} | {"graph_speedup": None,
+                                                                                 "graph_error": None}
+    if device.type != "cuda":
+        record["graph_error"] = f"no CUDA graphs on {device.type}"
+        return record
+    try:
+        for name, forward in forwards.items():
+            record[f"{name}_graph_ms"] = time_graph(forward, device, runs).median_ms
+    except RuntimeError as error:
+        record["graph_error"] = f"capture failed: {error}"
+        return record
+    if record.get("dense_graph_ms") and record.get("planned_graph_ms"):
+        record["graph_speedup"] = record["dense_graph_ms"] / record["planned_graph_ms"]
+    return record
+
+
 def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, precision: str,
                      device: torch.device, runs: int, plan: Plan, backends: list[str] | None) -> dict[str, Any]:
     """Time the dense model (cuDNN) against its sparsified copy running the plan ("auto"), same precision.
@@ -238,6 +258,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             dense_out, sparse_out = dense(x), sparse(x)
             dense_t = time_fn(lambda i: dense(x), device, runs=runs)
             sparse_t = time_fn(lambda i: sparse(x), device, runs=runs)
+            graphs = graph_timings({"dense": lambda: dense(x), "planned": lambda: sparse(x)}, device, runs)
         error = relative_error(sparse_out.double(), dense_out.double())
     chosen: dict[str, int] = {}
     for layer in sparse_layers(sparse).values():
@@ -247,7 +268,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
             "speedup": dense_t.median_ms / sparse_t.median_ms, "rel_error": error,
             "tolerance": 10 * tolerance(dtype, tf32), "layers_planned_now": len(comparisons),
-            "plan_entries_reused": reused_before, "dense_timing": dense_t.to_dict(),
+            "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
             "planned_timing": sparse_t.to_dict(), "backend_counts": chosen}
 
 
@@ -494,12 +515,15 @@ def markdown_report(result: dict[str, Any]) -> str:
                      f"{_fmt(best.get('im2col_cublas'))} | {_fmt(best.get('im2col_cusparse'))} | "
                      f"{_fmt(r['speedup_vs_cudnn'], 2)} | {_fmt(r['direct_useful_tflops'], 1)} | "
                      f"{json.dumps(r['direct_params'])} |")
-    lines += ["", "## End to end", "", "| model | weights | batch | prec | dense ms | planned ms | speedup "
-              "| rel. error | backends |", "|" + "---|" * 9]
+    lines += ["", "## End to end", "", "Eager times include the host's per-layer work; CUDA-graph times replay the "
+              "same forward without it (GPU time only), so where the two speedups differ the model is host-bound.", "",
+              "| model | weights | batch | prec | dense ms | planned ms | speedup | dense ms (graph) "
+              "| planned ms (graph) | speedup (graph) | rel. error | backends |", "|" + "---|" * 12]
     for r in result["end_to_end"]:
         lines.append(f"| {r['model']} | {r['weights']} | {r['batch']} | {r['precision']} | {_fmt(r['dense_ms'])} | "
-                     f"{_fmt(r['planned_ms'])} | {_fmt(r['speedup'], 2)} | {r['rel_error']:.2e} | "
-                     f"{r.get('backend_counts', '')} |")
+                     f"{_fmt(r['planned_ms'])} | {_fmt(r['speedup'], 2)} | {_fmt(r.get('dense_graph_ms'))} | "
+                     f"{_fmt(r.get('planned_graph_ms'))} | {_fmt(r.get('graph_speedup'), 2)} | "
+                     f"{r['rel_error']:.2e} | {r.get('backend_counts', '')} |")
     trained = [(r, layer) for r in result["end_to_end"] for layer in r.get("layers", [])]
     if trained:
         lines += ["", "## Trained model, per layer (every backend, ms)", "",

@@ -82,6 +82,37 @@ def time_fn(fn: Callable[[int], Any], device: torch.device | str, runs: int = MI
     return Timing(statistics.median(times), min(times), max(times), runs, rotation)
 
 
+def capture_graph(forward: Callable[[], Any]) -> torch.cuda.CUDAGraph:
+    """``forward()`` captured as a CUDA graph on the current device, after three warm-up calls on a side stream
+    (torch's recipe for ``torch.cuda.graph``; the warm-up also builds whatever ``forward`` caches on first use).
+
+    Raises:
+        RuntimeError: from the capture, if ``forward`` synchronises or does anything else a graph cannot hold.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            forward()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        forward()
+    return graph
+
+
+def time_graph(forward: Callable[[], Any], device: torch.device | str, runs: int = MIN_RUNS) -> Timing:
+    """GPU time of ``forward()`` replayed as a CUDA graph (:func:`capture_graph`), timed as :func:`time_fn`
+    does (ms): what the kernels cost once the host's per-call work (Python, dispatch, launches) is out of the
+    timed loop, so that a host-bound forward's time can be told apart from its kernels' time.
+
+    Raises:
+        RuntimeError: from :func:`capture_graph`.
+    """
+    graph = capture_graph(forward)
+    return time_fn(lambda i: graph.replay(), device, runs=runs)
+
+
 def cache_bytes(device: torch.device | str) -> int:
     """Last-level cache to defeat when rotating inputs: the GPU's L2 size in bytes; 0 on the CPU."""
     device = torch.device(device)
