@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     import cupy
 
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     weight = torch.randn(256, 1024, 1, 1, device=device)
     weight[torch.rand_like(weight) < 0.9] = 0
     csr, geometry = UniformCSR.from_dense(weight), ConvGeometry.of(1, 0)
