@@ -352,6 +352,9 @@ __global__ void __launch_bounds__(WARPS * 32)
 //   is worked out once per block.
 //   VEC = 1 (P a multiple of the 16-byte unit, 16-byte aligned input; checked on the Python side): staging by
 //   16-byte cp.async and vector stores of the outputs; VEC = 0: element-wise synchronous staging.
+//   Split-K (small batches, where M x columns gives too few blocks to fill the GPU): block row blockIdx.y walks
+//   chunks [blockIdx.y * chunks_per_split, + chunks_per_split) only and writes its partial sums (O = float) to
+//   slice blockIdx.y of the output; the Python side sums the slices. One split: O = T, the whole K, the output.
 template <typename T>
 __device__ __forceinline__ void load4(const T* p, float (&v)[4]);
 template <>
@@ -387,14 +390,14 @@ __device__ __forceinline__ void store4<__half>(__half* p, const float (&v)[4]) {
                                             *reinterpret_cast<const unsigned*>(&b));
 }
 
-template <typename T, int PV, int MW, int WARPS, int CC, int VEC>
+template <typename T, int PV, int MW, int WARPS, int CC, int VEC, typename O>
 __global__ void __launch_bounds__(WARPS * 32)
     direct_pointwise(const T* __restrict__ x,            // (N, C, P), P = H * W
                      const int* __restrict__ chunk_ptr,  // (M * K + 1,): entries of (m, k) are [m*K+k, m*K+k+1)
                      const int2* __restrict__ entries,   // (nnz,): ((c - k*CC) * TJ, float32 bits of the weight)
                      const T* __restrict__ bias,         // (M,) or nullptr
-                     T* __restrict__ out,                // (N, M, P)
-                     int N, int C, int P, int M, int groups) {
+                     O* __restrict__ out,                // (gridDim.y, N, M, P): one slice per split of K
+                     int N, int C, int P, int M, int groups, int chunks_per_split) {
   constexpr int TJ = 128 * PV;
   constexpr int THREADS = WARPS * 32;
   constexpr int UNIT = VEC ? 16 / static_cast<int>(sizeof(T)) : 1;  // columns per staging copy
@@ -411,6 +414,9 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int warp = threadIdx.x >> 5;
   const int m_base = group * (WARPS * MW) + warp * MW;
   const int K = (C + CC - 1) / CC;
+  const int k_begin = blockIdx.y * chunks_per_split;  // this block's chunks of the K dimension (split-K)
+  const int k_end = min(K, k_begin + chunks_per_split);
+  out += static_cast<long long>(blockIdx.y) * N * M * P;
 
   const int unit = threadIdx.x % UPR;
   const int row0 = threadIdx.x / UPR;
@@ -442,13 +448,13 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[j][v][i] = 0.f;
 
-  stage(0, 0);
+  stage(k_begin, 0);
   if constexpr (VEC) asm volatile("cp.async.commit_group;\n" ::);
-  for (int k = 0; k < K; ++k) {
-    const int b = k & 1;
-    if (k + 1 < K) stage(k + 1, b ^ 1);
+  for (int k = k_begin; k < k_end; ++k) {
+    const int b = (k - k_begin) & 1;
+    if (k + 1 < k_end) stage(k + 1, b ^ 1);
     if constexpr (VEC) {
-      if (k + 1 < K) {
+      if (k + 1 < k_end) {
         asm volatile("cp.async.commit_group;\n" ::);
         asm volatile("cp.async.wait_group 1;\n" ::);
       } else {

@@ -10,7 +10,10 @@ converted arguments, with and without the device and stream contexts; and ``F.co
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -92,8 +95,13 @@ def main() -> None:
         "f_conv2d": per_call_us(lambda: F.conv2d(x, dense), args.calls),
     }
     print(rows)
+    profile = cProfile.Profile()
+    profile.runcall(lambda: [backend.conv(x, csr, None, geometry, **params) for _ in range(args.calls)])
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+    print(text.getvalue())
     result = {"environment": environment(git_commit()), "layer": f"{C}->{M} 1x1 at {side}x{side}, batch 1, 0.9",
-              "params": params, "calls": args.calls, "host_us_per_call": rows}
+              "params": params, "calls": args.calls, "host_us_per_call": rows, "profile": text.getvalue()}
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     (path / f"launch_profile_{C}_{M}_{side}.json").write_text(json.dumps(result, indent=1))

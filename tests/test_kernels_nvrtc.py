@@ -50,6 +50,8 @@ def compile_with_nvrtc(library: Path, source: str, names: list[str], options: li
 def test_every_tuned_instantiation_compiles_under_nvrtc(tuned_kernel_names) -> None:
     library = nvrtc_library()
     assert any(name.endswith(",1>") for name in tuned_kernel_names)  # the 16-byte staging is among them
+    assert any(name.startswith("direct_pointwise<__half") and name.endswith(",float>")  # split-K partial sums
+               for name in tuned_kernel_names)
     include = library.parent.parent / "include"
     status, log = compile_with_nvrtc(library, cl.KERNEL_FILE.read_text(), tuned_kernel_names,
                                      [*cl.COMPILE_OPTIONS, "-arch=compute_90", f"-I{include}"])

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime.backends.direct import (
+    POINTWISE_SPLITS,
     TILE_TILINGS,
     DirectBackend,
     TileArrays,
@@ -153,27 +154,29 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
 
 
 def emulate_pointwise(x: torch.Tensor, csr: UniformCSR, tiling: cl.PointwiseTiling,
-                      dtype: torch.dtype = torch.float32, vector: bool = False) -> torch.Tensor:
+                      dtype: torch.dtype = torch.float32, vector: bool = False, splits: int = 1) -> torch.Tensor:
     """``direct_pointwise`` in Python: grid decode over the flattened ``n * P + p`` columns, each thread's
     fixed staging unit and its rows of every chunk (a 16-byte copy wholly inside one image and aligned in
     shared memory), the per-(row, chunk) entries, the lanes' 4-column groups, every shared-memory index
-    checked against the chunk's size, and the output decode."""
+    checked against the chunk's size, and the output decode; with ``splits``, split-K: each block row walks its
+    range of chunks into its own output slice, and the slices are summed."""
     N, C, H, W = x.shape
     P, M = H * W, csr.out_channels
     J = N * P
     layout = cl.pointwise_layout(dtype, tiling, vector)
-    spec = cl.pointwise_launch(dtype, N, M, P, tiling, vector)
+    per_split, launched = cl.split_chunks(C, tiling.cc, splits)
+    spec = cl.pointwise_launch(dtype, N, M, P, tiling, vector, launched)
     arrays = prepare_tile(csr, layout)
     unit, tj, threads = cl.pointwise_unit(dtype, vector), tiling.columns, spec.block[0]
     copies_per_row = tj // unit
     groups, K = math.ceil(M / tiling.channels), math.ceil(C / tiling.cc)
     flat = x.reshape(N, C, P)
     lane_columns = 4 * torch.arange(32)[:, None] + torch.arange(4)[None, :]  # (lane, i)
-    out = torch.full((N, M, P), float("nan"), dtype=x.dtype)
-    for bx in range(spec.grid[0]):
+    out = torch.full((spec.grid[1], N, M, P), float("nan"), dtype=x.dtype)
+    for bx, by in [(a, b) for a in range(spec.grid[0]) for b in range(spec.grid[1])]:
         group, j0 = bx % groups, (bx // groups) * tj
         acc = torch.zeros(tiling.warps, tiling.mw, tiling.pv, 32, 4, dtype=x.dtype)
-        for k in range(K):
+        for k in range(by * per_split, min(K, (by + 1) * per_split)):
             chunk = torch.full((layout.elements(),), float("nan"), dtype=x.dtype)  # unstaged reads show
             for thread in range(threads):
                 first = j0 + (thread % copies_per_row) * unit
@@ -202,8 +205,8 @@ def emulate_pointwise(x: torch.Tensor, csr: UniformCSR, tiling: cl.PointwiseTili
             columns = j0 + 128 * v + lane_columns
             live = columns < J
             if m < M:
-                out[columns[live] // P, m, columns[live] % P] = acc[warp, row, v][live]
-    return out.reshape(N, M, H, W)
+                out[by, columns[live] // P, m, columns[live] % P] = acc[warp, row, v][live]
+    return out.sum(0).reshape(N, M, H, W)
 
 
 # (N, C, H, W, M): several column tiles with a partial last one, partial chunks and channel groups
@@ -225,6 +228,28 @@ def test_pointwise_emulation_matches_conv2d(case: tuple, tiling: cl.PointwiseTil
     assert torch.allclose(out, ref, atol=1e-5)  # the entries hold float32 weights
 
 
+@pytest.mark.parametrize("splits", [2, 3, 4, 16])
+def test_pointwise_split_k_emulation_matches_conv2d(splits: int) -> None:
+    x, csr, _, ref = layer((1, 21, 4, 6, 7, 1, 1, 1, 0, 1), sparsity=0.5, seed=splits)
+    tiling = cl.PointwiseTiling(pv=1, mw=2, warps=4, cc=2)  # K = 11 chunks
+    out = emulate_pointwise(x, csr, tiling, splits=splits)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_split_chunks_cover_every_chunk_once() -> None:
+    assert cl.split_chunks(1024, 32, 16) == (2, 16)
+    assert cl.split_chunks(96, 32, 16) == (1, 3)  # no more splits than chunks
+    assert cl.split_chunks(100, 16, 4) == (2, 4)  # 7 chunks: 2 + 2 + 2 + 1
+    assert cl.split_chunks(64, 16, 3) == (2, 2)  # 4 chunks in splits of 2: two launched
+    with pytest.raises(ValueError, match="splits"):
+        cl.split_chunks(64, 16, 0)
+    spec = cl.pointwise_launch(torch.float16, 1, 256, 196, cl.PointwiseTiling(1, 8, 8, 32), True, 16)
+    assert spec.grid == (4 * 2, 16, 1) and spec.name == "direct_pointwise<__half,1,8,8,32,1,float>"
+    space = pointwise_space(1, 256, 196, torch.float32, vector=True, in_channels=1024)
+    assert {p.get("splits", 1) for p in space} == {1, *POINTWISE_SPLITS}
+    assert not any("splits" in p for p in pointwise_space(128, 256, 196, torch.float32, in_channels=1024))
+
+
 def test_pointwise_eligibility_and_launch() -> None:
     assert cl.pointwise_vector_reason(torch.float32, 196) is None
     assert "multiple of 8" in cl.pointwise_vector_reason(torch.float16, 196)
@@ -233,7 +258,7 @@ def test_pointwise_eligibility_and_launch() -> None:
         cl.pointwise_layout(torch.float32, cl.PointwiseTiling(pv=1, mw=8, warps=2, cc=32), vector=False)
     spec = cl.pointwise_launch(torch.float32, 128, 256, 196, cl.PointwiseTiling(1, 8, 16, 32), vector=True)
     assert spec.grid == (2 * 196, 1, 1) and spec.block == (512, 1, 1)
-    assert spec.name == "direct_pointwise<float,1,8,16,32,1>"
+    assert spec.name == "direct_pointwise<float,1,8,16,32,1,float>"
     layout = cl.pointwise_layout(torch.float16, cl.PointwiseTiling(2, 4, 16, 16), vector=True)
     assert (layout.channel_stride, layout.shared_bytes()) == (256, 2 * 16 * 256 * 2)
     backend = DirectBackend()

@@ -54,9 +54,11 @@ CASES = {
     "vector_pad0": (2, 5, 9, 40, 6, 3, 3, 1, 0, 1, 0.7, 0, 0),
     "vector_5x5": (2, 4, 12, 16, 6, 5, 5, 1, 2, 1, 0.8, 0, 0),
     # 1x1 "pointwise": 16-byte staging in both dtypes (P = 144), column tiles across images, partial chunks and
-    # channel groups; an odd plane (P = 49) with more than 256 output channels, element-wise staging.
+    # channel groups; an odd plane (P = 49) with more than 256 output channels, element-wise staging; batch 1
+    # with few blocks, so split-K settings (with 16-byte staging in both dtypes).
     "pointwise_vector": (3, 40, 12, 12, 70, 1, 1, 1, 0, 1, 0.9, 1, 1),
     "pointwise_odd_plane": (2, 100, 7, 7, 300, 1, 1, 1, 0, 1, 0.95, 2, 1),
+    "pointwise_split": (1, 96, 8, 8, 40, 1, 1, 1, 0, 1, 0.9, 1, 1),
 }
 
 
@@ -95,10 +97,13 @@ def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.
     if is_pointwise(csr, geometry):
         pixels = out_hw[0] * out_hw[1]
         space += pointwise_space(x.shape[0], csr.out_channels, pixels, dtype, prune=False,
-                                 vector=cl.pointwise_vector_reason(dtype, pixels) is None)
+                                 vector=cl.pointwise_vector_reason(dtype, pixels) is None,
+                                 in_channels=csr.in_channels_per_group)
     assert all(p in space for p in backend.tuning_space(x, csr, geometry))
     if case.startswith("vector") or case == "pointwise_vector":
         assert any(p.get("stage") == "vector" for p in space)
+    if case in ("pointwise_odd_plane", "pointwise_split"):
+        assert any(p.get("splits", 1) > 1 for p in space)
     backend.precompile(x, csr, geometry, space)
     for params in space:
         poison_allocator(ref.numel(), dtype)

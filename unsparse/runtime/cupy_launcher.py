@@ -305,10 +305,26 @@ def pointwise_vector_reason(dtype: torch.dtype, pixels: int) -> str | None:
     return None
 
 
+def split_chunks(in_channels: int, chunk: int, splits: int) -> tuple[int, int]:
+    """Split-K of ``direct_pointwise``: ``(chunks per split, splits launched)`` for ``splits`` requested over
+    the ``K = ceil(in_channels / chunk)`` staged chunks; every launched split gets at least one chunk, so fewer
+    than ``splits`` may be launched.
+
+    Raises:
+        ValueError: for a non-positive size.
+    """
+    if min(in_channels, chunk, splits) < 1:
+        raise ValueError(f"splits: need positive sizes, got {in_channels} channels, chunk {chunk}, {splits} splits")
+    chunks = math.ceil(in_channels / chunk)
+    per_split = math.ceil(chunks / min(splits, chunks))
+    return per_split, math.ceil(chunks / per_split)
+
+
 def pointwise_launch(dtype: torch.dtype, batch: int, out_channels: int, pixels: int, tiling: PointwiseTiling,
-                     vector: bool) -> Launch:
-    """Geometry of ``direct_pointwise``: grid ``(channel groups * column tiles,)`` over the ``N * P`` flattened
-    columns, channel groups fastest (as :func:`tile_launch`).
+                     vector: bool, splits: int = 1) -> Launch:
+    """Geometry of ``direct_pointwise``: grid ``(channel groups * column tiles, splits)`` over the ``N * P``
+    flattened columns, channel groups fastest (as :func:`tile_launch`). With ``splits > 1`` (launched splits,
+    :func:`split_chunks`) the kernel writes float32 partial sums, one ``(N, M, P)`` slice per split.
 
     Raises:
         ValueError: for an invalid tiling (:func:`pointwise_layout`), more than 1024 threads, a non-positive
@@ -316,7 +332,7 @@ def pointwise_launch(dtype: torch.dtype, batch: int, out_channels: int, pixels: 
             :data:`SHARED_LIMIT_BYTES`, or a grid beyond CUDA's limits.
     """
     layout = pointwise_layout(dtype, tiling, vector)
-    if min(batch, out_channels, pixels) < 1:
+    if min(batch, out_channels, pixels, splits) < 1:
         raise ValueError("pointwise_launch: every size must be positive")
     if batch * pixels >= 2**31:
         raise ValueError(f"pointwise_launch: {batch} x {pixels} columns exceed int32 column indexing")
@@ -325,10 +341,11 @@ def pointwise_launch(dtype: torch.dtype, batch: int, out_channels: int, pixels: 
     if layout.shared_bytes() > SHARED_LIMIT_BYTES:
         raise ValueError(f"tiling: staged chunks of {layout.shared_bytes()} bytes exceed {SHARED_LIMIT_BYTES}")
     groups = math.ceil(out_channels / tiling.channels)
-    grid = (groups * math.ceil(batch * pixels / tiling.columns), 1, 1)
+    grid = (groups * math.ceil(batch * pixels / tiling.columns), splits, 1)
     _check_grid(grid)
+    output = "float" if splits > 1 else cuda_type(dtype)
     name = (f"direct_pointwise<{cuda_type(dtype)},{tiling.pv},{tiling.mw},{tiling.warps},{tiling.cc},"
-            f"{int(vector)}>")
+            f"{int(vector)},{output}>")
     return Launch(name, grid, (tiling.warps * 32, 1, 1))
 
 

@@ -119,17 +119,27 @@ def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int]
     return space
 
 
+POINTWISE_SPLITS = (4, 16)
+"""Split-K choices of ``direct_pointwise`` (setting ``"splits"``) for grids below :data:`SPLIT_BELOW_BLOCKS`."""
+SPLIT_BELOW_BLOCKS = 128
+"""Blocks under which a ``direct_pointwise`` grid leaves most of a GPU idle (an H100 has 132 SMs): at batch 1 a
+1024 -> 256 layer at 14x14 is 8 blocks, each walking 32 chunks in turn (~0.1 ms on the H100)."""
+
+
 def pointwise_space(batch: int, out_channels: int, pixels: int, dtype: torch.dtype, prune: bool = True,
-                    vector: bool = False) -> list[dict[str, Any]]:
+                    vector: bool = False, in_channels: int | None = None) -> list[dict[str, Any]]:
     """``direct_pointwise`` settings: the :data:`POINTWISE_TILINGS` whose staged chunks fit, each with
     element-wise staging and, with ``vector`` (the plane passes
-    :func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`), also as ``"stage": "vector"``.
+    :func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`), also as ``"stage": "vector"``. With
+    ``in_channels``, a setting whose grid has fewer than :data:`SPLIT_BELOW_BLOCKS` blocks also comes with each
+    split-K choice of :data:`POINTWISE_SPLITS` below its chunk count (``"splits": s``).
 
     With ``prune``, tilings with more than twice the output channels (beyond 64) or more than twice the
     ``batch * pixels`` columns (beyond 128) are left out.
     """
     space = []
-    for tiling, stage in itertools.product(POINTWISE_TILINGS, ["scalar", "vector"] if vector else ["scalar"]):
+    stages = ["scalar", "vector"] if vector else ["scalar"]
+    for tiling, stage in itertools.product(POINTWISE_TILINGS, stages):
         try:
             layout = cl.pointwise_layout(dtype, tiling, stage == "vector")
         except ValueError:
@@ -138,8 +148,12 @@ def pointwise_space(batch: int, out_channels: int, pixels: int, dtype: torch.dty
             continue
         if prune and (tiling.channels > max(2 * out_channels, 64) or tiling.columns > max(2 * batch * pixels, 128)):
             continue
-        space.append({"variant": "pointwise", "pv": tiling.pv, "mw": tiling.mw, "warps": tiling.warps,
-                      "cc": tiling.cc, **({"stage": "vector"} if stage == "vector" else {})})
+        setting = {"variant": "pointwise", "pv": tiling.pv, "mw": tiling.mw, "warps": tiling.warps,
+                   "cc": tiling.cc, **({"stage": "vector"} if stage == "vector" else {})}
+        space.append(setting)
+        blocks = math.ceil(out_channels / tiling.channels) * math.ceil(batch * pixels / tiling.columns)
+        if in_channels is not None and blocks < SPLIT_BELOW_BLOCKS:
+            space += [{**setting, "splits": s} for s in POINTWISE_SPLITS if s < math.ceil(in_channels / tiling.cc)]
     return space
 
 
@@ -347,7 +361,8 @@ class DirectBackend(ConvBackend):
         if is_pointwise(csr, geometry):
             pixels = out_hw[0] * out_hw[1]
             space += pointwise_space(x.shape[0], csr.out_channels, pixels, x.dtype,
-                                     vector=cl.pointwise_vector_reason(x.dtype, pixels) is None)
+                                     vector=cl.pointwise_vector_reason(x.dtype, pixels) is None,
+                                     in_channels=csr.in_channels_per_group)
         if geometry.spatial_dims == 2 and geometry.stride == (1, 1) and geometry.dilation == (1, 1):
             vector = cl.vector_staging_reason(x.shape[-1], csr.kernel_size, geometry.padding) is None
             space += tile_space(x.shape[0], out_hw, csr.kernel_size, x.dtype,
@@ -375,8 +390,10 @@ class DirectBackend(ConvBackend):
                                   params.get("pixels", 1), params.get("sub_batch", 1),
                                   params.get("channels", ROWS_CHANNELS))
         if variant == "pointwise":
-            return cl.pointwise_launch(x.dtype, N, csr.out_channels, E * F_, pointwise_tiling_of(params),
-                                       self._pointwise_vector(x, params))
+            tiling = pointwise_tiling_of(params)
+            _, splits = cl.split_chunks(csr.in_channels_per_group, tiling.cc, params.get("splits", 1))
+            return cl.pointwise_launch(x.dtype, N, csr.out_channels, E * F_, tiling, self._pointwise_vector(x, params),
+                                       splits)
         return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), csr.kernel_size, tiling_of(params),
                               self._vector_pad(x, csr, geometry, params))
 
@@ -472,8 +489,15 @@ class DirectBackend(ConvBackend):
             tiling = pointwise_tiling_of(params)
             layout = cl.pointwise_layout(x.dtype, tiling, staging)
             arrays = self._arrays(csr, ("tile", layout), lambda: prepare_tile(csr, layout))
+            per_split, splits = cl.split_chunks(C, tiling.cc, params.get("splits", 1))
+            if splits > 1:
+                partial = torch.empty(splits, N, csr.out_channels, E, F_, dtype=torch.float32, device=x.device)
+                cl.launch(spec, (x, arrays.chunk_ptr, arrays.entries, None, partial, N, C, H * W, csr.out_channels,
+                                 math.ceil(csr.out_channels / tiling.channels), per_split), x.device)
+                out = partial.sum(0)
+                return (out if bias is None else out.add_(bias.float()[:, None, None])).to(x.dtype)
             args = (x, arrays.chunk_ptr, arrays.entries, bias, out, N, C, H * W, csr.out_channels,
-                    math.ceil(csr.out_channels / tiling.channels))
+                    math.ceil(csr.out_channels / tiling.channels), per_split)
         else:
             raise ValueError(f"variant: unknown {variant!r}, expected 'rows', 'tile' or 'pointwise'")
         cl.launch(spec, args, x.device)
