@@ -1,10 +1,10 @@
-"""Host cost of one direct-kernel call, piece by piece, against cuDNN through ``F.conv2d``.
+"""Batch-1 cost of one 1x1 layer: host time against GPU time, per backend setting.
 
-At batch 1 every layer's measured time is a host floor (~0.1 ms for the direct backend, ~0.04-0.05 ms for cuDNN
-in the 2026-11-23 runs), so this times, for a small 1x1 layer on the current GPU (microseconds per call, host
-wall clock over many calls, the GPU kept busy enough not to matter): the whole ``DirectBackend.conv``; its
-kernel-argument conversion; ``cupy_launcher.launch`` with prepared arguments; the bare CuPy kernel call with
-converted arguments, with and without the device and stream contexts; and ``F.conv2d``. Writes JSON to ``--out``.
+At batch 1 the per-layer benchmark times host floors (~0.06-0.1 ms for the direct backend, ~0.03-0.05 ms for
+cuDNN), so this times, on the current GPU, each of: the direct ``pointwise`` setting without split-K and with
+each split of ``POINTWISE_SPLITS``, and ``F.conv2d`` (cuDNN); every one twice, eagerly (CUDA events around back-
+to-back calls: the host's floor where it exceeds the kernel) and replayed as a CUDA graph (the GPU time alone).
+It also prints a cProfile of the eager direct call. Microseconds; JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -14,43 +14,25 @@ import cProfile
 import io
 import json
 import pstats
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from unsparse.pipeline import git_commit
-from unsparse.runtime import cupy_launcher as cl
-from unsparse.runtime.backends.direct import DirectBackend
+from unsparse.runtime.backends.direct import POINTWISE_SPLITS, DirectBackend
 from unsparse.runtime.bench import environment
+from unsparse.runtime.timing import time_fn, time_graph
 from unsparse.sparse import ConvGeometry, UniformCSR
-
-
-def per_call_us(call: Callable[[], object], calls: int) -> float:
-    """Mean host microseconds per ``call()`` over ``calls`` calls, after warm-up, synchronised at both ends."""
-    for _ in range(20):
-        call()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        call()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--calls", type=int, default=2000)
+    parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--layer", type=int, nargs=3, default=[1024, 256, 14], metavar=("C", "M", "HW"),
-                        help="1x1 layer: input channels, output channels, plane side (a tiny layer isolates host "
-                             "cost; a real one shows where the kernel itself exceeds it)")
+                        help="1x1 layer: input channels, output channels, plane side")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    import cupy
-
     device = torch.device("cuda", torch.cuda.current_device())
     C, M, side = args.layer
     weight = torch.randn(M, C, 1, 1, device=device)
@@ -58,50 +40,24 @@ def main() -> None:
     csr, geometry = UniformCSR.from_dense(weight), ConvGeometry.of(1, 0)
     x = torch.randn(1, C, side, side, device=device)
     backend = DirectBackend()
-    params = {"variant": "pointwise", "pv": 1, "mw": 8, "warps": 8, "cc": 32, "stage": "vector"}
-    out = backend.conv(x, csr, None, geometry, **params)
-    spec = backend._launch(x, csr, geometry, params)
-    arrays = next(value for key, value in backend._cache[csr].items() if key[0] == "tile")
-    groups = -(-M // 64)
-    kernel_args = (x, arrays.chunk_ptr, arrays.entries, None, out, 1, C, side * side, M, groups)
-    converted = cl.kernel_arguments(kernel_args, device)
-    kernel = cl.get_kernel(spec.name)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream, device.index)
-
-    def bare() -> None:
-        kernel(spec.grid, spec.block, converted, stream=stream)
-
-    def with_contexts() -> None:
-        with cupy.cuda.Device(device.index), stream:
-            kernel(spec.grid, spec.block, converted)
-
-    dense = weight.clone()
-    torch.cuda.synchronize()
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(100):
-        bare()
-    end.record()
-    torch.cuda.synchronize()
-    rows = {
-        "gpu_us_per_kernel_back_to_back": start.elapsed_time(end) / 100 * 1e3,
-        "direct_conv": per_call_us(lambda: backend.conv(x, csr, None, geometry, **params), args.calls),
-        "kernel_arguments": per_call_us(lambda: cl.kernel_arguments(kernel_args, device), args.calls),
-        "launch": per_call_us(lambda: cl.launch(spec, kernel_args, device), args.calls),
-        "cupy_call_with_contexts": per_call_us(with_contexts, args.calls),
-        "cupy_call_bare": per_call_us(bare, args.calls),
-        "torch_empty": per_call_us(lambda: torch.empty(1, M, side, side, device=device), args.calls),
-        "f_conv2d": per_call_us(lambda: F.conv2d(x, dense), args.calls),
-    }
-    print(rows)
+    base = {"variant": "pointwise", "pv": 1, "mw": 8, "warps": 8, "cc": 32, "stage": "vector"}
+    calls = {"direct": lambda: backend.conv(x, csr, None, geometry, **base)}
+    for splits in POINTWISE_SPLITS:
+        calls[f"direct_splits{splits}"] = lambda s=splits: backend.conv(x, csr, None, geometry, **base, splits=s)
+    calls["cudnn"] = lambda: F.conv2d(x, weight)
+    rows = {}
+    for name, call in calls.items():
+        rows[name] = {"eager_us": time_fn(lambda i, c=call: c(), device, runs=args.runs).median_ms * 1e3,
+                      "graph_us": time_graph(call, device, runs=args.runs).median_ms * 1e3}
+        print(name, rows[name])
     profile = cProfile.Profile()
-    profile.runcall(lambda: [backend.conv(x, csr, None, geometry, **params) for _ in range(args.calls)])
+    profile.runcall(lambda: [calls["direct"]() for _ in range(args.runs)])
+    torch.cuda.synchronize()
     text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(15)
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
     print(text.getvalue())
     result = {"environment": environment(git_commit()), "layer": f"{C}->{M} 1x1 at {side}x{side}, batch 1, 0.9",
-              "params": params, "calls": args.calls, "host_us_per_call": rows, "profile": text.getvalue()}
+              "params": base, "runs": args.runs, "us": rows, "profile": text.getvalue()}
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     (path / f"launch_profile_{C}_{M}_{side}.json").write_text(json.dumps(result, indent=1))
