@@ -32,6 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--layer-filter")
     parser.add_argument("--time-budget", type=float, help="seconds after which the benchmark starts nothing new")
+    parser.add_argument("--timing", choices=["eager", "graph"], default="eager",
+                        help="per-layer timing: eager calls, or CUDA-graph replays (GPU time only)")
     parser.add_argument("--sparse-file", help="a trained model (model.safetensors) timed per layer and end to end")
     parser.add_argument("--sparse-input-shape", nargs="*", type=int, help="its per-sample input shape, e.g. 1 28 28")
     args = parser.parse_args(argv)
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 settings[name] = getattr(args, name)
         result = run_bench(out, runs=args.runs, commit=env["commit"], layer_filter=args.layer_filter,
                            time_budget_s=args.time_budget, sparse_file=args.sparse_file,
-                           sparse_input_shape=args.sparse_input_shape, **settings)
+                           sparse_input_shape=args.sparse_input_shape, timing=args.timing, **settings)
         print(json.dumps(result["targets"], indent=1), flush=True)
     return code
 

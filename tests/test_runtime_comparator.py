@@ -94,6 +94,14 @@ def test_compare_layer_rejects_wrong_backend_and_picks_fastest(fakes: None) -> N
     assert json.loads(json.dumps(result.to_dict()))["best"]["backend"] == result.best.backend
 
 
+def test_compare_layer_graph_timing_needs_cuda_and_a_known_mode() -> None:
+    x, csr, bias = small_layer()
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA input"):
+        compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["dense_cpu"], runs=3, timing="graph")
+    with pytest.raises(ValueError, match="timing: unknown"):
+        compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["dense_cpu"], runs=3, timing="wall")
+
+
 def test_compare_layer_records_unsupported_backends() -> None:
     x, csr, bias = small_layer()
     result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["direct", "dense_cpu"], runs=3)

@@ -241,3 +241,15 @@ def test_direct_kernels_replay_in_a_cuda_graph(case: str, variant: str, dtype: t
     graph.replay()
     torch.cuda.synchronize()
     assert relative_error(captured.cpu(), ref) <= tolerance(dtype), params
+
+
+def test_compare_layer_times_cuda_graph_replays() -> None:
+    """Graph timing (the batch-1 benchmark's GPU-only mode) times every correct setting from graph replays and
+    still names a correct fastest setting."""
+    from unsparse.runtime.comparator import compare_layer
+
+    x, csr, bias, geometry, _ = make_case("pointwise_split", torch.float32, seed=5)
+    result = compare_layer(x, csr, bias, geometry, ["direct", "cudnn"], runs=5, timing="graph")
+    timed = [m for m in result.measurements if m.timing is not None]
+    assert timed and result.best is not None and result.best.status == "ok"
+    assert any(m.params.get("splits", 1) > 1 for m in result.measurements if m.status == "ok")

@@ -183,8 +183,9 @@ def layer_backends(layer: ConvLayer, batch: int, dtype: torch.dtype, lowering: b
 
 
 def bench_layer(layer: ConvLayer, batch: int, precision: str, device: torch.device, lowering: bool,
-                runs: int, plan: Plan) -> dict[str, Any]:
-    """Compare backends on one layer; returns a JSON-ready record and adds the winner to ``plan``."""
+                runs: int, plan: Plan, timing: str = "eager") -> dict[str, Any]:
+    """Compare backends on one layer (``timing`` as in :func:`~unsparse.runtime.comparator.compare_layer`);
+    returns a JSON-ready record and adds the winner to ``plan``."""
     dtype, tf32 = PRECISIONS[precision]
     with precision_mode(tf32):
         weight = layer.weight.to(device, dtype)
@@ -193,7 +194,7 @@ def bench_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devi
         C, H, W = layer.in_chw
         x = torch.randn(batch, C, H, W, device=device, dtype=dtype)
         names, skipped = layer_backends(layer, batch, dtype, lowering)
-        comparison = compare_layer(x, csr, bias, layer.geometry, names, runs=runs)
+        comparison = compare_layer(x, csr, bias, layer.geometry, names, runs=runs, timing=timing)
         if comparison.best is not None:
             plan.entries[comparison.key] = comparison.plan_entry()
     E, F_ = layer.geometry.output_size(H, W, csr.kernel_size)
@@ -278,7 +279,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
               end_to_end_sparsity: float = 0.9, end_to_end_batch: int = 128, runs: int = MIN_RUNS,
               sparse_file: str | Path | None = None, sparse_input_shape: Sequence[int] | None = None,
               plan_path: str | Path | None = None, commit: str | None = None, seed: int = 0,
-              layer_filter: str | None = None, time_budget_s: float | None = None) -> dict[str, Any]:
+              layer_filter: str | None = None, time_budget_s: float | None = None,
+              timing: str = "eager") -> dict[str, Any]:
     """Run the benchmark on ``cuda:0`` and write ``bench.json``, ``bench.md`` and plots to ``out_dir``.
 
     Args:
@@ -299,6 +301,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         time_budget_s: wall-clock seconds after which no further per-layer or end-to-end setting is started
             (None: no limit); what was skipped is recorded under ``stopped_early``. ``bench.json`` is rewritten
             atomically after every record (``complete`` false until the end), so a killed run keeps its data.
+        timing: how the per-layer comparison times settings (:data:`~unsparse.runtime.comparator.TIMINGS`):
+            ``"graph"`` replays CUDA graphs, the GPU time without the host's per-call work (batch 1).
 
     Returns:
         The dict written to ``bench.json``.
@@ -317,7 +321,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     result: dict[str, Any] = {"environment": environment(commit), "device": device_name(device),
                               "weights": "synthetic (He-normal random conv weights, per-layer magnitude pruning, "
                                          "kept weights rescaled to the layer norm)",
-                              "input": [3, 224, 224], "runs": runs, "complete": False, "stopped_early": [],
+                              "input": [3, 224, 224], "runs": runs, "timing": timing, "complete": False,
+                              "stopped_early": [],
                               "failed": [], "layers": [], "end_to_end": []}
     deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
 
@@ -337,7 +342,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                     for precision in precisions:
                         if out_of_time(f"{name} {layer.name} s{sparsity} b{batch} {precision}"):
                             continue
-                        record = bench_layer(layer, batch, precision, device, name in lowering_models, runs, plan)
+                        record = bench_layer(layer, batch, precision, device, name in lowering_models, runs, plan,
+                                             timing)
                         record.update(model=name, target_sparsity=sparsity)
                         result["layers"].append(record)
                         _progress(record)
@@ -474,7 +480,11 @@ def markdown_report(result: dict[str, Any]) -> str:
     lines = ["# UnSparse benchmark", "", f"GPU: {env.get('gpu')}; driver {env.get('driver')}; torch {env['torch']}; "
              f"CUDA {env['cuda']}; cuDNN {env.get('cudnn')}; CuPy {env.get('cupy')}; commit {env['commit']}; "
              f"{env['date_utc']}.", "", f"Weights: {result['weights']}. Medians of {result['runs']} runs (ms), "
-             "CUDA events, inputs rotated beyond L2. FP32 columns have TF32 off.", "", "## Targets (issue 5)", ""]
+             "CUDA events, inputs rotated beyond L2. FP32 columns have TF32 off.", ""]
+    if result.get("timing") == "graph":
+        lines += ["Per-layer times are CUDA-graph replays of each call: GPU time only, without the host's per-call "
+                  "work (Python, dispatch, launch), which eager calls at small batches mostly measure.", ""]
+    lines += ["## Targets (issue 5)", ""]
     targets = result["targets"]
 
     def verdict(met: bool, measured: bool) -> str:

@@ -21,7 +21,15 @@ from torch import nn
 from unsparse.runtime.backends import available_backends, get_backend
 from unsparse.runtime.modules import SparseConv, sparse_layers
 from unsparse.runtime.plan import Plan, PlanEntry, layer_key, use_plan
-from unsparse.runtime.timing import MIN_RUNS, Timing, cache_bytes, rotated_inputs, rotation_count, time_fn
+from unsparse.runtime.timing import (
+    MIN_RUNS,
+    Timing,
+    cache_bytes,
+    capture_graph,
+    rotated_inputs,
+    rotation_count,
+    time_fn,
+)
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
@@ -31,6 +39,10 @@ COMPARED_BY_DEFAULT_EXCLUDES = frozenset({"reference", "auto"})
 """Backends not timed unless asked for: the reference is the check, ``auto`` is the plan itself."""
 DENSE_DEFAULTS = {"cudnn": {"memory_format": "contiguous"}, "dense_cpu": {}}
 """Per backend name, the parameters of the dense default a plan falls back to (cuDNN in NCHW)."""
+TIMINGS = ("eager", "graph")
+"""How :func:`compare_layer` times a setting: ``eager`` calls (CUDA events around each call, host work included,
+the default) or ``graph`` replays (each setting captured as a CUDA graph per rotated input: the GPU time alone,
+what a graph-captured deployment sees; at batch 1 the eager times are host floors)."""
 PLAN_MARGIN = 0.03
 """Fraction by which a setting must beat the dense default to be planned (run-to-run noise of the timings)."""
 
@@ -182,7 +194,8 @@ class LayerComparison:
 
 def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
                   backends: list[str] | None = None, runs: int = MIN_RUNS, warmup: int = 3,
-                  screen_runs: int = 3, keep: int = 3, tol: float | None = None) -> LayerComparison:
+                  screen_runs: int = 3, keep: int = 3, tol: float | None = None,
+                  timing: str = "eager") -> LayerComparison:
     """Compare backends on one layer (DESIGN.md, Runtime and comparator).
 
     Args:
@@ -192,10 +205,18 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
         runs, warmup: full timing of each backend's ``keep`` best settings (runs >= 1; the protocol wants
             >= 20). screen_runs: runs per setting when a backend has more than ``keep`` settings.
         tol: relative error bound; default :func:`tolerance` of ``x.dtype`` (TF32-aware).
+        timing: one of :data:`TIMINGS`; a setting whose graph capture fails is recorded as an error.
 
     Returns:
         Every measurement, correct or not; ``best`` is the fastest correct one.
+
+    Raises:
+        ValueError: for an unknown ``timing``, or ``"graph"`` on a device other than CUDA.
     """
+    if timing not in TIMINGS:
+        raise ValueError(f"timing: unknown {timing!r}, expected one of {TIMINGS}")
+    if timing == "graph" and x.device.type != "cuda":
+        raise ValueError(f"timing: CUDA graphs need a CUDA input, got {x.device}")
     names = backends if backends is not None else [
         b for b in available_backends(x.device) if b not in COMPARED_BY_DEFAULT_EXCLUDES]
     tf32 = x.device.type == "cuda" and torch.backends.cudnn.allow_tf32
@@ -207,13 +228,13 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
         result = LayerComparison(layer_key(x, csr, geometry))
         for name in names:
             result.measurements += _measure_backend(name, inputs, csr, bias, geometry, ref, images, bound,
-                                                    runs, warmup, screen_runs, keep)
+                                                    runs, warmup, screen_runs, keep, timing == "graph")
     return result
 
 
 def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bias: torch.Tensor | None,
                      geometry: ConvGeometry, ref: torch.Tensor, images: list[int], bound: float, runs: int,
-                     warmup: int, screen_runs: int, keep: int) -> list[Measurement]:
+                     warmup: int, screen_runs: int, keep: int, graphs: bool) -> list[Measurement]:
     backend = get_backend(name)
     x = inputs[0]
     reason = backend.unsupported_reason(x, csr, geometry)
@@ -237,10 +258,25 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
             continue
         measurements.append(Measurement(name, params, "ok", error))
 
-    def timed(m: Measurement, count: int, warm: int) -> Timing:
-        return time_fn(lambda i: backend.conv(inputs[i % len(inputs)], csr, bias, geometry, **m.params),
-                       x.device, runs=count, warmup=warm, rotation=len(inputs))
+    replays: dict[int, list[torch.cuda.CUDAGraph]] = {}
 
+    def timed(m: Measurement, count: int, warm: int) -> Timing:
+        if not graphs:
+            return time_fn(lambda i: backend.conv(inputs[i % len(inputs)], csr, bias, geometry, **m.params),
+                           x.device, runs=count, warmup=warm, rotation=len(inputs))
+        if id(m) not in replays:
+            replays[id(m)] = [capture_graph(lambda v=v: backend.conv(v, csr, bias, geometry, **m.params))
+                              for v in inputs]
+        captured = replays[id(m)]
+        return time_fn(lambda i: captured[i % len(captured)].replay(), x.device, runs=count, warmup=warm,
+                       rotation=len(captured))
+
+    if graphs:
+        for m in [m for m in measurements if m.status == "ok"]:
+            try:
+                timed(m, 1, 0)
+            except RuntimeError as exc:
+                m.status, m.reason = "error", f"graph capture: {type(exc).__name__}: {exc}"
     correct = [m for m in measurements if m.status == "ok"]
     if len(correct) > keep:
         for m in correct:
