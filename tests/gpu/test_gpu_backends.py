@@ -58,7 +58,7 @@ CASES = {
     # with few blocks, so split-K settings (with 16-byte staging in both dtypes).
     "pointwise_vector": (3, 40, 12, 12, 70, 1, 1, 1, 0, 1, 0.9, 1, 1),
     "pointwise_odd_plane": (2, 100, 7, 7, 300, 1, 1, 1, 0, 1, 0.95, 2, 1),
-    "pointwise_split": (1, 96, 8, 8, 40, 1, 1, 1, 0, 1, 0.9, 1, 1),
+    "pointwise_split": (1, 200, 8, 8, 40, 1, 1, 1, 0, 1, 0.9, 1, 1),
 }
 
 
