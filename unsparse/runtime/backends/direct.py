@@ -10,7 +10,8 @@ Three kernel variants share the backend and its tuning space (parameter ``varian
   :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason`).
 * ``"pointwise"``: 1x1, stride 1, unpadded Conv2d as a sparse x dense product over the flattened
   ``n * P + p`` columns; ``"stage": "vector"`` settings stage 16-byte vectors where the plane allows
-  (:func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`).
+  (:func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`); grids too small to fill the GPU (batch 1)
+  also get split-K settings (``"splits"``: float32 partial sums per share of the input channels, summed here).
 
 Everything a kernel reads through an index is built and checked here at plan time (:func:`prepare_rows`,
 :func:`prepare_tile`, which also serves ``pointwise``) and cached per UniformCSR object and input size, so
