@@ -37,7 +37,9 @@ class UniformCSR:
         values: ``(M, L)`` tensor of the layer dtype (float16/bfloat16/float32/float64). Row ``m`` holds the
             nonzero weights of output channel ``m`` in ascending column order, then zero padding.
         col_idx: ``(M, L)`` int32 tensor, each entry in ``[0, K)``: the flat filter index
-            ``k = (c * R + r) * S + s`` of the matching value (``R = 1`` for Conv1d). No row repeats a column.
+            ``k = (c * R + r) * S + s`` of the matching value (``R = 1`` for Conv1d). :meth:`from_dense` never
+            repeats a column within a row; a hand-made matrix that does is accepted, and :meth:`to_dense` and
+            every backend sum the repeated entries.
         weight_shape: shape of the dense weight, ``(M, C/groups, R, S)`` or ``(M, C/groups, S)``.
 
     Raises:
