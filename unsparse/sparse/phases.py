@@ -1,0 +1,128 @@
+"""Phase decomposition: a strided Conv2d as a stride-1 Conv2d over the phases of its input.
+
+A stride-``s`` convolution reads input row ``t = s*e - p + r`` for output row ``e`` and filter row ``r``.
+Writing ``t = s*q + phi`` with phase ``phi = t mod s`` splits the input into ``s`` phase images
+``x[..., phi::s, :]``, and filter row ``r`` becomes row ``d = (r - p - phi) / s`` of a shorter filter that
+moves by one row per output row: ``q = e + d``. Doing this along both axes turns an ``R x S``, stride
+``(s_h, s_w)`` layer over ``C`` channels into a stride-1 layer over ``C * P_h * P_w`` phase channels with an
+``R' x S'`` filter (``R' = floor((R - 1 - p_h) / s_h) + ceil(p_h / s_h) + 1``: 2x2 for a 3x3 stride-2 layer,
+1x1 for a 1x1 one, which only needs one phase). Every nonzero keeps its value and gets a new column, so the
+weight keeps its nnz and uniform row length (UnSparse-Opt §4.3); no product is added or dropped.
+
+Why: the stride-1 direct kernels (input tiles with halos in shared memory, contiguous per-lane loads) then
+serve the strided layers too, instead of the strided ``rows`` kernel (Escoin §3, one global load per FMA),
+whose stride-2 loads halve the useful bytes of every transaction. The price is one copy of the input into its
+phases per call (:meth:`PhaseSplit.input`); the runtime times it with the kernel. This is the space-to-depth
+rewriting of strided convolutions; neither source paper uses it (Escoin §5 lists stride only as a parameter to
+specialise kernels on).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from unsparse.sparse.format import UniformCSR
+from unsparse.sparse.geometry import ConvGeometry
+
+
+def _split_taps(tap: torch.Tensor, padding: int, stride: int,
+                phases: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per filter tap (row or column index, int64): the position of its phase in ``phases`` and its offset
+    ``floor((tap - padding) / stride)`` from the output row or column."""
+    phase = (tap - padding) % stride
+    position = torch.full((stride,), -1, dtype=torch.long, device=tap.device)
+    position[list(phases)] = torch.arange(len(phases), device=tap.device)
+    return position[phase], torch.div(tap - padding - phase, stride, rounding_mode="floor")
+
+
+def _axis(kernel: int, padding: int, stride: int) -> tuple[tuple[int, ...], int, int]:
+    """Along one axis: the phases some filter tap reads (ascending), the new filter size, its top/left
+    padding. Tap ``r`` reads phase ``(r - padding) mod stride`` at row offset ``floor((r - padding) / stride)``
+    from the output row; the new padding is minus the smallest offset."""
+    phases = tuple(sorted({(r - padding) % stride for r in range(kernel)}))
+    low, high = (-padding) // stride, (kernel - 1 - padding) // stride
+    return phases, high - low + 1, -low
+
+
+@dataclass(frozen=True)
+class PhaseSplit:
+    """A strided Conv2d rewritten as a stride-1 Conv2d over phase channels (see the module docstring).
+
+    ``conv2d(x, W, stride=geometry.stride, padding=p)`` equals the first ``E x F`` outputs (the original
+    layer's size) of ``conv2d(self.input(x), self.csr.to_dense(), stride=1, padding=self.geometry.padding)``;
+    the stride-1 layer may have a row or column more, which reads only zero padding and is never computed
+    by a kernel that is given ``E x F``.
+
+    Attributes:
+        csr: ``(M, C * P_h * P_w * R' * S')`` UniformCSR with the original values and row length; phase
+            channel ``(c * P_h + i) * P_w + j`` is channel ``c`` at row phase ``phases_h[i]`` and column phase
+            ``phases_w[j]``.
+        geometry: stride 1, dilation 1, padding ``(ceil(p_h / s_h), ceil(p_w / s_w))``, the original groups.
+        stride: ``(s_h, s_w)`` of the original layer.
+        phases_h, phases_w: the row and column phases some tap reads, ascending (all ``s`` of them once the
+            filter is at least as large as the stride).
+    """
+
+    csr: UniformCSR
+    geometry: ConvGeometry
+    stride: tuple[int, int]
+    phases_h: tuple[int, ...]
+    phases_w: tuple[int, ...]
+
+    def input_size(self, height: int, width: int) -> tuple[int, int]:
+        """``(ceil(H / s_h), ceil(W / s_w))``: the size of each phase image of an ``H x W`` input."""
+        return math.ceil(height / self.stride[0]), math.ceil(width / self.stride[1])
+
+    def input(self, x: torch.Tensor) -> torch.Tensor:
+        """The phase images of ``x``, one gather (plus a zero pad when ``H`` or ``W`` is not a multiple of the
+        stride).
+
+        Args:
+            x: ``(N, C, H, W)`` NCHW input of the original layer, any dtype and device.
+
+        Returns:
+            ``(N, C * P_h * P_w, ceil(H / s_h), ceil(W / s_w))`` contiguous tensor of ``x``'s dtype with
+            ``[n, (c * P_h + i) * P_w + j, q, u] = x[n, c, s_h * q + phases_h[i], s_w * u + phases_w[j]]``
+            (zero beyond ``x``); ``x`` is not modified.
+        """
+        N, C, H, W = x.shape
+        (sh, sw), (hq, wq) = self.stride, self.input_size(H, W)
+        if (hq * sh, wq * sw) != (H, W):
+            x = F.pad(x, (0, wq * sw - W, 0, hq * sh - H))
+        grid = x.reshape(N, C, hq, sh, wq, sw).permute(0, 1, 3, 5, 2, 4)  # (N, C, s_h, s_w, hq, wq), a view
+        rows = torch.tensor(self.phases_h, device=x.device)[:, None]
+        cols = torch.tensor(self.phases_w, device=x.device)[None, :]
+        phases = grid[:, :, rows, cols]  # one gather, contiguous (N, C, P_h, P_w, hq, wq)
+        return phases.reshape(N, C * len(self.phases_h) * len(self.phases_w), hq, wq)
+
+
+def phase_split(csr: UniformCSR, geometry: ConvGeometry) -> PhaseSplit:
+    """Rewrite a strided, undilated Conv2d's weight for :class:`PhaseSplit` (column indices only; the
+    values are shared with ``csr``, not copied).
+
+    Args:
+        csr: validated ``(M, C/groups * R * S)`` UniformCSR, columns ``(c * R + r) * S + s``.
+        geometry: the layer's geometry: Conv2d, dilation 1, any stride and padding.
+
+    Raises:
+        ValueError: for a Conv1d or a dilated layer (a dilated strided layer would need phases per tap).
+    """
+    if geometry.spatial_dims != 2 or geometry.dilation != (1, 1):
+        raise ValueError(f"geometry: phase decomposition needs an undilated Conv2d, got {geometry}")
+    (R, S), (sh, sw), (ph, pw) = csr.kernel_size, geometry.stride, geometry.padding
+    phases_h, rows, pad_h = _axis(R, ph, sh)
+    phases_w, cols, pad_w = _axis(S, pw, sw)
+    k = csr.col_idx.long()
+    c, r, s = k // (R * S), (k // S) % R, k % S
+    i, dr = _split_taps(r, ph, sh, phases_h)
+    j, ds = _split_taps(s, pw, sw, phases_w)
+    channel = (c * len(phases_h) + i) * len(phases_w) + j
+    col_idx = (channel * rows + dr + pad_h) * cols + ds + pad_w
+    split_csr = UniformCSR(csr.values, col_idx.to(csr.col_idx.dtype).contiguous(),
+                           (csr.out_channels, csr.in_channels_per_group * len(phases_h) * len(phases_w), rows, cols))
+    return PhaseSplit(split_csr, ConvGeometry((1, 1), (pad_h, pad_w), (1, 1), geometry.groups, 2), (sh, sw),
+                      phases_h, phases_w)
