@@ -33,8 +33,8 @@ def load_script() -> Callable[[str], ModuleType]:
 @pytest.fixture(scope="session")
 def tuned_kernel_names() -> list[str]:
     """Sorted template instantiations of every tuning setting of 3x3 (56x56), 1x1 (14x14; batch 128 and batch 1,
-    whose small grids add split-K settings) and 5x5 (28x28) layers in each supported dtype, as the kernel
-    compile tests build them."""
+    whose small grids add split-K settings), 5x5 (28x28) and 3x3 stride-2 (56x56, whose phase split is a 2x2
+    layer) layers in each supported dtype, as the kernel compile tests build them."""
     from unsparse.runtime import cupy_launcher as cl
     from unsparse.runtime.backends.direct import DirectBackend
     from unsparse.sparse import ConvGeometry, UniformCSR
@@ -44,7 +44,8 @@ def tuned_kernel_names() -> list[str]:
     for shape, kernel, geometry in [((128, 64, 56, 56), (3, 3), ConvGeometry.of(1, 1)),
                                     ((128, 256, 14, 14), (1, 1), ConvGeometry.of(1, 0)),
                                     ((1, 256, 14, 14), (1, 1), ConvGeometry.of(1, 0)),
-                                    ((32, 48, 28, 28), (5, 5), ConvGeometry.of(1, 2))]:
+                                    ((32, 48, 28, 28), (5, 5), ConvGeometry.of(1, 2)),
+                                    ((128, 128, 56, 56), (3, 3), ConvGeometry.of(2, 1))]:
         for dtype in cl.supported_dtypes():
             x = torch.zeros(shape, dtype=dtype)
             csr = UniformCSR.from_dense(torch.randn(16, shape[1], *kernel, dtype=dtype))

@@ -17,6 +17,7 @@ from unsparse.runtime.backends.direct import (
     TILE_TILINGS,
     DirectBackend,
     TileArrays,
+    is_pointwise,
     pair_images,
     pointwise_space,
     prepare_rows,
@@ -90,14 +91,15 @@ def staged_columns(layout: cl.TileLayout, tiling: cl.TileTiling, pad_w: int) -> 
 
 
 def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tiling: cl.TileTiling,
-                 dtype: torch.dtype = torch.float32, vector: bool = False) -> torch.Tensor:
+                 dtype: torch.dtype = torch.float32, vector: bool = False,
+                 out_hw: tuple[int, int] | None = None) -> torch.Tensor:
     """``direct_tile`` in Python: grid decode, staged chunk in the kernel's flat layout (zero halo, images
     packed per element; with ``vector`` the 16-byte copies, each wholly inside or outside the image and
     16-byte aligned in shared memory), per-(row, chunk) entries, lane-to-output map and every shared-memory
-    index checked against the chunk's size."""
+    index checked against the chunk's size. ``out_hw``: the outputs to compute (default: the geometry's)."""
     N, C, H, W = x.shape
     R, S = csr.kernel_size
-    E, F_ = geometry.output_size(H, W, csr.kernel_size)
+    E, F_ = out_hw or geometry.output_size(H, W, csr.kernel_size)
     pad = geometry.padding[1] if vector else None
     layout = cl.tile_layout(dtype, (R, S), tiling, pad)
     spec = cl.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling, pad)
@@ -268,7 +270,11 @@ def test_pointwise_eligibility_and_launch() -> None:
     assert any(p["variant"] == "pointwise" and p.get("stage") == "vector" for p in space)
     assert all(p in pointwise_space(2, 8, 196, torch.float32, prune=False, vector=True)
                for p in space if p["variant"] == "pointwise")
-    for geometry in (ConvGeometry.of(2, 0), ConvGeometry.of(1, 1)):
+    # Stride 2 runs on the one-phase split (a 7x7 plane: no 16-byte staging); padded 1x1 layers do not.
+    strided = [p for p in backend.tuning_space(x, csr, ConvGeometry.of(2, 0)) if p["variant"] == "pointwise"]
+    assert strided and all(p in pointwise_space(2, 8, 49, torch.float32, prune=False, in_channels=4)
+                           for p in strided)
+    for geometry in (ConvGeometry.of(1, 1), ConvGeometry.of(2, 1)):
         assert not any(p["variant"] == "pointwise" for p in backend.tuning_space(x, csr, geometry))
     assert not any(p["variant"] == "pointwise"
                    for p in backend.tuning_space(x, UniformCSR.from_dense(torch.randn(8, 4, 3, 3)),
@@ -320,6 +326,27 @@ def test_vector_staging_eligibility() -> None:
     narrow = backend.tuning_space(torch.zeros(2, 4, 14, 14), csr, ConvGeometry.of(1, 1))
     assert not any("stage" in p for p in narrow)
     assert any("stage" in p for p in backend.tuning_space(torch.zeros(2, 4, 56, 56), csr, ConvGeometry.of(1, 1)))
+
+
+STRIDED = [case for case in GEOMETRIES if case[7] > 1 and case[9] == 1] + [(2, 6, 14, 14, 5, 1, 1, 2, 0, 1),
+                                                                       (1, 4, 16, 16, 9, 3, 3, 2, 1, 1)]
+
+
+@pytest.mark.parametrize("case", STRIDED)
+def test_strided_layers_emulate_through_their_phase_split(case: tuple) -> None:
+    """What ``DirectBackend.conv`` runs for a strided tile or pointwise setting: the kernel on the phase images
+    and the split weight, told the strided layer's output size."""
+    x, csr, geometry, expected = layer(case, sparsity=0.8)
+    view = DirectBackend()._view(x.float(), csr, geometry, {"variant": "tile"})
+    assert view.split is not None and view.geometry.stride == (1, 1) and view.out_hw == expected.shape[2:]
+    phases = view.split.input(x)
+    assert phases.shape[2:] == view.in_hw
+    for tiling in SMALL_TILINGS:
+        out = emulate_tile(phases, view.csr, view.geometry, tiling, out_hw=view.out_hw)
+        assert torch.allclose(out, expected, atol=1e-5)  # the entries hold float32 weights
+    if is_pointwise(view.csr, view.geometry):
+        out = emulate_pointwise(phases, view.csr, cl.PointwiseTiling(pv=1, mw=2, warps=4, cc=2))
+        assert torch.allclose(out, expected, atol=1e-5)
 
 
 def test_tile_emulation_float16_layout_pairs_images() -> None:
@@ -481,7 +508,11 @@ def test_tuning_spaces() -> None:
     x = torch.zeros(2, 4, 16, 16)
     csr = UniformCSR.from_dense(torch.randn(8, 4, 3, 3))
     backend = DirectBackend()
-    assert not any(p["variant"] == "tile" for p in backend.tuning_space(x, csr, ConvGeometry.of(2, 1)))
+    strided = [p for p in backend.tuning_space(x, csr, ConvGeometry.of(2, 1)) if p["variant"] == "tile"]
+    assert strided == tile_space(2, (8, 8), (2, 2), torch.float32)  # the 2x2 phase split; 8-wide phases: scalar
+    names = backend.kernel_names(x, csr, ConvGeometry.of(2, 1))
+    assert any(name.startswith("direct_tile<float,2,2,") for name in names)
+    assert not any(p["variant"] == "tile" for p in backend.tuning_space(x, csr, ConvGeometry.of(1, 1, 2)))
     assert any(p["variant"] == "tile" for p in backend.tuning_space(torch.zeros(2, 4, 64, 64), csr,
                                                                      ConvGeometry.of(1, 1)))
     assert "cuda" in backend.unsupported_reason(x, csr, ConvGeometry.of(1, 1))
@@ -497,5 +528,6 @@ def test_kernels_compile_for_sm90(tmp_path, tuned_kernel_names) -> None:
                              "-Xptxas", "-warn-spills"], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     spilled = [line for line in result.stderr.splitlines() if "spilled" in line]
-    # 3x3 and 1x1 instantiations (the layers that carry the work) must stay in registers.
-    assert not [line for line in spilled if "Li3ELi3E" in line or "Li1ELi1E" in line], spilled
+    # 3x3, 2x2 (3x3 stride 2 split into phases) and 1x1 instantiations (the layers that carry the work) must stay
+    # in registers.
+    assert not [line for line in spilled if any(f"Li{k}ELi{k}E" in line for k in (1, 2, 3))], spilled

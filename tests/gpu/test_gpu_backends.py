@@ -13,6 +13,7 @@ from unsparse.runtime.backends.direct import is_pointwise, pointwise_space, rows
 from unsparse.runtime.comparator import plan_model, relative_error, tolerance
 from unsparse.runtime.plan import Plan
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
+from unsparse.sparse.phases import phase_split
 
 CUDA = torch.device("cuda")
 
@@ -59,6 +60,12 @@ CASES = {
     "pointwise_vector": (3, 40, 12, 12, 70, 1, 1, 1, 0, 1, 0.9, 1, 1),
     "pointwise_odd_plane": (2, 100, 7, 7, 300, 1, 1, 1, 0, 1, 0.95, 2, 1),
     "pointwise_split": (1, 200, 8, 8, 40, 1, 1, 1, 0, 1, 0.9, 1, 1),
+    # Strided layers on tile and pointwise through their phase split: a 3x3 stride 2 whose phases are 16 wide
+    # (16-byte staging), a ResNet downsampling 1x1 stride 2 (one phase, 12x12: 16-byte pointwise staging) and
+    # one on an odd plane (13x13 -> 7x7 phases, zero-padded); "stride2_3x3" and the AlexNet case split too.
+    "stride2_vector": (3, 9, 16, 32, 20, 3, 3, 2, 1, 1, 0.8, 1, 1),
+    "stride2_1x1": (3, 40, 24, 24, 70, 1, 1, 2, 0, 1, 0.9, 1, 1),
+    "stride2_1x1_odd": (2, 100, 13, 13, 33, 1, 1, 2, 0, 1, 0.9, 1, 0),
 }
 
 
@@ -90,20 +97,24 @@ def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.
     assert backend.unsupported_reason(x, csr, geometry) is None
     out_hw = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
     space = rows_space(x.shape[0], out_hw[0] * out_hw[1], prune=False)
-    if geometry.stride == (1, 1) and geometry.dilation == (1, 1) and geometry.spatial_dims == 2:
-        vector = cl.vector_staging_reason(x.shape[-1], csr.kernel_size, geometry.padding) is None
-        space += tile_space(x.shape[0], out_hw, csr.kernel_size, dtype, prune=False,
-                            vector_pad=geometry.padding[1] if vector else None)
-    if is_pointwise(csr, geometry):
-        pixels = out_hw[0] * out_hw[1]
-        space += pointwise_space(x.shape[0], csr.out_channels, pixels, dtype, prune=False,
-                                 vector=cl.pointwise_vector_reason(dtype, pixels) is None,
-                                 in_channels=csr.in_channels_per_group)
+    if geometry.dilation == (1, 1) and geometry.spatial_dims == 2:
+        split = phase_split(csr, geometry)  # the layer itself at stride 1
+        in_hw = split.input_size(x.shape[2], x.shape[3])
+        vector = cl.vector_staging_reason(in_hw[1], split.csr.kernel_size, split.geometry.padding) is None
+        space += tile_space(x.shape[0], out_hw, split.csr.kernel_size, dtype, prune=False,
+                            vector_pad=split.geometry.padding[1] if vector else None)
+        if is_pointwise(split.csr, split.geometry) and in_hw == out_hw:
+            pixels = out_hw[0] * out_hw[1]
+            space += pointwise_space(x.shape[0], csr.out_channels, pixels, dtype, prune=False,
+                                     vector=cl.pointwise_vector_reason(dtype, pixels) is None,
+                                     in_channels=split.csr.in_channels_per_group)
     assert all(p in space for p in backend.tuning_space(x, csr, geometry))
-    if case.startswith("vector") or case == "pointwise_vector":
+    if case.startswith("vector") or case in ("pointwise_vector", "stride2_vector", "stride2_1x1"):
         assert any(p.get("stage") == "vector" for p in space)
-    if case in ("pointwise_odd_plane", "pointwise_split"):
+    if case in ("pointwise_odd_plane", "pointwise_split", "stride2_1x1_odd"):
         assert any(p.get("splits", 1) > 1 for p in space)
+    if case.startswith("stride2") or case.startswith("alexnet"):
+        assert any(p["variant"] == "tile" for p in space)
     backend.precompile(x, csr, geometry, space)
     for params in space:
         poison_allocator(ref.numel(), dtype)
@@ -225,7 +236,7 @@ def test_whole_model_auto_matches_dense_and_plan_is_reused(tmp_path) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("case", "variant"), [("odd_3x3", "rows"), ("vector_edges", "tile"),
-                                               ("pointwise_vector", "pointwise")])
+                                               ("pointwise_vector", "pointwise"), ("stride2_vector", "tile")])
 def test_direct_kernels_replay_in_a_cuda_graph(case: str, variant: str, dtype: torch.dtype) -> None:
     """The end-to-end benchmark's graph timings replay the direct kernels (CuPy launches on torch's stream,
     float16 tiles' image pairing): a replay must recompute the captured output."""

@@ -33,6 +33,7 @@ from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime.backends.base import ConvBackend, register_backend
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
+from unsparse.sparse.phases import PhaseSplit, phase_split
 
 ROWS_THREADS = (64, 128, 256)
 ROWS_PIXELS = (1, 2)
@@ -323,9 +324,36 @@ def validate_tile(arrays: TileArrays, out_channels: int, channels: int, kernel_s
         raise ValueError(f"entries: offsets outside the staged chunk of {layout} or its channel range")
 
 
+@dataclass(frozen=True)
+class KernelView:
+    """What the ``tile`` and ``pointwise`` kernels see of a layer: a stride-1 layer, either the layer itself or
+    its :class:`~unsparse.sparse.phases.PhaseSplit` (strided layers), and how a setting stages it.
+
+    Attributes:
+        csr, geometry: the stride-1 layer (for a split: phase channels, ``R' x S'`` filter, top/left padding).
+        split: the phase split of a strided layer, None for a stride-1 layer.
+        in_hw: ``(H, W)`` of the input the kernel reads (the phase images' size for a split).
+        out_hw: ``(E, F)`` of the original layer, the outputs the kernel computes.
+        staging: ``tile``: the ``pad_w`` of 16-byte staging or None (scalar); ``pointwise``: whether it stages
+            16-byte vectors.
+    """
+
+    csr: UniformCSR
+    geometry: ConvGeometry
+    split: PhaseSplit | None
+    in_hw: tuple[int, int]
+    out_hw: tuple[int, int]
+    staging: int | bool | None
+
+
 @register_backend
 class DirectBackend(ConvBackend):
-    """Direct sparse convolution on CUDA through CuPy; float32 and float16 storage, float32 arithmetic."""
+    """Direct sparse convolution on CUDA through CuPy; float32 and float16 storage, float32 arithmetic.
+
+    Strided, undilated Conv2d layers can also run on the stride-1 ``tile`` and ``pointwise`` kernels through
+    their phase split (:mod:`unsparse.sparse.phases`): the setting is the same dict, and :meth:`conv` copies the
+    input into its phase images first, inside the timed call.
+    """
 
     name = "direct"
     device_types = frozenset({"cuda"})
@@ -354,27 +382,66 @@ class DirectBackend(ConvBackend):
     def _out_hw(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> tuple[int, int]:
         return geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
 
+    def _stride_one(self, x: torch.Tensor, csr: UniformCSR,
+                    geometry: ConvGeometry) -> tuple[UniformCSR, ConvGeometry, PhaseSplit | None, tuple[int, int]]:
+        """The stride-1 layer the ``tile`` and ``pointwise`` kernels run, with its input size: the layer itself,
+        or its phase split (cached per weight and geometry).
+
+        Raises:
+            ValueError: for a Conv1d or dilated layer, which only ``rows`` runs.
+        """
+        if geometry.spatial_dims != 2 or geometry.dilation != (1, 1):
+            raise ValueError(f"variant: tile and pointwise need an undilated Conv2d, got {geometry}")
+        if geometry.stride == (1, 1):
+            return csr, geometry, None, (x.shape[2], x.shape[3])
+        split = self._arrays(csr, ("phases", geometry), lambda: phase_split(csr, geometry))
+        return split.csr, split.geometry, split, split.input_size(x.shape[2], x.shape[3])
+
+    def _view(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, params: dict[str, Any]) -> KernelView:
+        """The :class:`KernelView` of a ``tile`` or ``pointwise`` setting on input ``x`` (a phase split's input
+        is a fresh, so 16-byte aligned, copy; ``x`` itself may be a misaligned view).
+
+        Raises:
+            ValueError: from :meth:`_stride_one`; for ``pointwise`` on a layer that is not 1x1 and unpadded once
+                split; from :meth:`_vector_requested`.
+        """
+        csr1, geometry1, split, in_hw = self._stride_one(x, csr, geometry)
+        out_hw = self._out_hw(x, csr, geometry)
+        aligned = split is not None or cl.images_per_element(x.dtype) == 2 or x.data_ptr() % 16 == 0
+        if params.get("variant") == "pointwise":
+            if not is_pointwise(csr1, geometry1) or in_hw != out_hw:
+                raise ValueError(f"variant: pointwise needs a 1x1, unpadded Conv2d, got {csr.kernel_size} {geometry}")
+            pixels = in_hw[0] * in_hw[1]
+            vector = self._vector_requested(params, lambda: cl.pointwise_vector_reason(x.dtype, pixels))
+            return KernelView(csr1, geometry1, split, in_hw, out_hw, vector and (split is not None or
+                                                                                  x.data_ptr() % 16 == 0))
+        vector = self._vector_requested(
+            params, lambda: cl.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding))
+        return KernelView(csr1, geometry1, split, in_hw, out_hw, geometry1.padding[1] if vector and aligned else None)
+
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
-        """Rows settings always; tile settings for stride 1, dilation 1 Conv2d; pointwise settings for 1x1,
-        stride 1, unpadded Conv2d."""
+        """Rows settings always; tile settings for undilated Conv2d (strided ones through their phase split);
+        pointwise settings for 1x1 unpadded Conv2d (likewise)."""
         out_hw = self._out_hw(x, csr, geometry)
         space = rows_space(x.shape[0], out_hw[0] * out_hw[1])
-        if is_pointwise(csr, geometry):
+        if geometry.spatial_dims != 2 or geometry.dilation != (1, 1):
+            return space
+        csr1, geometry1, _, in_hw = self._stride_one(x, csr, geometry)
+        if is_pointwise(csr1, geometry1) and in_hw == out_hw:
             pixels = out_hw[0] * out_hw[1]
             space += pointwise_space(x.shape[0], csr.out_channels, pixels, x.dtype,
                                      vector=cl.pointwise_vector_reason(x.dtype, pixels) is None,
-                                     in_channels=csr.in_channels_per_group)
-        if geometry.spatial_dims == 2 and geometry.stride == (1, 1) and geometry.dilation == (1, 1):
-            vector = cl.vector_staging_reason(x.shape[-1], csr.kernel_size, geometry.padding) is None
-            space += tile_space(x.shape[0], out_hw, csr.kernel_size, x.dtype,
-                                vector_pad=geometry.padding[1] if vector else None)
+                                     in_channels=csr1.in_channels_per_group)
+        vector = cl.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding) is None
+        space += tile_space(x.shape[0], out_hw, csr1.kernel_size, x.dtype,
+                            vector_pad=geometry1.padding[1] if vector else None)
         return space
 
     def kernel_names(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                      space: list[dict[str, Any]] | None = None) -> list[str]:
         """Template instantiations a list of settings (default: the tuning space) uses."""
         space = space if space is not None else self.tuning_space(x, csr, geometry)
-        return sorted({self._launch(x, csr, geometry, params).name for params in space})
+        return sorted({self._launch(x, csr, geometry, params)[0].name for params in space})
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
@@ -382,26 +449,36 @@ class DirectBackend(ConvBackend):
         cl.precompile(self.kernel_names(x, csr, geometry, space))
 
     def _launch(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
-                params: dict[str, Any]) -> cl.Launch:
+                params: dict[str, Any]) -> tuple[cl.Launch, KernelView | None]:
+        """The launch of a setting on input ``x``, with its :class:`KernelView` (None for ``rows``).
+
+        Raises:
+            ValueError: for an unknown variant, or from :meth:`_view`.
+        """
         N = x.shape[0]
-        E, F_ = self._out_hw(x, csr, geometry)
         variant = params.get("variant", "rows")
         if variant == "rows":
+            E, F_ = self._out_hw(x, csr, geometry)
             return cl.rows_launch(x.dtype, N, csr.out_channels, E * F_, params.get("threads", 128),
                                   params.get("pixels", 1), params.get("sub_batch", 1),
-                                  params.get("channels", ROWS_CHANNELS))
+                                  params.get("channels", ROWS_CHANNELS)), None
+        if variant not in ("tile", "pointwise"):
+            raise ValueError(f"variant: unknown {variant!r}, expected 'rows', 'tile' or 'pointwise'")
+        view = self._view(x, csr, geometry, params)
+        E, F_ = view.out_hw
         if variant == "pointwise":
             tiling = pointwise_tiling_of(params)
-            _, splits = cl.split_chunks(csr.in_channels_per_group, tiling.cc, params.get("splits", 1))
-            return cl.pointwise_launch(x.dtype, N, csr.out_channels, E * F_, tiling, self._pointwise_vector(x, params),
-                                       splits)
-        return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), csr.kernel_size, tiling_of(params),
-                              self._vector_pad(x, csr, geometry, params))
+            _, splits = cl.split_chunks(view.csr.in_channels_per_group, tiling.cc, params.get("splits", 1))
+            return cl.pointwise_launch(x.dtype, N, csr.out_channels, E * F_, tiling, view.staging, splits), view
+        return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), view.csr.kernel_size, tiling_of(params),
+                              view.staging), view
 
     @staticmethod
     def _vector_requested(params: dict[str, Any], reason: Callable[[], str | None]) -> bool:
         """Whether a ``tile`` or ``pointwise`` setting asks for 16-byte staging (``"stage": "vector"``);
-        ``reason`` says why the layer can never stage vectors (None if it can).
+        ``reason`` says why the layer can never stage vectors (None if it can). A float32 input that is merely
+        not 16-byte aligned (a view at an odd offset) then takes the scalar kernel of the same tiling, which
+        computes the same result (:meth:`_view`).
 
         Raises:
             ValueError: for an unknown ``stage``, or ``vector`` on a layer that can never stage vectors.
@@ -415,31 +492,6 @@ class DirectBackend(ConvBackend):
         if why is not None:
             raise ValueError(f"stage: vector staging impossible here: {why}")
         return True
-
-    def _vector_pad(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
-                    params: dict[str, Any]) -> int | None:
-        """``pad_w`` for a ``"stage": "vector"`` tile setting on this ``(N, C, H, W)`` input, None for scalar
-        staging. A float32 input that is merely not 16-byte aligned (a view at an odd offset) takes the scalar
-        kernel of the same tiling, which computes the same result; float16 inputs are always staged from a
-        fresh, aligned :func:`pair_images` copy.
-
-        Raises:
-            ValueError: from :meth:`_vector_requested`.
-        """
-        requested = self._vector_requested(
-            params, lambda: cl.vector_staging_reason(x.shape[-1], csr.kernel_size, geometry.padding))
-        aligned = cl.images_per_element(x.dtype) == 2 or x.data_ptr() % 16 == 0
-        return geometry.padding[1] if requested and aligned else None
-
-    def _pointwise_vector(self, x: torch.Tensor, params: dict[str, Any]) -> bool:
-        """Whether a ``pointwise`` setting stages 16-byte vectors on this input; a merely misaligned input
-        takes the element-wise kernel of the same tiling, as in :meth:`_vector_pad`.
-
-        Raises:
-            ValueError: from :meth:`_vector_requested`.
-        """
-        requested = self._vector_requested(params, lambda: cl.pointwise_vector_reason(x.dtype, x.shape[2] * x.shape[3]))
-        return requested and x.data_ptr() % 16 == 0
 
     def _arrays(self, csr: UniformCSR, key: tuple, build: Any) -> Any:
         per_csr = self._cache.setdefault(csr, {})
@@ -457,49 +509,39 @@ class DirectBackend(ConvBackend):
         x = x.contiguous()
         N, C, H, W = x.shape
         E, F_ = self._out_hw(x, csr, geometry)
-        variant = params.get("variant", "rows")
-        if variant == "tile":
-            staging = self._vector_pad(x, csr, geometry, params)
-        elif variant == "pointwise":
-            staging = self._pointwise_vector(x, params)
-        else:
-            staging = None
-        spec = self._arrays(csr, ("launch", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())),
-                                  staging), lambda: self._launch(x, csr, geometry, params))
-        out = torch.empty(N, csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
+        key = ("launch", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), x.data_ptr() % 16 == 0)
+        spec, view = self._arrays(csr, key, lambda: self._launch(x, csr, geometry, params))
         bias = None if bias is None else bias.to(x.dtype).contiguous()
-        if csr.out_channels == 0 or N * E * F_ == 0:
-            return out
-        if variant == "rows":
+        M = csr.out_channels
+        if M == 0 or N * E * F_ == 0:
+            return torch.empty(N, M, E, F_, dtype=x.dtype, device=x.device)
+        if view is None:
             arrays = self._arrays(csr, ("rows", H, W, geometry), lambda: prepare_rows(csr, geometry, (H, W)))
-            args = (x, arrays.offsets, arrays.taps, csr.values.contiguous(), bias, out, N, C, H, W,
-                    csr.out_channels, csr.row_length, E, F_, *geometry.stride, *geometry.padding,
-                    params.get("channels", ROWS_CHANNELS))
-        elif variant == "tile":
-            if geometry.stride != (1, 1) or geometry.dilation != (1, 1) or geometry.spatial_dims != 2:
-                raise ValueError(f"variant: tile needs stride 1, dilation 1 Conv2d, got {geometry}")
+            out = torch.empty(N, M, E, F_, dtype=x.dtype, device=x.device)
+            cl.launch(spec, (x, arrays.offsets, arrays.taps, csr.values.contiguous(), bias, out, N, C, H, W, M,
+                             csr.row_length, E, F_, *geometry.stride, *geometry.padding,
+                             params.get("channels", ROWS_CHANNELS)), x.device)
+            return out
+        source = x if view.split is None else view.split.input(x)
+        C, (H, W) = source.shape[1], view.in_hw
+        if params["variant"] == "tile":
             tiling = tiling_of(params)
-            layout = cl.tile_layout(x.dtype, csr.kernel_size, tiling, staging)
-            arrays = self._arrays(csr, ("tile", layout), lambda: prepare_tile(csr, layout))
-            source = pair_images(x) if cl.images_per_element(x.dtype) == 2 else x
-            args = (source, arrays.chunk_ptr, arrays.entries, bias, out, N, C, H, W, csr.out_channels, E, F_,
-                    *geometry.padding, math.ceil(F_ / tiling.tile_hw[1]), math.ceil(csr.out_channels / tiling.channels))
-        elif variant == "pointwise":
-            if not is_pointwise(csr, geometry):
-                raise ValueError(f"variant: pointwise needs a 1x1, stride 1, unpadded Conv2d, got {geometry}")
-            tiling = pointwise_tiling_of(params)
-            layout = cl.pointwise_layout(x.dtype, tiling, staging)
-            arrays = self._arrays(csr, ("tile", layout), lambda: prepare_tile(csr, layout))
-            per_split, splits = cl.split_chunks(C, tiling.cc, params.get("splits", 1))
-            if splits > 1:
-                partial = torch.empty(splits, N, csr.out_channels, E, F_, dtype=torch.float32, device=x.device)
-                cl.launch(spec, (x, arrays.chunk_ptr, arrays.entries, None, partial, N, C, H * W, csr.out_channels,
-                                 math.ceil(csr.out_channels / tiling.channels), per_split), x.device)
-                out = partial.sum(0)
-                return (out if bias is None else out.add_(bias.float()[:, None, None])).to(x.dtype)
-            args = (x, arrays.chunk_ptr, arrays.entries, bias, out, N, C, H * W, csr.out_channels,
-                    math.ceil(csr.out_channels / tiling.channels), per_split)
-        else:
-            raise ValueError(f"variant: unknown {variant!r}, expected 'rows', 'tile' or 'pointwise'")
-        cl.launch(spec, args, x.device)
-        return out
+            layout = cl.tile_layout(x.dtype, view.csr.kernel_size, tiling, view.staging)
+            arrays = self._arrays(view.csr, ("tile", layout), lambda: prepare_tile(view.csr, layout))
+            out = torch.empty(N, M, E, F_, dtype=x.dtype, device=x.device)
+            cl.launch(spec, (pair_images(source) if cl.images_per_element(x.dtype) == 2 else source,
+                             arrays.chunk_ptr, arrays.entries, bias, out, N, C, H, W, M, E, F_, *view.geometry.padding,
+                             math.ceil(F_ / tiling.tile_hw[1]), math.ceil(M / tiling.channels)), x.device)
+            return out
+        tiling = pointwise_tiling_of(params)
+        layout = cl.pointwise_layout(x.dtype, tiling, view.staging)
+        arrays = self._arrays(view.csr, ("tile", layout), lambda: prepare_tile(view.csr, layout))
+        per_split, splits = cl.split_chunks(C, tiling.cc, params.get("splits", 1))
+        out = (torch.empty(N, M, E, F_, dtype=x.dtype, device=x.device) if splits == 1 else
+               torch.empty(splits, N, M, E, F_, dtype=torch.float32, device=x.device))
+        cl.launch(spec, (source, arrays.chunk_ptr, arrays.entries, bias if splits == 1 else None, out, N, C, H * W, M,
+                         math.ceil(M / tiling.channels), per_split), x.device)
+        if splits == 1:
+            return out
+        summed = out.sum(0)  # float32 partial sums of each share of the input channels
+        return (summed if bias is None else summed.add_(bias.float()[:, None, None])).to(x.dtype)
