@@ -21,6 +21,7 @@ CASES = [
     (2, 2, 9, 9, 3, 1, 1, (2, 2), (1, 1)),  # padded 1x1: odd phase only, offset -1
     (1, 2, 7, 12, 3, 2, 4, (3, 1), (2, 1)),  # padding beyond the stride, stride 1 along W
     (2, 3, 6, 6, 3, 3, 3, (1, 1), (1, 1)),  # stride 1: the identity rewrite
+    (2, 3, 14, 13, 4, 2, 2, (4, 3), (1, 2)),  # filter smaller than the stride: row phases (0, 3) wrap around
 ]
 
 
@@ -44,6 +45,7 @@ def test_stride_one_layer_over_phases_equals_strided_conv2d(case: tuple, seed: i
     split = phase_split(csr, geometry)
     phases = split.input(x)
     assert phases.shape[2:] == split.input_size(*x.shape[2:]) and phases.is_contiguous()
+    assert phases.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()  # fresh, so 16-byte aligned
     full = F.conv2d(phases, split.csr.to_dense(), None, 1, split.geometry.padding)
     E, F_ = expected.shape[2:]
     assert full.shape[2] >= E and full.shape[3] >= F_

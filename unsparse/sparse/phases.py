@@ -19,6 +19,7 @@ specialise kernels on).
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -78,15 +79,17 @@ class PhaseSplit:
         return math.ceil(height / self.stride[0]), math.ceil(width / self.stride[1])
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
-        """The phase images of ``x``, one gather (plus a zero pad when ``H`` or ``W`` is not a multiple of the
-        stride).
+        """The phase images of ``x``: one strided copy when the phases along each axis are consecutive (always
+        in practice; a filter smaller than the stride whose phases wrap around takes one copy per run of
+        consecutive phases), plus a zero pad when ``H`` or ``W`` is not a multiple of the stride. No host to
+        device transfer, so it can be captured in a CUDA graph.
 
         Args:
             x: ``(N, C, H, W)`` NCHW input of the original layer, any dtype and device.
 
         Returns:
-            ``(N, C * P_h * P_w, ceil(H / s_h), ceil(W / s_w))`` contiguous tensor of ``x``'s dtype with
-            ``[n, (c * P_h + i) * P_w + j, q, u] = x[n, c, s_h * q + phases_h[i], s_w * u + phases_w[j]]``
+            A fresh ``(N, C * P_h * P_w, ceil(H / s_h), ceil(W / s_w))`` contiguous tensor of ``x``'s dtype
+            with ``[n, (c * P_h + i) * P_w + j, q, u] = x[n, c, s_h * q + phases_h[i], s_w * u + phases_w[j]]``
             (zero beyond ``x``); ``x`` is not modified.
         """
         N, C, H, W = x.shape
@@ -94,10 +97,21 @@ class PhaseSplit:
         if (hq * sh, wq * sw) != (H, W):
             x = F.pad(x, (0, wq * sw - W, 0, hq * sh - H))
         grid = x.reshape(N, C, hq, sh, wq, sw).permute(0, 1, 3, 5, 2, 4)  # (N, C, s_h, s_w, hq, wq), a view
-        rows = torch.tensor(self.phases_h, device=x.device)[:, None]
-        cols = torch.tensor(self.phases_w, device=x.device)[None, :]
-        phases = grid[:, :, rows, cols]  # one gather, contiguous (N, C, P_h, P_w, hq, wq)
-        return phases.reshape(N, C * len(self.phases_h) * len(self.phases_w), hq, wq)
+        phases = x.new_empty(N, C, len(self.phases_h), len(self.phases_w), hq, wq)
+        for (i, first_h, rows), (j, first_w, cols) in itertools.product(_runs(self.phases_h), _runs(self.phases_w)):
+            phases[:, :, i:i + rows, j:j + cols] = grid[:, :, first_h:first_h + rows, first_w:first_w + cols]
+        return phases.view(N, -1, hq, wq)
+
+
+def _runs(phases: tuple[int, ...]) -> list[tuple[int, int, int]]:
+    """``(position in phases, first phase, length)`` of each run of consecutive phases in ``phases``."""
+    runs: list[tuple[int, int, int]] = []
+    for position, phase in enumerate(phases):
+        if runs and runs[-1][1] + runs[-1][2] == phase:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((position, phase, 1))
+    return runs
 
 
 def phase_split(csr: UniformCSR, geometry: ConvGeometry) -> PhaseSplit:
