@@ -21,18 +21,7 @@ from unsparse.pipeline import git_commit
 from unsparse.runtime.bench import PRECISIONS, build_model, environment, magnitude_prune_, precision_mode
 from unsparse.runtime.comparator import plan_model
 from unsparse.runtime.modules import set_backend, sparsify
-from unsparse.runtime.timing import time_fn, time_graph
-
-
-def host_ms(forward, runs: int) -> float:
-    """Mean wall-clock ms per call of ``forward()`` without synchronising (the host's enqueue rate)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(runs):
-        forward()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / runs * 1e3
+from unsparse.runtime.timing import host_enqueue_ms, time_fn, time_graph
 
 
 def host_per_module(model: torch.nn.Module, forward, runs: int, top: int = 8) -> list[tuple[str, float]]:
@@ -47,7 +36,7 @@ def host_per_module(model: torch.nn.Module, forward, runs: int, top: int = 8) ->
                 lambda _m, _i, n=name: started.__setitem__(n, time.perf_counter())))
             handles.append(module.register_forward_hook(
                 lambda _m, _i, _o, n=name: spent.__setitem__(n, spent.get(n, 0.0) + time.perf_counter() - started[n])))
-    host_ms(forward, runs)
+    host_enqueue_ms(forward, "cuda", runs)
     for handle in handles:
         handle.remove()
     return sorted(((name, total / runs * 1e3) for name, total in spent.items()), key=lambda item: -item[1])[:top]
@@ -82,7 +71,7 @@ def main() -> None:
             model(x)
             row = {"model": name,
                    "gpu_ms": time_fn(lambda i, m=model: m(x), device, runs=args.runs).median_ms,
-                   "host_ms": host_ms(lambda m=model: m(x), args.runs),
+                   "host_ms": host_enqueue_ms(lambda m=model: m(x), device, args.runs),
                    "host_top_modules_ms": host_per_module(model, lambda m=model: m(x), args.runs)}
             row["graph_ms"] = time_graph(lambda m=model: m(x), device, runs=args.runs).median_ms
             result["rows"].append(row)

@@ -1,10 +1,15 @@
-"""Batch-1 cost of one 1x1 layer: host time against GPU time, per backend setting.
+"""Host cost of one layer's call against its GPU time, per backend setting (default: a batch-1 1x1 layer).
 
 At batch 1 the per-layer benchmark times host floors (~0.06-0.1 ms for the direct backend, ~0.03-0.05 ms for
-cuDNN), so this times, on the current GPU, each of: the direct ``pointwise`` setting without split-K and with
-each split of ``POINTWISE_SPLITS``, and ``F.conv2d`` (cuDNN); every one twice, eagerly (CUDA events around back-
-to-back calls: the host's floor where it exceeds the kernel) and replayed as a CUDA graph (the GPU time alone).
-It also prints a cProfile of the eager direct call. Microseconds; JSON to ``--out``.
+cuDNN), so this times, on the current GPU, each of: one direct setting (``--params``; for the default
+``pointwise`` setting also with each split of ``POINTWISE_SPLITS``) and ``F.conv2d`` (cuDNN); every one three
+ways: eagerly (CUDA events around back-to-back calls: the host's floor where it exceeds the kernel), replayed as a
+CUDA graph (the GPU time alone), and as host enqueue time (wall clock per call, no synchronisation). It also prints
+a cProfile of the eager direct call. Microseconds; JSON to ``--out``.
+
+    PYTHONPATH=. python3 scripts/profile_launch.py --layer 3 64 224 --kernel 7 --stride 2 --padding 3 \
+        --batch 128 --dtype float16 --params '{"variant": "tile", "wx": 32, "py": 4, "nb": 2, "mw": 4, \
+        "warps": 16, "cc": 8, "stage": "vector"}' --out OUT
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch.nn.functional as F
 from unsparse.pipeline import git_commit
 from unsparse.runtime.backends.direct import POINTWISE_SPLITS, DirectBackend
 from unsparse.runtime.bench import environment
-from unsparse.runtime.timing import time_fn, time_graph
+from unsparse.runtime.timing import host_enqueue_ms, time_fn, time_graph
 from unsparse.sparse import ConvGeometry, UniformCSR
 
 
@@ -30,25 +35,35 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--layer", type=int, nargs=3, default=[1024, 256, 14], metavar=("C", "M", "HW"),
-                        help="1x1 layer: input channels, output channels, plane side")
+                        help="input channels, output channels, input plane side")
+    parser.add_argument("--kernel", type=int, default=1)
+    parser.add_argument("--stride", type=int, default=1)
+    parser.add_argument("--padding", type=int, default=0)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    parser.add_argument("--params", type=json.loads, help="the direct setting (default: a 1x1 pointwise one)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
+    dtype = getattr(torch, args.dtype)
     C, M, side = args.layer
-    weight = torch.randn(M, C, 1, 1, device=device)
+    weight = torch.randn(M, C, args.kernel, args.kernel, device=device)
     weight[torch.rand_like(weight) < 0.9] = 0
-    csr, geometry = UniformCSR.from_dense(weight), ConvGeometry.of(1, 0)
-    x = torch.randn(1, C, side, side, device=device)
+    weight = weight.to(dtype)
+    csr, geometry = UniformCSR.from_dense(weight), ConvGeometry.of(args.stride, args.padding)
+    x = torch.randn(args.batch, C, side, side, device=device, dtype=dtype)
     backend = DirectBackend()
-    base = {"variant": "pointwise", "pv": 1, "mw": 8, "warps": 8, "cc": 32, "stage": "vector"}
+    base = args.params or {"variant": "pointwise", "pv": 1, "mw": 8, "warps": 8, "cc": 32, "stage": "vector"}
     calls = {"direct": lambda: backend.conv(x, csr, None, geometry, **base)}
-    for splits in POINTWISE_SPLITS:
-        calls[f"direct_splits{splits}"] = lambda s=splits: backend.conv(x, csr, None, geometry, **base, splits=s)
-    calls["cudnn"] = lambda: F.conv2d(x, weight)
+    if base["variant"] == "pointwise":
+        for splits in POINTWISE_SPLITS:
+            calls[f"direct_splits{splits}"] = lambda s=splits: backend.conv(x, csr, None, geometry, **base, splits=s)
+    calls["cudnn"] = lambda: F.conv2d(x, weight, None, args.stride, args.padding)
     rows = {}
     for name, call in calls.items():
         rows[name] = {"eager_us": time_fn(lambda i, c=call: c(), device, runs=args.runs).median_ms * 1e3,
-                      "graph_us": time_graph(call, device, runs=args.runs).median_ms * 1e3}
+                      "graph_us": time_graph(call, device, runs=args.runs).median_ms * 1e3,
+                      "host_us": host_enqueue_ms(call, device, args.runs) * 1e3}
         print(name, rows[name])
     profile = cProfile.Profile()
     profile.runcall(lambda: [calls["direct"]() for _ in range(args.runs)])
@@ -56,11 +71,14 @@ def main() -> None:
     text = io.StringIO()
     pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
     print(text.getvalue())
-    result = {"environment": environment(git_commit()), "layer": f"{C}->{M} 1x1 at {side}x{side}, batch 1, 0.9",
+    layer = (f"{C}->{M} {args.kernel}x{args.kernel} stride {args.stride} pad {args.padding} at {side}x{side}, "
+             f"batch {args.batch}, {args.dtype}, 0.9")
+    result = {"environment": environment(git_commit()), "layer": layer,
               "params": base, "runs": args.runs, "us": rows, "profile": text.getvalue()}
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
-    (path / f"launch_profile_{C}_{M}_{side}.json").write_text(json.dumps(result, indent=1))
+    name = f"launch_profile_{C}_{M}_{side}" + ("" if args.params is None else f"_k{args.kernel}_s{args.stride}")
+    (path / f"{name}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from unsparse.runtime.backends import base, get_backend
 from unsparse.runtime.backends.base import ConvBackend
 from unsparse.runtime.comparator import check_error, compare_layer, plan_model, relative_error, tolerance
 from unsparse.runtime.plan import Plan, PlanEntry, PlanError, layer_key, use_plan
-from unsparse.runtime.timing import rotation_count, time_backend, time_fn
+from unsparse.runtime.timing import host_enqueue_ms, rotation_count, time_backend, time_fn
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
 
 
@@ -231,3 +231,14 @@ def test_plan_leaves_the_dense_default_only_for_a_gain_beyond_the_margin() -> No
     assert clear.plan_entry().backend == "direct" and clear.plan_entry(margin=0.2).backend == "cudnn"
     no_default = LayerComparison("k", [measured("direct", {"variant": "rows"}, 2.0)])
     assert no_default.plan_entry().backend == "direct"
+
+
+def test_host_enqueue_time_is_the_mean_wall_clock_per_call() -> None:
+    calls = []
+
+    def forward() -> None:
+        calls.append(1)
+        time.sleep(0.002)
+
+    ms = host_enqueue_ms(forward, "cpu", runs=5)
+    assert len(calls) == 5 and 2.0 <= ms < 50.0

@@ -113,6 +113,20 @@ def time_graph(forward: Callable[[], Any], device: torch.device | str, runs: int
     return time_fn(lambda i: graph.replay(), device, runs=runs)
 
 
+def host_enqueue_ms(forward: Callable[[], Any], device: torch.device | str, runs: int = MIN_RUNS) -> float:
+    """Mean wall-clock ms per ``forward()`` call without synchronising between calls: the host's enqueue cost
+    (on CUDA the device is synchronised only before the first and after the last call). Where it exceeds the
+    GPU time of a call, eager timings of that call measure the host, not the kernels."""
+    synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(runs):
+        forward()
+    elapsed = time.perf_counter() - start
+    synchronize()
+    return elapsed / runs * 1e3
+
+
 def cache_bytes(device: torch.device | str) -> int:
     """Last-level cache to defeat when rotating inputs: the GPU's L2 size in bytes; 0 on the CPU."""
     device = torch.device(device)
