@@ -11,7 +11,10 @@ time per layer) or runs different GPU work; the graph timings tell the two apart
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import time
 from pathlib import Path
 
@@ -40,6 +43,17 @@ def host_per_module(model: torch.nn.Module, forward, runs: int, top: int = 8) ->
     for handle in handles:
         handle.remove()
     return sorted(((name, total / runs * 1e3) for name, total in spent.items()), key=lambda item: -item[1])[:top]
+
+
+def host_profile(forward, runs: int, top: int = 15) -> str:
+    """cProfile of ``runs`` forwards, the ``top`` functions by own time: a blocking call (a synchronisation,
+    an allocation that waits) shows as a large own time."""
+    profile = cProfile.Profile()
+    profile.runcall(lambda: [forward() for _ in range(runs)])
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def main() -> None:
@@ -74,6 +88,7 @@ def main() -> None:
                    "host_ms": host_enqueue_ms(lambda m=model: m(x), device, args.runs),
                    "host_top_modules_ms": host_per_module(model, lambda m=model: m(x), args.runs)}
             row["graph_ms"] = time_graph(lambda m=model: m(x), device, runs=args.runs).median_ms
+            row["host_profile"] = host_profile(lambda m=model: m(x), args.runs)
             result["rows"].append(row)
             print(row)
     out = Path(args.out)
