@@ -51,7 +51,6 @@ TILE_TILINGS = (
     cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4),
     cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=8, cc=8),
     cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=8, cc=4),
-    cl.TileTiling(wx=16, py=4, nb=2, mw=4, warps=32, cc=4),
     cl.TileTiling(wx=8, py=2, nb=4, mw=4, warps=8, cc=2),
     cl.TileTiling(wx=8, py=2, nb=2, mw=8, warps=4, cc=4),
     cl.TileTiling(wx=32, py=8, nb=1, mw=8, warps=8, cc=8),
