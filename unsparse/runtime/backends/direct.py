@@ -346,6 +346,47 @@ class KernelView:
     staging: int | bool | None
 
 
+@dataclass(frozen=True)
+class PreparedCall:
+    """One setting of :class:`DirectBackend` on one weight and input size, resolved once, so that an eager call
+    pays only for what changes per call: the input transform (phase split, image pairing), the output
+    allocation and the launch.
+
+    Attributes:
+        launch: instantiation, grid and block.
+        view: what the tile and pointwise kernels see (:class:`KernelView`); None for ``rows``.
+        arrays: the kernel arguments between the input and the bias: validated index arrays (and, for ``rows``,
+            the weight values).
+        scalars: the int32 arguments after the output (sizes, padding, grid decode, chunks per split).
+        out_shape: ``(N, M, E, F)``.
+        splits: split-K shares of ``pointwise`` (float32 partial sums, summed here), 1 otherwise.
+        paired: whether the kernel reads the input as image pairs (:func:`pair_images`, float16 tile).
+    """
+
+    launch: cl.Launch
+    view: KernelView | None
+    arrays: tuple[torch.Tensor, ...]
+    scalars: tuple[int, ...]
+    out_shape: tuple[int, int, int, int]
+    splits: int = 1
+    paired: bool = False
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """Run on ``x`` (contiguous ``(N, C, H, W)`` of the prepared size and dtype) with ``bias`` (``(M,)`` of
+        ``x``'s dtype, contiguous, or None); returns a new ``(N, M, E, F)`` tensor of ``x``'s dtype."""
+        source = x if self.view is None or self.view.split is None else self.view.split.input(x)
+        if self.paired:
+            source = pair_images(source)
+        if self.splits == 1:
+            out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
+            cl.launch(self.launch, (source, *self.arrays, bias, out, *self.scalars), x.device)
+            return out
+        partial = torch.empty((self.splits, *self.out_shape), dtype=torch.float32, device=x.device)
+        cl.launch(self.launch, (source, *self.arrays, None, partial, *self.scalars), x.device)
+        summed = partial.sum(0)  # float32 partial sums of each share of the input channels
+        return (summed if bias is None else summed.add_(bias.float()[:, None, None])).to(x.dtype)
+
+
 @register_backend
 class DirectBackend(ConvBackend):
     """Direct sparse convolution on CUDA through CuPy; float32 and float16 storage, float32 arithmetic.
@@ -499,49 +540,52 @@ class DirectBackend(ConvBackend):
             per_csr[key] = build()
         return per_csr[key]
 
+    def _prepare(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
+                 params: dict[str, Any]) -> PreparedCall:
+        """Resolve a setting for this input size once: launch, view, validated index arrays (shared through
+        the per-weight cache) and scalar arguments.
+
+        Raises:
+            ValueError: from :meth:`_launch`, or indices that fail validation.
+        """
+        spec, view = self._launch(x, csr, geometry, params)
+        N, C, H, W = x.shape
+        M, (E, F_) = csr.out_channels, self._out_hw(x, csr, geometry)
+        out_shape = (N, M, E, F_)
+        if view is None:
+            rows = self._arrays(csr, ("rows", H, W, geometry), lambda: prepare_rows(csr, geometry, (H, W)))
+            return PreparedCall(spec, None, (rows.offsets, rows.taps, csr.values.contiguous()),
+                                (N, C, H, W, M, csr.row_length, E, F_, *geometry.stride, *geometry.padding,
+                                 params.get("channels", ROWS_CHANNELS)), out_shape)
+        C, (H, W) = view.csr.in_channels_per_group, view.in_hw
+        if params["variant"] == "tile":
+            tiling = tiling_of(params)
+            layout = cl.tile_layout(x.dtype, view.csr.kernel_size, tiling, view.staging)
+            tile = self._arrays(view.csr, ("tile", layout), lambda: prepare_tile(view.csr, layout))
+            return PreparedCall(spec, view, (tile.chunk_ptr, tile.entries),
+                                (N, C, H, W, M, E, F_, *view.geometry.padding, math.ceil(F_ / tiling.tile_hw[1]),
+                                 math.ceil(M / tiling.channels)), out_shape,
+                                paired=cl.images_per_element(x.dtype) == 2)
+        tiling = pointwise_tiling_of(params)
+        layout = cl.pointwise_layout(x.dtype, tiling, view.staging)
+        tile = self._arrays(view.csr, ("tile", layout), lambda: prepare_tile(view.csr, layout))
+        per_split, splits = cl.split_chunks(C, tiling.cc, params.get("splits", 1))
+        return PreparedCall(spec, view, (tile.chunk_ptr, tile.entries),
+                            (N, C, H * W, M, math.ceil(M / tiling.channels), per_split), out_shape, splits=splits)
+
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              **params: Any) -> torch.Tensor:
-        """Run one variant; ``params`` is an entry of :meth:`tuning_space` (default: rows, no sub-batch).
+        """Run one variant; ``params`` is an entry of :meth:`tuning_space` (default: rows, no sub-batch). The
+        first call of a setting on an input size prepares it (:meth:`_prepare`, cached per weight); later calls
+        only transform the input, allocate the output and launch.
 
         Raises:
             ValueError: for a variant this layer does not support, or indices that fail validation.
         """
         x = x.contiguous()
-        N, C, H, W = x.shape
-        E, F_ = self._out_hw(x, csr, geometry)
-        key = ("launch", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), x.data_ptr() % 16 == 0)
-        spec, view = self._arrays(csr, key, lambda: self._launch(x, csr, geometry, params))
-        bias = None if bias is None else bias.to(x.dtype).contiguous()
-        M = csr.out_channels
-        if M == 0 or N * E * F_ == 0:
-            return torch.empty(N, M, E, F_, dtype=x.dtype, device=x.device)
-        if view is None:
-            arrays = self._arrays(csr, ("rows", H, W, geometry), lambda: prepare_rows(csr, geometry, (H, W)))
-            out = torch.empty(N, M, E, F_, dtype=x.dtype, device=x.device)
-            cl.launch(spec, (x, arrays.offsets, arrays.taps, csr.values.contiguous(), bias, out, N, C, H, W, M,
-                             csr.row_length, E, F_, *geometry.stride, *geometry.padding,
-                             params.get("channels", ROWS_CHANNELS)), x.device)
-            return out
-        source = x if view.split is None else view.split.input(x)
-        C, (H, W) = source.shape[1], view.in_hw
-        if params["variant"] == "tile":
-            tiling = tiling_of(params)
-            layout = cl.tile_layout(x.dtype, view.csr.kernel_size, tiling, view.staging)
-            arrays = self._arrays(view.csr, ("tile", layout), lambda: prepare_tile(view.csr, layout))
-            out = torch.empty(N, M, E, F_, dtype=x.dtype, device=x.device)
-            cl.launch(spec, (pair_images(source) if cl.images_per_element(x.dtype) == 2 else source,
-                             arrays.chunk_ptr, arrays.entries, bias, out, N, C, H, W, M, E, F_, *view.geometry.padding,
-                             math.ceil(F_ / tiling.tile_hw[1]), math.ceil(M / tiling.channels)), x.device)
-            return out
-        tiling = pointwise_tiling_of(params)
-        layout = cl.pointwise_layout(x.dtype, tiling, view.staging)
-        arrays = self._arrays(view.csr, ("tile", layout), lambda: prepare_tile(view.csr, layout))
-        per_split, splits = cl.split_chunks(C, tiling.cc, params.get("splits", 1))
-        out = (torch.empty(N, M, E, F_, dtype=x.dtype, device=x.device) if splits == 1 else
-               torch.empty(splits, N, M, E, F_, dtype=torch.float32, device=x.device))
-        cl.launch(spec, (source, arrays.chunk_ptr, arrays.entries, bias if splits == 1 else None, out, N, C, H * W, M,
-                         math.ceil(M / tiling.channels), per_split), x.device)
-        if splits == 1:
-            return out
-        summed = out.sum(0)  # float32 partial sums of each share of the input channels
-        return (summed if bias is None else summed.add_(bias.float()[:, None, None])).to(x.dtype)
+        if csr.out_channels == 0 or x.shape[0] == 0:  # E, F >= 1 (output_size raises otherwise)
+            return torch.empty(x.shape[0], csr.out_channels, *self._out_hw(x, csr, geometry), dtype=x.dtype,
+                               device=x.device)
+        key = ("call", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), x.data_ptr() % 16 == 0)
+        prepared = self._arrays(csr, key, lambda: self._prepare(x, csr, geometry, params))
+        return prepared(x, None if bias is None else bias.to(x.dtype).contiguous())
