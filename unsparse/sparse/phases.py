@@ -7,14 +7,14 @@ moves by one row per output row: ``q = e + d``. Doing this along both axes turns
 ``(s_h, s_w)`` layer over ``C`` channels into a stride-1 layer over ``C * P_h * P_w`` phase channels with an
 ``R' x S'`` filter (``R' = floor((R - 1 - p_h) / s_h) + ceil(p_h / s_h) + 1``: 2x2 for a 3x3 stride-2 layer,
 1x1 for a 1x1 one, which only needs one phase). Every nonzero keeps its value and gets a new column, so the
-weight keeps its nnz and uniform row length (UnSparse-Opt §4.3); no product is added or dropped.
+weight keeps its nnz and uniform row length (UnSparse-Opt §5); no product is added or dropped.
 
 Why: the stride-1 direct kernels (input tiles with halos in shared memory, contiguous per-lane loads) then
 serve the strided layers too, instead of the strided ``rows`` kernel (Escoin §3, one global load per FMA),
 whose stride-2 loads halve the useful bytes of every transaction. The price is one copy of the input into its
 phases per call (:meth:`PhaseSplit.input`); the runtime times it with the kernel. This is the space-to-depth
-rewriting of strided convolutions; neither source paper uses it (Escoin §5 lists stride only as a parameter to
-specialise kernels on).
+rewriting of strided convolutions; neither source paper uses it (Escoin §3.4 lists stride only as a parameter
+to specialise kernels on).
 """
 
 from __future__ import annotations

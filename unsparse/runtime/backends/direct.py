@@ -54,12 +54,14 @@ TILE_TILINGS = (
     cl.TileTiling(wx=8, py=2, nb=4, mw=4, warps=8, cc=2),
     cl.TileTiling(wx=8, py=2, nb=2, mw=8, warps=4, cc=4),
     cl.TileTiling(wx=32, py=8, nb=1, mw=8, warps=8, cc=8),
+    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=16),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM
 within the register file), warp tiles 4x32 to 8x8 for planes from 224x224 down to 7x7, 32 to 128 output
 channels per block (more channels share each staged chunk); NB = 1 for batch 1 in float32 (float16 pairs
 images, NB even). A float16 element holds two images, so the two largest chunks (two buffers of 24 KB) fit
-in float16 only."""
+in float16 only. CC = 16 halves the barriers per nonzero where a chunk holds little work (the 2x2 filters of a
+3x3 stride-2 layer's phase split, 1x1 layers); with a 3x3 filter it fits in float16 only."""
 
 
 POINTWISE_TILINGS = (
@@ -448,16 +450,16 @@ class DirectBackend(ConvBackend):
         """
         csr1, geometry1, split, in_hw = self._stride_one(x, csr, geometry)
         out_hw = self._out_hw(x, csr, geometry)
-        aligned = split is not None or cl.images_per_element(x.dtype) == 2 or x.data_ptr() % 16 == 0
+        copied = split is not None  # the kernel reads a fresh copy of x (its phases), not x
         if params.get("variant") == "pointwise":
             if not is_pointwise(csr1, geometry1) or in_hw != out_hw:
                 raise ValueError(f"variant: pointwise needs a 1x1, unpadded Conv2d, got {csr.kernel_size} {geometry}")
             pixels = in_hw[0] * in_hw[1]
             vector = self._vector_requested(params, lambda: cl.pointwise_vector_reason(x.dtype, pixels))
-            return KernelView(csr1, geometry1, split, in_hw, out_hw, vector and (split is not None or
-                                                                                  x.data_ptr() % 16 == 0))
+            return KernelView(csr1, geometry1, split, in_hw, out_hw, vector and (copied or x.data_ptr() % 16 == 0))
         vector = self._vector_requested(
             params, lambda: cl.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding))
+        aligned = copied or cl.images_per_element(x.dtype) == 2 or x.data_ptr() % 16 == 0  # pairing copies too
         return KernelView(csr1, geometry1, split, in_hw, out_hw, geometry1.padding[1] if vector and aligned else None)
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
