@@ -28,6 +28,7 @@ from unsparse.runtime.backends.direct import (
     validate_tile,
 )
 from unsparse.sparse import ConvGeometry, UniformCSR
+from unsparse.sparse.phases import phase_split
 
 # (N, C, H, W, M, R, S, stride, padding, dilation)
 GEOMETRIES = [(2, 3, 9, 11, 5, 3, 3, 1, 1, 1), (3, 4, 13, 10, 6, 3, 3, 2, 1, 1), (2, 5, 8, 8, 7, 1, 1, 1, 0, 1),
@@ -531,3 +532,42 @@ def test_kernels_compile_for_sm90(tmp_path, tuned_kernel_names) -> None:
     # 3x3, 2x2 (3x3 stride 2 split into phases) and 1x1 instantiations (the layers that carry the work) must stay
     # in registers.
     assert not [line for line in spilled if any(f"Li{k}ELi{k}E" in line for k in (1, 2, 3))], spilled
+
+
+def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkeypatch) -> None:
+    """``DirectBackend.conv``'s host path on the CPU, with the launch replaced by a recorder: a setting is
+    prepared once per input size and reused; a strided tile setting hands the kernel the phase images (image
+    pairs in float16) and the strided layer's output size; split-K partial sums are summed and biased here."""
+    launches: list[tuple] = []
+
+    def record(spec: cl.Launch, args: tuple, device: torch.device) -> None:
+        cl.kernel_arguments(args, device)  # every argument a kernel can take
+        launches.append((spec, args))
+        if isinstance(args[4], torch.Tensor) and args[4].dim() == 5:  # split-K: slice s holds s + 1
+            args[4].copy_(torch.arange(1.0, args[4].shape[0] + 1).view(-1, 1, 1, 1, 1).expand_as(args[4]))
+
+    monkeypatch.setattr(cl, "launch", record)
+    backend = DirectBackend()
+    weight = torch.randn(6, 4, 3, 3)
+    weight[torch.rand(weight.shape) < 0.7] = 0
+    csr, geometry = UniformCSR.from_dense(weight.half()), ConvGeometry.of(2, 1)
+    params = {"variant": "tile", "wx": 8, "py": 2, "nb": 2, "mw": 4, "warps": 2, "cc": 4}
+    x = torch.randn(3, 4, 16, 12).half()
+    prepare = DirectBackend._prepare
+    prepared: list[tuple] = []
+    monkeypatch.setattr(DirectBackend, "_prepare", lambda self, *a: prepared.append(a[0].shape) or prepare(self, *a))
+    for batch in (3, 3, 2):
+        out = backend.conv(x[:batch], csr, None, geometry, **params)
+        assert out.shape == (batch, 6, 8, 6) and out.dtype == torch.float16
+    assert prepared == [(3, 4, 16, 12), (2, 4, 16, 12)]
+    spec, args = launches[-1]
+    split = phase_split(csr, geometry)
+    assert spec.name.startswith("direct_tile<__half,2,2,")
+    assert torch.equal(args[0], pair_images(split.input(x[:2])))  # (1, 16, 8, 6, 2): phases, image pairs
+    assert args[5:12] == (2, 16, 8, 6, 6, 8, 6) and args[12:14] == split.geometry.padding
+    csr1 = UniformCSR.from_dense(torch.randn(5, 64, 1, 1))
+    bias = torch.randn(5)
+    setting = {"variant": "pointwise", "pv": 1, "mw": 2, "warps": 4, "cc": 16, "splits": 4}
+    out = backend.conv(torch.randn(1, 64, 4, 4), csr1, bias, ConvGeometry.of(1, 0), **setting)
+    assert launches[-1][1][3] is None  # the bias is added after the sum, not by each split
+    assert torch.allclose(out, (1.0 + 2.0 + 3.0 + 4.0) + bias.view(5, 1, 1).expand(1, 5, 4, 4))
