@@ -1,13 +1,15 @@
 """Choose evolutionary settings for the pruning table on the validation split, never the test split.
 
 For each CNN of ``scripts/prune_table.py``: train the dense model of a budget, run the evolutionary pruner
-(paper 004 Alg. 2, ``configs/prune/evolutionary.yaml``) to the table's 92 % target once per ``--epsilon``
-(the relative validation drop that counts as a stall, Alg. 2 line 25), then fine-tune a copy of each pruned
-model with masks on once per ``--fine-tune-lr`` for the budget's fine-tuning epochs. Every candidate is scored
-by top-1 on the validation split; the test split is never loaded into a metric. The best candidate per model is
-what ``prune_table.py --evolutionary epsilon=E --fine-tune-lr LR`` should then run with.
+(paper 004 Alg. 2, ``configs/prune/evolutionary.yaml``) to the table's 92 % target once per combination of the
+``--grid`` settings (default: ``epsilon``, the relative validation drop that counts as a stall, Alg. 2 line 25, at
+0.015 and 0.005), then fine-tune a copy of each pruned model with masks on once per ``--fine-tune-lr`` for the
+budget's fine-tuning epochs. Every candidate is scored by top-1 on the validation split; the test split is never
+loaded into a metric. The best candidate per model is what ``prune_table.py --evolutionary KEY=VALUE ...
+--fine-tune-lr LR`` should then run with.
 
-    PYTHONPATH=. python scripts/prune_select.py --budget gpu_w32 --models vgg_small --out select.json
+    PYTHONPATH=. python scripts/prune_select.py --budget gpu_w32 --models resnet_small \
+        --grid "epsilon=[0.015, 0.005]" --grid "alpha=[0.1, 1.0]" --out select.json
 
 Writes ``--out`` (JSON, atomically, after every candidate: a stopped run keeps what it finished) and prints the
 page that ``--render JSON... --out PAGE.md`` writes. Checkpoints under ``--workdir`` make a rerun resume (dense
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
+import itertools
 import json
 import time
 from collections.abc import Callable
@@ -51,27 +54,30 @@ def best(candidates: list[dict[str, Any]]) -> dict[str, Any]:
     return max(candidates, key=lambda candidate: candidate["val_top1"])
 
 
-def select(name: str, budget: dict[str, Any], epsilons: list[float], learning_rates: list[float],
+def select(name: str, budget: dict[str, Any], grid: dict[str, list[Any]], learning_rates: list[float],
            trainer_for: Callable[[], Trainer], workdir: Path, seed: int,
            record: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
-    """Dense training, then the ``epsilons`` x ``learning_rates`` grid for model ``name``.
+    """Dense training, then every combination of the ``grid`` pruner settings (``EvolutionaryPruner`` argument
+    name -> values, overriding the config file) x ``learning_rates`` for model ``name``.
 
     ``trainer_for()`` returns a fresh :class:`Trainer` (loaders reseeded, so every candidate sees the same
-    batch order); ``record(candidates)`` is called after every candidate. Returns one dict per candidate:
-    ``epsilon``, ``fine_tune_lr``, ``val_top1`` (%), ``weighted_sparsity`` (eq. 7-8), ``stalls``,
+    batch order); ``record(candidates)`` is called after every candidate. Returns one dict per candidate, in grid
+    order: each grid setting, ``fine_tune_lr``, ``val_top1`` (%), ``weighted_sparsity`` (eq. 7-8), ``stalls``,
     ``iterations`` and ``wall_time_s`` (s, pruning and this fine-tuning).
     """
     torch.manual_seed(seed)
     dense = create_model(name, width=budget["width"])
     trainer_for().fit(dense, budget["dense_epochs"], workdir / "dense.pt", desc=f"{name} dense")
     candidates: list[dict[str, Any]] = []
-    for epsilon in epsilons:
+    for values in itertools.product(*grid.values()):
+        settings = dict(zip(grid, values, strict=True))
+        label = "-".join(f"{key}_{value}" for key, value in settings.items()) or "config"
         started = time.perf_counter()
         pruned = copy.deepcopy(dense)
-        pruner = EvolutionaryPruner(**{**TABLE.evolutionary_settings(seed), "epsilon": epsilon,
+        pruner = EvolutionaryPruner(**{**TABLE.evolutionary_settings(seed), **settings,
                                        "target": TABLE.TARGET, "iterations": budget["iterations"],
                                        "batches_per_iteration": budget["batches"], "fine_tune_epochs": 0})
-        result = pruner.run(pruned, trainer_for(), workdir / f"epsilon_{epsilon}")
+        result = pruner.run(pruned, trainer_for(), workdir / label)
         iterations = [entry for entry in result.history if entry["phase"] == "prune" and entry["iteration"] > 0]
         pruning_s = time.perf_counter() - started
         for lr in learning_rates:
@@ -81,12 +87,12 @@ def select(name: str, budget: dict[str, Any], epsilons: list[float], learning_ra
             trainer = trainer_for()
             trainer.fit(tuned, budget["fine_tune_epochs"], None, lr=lr, desc=f"{name} fine-tune lr {lr}")
             candidates.append({
-                "model": name, "epsilon": epsilon, "fine_tune_lr": lr,
+                "model": name, **settings, "fine_tune_lr": lr,
                 "val_top1": trainer.evaluate(tuned, "val")["top1"],
                 "weighted_sparsity": result.weighted_sparsity, "iterations": len(iterations),
                 "stalls": sum("rewind" in entry["events"] for entry in iterations),
                 "wall_time_s": pruning_s + time.perf_counter() - started})
-            TABLE.say(f"{name} epsilon {epsilon} lr {lr}: val top1 {candidates[-1]['val_top1']:.2f}")
+            TABLE.say(f"{name} {label} lr {lr}: val top1 {candidates[-1]['val_top1']:.2f}")
             record(candidates)
     return candidates
 
@@ -95,18 +101,21 @@ def markdown(selections: list[dict[str, Any]]) -> str:
     """The selection page: one row per candidate of every ``--out`` JSON given, the chosen one marked."""
     lines = ["# Evolutionary settings chosen on the validation split", "",
              "Written by `scripts/prune_select.py --render`. Each candidate: the evolutionary pruner to 92 % "
-             "weighted sparsity with the given epsilon, then the budget's masked fine-tuning at the given learning "
-             "rate; scored by validation top-1 only (the test split was not evaluated).", ""]
+             "weighted sparsity with the given settings (the others as in `configs/prune/evolutionary.yaml`), then "
+             "the budget's masked fine-tuning at the given learning rate; scored by validation top-1 only (the test "
+             "split was not evaluated).", ""]
     for selection in selections:
         meta = selection["meta"]
+        keys = [key for key in meta["grid"] if key != "fine_tune_lr"]
         lines += [f"Budget `{meta['budget_name']}` {meta['budget']}, seed {meta['seed']}, on {meta['device_name']}, "
                   f"commit {meta['commit']}.", "",
-                  "| model | epsilon | fine-tune lr | val top1 | stalls / iterations | chosen |",
-                  "|---|---|---|---|---|---|"]
+                  "| model | " + " | ".join(keys) + " | fine-tune lr | val top1 | stalls / iterations | chosen |",
+                  "|---" * (len(keys) + 5) + "|"]
         for name, candidates in selection["candidates"].items():
             chosen = best(candidates)
-            lines += [f"| {name} | {c['epsilon']} | {c['fine_tune_lr']} | {c['val_top1']:.2f} | {c['stalls']} / "
-                      f"{c['iterations']} | {'yes' if c == chosen else ''} |" for c in candidates]
+            lines += [f"| {name} | " + "".join(f"{c[key]} | " for key in keys) + f"{c['fine_tune_lr']} | "
+                      f"{c['val_top1']:.2f} | {c['stalls']} / {c['iterations']} | {'yes' if c == chosen else ''} |"
+                      for c in candidates]
         lines.append("")
     return "\n".join(lines)
 
@@ -116,7 +125,9 @@ def main() -> None:
     parser.add_argument("--budget", choices=list(TABLE.BUDGETS), default="gpu_w32")
     parser.add_argument("--models", nargs="+", choices=("vgg_small", "resnet_small"),
                         default=["vgg_small", "resnet_small"])
-    parser.add_argument("--epsilon", nargs="+", type=float, default=[0.015, 0.005])
+    parser.add_argument("--grid", action="append", type=TABLE.setting, metavar="KEY=[V1, V2]",
+                        help="an EvolutionaryPruner setting and its values (YAML); repeat for more settings "
+                             "(default: epsilon=[0.015, 0.005])")
     parser.add_argument("--fine-tune-lr", nargs="+", type=float, default=[0.01, 0.05])
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
     parser.add_argument("--data-root", type=Path, default=FASHION_MNIST_DIR)
@@ -127,6 +138,8 @@ def main() -> None:
                         help="write the page for these --out files to --out and run nothing")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
     args = parser.parse_args()
+    grid = {key: value if isinstance(value, list) else [value]
+            for key, value in (args.grid or [("epsilon", [0.015, 0.005])])}
     if args.render:
         atomic_write_text(args.out, markdown([json.loads(path.read_text()) for path in args.render]))
         return
@@ -137,7 +150,7 @@ def main() -> None:
     meta = {"budget_name": args.budget, "budget": budget, "seed": args.seed, "device": str(device),
             "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else TABLE.cpu_name(),
             "torch": torch.__version__, "commit": (git_commit() or "none")[:7], "selection": "validation top-1",
-            "grid": {"epsilon": args.epsilon, "fine_tune_lr": args.fine_tune_lr}}
+            "grid": {**grid, "fine_tune_lr": args.fine_tune_lr}}
     done: dict[str, list[dict[str, Any]]] = {}
 
     def write(model: str, candidates: list[dict[str, Any]]) -> None:
@@ -150,7 +163,7 @@ def main() -> None:
                        progress=args.progress)
 
     for name in args.models:
-        select(name, budget, args.epsilon, args.fine_tune_lr, trainer_for, args.workdir / f"seed{args.seed}" / name,
+        select(name, budget, grid, args.fine_tune_lr, trainer_for, args.workdir / f"seed{args.seed}" / name,
                args.seed, lambda candidates, name=name: write(name, candidates))
     print(markdown([{"meta": meta, "candidates": done}]))
 

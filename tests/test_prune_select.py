@@ -1,4 +1,4 @@
-"""scripts/prune_select.py: a validation-only grid over epsilon and fine-tuning learning rate."""
+"""scripts/prune_select.py: a validation-only grid over evolutionary settings and fine-tuning learning rate."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_grid_is_scored_on_validation_only_and_best_takes_the_highest(selector, 
     budget = {**selector.TABLE.BUDGETS["quick"], "iterations": 4, "batches": 1}
     recorded: list[int] = []
     candidates = selector.select(
-        "vgg_small", budget, [0.015, 0.005], [0.01, 0.05],
+        "vgg_small", budget, {"epsilon": [0.015, 0.005]}, [0.01, 0.05],
         lambda: Trainer(splits.loaders(32, seed=0), lr=0.05, progress=False), tmp_path, 0,
         lambda found: recorded.append(len(found)))
     assert [(c["epsilon"], c["fine_tune_lr"]) for c in candidates] == [(0.015, 0.01), (0.015, 0.05),
@@ -41,3 +41,14 @@ def test_grid_is_scored_on_validation_only_and_best_takes_the_highest(selector, 
     assert all(0.0 <= c["val_top1"] <= 100.0 and c["iterations"] <= 4 for c in candidates)
     assert seen and "test" not in seen
     assert selector.best([{"val_top1": 80.0, "k": 1}, {"val_top1": 81.0, "k": 2}, {"val_top1": 81.0, "k": 3}])["k"] == 2
+
+
+def test_page_has_a_column_per_grid_setting(selector):
+    meta = {"budget_name": "quick", "budget": {}, "seed": 0, "device_name": "cpu", "commit": "abc1234",
+            "grid": {"epsilon": [0.015], "alpha": [0.1, 1.0], "fine_tune_lr": [0.05]}}
+    candidates = [{"model": "resnet_small", "epsilon": 0.015, "alpha": alpha, "fine_tune_lr": 0.05, "val_top1": top1,
+                   "stalls": 1, "iterations": 40} for alpha, top1 in ((0.1, 91.5), (1.0, 92.25))]
+    lines = selector.markdown([{"meta": meta, "candidates": {"resnet_small": candidates}}]).splitlines()
+    header = lines.index("| model | epsilon | alpha | fine-tune lr | val top1 | stalls / iterations | chosen |")
+    assert lines[header + 1].count("---") == 7
+    assert lines[header + 3] == "| resnet_small | 0.015 | 1.0 | 0.05 | 92.25 | 1 / 40 | yes |"
