@@ -11,10 +11,7 @@ time per layer) or runs different GPU work; the graph timings tell the two apart
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 import time
 from pathlib import Path
 
@@ -24,7 +21,7 @@ from unsparse.pipeline import git_commit
 from unsparse.runtime.bench import PRECISIONS, build_model, environment, magnitude_prune_, precision_mode
 from unsparse.runtime.comparator import plan_model
 from unsparse.runtime.modules import set_backend, sparsify
-from unsparse.runtime.timing import host_enqueue_ms, time_fn, time_graph
+from unsparse.runtime.timing import host_enqueue_ms, host_profile, time_fn, time_graph
 
 
 def host_per_module(model: torch.nn.Module, forward, runs: int, top: int = 8) -> list[tuple[str, float]]:
@@ -43,21 +40,6 @@ def host_per_module(model: torch.nn.Module, forward, runs: int, top: int = 8) ->
     for handle in handles:
         handle.remove()
     return sorted(((name, total / runs * 1e3) for name, total in spent.items()), key=lambda item: -item[1])[:top]
-
-
-def host_profile(forward, runs: int, top: int = 15) -> str:
-    """cProfile of ``runs`` forwards, the ``top`` functions by own time: a blocking call (a synchronisation,
-    an allocation that waits) shows as a large own time."""
-    def repeat() -> None:
-        for _ in range(runs):
-            forward()  # outputs are dropped at once, as in a serving loop
-
-    profile = cProfile.Profile()
-    profile.runcall(repeat)
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
-    return text.getvalue()
 
 
 def main() -> None:
@@ -92,7 +74,7 @@ def main() -> None:
                    "host_ms": host_enqueue_ms(lambda m=model: m(x), device, args.runs),
                    "host_top_modules_ms": host_per_module(model, lambda m=model: m(x), args.runs)}
             row["graph_ms"] = time_graph(lambda m=model: m(x), device, runs=args.runs).median_ms
-            row["host_profile"] = host_profile(lambda m=model: m(x), args.runs)
+            row["host_profile"] = host_profile(lambda m=model: m(x), device, args.runs)
             result["rows"].append(row)
             print(row)
     out = Path(args.out)

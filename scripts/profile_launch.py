@@ -15,10 +15,7 @@ a cProfile of the eager direct call. Microseconds; JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
 import json
-import pstats
 from pathlib import Path
 
 import torch
@@ -27,7 +24,7 @@ import torch.nn.functional as F
 from unsparse.pipeline import git_commit
 from unsparse.runtime.backends.direct import POINTWISE_SPLITS, DirectBackend
 from unsparse.runtime.bench import environment
-from unsparse.runtime.timing import host_enqueue_ms, time_fn, time_graph
+from unsparse.runtime.timing import host_enqueue_ms, host_profile, time_fn, time_graph
 from unsparse.sparse import ConvGeometry, UniformCSR
 
 
@@ -65,21 +62,12 @@ def main() -> None:
                       "graph_us": time_graph(call, device, runs=args.runs).median_ms * 1e3,
                       "host_us": host_enqueue_ms(call, device, args.runs) * 1e3}
         print(name, rows[name])
-
-    def repeat() -> None:
-        for _ in range(args.runs):
-            calls["direct"]()  # each output is dropped at once
-
-    profile = cProfile.Profile()
-    profile.runcall(repeat)
-    torch.cuda.synchronize()
-    text = io.StringIO()
-    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
-    print(text.getvalue())
+    profile = host_profile(calls["direct"], device, args.runs, top=12)
+    print(profile)
     layer = (f"{C}->{M} {args.kernel}x{args.kernel} stride {args.stride} pad {args.padding} at {side}x{side}, "
              f"batch {args.batch}, {args.dtype}, 0.9")
     result = {"environment": environment(git_commit()), "layer": layer,
-              "params": base, "runs": args.runs, "us": rows, "profile": text.getvalue()}
+              "params": base, "runs": args.runs, "us": rows, "profile": profile}
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     name = f"launch_profile_{C}_{M}_{side}" + ("" if args.params is None else f"_k{args.kernel}_s{args.stride}")

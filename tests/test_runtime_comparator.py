@@ -15,7 +15,7 @@ from unsparse.runtime.backends import base, get_backend
 from unsparse.runtime.backends.base import ConvBackend
 from unsparse.runtime.comparator import check_error, compare_layer, plan_model, relative_error, tolerance
 from unsparse.runtime.plan import Plan, PlanEntry, PlanError, layer_key, use_plan
-from unsparse.runtime.timing import host_enqueue_ms, rotation_count, time_backend, time_fn
+from unsparse.runtime.timing import host_enqueue_ms, host_profile, rotation_count, time_backend, time_fn
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
 
 
@@ -242,3 +242,14 @@ def test_host_enqueue_time_is_the_mean_wall_clock_per_call() -> None:
 
     ms = host_enqueue_ms(forward, "cpu", runs=5)
     assert len(calls) == 5 and 2.0 <= ms < 50.0
+
+
+def test_host_profile_lists_the_function_that_takes_the_time() -> None:
+    calls = []
+
+    def slow_step() -> None:
+        calls.append(1)
+        time.sleep(0.002)
+
+    text = host_profile(slow_step, "cpu", runs=4, top=5)
+    assert len(calls) == 4 and "slow_step" in text and "time.sleep" in text

@@ -7,6 +7,9 @@ statistics, no rotation.
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -113,11 +116,16 @@ def time_graph(forward: Callable[[], Any], device: torch.device | str, runs: int
     return time_fn(lambda i: graph.replay(), device, runs=runs)
 
 
+def _synchronizer(device: torch.device | str) -> Callable[[], None]:
+    """``torch.cuda.synchronize`` for a CUDA device, a no-op otherwise."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
 def host_enqueue_ms(forward: Callable[[], Any], device: torch.device | str, runs: int = MIN_RUNS) -> float:
     """Mean wall-clock ms per ``forward()`` call without synchronising between calls: the host's enqueue cost
     (on CUDA the device is synchronised only before the first and after the last call). Where it exceeds the
     GPU time of a call, eager timings of that call measure the host, not the kernels."""
-    synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    synchronize = _synchronizer(device)
     synchronize()
     start = time.perf_counter()
     for _ in range(runs):
@@ -125,6 +133,22 @@ def host_enqueue_ms(forward: Callable[[], Any], device: torch.device | str, runs
     elapsed = time.perf_counter() - start
     synchronize()
     return elapsed / runs * 1e3
+
+
+def host_profile(forward: Callable[[], Any], device: torch.device | str, runs: int = MIN_RUNS, top: int = 15) -> str:
+    """cProfile of ``runs`` back-to-back ``forward()`` calls (each output dropped at once, as in a serving loop):
+    the ``top`` functions by own time, as pstats prints them. A call that blocks (a synchronisation, an
+    allocation that waits) shows as a large own time."""
+    def repeat() -> None:
+        for _ in range(runs):
+            forward()
+
+    profile = cProfile.Profile()
+    profile.runcall(repeat)
+    _synchronizer(device)()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
 
 
 def cache_bytes(device: torch.device | str) -> int:
