@@ -12,8 +12,10 @@ loaded into a metric. The best candidate per model is what ``prune_table.py --ev
         --grid "epsilon=[0.015, 0.005]" --grid "alpha=[0.1, 1.0]" --out select.json
 
 Writes ``--out`` (JSON, atomically, after every candidate: a stopped run keeps what it finished) and prints the
-page that ``--render JSON... --out PAGE.md`` writes. Checkpoints under ``--workdir`` make a rerun resume (dense
-training and pruning runs; the fine-tunings start over).
+page that ``--render JSON... --out PAGE.md`` writes (several JSONs of one budget, seed and commit are joined into
+one table). Checkpoints under ``--workdir`` make a rerun resume (dense training and pruning runs; the fine-tunings
+start over); ``--dense-only`` trains just the dense models, so that ``scripts/prune_select_gpu.sh`` can give one
+dense model to candidates that run side by side on one GPU.
 """
 
 from __future__ import annotations
@@ -54,6 +56,15 @@ def best(candidates: list[dict[str, Any]]) -> dict[str, Any]:
     return max(candidates, key=lambda candidate: candidate["val_top1"])
 
 
+def train_dense(name: str, budget: dict[str, Any], trainer: Trainer, workdir: Path, seed: int) -> torch.nn.Module:
+    """Model ``name`` trained dense for the budget's epochs, from ``seed``; resumes from (or, once finished,
+    only loads) ``workdir/dense.pt``, so jobs given copies of one finished checkpoint share one dense model."""
+    torch.manual_seed(seed)
+    dense = create_model(name, width=budget["width"])
+    trainer.fit(dense, budget["dense_epochs"], workdir / "dense.pt", desc=f"{name} dense")
+    return dense
+
+
 def select(name: str, budget: dict[str, Any], grid: dict[str, list[Any]], learning_rates: list[float],
            trainer_for: Callable[[], Trainer], workdir: Path, seed: int,
            record: Callable[[list[dict[str, Any]]], None]) -> list[dict[str, Any]]:
@@ -65,9 +76,7 @@ def select(name: str, budget: dict[str, Any], grid: dict[str, list[Any]], learni
     order: each grid setting, ``fine_tune_lr``, ``val_top1`` (%), ``weighted_sparsity`` (eq. 7-8), ``stalls``,
     ``iterations`` and ``wall_time_s`` (s, pruning and this fine-tuning).
     """
-    torch.manual_seed(seed)
-    dense = create_model(name, width=budget["width"])
-    trainer_for().fit(dense, budget["dense_epochs"], workdir / "dense.pt", desc=f"{name} dense")
+    dense = train_dense(name, budget, trainer_for(), workdir, seed)
     candidates: list[dict[str, Any]] = []
     for values in itertools.product(*grid.values()):
         settings = dict(zip(grid, values, strict=True))
@@ -97,14 +106,34 @@ def select(name: str, budget: dict[str, Any], grid: dict[str, list[Any]], learni
     return candidates
 
 
+def merge(selections: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Selections of one budget, seed, commit and device joined into one (e.g. the per-candidate jobs of
+    ``scripts/prune_select_gpu.sh``): candidates concatenated per model in the order given, grids united per
+    setting. Other selections stay separate; the order of first appearance is kept."""
+    merged: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for selection in selections:
+        meta = selection["meta"]
+        key = (meta["budget_name"], meta["seed"], meta["commit"], meta["device_name"])
+        if key not in merged:
+            merged[key] = {"meta": {**meta, "grid": {}}, "candidates": {}}
+        grid = merged[key]["meta"]["grid"]
+        for setting, values in meta["grid"].items():
+            known = grid.setdefault(setting, [])
+            known += [value for value in values if value not in known]
+        for name, candidates in selection["candidates"].items():
+            merged[key]["candidates"][name] = merged[key]["candidates"].get(name, []) + candidates
+    return list(merged.values())
+
+
 def markdown(selections: list[dict[str, Any]]) -> str:
-    """The selection page: one row per candidate of every ``--out`` JSON given, the chosen one marked."""
+    """The selection page: one row per candidate of every ``--out`` JSON given (:func:`merge`d), the best per
+    model and merged selection marked."""
     lines = ["# Evolutionary settings chosen on the validation split", "",
              "Written by `scripts/prune_select.py --render`. Each candidate: the evolutionary pruner to 92 % "
              "weighted sparsity with the given settings (the others as in `configs/prune/evolutionary.yaml`), then "
              "the budget's masked fine-tuning at the given learning rate; scored by validation top-1 only (the test "
              "split was not evaluated).", ""]
-    for selection in selections:
+    for selection in merge(selections):
         meta = selection["meta"]
         keys = [key for key in meta["grid"] if key != "fine_tune_lr"]
         lines += [f"Budget `{meta['budget_name']}` {meta['budget']}, seed {meta['seed']}, on {meta['device_name']}, "
@@ -113,8 +142,9 @@ def markdown(selections: list[dict[str, Any]]) -> str:
                   "|---" * (len(keys) + 5) + "|"]
         for name, candidates in selection["candidates"].items():
             chosen = best(candidates)
-            lines += [f"| {name} | " + "".join(f"{c[key]} | " for key in keys) + f"{c['fine_tune_lr']} | "
-                      f"{c['val_top1']:.2f} | {c['stalls']} / {c['iterations']} | {'yes' if c == chosen else ''} |"
+            lines += [f"| {name} | " + "".join(f"{c.get(key, '(config)')} | " for key in keys)
+                      + f"{c['fine_tune_lr']} | {c['val_top1']:.2f} | {c['stalls']} / {c['iterations']} | "
+                      f"{'yes' if c == chosen else ''} |"
                       for c in candidates]
         lines.append("")
     return "\n".join(lines)
@@ -133,11 +163,16 @@ def main() -> None:
     parser.add_argument("--data-root", type=Path, default=FASHION_MNIST_DIR)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=Path("outputs/prune_select"))
-    parser.add_argument("--out", type=Path, required=True, help="JSON file (with --render: the Markdown page)")
+    parser.add_argument("--out", type=Path, help="JSON file (with --render: the Markdown page); required unless "
+                                                 "--dense-only")
+    parser.add_argument("--dense-only", action="store_true",
+                        help="only train (or finish) the dense models under --workdir, for jobs to share")
     parser.add_argument("--render", nargs="+", type=Path, metavar="JSON",
                         help="write the page for these --out files to --out and run nothing")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
     args = parser.parse_args()
+    if args.out is None and not args.dense_only:
+        parser.error("--out is required unless --dense-only")
     grid = {key: value if isinstance(value, list) else [value]
             for key, value in (args.grid or [("epsilon", [0.015, 0.005])])}
     if args.render:
@@ -162,6 +197,10 @@ def main() -> None:
         return Trainer(splits.loaders(TABLE.BATCH_SIZE, seed=args.seed), device=device, lr=0.05,
                        progress=args.progress)
 
+    if args.dense_only:
+        for name in args.models:
+            train_dense(name, budget, trainer_for(), args.workdir / f"seed{args.seed}" / name, args.seed)
+        return
     for name in args.models:
         select(name, budget, grid, args.fine_tune_lr, trainer_for, args.workdir / f"seed{args.seed}" / name,
                args.seed, lambda candidates, name=name: write(name, candidates))

@@ -52,3 +52,37 @@ def test_page_has_a_column_per_grid_setting(selector):
     header = lines.index("| model | epsilon | alpha | fine-tune lr | val top1 | stalls / iterations | chosen |")
     assert lines[header + 1].count("---") == 7
     assert lines[header + 3] == "| resnet_small | 0.015 | 1.0 | 0.05 | 92.25 | 1 / 40 | yes |"
+
+
+def test_jobs_of_one_selection_join_into_one_table_with_one_choice(selector):
+    def job(alpha: float, top1: float, commit: str = "abc1234") -> dict:
+        meta = {"budget_name": "quick", "budget": {}, "seed": 0, "device_name": "cpu", "commit": commit,
+                "grid": {"alpha": [alpha], "fine_tune_lr": [0.05]}}
+        candidate = {"model": "resnet_small", "alpha": alpha, "fine_tune_lr": 0.05, "val_top1": top1, "stalls": 0,
+                     "iterations": 30}
+        return {"meta": meta, "candidates": {"resnet_small": [candidate]}}
+
+    merged = selector.merge([job(0.1, 91.0), job(10.0, 92.0), job(1.0, 93.0, commit="other")])
+    assert len(merged) == 2
+    assert merged[0]["meta"]["grid"] == {"alpha": [0.1, 10.0], "fine_tune_lr": [0.05]}
+    assert [c["alpha"] for c in merged[0]["candidates"]["resnet_small"]] == [0.1, 10.0]
+    lines = selector.markdown([job(0.1, 91.0), job(10.0, 92.0)]).splitlines()
+    assert lines.count("| model | alpha | fine-tune lr | val top1 | stalls / iterations | chosen |") == 1
+    assert "| resnet_small | 10.0 | 0.05 | 92.00 | 0 / 30 | yes |" in lines
+    assert "| resnet_small | 0.1 | 0.05 | 91.00 | 0 / 30 |  |" in lines
+
+
+def test_a_finished_dense_checkpoint_is_loaded_not_trained_again(selector, tmp_path, monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    data = (torch.rand(64, 1, 28, 28, generator=generator), torch.randint(0, 10, (64,), generator=generator))
+    splits = Splits(train=data, val=data, test=data, num_classes=10, name="noise")
+    budget = {**selector.TABLE.BUDGETS["quick"], "dense_epochs": 1}
+
+    def trainer() -> Trainer:
+        return Trainer(splits.loaders(32, seed=0), lr=0.05, progress=False)
+
+    first = selector.train_dense("vgg_small", budget, trainer(), tmp_path, seed=0)
+    monkeypatch.setattr(Trainer, "train_epoch", lambda *args, **kwargs: pytest.fail("trained again"))
+    again = selector.train_dense("vgg_small", budget, trainer(), tmp_path, seed=1)
+    for key, value in first.state_dict().items():
+        assert torch.equal(value, again.state_dict()[key]), key

@@ -1,0 +1,59 @@
+# Sourced by the scripts that run pruning work on a lent GPU machine (scripts/prune_table_gpu.sh,
+# scripts/prune_select_gpu.sh): python3 with torch/torchvision/numpy, no network, no omegaconf, no Debian
+# Fashion-MNIST package. .carry/ (git-ignored) supplies them; prepare it on the development machine, from the
+# repository root:
+#
+#     mkdir -p .carry/wheels .carry/fashion-mnist
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#         -d .carry/wheels omegaconf==2.3.1 PyYAML==6.0.3
+#     .venv/bin/python -m pip wheel --no-deps antlr4-python3-runtime==4.9.3 -w .carry/wheels  # sdist only; pure Python
+#     cp /usr/share/datasets/fashion-mnist/*.gz .carry/fashion-mnist/
+#     .venv/bin/python -c "from unsparse.timeseries import export_series; export_series('co2', '.carry/co2.txt')"
+
+# carry_setup LOG: check .carry, install its wheels under /tmp/site, export PYTHONPATH and friends, and start LOG
+# with the GPU, Python, torch and omegaconf versions. Needs OUT; warns when UNSPARSE_COMMIT is unset (the device
+# copy has no .git, so results name their commit from it).
+carry_setup() {
+    : "${OUT:?OUT must name the folder for the results}"
+    local needed
+    for needed in .carry/wheels .carry/fashion-mnist .carry/co2.txt; do
+        [[ -e $needed ]] || { echo "missing $needed: prepare .carry (see scripts/device_jobs.sh) and carry it" >&2
+            exit 2; }
+    done
+    [[ -n ${UNSPARSE_COMMIT:-} ]] || echo "warning: UNSPARSE_COMMIT is not set; the results will name no commit" >&2
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .carry/wheels/*.whl
+    export PYTHONPATH=/tmp/site:. PYTHONUNBUFFERED=1 UNSPARSE_CACHE=/tmp/unsparse-cache
+    export UNSPARSE_COMMIT="${UNSPARSE_COMMIT:-}"
+    mkdir -p "$OUT"
+    {
+        nvidia-smi -L || true
+        python3 -c 'import sys, torch, omegaconf; print("python", sys.version.split()[0], "torch", torch.__version__,
+"cuda", torch.cuda.is_available(), "omegaconf", omegaconf.__version__)'
+    } 2>&1 | tee "$1"
+}
+
+# run_jobs RUNNER LOG NAME:OPTIONS...: run `RUNNER NAME OPTIONS...` for every job at the same time on the one GPU
+# (sharing lengthens each: four width-32 tables took about twice a lone table's time), wait for all, copy each
+# job's /tmp/device_jobs/NAME.json (the RUNNER writes it, also when stopped early) to $OUT/NAME.json and append
+# the jobs' output to LOG. At most 7 jobs: the device returns 8 files. Returns 1 if any job or copy failed.
+run_jobs() {
+    local runner=$1 log=$2 job name status=0
+    shift 2
+    mkdir -p /tmp/device_jobs
+    for job in "$@"; do
+        name=${job%%:*}
+        # shellcheck disable=SC2086  # the options after NAME: are a list
+        "$runner" "$name" ${job#*:} >"/tmp/device_jobs/$name.log" 2>&1 &
+    done
+    for job in "$@"; do
+        wait -n || status=1
+    done
+    for job in "$@"; do
+        name=${job%%:*}
+        cp "/tmp/device_jobs/$name.json" "$OUT/$name.json" || status=1
+        { echo "===== $job"; cat "/tmp/device_jobs/$name.log"; } >>"$log"
+    done
+    return $status
+}
