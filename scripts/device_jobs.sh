@@ -37,11 +37,15 @@ carry_setup() {
 # run_jobs RUNNER LOG NAME:OPTIONS...: run `RUNNER NAME OPTIONS...` for every job at the same time on the one GPU
 # (sharing lengthens each: four width-32 tables took about twice a lone table's time), wait for all, copy each
 # job's /tmp/device_jobs/NAME.json (the RUNNER writes it, also when stopped early) to $OUT/NAME.json and append
-# the jobs' output to LOG. At most 7 jobs: the device returns 8 files. Returns 1 if any job or copy failed.
+# the jobs' output to LOG. At most 7 jobs: the device returns 8 files. Each job gets an equal share of the CPU
+# cores as its thread count (OMP_NUM_THREADS; 16 threads in each of six jobs on 16 cores starved them all).
+# Returns 1 if any job or copy failed.
 run_jobs() {
     local runner=$1 log=$2 job name status=0
     shift 2
     mkdir -p /tmp/device_jobs
+    OMP_NUM_THREADS=$(($(nproc) / $# > 0 ? $(nproc) / $# : 1))
+    export OMP_NUM_THREADS
     for job in "$@"; do
         name=${job%%:*}
         # shellcheck disable=SC2086  # the options after NAME: are a list

@@ -183,8 +183,11 @@ class RankedList:
         return pool[int(torch.randint(len(pool), (), generator=generator))]
 
     def state(self) -> list[dict[str, Any]]:
-        """Plain containers of tensors for a checkpoint."""
-        return [dataclasses.asdict(solution) for solution in self.solutions]
+        """Plain containers of tensors for a checkpoint; the tensors are the solutions' own (not copied: a
+        solution is never changed after :meth:`offer`, and ``dataclasses.asdict`` would deep-copy every one of
+        them at every checkpoint)."""
+        return [{field.name: getattr(solution, field.name) for field in dataclasses.fields(solution)}
+                for solution in self.solutions]
 
     def load_state(self, state: list[dict[str, Any]]) -> None:
         """Replace the contents with a :meth:`state`."""
