@@ -74,7 +74,7 @@ def test_graph_timings_say_why_they_are_missing_on_the_cpu() -> None:
 
     from unsparse.runtime.bench import graph_timings
 
-    record = graph_timings({"dense": lambda: None, "planned": lambda: None}, torch.device("cpu"), runs=3)
+    record = graph_timings(lambda: None, lambda: None, torch.device("cpu"), runs=3)
     assert record == {"dense_graph_ms": None, "planned_graph_ms": None, "graph_speedup": None,
                       "graph_error": "no CUDA graphs on cpu"}
 

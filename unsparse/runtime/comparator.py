@@ -259,24 +259,21 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
         measurements.append(Measurement(name, params, "ok", error))
 
     replays: dict[int, list[torch.cuda.CUDAGraph]] = {}
+    if graphs:
+        for m in [m for m in measurements if m.status == "ok"]:
+            try:
+                replays[id(m)] = [capture_graph(lambda v=v, m=m: backend.conv(v, csr, bias, geometry, **m.params))
+                                  for v in inputs]
+            except RuntimeError as exc:
+                m.status, m.reason = "error", f"graph capture: {type(exc).__name__}: {exc}"
 
     def timed(m: Measurement, count: int, warm: int) -> Timing:
         if not graphs:
             return time_fn(lambda i: backend.conv(inputs[i % len(inputs)], csr, bias, geometry, **m.params),
                            x.device, runs=count, warmup=warm, rotation=len(inputs))
-        if id(m) not in replays:
-            replays[id(m)] = [capture_graph(lambda v=v: backend.conv(v, csr, bias, geometry, **m.params))
-                              for v in inputs]
         captured = replays[id(m)]
         return time_fn(lambda i: captured[i % len(captured)].replay(), x.device, runs=count, warmup=warm,
                        rotation=len(captured))
-
-    if graphs:
-        for m in [m for m in measurements if m.status == "ok"]:
-            try:
-                timed(m, 1, 0)
-            except RuntimeError as exc:
-                m.status, m.reason = "error", f"graph capture: {type(exc).__name__}: {exc}"
     correct = [m for m in measurements if m.status == "ok"]
     if len(correct) > keep:
         for m in correct:

@@ -356,7 +356,8 @@ class PreparedCall:
 
     Attributes:
         launch: instantiation, grid and block.
-        view: what the tile and pointwise kernels see (:class:`KernelView`); None for ``rows``.
+        split: the phase split whose images the kernel reads (a strided ``tile`` or ``pointwise`` setting),
+            None where it reads ``x`` itself.
         arrays: the kernel arguments between the input and the bias: validated index arrays (and, for ``rows``,
             the weight values).
         scalars: the int32 arguments after the output (sizes, padding, grid decode, chunks per split).
@@ -366,7 +367,7 @@ class PreparedCall:
     """
 
     launch: cl.Launch
-    view: KernelView | None
+    split: PhaseSplit | None
     arrays: tuple[torch.Tensor, ...]
     scalars: tuple[int, ...]
     out_shape: tuple[int, int, int, int]
@@ -376,7 +377,7 @@ class PreparedCall:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Run on ``x`` (contiguous ``(N, C, H, W)`` of the prepared size and dtype) with ``bias`` (``(M,)`` of
         ``x``'s dtype, contiguous, or None); returns a new ``(N, M, E, F)`` tensor of ``x``'s dtype."""
-        source = x if self.view is None or self.view.split is None else self.view.split.input(x)
+        source = x if self.split is None else self.split.input(x)
         if self.paired:
             source = pair_images(source)
         if self.splits == 1:
@@ -544,7 +545,7 @@ class DirectBackend(ConvBackend):
 
     def _prepare(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                  params: dict[str, Any]) -> PreparedCall:
-        """Resolve a setting for this input size once: launch, view, validated index arrays (shared through
+        """Resolve a setting for this input size once: launch, phase split, validated index arrays (shared through
         the per-weight cache) and scalar arguments.
 
         Raises:
@@ -564,7 +565,7 @@ class DirectBackend(ConvBackend):
             tiling = tiling_of(params)
             layout = cl.tile_layout(x.dtype, view.csr.kernel_size, tiling, view.staging)
             tile = self._arrays(view.csr, ("tile", layout), lambda: prepare_tile(view.csr, layout))
-            return PreparedCall(spec, view, (tile.chunk_ptr, tile.entries),
+            return PreparedCall(spec, view.split, (tile.chunk_ptr, tile.entries),
                                 (N, C, H, W, M, E, F_, *view.geometry.padding, math.ceil(F_ / tiling.tile_hw[1]),
                                  math.ceil(M / tiling.channels)), out_shape,
                                 paired=cl.images_per_element(x.dtype) == 2)
@@ -572,7 +573,7 @@ class DirectBackend(ConvBackend):
         layout = cl.pointwise_layout(x.dtype, tiling, view.staging)
         tile = self._arrays(view.csr, ("tile", layout), lambda: prepare_tile(view.csr, layout))
         per_split, splits = cl.split_chunks(C, tiling.cc, params.get("splits", 1))
-        return PreparedCall(spec, view, (tile.chunk_ptr, tile.entries),
+        return PreparedCall(spec, view.split, (tile.chunk_ptr, tile.entries),
                             (N, C, H * W, M, math.ceil(M / tiling.channels), per_split), out_shape, splits=splits)
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
