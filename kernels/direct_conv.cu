@@ -211,7 +211,10 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int CS = NBE * PLANE;  // one input channel of the tile, all its image elements
   constexpr int THREADS = WARPS * 32;
   constexpr int STAGED = CC * NBE * IH * IW;
-  __shared__ __align__(16) Elem tiles[2][CC * CS];
+  // The two staged chunks sit in dynamic shared memory: the launch passes 2 * CC * CS * sizeof(Elem) bytes
+  // (TileLayout.shared_bytes), which may exceed the 48 KB of static shared memory (tile_launch opts in).
+  extern __shared__ __align__(16) unsigned char tile_shared[];
+  Elem (*tiles)[CC * CS] = reinterpret_cast<Elem (*)[CC * CS]>(tile_shared);
 
   const int group = blockIdx.x % groups;
   const int tile_id = blockIdx.x / groups;

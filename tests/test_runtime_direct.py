@@ -461,9 +461,13 @@ def test_launch_geometry() -> None:
     assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48,0,0>"
     spec = cl.tile_launch(torch.float32, 127, 200, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 4, 16, 8), 1)
     assert spec.name == "direct_tile<float,3,3,32,4,2,4,16,8,40,3,1>"
-    with pytest.raises(ValueError, match="exceed"):  # two float32 buffers of 30 KB
-        cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))
-    cl.tile_launch(torch.float16, 2, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))  # image pairs: 30 KB
+    assert spec.shared_bytes == 2 * 8 * 6 * 40 * 2 * 4  # two chunks of CC x (NB images x 6 rows x 40 columns)
+    wide = cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))
+    assert wide.shared_bytes == 2 * 8 * 2 * 10 * 48 * 4 > cl.SHARED_LIMIT_BYTES  # 60 KB: dynamic, opted in
+    paired = cl.tile_launch(torch.float16, 2, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))
+    assert paired.shared_bytes == wide.shared_bytes // 2  # a __half2 element holds two images
+    with pytest.raises(ValueError, match="exceed"):  # two float32 buffers of 105 KB
+        cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 28))
     spec = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8))
     assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0>"
     with pytest.raises(ValueError, match="threads"):
@@ -499,8 +503,8 @@ def test_tuning_spaces() -> None:
     assert len(rows_space(1, 1, prune=False)) == 6
     assert all(p["wx"] <= 14 for p in tile_space(8, (7, 7), (3, 3), torch.float32))
     big = tile_space(128, (56, 56), (3, 3), torch.float32)
-    # A float16 element holds two images: the three largest 3x3 chunks fit in float16 only; NB = 1 is float32-only.
-    assert len(big) == len(TILE_TILINGS) - 3 == len(tile_space(128, (56, 56), (3, 3), torch.float16)) - 2
+    # Every tiling's 3x3 chunks fit the tile limit in float32; NB = 1 is float32-only (float16 pairs images).
+    assert len(big) == len(TILE_TILINGS) == len(tile_space(128, (56, 56), (3, 3), torch.float16)) + 1
     assert len(tile_space(128, (56, 56), (5, 5), torch.float32)) < len(big)
     assert all(p["nb"] % 2 == 0 for p in tile_space(128, (56, 56), (3, 3), torch.float16))
     assert all(p["nb"] <= 2 for p in tile_space(1, (56, 56), (3, 3), torch.float16))

@@ -27,7 +27,12 @@ COMPILE_OPTIONS = ("-std=c++17",)
 ROWS_CHUNK = 256
 """Stored entries of one row staged in shared memory at a time by ``direct_rows`` (template JC)."""
 SHARED_LIMIT_BYTES = 48 * 1024
-"""Static shared memory a block may use without opting in (CUDA default)."""
+"""Shared memory a block may use without opting in (CUDA default): the limit of ``direct_pointwise``'s static
+staging buffers."""
+TILE_SHARED_LIMIT_BYTES = 99 * 1024
+"""Dynamic shared memory a ``direct_tile`` block may ask for (its two staged chunks, :meth:`TileLayout.shared_bytes`;
+beyond :data:`SHARED_LIMIT_BYTES` :func:`launch` opts in): the per-block opt-in limit of sm_86/sm_89 GPUs, below
+sm_80's 163 KB and sm_90's 227 KB. On an H100 two such blocks fit one SM's 228 KB."""
 TAP_SHIFT_BITS = 16
 """``direct_rows`` packs a tap's (row shift, column shift) as ``dy << 16 | dx``; both must be < 2**15."""
 
@@ -53,11 +58,13 @@ def supported_dtypes() -> tuple[torch.dtype, ...]:
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch: CUDA grid and block sizes (x, y, z) and the template instantiation to call."""
+    """One kernel launch: CUDA grid and block sizes (x, y, z), the template instantiation to call and the dynamic
+    shared memory per block (bytes; 0 for kernels with static buffers only)."""
 
     name: str
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
+    shared_bytes: int = 0
 
 
 def rows_launch(dtype: torch.dtype, batch: int, out_channels: int, out_pixels: int, threads: int,
@@ -141,8 +148,9 @@ class TileLayout:
     element_bytes: int = 4
 
     def shared_bytes(self) -> int:
-        """Static shared memory of the kernel: two staged chunks (chunk k + 1 streams in by ``cp.async`` while
-        chunk k is computed) of ``element_bytes`` elements."""
+        """Shared memory of the kernel, bytes: two staged chunks (chunk k + 1 streams in by ``cp.async`` while
+        chunk k is computed) of ``element_bytes`` elements. ``direct_tile`` takes it as dynamic shared memory
+        (:attr:`Launch.shared_bytes`); ``direct_pointwise``'s buffers are static."""
         return 2 * self.elements() * self.element_bytes
 
     @property
@@ -226,7 +234,7 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
 
     Raises:
         ValueError: for an invalid tiling (:func:`tile_layout`), more than 1024 threads, a non-positive
-            size, staged chunks beyond :data:`SHARED_LIMIT_BYTES`, or a grid beyond CUDA's limits.
+            size, staged chunks beyond :data:`TILE_SHARED_LIMIT_BYTES`, or a grid beyond CUDA's limits.
     """
     (E, F_), (R, S) = out_hw, kernel_size
     layout = tile_layout(dtype, kernel_size, tiling, vector_pad)
@@ -234,15 +242,15 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
         raise ValueError("tile_launch: every size must be positive")
     if tiling.warps * 32 > 1024:
         raise ValueError(f"tiling: {tiling.warps} warps exceed 1024 threads")
-    if layout.shared_bytes() > SHARED_LIMIT_BYTES:
-        raise ValueError(f"tiling: staged chunks of {layout.shared_bytes()} bytes exceed {SHARED_LIMIT_BYTES}")
+    if layout.shared_bytes() > TILE_SHARED_LIMIT_BYTES:
+        raise ValueError(f"tiling: staged chunks of {layout.shared_bytes()} bytes exceed {TILE_SHARED_LIMIT_BYTES}")
     te, tf = tiling.tile_hw
     groups = math.ceil(out_channels / tiling.channels)
     grid = (groups * math.ceil(E / te) * math.ceil(F_ / tf), math.ceil(batch / tiling.nb), 1)
     _check_grid(grid)
     name = (f"direct_tile<{cuda_type(dtype)},{R},{S},{tiling.wx},{tiling.py},{tiling.nb},{tiling.mw},"
             f"{tiling.warps},{tiling.cc},{layout.padded_width},{layout.left},{int(layout.vector)}>")
-    return Launch(name, grid, (tiling.warps * 32, 1, 1))
+    return Launch(name, grid, (tiling.warps * 32, 1, 1), layout.shared_bytes())
 
 
 @dataclass(frozen=True)
@@ -433,4 +441,13 @@ def launch(spec: Launch, args: tuple[Any, ...], device: torch.device) -> None:
     kernel = get_kernel(spec.name)
     stream = _external_stream(device.index, torch.cuda.current_stream(device).cuda_stream)
     with cupy.cuda.Device(device.index), stream:
-        kernel(spec.grid, spec.block, converted)
+        if spec.shared_bytes > SHARED_LIMIT_BYTES:
+            _opt_in(spec.name, spec.shared_bytes, device.index)
+        kernel(spec.grid, spec.block, converted, shared_mem=spec.shared_bytes)
+
+
+@functools.cache
+def _opt_in(name: str, shared_bytes: int, device_index: int) -> None:
+    """Let instantiation ``name`` take ``shared_bytes`` of dynamic shared memory on the current device (CUDA's
+    ``MAX_DYNAMIC_SHARED_SIZE_BYTES`` function attribute; needed beyond :data:`SHARED_LIMIT_BYTES`), once."""
+    get_kernel(name).max_dynamic_shared_size_bytes = shared_bytes

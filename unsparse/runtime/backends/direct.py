@@ -55,13 +55,14 @@ TILE_TILINGS = (
     cl.TileTiling(wx=8, py=2, nb=2, mw=8, warps=4, cc=4),
     cl.TileTiling(wx=32, py=8, nb=1, mw=8, warps=8, cc=8),
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=16),
+    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=16),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM
 within the register file), warp tiles 4x32 to 8x8 for planes from 224x224 down to 7x7, 32 to 128 output
 channels per block (more channels share each staged chunk); NB = 1 for batch 1 in float32 (float16 pairs
-images, NB even). A float16 element holds two images, so the two largest chunks (two buffers of 24 KB) fit
-in float16 only. CC = 16 halves the barriers per nonzero where a chunk holds little work (the 2x2 filters of a
-3x3 stride-2 layer's phase split, 1x1 layers); with a 3x3 filter it fits in float16 only."""
+images, NB even). CC = 16 halves the barriers per nonzero where a chunk holds little work (the 2x2 filters of a
+3x3 stride-2 layer's phase split, 1x1 layers, and 3x3 layers at high sparsity); staged chunks beyond 48 KB
+take dynamic shared memory up to :data:`~unsparse.runtime.cupy_launcher.TILE_SHARED_LIMIT_BYTES`."""
 
 
 POINTWISE_TILINGS = (
@@ -113,7 +114,7 @@ def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int]
             layout = cl.tile_layout(dtype, kernel_size, tiling, pad)
         except ValueError:
             continue
-        if layout.shared_bytes() > cl.SHARED_LIMIT_BYTES:
+        if layout.shared_bytes() > cl.TILE_SHARED_LIMIT_BYTES:
             continue
         te, tf = tiling.tile_hw
         if prune and (te > 2 * E or tf > 2 * F_ or tiling.nb > max(batch, cl.images_per_element(dtype))):
