@@ -24,6 +24,7 @@ from unsparse.runtime.backends.direct import (
     prepare_tile,
     rows_space,
     tile_space,
+    tiling_of,
     validate_rows,
     validate_tile,
 )
@@ -506,6 +507,9 @@ def test_tuning_spaces() -> None:
     # Every tiling's 3x3 chunks fit the tile limit in float32; NB = 1 is float32-only (float16 pairs images).
     assert len(big) == len(TILE_TILINGS) == len(tile_space(128, (56, 56), (3, 3), torch.float16)) + 1
     assert len(tile_space(128, (56, 56), (5, 5), torch.float32)) < len(big)
+    small = tile_space(128, (56, 56), (3, 3), torch.float32, shared_limit=cl.SHARED_LIMIT_BYTES)
+    assert 0 < len(small) < len(big) and all(
+        cl.tile_layout(torch.float32, (3, 3), tiling_of(p)).shared_bytes() <= cl.SHARED_LIMIT_BYTES for p in small)
     assert all(p["nb"] % 2 == 0 for p in tile_space(128, (56, 56), (3, 3), torch.float16))
     assert all(p["nb"] <= 2 for p in tile_space(1, (56, 56), (3, 3), torch.float16))
     single = tile_space(1, (56, 56), (3, 3), torch.float32)
@@ -575,3 +579,22 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     out = backend.conv(torch.randn(1, 64, 4, 4), csr1, bias, ConvGeometry.of(1, 0), **setting)
     assert launches[-1][1][3] is None  # the bias is added after the sum, not by each split
     assert torch.allclose(out, (1.0 + 2.0 + 3.0 + 4.0) + bias.view(5, 1, 1).expand(1, 5, 4, 4))
+
+
+def test_tile_shared_limit_follows_the_gpus_opt_in_limit(monkeypatch) -> None:
+    assert cl.tile_shared_limit(torch.device("cpu")) == cl.TILE_SHARED_LIMIT_BYTES
+
+    def properties(optin: int):
+        return lambda device: type("Properties", (), {"shared_memory_per_block_optin": optin})()
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties(64 * 1024))  # sm_75
+    assert cl.tile_shared_limit(torch.device("cuda", 0)) == 64 * 1024
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties(227 * 1024))  # sm_90
+    assert cl.tile_shared_limit(torch.device("cuda", 0)) == cl.TILE_SHARED_LIMIT_BYTES
+    monkeypatch.setattr(cl, "tile_shared_limit", lambda device: cl.SHARED_LIMIT_BYTES)
+    csr = UniformCSR.from_dense(torch.randn(8, 4, 3, 3))
+    tiles = [p for p in DirectBackend().tuning_space(torch.zeros(2, 4, 64, 64), csr, ConvGeometry.of(1, 1))
+             if p["variant"] == "tile"]
+    assert tiles and all(cl.tile_layout(torch.float32, (3, 3), tiling_of(p), 1 if p.get("stage") else None)
+                         .shared_bytes() <= cl.SHARED_LIMIT_BYTES for p in tiles)
+    assert len(tiles) < len(tile_space(2, (64, 64), (3, 3), torch.float32, vector_pad=1))

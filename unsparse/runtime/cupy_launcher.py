@@ -214,6 +214,15 @@ def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTi
     return TileLayout(te + R - 1, tf + S - 1, width, tiling.nb // ipe, tiling.cc)
 
 
+def tile_shared_limit(device: torch.device) -> int:
+    """Bytes of dynamic shared memory a ``direct_tile`` block may take on ``device``: :data:`TILE_SHARED_LIMIT_BYTES`,
+    or the GPU's per-block opt-in limit where that is lower (sm_75: 64 KB); the constant off CUDA (planning and
+    CPU tests)."""
+    if device.type != "cuda":
+        return TILE_SHARED_LIMIT_BYTES
+    return min(TILE_SHARED_LIMIT_BYTES, torch.cuda.get_device_properties(device).shared_memory_per_block_optin)
+
+
 def vector_staging_reason(width: int, kernel_size: tuple[int, int], padding: tuple[int, int]) -> str | None:
     """Why a layer cannot stage 16-byte vectors in ``direct_tile``, or None if it can: input ``width % 4 == 0``
     (a vector is 4 elements, every vector of a row wholly inside or outside the image) and ``pad_w <= S - 1``

@@ -98,9 +98,11 @@ def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str
 
 
 def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int], dtype: torch.dtype,
-               prune: bool = True, vector_pad: int | None = None) -> list[dict[str, Any]]:
-    """``direct_tile`` settings: the :data:`TILE_TILINGS` valid for ``dtype`` and whose staged chunks fit
-    in shared memory; with ``vector_pad`` (the layer's ``pad_w``, where
+               prune: bool = True, vector_pad: int | None = None,
+               shared_limit: int = cl.TILE_SHARED_LIMIT_BYTES) -> list[dict[str, Any]]:
+    """``direct_tile`` settings: the :data:`TILE_TILINGS` valid for ``dtype`` and whose two staged chunks fit
+    in ``shared_limit`` bytes of shared memory (:func:`~unsparse.runtime.cupy_launcher.tile_shared_limit` of the
+    GPU); with ``vector_pad`` (the layer's ``pad_w``, where
     :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason` allows it) also each tiling that can stage
     16-byte vectors, as ``"stage": "vector"``.
 
@@ -114,7 +116,7 @@ def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int]
             layout = cl.tile_layout(dtype, kernel_size, tiling, pad)
         except ValueError:
             continue
-        if layout.shared_bytes() > cl.TILE_SHARED_LIMIT_BYTES:
+        if layout.shared_bytes() > shared_limit:
             continue
         te, tf = tiling.tile_hw
         if prune and (te > 2 * E or tf > 2 * F_ or tiling.nb > max(batch, cl.images_per_element(dtype))):
@@ -479,7 +481,8 @@ class DirectBackend(ConvBackend):
                                      in_channels=csr1.in_channels_per_group)
         vector = cl.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding) is None
         space += tile_space(x.shape[0], out_hw, csr1.kernel_size, x.dtype,
-                            vector_pad=geometry1.padding[1] if vector else None)
+                            vector_pad=geometry1.padding[1] if vector else None,
+                            shared_limit=cl.tile_shared_limit(x.device))
         return space
 
     def kernel_names(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
