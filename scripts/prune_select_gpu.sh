@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The validation-split selection (scripts/prune_select.py) on a lent GPU machine, one candidate per job: the
 # dense model is trained once, then every NAME:OPTIONS argument runs prune_select.py on a copy of it at the same
-# time on the one GPU (at most 7 jobs). The device tool's call, from the repository root:
+# time on the one GPU. At most 6 jobs: with selection.md and the log, the device returns 8 files (three jobs at
+# a time finished a gpu_w32 resnet_small candidate each in 145-165 s). The device tool's call, from the repository
+# root:
 #
 #     command: UNSPARSE_COMMIT=<full sha> PRUNE_SELECT_ARGS="--models resnet_small --fine-tune-lr 0.05" \
 #              bash scripts/prune_select_gpu.sh "a01:--grid alpha=0.1" "a10:--grid alpha=1.0"
