@@ -19,7 +19,7 @@ from unsparse.prune import (
     threshold_mask,
     weighted_sparsity,
 )
-from unsparse.prune.masks import squashed_copy
+from unsparse.prune.masks import pack_mask, squashed_copy, unpack_mask
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.3, 0.9, 0.999, 1.0])
@@ -90,3 +90,19 @@ def test_pruner_needs_prepare():
         MagnitudePruner(0.5).step()
     with pytest.raises(ValueError, match="target"):
         MagnitudePruner(1.0)
+
+
+@pytest.mark.parametrize("shape", [(1,), (8,), (3, 5, 7), (16, 3, 3, 3), (0,)])
+def test_pack_mask_round_trips_and_takes_an_eighth_of_the_bytes(shape):
+    keep = torch.rand(shape, generator=torch.Generator().manual_seed(1)) < 0.4
+    bits = pack_mask(keep)
+    assert bits.dtype == torch.uint8 and bits.numel() == -(-keep.numel() // 8)
+    assert torch.equal(unpack_mask(bits, shape), keep)
+
+
+def test_pack_mask_bit_order_and_unpack_validation():
+    assert pack_mask(torch.tensor([1, 0, 0, 0, 0, 0, 0, 1, 1])).tolist() == [0b10000001, 0b10000000]
+    with pytest.raises(ValueError, match="bits"):
+        unpack_mask(torch.zeros(2, dtype=torch.uint8), (17,))
+    with pytest.raises(ValueError, match="bits"):
+        unpack_mask(torch.zeros(2, dtype=torch.int32), (9,))

@@ -87,7 +87,7 @@ def test_importance_weights_gradient_statistics():
 
 
 def solution(score: float, iteration: int) -> Solution:
-    return Solution(score, iteration, 0.0, {"a": torch.ones(2, dtype=torch.bool)}, {"w": torch.zeros(1)})
+    return Solution.from_masks(score, iteration, 0.0, {"a": torch.ones(2, dtype=torch.bool)})
 
 
 def test_ranked_list_keeps_best_length_sorted():
@@ -101,6 +101,17 @@ def test_ranked_list_keeps_best_length_sorted():
     restored = RankedList(4)
     restored.load_state(ranked.state())
     assert [(s.score, s.iteration) for s in restored.solutions] == [(s.score, s.iteration) for s in ranked.solutions]
+
+
+def test_solution_keeps_masks_bit_packed_and_returns_them_unchanged():
+    generator = torch.Generator().manual_seed(0)
+    masks = {"odd": torch.rand(3, 5, 7, generator=generator) < 0.3, "ones": torch.ones(9, dtype=torch.bool),
+             "zeros": torch.zeros(4, 2), "float": (torch.rand(2, 3, 3, 3, generator=generator) < 0.5).float()}
+    kept = Solution.from_masks(1.0, 3, 0.5, masks)
+    assert {name: bits.numel() for name, bits in kept.packed_masks.items()} == {
+        "odd": 14, "ones": 2, "zeros": 1, "float": 7}
+    for name, keep in kept.masks().items():
+        assert keep.dtype == torch.bool and torch.equal(keep, masks[name].bool())
 
 
 def test_crossover_copies_named_layers_only():
@@ -150,8 +161,8 @@ def test_mutation_lowers_sparsity_of_previous_layers_with_valid_masks():
 
 def test_crossover_takes_masks_from_ranked_solution():
     p = prepared()
-    p.ranked.offer(Solution(1.0, 0, 0.0, {name: torch.zeros_like(m.mask, dtype=torch.bool)
-                                           for name, m in p.masks.items()}, {}))
+    p.ranked.offer(Solution.from_masks(1.0, 0, 0.0, {name: torch.zeros_like(m.mask, dtype=torch.bool)
+                                                      for name, m in p.masks.items()}))
     p.pending = ["5"]
     assert p.crossover() == 0
     assert p.zero_counts()["5"] == p.layer_sizes()["5"] and p.zero_counts()["0"] == 0
@@ -305,12 +316,12 @@ def test_crossover_donors_are_at_most_max_regress_below_current_masks():
     p.chosen, p.delta = list(p.masks), dict.fromkeys(p.masks, 0.5)
     p.step()
     masks = {name: m.mask.bool() for name, m in p.masks.items()}
-    p.ranked.offer(Solution(9.0, 1, 0.0, {name: torch.ones_like(keep) for name, keep in masks.items()}, {}))
+    p.ranked.offer(Solution.from_masks(9.0, 1, 0.0, {name: torch.ones_like(keep) for name, keep in masks.items()}))
     assert p.ranked.candidates(p.donor_floor()) == []
     p.pending = ["5"]
     with pytest.raises(IndexError):
         p.crossover()
-    p.ranked.offer(Solution(1.0, 2, 0.46, {name: keep.clone() for name, keep in masks.items()}, {}))
+    p.ranked.offer(Solution.from_masks(1.0, 2, 0.46, masks))
     assert {p.crossover() for _ in range(5)} == {2}
     assert prepared().donor_floor() < 0
 

@@ -12,7 +12,8 @@ The paper's text lacks its equations; this follows the reading in ``DESIGN.md``.
    the iteration (lines 13-14). The change answers the mask update of the previous iteration, so it goes to
    the layers chosen then (``pending``), whose step follows eq. 11 (lines 16-17):
    ``Δ_l <- clip(Δ_l * (1 + β * sensitivity), min_step, max_step)`` (a negative sensitivity shrinks ``Δ_l``);
-5. the evaluated solution (masks, weights, score) enters the ranked list of the best ``L`` (lines 18-22);
+5. the evaluated solution (masks and score, :class:`Solution`) enters the ranked list of the best ``L``
+   (lines 18-22);
 6. masks of ``C_t`` from importance ``I = |w| + α |G|`` (eq. 12) thresholded to ``s_l + Δ_l`` (eq. 13-14,
    line 24); the last step is scaled so the weighted sparsity (eq. 7-8) lands exactly on the target;
 7. if the sensitivity is below ``-epsilon`` (progress not satisfactory, line 25), the previously chosen
@@ -66,7 +67,7 @@ from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
 
 from unsparse.prune.base import Pruner, PruneResult
-from unsparse.prune.masks import dense_weight, prunable_layers, threshold_mask
+from unsparse.prune.masks import dense_weight, pack_mask, prunable_layers, threshold_mask, unpack_mask
 from unsparse.train import Trainer, load_checkpoint, save_checkpoint
 
 CHECKPOINT = "evolutionary.pt"
@@ -123,19 +124,34 @@ def crossover_masks(current: Mapping[str, torch.Tensor], donor: Mapping[str, tor
 class Solution:
     """One entry of the ranked list (paper 004 Alg. 2 lines 19-21), held on the CPU.
 
+    The paper writes the weights into the list too; no step of Algorithm 2 reads them back (crossover,
+    eq. 17-18, takes masks only), so they are not kept: 16 copies of a torchvision model's weights would take
+    gigabytes and be rewritten to every checkpoint. Masks are kept bit-packed (:func:`pack_mask`).
+
     Attributes:
         score: validation score, higher is better (top-1 %, or ``-MSE``).
         iteration: the iteration that produced it.
         weighted_sparsity: eq. 7-8 of its masks.
-        masks: boolean keep-mask per layer.
-        state: the model's ``state_dict`` (dense originals, masks, biases, BatchNorm buffers).
+        packed_masks: per layer, the keep-mask as :func:`pack_mask` bits (``uint8``).
+        shapes: per layer, the mask's (the weight's) shape.
     """
 
     score: float
     iteration: int
     weighted_sparsity: float
-    masks: dict[str, torch.Tensor]
-    state: dict[str, torch.Tensor]
+    packed_masks: dict[str, torch.Tensor]
+    shapes: dict[str, list[int]]
+
+    @classmethod
+    def from_masks(cls, score: float, iteration: int, weighted_sparsity: float,
+                   masks: Mapping[str, torch.Tensor]) -> Solution:
+        """A solution holding ``masks`` (bool or 0/1 tensors of the weights' shapes, any device) packed."""
+        return cls(score, iteration, weighted_sparsity, {name: pack_mask(keep) for name, keep in masks.items()},
+                   {name: list(keep.shape) for name, keep in masks.items()})
+
+    def masks(self) -> dict[str, torch.Tensor]:
+        """The keep-masks, unpacked: bool tensors of the weights' shapes, on the CPU."""
+        return {name: unpack_mask(bits, self.shapes[name]) for name, bits in self.packed_masks.items()}
 
 
 class RankedList:
@@ -369,7 +385,7 @@ class EvolutionaryPruner(Pruner):
         """
         donor = self.ranked.sample(self.generator, self.donor_floor())
         current = {name: mask.mask.bool() for name, mask in self.masks.items()}
-        for name, keep in crossover_masks(current, donor.masks, self.pending).items():
+        for name, keep in crossover_masks(current, donor.masks(), self.pending).items():
             self.masks[name].set(keep)
         return donor.iteration
 
@@ -528,13 +544,11 @@ class EvolutionaryPruner(Pruner):
             self.masks[name].set(keep)
 
     def _offer(self, score: float) -> bool:
-        """Copy the current solution to the CPU and offer it to the ranked list, if it would enter."""
+        """Pack the current masks and offer them to the ranked list, if it would enter."""
         if not self.ranked.accepts(score):
             return False
-        return self.ranked.offer(Solution(
-            score, self.iteration, self.mask_weighted_sparsity(),
-            {name: mask.mask.bool().cpu() for name, mask in self.masks.items()},
-            {key: value.detach().cpu().clone() for key, value in self._prepared().state_dict().items()}))
+        return self.ranked.offer(Solution.from_masks(score, self.iteration, self.mask_weighted_sparsity(),
+                                                     {name: mask.mask for name, mask in self.masks.items()}))
 
     def _record(self, entry: dict[str, Any], log_path: Path, checkpoint: Path, optimizer: torch.optim.Optimizer,
                 trainer: Trainer, history: list[dict[str, Any]], elapsed: float, started: float) -> None:

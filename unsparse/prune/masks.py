@@ -176,3 +176,37 @@ def threshold_mask(importance: torch.Tensor, sparsity: float) -> torch.Tensor:
     keep = torch.ones(importance.numel(), dtype=torch.bool, device=importance.device)
     keep[order[:pruned]] = False
     return keep.reshape(importance.shape)
+
+
+_BIT_SHIFTS = torch.arange(7, -1, -1, dtype=torch.uint8)
+"""Bit positions of eight consecutive mask entries in one byte, most significant first."""
+
+
+def pack_mask(keep: torch.Tensor) -> torch.Tensor:
+    """A keep-mask as bits: 8 entries per byte, row-major (C) order, first entry in the most significant bit.
+
+    Args:
+        keep: bool or 0/1 tensor of any shape and device.
+
+    Returns:
+        ``uint8`` tensor of shape ``(ceil(numel / 8),)`` on the CPU; the last byte is zero-padded. An eighth of
+        a bool mask's bytes, which is what lets a ranked list of 16 solutions hold a large model's masks.
+    """
+    flat = keep.detach().reshape(-1).to(device="cpu", dtype=torch.uint8)
+    flat = torch.nn.functional.pad(flat, (0, -flat.numel() % 8))
+    return (flat.view(-1, 8) << _BIT_SHIFTS).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_mask(bits: torch.Tensor, shape: Iterable[int]) -> torch.Tensor:
+    """Inverse of :func:`pack_mask`: a bool tensor of ``shape`` on the CPU.
+
+    Raises:
+        ValueError: ``bits`` is not a 1-D ``uint8`` tensor of exactly ``ceil(prod(shape) / 8)`` bytes.
+    """
+    shape = tuple(int(size) for size in shape)
+    numel = math.prod(shape)
+    if bits.dtype != torch.uint8 or bits.dim() != 1 or bits.numel() != -(-numel // 8):
+        raise ValueError(f"bits: expected a 1-D uint8 tensor of {-(-numel // 8)} bytes for shape {shape}, got "
+                         f"{bits.dtype} of shape {tuple(bits.shape)}")
+    flat = (bits.cpu()[:, None] >> _BIT_SHIFTS) & 1
+    return flat.reshape(-1)[:numel].bool().reshape(shape)
