@@ -7,7 +7,7 @@ import torch
 from test_prune_evolutionary import tiny_model, tiny_trainer
 
 from unsparse.prune.gradual import GradualMagnitudePruner, cubic_sparsity
-from unsparse.prune.masks import model_weighted_sparsity, prunable_layers
+from unsparse.prune.masks import layer_sparsity, model_weighted_sparsity, prunable_layers, pruned_count
 from unsparse.train import Trainer
 
 
@@ -57,3 +57,30 @@ def test_run_reaches_target_with_monotone_masks(tmp_path, unit):
     assert [entry["iteration"] for entry in result.history] == list(range(1, len(result.history) + 1))
     assert result.history[-1]["weighted_sparsity"] == pytest.approx(0.75)
     assert {"iteration", "weighted_sparsity", "val_score", "val_top1"} <= set(result.history[0])
+
+
+def test_layer_targets_give_each_layer_its_own_final_sparsity_along_one_schedule(tmp_path):
+    targets = {"0": 0.25, "2": 0.5, "5": 0.9}
+    pruner = GradualMagnitudePruner(target=0.8, scope="layer", layer_targets=targets, pruning_steps=2,
+                                    fine_tune_epochs=1, lr=0.05)
+    model = tiny_model()
+    pruner.prepare(model)
+    pruner.step(0.4)
+    halfway = layer_sparsity(model)
+    assert halfway == {name: pytest.approx(pruned_count(value / 2, size) / size)
+                       for (name, value), size in zip(targets.items(), pruner.layer_sizes().values(), strict=True)}
+    pruner.run(tiny_model(), tiny_trainer(MonotoneTrainer), tmp_path)
+    final = layer_sparsity(pruner.model)
+    assert final == {name: pytest.approx(pruned_count(value, size) / size)
+                     for (name, value), size in zip(targets.items(), pruner.layer_sizes().values(), strict=True)}
+
+
+def test_layer_targets_are_validated():
+    with pytest.raises(ValueError, match="layer_targets"):
+        GradualMagnitudePruner(target=0.8, layer_targets={"0": 0.5})
+    with pytest.raises(ValueError, match="layer_targets"):
+        GradualMagnitudePruner(target=0.8, scope="layer", layer_targets={"0": 1.0})
+    pruner = GradualMagnitudePruner(target=0.8, scope="layer", layer_targets={"missing": 0.5})
+    pruner.prepare(tiny_model())
+    with pytest.raises(KeyError, match="missing"):
+        pruner.step()

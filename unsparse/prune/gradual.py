@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from torch import nn
@@ -55,17 +56,20 @@ class GradualMagnitudePruner(MagnitudePruner):
         fine_tune_epochs: masked training epochs after the epoch of the last pruning step.
         lr: learning rate (None: the trainer's); cosine-annealed over the whole run.
         layers: layers to prune (default all prunable).
+        layer_targets: with ``scope="layer"``, each named layer's ``s_f``; its schedule is the cubic one scaled by
+            ``layer_targets[l] / target`` (:class:`MagnitudePruner`).
 
     Raises:
-        ValueError: on a bad unit, scope or schedule constant.
+        ValueError: on a bad unit, scope, schedule constant or ``layer_targets``.
     """
 
     name = "gradual"
 
     def __init__(self, target: float = 0.9, initial_sparsity: float = 0.0, start: int = 0, frequency: int = 1,
                  pruning_steps: int = 5, unit: str = "epoch", scope: str = "global", fine_tune_epochs: int = 3,
-                 lr: float | None = None, layers: list[str] | None = None) -> None:
-        super().__init__(target, scope, fine_tune_epochs, lr, layers)
+                 lr: float | None = None, layers: list[str] | None = None,
+                 layer_targets: Mapping[str, float] | None = None) -> None:
+        super().__init__(target, scope, fine_tune_epochs, lr, layers, layer_targets)
         if unit not in UNITS:
             raise ValueError(f"unit: expected one of {UNITS}, got {unit!r}")
         if start < 0 or frequency < 1 or pruning_steps < 0 or not 0.0 <= initial_sparsity <= target:

@@ -2,12 +2,14 @@
 
 The baseline of Han et al. (Deep Compression), as compared against in paper 004 Tables 1-4: keep the
 weights of largest ``|w|``, either over the whole model at once (``scope="global"``, which reaches the
-target weighted sparsity of eq. 7-8 exactly) or layer by layer (``scope="layer"``).
+target weighted sparsity of eq. 7-8 exactly) or layer by layer (``scope="layer"``), each layer to the target
+or to its own entry of ``layer_targets`` (a per-layer allocation, e.g. the one another pruner reached).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -27,30 +29,54 @@ class MagnitudePruner(Pruner):
         fine_tune_epochs: masked training epochs after the step.
         lr: fine-tuning learning rate (None: the trainer's).
         layers: layers to prune (default all prunable).
+        layer_targets: with ``scope="layer"``, final sparsity per layer name (layers not named get ``target``);
+            a step to ``s`` puts layer ``l`` at ``layer_targets[l] * s / target``, so gradual schedules scale
+            every layer's path alike. ``target`` should then be their weighted sparsity (eq. 7-8), which the
+            pruner cannot check before :meth:`prepare`.
+
+    Raises:
+        ValueError: bad ``scope``; ``layer_targets`` with ``scope="global"``, with ``target`` 0, or with a value
+            outside ``[0, 1)``.
     """
 
     name = "magnitude"
 
     def __init__(self, target: float = 0.9, scope: str = "global", fine_tune_epochs: int = 3,
-                 lr: float | None = None, layers: list[str] | None = None) -> None:
+                 lr: float | None = None, layers: list[str] | None = None,
+                 layer_targets: Mapping[str, float] | None = None) -> None:
         super().__init__(target, layers)
         if scope not in ("global", "layer"):
             raise ValueError(f"scope: expected 'global' or 'layer', got {scope!r}")
+        if layer_targets is not None:
+            if scope != "layer" or target == 0.0:
+                raise ValueError("layer_targets: needs scope='layer' and a target above 0")
+            outside = {name: value for name, value in layer_targets.items() if not 0.0 <= value < 1.0}
+            if outside:
+                raise ValueError(f"layer_targets: sparsity outside [0, 1) for {outside}")
         self.scope, self.fine_tune_epochs, self.lr = scope, fine_tune_epochs, lr
+        self.layer_targets = dict(layer_targets or {})
 
     @torch.no_grad()
     def step(self, sparsity: float | None = None) -> None:
-        """Set every mask so the masked layers reach ``sparsity`` (default ``target``) by magnitude.
+        """Set every mask so the masked layers reach ``sparsity`` (default ``target``) by magnitude; with
+        ``layer_targets``, layer ``l`` reaches ``layer_targets[l] * sparsity / target`` (at most 1).
 
         Ranks the effective (masked) weights, so weights already pruned rank lowest and stay pruned while the
         sparsity grows (Zhu & Gupta 2017); ties are broken by position.
+
+        Raises:
+            KeyError: a ``layer_targets`` name is not a masked layer.
         """
         sparsity = self.target if sparsity is None else sparsity
         layers = prunable_layers(self._prepared())
         magnitudes = {name: layers[name].weight.abs() for name in self.masks}
         if self.scope == "layer":
+            unknown = set(self.layer_targets) - set(magnitudes)
+            if unknown:
+                raise KeyError(f"layer_targets: not masked layers: {sorted(unknown)}")
             for name, magnitude in magnitudes.items():
-                self.masks[name].set(threshold_mask(magnitude, sparsity))
+                share = self.layer_targets.get(name, self.target) / self.target
+                self.masks[name].set(threshold_mask(magnitude, min(sparsity * share, 1.0)))
             return
         flat = torch.cat([m.reshape(-1).float().cpu() for m in magnitudes.values()])
         keep = threshold_mask(flat, sparsity)
