@@ -1,0 +1,184 @@
+"""Ablation: does the evolutionary pruner's per-layer allocation explain its ResNet shortfall against gradual magnitude?
+
+The pruning table (``scripts/prune_table.py``) has ``resnet_small`` lose more top-1 with the evolutionary pruner
+(paper 004 Alg. 2) than with gradual magnitude pruning (Zhu & Gupta 2017) at the same weighted sparsity (eq. 7-8),
+and the two allocate sparsity to layers differently. From one dense model of the table's budget and seed, three
+arms run from copies of it:
+
+- ``evolutionary``: as in the table (``configs/prune/evolutionary.yaml`` with ``--evolutionary`` overrides, the
+  budget's iterations and fine-tuning epochs at ``--fine-tune-lr``);
+- ``gradual_global``: gradual magnitude with one global threshold at the weighted sparsity ``evolutionary``
+  reached, its schedule as long as the evolutionary iterations used (the table's baseline);
+- ``gradual_allocation``: the same schedule, each layer to the sparsity ``evolutionary`` gave it
+  (``layer_targets``), so it differs from ``gradual_global`` only in the allocation.
+
+Every arm is scored by top-1 on the validation and the test split. Nothing is chosen from these figures; the
+plan and the reading rule are in ``docs/pruning_h100_w32/plan_allocation_ablation.md``.
+
+    PYTHONPATH=. python scripts/prune_allocation.py --model resnet_small --seed 0 --out allocation_seed0.json \
+        --evolutionary epsilon=0.005 --fine-tune-lr 0.05
+    PYTHONPATH=. python scripts/prune_allocation.py --render seed0.json seed1.json --out allocation.md
+
+Writes ``--out`` (JSON, atomically, after every arm: a stopped run keeps what it finished); ``--render`` joins
+seeds into the Markdown page. ``scripts/prune_allocation_gpu.sh`` runs one seed per job on a lent GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from unsparse.atomic import atomic_write_json, atomic_write_text
+from unsparse.data import FASHION_MNIST_DIR, fashion_mnist
+from unsparse.pipeline import git_commit
+from unsparse.prune.evolutionary import EvolutionaryPruner
+from unsparse.prune.gradual import GradualMagnitudePruner
+from unsparse.train import Trainer
+
+ARMS = ("evolutionary", "gradual_global", "gradual_allocation")
+
+
+def _script(name: str):
+    """``scripts/NAME.py`` as a module (budgets, settings and dense training are shared with it)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SELECT = _script("prune_select")
+TABLE = SELECT.TABLE
+
+
+def ablate(name: str, budget: dict[str, Any], overrides: dict[str, Any], fine_tune_lr: float,
+           trainer_for: Any, workdir: Path, seed: int, record: Any) -> dict[str, dict[str, Any]]:
+    """The three arms (module docstring) on model ``name`` from one dense model of ``budget`` and ``seed``.
+
+    ``trainer_for()`` returns a fresh :class:`Trainer` (loaders reseeded, so every arm sees the same batch order);
+    ``record(arms)`` is called after every arm. Returns per arm: ``val_top1`` and ``test_top1`` (%),
+    ``weighted_sparsity`` (eq. 7-8), ``layer_sparsity`` (per layer name), ``wall_time_s`` (s); the evolutionary
+    arm also ``iterations`` (used) and the gradual arms ``pruning_steps`` (epochs of their schedule).
+    """
+    dense = SELECT.train_dense(name, budget, trainer_for(), workdir, seed)
+    arms: dict[str, dict[str, Any]] = {}
+
+    def finish(arm: str, model: torch.nn.Module, result: Any, **extra: Any) -> None:
+        trainer = trainer_for()
+        arms[arm] = {"val_top1": trainer.evaluate(model, "val")["top1"],
+                     "test_top1": trainer.evaluate(model, "test")["top1"],
+                     "weighted_sparsity": result.weighted_sparsity, "layer_sparsity": result.layer_sparsity,
+                     "wall_time_s": result.wall_time_s, **extra}
+        TABLE.say(f"{name} seed {seed} {arm}: val {arms[arm]['val_top1']:.2f} test {arms[arm]['test_top1']:.2f} "
+                  f"weighted sparsity {result.weighted_sparsity:.4f}")
+        record(arms)
+
+    model = copy.deepcopy(dense)
+    trainer = trainer_for()
+    evolutionary = EvolutionaryPruner(**{**TABLE.evolutionary_settings(seed), **overrides, "target": TABLE.TARGET,
+                                         "iterations": budget["iterations"],
+                                         "batches_per_iteration": budget["batches"],
+                                         "fine_tune_epochs": budget["fine_tune_epochs"],
+                                         "fine_tune_lr": fine_tune_lr})
+    result = evolutionary.run(model, trainer, workdir / "evolutionary")
+    used = sum(entry["phase"] == "prune" and entry["iteration"] > 0 for entry in result.history)
+    finish("evolutionary", model, result, iterations=used)
+    steps = max(math.ceil(used * budget["batches"] / len(trainer.loaders["train"])), 1)
+    allocations = {"gradual_global": {"scope": "global"},
+                   "gradual_allocation": {"scope": "layer", "layer_targets": result.layer_sparsity}}
+    for arm, allocation in allocations.items():
+        model = copy.deepcopy(dense)
+        pruner = GradualMagnitudePruner(target=result.weighted_sparsity, pruning_steps=steps, lr=fine_tune_lr,
+                                        fine_tune_epochs=budget["fine_tune_epochs"], **allocation)
+        finish(arm, model, pruner.run(model, trainer_for(), workdir / arm), pruning_steps=steps)
+    return arms
+
+
+def _mean_sd(values: list[float]) -> str:
+    spread = f" ± {statistics.stdev(values):.2f}" if len(values) > 1 else ""
+    return f"{statistics.mean(values):+.2f}{spread}"
+
+
+def markdown(runs: list[dict[str, Any]]) -> str:
+    """The page for ``--out`` JSONs of one model (one per seed): per seed and arm the top-1 on both splits, then
+    the mean ± sample standard deviation over seeds of each arm's difference to ``gradual_global``."""
+    meta = runs[0]["meta"]
+    lines = [f"# Allocation ablation: {meta['model']}", "",
+             "Written by `scripts/prune_allocation.py --render`; plan and reading rule in "
+             "`plan_allocation_ablation.md`. Per seed one dense model; the three arms start from copies of it "
+             f"(budget `{meta['budget_name']}`, evolutionary overrides {meta['overrides']}, fine-tuning learning "
+             f"rate {meta['fine_tune_lr']}). Top-1 in %.", "",
+             "| seed | commit | device | arm | val top1 | test top1 | weighted sparsity | wall s |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        for arm, row in run["arms"].items():
+            lines.append(f"| {run['meta']['seed']} | {run['meta']['commit']} | {run['meta']['device_name']} | {arm} "
+                         f"| {row['val_top1']:.2f} | {row['test_top1']:.2f} | {row['weighted_sparsity']:.4f} | "
+                         f"{row['wall_time_s']:.0f} |")
+    complete = [run["arms"] for run in runs if set(run["arms"]) == set(ARMS)]
+    lines += ["", f"Differences to `gradual_global` in points, over the {len(complete)} seed(s) with all arms "
+                  "(mean ± sample standard deviation):", "",
+              "| arm | val | test |", "|---|---|---|"]
+    for arm in ARMS[0], ARMS[2]:
+        lines.append(f"| {arm} | " + " | ".join(
+            _mean_sd([arms[arm][split] - arms["gradual_global"][split] for arms in complete])
+            for split in ("val_top1", "test_top1")) + " |")
+    names = list(complete[0]["evolutionary"]["layer_sparsity"]) if complete else []
+    lines += ["", "Per-layer sparsity (seed order as above; `gradual_allocation` matches `evolutionary` by "
+                  "construction):", "", "| layer | evolutionary | gradual_global |", "|---|---|---|"]
+    for layer in names:
+        lines.append(f"| {layer} | " + " | ".join(
+            ", ".join(f"{arms[arm]['layer_sparsity'][layer]:.2f}" for arms in complete)
+            for arm in ("evolutionary", "gradual_global")) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("vgg_small", "resnet_small"), default="resnet_small")
+    parser.add_argument("--budget", choices=list(TABLE.BUDGETS), default="gpu_w32")
+    parser.add_argument("--evolutionary", nargs="*", type=TABLE.setting, default=[], metavar="KEY=VALUE",
+                        help="EvolutionaryPruner settings overriding the config file")
+    parser.add_argument("--fine-tune-lr", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    parser.add_argument("--data-root", type=Path, default=FASHION_MNIST_DIR)
+    parser.add_argument("--workdir", type=Path, default=Path("outputs/prune_allocation"))
+    parser.add_argument("--out", type=Path, required=True, help="JSON file (with --render: the Markdown page)")
+    parser.add_argument("--render", nargs="+", type=Path, metavar="JSON", help="write the page and run nothing")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
+    args = parser.parse_args()
+    if args.render:
+        atomic_write_text(args.out, markdown([json.loads(path.read_text()) for path in args.render]))
+        return
+    budget = TABLE.BUDGETS[args.budget]
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    splits = TABLE.trim(fashion_mnist(root=args.data_root, limit_train=budget["limit_train"]), budget["val"],
+                        budget["test"])
+    meta = {"model": args.model, "budget_name": args.budget, "budget": budget, "seed": args.seed,
+            "overrides": dict(args.evolutionary), "fine_tune_lr": args.fine_tune_lr, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else TABLE.cpu_name(),
+            "torch": torch.__version__, "commit": (git_commit() or "none")[:7]}
+    started = time.perf_counter()
+
+    def trainer_for() -> Trainer:
+        return Trainer(splits.loaders(TABLE.BATCH_SIZE, seed=args.seed), device=device, lr=0.05,
+                       progress=args.progress)
+
+    def record(arms: dict[str, dict[str, Any]]) -> None:
+        atomic_write_json(args.out, {"meta": {**meta, "wall_time_s": time.perf_counter() - started}, "arms": arms})
+
+    ablate(args.model, budget, dict(args.evolutionary), args.fine_tune_lr, trainer_for,
+           args.workdir / f"seed{args.seed}" / args.model, args.seed, record)
+
+
+if __name__ == "__main__":
+    main()
