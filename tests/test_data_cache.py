@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import gzip
+import lzma
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from unsparse.data import FASHION_MNIST_FILES
 
@@ -14,12 +17,15 @@ PREPARE = "import sys; from pathlib import Path; from unsparse.data import _prep
           "print(p(Path(sys.argv[1])))"
 
 
-def test_concurrent_preparers_all_succeed_with_complete_files(tmp_path):
+@pytest.mark.parametrize("suffix, compress", [(".gz", lambda data: gzip.compress(data, compresslevel=1)),
+                                              (".xz", lambda data: lzma.compress(data, preset=0)),
+                                              ("", lambda data: data)])
+def test_concurrent_preparers_all_succeed_with_complete_files(tmp_path, suffix, compress):
     source = tmp_path / "source"
     source.mkdir()
     payload = {name: bytes([index]) * (4 << 20) for index, name in enumerate(FASHION_MNIST_FILES)}
     for name, data in payload.items():
-        (source / f"{name}.gz").write_bytes(gzip.compress(data, compresslevel=1))
+        (source / f"{name}{suffix}").write_bytes(compress(data))
     environment = {**os.environ, "UNSPARSE_CACHE": str(tmp_path / "cache"),
                    "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     workers = [subprocess.Popen([sys.executable, "-c", PREPARE, str(source)], env=environment,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import lzma
 import os
 import shutil
 from dataclasses import dataclass
@@ -83,15 +84,17 @@ def _prepare_fashion_mnist_root(source: Path) -> Path:
         target = raw / name
         if target.exists():
             continue
-        compressed, plain = source / f"{name}.gz", source / name
-        if not compressed.exists() and not plain.exists():
+        candidates = ((source / f"{name}.gz", gzip.open), (source / f"{name}.xz", lzma.open), (source / name, open))
+        found = [(path, opener) for path, opener in candidates if path.exists()]
+        if not found:
             raise DatasetUnavailableError(
-                f"Fashion-MNIST file {compressed} not found. Install Debian's package: "
+                f"Fashion-MNIST file {source / name}.gz not found. Install Debian's package: "
                 "`apt-get install dataset-fashion-mnist` (or set data.root to a folder holding the four "
                 "idx files).")
+        path, opener = found[0]
         # A unique temporary name per writer: processes preparing the same cache at once (several tables on
         # one machine) each rename a whole file into place instead of renaming each other's half-written one.
-        with gzip.open(compressed) if compressed.exists() else open(plain, "rb") as src:
+        with opener(path, "rb") as src:
             atomic_write(target, lambda dst, src=src: shutil.copyfileobj(src, dst))
     return root
 
@@ -116,7 +119,7 @@ def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, li
     """Fashion-MNIST (60k train, 10k test, 10 classes), the validation split carved from train.
 
     Args:
-        root: folder with the four idx files (``.gz`` or plain), Debian's location by default.
+        root: folder with the four idx files (``.gz``, ``.xz`` or plain), Debian's location by default.
         val_size: training images held out for validation (the pruners' accuracy signal).
         limit_train, limit_test: keep only the first N train / (validation and test) images (smoke runs).
         seed: seed of the validation split.

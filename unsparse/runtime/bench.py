@@ -419,8 +419,12 @@ def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch:
 
 
 def _write_json(result: dict[str, Any], out_dir: Path) -> None:
-    """Rewrite ``bench.json`` with the records so far, atomically (``complete`` is false until the end)."""
-    atomic_write_text(out_dir / "bench.json", json.dumps(result, indent=1, default=_json_default))
+    """Rewrite ``bench.json`` with the records so far, atomically (``complete`` is false until the end).
+
+    Compact (no whitespace): the file is for machines, the Markdown report beside it for people, and indenting
+    made committed results 1.6x larger, too large to travel to the lent GPU machine with the pruning data.
+    """
+    atomic_write_text(out_dir / "bench.json", json.dumps(result, separators=(",", ":"), default=_json_default))
 
 
 def _json_default(value: Any) -> Any:
