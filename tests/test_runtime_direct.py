@@ -504,8 +504,14 @@ def test_tuning_spaces() -> None:
     assert len(rows_space(1, 1, prune=False)) == 6
     assert all(p["wx"] <= 14 for p in tile_space(8, (7, 7), (3, 3), torch.float32))
     big = tile_space(128, (56, 56), (3, 3), torch.float32)
-    # Every tiling's 3x3 chunks fit the tile limit in float32; NB = 1 is float32-only (float16 pairs images).
-    assert len(big) == len(TILE_TILINGS) == len(tile_space(128, (56, 56), (3, 3), torch.float16)) + 1
+    # Every tiling's 3x3 chunks fit the tile limit in float32 but the CC = 32 one (float16 only: half the bytes);
+    # NB = 1 is float32-only (float16 pairs images).
+    every = {tiling_of(p) for p in tile_space(128, (56, 56), (3, 3), torch.float32, prune=False,
+                                              shared_limit=10 ** 9)}
+    assert every == set(TILE_TILINGS)
+    assert every - {tiling_of(p) for p in big} == {t for t in TILE_TILINGS if t.cc == 32}
+    assert every - {tiling_of(p) for p in tile_space(128, (56, 56), (3, 3), torch.float16)} == {
+        t for t in TILE_TILINGS if t.nb == 1}
     assert len(tile_space(128, (56, 56), (5, 5), torch.float32)) < len(big)
     small = tile_space(128, (56, 56), (3, 3), torch.float32, shared_limit=cl.SHARED_LIMIT_BYTES)
     assert 0 < len(small) < len(big) and all(
