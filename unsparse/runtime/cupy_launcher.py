@@ -29,11 +29,10 @@ ROWS_CHUNK = 256
 SHARED_LIMIT_BYTES = 48 * 1024
 """Shared memory a block may use without opting in (CUDA default): the limit of ``direct_pointwise``'s static
 staging buffers."""
-TILE_SHARED_LIMIT_BYTES = 227 * 1024
+TILE_SHARED_LIMIT_BYTES = 99 * 1024
 """Dynamic shared memory a ``direct_tile`` block may ask for (its two staged chunks, :meth:`TileLayout.shared_bytes`;
-beyond :data:`SHARED_LIMIT_BYTES` :func:`launch` opts in): sm_90's per-block opt-in limit; :func:`tile_shared_limit`
-lowers it to the GPU's own (sm_86/sm_89: 99 KB, sm_80: 163 KB, sm_75: 64 KB). A float32 3x3 chunk of 32 channels
-takes 104 KB, so two blocks fit one H100 SM's 228 KB."""
+beyond :data:`SHARED_LIMIT_BYTES` :func:`launch` opts in): the per-block opt-in limit of sm_86/sm_89 GPUs, below
+sm_80's 163 KB and sm_90's 227 KB. On an H100 two such blocks fit one SM's 228 KB."""
 TAP_SHIFT_BITS = 16
 """``direct_rows`` packs a tap's (row shift, column shift) as ``dy << 16 | dx``; both must be < 2**15."""
 
@@ -217,8 +216,8 @@ def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTi
 
 def tile_shared_limit(device: torch.device) -> int:
     """Bytes of dynamic shared memory a ``direct_tile`` block may take on ``device``: :data:`TILE_SHARED_LIMIT_BYTES`,
-    or the GPU's per-block opt-in limit where that is lower (sm_86: 99 KB, sm_75: 64 KB); the constant off CUDA
-    (planning and CPU tests)."""
+    or the GPU's per-block opt-in limit where that is lower (sm_75: 64 KB); the constant off CUDA (planning and
+    CPU tests)."""
     if device.type != "cuda":
         return TILE_SHARED_LIMIT_BYTES
     return min(TILE_SHARED_LIMIT_BYTES, torch.cuda.get_device_properties(device).shared_memory_per_block_optin)

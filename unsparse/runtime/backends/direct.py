@@ -66,8 +66,8 @@ images, NB even). CC = 16 halves the barriers per nonzero where a chunk holds li
 3x3 stride-2 layer's phase split, 1x1 layers, and 3x3 layers at high sparsity); staged chunks beyond 48 KB
 take dynamic shared memory up to :data:`~unsparse.runtime.cupy_launcher.TILE_SHARED_LIMIT_BYTES`. At 0.95-0.98
 sparsity a fixed cost per staged element dominates (VGG16 features.5 FP16: about 0.83 ms of 1.60 ms at 0.95), so
-the last two share each chunk among 128 output channels, or stage 32 channels per barrier pair (a float32 3x3
-chunk of 32 channels takes 104 KB: GPUs whose opt-in limit is lower, sm_86's 99 KB, leave it out)."""
+the last two share each chunk among 128 output channels, or stage 32 channels per barrier pair (float16 only: a
+float32 3x3 chunk of 32 channels does not fit)."""
 
 
 POINTWISE_TILINGS = (
