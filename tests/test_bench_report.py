@@ -34,7 +34,7 @@ def result():
             "end_to_end": [{"model": "vgg16", "weights": "synthetic", "batch": 128, "precision": "fp32",
                             "dense_ms": 10.0, "planned_ms": 10.2, "speedup": 10 / 10.2, "rel_error": 1e-7,
                             "dense_graph_ms": 9.0, "planned_graph_ms": 8.0, "graph_speedup": 9 / 8,
-                            "backend_counts": {"cudnn": 3}},
+                            "backend_counts": {"cudnn": 2, "direct": 1}, "off_cudnn": {"features.0": "direct"}},
                            {"model": "model.safetensors", "weights": "trained", "batch": 32, "precision": "fp32",
                             "dense_ms": 1.0, "planned_ms": 2.0, "speedup": 0.5, "rel_error": 1e-7,
                             "layers": [{"key": "k1", "best": "cudnn",
@@ -63,6 +63,7 @@ def test_report_says_where_sparse_is_slower(result, tmp_path):
     assert "| 32 | `k1` | cudnn | 0.100 | 0.300 |" in text
     assert "| 10.000 | 10.200 | 0.98 | 9.000 | 8.000 | 1.12 |" in text  # eager, then graph replays
     assert "| 1.000 | 2.000 | 0.50 | - | - | - |" in text  # no graph timings for that one
+    assert "{'cudnn': 2, 'direct': 1}; not on cuDNN: features.0 (direct) |" in text
     assert "**missed**" in text
     paths = plot_results(result, tmp_path)
     assert {path.name for path in paths} == {"speedup.png", "breakdown.png", "end_to_end.png"}

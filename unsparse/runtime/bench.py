@@ -247,7 +247,8 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     """Time the dense model (cuDNN) against its sparsified copy running the plan ("auto"), same precision.
 
     The sparse copy is planned with :func:`plan_model` (entries already in ``plan`` are reused); outputs
-    of the two are compared with the dtype's tolerance (TF32-aware).
+    of the two are compared with the dtype's tolerance (TF32-aware). The record's ``backend_counts`` counts the
+    planned backend per layer, and ``off_cudnn`` names each layer planned on another backend than cuDNN.
     """
     dtype, tf32 = PRECISIONS[precision]
     with precision_mode(tf32):
@@ -262,16 +263,17 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             sparse_t = time_fn(lambda i: sparse(x), device, runs=runs)
             graphs = graph_timings(lambda: dense(x), lambda: sparse(x), device, runs)
         error = relative_error(sparse_out.double(), dense_out.double())
+    by_layer = {name: entry.backend for name, layer in sparse_layers(sparse).items()
+                if (entry := plan.get(layer.plan_key)) is not None}
     chosen: dict[str, int] = {}
-    for layer in sparse_layers(sparse).values():
-        entry = plan.get(layer.plan_key)
-        if entry is not None:
-            chosen[entry.backend] = chosen.get(entry.backend, 0) + 1
+    for backend in by_layer.values():
+        chosen[backend] = chosen.get(backend, 0) + 1
     return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
             "speedup": dense_t.median_ms / sparse_t.median_ms, "rel_error": error,
             "tolerance": 10 * tolerance(dtype, tf32), "layers_planned_now": len(comparisons),
             "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
-            "planned_timing": sparse_t.to_dict(), "backend_counts": chosen}
+            "planned_timing": sparse_t.to_dict(), "backend_counts": chosen,
+            "off_cudnn": {name: backend for name, backend in by_layer.items() if backend != "cudnn"}}
 
 
 def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: Sequence[float] = (0.8, 0.9, 0.95),
@@ -427,6 +429,12 @@ def _write_json(result: dict[str, Any], out_dir: Path) -> None:
     atomic_write_text(out_dir / "bench.json", json.dumps(result, separators=(",", ":"), default=_json_default))
 
 
+def _off_cudnn(record: dict[str, Any]) -> str:
+    """``; not on cuDNN: NAME (BACKEND), ...`` for an end-to-end record's layers planned off cuDNN, else ``""``."""
+    names = record.get("off_cudnn") or {}
+    return "; not on cuDNN: " + ", ".join(f"{name} ({backend})" for name, backend in names.items()) if names else ""
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
@@ -538,7 +546,7 @@ def markdown_report(result: dict[str, Any]) -> str:
         lines.append(f"| {r['model']} | {r['weights']} | {r['batch']} | {r['precision']} | {_fmt(r['dense_ms'])} | "
                      f"{_fmt(r['planned_ms'])} | {_fmt(r['speedup'], 2)} | {_fmt(r.get('dense_graph_ms'))} | "
                      f"{_fmt(r.get('planned_graph_ms'))} | {_fmt(r.get('graph_speedup'), 2)} | "
-                     f"{r['rel_error']:.2e} | {r.get('backend_counts', '')} |")
+                     f"{r['rel_error']:.2e} | {r.get('backend_counts', '')}{_off_cudnn(r)} |")
     trained = [(r, layer) for r in result["end_to_end"] for layer in r.get("layers", [])]
     if trained:
         lines += ["", "## Trained model, per layer (every backend, ms)", "",
