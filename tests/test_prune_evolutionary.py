@@ -101,6 +101,9 @@ def test_ranked_list_keeps_best_length_sorted():
     restored = RankedList(4)
     restored.load_state(ranked.state())
     assert [(s.score, s.iteration) for s in restored.solutions] == [(s.score, s.iteration) for s in ranked.solutions]
+    old_format = [{"score": 1.0, "iteration": 0, "weighted_sparsity": 0.0, "masks": {}, "state": {}}]
+    with pytest.raises(ValueError, match="ranked: checkpoint entry has fields"):
+        restored.load_state(old_format)
 
 
 def test_solution_keeps_masks_bit_packed_and_returns_them_unchanged():

@@ -206,7 +206,17 @@ class RankedList:
                 for solution in self.solutions]
 
     def load_state(self, state: list[dict[str, Any]]) -> None:
-        """Replace the contents with a :meth:`state`."""
+        """Replace the contents with a :meth:`state`.
+
+        Raises:
+            ValueError: an entry's fields are not :class:`Solution`'s (a checkpoint written before the ranked list
+                kept bit-packed masks instead of model states); the message names them.
+        """
+        expected = [field.name for field in dataclasses.fields(Solution)]
+        for entry in state:
+            if sorted(entry) != sorted(expected):
+                raise ValueError(f"ranked: checkpoint entry has fields {sorted(entry)}, expected {sorted(expected)} "
+                                 "(written by an older version; start the run in a new working directory)")
         self.solutions = [Solution(**entry) for entry in state]
 
 
