@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from unsparse.runtime.bench import evaluate_targets, markdown_report, plot_results
+from unsparse.runtime.bench import evaluate_targets, for_json, markdown_report, plot_results
 
 
 def layer(model, name, in_chw, kernel, cudnn_ms, direct_ms, cublas_ms=None, cusparse_ms=None, precision="fp32",
@@ -109,3 +109,10 @@ def test_targets_without_records_read_not_measured(result) -> None:
     empty = {**result, "layers": [], "end_to_end": []}
     text = markdown_report({**empty, "targets": evaluate_targets(empty)})
     assert text.count("not measured in this run") == 4 and "missed" not in text
+
+
+def test_bench_json_keeps_six_significant_digits_and_only_plain_json():
+    record = {"ms": 1.8556159734725952, "big": 13.261043548583984, "tiny": 9.847969899899026e-08, "count": 52,
+              "nested": [{"nan": float("nan"), "inf": float("-inf")}, (0.1 + 0.2, "x")], "flag": True}
+    assert for_json(record) == {"ms": 1.85562, "big": 13.261, "tiny": 9.84797e-08, "count": 52,
+                                "nested": [{"nan": None, "inf": None}, [0.3, "x"]], "flag": True}
