@@ -58,6 +58,7 @@ TILE_TILINGS = (
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=16),
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=16),
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32),
+    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=32),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM
 within the register file), warp tiles 4x32 to 8x8 for planes from 224x224 down to 7x7, 32 to 128 output
@@ -66,8 +67,8 @@ images, NB even). CC = 16 halves the barriers per nonzero where a chunk holds li
 3x3 stride-2 layer's phase split, 1x1 layers, and 3x3 layers at high sparsity); staged chunks beyond 48 KB
 take dynamic shared memory up to :data:`~unsparse.runtime.cupy_launcher.TILE_SHARED_LIMIT_BYTES`. At 0.95-0.98
 sparsity a fixed cost per staged element dominates (VGG16 features.5 FP16: about 0.83 ms of 1.60 ms at 0.95), so
-the last two share each chunk among 128 output channels, or stage 32 channels per barrier pair (float16 only: a
-float32 3x3 chunk of 32 channels does not fit)."""
+the last three share each chunk among 128 output channels, or stage 32 channels per barrier pair, or both
+(CC = 32 in float16 only: a float32 3x3 chunk of 32 channels does not fit)."""
 
 
 POINTWISE_TILINGS = (
