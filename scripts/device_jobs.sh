@@ -62,3 +62,18 @@ run_jobs() {
     done
     return $status
 }
+
+# render_jobs SCRIPT PAGE NAME:OPTIONS...: join the $OUT/NAME.json files the jobs left (the others are skipped) into
+# $OUT/PAGE with `python3 SCRIPT --render JSON... --out $OUT/PAGE`; nothing when no job left one.
+render_jobs() {
+    local script=$1 page=$2 job names=()
+    shift 2
+    for job in "$@"; do
+        if [[ -e $OUT/${job%%:*}.json ]]; then
+            names+=("$OUT/${job%%:*}.json")
+        fi
+    done
+    if ((${#names[@]})); then
+        python3 "$script" --render "${names[@]}" --out "$OUT/$page"
+    fi
+}

@@ -38,8 +38,7 @@ from typing import Any
 import torch
 
 from unsparse.atomic import atomic_write_json, atomic_write_text
-from unsparse.data import FASHION_MNIST_DIR, fashion_mnist
-from unsparse.pipeline import git_commit
+from unsparse.data import FASHION_MNIST_DIR
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
 from unsparse.train import Trainer
@@ -159,14 +158,9 @@ def main() -> None:
     if args.render:
         atomic_write_text(args.out, markdown([json.loads(path.read_text()) for path in args.render]))
         return
-    budget = TABLE.BUDGETS[args.budget]
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    splits = TABLE.trim(fashion_mnist(root=args.data_root, limit_train=budget["limit_train"]), budget["val"],
-                        budget["test"])
-    meta = {"model": args.model, "budget_name": args.budget, "budget": budget, "seed": args.seed,
-            "overrides": dict(args.evolutionary), "fine_tune_lr": args.fine_tune_lr, "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else TABLE.cpu_name(),
-            "torch": torch.__version__, "commit": (git_commit() or "none")[:7]}
+    budget, device, splits, meta = SELECT.run_setup(args.budget, args.device, args.data_root)
+    meta |= {"model": args.model, "seed": args.seed, "overrides": dict(args.evolutionary),
+             "fine_tune_lr": args.fine_tune_lr}
     started = time.perf_counter()
 
     def trainer_for() -> Trainer:

@@ -24,9 +24,5 @@ allocation_job() {  # allocation_job NAME [prune_allocation.py options...]
 }
 status=0
 run_jobs allocation_job "$OUT/prune_allocation.log" "$@" || status=1
-names=()
-for job in "$@"; do
-    [[ -e $OUT/${job%%:*}.json ]] && names+=("$OUT/${job%%:*}.json")
-done
-((${#names[@]})) && python3 scripts/prune_allocation.py --render "${names[@]}" --out "$OUT/allocation.md"
+render_jobs scripts/prune_allocation.py allocation.md "$@"
 exit $status

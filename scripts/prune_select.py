@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from unsparse.atomic import atomic_write_json, atomic_write_text
-from unsparse.data import FASHION_MNIST_DIR, fashion_mnist
+from unsparse.data import FASHION_MNIST_DIR, Splits, fashion_mnist
 from unsparse.models import create_model
 from unsparse.pipeline import git_commit
 from unsparse.prune.evolutionary import EvolutionaryPruner
@@ -63,6 +63,22 @@ def train_dense(name: str, budget: dict[str, Any], trainer: Trainer, workdir: Pa
     dense = create_model(name, width=budget["width"])
     trainer.fit(dense, budget["dense_epochs"], workdir / "dense.pt", desc=f"{name} dense")
     return dense
+
+
+def run_setup(budget_name: str, device: str | None, data_root: Path) -> tuple[dict[str, Any], torch.device, Splits,
+                                                                            dict[str, Any]]:
+    """What a validation run of one budget needs: the budget's settings, the torch device (``device``, default CUDA
+    if available, else CPU), Fashion-MNIST from ``data_root`` cut as the budget says, and the fields every result
+    JSON's ``meta`` starts with (budget name and settings, device and its name, torch version, short commit)."""
+    budget = TABLE.BUDGETS[budget_name]
+    torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    splits = TABLE.trim(fashion_mnist(root=data_root, limit_train=budget["limit_train"]), budget["val"],
+                        budget["test"])
+    meta = {"budget_name": budget_name, "budget": budget, "device": str(torch_device),
+            "device_name": (torch.cuda.get_device_name(torch_device) if torch_device.type == "cuda"
+                            else TABLE.cpu_name()),
+            "torch": torch.__version__, "commit": (git_commit() or "none")[:7]}
+    return budget, torch_device, splits, meta
 
 
 def select(name: str, budget: dict[str, Any], grid: dict[str, list[Any]], learning_rates: list[float],
@@ -178,14 +194,8 @@ def main() -> None:
     if args.render:
         atomic_write_text(args.out, markdown([json.loads(path.read_text()) for path in args.render]))
         return
-    budget = TABLE.BUDGETS[args.budget]
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    splits = TABLE.trim(fashion_mnist(root=args.data_root, limit_train=budget["limit_train"]), budget["val"],
-                        budget["test"])
-    meta = {"budget_name": args.budget, "budget": budget, "seed": args.seed, "device": str(device),
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else TABLE.cpu_name(),
-            "torch": torch.__version__, "commit": (git_commit() or "none")[:7], "selection": "validation top-1",
-            "grid": {**grid, "fine_tune_lr": args.fine_tune_lr}}
+    budget, device, splits, meta = run_setup(args.budget, args.device, args.data_root)
+    meta |= {"seed": args.seed, "selection": "validation top-1", "grid": {**grid, "fine_tune_lr": args.fine_tune_lr}}
     done: dict[str, list[dict[str, Any]]] = {}
 
     def write(model: str, candidates: list[dict[str, Any]]) -> None:

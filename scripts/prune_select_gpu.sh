@@ -36,9 +36,5 @@ select_job() {  # select_job NAME [--grid ...]: one candidate on a copy of the d
 }
 status=0
 run_jobs select_job "$OUT/prune_select.log" "$@" || status=1
-names=()
-for job in "$@"; do
-    [[ -e $OUT/${job%%:*}.json ]] && names+=("$OUT/${job%%:*}.json")
-done
-((${#names[@]})) && python3 scripts/prune_select.py --render "${names[@]}" --out "$OUT/selection.md"
+render_jobs scripts/prune_select.py selection.md "$@"
 exit $status

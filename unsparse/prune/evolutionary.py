@@ -212,9 +212,9 @@ class RankedList:
             ValueError: an entry's fields are not :class:`Solution`'s (a checkpoint written before the ranked list
                 kept bit-packed masks instead of model states); the message names them.
         """
-        expected = [field.name for field in dataclasses.fields(Solution)]
+        expected = {field.name for field in dataclasses.fields(Solution)}
         for entry in state:
-            if sorted(entry) != sorted(expected):
+            if set(entry) != expected:
                 raise ValueError(f"ranked: checkpoint entry has fields {sorted(entry)}, expected {sorted(expected)} "
                                  "(written by an older version; start the run in a new working directory)")
         self.solutions = [Solution(**entry) for entry in state]

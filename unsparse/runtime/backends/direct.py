@@ -66,9 +66,10 @@ channels per block (more channels share each staged chunk); NB = 1 for batch 1 i
 images, NB even). CC = 16 halves the barriers per nonzero where a chunk holds little work (the 2x2 filters of a
 3x3 stride-2 layer's phase split, 1x1 layers, and 3x3 layers at high sparsity); staged chunks beyond 48 KB
 take dynamic shared memory up to :data:`~unsparse.runtime.cupy_launcher.TILE_SHARED_LIMIT_BYTES`. At 0.95-0.98
-sparsity a fixed cost per staged element dominates (VGG16 features.5 FP16: about 0.83 ms of 1.60 ms at 0.95), so
-the last three share each chunk among 128 output channels, or stage 32 channels per barrier pair, or both
-(CC = 32 in float16 only: a float32 3x3 chunk of 32 channels does not fit)."""
+sparsity a cost that does not shrink with sparsity is about half the time (VGG16 features.5 FP16: about 0.83 ms of
+1.60 ms at 0.95 before these), so the last three share each chunk among 128 output channels, or stage 32 channels
+per barrier pair (fewer barriers and loop set-ups per nonzero), or both; CC = 32 in float16 only, a float32 3x3
+chunk of 32 channels does not fit. Kernel notes v14 and v16 give what each gained."""
 
 
 POINTWISE_TILINGS = (
