@@ -167,26 +167,42 @@ __device__ __forceinline__ void stage_async(void* dst, const void* src, bool liv
 }
 
 // Walks the nonzeros of rows m_base .. m_base + MW - 1 (those below M) in staged chunk k, warp-uniformly, and calls
-// apply(j, offset, weight) for each: the per-(row, chunk) lists that direct_tile and direct_pointwise share
-// (chunk_ptr / entries, built and validated by prepare_tile on the Python side).
-template <int MW, int UNROLL, typename Apply>
+// apply(j, offset, weight bits) for each: the per-(row, chunk) lists that direct_tile and direct_pointwise share
+// (chunk_ptr / entries, built and validated by prepare_tile on the Python side). RUN > 0: the entries of a row come
+// in runs of at most RUN, and flush(j) follows each run (direct_tile's half2 partial sums); RUN = 0: one pass per
+// row, no flush.
+template <int MW, int UNROLL, int RUN, typename Apply, typename Flush>
 __device__ __forceinline__ void for_each_entry(const int* __restrict__ chunk_ptr, const int2* __restrict__ entries,
-                                               int m_base, int M, int K, int k, const Apply& apply) {
+                                               int m_base, int M, int K, int k, const Apply& apply,
+                                               const Flush& flush) {
 #pragma unroll
   for (int j = 0; j < MW; ++j) {
     const int m = m_base + j;
     if (m >= M) break;
     const int begin = __ldg(chunk_ptr + m * K + k);
     const int end = __ldg(chunk_ptr + m * K + k + 1);
+    if constexpr (RUN == 0) {
 #pragma unroll UNROLL
-    for (int t = begin; t < end; ++t) {
-      const int2 entry = __ldg(entries + t);
-      apply(j, entry.x, __int_as_float(entry.y));
+      for (int t = begin; t < end; ++t) {
+        const int2 entry = __ldg(entries + t);
+        apply(j, entry.x, entry.y);
+      }
+    } else {
+      for (int run = begin; run < end; run += RUN) {
+        const int stop = min(end, run + RUN);
+#pragma unroll UNROLL
+        for (int t = run; t < stop; ++t) {
+          const int2 entry = __ldg(entries + t);
+          apply(j, entry.x, entry.y);
+        }
+        flush(j);
+      }
     }
   }
 }
 
-template <typename T, int R, int S, int WX, int PY, int NB, int MW, int WARPS, int CC, int IWP, int LEFT, int VEC>
+template <typename T, int R, int S, int WX, int PY, int NB, int MW, int WARPS, int CC, int IWP, int LEFT, int VEC,
+          int HALF_RUN>
 __global__ void __launch_bounds__(WARPS * 32)
     direct_tile(const T* __restrict__ x,                // float32 (N, C, H, W); float16 (ceil(N/2), C, H, W, 2)
                 const int* __restrict__ chunk_ptr,      // (M * K + 1,): entries of (m, k) are [m*K+k, m*K+k+1)
@@ -198,6 +214,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   using Elem = typename TileElem<T>::type;
   constexpr int IPE = TileElem<T>::images;
   static_assert(NB % IPE == 0, "float16 tiles pair images: NB must be even");
+  static_assert(HALF_RUN == 0 || IPE == 2, "half2 products need the float16 image pairs");
   static_assert(32 % WX == 0, "a warp row holds WX lanes");
   constexpr int NBE = NB / IPE;
   constexpr int WY = 32 / WX;
@@ -242,6 +259,11 @@ __global__ void __launch_bounds__(WARPS * 32)
       for (int py = 0; py < PY; ++py)
 #pragma unroll
         for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = 0.f;
+  __half2 run[NBE][PY];  // HALF_RUN > 0: the float16 partial sums of the current run (zero between runs)
+#pragma unroll
+  for (int ie = 0; ie < NBE; ++ie)
+#pragma unroll
+    for (int py = 0; py < PY; ++py) run[ie][py] = __float2half2_rn(0.f);
 
   // Stages chunk k into buffer b by asynchronous 4-byte copies of one element (zero-filled outside the image, no
   // registers held), so chunk k + 1 streams in while chunk k is computed.
@@ -308,18 +330,43 @@ __global__ void __launch_bounds__(WARPS * 32)
     __syncthreads();
     const Elem* tile = tiles[b];
 
-    for_each_entry<MW, 4>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, float w) {
-      const Elem* src = tile + offset + base;
+    if constexpr (HALF_RUN == 0) {
+      for_each_entry<MW, 4, 0>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, int bits) {
+        const float w = __int_as_float(bits);
+        const Elem* src = tile + offset + base;
 #pragma unroll
-      for (int ie = 0; ie < NBE; ++ie)
+        for (int ie = 0; ie < NBE; ++ie)
 #pragma unroll
-        for (int py = 0; py < PY; ++py) {
-          float v[IPE];
-          TileElem<T>::to_float(src[ie * PLANE + py * WY * IWP], v);
+          for (int py = 0; py < PY; ++py) {
+            float v[IPE];
+            TileElem<T>::to_float(src[ie * PLANE + py * WY * IWP], v);
 #pragma unroll
-          for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = fmaf(w, v[q], acc[j][ie][py][q]);
-        }
-    });
+            for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = fmaf(w, v[q], acc[j][ie][py][q]);
+          }
+      }, [](int) {});
+    } else {
+      // One HFMA2 per staged pair: weight (w, w) times (image 2i, image 2i + 1), summed in float16 over runs of at
+      // most HALF_RUN entries, each run then added to the float32 accumulators (kernels/NOTES.md v17). Unrolled by
+      // 2 below 3x3 filters: by 4, ptxas spilled the 2x2 (stride-2 phase) 16-warp tilings at 64 registers.
+      for_each_entry<MW, R * S >= 9 ? 4 : 2, HALF_RUN>(chunk_ptr, entries, m_base, M, K, k, [&](int, int offset, int bits) {
+        const __half2 w = *reinterpret_cast<const __half2*>(&bits);
+        const Elem* src = tile + offset + base;
+#pragma unroll
+        for (int ie = 0; ie < NBE; ++ie)
+#pragma unroll
+          for (int py = 0; py < PY; ++py) run[ie][py] = __hfma2(w, src[ie * PLANE + py * WY * IWP], run[ie][py]);
+      }, [&](int j) {
+#pragma unroll
+        for (int ie = 0; ie < NBE; ++ie)
+#pragma unroll
+          for (int py = 0; py < PY; ++py) {
+            const float2 f = __half22float2(run[ie][py]);
+            acc[j][ie][py][0] += f.x;
+            acc[j][ie][py][1] += f.y;
+            run[ie][py] = __float2half2_rn(0.f);
+          }
+      });
+    }
     __syncthreads();  // the buffer just read is staged again at iteration k + 1
   }
 
@@ -467,7 +514,8 @@ __global__ void __launch_bounds__(WARPS * 32)
     __syncthreads();
     const T* lane_tile = tiles[b] + 4 * lane;
 
-    for_each_entry<MW, 2>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, float w) {
+    for_each_entry<MW, 2, 0>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, int bits) {
+      const float w = __int_as_float(bits);
 #pragma unroll
       for (int v = 0; v < PV; ++v) {
         float f[4];
@@ -475,7 +523,7 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[j][v][i] = fmaf(w, f[i], acc[j][v][i]);
       }
-    });
+    }, [](int) {});
     __syncthreads();  // buffer b is staged again at iteration k + 1
   }
 

@@ -53,7 +53,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
-    dtype, tf32 = PRECISIONS[args.precision]
+    dtype, tf32 = PRECISIONS[args.precision].dtype, PRECISIONS[args.precision].tf32
     torch.backends.cudnn.benchmark = True
     result = {"environment": environment(git_commit()), "model": args.model, "precision": args.precision,
               "batch": args.batch, "runs": args.runs, "rows": []}

@@ -34,12 +34,13 @@ def load_script() -> Callable[[str], ModuleType]:
 def tuned_kernel_names() -> list[str]:
     """Sorted template instantiations of every tuning setting of 3x3 (56x56), 1x1 (14x14; batch 128 and batch 1,
     whose small grids add split-K settings), 5x5 (28x28) and 3x3 stride-2 (56x56, whose phase split is a 2x2
-    layer) layers in each supported dtype, as the kernel compile tests build them."""
+    layer) layers in each supported dtype, and those of the half2 backend in float16, as the kernel compile tests
+    build them."""
     from unsparse.runtime import cupy_launcher as cl
-    from unsparse.runtime.backends.direct import DirectBackend
+    from unsparse.runtime.backends.direct import DirectBackend, DirectHalf2Backend
     from unsparse.sparse import ConvGeometry, UniformCSR
 
-    backend = DirectBackend()
+    backend, half2 = DirectBackend(), DirectHalf2Backend()
     names: set[str] = set()
     for shape, kernel, geometry in [((128, 64, 56, 56), (3, 3), ConvGeometry.of(1, 1)),
                                     ((128, 256, 14, 14), (1, 1), ConvGeometry.of(1, 0)),
@@ -50,6 +51,8 @@ def tuned_kernel_names() -> list[str]:
             x = torch.zeros(shape, dtype=dtype)
             csr = UniformCSR.from_dense(torch.randn(16, shape[1], *kernel, dtype=dtype))
             names.update(backend.kernel_names(x, csr, geometry))
+            if dtype == torch.float16:
+                names.update(half2.kernel_names(x, csr, geometry))
     return sorted(names)
 
 

@@ -31,10 +31,13 @@ def test_break_even_interpolates_the_last_crossing() -> None:
 
 
 def test_markdown_says_missed_and_not_measured(tmp_path) -> None:
-    records = [record("a", 0.8, "fp32", 0.8), record("a", 0.9, "fp32", 1.6), record("a", 0.9, "fp16", 0.4)]
-    text = break_even_markdown(records, 128, lambda r: {"fp32": 0.7, "fp16": 0.95})
+    records = [record("a", 0.8, "fp32", 0.8), record("a", 0.9, "fp32", 1.6), record("a", 0.9, "fp16", 0.4),
+               record("a", 0.9, "fp16_half2", 1.2)]
+    text = break_even_markdown(records, 128, lambda r: {"fp32": 0.7, "fp16": 0.95, "fp16_half2": 0.95})
     assert "| cuDNN FP32 (TF32 off) | 0.80 | 1.60 | 0.825 | <= 0.7: MISSED |" in text
     assert "| cuDNN FP16 (best layout) | not measured | 0.40 | > 0.90 | <= 0.95: MISSED |" in text
+    half2 = "| cuDNN FP16 (best layout), direct with half2 products | not measured | 1.20 | <= 0.90 | <= 0.95: met |"
+    assert half2 in text
     path = plot_break_even(records, 128, tmp_path / "b.png")
     assert path.read_bytes()[:4] == b"\x89PNG"
 

@@ -16,6 +16,7 @@ from unsparse.runtime.backends.direct import (
     POINTWISE_SPLITS,
     TILE_TILINGS,
     DirectBackend,
+    DirectHalf2Backend,
     TileArrays,
     is_pointwise,
     pair_images,
@@ -94,18 +95,20 @@ def staged_columns(layout: cl.TileLayout, tiling: cl.TileTiling, pad_w: int) -> 
 
 def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tiling: cl.TileTiling,
                  dtype: torch.dtype = torch.float32, vector: bool = False,
-                 out_hw: tuple[int, int] | None = None) -> torch.Tensor:
+                 out_hw: tuple[int, int] | None = None, half_run: int = 0) -> torch.Tensor:
     """``direct_tile`` in Python: grid decode, staged chunk in the kernel's flat layout (zero halo, images
     packed per element; with ``vector`` the 16-byte copies, each wholly inside or outside the image and
     16-byte aligned in shared memory), per-(row, chunk) entries, lane-to-output map and every shared-memory
-    index checked against the chunk's size. ``out_hw``: the outputs to compute (default: the geometry's)."""
+    index checked against the chunk's size. ``out_hw``: the outputs to compute (default: the geometry's).
+    ``half_run``: half2 products (weights decoded from the ``__half2`` entries), each product added to a float16
+    partial sum with one rounding (``HFMA2``), runs of at most ``half_run`` entries added to the accumulators."""
     N, C, H, W = x.shape
     R, S = csr.kernel_size
     E, F_ = out_hw or geometry.output_size(H, W, csr.kernel_size)
     pad = geometry.padding[1] if vector else None
     layout = cl.tile_layout(dtype, (R, S), tiling, pad)
-    spec = cl.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling, pad)
-    arrays = prepare_tile(csr, layout)
+    spec = cl.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling, pad, half_run)
+    arrays = prepare_tile(csr, layout, half2=half_run > 0)
     ipe = cl.images_per_element(dtype)
     (te, tf), wy = tiling.tile_hw, tiling.wy
     tiles_f, groups, K = math.ceil(F_ / tf), math.ceil(csr.out_channels / tiling.channels), math.ceil(C / tiling.cc)
@@ -137,15 +140,26 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
                     m = group * tiling.channels + warp * tiling.mw + j
                     if m >= csr.out_channels:
                         break
-                    for t in range(int(arrays.chunk_ptr[m * K + k]), int(arrays.chunk_ptr[m * K + k + 1])):
-                        offset = int(arrays.entries[t, 0])
-                        w = float(arrays.entries[t, 1:2].view(torch.float32))
-                        for ie in range(layout.image_elements):
-                            rows = (py * wy * layout.padded_width)[:, None]
-                            index = offset + base[None, :] + ie * layout.plane + rows
-                            assert int(index.min()) >= 0 and int(index.max()) < layout.elements()
-                            for q in range(ipe):
-                                acc[warp, j, ie * ipe + q] += w * chunk[index, q]
+                    begin, end = int(arrays.chunk_ptr[m * K + k]), int(arrays.chunk_ptr[m * K + k + 1])
+                    for run in range(begin, end, half_run or max(end - begin, 1)):
+                        partial = torch.zeros_like(acc[warp, j])
+                        for t in range(run, min(end, run + (half_run or end))):
+                            offset = int(arrays.entries[t, 0])
+                            if half_run:
+                                pair = arrays.entries[t, 1:2].view(torch.float16)
+                                assert pair[0] == pair[1], "a __half2 weight holds w twice"
+                                w = float(pair[0])
+                            else:
+                                w = float(arrays.entries[t, 1:2].view(torch.float32))
+                            for ie in range(layout.image_elements):
+                                rows = (py * wy * layout.padded_width)[:, None]
+                                index = offset + base[None, :] + ie * layout.plane + rows
+                                assert int(index.min()) >= 0 and int(index.max()) < layout.elements()
+                                for q in range(ipe):
+                                    partial[ie * ipe + q] += w * chunk[index, q]
+                                    if half_run:  # one rounding per fused multiply-add
+                                        partial[ie * ipe + q] = partial[ie * ipe + q].half().to(x.dtype)
+                        acc[warp, j] += partial
         for warp, j, b in [(a, b, c) for a in range(spec.block[0] // 32) for b in range(tiling.mw)
                            for c in range(tiling.nb)]:
             m, n = group * tiling.channels + warp * tiling.mw + j, n0 + b
@@ -361,6 +375,24 @@ def test_tile_emulation_float16_layout_pairs_images() -> None:
     assert torch.allclose(out, ref, atol=1e-5)
 
 
+def test_tile_emulation_of_half2_runs_matches_conv2d() -> None:
+    """Half2 products on float16 values (a 16-channel chunk of a dense 3x3 row holds 144 entries: nine runs
+    of 16), against the float64 reference within the comparator's float16 bound, and against the float32
+    products' error, which only the output's rounding limits."""
+    case = (3, 16, 6, 36, 4, 3, 3, 1, 1, 1)
+    x, csr, geometry, _ = layer(case, sparsity=0.0, seed=8)
+    x = x.half().double()
+    csr = UniformCSR.from_dense(csr.to_dense().half().double())
+    weight = csr.to_dense().reshape(4, 16, 3, 3)
+    ref = F.conv2d(x, weight, None, geometry.stride, geometry.padding)
+    tiling = cl.TileTiling(wx=32, py=2, nb=2, mw=2, warps=2, cc=16)
+    runs = emulate_tile(x, csr, geometry, tiling, torch.float16, vector=True, half_run=cl.HALF2_RUN)
+    error = float((runs - ref).norm() / ref.norm())
+    assert 1e-5 < error < 2e-3  # the float16 roundings show, and stay within the bound
+    whole = emulate_tile(x, csr, geometry, tiling, torch.float16, vector=True, half_run=144)  # one run per chunk
+    assert float((whole - ref).norm() / ref.norm()) > error
+
+
 @pytest.mark.parametrize("batch", [1, 4, 5])
 def test_pair_images_interleaves_image_pairs(batch: int) -> None:
     x = torch.randn(batch, 3, 4, 6, dtype=torch.float64)
@@ -383,6 +415,26 @@ def test_tile_arrays_drop_padding_and_group_by_chunk() -> None:
     assert arrays.chunk_ptr.tolist() == [0, 0, 1, 3, 3]  # (m0,k0) (m0,k1) (m1,k0) (m1,k1); CC = 2
     assert arrays.entries[:, 0].tolist() == [0 * 272 + 1 * 34 + 2, 0, 272 + 2 * 34 + 1]
     assert arrays.entries[:, 1].view(torch.float32).tolist() == [1.0, 2.0, 3.0]
+    half2 = prepare_tile(UniformCSR.from_dense(weight.half()), layout, half2=True)
+    assert torch.equal(half2.entries[:, 0], arrays.entries[:, 0]) and torch.equal(half2.chunk_ptr, arrays.chunk_ptr)
+    assert half2.entries[:, 1:].contiguous().view(torch.float16).tolist() == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+
+
+def test_half2_backend_offers_tile_settings_on_float16_only() -> None:
+    backend, direct = DirectHalf2Backend(), DirectBackend()
+    csr = UniformCSR.from_dense(torch.randn(8, 4, 3, 3).half())
+    x = torch.zeros(2, 4, 56, 56, dtype=torch.float16)
+    space = backend.tuning_space(x, csr, ConvGeometry.of(2, 1))
+    assert space == [{**p, "accumulate": "half2"} for p in direct.tuning_space(x, csr, ConvGeometry.of(2, 1))
+                     if p["variant"] == "tile"]
+    assert all(name.endswith(f",{cl.HALF2_RUN}>") for name in backend.kernel_names(x, csr, ConvGeometry.of(2, 1)))
+    assert not any("accumulate" in p for p in direct.tuning_space(x, csr, ConvGeometry.of(1, 1)))
+    with pytest.raises(ValueError, match="accumulate"):  # half2 runs on the tile kernel only
+        direct._launch(x, csr, ConvGeometry.of(1, 1), {"variant": "rows", "accumulate": "half2"})
+    with pytest.raises(ValueError, match="accumulate"):
+        direct._launch(x.float(), csr.to(dtype=torch.float32), ConvGeometry.of(1, 1), {**space[0]})
+    with pytest.raises(ValueError, match="accumulate"):
+        direct._launch(x, csr, ConvGeometry.of(1, 1), {**space[0], "accumulate": "bfloat16"})
 
 
 def test_tile_layout_is_bank_conflict_free() -> None:
@@ -459,9 +511,9 @@ def test_launch_geometry() -> None:
     tiling = cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4)
     spec = cl.tile_launch(torch.float32, 127, 200, (28, 28), (3, 3), tiling)
     assert spec.grid == (4 * 4 * 2, 64, 1) and spec.block == (256, 1, 1)
-    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48,0,0>"
+    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48,0,0,0>"
     spec = cl.tile_launch(torch.float32, 127, 200, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 4, 16, 8), 1)
-    assert spec.name == "direct_tile<float,3,3,32,4,2,4,16,8,40,3,1>"
+    assert spec.name == "direct_tile<float,3,3,32,4,2,4,16,8,40,3,1,0>"
     assert spec.shared_bytes == 2 * 8 * 6 * 40 * 2 * 4  # two chunks of CC x (NB images x 6 rows x 40 columns)
     wide = cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))
     assert wide.shared_bytes == 2 * 8 * 2 * 10 * 48 * 4 > cl.SHARED_LIMIT_BYTES  # 60 KB: dynamic, opted in
@@ -470,7 +522,11 @@ def test_launch_geometry() -> None:
     with pytest.raises(ValueError, match="exceed"):  # two float32 buffers of 105 KB
         cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 28))
     spec = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8))
-    assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0>"
+    assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,0>"
+    half2 = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8), half_run=16)
+    assert half2.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,16>" and half2.grid == spec.grid
+    with pytest.raises(ValueError, match="half_run"):
+        cl.tile_launch(torch.float32, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8), half_run=16)
     with pytest.raises(ValueError, match="threads"):
         cl.rows_launch(torch.float32, 1, 1, 1, 100, 1, 1, 1)
     with pytest.raises(ValueError, match="grid"):

@@ -125,6 +125,31 @@ def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.
         assert error <= tolerance(dtype), f"{case} {params}: relative error {error:.3g}"
 
 
+@pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c][9] == 1 and not c.startswith("conv1d")))
+def test_half2_every_setting_matches_float64_reference(case: str) -> None:
+    """``direct_half2``: every tile setting (phase split for strided layers) on float16, within the comparator's
+    float16 bound; dense rows ("fully_dense", "empty_and_dense_rows") sum many runs of 16 float16 products."""
+    x, csr, bias, geometry, ref = make_case(case, torch.float16, seed=hash(case) % 1000)
+    backend = get_backend("direct_half2")
+    assert backend.unsupported_reason(x, csr, geometry) is None
+    assert "float16" in backend.unsupported_reason(x.float(), csr.to(dtype=torch.float32), geometry)
+    split = phase_split(csr, geometry)
+    in_hw = split.input_size(x.shape[2], x.shape[3])
+    vector = cl.vector_staging_reason(in_hw[1], split.csr.kernel_size, split.geometry.padding) is None
+    space = [{**p, "accumulate": "half2"} for p in tile_space(
+        x.shape[0], geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size), split.csr.kernel_size,
+        torch.float16, prune=False, vector_pad=split.geometry.padding[1] if vector else None)]
+    assert space and all(p in space for p in backend.tuning_space(x, csr, geometry))
+    backend.precompile(x, csr, geometry, space)
+    for params in space:
+        poison_allocator(ref.numel(), torch.float16)
+        out = backend.conv(x, csr, bias, geometry, **params)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all(), f"{params}: unwritten or non-finite outputs"
+        error = relative_error(out.cpu(), ref)
+        assert error <= tolerance(torch.float16), f"{case} {params}: relative error {error:.3g}"
+
+
 @pytest.mark.parametrize("backend", ["cudnn", "im2col_cublas", "im2col_cusparse", "reference"])
 @pytest.mark.parametrize("case", ["odd_3x3", "stride2_3x3", "alexnet_11x11_s4", "empty_and_dense_rows",
                                   "conv1d_shape"])

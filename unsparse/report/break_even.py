@@ -3,7 +3,8 @@
 A benchmark record (``unsparse.runtime.bench.bench_layer``) holds, for one layer, sparsity, batch and
 precision, the median time of the fastest direct setting and of the fastest cuDNN setting measured in the same
 run, and their ratio ``speedup_vs_cudnn`` (cuDNN ms / direct ms). The precision names the cuDNN mode: ``fp32``
-(TF32 off), ``tf32`` (direct still computes in float32) and ``fp16`` (both in float16, cuDNN's fastest layout).
+(TF32 off), ``tf32`` (direct still computes in float32), ``fp16`` (both in float16 storage, cuDNN's fastest
+layout; direct with float32 products) and ``fp16_half2`` (the same cuDNN mode against the half2-product kernel).
 Paper 004 §6 and Escoin (paper 000) §5 report speedup against sparsity the same way; the break-even sparsity is
 where the speedup crosses 1.
 """
@@ -14,7 +15,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-MODES = {"fp32": "cuDNN FP32 (TF32 off)", "tf32": "cuDNN TF32", "fp16": "cuDNN FP16 (best layout)"}
+MODES = {"fp32": "cuDNN FP32 (TF32 off)", "tf32": "cuDNN TF32", "fp16": "cuDNN FP16 (best layout)",
+         "fp16_half2": "cuDNN FP16 (best layout), direct with half2 products"}
 """Benchmark precisions and the cuDNN mode each compares the direct kernel against."""
 
 Curve = list[tuple[float, float]]

@@ -32,8 +32,22 @@ from unsparse.runtime.timing import MIN_RUNS, time_fn, time_graph
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
-PRECISIONS = {"fp32": (torch.float32, False), "tf32": (torch.float32, True), "fp16": (torch.float16, False)}
-"""Precision name -> (dtype, TF32 allowed)."""
+
+@dataclass(frozen=True)
+class Precision:
+    """One benchmark precision: the storage dtype, whether cuDNN and cuBLAS may use TF32, and the sparse backend
+    timed against them."""
+
+    dtype: torch.dtype
+    tf32: bool
+    sparse: str = "direct"
+
+
+PRECISIONS = {"fp32": Precision(torch.float32, False), "tf32": Precision(torch.float32, True),
+              "fp16": Precision(torch.float16, False), "fp16_half2": Precision(torch.float16, False, "direct_half2")}
+"""Precision name -> :class:`Precision`. ``fp16_half2``: cuDNN FP16 against the half2-product kernel
+(:class:`~unsparse.runtime.backends.direct.DirectHalf2Backend`), an opt-in change of numerics; ``fp16`` times the
+direct kernels with float32 products."""
 
 MODELS = ("vgg16", "resnet50", "alexnet", "googlenet")
 ESCOIN_MODELS = ("alexnet", "googlenet", "resnet50")
@@ -169,9 +183,11 @@ def precision_mode(tf32: bool) -> Iterator[None]:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-def layer_backends(layer: ConvLayer, batch: int, dtype: torch.dtype, lowering: bool) -> tuple[list[str], str | None]:
-    """Backends to compare on a layer, and why lowering was left out (im2col matrix too large), if so."""
-    names = ["cudnn", "direct"]
+def layer_backends(layer: ConvLayer, batch: int, dtype: torch.dtype, lowering: bool,
+                   sparse: str = "direct") -> tuple[list[str], str | None]:
+    """Backends to compare on a layer (cuDNN, the ``sparse`` direct backend, the lowering baselines), and why
+    lowering was left out (im2col matrix too large), if so."""
+    names = ["cudnn", sparse]
     if not lowering:
         return names, "lowering baselines not requested"
     C, H, W = layer.in_chw
@@ -187,14 +203,15 @@ def bench_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devi
                 runs: int, plan: Plan, timing: str = "eager") -> dict[str, Any]:
     """Compare backends on one layer (``timing`` as in :func:`~unsparse.runtime.comparator.compare_layer`);
     returns a JSON-ready record and adds the winner to ``plan``."""
-    dtype, tf32 = PRECISIONS[precision]
-    with precision_mode(tf32):
+    mode = PRECISIONS[precision]
+    dtype = mode.dtype
+    with precision_mode(mode.tf32):
         weight = layer.weight.to(device, dtype)
         csr = UniformCSR.from_dense(weight)
         bias = None if layer.bias is None else layer.bias.to(device, dtype)
         C, H, W = layer.in_chw
         x = torch.randn(batch, C, H, W, device=device, dtype=dtype)
-        names, skipped = layer_backends(layer, batch, dtype, lowering)
+        names, skipped = layer_backends(layer, batch, dtype, lowering, mode.sparse)
         comparison = compare_layer(x, csr, bias, layer.geometry, names, runs=runs, timing=timing)
         if comparison.best is not None:
             plan.entries[comparison.key] = comparison.plan_entry()
@@ -205,8 +222,8 @@ def bench_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devi
               "precision": precision, "sparsity": csr.sparsity, "row_length": csr.row_length,
               "dense_flop": 2 * batch * csr.out_channels * csr.columns * E * F_, "useful_flop": useful,
               "lowering_skipped": skipped, "comparison": comparison.to_dict(),
-              "best_ms": best_times(comparison, names)}
-    direct = comparison.fastest("direct")
+              "best_ms": best_times(comparison, names), "sparse_backend": mode.sparse}
+    direct = comparison.fastest(mode.sparse)
     record["direct_params"] = None if direct is None else direct.params
     record["direct_useful_tflops"] = None if direct is None else useful / direct.timing.median_ms / 1e9
     for name in ("cudnn", "im2col_cublas", "im2col_cusparse"):
@@ -251,7 +268,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     of the two are compared with the dtype's tolerance (TF32-aware). The record's ``backend_counts`` counts the
     planned backend per layer, and ``off_cudnn`` names each layer planned on another backend than cuDNN.
     """
-    dtype, tf32 = PRECISIONS[precision]
+    dtype, tf32 = PRECISIONS[precision].dtype, PRECISIONS[precision].tf32
     with precision_mode(tf32):
         dense = model.to(device, dtype).eval()
         sparse = sparsify(dense)
@@ -357,7 +374,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                 continue
             try:
                 record = bench_end_to_end(model, (3, 224, 224), end_to_end_batch, precision, device, runs, plan,
-                                          ["cudnn", "direct"])
+                                          ["cudnn", PRECISIONS[precision].sparse])
             except RuntimeError as exc:  # e.g. no backend matched the reference on some layer: say so, go on
                 result["failed"].append({"what": f"end to end {name} {precision}", "error": str(exc)})
                 print(f"e2e {name} {precision}: FAILED: {exc}")
@@ -533,7 +550,8 @@ def markdown_report(result: dict[str, Any]) -> str:
                     if r["precision"] == precision and r["speedup_vs_cudnn"] is not None]
         if speedups:
             slower = sum(value < 1 for value in speedups)
-            lines.append(f"- {precision}: direct is SLOWER than cuDNN on {slower} of {len(speedups)} layer settings "
+            lines.append(f"- {precision}: {PRECISIONS[precision].sparse} is SLOWER than cuDNN on {slower} of "
+                         f"{len(speedups)} layer settings "
                          f"(geomean direct/cuDNN speedup {_fmt(geomean(speedups), 2)}x, best "
                          f"{_fmt(max(speedups), 2)}x, worst {_fmt(min(speedups), 2)}x).")
     lines += ["", "## Per layer", "", "| model | layer | n | C,H,W | weight | stride | batch | prec | sparsity | L "
@@ -541,9 +559,10 @@ def markdown_report(result: dict[str, Any]) -> str:
               "|" + "---|" * 17]
     for r in result["layers"]:
         best = r["best_ms"]
+        sparse_ms = best.get(r.get("sparse_backend", "direct"))
         lines.append(f"| {r['model']} | {r['layer']} | {r['count']} | {r['in_chw']} | {r['weight_shape']} | "
                      f"{r['geometry']['stride']} | {r['batch']} | {r['precision']} | {r['sparsity']:.3f} | "
-                     f"{r['row_length']} | {_fmt(best.get('cudnn'))} | {_fmt(best.get('direct'))} | "
+                     f"{r['row_length']} | {_fmt(best.get('cudnn'))} | {_fmt(sparse_ms)} | "
                      f"{_fmt(best.get('im2col_cublas'))} | {_fmt(best.get('im2col_cusparse'))} | "
                      f"{_fmt(r['speedup_vs_cudnn'], 2)} | {_fmt(r['direct_useful_tflops'], 1)} | "
                      f"{json.dumps(r['direct_params'])} |")

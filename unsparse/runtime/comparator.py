@@ -35,8 +35,9 @@ from unsparse.sparse.geometry import ConvGeometry
 
 log = logging.getLogger(__name__)
 
-COMPARED_BY_DEFAULT_EXCLUDES = frozenset({"reference", "auto"})
-"""Backends not timed unless asked for: the reference is the check, ``auto`` is the plan itself."""
+COMPARED_BY_DEFAULT_EXCLUDES = frozenset({"reference", "auto", "direct_half2"})
+"""Backends not timed unless asked for: the reference is the check, ``auto`` is the plan itself, and
+``direct_half2`` rounds every product to float16 (an opt-in change of numerics)."""
 DENSE_DEFAULTS = {"cudnn": {"memory_format": "contiguous"}, "dense_cpu": {}}
 """Per backend name, the parameters of the dense default a plan falls back to (cuDNN in NCHW)."""
 TIMINGS = ("eager", "graph")

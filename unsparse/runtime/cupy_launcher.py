@@ -33,6 +33,11 @@ TILE_SHARED_LIMIT_BYTES = 99 * 1024
 """Dynamic shared memory a ``direct_tile`` block may ask for (its two staged chunks, :meth:`TileLayout.shared_bytes`;
 beyond :data:`SHARED_LIMIT_BYTES` :func:`launch` opts in): the per-block opt-in limit of sm_86/sm_89 GPUs, below
 sm_80's 163 KB and sm_90's 227 KB. On an H100 two such blocks fit one SM's 228 KB."""
+HALF2_RUN = 16
+"""Longest run of products ``direct_tile`` sums in float16 before adding the run to its float32 accumulators, with
+half2 products (template ``HALF_RUN``; backend ``direct_half2``). A run of n float16 roundings gives a relative
+error of about ``sqrt(n / 2) * 2e-4``; 16 keeps it near 6e-4, below :func:`~unsparse.runtime.comparator.tolerance`'s
+float16 bound of 2e-3 even for dense rows (kernels/NOTES.md v17)."""
 TAP_SHIFT_BITS = 16
 """``direct_rows`` packs a tap's (row shift, column shift) as ``dy << 16 | dx``; both must be < 2**15."""
 
@@ -236,16 +241,22 @@ def vector_staging_reason(width: int, kernel_size: tuple[int, int], padding: tup
 
 
 def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple[int, int],
-                kernel_size: tuple[int, int], tiling: TileTiling, vector_pad: int | None = None) -> Launch:
+                kernel_size: tuple[int, int], tiling: TileTiling, vector_pad: int | None = None,
+                half_run: int = 0) -> Launch:
     """Geometry of ``direct_tile``: grid ``(channel groups * output tiles, ceil(N / NB))``, channel groups
     fastest so that the blocks staging one input tile run together and find it in L2. ``vector_pad``: the
-    16-byte staging layout of :func:`tile_layout` (template arguments LEFT and VEC).
+    16-byte staging layout of :func:`tile_layout` (template arguments LEFT and VEC). ``half_run``: 0 for float32
+    products, else the longest run of float16 (``HFMA2``) products summed before each float32 addition
+    (template ``HALF_RUN``, :data:`HALF2_RUN`).
 
     Raises:
         ValueError: for an invalid tiling (:func:`tile_layout`), more than 1024 threads, a non-positive
-            size, staged chunks beyond :data:`TILE_SHARED_LIMIT_BYTES`, or a grid beyond CUDA's limits.
+            size, staged chunks beyond :data:`TILE_SHARED_LIMIT_BYTES`, a grid beyond CUDA's limits, or a
+            negative ``half_run`` or a positive one on a dtype other than float16.
     """
     (E, F_), (R, S) = out_hw, kernel_size
+    if half_run < 0 or (half_run and dtype != torch.float16):
+        raise ValueError(f"half_run: {half_run} needs float16 storage and a non-negative run, got {dtype}")
     layout = tile_layout(dtype, kernel_size, tiling, vector_pad)
     if min(batch, out_channels, E, F_) < 1:
         raise ValueError("tile_launch: every size must be positive")
@@ -258,7 +269,7 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
     grid = (groups * math.ceil(E / te) * math.ceil(F_ / tf), math.ceil(batch / tiling.nb), 1)
     _check_grid(grid)
     name = (f"direct_tile<{cuda_type(dtype)},{R},{S},{tiling.wx},{tiling.py},{tiling.nb},{tiling.mw},"
-            f"{tiling.warps},{tiling.cc},{layout.padded_width},{layout.left},{int(layout.vector)}>")
+            f"{tiling.warps},{tiling.cc},{layout.padded_width},{layout.left},{int(layout.vector)},{half_run}>")
     return Launch(name, grid, (tiling.warps * 32, 1, 1), layout.shared_bytes())
 
 

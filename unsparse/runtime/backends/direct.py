@@ -13,6 +13,11 @@ Three kernel variants share the backend and its tuning space (parameter ``varian
   (:func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`); grids too small to fill the GPU (batch 1)
   also get split-K settings (``"splits"``: float32 partial sums per share of the input channels, summed here).
 
+A second backend, ``direct_half2`` (:class:`DirectHalf2Backend`), runs the ``tile`` kernel on float16 with half2
+products (``"accumulate": "half2"``: ``HFMA2`` runs of at most
+:data:`~unsparse.runtime.cupy_launcher.HALF2_RUN` products, summed in float32). It changes the numerics, so the
+comparator leaves it out unless it is named.
+
 Everything a kernel reads through an index is built and checked here at plan time (:func:`prepare_rows`,
 :func:`prepare_tile`, which also serves ``pointwise``) and cached per UniformCSR object and input size, so
 no kernel sees an unchecked index.
@@ -176,6 +181,30 @@ def pointwise_tiling_of(params: dict[str, Any]) -> cl.PointwiseTiling:
     return cl.PointwiseTiling(params["pv"], params["mw"], params["warps"], params["cc"])
 
 
+ACCUMULATE = ("float32", "half2")
+"""Values of a setting's ``"accumulate"``: float32 products and sums (every variant, the default), or half2
+products summed in float16 runs (``tile`` on float16, backend ``direct_half2``)."""
+
+
+def half_run_of(params: dict[str, Any], dtype: torch.dtype) -> int:
+    """The ``HALF_RUN`` template argument of a setting: :data:`~unsparse.runtime.cupy_launcher.HALF2_RUN` for
+    ``"accumulate": "half2"``, else 0.
+
+    Raises:
+        ValueError: for an ``accumulate`` outside :data:`ACCUMULATE`, or ``half2`` on a variant other than
+            ``tile`` or a dtype other than float16.
+    """
+    accumulate = params.get("accumulate", "float32")
+    if accumulate not in ACCUMULATE:
+        raise ValueError(f"accumulate: unknown {accumulate!r}, expected one of {ACCUMULATE}")
+    if accumulate == "float32":
+        return 0
+    if params.get("variant") != "tile" or dtype != torch.float16:
+        raise ValueError(f"accumulate: half2 needs the tile variant on float16, got {params.get('variant')!r} "
+                         f"on {dtype}")
+    return cl.HALF2_RUN
+
+
 def pair_images(x: torch.Tensor) -> torch.Tensor:
     """The image-paired input of float16 ``direct_tile``: ``(N, C, H, W)`` to ``(ceil(N / 2), C, H, W, 2)``
     with element ``[i, c, h, w, q] = x[2i + q, c, h, w]`` (a zero image pads an odd N), so that one ``__half2``
@@ -218,7 +247,8 @@ class TileArrays:
         chunk_ptr: ``(M*K + 1,)`` int32; entries of (m, k) are ``[chunk_ptr[m*K+k], chunk_ptr[m*K+k+1])``,
             K = ceil(C / CC).
         entries: ``(nnz, 2)`` int32: the tap's element offset in the staged chunk,
-            ``(c - k*CC) * channel_stride + r * padded_width + s``, and the float32 bits of the weight.
+            ``(c - k*CC) * channel_stride + r * padded_width + s``, and the weight's bits: float32, or for half2
+            products a ``__half2`` holding the float16 weight twice.
     """
 
     chunk_ptr: torch.Tensor
@@ -269,10 +299,11 @@ def validate_rows(offsets: torch.Tensor, taps: torch.Tensor, channels: int, in_h
         raise ValueError(f"offsets: entries outside [0, {channels}*{H}*{W}) or inconsistent with taps")
 
 
-def prepare_tile(csr: UniformCSR, layout: cl.TileLayout) -> TileArrays:
+def prepare_tile(csr: UniformCSR, layout: cl.TileLayout, half2: bool = False) -> TileArrays:
     """Group the nonzeros of ``csr`` per (output channel, chunk of ``layout.chunk`` input channels) as offsets
     into the staged chunk (Escoin §3.1 weight stretching, here against the shared-memory tile), then
-    validate them.
+    validate them. ``half2``: weights as ``__half2`` pairs ``(w, w)`` of float16 (the values are rounded to
+    float16; the half2 products of ``direct_half2``), else as float32.
 
     Stored padding entries (value 0, UnSparse-Opt uniform nnz) are dropped: the loop bound of this variant
     is the per-(channel, chunk) nonzero count. Within a group entries are sorted by offset.
@@ -291,7 +322,11 @@ def prepare_tile(csr: UniformCSR, layout: cl.TileLayout) -> TileArrays:
     counts = torch.bincount(key, minlength=M * K)
     chunk_ptr = torch.zeros(M * K + 1, dtype=torch.int64, device=csr.values.device)
     chunk_ptr[1:] = torch.cumsum(counts, 0)
-    weights = csr.values[keep][order].float().contiguous().view(torch.int32)
+    values = csr.values[keep][order]
+    if half2:
+        weights = values.half().view(torch.int16)[:, None].expand(-1, 2).contiguous().view(torch.int32)[:, 0]
+    else:
+        weights = values.float().contiguous().view(torch.int32)
     entries = torch.stack([offsets[order].to(torch.int32), weights], dim=1).contiguous()
     arrays = TileArrays(chunk_ptr.to(torch.int32), entries)
     validate_tile(arrays, M, C, (R, S), layout)
@@ -486,11 +521,15 @@ class DirectBackend(ConvBackend):
             space += pointwise_space(x.shape[0], csr.out_channels, pixels, x.dtype,
                                      vector=cl.pointwise_vector_reason(x.dtype, pixels) is None,
                                      in_channels=csr1.in_channels_per_group)
+        return space + self._tile_space(x, csr, geometry)
+
+    def _tile_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
+        """The ``tile`` settings of an undilated Conv2d (:func:`tile_space` of its stride-1 view)."""
+        csr1, geometry1, _, in_hw = self._stride_one(x, csr, geometry)
         vector = cl.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding) is None
-        space += tile_space(x.shape[0], out_hw, csr1.kernel_size, x.dtype,
-                            vector_pad=geometry1.padding[1] if vector else None,
-                            shared_limit=cl.tile_shared_limit(x.device))
-        return space
+        return tile_space(x.shape[0], self._out_hw(x, csr, geometry), csr1.kernel_size, x.dtype,
+                          vector_pad=geometry1.padding[1] if vector else None,
+                          shared_limit=cl.tile_shared_limit(x.device))
 
     def kernel_names(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                      space: list[dict[str, Any]] | None = None) -> list[str]:
@@ -508,10 +547,11 @@ class DirectBackend(ConvBackend):
         """The launch of a setting on input ``x``, with its :class:`KernelView` (None for ``rows``).
 
         Raises:
-            ValueError: for an unknown variant, or from :meth:`_view`.
+            ValueError: for an unknown variant, or from :func:`half_run_of` and :meth:`_view`.
         """
         N = x.shape[0]
         variant = params.get("variant", "rows")
+        half_run = half_run_of(params, x.dtype)
         if variant == "rows":
             E, F_ = self._out_hw(x, csr, geometry)
             return cl.rows_launch(x.dtype, N, csr.out_channels, E * F_, params.get("threads", 128),
@@ -526,7 +566,7 @@ class DirectBackend(ConvBackend):
             _, splits = cl.split_chunks(view.csr.in_channels_per_group, tiling.cc, params.get("splits", 1))
             return cl.pointwise_launch(x.dtype, N, csr.out_channels, E * F_, tiling, view.staging, splits), view
         return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), view.csr.kernel_size, tiling_of(params),
-                              view.staging), view
+                              view.staging, half_run), view
 
     @staticmethod
     def _vector_requested(params: dict[str, Any], reason: Callable[[], str | None]) -> bool:
@@ -575,14 +615,15 @@ class DirectBackend(ConvBackend):
         if params["variant"] == "tile":
             tiling = tiling_of(params)
             layout = cl.tile_layout(x.dtype, view.csr.kernel_size, tiling, view.staging)
-            tile = self._arrays(view.csr, ("tile", layout), lambda: prepare_tile(view.csr, layout))
+            half2 = half_run_of(params, x.dtype) > 0
+            tile = self._arrays(view.csr, ("tile", layout, half2), lambda: prepare_tile(view.csr, layout, half2))
             return PreparedCall(spec, view.split, (tile.chunk_ptr, tile.entries),
                                 (N, C, H, W, M, E, F_, *view.geometry.padding, math.ceil(F_ / tiling.tile_hw[1]),
                                  math.ceil(M / tiling.channels)), out_shape,
                                 paired=cl.images_per_element(x.dtype) == 2)
         tiling = pointwise_tiling_of(params)
         layout = cl.pointwise_layout(x.dtype, tiling, view.staging)
-        tile = self._arrays(view.csr, ("tile", layout), lambda: prepare_tile(view.csr, layout))
+        tile = self._arrays(view.csr, ("tile", layout, False), lambda: prepare_tile(view.csr, layout))
         per_split, splits = cl.split_chunks(C, tiling.cc, params.get("splits", 1))
         return PreparedCall(spec, view.split, (tile.chunk_ptr, tile.entries),
                             (N, C, H * W, M, math.ceil(M / tiling.channels), per_split), out_shape, splits=splits)
@@ -603,3 +644,31 @@ class DirectBackend(ConvBackend):
         key = ("call", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), x.data_ptr() % 16 == 0)
         prepared = self._arrays(csr, key, lambda: self._prepare(x, csr, geometry, params))
         return prepared(x, None if bias is None else bias.to(x.dtype).contiguous())
+
+
+@register_backend
+class DirectHalf2Backend(DirectBackend):
+    """The ``tile`` kernel on float16 with half2 products: one ``HFMA2`` multiplies a weight pair ``(w, w)`` by the
+    staged pair of images, in runs of at most :data:`~unsparse.runtime.cupy_launcher.HALF2_RUN` products summed in
+    float16, each run then added to float32 accumulators (kernels/NOTES.md v17). Issue 6's FP16 target counts the
+    FP16 (``HFMA2``) peak, which float32 products cannot reach; the price is a float16 rounding per product, a
+    relative error of about 6e-4 (cuDNN FP16 accumulates in float32). Opt-in: the comparator leaves it out unless
+    named (:data:`~unsparse.runtime.comparator.COMPARED_BY_DEFAULT_EXCLUDES`); the benchmark's precision
+    ``fp16_half2`` names it.
+    """
+
+    name = "direct_half2"
+
+    def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
+        reason = super().unsupported_reason(x, csr, geometry)
+        if reason is not None:
+            return reason
+        if x.dtype != torch.float16:
+            return f"half2 products need float16 storage, not {x.dtype}"
+        if geometry.spatial_dims != 2 or geometry.dilation != (1, 1):
+            return "half2 products run on the tile kernel: undilated Conv2d only"
+        return None
+
+    def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
+        """The tile settings of :class:`DirectBackend` with ``"accumulate": "half2"``."""
+        return [{**params, "accumulate": "half2"} for params in self._tile_space(x, csr, geometry)]
