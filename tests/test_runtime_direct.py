@@ -418,6 +418,8 @@ def test_tile_arrays_drop_padding_and_group_by_chunk() -> None:
     half2 = prepare_tile(UniformCSR.from_dense(weight.half()), layout, half2=True)
     assert torch.equal(half2.entries[:, 0], arrays.entries[:, 0]) and torch.equal(half2.chunk_ptr, arrays.chunk_ptr)
     assert half2.entries[:, 1:].contiguous().view(torch.float16).tolist() == [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+    empty = prepare_tile(UniformCSR.from_dense(torch.zeros(2, 3, 3, 3).half()), layout, half2=True)
+    assert empty.entries.shape == (0, 2) and empty.chunk_ptr.tolist() == [0] * 5
 
 
 def test_half2_backend_offers_tile_settings_on_float16_only() -> None:

@@ -324,7 +324,8 @@ def prepare_tile(csr: UniformCSR, layout: cl.TileLayout, half2: bool = False) ->
     chunk_ptr[1:] = torch.cumsum(counts, 0)
     values = csr.values[keep][order]
     if half2:
-        weights = values.half().view(torch.int16)[:, None].expand(-1, 2).contiguous().view(torch.int32)[:, 0]
+        halves = values.half().view(torch.int16)
+        weights = torch.stack([halves, halves], dim=1).view(torch.int32)[:, 0]
     else:
         weights = values.float().contiguous().view(torch.int32)
     entries = torch.stack([offsets[order].to(torch.int32), weights], dim=1).contiguous()
