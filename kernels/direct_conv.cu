@@ -370,7 +370,16 @@ __global__ void __launch_bounds__(WARPS * 32)
     __syncthreads();  // the buffer just read is staged again at iteration k + 1
   }
 
+  // Epilogue: the thread's output rows and their bounds once; per (row, image) one 64-bit address; per output a bias
+  // add, a conversion and a predicated store (kernels/NOTES.md v18: the per-output index arithmetic and bounds
+  // branches it replaces were about 530 instructions per warp).
   const int f = f0 + lx;
+  const long long plane = static_cast<long long>(E) * F;
+  const int first = (e0 + ly) * F + f;  // the thread's first output in a plane; only stored where inside
+  const int row_step = WY * F;
+  unsigned rows_inside = 0;  // bit py: output (e0 + ly + py * WY, f) lies inside the plane
+#pragma unroll
+  for (int py = 0; py < PY; ++py) rows_inside |= static_cast<unsigned>(f < F && e0 + ly + py * WY < E) << py;
 #pragma unroll
   for (int j = 0; j < MW; ++j) {
     const int m = m_base + j;
@@ -382,12 +391,10 @@ __global__ void __launch_bounds__(WARPS * 32)
       for (int q = 0; q < IPE; ++q) {
         const int n = n0 + ie * IPE + q;
         if (n >= N) continue;
-        T* dst = out + (static_cast<long long>(n) * M + m) * E * F;
+        T* dst = out + (static_cast<long long>(n) * M + m) * plane + first;
 #pragma unroll
-        for (int py = 0; py < PY; ++py) {
-          const int e = e0 + ly + py * WY;
-          if (e < E && f < F) unsparse::store_float(dst + e * F + f, acc[j][ie][py][q] + bias_m);
-        }
+        for (int py = 0; py < PY; ++py)
+          if (rows_inside >> py & 1u) unsparse::store_float(dst + py * row_step, acc[j][ie][py][q] + bias_m);
       }
   }
 }
