@@ -3,19 +3,19 @@
 Reads benchmark JSON files written by ``scripts/gpu_check.py`` (one sweep may span several device calls; every
 ratio comes from the run that measured it) and writes a Markdown report and a PNG with one panel per layer.
 
-    PYTHONPATH=. python scripts/break_even.py benchmarks/results/h100_2026-11-23_vgg16_sweep_*.json \
-        --out benchmarks/results/h100_2026-11-23_break_even_vgg16
+    PYTHONPATH=. python scripts/break_even.py benchmarks/results/h100_2026-11-23_v18_sweep_*.json.xz \
+        --out benchmarks/results/h100_2026-11-23_break_even_v18_vgg16
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 from unsparse.atomic import atomic_write_text
 from unsparse.report.break_even import MODES, break_even, break_even_markdown, curves, meets, plot_break_even
+from unsparse.report.results import load_result
 
 FP32_GOAL, TF32_GOAL, FP16_GOAL = 0.70, 0.90, 0.95
 """Issue 6: break-even against cuDNN FP32 <= 70 %, TF32 <= 90 %, FP16 <= 95 % (56x56 and larger layers)."""
@@ -77,11 +77,11 @@ def report(results: list[dict[str, Any]], sources: list[Path], batch: int, png_n
 def main(argv: list[str] | None = None) -> None:
     """Write ``<out>.md`` and ``<out>.png`` from the given benchmark JSON files."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", type=Path, help="bench JSON files of one sweep")
+    parser.add_argument("results", nargs="+", type=Path, help="bench JSON files of one sweep (.json or .json.xz)")
     parser.add_argument("--out", type=Path, required=True, help="output path without suffix")
     parser.add_argument("--batch", type=int, default=128)
     args = parser.parse_args(argv)
-    results = [json.loads(path.read_text()) for path in args.results]
+    results = [load_result(path) for path in args.results]
     png = plot_break_even([r for result in results for r in result["layers"]], args.batch,
                           args.out.with_suffix(".png"))
     atomic_write_text(args.out.with_suffix(".md"), report(results, args.results, args.batch, png.name))

@@ -9,29 +9,31 @@ the GPU machine; this only formats it again, e.g. after the report layout change
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from unsparse.atomic import atomic_write_text
+from unsparse.report.results import load_result, result_stem
 from unsparse.runtime.bench import evaluate_targets, markdown_report, plot_results
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Write ``<name>.md`` beside each ``<name>.json`` (targets recomputed from the records)."""
+    """Write ``<name>.md`` beside each ``<name>.json`` or ``<name>.json.xz`` (targets recomputed from the
+    records)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", type=Path, help="bench JSON files")
+    parser.add_argument("results", nargs="+", type=Path, help="bench JSON files (.json or .json.xz)")
     parser.add_argument("--plots", action="store_true", help="also write the PNG plots beside each file")
     args = parser.parse_args(argv)
     for path in args.results:
-        result = json.loads(path.read_text())
+        result = load_result(path)
         if "layers" not in result or "environment" not in result:
             continue
         result.setdefault("end_to_end", [])
         result["targets"] = evaluate_targets(result)
-        atomic_write_text(path.with_suffix(".md"), markdown_report(result))
+        page = result_stem(path).with_suffix(".md")
+        atomic_write_text(page, markdown_report(result))
         if args.plots:
             plot_results(result, path.parent)
-        print(f"rendered {path.with_suffix('.md')}")
+        print(f"rendered {page}")
 
 
 if __name__ == "__main__":

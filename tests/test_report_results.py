@@ -1,0 +1,48 @@
+"""CPU tests of benchmark result files: plain and xz-compressed JSON read the same; bad names and contents fail
+with a ValueError."""
+
+from __future__ import annotations
+
+import json
+import lzma
+
+import pytest
+
+from unsparse.report.results import load_result, result_stem
+
+
+def test_plain_and_compressed_results_read_the_same(tmp_path) -> None:
+    result = {"device": "GPU", "layers": [{"layer": "features.5", "best_ms": {"direct": 1.25, "cudnn": None}}]}
+    plain = tmp_path / "run.json"
+    plain.write_text(json.dumps(result))
+    packed = tmp_path / "run.json.xz"
+    with lzma.open(packed, "wt") as handle:
+        json.dump(result, handle)
+    assert load_result(plain) == load_result(packed) == result
+    assert result_stem(plain) == result_stem(packed) == tmp_path / "run"
+
+
+def test_bad_result_files_raise_value_errors(tmp_path) -> None:
+    with pytest.raises(ValueError, match="ends in neither"):
+        result_stem(tmp_path / "run.txt")
+    listed = tmp_path / "list.json"
+    listed.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="JSON object"):
+        load_result(listed)
+    broken = tmp_path / "broken.json.xz"
+    broken.write_bytes(b"not xz")
+    with pytest.raises(ValueError):
+        load_result(broken)
+
+
+def test_break_even_script_reads_a_compressed_sweep(tmp_path, load_script) -> None:
+    records = [{"model": "vgg16", "layer": "a", "in_chw": [64, 56, 56], "weight_shape": [64, 64, 3, 3],
+                "batch": 128, "precision": "fp32", "target_sparsity": s, "speedup_vs_cudnn": v,
+                "direct_useful_tflops": 9.0} for s, v in ((0.6, 0.8), (0.8, 1.2))]
+    result = {"environment": {"commit": "abc"}, "device": "GPU", "layers": records, "weights": "synthetic",
+              "runs": 20}
+    packed = tmp_path / "sweep.json.xz"
+    with lzma.open(packed, "wt") as handle:
+        json.dump(result, handle)
+    load_script("break_even").main([str(packed), "--out", str(tmp_path / "page")])
+    assert "| cuDNN FP32 (TF32 off) | 0.80 | 1.20 | 0.700 | <= 0.7: met |" in (tmp_path / "page.md").read_text()

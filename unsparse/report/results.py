@@ -1,0 +1,52 @@
+"""Benchmark result files as committed under ``benchmarks/results/``.
+
+``scripts/gpu_check.py`` writes ``bench.json`` on the GPU machine; large ones are committed xz-compressed
+(``<name>.json.xz``, ``xz -9e``; ``xz -dk`` restores ``<name>.json``), which keeps the tree that travels to the
+device machine under its 64 MiB limit. Readers take either form.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+from pathlib import Path
+from typing import Any
+
+SUFFIXES = (".json.xz", ".json")
+"""File endings of a benchmark result: compressed or plain JSON."""
+
+
+def result_stem(path: str | Path) -> Path:
+    """``path`` without its result ending (``a/b.json.xz`` and ``a/b.json`` -> ``a/b``), for the files written
+    beside it.
+
+    Raises:
+        ValueError: naming the path, if it ends in neither of :data:`SUFFIXES`.
+    """
+    path = Path(path)
+    for suffix in SUFFIXES:
+        if path.name.endswith(suffix):
+            return path.with_name(path.name[: -len(suffix)])
+    raise ValueError(f"result path: {path} ends in neither of {SUFFIXES}")
+
+
+def load_result(path: str | Path) -> dict[str, Any]:
+    """The JSON object in a result file, plain or xz-compressed.
+
+    Raises:
+        ValueError: for another file ending, a broken xz stream, or content that is not a JSON object
+            (``json.JSONDecodeError`` is a ``ValueError`` too).
+    """
+    path = Path(path)
+    result_stem(path)
+    if path.name.endswith(".xz"):
+        try:
+            with lzma.open(path, "rt") as handle:
+                result = json.load(handle)
+        except (lzma.LZMAError, EOFError) as error:
+            raise ValueError(f"result {path}: not a complete xz stream ({error})") from error
+    else:
+        result = json.loads(path.read_text())
+    if not isinstance(result, dict):
+        raise ValueError(f"result {path}: expected a JSON object, got {type(result).__name__}")
+    return result
