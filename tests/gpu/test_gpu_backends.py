@@ -150,6 +150,24 @@ def test_half2_every_setting_matches_float64_reference(case: str) -> None:
         assert error <= tolerance(torch.float16), f"{case} {params}: relative error {error:.3g}"
 
 
+def test_direct_kernels_run_on_torchs_current_stream() -> None:
+    """A kernel launched under ``torch.cuda.stream(s)`` runs on ``s``, after the work queued there before it: the
+    input is written on ``s`` by a slow chain of copies that the kernel must wait for (on another stream it would
+    read the stale input)."""
+    x, csr, bias, geometry, ref = make_case("odd_3x3", torch.float32, seed=11)
+    backend = get_backend("direct")
+    params = {"variant": "tile", "wx": 8, "py": 2, "nb": 2, "mw": 4, "warps": 8, "cc": 2}
+    backend.conv(x, csr, bias, geometry, **params)  # prepared and compiled outside the timed stream
+    stream, stale = torch.cuda.Stream(), torch.zeros_like(x)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(10**7)  # about 5 ms of GPU time before the input is written on this stream
+        stale.copy_(x)
+        out = backend.conv(stale, csr, bias, geometry, **params)
+    stream.synchronize()
+    assert relative_error(out.cpu(), ref) <= tolerance(torch.float32)
+
+
 @pytest.mark.parametrize("backend", ["cudnn", "im2col_cublas", "im2col_cusparse", "reference"])
 @pytest.mark.parametrize("case", ["odd_3x3", "stride2_3x3", "alexnet_11x11_s4", "empty_and_dense_rows",
                                   "conv1d_shape"])

@@ -115,9 +115,10 @@ def build_model(name: str) -> nn.Module:
 
 
 def magnitude_prune_(model: nn.Module, sparsity: float) -> nn.Module:
-    """Zero the smallest-magnitude ``sparsity`` fraction of every conv weight, per layer (in place), then
-    scale the kept weights so that each layer's weight norm is unchanged (activations keep their scale
-    through a deep synthetic model).
+    """Zero the ``floor(sparsity * numel)`` smallest-magnitude entries of every conv weight, per layer (in place;
+    ties at the threshold go too, so at least that many), then scale the kept weights so that each layer's weight
+    norm is unchanged (activations keep their scale through a deep synthetic model). Records state the measured
+    sparsity, which the floor keeps at or just below the requested one.
 
     Raises:
         ValueError: if ``sparsity`` is outside [0, 1).

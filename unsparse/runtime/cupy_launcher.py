@@ -437,11 +437,29 @@ def kernel_arguments(args: tuple[Any, ...], device: torch.device) -> tuple[Any, 
     return tuple(converted)
 
 
+@dataclass(frozen=True)
+class StreamHandle:
+    """A CUDA stream by its ``cudaStream_t`` address, through the CUDA stream protocol (``__cuda_stream__``,
+    version 0), which CuPy 14's ``cupy.cuda.Stream.from_external`` takes in place of the deprecated
+    ``cupy.cuda.ExternalStream``."""
+
+    pointer: int
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        """``(protocol version, cudaStream_t address)``."""
+        return 0, self.pointer
+
+
 @functools.cache
 def _external_stream(device_index: int, stream_pointer: int) -> Any:
+    """CuPy's view of one of torch's streams (cached per device and stream): ``Stream.from_external`` where CuPy
+    has it (14 and later), else ``ExternalStream``."""
     import cupy
 
-    return cupy.cuda.ExternalStream(stream_pointer, device_index)
+    with cupy.cuda.Device(device_index):
+        if hasattr(cupy.cuda.Stream, "from_external"):
+            return cupy.cuda.Stream.from_external(StreamHandle(stream_pointer))
+        return cupy.cuda.ExternalStream(stream_pointer, device_index)
 
 
 def launch(spec: Launch, args: tuple[Any, ...], device: torch.device) -> None:
