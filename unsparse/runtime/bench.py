@@ -313,7 +313,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         runs: timed runs per setting (>= 20 per the protocol).
         sparse_file, sparse_input_shape: a trained sparse model (``unsparse.sparse.io.load_sparse``) and its
             per-sample input shape, e.g. ``(1, 28, 28)``; planned and timed end to end at each batch size.
-        plan_path: plan JSON to extend and rewrite (reuse across runs); ``out_dir/plan.json`` if None.
+        plan_path: plan JSON to extend and rewrite (reuse across runs); ``out_dir/plan.json`` if None. It holds
+            the plans of the ``direct`` precisions; a precision with another sparse backend (``fp16_half2``)
+            plans in memory, apart, since its layer keys equal those of the same dtype (``fp16``).
         commit: git commit recorded in the results. seed: torch seed.
         layer_filter: only per-layer records whose layer name matches this regular expression
             (``re.search``: a plain name such as ``features.1`` matches as a substring).
@@ -337,6 +339,10 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     out_dir.mkdir(parents=True, exist_ok=True)
     plan_path = Path(plan_path) if plan_path is not None else out_dir / "plan.json"
     plan = Plan.load(plan_path) if plan_path.exists() else Plan()
+    plans = {"direct": plan}  # per sparse backend: fp16_half2's layer keys equal fp16's (same dtype)
+
+    def plan_for(precision: str) -> Plan:
+        return plans.setdefault(PRECISIONS[precision].sparse, Plan())
     result: dict[str, Any] = {"environment": environment(commit), "device": device_name(device),
                               "weights": "synthetic (He-normal random conv weights, per-layer magnitude pruning, "
                                          "kept weights rescaled to the layer norm)",
@@ -361,8 +367,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                     for precision in precisions:
                         if out_of_time(f"{name} {layer.name} s{sparsity} b{batch} {precision}"):
                             continue
-                        record = bench_layer(layer, batch, precision, device, name in lowering_models, runs, plan,
-                                             timing)
+                        record = bench_layer(layer, batch, precision, device, name in lowering_models, runs,
+                                             plan_for(precision), timing)
                         record.update(model=name, target_sparsity=sparsity)
                         result["layers"].append(record)
                         _progress(record)
@@ -374,8 +380,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             if out_of_time(f"end to end {name} {precision}"):
                 continue
             try:
-                record = bench_end_to_end(model, (3, 224, 224), end_to_end_batch, precision, device, runs, plan,
-                                          ["cudnn", PRECISIONS[precision].sparse])
+                record = bench_end_to_end(model, (3, 224, 224), end_to_end_batch, precision, device, runs,
+                                          plan_for(precision), ["cudnn", PRECISIONS[precision].sparse])
             except RuntimeError as exc:  # e.g. no backend matched the reference on some layer: say so, go on
                 result["failed"].append({"what": f"end to end {name} {precision}", "error": str(exc)})
                 print(f"e2e {name} {precision}: FAILED: {exc}")

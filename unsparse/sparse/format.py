@@ -179,5 +179,7 @@ class UniformCSR:
         """The ``(M, K)`` matrix as a ``torch.sparse_csr_tensor`` (int32 indices), padding stored as zeros."""
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="Sparse CSR tensor support is in beta state")
+            # torch 2.11 warns even though check_invariants is passed (pytorch/pytorch#178274, fixed later).
+            warnings.filterwarnings("ignore", message="Sparse invariant checks are implicitly disabled")
             return torch.sparse_csr_tensor(self.rowptr, self.col_idx.reshape(-1), self.values.reshape(-1),
                                            size=(self.out_channels, self.columns), check_invariants=False)
