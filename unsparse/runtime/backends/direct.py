@@ -653,7 +653,8 @@ class DirectHalf2Backend(DirectBackend):
     staged pair of images, in runs of at most :data:`~unsparse.runtime.cupy_launcher.HALF2_RUN` products summed in
     float16, each run then added to float32 accumulators (kernels/NOTES.md v17). Issue 6's FP16 target counts the
     FP16 (``HFMA2``) peak, which float32 products cannot reach; the price is a float16 rounding per product, a
-    relative error of about 6e-4 (cuDNN FP16 accumulates in float32). Opt-in: the comparator leaves it out unless
+    relative error of about 6e-4 on dense rows (the CPU emulation in ``tests/test_runtime_direct.py``; cuDNN FP16
+    accumulates in float32, 2e-4 from the output's rounding alone). Opt-in: the comparator leaves it out unless
     named (:data:`~unsparse.runtime.comparator.COMPARED_BY_DEFAULT_EXCLUDES`); the benchmark's precision
     ``fp16_half2`` names it.
     """
