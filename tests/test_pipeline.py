@@ -9,7 +9,7 @@ import torch
 
 from unsparse import create_model, load_sparse
 from unsparse.data import DatasetUnavailableError, digits, fashion_mnist
-from unsparse.pipeline import TimingSettings, TrainSettings, run_pipeline
+from unsparse.pipeline import TimingSettings, TrainSettings, compare_layers, run_pipeline
 from unsparse.prune import MagnitudePruner
 
 
@@ -62,6 +62,19 @@ def test_pipeline_smoke_on_real_data(tmp_path):
     assert "sparse" in (tmp_path / "report.md").read_text()
     assert load_sparse(tmp_path / "model.safetensors").unsparse_metadata["extra"]["accuracy"]["pruned"] == \
         accuracy["pruned"]
+
+
+def test_timing_settings_choose_the_compared_backends():
+    from unsparse.runtime import sparsify
+
+    model = sparsify(create_model("vgg_small", width=4).eval())
+    example = torch.randn(2, 1, 28, 28)
+    rows = compare_layers(model, example, TimingSettings(repeats=1, warmup=0, backends=["dense_cpu", "reference"]))
+    assert rows and {row["backend"] for row in rows} == {"dense_cpu", "reference"}
+    assert {row["backend"] for row in compare_layers(model, example, TimingSettings(repeats=1, warmup=0))} == \
+        {"dense_cpu", "im2col_cublas", "im2col_cusparse"}  # the default leaves the reference out
+    with pytest.raises(ValueError, match="backends: unknown \\['direct_half'\\]"):
+        TimingSettings(backends=["direct_half"])
 
 
 def test_training_resumes_exactly_after_ctrl_c(tmp_path):

@@ -21,6 +21,7 @@ from unsparse.data import Splits
 from unsparse.prune.base import Pruner
 from unsparse.report import layer_rows, timing_verdicts, write_report
 from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
+from unsparse.runtime.backends import backend_names
 from unsparse.runtime.comparator import plan_model
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.sparse.functional import dense_fallback_backend
@@ -44,11 +45,26 @@ class TrainSettings:
 
 @dataclass
 class TimingSettings:
-    """Per-layer timing in the report (``runtime.timing:``): images per call, timed runs, warm-up runs."""
+    """Per-layer timing in the report (``runtime.timing:``): images per call, timed runs, warm-up runs, and the
+    backends the comparator times (None: every one available on the device except
+    :data:`~unsparse.runtime.comparator.COMPARED_BY_DEFAULT_EXCLUDES`; name ``direct_half2`` here to opt in to
+    float16 products).
+
+    Raises:
+        ValueError: naming ``backends``, for a name that is not a registered backend.
+    """
 
     batch_size: int = 64
     repeats: int = 20
     warmup: int = 3
+    backends: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.backends is not None:
+            self.backends = list(self.backends)
+            unknown = sorted(set(self.backends) - set(backend_names()))
+            if unknown:
+                raise ValueError(f"backends: unknown {unknown}; known: {backend_names()}")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -73,14 +89,15 @@ def git_commit() -> str | None:
 def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettings) -> list[dict[str, Any]]:
     """Plan ``model`` on ``example`` with the comparator and flatten its results into report rows.
 
-    Every available backend is timed on every SparseConv with the input ``example`` produces there and
-    checked against the float64 reference (:func:`unsparse.runtime.comparator.plan_model`); the model's
-    layers are left on ``"auto"`` following the new plan.
+    Every available backend (or those ``timing.backends`` names) is timed on every SparseConv with the input
+    ``example`` produces there and checked against the float64 reference
+    (:func:`unsparse.runtime.comparator.plan_model`); the model's layers are left on ``"auto"`` following the
+    new plan.
 
     Args:
         model: holds SparseConv layers on ``example``'s device (mutated: backends set to ``"auto"``).
         example: a model input batch.
-        timing: timed runs and warm-up runs per setting.
+        timing: timed runs and warm-up runs per setting, backends to time.
 
     Returns:
         Rows with ``layer``, ``backend``, ``sparse``, ``params``, ``status`` (``ok``/``wrong``/``unsupported``/
@@ -97,7 +114,8 @@ def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettin
     names = {layer: name for name, layer in sparse_layers(model).items()}
     hooks = [layer.register_forward_pre_hook(record_shape) for layer in names]
     try:
-        _, comparisons = plan_model(model, example, runs=timing.repeats, warmup=timing.warmup)
+        _, comparisons = plan_model(model, example, backends=timing.backends, runs=timing.repeats,
+                                    warmup=timing.warmup)
     finally:
         for hook in hooks:
             hook.remove()
