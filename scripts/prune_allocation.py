@@ -12,11 +12,18 @@ arms run from copies of it:
 - ``gradual_allocation``: the same schedule, each layer to the sparsity ``evolutionary`` gave it
   (``layer_targets``), so it differs from ``gradual_global`` only in the allocation.
 
+Two more arms swap masks (``--arms``; ``docs/pruning_h100_w32/plan_mask_swap.md``): ``evolutionary_masks`` and
+``allocation_masks`` fix the final masks of ``evolutionary`` and of ``gradual_allocation`` on a fresh copy of the
+dense model and train it for as many epochs as ``gradual_allocation`` trains, at the fine-tuning learning rate.
+
 Every arm is scored by top-1 on the validation and the test split. Nothing is chosen from these figures; the
-plan and the reading rule are in ``docs/pruning_h100_w32/plan_allocation_ablation.md``.
+plans and reading rules are in ``docs/pruning_h100_w32/plan_allocation_ablation.md`` and ``plan_mask_swap.md``.
 
     PYTHONPATH=. python scripts/prune_allocation.py --model resnet_small --seed 0 --out allocation_seed0.json \
         --evolutionary epsilon=0.005 --fine-tune-lr 0.05
+    PYTHONPATH=. python scripts/prune_allocation.py --model resnet_small --seed 0 --out mask_swap_seed0.json \
+        --evolutionary epsilon=0.005 --fine-tune-lr 0.05 \
+        --arms evolutionary gradual_allocation evolutionary_masks allocation_masks
     PYTHONPATH=. python scripts/prune_allocation.py --render seed0.json seed1.json --out allocation.md
 
 Writes ``--out`` (JSON, atomically, after every arm: a stopped run keeps what it finished); ``--render`` joins
@@ -39,11 +46,16 @@ import torch
 
 from unsparse.atomic import atomic_write_json, atomic_write_text
 from unsparse.data import FASHION_MNIST_DIR
+from unsparse.prune.base import PruneResult
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
+from unsparse.prune.masks import attach_masks, layer_sparsity, masks_of, model_weighted_sparsity
 from unsparse.train import Trainer
 
 ARMS = ("evolutionary", "gradual_global", "gradual_allocation")
+"""The allocation ablation's arms (the default of ``--arms``)."""
+MASK_ARMS = {"evolutionary_masks": "evolutionary", "allocation_masks": "gradual_allocation"}
+"""Mask-swap arms and the arm whose final masks each fixes on a fresh dense copy."""
 
 
 def _script(name: str):
@@ -59,16 +71,21 @@ TABLE = SELECT.TABLE
 
 
 def ablate(name: str, budget: dict[str, Any], overrides: dict[str, Any], fine_tune_lr: float,
-           trainer_for: Any, workdir: Path, seed: int, record: Any) -> dict[str, dict[str, Any]]:
-    """The three arms (module docstring) on model ``name`` from one dense model of ``budget`` and ``seed``.
+           trainer_for: Any, workdir: Path, seed: int, record: Any,
+           chosen: tuple[str, ...] = ARMS) -> dict[str, dict[str, Any]]:
+    """The ``chosen`` arms (module docstring) on model ``name`` from one dense model of ``budget`` and ``seed``;
+    ``evolutionary`` always runs (the others take its sparsity), and an arm whose masks a chosen mask-swap arm
+    fixes runs too.
 
     ``trainer_for()`` returns a fresh :class:`Trainer` (loaders reseeded, so every arm sees the same batch order);
     ``record(arms)`` is called after every arm. Returns per arm: ``val_top1`` and ``test_top1`` (%),
     ``weighted_sparsity`` (eq. 7-8), ``layer_sparsity`` (per layer name), ``wall_time_s`` (s); the evolutionary
-    arm also ``iterations`` (used) and the gradual arms ``pruning_steps`` (epochs of their schedule).
+    arm also ``iterations`` (used), the gradual arms ``pruning_steps`` (epochs of their schedule) and the
+    mask-swap arms ``epochs`` (trained).
     """
     dense = SELECT.train_dense(name, budget, trainer_for(), workdir, seed)
     arms: dict[str, dict[str, Any]] = {}
+    models: dict[str, torch.nn.Module] = {}
 
     def finish(arm: str, model: torch.nn.Module, result: Any, **extra: Any) -> None:
         trainer = trainer_for()
@@ -76,6 +93,7 @@ def ablate(name: str, budget: dict[str, Any], overrides: dict[str, Any], fine_tu
                      "test_top1": trainer.evaluate(model, "test")["top1"],
                      "weighted_sparsity": result.weighted_sparsity, "layer_sparsity": result.layer_sparsity,
                      "wall_time_s": result.wall_time_s, **extra}
+        models[arm] = model
         TABLE.say(f"{name} seed {seed} {arm}: val {arms[arm]['val_top1']:.2f} test {arms[arm]['test_top1']:.2f} "
                   f"weighted sparsity {result.weighted_sparsity:.4f}")
         record(arms)
@@ -93,11 +111,25 @@ def ablate(name: str, budget: dict[str, Any], overrides: dict[str, Any], fine_tu
     steps = max(math.ceil(used * budget["batches"] / len(trainer.loaders["train"])), 1)
     allocations = {"gradual_global": {"scope": "global"},
                    "gradual_allocation": {"scope": "layer", "layer_targets": result.layer_sparsity}}
+    needed = set(chosen) | {MASK_ARMS[arm] for arm in chosen if arm in MASK_ARMS}
+    epochs = 0
     for arm, allocation in allocations.items():
-        model = copy.deepcopy(dense)
         pruner = GradualMagnitudePruner(target=result.weighted_sparsity, pruning_steps=steps, lr=fine_tune_lr,
                                         fine_tune_epochs=budget["fine_tune_epochs"], **allocation)
-        finish(arm, model, pruner.run(model, trainer_for(), workdir / arm), pruning_steps=steps)
+        epochs = pruner.epochs(len(trainer.loaders["train"]))
+        if arm in needed:
+            model = copy.deepcopy(dense)
+            finish(arm, model, pruner.run(model, trainer_for(), workdir / arm), pruning_steps=steps)
+    for arm, source in MASK_ARMS.items():
+        if arm in chosen:
+            started = time.perf_counter()
+            model = copy.deepcopy(dense)
+            masks = attach_masks(model, list(masks_of(models[source])))
+            for layer, mask in masks_of(models[source]).items():
+                masks[layer].set(mask.mask)
+            history = trainer_for().fit(model, epochs, workdir / arm / "fit.pt", lr=fine_tune_lr, desc=arm)
+            finish(arm, model, PruneResult(arm, model_weighted_sparsity(model), layer_sparsity(model), history,
+                                           time.perf_counter() - started), epochs=epochs)
     return arms
 
 
@@ -108,13 +140,15 @@ def _mean_sd(values: list[float]) -> str:
 
 def markdown(runs: list[dict[str, Any]]) -> str:
     """The page for ``--out`` JSONs of one model (one per seed): per seed and arm the top-1 on both splits, then
-    the mean ± sample standard deviation over seeds of each arm's difference to ``gradual_global``."""
+    mean ± sample standard deviation over seeds of differences between arms: with ``gradual_global``, each arm's
+    difference to it (the allocation ablation); with the mask-swap arms, the split of the shortfall S = A - B into
+    P = A - C, M = C - D and R = D - B (``plan_mask_swap.md``)."""
     meta = runs[0]["meta"]
-    lines = [f"# Allocation ablation: {meta['model']}", "",
-             "Written by `scripts/prune_allocation.py --render`; plan and reading rule in "
-             "`plan_allocation_ablation.md`. Per seed one dense model; the three arms start from copies of it "
-             f"(budget `{meta['budget_name']}`, evolutionary overrides {meta['overrides']}, fine-tuning learning "
-             f"rate {meta['fine_tune_lr']}). Top-1 in %.", "",
+    lines = [f"# Ablation: {meta['model']}", "",
+             "Written by `scripts/prune_allocation.py --render`; plans and reading rules in "
+             "`plan_allocation_ablation.md` and `plan_mask_swap.md`. Per seed one dense model; every arm starts "
+             f"from a copy of it (budget `{meta['budget_name']}`, evolutionary overrides {meta['overrides']}, "
+             f"fine-tuning learning rate {meta['fine_tune_lr']}). Top-1 in %.", "",
              "| seed | commit | device | arm | val top1 | test top1 | weighted sparsity | wall s |",
              "|---|---|---|---|---|---|---|---|"]
     for run in runs:
@@ -122,21 +156,33 @@ def markdown(runs: list[dict[str, Any]]) -> str:
             lines.append(f"| {run['meta']['seed']} | {run['meta']['commit']} | {run['meta']['device_name']} | {arm} "
                          f"| {row['val_top1']:.2f} | {row['test_top1']:.2f} | {row['weighted_sparsity']:.4f} | "
                          f"{row['wall_time_s']:.0f} |")
-    complete = [run["arms"] for run in runs if set(run["arms"]) == set(ARMS)]
-    lines += ["", f"Differences to `gradual_global` in points, over the {len(complete)} seed(s) with all arms "
-                  "(mean ± sample standard deviation):", "",
-              "| arm | val | test |", "|---|---|---|"]
-    for arm in ARMS[0], ARMS[2]:
-        lines.append(f"| {arm} | " + " | ".join(
-            _mean_sd([arms[arm][split] - arms["gradual_global"][split] for arms in complete])
-            for split in ("val_top1", "test_top1")) + " |")
+    present = set.intersection(*(set(run["arms"]) for run in runs))
+    complete = [run["arms"] for run in runs]
+
+    def difference(plus: str, minus: str) -> str:
+        return " | ".join(_mean_sd([arms[plus][split] - arms[minus][split] for arms in complete])
+                          for split in ("val_top1", "test_top1"))
+
+    if set(ARMS) <= present:
+        lines += ["", f"Differences to `gradual_global` in points, over {len(complete)} seed(s) (mean ± sample "
+                      "standard deviation):", "", "| arm | val | test |", "|---|---|---|"]
+        lines += [f"| {arm} | {difference(arm, 'gradual_global')} |" for arm in (ARMS[0], ARMS[2])]
+    if {"evolutionary", "gradual_allocation", *MASK_ARMS} <= present:
+        terms = [("S = A - B: shortfall against gradual_allocation", "evolutionary", "gradual_allocation"),
+                 ("P = A - C: evolutionary training, given its masks", "evolutionary", "evolutionary_masks"),
+                 ("M = C - D: the masks", "evolutionary_masks", "allocation_masks"),
+                 ("R = D - B: fixed masks against the gradual schedule", "allocation_masks", "gradual_allocation")]
+        lines += ["", f"Mask swap, points over {len(complete)} seed(s) (mean ± sample standard deviation; "
+                      "S = P + M + R):", "", "| term | val | test |", "|---|---|---|"]
+        lines += [f"| {label} | {difference(plus, minus)} |" for label, plus, minus in terms]
     names = list(complete[0]["evolutionary"]["layer_sparsity"]) if complete else []
-    lines += ["", "Per-layer sparsity (seed order as above; `gradual_allocation` matches `evolutionary` by "
-                  "construction):", "", "| layer | evolutionary | gradual_global |", "|---|---|---|"]
+    shown = [arm for arm in ("evolutionary", "gradual_global") if arm in present]
+    lines += ["", "Per-layer sparsity (seed order as above; `gradual_allocation` and the mask-swap arms match "
+                  "`evolutionary` by construction):", "", "| layer | " + " | ".join(shown) + " |",
+              "|---|" + "---|" * len(shown)]
     for layer in names:
         lines.append(f"| {layer} | " + " | ".join(
-            ", ".join(f"{arms[arm]['layer_sparsity'][layer]:.2f}" for arms in complete)
-            for arm in ("evolutionary", "gradual_global")) + " |")
+            ", ".join(f"{arms[arm]['layer_sparsity'][layer]:.2f}" for arms in complete) for arm in shown) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -154,6 +200,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="JSON file (with --render: the Markdown page)")
     parser.add_argument("--render", nargs="+", type=Path, metavar="JSON", help="write the page and run nothing")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--arms", nargs="+", choices=[*ARMS, *MASK_ARMS], default=list(ARMS),
+                        help="arms to run (evolutionary always runs; a mask-swap arm also runs its source arm)")
     args = parser.parse_args()
     if args.render:
         atomic_write_text(args.out, markdown([json.loads(path.read_text()) for path in args.render]))
@@ -171,7 +219,7 @@ def main() -> None:
         atomic_write_json(args.out, {"meta": {**meta, "wall_time_s": time.perf_counter() - started}, "arms": arms})
 
     ablate(args.model, budget, dict(args.evolutionary), args.fine_tune_lr, trainer_for,
-           args.workdir / f"seed{args.seed}" / args.model, args.seed, record)
+           args.workdir / f"seed{args.seed}" / args.model, args.seed, record, tuple(args.arms))
 
 
 if __name__ == "__main__":
