@@ -20,10 +20,10 @@
 //   padding needs no copy); chunks stream in with cp.async into two buffers (chunk k + 1 loads while chunk k
 //   computes). Elements are 4 bytes: one float32 image, or a __half2 pair of float16 images read from an
 //   image-paired input (N/2, C, H, W, 2) that the Python side builds (one 4-byte load feeds two FMAs).
-//   Each warp walks the nonzeros of its MW rows in the staged channels: per pair of nonzeros one 16-byte
-//   broadcast load of two (offset into the staged chunk, weight) entries (Escoin §3.1 stretching, done at plan
-//   time against the tile layout), then per nonzero and each of the lane's PY * NB outputs one shared load at
-//   offset + a compile-time displacement and one FMA. The nonzero loop is warp-uniform (no divergence, weight and offset are
+//   Each warp walks the nonzeros of its MW rows in the staged channels: per nonzero one broadcast load of
+//   (offset into the staged chunk, weight) (Escoin §3.1 stretching, done at plan time against the tile
+//   layout), then for each of the lane's PY * NB outputs one shared load at offset + a compile-time
+//   displacement and one FMA. The nonzero loop is warp-uniform (no divergence, weight and offset are
 //   broadcasts), its bound is the per-(row, chunk) count (UnSparse-Opt's uniform padding entries are
 //   dropped at plan time), and the lanes of a warp read 32 distinct banks (padded row width chosen on the
 //   Python side).
@@ -166,31 +166,6 @@ __device__ __forceinline__ void stage_async(void* dst, const void* src, bool liv
   }
 }
 
-// Calls f(offset, weight bits) for entries lo .. hi - 1, in order, loading them two at a time: one 16-byte __ldg of an
-// aligned pair (entries is 16-byte aligned, checked on the Python side) instead of one 8-byte load per entry, so the
-// L1 data path, which bounds the nonzero loop, carries half the entry loads (kernels/NOTES.md v19). An odd first
-// entry and an odd last one are loaded alone. UNROLL counts entries, as a #pragma unroll of single entries would.
-template <int UNROLL, typename F>
-__device__ __forceinline__ void walk_entries(const int2* __restrict__ entries, int lo, int hi, const F& f) {
-  int t = lo;
-  if ((t & 1) && t < hi) {
-    const int2 entry = __ldg(entries + t);
-    f(entry.x, entry.y);
-    ++t;
-  }
-  const int4* __restrict__ pairs = reinterpret_cast<const int4*>(entries);
-#pragma unroll(UNROLL > 1 ? UNROLL / 2 : 1)
-  for (; t + 1 < hi; t += 2) {
-    const int4 pair = __ldg(pairs + (t >> 1));
-    f(pair.x, pair.y);
-    f(pair.z, pair.w);
-  }
-  if (t < hi) {
-    const int2 entry = __ldg(entries + t);
-    f(entry.x, entry.y);
-  }
-}
-
 // Walks the nonzeros of rows m_base .. m_base + MW - 1 (those below M) in staged chunk k, warp-uniformly, and calls
 // apply(j, offset, weight bits) for each: the per-(row, chunk) lists that direct_tile and direct_pointwise share
 // (chunk_ptr / entries, built and validated by prepare_tile on the Python side). RUN > 0: the entries of a row come
@@ -206,12 +181,20 @@ __device__ __forceinline__ void for_each_entry(const int* __restrict__ chunk_ptr
     if (m >= M) break;
     const int begin = __ldg(chunk_ptr + m * K + k);
     const int end = __ldg(chunk_ptr + m * K + k + 1);
-    const auto row_entry = [&](int offset, int bits) { apply(j, offset, bits); };
     if constexpr (RUN == 0) {
-      walk_entries<UNROLL>(entries, begin, end, row_entry);
+#pragma unroll UNROLL
+      for (int t = begin; t < end; ++t) {
+        const int2 entry = __ldg(entries + t);
+        apply(j, entry.x, entry.y);
+      }
     } else {
       for (int run = begin; run < end; run += RUN) {
-        walk_entries<UNROLL>(entries, run, min(end, run + RUN), row_entry);
+        const int stop = min(end, run + RUN);
+#pragma unroll UNROLL
+        for (int t = run; t < stop; ++t) {
+          const int2 entry = __ldg(entries + t);
+          apply(j, entry.x, entry.y);
+        }
         flush(j);
       }
     }
@@ -348,10 +331,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     const Elem* tile = tiles[b];
 
     if constexpr (HALF_RUN == 0) {
-      // Entries unrolled by 4 (two pairs), by 2 for more than 4 rows per warp or 32 sums per thread: with two pairs
-      // in flight, ptxas spilled the MW = 8 and PY = 7 float16 tilings (kernels/NOTES.md v19).
-      constexpr int UNROLL = MW <= 4 && MW * PY * NB <= 32 ? 4 : 2;
-      for_each_entry<MW, UNROLL, 0>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, int bits) {
+      for_each_entry<MW, 4, 0>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, int bits) {
         const float w = __int_as_float(bits);
         const Elem* src = tile + offset + base;
 #pragma unroll

@@ -246,10 +246,9 @@ class TileArrays:
     Attributes:
         chunk_ptr: ``(M*K + 1,)`` int32; entries of (m, k) are ``[chunk_ptr[m*K+k], chunk_ptr[m*K+k+1])``,
             K = ceil(C / CC).
-        entries: ``(nnz, 2)`` int32, 16-byte aligned (the kernels load aligned pairs of entries as one 16-byte
-            vector): the tap's element offset in the staged chunk, ``(c - k*CC) * channel_stride + r *
-            padded_width + s``, and the weight's bits: float32, or for half2 products a ``__half2`` holding the
-            float16 weight twice.
+        entries: ``(nnz, 2)`` int32: the tap's element offset in the staged chunk,
+            ``(c - k*CC) * channel_stride + r * padded_width + s``, and the weight's bits: float32, or for half2
+            products a ``__half2`` holding the float16 weight twice.
     """
 
     chunk_ptr: torch.Tensor
@@ -346,15 +345,13 @@ def validate_tile(arrays: TileArrays, out_channels: int, channels: int, kernel_s
 
     Raises:
         ValueError: naming ``chunk_ptr`` (wrong length, not from 0 to nnz, decreasing) or ``entries`` (shape,
-            not contiguous and 16-byte aligned, or an offset that does not decompose as above).
+            or an offset that does not decompose as above).
     """
     R, S = kernel_size
     K = math.ceil(channels / layout.chunk)
     ptr, entries = arrays.chunk_ptr.long(), arrays.entries
     if entries.dim() != 2 or entries.shape[1] != 2:
         raise ValueError(f"entries: expected shape (nnz, 2), got {tuple(entries.shape)}")
-    if not entries.is_contiguous() or entries.data_ptr() % 16:
-        raise ValueError("entries: must be contiguous and 16-byte aligned (the kernels load pairs of entries)")
     nnz = entries.shape[0]
     if ptr.numel() != out_channels * K + 1 or int(ptr[0]) != 0 or int(ptr[-1]) != nnz:
         raise ValueError(f"chunk_ptr: expected {out_channels * K + 1} entries from 0 to nnz={nnz}")
