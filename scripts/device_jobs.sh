@@ -1,7 +1,7 @@
 # Sourced by the scripts that run pruning work on a lent GPU machine (scripts/prune_table_gpu.sh,
-# scripts/prune_select_gpu.sh): python3 with torch/torchvision/numpy, no network, no omegaconf, no Debian
-# Fashion-MNIST package. .carry/ (git-ignored) supplies them; prepare it on the development machine, from the
-# repository root:
+# scripts/prune_select_gpu.sh, scripts/prune_allocation_gpu.sh): python3 with torch/torchvision/numpy, no network,
+# no omegaconf, no Debian Fashion-MNIST package. .carry/ (git-ignored) supplies them; prepare it on the development
+# machine, from the repository root:
 #
 #     mkdir -p .carry/wheels .carry/fashion-mnist
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -60,6 +60,26 @@ run_jobs() {
         cp "/tmp/device_jobs/$name.json" "$OUT/$name.json" || status=1
         { echo "===== $job"; cat "/tmp/device_jobs/$name.log"; } >>"$log"
     done
+    return $status
+}
+
+# carry_job SECONDS SCRIPT WORKDIR NAME [options...]: the Python SCRIPT on the carried Fashion-MNIST, working in
+# WORKDIR, its JSON at /tmp/device_jobs/NAME.json (where run_jobs collects it); interrupted (SIGINT, so it writes
+# what it finished) after SECONDS and killed 20 s later.
+carry_job() {
+    local seconds=$1 script=$2 workdir=$3 name=$4
+    shift 4
+    timeout --signal=INT --kill-after=20 "$seconds" python3 "$script" --data-root .carry/fashion-mnist \
+        --workdir "$workdir" --out "/tmp/device_jobs/$name.json" "$@"
+}
+
+# run_and_render RUNNER LOG SCRIPT PAGE NAME:OPTIONS...: run_jobs, then render_jobs; returns 1 if a job failed
+# (the page is written from the jobs that left a JSON either way).
+run_and_render() {
+    local runner=$1 log=$2 script=$3 page=$4 status=0
+    shift 4
+    run_jobs "$runner" "$log" "$@" || status=1
+    render_jobs "$script" "$page" "$@"
     return $status
 }
 

@@ -18,11 +18,7 @@ allocation_job() {  # allocation_job NAME [prune_allocation.py options...]
     local name=$1
     shift
     # shellcheck disable=SC2086  # PRUNE_ALLOCATION_ARGS is a list of options
-    timeout --signal=INT --kill-after=20 "${PRUNE_ALLOCATION_TIMEOUT:-560}" \
-        python3 scripts/prune_allocation.py --data-root .carry/fashion-mnist --workdir "/tmp/prune_allocation/$name" \
-        --out "/tmp/device_jobs/$name.json" ${PRUNE_ALLOCATION_ARGS:-} "$@"
+    carry_job "${PRUNE_ALLOCATION_TIMEOUT:-560}" scripts/prune_allocation.py "/tmp/prune_allocation/$name" "$name" \
+        ${PRUNE_ALLOCATION_ARGS:-} "$@"
 }
-status=0
-run_jobs allocation_job "$OUT/prune_allocation.log" "$@" || status=1
-render_jobs scripts/prune_allocation.py allocation.md "$@"
-exit $status
+run_and_render allocation_job "$OUT/prune_allocation.log" scripts/prune_allocation.py allocation.md "$@"

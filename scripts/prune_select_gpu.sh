@@ -30,11 +30,7 @@ select_job() {  # select_job NAME [--grid ...]: one candidate on a copy of the d
     shift
     cp -r /tmp/prune_select/dense "/tmp/prune_select/$name"
     # shellcheck disable=SC2086  # PRUNE_SELECT_ARGS is a list of options
-    timeout --signal=INT --kill-after=20 $((${PRUNE_SELECT_TIMEOUT:-540} - (SECONDS - started))) \
-        python3 scripts/prune_select.py --data-root .carry/fashion-mnist --workdir "/tmp/prune_select/$name" \
-        --out "/tmp/device_jobs/$name.json" ${PRUNE_SELECT_ARGS:-} "$@"
+    carry_job $((${PRUNE_SELECT_TIMEOUT:-540} - (SECONDS - started))) scripts/prune_select.py \
+        "/tmp/prune_select/$name" "$name" ${PRUNE_SELECT_ARGS:-} "$@"
 }
-status=0
-run_jobs select_job "$OUT/prune_select.log" "$@" || status=1
-render_jobs scripts/prune_select.py selection.md "$@"
-exit $status
+run_and_render select_job "$OUT/prune_select.log" scripts/prune_select.py selection.md "$@"

@@ -152,8 +152,8 @@ def test_half2_every_setting_matches_float64_reference(case: str) -> None:
 
 def test_direct_kernels_run_on_torchs_current_stream() -> None:
     """A kernel launched under ``torch.cuda.stream(s)`` runs on ``s``, after the work queued there before it: the
-    input is written on ``s`` by a slow chain of copies that the kernel must wait for (on another stream it would
-    read the stale input)."""
+    input is copied on ``s`` behind about 5 ms of GPU sleep, which the kernel must wait for (on another stream it
+    would read the zeros there before)."""
     x, csr, bias, geometry, ref = make_case("odd_3x3", torch.float32, seed=11)
     backend = get_backend("direct")
     params = {"variant": "tile", "wx": 8, "py": 2, "nb": 2, "mw": 4, "warps": 8, "cc": 2}
