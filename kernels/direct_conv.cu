@@ -27,6 +27,9 @@
 //   broadcasts), its bound is the per-(row, chunk) count (UnSparse-Opt's uniform padding entries are
 //   dropped at plan time), and the lanes of a warp read 32 distinct banks (padded row width chosen on the
 //   Python side).
+//   U = 3 ("union" settings): the warp walks its MW rows three at a time; an entry is one tap of the union of
+//   the three rows' nonzero taps in the chunk with the three weights (zero where a row lacks the tap), so each
+//   staged element a lane loads feeds three FMAs instead of one (kernels/NOTES.md v21).
 //   VEC = 1 (WX = 32, W % 4 == 0, a 16-byte aligned input, pad_w <= S - 1; checked on the Python
 //   side): each staged row's 32 interior columns (input columns f0 .. f0 + 31) are copied as eight 16-byte
 //   cp.async, which the row layout aligns by starting column xx of every row at LEFT + xx with
@@ -166,47 +169,71 @@ __device__ __forceinline__ void stage_async(void* dst, const void* src, bool liv
   }
 }
 
-// Walks the nonzeros of rows m_base .. m_base + MW - 1 (those below M) in staged chunk k, warp-uniformly, and calls
-// apply(j, offset, weight bits) for each: the per-(row, chunk) lists that direct_tile and direct_pointwise share
-// (chunk_ptr / entries, built and validated by prepare_tile on the Python side). RUN > 0: the entries of a row come
-// in runs of at most RUN, and flush(j) follows each run (direct_tile's half2 partial sums); RUN = 0: one pass per
-// row, no flush.
-template <int MW, int UNROLL, int RUN, typename Apply, typename Flush>
-__device__ __forceinline__ void for_each_entry(const int* __restrict__ chunk_ptr, const int2* __restrict__ entries,
+// One entry of the per-(row group, chunk) lists: U = 1, (offset, weight bits) of one output channel; U = 3, (offset,
+// weight bits of channels 3g, 3g + 1, 3g + 2), a tap of the union of the three channels' nonzero taps, zero bits where
+// a channel lacks it (kernels/NOTES.md v21). One 8- or 16-byte load.
+template <int U>
+struct TileEntry;
+template <>
+struct TileEntry<1> {
+  using type = int2;
+  __device__ static void bits(const int2& e, int (&w)[1]) { w[0] = e.y; }
+};
+template <>
+struct TileEntry<3> {
+  using type = int4;
+  __device__ static void bits(const int4& e, int (&w)[3]) {
+    w[0] = e.y;
+    w[1] = e.z;
+    w[2] = e.w;
+  }
+};
+
+// Walks the entries of rows m_base .. m_base + MW - 1 (those below M) in staged chunk k, warp-uniformly, group by
+// group of U rows, and calls apply(g, offset, weight bits[U]) for each entry of group g (rows m_base + g*U + u): the
+// per-(row group, chunk) lists that direct_tile and direct_pointwise share (chunk_ptr / entries, built and validated
+// by prepare_tile on the Python side; m_base is a multiple of U). RUN > 0: the entries of a group come in runs of at
+// most RUN, and flush(g) follows each run (direct_tile's half2 partial sums); RUN = 0: one pass per group, no flush.
+template <int MW, int U, int UNROLL, int RUN, typename Apply, typename Flush>
+__device__ __forceinline__ void for_each_entry(const int* __restrict__ chunk_ptr, const void* __restrict__ entry_data,
                                                int m_base, int M, int K, int k, const Apply& apply,
                                                const Flush& flush) {
+  static_assert(MW % U == 0, "a warp's rows split into whole groups");
+  using Entry = typename TileEntry<U>::type;
+  const Entry* entries = static_cast<const Entry*>(entry_data);
+  const auto visit = [&](int g, int t) {
+    const Entry entry = __ldg(entries + t);
+    int bits[U];
+    TileEntry<U>::bits(entry, bits);
+    apply(g, entry.x, bits);
+  };
 #pragma unroll
-  for (int j = 0; j < MW; ++j) {
-    const int m = m_base + j;
+  for (int g = 0; g < MW / U; ++g) {
+    const int m = m_base + g * U;
     if (m >= M) break;
-    const int begin = __ldg(chunk_ptr + m * K + k);
-    const int end = __ldg(chunk_ptr + m * K + k + 1);
+    const int list = m / U * K + k;
+    const int begin = __ldg(chunk_ptr + list);
+    const int end = __ldg(chunk_ptr + list + 1);
     if constexpr (RUN == 0) {
 #pragma unroll UNROLL
-      for (int t = begin; t < end; ++t) {
-        const int2 entry = __ldg(entries + t);
-        apply(j, entry.x, entry.y);
-      }
+      for (int t = begin; t < end; ++t) visit(g, t);
     } else {
       for (int run = begin; run < end; run += RUN) {
         const int stop = min(end, run + RUN);
 #pragma unroll UNROLL
-        for (int t = run; t < stop; ++t) {
-          const int2 entry = __ldg(entries + t);
-          apply(j, entry.x, entry.y);
-        }
-        flush(j);
+        for (int t = run; t < stop; ++t) visit(g, t);
+        flush(g);
       }
     }
   }
 }
 
 template <typename T, int R, int S, int WX, int PY, int NB, int MW, int WARPS, int CC, int IWP, int LEFT, int VEC,
-          int HALF_RUN>
+          int HALF_RUN, int U>
 __global__ void __launch_bounds__(WARPS * 32)
     direct_tile(const T* __restrict__ x,                // float32 (N, C, H, W); float16 (ceil(N/2), C, H, W, 2)
-                const int* __restrict__ chunk_ptr,      // (M * K + 1,): entries of (m, k) are [m*K+k, m*K+k+1)
-                const int2* __restrict__ entries,       // (nnz,): (tile offset, float32 bits of the weight)
+                const int* __restrict__ chunk_ptr,      // (ceil(M/U) * K + 1,): entries of (group g, k) from g*K+k
+                const void* __restrict__ entries,       // (n,) TileEntry<U>: tile offset, U weights' bits
                 const T* __restrict__ bias,             // (M,) or nullptr
                 T* __restrict__ out,                    // (N, M, E, F)
                 int N, int C, int H, int W, int M, int E, int F, int pad_h, int pad_w, int tiles_f,
@@ -259,11 +286,13 @@ __global__ void __launch_bounds__(WARPS * 32)
       for (int py = 0; py < PY; ++py)
 #pragma unroll
         for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = 0.f;
-  __half2 run[NBE][PY];  // HALF_RUN > 0: the float16 partial sums of the current run (zero between runs)
+  __half2 run[U][NBE][PY];  // HALF_RUN > 0: the float16 partial sums of the current run (zero between runs)
 #pragma unroll
-  for (int ie = 0; ie < NBE; ++ie)
+  for (int u = 0; u < U; ++u)
 #pragma unroll
-    for (int py = 0; py < PY; ++py) run[ie][py] = __float2half2_rn(0.f);
+    for (int ie = 0; ie < NBE; ++ie)
+#pragma unroll
+      for (int py = 0; py < PY; ++py) run[u][ie][py] = __float2half2_rn(0.f);
 
   // Stages chunk k into buffer b by asynchronous 4-byte copies of one element (zero-filled outside the image, no
   // registers held), so chunk k + 1 streams in while chunk k is computed.
@@ -331,8 +360,8 @@ __global__ void __launch_bounds__(WARPS * 32)
     const Elem* tile = tiles[b];
 
     if constexpr (HALF_RUN == 0) {
-      for_each_entry<MW, 4, 0>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, int bits) {
-        const float w = __int_as_float(bits);
+      // Each staged element a lane loads feeds the U channels of the entry (U = 3: kernels/NOTES.md v21).
+      for_each_entry<MW, U, 4, 0>(chunk_ptr, entries, m_base, M, K, k, [&](int g, int offset, const int (&bits)[U]) {
         const Elem* src = tile + offset + base;
 #pragma unroll
         for (int ie = 0; ie < NBE; ++ie)
@@ -341,30 +370,42 @@ __global__ void __launch_bounds__(WARPS * 32)
             float v[IPE];
             TileElem<T>::to_float(src[ie * PLANE + py * WY * IWP], v);
 #pragma unroll
-            for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = fmaf(w, v[q], acc[j][ie][py][q]);
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+              for (int q = 0; q < IPE; ++q)
+                acc[g * U + u][ie][py][q] = fmaf(__int_as_float(bits[u]), v[q], acc[g * U + u][ie][py][q]);
           }
       }, [](int) {});
     } else {
-      // One HFMA2 per staged pair: weight (w, w) times (image 2i, image 2i + 1), summed in float16 over runs of at
-      // most HALF_RUN entries, each run then added to the float32 accumulators (kernels/NOTES.md v17). Unrolled by
-      // 2 below 3x3 filters: by 4, ptxas spilled the 2x2 (stride-2 phase) 16-warp tilings at 64 registers.
-      for_each_entry<MW, R * S >= 9 ? 4 : 2, HALF_RUN>(chunk_ptr, entries, m_base, M, K, k, [&](int, int offset, int bits) {
-        const __half2 w = *reinterpret_cast<const __half2*>(&bits);
+      // One HFMA2 per staged pair and channel: weight (w, w) times (image 2i, image 2i + 1), summed in float16 over
+      // runs of at most HALF_RUN entries, each run then added to the float32 accumulators (kernels/NOTES.md v17).
+      // Unrolled by 4 entries on 3x3 and larger filters, 2 below (2x2: the stride-2 phase split), not with union
+      // entries: more, and ptxas spilled 16-warp tilings at 64 registers.
+      constexpr int UNROLL = U > 1 ? 1 : R * S >= 9 ? 4 : 2;
+      for_each_entry<MW, U, UNROLL, HALF_RUN>(chunk_ptr, entries, m_base, M, K, k,
+                                                          [&](int, int offset, const int (&bits)[U]) {
         const Elem* src = tile + offset + base;
 #pragma unroll
         for (int ie = 0; ie < NBE; ++ie)
 #pragma unroll
-          for (int py = 0; py < PY; ++py) run[ie][py] = __hfma2(w, src[ie * PLANE + py * WY * IWP], run[ie][py]);
-      }, [&](int j) {
-#pragma unroll
-        for (int ie = 0; ie < NBE; ++ie)
-#pragma unroll
           for (int py = 0; py < PY; ++py) {
-            const float2 f = __half22float2(run[ie][py]);
-            acc[j][ie][py][0] += f.x;
-            acc[j][ie][py][1] += f.y;
-            run[ie][py] = __float2half2_rn(0.f);
+            const __half2 v = src[ie * PLANE + py * WY * IWP];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+              run[u][ie][py] = __hfma2(*reinterpret_cast<const __half2*>(&bits[u]), v, run[u][ie][py]);
           }
+      }, [&](int g) {
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+#pragma unroll
+          for (int ie = 0; ie < NBE; ++ie)
+#pragma unroll
+            for (int py = 0; py < PY; ++py) {
+              const float2 f = __half22float2(run[u][ie][py]);
+              acc[g * U + u][ie][py][0] += f.x;
+              acc[g * U + u][ie][py][1] += f.y;
+              run[u][ie][py] = __float2half2_rn(0.f);
+            }
       });
     }
     __syncthreads();  // the buffer just read is staged again at iteration k + 1
@@ -521,8 +562,8 @@ __global__ void __launch_bounds__(WARPS * 32)
     __syncthreads();
     const T* lane_tile = tiles[b] + 4 * lane;
 
-    for_each_entry<MW, 2, 0>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, int bits) {
-      const float w = __int_as_float(bits);
+    for_each_entry<MW, 1, 2, 0>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, const int (&bits)[1]) {
+      const float w = __int_as_float(bits[0]);
 #pragma unroll
       for (int v = 0; v < PV; ++v) {
         float f[4];

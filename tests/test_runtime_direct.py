@@ -101,14 +101,16 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
     16-byte aligned in shared memory), per-(row, chunk) entries, lane-to-output map and every shared-memory
     index checked against the chunk's size. ``out_hw``: the outputs to compute (default: the geometry's).
     ``half_run``: half2 products (weights decoded from the ``__half2`` entries), each product added to a float16
-    partial sum with one rounding (``HFMA2``), runs of at most ``half_run`` entries added to the accumulators."""
+    partial sum with one rounding (``HFMA2``), runs of at most ``half_run`` entries added to the accumulators.
+    ``tiling.union`` > 1: the warp walks its rows in groups of U, each entry feeding the group's U channels."""
     N, C, H, W = x.shape
     R, S = csr.kernel_size
     E, F_ = out_hw or geometry.output_size(H, W, csr.kernel_size)
     pad = geometry.padding[1] if vector else None
     layout = cl.tile_layout(dtype, (R, S), tiling, pad)
     spec = cl.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling, pad, half_run)
-    arrays = prepare_tile(csr, layout, half2=half_run > 0)
+    union = tiling.union
+    arrays = prepare_tile(csr, layout, half2=half_run > 0, union=union)
     ipe = cl.images_per_element(dtype)
     (te, tf), wy = tiling.tile_hw, tiling.wy
     tiles_f, groups, K = math.ceil(F_ / tf), math.ceil(csr.out_channels / tiling.channels), math.ceil(C / tiling.cc)
@@ -136,30 +138,32 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
                     live = inside[0] and n < N
                     chunk[row + xx, q] = x[n, c, iy, f0 + xx - pw] if live else 0.0
             for warp in range(spec.block[0] // 32):
-                for j in range(tiling.mw):
-                    m = group * tiling.channels + warp * tiling.mw + j
+                for g in range(tiling.mw // union):
+                    m = group * tiling.channels + warp * tiling.mw + g * union
                     if m >= csr.out_channels:
                         break
-                    begin, end = int(arrays.chunk_ptr[m * K + k]), int(arrays.chunk_ptr[m * K + k + 1])
+                    assert m % union == 0
+                    lists = m // union * K + k
+                    begin, end = int(arrays.chunk_ptr[lists]), int(arrays.chunk_ptr[lists + 1])
                     for run in range(begin, end, half_run or max(end - begin, 1)):
-                        partial = torch.zeros_like(acc[warp, j])
+                        partial = torch.zeros_like(acc[warp, g * union:(g + 1) * union])
                         for t in range(run, min(end, run + (half_run or end))):
                             offset = int(arrays.entries[t, 0])
                             if half_run:
-                                pair = arrays.entries[t, 1:2].view(torch.float16)
-                                assert pair[0] == pair[1], "a __half2 weight holds w twice"
-                                w = float(pair[0])
+                                pairs = arrays.entries[t, 1:].contiguous().view(torch.float16).reshape(union, 2)
+                                assert torch.equal(pairs[:, 0], pairs[:, 1]), "a __half2 weight holds w twice"
+                                weights = pairs[:, 0].to(x.dtype)
                             else:
-                                w = float(arrays.entries[t, 1:2].view(torch.float32))
+                                weights = arrays.entries[t, 1:].contiguous().view(torch.float32).to(x.dtype)
                             for ie in range(layout.image_elements):
                                 rows = (py * wy * layout.padded_width)[:, None]
                                 index = offset + base[None, :] + ie * layout.plane + rows
                                 assert int(index.min()) >= 0 and int(index.max()) < layout.elements()
-                                for q in range(ipe):
-                                    partial[ie * ipe + q] += w * chunk[index, q]
+                                for u, q in [(a, b) for a in range(union) for b in range(ipe)]:
+                                    partial[u, ie * ipe + q] += weights[u] * chunk[index, q]
                                     if half_run:  # one rounding per fused multiply-add
-                                        partial[ie * ipe + q] = partial[ie * ipe + q].half().to(x.dtype)
-                        acc[warp, j] += partial
+                                        partial[u, ie * ipe + q] = partial[u, ie * ipe + q].half().to(x.dtype)
+                        acc[warp, g * union:(g + 1) * union] += partial
         for warp, j, b in [(a, b, c) for a in range(spec.block[0] // 32) for b in range(tiling.mw)
                            for c in range(tiling.nb)]:
             m, n = group * tiling.channels + warp * tiling.mw + j, n0 + b
@@ -307,7 +311,8 @@ def test_rows_emulation_matches_conv2d(case: tuple, threads: int, pixels: int, s
 
 
 SMALL_TILINGS = [cl.TileTiling(wx=8, py=2, nb=2, mw=2, warps=2, cc=2),
-                 cl.TileTiling(wx=4, py=3, nb=1, mw=3, warps=1, cc=3)]
+                 cl.TileTiling(wx=4, py=3, nb=1, mw=3, warps=1, cc=3),
+                 cl.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3)]
 
 
 @pytest.mark.parametrize("case", [g for g in GEOMETRIES if g[7] == 1 and g[9] == 1 and g[2] > 1])
@@ -325,6 +330,37 @@ def test_tile_emulation_of_16_byte_staging_matches_conv2d(case: tuple) -> None:
     tiling = cl.TileTiling(wx=32, py=2, nb=2, mw=2, warps=2, cc=2)
     out = emulate_tile(x, csr, geometry, tiling, vector=True)
     assert torch.allclose(out, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_union_entries_emulate_zero_dense_and_partial_groups(dtype: torch.dtype) -> None:
+    """Union entries (U = 3) on 7 output channels: an all-zero channel and a dense one share a group with a sparse
+    one, and the last group holds one channel (two past M); with 16-byte staging and, in float16, image pairs."""
+    N, C, H, W, M = 3, 5, 6, 36, 7
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(M, C, 3, 3, generator=gen, dtype=torch.float64)
+    weight[torch.rand(weight.shape, generator=gen, dtype=torch.float64) < 0.8] = 0
+    weight[0] = 0
+    weight[1] = torch.randn(C, 3, 3, generator=gen, dtype=torch.float64)
+    x = torch.randn(N, C, H, W, generator=gen, dtype=torch.float64)
+    geometry = ConvGeometry.of(1, 1)
+    expected = F.conv2d(x, weight, None, 1, 1)
+    tiling = cl.TileTiling(wx=32, py=2, nb=2, mw=3, warps=2, cc=2, union=3)
+    out = emulate_tile(x, UniformCSR.from_dense(weight), geometry, tiling, dtype=dtype, vector=True)
+    assert torch.allclose(out, expected, atol=1e-5)  # the entries hold float32 weights
+
+
+def test_union_half2_runs_match_conv2d() -> None:
+    """Half2 products on union entries: each channel of a group has its own float16 run, within the float16
+    bound of the reference."""
+    x, csr, geometry, _ = layer((2, 8, 5, 36, 5, 3, 3, 1, 1, 1), sparsity=0.3, seed=9)
+    x = x.half().double()
+    weight = csr.to_dense().half().double().reshape(5, 8, 3, 3)
+    ref = F.conv2d(x, weight, None, 1, 1)
+    tiling = cl.TileTiling(wx=32, py=2, nb=2, mw=3, warps=1, cc=8, union=3)
+    out = emulate_tile(x, UniformCSR.from_dense(weight), geometry, tiling, torch.float16, vector=True,
+                       half_run=cl.HALF2_RUN)
+    assert 1e-6 < float((out - ref).norm() / ref.norm()) < 2e-3
 
 
 def test_vector_staging_eligibility() -> None:
@@ -422,6 +458,29 @@ def test_tile_arrays_drop_padding_and_group_by_chunk() -> None:
     assert empty.entries.shape == (0, 2) and empty.chunk_ptr.tolist() == [0] * 5
 
 
+def test_union_arrays_merge_the_taps_of_three_channels() -> None:
+    """U = 3: one list per (group of three channels, chunk), one entry per tap any of them has, zero weights where a
+    channel lacks it; a fourth channel starts the next group, whose missing channels hold zeros."""
+    weight = torch.zeros(4, 3, 3, 3)
+    weight[0, 0, 0, 0], weight[2, 0, 0, 0], weight[1, 2, 1, 2] = 1.0, 2.0, 3.0
+    weight[3, 1, 2, 1] = 4.0
+    tiling = cl.TileTiling(wx=32, py=2, nb=2, mw=3, warps=1, cc=2, union=3)
+    layout = cl.tile_layout(torch.float32, (3, 3), tiling)
+    arrays = prepare_tile(UniformCSR.from_dense(weight), layout, union=3)
+    assert arrays.chunk_ptr.tolist() == [0, 1, 2, 3, 3]  # (g0,k0) (g0,k1) (g1,k0) (g1,k1)
+    assert arrays.entries[:, 0].tolist() == [0, 1 * 34 + 2, 272 + 2 * 34 + 1]
+    assert arrays.entries[:, 1:].contiguous().view(torch.float32).tolist() == [[1.0, 0.0, 2.0], [0.0, 3.0, 0.0],
+                                                                                [4.0, 0.0, 0.0]]
+    with pytest.raises(ValueError, match="union"):
+        prepare_tile(UniformCSR.from_dense(weight), layout, union=2)
+    with pytest.raises(ValueError, match="entries"):  # read as U = 1, the rows are too wide
+        validate_tile(arrays, 4, 3, (3, 3), layout)
+    with pytest.raises(ValueError, match="chunk_ptr"):  # read as 12 channels, the lists are too few
+        validate_tile(arrays, 12, 3, (3, 3), layout, union=3)
+    with pytest.raises(ValueError, match="union"):
+        cl.tile_layout(torch.float32, (3, 3), cl.TileTiling(wx=32, py=2, nb=2, mw=4, warps=1, cc=2, union=3))
+
+
 def test_half2_backend_offers_tile_settings_on_float16_only() -> None:
     backend, direct = DirectHalf2Backend(), DirectBackend()
     csr = UniformCSR.from_dense(torch.randn(8, 4, 3, 3).half())
@@ -429,7 +488,7 @@ def test_half2_backend_offers_tile_settings_on_float16_only() -> None:
     space = backend.tuning_space(x, csr, ConvGeometry.of(2, 1))
     assert space == [{**p, "accumulate": "half2"} for p in direct.tuning_space(x, csr, ConvGeometry.of(2, 1))
                      if p["variant"] == "tile"]
-    assert all(name.endswith(f",{cl.HALF2_RUN}>") for name in backend.kernel_names(x, csr, ConvGeometry.of(2, 1)))
+    assert all(f",{cl.HALF2_RUN}," in name for name in backend.kernel_names(x, csr, ConvGeometry.of(2, 1)))
     assert not any("accumulate" in p for p in direct.tuning_space(x, csr, ConvGeometry.of(1, 1)))
     with pytest.raises(ValueError, match="accumulate"):  # half2 runs on the tile kernel only
         direct._launch(x, csr, ConvGeometry.of(1, 1), {"variant": "rows", "accumulate": "half2"})
@@ -513,9 +572,9 @@ def test_launch_geometry() -> None:
     tiling = cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4)
     spec = cl.tile_launch(torch.float32, 127, 200, (28, 28), (3, 3), tiling)
     assert spec.grid == (4 * 4 * 2, 64, 1) and spec.block == (256, 1, 1)
-    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48,0,0,0>"
+    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48,0,0,0,1>"
     spec = cl.tile_launch(torch.float32, 127, 200, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 4, 16, 8), 1)
-    assert spec.name == "direct_tile<float,3,3,32,4,2,4,16,8,40,3,1,0>"
+    assert spec.name == "direct_tile<float,3,3,32,4,2,4,16,8,40,3,1,0,1>"
     assert spec.shared_bytes == 2 * 8 * 6 * 40 * 2 * 4  # two chunks of CC x (NB images x 6 rows x 40 columns)
     wide = cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))
     assert wide.shared_bytes == 2 * 8 * 2 * 10 * 48 * 4 > cl.SHARED_LIMIT_BYTES  # 60 KB: dynamic, opted in
@@ -524,9 +583,11 @@ def test_launch_geometry() -> None:
     with pytest.raises(ValueError, match="exceed"):  # two float32 buffers of 105 KB
         cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 28))
     spec = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8))
-    assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,0>"
+    assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,0,1>"
     half2 = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8), half_run=16)
-    assert half2.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,16>" and half2.grid == spec.grid
+    assert half2.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,16,1>" and half2.grid == spec.grid
+    union = cl.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 6, 8, 8, union=3))
+    assert union.name.endswith(",0,3>") and union.grid == (6 * 14 * 2, 64, 1)  # 48 channels per block
     with pytest.raises(ValueError, match="half_run"):
         cl.tile_launch(torch.float32, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8), half_run=16)
     with pytest.raises(ValueError, match="threads"):

@@ -104,7 +104,10 @@ class TileTiling:
 
     A warp covers a ``(32 / WX) * PY`` x ``WX`` output tile of ``NB`` images (lane ``(ly, lx)`` owns rows
     ``ly + py * 32 / WX``); each of the ``WARPS`` warps accumulates ``MW`` output channels over it, so a block
-    owns ``WARPS * MW`` channels. ``CC`` input channels are staged in shared memory at a time.
+    owns ``WARPS * MW`` channels. ``CC`` input channels are staged in shared memory at a time. ``UNION``: output
+    channels per entry (template ``U``, one of :data:`TILE_UNIONS`): 1 walks each channel's nonzeros; 3 walks the
+    union of three channels' nonzero taps, one staged load feeding three FMAs (kernels/NOTES.md v21); MW is then a
+    multiple of 3.
     """
 
     wx: int
@@ -113,6 +116,7 @@ class TileTiling:
     mw: int
     warps: int
     cc: int
+    union: int = 1
 
     @property
     def wy(self) -> int:
@@ -173,6 +177,11 @@ class TileLayout:
         return self.chunk * self.channel_stride
 
 
+TILE_UNIONS = (1, 3)
+"""Output channels per ``direct_tile`` entry (:attr:`TileTiling.union`): an entry is ``(offset, U weights)`` in 8 or
+16 bytes, one vector load (``TileEntry<U>`` in the kernel)."""
+
+
 def images_per_element(dtype: torch.dtype) -> int:
     """Images one element of ``direct_tile`` holds, in shared memory and in its input: 2 for float16 (a
     ``__half2`` of the image-paired input, :func:`~unsparse.runtime.backends.direct.pair_images`), else 1."""
@@ -194,12 +203,15 @@ def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTi
     :func:`vector_staging_reason` and the input be 16-byte aligned.
 
     Raises:
-        ValueError: if WX does not divide 32, NB is not a multiple of the images per element, or a size is
-            not positive; with ``vector_pad``: WX != 32 or ``pad_w`` outside ``[0, S - 1]``.
+        ValueError: if WX does not divide 32, NB is not a multiple of the images per element, a size is not
+            positive, or the union is not one of :data:`TILE_UNIONS` or does not divide MW; with ``vector_pad``:
+            WX != 32 or ``pad_w`` outside ``[0, S - 1]``.
     """
     (R, S) = kernel_size
     if tiling.wx not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"tiling: WX={tiling.wx} does not divide 32")
+    if tiling.union not in TILE_UNIONS or tiling.mw % tiling.union:
+        raise ValueError(f"tiling: union {tiling.union} must be one of {TILE_UNIONS} and divide MW={tiling.mw}")
     if min(R, S, tiling.py, tiling.nb, tiling.mw, tiling.warps, tiling.cc) < 1:
         raise ValueError(f"tiling: every size must be positive, got {tiling} with kernel {kernel_size}")
     ipe = images_per_element(dtype)
@@ -269,7 +281,8 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
     grid = (groups * math.ceil(E / te) * math.ceil(F_ / tf), math.ceil(batch / tiling.nb), 1)
     _check_grid(grid)
     name = (f"direct_tile<{cuda_type(dtype)},{R},{S},{tiling.wx},{tiling.py},{tiling.nb},{tiling.mw},"
-            f"{tiling.warps},{tiling.cc},{layout.padded_width},{layout.left},{int(layout.vector)},{half_run}>")
+            f"{tiling.warps},{tiling.cc},{layout.padded_width},{layout.left},{int(layout.vector)},{half_run},"
+            f"{tiling.union}>")
     return Launch(name, grid, (tiling.warps * 32, 1, 1), layout.shared_bytes())
 
 

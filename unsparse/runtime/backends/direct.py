@@ -64,6 +64,10 @@ TILE_TILINGS = (
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=16),
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32),
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=32),
+    cl.TileTiling(wx=32, py=4, nb=2, mw=6, warps=8, cc=8, union=3),
+    cl.TileTiling(wx=32, py=8, nb=2, mw=3, warps=8, cc=8, union=3),
+    cl.TileTiling(wx=32, py=4, nb=2, mw=3, warps=16, cc=16, union=3),
+    cl.TileTiling(wx=16, py=7, nb=2, mw=3, warps=16, cc=4, union=3),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM
 within the register file), warp tiles 4x32 to 8x8 for planes from 224x224 down to 7x7, 32 to 128 output
@@ -74,7 +78,9 @@ take dynamic shared memory up to :data:`~unsparse.runtime.cupy_launcher.TILE_SHA
 sparsity a cost that does not shrink with sparsity is about half the time (VGG16 features.5 FP16: about 0.83 ms of
 1.60 ms at 0.95 before these), so the last three share each chunk among 128 output channels, or stage 32 channels
 per barrier pair (fewer barriers and loop set-ups per nonzero), or both; CC = 32 in float16 only, a float32 3x3
-chunk of 32 channels does not fit. Kernel notes v14 and v16 give what each gained."""
+chunk of 32 channels does not fit. Kernel notes v14 and v16 give what each gained. The last four walk union entries
+of three channels (``union=3``, kernel notes v21), the float32 winners at 0.7-0.9 with MW = 6 or 3 in place of 4 or
+8: one staged load feeds three FMAs, which pays where three rows share many taps (lower sparsity)."""
 
 
 POINTWISE_TILINGS = (
@@ -134,7 +140,8 @@ def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int]
         if prune and (te > 2 * E or tf > 2 * F_ or tiling.nb > max(batch, cl.images_per_element(dtype))):
             continue
         space.append({"variant": "tile", "wx": tiling.wx, "py": tiling.py, "nb": tiling.nb, "mw": tiling.mw,
-                      "warps": tiling.warps, "cc": tiling.cc, **({} if pad is None else {"stage": "vector"})})
+                      "warps": tiling.warps, "cc": tiling.cc, **({} if pad is None else {"stage": "vector"}),
+                      **({} if tiling.union == 1 else {"union": tiling.union})})
     return space
 
 
@@ -222,8 +229,9 @@ def is_pointwise(csr: UniformCSR, geometry: ConvGeometry) -> bool:
 
 
 def tiling_of(params: dict[str, Any]) -> cl.TileTiling:
-    """The :class:`~unsparse.runtime.cupy_launcher.TileTiling` of a ``tile`` setting."""
-    return cl.TileTiling(params["wx"], params["py"], params["nb"], params["mw"], params["warps"], params["cc"])
+    """The :class:`~unsparse.runtime.cupy_launcher.TileTiling` of a ``tile`` setting (``"union"`` 1 where absent)."""
+    return cl.TileTiling(params["wx"], params["py"], params["nb"], params["mw"], params["warps"], params["cc"],
+                         params.get("union", 1))
 
 
 @dataclass(frozen=True)
@@ -241,14 +249,16 @@ class RowArrays:
 
 @dataclass(frozen=True)
 class TileArrays:
-    """Plan-time arrays of ``direct_tile``: nonzeros grouped per (output channel m, staged chunk k).
+    """Plan-time arrays of ``direct_tile`` (and ``direct_pointwise``): entries grouped per (group g of U output
+    channels ``g*U .. g*U + U - 1``, staged chunk k); U = 1: the nonzeros of one channel.
 
     Attributes:
-        chunk_ptr: ``(M*K + 1,)`` int32; entries of (m, k) are ``[chunk_ptr[m*K+k], chunk_ptr[m*K+k+1])``,
-            K = ceil(C / CC).
-        entries: ``(nnz, 2)`` int32: the tap's element offset in the staged chunk,
-            ``(c - k*CC) * channel_stride + r * padded_width + s``, and the weight's bits: float32, or for half2
-            products a ``__half2`` holding the float16 weight twice.
+        chunk_ptr: ``(G*K + 1,)`` int32, G = ceil(M / U), K = ceil(C / CC); entries of (g, k) are
+            ``[chunk_ptr[g*K+k], chunk_ptr[g*K+k+1])``.
+        entries: ``(n, 1 + U)`` int32: the tap's element offset in the staged chunk,
+            ``(c - k*CC) * channel_stride + r * padded_width + s``, then per channel of the group the weight's bits
+            (zero where the channel lacks the tap): float32, or for half2 products a ``__half2`` holding the
+            float16 weight twice. U = 1: n = nnz; U = 3: n = the taps of the union of each group's channels.
     """
 
     chunk_ptr: torch.Tensor
@@ -299,70 +309,80 @@ def validate_rows(offsets: torch.Tensor, taps: torch.Tensor, channels: int, in_h
         raise ValueError(f"offsets: entries outside [0, {channels}*{H}*{W}) or inconsistent with taps")
 
 
-def prepare_tile(csr: UniformCSR, layout: cl.TileLayout, half2: bool = False) -> TileArrays:
-    """Group the nonzeros of ``csr`` per (output channel, chunk of ``layout.chunk`` input channels) as offsets
-    into the staged chunk (Escoin §3.1 weight stretching, here against the shared-memory tile), then
-    validate them. ``half2``: weights as ``__half2`` pairs ``(w, w)`` of float16 (the values are rounded to
-    float16; the half2 products of ``direct_half2``), else as float32.
+def prepare_tile(csr: UniformCSR, layout: cl.TileLayout, half2: bool = False, union: int = 1) -> TileArrays:
+    """Group the nonzeros of ``csr`` per (group of ``union`` output channels, chunk of ``layout.chunk`` input
+    channels) as offsets into the staged chunk (Escoin §3.1 weight stretching, here against the shared-memory tile),
+    then validate them. ``half2``: weights as ``__half2`` pairs ``(w, w)`` of float16 (the values are rounded to
+    float16; the half2 products of ``direct_half2``), else as float32. ``union`` > 1: one entry per tap of the union
+    of the group's nonzero taps, holding each channel's weight (0 where the channel lacks the tap; kernels/NOTES.md
+    v21); channels past ``M`` in the last group hold zeros.
 
     Stored padding entries (value 0, UnSparse-Opt uniform nnz) are dropped: the loop bound of this variant
-    is the per-(channel, chunk) nonzero count. Within a group entries are sorted by offset.
+    is the per-(group, chunk) entry count. Within a group entries are sorted by offset.
     """
     M, C = csr.out_channels, csr.in_channels_per_group
     R, S = csr.kernel_size
     K = math.ceil(C / layout.chunk)
-    rows = torch.arange(M, device=csr.values.device)[:, None].expand_as(csr.col_idx)
+    G = math.ceil(M / union)
+    device = csr.values.device
+    rows = torch.arange(M, device=device)[:, None].expand_as(csr.col_idx)
     keep = csr.values != 0
     m, k = rows[keep], csr.col_idx.long()[keep]
     c, r, s = k // (R * S), (k // S) % R, k % S
     chunk = c // layout.chunk
     offsets = (c - chunk * layout.chunk) * layout.channel_stride + r * layout.padded_width + s
-    key = m * K + chunk
-    order = torch.argsort(key * layout.elements() + offsets)
-    counts = torch.bincount(key, minlength=M * K)
-    chunk_ptr = torch.zeros(M * K + 1, dtype=torch.int64, device=csr.values.device)
+    list_key = (m // union) * K + chunk
+    taps, entry = torch.unique(list_key * layout.elements() + offsets, sorted=True, return_inverse=True)
+    counts = torch.bincount(torch.div(taps, layout.elements(), rounding_mode="floor"), minlength=G * K)
+    chunk_ptr = torch.zeros(G * K + 1, dtype=torch.int64, device=device)
     chunk_ptr[1:] = torch.cumsum(counts, 0)
-    values = csr.values[keep][order]
+    values = csr.values[keep]
     if half2:
         halves = values.half().view(torch.int16)
-        weights = torch.stack([halves, halves], dim=1).view(torch.int32)[:, 0]
+        bits = torch.stack([halves, halves], dim=1).view(torch.int32)[:, 0]
     else:
-        weights = values.float().contiguous().view(torch.int32)
-    entries = torch.stack([offsets[order].to(torch.int32), weights], dim=1).contiguous()
+        bits = values.float().contiguous().view(torch.int32)
+    weights = torch.zeros(taps.numel(), union, dtype=torch.int32, device=device)
+    weights[entry, m % union] = bits
+    entries = torch.cat([(taps % layout.elements()).to(torch.int32)[:, None], weights], dim=1).contiguous()
     arrays = TileArrays(chunk_ptr.to(torch.int32), entries)
-    validate_tile(arrays, M, C, (R, S), layout)
+    validate_tile(arrays, M, C, (R, S), layout, union)
     return arrays
 
 
 def validate_tile(arrays: TileArrays, out_channels: int, channels: int, kernel_size: tuple[int, int],
-                  layout: cl.TileLayout) -> None:
+                  layout: cl.TileLayout, union: int = 1) -> None:
     """Check the grouped arrays before ``direct_tile`` reads through them.
 
     The kernel reads ``tile[offset + (ly + py*WY) * padded_width + left + lx + ie * plane]`` for output rows
     ``ly + py*WY < tile_h - R + 1`` and columns ``lx < tile_w - S + 1``. That index lies inside the staged
     chunk, and in the right input channel, exactly when ``offset = cc * channel_stride + r * padded_width + s``
-    with ``r < R``, ``s < S`` and ``cc < CC`` such that ``k * CC + cc < C`` for the entry's chunk k.
+    with ``r < R``, ``s < S`` and ``cc < CC`` such that ``k * CC + cc < C`` for the entry's chunk k. It reads
+    ``1 + union`` ints per entry (weights are only multiplied, so any bits are safe).
 
     Raises:
-        ValueError: naming ``chunk_ptr`` (wrong length, not from 0 to nnz, decreasing) or ``entries`` (shape,
-            or an offset that does not decompose as above).
+        ValueError: naming ``union`` (not one of the kernel's), ``chunk_ptr`` (wrong length, not from 0 to the
+            entry count, decreasing) or ``entries`` (shape, or an offset that does not decompose as above).
     """
     R, S = kernel_size
+    if union not in cl.TILE_UNIONS:
+        raise ValueError(f"union: {union} is not one of {cl.TILE_UNIONS}")
     K = math.ceil(channels / layout.chunk)
+    lists = math.ceil(out_channels / union) * K
     ptr, entries = arrays.chunk_ptr.long(), arrays.entries
-    if entries.dim() != 2 or entries.shape[1] != 2:
-        raise ValueError(f"entries: expected shape (nnz, 2), got {tuple(entries.shape)}")
-    nnz = entries.shape[0]
-    if ptr.numel() != out_channels * K + 1 or int(ptr[0]) != 0 or int(ptr[-1]) != nnz:
-        raise ValueError(f"chunk_ptr: expected {out_channels * K + 1} entries from 0 to nnz={nnz}")
+    if entries.dim() != 2 or entries.shape[1] != 1 + union:
+        raise ValueError(f"entries: expected shape (n, {1 + union}), got {tuple(entries.shape)}")
+    n = entries.shape[0]
+    if ptr.numel() != lists + 1 or int(ptr[0]) != 0 or int(ptr[-1]) != n:
+        raise ValueError(f"chunk_ptr: expected {lists + 1} entries from 0 to n={n}")
     if bool((ptr[1:] < ptr[:-1]).any()):
         raise ValueError("chunk_ptr: not non-decreasing")
     if layout.tile_h < R or layout.tile_w < S or layout.padded_width < layout.left + layout.tile_w:
         raise ValueError(f"entries: layout {layout} does not hold a {R}x{S} halo")
-    if nnz == 0:
+    if n == 0:
         return
     offsets = entries[:, 0].long()
-    chunk = torch.repeat_interleave(torch.arange(out_channels * K, device=ptr.device) % K, ptr[1:] - ptr[:-1])
+    chunk = torch.repeat_interleave(torch.arange(lists, device=ptr.device) % K, ptr[1:] - ptr[:-1])
     cc = torch.div(offsets, layout.channel_stride, rounding_mode="floor")
     rest = offsets - cc * layout.channel_stride
     r = torch.div(rest, layout.padded_width, rounding_mode="floor")
@@ -617,14 +637,15 @@ class DirectBackend(ConvBackend):
             tiling = tiling_of(params)
             layout = cl.tile_layout(x.dtype, view.csr.kernel_size, tiling, view.staging)
             half2 = half_run_of(params, x.dtype) > 0
-            tile = self._arrays(view.csr, ("tile", layout, half2), lambda: prepare_tile(view.csr, layout, half2))
+            tile = self._arrays(view.csr, ("tile", layout, half2, tiling.union),
+                                lambda: prepare_tile(view.csr, layout, half2, tiling.union))
             return PreparedCall(spec, view.split, (tile.chunk_ptr, tile.entries),
                                 (N, C, H, W, M, E, F_, *view.geometry.padding, math.ceil(F_ / tiling.tile_hw[1]),
                                  math.ceil(M / tiling.channels)), out_shape,
                                 paired=cl.images_per_element(x.dtype) == 2)
         tiling = pointwise_tiling_of(params)
         layout = cl.pointwise_layout(x.dtype, tiling, view.staging)
-        tile = self._arrays(view.csr, ("tile", layout, False), lambda: prepare_tile(view.csr, layout))
+        tile = self._arrays(view.csr, ("tile", layout, False, 1), lambda: prepare_tile(view.csr, layout))
         per_split, splits = cl.split_chunks(C, tiling.cc, params.get("splits", 1))
         return PreparedCall(spec, view.split, (tile.chunk_ptr, tile.entries),
                             (N, C, H * W, M, math.ceil(M / tiling.channels), per_split), out_shape, splits=splits)
