@@ -363,6 +363,25 @@ def test_union_half2_runs_match_conv2d() -> None:
     assert 1e-6 < float((out - ref).norm() / ref.norm()) < 2e-3
 
 
+def test_rows_naming_a_column_twice_count_every_entry() -> None:
+    """A hand-made matrix whose rows name columns repeatedly: per-channel entries keep each one and union entries
+    add them up, so every emulated kernel matches the accumulated dense weight (the GPU test of the same case
+    caught v21's first union arrays, which kept one of the repeated weights)."""
+    gen = torch.Generator().manual_seed(12)
+    M, C, L = 7, 6, 30
+    col_idx = torch.randint(0, C * 9, (M, L), generator=gen, dtype=torch.int32)
+    col_idx[:, :10] = torch.randint(0, 4, (M, 10), generator=gen, dtype=torch.int32)  # repeats in chunk 0
+    csr = UniformCSR(torch.randn(M, L, generator=gen, dtype=torch.float64), col_idx, (M, C, 3, 3))
+    x = torch.randn(2, C, 5, 9, generator=gen, dtype=torch.float64)
+    expected = F.conv2d(x, csr.to_dense(), None, 1, 1)
+    for tiling in SMALL_TILINGS:
+        out = emulate_tile(x, csr, ConvGeometry.of(1, 1), tiling)
+        assert torch.allclose(out, expected, atol=1e-5)  # the entries hold float32 weights
+    pointwise = UniformCSR(csr.values[:, :C].contiguous(), col_idx[:, :C].contiguous(), (M, C, 1, 1))
+    out = emulate_pointwise(x, pointwise, cl.PointwiseTiling(pv=1, mw=2, warps=4, cc=2))
+    assert torch.allclose(out, F.conv2d(x, pointwise.to_dense()), atol=1e-5)
+
+
 def test_vector_staging_eligibility() -> None:
     assert cl.vector_staging_reason(56, (3, 3), (1, 1)) is None
     assert "multiple of 4" in cl.vector_staging_reason(14, (3, 3), (1, 1))

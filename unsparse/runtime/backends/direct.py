@@ -64,10 +64,7 @@ TILE_TILINGS = (
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=16),
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32),
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=32),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=6, warps=8, cc=8, union=3),
     cl.TileTiling(wx=32, py=8, nb=2, mw=3, warps=8, cc=8, union=3),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=3, warps=16, cc=16, union=3),
-    cl.TileTiling(wx=16, py=7, nb=2, mw=3, warps=16, cc=4, union=3),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM
 within the register file), warp tiles 4x32 to 8x8 for planes from 224x224 down to 7x7, 32 to 128 output
@@ -78,9 +75,10 @@ take dynamic shared memory up to :data:`~unsparse.runtime.cupy_launcher.TILE_SHA
 sparsity a cost that does not shrink with sparsity is about half the time (VGG16 features.5 FP16: about 0.83 ms of
 1.60 ms at 0.95 before these), so the last three share each chunk among 128 output channels, or stage 32 channels
 per barrier pair (fewer barriers and loop set-ups per nonzero), or both; CC = 32 in float16 only, a float32 3x3
-chunk of 32 channels does not fit. Kernel notes v14 and v16 give what each gained. The last four walk union entries
-of three channels (``union=3``, kernel notes v21), the float32 winners at 0.7-0.9 with MW = 6 or 3 in place of 4 or
-8: one staged load feeds three FMAs, which pays where three rows share many taps (lower sparsity)."""
+chunk of 32 channels does not fit. Kernel notes v14 and v16 give what each gained. The last walks union entries of
+three channels (``union=3``, kernel notes v21): one staged load feeds three FMAs, which pays where three rows share
+many taps. On the H100 it won VGG16's 3x3 layers from 224x224 to 56x56 in float32 at 0.7 by 3-12 % and lost by
+14-21 % at 0.9; of the four union tilings first timed, it was the fastest on every layer."""
 
 
 POINTWISE_TILINGS = (
@@ -331,20 +329,24 @@ def prepare_tile(csr: UniformCSR, layout: cl.TileLayout, half2: bool = False, un
     c, r, s = k // (R * S), (k // S) % R, k % S
     chunk = c // layout.chunk
     offsets = (c - chunk * layout.chunk) * layout.channel_stride + r * layout.padded_width + s
-    list_key = (m // union) * K + chunk
-    taps, entry = torch.unique(list_key * layout.elements() + offsets, sorted=True, return_inverse=True)
+    key = ((m // union) * K + chunk) * layout.elements() + offsets
+    if union == 1:  # one entry per nonzero, also where a row names a column twice
+        taps, order = torch.sort(key, stable=True)
+        entry = torch.empty_like(order)
+        entry[order] = torch.arange(order.numel(), device=device)
+    else:  # one entry per tap of the union; a column named twice in a row adds up
+        taps, entry = torch.unique(key, sorted=True, return_inverse=True)
     counts = torch.bincount(torch.div(taps, layout.elements(), rounding_mode="floor"), minlength=G * K)
     chunk_ptr = torch.zeros(G * K + 1, dtype=torch.int64, device=device)
     chunk_ptr[1:] = torch.cumsum(counts, 0)
-    values = csr.values[keep]
+    weights = torch.zeros(taps.numel(), union, dtype=torch.float64, device=device)
+    weights.index_put_((entry, m % union), csr.values[keep].double(), accumulate=True)
     if half2:
-        halves = values.half().view(torch.int16)
-        bits = torch.stack([halves, halves], dim=1).view(torch.int32)[:, 0]
+        halves = weights.half().view(torch.int16)
+        bits = torch.stack([halves, halves], dim=2).view(torch.int32)[..., 0]
     else:
-        bits = values.float().contiguous().view(torch.int32)
-    weights = torch.zeros(taps.numel(), union, dtype=torch.int32, device=device)
-    weights[entry, m % union] = bits
-    entries = torch.cat([(taps % layout.elements()).to(torch.int32)[:, None], weights], dim=1).contiguous()
+        bits = weights.float().view(torch.int32)
+    entries = torch.cat([(taps % layout.elements()).to(torch.int32)[:, None], bits], dim=1).contiguous()
     arrays = TileArrays(chunk_ptr.to(torch.int32), entries)
     validate_tile(arrays, M, C, (R, S), layout, union)
     return arrays
