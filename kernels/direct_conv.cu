@@ -27,9 +27,9 @@
 //   broadcasts), its bound is the per-(row, chunk) count (UnSparse-Opt's uniform padding entries are
 //   dropped at plan time), and the lanes of a warp read 32 distinct banks (padded row width chosen on the
 //   Python side).
-//   U = 3 ("union" settings): the warp walks its MW rows three at a time; an entry is one tap of the union of
-//   the three rows' nonzero taps in the chunk with the three weights (zero where a row lacks the tap), so each
-//   staged element a lane loads feeds three FMAs instead of one (kernels/NOTES.md v21).
+//   U = 3 ("union" settings, float32): the warp walks its MW rows three at a time; an entry is one tap of the
+//   union of the three rows' nonzero taps in the chunk with the three weights (zero where a row lacks the tap),
+//   so each staged element a lane loads feeds three FMAs instead of one (kernels/NOTES.md v21).
 //   VEC = 1 (WX = 32, W % 4 == 0, a 16-byte aligned input, pad_w <= S - 1; checked on the Python
 //   side): each staged row's 32 interior columns (input columns f0 .. f0 + 31) are copied as eight 16-byte
 //   cp.async, which the row layout aligns by starting column xx of every row at LEFT + xx with
@@ -242,6 +242,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int IPE = TileElem<T>::images;
   static_assert(NB % IPE == 0, "float16 tiles pair images: NB must be even");
   static_assert(HALF_RUN == 0 || IPE == 2, "half2 products need the float16 image pairs");
+  static_assert(U == 1 || IPE == 1, "union entries are float32 only (kernels/NOTES.md v21)");
   static_assert(32 % WX == 0, "a warp row holds WX lanes");
   constexpr int NBE = NB / IPE;
   constexpr int WY = 32 / WX;
@@ -286,13 +287,11 @@ __global__ void __launch_bounds__(WARPS * 32)
       for (int py = 0; py < PY; ++py)
 #pragma unroll
         for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = 0.f;
-  __half2 run[U][NBE][PY];  // HALF_RUN > 0: the float16 partial sums of the current run (zero between runs)
+  __half2 run[NBE][PY];  // HALF_RUN > 0: the float16 partial sums of the current run (zero between runs)
 #pragma unroll
-  for (int u = 0; u < U; ++u)
+  for (int ie = 0; ie < NBE; ++ie)
 #pragma unroll
-    for (int ie = 0; ie < NBE; ++ie)
-#pragma unroll
-      for (int py = 0; py < PY; ++py) run[u][ie][py] = __float2half2_rn(0.f);
+    for (int py = 0; py < PY; ++py) run[ie][py] = __float2half2_rn(0.f);
 
   // Stages chunk k into buffer b by asynchronous 4-byte copies of one element (zero-filled outside the image, no
   // registers held), so chunk k + 1 streams in while chunk k is computed.
@@ -377,35 +376,27 @@ __global__ void __launch_bounds__(WARPS * 32)
           }
       }, [](int) {});
     } else {
-      // One HFMA2 per staged pair and channel: weight (w, w) times (image 2i, image 2i + 1), summed in float16 over
-      // runs of at most HALF_RUN entries, each run then added to the float32 accumulators (kernels/NOTES.md v17).
-      // Unrolled by 4 entries on 3x3 and larger filters, 2 below (2x2: the stride-2 phase split), not with union
-      // entries: more, and ptxas spilled 16-warp tilings at 64 registers.
-      constexpr int UNROLL = U > 1 ? 1 : R * S >= 9 ? 4 : 2;
-      for_each_entry<MW, U, UNROLL, HALF_RUN>(chunk_ptr, entries, m_base, M, K, k,
-                                                          [&](int, int offset, const int (&bits)[U]) {
+      // One HFMA2 per staged pair: weight (w, w) times (image 2i, image 2i + 1), summed in float16 over runs of at
+      // most HALF_RUN entries, each run then added to the float32 accumulators (kernels/NOTES.md v17). Unrolled by
+      // 2 below 3x3 filters: by 4, ptxas spilled the 2x2 (stride-2 phase) 16-warp tilings at 64 registers.
+      for_each_entry<MW, 1, R * S >= 9 ? 4 : 2, HALF_RUN>(chunk_ptr, entries, m_base, M, K, k,
+                                                          [&](int, int offset, const int (&bits)[1]) {
+        const __half2 w = *reinterpret_cast<const __half2*>(&bits[0]);
         const Elem* src = tile + offset + base;
 #pragma unroll
         for (int ie = 0; ie < NBE; ++ie)
 #pragma unroll
+          for (int py = 0; py < PY; ++py) run[ie][py] = __hfma2(w, src[ie * PLANE + py * WY * IWP], run[ie][py]);
+      }, [&](int j) {
+#pragma unroll
+        for (int ie = 0; ie < NBE; ++ie)
+#pragma unroll
           for (int py = 0; py < PY; ++py) {
-            const __half2 v = src[ie * PLANE + py * WY * IWP];
-#pragma unroll
-            for (int u = 0; u < U; ++u)
-              run[u][ie][py] = __hfma2(*reinterpret_cast<const __half2*>(&bits[u]), v, run[u][ie][py]);
+            const float2 f = __half22float2(run[ie][py]);
+            acc[j][ie][py][0] += f.x;
+            acc[j][ie][py][1] += f.y;
+            run[ie][py] = __float2half2_rn(0.f);
           }
-      }, [&](int g) {
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int ie = 0; ie < NBE; ++ie)
-#pragma unroll
-            for (int py = 0; py < PY; ++py) {
-              const float2 f = __half22float2(run[u][ie][py]);
-              acc[g * U + u][ie][py][0] += f.x;
-              acc[g * U + u][ie][py][1] += f.y;
-              run[u][ie][py] = __float2half2_rn(0.f);
-            }
       });
     }
     __syncthreads();  // the buffer just read is staged again at iteration k + 1

@@ -51,8 +51,8 @@ def test_every_tuned_instantiation_compiles_under_nvrtc(tuned_kernel_names) -> N
     library = nvrtc_library()
     assert any(name.endswith(",1,0,1>") for name in tuned_kernel_names)  # the 16-byte staging is among them
     assert any(name.endswith(f",1,{cl.HALF2_RUN},1>") for name in tuned_kernel_names)  # and the half2 products
-    assert any(name.endswith(f",1,{cl.HALF2_RUN},3>") for name in tuned_kernel_names)  # with union entries
-    assert any(name.endswith(",1,0,3>") for name in tuned_kernel_names)
+    assert any(name.startswith("direct_tile<float") and name.endswith(",1,0,3>")  # union entries
+               for name in tuned_kernel_names)
     assert any(name.startswith("direct_pointwise<__half") and name.endswith(",float>")  # split-K partial sums
                for name in tuned_kernel_names)
     include = library.parent.parent / "include"

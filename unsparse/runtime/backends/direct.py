@@ -76,9 +76,9 @@ sparsity a cost that does not shrink with sparsity is about half the time (VGG16
 1.60 ms at 0.95 before these), so the last three share each chunk among 128 output channels, or stage 32 channels
 per barrier pair (fewer barriers and loop set-ups per nonzero), or both; CC = 32 in float16 only, a float32 3x3
 chunk of 32 channels does not fit. Kernel notes v14 and v16 give what each gained. The last walks union entries of
-three channels (``union=3``, kernel notes v21): one staged load feeds three FMAs, which pays where three rows share
-many taps. On the H100 it won VGG16's 3x3 layers from 224x224 to 56x56 in float32 at 0.7 by 3-12 % and lost by
-14-21 % at 0.9; of the four union tilings first timed, it was the fastest on every layer."""
+three channels (``union=3``, float32 only, kernel notes v21): one staged load feeds three FMAs, which pays where three
+rows share many taps. On the H100 it won VGG16's 3x3 layers from 224x224 to 56x56 in float32 at 0.7 by 3-12 % and
+lost by 14-21 % at 0.9; of the four union tilings first timed, it was the fastest on every layer."""
 
 
 POINTWISE_TILINGS = (
@@ -311,7 +311,8 @@ def prepare_tile(csr: UniformCSR, layout: cl.TileLayout, half2: bool = False, un
     """Group the nonzeros of ``csr`` per (group of ``union`` output channels, chunk of ``layout.chunk`` input
     channels) as offsets into the staged chunk (Escoin §3.1 weight stretching, here against the shared-memory tile),
     then validate them. ``half2``: weights as ``__half2`` pairs ``(w, w)`` of float16 (the values are rounded to
-    float16; the half2 products of ``direct_half2``), else as float32. ``union`` > 1: one entry per tap of the union
+    float16; the half2 products of ``direct_half2``, which the kernel runs with ``union`` 1 only), else as float32.
+    ``union`` > 1: one entry per tap of the union
     of the group's nonzero taps, holding each channel's weight (0 where the channel lacks the tap; kernels/NOTES.md
     v21); channels past ``M`` in the last group hold zeros.
 
