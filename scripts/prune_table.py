@@ -49,7 +49,7 @@ from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
 from unsparse.prune.magnitude import MagnitudePruner
 from unsparse.timeseries import timeseries
-from unsparse.train import Trainer
+from unsparse.train import Trainer, deterministic_algorithms
 
 # Chosen before any GPU run, not tuned on test results. gpu: one CUDA GPU, about 4 minutes on an H100 (a
 # guess: these small models are bound by kernel launches and data loading, a few ms per batch of 128, and the
@@ -329,6 +329,9 @@ def main() -> None:
                         help="a sentence for the page's notes, e.g. how the run shared its machine (repeatable)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="tqdm progress bars (default: when stderr is a terminal)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic algorithms only (unsparse.train.deterministic_algorithms): a CUDA run "
+                             "then repeats from its seed")
     args = parser.parse_args()
     budget = BUDGETS[args.budget]
     workdir = args.workdir / (args.budget if args.seed == 0 else f"{args.budget}_seed{args.seed}")
@@ -356,6 +359,7 @@ def main() -> None:
             "targets": {"classification": TARGET, "autoencoder": AE_TARGET},
             "series_source": str(args.series_file) if args.series_file else "statsmodels",
             "evolutionary_overrides": overrides, "fine_tune_lr": args.fine_tune_lr,
+            "deterministic": args.deterministic,
             "notes": [
                 "- Evolutionary settings: `configs/prune/evolutionary.yaml` "
                 f"{ {key: value for key, value in {**settings, **overrides}.items() if key not in overridden} }"
@@ -417,7 +421,8 @@ def main() -> None:
         if name not in meta["models"]:
             continue
         try:
-            done[name] = job()
+            with deterministic_algorithms(args.deterministic):
+                done[name] = job()
         except Exception:  # one failed model must not lose the others of a one-shot device run
             done[name] = {"model": name, "model_kwargs": {"width": 16 if name == "autoencoder1d" else
                                                           budget["width"]}, "error": traceback.format_exc()}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -46,8 +47,9 @@ def test_pipeline_smoke_on_real_data(tmp_path):
     splits = small_real_data()
     report = run_pipeline(
         splits, create_model("vgg_small", width=8), MagnitudePruner(0.9, fine_tune_epochs=1),
-        lambda model, loader: model, tmp_path, TrainSettings(epochs=1, batch_size=64),
+        lambda model, loader: model, tmp_path, TrainSettings(epochs=1, batch_size=64, deterministic=True),
         TimingSettings(batch_size=8, repeats=2, warmup=1), progress=False)
+    assert report["run"]["deterministic"] and not torch.are_deterministic_algorithms_enabled()  # training only
     for name in ("report.json", "report.md", "layers.png", "timings.png", "model.safetensors", "dense.pt"):
         assert (tmp_path / name).exists(), name
     assert report["pruning"]["weighted_sparsity"] == pytest.approx(0.9, abs=1e-3)
@@ -105,6 +107,35 @@ def test_training_resumes_exactly_after_ctrl_c(tmp_path):
     resumed = trained(tmp_path / "b.pt")
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_deterministic_algorithms_are_scoped(monkeypatch):
+    from unsparse.train import CUBLAS_WORKSPACE_CONFIG, deterministic_algorithms
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    with deterministic_algorithms(False):
+        assert not torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.benchmark
+    with deterministic_algorithms():
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        assert not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == CUBLAS_WORKSPACE_CONFIG
+    assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
+    assert torch.backends.cudnn.benchmark
+    with pytest.raises(KeyError), deterministic_algorithms():  # restored on an exception too
+        raise KeyError
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_global_average_pool_matches_adaptive_pooling():
+    from unsparse.models.small_cnn import GlobalAveragePool
+
+    x = torch.randn(3, 5, 7, 6, dtype=torch.float64, requires_grad=True)
+    pooled = GlobalAveragePool()(x)
+    expected = torch.nn.AdaptiveAvgPool2d(1)(x)
+    assert pooled.shape == expected.shape == (3, 5, 1, 1) and torch.allclose(pooled, expected)
+    (grad,) = torch.autograd.grad(pooled.sum(), x)
+    assert torch.allclose(grad, torch.full_like(x, 1 / 42))
 
 
 def test_git_commit_prefers_the_environment(monkeypatch):

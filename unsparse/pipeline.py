@@ -26,14 +26,15 @@ from unsparse.runtime.comparator import plan_model
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.sparse.functional import dense_fallback_backend
 from unsparse.sparse.io import load_sparse, save_sparse
-from unsparse.train import Trainer
+from unsparse.train import Trainer, deterministic_algorithms
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class TrainSettings:
-    """Dense training settings (``train:`` in configs/config.yaml)."""
+    """Dense training settings (``train:`` in configs/config.yaml). ``deterministic``: train and prune under
+    :func:`~unsparse.train.deterministic_algorithms`, so a CUDA run repeats from its seed, as CPU runs already do."""
 
     epochs: int = 3
     batch_size: int = 128
@@ -41,6 +42,7 @@ class TrainSettings:
     lr: float = 0.05
     momentum: float = 0.9
     weight_decay: float = 5e-4
+    deterministic: bool = False
 
 
 @dataclass
@@ -166,10 +168,11 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     loaders = splits.loaders(train.batch_size, train.eval_batch_size, seed)
     trainer = Trainer(loaders, device, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay,
                       progress=progress)
-    dense_history = trainer.fit(model, train.epochs, outdir / "dense.pt", desc="dense training")
-    accuracy = {"dense": trainer.evaluate(model, "test", "test dense")["top1"]}
-    result = pruner.run(model, trainer, outdir / "prune")
-    accuracy["pruned"] = trainer.evaluate(model, "test", "test pruned")["top1"]
+    with deterministic_algorithms(train.deterministic):
+        dense_history = trainer.fit(model, train.epochs, outdir / "dense.pt", desc="dense training")
+        accuracy = {"dense": trainer.evaluate(model, "test", "test dense")["top1"]}
+        result = pruner.run(model, trainer, outdir / "prune")
+        accuracy["pruned"] = trainer.evaluate(model, "test", "test pruned")["top1"]
     log.info("weighted sparsity %.4f, dense %.2f%%, pruned %.2f%%", result.weighted_sparsity, accuracy["dense"],
              accuracy["pruned"])
 
@@ -186,7 +189,8 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     accuracy["sparse_run"] = trainer.evaluate(loaded, "test", f"test sparse ({backend})")["top1"]
     report = {
         "run": {"data": splits.name, "model": model.unsparse_spec, "device": str(device), "torch": torch.__version__,
-                "weights": "trained on the data set (not synthetic)", "commit": git_commit(), "seed": seed},
+                "weights": "trained on the data set (not synthetic)", "commit": git_commit(), "seed": seed,
+                "deterministic": train.deterministic},
         "accuracy": accuracy,
         "dense_training": dense_history,
         "pruning": {"method": result.method, "weighted_sparsity": result.weighted_sparsity,

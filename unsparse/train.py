@@ -7,9 +7,11 @@ where it stopped. Checkpoints hold only tensors and plain containers and load wi
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,35 @@ LOSSES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "cross_entropy": F.cross_entropy,
     "mse": F.mse_loss,
 }
+
+CUBLAS_WORKSPACE_CONFIG = ":4096:8"
+"""cuBLAS workspace setting that makes its CUDA >= 10.2 kernels deterministic (``CUBLAS_WORKSPACE_CONFIG``; torch's
+reproducibility notes); :func:`deterministic_algorithms` sets it where the environment has none."""
+
+
+@contextlib.contextmanager
+def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
+    """Within the block, torch runs only deterministic algorithms (``torch.use_deterministic_algorithms``, cuDNN
+    deterministic and not benchmarking, cuBLAS with a fixed workspace), so a CUDA training run repeats bit for bit
+    from its seed and a resumed run equals an uninterrupted one, as on the CPU. On exit the previous settings come
+    back. ``enabled=False`` changes nothing (so callers can pass a flag through).
+
+    Raises:
+        RuntimeError: from torch, inside the block, for an operation without a deterministic implementation.
+    """
+    if not enabled:
+        yield
+        return
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+                torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = previous[2], previous[3]
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
