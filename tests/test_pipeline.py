@@ -127,17 +127,6 @@ def test_deterministic_algorithms_are_scoped(monkeypatch):
     assert not torch.are_deterministic_algorithms_enabled()
 
 
-def test_global_average_pool_matches_adaptive_pooling():
-    from unsparse.models.small_cnn import GlobalAveragePool
-
-    x = torch.randn(3, 5, 7, 6, dtype=torch.float64, requires_grad=True)
-    pooled = GlobalAveragePool()(x)
-    expected = torch.nn.AdaptiveAvgPool2d(1)(x)
-    assert pooled.shape == expected.shape == (3, 5, 1, 1) and torch.allclose(pooled, expected)
-    (grad,) = torch.autograd.grad(pooled.sum(), x)
-    assert torch.allclose(grad, torch.full_like(x, 1 / 42))
-
-
 def test_git_commit_prefers_the_environment(monkeypatch):
     from unsparse.pipeline import git_commit
 

@@ -5,7 +5,6 @@ Both end in global average pooling, so any input size of at least 8x8 works.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from unsparse.models.registry import register_model
@@ -17,15 +16,6 @@ def conv_bn_relu(in_channels: int, out_channels: int, stride: int = 1) -> nn.Seq
                          nn.BatchNorm2d(out_channels), nn.ReLU(inplace=True))
 
 
-class GlobalAveragePool(nn.Module):
-    """Mean over the spatial dimensions, ``(N, C, H, W)`` to ``(N, C, 1, 1)``: what ``nn.AdaptiveAvgPool2d(1)``
-    computes, with a backward that is deterministic on CUDA (``AdaptiveAvgPool2d``'s raises under
-    ``torch.use_deterministic_algorithms``; :func:`unsparse.train.deterministic_algorithms`)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x.mean((2, 3), keepdim=True)
-
-
 @register_model
 def vgg_small(num_classes: int = 10, in_channels: int = 1, width: int = 32) -> nn.Module:
     """VGG-style CNN: [w, w] pool [2w, 2w] pool [4w, 4w], global average pool, linear classifier.
@@ -35,7 +25,7 @@ def vgg_small(num_classes: int = 10, in_channels: int = 1, width: int = 32) -> n
     w = width
     plan = [(in_channels, w), (w, w), "pool", (w, 2 * w), (2 * w, 2 * w), "pool", (2 * w, 4 * w), (4 * w, 4 * w)]
     layers: list[nn.Module] = [nn.MaxPool2d(2) if step == "pool" else conv_bn_relu(*step) for step in plan]
-    return nn.Sequential(*layers, GlobalAveragePool(), nn.Flatten(), nn.Linear(4 * w, num_classes))
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * w, num_classes))
 
 
 class BasicBlock(nn.Module):
@@ -62,5 +52,5 @@ def resnet_small(num_classes: int = 10, in_channels: int = 1, width: int = 32) -
     """
     w = width
     return nn.Sequential(conv_bn_relu(in_channels, w), BasicBlock(w, w, 1), BasicBlock(w, 2 * w, 2),
-                         BasicBlock(2 * w, 4 * w, 2), GlobalAveragePool(), nn.Flatten(),
+                         BasicBlock(2 * w, 4 * w, 2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                          nn.Linear(4 * w, num_classes))
