@@ -50,7 +50,7 @@ from unsparse.prune.base import PruneResult
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
 from unsparse.prune.masks import attach_masks, layer_sparsity, masks_of, model_weighted_sparsity
-from unsparse.train import Trainer
+from unsparse.train import Trainer, deterministic_algorithms
 
 ARMS = ("evolutionary", "gradual_global", "gradual_allocation")
 """The allocation ablation's arms (the default of ``--arms``)."""
@@ -202,13 +202,14 @@ def main() -> None:
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
     parser.add_argument("--arms", nargs="+", choices=[*ARMS, *MASK_ARMS], default=list(ARMS),
                         help="arms to run (evolutionary always runs; a mask-swap arm also runs its source arm)")
+    TABLE.add_deterministic_option(parser)
     args = parser.parse_args()
     if args.render:
         atomic_write_text(args.out, markdown([json.loads(path.read_text()) for path in args.render]))
         return
     budget, device, splits, meta = SELECT.run_setup(args.budget, args.device, args.data_root)
     meta |= {"model": args.model, "seed": args.seed, "overrides": dict(args.evolutionary),
-             "fine_tune_lr": args.fine_tune_lr}
+             "fine_tune_lr": args.fine_tune_lr, "deterministic": args.deterministic}
     started = time.perf_counter()
 
     def trainer_for() -> Trainer:
@@ -218,8 +219,9 @@ def main() -> None:
     def record(arms: dict[str, dict[str, Any]]) -> None:
         atomic_write_json(args.out, {"meta": {**meta, "wall_time_s": time.perf_counter() - started}, "arms": arms})
 
-    ablate(args.model, budget, dict(args.evolutionary), args.fine_tune_lr, trainer_for,
-           args.workdir / f"seed{args.seed}" / args.model, args.seed, record, tuple(args.arms))
+    with deterministic_algorithms(args.deterministic):
+        ablate(args.model, budget, dict(args.evolutionary), args.fine_tune_lr, trainer_for,
+               args.workdir / f"seed{args.seed}" / args.model, args.seed, record, tuple(args.arms))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from unsparse.data import FASHION_MNIST_DIR, Splits, fashion_mnist
 from unsparse.models import create_model
 from unsparse.pipeline import git_commit
 from unsparse.prune.evolutionary import EvolutionaryPruner
-from unsparse.train import Trainer
+from unsparse.train import Trainer, deterministic_algorithms
 
 
 def _prune_table():
@@ -186,6 +186,7 @@ def main() -> None:
     parser.add_argument("--render", nargs="+", type=Path, metavar="JSON",
                         help="write the page for these --out files to --out and run nothing")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
+    TABLE.add_deterministic_option(parser)
     args = parser.parse_args()
     if args.out is None and not args.dense_only:
         parser.error("--out is required unless --dense-only")
@@ -195,7 +196,8 @@ def main() -> None:
         atomic_write_text(args.out, markdown([json.loads(path.read_text()) for path in args.render]))
         return
     budget, device, splits, meta = run_setup(args.budget, args.device, args.data_root)
-    meta |= {"seed": args.seed, "selection": "validation top-1", "grid": {**grid, "fine_tune_lr": args.fine_tune_lr}}
+    meta |= {"seed": args.seed, "selection": "validation top-1", "grid": {**grid, "fine_tune_lr": args.fine_tune_lr},
+             "deterministic": args.deterministic}
     done: dict[str, list[dict[str, Any]]] = {}
 
     def write(model: str, candidates: list[dict[str, Any]]) -> None:
@@ -207,13 +209,14 @@ def main() -> None:
         return Trainer(splits.loaders(TABLE.BATCH_SIZE, seed=args.seed), device=device, lr=0.05,
                        progress=args.progress)
 
-    if args.dense_only:
+    with deterministic_algorithms(args.deterministic):
+        if args.dense_only:
+            for name in args.models:
+                train_dense(name, budget, trainer_for(), args.workdir / f"seed{args.seed}" / name, args.seed)
+            return
         for name in args.models:
-            train_dense(name, budget, trainer_for(), args.workdir / f"seed{args.seed}" / name, args.seed)
-        return
-    for name in args.models:
-        select(name, budget, grid, args.fine_tune_lr, trainer_for, args.workdir / f"seed{args.seed}" / name,
-               args.seed, lambda candidates, name=name: write(name, candidates))
+            select(name, budget, grid, args.fine_tune_lr, trainer_for, args.workdir / f"seed{args.seed}" / name,
+                   args.seed, lambda candidates, name=name: write(name, candidates))
     print(markdown([{"meta": meta, "candidates": done}]))
 
 

@@ -297,6 +297,14 @@ def output_path(out: Path | None, budget: str, workdir: Path) -> Path:
     return out if out.suffix == ".md" else out / "pruning_results.md"
 
 
+def add_deterministic_option(parser: argparse.ArgumentParser) -> None:
+    """``--deterministic`` (the pruning scripts share it): train and prune under
+    :func:`unsparse.train.deterministic_algorithms`, so that a CUDA run repeats from its seed."""
+    parser.add_argument("--deterministic", action="store_true",
+                        help="deterministic algorithms only (unsparse.train.deterministic_algorithms): a CUDA run "
+                             "then repeats from its seed")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", choices=list(BUDGETS), help="data and training budget (default full)")
@@ -329,9 +337,7 @@ def main() -> None:
                         help="a sentence for the page's notes, e.g. how the run shared its machine (repeatable)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                         help="tqdm progress bars (default: when stderr is a terminal)")
-    parser.add_argument("--deterministic", action="store_true",
-                        help="deterministic algorithms only (unsparse.train.deterministic_algorithms): a CUDA run "
-                             "then repeats from its seed")
+    add_deterministic_option(parser)
     args = parser.parse_args()
     budget = BUDGETS[args.budget]
     workdir = args.workdir / (args.budget if args.seed == 0 else f"{args.budget}_seed{args.seed}")

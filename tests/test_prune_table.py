@@ -1,7 +1,10 @@
-"""scripts/prune_table.py without training: budgets, output paths and the results page's device text."""
+"""scripts/prune_table.py without training: budgets, output paths and the results page's device text; the
+pruning scripts' shared options."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -55,3 +58,12 @@ def test_setting_reads_yaml_values_and_rejects_text_without_a_key(table):
     assert table.setting(" deadline = null") == ("deadline", None)
     with pytest.raises(Exception, match="KEY=VALUE"):
         table.setting("0.005")
+
+
+@pytest.mark.parametrize("script", ["prune_table", "prune_select", "prune_allocation"])
+def test_pruning_scripts_offer_deterministic_runs(script: str) -> None:
+    root = Path(__file__).resolve().parent.parent
+    result = subprocess.run([sys.executable, str(root / "scripts" / f"{script}.py"), "--help"], capture_output=True,
+                            text=True, cwd=root)
+    assert result.returncode == 0, result.stderr
+    assert "--deterministic" in result.stdout
