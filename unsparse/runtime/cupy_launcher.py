@@ -107,8 +107,8 @@ class TileTiling:
     owns ``WARPS * MW`` channels. ``CC`` input channels are staged in shared memory at a time. ``UNION``: output
     channels per entry (template ``U``, one of :data:`TILE_UNIONS`): 1 walks each channel's nonzeros; 3 walks the
     union of three channels' nonzero taps, one staged load feeding three FMAs (kernels/NOTES.md v21); MW is then a
-    multiple of 3, and the dtype float32 (in float16 union entries ran 33-48 % slower than per-channel ones on the
-    H100 at 0.9-0.95, so they are not built).
+    multiple of 3, and the dtype float32 (in float16 union entries ran at 0.52-0.67x the speed of per-channel ones on
+    the H100 at 0.9-0.95, so they are not built).
     """
 
     wx: int
