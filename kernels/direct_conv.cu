@@ -18,8 +18,9 @@
 //   owns WARPS * MW output channels, a TE x TF output tile (TE = (32 / WX) * PY, TF = WX) and NB images.
 //   Input channels are staged CC at a time into shared memory with their halo (zero outside the image, so
 //   padding needs no copy); chunks stream in with cp.async into two buffers (chunk k + 1 loads while chunk k
-//   computes). Elements are 4 bytes: one float32 image, or a __half2 pair of float16 images read from an
-//   image-paired input (N/2, C, H, W, 2) that the Python side builds (one 4-byte load feeds two FMAs).
+//   computes). An element is one float32 image, or (IMAGES = 2) a float2 pair of float32 images or a __half2 pair
+//   of float16 images, read from an image-paired input (N/2, C, H, W, 2) that the Python side builds (one load
+//   feeds the FMAs of two images).
 //   Each warp walks the nonzeros of its MW rows in the staged channels: per nonzero one broadcast load of
 //   (offset into the staged chunk, weight) (Escoin §3.1 stretching, done at plan time against the tile
 //   layout), then for each of the lane's PY * NB outputs one shared load at offset + a compile-time
@@ -31,10 +32,10 @@
 //   union of the three rows' nonzero taps in the chunk with the three weights (zero where a row lacks the tap),
 //   so each staged element a lane loads feeds three FMAs instead of one (kernels/NOTES.md v21).
 //   VEC = 1 (WX = 32, W % 4 == 0, a 16-byte aligned input, pad_w <= S - 1; checked on the Python
-//   side): each staged row's 32 interior columns (input columns f0 .. f0 + 31) are copied as eight 16-byte
-//   cp.async, which the row layout aligns by starting column xx of every row at LEFT + xx with
-//   (LEFT + pad_w) % 4 == 0; the S - 1 halo columns stay 4-byte copies. Per staged element this issues
-//   about a fifth of the scalar path's address arithmetic (kernels/NOTES.md, third session).
+//   side): each staged row's 32 interior columns (input columns f0 .. f0 + 31) are copied as 16-byte
+//   cp.async of VE = 16 / sizeof(element) elements, which the row layout aligns by starting column xx of every
+//   row at LEFT + xx with (LEFT + pad_w) % VE == 0; the S - 1 halo columns stay one-element copies. Per staged
+//   element this issues about a fifth of the scalar path's address arithmetic (kernels/NOTES.md, third session).
 
 #include <cuda_fp16.h>
 
@@ -137,20 +138,28 @@ __global__ void direct_rows(const T* __restrict__ x,            // (N, C, H, W),
   }
 }
 
-// Input and shared-memory element of direct_tile: float32 one image per element; float16 two images per element
-// (a __half2 of images 2i and 2i + 1, from the image-paired input), so one 4-byte load feeds two FMAs.
-template <typename T>
+// Input and shared-memory element of direct_tile, IMAGES images per element: float32 one image, or with IMAGES = 2
+// a float2 of images 2i and 2i + 1 (the union tilings, kernels/NOTES.md v22: one 8-byte load feeds the FMAs of both
+// images); float16 always two images (a __half2), so one 4-byte load feeds two FMAs. Both pairs come from the
+// image-paired input (ceil(N/2), C, H, W, 2) that the Python side builds.
+template <typename T, int IMAGES>
 struct TileElem;
 template <>
-struct TileElem<float> {
+struct TileElem<float, 1> {
   using type = float;
-  static constexpr int images = 1;
   __device__ static void to_float(float v, float (&out)[1]) { out[0] = v; }
 };
 template <>
-struct TileElem<__half> {
+struct TileElem<float, 2> {
+  using type = float2;
+  __device__ static void to_float(float2 v, float (&out)[2]) {
+    out[0] = v.x;
+    out[1] = v.y;
+  }
+};
+template <>
+struct TileElem<__half, 2> {
   using type = __half2;
-  static constexpr int images = 2;
   __device__ static void to_float(__half2 v, float (&out)[2]) {
     const float2 f = __half22float2(v);
     out[0] = f.x;
@@ -158,14 +167,16 @@ struct TileElem<__half> {
   }
 };
 
-// One 4- or 16-byte cp.async into shared memory; `live` false zero-fills the destination.
+// One 4-, 8- or 16-byte cp.async into shared memory; `live` false zero-fills the destination.
 template <int BYTES>
 __device__ __forceinline__ void stage_async(void* dst, const void* src, bool live) {
+  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
   const unsigned dst_addr = static_cast<unsigned>(__cvta_generic_to_shared(dst));
   if constexpr (BYTES == 16) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst_addr), "l"(src), "r"(live ? 16 : 0));
   } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst_addr), "l"(src), "r"(live ? 4 : 0));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(dst_addr), "l"(src), "n"(BYTES),
+                 "r"(live ? BYTES : 0));
   }
 }
 
@@ -228,21 +239,28 @@ __device__ __forceinline__ void for_each_entry(const int* __restrict__ chunk_ptr
   }
 }
 
+// Tilings with more than 64 float32 sums per thread (the paired union tilings of kernels/NOTES.md v22) walk their
+// entries two at a time and are held to 128 registers, two 256-thread blocks per SM: unrolled by four, ptxas gave
+// them 137-153 registers, one block per SM. The others name no minimum (0): an explicit 1 let ptxas take 96
+// registers for 64-register tilings and spill the 1024-thread ones.
+constexpr int TILE_WIDE_SUMS = 64;
+
 template <typename T, int R, int S, int WX, int PY, int NB, int MW, int WARPS, int CC, int IWP, int LEFT, int VEC,
-          int HALF_RUN, int U>
-__global__ void __launch_bounds__(WARPS * 32)
-    direct_tile(const T* __restrict__ x,                // float32 (N, C, H, W); float16 (ceil(N/2), C, H, W, 2)
+          int HALF_RUN, int U, int IMAGES>
+__global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 : 0)
+    direct_tile(const T* __restrict__ x,                // IMAGES 1: (N, C, H, W); 2: (ceil(N/2), C, H, W, 2)
                 const int* __restrict__ chunk_ptr,      // (ceil(M/U) * K + 1,): entries of (group g, k) from g*K+k
                 const void* __restrict__ entries,       // (n,) TileEntry<U>: tile offset, U weights' bits
                 const T* __restrict__ bias,             // (M,) or nullptr
                 T* __restrict__ out,                    // (N, M, E, F)
                 int N, int C, int H, int W, int M, int E, int F, int pad_h, int pad_w, int tiles_f,
                 int groups) {
-  using Elem = typename TileElem<T>::type;
-  constexpr int IPE = TileElem<T>::images;
-  static_assert(NB % IPE == 0, "float16 tiles pair images: NB must be even");
+  using Elem = typename TileElem<T, IMAGES>::type;
+  constexpr int IPE = IMAGES;
+  constexpr int VE = 16 / sizeof(Elem);  // elements per 16-byte vector
+  static_assert(NB % IPE == 0, "paired tiles: NB must be even");
   static_assert(HALF_RUN == 0 || IPE == 2, "half2 products need the float16 image pairs");
-  static_assert(U == 1 || IPE == 1, "union entries are float32 only (kernels/NOTES.md v21)");
+  static_assert(U == 1 || sizeof(T) == 4, "union entries are float32 only (kernels/NOTES.md v21)");
   static_assert(32 % WX == 0, "a warp row holds WX lanes");
   constexpr int NBE = NB / IPE;
   constexpr int WY = 32 / WX;
@@ -250,12 +268,13 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int IH = TE + R - 1;
   constexpr int IW = WX + S - 1;
   static_assert(IWP >= LEFT + IW, "padded tile row holds the halo");
-  static_assert(!VEC || (WX == 32 && IWP % 4 == 0),
+  static_assert(!VEC || (WX == 32 && IWP % VE == 0),
                 "16-byte staging: one 32-column warp row, rows of whole 16-byte vectors");
   constexpr int PLANE = IH * IWP;
   constexpr int CS = NBE * PLANE;  // one input channel of the tile, all its image elements
   constexpr int THREADS = WARPS * 32;
   constexpr int STAGED = CC * NBE * IH * IW;
+  constexpr int ENTRY_UNROLL = MW * NB * PY > TILE_WIDE_SUMS ? 2 : 4;
   // The two staged chunks sit in dynamic shared memory: the launch passes 2 * CC * CS * sizeof(Elem) bytes
   // (TileLayout.shared_bytes), which may exceed the 48 KB of static shared memory (tile_launch opts in).
   extern __shared__ __align__(16) unsigned char tile_shared[];
@@ -293,12 +312,12 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
     for (int py = 0; py < PY; ++py) run[ie][py] = __float2half2_rn(0.f);
 
-  // Stages chunk k into buffer b by asynchronous 4-byte copies of one element (zero-filled outside the image, no
-  // registers held), so chunk k + 1 streams in while chunk k is computed.
+  // Stages chunk k into buffer b by asynchronous copies of one element or one 16-byte vector (zero-filled outside
+  // the image, no registers held), so chunk k + 1 streams in while chunk k is computed.
   const auto stage = [&](int k, int b) {
     if constexpr (VEC) {
-      // Rows (cc, ie, yy) as (row, column xx) copies: first WX / 4 interior vectors per row, then the S - 1
-      // halo columns (xx < pad_w or xx >= pad_w + WX); W % 4 == 0 puts every vector wholly inside or
+      // Rows (cc, ie, yy) as (row, column xx) copies: first WX / VE interior vectors per row, then the S - 1
+      // halo columns (xx < pad_w or xx >= pad_w + WX); W % VE == 0 puts every vector wholly inside or
       // outside the image.
       constexpr int ROWS = CC * NBE * IH;
       const auto copy = [&](int row, int xx, bool vector) {
@@ -313,12 +332,12 @@ __global__ void __launch_bounds__(WARPS * 32)
         if (vector) {
           stage_async<16>(dst, src, live);
         } else {
-          stage_async<4>(dst, src, live);
+          stage_async<sizeof(Elem)>(dst, src, live);
         }
       };
 #pragma unroll 1
-      for (int idx = threadIdx.x; idx < ROWS * (WX / 4); idx += THREADS)
-        copy(idx / (WX / 4), pad_w + 4 * (idx % (WX / 4)), true);
+      for (int idx = threadIdx.x; idx < ROWS * (WX / VE); idx += THREADS)
+        copy(idx / (WX / VE), pad_w + VE * (idx % (WX / VE)), true);
 #pragma unroll 1
       for (int idx = threadIdx.x; idx < ROWS * (IW - WX); idx += THREADS) {
         const int slot = idx % (IW - WX);
@@ -339,7 +358,7 @@ __global__ void __launch_bounds__(WARPS * 32)
         const int within = inside ? (c * H + iy) * W + ix : 0;
         const int n = ne0 + ie;
         const bool live = inside && n < NE;
-        stage_async<4>(&tiles[b][row * IWP + LEFT + xx], live ? xe + n * image_size + within : xe, live);
+        stage_async<sizeof(Elem)>(&tiles[b][row * IWP + LEFT + xx], live ? xe + n * image_size + within : xe, live);
       }
     }
   };
@@ -360,14 +379,15 @@ __global__ void __launch_bounds__(WARPS * 32)
 
     if constexpr (HALF_RUN == 0) {
       // Each staged element a lane loads feeds the U channels of the entry (U = 3: kernels/NOTES.md v21).
-      for_each_entry<MW, U, 4, 0>(chunk_ptr, entries, m_base, M, K, k, [&](int g, int offset, const int (&bits)[U]) {
+      for_each_entry<MW, U, ENTRY_UNROLL, 0>(chunk_ptr, entries, m_base, M, K, k,
+                                             [&](int g, int offset, const int (&bits)[U]) {
         const Elem* src = tile + offset + base;
 #pragma unroll
         for (int ie = 0; ie < NBE; ++ie)
 #pragma unroll
           for (int py = 0; py < PY; ++py) {
             float v[IPE];
-            TileElem<T>::to_float(src[ie * PLANE + py * WY * IWP], v);
+            TileElem<T, IMAGES>::to_float(src[ie * PLANE + py * WY * IWP], v);
 #pragma unroll
             for (int u = 0; u < U; ++u)
 #pragma unroll

@@ -3,9 +3,11 @@ the kernels' index arithmetic against ``F.conv2d``, tuning spaces, and an nvcc c
 
 from __future__ import annotations
 
+import itertools
 import math
 import shutil
 import subprocess
+from dataclasses import replace
 
 import pytest
 import torch
@@ -85,11 +87,12 @@ def emulate_rows(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, threa
 
 def staged_columns(layout: cl.TileLayout, tiling: cl.TileTiling, pad_w: int) -> list[list[int]]:
     """The columns ``xx`` each copy of one staged row writes, in the kernel's order: scalar staging one column
-    per copy; 16-byte staging (``layout.vector``) the WX / 4 interior vectors of 4 columns, then the halo."""
+    per copy; 16-byte staging (``layout.vector``) the WX / v interior vectors of v columns (v = 4 elements of 4
+    bytes, 2 of 8), then the halo."""
     if not layout.vector:
         return [[xx] for xx in range(layout.tile_w)]
-    halo = layout.tile_w - tiling.wx
-    return ([[pad_w + 4 * v + i for i in range(4)] for v in range(tiling.wx // 4)]
+    halo, ve = layout.tile_w - tiling.wx, layout.vector_elements
+    return ([[pad_w + ve * v + i for i in range(ve)] for v in range(tiling.wx // ve)]
             + [[h if h < pad_w else h + tiling.wx] for h in range(halo)])
 
 
@@ -102,7 +105,8 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
     index checked against the chunk's size. ``out_hw``: the outputs to compute (default: the geometry's).
     ``half_run``: half2 products (weights decoded from the ``__half2`` entries), each product added to a float16
     partial sum with one rounding (``HFMA2``), runs of at most ``half_run`` entries added to the accumulators.
-    ``tiling.union`` > 1: the warp walks its rows in groups of U, each entry feeding the group's U channels."""
+    ``tiling.union`` > 1: the warp walks its rows in groups of U, each entry feeding the group's U channels.
+    ``tiling.paired`` (float32): two images per element, as float16 always has."""
     N, C, H, W = x.shape
     R, S = csr.kernel_size
     E, F_ = out_hw or geometry.output_size(H, W, csr.kernel_size)
@@ -111,7 +115,7 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
     spec = cl.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling, pad, half_run)
     union = tiling.union
     arrays = prepare_tile(csr, layout, half2=half_run > 0, union=union)
-    ipe = cl.images_per_element(dtype)
+    ipe = cl.images_per_element(dtype, tiling.paired)
     (te, tf), wy = tiling.tile_hw, tiling.wy
     tiles_f, groups, K = math.ceil(F_ / tf), math.ceil(csr.out_channels / tiling.channels), math.ceil(C / tiling.cc)
     ph, pw = geometry.padding
@@ -132,7 +136,8 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
                 row = cc * layout.channel_stride + ie * layout.plane + yy * layout.padded_width + layout.left
                 inside = [c < C and 0 <= iy < H and 0 <= f0 + xx - pw < W for xx in columns]
                 assert len(set(inside)) == 1, "a copy straddles the image border"
-                assert len(columns) == 1 or (row + columns[0]) % 4 == 0, "a 16-byte copy is not aligned"
+                aligned = (row + columns[0]) * layout.element_bytes % 16 == 0
+                assert len(columns) == 1 or aligned, "a 16-byte copy is not aligned"
                 for xx, q in [(a, b) for a in columns for b in range(ipe)]:
                     n = n0 + ie * ipe + q
                     live = inside[0] and n < N
@@ -312,7 +317,8 @@ def test_rows_emulation_matches_conv2d(case: tuple, threads: int, pixels: int, s
 
 SMALL_TILINGS = [cl.TileTiling(wx=8, py=2, nb=2, mw=2, warps=2, cc=2),
                  cl.TileTiling(wx=4, py=3, nb=1, mw=3, warps=1, cc=3),
-                 cl.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3)]
+                 cl.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3),
+                 cl.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3, paired=True)]
 
 
 @pytest.mark.parametrize("case", [g for g in GEOMETRIES if g[7] == 1 and g[9] == 1 and g[2] > 1])
@@ -345,12 +351,36 @@ def test_union_entries_emulate_zero_dense_and_partial_groups() -> None:
     geometry = ConvGeometry.of(1, 1)
     expected = F.conv2d(x, weight, None, 1, 1)
     tiling = cl.TileTiling(wx=32, py=2, nb=2, mw=3, warps=2, cc=2, union=3)
-    out = emulate_tile(x, UniformCSR.from_dense(weight), geometry, tiling, vector=True)
-    assert torch.allclose(out, expected, atol=1e-5)  # the entries hold float32 weights
+    for paired, vector in itertools.product((False, True), (False, True)):
+        out = emulate_tile(x, UniformCSR.from_dense(weight), geometry, replace(tiling, paired=paired), vector=vector)
+        assert torch.allclose(out, expected, atol=1e-5), (paired, vector)  # the entries hold float32 weights
     with pytest.raises(ValueError, match="union"):  # float32 only
         cl.tile_layout(torch.float16, (3, 3), tiling)
     assert not any("union" in p for p in tile_space(128, (56, 56), (3, 3), torch.float16, vector_pad=1))
     assert any("union" in p for p in tile_space(128, (56, 56), (3, 3), torch.float32, vector_pad=1))
+
+
+def test_paired_float32_tiles_stage_two_images_per_element() -> None:
+    """A ``paired`` float32 tiling (kernel notes v22): 8-byte elements of two images, 16-byte staging vectors of
+    two columns (rows aligned so with ``left = pad_w mod 2``), half the image elements, twice the element bytes, its
+    own instantiation; odd batches pad a zero image; float16, which always pairs, refuses the flag."""
+    tiling = cl.TileTiling(wx=32, py=7, nb=4, mw=3, warps=8, cc=8, union=3, paired=True)
+    layout = cl.tile_layout(torch.float32, (3, 3), tiling, vector_pad=1)
+    assert (layout.element_bytes, layout.vector_elements, layout.image_elements) == (8, 2, 2)
+    assert (layout.left, layout.padded_width) == (1, 36)  # column 0 of the interior at element 2: byte 16
+    spec = cl.tile_launch(torch.float32, 5, 64, (56, 56), (3, 3), tiling, vector_pad=1)
+    assert spec.name == "direct_tile<float,3,3,32,7,4,3,8,8,36,1,1,0,3,2>"
+    assert spec.shared_bytes == 2 * 8 * 2 * 9 * 36 * 8 and spec.grid == (3 * 8 * 2, 2, 1)
+    with pytest.raises(ValueError, match="paired"):
+        cl.tile_layout(torch.float16, (3, 3), replace(tiling, union=1))
+    with pytest.raises(ValueError, match="NB"):
+        cl.tile_layout(torch.float32, (3, 3), replace(tiling, nb=3))
+    x, csr, geometry, ref = layer((5, 6, 9, 16, 7, 3, 3, 1, 1, 1), seed=13)
+    small = cl.TileTiling(wx=32, py=3, nb=4, mw=3, warps=2, cc=4, union=3, paired=True)
+    assert torch.allclose(emulate_tile(x, csr, geometry, small, vector=True), ref, atol=1e-5)
+    paired = [p for p in tile_space(128, (56, 56), (3, 3), torch.float32, vector_pad=1) if p.get("paired")]
+    assert paired and all(tiling_of(p).paired and p["nb"] % 2 == 0 for p in paired)
+    assert not any("paired" in p for p in tile_space(128, (56, 56), (3, 3), torch.float16, vector_pad=1))
 
 
 def test_rows_naming_a_column_twice_count_every_entry() -> None:
@@ -514,8 +544,11 @@ def test_tile_layout_is_bank_conflict_free() -> None:
             assert layout.padded_width >= tiling.wx + kernel[1] - 1
             if tiling.wx < 32 and 32 % tiling.wx == 0 and tiling.wx > 1:
                 lanes = torch.arange(32)
-                banks = ((lanes // tiling.wx) * layout.padded_width + lanes % tiling.wx) % 32
-                assert banks.unique().numel() == 32, (tiling, kernel)
+                element = (lanes // tiling.wx) * layout.padded_width + lanes % tiling.wx
+                words = layout.element_bytes // 4  # a warp's 8-byte loads are served a half-warp at a time
+                for part in element.view(words, 32 // words):
+                    banks = (part[:, None] * words + torch.arange(words)) % 32
+                    assert banks.unique().numel() == 32, (tiling, kernel)
     half = cl.tile_layout(torch.float16, (3, 3), TILE_TILINGS[0])
     assert half.image_elements == TILE_TILINGS[0].nb // 2
     with pytest.raises(ValueError, match="NB"):
@@ -581,9 +614,9 @@ def test_launch_geometry() -> None:
     tiling = cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4)
     spec = cl.tile_launch(torch.float32, 127, 200, (28, 28), (3, 3), tiling)
     assert spec.grid == (4 * 4 * 2, 64, 1) and spec.block == (256, 1, 1)
-    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48,0,0,0,1>"
+    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48,0,0,0,1,1>"
     spec = cl.tile_launch(torch.float32, 127, 200, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 4, 16, 8), 1)
-    assert spec.name == "direct_tile<float,3,3,32,4,2,4,16,8,40,3,1,0,1>"
+    assert spec.name == "direct_tile<float,3,3,32,4,2,4,16,8,40,3,1,0,1,1>"
     assert spec.shared_bytes == 2 * 8 * 6 * 40 * 2 * 4  # two chunks of CC x (NB images x 6 rows x 40 columns)
     wide = cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))
     assert wide.shared_bytes == 2 * 8 * 2 * 10 * 48 * 4 > cl.SHARED_LIMIT_BYTES  # 60 KB: dynamic, opted in
@@ -592,11 +625,11 @@ def test_launch_geometry() -> None:
     with pytest.raises(ValueError, match="exceed"):  # two float32 buffers of 105 KB
         cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 28))
     spec = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8))
-    assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,0,1>"
+    assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,0,1,2>"
     half2 = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8), half_run=16)
-    assert half2.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,16,1>" and half2.grid == spec.grid
+    assert half2.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,16,1,2>" and half2.grid == spec.grid
     union = cl.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 6, 8, 8, union=3))
-    assert union.name.endswith(",0,3>") and union.grid == (6 * 14 * 2, 64, 1)  # 48 channels per block
+    assert union.name.endswith(",0,3,1>") and union.grid == (6 * 14 * 2, 64, 1)  # 48 channels per block
     with pytest.raises(ValueError, match="half_run"):
         cl.tile_launch(torch.float32, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8), half_run=16)
     with pytest.raises(ValueError, match="threads"):
@@ -707,6 +740,13 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     assert spec.name.startswith("direct_tile<__half,2,2,")
     assert torch.equal(args[0], pair_images(split.input(x[:2])))  # (1, 16, 8, 6, 2): phases, image pairs
     assert args[5:12] == (2, 16, 8, 6, 6, 8, 6) and args[12:14] == split.geometry.padding
+    union = {"variant": "tile", "wx": 32, "py": 2, "nb": 2, "mw": 3, "warps": 2, "cc": 4, "union": 3}
+    x32, csr32 = torch.randn(3, 4, 8, 16), UniformCSR.from_dense(weight)
+    for paired in (False, True):
+        backend.conv(x32, csr32, None, ConvGeometry.of(1, 1), **union, **({"paired": True} if paired else {}))
+        spec, args = launches[-1]
+        assert spec.name.endswith(f",3,{1 + paired}>")
+        assert torch.equal(args[0], pair_images(x32) if paired else x32)  # float32 pairs only where asked
     csr1 = UniformCSR.from_dense(torch.randn(5, 64, 1, 1))
     bias = torch.randn(5)
     setting = {"variant": "pointwise", "pv": 1, "mw": 2, "warps": 4, "cc": 16, "splits": 4}

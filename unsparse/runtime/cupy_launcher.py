@@ -108,7 +108,9 @@ class TileTiling:
     channels per entry (template ``U``, one of :data:`TILE_UNIONS`): 1 walks each channel's nonzeros; 3 walks the
     union of three channels' nonzero taps, one staged load feeding three FMAs (kernels/NOTES.md v21); MW is then a
     multiple of 3, and the dtype float32 (in float16 union entries ran at 0.52-0.67x the speed of per-channel ones on
-    the H100 at 0.9-0.95, so they are not built).
+    the H100 at 0.9-0.95, so they are not built). ``paired``: float32 images staged two per element (a ``float2``
+    of images 2i and 2i + 1, from the image-paired input), so one 8-byte shared load feeds the FMAs of both images
+    (kernels/NOTES.md v22); NB is then even. float16 elements always pair images (:func:`images_per_element`).
     """
 
     wx: int
@@ -118,6 +120,7 @@ class TileTiling:
     warps: int
     cc: int
     union: int = 1
+    paired: bool = False
 
     @property
     def wy(self) -> int:
@@ -142,10 +145,12 @@ class TileTiling:
 @dataclass(frozen=True)
 class TileLayout:
     """Shared-memory layout of one staged chunk of ``direct_tile``, element units (one element holds
-    ``images_per_element`` images: 1 for float32, 2 (a ``__half2``) for float16).
+    :func:`images_per_element` images: 1 for float32, 2 for paired float32 (a ``float2``, ``element_bytes`` 8) and
+    float16 (a ``__half2``)).
 
     Element ``(cc, ie, yy, xx)`` sits at ``cc * channel_stride + ie * plane + yy * padded_width + left + xx``.
-    ``vector``: rows are staged as 16-byte vectors (``left + pad_w`` a multiple of 4; :func:`tile_layout`).
+    ``vector``: rows are staged as 16-byte vectors (``left + pad_w`` a multiple of :attr:`vector_elements`;
+    :func:`tile_layout`).
     """
 
     tile_h: int
@@ -162,6 +167,11 @@ class TileLayout:
         chunk k is computed) of ``element_bytes`` elements. ``direct_tile`` takes it as dynamic shared memory
         (:attr:`Launch.shared_bytes`); ``direct_pointwise``'s buffers are static."""
         return 2 * self.elements() * self.element_bytes
+
+    @property
+    def vector_elements(self) -> int:
+        """Elements of one 16-byte staging vector: 4 of 4 bytes, 2 of 8 bytes."""
+        return 16 // self.element_bytes
 
     @property
     def plane(self) -> int:
@@ -183,10 +193,11 @@ TILE_UNIONS = (1, 3)
 16 bytes, one vector load (``TileEntry<U>`` in the kernel)."""
 
 
-def images_per_element(dtype: torch.dtype) -> int:
+def images_per_element(dtype: torch.dtype, paired: bool = False) -> int:
     """Images one element of ``direct_tile`` holds, in shared memory and in its input: 2 for float16 (a
-    ``__half2`` of the image-paired input, :func:`~unsparse.runtime.backends.direct.pair_images`), else 1."""
-    return 2 if dtype == torch.float16 else 1
+    ``__half2`` of the image-paired input, :func:`~unsparse.runtime.backends.direct.pair_images`) and for a
+    ``paired`` float32 tiling (a ``float2``, :attr:`TileTiling.paired`), else 1."""
+    return 2 if dtype == torch.float16 or paired else 1
 
 
 def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTiling,
@@ -198,15 +209,16 @@ def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTi
     lane ``(ly, lx)`` reads bank ``(ly * WX + lx) mod 32 = lane``.
 
     With ``vector_pad`` (the layer's left padding ``pad_w``), rows are laid out for 16-byte staging: column
-    ``xx`` at ``left + xx`` with ``left = (-pad_w) mod 4``, so the interior columns ``pad_w .. pad_w + 31``
-    (input columns ``f0 .. f0 + 31``) start on a 16-byte boundary, and the row width is a multiple of 4
-    (a warp reads one row, so any width is conflict-free). The layer must also pass
+    ``xx`` at ``left + xx`` with ``left = (-pad_w) mod v`` (``v`` = :attr:`TileLayout.vector_elements`, 4 or 2), so
+    the interior columns ``pad_w .. pad_w + 31`` (input columns ``f0 .. f0 + 31``) start on a 16-byte boundary, and
+    the row width is a multiple of ``v`` (a warp reads one row, so any width is conflict-free). The layer must also pass
     :func:`vector_staging_reason` and the input be 16-byte aligned.
 
     Raises:
         ValueError: if WX does not divide 32, NB is not a multiple of the images per element, a size is not
-            positive, or the union is not one of :data:`TILE_UNIONS`, does not divide MW or is above 1 on float16;
-            with ``vector_pad``: WX != 32 or ``pad_w`` outside ``[0, S - 1]``.
+            positive, or the union is not one of :data:`TILE_UNIONS`, does not divide MW or is above 1 on float16, or
+            the tiling is ``paired`` on a dtype other than float32; with ``vector_pad``: WX != 32 or ``pad_w``
+            outside ``[0, S - 1]``.
     """
     (R, S) = kernel_size
     if tiling.wx not in (1, 2, 4, 8, 16, 32):
@@ -214,23 +226,28 @@ def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTi
     if tiling.union not in TILE_UNIONS or tiling.mw % tiling.union or (tiling.union > 1 and dtype != torch.float32):
         raise ValueError(f"tiling: union {tiling.union} must be one of {TILE_UNIONS}, divide MW={tiling.mw} and be 1 "
                          f"on {dtype}")
+    if tiling.paired and dtype != torch.float32:
+        raise ValueError(f"tiling: paired is a float32 choice (float16 elements always pair images), got {dtype}")
     if min(R, S, tiling.py, tiling.nb, tiling.mw, tiling.warps, tiling.cc) < 1:
         raise ValueError(f"tiling: every size must be positive, got {tiling} with kernel {kernel_size}")
-    ipe = images_per_element(dtype)
+    ipe = images_per_element(dtype, tiling.paired)
     if tiling.nb % ipe:
         raise ValueError(f"tiling: NB={tiling.nb} is not a multiple of {ipe} images per element ({dtype})")
     te, tf = tiling.tile_hw
+    element_bytes = dtype.itemsize * ipe
     if vector_pad is not None:
         if tiling.wx != 32 or not 0 <= vector_pad <= S - 1:
             raise ValueError(f"tiling: 16-byte staging needs WX=32 and 0 <= pad_w <= S-1, got WX={tiling.wx}, "
                              f"pad_w={vector_pad}, S={S}")
-        left = -vector_pad % 4
+        ve = 16 // element_bytes
+        left = -vector_pad % ve
         width = left + tf + S - 1
-        return TileLayout(te + R - 1, tf + S - 1, width + -width % 4, tiling.nb // ipe, tiling.cc, left, True)
+        return TileLayout(te + R - 1, tf + S - 1, width + -width % ve, tiling.nb // ipe, tiling.cc, left, True,
+                          element_bytes)
     width = tf + S - 1
     if tiling.wy > 1:
         width += (tiling.wx - width) % 32
-    return TileLayout(te + R - 1, tf + S - 1, width, tiling.nb // ipe, tiling.cc)
+    return TileLayout(te + R - 1, tf + S - 1, width, tiling.nb // ipe, tiling.cc, element_bytes=element_bytes)
 
 
 def tile_shared_limit(device: torch.device) -> int:
@@ -284,7 +301,7 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
     _check_grid(grid)
     name = (f"direct_tile<{cuda_type(dtype)},{R},{S},{tiling.wx},{tiling.py},{tiling.nb},{tiling.mw},"
             f"{tiling.warps},{tiling.cc},{layout.padded_width},{layout.left},{int(layout.vector)},{half_run},"
-            f"{tiling.union}>")
+            f"{tiling.union},{images_per_element(dtype, tiling.paired)}>")
     return Launch(name, grid, (tiling.warps * 32, 1, 1), layout.shared_bytes())
 
 

@@ -4,10 +4,10 @@ Three kernel variants share the backend and its tuning space (parameter ``varian
 
 * ``"rows"``: Escoin §3 / UnSparse-Opt §5 (uniform nnz, sub-batch), any geometry.
 * ``"tile"``: input tiles with halos in shared memory, each warp accumulating several output channels over
-  a pixel x image tile; stride 1, dilation 1, Conv2d. float16 inputs are first re-laid as image pairs
-  (:func:`pair_images`, a copy timed with the kernel). ``"stage": "vector"`` settings copy each staged row's
-  interior as 16-byte vectors (32-column warp rows, input width a multiple of 4; see
-  :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason`).
+  a pixel x image tile; stride 1, dilation 1, Conv2d. float16 inputs, and float32 inputs of ``"paired"``
+  settings, are first re-laid as image pairs (:func:`pair_images`, a copy timed with the kernel).
+  ``"stage": "vector"`` settings copy each staged row's interior as 16-byte vectors (32-column warp rows, input
+  width a multiple of 4; see :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason`).
 * ``"pointwise"``: 1x1, stride 1, unpadded Conv2d as a sparse x dense product over the flattened
   ``n * P + p`` columns; ``"stage": "vector"`` settings stage 16-byte vectors where the plane allows
   (:func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`); grids too small to fill the GPU (batch 1)
@@ -65,6 +65,8 @@ TILE_TILINGS = (
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32),
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=32),
     cl.TileTiling(wx=32, py=8, nb=2, mw=3, warps=8, cc=8, union=3),
+    cl.TileTiling(wx=32, py=8, nb=2, mw=3, warps=8, cc=8, union=3, paired=True),
+    cl.TileTiling(wx=32, py=7, nb=4, mw=3, warps=8, cc=8, union=3, paired=True),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM
 within the register file), warp tiles 4x32 to 8x8 for planes from 224x224 down to 7x7, 32 to 128 output
@@ -79,7 +81,9 @@ chunk of 32 channels does not fit. Kernel notes v14 and v16 give what each gaine
 three channels (``union=3``, float32 only, kernel notes v21): one staged load feeds three FMAs, which pays where three
 rows share many taps. On the H100, in float32 at 0.7, it ran VGG16 features.2-12 (64 to 256 input channels) 1.03-1.12x
 as fast as the best per-channel tiling, and at 0.9 0.78-0.86x; of the four union tilings first timed, it was the
-fastest on every layer."""
+fastest on every layer. The two ``paired`` union tilings read the float32 input as image pairs, one 8-byte shared
+load per two images, and put 16 or 28 staged elements behind each 16-byte entry (kernel notes v22; a PY = 14,
+NB = 2 twin of the second spilled registers under scalar staging)."""
 
 
 POINTWISE_TILINGS = (
@@ -140,7 +144,8 @@ def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int]
             continue
         space.append({"variant": "tile", "wx": tiling.wx, "py": tiling.py, "nb": tiling.nb, "mw": tiling.mw,
                       "warps": tiling.warps, "cc": tiling.cc, **({} if pad is None else {"stage": "vector"}),
-                      **({} if tiling.union == 1 else {"union": tiling.union})})
+                      **({} if tiling.union == 1 else {"union": tiling.union}),
+                      **({"paired": True} if tiling.paired else {})})
     return space
 
 
@@ -212,10 +217,11 @@ def half_run_of(params: dict[str, Any], dtype: torch.dtype) -> int:
 
 
 def pair_images(x: torch.Tensor) -> torch.Tensor:
-    """The image-paired input of float16 ``direct_tile``: ``(N, C, H, W)`` to ``(ceil(N / 2), C, H, W, 2)``
-    with element ``[i, c, h, w, q] = x[2i + q, c, h, w]`` (a zero image pads an odd N), so that one ``__half2``
-    holds the same pixel of two images and the kernel stages it asynchronously, 4 bytes (or 4 pixels, 16
-    bytes) per ``cp.async``. Returns a fresh contiguous (so 16-byte aligned) tensor; ``x`` is not modified."""
+    """The image-paired input of ``direct_tile`` on float16 and of its ``paired`` float32 tilings: ``(N, C, H, W)``
+    to ``(ceil(N / 2), C, H, W, 2)`` with element ``[i, c, h, w, q] = x[2i + q, c, h, w]`` (a zero image pads an
+    odd N), so that one ``__half2`` or ``float2`` holds the same pixel of two images and the kernel stages it
+    asynchronously, one element (or one 16-byte vector of 4 or 2 pixels) per ``cp.async``. Returns a fresh
+    contiguous (so 16-byte aligned) tensor; ``x`` is not modified."""
     if x.shape[0] % 2:
         x = torch.cat([x, x.new_zeros(1, *x.shape[1:])])
     return x.reshape(x.shape[0] // 2, 2, *x.shape[1:]).permute(0, 2, 3, 4, 1).contiguous()
@@ -228,9 +234,10 @@ def is_pointwise(csr: UniformCSR, geometry: ConvGeometry) -> bool:
 
 
 def tiling_of(params: dict[str, Any]) -> cl.TileTiling:
-    """The :class:`~unsparse.runtime.cupy_launcher.TileTiling` of a ``tile`` setting (``"union"`` 1 where absent)."""
+    """The :class:`~unsparse.runtime.cupy_launcher.TileTiling` of a ``tile`` setting (``"union"`` 1 and
+    ``"paired"`` false where absent)."""
     return cl.TileTiling(params["wx"], params["py"], params["nb"], params["mw"], params["warps"], params["cc"],
-                         params.get("union", 1))
+                         params.get("union", 1), bool(params.get("paired", False)))
 
 
 @dataclass(frozen=True)
@@ -433,7 +440,8 @@ class PreparedCall:
         scalars: the int32 arguments after the output (sizes, padding, grid decode, chunks per split).
         out_shape: ``(N, M, E, F)``.
         splits: split-K shares of ``pointwise`` (float32 partial sums, summed here), 1 otherwise.
-        paired: whether the kernel reads the input as image pairs (:func:`pair_images`, float16 tile).
+        paired: whether the kernel reads the input as image pairs (:func:`pair_images`: float16, or a ``paired``
+            float32 tiling).
     """
 
     launch: cl.Launch
@@ -530,7 +538,8 @@ class DirectBackend(ConvBackend):
             return KernelView(csr1, geometry1, split, in_hw, out_hw, vector and (copied or x.data_ptr() % 16 == 0))
         vector = self._vector_requested(
             params, lambda: cl.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding))
-        aligned = copied or cl.images_per_element(x.dtype) == 2 or x.data_ptr() % 16 == 0  # pairing copies too
+        paired = cl.images_per_element(x.dtype, bool(params.get("paired", False))) == 2
+        aligned = copied or paired or x.data_ptr() % 16 == 0  # pairing copies too
         return KernelView(csr1, geometry1, split, in_hw, out_hw, geometry1.padding[1] if vector and aligned else None)
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
@@ -646,7 +655,7 @@ class DirectBackend(ConvBackend):
             return PreparedCall(spec, view.split, (tile.chunk_ptr, tile.entries),
                                 (N, C, H, W, M, E, F_, *view.geometry.padding, math.ceil(F_ / tiling.tile_hw[1]),
                                  math.ceil(M / tiling.channels)), out_shape,
-                                paired=cl.images_per_element(x.dtype) == 2)
+                                paired=cl.images_per_element(x.dtype, tiling.paired) == 2)
         tiling = pointwise_tiling_of(params)
         layout = cl.pointwise_layout(x.dtype, tiling, view.staging)
         tile = self._arrays(view.csr, ("tile", layout, False, 1), lambda: prepare_tile(view.csr, layout))
