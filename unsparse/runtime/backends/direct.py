@@ -65,7 +65,6 @@ TILE_TILINGS = (
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32),
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=32),
     cl.TileTiling(wx=32, py=8, nb=2, mw=3, warps=8, cc=8, union=3),
-    cl.TileTiling(wx=32, py=8, nb=2, mw=3, warps=8, cc=8, union=3, paired=True),
     cl.TileTiling(wx=32, py=7, nb=4, mw=3, warps=8, cc=8, union=3, paired=True),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM
@@ -81,9 +80,10 @@ chunk of 32 channels does not fit. Kernel notes v14 and v16 give what each gaine
 three channels (``union=3``, float32 only, kernel notes v21): one staged load feeds three FMAs, which pays where three
 rows share many taps. On the H100, in float32 at 0.7, it ran VGG16 features.2-12 (64 to 256 input channels) 1.03-1.12x
 as fast as the best per-channel tiling, and at 0.9 0.78-0.86x; of the four union tilings first timed, it was the
-fastest on every layer. The two ``paired`` union tilings read the float32 input as image pairs, one 8-byte shared
-load per two images, and put 16 or 28 staged elements behind each 16-byte entry (kernel notes v22; a PY = 14,
-NB = 2 twin of the second spilled registers under scalar staging)."""
+fastest on every layer. The ``paired`` union tiling reads the float32 input as image pairs (one 8-byte shared load
+per two images, the pairing copy timed with the kernel) and puts 28 staged elements behind each 16-byte entry
+(kernel notes v22): on the H100 at 0.7 it ran VGG16 features.10 and .12 1.02x as fast as the union tiling above and
+lost on features.0-7 (0.90-0.99x) and at 0.9; a paired PY = 8, NB = 2 tiling (two blocks per SM) lost everywhere."""
 
 
 POINTWISE_TILINGS = (
