@@ -26,6 +26,7 @@ from unsparse.runtime.backends.direct import (
     prepare_rows,
     prepare_tile,
     rows_space,
+    stride_one_reason,
     tile_space,
     tiling_of,
     validate_rows,
@@ -535,6 +536,11 @@ def test_half2_backend_offers_tile_settings_on_float16_only() -> None:
         direct._launch(x.float(), csr.to(dtype=torch.float32), ConvGeometry.of(1, 1), {**space[0]})
     with pytest.raises(ValueError, match="accumulate"):
         direct._launch(x, csr, ConvGeometry.of(1, 1), {**space[0], "accumulate": "bfloat16"})
+    dilated = ConvGeometry.of(1, 2, 2)
+    assert stride_one_reason(ConvGeometry.of(2, 1)) is None and "undilated" in stride_one_reason(dilated)
+    assert "undilated" in stride_one_reason(ConvGeometry.of(1, 1, 1, 1, 1))  # Conv1d
+    with pytest.raises(ValueError, match="variant: tile and pointwise need an undilated Conv2d"):
+        direct._launch(x, csr, dilated, space[0])
 
 
 def test_tile_layout_is_bank_conflict_free() -> None:

@@ -227,6 +227,14 @@ def pair_images(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(x.shape[0] // 2, 2, *x.shape[1:]).permute(0, 2, 3, 4, 1).contiguous()
 
 
+def stride_one_reason(geometry: ConvGeometry) -> str | None:
+    """Why the ``tile`` and ``pointwise`` kernels cannot run a layer, or None: they need an undilated Conv2d
+    (strided ones reach them through their phase split); ``rows`` runs the rest."""
+    if geometry.spatial_dims != 2 or geometry.dilation != (1, 1):
+        return f"tile and pointwise need an undilated Conv2d, got {geometry}"
+    return None
+
+
 def is_pointwise(csr: UniformCSR, geometry: ConvGeometry) -> bool:
     """Whether a layer is a 1x1, stride 1, dilation 1, unpadded Conv2d (the ``pointwise`` variant's domain)."""
     return (geometry.spatial_dims == 2 and csr.kernel_size == (1, 1) and geometry.stride == (1, 1)
@@ -512,8 +520,9 @@ class DirectBackend(ConvBackend):
         Raises:
             ValueError: for a Conv1d or dilated layer, which only ``rows`` runs.
         """
-        if geometry.spatial_dims != 2 or geometry.dilation != (1, 1):
-            raise ValueError(f"variant: tile and pointwise need an undilated Conv2d, got {geometry}")
+        reason = stride_one_reason(geometry)
+        if reason is not None:
+            raise ValueError(f"variant: {reason}")
         if geometry.stride == (1, 1):
             return csr, geometry, None, (x.shape[2], x.shape[3])
         split = self._arrays(csr, ("phases", geometry), lambda: phase_split(csr, geometry))
@@ -547,7 +556,7 @@ class DirectBackend(ConvBackend):
         pointwise settings for 1x1 unpadded Conv2d (likewise)."""
         out_hw = self._out_hw(x, csr, geometry)
         space = rows_space(x.shape[0], out_hw[0] * out_hw[1])
-        if geometry.spatial_dims != 2 or geometry.dilation != (1, 1):
+        if stride_one_reason(geometry) is not None:
             return space
         csr1, geometry1, _, in_hw = self._stride_one(x, csr, geometry)
         if is_pointwise(csr1, geometry1) and in_hw == out_hw:
@@ -701,9 +710,8 @@ class DirectHalf2Backend(DirectBackend):
             return reason
         if x.dtype != torch.float16:
             return f"half2 products need float16 storage, not {x.dtype}"
-        if geometry.spatial_dims != 2 or geometry.dilation != (1, 1):
-            return "half2 products run on the tile kernel: undilated Conv2d only"
-        return None
+        reason = stride_one_reason(geometry)
+        return None if reason is None else f"half2 products run on the tile kernel: {reason}"
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
         """The tile settings of :class:`DirectBackend` with ``"accumulate": "half2"``."""
