@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from unsparse.atomic import atomic_write_text
-from unsparse.data import Splits
+from unsparse.data import Splits, mean_and_std
 
 SERIES = ("co2", "sunspots", "elnino")
 
@@ -103,5 +103,5 @@ def timeseries(name: str = "co2", window: int = 64, stride: int = 4, val_fractio
     val_start = round(len(series) * (1.0 - test_fraction - val_fraction))
     parts = {"train": series[:val_start], "val": series[val_start:test_start], "test": series[test_start:]}
     cut = {key: windows(part, window, stride) for key, part in parts.items()}
-    scale = cut["train"].std()
+    scale = mean_and_std(cut["train"])[1]
     return Splits(**{key: (value / scale, value / scale) for key, value in cut.items()}, num_classes=0, name=name)
