@@ -29,6 +29,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", nargs="*", type=int)
     parser.add_argument("--precisions", nargs="*")
     parser.add_argument("--end-to-end", nargs="*")
+    parser.add_argument("--end-to-end-sparsity", type=float,
+                        help="sparsity of the models timed whole (default: run_bench's, 0.9)")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--layer-filter")
     parser.add_argument("--time-budget", type=float, help="seconds after which the benchmark starts nothing new")
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         code = tests.returncode
     if not args.skip_bench:
         settings = dict(QUICK) if args.quick else {}
-        for name in ("models", "sparsities", "batches", "precisions", "end_to_end"):
+        for name in ("models", "sparsities", "batches", "precisions", "end_to_end", "end_to_end_sparsity"):
             if getattr(args, name) is not None:
                 settings[name] = getattr(args, name)
         result = run_bench(out, runs=args.runs, commit=env["commit"], layer_filter=args.layer_filter,
