@@ -206,7 +206,8 @@ def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTi
 
     The padded row width is the smallest ``>= WX + S - 1`` that makes a warp's 32 loads hit 32 distinct
     banks: any width when a warp covers one row (WX = 32), else one congruent to WX modulo 32, so that
-    lane ``(ly, lx)`` reads bank ``(ly * WX + lx) mod 32 = lane``.
+    lane ``(ly, lx)`` reads bank ``(ly * WX + lx) mod 32 = lane`` (8-byte elements: element ``lane`` of a
+    half-warp, two banks each, also 32 distinct banks).
 
     With ``vector_pad`` (the layer's left padding ``pad_w``), rows are laid out for 16-byte staging: column
     ``xx`` at ``left + xx`` with ``left = (-pad_w) mod v`` (``v`` = :attr:`TileLayout.vector_elements`, 4 or 2), so
