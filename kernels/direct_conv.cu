@@ -1,7 +1,7 @@
 // Direct sparse convolution over a UniformCSR weight (Escoin, paper 000 §3; UnSparse-Opt, paper 004 §5).
 //
 // Three kernels, all templated on the storage dtype T (float or __half; arithmetic is always float) and
-// on their tile sizes. Launch geometry is computed in one place on the Python side
+// on their tile sizes, and pair_images, the input transform of direct_tile's paired settings (at the end). Launch geometry is computed in one place on the Python side
 // (unsparse/runtime/cupy_launcher.py); every index the kernels read was validated there first.
 //
 // direct_rows: the paper's design, general (any kernel size, stride, dilation, padding, Conv1d as H = 1).
@@ -611,6 +611,45 @@ __global__ void __launch_bounds__(WARPS * 32)
         for (int i = 0; i < 4; ++i)
           if (n[i] < N) unsparse::store_float(out + (static_cast<long long>(n[i]) * M + m) * P + p[i], r[i]);
       }
+    }
+  }
+}
+
+// pair_images: the image-paired input of direct_tile's float16 and paired float32 settings, out[i][p][q] =
+//   x[2i + q][p] for the P = C * H * W elements p of each image (a zero image past an odd N): (N, P) to
+//   (ceil(N/2), P, 2). torch's permuted copy ran at about 2.4 TB/s on float32 and 1.5 TB/s on float16 on the H100
+//   against 3.0 TB/s for a plain copy (kernels/NOTES.md, eleventh session); here each thread reads one 16-byte
+//   vector of both images and writes their interleaved 32 bytes. Grid (ceil(P / (UNIT * blockDim.x)), ceil(N/2)),
+//   UNIT = 16 / sizeof(T) elements per thread. VEC = 1 needs P % UNIT == 0 and a 16-byte aligned x (checked on the
+//   Python side); VEC = 0 copies element by element.
+template <typename T, int VEC>
+__global__ void pair_images(const T* __restrict__ x, T* __restrict__ out, int N, int P) {
+  constexpr int UNIT = 16 / sizeof(T);
+  const int i = blockIdx.y;
+  const long long p = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) * UNIT;
+  if (p >= P) return;
+  const T* first = x + static_cast<long long>(2 * i) * P;
+  const bool second_live = 2 * i + 1 < N;
+  T* dst = out + (static_cast<long long>(i) * P + p) * 2;
+  if constexpr (VEC) {
+    const uint4 a = *reinterpret_cast<const uint4*>(first + p);
+    const uint4 b = second_live ? *reinterpret_cast<const uint4*>(first + P + p) : make_uint4(0, 0, 0, 0);
+    uint4 lo, hi;
+    if constexpr (sizeof(T) == 4) {  // words a.x b.x a.y b.y | a.z b.z a.w b.w
+      lo = make_uint4(a.x, b.x, a.y, b.y);
+      hi = make_uint4(a.z, b.z, a.w, b.w);
+    } else {  // halves: each word of the output holds half k of a (low) and half k of b (high)
+      lo = make_uint4(__byte_perm(a.x, b.x, 0x5410), __byte_perm(a.x, b.x, 0x7632), __byte_perm(a.y, b.y, 0x5410),
+                      __byte_perm(a.y, b.y, 0x7632));
+      hi = make_uint4(__byte_perm(a.z, b.z, 0x5410), __byte_perm(a.z, b.z, 0x7632), __byte_perm(a.w, b.w, 0x5410),
+                      __byte_perm(a.w, b.w, 0x7632));
+    }
+    reinterpret_cast<uint4*>(dst)[0] = lo;
+    reinterpret_cast<uint4*>(dst)[1] = hi;
+  } else {
+    for (int u = 0; u < UNIT && p + u < P; ++u) {
+      dst[2 * u] = first[p + u];
+      dst[2 * u + 1] = second_live ? first[P + p + u] : T(0.f);
     }
   }
 }

@@ -22,6 +22,7 @@ from unsparse.runtime.backends.direct import (
     TileArrays,
     is_pointwise,
     pair_images,
+    pair_images_on_device,
     pointwise_space,
     prepare_rows,
     prepare_tile,
@@ -479,6 +480,38 @@ def test_pair_images_interleaves_image_pairs(batch: int) -> None:
         assert torch.equal(paired[n // 2, ..., n % 2], expected)
 
 
+def emulate_pairing(x: torch.Tensor) -> torch.Tensor:
+    """The ``pair_images`` kernel in Python: its grid (:func:`~unsparse.runtime.cupy_launcher.pairing_launch`),
+    each thread's run of ``unit`` elements of both images (the second a zero image past an odd N), interleaved."""
+    N, P = x.shape[0], x[0].numel()
+    spec = cl.pairing_launch(x.dtype, N, P, vector=False)
+    unit, flat = 16 // x.element_size(), x.reshape(N, P)
+    out = torch.full((spec.grid[1], P, 2), float("nan"), dtype=x.dtype)
+    for bx, i, t in itertools.product(range(spec.grid[0]), range(spec.grid[1]), range(spec.block[0])):
+        p = (bx * spec.block[0] + t) * unit
+        for u in range(unit if p < P else 0):
+            if p + u < P:
+                out[i, p + u, 0] = flat[2 * i, p + u]
+                out[i, p + u, 1] = flat[2 * i + 1, p + u] if 2 * i + 1 < N else 0.0
+    return out.reshape(spec.grid[1], *x.shape[1:], 2)
+
+
+@pytest.mark.parametrize(("batch", "chw", "dtype"), [(5, (3, 7, 9), torch.float32), (2, (2, 8, 16), torch.float16),
+                                                     (1, (1, 40, 40), torch.float16)])
+def test_pairing_kernel_emulation_matches_pair_images(batch: int, chw: tuple[int, int, int],
+                                                      dtype: torch.dtype) -> None:
+    x = torch.randn(batch, *chw).to(dtype)
+    assert torch.equal(emulate_pairing(x), pair_images(x))
+    assert torch.equal(pair_images_on_device(x), pair_images(x))  # off CUDA, torch's copy
+    spec = cl.pairing_launch(dtype, 128, 256 * 56 * 56, vector=True)
+    assert spec.name == f"pair_images<{cl.cuda_type(dtype)},1>" and spec.block == (256, 1, 1)
+    assert spec.grid == (math.ceil(256 * 56 * 56 / (16 // dtype.itemsize * 256)), 64, 1)
+    assert cl.pairing_vector(torch.zeros(2, 4, 4)) and not cl.pairing_vector(torch.zeros(2, 3, 3))
+    assert not cl.pairing_vector(torch.zeros(9)[1:].view(2, 4))  # 4 bytes past a 16-byte boundary
+    with pytest.raises(ValueError, match="positive"):
+        cl.pairing_launch(dtype, 0, 10, vector=False)
+
+
 def test_tile_arrays_drop_padding_and_group_by_chunk() -> None:
     weight = torch.zeros(2, 3, 3, 3)
     weight[0, 2, 1, 2], weight[1, 0, 0, 0], weight[1, 1, 2, 1] = 1.0, 2.0, 3.0
@@ -528,7 +561,10 @@ def test_half2_backend_offers_tile_settings_on_float16_only() -> None:
     space = backend.tuning_space(x, csr, ConvGeometry.of(2, 1))
     assert space == [{**p, "accumulate": "half2"} for p in direct.tuning_space(x, csr, ConvGeometry.of(2, 1))
                      if p["variant"] == "tile"]
-    assert all(f",{cl.HALF2_RUN}," in name for name in backend.kernel_names(x, csr, ConvGeometry.of(2, 1)))
+    names = backend.kernel_names(x, csr, ConvGeometry.of(2, 1))
+    assert all(f",{cl.HALF2_RUN}," in name for name in names if name.startswith("direct_tile"))
+    assert {name for name in names if not name.startswith("direct_tile")} == {"pair_images<__half,0>",
+                                                                               "pair_images<__half,1>"}
     assert not any("accumulate" in p for p in direct.tuning_space(x, csr, ConvGeometry.of(1, 1)))
     with pytest.raises(ValueError, match="accumulate"):  # half2 runs on the tile kernel only
         direct._launch(x, csr, ConvGeometry.of(1, 1), {"variant": "rows", "accumulate": "half2"})

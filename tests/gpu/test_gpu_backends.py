@@ -9,7 +9,14 @@ from torch import nn
 
 from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime import get_backend, sparsify
-from unsparse.runtime.backends.direct import is_pointwise, pointwise_space, rows_space, tile_space
+from unsparse.runtime.backends.direct import (
+    is_pointwise,
+    pair_images,
+    pair_images_on_device,
+    pointwise_space,
+    rows_space,
+    tile_space,
+)
 from unsparse.runtime.comparator import plan_model, relative_error, tolerance
 from unsparse.runtime.plan import Plan
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
@@ -148,6 +155,23 @@ def test_half2_every_setting_matches_float64_reference(case: str) -> None:
         assert torch.isfinite(out).all(), f"{params}: unwritten or non-finite outputs"
         error = relative_error(out.cpu(), ref)
         assert error <= tolerance(torch.float16), f"{case} {params}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("batch", "chw"), [(5, (3, 13, 11)), (128, (64, 56, 56)), (2, (8, 10, 36)), (1, (4, 4, 4))])
+def test_pairing_kernel_matches_torchs_pair_images(batch: int, chw: tuple[int, int, int], dtype: torch.dtype) -> None:
+    """The ``pair_images`` kernel against torch's permuted copy, bit for bit: odd and even batches (a zero image
+    past an odd one), planes whose element count is and is not a multiple of the 16-byte unit, and a misaligned
+    view (the element-wise kernel)."""
+    x = torch.randn(batch, *chw, device=CUDA).to(dtype)
+    storage = torch.empty(x.numel() + 1, dtype=dtype, device=CUDA)
+    shifted = storage[1:].view_as(x)
+    shifted.copy_(x)
+    assert not cl.pairing_vector(shifted)
+    for source in (x, shifted):
+        out = pair_images_on_device(source)
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), pair_images(source.cpu()))
 
 
 def test_direct_kernels_run_on_torchs_current_stream() -> None:

@@ -410,6 +410,35 @@ def pointwise_launch(dtype: torch.dtype, batch: int, out_channels: int, pixels: 
     return Launch(name, grid, (tiling.warps * 32, 1, 1))
 
 
+PAIRING_THREADS = 256
+"""Threads per block of ``pair_images`` (each moves one 16-byte vector of two images)."""
+
+
+def pairing_launch(dtype: torch.dtype, batch: int, image_elements: int, vector: bool) -> Launch:
+    """Geometry of ``pair_images``, the kernel that re-lays ``(N, P)`` images as ``(ceil(N/2), P, 2)`` pairs
+    (``P = C * H * W``): grid ``(ceil(P / (unit * 256)), ceil(N / 2))``, ``unit = 16 / itemsize`` elements per
+    thread (4 float32, 8 float16). ``vector``: 16-byte loads and stores, which need ``P`` a multiple of ``unit``
+    and a 16-byte aligned input (:func:`pairing_vector`).
+
+    Raises:
+        ValueError: for a non-positive size, ``P >= 2**31``, or a grid beyond CUDA's limits.
+    """
+    if min(batch, image_elements) < 1:
+        raise ValueError("pairing_launch: every size must be positive")
+    if image_elements >= 2**31:
+        raise ValueError(f"pairing_launch: {image_elements} elements per image exceed int32 indexing")
+    unit = 16 // dtype.itemsize
+    grid = (math.ceil(image_elements / (unit * PAIRING_THREADS)), math.ceil(batch / 2), 1)
+    _check_grid(grid)
+    return Launch(f"pair_images<{cuda_type(dtype)},{int(vector)}>", grid, (PAIRING_THREADS, 1, 1))
+
+
+def pairing_vector(x: torch.Tensor) -> bool:
+    """Whether ``pair_images`` can move ``x`` (contiguous ``(N, ...)``) in 16-byte vectors: each image's element
+    count a multiple of ``16 / itemsize`` and the data 16-byte aligned."""
+    return (x[0].numel() * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+
+
 def _check_grid(grid: tuple[int, int, int]) -> None:
     if grid[0] >= 2**31 or grid[1] >= 2**16 or grid[2] >= 2**16:
         raise ValueError(f"grid: {grid} exceeds CUDA's grid limits")

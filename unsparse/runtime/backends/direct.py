@@ -235,6 +235,18 @@ def stride_one_reason(geometry: ConvGeometry) -> str | None:
     return None
 
 
+def pair_images_on_device(x: torch.Tensor) -> torch.Tensor:
+    """:func:`pair_images` of a contiguous ``x``: on CUDA by the ``pair_images`` kernel (about copy speed; torch's
+    permuted copy moved float16 at half of it on the H100, kernels/NOTES.md eleventh session), elsewhere by torch.
+    Returns a fresh ``(ceil(N / 2), C, H, W, 2)`` tensor; ``x`` is not modified."""
+    if x.device.type != "cuda":
+        return pair_images(x)
+    out = torch.empty((x.shape[0] + 1) // 2, *x.shape[1:], 2, dtype=x.dtype, device=x.device)
+    spec = cl.pairing_launch(x.dtype, x.shape[0], x[0].numel(), cl.pairing_vector(x))
+    cl.launch(spec, (x, out, x.shape[0], x[0].numel()), x.device)
+    return out
+
+
 def is_pointwise(csr: UniformCSR, geometry: ConvGeometry) -> bool:
     """Whether a layer is a 1x1, stride 1, dilation 1, unpadded Conv2d (the ``pointwise`` variant's domain)."""
     return (geometry.spatial_dims == 2 and csr.kernel_size == (1, 1) and geometry.stride == (1, 1)
@@ -465,7 +477,7 @@ class PreparedCall:
         ``x``'s dtype, contiguous, or None); returns a new ``(N, M, E, F)`` tensor of ``x``'s dtype."""
         source = x if self.split is None else self.split.input(x)
         if self.paired:
-            source = pair_images(source)
+            source = pair_images_on_device(source)
         if self.splits == 1:
             out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
             cl.launch(self.launch, (source, *self.arrays, bias, out, *self.scalars), x.device)
@@ -576,9 +588,14 @@ class DirectBackend(ConvBackend):
 
     def kernel_names(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                      space: list[dict[str, Any]] | None = None) -> list[str]:
-        """Template instantiations a list of settings (default: the tuning space) uses."""
+        """Template instantiations a list of settings (default: the tuning space) uses, with both
+        ``pair_images`` kernels of the dtype where a setting pairs its input."""
         space = space if space is not None else self.tuning_space(x, csr, geometry)
-        return sorted({self._launch(x, csr, geometry, params)[0].name for params in space})
+        names = {self._launch(x, csr, geometry, params)[0].name for params in space}
+        if any(params.get("variant") == "tile" and cl.images_per_element(x.dtype, bool(params.get("paired"))) == 2
+               for params in space):
+            names.update(cl.pairing_launch(x.dtype, 2, 1, vector).name for vector in (False, True))
+        return sorted(names)
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
