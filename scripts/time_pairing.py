@@ -2,7 +2,8 @@
 
 ``pair_images`` re-lays ``(N, C, H, W)`` as ``(N/2, C, H, W, 2)`` inside every timed call of a float16 or paired
 float32 ``tile`` setting, so its cost is part of those settings' times. A copy moves the same bytes; the gap is what
-a faster pairing could save. Candidate formulations are timed in the same run and checked equal to ``pair_images``.
+a faster pairing could save. Candidate formulations (torch's on a flattened view, and the ``pair_images`` kernel that
+the direct backend launches on CUDA) are timed in the same run and checked equal to ``pair_images``.
 Prints one JSON object (ms medians of CUDA-event timings after warm-up, and GB/s counting bytes read and written).
 
     PYTHONPATH=. python3 scripts/time_pairing.py --batch 128 --runs 20
@@ -29,13 +30,16 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
 
-    from unsparse.runtime.backends.direct import pair_images
+    from unsparse.pipeline import git_commit
+    from unsparse.runtime.backends.direct import pair_images, pair_images_on_device
+    from unsparse.runtime.bench import environment
     from unsparse.runtime.timing import time_fn
 
     device = torch.device("cuda")
     formulations = {
         "copy": lambda x: x.clone(),
         "pair_images": pair_images,
+        "kernel": pair_images_on_device,
         "flat_transpose": lambda x: x.view(x.shape[0] // 2, 2, -1).transpose(1, 2).contiguous()
         .view(x.shape[0] // 2, *x.shape[1:], 2),
     }
@@ -52,8 +56,7 @@ def main() -> None:
                                 "gb_per_s": 2 * x.numel() * x.element_size() / median / 1e6})
             del x, reference
             torch.cuda.empty_cache()
-    print(json.dumps({"gpu": torch.cuda.get_device_name(device), "torch": torch.__version__, "batch": args.batch,
-                      "records": records}, indent=1))
+    print(json.dumps({"environment": environment(git_commit()), "batch": args.batch, "records": records}, indent=1))
 
 
 if __name__ == "__main__":
