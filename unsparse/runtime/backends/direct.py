@@ -5,7 +5,8 @@ Three kernel variants share the backend and its tuning space (parameter ``varian
 * ``"rows"``: Escoin §3 / UnSparse-Opt §5 (uniform nnz, sub-batch), any geometry.
 * ``"tile"``: input tiles with halos in shared memory, each warp accumulating several output channels over
   a pixel x image tile; stride 1, dilation 1, Conv2d. float16 inputs, and float32 inputs of ``"paired"``
-  settings, are first re-laid as image pairs (:func:`pair_images`, a copy timed with the kernel).
+  settings, are first re-laid as image pairs (:func:`pair_images_on_device`: on CUDA the ``pair_images`` kernel, a
+  copy timed with the convolution).
   ``"stage": "vector"`` settings copy each staged row's interior as 16-byte vectors (32-column warp rows, input
   width a multiple of 4; see :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason`).
 * ``"pointwise"``: 1x1, stride 1, unpadded Conv2d as a sparse x dense product over the flattened
