@@ -1,7 +1,8 @@
 // Direct sparse convolution over a UniformCSR weight (Escoin, paper 000 §3; UnSparse-Opt, paper 004 §5).
 //
-// Three kernels, all templated on the storage dtype T (float or __half; arithmetic is always float) and
-// on their tile sizes, and pair_images, the input transform of direct_tile's paired settings (at the end). Launch geometry is computed in one place on the Python side
+// Three convolution kernels, all templated on the storage dtype T (float or __half; arithmetic is always float)
+// and on their tile sizes, and a fourth, pair_images (at the end), the input transform of direct_tile's paired
+// settings. Launch geometry is computed in one place on the Python side
 // (unsparse/runtime/cupy_launcher.py); every index the kernels read was validated there first.
 //
 // direct_rows: the paper's design, general (any kernel size, stride, dilation, padding, Conv1d as H = 1).
@@ -19,7 +20,7 @@
 //   Input channels are staged CC at a time into shared memory with their halo (zero outside the image, so
 //   padding needs no copy); chunks stream in with cp.async into two buffers (chunk k + 1 loads while chunk k
 //   computes). An element is one float32 image, or (IMAGES = 2) a float2 pair of float32 images or a __half2 pair
-//   of float16 images, read from an image-paired input (N/2, C, H, W, 2) that the Python side builds (one load
+//   of float16 images, read from an image-paired input (ceil(N/2), C, H, W, 2) that the Python side builds (one load
 //   feeds the FMAs of two images).
 //   Each warp walks the nonzeros of its MW rows in the staged channels: per nonzero one broadcast load of
 //   (offset into the staged chunk, weight) (Escoin §3.1 stretching, done at plan time against the tile
@@ -259,7 +260,9 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
   constexpr int IPE = IMAGES;
   constexpr int VE = 16 / sizeof(Elem);  // elements per 16-byte vector
   static_assert(NB % IPE == 0, "paired tiles: NB must be even");
-  static_assert(HALF_RUN == 0 || IPE == 2, "half2 products need the float16 image pairs");
+  static_assert(HALF_RUN == 0 || sizeof(T) == 2, "half2 products need the float16 image pairs");
+  static_assert(MW * NB * PY <= TILE_WIDE_SUMS || WARPS <= 8,
+                "a wide tiling runs two blocks per SM at 128 registers: at most 8 warps each");
   static_assert(U == 1 || sizeof(T) == 4, "union entries are float32 only (kernels/NOTES.md v21)");
   static_assert(32 % WX == 0, "a warp row holds WX lanes");
   constexpr int NBE = NB / IPE;

@@ -1,7 +1,8 @@
 """Time the image pairing of ``direct_tile``'s paired inputs against a plain copy of the same tensor, on CUDA.
 
-``pair_images`` re-lays ``(N, C, H, W)`` as ``(N/2, C, H, W, 2)`` inside every timed call of a float16 or paired
-float32 ``tile`` setting, so its cost is part of those settings' times. A copy moves the same bytes; the gap is what
+Pairing re-lays ``(N, C, H, W)`` as ``(N/2, C, H, W, 2)`` inside every timed call of a float16 or paired float32
+``tile`` setting (``pair_images_on_device``: the kernel on CUDA since v23, torch's ``pair_images`` before), so its
+cost is part of those settings' times. A copy moves the same bytes; the gap is what
 a faster pairing could save. Candidate formulations (torch's on a flattened view, and the ``pair_images`` kernel that
 the direct backend launches on CUDA) are timed in the same run and checked equal to ``pair_images``.
 Prints one JSON object (ms medians of CUDA-event timings after warm-up, and GB/s counting bytes read and written).
@@ -27,6 +28,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--runs", type=int, default=20)
     args = parser.parse_args()
+    if args.batch % 2:
+        parser.error("--batch: the flattened formulation pairs whole images, so the batch must be even")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
 

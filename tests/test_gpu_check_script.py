@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
 from unsparse.runtime import bench
 
 
-def test_benchmark_options_reach_run_bench(load_script, monkeypatch, tmp_path) -> None:
+def test_benchmark_options_reach_run_bench(load_script: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    """The per-layer options and ``--end-to-end-sparsity`` arrive as ``run_bench`` arguments; without the latter,
+    ``run_bench``'s own default applies."""
     calls: list[dict] = []
     monkeypatch.setattr(bench, "run_bench", lambda out, **kwargs: calls.append(kwargs) or {"targets": {}})
     gpu_check = load_script("gpu_check")

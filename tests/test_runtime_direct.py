@@ -22,7 +22,6 @@ from unsparse.runtime.backends.direct import (
     TileArrays,
     is_pointwise,
     pair_images,
-    pair_images_on_device,
     pointwise_space,
     prepare_rows,
     prepare_tile,
@@ -500,9 +499,10 @@ def emulate_pairing(x: torch.Tensor) -> torch.Tensor:
                                                      (1, (1, 40, 40), torch.float16)])
 def test_pairing_kernel_emulation_matches_pair_images(batch: int, chw: tuple[int, int, int],
                                                       dtype: torch.dtype) -> None:
+    """The pairing kernel's grid and per-thread runs (emulated) give torch's pairing; its launch geometry, the
+    16-byte vector condition and the size check. The vector path's byte shuffles are checked on the GPU."""
     x = torch.randn(batch, *chw).to(dtype)
     assert torch.equal(emulate_pairing(x), pair_images(x))
-    assert torch.equal(pair_images_on_device(x), pair_images(x))  # off CUDA, torch's copy
     spec = cl.pairing_launch(dtype, 128, 256 * 56 * 56, vector=True)
     assert spec.name == f"pair_images<{cl.cuda_type(dtype)},1>" and spec.block == (256, 1, 1)
     assert spec.grid == (math.ceil(256 * 56 * 56 / (16 // dtype.itemsize * 256)), 64, 1)

@@ -158,7 +158,8 @@ def test_half2_every_setting_matches_float64_reference(case: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize(("batch", "chw"), [(5, (3, 13, 11)), (128, (64, 56, 56)), (2, (8, 10, 36)), (1, (4, 4, 4))])
+@pytest.mark.parametrize(("batch", "chw"), [(5, (3, 13, 11)), (128, (64, 56, 56)), (2, (8, 10, 36)), (1, (4, 4, 4)),
+                                           (3, (4, 4, 4))])
 def test_pairing_kernel_matches_torchs_pair_images(batch: int, chw: tuple[int, int, int], dtype: torch.dtype) -> None:
     """The ``pair_images`` kernel against torch's permuted copy, bit for bit: odd and even batches (a zero image
     past an odd one), planes whose element count is and is not a multiple of the 16-byte unit, and a misaligned

@@ -1,8 +1,8 @@
 """Loading ``kernels/*.cu`` through CuPy, launch geometry, and launching on torch tensors without copies.
 
 Launch geometry lives here and only here (:func:`rows_launch`, :func:`tile_launch`,
-:func:`pointwise_launch`): pure Python, so the
-CPU tests check it. CuPy is imported lazily; importing this module needs neither CuPy nor a GPU.
+:func:`pointwise_launch`, :func:`pairing_launch`): pure Python, so the CPU tests check it. CuPy is imported
+lazily; importing this module needs neither CuPy nor a GPU.
 
 Tensors reach a kernel as their device pointers (zero copy), after a check of device and contiguity, on
 torch's current stream. A DLPack hand-over per argument (``cupy.from_dlpack``) cost about 0.3 ms of host
@@ -416,9 +416,9 @@ PAIRING_THREADS = 256
 
 def pairing_launch(dtype: torch.dtype, batch: int, image_elements: int, vector: bool) -> Launch:
     """Geometry of ``pair_images``, the kernel that re-lays ``(N, P)`` images as ``(ceil(N/2), P, 2)`` pairs
-    (``P = C * H * W``): grid ``(ceil(P / (unit * 256)), ceil(N / 2))``, ``unit = 16 / itemsize`` elements per
-    thread (4 float32, 8 float16). ``vector``: 16-byte loads and stores, which need ``P`` a multiple of ``unit``
-    and a 16-byte aligned input (:func:`pairing_vector`).
+    (``P = C * H * W``): grid ``(ceil(P / (unit * PAIRING_THREADS)), ceil(N / 2))``, ``unit = 16 / itemsize``
+    elements per thread (4 float32, 8 float16), :data:`PAIRING_THREADS` threads per block. ``vector``: 16-byte
+    loads and stores, which need ``P`` a multiple of ``unit`` and a 16-byte aligned input (:func:`pairing_vector`).
 
     Raises:
         ValueError: for a non-positive size, ``P >= 2**31``, or a grid beyond CUDA's limits.
@@ -528,7 +528,7 @@ def launch(spec: Launch, args: tuple[Any, ...], device: torch.device) -> None:
     """Run one kernel on torch's current stream of ``device``.
 
     Args:
-        spec: from :func:`rows_launch`, :func:`tile_launch` or :func:`pointwise_launch`.
+        spec: from :func:`rows_launch`, :func:`tile_launch`, :func:`pointwise_launch` or :func:`pairing_launch`.
         args: kernel arguments in declaration order (:func:`kernel_arguments`). Tensors must stay alive
             until the kernel has run, as with any asynchronous torch operation on the stream.
 

@@ -68,21 +68,22 @@ TILE_TILINGS = (
     cl.TileTiling(wx=32, py=8, nb=2, mw=3, warps=8, cc=8, union=3),
     cl.TileTiling(wx=32, py=7, nb=4, mw=3, warps=8, cc=8, union=3, paired=True),
 )
-"""``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM
-within the register file), warp tiles 4x32 to 8x8 for planes from 224x224 down to 7x7, 32 to 128 output
-channels per block (more channels share each staged chunk); NB = 1 for batch 1 in float32 (float16 pairs
-images, NB even). CC = 16 halves the barriers per nonzero where a chunk holds little work (the 2x2 filters of a
-3x3 stride-2 layer's phase split, 1x1 layers, and 3x3 layers at high sparsity); staged chunks beyond 48 KB
-take dynamic shared memory up to :data:`~unsparse.runtime.cupy_launcher.TILE_SHARED_LIMIT_BYTES`. At 0.95-0.98
-sparsity a cost that does not shrink with sparsity is about half the time (VGG16 features.5 FP16: about 0.83 ms of
-1.60 ms at 0.95 before these), so the last three share each chunk among 128 output channels, or stage 32 channels
-per barrier pair (fewer barriers and loop set-ups per nonzero), or both; CC = 32 in float16 only, a float32 3x3
-chunk of 32 channels does not fit. Kernel notes v14 and v16 give what each gained. The last walks union entries of
-three channels (``union=3``, float32 only, kernel notes v21): one staged load feeds three FMAs, which pays where three
-rows share many taps. On the H100, in float32 at 0.7, it ran VGG16 features.2-12 (64 to 256 input channels) 1.03-1.12x
-as fast as the best per-channel tiling, and at 0.9 0.78-0.86x; of the four union tilings first timed, it was the
-fastest on every layer. The ``paired`` union tiling reads the float32 input as image pairs (one 8-byte shared load
-per two images, the pairing copy timed with the kernel) and puts 28 staged elements behind each 16-byte entry
+"""``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM within the
+register file; the paired union tiling's 84 are held to 128 registers, also two blocks), warp tiles 4x32 to 8x8 for
+planes from 224x224 down to 7x7, 32 to 128 output channels per block (more channels share each staged chunk); NB = 1
+for batch 1 in float32 (float16 pairs images, NB even). CC = 16 halves the barriers per nonzero where a chunk holds
+little work (the 2x2 filters of a 3x3 stride-2 layer's phase split, 1x1 layers, and 3x3 layers at high sparsity);
+staged chunks beyond 48 KB take dynamic shared memory up to
+:data:`~unsparse.runtime.cupy_launcher.TILE_SHARED_LIMIT_BYTES`. At 0.95-0.98 sparsity a cost that does not shrink
+with sparsity is about half the time (VGG16 features.5 FP16: about 0.83 ms of 1.60 ms at 0.95 before these), so the
+last three per-channel tilings share each chunk among 128 output channels, or stage 32 channels per barrier pair
+(fewer barriers and loop set-ups per nonzero), or both; CC = 32 in float16 only, a float32 3x3 chunk of 32 channels
+does not fit. Kernel notes v14 and v16 give what each gained. The first union tiling (``union=3``, float32 only,
+kernel notes v21) walks union entries of three channels: one staged load feeds three FMAs, which pays where three
+rows share many taps. On the H100, in float32 at 0.7, it ran VGG16 features.2-12 (64 to 256 input channels)
+1.03-1.12x as fast as the best per-channel tiling, and at 0.9 0.78-0.86x; of the four union tilings first timed, it
+was the fastest on every layer. The second, ``paired``, reads the float32 input as image pairs (one 8-byte shared
+load per two images, the pairing copy timed with the kernel) and puts 28 staged elements behind each 16-byte entry
 (kernel notes v22): on the H100 at 0.7 it ran VGG16 features.10 and .12 1.02x as fast as the union tiling above and
 lost on features.0-7 (0.90-0.99x) and at 0.9; a paired PY = 8, NB = 2 tiling (two blocks per SM) lost everywhere."""
 
@@ -240,7 +241,7 @@ def pair_images_on_device(x: torch.Tensor) -> torch.Tensor:
     """:func:`pair_images` of a contiguous ``x``: on CUDA by the ``pair_images`` kernel (about copy speed; torch's
     permuted copy moved float16 at half of it on the H100, kernels/NOTES.md eleventh session), elsewhere by torch.
     Returns a fresh ``(ceil(N / 2), C, H, W, 2)`` tensor; ``x`` is not modified."""
-    if x.device.type != "cuda":
+    if x.device.type != "cuda" or x.shape[0] == 0:
         return pair_images(x)
     out = torch.empty((x.shape[0] + 1) // 2, *x.shape[1:], 2, dtype=x.dtype, device=x.device)
     spec = cl.pairing_launch(x.dtype, x.shape[0], x[0].numel(), cl.pairing_vector(x))
@@ -252,6 +253,12 @@ def is_pointwise(csr: UniformCSR, geometry: ConvGeometry) -> bool:
     """Whether a layer is a 1x1, stride 1, dilation 1, unpadded Conv2d (the ``pointwise`` variant's domain)."""
     return (geometry.spatial_dims == 2 and csr.kernel_size == (1, 1) and geometry.stride == (1, 1)
             and geometry.dilation == (1, 1) and geometry.padding == (0, 0))
+
+
+def reads_pairs(params: dict[str, Any], dtype: torch.dtype) -> bool:
+    """Whether a ``tile`` setting's kernel reads its input as image pairs: float16 always, float32 where the setting
+    is ``"paired"`` (:func:`~unsparse.runtime.cupy_launcher.images_per_element`)."""
+    return cl.images_per_element(dtype, bool(params.get("paired", False))) == 2
 
 
 def tiling_of(params: dict[str, Any]) -> cl.TileTiling:
@@ -461,8 +468,8 @@ class PreparedCall:
         scalars: the int32 arguments after the output (sizes, padding, grid decode, chunks per split).
         out_shape: ``(N, M, E, F)``.
         splits: split-K shares of ``pointwise`` (float32 partial sums, summed here), 1 otherwise.
-        paired: whether the kernel reads the input as image pairs (:func:`pair_images`: float16, or a ``paired``
-            float32 tiling).
+        paired: whether the kernel reads the input as image pairs (:func:`pair_images_on_device`: float16, or a
+            ``paired`` float32 tiling).
     """
 
     launch: cl.Launch
@@ -560,8 +567,7 @@ class DirectBackend(ConvBackend):
             return KernelView(csr1, geometry1, split, in_hw, out_hw, vector and (copied or x.data_ptr() % 16 == 0))
         vector = self._vector_requested(
             params, lambda: cl.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding))
-        paired = cl.images_per_element(x.dtype, bool(params.get("paired", False))) == 2
-        aligned = copied or paired or x.data_ptr() % 16 == 0  # pairing copies too
+        aligned = copied or reads_pairs(params, x.dtype) or x.data_ptr() % 16 == 0  # pairing copies too
         return KernelView(csr1, geometry1, split, in_hw, out_hw, geometry1.padding[1] if vector and aligned else None)
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
@@ -593,8 +599,7 @@ class DirectBackend(ConvBackend):
         ``pair_images`` kernels of the dtype where a setting pairs its input."""
         space = space if space is not None else self.tuning_space(x, csr, geometry)
         names = {self._launch(x, csr, geometry, params)[0].name for params in space}
-        if any(params.get("variant") == "tile" and cl.images_per_element(x.dtype, bool(params.get("paired"))) == 2
-               for params in space):
+        if any(params.get("variant") == "tile" and reads_pairs(params, x.dtype) for params in space):
             names.update(cl.pairing_launch(x.dtype, 2, 1, vector).name for vector in (False, True))
         return sorted(names)
 
@@ -682,7 +687,7 @@ class DirectBackend(ConvBackend):
             return PreparedCall(spec, view.split, (tile.chunk_ptr, tile.entries),
                                 (N, C, H, W, M, E, F_, *view.geometry.padding, math.ceil(F_ / tiling.tile_hw[1]),
                                  math.ceil(M / tiling.channels)), out_shape,
-                                paired=cl.images_per_element(x.dtype, tiling.paired) == 2)
+                                paired=reads_pairs(params, x.dtype))
         tiling = pointwise_tiling_of(params)
         layout = cl.pointwise_layout(x.dtype, tiling, view.staging)
         tile = self._arrays(view.csr, ("tile", layout, False, 1), lambda: prepare_tile(view.csr, layout))
