@@ -363,7 +363,7 @@ def test_union_entries_emulate_zero_dense_and_partial_groups() -> None:
 
 def test_paired_float32_tiles_stage_two_images_per_element() -> None:
     """A ``paired`` float32 tiling (kernel notes v22): 8-byte elements of two images, 16-byte staging vectors of
-    two columns (rows aligned so with ``left = pad_w mod 2``), half the image elements, twice the element bytes, its
+    two columns (rows aligned with ``left = -pad_w mod 2``), half the image elements, twice the element bytes, its
     own instantiation; odd batches pad a zero image; float16, which always pairs, refuses the flag."""
     tiling = cl.TileTiling(wx=32, py=7, nb=4, mw=3, warps=8, cc=8, union=3, paired=True)
     layout = cl.tile_layout(torch.float32, (3, 3), tiling, vector_pad=1)
@@ -488,10 +488,9 @@ def emulate_pairing(x: torch.Tensor) -> torch.Tensor:
     out = torch.full((spec.grid[1], P, 2), float("nan"), dtype=x.dtype)
     for bx, i, t in itertools.product(range(spec.grid[0]), range(spec.grid[1]), range(spec.block[0])):
         p = (bx * spec.block[0] + t) * unit
-        for u in range(unit if p < P else 0):
-            if p + u < P:
-                out[i, p + u, 0] = flat[2 * i, p + u]
-                out[i, p + u, 1] = flat[2 * i + 1, p + u] if 2 * i + 1 < N else 0.0
+        for j in range(p, min(p + unit, P)):
+            out[i, j, 0] = flat[2 * i, j]
+            out[i, j, 1] = flat[2 * i + 1, j] if 2 * i + 1 < N else 0.0
     return out.reshape(spec.grid[1], *x.shape[1:], 2)
 
 

@@ -243,9 +243,9 @@ def pair_images_on_device(x: torch.Tensor) -> torch.Tensor:
     Returns a fresh ``(ceil(N / 2), C, H, W, 2)`` tensor; ``x`` is not modified."""
     if x.device.type != "cuda" or x.shape[0] == 0:
         return pair_images(x)
-    out = torch.empty((x.shape[0] + 1) // 2, *x.shape[1:], 2, dtype=x.dtype, device=x.device)
-    spec = cl.pairing_launch(x.dtype, x.shape[0], x[0].numel(), cl.pairing_vector(x))
-    cl.launch(spec, (x, out, x.shape[0], x[0].numel()), x.device)
+    N, P = x.shape[0], x[0].numel()
+    out = torch.empty((N + 1) // 2, *x.shape[1:], 2, dtype=x.dtype, device=x.device)
+    cl.launch(cl.pairing_launch(x.dtype, N, P, cl.pairing_vector(x)), (x, out, N, P), x.device)
     return out
 
 
