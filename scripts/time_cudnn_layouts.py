@@ -1,0 +1,149 @@
+"""Time cuDNN's convolutions in each memory layout, per layer and for whole dense models.
+
+Three ways to run one layer's ``F.conv2d`` (dense random weights of the layer's shape, inputs rotated beyond L2):
+
+- ``nchw``: input, weight and output NCHW (the ``cudnn`` backend's ``memory_format="contiguous"``);
+- ``nhwc``: input and weight converted to channels-last before timing, output left channels-last: the kernel alone,
+  as a model kept in channels-last from end to end runs it (DESIGN.md's "FP16 channels-last" figures);
+- ``nhwc_converted``: the input converted inside the call and the output converted back to NCHW (the ``cudnn``
+  backend's ``memory_format="channels_last"``, which an NCHW model pays).
+
+Whole models (``--whole-models``): the dense model's eager forward with NCHW activations against the same model and
+input in channels-last (``Module.to(memory_format=torch.channels_last)``), outputs compared. Precisions as in the
+benchmark: ``fp32`` (TF32 off), ``tf32``, ``fp16``. CUDA events after warm-up, medians in ms; one JSON file.
+
+    PYTHONPATH=. python3 scripts/time_cudnn_layouts.py --models vgg16 resnet50 --batch 128 --whole-models \
+        --out $OUT/cudnn_layouts.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from unsparse.atomic import atomic_write_text
+from unsparse.pipeline import git_commit
+from unsparse.runtime.bench import (
+    MODELS,
+    PRECISIONS,
+    ConvLayer,
+    build_model,
+    conv_layers,
+    environment,
+    precision_mode,
+)
+from unsparse.runtime.comparator import relative_error
+from unsparse.runtime.timing import cache_bytes, rotated_inputs, rotation_count, time_fn
+
+LAYOUTS = ("nchw", "nhwc", "nhwc_converted")
+"""Layer layouts timed, in the order of the records (see the module docstring)."""
+CHANNELS_LAST = torch.channels_last
+
+
+def layout_calls(inputs: list[torch.Tensor], weight: torch.Tensor, layer: ConvLayer
+                 ) -> dict[str, Callable[[int], torch.Tensor]]:
+    """One call per layout of :data:`LAYOUTS`, each taking the run index and returning the layer's output.
+
+    Args:
+        inputs: rotated ``(N, C, H, W)`` NCHW inputs of the layer. weight: ``(M, C, R, S)`` dense NCHW weight.
+        layer: the layer's geometry.
+    """
+    g = layer.geometry
+    nhwc_inputs = [x.contiguous(memory_format=CHANNELS_LAST) for x in inputs]
+    nhwc_weight = weight.contiguous(memory_format=CHANNELS_LAST)
+
+    def conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.conv2d(x, w, None, g.stride, g.padding, g.dilation, g.groups)
+
+    return {
+        "nchw": lambda i: conv(inputs[i % len(inputs)], weight),
+        "nhwc": lambda i: conv(nhwc_inputs[i % len(inputs)], nhwc_weight),
+        "nhwc_converted": lambda i: conv(inputs[i % len(inputs)].contiguous(memory_format=CHANNELS_LAST),
+                                         nhwc_weight).contiguous(),
+    }
+
+
+def time_layer(layer: ConvLayer, batch: int, precision: str, device: torch.device, runs: int) -> dict[str, Any]:
+    """Median ms of each layout on one layer, with the outputs checked equal to the NCHW one (relative error).
+
+    Returns:
+        A JSON-ready record: layer, input ``(C, H, W)``, weight shape, stride, precision, ``ms`` per layout,
+        ``rel_error`` per layout against NCHW, rotation, and ``fastest`` (the layout with the smallest median).
+    """
+    mode = PRECISIONS[precision]
+    with precision_mode(mode.tf32), torch.no_grad():
+        torch.backends.cudnn.benchmark = device.type == "cuda"
+        weight = torch.randn(layer.weight.shape, device=device, dtype=mode.dtype) * 0.05
+        x = torch.randn(batch, *layer.in_chw, device=device, dtype=mode.dtype)
+        inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(device)))
+        calls = layout_calls(inputs, weight, layer)
+        reference = calls["nchw"](0).double()
+        errors = {name: relative_error(call(0).double(), reference) for name, call in calls.items()}
+        ms = {name: time_fn(call, device, runs=runs, rotation=len(inputs)).median_ms for name, call in calls.items()}
+    return {"model_layer": layer.name, "in_chw": list(layer.in_chw), "weight_shape": list(layer.weight.shape),
+            "stride": list(layer.geometry.stride), "count": layer.count, "batch": batch, "precision": precision,
+            "ms": ms, "rel_error": errors, "rotation": len(inputs), "fastest": min(ms, key=ms.__getitem__)}
+
+
+def time_model(name: str, batch: int, precision: str, device: torch.device, runs: int) -> dict[str, Any]:
+    """Eager dense forward of ``name`` (224x224 inputs) in NCHW and in channels-last: medians in ms, their
+    ratio (``nhwc_speedup`` = NCHW over channels-last) and the relative error between the two outputs."""
+    mode = PRECISIONS[precision]
+    with precision_mode(mode.tf32), torch.no_grad():
+        torch.backends.cudnn.benchmark = device.type == "cuda"
+        model = build_model(name).to(device, mode.dtype)
+        nhwc_model = copy.deepcopy(model).to(memory_format=CHANNELS_LAST)
+        x = torch.randn(batch, 3, 224, 224, device=device, dtype=mode.dtype)
+        x_nhwc = x.contiguous(memory_format=CHANNELS_LAST)
+        error = relative_error(nhwc_model(x_nhwc).double(), model(x).double())
+        nchw_ms = time_fn(lambda i: model(x), device, runs=runs).median_ms
+        nhwc_ms = time_fn(lambda i: nhwc_model(x_nhwc), device, runs=runs).median_ms
+    return {"model": name, "batch": batch, "precision": precision, "nchw_ms": nchw_ms, "nhwc_ms": nhwc_ms,
+            "nhwc_speedup": nchw_ms / nhwc_ms, "rel_error": error}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments, time every selected layer and model, write the JSON atomically."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=["vgg16", "resnet50"], choices=MODELS)
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "tf32", "fp16"],
+                        choices=["fp32", "tf32", "fp16"])
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--layer-filter", default="", help="regular expression on layer names (search)")
+    parser.add_argument("--whole-models", action="store_true", help="also time each dense model end to end")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", required=True, help="JSON file to write")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    layers, models = [], []
+    for name in args.models:
+        for layer in conv_layers(build_model(name), (3, 224, 224)):
+            if re.search(args.layer_filter, layer.name):
+                for precision in args.precisions:
+                    record = {"model": name, **time_layer(layer, args.batch, precision, device, args.runs)}
+                    print(record["model"], record["model_layer"], precision,
+                          {k: round(v, 4) for k, v in record["ms"].items()}, flush=True)
+                    layers.append(record)
+        if args.whole_models:
+            for precision in args.precisions:
+                models.append(time_model(name, args.batch, precision, device, args.runs))
+                print(models[-1], flush=True)
+    result = {"environment": environment(git_commit()), "runs": args.runs, "layouts": list(LAYOUTS),
+              "layers": layers, "models": models}
+    atomic_write_text(Path(args.out), json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
