@@ -38,7 +38,7 @@ def test_bad_result_files_raise_value_errors(tmp_path) -> None:
 def test_break_even_script_reads_a_compressed_sweep(tmp_path, load_script) -> None:
     records = [{"model": "vgg16", "layer": "a", "in_chw": [64, 56, 56], "weight_shape": [64, 64, 3, 3],
                 "batch": 128, "precision": "fp32", "target_sparsity": s, "speedup_vs_cudnn": v,
-                "direct_useful_tflops": 9.0} for s, v in ((0.6, 0.8), (0.8, 1.2))]
+                "baseline": {"layout": "nchw"}, "direct_useful_tflops": 9.0} for s, v in ((0.6, 0.8), (0.8, 1.2))]
     result = {"environment": {"commit": "abc"}, "device": "GPU", "layers": records, "weights": "synthetic",
               "runs": 20}
     packed = tmp_path / "sweep.json.xz"
@@ -46,3 +46,16 @@ def test_break_even_script_reads_a_compressed_sweep(tmp_path, load_script) -> No
         json.dump(result, handle)
     load_script("break_even").main([str(packed), "--out", str(tmp_path / "page")])
     assert "| cuDNN FP32 (TF32 off) | 0.80 | 1.20 | 0.700 | <= 0.7: met |" in (tmp_path / "page.md").read_text()
+
+
+def test_records_before_the_baseline_keep_their_speedup_as_the_call_figure(tmp_path) -> None:
+    """A layer record without ``baseline`` (written before it existed) is read with its speedup under
+    ``speedup_vs_cudnn_call``; a record with one is read unchanged."""
+    old = {"layer": "features.7", "speedup_vs_cudnn": 0.98}
+    new = {"layer": "features.12", "speedup_vs_cudnn": 0.61, "speedup_vs_cudnn_call": 0.9,
+           "baseline": {"layout": "nhwc", "median_ms": 0.64}}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"layers": [old, new]}))
+    first, second = load_result(path)["layers"]
+    assert first == {"layer": "features.7", "speedup_vs_cudnn": None, "speedup_vs_cudnn_call": 0.98}
+    assert second == new

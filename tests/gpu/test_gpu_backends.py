@@ -332,3 +332,19 @@ def test_compare_layer_times_cuda_graph_replays() -> None:
     timed = [m for m in result.measurements if m.timing is not None]
     assert timed and result.best is not None and result.best.status == "ok"
     assert any(m.params.get("splits", 1) > 1 for m in result.measurements if m.status == "ok")
+
+
+@pytest.mark.parametrize("timing", ["eager", "graph"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_compare_layer_times_the_cudnn_baseline_in_both_layouts(dtype: torch.dtype, timing: str) -> None:
+    """cuDNN's convolution alone (no bias, NCHW and NHWC) is checked against the float64 reference with the bias
+    added and timed in both layouts, eagerly and as graph replays; its fastest layout is named."""
+    from unsparse.runtime.baseline import LAYOUTS
+    from unsparse.runtime.comparator import compare_layer
+
+    x, csr, bias, geometry, _ = make_case("empty_and_dense_rows", dtype, seed=11)
+    result = compare_layer(x, csr, bias, geometry, ["cudnn"], runs=5, timing=timing, baseline=True)
+    baseline = result.baseline
+    assert set(baseline.timings) == set(LAYOUTS), baseline.rel_error
+    assert max(baseline.rel_error.values()) <= tolerance(dtype)
+    assert baseline.median_ms == min(t.median_ms for t in baseline.timings.values()) > 0

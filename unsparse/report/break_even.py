@@ -1,10 +1,12 @@
 """Break-even sparsity of the direct kernels against each cuDNN mode, from benchmark records.
 
 A benchmark record (``unsparse.runtime.bench.bench_layer``) holds, for one layer, sparsity, batch and
-precision, the median time of the fastest direct setting and of the fastest cuDNN setting measured in the same
-run, and their ratio ``speedup_vs_cudnn`` (cuDNN ms / direct ms). The precision names the cuDNN mode: ``fp32``
-(TF32 off), ``tf32`` (direct still computes in float32), ``fp16`` (both in float16 storage, cuDNN's fastest
-layout; direct with float32 products) and ``fp16_half2`` (the same cuDNN mode against the half2-product kernel).
+precision, the median time of the fastest direct setting and of cuDNN's convolution alone in its fastest layout
+(no bias, input already NCHW or NHWC: :mod:`unsparse.runtime.baseline`) measured in the same run, and their ratio
+``speedup_vs_cudnn`` (cuDNN ms / direct ms). Records from before that baseline existed have none
+(:func:`unsparse.report.results.load_result`) and are skipped. The precision names the cuDNN mode: ``fp32``
+(TF32 off), ``tf32`` (direct still computes in float32), ``fp16`` (both in float16 storage; direct with float32
+products) and ``fp16_half2`` (the same cuDNN mode against the half2-product kernel).
 Paper 004 §6 and Escoin (paper 000) §5 report speedup against sparsity the same way; the break-even sparsity is
 where the speedup crosses 1.
 """

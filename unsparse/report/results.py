@@ -33,6 +33,11 @@ def result_stem(path: str | Path) -> Path:
 def load_result(path: str | Path) -> dict[str, Any]:
     """The JSON object in a result file, plain or xz-compressed.
 
+    Layer records written before the twelfth session have no ``baseline``: their ``speedup_vs_cudnn`` was against
+    the ``cudnn`` backend as an NCHW model calls it. They are read with that figure moved to
+    ``speedup_vs_cudnn_call`` and ``speedup_vs_cudnn`` None, so that no report takes it for a speedup over
+    cuDNN's convolution alone in its best layout (:mod:`unsparse.runtime.baseline`).
+
     Raises:
         ValueError: for another file ending, a broken xz stream, or content that is not a JSON object
             (``json.JSONDecodeError`` is a ``ValueError`` too).
@@ -49,4 +54,7 @@ def load_result(path: str | Path) -> dict[str, Any]:
         result = json.loads(path.read_text())
     if not isinstance(result, dict):
         raise ValueError(f"result {path}: expected a JSON object, got {type(result).__name__}")
+    for record in result.get("layers", []):
+        if isinstance(record, dict) and "speedup_vs_cudnn" in record and "baseline" not in record:
+            record["speedup_vs_cudnn_call"], record["speedup_vs_cudnn"] = record["speedup_vs_cudnn"], None
     return result

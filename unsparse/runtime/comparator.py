@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unsparse.runtime.backends import available_backends, get_backend
+from unsparse.runtime.baseline import Baseline, time_baseline
 from unsparse.runtime.modules import SparseConv, sparse_layers
 from unsparse.runtime.plan import Plan, PlanEntry, layer_key, use_plan
 from unsparse.runtime.timing import (
@@ -142,10 +143,15 @@ class Measurement:
 
 @dataclass
 class LayerComparison:
-    """All measurements of one layer on one input, and the fastest correct one (``best``)."""
+    """All measurements of one layer on one input, and the fastest correct one (``best``).
+
+    ``baseline``: cuDNN's convolution alone in its fastest layout (:mod:`unsparse.runtime.baseline`), when asked
+    for; speedups are reported against it, while plans choose among the measurements.
+    """
 
     key: str
     measurements: list[Measurement] = field(default_factory=list)
+    baseline: Baseline | None = None
 
     @property
     def best(self) -> Measurement | None:
@@ -190,13 +196,14 @@ class LayerComparison:
         """JSON-ready form with every measurement and the winner."""
         best = self.best
         return {"key": self.key, "best": None if best is None else best.to_dict(),
-                "measurements": [m.to_dict() for m in self.measurements]}
+                "measurements": [m.to_dict() for m in self.measurements],
+                "baseline": None if self.baseline is None else self.baseline.to_dict()}
 
 
 def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
                   backends: list[str] | None = None, runs: int = MIN_RUNS, warmup: int = 3,
                   screen_runs: int = 3, keep: int = 3, tol: float | None = None,
-                  timing: str = "eager") -> LayerComparison:
+                  timing: str = "eager", baseline: bool = False) -> LayerComparison:
     """Compare backends on one layer (DESIGN.md, Runtime and comparator).
 
     Args:
@@ -207,6 +214,8 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
             >= 20). screen_runs: runs per setting when a backend has more than ``keep`` settings.
         tol: relative error bound; default :func:`tolerance` of ``x.dtype`` (TF32-aware).
         timing: one of :data:`TIMINGS`; a setting whose graph capture fails is recorded as an error.
+        baseline: also time the dense convolution alone in each layout
+            (:func:`~unsparse.runtime.baseline.time_baseline`, eager or as graphs like the rest), same inputs.
 
     Returns:
         Every measurement, correct or not; ``best`` is the fastest correct one.
@@ -230,6 +239,14 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
         for name in names:
             result.measurements += _measure_backend(name, inputs, csr, bias, geometry, ref, images, bound,
                                                     runs, warmup, screen_runs, keep, timing == "graph")
+        if baseline:
+            R, S = csr.kernel_size
+            weight = csr.to_dense().reshape(csr.out_channels, csr.in_channels_per_group, R, S).to(x.dtype)
+            shift = 0 if bias is None else bias.to(x.dtype).reshape(1, -1, 1, 1)
+
+            def error(out: torch.Tensor) -> float:
+                return check_error((out + shift)[images], ref, bound)
+            result.baseline = time_baseline(inputs, weight, geometry, error, bound, runs, warmup, timing == "graph")
     return result
 
 

@@ -1,0 +1,104 @@
+"""cuDNN's convolution alone, in its fastest memory layout: the baseline that speedups are reported against.
+
+Issue 6 and DESIGN.md quote cuDNN as the convolution alone. For VGG16's 256x56x56 layer at batch 128 that is
+9.84 ms FP32, 1.73 ms TF32 and 0.64 ms FP16 in channels-last. The ``cudnn`` backend times what an NCHW model runs
+instead: ``F.conv2d`` with the layer's bias, which PyTorch adds in a separate kernel after cuDNN's. Its channels-last
+setting also does both layout conversions inside the call. On VGG16's layers that measured up to 2x slower than the
+convolution alone in its best layout (twelfth session, ``kernels/NOTES.md``), so speedups against it flattered the
+sparse kernels.
+
+The baseline here gives cuDNN its best case:
+- the input and the weight are converted to the layout before timing, and the output stays in it, as in a model
+  kept in that layout from end to end;
+- no bias: the direct kernels add theirs in the epilogue, so leaving cuDNN's out favours cuDNN;
+- the faster of NCHW and NHWC (``torch.channels_last``), each checked for correctness first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from unsparse.runtime.timing import MIN_RUNS, Timing, capture_graph, time_fn
+from unsparse.sparse.geometry import ConvGeometry
+
+LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
+"""Baseline layout name -> torch memory format of the input, weight and output."""
+
+
+@dataclass(frozen=True)
+class Baseline:
+    """The dense convolution alone, per layout.
+
+    Attributes:
+        timings: layout name -> :class:`~unsparse.runtime.timing.Timing` (ms) of each layout that computed
+            correctly.
+        rel_error: layout name -> relative error of its output (bias added outside the timing) against the
+            float64 reference.
+    """
+
+    timings: dict[str, Timing]
+    rel_error: dict[str, float]
+
+    @property
+    def layout(self) -> str | None:
+        """The fastest correct layout, None if none was correct."""
+        return min(self.timings, key=lambda name: self.timings[name].median_ms) if self.timings else None
+
+    @property
+    def median_ms(self) -> float | None:
+        """The fastest correct layout's median (ms), None if none was correct."""
+        return None if self.layout is None else self.timings[self.layout].median_ms
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready form: ``layout``, ``median_ms``, ``rel_error`` and ``timings`` per layout."""
+        return {"layout": self.layout, "median_ms": self.median_ms, "rel_error": self.rel_error,
+                "timings": {name: timing.to_dict() for name, timing in self.timings.items()}}
+
+
+def time_baseline(inputs: Sequence[torch.Tensor], weight: torch.Tensor, geometry: ConvGeometry,
+                  error: Callable[[torch.Tensor], float], bound: float, runs: int = MIN_RUNS,
+                  warmup: int = 3, graphs: bool = False) -> Baseline:
+    """Time ``F.conv2d`` without bias in every layout of :data:`LAYOUTS`, each input and weight converted before.
+
+    Args:
+        inputs: rotated ``(N, C, H, W)`` inputs (the comparator's set), any layout; each is converted once.
+        weight: dense ``(M, C / groups, R, S)`` weight of the inputs' dtype and device.
+        geometry: stride, padding, dilation, groups.
+        error: maps a layout's bias-free ``(N, M, E, F)`` output of ``inputs[0]`` to its relative error (the
+            caller adds the bias and compares with its reference).
+        bound: errors above it exclude the layout (recorded in ``rel_error``, not timed).
+        runs, warmup: as in :func:`~unsparse.runtime.timing.time_fn`.
+        graphs: time CUDA-graph replays (one graph per rotated input) instead of eager calls, as the comparator's
+            ``"graph"`` timing does for the backends.
+
+    Returns:
+        A :class:`Baseline`. On CUDA, ``torch.backends.cudnn.benchmark`` is turned on (as the ``cudnn`` backend
+        does), so cuDNN picks its algorithm per layout by timing them at the first call.
+    """
+    if inputs[0].device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    timings, errors = {}, {}
+    for name, memory_format in LAYOUTS.items():
+        converted = [x.contiguous(memory_format=memory_format) for x in inputs]
+        w = weight.contiguous(memory_format=memory_format)
+
+        def conv(i: int, converted: list[torch.Tensor] = converted, w: torch.Tensor = w) -> torch.Tensor:
+            return F.conv2d(converted[i % len(converted)], w, None, geometry.stride, geometry.padding,
+                            geometry.dilation, geometry.groups)
+
+        errors[name] = error(conv(0))
+        if errors[name] <= bound:
+            timings[name] = time_fn(_replayed(conv, len(converted)) if graphs else conv, inputs[0].device,
+                                    runs=runs, warmup=warmup, rotation=len(converted))
+    return Baseline(timings, errors)
+
+
+def _replayed(conv: Callable[[int], torch.Tensor], count: int) -> Callable[[int], None]:
+    """``conv(i)`` for ``i < count`` captured as one CUDA graph each; the result replays graph ``i % count``."""
+    replays = [capture_graph(lambda i=i: conv(i)) for i in range(count)]
+    return lambda i: replays[i % count].replay()
