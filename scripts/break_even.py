@@ -45,8 +45,11 @@ def report(results: list[dict[str, Any]], sources: list[Path], batch: int, png_n
                      f"CuPy {env.get('cupy')}, cuDNN {env.get('cudnn')}, commit {env.get('commit')}; "
                      f"{len(result['layers'])} records; not measured: {result.get('stopped_early') or 'none'}.")
     lines += ["", f"Weights: {results[0]['weights']}. Batch {batch}, {results[0]['runs']} timed runs per setting "
-              "after warm-up (CUDA events, median); each speedup is cuDNN ms / direct ms of the fastest setting of "
-              "each, measured in the same run. Direct computes in float32 against both cuDNN FP32 and TF32, and "
+              "after warm-up (CUDA events, median); each speedup is cuDNN ms / direct ms, measured in the same run: "
+              "cuDNN's convolution alone (no bias, input and weight already in the layout) in the faster of NCHW "
+              "and NHWC (`unsparse/runtime/baseline.py`), the fastest direct setting (bias added in its epilogue). "
+              "Records without that baseline (before the twelfth session) are left out. Direct computes in float32 "
+              "against both cuDNN FP32 and TF32, and "
               "in float16 storage with float32 products against cuDNN FP16; the fp16_half2 rows run the half2-product "
               "kernel (backend direct_half2: float16 products summed in runs of at most 16, then in float32) "
               "against the same cuDNN FP16.", "", "## Targets (issue 6)", ""]
