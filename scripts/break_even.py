@@ -15,7 +15,7 @@ from typing import Any
 
 from unsparse.atomic import atomic_write_text
 from unsparse.report.break_even import MODES, break_even, break_even_markdown, curves, meets, plot_break_even
-from unsparse.report.results import load_result
+from unsparse.report.results import beside, load_result
 
 FP32_GOAL, TF32_GOAL, FP16_GOAL = 0.70, 0.90, 0.95
 """Issue 6: break-even against cuDNN FP32 <= 70 %, TF32 <= 90 %, FP16 <= 95 % (56x56 and larger layers)."""
@@ -85,10 +85,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=128)
     args = parser.parse_args(argv)
     results = [load_result(path) for path in args.results]
-    png = plot_break_even([r for result in results for r in result["layers"]], args.batch,
-                          args.out.with_suffix(".png"))
-    atomic_write_text(args.out.with_suffix(".md"), report(results, args.results, args.batch, png.name))
-    print(f"wrote {args.out.with_suffix('.md')} and {png}")
+    png = plot_break_even([r for result in results for r in result["layers"]], args.batch, beside(args.out, ".png"))
+    page = atomic_write_text(beside(args.out, ".md"), report(results, args.results, args.batch, png.name))
+    print(f"wrote {page} and {png}")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import argparse
 from pathlib import Path
 
 from unsparse.atomic import atomic_write_text
-from unsparse.report.results import load_result, result_stem
+from unsparse.report.results import beside, load_result, result_stem
 from unsparse.runtime.bench import evaluate_targets, markdown_report, plot_results
 
 
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         result.setdefault("end_to_end", [])
         result["targets"] = evaluate_targets(result)
-        page = result_stem(path).with_suffix(".md")
+        page = beside(result_stem(path), ".md")
         atomic_write_text(page, markdown_report(result))
         if args.plots:
             plot_results(result, path.parent)

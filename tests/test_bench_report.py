@@ -72,6 +72,8 @@ def test_report_says_where_sparse_is_slower(result, tmp_path):
     assert "| 32 | `k1` | cudnn | 0.100 | 0.300 |" in text
     assert "| 10.000 | 10.500 | 10.200 | 0.98 | 0.98 | 9.000 | 8.000 | 1.12 |" in text  # eager, then graph replays
     assert "| 10.000 | 8.000 | 9.000 | 1.11 | 0.89 | - | - | - |" in text
+    assert ("end to end resnet50 fp16 b128: the planned model (9.000 ms) is SLOWER than the dense model in "
+            "channels-last (8.000 ms)") in text and text.count("run that one instead") == 1
     assert "| 1.000 | - | 2.000 | 0.50 | - | - | - | - |" in text  # no NHWC or graph timings for that one
     assert "{'cudnn': 2, 'direct': 1}; not on cuDNN: features.0 (direct) |" in text
     assert "**missed**" in text

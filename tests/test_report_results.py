@@ -8,7 +8,7 @@ import lzma
 
 import pytest
 
-from unsparse.report.results import load_result, result_stem
+from unsparse.report.results import beside, load_result, result_stem
 
 
 def test_plain_and_compressed_results_read_the_same(tmp_path) -> None:
@@ -59,3 +59,15 @@ def test_records_before_the_baseline_keep_their_speedup_as_the_call_figure(tmp_p
     first, second = load_result(path)["layers"]
     assert first == {"layer": "features.7", "speedup_vs_cudnn": None, "speedup_vs_cudnn_call": 0.98}
     assert second == new
+
+
+def test_pages_keep_a_dot_in_the_result_name(tmp_path, load_script) -> None:
+    """A result named after its sparsity (``..._s0.9.json``) is rendered beside itself as ``..._s0.9.md``, and a
+    break-even page with such a prefix keeps it."""
+    assert beside(tmp_path / "run_s0.9", ".md") == tmp_path / "run_s0.9.md"
+    result = {"environment": {"gpu": "g", "driver": "0", "torch": "x", "cuda": "x", "commit": "abc",
+                              "date_utc": "today"}, "weights": "synthetic", "runs": 20, "layers": [],
+              "end_to_end": []}
+    (tmp_path / "run_s0.9.json").write_text(json.dumps(result))
+    load_script("render_bench").main([str(tmp_path / "run_s0.9.json")])
+    assert (tmp_path / "run_s0.9.md").exists() and not (tmp_path / "run_s0.md").exists()

@@ -30,6 +30,13 @@ def result_stem(path: str | Path) -> Path:
     raise ValueError(f"result path: {path} ends in neither of {SUFFIXES}")
 
 
+def beside(stem: str | Path, suffix: str) -> Path:
+    """``stem`` with ``suffix`` appended (``a/run_s0.9`` + ``.md`` -> ``a/run_s0.9.md``): unlike
+    ``Path.with_suffix``, a dot inside the name (a sparsity) is kept."""
+    stem = Path(stem)
+    return stem.with_name(stem.name + suffix)
+
+
 def load_result(path: str | Path) -> dict[str, Any]:
     """The JSON object in a result file, plain or xz-compressed.
 

@@ -589,10 +589,14 @@ def markdown_report(result: dict[str, Any]) -> str:
         if speedups:
             slower = sum(value < 1 for value in speedups)
             lines.append(f"- {precision}: {PRECISIONS[precision].sparse} is SLOWER than cuDNN (alone, best layout) on "
-                         f"{slower} of "
-                         f"{len(speedups)} layer settings "
+                         f"{slower} of {len(speedups)} layer settings "
                          f"(geomean direct/cuDNN speedup {_fmt(geomean(speedups), 2)}x, best "
                          f"{_fmt(max(speedups), 2)}x, worst {_fmt(min(speedups), 2)}x).")
+    for r in result["end_to_end"]:
+        if (r.get("dense_nhwc_ms") or math.inf) < min(r["dense_ms"], r["planned_ms"]):
+            lines.append(f"- end to end {r['model']} {r['precision']} b{r['batch']}: the planned model "
+                         f"({_fmt(r['planned_ms'])} ms) is SLOWER than the dense model in channels-last "
+                         f"({_fmt(r['dense_nhwc_ms'])} ms); run that one instead.")
     lines += ["", "## Per layer", "", "cuDNN alone: the convolution without bias, input and weight already in the "
               "layout named and the output left in it (`unsparse.runtime.baseline`); direct/cuDNN is against it. "
               "cuDNN call: `F.conv2d` as an NCHW model calls it (bias added in a separate kernel; its channels-last "
