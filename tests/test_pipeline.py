@@ -72,9 +72,10 @@ def test_timing_settings_choose_the_compared_backends():
     model = sparsify(create_model("vgg_small", width=4).eval())
     example = torch.randn(2, 1, 28, 28)
     rows = compare_layers(model, example, TimingSettings(repeats=1, warmup=0, backends=["dense_cpu", "reference"]))
-    assert rows and {row["backend"] for row in rows} == {"dense_cpu", "reference"}
+    assert rows and {row["backend"] for row in rows} == {"dense_cpu", "reference", "dense_alone"}
+    assert {row["params"]["layout"] for row in rows if row["backend"] == "dense_alone"} == {"nchw", "nhwc"}
     assert {row["backend"] for row in compare_layers(model, example, TimingSettings(repeats=1, warmup=0))} == \
-        {"dense_cpu", "im2col_cublas", "im2col_cusparse"}  # the default leaves the reference out
+        {"dense_cpu", "im2col_cublas", "im2col_cusparse", "dense_alone"}  # the default leaves the reference out
     with pytest.raises(ValueError, match="backends: unknown \\['direct_half'\\]"):
         TimingSettings(backends=["direct_half"])
 

@@ -22,9 +22,9 @@ from unsparse.prune.base import Pruner
 from unsparse.report import layer_rows, timing_verdicts, write_report
 from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
+from unsparse.runtime.baseline import NAME as BASELINE
 from unsparse.runtime.comparator import plan_model
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
-from unsparse.sparse.functional import dense_fallback_backend
 from unsparse.sparse.io import load_sparse, save_sparse
 from unsparse.train import Trainer, deterministic_algorithms
 
@@ -104,7 +104,9 @@ def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettin
     Returns:
         Rows with ``layer``, ``backend``, ``sparse``, ``params``, ``status`` (``ok``/``wrong``/``unsupported``/
         ``error``), ``input_shape``, ``time_ms`` (median, ms; None if not timed), ``runs``, ``rel_error``
-        (vs the float64 reference) and ``reason``; layers sharing a plan key share their measurements.
+        (vs the float64 reference) and ``reason``; layers sharing a plan key share their measurements. Besides the
+        backends, each layer has one row per layout of the dense convolution alone (backend
+        :data:`unsparse.runtime.baseline.NAME`, params ``{"layout": ...}``), the baseline of the speedups.
     """
     from unsparse.runtime.backends import get_backend
 
@@ -117,7 +119,7 @@ def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettin
     hooks = [layer.register_forward_pre_hook(record_shape) for layer in names]
     try:
         _, comparisons = plan_model(model, example, backends=timing.backends, runs=timing.repeats,
-                                    warmup=timing.warmup)
+                                    warmup=timing.warmup, baseline=True)
     finally:
         for hook in hooks:
             hook.remove()
@@ -135,6 +137,13 @@ def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettin
                          "time_ms": None if timing is None else timing.median_ms,
                          "runs": None if timing is None else timing.runs, "rel_error": measurement.rel_error,
                          "reason": measurement.reason})
+        baseline = comparison.baseline
+        for layout, error in baseline.rel_error.items():
+            timed = baseline.timings.get(layout)
+            rows.append({"layer": name, "backend": BASELINE, "sparse": False, "params": {"layout": layout},
+                         "status": "ok" if timed else "wrong", "input_shape": shapes[name],
+                         "time_ms": timed.median_ms if timed else None, "runs": timed.runs if timed else None,
+                         "rel_error": error, "reason": None if timed else "relative error above the tolerance"})
     return rows
 
 
@@ -200,9 +209,8 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         "layers": rows,
         "timings": [entry for entry in timings if entry["time_ms"] is not None],
         "not_timed": [entry for entry in timings if entry["time_ms"] is None],
-        "timing_baseline": dense_fallback_backend(device),
-        "timing_verdicts": timing_verdicts([entry for entry in timings if entry["time_ms"] is not None],
-                                           dense_fallback_backend(device)),
+        "timing_baseline": BASELINE,
+        "timing_verdicts": timing_verdicts([entry for entry in timings if entry["time_ms"] is not None], BASELINE),
         "file": {"path": path.name, "bytes": path.stat().st_size,
                  "sparse_conv_bytes": sum(row["file_bytes"] for row in rows),
                  "dense_conv_fp32_bytes": sum(row["dense_fp32_bytes"] for row in rows)},

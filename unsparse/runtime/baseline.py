@@ -28,6 +28,9 @@ from unsparse.sparse.geometry import ConvGeometry
 
 LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
 """Baseline layout name -> torch memory format of the input, weight and output."""
+NAME = "dense_alone"
+"""The baseline's name where it is listed beside the backends (per-layer report rows): cuDNN on CUDA, torch's
+CPU convolution on the CPU."""
 
 
 @dataclass(frozen=True)
