@@ -3,8 +3,8 @@
 Reads benchmark JSON files written by ``scripts/gpu_check.py`` (one sweep may span several device calls; every
 ratio comes from the run that measured it) and writes a Markdown report and a PNG with one panel per layer.
 
-    PYTHONPATH=. python scripts/break_even.py benchmarks/results/h100_2026-11-23_v18_sweep_*.json.xz \
-        --out benchmarks/results/h100_2026-11-23_break_even_v18_vgg16
+    PYTHONPATH=. python scripts/break_even.py benchmarks/results/h100_2026-11-24_baseline_sweep_*.json.xz \
+        --out benchmarks/results/h100_2026-11-24_break_even_baseline_vgg16
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ def result():
                             "dense_nhwc_ms": 8.0, "speedup_vs_best_dense": 8 / 9},
                            {"model": "model.safetensors", "weights": "trained", "batch": 32, "precision": "fp32",
                             "dense_ms": 1.0, "planned_ms": 2.0, "speedup": 0.5, "rel_error": 1e-7,
-                            "layers": [{"key": "k1", "best": "cudnn",
+                            "layers": [{"key": "k1", "best": "cudnn", "baseline": {"median_ms": 0.08},
                                         "best_ms": {"cudnn": 0.1, "direct": 0.3}}]}]}
 
 
@@ -69,7 +69,8 @@ def test_report_says_where_sparse_is_slower(result, tmp_path):
     assert "direct is SLOWER than cuDNN (alone, best layout) on 1 of 6 layer settings" in text
     # cuDNN alone, its layout, cuDNN as called, direct; speedups against the first and the third
     assert "| 10.000 | nhwc | 15.000 | 4.000 | - | - | 2.50 | 3.75 |" in text
-    assert "| 32 | `k1` | cudnn | 0.100 | 0.300 |" in text
+    assert "| 32 | `k1` | cudnn | 0.080 | 0.100 | 0.300 |" in text  # cuDNN alone, then as called
+    assert "predate" not in text
     assert "| 10.000 | 10.500 | 10.200 | 0.98 | 0.98 | 9.000 | 8.000 | 1.12 |" in text  # eager, then graph replays
     assert "| 10.000 | 8.000 | 9.000 | 1.11 | 0.89 | - | - | - |" in text
     assert ("end to end resnet50 fp16 b128: the planned model (9.000 ms) is SLOWER than the dense model in "
@@ -128,3 +129,16 @@ def test_bench_json_keeps_six_significant_digits_and_only_plain_json():
               "nested": [{"nan": float("nan"), "inf": float("-inf")}, (0.1 + 0.2, "x")], "flag": True}
     assert for_json(record) == {"ms": 1.85562, "big": 13.261, "tiny": 9.84797e-08, "count": 52,
                                 "nested": [{"nan": None, "inf": None}, [0.3, "x"]], "flag": True}
+
+
+def test_records_before_the_baseline_render_as_call_figures(result) -> None:
+    """Records read from a file written before the baseline existed (``load_result`` moved their speedup to
+    ``speedup_vs_cudnn_call``): the page says so, counts slower layers against the call, and reads the VGG16
+    target as not measured instead of missed."""
+    for record in result["layers"]:
+        del record["baseline"]
+        record["speedup_vs_cudnn"] = None
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "Some records predate the cuDNN-alone baseline" in text
+    assert "direct is SLOWER than the cuDNN call (records before the baseline) on 1 of 6 layer settings" in text
+    assert "direct >= 2x cuDNN: **not measured in this run**" in text

@@ -44,8 +44,24 @@ def test_break_even_script_reads_a_compressed_sweep(tmp_path, load_script) -> No
     packed = tmp_path / "sweep.json.xz"
     with lzma.open(packed, "wt") as handle:
         json.dump(result, handle)
-    load_script("break_even").main([str(packed), "--out", str(tmp_path / "page")])
-    assert "| cuDNN FP32 (TF32 off) | 0.80 | 1.20 | 0.700 | <= 0.7: met |" in (tmp_path / "page.md").read_text()
+    load_script("break_even").main([str(packed), "--out", str(tmp_path / "page_s0.9")])
+    assert "| cuDNN FP32 (TF32 off) | 0.80 | 1.20 | 0.700 | <= 0.7: met |" in (tmp_path / "page_s0.9.md").read_text()
+    assert (tmp_path / "page_s0.9.png").exists()  # the prefix keeps its dot
+
+
+def test_break_even_pages_leave_out_records_before_the_baseline(tmp_path, load_script) -> None:
+    """A sweep written before the cuDNN-alone baseline (no ``baseline`` in its records) yields no break-even:
+    its speedups were against the cuDNN call."""
+    records = [{"model": "vgg16", "layer": "a", "in_chw": [64, 56, 56], "weight_shape": [64, 64, 3, 3],
+                "batch": 128, "precision": "fp32", "target_sparsity": s, "speedup_vs_cudnn": v,
+                "direct_useful_tflops": 9.0} for s, v in ((0.6, 0.8), (0.8, 1.2))]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"environment": {"commit": "abc"}, "device": "GPU", "layers": records,
+                                "weights": "synthetic", "runs": 20}))
+    load_script("break_even").main([str(path), "--out", str(tmp_path / "page")])
+    text = (tmp_path / "page.md").read_text()
+    assert "- Break-even against cuDNN FP32 (TF32 off) <= 0.7: not measured in these runs." in text
+    assert "| cuDNN FP32 (TF32 off) |" not in text
 
 
 def test_records_before_the_baseline_keep_their_speedup_as_the_call_figure(tmp_path) -> None:
@@ -62,8 +78,7 @@ def test_records_before_the_baseline_keep_their_speedup_as_the_call_figure(tmp_p
 
 
 def test_pages_keep_a_dot_in_the_result_name(tmp_path, load_script) -> None:
-    """A result named after its sparsity (``..._s0.9.json``) is rendered beside itself as ``..._s0.9.md``, and a
-    break-even page with such a prefix keeps it."""
+    """A result named after its sparsity (``..._s0.9.json``) is rendered beside itself as ``..._s0.9.md``."""
     assert beside(tmp_path / "run_s0.9", ".md") == tmp_path / "run_s0.9.md"
     result = {"environment": {"gpu": "g", "driver": "0", "torch": "x", "cuda": "x", "commit": "abc",
                               "date_utc": "today"}, "weights": "synthetic", "runs": 20, "layers": [],

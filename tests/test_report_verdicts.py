@@ -22,4 +22,5 @@ def test_verdicts_use_the_fastest_baseline_entry_and_say_slower() -> None:
     assert a["baseline_ms"] == 1.0 and a["sparse_speedup"] == pytest.approx(2.0) and a["fastest"] == "direct"
     assert a["verdict"] == "sparse faster (2.00x)"
     assert b["sparse_speedup"] == pytest.approx(0.5) and b["verdict"] == "sparse SLOWER (2.00x the baseline time)"
+    assert b["fastest"] == "direct"  # the baseline is not a backend a plan can choose
     assert c["baseline_ms"] is None and c["verdict"] == "no sparse/baseline pair measured"

@@ -31,14 +31,16 @@ def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[di
             passes :data:`unsparse.runtime.baseline.NAME`, the dense convolution alone in its faster layout).
 
     Returns:
-        One dict per layer: ``layer``, ``baseline_ms``, ``fastest``, ``fastest_ms``, ``best_sparse``,
+        One dict per layer: ``layer``, ``baseline_ms``, ``fastest`` (among the other backends: what a plan can
+        run), ``fastest_ms``, ``best_sparse``,
         ``best_sparse_ms``, ``sparse_speedup`` (baseline time / best sparse time; < 1 means slower) and
         ``verdict``.
     """
     verdicts = []
     for layer in dict.fromkeys(entry["layer"] for entry in timings):
         entries = [entry for entry in timings if entry["layer"] == layer]
-        fastest = min(entries, key=lambda entry: entry["time_ms"])
+        fastest = min((entry for entry in entries if entry["backend"] != baseline), key=lambda entry: entry["time_ms"],
+                      default=None)
         bases = [entry for entry in entries if entry["backend"] == baseline]
         base = min(bases, key=lambda entry: entry["time_ms"]) if bases else None
         sparse = [entry for entry in entries if entry.get("sparse")]
@@ -51,7 +53,8 @@ def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[di
         else:
             verdict = f"sparse SLOWER ({1 / speedup:.2f}x the baseline time)"
         verdicts.append({"layer": layer, "baseline_ms": base["time_ms"] if base else None,
-                         "fastest": fastest["backend"], "fastest_ms": fastest["time_ms"],
+                         "fastest": fastest["backend"] if fastest else None,
+                         "fastest_ms": fastest["time_ms"] if fastest else None,
                          "best_sparse": best_sparse["backend"] if best_sparse else None,
                          "best_sparse_ms": best_sparse["time_ms"] if best_sparse else None,
                          "sparse_speedup": speedup, "verdict": verdict})

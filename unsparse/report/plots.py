@@ -40,13 +40,16 @@ def plot_layers(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 
 
 def plot_backend_times(timings: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Median time (ms, log scale) of every backend on every layer, grouped by layer."""
+    """Median time (ms, log scale) of every backend on every layer (its fastest setting), grouped by layer."""
     layers = list(dict.fromkeys(entry["layer"] for entry in timings))
     backends = list(dict.fromkeys(entry["backend"] for entry in timings))
     width = 0.8 / max(len(backends), 1)
     figure, axis = plt.subplots(figsize=(max(8, 0.9 * len(layers) * max(len(backends), 1) / 2), 4))
     for index, backend in enumerate(backends):
-        times = {entry["layer"]: entry["time_ms"] for entry in timings if entry["backend"] == backend}
+        times: dict[str, float] = {}
+        for entry in timings:
+            if entry["backend"] == backend:
+                times[entry["layer"]] = min(entry["time_ms"], times.get(entry["layer"], entry["time_ms"]))
         axis.bar([p + index * width for p in range(len(layers))], [times.get(layer, 0.0) for layer in layers],
                  width, label=backend)
     axis.set_yscale("log")

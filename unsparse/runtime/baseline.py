@@ -40,12 +40,14 @@ class Baseline:
     Attributes:
         timings: layout name -> :class:`~unsparse.runtime.timing.Timing` (ms) of each layout that computed
             correctly.
-        rel_error: layout name -> relative error of its output (bias added outside the timing) against the
-            float64 reference.
+        rel_error: layout name -> relative error of its bias-free output against the float64 reference without
+            bias (inf where it raised).
+        failures: layout name -> why it was not timed (raised, or an error above the bound).
     """
 
     timings: dict[str, Timing]
     rel_error: dict[str, float]
+    failures: dict[str, str]
 
     @property
     def layout(self) -> str | None:
@@ -58,9 +60,9 @@ class Baseline:
         return None if self.layout is None else self.timings[self.layout].median_ms
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form: ``layout``, ``median_ms``, ``rel_error`` and ``timings`` per layout."""
+        """JSON-ready form: ``layout``, ``median_ms``, ``rel_error``, ``failures`` and ``timings`` per layout."""
         return {"layout": self.layout, "median_ms": self.median_ms, "rel_error": self.rel_error,
-                "timings": {name: timing.to_dict() for name, timing in self.timings.items()}}
+                "failures": self.failures, "timings": {name: timing.to_dict() for name, timing in self.timings.items()}}
 
 
 def time_baseline(inputs: Sequence[torch.Tensor], weight: torch.Tensor, geometry: ConvGeometry,
@@ -73,32 +75,45 @@ def time_baseline(inputs: Sequence[torch.Tensor], weight: torch.Tensor, geometry
         weight: dense ``(M, C / groups, R, S)`` weight of the inputs' dtype and device.
         geometry: stride, padding, dilation, groups.
         error: maps a layout's bias-free ``(N, M, E, F)`` output of ``inputs[0]`` to its relative error (the
-            caller adds the bias and compares with its reference).
-        bound: errors above it exclude the layout (recorded in ``rel_error``, not timed).
+            caller compares it with its reference less the bias).
+        bound: errors above it exclude the layout (recorded in ``rel_error`` and ``failures``, not timed).
         runs, warmup: as in :func:`~unsparse.runtime.timing.time_fn`.
         graphs: time CUDA-graph replays (one graph per rotated input) instead of eager calls, as the comparator's
             ``"graph"`` timing does for the backends.
 
     Returns:
-        A :class:`Baseline`. On CUDA, ``torch.backends.cudnn.benchmark`` is turned on (as the ``cudnn`` backend
-        does), so cuDNN picks its algorithm per layout by timing them at the first call.
+        A :class:`Baseline`; a layout whose call or graph capture raises a ``RuntimeError`` or ``ValueError`` is
+        recorded in ``failures`` and the others are still timed. On CUDA, ``torch.backends.cudnn.benchmark`` is on
+        during the calls (as the ``cudnn`` backend sets it), so cuDNN picks its algorithm per layout by timing
+        them at the first call; the flag is restored afterwards.
     """
-    if inputs[0].device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
-    timings, errors = {}, {}
-    for name, memory_format in LAYOUTS.items():
-        converted = [x.contiguous(memory_format=memory_format) for x in inputs]
-        w = weight.contiguous(memory_format=memory_format)
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = saved or inputs[0].device.type == "cuda"
+    timings: dict[str, Timing] = {}
+    errors: dict[str, float] = {}
+    failures: dict[str, str] = {}
+    try:
+        for name, memory_format in LAYOUTS.items():
+            converted = [x.contiguous(memory_format=memory_format) for x in inputs]
+            w = weight.contiguous(memory_format=memory_format)
 
-        def conv(i: int, converted: list[torch.Tensor] = converted, w: torch.Tensor = w) -> torch.Tensor:
-            return F.conv2d(converted[i % len(converted)], w, None, geometry.stride, geometry.padding,
-                            geometry.dilation, geometry.groups)
+            def conv(i: int, converted: list[torch.Tensor] = converted, w: torch.Tensor = w) -> torch.Tensor:
+                return F.conv2d(converted[i % len(converted)], w, None, geometry.stride, geometry.padding,
+                                geometry.dilation, geometry.groups)
 
-        errors[name] = error(conv(0))
-        if errors[name] <= bound:
-            timings[name] = time_fn(_replayed(conv, len(converted)) if graphs else conv, inputs[0].device,
-                                    runs=runs, warmup=warmup, rotation=len(converted))
-    return Baseline(timings, errors)
+            try:
+                errors[name] = error(conv(0))
+                if errors[name] > bound:
+                    failures[name] = f"relative error {errors[name]:.3g} > {bound:.3g}"
+                    continue
+                timings[name] = time_fn(_replayed(conv, len(converted)) if graphs else conv, inputs[0].device,
+                                        runs=runs, warmup=warmup, rotation=len(converted))
+            except (RuntimeError, ValueError) as exc:
+                errors.setdefault(name, float("inf"))
+                failures[name] = f"{type(exc).__name__}: {exc}"
+    finally:
+        torch.backends.cudnn.benchmark = saved
+    return Baseline(timings, errors, failures)
 
 
 def _replayed(conv: Callable[[int], torch.Tensor], count: int) -> Callable[[int], None]:

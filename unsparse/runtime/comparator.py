@@ -71,8 +71,7 @@ def reference_output(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None
     Returns:
         ``(len(images), M, E, F)`` float64.
     """
-    R, S = csr.kernel_size
-    weight = csr.to_dense().double().reshape(csr.out_channels, csr.in_channels_per_group, R, S)
+    weight = csr.to_conv2d_weight().double()
     return F.conv2d(x[images].double(), weight, None if bias is None else bias.double(), geometry.stride,
                     geometry.padding, geometry.dilation, geometry.groups)
 
@@ -240,13 +239,10 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
             result.measurements += _measure_backend(name, inputs, csr, bias, geometry, ref, images, bound,
                                                     runs, warmup, screen_runs, keep, timing == "graph")
         if baseline:
-            R, S = csr.kernel_size
-            weight = csr.to_dense().reshape(csr.out_channels, csr.in_channels_per_group, R, S).to(x.dtype)
-            shift = 0 if bias is None else bias.to(x.dtype).reshape(1, -1, 1, 1)
-
-            def error(out: torch.Tensor) -> float:
-                return check_error((out + shift)[images], ref, bound)
-            result.baseline = time_baseline(inputs, weight, geometry, error, bound, runs, warmup, timing == "graph")
+            conv_ref = ref if bias is None else ref - bias.double().reshape(1, -1, 1, 1)
+            result.baseline = time_baseline(inputs, csr.to_conv2d_weight().to(x.dtype), geometry,
+                                            lambda out: check_error(out[images], conv_ref, bound), bound, runs,
+                                            warmup, timing == "graph")
     return result
 
 

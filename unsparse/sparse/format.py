@@ -96,6 +96,12 @@ class UniformCSR:
         dense.scatter_add_(1, self.col_idx.long(), self.values)
         return dense.reshape(self.weight_shape)
 
+    def to_conv2d_weight(self) -> torch.Tensor:
+        """:meth:`to_dense` shaped as ``F.conv2d`` takes it: ``(M, C / groups, R, S)`` (a Conv1d weight gets
+        ``R = 1``), dtype and device of :attr:`values`."""
+        R, S = self.kernel_size
+        return self.to_dense().reshape(self.out_channels, self.in_channels_per_group, R, S)
+
     def validate(self) -> None:
         """Check every field before anything reads through ``col_idx``.
 

@@ -29,8 +29,7 @@ class DenseBackend(ConvBackend):
         """``(M, C/groups, R, S)`` dense weight of ``dtype`` on ``csr``'s device (Conv1d weights get R = 1)."""
         weight = self._dense.get(csr)
         if weight is None or weight.dtype != dtype:
-            R, S = csr.kernel_size
-            weight = csr.to_dense().reshape(csr.out_channels, csr.in_channels_per_group, R, S).to(dtype)
+            weight = csr.to_conv2d_weight().to(dtype)
             self._dense[csr] = weight
         return weight
 

@@ -1,0 +1,35 @@
+"""``bench_end_to_end`` on the CPU: the planned model against the dense one in NCHW and in channels-last."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from unsparse.runtime import bench
+from unsparse.runtime.plan import Plan
+from unsparse.runtime.timing import Timing
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return bench.magnitude_prune_(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                                                nn.Conv2d(8, 4, 3, stride=2)).eval(), 0.7)
+
+
+def test_end_to_end_compares_with_both_dense_layouts() -> None:
+    record = bench.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
+    assert record["dense_nhwc_ms"] > 0 and record["dense_nhwc_rel_error"] < 1e-5
+    best = min(record["dense_ms"], record["dense_nhwc_ms"])
+    assert record["speedup_vs_best_dense"] == pytest.approx(best / record["planned_ms"])
+    assert record["best_dense_layout"] == ("nchw" if best == record["dense_ms"] else "nhwc")
+    assert record["rel_error"] < 1e-5 and record["graph_error"] == "no CUDA graphs on cpu"
+
+
+def test_a_channels_last_model_that_disagrees_is_not_a_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the channels-last run's output is off, its (here very short) time is not used."""
+    monkeypatch.setattr(bench, "dense_channels_last", lambda *args: (Timing(1e-6, 1e-6, 1e-6, 3, 1), 0.5))
+    record = bench.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
+    assert record["dense_nhwc_ms"] is None and record["dense_nhwc_rel_error"] == 0.5
+    assert record["best_dense_layout"] == "nchw"
+    assert record["speedup_vs_best_dense"] == pytest.approx(record["speedup"])
