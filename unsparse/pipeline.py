@@ -7,6 +7,7 @@ pipeline runs (and is tested) without Hydra.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 from collections.abc import Callable
@@ -141,9 +142,10 @@ def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettin
         for layout, error in baseline.rel_error.items():
             timed = baseline.timings.get(layout)
             rows.append({"layer": name, "backend": BASELINE, "sparse": False, "params": {"layout": layout},
-                         "status": "ok" if timed else "wrong", "input_shape": shapes[name],
+                         "status": "ok" if timed else "wrong" if error < math.inf else "error",
+                         "input_shape": shapes[name],
                          "time_ms": timed.median_ms if timed else None, "runs": timed.runs if timed else None,
-                         "rel_error": error, "reason": None if timed else "relative error above the tolerance"})
+                         "rel_error": error, "reason": baseline.failures.get(layout)})
     return rows
 
 

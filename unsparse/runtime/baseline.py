@@ -3,9 +3,9 @@
 Issue 6 and DESIGN.md quote cuDNN as the convolution alone. For VGG16's 256x56x56 layer at batch 128 that is
 9.84 ms FP32, 1.73 ms TF32 and 0.64 ms FP16 in channels-last. The ``cudnn`` backend times what an NCHW model runs
 instead: ``F.conv2d`` with the layer's bias, which PyTorch adds in a separate kernel after cuDNN's. Its channels-last
-setting also does both layout conversions inside the call. On VGG16's layers that measured up to 2x slower than the
-convolution alone in its best layout (twelfth session, ``kernels/NOTES.md``), so speedups against it flattered the
-sparse kernels.
+setting also does both layout conversions inside the call. On VGG16's layers that measured 1.03-2.0x slower than the
+convolution alone in FP32, and up to 3.4x in TF32 and 4.4x in FP16 (twelfth session, ``kernels/NOTES.md``), so
+speedups against it flattered the sparse kernels.
 
 The baseline here gives cuDNN its best case:
 - the input and the weight are converted to the layout before timing, and the output stays in it, as in a model
