@@ -620,11 +620,11 @@ __global__ void __launch_bounds__(WARPS * 32)
 
 // pair_images: the image-paired input of direct_tile's float16 and paired float32 settings, out[i][p][q] =
 //   x[2i + q][p] for the P = C * H * W elements p of each image (a zero image past an odd N): (N, P) to
-//   (ceil(N/2), P, 2). torch's permuted copy ran at about 2.4 TB/s on float32 and 1.5 TB/s on float16 on the H100
-//   against 3.0 TB/s for a plain copy (kernels/NOTES.md, eleventh session); here each thread reads one 16-byte
-//   vector of both images and writes their interleaved 32 bytes. Grid (ceil(P / (UNIT * blockDim.x)), ceil(N/2)),
-//   UNIT = 16 / sizeof(T) elements per thread. VEC = 1 needs P % UNIT == 0 and a 16-byte aligned x (checked on the
-//   Python side); VEC = 0 copies element by element.
+//   (ceil(N/2), P, 2). torch's permuted copy ran at 2.33-2.38 TB/s on float32 and 1.46-1.50 TB/s on float16 on the
+//   H100 against 2.5-3.0 TB/s for a plain copy (kernels/NOTES.md, eleventh session); here each thread reads one
+//   16-byte vector of both images and writes their interleaved 32 bytes. Grid
+//   (ceil(P / (UNIT * blockDim.x)), ceil(N/2)), UNIT = 16 / sizeof(T) elements per thread. VEC = 1 needs
+//   P % UNIT == 0 and a 16-byte aligned x (checked on the Python side); VEC = 0 copies element by element.
 template <typename T, int VEC>
 __global__ void pair_images(const T* __restrict__ x, T* __restrict__ out, int N, int P) {
   constexpr int UNIT = 16 / sizeof(T);
