@@ -17,12 +17,20 @@ def model() -> nn.Module:
                                                 nn.Conv2d(8, 4, 3, stride=2)).eval(), 0.7)
 
 
-def test_end_to_end_compares_with_both_dense_layouts() -> None:
-    record = bench.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
+def test_end_to_end_compares_both_planned_layouts_with_both_dense_layouts() -> None:
+    plan = Plan()
+    record = bench.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, plan,
+                                    ["dense_cpu", "im2col_cublas"])
     assert record["dense_nhwc_ms"] > 0 and record["dense_nhwc_rel_error"] < 1e-5
+    assert record["planned_nhwc_ms"] > 0 and record["planned_nhwc_rel_error"] < 1e-5
     best = min(record["dense_ms"], record["dense_nhwc_ms"])
     assert record["speedup_vs_best_dense"] == pytest.approx(best / record["planned_ms"])
     assert record["best_dense_layout"] == ("nchw" if best == record["dense_ms"] else "nhwc")
+    best_planned = min(record["planned_ms"], record["planned_nhwc_ms"])
+    assert record["best_planned_layout"] == ("nchw" if best_planned == record["planned_ms"] else "nhwc")
+    assert record["best_speedup"] == pytest.approx(best / best_planned)
+    assert record["layers_planned_now"] == 4 and len(plan.entries) == 4  # two layers, each in both layouts
+    assert sum(record["backend_counts_nhwc"].values()) == 2
     assert record["rel_error"] < 1e-5 and record["graph_error"] == "no CUDA graphs on cpu"
 
 

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from unsparse.runtime.baseline import LAYOUTS, time_baseline
+from unsparse.runtime.baseline import time_baseline
 from unsparse.runtime.comparator import compare_layer, tolerance
+from unsparse.runtime.layout import LAYOUTS
 from unsparse.sparse import ConvGeometry, UniformCSR
 
 

@@ -190,17 +190,6 @@ def test_plan_model_on_cpu_matches_dense_and_reuses_plan() -> None:
     assert comparisons == []
 
 
-def test_dense_backend_channels_last_returns_nchw() -> None:
-    from unsparse.runtime.backends.dense import DenseCpuBackend
-
-    x, csr, bias = small_layer()
-    geometry = ConvGeometry.of(1, 1)
-    out = DenseCpuBackend().conv(x, csr, bias, geometry, memory_format="channels_last")
-    assert out.is_contiguous()
-    ref = DenseCpuBackend().conv(x, csr, bias, geometry)
-    assert torch.allclose(out, ref, atol=1e-5)
-
-
 def test_auto_backend_follows_a_changed_plan() -> None:
     from unsparse.runtime.backends import get_backend
     from unsparse.runtime.plan import layer_key, use_plan

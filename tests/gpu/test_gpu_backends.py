@@ -303,6 +303,55 @@ def test_whole_model_auto_matches_dense_and_plan_is_reused(tmp_path) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", ["odd_3x3", "stride2_vector", "pointwise_vector", "alexnet_11x11_s4",
+                                  "empty_and_dense_rows"])
+def test_every_backend_returns_a_channels_last_input_in_channels_last(case: str, dtype: torch.dtype) -> None:
+    """``run`` on an NHWC input: every setting of every CUDA backend returns NHWC and the reference values (the
+    direct kernels compute in NCHW and convert on both sides)."""
+    from unsparse.runtime.backends import available_backends
+    from unsparse.runtime.layout import in_layout, layout_of
+
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    x, csr, bias, geometry, ref = make_case(case, dtype, seed=5)
+    x = in_layout(x, "nhwc")
+    for name in available_backends(CUDA):
+        backend = get_backend(name)
+        if name == "auto" or backend.unsupported_reason(x, csr, geometry) is not None:
+            continue
+        for params in backend.tuning_space(x, csr, geometry):
+            out = backend.run(x, csr, bias, geometry, **params)
+            assert layout_of(out) == "nhwc", (name, params)
+            assert relative_error(out.cpu(), ref) <= tolerance(dtype), (name, params)
+
+
+def test_whole_model_planned_in_channels_last_stays_in_it_and_matches_dense() -> None:
+    from unsparse.runtime.layout import in_layout, layout_of
+    from unsparse.runtime.modules import sparse_layers
+
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(12)
+    model = SmallNet().eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d):
+                module.weight[torch.rand_like(module.weight) < 0.9] = 0
+    model = model.to(CUDA, torch.float16)
+    x = in_layout(torch.randn(6, 3, 20, 20, device=CUDA, dtype=torch.float16), "nhwc")
+    sparse = sparsify(model)
+    _, comparisons = plan_model(sparse, x, runs=3)
+    assert len(comparisons) == 4 and all(c.layout == "nhwc" and c.key.endswith("|fmt=nhwc") for c in comparisons)
+    layouts: list[str] = []
+    hooks = [layer.register_forward_hook(lambda m, args, out: layouts.append(layout_of(out)))
+             for layer in sparse_layers(sparse).values()]
+    with torch.no_grad():
+        error = relative_error(sparse(x).double(), model(x.contiguous()).double())
+    for hook in hooks:
+        hook.remove()
+    assert layouts == ["nhwc"] * 4
+    assert error <= 10 * tolerance(torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("case", "variant"), [("odd_3x3", "rows"), ("vector_edges", "tile"),
                                                ("pointwise_vector", "pointwise"), ("stride2_vector", "tile")])
 def test_direct_kernels_replay_in_a_cuda_graph(case: str, variant: str, dtype: torch.dtype) -> None:
@@ -339,9 +388,9 @@ def test_compare_layer_times_cuda_graph_replays() -> None:
 def test_compare_layer_times_the_cudnn_baseline_in_both_layouts(dtype: torch.dtype, timing: str) -> None:
     """cuDNN's convolution alone (no bias, NCHW and NHWC) is checked against the float64 reference with the bias
     added and timed in both layouts, eagerly and as graph replays; its fastest layout is named."""
-    from unsparse.runtime.baseline import LAYOUTS
     from unsparse.runtime.bench import precision_mode
     from unsparse.runtime.comparator import compare_layer
+    from unsparse.runtime.layout import LAYOUTS
 
     x, csr, bias, geometry, _ = make_case("empty_and_dense_rows", dtype, seed=11)
     with precision_mode(False):  # TF32 off: the float32 bound is FP32's (cuDNN allows TF32 by default)

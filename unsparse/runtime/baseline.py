@@ -23,11 +23,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from unsparse.runtime.layout import LAYOUTS
 from unsparse.runtime.timing import MIN_RUNS, Timing, capture_graph, time_fn
 from unsparse.sparse.geometry import ConvGeometry
 
-LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
-"""Baseline layout name -> torch memory format of the input, weight and output."""
 NAME = "dense_alone"
 """The baseline's name where it is listed beside the backends (per-layer report rows): cuDNN on CUDA, torch's
 CPU convolution on the CPU."""

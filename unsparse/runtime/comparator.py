@@ -20,6 +20,7 @@ from torch import nn
 
 from unsparse.runtime.backends import available_backends, get_backend
 from unsparse.runtime.baseline import Baseline, time_baseline
+from unsparse.runtime.layout import layout_of
 from unsparse.runtime.modules import SparseConv, sparse_layers
 from unsparse.runtime.plan import Plan, PlanEntry, layer_key, use_plan
 from unsparse.runtime.timing import (
@@ -39,8 +40,10 @@ log = logging.getLogger(__name__)
 COMPARED_BY_DEFAULT_EXCLUDES = frozenset({"reference", "auto", "direct_half2"})
 """Backends not timed unless asked for: the reference is the check, ``auto`` is the plan itself, and
 ``direct_half2`` rounds every product to float16 (an opt-in change of numerics)."""
-DENSE_DEFAULTS = {"cudnn": {"memory_format": "contiguous"}, "dense_cpu": {}}
-"""Per backend name, the parameters of the dense default a plan falls back to (cuDNN in NCHW)."""
+DENSE_DEFAULTS = {"cudnn": {"nchw": {"memory_format": "contiguous"}, "nhwc": {"memory_format": "channels_last"}},
+                  "dense_cpu": {"nchw": {}, "nhwc": {}}}
+"""Per backend name and input layout, the parameters of the dense default a plan falls back to: cuDNN in the input's
+layout, which converts nothing."""
 TIMINGS = ("eager", "graph")
 """How :func:`compare_layer` times a setting: ``eager`` calls (CUDA events around each call, host work included,
 the default) or ``graph`` replays (each setting captured as a CUDA graph per rotated input: the GPU time alone,
@@ -145,12 +148,14 @@ class LayerComparison:
     """All measurements of one layer on one input, and the fastest correct one (``best``).
 
     ``baseline``: cuDNN's convolution alone in its fastest layout (:mod:`unsparse.runtime.baseline`), when asked
-    for; speedups are reported against it, while plans choose among the measurements.
+    for; speedups are reported against it, while plans choose among the measurements. ``layout``: the input's
+    (:func:`~unsparse.runtime.layout.layout_of`); every measured output was returned in it.
     """
 
     key: str
     measurements: list[Measurement] = field(default_factory=list)
     baseline: Baseline | None = None
+    layout: str = "nchw"
 
     @property
     def best(self) -> Measurement | None:
@@ -164,8 +169,8 @@ class LayerComparison:
         return min(timed, key=lambda m: m.timing.median_ms) if timed else None
 
     def chosen(self, margin: float = PLAN_MARGIN) -> Measurement | None:
-        """The setting a plan should run: :attr:`best`, unless the dense default (the dense backend in its
-        default layout, :data:`DENSE_DEFAULTS`) is within ``margin`` of it, then the default.
+        """The setting a plan should run: :attr:`best`, unless the dense default (the dense backend in the input's
+        layout, :data:`DENSE_DEFAULTS`) is within ``margin`` of it, then the default.
 
         A layer-by-layer win smaller than run-to-run noise buys nothing and can cost a whole model time
         (a layout switch, a kernel that behaves differently between neighbours), so a plan only leaves the
@@ -173,7 +178,7 @@ class LayerComparison:
         """
         best = self.best
         default = next((m for m in self.measurements if m.status == "ok" and m.timing is not None
-                        and DENSE_DEFAULTS.get(m.backend) == m.params), None)
+                        and DENSE_DEFAULTS.get(m.backend, {}).get(self.layout) == m.params), None)
         if best is None or default is None:
             return best
         return default if best.timing.median_ms > (1 - margin) * default.timing.median_ms else best
@@ -194,7 +199,7 @@ class LayerComparison:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form with every measurement and the winner."""
         best = self.best
-        return {"key": self.key, "best": None if best is None else best.to_dict(),
+        return {"key": self.key, "layout": self.layout, "best": None if best is None else best.to_dict(),
                 "measurements": [m.to_dict() for m in self.measurements],
                 "baseline": None if self.baseline is None else self.baseline.to_dict()}
 
@@ -206,7 +211,9 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
     """Compare backends on one layer (DESIGN.md, Runtime and comparator).
 
     Args:
-        x: ``(N, C, H, W)`` input on the device to compare on. csr, bias, geometry: the layer.
+        x: ``(N, C, H, W)`` input on the device to compare on, NCHW or channels-last: every setting returns its
+            output in ``x``'s layout (conversions timed with it), and the plan key and the dense default follow
+            it. csr, bias, geometry: the layer.
         backends: names to try; default every backend available on ``x``'s device except those in
             :data:`COMPARED_BY_DEFAULT_EXCLUDES`.
         runs, warmup: full timing of each backend's ``keep`` best settings (runs >= 1; the protocol wants
@@ -234,7 +241,7 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
     with torch.no_grad():
         ref = reference_output(x, csr, bias, geometry, images)
         inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(x.device)))
-        result = LayerComparison(layer_key(x, csr, geometry))
+        result = LayerComparison(layer_key(x, csr, geometry), layout=layout_of(x))
         for name in names:
             result.measurements += _measure_backend(name, inputs, csr, bias, geometry, ref, images, bound,
                                                     runs, warmup, screen_runs, keep, timing == "graph")
@@ -261,7 +268,7 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
         precompile(x, csr, geometry, space)
     for params in space:
         try:
-            out = backend.conv(x, csr, bias, geometry, **params)
+            out = backend.run(x, csr, bias, geometry, **params)
             error = check_error(out[images], ref, bound)
         except (RuntimeError, ValueError) as exc:
             measurements.append(Measurement(name, params, "error", reason=f"{type(exc).__name__}: {exc}"))
@@ -276,14 +283,14 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
     if graphs:
         for m in [m for m in measurements if m.status == "ok"]:
             try:
-                replays[id(m)] = [capture_graph(lambda v=v, m=m: backend.conv(v, csr, bias, geometry, **m.params))
+                replays[id(m)] = [capture_graph(lambda v=v, m=m: backend.run(v, csr, bias, geometry, **m.params))
                                   for v in inputs]
             except RuntimeError as exc:
                 m.status, m.reason = "error", f"graph capture: {type(exc).__name__}: {exc}"
 
     def timed(m: Measurement, count: int, warm: int) -> Timing:
         if not graphs:
-            return time_fn(lambda i: backend.conv(inputs[i % len(inputs)], csr, bias, geometry, **m.params),
+            return time_fn(lambda i: backend.run(inputs[i % len(inputs)], csr, bias, geometry, **m.params),
                            x.device, runs=count, warmup=warm, rotation=len(inputs))
         captured = replays[id(m)]
         return time_fn(lambda i: captured[i % len(captured)].replay(), x.device, runs=count, warmup=warm,
@@ -309,7 +316,9 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
 
     Args:
         model: holds SparseConv layers, on the device of ``example``.
-        example: a model input (batch size and dtype as they will be run).
+        example: a model input (batch size, dtype and layout as they will be run). In channels-last it plans the
+            model for channels-last activations: every layer then receives and returns NHWC, and its keys carry
+            ``fmt=nhwc``, so one plan holds a model's NCHW and NHWC entries side by side.
         plan: earlier plan to extend; a new one if None. backends, compare_kwargs: for :func:`compare_layer`.
 
     Returns:

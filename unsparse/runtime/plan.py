@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from unsparse.runtime.backends.base import ConvBackend, get_backend, register_backend
+from unsparse.runtime.layout import layout_of
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
@@ -43,13 +44,16 @@ def precision_tag(dtype: torch.dtype, device: torch.device | str) -> str:
 
 def layer_key(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, device: str | None = None) -> str:
     """Plan key of one layer on one input: GPU name, precision, input shape (batch included), weight
-    shape, row length L, stride, padding, dilation, groups. A string so that it is a JSON object key."""
+    shape, row length L, stride, padding, dilation, groups, and ``fmt=nhwc`` for a channels-last input
+    (:func:`~unsparse.runtime.layout.layout_of`; NCHW keys carry no layout part, as before layouts were planned).
+    A string so that it is a JSON object key."""
     device = device if device is not None else device_name(x.device)
     parts = [device, precision_tag(x.dtype, x.device), "x=" + "x".join(map(str, x.shape)),
              "w=" + "x".join(map(str, csr.weight_shape)), f"L={csr.row_length}",
              "s={}x{}".format(*geometry.stride), "p={}x{}".format(*geometry.padding),
              "d={}x{}".format(*geometry.dilation), f"g={geometry.groups}", f"dims={geometry.spatial_dims}"]
-    return "|".join(parts)
+    layout = layout_of(x)
+    return "|".join(parts if layout == "nchw" else [*parts, f"fmt={layout}"])
 
 
 @dataclass
@@ -166,10 +170,10 @@ class AutoBackend(ConvBackend):
     def resolve(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> tuple[str, dict[str, Any]]:
         """``(backend, params)`` for this layer and input: the plan's entry, else the dense backend.
 
-        Resolutions are cached per weight and (input shape, dtype, device, TF32 flag, geometry), so a planned
-        model pays the plan-key lookup once per layer, not on every forward pass.
+        Resolutions are cached per weight and (input shape, layout, dtype, device, TF32 flag, geometry), so a
+        planned model pays the plan-key lookup once per layer, not on every forward pass.
         """
-        signature = (tuple(x.shape), x.dtype, x.device, torch.backends.cudnn.allow_tf32, geometry)
+        signature = (tuple(x.shape), layout_of(x), x.dtype, x.device, torch.backends.cudnn.allow_tf32, geometry)
         per_csr = self._resolved.setdefault(csr, {})
         if signature not in per_csr:
             per_csr[signature] = self._lookup(x, csr, geometry)
@@ -190,4 +194,4 @@ class AutoBackend(ConvBackend):
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              **params: Any) -> torch.Tensor:
         backend, planned = self.resolve(x, csr, geometry)
-        return get_backend(backend).conv(x, csr, bias, geometry, **planned)
+        return get_backend(backend).run(x, csr, bias, geometry, **planned)

@@ -189,7 +189,7 @@ def time_backend(backend: str, x: torch.Tensor, csr: UniformCSR, bias: torch.Ten
             :func:`rotation_count` against the device's cache.
 
     Returns:
-        Median etc. of ``runs`` timed calls of ``backend.conv``, in milliseconds.
+        Median etc. of ``runs`` timed calls of ``backend.run``, in milliseconds.
     """
     from unsparse.runtime.backends import get_backend
 
@@ -197,5 +197,5 @@ def time_backend(backend: str, x: torch.Tensor, csr: UniformCSR, bias: torch.Ten
     params = dict(params or {})
     if inputs is None:
         inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(x.device)))
-    return time_fn(lambda i: chosen.conv(inputs[i % len(inputs)], csr, bias, geometry, **params), x.device,
+    return time_fn(lambda i: chosen.run(inputs[i % len(inputs)], csr, bias, geometry, **params), x.device,
                    runs=runs, warmup=warmup, rotation=len(inputs))

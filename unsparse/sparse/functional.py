@@ -26,10 +26,10 @@ def dense_fallback_backend(device: torch.device) -> str:
 
 def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
                 backend: str = "reference", **params: Any) -> torch.Tensor:
-    """Convolution of an NCHW input with a UniformCSR weight on ``backend``.
+    """Convolution of an ``(N, C, H, W)`` input with a UniformCSR weight on ``backend``.
 
     Args:
-        x: ``(N, C, H, W)`` float tensor (Conv1d inputs are passed as ``(N, C, 1, L)``).
+        x: ``(N, C, H, W)`` float tensor, NCHW or channels-last (Conv1d inputs are passed as ``(N, C, 1, L)``).
         csr: weight ``(M, C/groups, R, S)`` in UniformCSR form, on ``x``'s device.
         bias: ``(M,)`` or None.
         geometry: stride/padding/dilation/groups.
@@ -37,7 +37,8 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
         params: tuning parameters for that backend (one entry of its tuning space).
 
     Returns:
-        ``(N, M, E, F)``, equal (within the dtype's rounding) to ``F.conv2d(x, csr.to_dense(), bias, ...)``.
+        ``(N, M, E, F)`` in ``x``'s layout (``ConvBackend.run``), equal (within the dtype's rounding) to
+        ``F.conv2d(x, csr.to_dense(), bias, ...)``.
 
     Raises:
         KeyError: unknown backend name.
@@ -56,7 +57,7 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
             _LOGGED.add((backend, reason))
             log.warning("backend %s falls back to dense convolution: %s", backend, reason)
         chosen, params = get_backend(dense_fallback_backend(x.device)), {}
-    return chosen.conv(x, csr, bias, geometry, **params)
+    return chosen.run(x, csr, bias, geometry, **params)
 
 
 def sparse_conv2d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = None,

@@ -2,7 +2,7 @@
 
 A backend computes ``torch.nn.functional.conv2d(x, csr.to_dense(), bias, ...)`` its own way. The
 comparator (DESIGN.md, Runtime and comparator) asks each backend whether it supports a layer, which tuning
-parameters it has, and times :meth:`ConvBackend.conv` for each.
+parameters it has, and times :meth:`ConvBackend.run` for each.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from unsparse.runtime.layout import in_layout, layout_of
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
@@ -55,8 +56,17 @@ class ConvBackend(ABC):
             params: one entry of :meth:`tuning_space`.
 
         Returns:
-            ``(N, M, E, F)`` output of ``x``'s dtype.
+            ``(N, M, E, F)`` output of ``x``'s dtype, in the layout the backend computes in.
         """
+
+    def run(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+            **params: Any) -> torch.Tensor:
+        """:meth:`conv` with the output in ``x``'s layout (:func:`~unsparse.runtime.layout.layout_of`).
+
+        What models, the comparator and the timings call: a model fed a channels-last input stays in
+        channels-last, and a backend that computes in NCHW pays its conversions inside the measured call.
+        """
+        return in_layout(self.conv(x, csr, bias, geometry, **params), layout_of(x))
 
 
 _REGISTRY: dict[str, Callable[[], ConvBackend]] = {}

@@ -13,50 +13,59 @@ import torch
 import torch.nn.functional as F
 
 from unsparse.runtime.backends.base import ConvBackend, register_backend
+from unsparse.runtime.layout import in_layout, layout_of
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
+MEMORY_FORMATS = {"contiguous": "nchw", "channels_last": "nhwc"}
+"""The ``memory_format`` tuning parameter (torch's names) -> layout name (:mod:`unsparse.runtime.layout`)."""
+
 
 class DenseBackend(ConvBackend):
-    """``F.conv2d`` on the decompressed weight; the decompression is cached per UniformCSR object."""
+    """``F.conv2d`` on the decompressed weight; the decompression is cached per UniformCSR object and layout."""
 
     sparse = False
 
     def __init__(self) -> None:
-        self._dense: weakref.WeakKeyDictionary[UniformCSR, torch.Tensor] = weakref.WeakKeyDictionary()
+        self._dense: weakref.WeakKeyDictionary[UniformCSR, dict[tuple[torch.dtype, str], torch.Tensor]] = (
+            weakref.WeakKeyDictionary())
 
-    def dense_weight(self, csr: UniformCSR, dtype: torch.dtype) -> torch.Tensor:
-        """``(M, C/groups, R, S)`` dense weight of ``dtype`` on ``csr``'s device (Conv1d weights get R = 1)."""
-        weight = self._dense.get(csr)
-        if weight is None or weight.dtype != dtype:
-            weight = csr.to_conv2d_weight().to(dtype)
-            self._dense[csr] = weight
+    def dense_weight(self, csr: UniformCSR, dtype: torch.dtype, layout: str = "nchw") -> torch.Tensor:
+        """``(M, C/groups, R, S)`` dense weight of ``dtype`` stored in ``layout`` on ``csr``'s device (Conv1d
+        weights get R = 1), decompressed once per (weight, dtype, layout)."""
+        per_csr = self._dense.setdefault(csr, {})
+        weight = per_csr.get((dtype, layout))
+        if weight is None:
+            weight = in_layout(csr.to_conv2d_weight().to(dtype), layout)
+            per_csr[(dtype, layout)] = weight
         return weight
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-             memory_format: str = "contiguous", **params: Any) -> torch.Tensor:
-        """``F.conv2d`` on the cached dense weight; NCHW in and out.
+             memory_format: str | None = None, **params: Any) -> torch.Tensor:
+        """``F.conv2d`` on the cached dense weight, computed in ``memory_format``.
 
-        With ``memory_format="channels_last"`` the input is converted to NHWC, cuDNN runs in NHWC and the output
-        is converted back to NCHW, so the measured time includes both conversions and a planned model keeps
-        one layout between layers (a layer's channels-last output fed to NCHW neighbours and concatenations
-        made whole models slower than their per-layer times promised).
+        Args:
+            memory_format: ``"contiguous"`` (NCHW) or ``"channels_last"`` (NHWC): input and weight are converted
+                to it (no copy where the input already is) and the output is left in it; None: ``x``'s layout.
+                :meth:`~unsparse.runtime.backends.base.ConvBackend.run` converts the output back to ``x``'s
+                layout, so a setting that differs from the model's layout is timed with both conversions.
+
+        Raises:
+            ValueError: for another ``memory_format``.
         """
-        weight = self.dense_weight(csr, x.dtype)
-        channels_last = memory_format == "channels_last"
-        if channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-            weight = weight.contiguous(memory_format=torch.channels_last)
+        layout = layout_of(x) if memory_format is None else MEMORY_FORMATS.get(memory_format)
+        if layout is None:
+            raise ValueError(f"memory_format: unknown {memory_format!r}, expected one of {sorted(MEMORY_FORMATS)}")
+        weight = self.dense_weight(csr, x.dtype, layout)
         if x.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
-        out = F.conv2d(x, weight, None if bias is None else bias.to(x.dtype), geometry.stride, geometry.padding,
-                       geometry.dilation, geometry.groups)
-        return out.contiguous() if channels_last else out
+        return F.conv2d(in_layout(x, layout), weight, None if bias is None else bias.to(x.dtype), geometry.stride,
+                        geometry.padding, geometry.dilation, geometry.groups)
 
 
 @register_backend
 class CudnnBackend(DenseBackend):
-    """cuDNN through ``F.conv2d`` (NCHW, or channels-last with ``memory_format="channels_last"``)."""
+    """cuDNN through ``F.conv2d``, in NCHW (``memory_format="contiguous"``) or NHWC (``"channels_last"``)."""
 
     name = "cudnn"
     device_types = frozenset({"cuda"})
