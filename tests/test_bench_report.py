@@ -43,6 +43,7 @@ def result():
                            {"model": "googlenet", "weights": "synthetic", "batch": 128, "precision": "fp16",
                             "dense_ms": 10.0, "planned_ms": 9.0, "speedup": 10 / 9, "rel_error": 1e-3,
                             "dense_nhwc_ms": 8.0, "speedup_vs_best_dense": 8 / 9, "planned_nhwc_ms": 7.9,
+                            "dense_nhwc_graph_ms": 7.0, "planned_nhwc_graph_ms": 7.5,
                             "backend_counts_nhwc": {"cudnn": 3}, "off_cudnn_nhwc": {}},
                            {"model": "model.safetensors", "weights": "trained", "batch": 32, "precision": "fp32",
                             "dense_ms": 1.0, "planned_ms": 2.0, "speedup": 0.5, "rel_error": 1e-7,
@@ -77,14 +78,15 @@ def test_report_says_where_sparse_is_slower(result, tmp_path):
     assert "| 32 | `k1` | cudnn | 0.080 | 0.100 | 0.300 |" in text  # cuDNN alone, then as called
     assert "predate" not in text
     # dense, dense NHWC, planned, planned NHWC, their speedups, then graph replays
-    assert "| 10.000 | 10.500 | 10.200 | - | 0.98 | 0.98 | 9.000 | 8.000 | 1.12 |" in text
-    assert "| 10.000 | 8.000 | 9.000 | - | 1.11 | 0.89 | - | - | - |" in text
-    assert "| 10.000 | 8.000 | 9.000 | 7.900 | 1.11 | 1.01 | - | - | - |" in text
+    assert "| 10.000 | 10.500 | 10.200 | - | 0.98 | 0.98 | 9.000 | 8.000 | 1.12 | - | - |" in text
+    assert "| 10.000 | 8.000 | 9.000 | - | 1.11 | 0.89 | - | - | - | - | - |" in text
+    assert "| 10.000 | 8.000 | 9.000 | 7.900 | 1.11 | 1.01 | - | - | - | 7.000 | 7.500 |" in text
     assert ("end to end resnet50 fp16 b128: the planned model (9.000 ms in its faster layout) is SLOWER than the "
             "dense model in channels-last (8.000 ms)") in text
     assert ("end to end model.safetensors fp32 b32: the planned model (2.000 ms in its faster layout) is SLOWER than "
             "the dense model in NCHW (1.000 ms)") in text and text.count("run that one instead") == 2
-    assert "| 1.000 | - | 2.000 | - | 0.50 | 0.50 | - | - | - |" in text  # no NHWC or graph timings for that one
+    # no NHWC or graph timings for that one
+    assert "| 1.000 | - | 2.000 | - | 0.50 | 0.50 | - | - | - | - | - |" in text
     assert "{'cudnn': 2, 'direct': 1}; not on cuDNN: features.0 (direct) | - |" in text
     assert "| {'cudnn': 3} |" in text
     assert "**missed**" in text
@@ -101,6 +103,9 @@ def test_graph_timings_say_why_they_are_missing_on_the_cpu() -> None:
     record = graph_timings(lambda: None, lambda: None, torch.device("cpu"), runs=3)
     assert record == {"dense_graph_ms": None, "planned_graph_ms": None, "graph_speedup": None,
                       "graph_error": "no CUDA graphs on cpu"}
+    record = graph_timings(lambda: None, lambda: None, torch.device("cpu"), runs=3, layout="nhwc")
+    assert record == {"dense_nhwc_graph_ms": None, "planned_nhwc_graph_ms": None, "graph_nhwc_speedup": None,
+                      "graph_nhwc_error": "no CUDA graphs on cpu"}
 
 
 def test_synthetic_pruning_keeps_sparsity_and_layer_norm() -> None:

@@ -259,23 +259,26 @@ def best_times(comparison: LayerComparison, names: Sequence[str]) -> dict[str, f
 
 
 def graph_timings(dense: Callable[[], Any], planned: Callable[[], Any], device: torch.device,
-                  runs: int) -> dict[str, Any]:
+                  runs: int, layout: str = "nchw") -> dict[str, Any]:
     """CUDA-graph medians (ms) of the dense and the planned forward, as ``dense_graph_ms`` and
     ``planned_graph_ms``, plus ``graph_speedup`` (dense over planned) and ``graph_error`` (why there are none:
-    not CUDA, or a capture that failed). Eager times include the host's per-layer work; where a model is
-    host-bound these tell how much of a gap is kernels."""
-    record: dict[str, Any] = {"dense_graph_ms": None, "planned_graph_ms": None, "graph_speedup": None,
-                              "graph_error": None}
+    not CUDA, or a capture that failed); for ``layout="nhwc"`` the keys read ``dense_nhwc_graph_ms``,
+    ``planned_nhwc_graph_ms``, ``graph_nhwc_speedup`` and ``graph_nhwc_error``. Eager times include the host's
+    per-layer work; where a model is host-bound these tell how much of a gap is kernels."""
+    tag = "" if layout == "nchw" else f"_{layout}"
+    dense_key, planned_key, speedup_key, error_key = (f"dense{tag}_graph_ms", f"planned{tag}_graph_ms",
+                                                      f"graph{tag}_speedup", f"graph{tag}_error")
+    record: dict[str, Any] = dict.fromkeys((dense_key, planned_key, speedup_key, error_key))
     if device.type != "cuda":
-        record["graph_error"] = f"no CUDA graphs on {device.type}"
+        record[error_key] = f"no CUDA graphs on {device.type}"
         return record
     try:
-        record["dense_graph_ms"] = time_graph(dense, device, runs).median_ms
-        record["planned_graph_ms"] = time_graph(planned, device, runs).median_ms
+        record[dense_key] = time_graph(dense, device, runs).median_ms
+        record[planned_key] = time_graph(planned, device, runs).median_ms
     except RuntimeError as error:
-        record["graph_error"] = f"capture failed: {error}"
+        record[error_key] = f"capture failed: {error}"
         return record
-    record["graph_speedup"] = record["dense_graph_ms"] / record["planned_graph_ms"]
+    record[speedup_key] = record[dense_key] / record[planned_key]
     return record
 
 
@@ -290,12 +293,12 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     model's within 10x the dtype's tolerance (TF32-aware).
 
     Record fields, times in ms (eager medians): ``dense_ms`` / ``planned_ms`` and ``speedup`` (NCHW, as before
-    layouts were planned); ``dense_nhwc_ms`` (:func:`dense_channels_last`) and ``planned_nhwc_ms``, each None if its
+    layouts were planned); ``dense_nhwc_ms`` (:func:`channels_last_copy`) and ``planned_nhwc_ms``, each None if its
     output disagrees (errors recorded either way); ``speedup_vs_best_dense``: the NCHW planned model against the
     faster dense layout; ``best_planned_layout`` and ``best_speedup``: the faster planned layout against the
     faster dense layout, what a user who runs the planner's better model gets. ``backend_counts`` /
     ``off_cudnn`` name the planned backends per layer (NCHW), ``backend_counts_nhwc`` / ``off_cudnn_nhwc`` the
-    channels-last plan's. CUDA-graph times (:func:`graph_timings`) are of the NCHW models.
+    channels-last plan's. CUDA-graph times (:func:`graph_timings`) of both layouts tell host-bound gaps apart.
     """
     dtype, tf32 = PRECISIONS[precision].dtype, PRECISIONS[precision].tf32
     bound = 10 * tolerance(dtype, tf32)
@@ -312,9 +315,12 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             dense_t = time_fn(lambda i: dense(x), device, runs=runs)
             sparse_t = time_fn(lambda i: sparse(x), device, runs=runs)
             graphs = graph_timings(lambda: dense(x), lambda: sparse(x), device, runs)
-            nhwc_t, nhwc_error = dense_channels_last(dense, x, dense_out, runs)
+            dense_nhwc = channels_last_copy(dense)
+            nhwc_error = relative_error(dense_nhwc(x_nhwc).double(), dense_out.double())
+            nhwc_t = time_fn(lambda i: dense_nhwc(x_nhwc), device, runs=runs)
             planned_nhwc_error = relative_error(sparse_nhwc(x_nhwc).double(), dense_out.double())
             planned_nhwc_t = time_fn(lambda i: sparse_nhwc(x_nhwc), device, runs=runs)
+            graphs |= graph_timings(lambda: dense_nhwc(x_nhwc), lambda: sparse_nhwc(x_nhwc), device, runs, "nhwc")
         error = relative_error(sparse_out.double(), dense_out.double())
     dense_times = {"nchw": dense_t.median_ms, "nhwc": nhwc_t.median_ms if nhwc_error <= bound else math.inf}
     planned_times = {"nchw": sparse_t.median_ms,
@@ -347,11 +353,17 @@ def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
+def channels_last_copy(dense: nn.Module) -> nn.Module:
+    """A copy of ``dense`` with its 4-D parameters in channels-last (``Module.to(memory_format=...)``); fed an NHWC
+    input, every activation stays NHWC from end to end. ``dense`` is not modified."""
+    return copy.deepcopy(dense).to(memory_format=torch.channels_last)
+
+
 def dense_channels_last(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tensor,
                         runs: int) -> tuple[Timing, float]:
-    """Eager timing (ms) of a copy of ``dense`` and of ``x`` in channels-last (``torch.channels_last``, every
-    activation NHWC from end to end), and the relative error of its output against ``dense_out`` (NCHW run)."""
-    model = copy.deepcopy(dense).to(memory_format=torch.channels_last)
+    """Eager timing (ms) of :func:`channels_last_copy` of ``dense`` on ``x`` in channels-last, and the relative
+    error of its output against ``dense_out`` (NCHW run)."""
+    model = channels_last_copy(dense)
     x = x.contiguous(memory_format=torch.channels_last)
     error = relative_error(model(x).double(), dense_out.double())
     return time_fn(lambda i: model(x), x.device, runs=runs), error
@@ -681,13 +693,15 @@ def markdown_report(result: dict[str, Any]) -> str:
               "planned over dense, both NCHW; best planned / best dense: the faster layout of each.", "",
               "| model | weights | batch | prec | dense ms | dense NHWC ms | planned ms | planned NHWC ms "
               "| speedup (NCHW) | best planned / best dense | dense ms (graph) | planned ms (graph) | speedup (graph) "
-              "| rel. error | backends (NCHW plan) | backends (NHWC plan) |", "|" + "---|" * 16]
+              "| dense NHWC ms (graph) | planned NHWC ms (graph) | rel. error | backends (NCHW plan) "
+              "| backends (NHWC plan) |", "|" + "---|" * 18]
     for r in result["end_to_end"]:
         best = fastest_ms(r, "dense") / fastest_ms(r, "planned")
         lines.append(f"| {r['model']} | {r['weights']} | {r['batch']} | {r['precision']} | {_fmt(r['dense_ms'])} | "
                      f"{_fmt(r.get('dense_nhwc_ms'))} | {_fmt(r['planned_ms'])} | {_fmt(r.get('planned_nhwc_ms'))} | "
                      f"{_fmt(r['speedup'], 2)} | {_fmt(best, 2)} | {_fmt(r.get('dense_graph_ms'))} | "
                      f"{_fmt(r.get('planned_graph_ms'))} | {_fmt(r.get('graph_speedup'), 2)} | "
+                     f"{_fmt(r.get('dense_nhwc_graph_ms'))} | {_fmt(r.get('planned_nhwc_graph_ms'))} | "
                      f"{r['rel_error']:.2e} | {r.get('backend_counts', '')}{_off_cudnn(r)} | "
                      f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')} |")
     trained = [(r, layer) for r in result["end_to_end"] for layer in r.get("layers", [])]
