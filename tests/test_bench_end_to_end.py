@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from unsparse.runtime import bench
-from unsparse.runtime.plan import Plan
+from unsparse.runtime.plan import Plan, PlanEntry
 
 
 def model() -> nn.Module:
@@ -40,3 +40,13 @@ def test_a_channels_last_model_that_disagrees_is_not_a_baseline(monkeypatch: pyt
     assert record["dense_nhwc_ms"] is None and record["dense_nhwc_rel_error"] == float("inf")
     assert record["best_dense_layout"] == "nchw"
     assert record["speedup_vs_best_dense"] == pytest.approx(record["speedup"])
+
+
+def test_planned_backends_name_cudnn_layers_that_compute_in_the_other_layout() -> None:
+    sparse = bench.sparsify(model())
+    x = torch.randn(2, 3, 12, 10)
+    plan, _ = bench.plan_model(sparse, x.contiguous(memory_format=torch.channels_last), Plan(), ["dense_cpu"], runs=3)
+    first, second = bench.sparse_layers(sparse).values()
+    plan.entries[first.plan_key] = PlanEntry("cudnn", {"memory_format": "contiguous"})
+    plan.entries[second.plan_key] = PlanEntry("cudnn", {"memory_format": "channels_last"})
+    assert list(bench.planned_backends(sparse, plan).values()) == ["cudnn, converted to nchw", "cudnn"]

@@ -13,7 +13,7 @@ from unsparse.runtime.backends import available_backends, get_backend
 from unsparse.runtime.comparator import LayerComparison, Measurement, plan_model, relative_error
 from unsparse.runtime.layout import in_layout, layout_of
 from unsparse.runtime.modules import sparse_layers
-from unsparse.runtime.plan import Plan, PlanEntry, layer_key, use_plan
+from unsparse.runtime.plan import Plan, PlanEntry, key_layout, layer_key, use_plan
 from unsparse.runtime.timing import Timing
 from unsparse.sparse import ConvGeometry, UniformCSR
 
@@ -80,6 +80,7 @@ def test_plan_keys_name_the_channels_last_layout_only() -> None:
     geometry = ConvGeometry.of(1, 1)
     nchw, nhwc = layer_key(x, csr, geometry), layer_key(in_layout(x, "nhwc"), csr, geometry)
     assert "fmt" not in nchw and nhwc == nchw + "|fmt=nhwc"
+    assert key_layout(nchw) == "nchw" and key_layout(nhwc) == "nhwc"
 
 
 def measured(backend: str, params: dict, ms: float) -> Measurement:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from unsparse.atomic import atomic_write_text
+from unsparse.runtime.backends.dense import MEMORY_FORMATS
 from unsparse.runtime.comparator import (
     PLAN_MARGIN,
     LayerComparison,
@@ -35,7 +36,7 @@ from unsparse.runtime.comparator import (
     tolerance,
 )
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
-from unsparse.runtime.plan import Plan, device_name
+from unsparse.runtime.plan import Plan, device_name, key_layout
 from unsparse.runtime.timing import MIN_RUNS, Timing, time_fn, time_graph
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
@@ -344,9 +345,17 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
 
 
 def planned_backends(model: nn.Module, plan: Plan) -> dict[str, str]:
-    """Layer name -> planned backend, for each SparseConv of a model :func:`plan_model` planned."""
-    return {name: entry.backend for name, layer in sparse_layers(model).items()
-            if (entry := plan.get(layer.plan_key)) is not None}
+    """Layer name -> planned backend, for each SparseConv of a model :func:`plan_model` planned; a cuDNN entry that
+    computes in the other layout than the layer's input reads ``"cudnn, converted to nchw"`` (or ``nhwc``)."""
+    labels = {}
+    for name, layer in sparse_layers(model).items():
+        entry = plan.get(layer.plan_key)
+        if entry is None:
+            continue
+        computed = MEMORY_FORMATS.get(entry.params.get("memory_format"))
+        converted = entry.backend == "cudnn" and computed not in (None, key_layout(layer.plan_key))
+        labels[name] = f"cudnn, converted to {computed}" if converted else entry.backend
+    return labels
 
 
 def _finite(value: float) -> float | None:

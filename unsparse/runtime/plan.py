@@ -56,6 +56,11 @@ def layer_key(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, device: 
     return "|".join(parts if layout == "nchw" else [*parts, f"fmt={layout}"])
 
 
+def key_layout(key: str) -> str:
+    """The input layout a :func:`layer_key` was made for: ``"nhwc"`` or ``"nchw"``."""
+    return key.rpartition("|fmt=")[2] if "|fmt=" in key else "nchw"
+
+
 @dataclass
 class PlanEntry:
     """The chosen backend of one layer key.
@@ -194,4 +199,4 @@ class AutoBackend(ConvBackend):
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              **params: Any) -> torch.Tensor:
         backend, planned = self.resolve(x, csr, geometry)
-        return get_backend(backend).run(x, csr, bias, geometry, **planned)
+        return get_backend(backend).conv(x, csr, bias, geometry, **planned)  # run() converts the output once
