@@ -50,3 +50,37 @@ def test_planned_backends_name_cudnn_layers_that_compute_in_the_other_layout() -
     plan.entries[first.plan_key] = PlanEntry("cudnn", {"memory_format": "contiguous"})
     plan.entries[second.plan_key] = PlanEntry("cudnn", {"memory_format": "channels_last"})
     assert list(bench.planned_backends(sparse, plan).values()) == ["cudnn, converted to nchw", "cudnn"]
+    bench.plan_model(sparse, x, plan, ["dense_cpu"], runs=3)  # the same layers' NCHW keys
+    plan.entries[first.plan_key] = PlanEntry("cudnn", {"memory_format": "channels_last"})
+    plan.entries[second.plan_key] = PlanEntry("direct", {})
+    assert list(bench.planned_backends(sparse, plan).values()) == ["cudnn, converted to nhwc", "direct"]
+
+
+def test_a_channels_last_planned_model_that_disagrees_is_not_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The second sparse copy (the one planned on the NHWC input) computes a wrong output: its time is not used."""
+    copies, original = [], bench.sparsify
+
+    class Off(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x) + 1
+
+    def sparsify(dense: nn.Module) -> nn.Module:
+        copies.append(original(dense))
+        return copies[-1] if len(copies) == 1 else Off(copies[-1])
+
+    monkeypatch.setattr(bench, "sparsify", sparsify)
+    record = bench.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
+    assert record["planned_nhwc_rel_error"] > 1e-3 and record["planned_nhwc_ms"] is None
+    assert record["best_planned_layout"] == "nchw"
+
+
+def test_a_one_channel_model_is_not_planned_in_channels_last() -> None:
+    torch.manual_seed(0)
+    one_channel = bench.magnitude_prune_(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)).eval(), 0.5)
+    record = bench.bench_end_to_end(one_channel, (1, 9, 8), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
+    assert record["planned_nhwc_ms"] is None and record["planned_nhwc_rel_error"] is None
+    assert record["layers_planned_now"] == 2 and record["best_planned_layout"] == "nchw"

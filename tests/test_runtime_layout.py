@@ -32,6 +32,7 @@ def test_layout_of_names_channels_last_and_counts_ambiguous_tensors_as_nchw() ->
     x = torch.randn(2, 3, 5, 4)
     assert layout_of(x) == "nchw" and layout_of(in_layout(x, "nhwc")) == "nhwc"
     assert layout_of(in_layout(torch.randn(2, 1, 5, 4), "nhwc")) == "nchw"  # one channel: same bytes
+    assert layout_of(in_layout(torch.randn(2, 3, 1, 1), "nhwc")) == "nchw"  # one pixel: same bytes
     assert layout_of(torch.randn(2, 3, 5)) == "nchw"
     with pytest.raises(ValueError, match="layout"):
         in_layout(x, "nwhc")
@@ -65,6 +66,31 @@ def test_dense_backend_computes_in_its_memory_format_and_run_converts_back(layou
         assert layout_of(out) == layout and relative_error(out, ref) < 1e-5
     with pytest.raises(ValueError, match="memory_format"):
         backend.conv(x, csr, bias, geometry, memory_format="nhwc")
+
+
+def test_run_leaves_an_output_already_in_the_input_layout_as_the_backend_made_it() -> None:
+    """The lowering backends return a transposed view of their GEMM result; on an NCHW input it is not copied (the
+    im2col baselines are timed as before layouts), on an NHWC input it is converted."""
+    x, csr, bias = layer()
+    geometry = ConvGeometry.of(1, 1)
+    backend = get_backend("im2col_cublas")
+    view = backend.conv(x, csr, bias, geometry)
+    assert not view.is_contiguous() and backend.run(x, csr, bias, geometry).stride() == view.stride()
+    assert layout_of(backend.run(in_layout(x, "nhwc"), csr, bias, geometry)) == "nhwc"
+
+
+def test_conv1d_layers_take_a_transposed_input_as_ncl() -> None:
+    from unsparse.runtime.modules import sparse_from_conv
+
+    torch.manual_seed(3)
+    conv = nn.Conv1d(5, 7, 3, padding=1)
+    layer_1d = sparse_from_conv(conv)
+    x = torch.randn(2, 11, 5).transpose(1, 2)  # (N, C, L) with C innermost
+    out = layer_1d(x)
+    assert out.is_contiguous() and relative_error(out, conv(x).detach().double()) < 1e-5
+    plan, _ = plan_model(nn.Sequential(layer_1d), x, backends=["dense_cpu"], runs=3)
+    assert "fmt" not in layer_1d.plan_key and plan.get(layer_1d.plan_key) is not None
+    assert get_backend("auto").resolve(layer_1d.conv2d_input(x), layer_1d.csr, layer_1d.geometry)[0] == "dense_cpu"
 
 
 def test_dense_weight_is_decompressed_once_per_layout() -> None:
@@ -134,13 +160,18 @@ def test_a_model_planned_in_channels_last_stays_in_it_and_matches_the_dense_mode
         assert relative_error(sparse(x).double(), model(x).double()) < 1e-5
 
 
-def test_auto_resolves_the_same_shape_per_layout() -> None:
+def test_auto_resolves_the_same_shape_per_layout_and_returns_the_input_layout() -> None:
+    """Each layout's entry computes in the other layout, so only the conversion in ``run`` gets the layout right."""
     x, csr, bias = layer()
     geometry = ConvGeometry.of(1, 1)
     x_nhwc = in_layout(x, "nhwc")
-    use_plan(Plan({layer_key(x, csr, geometry): PlanEntry("reference", {}, 1.0),
-                   layer_key(x_nhwc, csr, geometry): PlanEntry("dense_cpu", {"memory_format": "channels_last"}, 1.0)}))
+    nchw_entry = ("dense_cpu", {"memory_format": "channels_last"})
+    use_plan(Plan({layer_key(x, csr, geometry): PlanEntry(*nchw_entry, 1.0),
+                   layer_key(x_nhwc, csr, geometry): PlanEntry("dense_cpu", {"memory_format": "contiguous"}, 1.0)}))
     auto = get_backend("auto")
-    assert auto.resolve(x, csr, geometry) == ("reference", {})
-    assert auto.resolve(x_nhwc, csr, geometry) == ("dense_cpu", {"memory_format": "channels_last"})
+    assert auto.resolve(x, csr, geometry) == nchw_entry
+    assert auto.resolve(x_nhwc, csr, geometry) == ("dense_cpu", {"memory_format": "contiguous"})
+    assert layout_of(auto.conv(x_nhwc, csr, bias, geometry)) == "nchw"
     assert layout_of(auto.run(x_nhwc, csr, bias, geometry)) == "nhwc"
+    assert layout_of(auto.conv(x, csr, bias, geometry)) == "nhwc"
+    assert layout_of(auto.run(x, csr, bias, geometry)) == "nchw"

@@ -35,6 +35,7 @@ from unsparse.runtime.comparator import (
     relative_error,
     tolerance,
 )
+from unsparse.runtime.layout import layout_of
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.runtime.plan import Plan, device_name, key_layout
 from unsparse.runtime.timing import MIN_RUNS, Timing, time_fn, time_graph
@@ -295,7 +296,9 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
 
     Record fields, times in ms (eager medians): ``dense_ms`` / ``planned_ms`` and ``speedup`` (NCHW, as before
     layouts were planned); ``dense_nhwc_ms`` (:func:`channels_last_copy`) and ``planned_nhwc_ms``, each None if its
-    output disagrees (errors recorded either way); ``speedup_vs_best_dense``: the NCHW planned model against the
+    output disagrees (errors recorded either way; a one-channel input cannot carry the layout, so the sparse model
+    is then not planned in it: ``planned_nhwc_ms`` and its error None); ``speedup_vs_best_dense``: the NCHW planned
+    model against the
     faster dense layout; ``best_planned_layout`` and ``best_speedup``: the faster planned layout against the
     faster dense layout, what a user who runs the planner's better model gets. ``backend_counts`` /
     ``off_cudnn`` name the planned backends per layer (NCHW), ``backend_counts_nhwc`` / ``off_cudnn_nhwc`` the
@@ -308,9 +311,10 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
         sparse, sparse_nhwc = sparsify(dense), sparsify(dense)
         x = torch.randn(batch, *input_shape, device=device, dtype=dtype)
         x_nhwc = x.contiguous(memory_format=torch.channels_last)
+        nhwc_planned = layout_of(x_nhwc) == "nhwc"  # one channel: the same bytes, so the layers would run NCHW
         reused_before = len(plan.entries)
         plan, comparisons = plan_model(sparse, x, plan, backends)
-        plan, comparisons_nhwc = plan_model(sparse_nhwc, x_nhwc, plan, backends)
+        plan, comparisons_nhwc = plan_model(sparse_nhwc, x_nhwc, plan, backends) if nhwc_planned else (plan, [])
         with torch.no_grad():
             dense_out, sparse_out = dense(x), sparse(x)
             dense_t = time_fn(lambda i: dense(x), device, runs=runs)
@@ -319,25 +323,31 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             dense_nhwc = channels_last_copy(dense)
             nhwc_error = relative_error(dense_nhwc(x_nhwc).double(), dense_out.double())
             nhwc_t = time_fn(lambda i: dense_nhwc(x_nhwc), device, runs=runs)
-            planned_nhwc_error = relative_error(sparse_nhwc(x_nhwc).double(), dense_out.double())
-            planned_nhwc_t = time_fn(lambda i: sparse_nhwc(x_nhwc), device, runs=runs)
-            graphs |= graph_timings(lambda: dense_nhwc(x_nhwc), lambda: sparse_nhwc(x_nhwc), device, runs, "nhwc")
+            planned_nhwc_error, planned_nhwc_t = math.inf, None
+            if nhwc_planned:
+                planned_nhwc_error = relative_error(sparse_nhwc(x_nhwc).double(), dense_out.double())
+                planned_nhwc_t = time_fn(lambda i: sparse_nhwc(x_nhwc), device, runs=runs)
+                graphs |= graph_timings(lambda: dense_nhwc(x_nhwc), lambda: sparse_nhwc(x_nhwc), device, runs,
+                                        "nhwc")
         error = relative_error(sparse_out.double(), dense_out.double())
     dense_times = {"nchw": dense_t.median_ms, "nhwc": nhwc_t.median_ms if nhwc_error <= bound else math.inf}
     planned_times = {"nchw": sparse_t.median_ms,
                      "nhwc": planned_nhwc_t.median_ms if planned_nhwc_error <= bound else math.inf}
     best_dense, best_planned = min(dense_times, key=dense_times.get), min(planned_times, key=planned_times.get)
-    by_layer, by_layer_nhwc = planned_backends(sparse, plan), planned_backends(sparse_nhwc, plan)
+    by_layer = planned_backends(sparse, plan)
+    by_layer_nhwc = planned_backends(sparse_nhwc, plan) if nhwc_planned else {}
     return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
             "speedup": dense_t.median_ms / sparse_t.median_ms, "rel_error": error,
             "dense_nhwc_ms": _finite(dense_times["nhwc"]), "dense_nhwc_rel_error": nhwc_error,
             "best_dense_layout": best_dense, "speedup_vs_best_dense": dense_times[best_dense] / sparse_t.median_ms,
-            "planned_nhwc_ms": _finite(planned_times["nhwc"]), "planned_nhwc_rel_error": planned_nhwc_error,
+            "planned_nhwc_ms": _finite(planned_times["nhwc"]),
+            "planned_nhwc_rel_error": planned_nhwc_error if nhwc_planned else None,
             "best_planned_layout": best_planned,
             "best_speedup": dense_times[best_dense] / planned_times[best_planned],
             "tolerance": bound, "layers_planned_now": len(comparisons) + len(comparisons_nhwc),
             "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
-            "planned_timing": sparse_t.to_dict(), "planned_nhwc_timing": planned_nhwc_t.to_dict(),
+            "planned_timing": sparse_t.to_dict(),
+            "planned_nhwc_timing": None if planned_nhwc_t is None else planned_nhwc_t.to_dict(),
             "backend_counts": dict(Counter(by_layer.values())),
             "off_cudnn": {name: backend for name, backend in by_layer.items() if backend != "cudnn"},
             "backend_counts_nhwc": dict(Counter(by_layer_nhwc.values())),
@@ -501,8 +511,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
 def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch: int, device: torch.device,
                             runs: int, plan: Plan) -> dict[str, Any]:
     """A model that is already sparse (loaded from a file): its dense fallback (cuDNN, NCHW) vs its plan. Each layer
-    planned now also records cuDNN's convolution alone in its faster layout (``baseline``); the whole model is not
-    run in channels-last, as its layers hold sparse weights, not modules ``Module.to(memory_format=...)`` converts.
+    planned now also records cuDNN's convolution alone in its faster layout (``baseline``); the whole model runs in
+    NCHW only: the trained models take one-channel images, which cannot carry the channels-last layout
+    (:func:`~unsparse.runtime.layout.layout_of`).
     """
     layers = sparse_layers(model)
     dtype = next(iter(layers.values())).values.dtype if layers else torch.float32

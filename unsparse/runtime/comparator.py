@@ -318,7 +318,10 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
         model: holds SparseConv layers, on the device of ``example``.
         example: a model input (batch size, dtype and layout as they will be run). In channels-last it plans the
             model for channels-last activations: every layer then receives and returns NHWC, and its keys carry
-            ``fmt=nhwc``, so one plan holds a model's NCHW and NHWC entries side by side.
+            ``fmt=nhwc``, so one plan holds a model's NCHW and NHWC entries side by side. An activation with one
+            channel or one pixel per channel has the same bytes in both layouts and counts as NCHW
+            (:func:`~unsparse.runtime.layout.layout_of`): a one-channel model input therefore keeps the model in
+            NCHW.
         plan: earlier plan to extend; a new one if None. backends, compare_kwargs: for :func:`compare_layer`.
 
     Returns:
@@ -330,7 +333,7 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
     comparisons: list[LayerComparison] = []
 
     def before(layer: SparseConv, args: tuple[torch.Tensor, ...]) -> None:
-        x = args[0].unsqueeze(2) if layer.geometry.spatial_dims == 1 else args[0]
+        x = layer.conv2d_input(args[0])
         key = layer_key(x, layer.csr, layer.geometry)
         layer.plan_key = key
         if plan.get(key) is None:

@@ -26,7 +26,8 @@ class SparseConv(nn.Module):
         backend: backend name used by :meth:`forward` (see ``unsparse.runtime.backends``).
         backend_params: tuning parameters for that backend (e.g. chosen by the comparator).
 
-    Forward: ``(N, C, H, W)`` -> ``(N, M, E, F)`` for 2-D, ``(N, C, L)`` -> ``(N, M, L_out)`` for 1-D.
+    Forward: ``(N, C, H, W)`` -> ``(N, M, E, F)`` for 2-D, in the input's layout (NCHW or channels-last);
+    ``(N, C, L)`` -> ``(N, M, L_out)`` for 1-D, always contiguous (a transposed ``(N, L, C)`` input is copied).
     """
 
     def __init__(self, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
@@ -62,11 +63,15 @@ class SparseConv(nn.Module):
         self.col_idx = csr.col_idx
         self._csr = None
 
+    def conv2d_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The 4-D input the backends see: ``x`` itself for 2-D layers; for 1-D ones ``(N, C, 1, L)``, contiguous
+        (a 1-D input has no channels-last layout, so a transposed one is copied)."""
+        return x.unsqueeze(2).contiguous() if self.geometry.spatial_dims == 1 else x
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        one_dim = self.geometry.spatial_dims == 1
-        out = sparse_conv(x.unsqueeze(2) if one_dim else x, self.csr, self.bias, self.geometry, self.backend,
+        out = sparse_conv(self.conv2d_input(x), self.csr, self.bias, self.geometry, self.backend,
                           **self.backend_params)
-        return out.squeeze(2) if one_dim else out
+        return out.squeeze(2) if self.geometry.spatial_dims == 1 else out
 
     def extra_repr(self) -> str:
         csr = self.csr

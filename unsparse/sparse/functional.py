@@ -74,6 +74,7 @@ def sparse_conv2d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = 
 def sparse_conv1d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = None, stride: int = 1,
                   padding: int = 0, dilation: int = 1, groups: int = 1, backend: str = "reference",
                   **params: Any) -> torch.Tensor:
-    """Drop-in for ``torch.nn.functional.conv1d``: ``x`` ``(N, C, L)`` -> ``(N, M, L_out)``."""
+    """Drop-in for ``torch.nn.functional.conv1d``: ``x`` ``(N, C, L)`` -> contiguous ``(N, M, L_out)`` (a 1-D input
+    has no channels-last layout: a transposed one is copied to ``(N, C, L)`` first)."""
     geometry = ConvGeometry.of(stride, padding, dilation, groups, 1)
-    return sparse_conv(x.unsqueeze(2), csr, bias, geometry, backend, **params).squeeze(2)
+    return sparse_conv(x.unsqueeze(2).contiguous(), csr, bias, geometry, backend, **params).squeeze(2)

@@ -37,7 +37,8 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
     """Direct sparse convolution, ``groups == 1``.
 
     Args:
-        x: ``(N, C, H, W)`` float tensor (NCHW; a Conv1d input is ``(N, C, 1, L)``), same device as ``csr``.
+        x: ``(N, C, H, W)`` float tensor in any memory layout (a Conv1d input is ``(N, C, 1, L)``), same device as
+            ``csr``.
         csr: weight with ``C`` input channels and kernel ``(R, S)``.
         bias: ``(M,)`` or None.
         geometry: stride, padding, dilation (``groups`` must be 1).
