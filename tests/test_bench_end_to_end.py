@@ -30,6 +30,8 @@ def test_end_to_end_compares_both_planned_layouts_with_both_dense_layouts() -> N
     assert record["best_speedup"] == pytest.approx(best / best_planned)
     assert record["layers_planned_now"] == 4 and len(plan.entries) == 4  # two layers, each in both layouts
     assert sum(record["backend_counts_nhwc"].values()) == 2
+    for check in (record["plan_check"], record["plan_check_nhwc"]):
+        assert check["planned_ms"] > 0 and check["default_ms"] > 0 and isinstance(check["reverted"], tuple)
     assert record["rel_error"] < 1e-5 and record["graph_error"] == "no CUDA graphs on cpu"
 
 
@@ -83,4 +85,5 @@ def test_a_one_channel_model_is_not_planned_in_channels_last() -> None:
     one_channel = bench.magnitude_prune_(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)).eval(), 0.5)
     record = bench.bench_end_to_end(one_channel, (1, 9, 8), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
     assert record["planned_nhwc_ms"] is None and record["planned_nhwc_rel_error"] is None
+    assert record["plan_check_nhwc"] is None
     assert record["layers_planned_now"] == 2 and record["best_planned_layout"] == "nchw"

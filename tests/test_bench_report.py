@@ -44,7 +44,9 @@ def result():
                             "dense_ms": 10.0, "planned_ms": 9.0, "speedup": 10 / 9, "rel_error": 1e-3,
                             "dense_nhwc_ms": 8.0, "speedup_vs_best_dense": 8 / 9, "planned_nhwc_ms": 7.9,
                             "dense_nhwc_graph_ms": 7.0, "planned_nhwc_graph_ms": 7.5,
-                            "backend_counts_nhwc": {"cudnn": 3}, "off_cudnn_nhwc": {}},
+                            "backend_counts_nhwc": {"cudnn": 3}, "off_cudnn_nhwc": {},
+                            "plan_check": {"planned_ms": 9.0, "default_ms": 9.1, "reverted": []},
+                            "plan_check_nhwc": {"planned_ms": 8.5, "default_ms": 7.9, "reverted": ["k1", "k2"]}},
                            {"model": "model.safetensors", "weights": "trained", "batch": 32, "precision": "fp32",
                             "dense_ms": 1.0, "planned_ms": 2.0, "speedup": 0.5, "rel_error": 1e-7,
                             "layers": [{"key": "k1", "best": "cudnn", "baseline": {"median_ms": 0.08},
@@ -89,6 +91,9 @@ def test_report_says_where_sparse_is_slower(result, tmp_path):
     assert "| 1.000 | - | 2.000 | - | 0.50 | 0.50 | - | - | - | - | - |" in text
     assert "{'cudnn': 2, 'direct': 1}; not on cuDNN: features.0 (direct) | - |" in text
     assert "| {'cudnn': 3} |" in text
+    assert ("end to end googlenet fp16 b128: the channels-last plan (8.500 ms) was SLOWER than its dense default "
+            "(7.900 ms); 2 layer keys were set back to the default") in text
+    assert "the NCHW plan" not in text
     assert "**missed**" in text
     paths = plot_results(result, tmp_path)
     assert {path.name for path in paths} == {"speedup.png", "breakdown.png", "end_to_end.png"}

@@ -10,12 +10,21 @@ import pytest
 import torch
 from torch import nn
 
-from unsparse.runtime import sparsify
+from unsparse.runtime import sparse_layers, sparsify
 from unsparse.runtime.backends import base, get_backend
 from unsparse.runtime.backends.base import ConvBackend
-from unsparse.runtime.comparator import check_error, compare_layer, plan_model, relative_error, tolerance
+from unsparse.runtime.comparator import (
+    LayerComparison,
+    Measurement,
+    check_error,
+    check_plan,
+    compare_layer,
+    plan_model,
+    relative_error,
+    tolerance,
+)
 from unsparse.runtime.plan import Plan, PlanEntry, PlanError, layer_key, use_plan
-from unsparse.runtime.timing import host_enqueue_ms, host_profile, rotation_count, time_backend, time_fn
+from unsparse.runtime.timing import Timing, host_enqueue_ms, host_profile, rotation_count, time_backend, time_fn
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
 
 
@@ -242,3 +251,48 @@ def test_host_profile_lists_the_function_that_takes_the_time() -> None:
 
     text = host_profile(slow_step, "cpu", runs=4, top=5)
     assert len(calls) == 4 and "slow_step" in text and "time.sleep" in text
+
+
+
+def fake_comparison(key: str, default_ms: float, fast_ms: float) -> LayerComparison:
+    """The dense default measured at ``default_ms`` and a 50 ms-per-call setting of ``test_slow`` at ``fast_ms``."""
+    return LayerComparison(key, [
+        Measurement("dense_cpu", {}, "ok", 0.0, timing=Timing(default_ms, default_ms, default_ms, 20, 1)),
+        Measurement("test_slow", {"delay": 0.05}, "ok", 0.0, timing=Timing(fast_ms, fast_ms, fast_ms, 20, 1))])
+
+
+def one_layer_model() -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(5)
+    conv = nn.Conv2d(4, 6, 3, padding=1)
+    with torch.no_grad():
+        conv.weight[torch.rand(conv.weight.shape) < 0.7] = 0
+    return sparsify(nn.Sequential(conv)), torch.randn(2, 4, 9, 8)
+
+
+def test_check_plan_sets_a_slower_plan_back_to_the_dense_default(fakes) -> None:
+    """A layer whose comparison said the slow backend was fast (a per-layer time that the model does not see):
+    the planned model is slower than its dense default, so the entry goes back to the default."""
+    sparse, x = one_layer_model()
+    plan, _ = plan_model(sparse, x, backends=["dense_cpu"], runs=3)
+    (layer,) = sparse_layers(sparse).values()
+    comparison = fake_comparison(layer.plan_key, 1.0, 0.001)
+    plan.entries[layer.plan_key] = comparison.plan_entry()
+    use_plan(plan)
+    assert get_backend("auto").resolve(x, layer.csr, layer.geometry)[0] == "test_slow"
+    check = check_plan(sparse, x, plan, [comparison], runs=3, warmup=1)
+    assert check.planned_ms > 50 > check.default_ms and check.reverted == (layer.plan_key,)
+    entry = plan.get(layer.plan_key)
+    assert (entry.backend, entry.params, entry.median_ms, entry.runner_up) == ("dense_cpu", {}, 1.0, "test_slow")
+    assert get_backend("auto").resolve(x, layer.csr, layer.geometry)[0] == "dense_cpu"
+    ref = torch.nn.functional.conv2d(x.double(), layer.csr.to_conv2d_weight().double(), layer.bias.double(),
+                                     padding=1)
+    with torch.no_grad():
+        assert relative_error(sparse(x).double(), ref) < 1e-5
+
+
+def test_check_plan_keeps_a_plan_that_is_not_slower() -> None:
+    sparse, x = one_layer_model()
+    plan, comparisons = plan_model(sparse, x, backends=["dense_cpu", "reference"], runs=3)
+    before = dict(plan.entries)
+    check = check_plan(sparse, x, plan, comparisons, runs=3, warmup=1, margin=10.0)
+    assert check.reverted == () and plan.entries == before and check.planned_ms > 0 and check.default_ms > 0

@@ -18,7 +18,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from unsparse.runtime.backends.dense import MEMORY_FORMATS
 from unsparse.runtime.comparator import (
     PLAN_MARGIN,
     LayerComparison,
+    check_plan,
     compare_layer,
     plan_model,
     relative_error,
@@ -302,7 +303,10 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     faster dense layout; ``best_planned_layout`` and ``best_speedup``: the faster planned layout against the
     faster dense layout, what a user who runs the planner's better model gets. ``backend_counts`` /
     ``off_cudnn`` name the planned backends per layer (NCHW), ``backend_counts_nhwc`` / ``off_cudnn_nhwc`` the
-    channels-last plan's. CUDA-graph times (:func:`graph_timings`) of both layouts tell host-bound gaps apart.
+    channels-last plan's. CUDA-graph times (:func:`graph_timings`) of both layouts tell host-bound gaps apart. Each
+    plan is checked end to end against its dense default right after planning (:func:`check_plan`; ``plan_check``,
+    ``plan_check_nhwc``: both medians and the keys set back to the default), so the planned times are of the plans
+    that survived that check.
     """
     dtype, tf32 = PRECISIONS[precision].dtype, PRECISIONS[precision].tf32
     bound = 10 * tolerance(dtype, tf32)
@@ -314,7 +318,9 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
         nhwc_planned = layout_of(x_nhwc) == "nhwc"  # one channel: the same bytes, so the layers would run NCHW
         reused_before = len(plan.entries)
         plan, comparisons = plan_model(sparse, x, plan, backends)
+        check = check_plan(sparse, x, plan, comparisons, runs)
         plan, comparisons_nhwc = plan_model(sparse_nhwc, x_nhwc, plan, backends) if nhwc_planned else (plan, [])
+        check_nhwc = check_plan(sparse_nhwc, x_nhwc, plan, comparisons_nhwc, runs) if nhwc_planned else None
         with torch.no_grad():
             dense_out, sparse_out = dense(x), sparse(x)
             dense_t = time_fn(lambda i: dense(x), device, runs=runs)
@@ -344,6 +350,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "planned_nhwc_rel_error": planned_nhwc_error if nhwc_planned else None,
             "best_planned_layout": best_planned,
             "best_speedup": dense_times[best_dense] / planned_times[best_planned],
+            "plan_check": asdict(check), "plan_check_nhwc": None if check_nhwc is None else asdict(check_nhwc),
             "tolerance": bound, "layers_planned_now": len(comparisons) + len(comparisons_nhwc),
             "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
             "planned_timing": sparse_t.to_dict(),
@@ -681,6 +688,13 @@ def markdown_report(result: dict[str, Any]) -> str:
                              f"{_fmt(min(speedups), 2)}x).")
                 break
     for r in result["end_to_end"]:
+        for suffix, layout in (("", "NCHW"), ("_nhwc", "channels-last")):
+            check = r.get("plan_check" + suffix) or {}
+            if check.get("reverted"):
+                lines.append(f"- end to end {r['model']} {r['precision']} b{r['batch']}: the {layout} plan "
+                             f"({_fmt(check['planned_ms'])} ms) was SLOWER than its dense default "
+                             f"({_fmt(check['default_ms'])} ms); {len(check['reverted'])} layer keys were set back "
+                             "to the default before the times below.")
         dense, planned = fastest_ms(r, "dense"), fastest_ms(r, "planned")
         if planned > (1 + PLAN_MARGIN) * dense:  # closer than that is run-to-run noise
             layout = "NCHW" if dense == r["dense_ms"] else "channels-last"

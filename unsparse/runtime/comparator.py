@@ -358,3 +358,67 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
         layer.backend, layer.backend_params = "auto", {}
     use_plan(plan)
     return plan, comparisons
+
+
+@dataclass(frozen=True)
+class PlanCheck:
+    """A planned model timed end to end against the same model with every layer on its dense default.
+
+    Attributes:
+        planned_ms, default_ms: eager medians (ms) of the model's forward on its plan and on the dense default
+            (cuDNN in the input's layout on CUDA), measured in the same process before any revert.
+        reverted: plan keys whose entries :func:`check_plan` set back to the dense default (empty: plan kept).
+    """
+
+    planned_ms: float
+    default_ms: float
+    reverted: tuple[str, ...]
+
+
+def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons: list[LayerComparison],
+               runs: int = MIN_RUNS, warmup: int = 3, margin: float = PLAN_MARGIN) -> PlanCheck:
+    """Time a model :func:`plan_model` planned against its dense default; keep the plan only if it is not slower.
+
+    Per-layer times need not add up to the model's: in the thirteenth session (``kernels/NOTES.md``) a
+    channels-last ResNet-50 FP16 plan put nine layers on cuDNN computing in NCHW, each measured faster alone,
+    and the model ran 0.95x of the same model on cuDNN in NHWC. So if the planned forward is slower than the dense
+    default by more than ``margin`` (a fraction of the default's median), every entry of ``comparisons`` that
+    left the dense default is set back to it (its measured default median; runner-up the backend it replaces) and
+    the changed plan is activated. All or nothing: one layer's share of a model's time is below the noise that
+    per-layer reverts would have to beat. Entries reused from an earlier plan are not in ``comparisons`` and stay.
+
+    Args:
+        model: planned by :func:`plan_model` (layers on ``"auto"``), on ``example``'s device.
+        example: the planning input (its batch size, dtype and layout).
+        plan, comparisons: what :func:`plan_model` returned (``plan`` is modified in place on a revert).
+        runs, warmup: as in :func:`~unsparse.runtime.timing.time_fn`.
+
+    Returns:
+        Both medians and the reverted keys.
+    """
+    from unsparse.sparse.functional import dense_fallback_backend
+
+    layers = sparse_layers(model)
+    saved = {name: (layer.backend, layer.backend_params) for name, layer in layers.items()}
+    with torch.no_grad():
+        planned = time_fn(lambda i: model(example), example.device, runs=runs, warmup=warmup)
+        try:
+            for layer in layers.values():
+                layer.backend, layer.backend_params = dense_fallback_backend(example.device), {}
+            default = time_fn(lambda i: model(example), example.device, runs=runs, warmup=warmup)
+        finally:
+            for name, layer in layers.items():
+                layer.backend, layer.backend_params = saved[name]
+    reverted = []
+    if planned.median_ms > (1 + margin) * default.median_ms:
+        for comparison in comparisons:
+            entry, fallback = plan.get(comparison.key), comparison.plan_entry(margin=1.0)
+            if entry is not None and (entry.backend, entry.params) != (fallback.backend, fallback.params):
+                plan.entries[comparison.key] = PlanEntry(fallback.backend, fallback.params, fallback.median_ms,
+                                                         entry.backend)
+                reverted.append(comparison.key)
+        if reverted:
+            log.warning("planned model %.3f ms, dense default %.3f ms: %d layer keys set back to the dense default",
+                        planned.median_ms, default.median_ms, len(reverted))
+            use_plan(plan)
+    return PlanCheck(planned.median_ms, default.median_ms, tuple(reverted))
