@@ -46,7 +46,8 @@ def result():
                             "dense_nhwc_graph_ms": 7.0, "planned_nhwc_graph_ms": 7.5,
                             "backend_counts_nhwc": {"cudnn": 3}, "off_cudnn_nhwc": {},
                             "plan_check": {"planned_ms": 9.0, "default_ms": 9.1, "reverted": []},
-                            "plan_check_nhwc": {"planned_ms": 8.5, "default_ms": 7.9, "reverted": ["k1", "k2"]}},
+                            "plan_check_nhwc": {"planned_ms": 8.5, "default_ms": 7.9, "reverted": ["k1", "k2"],
+                                                "timing": "graph"}},
                            {"model": "model.safetensors", "weights": "trained", "batch": 32, "precision": "fp32",
                             "dense_ms": 1.0, "planned_ms": 2.0, "speedup": 0.5, "rel_error": 1e-7,
                             "layers": [{"key": "k1", "best": "cudnn", "baseline": {"median_ms": 0.08},
@@ -92,7 +93,7 @@ def test_report_says_where_sparse_is_slower(result, tmp_path):
     assert "{'cudnn': 2, 'direct': 1}; not on cuDNN: features.0 (direct) | - |" in text
     assert "| {'cudnn': 3} |" in text
     assert ("end to end googlenet fp16 b128: the channels-last plan (8.500 ms) was SLOWER than its dense default "
-            "(7.900 ms); 2 layer keys were set back to the default") in text
+            "(7.900 ms, timed graph); 2 layer keys were set back to the default") in text
     assert "the NCHW plan" not in text
     assert "**missed**" in text
     paths = plot_results(result, tmp_path)

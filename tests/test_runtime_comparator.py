@@ -281,6 +281,7 @@ def test_check_plan_sets_a_slower_plan_back_to_the_dense_default(fakes) -> None:
     assert get_backend("auto").resolve(x, layer.csr, layer.geometry)[0] == "test_slow"
     check = check_plan(sparse, x, plan, [comparison], runs=3, warmup=1)
     assert check.planned_ms > 50 > check.default_ms and check.reverted == (layer.plan_key,)
+    assert check.timing == "eager"  # no CUDA graphs on the CPU
     entry = plan.get(layer.plan_key)
     assert (entry.backend, entry.params, entry.median_ms, entry.runner_up) == ("dense_cpu", {}, 1.0, "test_slow")
     assert get_backend("auto").resolve(x, layer.csr, layer.geometry)[0] == "dense_cpu"

@@ -302,6 +302,27 @@ def test_whole_model_auto_matches_dense_and_plan_is_reused(tmp_path) -> None:
     assert comparisons == [] and again.entries.keys() == plan.entries.keys()
 
 
+def test_check_plan_times_cuda_graphs_and_keeps_the_model_correct() -> None:
+    from unsparse.runtime.comparator import check_plan
+
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(13)
+    model = SmallNet().eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d):
+                module.weight[torch.rand_like(module.weight) < 0.9] = 0
+    model = model.to(CUDA)
+    x = torch.randn(6, 3, 20, 20, device=CUDA)
+    sparse = sparsify(model)
+    plan, comparisons = plan_model(sparse, x, runs=3)
+    check = check_plan(sparse, x, plan, comparisons, runs=5)
+    assert check.timing == "graph" and check.planned_ms > 0 and check.default_ms > 0
+    assert set(check.reverted) <= {c.key for c in comparisons}
+    with torch.no_grad():
+        assert relative_error(sparse(x).double(), model(x).double()) <= 10 * tolerance(torch.float32)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", ["odd_3x3", "stride2_vector", "pointwise_vector", "alexnet_11x11_s4",
                                   "empty_and_dense_rows"])

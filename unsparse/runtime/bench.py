@@ -693,8 +693,9 @@ def markdown_report(result: dict[str, Any]) -> str:
             if check.get("reverted"):
                 lines.append(f"- end to end {r['model']} {r['precision']} b{r['batch']}: the {layout} plan "
                              f"({_fmt(check['planned_ms'])} ms) was SLOWER than its dense default "
-                             f"({_fmt(check['default_ms'])} ms); {len(check['reverted'])} layer keys were set back "
-                             "to the default before the times below.")
+                             f"({_fmt(check['default_ms'])} ms, timed {check.get('timing', 'eagerly')}); "
+                             f"{len(check['reverted'])} layer keys were set back to the default before the times "
+                             "below.")
         dense, planned = fastest_ms(r, "dense"), fastest_ms(r, "planned")
         if planned > (1 + PLAN_MARGIN) * dense:  # closer than that is run-to-run noise
             layout = "NCHW" if dense == r["dense_ms"] else "channels-last"

@@ -31,6 +31,7 @@ from unsparse.runtime.timing import (
     rotated_inputs,
     rotation_count,
     time_fn,
+    time_graph,
 )
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
@@ -365,14 +366,16 @@ class PlanCheck:
     """A planned model timed end to end against the same model with every layer on its dense default.
 
     Attributes:
-        planned_ms, default_ms: eager medians (ms) of the model's forward on its plan and on the dense default
-            (cuDNN in the input's layout on CUDA), measured in the same process before any revert.
+        planned_ms, default_ms: medians (ms) of the model's forward on its plan and on the dense default (cuDNN in
+            the input's layout on CUDA), measured in the same process before any revert.
         reverted: plan keys whose entries :func:`check_plan` set back to the dense default (empty: plan kept).
+        timing: ``"graph"`` (CUDA-graph replays: GPU time) or ``"eager"`` (:data:`TIMINGS`).
     """
 
     planned_ms: float
     default_ms: float
     reverted: tuple[str, ...]
+    timing: str
 
 
 def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons: list[LayerComparison],
@@ -387,30 +390,53 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
     the changed plan is activated. All or nothing: one layer's share of a model's time is below the noise that
     per-layer reverts would have to beat. Entries reused from an earlier plan are not in ``comparisons`` and stay.
 
+    On CUDA both forwards are timed as CUDA-graph replays, the GPU time the plan chose kernels for: eager times of
+    a host-bound model (AlexNet and GoogLeNet in FP16 at batch 128) moved by 14-40 % within one process, which
+    made an eager check revert plans that were 10 % faster on the GPU. Where a capture fails, both are timed
+    eagerly.
+
     Args:
         model: planned by :func:`plan_model` (layers on ``"auto"``), on ``example``'s device.
         example: the planning input (its batch size, dtype and layout).
         plan, comparisons: what :func:`plan_model` returned (``plan`` is modified in place on a revert).
-        runs, warmup: as in :func:`~unsparse.runtime.timing.time_fn`.
+        runs, warmup: as in :func:`~unsparse.runtime.timing.time_fn` (graph replays take no warm-up).
 
     Returns:
-        Both medians and the reverted keys.
+        Both medians, the reverted keys and how the forwards were timed.
     """
     from unsparse.sparse.functional import dense_fallback_backend
 
     layers = sparse_layers(model)
     saved = {name: (layer.backend, layer.backend_params) for name, layer in layers.items()}
-    with torch.no_grad():
-        planned = time_fn(lambda i: model(example), example.device, runs=runs, warmup=warmup)
+
+    def forward() -> None:
+        model(example)
+
+    def measure(timing: str) -> float:
+        if timing == "graph":
+            return time_graph(forward, example.device, runs).median_ms
+        return time_fn(lambda i: forward(), example.device, runs=runs, warmup=warmup).median_ms
+
+    def both(timing: str) -> tuple[float, float]:
+        planned = measure(timing)
         try:
             for layer in layers.values():
                 layer.backend, layer.backend_params = dense_fallback_backend(example.device), {}
-            default = time_fn(lambda i: model(example), example.device, runs=runs, warmup=warmup)
+            return planned, measure(timing)
         finally:
             for name, layer in layers.items():
                 layer.backend, layer.backend_params = saved[name]
+
+    timing = "graph" if example.device.type == "cuda" else "eager"
+    with torch.no_grad():
+        try:
+            planned_ms, default_ms = both(timing)
+        except RuntimeError as error:  # a capture that failed: time both eagerly
+            log.warning("check_plan: CUDA graph capture failed (%s); timing eagerly", error)
+            timing = "eager"
+            planned_ms, default_ms = both(timing)
     reverted = []
-    if planned.median_ms > (1 + margin) * default.median_ms:
+    if planned_ms > (1 + margin) * default_ms:
         for comparison in comparisons:
             entry, fallback = plan.get(comparison.key), comparison.plan_entry(margin=1.0)
             if entry is not None and (entry.backend, entry.params) != (fallback.backend, fallback.params):
@@ -418,7 +444,7 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
                                                          entry.backend)
                 reverted.append(comparison.key)
         if reverted:
-            log.warning("planned model %.3f ms, dense default %.3f ms: %d layer keys set back to the dense default",
-                        planned.median_ms, default.median_ms, len(reverted))
+            log.warning("planned model %.3f ms, dense default %.3f ms (%s): %d layer keys set back to the dense "
+                        "default", planned_ms, default_ms, timing, len(reverted))
             use_plan(plan)
-    return PlanCheck(planned.median_ms, default.median_ms, tuple(reverted))
+    return PlanCheck(planned_ms, default_ms, tuple(reverted), timing)
