@@ -109,7 +109,7 @@ def time_model(name: str, batch: int, precision: str, device: torch.device, runs
         model = build_model(name).to(device, mode.dtype)
         x = torch.randn(batch, 3, 224, 224, device=device, dtype=mode.dtype)
         nchw_ms = time_fn(lambda i: model(x), device, runs=runs).median_ms
-        nhwc, error = dense_channels_last(model, x, model(x), runs)
+        _, nhwc, error = dense_channels_last(model, x, model(x), runs)
         nhwc_ms = nhwc.median_ms
     return {"model": name, "batch": batch, "precision": precision, "nchw_ms": nchw_ms, "nhwc_ms": nhwc_ms,
             "nhwc_speedup": nchw_ms / nhwc_ms, "rel_error": error}

@@ -297,3 +297,15 @@ def test_check_plan_keeps_a_plan_that_is_not_slower() -> None:
     before = dict(plan.entries)
     check = check_plan(sparse, x, plan, comparisons, runs=3, warmup=1, margin=10.0)
     assert check.reverted == () and plan.entries == before and check.planned_ms > 0 and check.default_ms > 0
+
+
+def test_temporary_backend_puts_each_layer_back_also_after_an_error() -> None:
+    from unsparse.runtime.modules import set_backend, temporary_backend
+
+    sparse, _ = one_layer_model()
+    set_backend(sparse, "reference", images_per_step=2)
+    (layer,) = sparse_layers(sparse).values()
+    with pytest.raises(RuntimeError, match="inside"), temporary_backend(sparse, "dense_cpu"):
+        assert (layer.backend, layer.backend_params) == ("dense_cpu", {})
+        raise RuntimeError("inside")
+    assert (layer.backend, layer.backend_params) == ("reference", {"images_per_step": 2})

@@ -280,15 +280,21 @@ class SmallNet(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
-def test_whole_model_auto_matches_dense_and_plan_is_reused(tmp_path) -> None:
+def pruned_small_net(seed: int, sparsity: float, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A :class:`SmallNet` on CUDA in ``dtype`` with about ``sparsity`` of each convolution's weights zeroed; TF32
+    off."""
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    torch.manual_seed(11)
+    torch.manual_seed(seed)
     model = SmallNet().eval()
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, nn.Conv2d):
-                module.weight[torch.rand_like(module.weight) < 0.8] = 0
-    model = model.to(CUDA)
+                module.weight[torch.rand_like(module.weight) < sparsity] = 0
+    return model.to(CUDA, dtype)
+
+
+def test_whole_model_auto_matches_dense_and_plan_is_reused(tmp_path) -> None:
+    model = pruned_small_net(11, 0.8)
     x = torch.randn(6, 3, 20, 20, device=CUDA)
     sparse = sparsify(model)
     plan, comparisons = plan_model(sparse, x, runs=3)
@@ -305,14 +311,7 @@ def test_whole_model_auto_matches_dense_and_plan_is_reused(tmp_path) -> None:
 def test_check_plan_times_cuda_graphs_and_keeps_the_model_correct() -> None:
     from unsparse.runtime.comparator import check_plan
 
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    torch.manual_seed(13)
-    model = SmallNet().eval()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Conv2d):
-                module.weight[torch.rand_like(module.weight) < 0.9] = 0
-    model = model.to(CUDA)
+    model = pruned_small_net(13, 0.9)
     x = torch.randn(6, 3, 20, 20, device=CUDA)
     sparse = sparsify(model)
     plan, comparisons = plan_model(sparse, x, runs=3)
@@ -349,14 +348,7 @@ def test_whole_model_planned_in_channels_last_stays_in_it_and_matches_dense() ->
     from unsparse.runtime.layout import in_layout, layout_of
     from unsparse.runtime.modules import sparse_layers
 
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    torch.manual_seed(12)
-    model = SmallNet().eval()
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, nn.Conv2d):
-                module.weight[torch.rand_like(module.weight) < 0.9] = 0
-    model = model.to(CUDA, torch.float16)
+    model = pruned_small_net(12, 0.9, torch.float16)
     x = in_layout(torch.randn(6, 3, 20, 20, device=CUDA, dtype=torch.float16), "nhwc")
     sparse = sparsify(model)
     _, comparisons = plan_model(sparse, x, runs=3)

@@ -326,9 +326,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             dense_t = time_fn(lambda i: dense(x), device, runs=runs)
             sparse_t = time_fn(lambda i: sparse(x), device, runs=runs)
             graphs = graph_timings(lambda: dense(x), lambda: sparse(x), device, runs)
-            dense_nhwc = channels_last_copy(dense)
-            nhwc_error = relative_error(dense_nhwc(x_nhwc).double(), dense_out.double())
-            nhwc_t = time_fn(lambda i: dense_nhwc(x_nhwc), device, runs=runs)
+            dense_nhwc, nhwc_t, nhwc_error = dense_channels_last(dense, x, dense_out, runs)
             planned_nhwc_error, planned_nhwc_t = math.inf, None
             if nhwc_planned:
                 planned_nhwc_error = relative_error(sparse_nhwc(x_nhwc).double(), dense_out.double())
@@ -386,13 +384,13 @@ def channels_last_copy(dense: nn.Module) -> nn.Module:
 
 
 def dense_channels_last(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tensor,
-                        runs: int) -> tuple[Timing, float]:
-    """Eager timing (ms) of :func:`channels_last_copy` of ``dense`` on ``x`` in channels-last, and the relative
+                        runs: int) -> tuple[nn.Module, Timing, float]:
+    """:func:`channels_last_copy` of ``dense``, its eager timing (ms) on ``x`` in channels-last, and the relative
     error of its output against ``dense_out`` (NCHW run)."""
     model = channels_last_copy(dense)
     x = x.contiguous(memory_format=torch.channels_last)
     error = relative_error(model(x).double(), dense_out.double())
-    return time_fn(lambda i: model(x), x.device, runs=runs), error
+    return model, time_fn(lambda i: model(x), x.device, runs=runs), error
 
 
 def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: Sequence[float] = (0.8, 0.9, 0.95),

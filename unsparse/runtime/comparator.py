@@ -21,7 +21,7 @@ from torch import nn
 from unsparse.runtime.backends import available_backends, get_backend
 from unsparse.runtime.baseline import Baseline, time_baseline
 from unsparse.runtime.layout import layout_of
-from unsparse.runtime.modules import SparseConv, sparse_layers
+from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, temporary_backend
 from unsparse.runtime.plan import Plan, PlanEntry, layer_key, use_plan
 from unsparse.runtime.timing import (
     MIN_RUNS,
@@ -342,21 +342,14 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
             comparisons.append(comparison)
             plan.entries[key] = comparison.plan_entry()
 
-    layers = sparse_layers(model)
-    saved = {name: (layer.backend, layer.backend_params) for name, layer in layers.items()}
-    handles = [layer.register_forward_pre_hook(before) for layer in layers.values()]
+    handles = [layer.register_forward_pre_hook(before) for layer in sparse_layers(model).values()]
     try:
-        for layer in layers.values():
-            layer.backend, layer.backend_params = dense_fallback_backend(example.device), {}
-        with torch.no_grad():
+        with temporary_backend(model, dense_fallback_backend(example.device)), torch.no_grad():
             model(example)
     finally:
         for handle in handles:
             handle.remove()
-        for name, layer in layers.items():
-            layer.backend, layer.backend_params = saved[name]
-    for layer in layers.values():
-        layer.backend, layer.backend_params = "auto", {}
+    set_backend(model, "auto")
     use_plan(plan)
     return plan, comparisons
 
@@ -406,9 +399,6 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
     """
     from unsparse.sparse.functional import dense_fallback_backend
 
-    layers = sparse_layers(model)
-    saved = {name: (layer.backend, layer.backend_params) for name, layer in layers.items()}
-
     def forward() -> None:
         model(example)
 
@@ -419,13 +409,8 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
 
     def both(timing: str) -> tuple[float, float]:
         planned = measure(timing)
-        try:
-            for layer in layers.values():
-                layer.backend, layer.backend_params = dense_fallback_backend(example.device), {}
+        with temporary_backend(model, dense_fallback_backend(example.device)):
             return planned, measure(timing)
-        finally:
-            for name, layer in layers.items():
-                layer.backend, layer.backend_params = saved[name]
 
     timing = "graph" if example.device.type == "cuda" else "eager"
     with torch.no_grad():

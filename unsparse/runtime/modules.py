@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -105,6 +107,19 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
 def sparse_layers(model: nn.Module) -> dict[str, SparseConv]:
     """Every :class:`SparseConv` in ``model`` by qualified name, in module order."""
     return {name: module for name, module in model.named_modules() if isinstance(module, SparseConv)}
+
+
+@contextmanager
+def temporary_backend(model: nn.Module, backend: str, **params: Any) -> Iterator[nn.Module]:
+    """Every :class:`SparseConv` of ``model`` on ``backend`` inside the ``with`` block; each layer's own backend and
+    parameters are put back afterwards, also when the block raises."""
+    saved = {layer: (layer.backend, layer.backend_params) for layer in sparse_layers(model).values()}
+    set_backend(model, backend, **params)
+    try:
+        yield model
+    finally:
+        for layer, (name, layer_params) in saved.items():
+            layer.backend, layer.backend_params = name, layer_params
 
 
 def set_backend(model: nn.Module, backend: str, **params: Any) -> nn.Module:
