@@ -61,7 +61,11 @@ def test_pipeline_smoke_on_real_data(tmp_path):
     assert all(entry["status"] == "ok" and entry["rel_error"] < 1e-4 for entry in report["timings"])
     assert {verdict["layer"] for verdict in report["timing_verdicts"]} == {row["layer"] for row in report["layers"]}
     assert json.loads((tmp_path / "report.json").read_text())["accuracy"] == accuracy
-    assert "sparse" in (tmp_path / "report.md").read_text()
+    check = report["plan_check"]
+    assert check["timing"] == "eager" and check["images"] == 8 and check["model_runs_on"] == "reference"
+    assert check["planned_ms"] > 0 and check["default_ms"] > 0
+    markdown = (tmp_path / "report.md").read_text()
+    assert "sparse" in markdown and "## Whole model" in markdown and "not on the plan" in markdown
     assert load_sparse(tmp_path / "model.safetensors").unsparse_metadata["extra"]["accuracy"]["pruned"] == \
         accuracy["pruned"]
 
@@ -71,10 +75,12 @@ def test_timing_settings_choose_the_compared_backends():
 
     model = sparsify(create_model("vgg_small", width=4).eval())
     example = torch.randn(2, 1, 28, 28)
-    rows = compare_layers(model, example, TimingSettings(repeats=1, warmup=0, backends=["dense_cpu", "reference"]))
+    rows, check = compare_layers(model, example,
+                                 TimingSettings(repeats=1, warmup=0, backends=["dense_cpu", "reference"]))
+    assert check.timing == "eager" and check.planned_ms > 0 and check.default_ms > 0
     assert rows and {row["backend"] for row in rows} == {"dense_cpu", "reference", "dense_alone"}
     assert {row["params"]["layout"] for row in rows if row["backend"] == "dense_alone"} == {"nchw", "nhwc"}
-    assert {row["backend"] for row in compare_layers(model, example, TimingSettings(repeats=1, warmup=0))} == \
+    assert {row["backend"] for row in compare_layers(model, example, TimingSettings(repeats=1, warmup=0))[0]} == \
         {"dense_cpu", "im2col_cublas", "im2col_cusparse", "dense_alone"}  # the default leaves the reference out
     with pytest.raises(ValueError, match="backends: unknown \\['direct_half'\\]"):
         TimingSettings(backends=["direct_half"])

@@ -1,4 +1,4 @@
-"""The pipeline report's per-layer verdicts: speedups are against the baseline's fastest entry, and a slower sparse
+"""The pipeline report's verdicts: per layer, speedups are against the baseline's fastest entry and a slower sparse
 backend is called slower."""
 
 from __future__ import annotations
@@ -24,3 +24,16 @@ def test_verdicts_use_the_fastest_baseline_entry_and_say_slower() -> None:
     assert b["sparse_speedup"] == pytest.approx(0.5) and b["verdict"] == "sparse SLOWER (2.00x the baseline time)"
     assert b["fastest"] == "direct"  # the baseline is not a backend a plan can choose
     assert c["baseline_ms"] is None and c["verdict"] == "no sparse/baseline pair measured"
+
+
+def test_plan_check_text_says_whether_the_plan_is_slower_and_what_was_set_back() -> None:
+    from unsparse.report.document import plan_check_text
+
+    faster = plan_check_text({"planned_ms": 2.0, "default_ms": 3.0, "reverted": [], "timing": "graph",
+                              "images": 128, "model_runs_on": "auto"})
+    assert "1.50x the default's speed" in faster and "CUDA-graph" in faster
+    assert "SLOWER" not in faster and "set back" not in faster and "not on the plan" not in faster
+    slower = plan_check_text({"planned_ms": 4.0, "default_ms": 2.0, "reverted": ["a", "b"], "timing": "eager",
+                              "images": 8, "model_runs_on": "reference"})
+    assert "0.50x the default's speed, so the plan is SLOWER" in slower and "eagerly" in slower
+    assert "2 new layer entries were set back" in slower and "`reference`, not on the plan" in slower

@@ -11,7 +11,7 @@ import math
 import os
 import subprocess
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from unsparse.report import layer_rows, timing_verdicts, write_report
 from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
 from unsparse.runtime.baseline import NAME as BASELINE
-from unsparse.runtime.comparator import plan_model
+from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.sparse.io import load_sparse, save_sparse
 from unsparse.train import Trainer, deterministic_algorithms
@@ -89,13 +89,17 @@ def git_commit() -> str | None:
         return None
 
 
-def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettings) -> list[dict[str, Any]]:
-    """Plan ``model`` on ``example`` with the comparator and flatten its results into report rows.
+def compare_layers(model: nn.Module, example: torch.Tensor,
+                   timing: TimingSettings) -> tuple[list[dict[str, Any]], PlanCheck]:
+    """Plan ``model`` on ``example`` with the comparator, check the plan end to end and flatten the comparisons
+    into report rows.
 
     Every available backend (or those ``timing.backends`` names) is timed on every SparseConv with the input
     ``example`` produces there and checked against the float64 reference
     (:func:`unsparse.runtime.comparator.plan_model`); the model's layers are left on ``"auto"`` following the
-    new plan.
+    new plan. Then the whole planned model is timed against the same model on its dense default, and the plan's
+    new entries are set back to that default if it is slower (:func:`~unsparse.runtime.comparator.check_plan`,
+    ``timing.repeats`` runs of each): per-layer times need not add up to a model's.
 
     Args:
         model: holds SparseConv layers on ``example``'s device (mutated: backends set to ``"auto"``).
@@ -103,11 +107,11 @@ def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettin
         timing: timed runs and warm-up runs per setting, backends to time.
 
     Returns:
-        Rows with ``layer``, ``backend``, ``sparse``, ``params``, ``status`` (``ok``/``wrong``/``unsupported``/
-        ``error``), ``input_shape``, ``time_ms`` (median, ms; None if not timed), ``runs``, ``rel_error``
-        (vs the float64 reference) and ``reason``; layers sharing a plan key share their measurements. Besides the
-        backends, each layer has one row per layout of the dense convolution alone (backend
-        :data:`unsparse.runtime.baseline.NAME`, params ``{"layout": ...}``), the baseline of the speedups.
+        The rows and the plan check. Rows with ``layer``, ``backend``, ``sparse``, ``params``, ``status``
+        (``ok``/``wrong``/``unsupported``/``error``), ``input_shape``, ``time_ms`` (median, ms; None if not
+        timed), ``runs``, ``rel_error`` (vs the float64 reference) and ``reason``; layers sharing a plan key share
+        their measurements. Besides the backends, each layer has one row per layout of the dense convolution alone
+        (backend :data:`unsparse.runtime.baseline.NAME`, params ``{"layout": ...}``), the baseline of the speedups.
     """
     from unsparse.runtime.backends import get_backend
 
@@ -119,11 +123,12 @@ def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettin
     names = {layer: name for name, layer in sparse_layers(model).items()}
     hooks = [layer.register_forward_pre_hook(record_shape) for layer in names]
     try:
-        _, comparisons = plan_model(model, example, backends=timing.backends, runs=timing.repeats,
-                                    warmup=timing.warmup, baseline=True)
+        plan, comparisons = plan_model(model, example, backends=timing.backends, runs=timing.repeats,
+                                       warmup=timing.warmup, baseline=True)
     finally:
         for hook in hooks:
             hook.remove()
+    check = check_plan(model, example, plan, comparisons, runs=timing.repeats, warmup=timing.warmup)
     by_key = {comparison.key: comparison for comparison in comparisons}
     rows = []
     for name, layer in sparse_layers(model).items():
@@ -146,7 +151,7 @@ def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettin
                          "input_shape": shapes[name],
                          "time_ms": timed.median_ms if timed else None, "runs": timed.runs if timed else None,
                          "rel_error": error, "reason": baseline.failures.get(layout)})
-    return rows
+    return rows, check
 
 
 def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Callable[..., nn.Module],
@@ -163,8 +168,10 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         pruner: e.g. :class:`unsparse.prune.MagnitudePruner`.
         quantizer: ``quantizer(sparse_model, calibration_loader) -> sparse_model`` (identity for none).
         backend: backend the reloaded sparse model runs the test set on; ``"auto"`` follows the comparator's
-            plan (made on one evaluation batch). Whatever the choice, every available backend is compared per
-            layer on ``timing.batch_size`` images (``eval_batch_size`` for ``"auto"``) for the report.
+            plan (made on one evaluation batch), set back to the dense default if the whole planned model is
+            slower than that default. Whatever the choice, every available backend is compared per layer on
+            ``timing.batch_size`` images (``eval_batch_size`` for ``"auto"``), and the planned model is timed
+            against its dense default (:func:`compare_layers`; ``plan_check`` in the report).
 
     Returns:
         The report dict (also written as ``report.json``).
@@ -194,7 +201,7 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
 
     rows = layer_rows(loaded, path)
     example = splits.test[0][: train.eval_batch_size if backend == "auto" else timing.batch_size].to(device)
-    timings = compare_layers(loaded, example, timing)
+    timings, check = compare_layers(loaded, example, timing)
     if backend != "auto":
         set_backend(loaded, backend)
     accuracy["sparse_run"] = trainer.evaluate(loaded, "test", f"test sparse ({backend})")["top1"]
@@ -213,6 +220,7 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         "not_timed": [entry for entry in timings if entry["time_ms"] is None],
         "timing_baseline": BASELINE,
         "timing_verdicts": timing_verdicts([entry for entry in timings if entry["time_ms"] is not None], BASELINE),
+        "plan_check": {**asdict(check), "images": len(example), "model_runs_on": backend},
         "file": {"path": path.name, "bytes": path.stat().st_size,
                  "sparse_conv_bytes": sum(row["file_bytes"] for row in rows),
                  "dense_conv_fp32_bytes": sum(row["dense_fp32_bytes"] for row in rows)},

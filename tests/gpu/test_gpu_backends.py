@@ -322,6 +322,26 @@ def test_check_plan_times_cuda_graphs_and_keeps_the_model_correct() -> None:
         assert relative_error(sparse(x).double(), model(x).double()) <= 10 * tolerance(torch.float32)
 
 
+def test_main_job_on_auto_checks_its_plan_as_cuda_graphs(tmp_path) -> None:
+    """The main job on CUDA with ``backend="auto"``: the report's whole-model check is GPU time, and the test set
+    run on the (checked) plan scores what the pruned model scores."""
+    from unsparse.data import digits
+    from unsparse.models import create_model
+    from unsparse.pipeline import TimingSettings, TrainSettings, run_pipeline
+    from unsparse.prune import MagnitudePruner
+
+    torch.manual_seed(0)
+    report = run_pipeline(digits(), create_model("vgg_small", width=8), MagnitudePruner(0.9, fine_tune_epochs=1),
+                          lambda model, loader: model, tmp_path, TrainSettings(epochs=1, batch_size=64),
+                          TimingSettings(batch_size=64, repeats=5, warmup=1), backend="auto", device=CUDA,
+                          progress=False)
+    check = report["plan_check"]
+    assert check["timing"] == "graph" and check["model_runs_on"] == "auto" and check["images"] == 360
+    assert check["planned_ms"] > 0 and check["default_ms"] > 0
+    assert abs(report["accuracy"]["sparse_run"] - report["accuracy"]["pruned"]) <= 0.6  # two of 360 images
+    assert "## Whole model" in (tmp_path / "report.md").read_text()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", ["odd_3x3", "stride2_vector", "pointwise_vector", "alexnet_11x11_s4",
                                   "empty_and_dense_rows"])

@@ -61,13 +61,32 @@ def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[di
     return verdicts
 
 
+def plan_check_text(check: dict[str, Any]) -> str:
+    """One paragraph on the whole planned model against its dense default (the report's ``plan_check``: the fields
+    of :class:`~unsparse.runtime.comparator.PlanCheck`, ``images`` per forward and ``model_runs_on``, the backend
+    the test set ran on). Says whether the plan is faster or slower, and that slower plans were set back."""
+    how = "as CUDA-graph replays (GPU time)" if check["timing"] == "graph" else "eagerly (host clock included)"
+    planned, default = check["planned_ms"], check["default_ms"]
+    speed = default / planned
+    verdict = f"{speed:.2f}x the default's speed" + (", so the plan is SLOWER" if speed < 1 else "")
+    text = (f"The planned model took {planned:.4g} ms per forward of {check['images']} images, against "
+            f"{default:.4g} ms with every layer on its dense default, timed {how} in the same run: {verdict}.")
+    if check["reverted"]:
+        text += (f" Being slower by more than the planning margin, the plan's {len(check['reverted'])} new layer "
+                 "entries were set back to the dense default.")
+    if check["model_runs_on"] != "auto":
+        text += f" The test set ran on `{check['model_runs_on']}`, not on the plan."
+    return text
+
+
 def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, Path]) -> dict[str, Path]:
     """Write ``report.json`` and ``report.md`` into ``outdir`` (atomically).
 
     Args:
         report: JSON-ready dict with keys ``run``, ``accuracy``, ``pruning``, ``quantization``, ``layers``
             (rows of :func:`unsparse.report.layers.layer_rows`), ``timings``, ``timing_baseline``,
-            ``timing_verdicts`` (from :func:`timing_verdicts`) and ``file``.
+            ``timing_verdicts`` (from :func:`timing_verdicts`), ``file`` and optionally ``plan_check`` (the
+            fields of :class:`~unsparse.runtime.comparator.PlanCheck` with ``images`` and ``model_runs_on``).
         figures: title -> PNG path (relative links are written into the Markdown).
 
     Returns:
@@ -111,6 +130,8 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
                        [[v["layer"], v["baseline_ms"], v["fastest"], v["best_sparse"], v["sparse_speedup"],
                          v["verdict"]] for v in report["timing_verdicts"]]),
     ]
+    if report.get("plan_check"):
+        sections += ["## Whole model", plan_check_text(report["plan_check"])]
     sections += [f"## {title}\n\n![{title}]({path.relative_to(outdir)})" for title, path in figures.items()]
     paths = {"json": atomic_write_json(outdir / "report.json", report),
              "markdown": atomic_write_text(outdir / "report.md", "\n\n".join(sections) + "\n")}
