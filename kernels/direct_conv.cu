@@ -257,15 +257,14 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
                 int N, int C, int H, int W, int M, int E, int F, int pad_h, int pad_w, int tiles_f,
                 int groups) {
   using Elem = typename TileElem<T, IMAGES>::type;
-  constexpr int IPE = IMAGES;
   constexpr int VE = 16 / sizeof(Elem);  // elements per 16-byte vector
-  static_assert(NB % IPE == 0, "paired tiles: NB must be even");
+  static_assert(NB % IMAGES == 0, "paired tiles: NB must be even");
   static_assert(HALF_RUN == 0 || sizeof(T) == 2, "half2 products need the float16 image pairs");
   static_assert(MW * NB * PY <= TILE_WIDE_SUMS || WARPS <= 8,
                 "a wide tiling runs two blocks per SM at 128 registers: at most 8 warps each");
   static_assert(U == 1 || sizeof(T) == 4, "union entries are float32 only (kernels/NOTES.md v21)");
   static_assert(32 % WX == 0, "a warp row holds WX lanes");
-  constexpr int NBE = NB / IPE;
+  constexpr int NBE = NB / IMAGES;
   constexpr int WY = 32 / WX;
   constexpr int TE = WY * PY;
   constexpr int IH = TE + R - 1;
@@ -297,10 +296,10 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
   const int K = (C + CC - 1) / CC;
   const long long image_size = static_cast<long long>(C) * H * W;  // elements of one image element
   const Elem* xe = reinterpret_cast<const Elem*>(x);
-  const int NE = (N + IPE - 1) / IPE;  // image elements of the input
-  const int ne0 = n0 / IPE;
+  const int NE = (N + IMAGES - 1) / IMAGES;  // image elements of the input
+  const int ne0 = n0 / IMAGES;
 
-  float acc[MW][NBE][PY][IPE];
+  float acc[MW][NBE][PY][IMAGES];
 #pragma unroll
   for (int j = 0; j < MW; ++j)
 #pragma unroll
@@ -308,7 +307,7 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
 #pragma unroll
       for (int py = 0; py < PY; ++py)
 #pragma unroll
-        for (int q = 0; q < IPE; ++q) acc[j][ie][py][q] = 0.f;
+        for (int q = 0; q < IMAGES; ++q) acc[j][ie][py][q] = 0.f;
   __half2 run[NBE][PY];  // HALF_RUN > 0: the float16 partial sums of the current run (zero between runs)
 #pragma unroll
   for (int ie = 0; ie < NBE; ++ie)
@@ -389,12 +388,12 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
         for (int ie = 0; ie < NBE; ++ie)
 #pragma unroll
           for (int py = 0; py < PY; ++py) {
-            float v[IPE];
+            float v[IMAGES];
             TileElem<T, IMAGES>::to_float(src[ie * PLANE + py * WY * IWP], v);
 #pragma unroll
             for (int u = 0; u < U; ++u)
 #pragma unroll
-              for (int q = 0; q < IPE; ++q)
+              for (int q = 0; q < IMAGES; ++q)
                 acc[g * U + u][ie][py][q] = fmaf(__int_as_float(bits[u]), v[q], acc[g * U + u][ie][py][q]);
           }
       }, [](int) {});
@@ -443,8 +442,8 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
 #pragma unroll
     for (int ie = 0; ie < NBE; ++ie)
 #pragma unroll
-      for (int q = 0; q < IPE; ++q) {
-        const int n = n0 + ie * IPE + q;
+      for (int q = 0; q < IMAGES; ++q) {
+        const int n = n0 + ie * IMAGES + q;
         if (n >= N) continue;
         T* dst = out + (static_cast<long long>(n) * M + m) * plane + first;
 #pragma unroll

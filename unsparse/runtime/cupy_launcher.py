@@ -41,6 +41,10 @@ float16 bound of 2e-3 even for dense rows (kernels/NOTES.md v17)."""
 TAP_SHIFT_BITS = 16
 """``direct_rows`` packs a tap's (row shift, column shift) as ``dy << 16 | dx``; both must be < 2**15."""
 
+VECTOR_BYTES = 16
+"""Bytes of one staging vector (a ``cp.async`` or ``uint4`` copy): 16-byte staging moves whole vectors, so it needs
+rows of whole vectors and 16-byte aligned data."""
+
 _CUDA_TYPES = {torch.float32: "float", torch.float16: "__half"}
 """Storage dtypes the kernels are instantiated for; arithmetic is float32 for both."""
 
@@ -54,6 +58,17 @@ def cuda_type(dtype: torch.dtype) -> str:
     if dtype not in _CUDA_TYPES:
         raise ValueError(f"dtype: no direct kernel for {dtype}; supported: {sorted(map(str, _CUDA_TYPES))}")
     return _CUDA_TYPES[dtype]
+
+
+def vector_elements(element_bytes: int) -> int:
+    """Elements of ``element_bytes`` bytes in one :data:`VECTOR_BYTES` vector: 4 float32, 8 float16, 2 image pairs
+    of float32 (8-byte elements)."""
+    return VECTOR_BYTES // element_bytes
+
+
+def vector_aligned(x: torch.Tensor) -> bool:
+    """Whether ``x``'s data starts on a :data:`VECTOR_BYTES` boundary (16-byte staging reads it in vectors)."""
+    return x.data_ptr() % VECTOR_BYTES == 0
 
 
 def supported_dtypes() -> tuple[torch.dtype, ...]:
@@ -171,7 +186,7 @@ class TileLayout:
     @property
     def vector_elements(self) -> int:
         """Elements of one 16-byte staging vector: 4 of 4 bytes, 2 of 8 bytes."""
-        return 16 // self.element_bytes
+        return vector_elements(self.element_bytes)
 
     @property
     def plane(self) -> int:
@@ -240,7 +255,7 @@ def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTi
         if tiling.wx != 32 or not 0 <= vector_pad <= S - 1:
             raise ValueError(f"tiling: 16-byte staging needs WX=32 and 0 <= pad_w <= S-1, got WX={tiling.wx}, "
                              f"pad_w={vector_pad}, S={S}")
-        ve = 16 // element_bytes
+        ve = vector_elements(element_bytes)
         left = -vector_pad % ve
         width = left + tf + S - 1
         return TileLayout(te + R - 1, tf + S - 1, width + -width % ve, tiling.nb // ipe, tiling.cc, left, True,
@@ -334,7 +349,7 @@ class PointwiseTiling:
 
 def pointwise_unit(dtype: torch.dtype, vector: bool) -> int:
     """Columns one staging copy of ``direct_pointwise`` moves: a 16-byte vector (4 float32, 8 float16) or 1."""
-    return 16 // dtype.itemsize if vector else 1
+    return vector_elements(dtype.itemsize) if vector else 1
 
 
 def pointwise_layout(dtype: torch.dtype, tiling: PointwiseTiling, vector: bool) -> TileLayout:
@@ -427,7 +442,7 @@ def pairing_launch(dtype: torch.dtype, batch: int, image_elements: int, vector: 
         raise ValueError("pairing_launch: every size must be positive")
     if image_elements >= 2**31:
         raise ValueError(f"pairing_launch: {image_elements} elements per image exceed int32 indexing")
-    unit = 16 // dtype.itemsize
+    unit = vector_elements(dtype.itemsize)
     grid = (math.ceil(image_elements / (unit * PAIRING_THREADS)), math.ceil(batch / 2), 1)
     _check_grid(grid)
     return Launch(f"pair_images<{cuda_type(dtype)},{int(vector)}>", grid, (PAIRING_THREADS, 1, 1))
@@ -436,7 +451,7 @@ def pairing_launch(dtype: torch.dtype, batch: int, image_elements: int, vector: 
 def pairing_vector(x: torch.Tensor) -> bool:
     """Whether ``pair_images`` can move ``x`` (contiguous ``(N, ...)``) in 16-byte vectors: each image's element
     count a multiple of ``16 / itemsize`` and the data 16-byte aligned."""
-    return (x[0].numel() * x.element_size()) % 16 == 0 and x.data_ptr() % 16 == 0
+    return (x[0].numel() * x.element_size()) % VECTOR_BYTES == 0 and vector_aligned(x)
 
 
 def _check_grid(grid: tuple[int, int, int]) -> None:

@@ -564,10 +564,10 @@ class DirectBackend(ConvBackend):
                 raise ValueError(f"variant: pointwise needs a 1x1, unpadded Conv2d, got {csr.kernel_size} {geometry}")
             pixels = in_hw[0] * in_hw[1]
             vector = self._vector_requested(params, lambda: cl.pointwise_vector_reason(x.dtype, pixels))
-            return KernelView(csr1, geometry1, split, in_hw, out_hw, vector and (copied or x.data_ptr() % 16 == 0))
+            return KernelView(csr1, geometry1, split, in_hw, out_hw, vector and (copied or cl.vector_aligned(x)))
         vector = self._vector_requested(
             params, lambda: cl.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding))
-        aligned = copied or reads_pairs(params, x.dtype) or x.data_ptr() % 16 == 0  # pairing copies too
+        aligned = copied or reads_pairs(params, x.dtype) or cl.vector_aligned(x)  # pairing copies too
         return KernelView(csr1, geometry1, split, in_hw, out_hw, geometry1.padding[1] if vector and aligned else None)
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
@@ -708,7 +708,7 @@ class DirectBackend(ConvBackend):
         if csr.out_channels == 0 or x.shape[0] == 0:  # E, F >= 1 (output_size raises otherwise)
             return torch.empty(x.shape[0], csr.out_channels, *self._out_hw(x, csr, geometry), dtype=x.dtype,
                                device=x.device)
-        key = ("call", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), x.data_ptr() % 16 == 0)
+        key = ("call", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), cl.vector_aligned(x))
         prepared = self._arrays(csr, key, lambda: self._prepare(x, csr, geometry, params))
         return prepared(x, None if bias is None else bias.to(x.dtype).contiguous())
 
