@@ -23,7 +23,6 @@ import argparse
 import json
 import re
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from unsparse.atomic import atomic_write_text
 from unsparse.pipeline import git_commit
+from unsparse.runtime.baseline import time_baseline
 from unsparse.runtime.bench import (
     MODELS,
     PRECISIONS,
@@ -45,58 +45,55 @@ from unsparse.runtime.bench import (
     precision_mode,
 )
 from unsparse.runtime.comparator import relative_error, tolerance
+from unsparse.runtime.layout import LAYOUTS as BASELINE_LAYOUTS
 from unsparse.runtime.timing import cache_bytes, rotated_inputs, rotation_count, time_fn
 
-LAYOUTS = ("nchw", "nhwc", "nhwc_converted")
+LAYOUTS = (*BASELINE_LAYOUTS, "nhwc_converted")
 """Layer layouts timed, in the order of the records (see the module docstring)."""
-CHANNELS_LAST = torch.channels_last
-
-
-def layout_calls(inputs: list[torch.Tensor], weight: torch.Tensor, layer: ConvLayer
-                 ) -> dict[str, Callable[[int], torch.Tensor]]:
-    """One call per layout of :data:`LAYOUTS`, each taking the run index and returning the layer's output.
-
-    Args:
-        inputs: rotated ``(N, C, H, W)`` NCHW inputs of the layer. weight: ``(M, C, R, S)`` dense NCHW weight.
-        layer: the layer's geometry.
-    """
-    g = layer.geometry
-    nhwc_inputs = [x.contiguous(memory_format=CHANNELS_LAST) for x in inputs]
-    nhwc_weight = weight.contiguous(memory_format=CHANNELS_LAST)
-
-    def conv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return F.conv2d(x, w, None, g.stride, g.padding, g.dilation, g.groups)
-
-    return {
-        "nchw": lambda i: conv(inputs[i % len(inputs)], weight),
-        "nhwc": lambda i: conv(nhwc_inputs[i % len(inputs)], nhwc_weight),
-        "nhwc_converted": lambda i: conv(inputs[i % len(inputs)].contiguous(memory_format=CHANNELS_LAST),
-                                         nhwc_weight).contiguous(),
-    }
 
 
 def time_layer(layer: ConvLayer, batch: int, precision: str, device: torch.device, runs: int) -> dict[str, Any]:
-    """Median ms of each layout on one layer, with the outputs checked equal to the NCHW one (relative error).
+    """Median ms of each layout of :data:`LAYOUTS` on one layer (dense random weights of the layer's shape), each
+    output checked against the NCHW one (relative error): ``nchw`` and ``nhwc`` are the benchmark baseline's
+    layouts, timed by :func:`~unsparse.runtime.baseline.time_baseline`; ``nhwc_converted`` converts the NCHW input
+    inside the call and the output back.
 
     Returns:
-        A JSON-ready record: layer, input ``(C, H, W)``, weight shape, stride, precision, ``ms`` per layout,
-        ``rel_error`` per layout against NCHW, rotation, and ``fastest`` (the layout with the smallest median
-        among those within the precision's tolerance of NCHW).
+        A JSON-ready record: layer, input ``(C, H, W)``, weight shape, stride, precision, ``ms`` per layout that
+        computed within the precision's tolerance of NCHW, ``rel_error`` per layout against NCHW, the layouts left
+        untimed with why (``failures``), rotation, and ``fastest`` (the timed layout with the smallest median).
     """
     mode = PRECISIONS[precision]
+    g = layer.geometry
+    bound = tolerance(mode.dtype, mode.tf32)
     with precision_mode(mode.tf32), torch.no_grad():
         torch.backends.cudnn.benchmark = device.type == "cuda"
         weight = torch.randn(layer.weight.shape, device=device, dtype=mode.dtype) * 0.05
         x = torch.randn(batch, *layer.in_chw, device=device, dtype=mode.dtype)
         inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(device)))
-        calls = layout_calls(inputs, weight, layer)
-        reference = calls["nchw"](0).double()
-        errors = {name: relative_error(call(0).double(), reference) for name, call in calls.items()}
-        ms = {name: time_fn(call, device, runs=runs, rotation=len(inputs)).median_ms for name, call in calls.items()}
-    correct = [name for name in ms if errors[name] <= tolerance(mode.dtype, mode.tf32)]
+        reference = F.conv2d(x, weight, None, g.stride, g.padding, g.dilation, g.groups).double()
+
+        def error(out: torch.Tensor) -> float:
+            return relative_error(out.double(), reference)
+
+        baseline = time_baseline(inputs, weight, g, error, bound, runs)
+        nhwc_weight = weight.contiguous(memory_format=torch.channels_last)
+
+        def converted(i: int) -> torch.Tensor:
+            nhwc = inputs[i % len(inputs)].contiguous(memory_format=torch.channels_last)
+            return F.conv2d(nhwc, nhwc_weight, None, g.stride, g.padding, g.dilation, g.groups).contiguous()
+
+        ms = {name: timing.median_ms for name, timing in baseline.timings.items()}
+        errors = {**baseline.rel_error, "nhwc_converted": error(converted(0))}
+        failures = dict(baseline.failures)
+        if errors["nhwc_converted"] <= bound:
+            ms["nhwc_converted"] = time_fn(converted, device, runs=runs, rotation=len(inputs)).median_ms
+        else:
+            failures["nhwc_converted"] = f"relative error {errors['nhwc_converted']:.3g} > {bound:.3g}"
     return {"model_layer": layer.name, "in_chw": list(layer.in_chw), "weight_shape": list(layer.weight.shape),
-            "stride": list(layer.geometry.stride), "count": layer.count, "batch": batch, "precision": precision,
-            "ms": ms, "rel_error": errors, "rotation": len(inputs), "fastest": min(correct, key=ms.__getitem__)}
+            "stride": list(g.stride), "count": layer.count, "batch": batch, "precision": precision,
+            "ms": ms, "rel_error": errors, "failures": failures, "rotation": len(inputs),
+            "fastest": min(ms, key=ms.__getitem__)}
 
 
 def time_model(name: str, batch: int, precision: str, device: torch.device, runs: int) -> dict[str, Any]:
