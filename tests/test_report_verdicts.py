@@ -30,10 +30,13 @@ def test_plan_check_text_says_whether_the_plan_is_slower_and_what_was_set_back()
     from unsparse.report.document import plan_check_text
 
     faster = plan_check_text({"planned_ms": 2.0, "default_ms": 3.0, "reverted": [], "timing": "graph",
-                              "images": 128, "model_runs_on": "auto"})
+                              "margin": 0.03, "images": 128, "model_runs_on": "auto"})
     assert "1.50x the default's speed" in faster and "CUDA-graph" in faster
     assert "SLOWER" not in faster and "set back" not in faster and "not on the plan" not in faster
     slower = plan_check_text({"planned_ms": 4.0, "default_ms": 2.0, "reverted": ["a", "b"], "timing": "eager",
-                              "images": 8, "model_runs_on": "reference"})
+                              "margin": 0.03, "images": 8, "model_runs_on": "reference"})
     assert "0.50x the default's speed, so the plan is SLOWER" in slower and "eagerly" in slower
     assert "2 new layer entries were set back" in slower and "`reference`, not on the plan" in slower
+    noise = plan_check_text({"planned_ms": 1.02, "default_ms": 1.0, "reverted": [], "timing": "graph",
+                             "margin": 0.03, "images": 8, "model_runs_on": "auto"})
+    assert "0.98x the default's speed, within the 3 % planning margin" in noise and "SLOWER" not in noise

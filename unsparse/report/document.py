@@ -63,12 +63,18 @@ def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[di
 
 def plan_check_text(check: dict[str, Any]) -> str:
     """One paragraph on the whole planned model against its dense default (the report's ``plan_check``: the fields
-    of :class:`~unsparse.runtime.comparator.PlanCheck`, ``images`` per forward and ``model_runs_on``, the backend
-    the test set ran on). Says whether the plan is faster or slower, and that slower plans were set back."""
+    of :class:`~unsparse.runtime.comparator.PlanCheck`, the planning ``margin`` (a fraction), ``images`` per
+    forward and ``model_runs_on``, the backend the test set ran on). Says whether the plan is faster, within the
+    margin (run-to-run noise) or SLOWER, and that slower plans were set back."""
     how = "as CUDA-graph replays (GPU time)" if check["timing"] == "graph" else "eagerly (host clock included)"
     planned, default = check["planned_ms"], check["default_ms"]
     speed = default / planned
-    verdict = f"{speed:.2f}x the default's speed" + (", so the plan is SLOWER" if speed < 1 else "")
+    if speed >= 1:
+        verdict = f"{speed:.2f}x the default's speed"
+    elif planned <= (1 + check["margin"]) * default:
+        verdict = f"{speed:.2f}x the default's speed, within the {100 * check['margin']:.0f} % planning margin"
+    else:
+        verdict = f"{speed:.2f}x the default's speed, so the plan is SLOWER"
     text = (f"The planned model took {planned:.4g} ms per forward of {check['images']} images, against "
             f"{default:.4g} ms with every layer on its dense default, timed {how} in the same run: {verdict}.")
     if check["reverted"]:
