@@ -105,6 +105,24 @@ def test_bit_packing_round_trip(bits):
     assert torch.equal(unpack_bits(packed, bits, 37, "x"), codes)
 
 
+@pytest.mark.parametrize("bits", [1, 3, 7, 13, 16])
+def test_bit_packing_round_trips_across_chunks(bits, monkeypatch):
+    """Codes are packed and unpacked a chunk at a time (bounded memory); a code may straddle two chunks' bytes."""
+    from unsparse.quant import packing
+
+    torch.manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (1001,))
+    whole = pack_bits(codes, bits)
+    monkeypatch.setattr(packing, "CHUNK_CODES", 5)
+    assert torch.equal(pack_bits(codes, bits), whole)
+    assert torch.equal(unpack_bits(whole, bits, 1001, "x"), codes)
+
+
+def test_unpacking_names_the_field_for_a_code_width_beyond_16_bits():
+    with pytest.raises(SparseFormatError, match=r"layer.values::row_nnz: bits"):
+        unpack_bits(torch.zeros(3, dtype=torch.uint8), 17, 1, "layer.values::row_nnz")
+
+
 def test_packing_layout_two_4_bit_indices_per_byte_low_nibble_first():
     assert pack_bits(torch.tensor([1, 2, 15]), 4).tolist() == [0x21, 0x0F]
     assert pack_bits(torch.tensor([200, 7]), 8).tolist() == [200, 7]

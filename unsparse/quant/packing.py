@@ -25,6 +25,18 @@ def _check(bits: int) -> None:
         raise ValueError(f"bits: expected an integer in [1, {MAX_PACKED_BITS}], got {bits!r}")
 
 
+CHUNK_CODES = 1 << 20
+"""Codes :func:`pack_bits` and :func:`unpack_bits` convert at a time: their temporaries stay near 40 MB whatever the
+tensor's size (a stream of bits per code would take 8 bytes per bit, about 60 times a 4-bit file's size)."""
+
+
+def _code_bytes(start: int, stop: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For codes ``start .. stop - 1`` of a ``bits``-bit stream: the byte holding each code's first bit, and that
+    bit's position in it (0-7). A code of at most 16 bits then lies in that byte and the next two."""
+    first_bit = torch.arange(start, stop, dtype=torch.int64) * bits
+    return first_bit >> 3, first_bit & 7
+
+
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack unsigned codes into bytes.
 
@@ -41,12 +53,18 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     _check(bits)
     if codes.dtype.is_floating_point or codes.dtype == torch.bool:
         raise ValueError(f"codes: expected an integer tensor, got {codes.dtype}")
-    flat = codes.detach().reshape(-1).to(torch.int64).cpu()
+    flat = codes.detach().reshape(-1).cpu()
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= 1 << bits):
         raise ValueError(f"codes: entries must lie in [0, {1 << bits}), found [{int(flat.min())}, {int(flat.max())}]")
-    stream = ((flat[:, None] >> torch.arange(bits)) & 1).reshape(-1)
-    stream = torch.cat([stream, stream.new_zeros(-stream.numel() % 8)])
-    return (stream.reshape(-1, 8) << torch.arange(8)).sum(dim=1).to(torch.uint8)
+    size = packed_size(flat.numel(), bits)
+    packed = torch.zeros(size + 2, dtype=torch.uint8)  # two spare bytes for the last code's reach
+    for start in range(0, flat.numel(), CHUNK_CODES):
+        stop = min(flat.numel(), start + CHUNK_CODES)
+        byte, offset = _code_bytes(start, stop, bits)
+        shifted = flat[start:stop].to(torch.int64) << offset
+        for k in range(3):  # codes own disjoint bits, so adding their bytes is OR-ing them
+            packed.index_add_(0, byte + k, ((shifted >> (8 * k)) & 0xFF).to(torch.uint8))
+    return packed[:size].clone()
 
 
 def unpack_bits(packed: torch.Tensor, bits: int, count: int, field: str) -> torch.Tensor:
@@ -62,16 +80,26 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int, field: str) -> torc
         ``(count,)`` int64 codes in ``[0, 2^bits)``.
 
     Raises:
-        SparseFormatError: wrong dtype, rank or length, or nonzero padding bits in the last byte.
+        SparseFormatError: bits out of range, wrong dtype, rank or length, or nonzero padding bits in the last
+            byte.
     """
-    _check(bits)
+    try:
+        _check(bits)
+    except ValueError as error:
+        raise SparseFormatError(f"{field}: {error}") from error
     if packed.dtype != torch.uint8 or packed.dim() != 1:
         raise SparseFormatError(f"{field}: expected a 1-D uint8 tensor, got {packed.dtype} {tuple(packed.shape)}")
     if packed.numel() != packed_size(count, bits):
         raise SparseFormatError(f"{field}: {packed.numel()} bytes, {count} codes of {bits} bits need "
                                 f"{packed_size(count, bits)}")
-    stream = ((packed.to(torch.int64)[:, None] >> torch.arange(8)) & 1).reshape(-1)
-    if bool(stream[count * bits:].any()):
+    used = count * bits % 8
+    if used and int(packed[-1]) >> used:
         raise SparseFormatError(f"{field}: nonzero padding bits after the last code")
-    weights = 1 << torch.arange(bits)
-    return (stream[:count * bits].reshape(count, bits) * weights).sum(dim=1)
+    padded = torch.cat([packed, packed.new_zeros(2)])
+    codes = torch.empty(count, dtype=torch.int64)
+    for start in range(0, count, CHUNK_CODES):
+        stop = min(count, start + CHUNK_CODES)
+        byte, offset = _code_bytes(start, stop, bits)
+        word = sum(padded[byte + k].to(torch.int32) << (8 * k) for k in range(3))
+        codes[start:stop] = (word >> offset.to(torch.int32)) & ((1 << bits) - 1)
+    return codes
