@@ -88,6 +88,15 @@ def test_time_backend_on_cpu() -> None:
     assert timing.runs == 20 and timing.median_ms > 0
 
 
+def test_every_backend_refuses_a_bias_that_is_not_one_per_output_channel() -> None:
+    """The kernels read ``bias[m]`` for every output channel: ``run`` refuses any other shape on every backend."""
+    x, csr, bias = small_layer()
+    for name in ("reference", "dense_cpu", "im2col_cublas"):
+        for bad in (bias[:1], bias[:, None], torch.cat([bias, bias])):
+            with pytest.raises(ValueError, match=r"bias: shape"):
+                get_backend(name).run(x, csr, bad, ConvGeometry.of(1, 1))
+
+
 def test_compare_layer_rejects_wrong_backend_and_picks_fastest(fakes: None) -> None:
     x, csr, bias = small_layer(batch=5)
     result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["test_broken", "test_slow", "im2col_cublas"],

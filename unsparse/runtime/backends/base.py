@@ -67,10 +67,21 @@ class ConvBackend(ABC):
         channels-last, and a backend that computes in NCHW pays its conversions inside the measured call. An
         output already in that layout is returned as the backend made it (the lowering backends' transposed
         ``(N, M, E, F)`` view of their GEMM result counts as NCHW and stays a view, as it was timed before layouts).
+
+        Raises:
+            ValueError: a bias that is not ``(M,)`` (:func:`check_bias`), or the backend's own errors.
         """
+        check_bias(bias, csr)
         out = self.conv(x, csr, bias, geometry, **params)
         layout = layout_of(x)
         return out if layout_of(out) == layout else in_layout(out, layout)
+
+
+def check_bias(bias: torch.Tensor | None, csr: UniformCSR) -> None:
+    """Raise ``ValueError`` unless ``bias`` is None or a tensor of shape ``(M,)``: the kernels read ``bias[m]`` for
+    every output channel ``m``, so a shorter bias would be read past its end on the GPU."""
+    if bias is not None and tuple(bias.shape) != (csr.out_channels,):
+        raise ValueError(f"bias: shape {tuple(bias.shape)}, the layer has {csr.out_channels} output channels")
 
 
 _REGISTRY: dict[str, Callable[[], ConvBackend]] = {}

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from unsparse.runtime import cupy_launcher as cl
-from unsparse.runtime.backends.base import ConvBackend, register_backend
+from unsparse.runtime.backends.base import ConvBackend, check_bias, register_backend
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 from unsparse.sparse.phases import PhaseSplit, phase_split
@@ -702,8 +702,10 @@ class DirectBackend(ConvBackend):
         only transform the input, allocate the output and launch.
 
         Raises:
-            ValueError: for a variant this layer does not support, or indices that fail validation.
+            ValueError: for a variant this layer does not support, indices that fail validation, or a bias that is
+                not ``(M,)`` (:func:`~unsparse.runtime.backends.base.check_bias`).
         """
+        check_bias(bias, csr)
         x = x.contiguous()
         if csr.out_channels == 0 or x.shape[0] == 0:  # E, F >= 1 (output_size raises otherwise)
             return torch.empty(x.shape[0], csr.out_channels, *self._out_hw(x, csr, geometry), dtype=x.dtype,
