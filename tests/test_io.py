@@ -82,6 +82,23 @@ def test_save_is_atomic_and_keeps_the_old_file_on_failure(tmp_path, exported):
     assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
 
 
+def test_atomic_writes_keep_the_usual_permissions(tmp_path):
+    """A new file gets what the umask gives (not mkstemp's owner-only 0600); a replaced file keeps its mode."""
+    import os
+
+    from unsparse.atomic import atomic_write_text
+
+    umask = os.umask(0o022)
+    try:
+        path = atomic_write_text(tmp_path / "report.md", "one")
+        assert path.stat().st_mode & 0o777 == 0o644
+        path.chmod(0o640)
+        atomic_write_text(path, "two")
+        assert path.stat().st_mode & 0o777 == 0o640 and path.read_text() == "two"
+    finally:
+        os.umask(umask)
+
+
 def test_truncated_file(tmp_path, exported):
     data = exported[1].read_bytes()
     path = tmp_path / "t.safetensors"
@@ -128,10 +145,79 @@ def first_layer(exported):
     (lambda t, m, layer: m["tensors"][f"{layer}.values"].update(codec={"name": "zip"}), "codec"),
     (lambda t, m, layer: t.update({"extra.tensor": torch.zeros(2)}), "tensors"),
     (lambda t, m, layer: t[f"{layer}.values"].view(-1).__setitem__(0, float("nan")), "non-finite"),
+    (lambda t, m, layer: t["0.1.running_var"].view(-1).__setitem__(0, -1.0), "0.1.running_var: negative"),
+    (lambda t, m, layer: (t.update({"0.1.weight": t["0.1.weight"].half()}),
+                          m["tensors"]["0.1.weight"].update(dtype="float16")), "several dtypes"),
+    (lambda t, m, layer: m["tensors"]["0.1.weight"].update(dtype=["float32"]), r"0.1.weight: unknown dtype"),
+    (lambda t, m, layer: t.update({"0.1.num_batches_tracked": t["0.1.num_batches_tracked"].int()}),
+     "num_batches_tracked: dtype"),
+    (lambda t, m, layer: m["layers"][layer].update(row_length=10**6), f"layers.{'0.0'}.row_length"),
+    (lambda t, m, layer: m["layers"][layer].update(row_length="3"), "row_length"),
+    (lambda t, m, layer: m["layers"][layer]["geometry"].update(stride=[float("inf"), 1]),
+     r"layers.0.0.geometry: .*infinity"),
+    (lambda t, m, layer: m["model"]["kwargs"].update(width=-1), "model: cannot build"),
+    (lambda t, m, layer: m["extra"].update(nested=json.loads("[" * 200 + "]" * 200)), None),
 ])
 def test_malformed_files_raise_value_errors_naming_the_field(tmp_path, exported, mutate, field):
     tensors, metadata = read(exported[1])
     mutate(tensors, metadata, first_layer(exported))
     path = write(tmp_path / "bad.safetensors", tensors, metadata)
-    with pytest.raises(ValueError, match=field):
+    if field is None:  # deep but valid JSON in the notes: loads
         load_sparse(path)
+        return
+    with pytest.raises(SparseFileError, match=field):
+        load_sparse(path)
+
+
+def test_metadata_nested_beyond_the_parser_raises_a_file_error(tmp_path, exported):
+    tensors, _ = read(exported[1])
+    path = tmp_path / "deep.safetensors"
+    path.write_bytes(save(tensors, metadata={"unsparse": "[" * 100_000 + "]" * 100_000}))
+    with pytest.raises(SparseFileError, match="metadata: invalid JSON"):
+        load_sparse(path)
+
+
+def test_conv_bias_must_have_the_architectures_shape_and_a_floating_dtype(tmp_path):
+    """A conv bias is checked against the architecture, not against itself: a shorter one would be read past its
+    end by the GPU kernels, which read ``bias[m]`` for every output channel."""
+    model = pruned_sparse_model("autoencoder1d", width=4)
+    good = save_sparse(model, tmp_path / "ae.safetensors")
+    tensors, metadata = read(good)
+    key = next(k for k in tensors if k.endswith(".bias") and k.rpartition(".")[0] in sparse_layers(model))
+    M = tensors[key].shape[0]
+    for bad, dtype, match in [(tensors[key][:1], "float32", rf"{key}: shape \[1\], architecture needs \[{M}\]"),
+                              (tensors[key][:, None], "float32", f"{key}: shape"),
+                              (tensors[key].int(), "int32", f"{key}: dtype torch.int32")]:
+        metadata["tensors"][key].update(shape=list(bad.shape), dtype=dtype)
+        path = write(tmp_path / "bad.safetensors", {**tensors, key: bad.contiguous()}, metadata)
+        with pytest.raises(SparseFileError, match=match):
+            load_sparse(path)
+
+
+def test_a_model_saved_in_float16_loads_in_float16(tmp_path):
+    model = pruned_sparse_model(width=8).half()
+    loaded = load_sparse(save_sparse(model, tmp_path / "half.safetensors"))
+    assert {t.dtype for t in [*loaded.parameters(), *loaded.buffers()] if t.is_floating_point()} == {torch.float16}
+    for name, layer in sparse_layers(loaded).items():
+        assert torch.equal(layer.values, sparse_layers(model)[name].values)
+
+
+def test_file_tensor_bytes_rejects_headers_beyond_the_file(tmp_path, exported):
+    from unsparse.sparse.io import file_tensor_bytes
+
+    data = exported[1].read_bytes()
+    sizes = file_tensor_bytes(exported[1])
+    assert sum(sizes.values()) == len(data) - 8 - int.from_bytes(data[:8], "little")
+    path = tmp_path / "h.safetensors"
+    path.write_bytes((2**36).to_bytes(8, "little") + data[8:])
+    with pytest.raises(SparseFileError, match="header"):
+        file_tensor_bytes(path)
+    header_length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + header_length])
+    key = next(k for k in header if k != "__metadata__")
+    header[key]["data_offsets"] = header[key]["data_offsets"][::-1]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= header_length  # safetensors writes compact JSON, padded with spaces
+    path.write_bytes(data[:8] + text.ljust(header_length) + data[8 + header_length:])
+    with pytest.raises(SparseFileError, match="data_offsets"):
+        file_tensor_bytes(path)

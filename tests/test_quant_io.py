@@ -205,6 +205,12 @@ def rewrite(path, change):
     (lambda t, m: t.update({"0.0.values::codes": t["0.0.values::codes"][:-1]}),
      r"0.0.values::codes: \d+ bytes"),
     (lambda t, m: t.pop("0.0.input_quantizer.saturation"), "saturation"),
+    (lambda t, m: t["0.0.input_quantizer.saturation"].fill_(0.0), r"0.0.input_quantizer.saturation: .*> 0"),
+    (lambda t, m: t["0.0.input_quantizer.saturation"].fill_(1e-44), r"0.0.input_quantizer.saturation: .*float32"),
+    (lambda t, m: m["tensors"]["0.0.values"]["codec"].update(step=1e-50), "0.0.values: step must be a float32"),
+    (lambda t, m: m["tensors"]["0.0.values"]["codec"].update(step=0.1), "0.0.values: step must be a float32"),
+    (lambda t, m: m["tensors"]["0.0.values"]["codec"].update(step=10**400), "0.0.values: step must be a float32"),
+    (lambda t, m: m["quantization"].update(scheme=["linear"]), "unknown scheme"),
 ])
 def test_tampered_quantized_files_raise_naming_the_field(tmp_path, change, match):
     model = LinearQuantizer(progress=False).quantize(pruned_sparse_model(), calibration())

@@ -16,8 +16,9 @@ from typing import Any, BinaryIO
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
     """Call ``write(file)`` on a temporary file in ``path``'s folder, fsync it, and rename it to ``path``.
 
-    The folder is created if missing. On any exception the temporary file is removed and ``path`` is left
-    untouched.
+    The folder is created if missing. The file gets the permissions of the file it replaces, or those a new file
+    gets under the process's umask (``mkstemp`` alone would leave it readable by its owner only). On any exception
+    the temporary file is removed and ``path`` is left untouched.
 
     Returns:
         ``path`` as a Path.
@@ -26,6 +27,7 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(handle, _file_mode(path))
         with os.fdopen(handle, "wb") as file:
             write(file)
             file.flush()
@@ -35,6 +37,16 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
         Path(temporary).unlink(missing_ok=True)
         raise
     return path
+
+
+def _file_mode(path: Path) -> int:
+    """Permission bits for ``path``'s new content: the existing file's, else ``0o666`` less the umask."""
+    try:
+        return path.stat().st_mode & 0o7777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from unsparse.quant.fixed_point import check_bits, fake_quantize, fixed_point_step
 from unsparse.quant.histogram import MagnitudeHistogram, check_count, check_quantile
 from unsparse.runtime.modules import sparse_layers
+from unsparse.sparse.format import SparseFormatError
 
 FORMATS = ("none", "fp16", "fixed")
 
@@ -95,6 +96,19 @@ class ActivationQuantizer(nn.Module):
             step = fixed_point_step(float(self.saturation), self.spec.bits, self.spec.power_of_two)
             return fake_quantize(x, step, self.spec.bits).to(x.dtype)
         return x
+
+    def check_loaded_state(self, name: str) -> None:
+        """Called by file loading (:func:`~unsparse.sparse.io.load_sparse`) once the buffers hold the file's values:
+        a ``fixed`` quantizer's saturation must give a usable step (:func:`fixed_point_step`).
+
+        Raises:
+            SparseFormatError: naming ``<name>.saturation``.
+        """
+        if self.spec.format == "fixed":
+            try:
+                fixed_point_step(float(self.saturation), self.spec.bits, self.spec.power_of_two)
+            except ValueError as error:
+                raise SparseFormatError(f"{name}.saturation: {error}") from error
 
     def extra_repr(self) -> str:
         return f"format={self.spec.format!r}" + (f", bits={self.spec.bits}" if self.spec.format == "fixed" else "")

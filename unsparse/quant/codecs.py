@@ -41,9 +41,16 @@ def _bits(params: dict[str, Any], key: str, low: int, field: str) -> int:
 
 
 def _step(params: dict[str, Any], field: str) -> float:
+    """The codec's ``step``: a number > 0 that is exactly a float32 value (as the quantizers write it), so that a
+    step that float32 rounds to 0 or to infinity, or a JSON integer too large for a float, cannot pass."""
     step = params["step"]
-    if isinstance(step, bool) or not isinstance(step, int | float) or not math.isfinite(step) or step <= 0:
-        raise SparseFormatError(f"{field}: step must be a finite number > 0, got {step!r}")
+    try:
+        valid = (not isinstance(step, bool) and isinstance(step, int | float) and math.isfinite(step) and step > 0
+                 and float(torch.tensor(step, dtype=torch.float32)) == step)
+    except OverflowError:
+        valid = False
+    if not valid:
+        raise SparseFormatError(f"{field}: step must be a float32 value > 0, got {step!r}")
     return float(step)
 
 

@@ -41,8 +41,8 @@ def restore_quantization(model: nn.Module, description: Any) -> None:
     """
     if description is None:
         return
-    if not isinstance(description, dict) or description.get("scheme") not in _RESTORERS:
-        scheme = description.get("scheme") if isinstance(description, dict) else description
+    scheme = description.get("scheme") if isinstance(description, dict) else description
+    if not isinstance(scheme, str) or scheme not in _RESTORERS:
         raise SparseFormatError(f"quantization: unknown scheme {scheme!r}; known: {sorted(_RESTORERS)}")
     _RESTORERS[description["scheme"]](model, description)
     model.unsparse_quantization = description

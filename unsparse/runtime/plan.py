@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import tempfile
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,6 +16,7 @@ from typing import Any
 
 import torch
 
+from unsparse.atomic import atomic_write_text
 from unsparse.runtime.backends.base import ConvBackend, get_backend, register_backend
 from unsparse.runtime.layout import layout_of
 from unsparse.sparse.format import UniformCSR
@@ -121,12 +120,9 @@ class Plan:
         return plan
 
     def save(self, path: str | Path) -> None:
-        """Write JSON atomically (temporary file in the same folder, then rename)."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as handle:
-            json.dump(self.to_dict(), handle, indent=1, sort_keys=True)
-        os.replace(handle.name, path)
+        """Write JSON atomically (:func:`~unsparse.atomic.atomic_write_text`: temporary file in the same folder,
+        flushed to disk, then renamed; removed if anything fails)."""
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=1, sort_keys=True))
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:

@@ -107,7 +107,8 @@ class UniformCSR:
 
         Raises:
             SparseFormatError: naming the field: non-tensor fields, wrong rank, wrong dtype, mismatched
-                shapes or devices, or a column index outside ``[0, K)``.
+                shapes or devices, or a column index outside ``[0, K)`` (not checked on the ``meta`` device, whose
+                tensors hold no data: file loading shapes a model there before reading its tensors).
         """
         if len(self.weight_shape) not in (3, 4) or any(d < 0 for d in self.weight_shape):
             raise SparseFormatError(f"weight_shape: expected 3 or 4 non-negative dims, got {self.weight_shape}")
@@ -130,7 +131,7 @@ class UniformCSR:
             raise SparseFormatError(f"values: row length {self.values.shape[1]} exceeds K = {self.columns}")
         if self.col_idx.device != self.values.device:
             raise SparseFormatError(f"col_idx: on {self.col_idx.device}, values on {self.values.device}")
-        if self.col_idx.numel() > 0:
+        if self.col_idx.numel() > 0 and not self.col_idx.is_meta:  # a meta tensor has shapes only, no indices
             low, high = int(self.col_idx.min()), int(self.col_idx.max())
             if low < 0 or high >= self.columns:
                 raise SparseFormatError(f"col_idx: entries must lie in [0, {self.columns}), found [{low}, {high}]")

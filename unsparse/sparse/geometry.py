@@ -93,7 +93,7 @@ class ConvGeometry:
         try:
             return cls(tuple(data["stride"]), tuple(data["padding"]), tuple(data["dilation"]),
                        int(data["groups"]), int(data["spatial_dims"]))
-        except (TypeError, ValueError) as error:
+        except (TypeError, ValueError, OverflowError) as error:  # OverflowError: int(inf) of a JSON Infinity
             raise SparseFormatError(f"geometry: {error}") from error
 
     def padded_size(self, height: int, width: int) -> tuple[int, int]:

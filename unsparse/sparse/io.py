@@ -8,14 +8,19 @@ Layout:
   ``layers`` (per sparse conv: ``weight_shape``, ``geometry``, ``row_length``, ``nnz``, ``sparsity``),
   ``tensors`` (per state-dict key: ``shape``, ``dtype``, ``codec``), ``quantization`` and ``extra``.
 
-Loading treats the file as untrusted: the architecture is built on the ``meta`` device (no memory), every
-tensor's presence, dtype, shape and index range is checked against it, and only then are real tensors
-assigned. Every problem raises :class:`SparseFileError` (a ``ValueError``) naming the field.
+Loading treats the file as untrusted: the architecture is built on the ``meta`` device (no memory), with each
+convolution replaced by a shape-only :class:`SparseConv` of the file's row length, and every tensor's declared
+key, shape and dtype is checked against its state dict before any tensor is decoded, so that a file cannot make
+the loader allocate more than its architecture holds. Then values (finite, BatchNorm variances not negative) and
+index ranges are checked, and only then are real tensors assigned. Every problem raises :class:`SparseFileError`
+(a ``ValueError``) naming the field.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +33,7 @@ from torch import nn
 from unsparse.atomic import atomic_write_bytes
 from unsparse.runtime.modules import SparseConv, sparse_layers
 from unsparse.sparse.codecs import PART_SEPARATOR, get_codec
-from unsparse.sparse.format import SparseFormatError, UniformCSR
+from unsparse.sparse.format import INDEX_DTYPE, SparseFormatError, UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
 FORMAT_VERSION = 1
@@ -112,13 +117,13 @@ def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         tensors = safetensors_load(data)
         header_length = int.from_bytes(data[:8], "little")
         header = json.loads(data[8:8 + header_length])
-    except (SafetensorError, ValueError, UnicodeDecodeError) as error:
+    except (SafetensorError, ValueError, UnicodeDecodeError, RecursionError) as error:
         raise SparseFileError(f"file: {path} is not a valid safetensors file ({error})") from error
     raw = header.get("__metadata__", {}).get(METADATA_KEY)
     _require(raw is not None, "metadata", f"no {METADATA_KEY!r} block; not an UnSparse file")
     try:
         metadata = json.loads(raw)
-    except json.JSONDecodeError as error:
+    except (ValueError, RecursionError) as error:  # ValueError: also an integer beyond Python's digit limit
         raise SparseFileError(f"metadata: invalid JSON ({error})") from error
     _require(isinstance(metadata, dict), "metadata", "expected a JSON object")
     version = metadata.get("format_version")
@@ -136,11 +141,61 @@ def _build_architecture(spec: dict[str, Any]) -> nn.Module:
     try:
         with torch.device("meta"):
             return create_model(name, **kwargs)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, RuntimeError, OverflowError) as error:  # e.g. a negative or huge width
         raise SparseFileError(f"model: cannot build {name!r} with {kwargs}: {error}") from error
 
 
+def _sparse_shell(name: str, conv: nn.Module, layer_meta: Any) -> SparseConv:
+    """The :class:`SparseConv` that takes ``conv``'s place, on the ``meta`` device (shapes only, no data): the
+    file's geometry and weight shape, both checked against the architecture's ``conv``, and its declared row
+    length ``L`` (``0 <= L <= K``), so that the model's state dict names every tensor the file must hold, with
+    its exact shape, before any of them is decoded."""
+    field = f"layers.{name}"
+    _require(isinstance(layer_meta, dict), field, "missing from the file")
+    try:
+        geometry = ConvGeometry.from_dict(layer_meta.get("geometry"))
+    except SparseFormatError as error:
+        raise SparseFileError(f"{field}.{error}") from error
+    _require(geometry == ConvGeometry.from_module(conv), f"{field}.geometry",
+             f"{geometry} differs from the architecture's {ConvGeometry.from_module(conv)}")
+    weight_shape = tuple(conv.weight.shape)
+    _require(layer_meta.get("weight_shape") == list(weight_shape), f"{field}.weight_shape",
+             f"{layer_meta.get('weight_shape')} differs from the architecture's {list(weight_shape)}")
+    columns, row_length = math.prod(weight_shape[1:]), layer_meta.get("row_length")
+    _require(isinstance(row_length, int) and not isinstance(row_length, bool) and 0 <= row_length <= columns,
+             f"{field}.row_length", f"expected an integer in [0, K = {columns}], got {row_length!r}")
+    shape = (weight_shape[0], row_length)
+    csr = UniformCSR(torch.empty(shape, dtype=conv.weight.dtype, device="meta"),
+                     torch.empty(shape, dtype=INDEX_DTYPE, device="meta"), weight_shape)
+    return SparseConv(csr, conv.bias, geometry)
+
+
+def _check_entries(entries: dict[str, Any], expected: dict[str, torch.Tensor]) -> None:
+    """The file's declared tensors against the architecture's state dict ``expected`` (meta tensors), before any is
+    decoded, so that a file cannot make the loader allocate more than its architecture holds: the same keys, the
+    same shapes, the same integer dtypes, and one floating dtype for every floating tensor (a model computes in
+    one; the architecture's own is float32, a file may hold the model in another, e.g. float16)."""
+    missing, unexpected = sorted(set(expected) - set(entries)), sorted(set(entries) - set(expected))
+    _require(not missing and not unexpected, "tensors", f"missing {missing}, unexpected {unexpected}")
+    floating = set()
+    for key, reference in expected.items():
+        entry = entries[key]
+        _require(isinstance(entry, dict) and isinstance(entry.get("shape"), list), key, f"bad entry {entry!r}")
+        _require(entry["shape"] == list(reference.shape), key,
+                 f"shape {entry['shape']}, architecture needs {list(reference.shape)}")
+        name = entry.get("dtype")
+        dtype = DTYPES.get(name) if isinstance(name, str) else None
+        _require(dtype is not None, key, f"unknown dtype {name!r}")
+        if reference.dtype.is_floating_point:
+            _require(dtype.is_floating_point, key, f"dtype {dtype}, architecture needs a floating dtype")
+            floating.add(dtype)
+        else:
+            _require(dtype == reference.dtype, key, f"dtype {dtype}, architecture needs {reference.dtype}")
+    _require(len(floating) <= 1, "tensors", f"floating tensors in several dtypes {sorted(map(str, floating))}")
+
+
 def _decode_tensors(metadata: dict[str, Any], stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every tensor of the file from its stored parts (entries already checked by :func:`_check_entries`)."""
     parts_by_key: dict[str, dict[str, torch.Tensor]] = {}
     for stored_key, tensor in stored.items():
         key, _, part = stored_key.partition(PART_SEPARATOR)
@@ -150,49 +205,28 @@ def _decode_tensors(metadata: dict[str, Any], stored: dict[str, torch.Tensor]) -
              f"stored tensors and metadata differ: {sorted(set(parts_by_key) ^ set(entries))}")
     decoded = {}
     for key, entry in entries.items():
-        _require(isinstance(entry, dict) and isinstance(entry.get("shape"), list)
-                 and all(isinstance(d, int) and d >= 0 for d in entry["shape"]), key, f"bad entry {entry!r}")
-        dtype = DTYPES.get(entry.get("dtype"))
-        _require(dtype is not None, key, f"unknown dtype {entry.get('dtype')!r}")
         codec = entry.get("codec", {"name": "raw"})
         _require(isinstance(codec, dict) and isinstance(codec.get("name"), str), key, f"bad codec {codec!r}")
-        tensor = get_codec(codec["name"], key).decode(parts_by_key[key], codec, tuple(entry["shape"]), key)
-        _require(tensor.dtype == dtype, key, f"dtype {tensor.dtype} differs from metadata {entry['dtype']}")
+        try:
+            tensor = get_codec(codec["name"], key).decode(parts_by_key[key], codec, tuple(entry["shape"]), key)
+        except SparseFormatError as error:
+            raise SparseFileError(str(error)) from error
+        _require(tensor.dtype == DTYPES[entry["dtype"]], key,
+                 f"dtype {tensor.dtype} differs from metadata {entry['dtype']}")
         decoded[key] = tensor
     return decoded
 
 
-def _check_against(model: nn.Module, decoded: dict[str, torch.Tensor]) -> None:
-    expected = model.state_dict()
-    missing, unexpected = sorted(set(expected) - set(decoded)), sorted(set(decoded) - set(expected))
-    _require(not missing and not unexpected, "tensors", f"missing {missing}, unexpected {unexpected}")
-    for key, reference in expected.items():
-        tensor = decoded[key]
-        _require(tensor.shape == reference.shape, key,
-                 f"shape {tuple(tensor.shape)}, architecture needs {tuple(reference.shape)}")
-        _require(tensor.dtype.is_floating_point == reference.dtype.is_floating_point
-                 and (tensor.dtype.is_floating_point or tensor.dtype == reference.dtype), key,
-                 f"dtype {tensor.dtype} incompatible with {reference.dtype}")
+def _check_values(model: nn.Module, decoded: dict[str, torch.Tensor]) -> None:
+    """Values that are numbers but no valid state: non-finite floats, and negative BatchNorm running variances
+    (a forward would return NaN)."""
+    for key, tensor in decoded.items():
         if tensor.dtype.is_floating_point:
             _require(bool(torch.isfinite(tensor).all()), key, "non-finite values")
-
-
-def _sparse_layer(name: str, conv: nn.Module, layer_meta: Any, decoded: dict[str, torch.Tensor]) -> SparseConv:
-    _require(isinstance(layer_meta, dict), f"layers.{name}", "missing from the file")
-    geometry = ConvGeometry.from_dict(layer_meta.get("geometry"))
-    _require(geometry == ConvGeometry.from_module(conv), f"layers.{name}.geometry",
-             f"{geometry} differs from the architecture's {ConvGeometry.from_module(conv)}")
-    _require(layer_meta.get("weight_shape") == list(conv.weight.shape), f"layers.{name}.weight_shape",
-             f"{layer_meta.get('weight_shape')} differs from the architecture's {list(conv.weight.shape)}")
-    for part in ("values", "col_idx"):
-        _require(f"{name}.{part}" in decoded, f"{name}.{part}", "missing")
-    _require((f"{name}.bias" in decoded) == (conv.bias is not None), f"{name}.bias",
-             "presence differs from the architecture")
-    try:
-        csr = UniformCSR(decoded[f"{name}.values"], decoded[f"{name}.col_idx"], tuple(conv.weight.shape))
-    except SparseFormatError as error:
-        raise SparseFileError(f"{name}.{error}") from error
-    return SparseConv(csr, decoded.get(f"{name}.bias"), geometry)
+    for name, module in model.named_modules():
+        if isinstance(module, nn.BatchNorm1d | nn.BatchNorm2d | nn.BatchNorm3d) and module.running_var is not None:
+            key = f"{name}.running_var"
+            _require(bool((decoded[key] >= 0).all()), key, "negative running variance")
 
 
 def _restore_codecs(model: nn.Module, entries: dict[str, dict[str, Any]]) -> None:
@@ -212,15 +246,25 @@ def file_tensor_bytes(path: str | Path) -> dict[str, int]:
         ``{stored key: bytes}``; keys of codec parts keep their ``::part`` suffix.
 
     Raises:
-        SparseFileError: unreadable file or malformed header.
+        SparseFileError: unreadable file, or a malformed header: longer than the file, not a JSON object, or data
+            offsets outside the file's data or reversed.
     """
     try:
         with open(path, "rb") as file:
+            size = os.fstat(file.fileno()).st_size
             header_length = int.from_bytes(file.read(8), "little")
+            _require(8 + header_length <= size, "header", f"{header_length} bytes in a file of {size}")
             header = json.loads(file.read(header_length))
-        return {key: int(entry["data_offsets"][1]) - int(entry["data_offsets"][0])
-                for key, entry in header.items() if key != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError, IndexError) as error:
+        _require(isinstance(header, dict), "header", "not a JSON object")
+        sizes = {}
+        for key, entry in header.items():
+            if key != "__metadata__":
+                start, end = (int(offset) for offset in entry["data_offsets"])
+                _require(0 <= start <= end <= size - 8 - header_length, f"{key}.data_offsets",
+                         f"[{start}, {end}] outside the file's data")
+                sizes[key] = end - start
+        return sizes
+    except (OSError, ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as error:
         raise SparseFileError(f"file: cannot read the safetensors header of {path}: {error}") from error
 
 
@@ -237,28 +281,47 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
 
     Raises:
         SparseFileError: (a ``ValueError``) unreadable or non-safetensors file, missing metadata, unknown
-            format version or model name, missing/extra/misshapen tensors, wrong dtypes, column indices
-            outside ``[0, K)``, geometry or shape disagreeing with the architecture, non-finite values.
+            format version or model name, missing/extra/misshapen tensors (checked against the architecture
+            before any is decoded), wrong dtypes or floating tensors of several dtypes, column indices outside
+            ``[0, K)``, geometry or shape disagreeing with the architecture, non-finite values, negative
+            BatchNorm variances, or a module's own check of its loaded state failing (``check_loaded_state(name)``,
+            e.g. an activation quantizer's saturation).
     """
     from unsparse.quant.state import restore_quantization
 
     metadata, stored = _read_file(Path(path))
     model = _build_architecture(metadata["model"])
-    decoded = _decode_tensors(metadata, stored)
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if isinstance(child, nn.Conv1d | nn.Conv2d):
                 name = next(n for n, m in model.named_modules() if m is child)
-                setattr(parent, child_name, _sparse_layer(name, child, metadata["layers"].get(name), decoded))
+                setattr(parent, child_name, _sparse_shell(name, child, metadata["layers"].get(name)))
     _require(set(metadata["layers"]) == set(sparse_layers(model)), "layers",
              f"names differ from the architecture's convolutions: "
              f"{sorted(set(metadata['layers']) ^ set(sparse_layers(model)))}")
-    restore_quantization(model, metadata.get("quantization"))
-    _check_against(model, decoded)
+    try:
+        restore_quantization(model, metadata.get("quantization"))
+    except SparseFormatError as error:
+        raise SparseFileError(str(error)) from error
+    _check_entries(metadata["tensors"], model.state_dict())
+    decoded = _decode_tensors(metadata, stored)
+    _check_values(model, decoded)
+    for name, layer in sparse_layers(model).items():
+        try:
+            UniformCSR(decoded[f"{name}.values"], decoded[f"{name}.col_idx"], layer.weight_shape)
+        except SparseFormatError as error:
+            raise SparseFileError(f"{name}.{error}") from error
     model.load_state_dict(decoded, strict=True, assign=True)
     _restore_codecs(model, metadata["tensors"])
     _require(not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "tensors",
              "the architecture has tensors the file does not provide")
+    for name, module in model.named_modules():
+        check = getattr(module, "check_loaded_state", None)
+        if callable(check):
+            try:
+                check(name)
+            except SparseFormatError as error:
+                raise SparseFileError(str(error)) from error
     for layer in sparse_layers(model).values():
         layer.backend = backend
     model.unsparse_spec = metadata["model"]
