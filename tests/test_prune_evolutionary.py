@@ -139,11 +139,45 @@ def test_step_prunes_each_chosen_layer_by_its_delta_and_stops_at_target():
     p.chosen, p.delta = ["0", "2"], {"0": 0.25, "2": 0.5, "5": 0.1}
     p.step()
     zeros = p.zero_counts()
-    assert zeros == {"0": round(0.25 * sizes["0"]), "2": round(0.5 * sizes["2"]), "5": 0}
+    assert zeros == {"0": math.ceil(0.25 * sizes["0"]), "2": math.ceil(0.5 * sizes["2"]), "5": 0}
     p.chosen, p.delta = ["0", "2", "5"], dict.fromkeys(sizes, 0.99)
     p.step()
     assert sum(p.zero_counts().values()) == p.target_zeros() == math.ceil(0.9 * sum(sizes.values()))
     assert p.mask_weighted_sparsity() >= 0.9
+
+
+def test_a_step_below_half_a_weight_still_reaches_its_sparsity():
+    """Eq. 13: the layer goes from s_l to at least s_l + Δ_l, so a 36-weight layer with Δ = 0.01 loses one weight
+    (rounding to nearest would leave it unpruned for ever)."""
+    p = prepared(target=0.9, min_step=0.001)
+    p.chosen, p.delta = ["0"], {"0": 0.01, "2": 0.1, "5": 0.1}
+    assert p.layer_sizes()["0"] == 36
+    p.step()
+    assert p.zero_counts()["0"] == 1
+
+
+def test_settings_are_checked_before_a_run():
+    with pytest.raises(ValueError, match="mutation_threshold"):
+        pruner(mutation_threshold=1.5)
+    with pytest.raises(ValueError, match="alpha"):
+        pruner(alpha=-0.1)
+    with pytest.raises(ValueError, match=r"unit_step: no step for the masked layers \['2', '5'\]"):
+        prepared(unit_step={"0": 0.1})
+
+
+def test_a_run_resumes_only_its_own_checkpoints(tmp_path):
+    """Methods keep their checkpoints apart, and a run with other settings refuses a folder's checkpoint instead
+    of continuing someone else's model."""
+    from unsparse.prune import MagnitudePruner
+
+    settings = {"iterations": 50, "unit_step": 0.3, "layers_per_iteration": 3, "epsilon": math.inf, "beta": 0.0}
+    MagnitudePruner(target=0.3, fine_tune_epochs=1).run(tiny_model(), tiny_trainer(), tmp_path)
+    result = pruner(target=0.5, **settings).run(tiny_model(), tiny_trainer(), tmp_path)
+    assert result.weighted_sparsity >= 0.5  # its own masks, not the magnitude run's 0.3
+    with pytest.raises(ValueError, match=r"evolutionary.pt: written by a run with other settings \(target: 0.5"):
+        pruner(target=0.6, **settings).run(tiny_model(), tiny_trainer(), tmp_path)
+    with pytest.raises(ValueError, match=r"magnitude_finetune.pt: .*scope: 'global' there, 'layer' here"):
+        MagnitudePruner(target=0.3, scope="layer", fine_tune_epochs=1).run(tiny_model(), tiny_trainer(), tmp_path)
 
 
 def test_mutation_lowers_sparsity_of_previous_layers_with_valid_masks():

@@ -84,3 +84,10 @@ def test_layer_targets_are_validated():
     pruner.prepare(tiny_model())
     with pytest.raises(KeyError, match="missing"):
         pruner.step()
+
+
+def test_a_gradual_run_refuses_the_checkpoint_of_another_schedule(tmp_path):
+    GradualMagnitudePruner(target=0.5, pruning_steps=2, fine_tune_epochs=0).run(tiny_model(), tiny_trainer(), tmp_path)
+    with pytest.raises(ValueError, match=r"gradual.pt: written by a run with other settings \(pruning_steps: 2 there"):
+        GradualMagnitudePruner(target=0.5, pruning_steps=3, fine_tune_epochs=0).run(tiny_model(), tiny_trainer(),
+                                                                                   tmp_path)

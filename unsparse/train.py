@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import os
 from collections.abc import Callable, Iterator
@@ -72,6 +73,30 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no code is unpickled)."""
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def check_resumable(path: str | Path, state: dict[str, Any], identity: str | None) -> None:
+    """Refuse to resume from a checkpoint that a run of other settings wrote into the same folder.
+
+    Args:
+        path: the checkpoint (named in the error). state: its content (:func:`load_checkpoint`).
+        identity: what this run writes into its checkpoints (e.g. :meth:`~unsparse.prune.base.Pruner.identity`);
+            None, or a checkpoint that records none, checks nothing.
+
+    Raises:
+        ValueError: naming the checkpoint and the settings that differ.
+    """
+    saved = state.get("identity")
+    if identity is None or saved is None or saved == identity:
+        return
+    try:
+        before, now = json.loads(saved), json.loads(identity)
+        differences = ", ".join(f"{key}: {before.get(key)!r} there, {now.get(key)!r} here"
+                                for key in sorted(set(before) | set(now)) if before.get(key) != now.get(key))
+    except (json.JSONDecodeError, AttributeError):
+        differences = f"{saved!r} there, {identity!r} here"
+    raise ValueError(f"{path}: written by a run with other settings ({differences}); resume with the same "
+                     "settings, or start in another folder")
 
 
 @dataclass
@@ -151,15 +176,20 @@ class Trainer:
         return metrics["top1"] if self.loss == "cross_entropy" else -metrics["mse"]
 
     def fit(self, model: nn.Module, epochs: int, checkpoint: str | Path | None = None, lr: float | None = None,
-            desc: str = "fit", after_step: Callable[[], None] | None = None) -> list[dict[str, float]]:
+            desc: str = "fit", after_step: Callable[[], None] | None = None,
+            identity: str | None = None) -> list[dict[str, float]]:
         """Train for ``epochs`` epochs with a cosine learning-rate schedule, evaluating on ``val`` each epoch.
 
         If ``checkpoint`` exists, training resumes from it (model, optimizer, schedule, RNG, history); after
         each epoch it is rewritten atomically. Masks attached as parametrizations stay applied throughout.
-        ``after_step`` is passed to :meth:`train_epoch` (e.g. a pruning schedule).
+        ``after_step`` is passed to :meth:`train_epoch` (e.g. a pruning schedule). ``identity`` is written into
+        the checkpoint and must match the one a checkpoint to resume from recorded (:func:`check_resumable`).
 
         Returns:
             One ``{"epoch", "train_loss", <val metrics>}`` dict per epoch (resumed epochs included).
+
+        Raises:
+            ValueError: a checkpoint written with another ``identity``.
         """
         model.to(self.device)
         optimizer = self.optimizer(model, lr)
@@ -168,6 +198,7 @@ class Trainer:
         generator = self.loaders["train"].generator
         if checkpoint is not None and Path(checkpoint).exists():
             state = load_checkpoint(checkpoint)
+            check_resumable(checkpoint, state, identity)
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             schedule.load_state_dict(state["schedule"])
@@ -187,5 +218,5 @@ class Trainer:
                     "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "schedule": schedule.state_dict(), "rng": torch.get_rng_state(),
                     "loader_rng": generator.get_state() if generator is not None else torch.empty(0),
-                    "history": history})
+                    "history": history, **({"identity": identity} if identity is not None else {})})
         return history

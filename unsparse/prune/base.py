@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import inspect
+import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +79,14 @@ class Pruner(ABC):
         remove_masks(model)
         self.masks = {}
         return model
+
+    def identity(self) -> str:
+        """What a checkpoint must have been written by for this pruner to resume from it: the method, the layers
+        and every constructor setting the pruner keeps under its own name, as sorted JSON
+        (:func:`~unsparse.train.check_resumable`)."""
+        parameters = inspect.signature(type(self).__init__).parameters
+        settings = {name: getattr(self, name) for name in parameters if name != "self" and hasattr(self, name)}
+        return json.dumps({**settings, "method": self.name, "layers": self.layer_names}, sort_keys=True, default=str)
 
     def layer_sizes(self) -> dict[str, int]:
         """Weight element count of each masked layer."""

@@ -18,7 +18,7 @@ from torch import nn
 from unsparse.prune.base import PruneResult
 from unsparse.prune.evolutionary import val_metrics
 from unsparse.prune.magnitude import MagnitudePruner
-from unsparse.train import Trainer, load_checkpoint
+from unsparse.train import Trainer, check_resumable, load_checkpoint
 
 CHECKPOINT = "gradual.pt"
 UNITS = ("epoch", "step")
@@ -88,7 +88,8 @@ class GradualMagnitudePruner(MagnitudePruner):
         return (end if self.unit == "epoch" else math.ceil(end / steps_per_epoch)) + self.fine_tune_epochs
 
     def run(self, model: nn.Module, trainer: Trainer, workdir: str | Path) -> PruneResult:
-        """Masked training with the cubic schedule (checkpoint ``workdir/gradual.pt`` per epoch, exact resume).
+        """Masked training with the cubic schedule (checkpoint ``workdir/gradual.pt`` per epoch, exact resume of a
+        run of the same settings: :meth:`~unsparse.prune.base.Pruner.identity`).
 
         Mutates ``model`` (masks stay attached).
 
@@ -103,7 +104,9 @@ class GradualMagnitudePruner(MagnitudePruner):
         steps_per_epoch = len(trainer.loaders["train"])
         scale = steps_per_epoch if self.unit == "epoch" else 1
         points = {(self.start + i * self.frequency) * scale for i in range(self.pruning_steps + 1)}
-        done = len(load_checkpoint(checkpoint)["history"]) if checkpoint.exists() else 0
+        state = load_checkpoint(checkpoint) if checkpoint.exists() else {"history": []}
+        check_resumable(checkpoint, state, self.identity())
+        done = len(state["history"])
         counter = done * steps_per_epoch
         if counter == 0 and 0 in points:
             self.step(self.sparsity_at(0))
@@ -115,7 +118,7 @@ class GradualMagnitudePruner(MagnitudePruner):
                 self.step(self.sparsity_at(counter / scale))
 
         tuned = trainer.fit(model, self.epochs(steps_per_epoch), checkpoint, lr=self.lr, desc=self.name,
-                            after_step=after_step)
+                            after_step=after_step, identity=self.identity())
         history = [{"phase": "prune", "iteration": entry["epoch"],
                     "weighted_sparsity": self.sparsity_at(entry["epoch"] * steps_per_epoch / scale),
                     **val_metrics(entry)} for entry in tuned]

@@ -87,10 +87,11 @@ class MagnitudePruner(Pruner):
             start = stop
 
     def run(self, model: nn.Module, trainer: Trainer, workdir: str | Path) -> PruneResult:
-        """``prepare``, one ``step``, then masked fine-tuning (checkpointed in ``workdir/finetune.pt``)."""
+        """``prepare``, one ``step``, then masked fine-tuning (checkpointed in ``workdir/magnitude_finetune.pt``,
+        which resumes only a run of the same settings: :meth:`~unsparse.prune.base.Pruner.identity`)."""
         started = time.perf_counter()
         self.prepare(model)
         self.step()
-        history = trainer.fit(model, self.fine_tune_epochs, Path(workdir) / "finetune.pt", lr=self.lr,
-                              desc=f"{self.name} fine-tune")
+        history = trainer.fit(model, self.fine_tune_epochs, Path(workdir) / f"{self.name}_finetune.pt", lr=self.lr,
+                              desc=f"{self.name} fine-tune", identity=self.identity())
         return self.result(history, time.perf_counter() - started)
