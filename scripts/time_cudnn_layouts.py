@@ -61,7 +61,8 @@ def time_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devic
     Returns:
         A JSON-ready record: layer, input ``(C, H, W)``, weight shape, stride, precision, ``ms`` per layout that
         computed within the precision's tolerance of NCHW, ``rel_error`` per layout against NCHW, the layouts left
-        untimed with why (``failures``), rotation, and ``fastest`` (the timed layout with the smallest median).
+        untimed with why (``failures``), rotation, and ``fastest`` (the timed layout with the smallest median; None
+        when none computed within the tolerance).
     """
     mode = PRECISIONS[precision]
     g = layer.geometry
@@ -93,7 +94,7 @@ def time_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devic
     return {"model_layer": layer.name, "in_chw": list(layer.in_chw), "weight_shape": list(layer.weight.shape),
             "stride": list(g.stride), "count": layer.count, "batch": batch, "precision": precision,
             "ms": ms, "rel_error": errors, "failures": failures, "rotation": len(inputs),
-            "fastest": min(ms, key=ms.__getitem__)}
+            "fastest": min(ms, key=ms.__getitem__) if ms else None}
 
 
 def time_model(name: str, batch: int, precision: str, device: torch.device, runs: int) -> dict[str, Any]:

@@ -156,6 +156,7 @@ def first_layer(exported):
     (lambda t, m, layer: m["layers"][layer]["geometry"].update(stride=[float("inf"), 1]),
      r"layers.0.0.geometry: .*infinity"),
     (lambda t, m, layer: m["model"]["kwargs"].update(width=-1), "model: cannot build"),
+    (lambda t, m, layer: m["tensors"]["0.1.running_mean"].update(shape=[8.0]), "0.1.running_mean: bad entry"),
     (lambda t, m, layer: m["extra"].update(nested=json.loads("[" * 200 + "]" * 200)), None),
 ])
 def test_malformed_files_raise_value_errors_naming_the_field(tmp_path, exported, mutate, field):
@@ -195,6 +196,7 @@ def test_conv_bias_must_have_the_architectures_shape_and_a_floating_dtype(tmp_pa
 
 
 def test_a_model_saved_in_float16_loads_in_float16(tmp_path):
+    """The one-floating-dtype rule rejects mixed files, not a whole model kept in another dtype."""
     model = pruned_sparse_model(width=8).half()
     loaded = load_sparse(save_sparse(model, tmp_path / "half.safetensors"))
     assert {t.dtype for t in [*loaded.parameters(), *loaded.buffers()] if t.is_floating_point()} == {torch.float16}

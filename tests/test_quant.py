@@ -125,6 +125,7 @@ def test_unpacking_names_the_field_for_a_code_width_beyond_16_bits():
 
 def test_packing_layout_two_4_bit_indices_per_byte_low_nibble_first():
     assert pack_bits(torch.tensor([1, 2, 15]), 4).tolist() == [0x21, 0x0F]
+    assert pack_bits(torch.tensor([1, 2, 15], dtype=torch.uint16), 4).tolist() == [0x21, 0x0F]
     assert pack_bits(torch.tensor([200, 7]), 8).tolist() == [200, 7]
     assert pack_bits(torch.tensor([0x1234]), 16).tolist() == [0x34, 0x12]
 

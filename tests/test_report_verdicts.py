@@ -40,3 +40,7 @@ def test_plan_check_text_says_whether_the_plan_is_slower_and_what_was_set_back()
     noise = plan_check_text({"planned_ms": 1.02, "default_ms": 1.0, "reverted": [], "timing": "graph",
                              "margin": 0.03, "images": 8, "model_runs_on": "auto"})
     assert "0.98x the default's speed, within the 3 % planning margin" in noise and "SLOWER" not in noise
+    default_everywhere = plan_check_text({"planned_ms": 1.2, "default_ms": 1.0, "reverted": [], "timing": "eager",
+                                          "margin": 0.03, "images": 8, "model_runs_on": "auto"})
+    assert "SLOWER" in default_everywhere and "already runs its dense default, so nothing was set back" in \
+        default_everywhere

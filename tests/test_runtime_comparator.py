@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -88,8 +89,9 @@ def test_time_backend_on_cpu() -> None:
     assert timing.runs == 20 and timing.median_ms > 0
 
 
-def test_every_backend_refuses_a_bias_that_is_not_one_per_output_channel() -> None:
-    """The kernels read ``bias[m]`` for every output channel: ``run`` refuses any other shape on every backend."""
+def test_every_cpu_backend_refuses_a_bias_that_is_not_one_per_output_channel() -> None:
+    """The kernels read ``bias[m]`` for every output channel: ``run`` refuses any other shape (the CUDA backends:
+    ``tests/gpu``)."""
     x, csr, bias = small_layer()
     for name in ("reference", "dense_cpu", "im2col_cublas"):
         for bad in (bias[:1], bias[:, None], torch.cat([bias, bias])):
@@ -298,6 +300,19 @@ def test_check_plan_sets_a_slower_plan_back_to_the_dense_default(fakes) -> None:
                                      padding=1)
     with torch.no_grad():
         assert relative_error(sparse(x).double(), ref) < 1e-5
+
+
+def test_check_plan_sets_back_to_the_dense_default_also_when_it_was_not_compared(fakes) -> None:
+    """A plan made from other backends only: the slower model still goes back to the dense default, which the
+    comparison did not time (median NaN)."""
+    sparse, x = one_layer_model()
+    plan, comparisons = plan_model(sparse, x, backends=["test_slow"], runs=3, screen_runs=1, keep=1)
+    (layer,) = sparse_layers(sparse).values()
+    assert plan.get(layer.plan_key).backend == "test_slow"
+    check = check_plan(sparse, x, plan, comparisons, runs=3, warmup=1)
+    entry = plan.get(layer.plan_key)
+    assert check.reverted == (layer.plan_key,) and (entry.backend, entry.params) == ("dense_cpu", {})
+    assert math.isnan(entry.median_ms) and entry.runner_up == "test_slow"
 
 
 def test_check_plan_keeps_a_plan_that_is_not_slower() -> None:

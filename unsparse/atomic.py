@@ -44,9 +44,19 @@ def _file_mode(path: Path) -> int:
     try:
         return path.stat().st_mode & 0o7777
     except FileNotFoundError:
+        return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask: from ``/proc/self/status`` on Linux, which reads it without changing it; elsewhere by
+    setting and restoring it (a moment in which another thread's new files would get mode 0o666)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            return next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, StopIteration, ValueError, IndexError):
         umask = os.umask(0)
         os.umask(umask)
-        return 0o666 & ~umask
+        return umask
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:

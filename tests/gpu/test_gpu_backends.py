@@ -322,6 +322,15 @@ def test_check_plan_times_cuda_graphs_and_keeps_the_model_correct() -> None:
         assert relative_error(sparse(x).double(), model(x).double()) <= 10 * tolerance(torch.float32)
 
 
+def test_the_direct_kernels_refuse_a_bias_shorter_than_the_output_channels() -> None:
+    """``conv`` itself (not only ``run``) checks the bias: the kernels read ``bias[m]`` for every output channel."""
+    weight = torch.randn(6, 4, 3, 3, device=CUDA)
+    csr, x = UniformCSR.from_dense(weight), torch.randn(2, 4, 9, 9, device=CUDA)
+    for params in get_backend("direct").tuning_space(x, csr, ConvGeometry.of(1, 1))[:3]:
+        with pytest.raises(ValueError, match=r"bias: shape \(1,\)"):
+            get_backend("direct").conv(x, csr, torch.zeros(1, device=CUDA), ConvGeometry.of(1, 1), **params)
+
+
 def test_main_job_on_auto_checks_its_plan_as_cuda_graphs(tmp_path) -> None:
     """The main job on CUDA with ``backend="auto"``: the report's whole-model check is GPU time, and the test set
     run on the (checked) plan scores what the pruned model scores."""

@@ -283,7 +283,7 @@ class EvolutionaryPruner(Pruner):
             raise ValueError(f"alpha {alpha} and beta {beta} must be >= 0")
         self.iterations, self.batches_per_iteration = iterations, batches_per_iteration
         self.alpha, self.beta, self.epsilon = alpha, beta, epsilon
-        self.ranked = RankedList(ranked_list_length)
+        self.ranked, self.ranked_list_length = RankedList(ranked_list_length), ranked_list_length
         self.unit_step = dict(unit_step) if isinstance(unit_step, Mapping) else unit_step
         self.min_step, self.max_step = min_step, max_step
         self.layers_per_iteration, self.mutation_threshold = layers_per_iteration, mutation_threshold
@@ -388,11 +388,12 @@ class EvolutionaryPruner(Pruner):
 
     @torch.no_grad()
     def mutate(self) -> None:
-        """Lower each ``pending`` layer's sparsity by ``r * Δ_l``, ``r ~ U(0, 1)`` (eq. 15-16; mutates masks): to the
-        fewest zeros that reach ``s_l - r * Δ_l`` (:func:`~unsparse.prune.masks.pruned_count`)."""
+        """Lower each ``pending`` layer's sparsity by ``r * Δ_l``, ``r ~ U(0, 1)`` (eq. 15-16; mutates masks): revive
+        the fewest weights that lower it by at least that, ``ceil(r * Δ_l * size_l)``, as a growth step adds the
+        fewest zeros that raise it by at least ``Δ_l`` (:func:`~unsparse.prune.masks.pruned_count`)."""
         sizes, zeros = self.layer_sizes(), self.zero_counts()
-        self._resize({name: max(pruned_count((zeros[name] - float(torch.rand((), generator=self.generator))
-                                              * self.delta[name] * sizes[name]) / sizes[name], sizes[name]), 0)
+        self._resize({name: max(zeros[name] - pruned_count(float(torch.rand((), generator=self.generator))
+                                                           * self.delta[name], sizes[name]), 0)
                       for name in self.pending})
 
     def donor_floor(self) -> float:

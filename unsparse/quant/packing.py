@@ -53,7 +53,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     _check(bits)
     if codes.dtype.is_floating_point or codes.dtype == torch.bool:
         raise ValueError(f"codes: expected an integer tensor, got {codes.dtype}")
-    flat = codes.detach().reshape(-1).cpu()
+    flat = codes.detach().reshape(-1).cpu().to(torch.int64)  # any integer dtype (uint16 has no min/max)
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= 1 << bits):
         raise ValueError(f"codes: entries must lie in [0, {1 << bits}), found [{int(flat.min())}, {int(flat.max())}]")
     size = packed_size(flat.numel(), bits)
@@ -61,7 +61,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     for start in range(0, flat.numel(), CHUNK_CODES):
         stop = min(flat.numel(), start + CHUNK_CODES)
         byte, offset = _code_bytes(start, stop, bits)
-        shifted = flat[start:stop].to(torch.int64) << offset
+        shifted = flat[start:stop] << offset
         for k in range(3):  # codes own disjoint bits, so adding their bytes is OR-ing them
             packed.index_add_(0, byte + k, ((shifted >> (8 * k)) & 0xFF).to(torch.uint8))
     return packed[:size].clone()

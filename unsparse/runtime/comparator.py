@@ -197,6 +197,14 @@ class LayerComparison:
         runner = min(others, key=lambda b: self.fastest(b).median_ms) if others else None
         return PlanEntry(best.backend, best.params, best.timing.median_ms, runner)
 
+    def default_entry(self, backend: str) -> PlanEntry:
+        """The plan entry of the dense default ``backend`` (a key of :data:`DENSE_DEFAULTS`) in this layer's layout,
+        with its measured median (NaN where it was not timed, e.g. a comparison of other backends only)."""
+        params = DENSE_DEFAULTS[backend][self.layout]
+        measured = next((m for m in self.measurements if m.backend == backend and m.params == params
+                         and m.status == "ok" and m.timing is not None), None)
+        return PlanEntry(backend, dict(params), measured.timing.median_ms if measured else float("nan"))
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form with every measurement and the winner."""
         best = self.best
@@ -379,9 +387,10 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
     channels-last ResNet-50 FP16 plan put nine layers on cuDNN computing in NCHW, each measured faster alone,
     and the model ran 0.95x of the same model on cuDNN in NHWC. So if the planned forward is slower than the dense
     default by more than ``margin`` (a fraction of the default's median), every entry of ``comparisons`` that
-    left the dense default is set back to it (its measured default median; runner-up the backend it replaces) and
-    the changed plan is activated. All or nothing: one layer's share of a model's time is below the noise that
-    per-layer reverts would have to beat. Entries reused from an earlier plan are not in ``comparisons`` and stay.
+    left the dense default is set back to it (:meth:`LayerComparison.default_entry`: its measured median, NaN if the
+    comparison did not time it; runner-up the backend it replaces) and the changed plan is activated. All or
+    nothing: one layer's share of a model's time is below the noise that per-layer reverts would have to beat.
+    Entries reused from an earlier plan are not in ``comparisons`` and stay.
 
     On CUDA both forwards are timed as CUDA-graph replays, the GPU time the plan chose kernels for: eager times of
     a host-bound model (AlexNet and GoogLeNet in FP16 at batch 128) moved by 14-40 % within one process, which
@@ -423,7 +432,7 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
     reverted = []
     if planned_ms > (1 + margin) * default_ms:
         for comparison in comparisons:
-            entry, fallback = plan.get(comparison.key), comparison.plan_entry(margin=1.0)
+            entry, fallback = plan.get(comparison.key), comparison.default_entry(dense_fallback_backend(example.device))
             if entry is not None and (entry.backend, entry.params) != (fallback.backend, fallback.params):
                 plan.entries[comparison.key] = PlanEntry(fallback.backend, fallback.params, fallback.median_ms,
                                                          entry.backend)

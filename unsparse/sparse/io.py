@@ -180,7 +180,8 @@ def _check_entries(entries: dict[str, Any], expected: dict[str, torch.Tensor]) -
     floating = set()
     for key, reference in expected.items():
         entry = entries[key]
-        _require(isinstance(entry, dict) and isinstance(entry.get("shape"), list), key, f"bad entry {entry!r}")
+        _require(isinstance(entry, dict) and isinstance(entry.get("shape"), list)
+                 and all(type(size) is int for size in entry["shape"]), key, f"bad entry {entry!r}")
         _require(entry["shape"] == list(reference.shape), key,
                  f"shape {entry['shape']}, architecture needs {list(reference.shape)}")
         name = entry.get("dtype")
