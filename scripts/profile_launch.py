@@ -7,6 +7,10 @@ ways: eagerly (CUDA events around back-to-back calls: the host's floor where it 
 CUDA graph (the GPU time alone), and as host enqueue time (wall clock per call, no synchronisation). It also prints
 a cProfile of the eager direct call. Microseconds; JSON to ``--out``.
 
+``--modules`` adds the paths a model takes, to price the wrapper around the kernels: the layer as ``nn.Conv2d``,
+and as a :class:`~unsparse.runtime.SparseConv` on ``cudnn``, on ``auto`` planned to cuDNN, and on ``direct`` with
+the setting above, each with a cProfile of its calls.
+
     PYTHONPATH=. python3 scripts/profile_launch.py --layer 3 64 224 --kernel 7 --stride 2 --padding 3 \
         --batch 128 --dtype float16 --params '{"variant": "tile", "wx": 32, "py": 4, "nb": 2, "mw": 4, \
         "warps": 16, "cc": 8, "stage": "vector"}' --out OUT
@@ -22,8 +26,10 @@ import torch
 import torch.nn.functional as F
 
 from unsparse.pipeline import git_commit
+from unsparse.runtime import set_backend, sparsify
 from unsparse.runtime.backends.direct import POINTWISE_SPLITS, DirectBackend
 from unsparse.runtime.bench import environment
+from unsparse.runtime.comparator import plan_model
 from unsparse.runtime.timing import host_enqueue_ms, host_profile, time_fn, time_graph
 from unsparse.sparse import ConvGeometry, UniformCSR
 
@@ -39,6 +45,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--dtype", choices=["float32", "float16"], default="float32")
     parser.add_argument("--params", type=json.loads, help="the direct setting (default: a 1x1 pointwise one)")
+    parser.add_argument("--modules", action="store_true", help="also time the module paths (see above)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -56,14 +63,28 @@ def main() -> None:
         for splits in POINTWISE_SPLITS:
             calls[f"direct_splits{splits}"] = lambda s=splits: backend.conv(x, csr, None, geometry, **base, splits=s)
     calls["cudnn"] = lambda: F.conv2d(x, weight, None, args.stride, args.padding)
+    profiles = {"direct": calls["direct"]}
+    if args.modules:
+        conv = torch.nn.Conv2d(C, M, args.kernel, args.stride, args.padding, device=device, dtype=dtype).eval()
+        with torch.no_grad():
+            conv.weight.copy_(weight)
+        modules = {"module_conv2d": conv, "sparse_cudnn": set_backend(sparsify(conv), "cudnn"),
+                   "sparse_direct": set_backend(sparsify(conv), "direct", **base)}
+        planned = sparsify(conv)
+        plan_model(planned, x, backends=["cudnn"], runs=5)
+        modules["sparse_auto_cudnn"] = planned
+        for name, module in modules.items():
+            calls[name] = profiles[name] = lambda m=module: m(x)
     rows = {}
-    for name, call in calls.items():
-        rows[name] = {"eager_us": time_fn(lambda i, c=call: c(), device, runs=args.runs).median_ms * 1e3,
-                      "graph_us": time_graph(call, device, runs=args.runs).median_ms * 1e3,
-                      "host_us": host_enqueue_ms(call, device, args.runs) * 1e3}
-        print(name, rows[name])
-    profile = host_profile(calls["direct"], device, args.runs, top=12)
-    print(profile)
+    with torch.no_grad():
+        for name, call in calls.items():
+            rows[name] = {"eager_us": time_fn(lambda i, c=call: c(), device, runs=args.runs).median_ms * 1e3,
+                          "graph_us": time_graph(call, device, runs=args.runs).median_ms * 1e3,
+                          "host_us": host_enqueue_ms(call, device, args.runs) * 1e3}
+            print(name, rows[name])
+        profile = {name: host_profile(call, device, args.runs, top=12) for name, call in profiles.items()}
+    for text in profile.values():
+        print(text)
     layer = (f"{C}->{M} {args.kernel}x{args.kernel} stride {args.stride} pad {args.padding} at {side}x{side}, "
              f"batch {args.batch}, {args.dtype}, 0.9")
     result = {"environment": environment(git_commit()), "layer": layer,
