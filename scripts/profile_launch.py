@@ -65,9 +65,10 @@ def main() -> None:
     calls["cudnn"] = lambda: F.conv2d(x, weight, None, args.stride, args.padding)
     profiles = {"direct": calls["direct"]}
     if args.modules:
-        conv = torch.nn.Conv2d(C, M, args.kernel, args.stride, args.padding, device=device, dtype=dtype).eval()
+        conv = torch.nn.Sequential(torch.nn.Conv2d(C, M, args.kernel, args.stride, args.padding, device=device,
+                                                   dtype=dtype)).eval()  # sparsify replaces children only
         with torch.no_grad():
-            conv.weight.copy_(weight)
+            conv[0].weight.copy_(weight)
         modules = {"module_conv2d": conv, "sparse_cudnn": set_backend(sparsify(conv), "cudnn"),
                    "sparse_direct": set_backend(sparsify(conv), "direct", **base)}
         planned = sparsify(conv)
