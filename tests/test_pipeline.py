@@ -68,6 +68,10 @@ def test_pipeline_smoke_on_real_data(tmp_path):
     assert "sparse" in markdown and "## Whole model" in markdown and "not on the plan" in markdown
     assert load_sparse(tmp_path / "model.safetensors").unsparse_metadata["extra"]["accuracy"]["pruned"] == \
         accuracy["pruned"]
+    with pytest.raises(ValueError, match=r"job.json: written by a run with other settings \(pruner: .*'target': 0.9"):
+        run_pipeline(splits, create_model("vgg_small", width=8), MagnitudePruner(0.8, fine_tune_epochs=1),
+                     lambda model, loader: model, tmp_path, TrainSettings(epochs=1, batch_size=64, deterministic=True),
+                     TimingSettings(batch_size=8, repeats=2, warmup=1), progress=False)
 
 
 def test_timing_settings_choose_the_compared_backends():

@@ -6,6 +6,7 @@ pipeline runs (and is tested) without Hydra.
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import os
@@ -18,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from unsparse.atomic import atomic_write_text
 from unsparse.data import Splits
 from unsparse.prune.base import Pruner
 from unsparse.report import layer_rows, timing_verdicts, write_report
@@ -27,7 +29,7 @@ from unsparse.runtime.baseline import NAME as BASELINE
 from unsparse.runtime.comparator import PLAN_MARGIN, PlanCheck, check_plan, plan_model
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.sparse.io import load_sparse, save_sparse
-from unsparse.train import Trainer, deterministic_algorithms
+from unsparse.train import Trainer, check_resumable, deterministic_algorithms
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,34 @@ class TimingSettings:
             unknown = sorted(set(self.backends) - set(backend_names()))
             if unknown:
                 raise ValueError(f"backends: unknown {unknown}; known: {backend_names()}")
+
+
+JOB_FILE = "job.json"
+"""What the run in an output folder is (:func:`job_identity`), written when the folder is first used."""
+
+
+def job_identity(splits: Splits, model: nn.Module, pruner: Pruner, train: TrainSettings, seed: int) -> str:
+    """Everything the checkpoints of an output folder depend on, as sorted JSON: the data set and its split sizes,
+    the model's registry spec, the pruner's settings (:meth:`~unsparse.prune.base.Pruner.identity`), the training
+    settings and the seed. Quantization and timing are left out: they run after the last checkpoint, so a folder's
+    trained and pruned model can be quantized again another way."""
+    data = {"name": splits.name, **{split: len(getattr(splits, split)[1]) for split in ("train", "val", "test")}}
+    return json.dumps({"data": data, "model": model.unsparse_spec, "pruner": json.loads(pruner.identity()),
+                       "train": asdict(train), "seed": seed}, sort_keys=True)
+
+
+def claim_output_folder(outdir: Path, identity: str) -> None:
+    """Resume in ``outdir`` only the job that started there: record ``identity`` in :data:`JOB_FILE` on first use,
+    and compare it with the recorded one afterwards (:func:`~unsparse.train.check_resumable`).
+
+    Raises:
+        ValueError: naming the file and the settings that differ, before any checkpoint is read.
+    """
+    path = outdir / JOB_FILE
+    if path.exists():
+        check_resumable(path, {"identity": path.read_text().strip()}, identity)
+    else:
+        atomic_write_text(path, identity + "\n")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -160,7 +190,8 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     """Run the whole job and write ``model.safetensors``, ``report.json``, ``report.md`` and PNGs to ``outdir``.
 
     Checkpoints (``dense.pt``, ``prune/``) live in ``outdir`` too: running again with the same ``outdir``
-    resumes after an interruption (Ctrl-C loses at most the current epoch).
+    resumes after an interruption (Ctrl-C loses at most the current epoch). ``outdir/job.json`` records the job
+    (:func:`job_identity`), and a run of another job in the same folder is refused before it reads a checkpoint.
 
     Args:
         splits: data (train/val/test tensors).
@@ -175,9 +206,13 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
 
     Returns:
         The report dict (also written as ``report.json``).
+
+    Raises:
+        ValueError: ``outdir`` holds the checkpoints of another job (:func:`claim_output_folder`).
     """
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
+    claim_output_folder(outdir, job_identity(splits, model, pruner, train, seed))
     device = device or torch.device("cpu")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
