@@ -70,6 +70,22 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     atomic_write_bytes(path, buffer.getvalue())
 
 
+def random_states() -> dict[str, Any]:
+    """The random number generators a resumed run must continue: torch's CPU generator and, where CUDA is
+    available, every CUDA device's (dropout on the GPU draws from those)."""
+    return {"rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def restore_random_states(state: dict[str, Any]) -> None:
+    """Put back what :func:`random_states` recorded in a checkpoint ``state``; CUDA generators only where the
+    checkpoint has one per device of this machine (a checkpoint from a CPU run, or older ones, have none)."""
+    torch.set_rng_state(state["rng"])
+    cuda = state.get("cuda_rng") or []
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+
+
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no code is unpickled)."""
     return torch.load(path, map_location="cpu", weights_only=True)
@@ -180,8 +196,9 @@ class Trainer:
             identity: str | None = None) -> list[dict[str, float]]:
         """Train for ``epochs`` epochs with a cosine learning-rate schedule, evaluating on ``val`` each epoch.
 
-        If ``checkpoint`` exists, training resumes from it (model, optimizer, schedule, RNG, history); after
-        each epoch it is rewritten atomically. Masks attached as parametrizations stay applied throughout.
+        If ``checkpoint`` exists, training resumes from it (model, optimizer, schedule, CPU and CUDA random states,
+        history); after each epoch it is rewritten atomically. Masks attached as parametrizations stay applied
+        throughout.
         ``after_step`` is passed to :meth:`train_epoch` (e.g. a pruning schedule). ``identity`` is written into
         the checkpoint and must match the one a checkpoint to resume from recorded (:func:`check_resumable`).
 
@@ -202,7 +219,7 @@ class Trainer:
             model.load_state_dict(state["model"])
             optimizer.load_state_dict(state["optimizer"])
             schedule.load_state_dict(state["schedule"])
-            torch.set_rng_state(state["rng"])
+            restore_random_states(state)
             if generator is not None:
                 generator.set_state(state["loader_rng"])
             history = state["history"]
@@ -216,7 +233,7 @@ class Trainer:
             if checkpoint is not None:
                 save_checkpoint(checkpoint, {
                     "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "schedule": schedule.state_dict(), "rng": torch.get_rng_state(),
+                    "schedule": schedule.state_dict(), **random_states(),
                     "loader_rng": generator.get_state() if generator is not None else torch.empty(0),
                     "history": history, **({"identity": identity} if identity is not None else {})})
         return history

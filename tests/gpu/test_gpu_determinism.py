@@ -79,3 +79,32 @@ def test_cuda_evolutionary_resume_equals_uninterrupted_run(tmp_path, monkeypatch
         resumed_state, resumed_history = run(tmp_path / "b")
     assert resumed_history == reference_history
     assert all(torch.equal(reference_state[key], resumed_state[key]) for key in reference_state)
+
+
+def test_cuda_training_with_dropout_resumes_exactly_after_ctrl_c(tmp_path) -> None:
+    """Dropout on the GPU draws from the CUDA generator, so a resumed run must get it back from the checkpoint: the
+    process's seed alone would give the second epoch the first epoch's dropout masks."""
+    def trained(checkpoint, interrupt_in_epoch: int | None = None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(7)
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 64), torch.nn.ReLU(),
+                                    torch.nn.Dropout(0.5), torch.nn.Linear(64, 10))
+        trainer = digit_trainer()
+        if interrupt_in_epoch is not None:
+            started = []
+            train_epoch = trainer.train_epoch
+
+            def interrupted(*args, **kwargs):
+                started.append(1)
+                if len(started) == interrupt_in_epoch:
+                    raise KeyboardInterrupt
+                return train_epoch(*args, **kwargs)
+            trainer.train_epoch = interrupted
+        trainer.fit(model, 3, checkpoint)
+        return {key: value.cpu() for key, value in model.state_dict().items()}
+
+    with deterministic_algorithms():
+        straight = trained(tmp_path / "a.pt")
+        with pytest.raises(KeyboardInterrupt):
+            trained(tmp_path / "b.pt", interrupt_in_epoch=2)
+        resumed = trained(tmp_path / "b.pt")
+    assert all(torch.equal(straight[key], resumed[key]) for key in straight)

@@ -70,7 +70,14 @@ from tqdm.auto import tqdm
 
 from unsparse.prune.base import Pruner, PruneResult
 from unsparse.prune.masks import dense_weight, lowest_mask, pack_mask, prunable_layers, pruned_count, unpack_mask
-from unsparse.train import Trainer, check_resumable, load_checkpoint, save_checkpoint
+from unsparse.train import (
+    Trainer,
+    check_resumable,
+    load_checkpoint,
+    random_states,
+    restore_random_states,
+    save_checkpoint,
+)
 
 CHECKPOINT = "evolutionary.pt"
 LOG = "prune_log.jsonl"
@@ -593,7 +600,7 @@ class EvolutionaryPruner(Pruner):
             "grad_stats": self.grad_stats, "delta": self.delta, "sensitivity": self.sensitivity,
             "pending": self.pending, "ranked": self.ranked.state(), "iteration": self.iteration,
             "score": self.score, "history": history, "log_bytes": log_path.stat().st_size,
-            "rng": torch.get_rng_state(), "generator": self.generator.get_state(),
+            **random_states(), "generator": self.generator.get_state(),
             "loader_rng": generator.get_state() if generator is not None else torch.empty(0),
             "elapsed_s": elapsed + time.perf_counter() - started, "identity": self.identity()})
 
@@ -609,7 +616,7 @@ class EvolutionaryPruner(Pruner):
         self.delta, self.sensitivity, self.pending = state["delta"], state["sensitivity"], state["pending"]
         self.ranked.load_state(state["ranked"])
         self.iteration, self.score = state["iteration"], state["score"]
-        torch.set_rng_state(state["rng"])
+        restore_random_states(state)
         self.generator.set_state(state["generator"])
         generator = trainer.loaders["train"].generator
         if generator is not None:
