@@ -65,15 +65,17 @@ def main() -> None:
     calls["cudnn"] = lambda: F.conv2d(x, weight, None, args.stride, args.padding)
     profiles = {"direct": calls["direct"]}
     if args.modules:
-        conv = torch.nn.Sequential(torch.nn.Conv2d(C, M, args.kernel, args.stride, args.padding, device=device,
-                                                   dtype=dtype)).eval()  # sparsify replaces children only
+        # A Sequential, since sparsify replaces child convolutions only; no bias, as in the bare calls.
+        conv = torch.nn.Sequential(torch.nn.Conv2d(C, M, args.kernel, args.stride, args.padding, bias=False,
+                                                   device=device, dtype=dtype)).eval()
         with torch.no_grad():
             conv[0].weight.copy_(weight)
         modules = {"module_conv2d": conv, "sparse_cudnn": set_backend(sparsify(conv), "cudnn"),
                    "sparse_direct": set_backend(sparsify(conv), "direct", **base)}
         planned = sparsify(conv)
-        plan_model(planned, x, backends=["cudnn"], runs=5)
+        plan, _ = plan_model(planned, x, backends=["cudnn"], runs=5)
         modules["sparse_auto_cudnn"] = planned
+        chosen = {key: (entry.backend, entry.params) for key, entry in plan.entries.items()}
         for name, module in modules.items():
             calls[name] = profiles[name] = lambda m=module: m(x)
     rows = {}
@@ -88,8 +90,8 @@ def main() -> None:
         print(text)
     layer = (f"{C}->{M} {args.kernel}x{args.kernel} stride {args.stride} pad {args.padding} at {side}x{side}, "
              f"batch {args.batch}, {args.dtype}, 0.9")
-    result = {"environment": environment(git_commit()), "layer": layer,
-              "params": base, "runs": args.runs, "us": rows, "profile": profile}
+    result = {"environment": environment(git_commit()), "layer": layer, "params": base, "runs": args.runs,
+              "us": rows, "profile": profile, "auto_plan": chosen if args.modules else None}
     path = Path(args.out)
     path.mkdir(parents=True, exist_ok=True)
     name = f"launch_profile_{C}_{M}_{side}" + ("" if args.params is None else f"_k{args.kernel}_s{args.stride}")

@@ -68,10 +68,45 @@ def test_pipeline_smoke_on_real_data(tmp_path):
     assert "sparse" in markdown and "## Whole model" in markdown and "not on the plan" in markdown
     assert load_sparse(tmp_path / "model.safetensors").unsparse_metadata["extra"]["accuracy"]["pruned"] == \
         accuracy["pruned"]
-    with pytest.raises(ValueError, match=r"job.json: written by a run with other settings \(pruner: .*'target': 0.9"):
+    with pytest.raises(ValueError, match=r"job.json: written by .* settings \(pruner.target: 0.9 there, 0.8"):
         run_pipeline(splits, create_model("vgg_small", width=8), MagnitudePruner(0.8, fine_tune_epochs=1),
                      lambda model, loader: model, tmp_path, TrainSettings(epochs=1, batch_size=64, deterministic=True),
                      TimingSettings(batch_size=8, repeats=2, warmup=1), progress=False)
+
+
+def test_an_output_folder_binds_to_its_job_only_once_it_holds_checkpoints(tmp_path, caplog):
+    """A failed first run (no checkpoint yet) leaves the folder free; once checkpoints exist, the same job resumes
+    (evaluation batch size and determinism may change), and another one is refused before any checkpoint is
+    read; checkpoints without the file (an older version's folder) are resumed with a warning."""
+    import logging
+
+    from unsparse.pipeline import JOB_FILE, claim_output_folder, job_identity
+
+    splits = digits()
+
+    def identity(**train):
+        settings = TrainSettings(**{"epochs": 1, "batch_size": 64, **train})
+        return job_identity(splits, create_model("vgg_small", width=4), MagnitudePruner(0.9), settings, 0)
+
+    claim_output_folder(tmp_path, identity(batch_size=0))  # say it then failed before its first checkpoint
+    claim_output_folder(tmp_path, identity())
+    (tmp_path / "dense.pt").write_bytes(b"not read")  # a checkpoint: the folder is bound now
+    claim_output_folder(tmp_path, identity(lr=0.05, eval_batch_size=10, deterministic=True))
+    with pytest.raises(ValueError, match=r"job.json: written by a run with other settings \(train.batch_size: 64 "
+                                         r"there, 32 here\)"):
+        claim_output_folder(tmp_path, identity(batch_size=32))
+    (tmp_path / JOB_FILE).unlink()
+    with caplog.at_level(logging.WARNING, logger="unsparse.pipeline"):
+        claim_output_folder(tmp_path, identity())
+    assert "no job.json" in caplog.text and (tmp_path / JOB_FILE).exists()
+
+
+def test_the_same_settings_written_differently_are_the_same_job():
+    from unsparse.train import check_resumable
+
+    check_resumable("x.pt", {"identity": '{"lr": 1, "sizes": [1, 2]}'}, '{"sizes": [1.0, 2], "lr": 1.0}')
+    with pytest.raises(ValueError, match=r"x.pt: .*\(a.b: 1 there, 2 here\)"):
+        check_resumable("x.pt", {"identity": '{"a": {"b": 1, "c": 3}}'}, '{"a": {"b": 2, "c": 3}}')
 
 
 def test_timing_settings_choose_the_compared_backends():

@@ -76,28 +76,46 @@ JOB_FILE = "job.json"
 """What the run in an output folder is (:func:`job_identity`), written when the folder is first used."""
 
 
+CHECKPOINTS = ("dense.pt", "prune")
+"""What :func:`run_pipeline` checkpoints in an output folder (the dense training, the pruner's folder)."""
+
+
 def job_identity(splits: Splits, model: nn.Module, pruner: Pruner, train: TrainSettings, seed: int) -> str:
     """Everything the checkpoints of an output folder depend on, as sorted JSON: the data set and its split sizes,
     the model's registry spec, the pruner's settings (:meth:`~unsparse.prune.base.Pruner.identity`), the training
-    settings and the seed. Quantization and timing are left out: they run after the last checkpoint, so a folder's
-    trained and pruned model can be quantized again another way."""
+    settings that shape the trained weights (not ``eval_batch_size`` or ``deterministic``) and the seed.
+    Quantization, timing, device and backend are left out: they act after the last checkpoint, so a folder's trained
+    and pruned model can be quantized or timed again another way.
+
+    Raises:
+        ValueError: a model without ``unsparse_spec`` (not built by ``create_model``).
+    """
+    spec = getattr(model, "unsparse_spec", None)
+    if spec is None:
+        raise ValueError("model: no unsparse_spec; build the model with unsparse.models.create_model")
     data = {"name": splits.name, **{split: len(getattr(splits, split)[1]) for split in ("train", "val", "test")}}
-    return json.dumps({"data": data, "model": model.unsparse_spec, "pruner": json.loads(pruner.identity()),
-                       "train": asdict(train), "seed": seed}, sort_keys=True)
+    training = {key: value for key, value in asdict(train).items() if key not in ("eval_batch_size", "deterministic")}
+    return json.dumps({"data": data, "model": spec, "pruner": json.loads(pruner.identity()), "train": training,
+                       "seed": seed}, sort_keys=True, default=str)
 
 
 def claim_output_folder(outdir: Path, identity: str) -> None:
-    """Resume in ``outdir`` only the job that started there: record ``identity`` in :data:`JOB_FILE` on first use,
-    and compare it with the recorded one afterwards (:func:`~unsparse.train.check_resumable`).
+    """Resume in ``outdir`` only the job whose checkpoints are there: where :data:`CHECKPOINTS` exist, ``identity``
+    must equal the one :data:`JOB_FILE` recorded (:func:`~unsparse.train.check_resumable`); otherwise the file is
+    (re)written, so that a first run that failed before any checkpoint does not bind the folder to its settings.
+    Checkpoints without the file (a folder of an older version) are resumed unchecked, with a warning.
 
     Raises:
         ValueError: naming the file and the settings that differ, before any checkpoint is read.
     """
     path = outdir / JOB_FILE
-    if path.exists():
+    checkpointed = any((outdir / name).exists() for name in CHECKPOINTS)
+    if checkpointed and path.exists():
         check_resumable(path, {"identity": path.read_text().strip()}, identity)
-    else:
-        atomic_write_text(path, identity + "\n")
+        return
+    if checkpointed:
+        log.warning("%s holds checkpoints but no %s: resuming them unchecked as this job", outdir, JOB_FILE)
+    atomic_write_text(path, identity + "\n")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -71,19 +71,26 @@ def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
 
 
 def random_states() -> dict[str, Any]:
-    """The random number generators a resumed run must continue: torch's CPU generator and, where CUDA is
-    available, every CUDA device's (dropout on the GPU draws from those)."""
+    """The random number generators a resumed run must continue: torch's CPU generator and, once the process has
+    used CUDA, every CUDA device's (dropout on the GPU draws from those; a CPU run does not start CUDA for this)."""
     return {"rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []}
 
 
 def restore_random_states(state: dict[str, Any]) -> None:
-    """Put back what :func:`random_states` recorded in a checkpoint ``state``; CUDA generators only where the
-    checkpoint has one per device of this machine (a checkpoint from a CPU run, or older ones, have none)."""
+    """Put back what :func:`random_states` recorded in a checkpoint ``state``. A checkpoint of a run that never used
+    CUDA (or an older one) has no CUDA states; where the machine has another number of GPUs than the run had, the
+    first ``min(saved, present)`` devices get theirs back, with a warning: a run on another device may then
+    differ from the uninterrupted one."""
     torch.set_rng_state(state["rng"])
     cuda = state.get("cuda_rng") or []
-    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
-        torch.cuda.set_rng_state_all(cuda)
+    if not cuda:
+        return
+    present = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if present != len(cuda):
+        log.warning("checkpoint has CUDA random states of %d devices, this machine %d", len(cuda), present)
+    for index, generator_state in enumerate(cuda[:present]):
+        torch.cuda.set_rng_state(generator_state, index)
 
 
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
@@ -107,12 +114,21 @@ def check_resumable(path: str | Path, state: dict[str, Any], identity: str | Non
         return
     try:
         before, now = json.loads(saved), json.loads(identity)
-        differences = ", ".join(f"{key}: {before.get(key)!r} there, {now.get(key)!r} here"
-                                for key in sorted(set(before) | set(now)) if before.get(key) != now.get(key))
-    except (json.JSONDecodeError, AttributeError):
-        differences = f"{saved!r} there, {identity!r} here"
+    except json.JSONDecodeError:
+        before, now = saved, identity
+    if before == now:  # the same settings written differently, e.g. 1 and 1.0
+        return
+    differences = ", ".join(f"{key}: {old!r} there, {new!r} here" for key, old, new in _differences(before, now))
     raise ValueError(f"{path}: written by a run with other settings ({differences}); resume with the same "
                      "settings, or start in another folder")
+
+
+def _differences(before: Any, now: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
+    """``(dotted key, value there, value here)`` of every leaf that differs between two JSON values."""
+    if isinstance(before, dict) and isinstance(now, dict):
+        return [difference for key in sorted(set(before) | set(now))
+                for difference in _differences(before.get(key), now.get(key), f"{prefix}{key}.")]
+    return [] if before == now else [(prefix.rstrip(".") or "identity", before, now)]
 
 
 @dataclass
