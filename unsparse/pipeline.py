@@ -73,7 +73,8 @@ class TimingSettings:
 
 
 JOB_FILE = "job.json"
-"""What the run in an output folder is (:func:`job_identity`), written when the folder is first used."""
+"""What the run in an output folder is (:func:`job_identity`); each run writes it until the folder holds
+checkpoints, and from then on it is compared (:func:`claim_output_folder`)."""
 
 
 CHECKPOINTS = ("dense.pt", "prune")
