@@ -92,6 +92,10 @@ def test_an_output_folder_binds_to_its_job_only_once_it_holds_checkpoints(tmp_pa
     claim_output_folder(tmp_path, identity())
     (tmp_path / "dense.pt").write_bytes(b"not read")  # a checkpoint: the folder is bound now
     claim_output_folder(tmp_path, identity(lr=0.05, eval_batch_size=10, deterministic=True))
+    other_subset = job_identity(digits(seed=1), create_model("vgg_small", width=4), MagnitudePruner(0.9),
+                                TrainSettings(epochs=1, batch_size=64), 0)
+    with pytest.raises(ValueError, match=r"data.train: '\d+:\w+' there, '\d+:\w+' here"):
+        claim_output_folder(tmp_path, other_subset)
     with pytest.raises(ValueError, match=r"job.json: written by a run with other settings \(train.batch_size: 64 "
                                          r"there, 32 here\)"):
         claim_output_folder(tmp_path, identity(batch_size=32))

@@ -6,6 +6,7 @@ pipeline runs (and is tested) without Hydra.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -81,10 +82,20 @@ CHECKPOINTS = ("dense.pt", "prune")
 """What :func:`run_pipeline` checkpoints in an output folder (the dense training, the pruner's folder)."""
 
 
+def split_digest(split: tuple[torch.Tensor, torch.Tensor]) -> str:
+    """``"<size>:<sha256 prefix>"`` of one ``(images, labels)`` split: the same name and size can hold another subset
+    (a limit or split seed of the data loader)."""
+    digest = hashlib.sha256()
+    for tensor in split:
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return f"{len(split[1])}:{digest.hexdigest()[:16]}"
+
+
 def job_identity(splits: Splits, model: nn.Module, pruner: Pruner, train: TrainSettings, seed: int) -> str:
-    """Everything the checkpoints of an output folder depend on, as sorted JSON: the data set and its split sizes,
-    the model's registry spec, the pruner's settings (:meth:`~unsparse.prune.base.Pruner.identity`), the training
-    settings that shape the trained weights (not ``eval_batch_size`` or ``deterministic``) and the seed.
+    """Everything the checkpoints of an output folder depend on, as sorted JSON: the data set's name and each split's
+    size and content (:func:`split_digest`), the model's registry spec, the pruner's settings
+    (:meth:`~unsparse.prune.base.Pruner.identity`), the training settings that shape the trained weights (not
+    ``eval_batch_size`` or ``deterministic``) and the seed.
     Quantization, timing, device and backend are left out: they act after the last checkpoint, so a folder's trained
     and pruned model can be quantized or timed again another way.
 
@@ -94,7 +105,7 @@ def job_identity(splits: Splits, model: nn.Module, pruner: Pruner, train: TrainS
     spec = getattr(model, "unsparse_spec", None)
     if spec is None:
         raise ValueError("model: no unsparse_spec; build the model with unsparse.models.create_model")
-    data = {"name": splits.name, **{split: len(getattr(splits, split)[1]) for split in ("train", "val", "test")}}
+    data = {"name": splits.name, **{split: split_digest(getattr(splits, split)) for split in ("train", "val", "test")}}
     training = {key: value for key, value in asdict(train).items() if key not in ("eval_batch_size", "deterministic")}
     return json.dumps({"data": data, "model": spec, "pruner": json.loads(pruner.identity()), "train": training,
                        "seed": seed}, sort_keys=True, default=str)
