@@ -7,6 +7,9 @@ ways: eagerly (CUDA events around back-to-back calls: the host's floor where it 
 CUDA graph (the GPU time alone), and as host enqueue time (wall clock per call, no synchronisation). It also prints
 a cProfile of the eager direct call. Microseconds; JSON to ``--out``.
 
+``--blocks B`` measures host enqueue B times per path, in rounds over all paths (this host's speed moved by up to
+2x between paths measured one after the other), and records every block and their median.
+
 ``--modules`` adds the paths a model takes, to price the wrapper around the kernels: the layer as ``nn.Conv2d``,
 and as a :class:`~unsparse.runtime.SparseConv` on ``cudnn``, on ``auto`` planned to cuDNN, and on ``direct`` with
 the setting above, each with a cProfile of its calls.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -46,6 +50,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "float16"], default="float32")
     parser.add_argument("--params", type=json.loads, help="the direct setting (default: a 1x1 pointwise one)")
     parser.add_argument("--modules", action="store_true", help="also time the module paths (see above)")
+    parser.add_argument("--blocks", type=int, default=1,
+                        help="host enqueue in this many rounds over every path, interleaved (median and spread)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -85,6 +91,11 @@ def main() -> None:
                           "graph_us": time_graph(call, device, runs=args.runs).median_ms * 1e3,
                           "host_us": host_enqueue_ms(call, device, args.runs) * 1e3}
             print(name, rows[name])
+        rounds = [{name: host_enqueue_ms(call, device, args.runs) * 1e3 for name, call in calls.items()}
+                  for _ in range(args.blocks - 1)]
+        for name in calls:
+            block_us = [rows[name]["host_us"], *(measured[name] for measured in rounds)]
+            rows[name].update(host_blocks_us=block_us, host_median_us=statistics.median(block_us))
         profile = {name: host_profile(call, device, args.runs, top=12) for name, call in profiles.items()}
     for text in profile.values():
         print(text)
