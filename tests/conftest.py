@@ -1,6 +1,7 @@
 """Shared test setup: GPU tests skip cleanly without CUDA; every test gets a fixed-but-fresh seed. Fixtures:
-``load_script`` (a ``scripts/*.py`` file as a module) and ``tuned_kernel_names`` (the kernel instantiations
-the direct backend's tuning spaces name for a few representative layers)."""
+``load_script`` (a ``scripts/*.py`` file as a module), ``interrupt_at_epoch`` (a trainer that raises Ctrl-C's
+``KeyboardInterrupt`` as an epoch starts) and ``tuned_kernel_names`` (the kernel instantiations the direct backend's
+tuning spaces name for a few representative layers)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
@@ -28,6 +30,25 @@ def _load_script(name: str) -> ModuleType:
 def load_script() -> Callable[[str], ModuleType]:
     """``load_script("prune_table")`` imports ``scripts/prune_table.py`` (once; the folder is no package)."""
     return _load_script
+
+
+def _interrupt_at_epoch(trainer: Any, epoch: int) -> None:
+    """Make ``trainer`` (mutated) raise ``KeyboardInterrupt`` when its ``epoch``-th ``train_epoch`` call starts."""
+    started = []
+    train_epoch = trainer.train_epoch
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        started.append(1)
+        if len(started) == epoch:
+            raise KeyboardInterrupt
+        return train_epoch(*args, **kwargs)
+    trainer.train_epoch = interrupted
+
+
+@pytest.fixture(scope="session")
+def interrupt_at_epoch() -> Callable[[Any, int], None]:
+    """``interrupt_at_epoch(trainer, 2)``: Ctrl-C as the trainer's second epoch starts (resume tests)."""
+    return _interrupt_at_epoch
 
 
 @pytest.fixture(scope="session")

@@ -129,7 +129,7 @@ def test_timing_settings_choose_the_compared_backends():
         TimingSettings(backends=["direct_half"])
 
 
-def test_training_resumes_exactly_after_ctrl_c(tmp_path):
+def test_training_resumes_exactly_after_ctrl_c(tmp_path, interrupt_at_epoch):
     from unsparse.train import Trainer
 
     splits = digits(limit_train=300)
@@ -139,15 +139,7 @@ def test_training_resumes_exactly_after_ctrl_c(tmp_path):
         model = create_model("vgg_small", width=4)
         trainer = Trainer(splits.loaders(32, seed=1), progress=False)
         if interrupt_in_epoch is not None:
-            epochs_started = []
-            train_epoch = trainer.train_epoch
-
-            def interrupted(*args, **kwargs):
-                epochs_started.append(1)
-                if len(epochs_started) == interrupt_in_epoch:
-                    raise KeyboardInterrupt
-                return train_epoch(*args, **kwargs)
-            trainer.train_epoch = interrupted
+            interrupt_at_epoch(trainer, interrupt_in_epoch)
         trainer.fit(model, 2, checkpoint)
         return model
 

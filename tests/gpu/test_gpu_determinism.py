@@ -81,7 +81,7 @@ def test_cuda_evolutionary_resume_equals_uninterrupted_run(tmp_path, monkeypatch
     assert all(torch.equal(reference_state[key], resumed_state[key]) for key in reference_state)
 
 
-def test_cuda_training_with_dropout_resumes_exactly_after_ctrl_c(tmp_path) -> None:
+def test_cuda_training_with_dropout_resumes_exactly_after_ctrl_c(tmp_path, interrupt_at_epoch) -> None:
     """Dropout on the GPU draws from the CUDA generator, so a resumed run must get it back from the checkpoint: the
     process's seed alone would give the second epoch the first epoch's dropout masks."""
     def trained(checkpoint, interrupt_in_epoch: int | None = None) -> dict[str, torch.Tensor]:
@@ -90,15 +90,7 @@ def test_cuda_training_with_dropout_resumes_exactly_after_ctrl_c(tmp_path) -> No
                                     torch.nn.Dropout(0.5), torch.nn.Linear(64, 10))
         trainer = digit_trainer()
         if interrupt_in_epoch is not None:
-            started = []
-            train_epoch = trainer.train_epoch
-
-            def interrupted(*args, **kwargs):
-                started.append(1)
-                if len(started) == interrupt_in_epoch:
-                    raise KeyboardInterrupt
-                return train_epoch(*args, **kwargs)
-            trainer.train_epoch = interrupted
+            interrupt_at_epoch(trainer, interrupt_in_epoch)
         trainer.fit(model, 3, checkpoint)
         return {key: value.cpu() for key, value in model.state_dict().items()}
 

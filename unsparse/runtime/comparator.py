@@ -177,9 +177,7 @@ class LayerComparison:
         (a layout switch, a kernel that behaves differently between neighbours), so a plan only leaves the
         dense default for a measured gain of more than ``margin`` (a fraction of the default's median).
         """
-        best = self.best
-        default = next((m for m in self.measurements if m.status == "ok" and m.timing is not None
-                        and DENSE_DEFAULTS.get(m.backend, {}).get(self.layout) == m.params), None)
+        best, default = self.best, self.default_measurement()
         if best is None or default is None:
             return best
         return default if best.timing.median_ms > (1 - margin) * default.timing.median_ms else best
@@ -197,13 +195,19 @@ class LayerComparison:
         runner = min(others, key=lambda b: self.fastest(b).median_ms) if others else None
         return PlanEntry(best.backend, best.params, best.timing.median_ms, runner)
 
-    def default_entry(self, backend: str) -> PlanEntry:
+    def default_measurement(self, backend: str | None = None) -> Measurement | None:
+        """The timed, correct measurement of the dense default in this layer's layout (:data:`DENSE_DEFAULTS`), of
+        ``backend`` if named, else of any dense backend; None if it was not timed."""
+        return next((m for m in self.measurements if m.status == "ok" and m.timing is not None
+                     and (backend is None or m.backend == backend)
+                     and DENSE_DEFAULTS.get(m.backend, {}).get(self.layout) == m.params), None)
+
+    def default_entry(self, backend: str, runner_up: str | None = None) -> PlanEntry:
         """The plan entry of the dense default ``backend`` (a key of :data:`DENSE_DEFAULTS`) in this layer's layout,
         with its measured median (NaN where it was not timed, e.g. a comparison of other backends only)."""
-        params = DENSE_DEFAULTS[backend][self.layout]
-        measured = next((m for m in self.measurements if m.backend == backend and m.params == params
-                         and m.status == "ok" and m.timing is not None), None)
-        return PlanEntry(backend, dict(params), measured.timing.median_ms if measured else float("nan"))
+        measured = self.default_measurement(backend)
+        return PlanEntry(backend, dict(DENSE_DEFAULTS[backend][self.layout]),
+                         measured.timing.median_ms if measured else float("nan"), runner_up)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready form with every measurement and the winner."""
@@ -416,9 +420,11 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
             return time_graph(forward, example.device, runs).median_ms
         return time_fn(lambda i: forward(), example.device, runs=runs, warmup=warmup).median_ms
 
+    default_backend = dense_fallback_backend(example.device)
+
     def both(timing: str) -> tuple[float, float]:
         planned = measure(timing)
-        with temporary_backend(model, dense_fallback_backend(example.device)):
+        with temporary_backend(model, default_backend):
             return planned, measure(timing)
 
     timing = "graph" if example.device.type == "cuda" else "eager"
@@ -432,10 +438,10 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
     reverted = []
     if planned_ms > (1 + margin) * default_ms:
         for comparison in comparisons:
-            entry, fallback = plan.get(comparison.key), comparison.default_entry(dense_fallback_backend(example.device))
+            entry = plan.get(comparison.key)
+            fallback = comparison.default_entry(default_backend, runner_up=None if entry is None else entry.backend)
             if entry is not None and (entry.backend, entry.params) != (fallback.backend, fallback.params):
-                plan.entries[comparison.key] = PlanEntry(fallback.backend, fallback.params, fallback.median_ms,
-                                                         entry.backend)
+                plan.entries[comparison.key] = fallback
                 reverted.append(comparison.key)
         if reverted:
             log.warning("planned model %.3f ms, dense default %.3f ms (%s): %d layer keys set back to the dense "
