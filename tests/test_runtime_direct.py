@@ -505,8 +505,9 @@ def test_pairing_kernel_emulation_matches_pair_images(batch: int, chw: tuple[int
     spec = cl.pairing_launch(dtype, 128, 256 * 56 * 56, vector=True)
     assert spec.name == f"pair_images<{cl.cuda_type(dtype)},1>" and spec.block == (256, 1, 1)
     assert spec.grid == (math.ceil(256 * 56 * 56 / (16 // dtype.itemsize * 256)), 64, 1)
-    assert cl.pairing_vector(torch.zeros(2, 4, 4)) and not cl.pairing_vector(torch.zeros(2, 3, 3))
-    assert not cl.pairing_vector(torch.zeros(9)[1:].view(2, 4))  # 4 bytes past a 16-byte boundary
+    assert cl.pairing_vector(64, aligned=True) and not cl.pairing_vector(36, aligned=True)
+    assert not cl.pairing_vector(64, aligned=False)
+    assert not cl.vector_aligned(torch.zeros(9)[1:].view(2, 4))  # 4 bytes past a 16-byte boundary
     with pytest.raises(ValueError, match="positive"):
         cl.pairing_launch(dtype, 0, 10, vector=False)
 
@@ -698,6 +699,26 @@ def test_kernel_arguments_are_checked_device_pointers() -> None:
         cl.kernel_arguments((2**31,), cpu)
 
 
+def test_argument_template_converts_fixed_arguments_once_and_fills_the_slots() -> None:
+    """A bound launch's arguments: the fixed ones converted at bind time, each call's values converted into the
+    :data:`~unsparse.runtime.cupy_launcher.PER_CALL` slots in order, and every error naming the kernel position."""
+    cpu = torch.device("cpu")
+    index, source, out = torch.arange(4, dtype=torch.int32), torch.zeros(2, 3), torch.zeros(5)
+    template = cl.ArgumentTemplate.of((cl.PER_CALL, index, cl.PER_CALL, cl.PER_CALL, 7), cpu)
+    assert template.slots == (0, 2, 3)
+    converted = template.fill((source, None, out), cpu)
+    assert [int(value) for value in converted] == [source.data_ptr(), index.data_ptr(), 0, out.data_ptr(), 7]
+    assert converted[4].dtype.itemsize == 4 and converted[1].dtype.itemsize == 8
+    with pytest.raises(ValueError, match="argument 3: tensor is not contiguous"):
+        template.fill((source, None, torch.zeros(3, 2).t()), cpu)
+    with pytest.raises(ValueError, match="2 per-call values for 3 slots"):
+        template.fill((source, out), cpu)
+    with pytest.raises(ValueError, match="argument 1: tensor on cpu"):
+        cl.ArgumentTemplate.of((cl.PER_CALL, index), torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="argument 2: 2147483648 does not fit int32"):
+        cl.ArgumentTemplate.of((cl.PER_CALL, None, 2**31), cpu)
+
+
 def test_tuning_spaces() -> None:
     rows = rows_space(batch=3, out_pixels=49)
     assert {p["sub_batch"] for p in rows} == {1, 2}
@@ -759,10 +780,22 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     def record(spec: cl.Launch, args: tuple, device: torch.device) -> None:
         cl.kernel_arguments(args, device)  # every argument a kernel can take
         launches.append((spec, args))
-        if isinstance(args[4], torch.Tensor) and args[4].dim() == 5:  # split-K: slice s holds s + 1
+        if spec.name.startswith("pair_images"):  # the pairing kernel's result, from torch
+            args[1].copy_(pair_images(args[0]))
+        elif isinstance(args[4], torch.Tensor) and args[4].dim() == 5:  # split-K: slice s holds s + 1
             args[4].copy_(torch.arange(1.0, args[4].shape[0] + 1).view(-1, 1, 1, 1, 1).expand_as(args[4]))
 
-    monkeypatch.setattr(cl, "launch", record)
+    def bind(spec: cl.Launch, args: tuple, device: torch.device):
+        template = cl.ArgumentTemplate.of(args, device)  # the fixed arguments are checked when bound
+
+        def call(stream: object, *values: object) -> None:
+            template.fill(values, device)
+            filled = iter(values)
+            record(spec, tuple(next(filled) if arg is cl.PER_CALL else arg for arg in args), device)
+        return call
+
+    monkeypatch.setattr(cl, "bind", bind)
+    monkeypatch.setattr(cl, "current_stream", lambda device: None)
     backend = DirectBackend()
     weight = torch.randn(6, 4, 3, 3)
     weight[torch.rand(weight.shape) < 0.7] = 0
@@ -776,6 +809,7 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
         out = backend.conv(x[:batch], csr, None, geometry, **params)
         assert out.shape == (batch, 6, 8, 6) and out.dtype == torch.float16
     assert prepared == [(3, 4, 16, 12), (2, 4, 16, 12)]
+    assert launches[-2][0].name.startswith("pair_images<__half,")  # float16 reads image pairs
     spec, args = launches[-1]
     split = phase_split(csr, geometry)
     assert spec.name.startswith("direct_tile<__half,2,2,")

@@ -168,7 +168,7 @@ def test_pairing_kernel_matches_torchs_pair_images(batch: int, chw: tuple[int, i
     storage = torch.empty(x.numel() + 1, dtype=dtype, device=CUDA)
     shifted = storage[1:].view_as(x)
     shifted.copy_(x)
-    assert not cl.pairing_vector(shifted)
+    assert not cl.vector_aligned(shifted)
     for source in (x, shifted):
         out = pair_images_on_device(source)
         torch.cuda.synchronize()

@@ -6,7 +6,9 @@ lazily; importing this module needs neither CuPy nor a GPU.
 
 Tensors reach a kernel as their device pointers (zero copy), after a check of device and contiguity, on
 torch's current stream. A DLPack hand-over per argument (``cupy.from_dlpack``) cost about 0.3 ms of host
-time per launch, which set a 0.32 ms floor under every small layer in the H100 benchmark of 2026-11-23.
+time per launch, which set a 0.32 ms floor under every small layer in the H100 benchmark of 2026-11-23. A launch
+is bound once (:func:`bind`: kernel, shared-memory opt-in, fixed arguments converted) and then called with the
+arguments that change from call to call.
 """
 
 from __future__ import annotations
@@ -448,10 +450,10 @@ def pairing_launch(dtype: torch.dtype, batch: int, image_elements: int, vector: 
     return Launch(f"pair_images<{cuda_type(dtype)},{int(vector)}>", grid, (PAIRING_THREADS, 1, 1))
 
 
-def pairing_vector(x: torch.Tensor) -> bool:
-    """Whether ``pair_images`` can move ``x`` (contiguous ``(N, ...)``) in 16-byte vectors: each image's element
-    count a multiple of ``16 / itemsize`` and the data 16-byte aligned."""
-    return (x[0].numel() * x.element_size()) % VECTOR_BYTES == 0 and vector_aligned(x)
+def pairing_vector(image_bytes: int, aligned: bool) -> bool:
+    """Whether ``pair_images`` can move images of ``image_bytes`` bytes each in 16-byte vectors: a whole number of
+    vectors per image, and the input's data ``aligned`` to 16 bytes (:func:`vector_aligned`)."""
+    return aligned and image_bytes % VECTOR_BYTES == 0
 
 
 def _check_grid(grid: tuple[int, int, int]) -> None:
@@ -487,9 +489,11 @@ def precompile(names: list[str], workers: int = 16) -> None:
         list(pool.map(get_kernel, names))
 
 
-def kernel_arguments(args: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
+def kernel_arguments(args: tuple[Any, ...], device: torch.device,
+                     positions: tuple[int, ...] | None = None) -> tuple[Any, ...]:
     """Kernel arguments as CuPy passes them: tensors as 64-bit device pointers, None as a null pointer, ints
-    as int32.
+    as int32. ``positions``: each argument's position in the kernel's parameter list, for the error messages
+    (default: its index in ``args``).
 
     Raises:
         ValueError: naming the argument, for a tensor on another device or not contiguous (the kernels index
@@ -498,7 +502,7 @@ def kernel_arguments(args: tuple[Any, ...], device: torch.device) -> tuple[Any, 
     import numpy as np
 
     converted = []
-    for position, arg in enumerate(args):
+    for position, arg in zip(range(len(args)) if positions is None else positions, args, strict=True):
         if isinstance(arg, torch.Tensor):
             if arg.device != device:
                 raise ValueError(f"kernel argument {position}: tensor on {arg.device}, launch on {device}")
@@ -512,6 +516,56 @@ def kernel_arguments(args: tuple[Any, ...], device: torch.device) -> tuple[Any, 
                 raise ValueError(f"kernel argument {position}: {arg} does not fit int32")
             converted.append(np.int32(arg))
     return tuple(converted)
+
+
+class PerCall:
+    """The type of :data:`PER_CALL`."""
+
+    def __repr__(self) -> str:
+        return "PER_CALL"
+
+
+PER_CALL = PerCall()
+"""Marks, in the arguments given to :func:`bind`, a position that each call of the bound launch fills (the input,
+the bias, the output: what changes from call to call)."""
+
+
+@dataclass(frozen=True)
+class ArgumentTemplate:
+    """A kernel's argument list with its fixed arguments converted once (:func:`kernel_arguments`) and
+    :data:`PER_CALL` left at ``slots``, the positions each call fills."""
+
+    converted: tuple[Any, ...]
+    slots: tuple[int, ...]
+
+    @classmethod
+    def of(cls, args: tuple[Any, ...], device: torch.device) -> ArgumentTemplate:
+        """Convert every argument of ``args`` but the :data:`PER_CALL` ones.
+
+        Raises:
+            ValueError: from :func:`kernel_arguments`, naming the argument's position.
+        """
+        fixed = tuple(position for position, arg in enumerate(args) if arg is not PER_CALL)
+        return cls(_placed(list(args), fixed, tuple(args[i] for i in fixed), device),
+                   tuple(position for position, arg in enumerate(args) if arg is PER_CALL))
+
+    def fill(self, values: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
+        """The whole converted argument list, ``values`` converted into the slots in order.
+
+        Raises:
+            ValueError: for a count of values other than the slots', or from :func:`kernel_arguments`.
+        """
+        if len(values) != len(self.slots):
+            raise ValueError(f"kernel arguments: {len(values)} per-call values for {len(self.slots)} slots")
+        return _placed(list(self.converted), self.slots, values, device)
+
+
+def _placed(arguments: list[Any], positions: tuple[int, ...], values: tuple[Any, ...],
+            device: torch.device) -> tuple[Any, ...]:
+    """``arguments`` with ``values`` converted (:func:`kernel_arguments`) into ``positions``."""
+    for position, value in zip(positions, kernel_arguments(values, device, positions), strict=True):
+        arguments[position] = value
+    return tuple(arguments)
 
 
 @dataclass(frozen=True)
@@ -539,26 +593,67 @@ def _external_stream(device_index: int, stream_pointer: int) -> Any:
         return cupy.cuda.ExternalStream(stream_pointer, device_index)
 
 
-def launch(spec: Launch, args: tuple[Any, ...], device: torch.device) -> None:
-    """Run one kernel on torch's current stream of ``device``.
+def current_stream(device: torch.device) -> Any:
+    """CuPy's view of torch's current stream on ``device``, what a :class:`BoundLaunch` launches on. Look it up
+    once per layer call and pass it to each of the call's launches."""
+    return _external_stream(device.index, torch.cuda.current_stream(device).cuda_stream)
+
+
+@dataclass(frozen=True)
+class BoundLaunch:
+    """One launch resolved once (:func:`bind`): the compiled instantiation, opted in to its dynamic shared memory,
+    and every argument but the per-call ones converted. A call converts and checks only its per-call values, so an
+    eager layer call pays for the arguments that change (kernels/NOTES.md, fifteenth session: converting all of them
+    at every call was part of the direct path's host cost).
+
+    Attributes:
+        spec: grid, block, instantiation and dynamic shared memory.
+        device: the CUDA device the fixed tensors live on and the kernel runs on.
+        arguments: the converted argument list with its per-call slots.
+        kernel: the ``cupy.RawKernel`` (:func:`get_kernel`).
+        fixed: the fixed tensor arguments, kept alive as long as the binding, since their pointers are baked in.
+    """
+
+    spec: Launch
+    device: torch.device
+    arguments: ArgumentTemplate
+    kernel: Any
+    fixed: tuple[torch.Tensor, ...]
+
+    def __call__(self, stream: Any, *values: Any) -> None:
+        """Run on ``stream`` (:func:`current_stream`) with ``values`` in the per-call slots, in order. Tensors
+        must stay alive until the kernel has run, as with any asynchronous torch operation on the stream.
+
+        Raises:
+            ValueError: from :meth:`ArgumentTemplate.fill`.
+        """
+        import cupy
+
+        converted = self.arguments.fill(values, self.device)
+        with cupy.cuda.Device(self.device.index), stream:
+            self.kernel(self.spec.grid, self.spec.block, converted, shared_mem=self.spec.shared_bytes)
+
+
+def bind(spec: Launch, args: tuple[Any, ...], device: torch.device) -> BoundLaunch:
+    """Resolve one launch for repeated calls on ``device``.
 
     Args:
         spec: from :func:`rows_launch`, :func:`tile_launch`, :func:`pointwise_launch` or :func:`pairing_launch`.
-        args: kernel arguments in declaration order (:func:`kernel_arguments`). Tensors must stay alive
-            until the kernel has run, as with any asynchronous torch operation on the stream.
+        args: kernel arguments in declaration order (:func:`kernel_arguments`), :data:`PER_CALL` where each call
+            gives the value.
 
     Raises:
-        ValueError: from :func:`kernel_arguments`.
+        ImportError: without CuPy.
+        ValueError: from :func:`kernel_arguments`, for a fixed argument.
     """
     import cupy
 
-    converted = kernel_arguments(args, device)
+    arguments = ArgumentTemplate.of(args, device)
     kernel = get_kernel(spec.name)
-    stream = _external_stream(device.index, torch.cuda.current_stream(device).cuda_stream)
-    with cupy.cuda.Device(device.index), stream:
-        if spec.shared_bytes > SHARED_LIMIT_BYTES:
+    if spec.shared_bytes > SHARED_LIMIT_BYTES:
+        with cupy.cuda.Device(device.index):
             _opt_in(spec.name, spec.shared_bytes, device.index)
-        kernel(spec.grid, spec.block, converted, shared_mem=spec.shared_bytes)
+    return BoundLaunch(spec, device, arguments, kernel, tuple(arg for arg in args if isinstance(arg, torch.Tensor)))
 
 
 @functools.cache

@@ -81,7 +81,8 @@ class PhaseSplit:
     def input(self, x: torch.Tensor) -> torch.Tensor:
         """The phase images of ``x``: one strided copy when the phases along each axis are consecutive (always
         in practice; a filter smaller than the stride whose phases wrap around takes one copy per run of
-        consecutive phases), plus a zero pad when ``H`` or ``W`` is not a multiple of the stride. No host to
+        consecutive phases; where every phase is read, the copy is one ``clone``, the fewest torch calls), plus
+        a zero pad when ``H`` or ``W`` is not a multiple of the stride. No host to
         device transfer, so it can be captured in a CUDA graph.
 
         Args:
@@ -97,6 +98,8 @@ class PhaseSplit:
         if (hq * sh, wq * sw) != (H, W):
             x = F.pad(x, (0, wq * sw - W, 0, hq * sh - H))
         grid = x.reshape(N, C, hq, sh, wq, sw).permute(0, 1, 3, 5, 2, 4)  # (N, C, s_h, s_w, hq, wq), a view
+        if (len(self.phases_h), len(self.phases_w)) == (sh, sw):  # every phase, in order: one copy of the grid
+            return grid.clone(memory_format=torch.contiguous_format).view(N, -1, hq, wq)
         phases = x.new_empty(N, C, len(self.phases_h), len(self.phases_w), hq, wq)
         for (i, first_h, rows), (j, first_w, cols) in itertools.product(_runs(self.phases_h), _runs(self.phases_w)):
             phases[:, :, i:i + rows, j:j + cols] = grid[:, :, first_h:first_h + rows, first_w:first_w + cols]

@@ -237,15 +237,26 @@ def stride_one_reason(geometry: ConvGeometry) -> str | None:
     return None
 
 
+def bind_pairing(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                 aligned: bool) -> tuple[cl.BoundLaunch, tuple[int, ...]]:
+    """The ``pair_images`` kernel for contiguous ``(N, C, H, W)`` inputs of ``shape`` on ``device``: the bound launch
+    (per-call arguments: the input, then a fresh output of the returned shape ``(ceil(N / 2), C, H, W, 2)``).
+    ``aligned``: whether the inputs' data start on a 16-byte boundary; with whole 16-byte vectors per image the
+    kernel then moves vectors (:func:`~unsparse.runtime.cupy_launcher.pairing_launch`)."""
+    N, P = shape[0], math.prod(shape[1:])
+    spec = cl.pairing_launch(dtype, N, P, cl.pairing_vector(P * dtype.itemsize, aligned))
+    return cl.bind(spec, (cl.PER_CALL, cl.PER_CALL, N, P), device), ((N + 1) // 2, *shape[1:], 2)
+
+
 def pair_images_on_device(x: torch.Tensor) -> torch.Tensor:
     """:func:`pair_images` of a contiguous ``x``: on CUDA by the ``pair_images`` kernel (about copy speed; torch's
     permuted copy moved float16 at half of it on the H100, kernels/NOTES.md eleventh session), elsewhere by torch.
     Returns a fresh ``(ceil(N / 2), C, H, W, 2)`` tensor; ``x`` is not modified."""
     if x.device.type != "cuda" or x.shape[0] == 0:
         return pair_images(x)
-    N, P = x.shape[0], x[0].numel()
-    out = torch.empty((N + 1) // 2, *x.shape[1:], 2, dtype=x.dtype, device=x.device)
-    cl.launch(cl.pairing_launch(x.dtype, N, P, cl.pairing_vector(x)), (x, out, N, P), x.device)
+    pairing, shape = bind_pairing(tuple(x.shape), x.dtype, x.device, cl.vector_aligned(x))
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
+    pairing(cl.current_stream(x.device), x, out)
     return out
 
 
@@ -457,41 +468,43 @@ class KernelView:
 class PreparedCall:
     """One setting of :class:`DirectBackend` on one weight and input size, resolved once, so that an eager call
     pays only for what changes per call: the input transform (phase split, image pairing), the output
-    allocation and the launch.
+    allocation and the launches, each bound with its fixed arguments converted
+    (:class:`~unsparse.runtime.cupy_launcher.BoundLaunch`).
 
     Attributes:
-        launch: instantiation, grid and block.
+        kernel: the convolution kernel, its validated index arrays (and, for ``rows``, the weight values) and
+            scalar arguments bound; per call the input, the bias (None for split-K) and the output.
         split: the phase split whose images the kernel reads (a strided ``tile`` or ``pointwise`` setting),
             None where it reads ``x`` itself.
-        arrays: the kernel arguments between the input and the bias: validated index arrays (and, for ``rows``,
-            the weight values).
-        scalars: the int32 arguments after the output (sizes, padding, grid decode, chunks per split).
         out_shape: ``(N, M, E, F)``.
         splits: split-K shares of ``pointwise`` (float32 partial sums, summed here), 1 otherwise.
-        paired: whether the kernel reads the input as image pairs (:func:`pair_images_on_device`: float16, or a
-            ``paired`` float32 tiling).
+        pairing: where the kernel reads the input as image pairs (float16, or a ``paired`` float32 tiling), the
+            bound ``pair_images`` kernel and the paired shape (:func:`bind_pairing`); None otherwise.
     """
 
-    launch: cl.Launch
+    kernel: cl.BoundLaunch
     split: PhaseSplit | None
-    arrays: tuple[torch.Tensor, ...]
-    scalars: tuple[int, ...]
     out_shape: tuple[int, int, int, int]
     splits: int = 1
-    paired: bool = False
+    pairing: tuple[cl.BoundLaunch, tuple[int, ...]] | None = None
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """Run on ``x`` (contiguous ``(N, C, H, W)`` of the prepared size and dtype) with ``bias`` (``(M,)`` of
-        ``x``'s dtype, contiguous, or None); returns a new ``(N, M, E, F)`` tensor of ``x``'s dtype."""
+        """Run on ``x`` (contiguous ``(N, C, H, W)`` of the prepared size, dtype and 16-byte alignment) with
+        ``bias`` (``(M,)`` of ``x``'s dtype, contiguous, or None); returns a new ``(N, M, E, F)`` tensor of ``x``'s
+        dtype."""
+        stream = cl.current_stream(x.device)
         source = x if self.split is None else self.split.input(x)
-        if self.paired:
-            source = pair_images_on_device(source)
+        if self.pairing is not None:
+            pairing, shape = self.pairing
+            paired = torch.empty(shape, dtype=x.dtype, device=x.device)
+            pairing(stream, source, paired)
+            source = paired
         if self.splits == 1:
             out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
-            cl.launch(self.launch, (source, *self.arrays, bias, out, *self.scalars), x.device)
+            self.kernel(stream, source, bias, out)
             return out
         partial = torch.empty((self.splits, *self.out_shape), dtype=torch.float32, device=x.device)
-        cl.launch(self.launch, (source, *self.arrays, None, partial, *self.scalars), x.device)
+        self.kernel(stream, source, None, partial)
         summed = partial.sum(0)  # float32 partial sums of each share of the input channels
         return (summed if bias is None else summed.add_(bias.float()[:, None, None])).to(x.dtype)
 
@@ -672,11 +685,16 @@ class DirectBackend(ConvBackend):
         N, C, H, W = x.shape
         M, (E, F_) = csr.out_channels, self._out_hw(x, csr, geometry)
         out_shape = (N, M, E, F_)
+
+        def bound(arrays: tuple[torch.Tensor, ...], scalars: tuple[int, ...]) -> cl.BoundLaunch:
+            """The kernel bound with its fixed arguments; per call: input, bias, output."""
+            return cl.bind(spec, (cl.PER_CALL, *arrays, cl.PER_CALL, cl.PER_CALL, *scalars), x.device)
+
         if view is None:
             rows = self._arrays(csr, ("rows", H, W, geometry), lambda: prepare_rows(csr, geometry, (H, W)))
-            return PreparedCall(spec, None, (rows.offsets, rows.taps, csr.values.contiguous()),
-                                (N, C, H, W, M, csr.row_length, E, F_, *geometry.stride, *geometry.padding,
-                                 params.get("channels", ROWS_CHANNELS)), out_shape)
+            return PreparedCall(bound((rows.offsets, rows.taps, csr.values.contiguous()),
+                                      (N, C, H, W, M, csr.row_length, E, F_, *geometry.stride, *geometry.padding,
+                                       params.get("channels", ROWS_CHANNELS))), None, out_shape)
         C, (H, W) = view.csr.in_channels_per_group, view.in_hw
         if params["variant"] == "tile":
             tiling = tiling_of(params)
@@ -684,16 +702,20 @@ class DirectBackend(ConvBackend):
             half2 = half_run_of(params, x.dtype) > 0
             tile = self._arrays(view.csr, ("tile", layout, half2, tiling.union),
                                 lambda: prepare_tile(view.csr, layout, half2, tiling.union))
-            return PreparedCall(spec, view.split, (tile.chunk_ptr, tile.entries),
-                                (N, C, H, W, M, E, F_, *view.geometry.padding, math.ceil(F_ / tiling.tile_hw[1]),
-                                 math.ceil(M / tiling.channels)), out_shape,
-                                paired=reads_pairs(params, x.dtype))
+            pairing = None
+            if reads_pairs(params, x.dtype):  # a phase split's images are a fresh, so aligned, tensor
+                pairing = bind_pairing((N, C, H, W), x.dtype, x.device, view.split is not None or cl.vector_aligned(x))
+            return PreparedCall(bound((tile.chunk_ptr, tile.entries),
+                                      (N, C, H, W, M, E, F_, *view.geometry.padding,
+                                       math.ceil(F_ / tiling.tile_hw[1]), math.ceil(M / tiling.channels))),
+                                view.split, out_shape, pairing=pairing)
         tiling = pointwise_tiling_of(params)
         layout = cl.pointwise_layout(x.dtype, tiling, view.staging)
         tile = self._arrays(view.csr, ("tile", layout, False, 1), lambda: prepare_tile(view.csr, layout))
         per_split, splits = cl.split_chunks(C, tiling.cc, params.get("splits", 1))
-        return PreparedCall(spec, view.split, (tile.chunk_ptr, tile.entries),
-                            (N, C, H * W, M, math.ceil(M / tiling.channels), per_split), out_shape, splits=splits)
+        return PreparedCall(bound((tile.chunk_ptr, tile.entries),
+                                  (N, C, H * W, M, math.ceil(M / tiling.channels), per_split)),
+                            view.split, out_shape, splits=splits)
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              **params: Any) -> torch.Tensor:
