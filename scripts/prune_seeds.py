@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from unsparse.atomic import atomic_write_text
+from unsparse.report.results import load_result
 
 GOAL_SPARSITY, GOAL_DROP = 0.92, 0.5
 """Issue 3's goal: >= 92 % weighted sparsity with <= 0.5 point top-1 drop from dense."""
@@ -105,11 +106,11 @@ def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | 
 def main(argv: list[str] | None = None) -> None:
     """Write the summary of the given ``pruning_results*.json`` files."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", type=Path)
+    parser.add_argument("results", nargs="+", type=Path, help="pruning_results JSON files (.json or .json.xz)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--note", action="append", default=[], help="a paragraph under the heading (repeatable)")
     args = parser.parse_args(argv)
-    runs = [json.loads(path.read_text()) for path in args.results]
+    runs = [load_result(path) for path in args.results]
     atomic_write_text(args.out, summary(runs, args.results, args.note))
     print(f"wrote {args.out}")
 
