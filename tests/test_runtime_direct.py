@@ -20,6 +20,7 @@ from unsparse.runtime.backends.direct import (
     DirectBackend,
     DirectHalf2Backend,
     TileArrays,
+    aligned_copy,
     is_pointwise,
     pair_images,
     pointwise_space,
@@ -706,6 +707,8 @@ def test_argument_template_converts_fixed_arguments_once_and_fills_the_slots() -
     index, source, out = torch.arange(4, dtype=torch.int32), torch.zeros(2, 3), torch.zeros(5)
     template = cl.ArgumentTemplate.of((cl.PER_CALL, index, cl.PER_CALL, cl.PER_CALL, 7), cpu)
     assert template.slots == (0, 2, 3)
+    assert [int(template.converted[i]) for i in (1, 4)] == [index.data_ptr(), 7]  # converted when bound
+    assert all(template.converted[i] is cl.PER_CALL for i in template.slots)
     converted = template.fill((source, None, out), cpu)
     assert [int(value) for value in converted] == [source.data_ptr(), index.data_ptr(), 0, out.data_ptr(), 7]
     assert converted[4].dtype.itemsize == 4 and converted[1].dtype.itemsize == 8
@@ -717,6 +720,13 @@ def test_argument_template_converts_fixed_arguments_once_and_fills_the_slots() -
         cl.ArgumentTemplate.of((cl.PER_CALL, index), torch.device("cuda", 0))
     with pytest.raises(ValueError, match="argument 2: 2147483648 does not fit int32"):
         cl.ArgumentTemplate.of((cl.PER_CALL, None, 2**31), cpu)
+
+
+def test_fresh_copies_must_be_16_byte_aligned() -> None:
+    fresh = torch.zeros(8)
+    assert aligned_copy(fresh) is fresh
+    with pytest.raises(ValueError, match="not 16-byte aligned"):
+        aligned_copy(torch.zeros(9)[1:])
 
 
 def test_tuning_spaces() -> None:

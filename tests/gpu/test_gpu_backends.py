@@ -224,6 +224,25 @@ def test_vector_staging_on_a_misaligned_input_takes_the_scalar_kernel(case: str,
         backend.conv(x[..., :-1, :-1].contiguous(), csr, bias, geometry, **params)  # width or plane not % 4
 
 
+def test_float16_pairing_follows_each_inputs_alignment() -> None:
+    """float16 tile settings read image pairs made by the ``pair_images`` kernel, bound when the setting is first
+    prepared for an input size: its 16-byte vector copy is bound for aligned inputs only, so an input of the same
+    shape 2 bytes past a 16-byte boundary, run after an aligned one, gets the element-wise copy (a fault otherwise),
+    and the aligned input after it the vector copy again."""
+    x, csr, bias, geometry, ref = make_case("vector_edges", torch.float16, seed=5)
+    backend = get_backend("direct")
+    params = next(p for p in backend.tuning_space(x, csr, geometry) if p["variant"] == "tile")
+    storage = torch.empty(x.numel() + 1, dtype=x.dtype, device=CUDA)
+    shifted = storage[1:].view_as(x)
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 16 == 2 and (x[0].numel() * x.element_size()) % 16 == 0
+    for source in (x, shifted, x):
+        poison_allocator(ref.numel(), torch.float16)
+        out = backend.conv(source, csr, bias, geometry, **params)
+        torch.cuda.synchronize()
+        assert relative_error(out.cpu(), ref) <= tolerance(torch.float16)
+
+
 def test_pointwise_rows_with_more_than_32_entries_in_a_chunk() -> None:
     """A hand-made matrix naming columns repeatedly puts 40 entries of a row in one chunk, more than the chunk's
     channels: every entry counts, and the sum matches the accumulated dense weight."""

@@ -33,7 +33,7 @@ SHARED_LIMIT_BYTES = 48 * 1024
 staging buffers."""
 TILE_SHARED_LIMIT_BYTES = 99 * 1024
 """Dynamic shared memory a ``direct_tile`` block may ask for (its two staged chunks, :meth:`TileLayout.shared_bytes`;
-beyond :data:`SHARED_LIMIT_BYTES` :func:`launch` opts in): the per-block opt-in limit of sm_86/sm_89 GPUs, below
+beyond :data:`SHARED_LIMIT_BYTES` :func:`bind` opts in): the per-block opt-in limit of sm_86/sm_89 GPUs, below
 sm_80's 163 KB and sm_90's 227 KB. On an H100 two such blocks fit one SM's 228 KB."""
 HALF2_RUN = 16
 """Longest run of products ``direct_tile`` sums in float16 before adding the run to its float32 accumulators, with

@@ -464,6 +464,21 @@ class KernelView:
     staging: int | bool | None
 
 
+def aligned_copy(fresh: torch.Tensor) -> torch.Tensor:
+    """``fresh``, a tensor this backend allocated (phase images, image pairs), after checking that its data start on
+    a 16-byte boundary, as :meth:`DirectBackend._prepare` assumed when it chose 16-byte staging and pairing copies
+    for it (torch's caching allocator aligns to 512 bytes; an allocator that does not would otherwise fault on the
+    GPU).
+
+    Raises:
+        ValueError: for a misaligned allocation.
+    """
+    if not cl.vector_aligned(fresh):
+        raise ValueError(f"allocation at {fresh.data_ptr():#x} is not 16-byte aligned; the direct kernels' staging "
+                         "of fresh copies needs 16-byte aligned allocations")
+    return fresh
+
+
 @dataclass(frozen=True)
 class PreparedCall:
     """One setting of :class:`DirectBackend` on one weight and input size, resolved once, so that an eager call
@@ -493,10 +508,10 @@ class PreparedCall:
         ``bias`` (``(M,)`` of ``x``'s dtype, contiguous, or None); returns a new ``(N, M, E, F)`` tensor of ``x``'s
         dtype."""
         stream = cl.current_stream(x.device)
-        source = x if self.split is None else self.split.input(x)
+        source = x if self.split is None else aligned_copy(self.split.input(x))
         if self.pairing is not None:
             pairing, shape = self.pairing
-            paired = torch.empty(shape, dtype=x.dtype, device=x.device)
+            paired = aligned_copy(torch.empty(shape, dtype=x.dtype, device=x.device))
             pairing(stream, source, paired)
             source = paired
         if self.splits == 1:
