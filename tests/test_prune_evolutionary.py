@@ -166,8 +166,8 @@ def test_settings_are_checked_before_a_run():
 
 
 def test_a_run_resumes_only_its_own_checkpoints(tmp_path):
-    """Methods keep their checkpoints apart, and a run with other settings refuses a folder's checkpoint instead
-    of continuing someone else's model."""
+    """Methods keep their checkpoints apart, and a run with other settings, or of the same settings on another
+    model, refuses a folder's checkpoint instead of continuing someone else's model."""
     from unsparse.prune import MagnitudePruner
 
     settings = {"iterations": 50, "unit_step": 0.3, "layers_per_iteration": 3, "epsilon": math.inf, "beta": 0.0}
@@ -178,6 +178,9 @@ def test_a_run_resumes_only_its_own_checkpoints(tmp_path):
         pruner(target=0.6, **settings).run(tiny_model(), tiny_trainer(), tmp_path)
     with pytest.raises(ValueError, match=r"magnitude_finetune.pt: .*scope: 'global' there, 'layer' here"):
         MagnitudePruner(target=0.3, scope="layer", fine_tune_epochs=1).run(tiny_model(), tiny_trainer(), tmp_path)
+    MagnitudePruner(target=0.3, fine_tune_epochs=1).run(tiny_model(), tiny_trainer(), tmp_path)  # its own model
+    with pytest.raises(ValueError, match=r"magnitude_finetune.pt: .*input_model: '[0-9a-f]{16}' there, '[0-9a-f]{16}'"):
+        MagnitudePruner(target=0.3, fine_tune_epochs=1).run(tiny_model(seed=1), tiny_trainer(), tmp_path)
 
 
 def test_mutation_lowers_sparsity_of_previous_layers_with_valid_masks():

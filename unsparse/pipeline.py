@@ -6,7 +6,6 @@ pipeline runs (and is tested) without Hydra.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -30,7 +29,7 @@ from unsparse.runtime.baseline import NAME as BASELINE
 from unsparse.runtime.comparator import PLAN_MARGIN, PlanCheck, check_plan, plan_model
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.sparse.io import load_sparse, save_sparse
-from unsparse.train import Trainer, check_resumable, deterministic_algorithms
+from unsparse.train import Trainer, check_resumable, deterministic_algorithms, tensor_digest
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +84,7 @@ CHECKPOINTS = ("dense.pt", "prune")
 def split_digest(split: tuple[torch.Tensor, torch.Tensor]) -> str:
     """``"<size>:<sha256 prefix>"`` of one ``(images, labels)`` split: the same name and size can hold another subset
     (a limit or split seed of the data loader)."""
-    digest = hashlib.sha256()
-    for tensor in split:
-        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
-    return f"{len(split[1])}:{digest.hexdigest()[:16]}"
+    return f"{len(split[1])}:{tensor_digest(split)}"
 
 
 def job_identity(splits: Splits, model: nn.Module, pruner: Pruner, train: TrainSettings, seed: int) -> str:

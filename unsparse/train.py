@@ -8,11 +8,12 @@ where it stopped. Checkpoints hold only tensors and plain containers and load wi
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,15 @@ def restore_random_states(state: dict[str, Any]) -> None:
 def load_checkpoint(path: str | Path) -> dict[str, Any]:
     """Read a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no code is unpickled)."""
     return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:
+    """The first 16 hex digits of the sha256 of the tensors' bytes, in order (any dtype and device; copied to the
+    CPU): what a checkpoint's identity records of the data or the model a run started from."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return digest.hexdigest()[:16]
 
 
 def check_resumable(path: str | Path, state: dict[str, Any], identity: str | None) -> None:

@@ -24,7 +24,7 @@ from unsparse.prune.masks import (
     prunable_layers,
     remove_masks,
 )
-from unsparse.train import Trainer
+from unsparse.train import Trainer, tensor_digest
 
 
 @dataclass
@@ -62,10 +62,13 @@ class Pruner(ABC):
         self.target = target
         self.layer_names = layers
         self.model: nn.Module | None = None
+        self.input_digest: str | None = None
         self.masks: dict[str, WeightMask] = {}
 
     def prepare(self, model: nn.Module) -> None:
-        """Attach masks (all ones) to the chosen layers of ``model`` (mutated) and remember it."""
+        """Attach masks (all ones) to the chosen layers of ``model`` (mutated) and remember it, with a digest of the
+        weights and buffers it held before (:func:`~unsparse.train.tensor_digest`, part of :meth:`identity`)."""
+        self.input_digest = tensor_digest(model.state_dict().values())
         self.model = model
         self.masks = attach_masks(model, self.layer_names)
 
@@ -82,11 +85,14 @@ class Pruner(ABC):
 
     def identity(self) -> str:
         """What a checkpoint must have been written by for this pruner to resume from it: the method, the layers
-        and every constructor setting the pruner keeps under its own name, as sorted JSON
-        (:func:`~unsparse.train.check_resumable`)."""
+        and every constructor setting the pruner keeps under its own name, and once prepared the digest of the
+        model it started from (``input_model``: a run that prunes another model, e.g. another dense model trained
+        into the same folder, refuses the checkpoint), as sorted JSON (:func:`~unsparse.train.check_resumable`)."""
         parameters = inspect.signature(type(self).__init__).parameters
         settings = {name: getattr(self, name) for name in parameters if name != "self" and hasattr(self, name)}
-        return json.dumps({**settings, "method": self.name, "layers": self.layer_names}, sort_keys=True, default=str)
+        started = {} if self.input_digest is None else {"input_model": self.input_digest}
+        return json.dumps({**settings, **started, "method": self.name, "layers": self.layer_names}, sort_keys=True,
+                          default=str)
 
     def layer_sizes(self) -> dict[str, int]:
         """Weight element count of each masked layer."""
