@@ -211,6 +211,7 @@ def rewrite(path, change):
     (lambda t, m: m["tensors"]["0.0.values"]["codec"].update(step=0.1), "0.0.values: step must be a float32"),
     (lambda t, m: m["tensors"]["0.0.values"]["codec"].update(step=10**400), "0.0.values: step must be a float32"),
     (lambda t, m: m["quantization"].update(scheme=["linear"]), "unknown scheme"),
+    (lambda t, m: m.update(quantization="linear"), "quantization: expected an object"),
 ])
 def test_tampered_quantized_files_raise_naming_the_field(tmp_path, change, match):
     model = LinearQuantizer(progress=False).quantize(pruned_sparse_model(), calibration())

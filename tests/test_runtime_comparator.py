@@ -315,12 +315,19 @@ def test_check_plan_sets_back_to_the_dense_default_also_when_it_was_not_compared
     assert math.isnan(entry.median_ms) and entry.runner_up == "test_slow"
 
 
-def test_check_plan_keeps_a_plan_that_is_not_slower() -> None:
+def test_check_plan_keeps_a_plan_that_is_not_slower_by_more_than_the_margin() -> None:
+    """A layer planned off the dense default (``reference``, slower on the CPU) stays planned when the model's slowdown
+    is within the margin; the check reports the margin it used."""
     sparse, x = one_layer_model()
     plan, comparisons = plan_model(sparse, x, backends=["dense_cpu", "reference"], runs=3)
+    (layer,) = sparse_layers(sparse).values()
+    plan.entries[layer.plan_key] = PlanEntry("reference", {}, 1.0, "dense_cpu")
+    use_plan(plan)
     before = dict(plan.entries)
-    check = check_plan(sparse, x, plan, comparisons, runs=3, warmup=1, margin=10.0)
-    assert check.reverted == () and plan.entries == before and check.planned_ms > 0 and check.default_ms > 0
+    check = check_plan(sparse, x, plan, comparisons, runs=3, warmup=1, margin=1000.0)
+    assert check.reverted == () and plan.entries == before and check.margin == 1000.0
+    assert check.planned_ms > 0 and check.default_ms > 0
+    assert get_backend("auto").resolve(x, layer.csr, layer.geometry)[0] == "reference"
 
 
 def test_temporary_backend_puts_each_layer_back_also_after_an_error() -> None:

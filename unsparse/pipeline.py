@@ -26,7 +26,7 @@ from unsparse.report import layer_rows, timing_verdicts, write_report
 from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
 from unsparse.runtime.baseline import NAME as BASELINE
-from unsparse.runtime.comparator import PLAN_MARGIN, PlanCheck, check_plan, plan_model
+from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.sparse.io import load_sparse, save_sparse
 from unsparse.train import Trainer, check_resumable, deterministic_algorithms, tensor_digest
@@ -281,7 +281,7 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         "not_timed": [entry for entry in timings if entry["time_ms"] is None],
         "timing_baseline": BASELINE,
         "timing_verdicts": timing_verdicts([entry for entry in timings if entry["time_ms"] is not None], BASELINE),
-        "plan_check": {**asdict(check), "margin": PLAN_MARGIN, "images": len(example), "model_runs_on": backend},
+        "plan_check": {**asdict(check), "images": len(example), "model_runs_on": backend},
         "file": {"path": path.name, "bytes": path.stat().st_size,
                  "sparse_conv_bytes": sum(row["file_bytes"] for row in rows),
                  "dense_conv_fp32_bytes": sum(row["dense_fp32_bytes"] for row in rows)},

@@ -336,7 +336,8 @@ def test_check_plan_times_cuda_graphs_and_keeps_the_model_correct() -> None:
     plan, comparisons = plan_model(sparse, x, runs=3)
     check = check_plan(sparse, x, plan, comparisons, runs=5)
     assert check.timing == "graph" and check.planned_ms > 0 and check.default_ms > 0
-    assert set(check.reverted) <= {c.key for c in comparisons}
+    for key in check.reverted:  # a reverted layer runs cuDNN in the input's (NCHW) layout, whatever was chosen
+        assert (plan.get(key).backend, plan.get(key).params) == ("cudnn", {"memory_format": "contiguous"})
     with torch.no_grad():
         assert relative_error(sparse(x).double(), model(x).double()) <= 10 * tolerance(torch.float32)
 

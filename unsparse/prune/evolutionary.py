@@ -45,11 +45,10 @@ Deviations from the paper, each a config value whose constructor default turns i
   (``1.0``: any, the paper); with no such donor the repair is a mutation.
 
 Only the effective weight is zeroed where masked; the dense weight under a mask is kept but not frozen. Its
-gradient is zero, yet SGD's momentum and weight decay keep moving it (a check on ``vgg_small``: a median 7-9 %
-of its value within one iteration after pruning). So a weight revived by mutation or crossover comes back with
-that drifted dense value, and mutation ranks pruned weights by it (eq. 12 on ``|w|``). The run starts from the
-model as given (normally trained dense) with masks at ``initial_sparsity`` by magnitude, stops when the weighted
-sparsity reaches ``target`` or after ``iterations``, then fine-tunes with masks on.
+gradient is zero, yet SGD's momentum and weight decay keep moving it. So a weight revived by mutation or
+crossover comes back with that drifted dense value, and mutation ranks pruned weights by it (eq. 12 on ``|w|``).
+The run starts from the model as given (normally trained dense) with masks at ``initial_sparsity`` by magnitude,
+stops when the weighted sparsity reaches ``target`` or after ``iterations``, then fine-tunes with masks on.
 """
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def threshold_mask(importance: torch.Tensor, sparsity: float) -> torch.Tensor:
 def lowest_mask(importance: torch.Tensor, pruned: int) -> torch.Tensor:
     """Boolean keep-mask zeroing exactly the ``pruned`` entries of lowest importance, ties broken by position
     (:func:`threshold_mask` for a count: no fraction to round, which on a layer of 10^8 weights put one zero
-    too many in 5 % of the counts).
+    too many in 4 % of the counts: ``ceil((k / n) * n - 1e-9) != k`` for 4.1 % of 10^5 random ``k``, ``n = 10^8``).
 
     Args:
         importance: any-shape float tensor. pruned: zeros wanted, in ``[0, importance.numel()]``.

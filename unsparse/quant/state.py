@@ -41,8 +41,10 @@ def restore_quantization(model: nn.Module, description: Any) -> None:
     """
     if description is None:
         return
-    scheme = description.get("scheme") if isinstance(description, dict) else description
+    if not isinstance(description, dict):
+        raise SparseFormatError(f"quantization: expected an object with a 'scheme', got {type(description).__name__}")
+    scheme = description.get("scheme")
     if not isinstance(scheme, str) or scheme not in _RESTORERS:
         raise SparseFormatError(f"quantization: unknown scheme {scheme!r}; known: {sorted(_RESTORERS)}")
-    _RESTORERS[description["scheme"]](model, description)
+    _RESTORERS[scheme](model, description)
     model.unsparse_quantization = description

@@ -63,7 +63,7 @@ def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[di
 
 def plan_check_text(check: dict[str, Any]) -> str:
     """One paragraph on the whole planned model against its dense default (the report's ``plan_check``: the fields
-    of :class:`~unsparse.runtime.comparator.PlanCheck`, the planning ``margin`` (a fraction), ``images`` per
+    of :class:`~unsparse.runtime.comparator.PlanCheck`, its ``margin`` a fraction, plus ``images`` per
     forward and ``model_runs_on``, the backend the test set ran on). Says whether the plan is faster, within the
     margin (run-to-run noise) or SLOWER, and that slower plans were set back."""
     how = "as CUDA-graph replays (GPU time)" if check["timing"] == "graph" else "eagerly (host clock included)"

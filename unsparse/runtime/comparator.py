@@ -375,12 +375,15 @@ class PlanCheck:
             the input's layout on CUDA), measured in the same process before any revert.
         reverted: plan keys whose entries :func:`check_plan` set back to the dense default (empty: plan kept).
         timing: ``"graph"`` (CUDA-graph replays: GPU time) or ``"eager"`` (:data:`TIMINGS`).
+        margin: the noise allowance the check used (a fraction of ``default_ms``): slower than
+            ``(1 + margin) * default_ms`` reverts.
     """
 
     planned_ms: float
     default_ms: float
     reverted: tuple[str, ...]
     timing: str
+    margin: float
 
 
 def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons: list[LayerComparison],
@@ -408,7 +411,7 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
         runs, warmup: as in :func:`~unsparse.runtime.timing.time_fn` (graph replays take no warm-up).
 
     Returns:
-        Both medians, the reverted keys and how the forwards were timed.
+        Both medians, the reverted keys, how the forwards were timed and the margin used.
     """
     from unsparse.sparse.functional import dense_fallback_backend
 
@@ -447,4 +450,4 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
             log.warning("planned model %.3f ms, dense default %.3f ms (%s): %d layer keys set back to the dense "
                         "default", planned_ms, default_ms, timing, len(reverted))
             use_plan(plan)
-    return PlanCheck(planned_ms, default_ms, tuple(reverted), timing)
+    return PlanCheck(planned_ms, default_ms, tuple(reverted), timing, margin)

@@ -5,8 +5,8 @@ Three kernel variants share the backend and its tuning space (parameter ``varian
 * ``"rows"``: Escoin §3 / UnSparse-Opt §5 (uniform nnz, sub-batch), any geometry.
 * ``"tile"``: input tiles with halos in shared memory, each warp accumulating several output channels over
   a pixel x image tile; stride 1, dilation 1, Conv2d. float16 inputs, and float32 inputs of ``"paired"``
-  settings, are first re-laid as image pairs (:func:`pair_images_on_device`: on CUDA the ``pair_images`` kernel, a
-  copy timed with the convolution).
+  settings, are first re-laid as image pairs (on CUDA by the ``pair_images`` kernel, bound at prepare time by
+  :func:`bind_pairing` into the layer's :class:`PreparedCall`: a copy timed with the convolution).
   ``"stage": "vector"`` settings copy each staged row's interior as 16-byte vectors (32-column warp rows, input
   width a multiple of 4; see :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason`).
 * ``"pointwise"``: 1x1, stride 1, unpadded Conv2d as a sparse x dense product over the flattened
@@ -452,6 +452,8 @@ class KernelView:
         split: the phase split of a strided layer, None for a stride-1 layer.
         in_hw: ``(H, W)`` of the input the kernel reads (the phase images' size for a split).
         out_hw: ``(E, F)`` of the original layer, the outputs the kernel computes.
+        source_aligned: whether the tensor the setting reads first (``x``, or the fresh phase images of a split)
+            starts on a 16-byte boundary.
         staging: ``tile``: the ``pad_w`` of 16-byte staging or None (scalar); ``pointwise``: whether it stages
             16-byte vectors.
     """
@@ -461,6 +463,7 @@ class KernelView:
     split: PhaseSplit | None
     in_hw: tuple[int, int]
     out_hw: tuple[int, int]
+    source_aligned: bool
     staging: int | bool | None
 
 
@@ -586,17 +589,18 @@ class DirectBackend(ConvBackend):
         """
         csr1, geometry1, split, in_hw = self._stride_one(x, csr, geometry)
         out_hw = self._out_hw(x, csr, geometry)
-        copied = split is not None  # the kernel reads a fresh copy of x (its phases), not x
+        source_aligned = split is not None or cl.vector_aligned(x)  # a split's phases are a fresh copy of x
         if params.get("variant") == "pointwise":
             if not is_pointwise(csr1, geometry1) or in_hw != out_hw:
                 raise ValueError(f"variant: pointwise needs a 1x1, unpadded Conv2d, got {csr.kernel_size} {geometry}")
             pixels = in_hw[0] * in_hw[1]
             vector = self._vector_requested(params, lambda: cl.pointwise_vector_reason(x.dtype, pixels))
-            return KernelView(csr1, geometry1, split, in_hw, out_hw, vector and (copied or cl.vector_aligned(x)))
+            return KernelView(csr1, geometry1, split, in_hw, out_hw, source_aligned, vector and source_aligned)
         vector = self._vector_requested(
             params, lambda: cl.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding))
-        aligned = copied or reads_pairs(params, x.dtype) or cl.vector_aligned(x)  # pairing copies too
-        return KernelView(csr1, geometry1, split, in_hw, out_hw, geometry1.padding[1] if vector and aligned else None)
+        aligned = source_aligned or reads_pairs(params, x.dtype)  # the kernel then reads a fresh pairing copy
+        return KernelView(csr1, geometry1, split, in_hw, out_hw, source_aligned,
+                          geometry1.padding[1] if vector and aligned else None)
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
         """Rows settings always; tile settings for undilated Conv2d (strided ones through their phase split);
@@ -718,8 +722,8 @@ class DirectBackend(ConvBackend):
             tile = self._arrays(view.csr, ("tile", layout, half2, tiling.union),
                                 lambda: prepare_tile(view.csr, layout, half2, tiling.union))
             pairing = None
-            if reads_pairs(params, x.dtype):  # a phase split's images are a fresh, so aligned, tensor
-                pairing = bind_pairing((N, C, H, W), x.dtype, x.device, view.split is not None or cl.vector_aligned(x))
+            if reads_pairs(params, x.dtype):
+                pairing = bind_pairing((N, C, H, W), x.dtype, x.device, view.source_aligned)
             return PreparedCall(bound((tile.chunk_ptr, tile.entries),
                                       (N, C, H, W, M, E, F_, *view.geometry.padding,
                                        math.ceil(F_ / tiling.tile_hw[1]), math.ceil(M / tiling.channels))),
