@@ -3,6 +3,7 @@ the kernels' index arithmetic against ``F.conv2d``, tuning spaces, and an nvcc c
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import math
 import shutil
@@ -687,39 +688,50 @@ def test_launch_geometry() -> None:
         cl.cuda_type(torch.bfloat16)
 
 
-def test_kernel_arguments_are_checked_device_pointers() -> None:
+def test_kernel_parameters_are_checked_device_pointers_and_int32() -> None:
     x = torch.arange(12.0).reshape(3, 4)
     cpu = torch.device("cpu")
-    pointer, null, count = cl.kernel_arguments((x, None, 7), cpu)
-    assert int(pointer) == x.data_ptr() and int(null) == 0 and int(count) == 7 and count.dtype.itemsize == 4
+    pointer, null, count = (cl.kernel_parameter(arg, cpu, i) for i, arg in enumerate((x, None, 7)))
+    assert pointer.value == x.data_ptr() and null.value == 0 and count.value == 7
+    assert (ctypes.sizeof(pointer), ctypes.sizeof(null), ctypes.sizeof(count)) == (8, 8, 4)
+    assert cl.kernel_parameter(-(2**31), cpu, 0).value == -(2**31)
     with pytest.raises(ValueError, match="argument 0: tensor is not contiguous"):
-        cl.kernel_arguments((x.t(),), cpu)
+        cl.kernel_parameter(x.t(), cpu, 0)
     with pytest.raises(ValueError, match="argument 1: tensor on cpu"):
-        cl.kernel_arguments((None, x), torch.device("cuda", 0))
+        cl.kernel_parameter(x, torch.device("cuda", 0), 1)
     with pytest.raises(ValueError, match="argument 0: 2147483648 does not fit int32"):
-        cl.kernel_arguments((2**31,), cpu)
+        cl.kernel_parameter(2**31, cpu, 0)
+    with pytest.raises(ValueError, match="argument 2: expected a tensor or None, got float"):
+        cl.kernel_parameter(1.5, cpu, 2)
 
 
-def test_argument_template_converts_fixed_arguments_once_and_fills_the_slots() -> None:
-    """A bound launch's arguments: the fixed ones converted at bind time, each call's values converted into the
+def test_kernel_parameters_convert_fixed_arguments_once_and_fill_the_slots() -> None:
+    """A bound launch's parameter block, read back through its ``kernelParams`` array as the driver reads it: the
+    fixed arguments converted at bind time, each call's pointers set into the
     :data:`~unsparse.runtime.cupy_launcher.PER_CALL` slots in order, and every error naming the kernel position."""
     cpu = torch.device("cpu")
     index, source, out = torch.arange(4, dtype=torch.int32), torch.zeros(2, 3), torch.zeros(5)
-    template = cl.ArgumentTemplate.of((cl.PER_CALL, index, cl.PER_CALL, cl.PER_CALL, 7), cpu)
-    assert template.slots == (0, 2, 3)
-    assert [int(template.converted[i]) for i in (1, 4)] == [index.data_ptr(), 7]  # converted when bound
-    assert all(template.converted[i] is cl.PER_CALL for i in template.slots)
-    converted = template.fill((source, None, out), cpu)
-    assert [int(value) for value in converted] == [source.data_ptr(), index.data_ptr(), 0, out.data_ptr(), 7]
-    assert converted[4].dtype.itemsize == 4 and converted[1].dtype.itemsize == 8
+    parameters = cl.KernelParameters((cl.PER_CALL, index, cl.PER_CALL, cl.PER_CALL, 7), cpu)
+    assert parameters.slots == (0, 2, 3)
+
+    def read() -> list[int]:
+        addresses = (ctypes.c_void_p * 5).from_address(parameters.address)
+        types = (ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int32)
+        return [kind.from_address(address).value for kind, address in zip(types, addresses, strict=True)]
+
+    assert read() == [0, index.data_ptr(), 0, 0, 7]  # converted when bound
+    parameters.fill((source, None, out), cpu)
+    assert read() == [source.data_ptr(), index.data_ptr(), 0, out.data_ptr(), 7]
+    parameters.fill((out, index, source), cpu)  # the next call reuses the block
+    assert read() == [out.data_ptr(), index.data_ptr(), index.data_ptr(), source.data_ptr(), 7]
     with pytest.raises(ValueError, match="argument 3: tensor is not contiguous"):
-        template.fill((source, None, torch.zeros(3, 2).t()), cpu)
+        parameters.fill((source, None, torch.zeros(3, 2).t()), cpu)
     with pytest.raises(ValueError, match="2 per-call values for 3 slots"):
-        template.fill((source, out), cpu)
+        parameters.fill((source, out), cpu)
     with pytest.raises(ValueError, match="argument 1: tensor on cpu"):
-        cl.ArgumentTemplate.of((cl.PER_CALL, index), torch.device("cuda", 0))
+        cl.KernelParameters((cl.PER_CALL, index), torch.device("cuda", 0))
     with pytest.raises(ValueError, match="argument 2: 2147483648 does not fit int32"):
-        cl.ArgumentTemplate.of((cl.PER_CALL, None, 2**31), cpu)
+        cl.KernelParameters((cl.PER_CALL, None, 2**31), cpu)
 
 
 def test_fresh_copies_must_be_16_byte_aligned() -> None:
@@ -788,7 +800,8 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     launches: list[tuple] = []
 
     def record(spec: cl.Launch, args: tuple, device: torch.device) -> None:
-        cl.kernel_arguments(args, device)  # every argument a kernel can take
+        for position, arg in enumerate(args):  # every argument a kernel can take
+            cl.kernel_parameter(arg, device, position)
         launches.append((spec, args))
         if spec.name.startswith("pair_images"):  # the pairing kernel's result, from torch
             args[1].copy_(pair_images(args[0]))
@@ -796,10 +809,10 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
             args[4].copy_(torch.arange(1.0, args[4].shape[0] + 1).view(-1, 1, 1, 1, 1).expand_as(args[4]))
 
     def bind(spec: cl.Launch, args: tuple, device: torch.device):
-        template = cl.ArgumentTemplate.of(args, device)  # the fixed arguments are checked when bound
+        parameters = cl.KernelParameters(args, device)  # the fixed arguments are checked when bound
 
         def call(stream: object, *values: object) -> None:
-            template.fill(values, device)
+            parameters.fill(values, device)
             filled = iter(values)
             record(spec, tuple(next(filled) if arg is cl.PER_CALL else arg for arg in args), device)
         return call

@@ -417,7 +417,7 @@ def test_whole_model_planned_in_channels_last_stays_in_it_and_matches_dense() ->
 @pytest.mark.parametrize(("case", "variant"), [("odd_3x3", "rows"), ("vector_edges", "tile"),
                                                ("pointwise_vector", "pointwise"), ("stride2_vector", "tile")])
 def test_direct_kernels_replay_in_a_cuda_graph(case: str, variant: str, dtype: torch.dtype) -> None:
-    """The end-to-end benchmark's graph timings replay the direct kernels (CuPy launches on torch's stream,
+    """The end-to-end benchmark's graph timings replay the direct kernels (driver launches on torch's stream,
     float16 tiles' image pairing): a replay must recompute the captured output."""
     from unsparse.runtime.timing import capture_graph
 
@@ -431,6 +431,42 @@ def test_direct_kernels_replay_in_a_cuda_graph(case: str, variant: str, dtype: t
     graph.replay()
     torch.cuda.synchronize()
     assert relative_error(captured.cpu(), ref) <= tolerance(dtype), params
+
+
+def test_a_bound_launch_reuses_its_parameter_block_back_to_back_and_across_threads() -> None:
+    """``cuLaunchKernel`` copies the parameter block when called, so the block of a bound launch may be refilled by
+    the next call before the previous kernel ran: back-to-back calls on different inputs without a synchronisation
+    (behind about 5 ms of GPU sleep, so every launch is queued before any runs), then calls from four threads at
+    once, each output against its own float64 reference."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    x, csr, bias, geometry, _ = make_case("stride2_vector", torch.float16, seed=31)
+    backend = get_backend("direct")
+    params = next(p for p in backend.tuning_space(x, csr, geometry) if p["variant"] == "tile")
+    inputs = [torch.randn(x.shape, generator=torch.Generator().manual_seed(i)).to(CUDA, torch.float16)
+              for i in range(8)]
+    weight = csr.to_conv2d_weight().double().cpu()
+    refs = [F.conv2d(v.double().cpu(), weight, bias.double().cpu(), geometry.stride, geometry.padding)
+            for v in inputs]
+    backend.conv(inputs[0], csr, bias, geometry, **params)  # prepared and compiled before the queue
+    torch.cuda.synchronize()
+    torch.cuda._sleep(10**7)
+    outputs = [backend.conv(v, csr, bias, geometry, **params) for v in inputs]
+    torch.cuda.synchronize()
+    for out, ref in zip(outputs, refs, strict=True):
+        assert relative_error(out.cpu(), ref) <= tolerance(torch.float16)
+
+    def run(i: int) -> torch.Tensor:
+        with torch.cuda.stream(torch.cuda.Stream()):
+            out = torch.stack([backend.conv(inputs[(i + k) % 8], csr, bias, geometry, **params)
+                               for k in range(8)])
+            torch.cuda.current_stream().synchronize()
+            return out
+
+    with ThreadPoolExecutor(4) as pool:
+        for i, stacked in enumerate(pool.map(run, range(4))):
+            for k in range(8):
+                assert relative_error(stacked[k].cpu(), refs[(i + k) % 8]) <= tolerance(torch.float16), (i, k)
 
 
 def test_compare_layer_times_cuda_graph_replays() -> None:

@@ -7,14 +7,16 @@ lazily; importing this module needs neither CuPy nor a GPU.
 Tensors reach a kernel as their device pointers (zero copy), after a check of device and contiguity, on
 torch's current stream. A DLPack hand-over per argument (``cupy.from_dlpack``) cost about 0.3 ms of host
 time per launch, which set a 0.32 ms floor under every small layer in the H100 benchmark of 2026-11-23. A launch
-is bound once (:func:`bind`: kernel, shared-memory opt-in, fixed arguments converted) and then called with the
-arguments that change from call to call.
+is bound once (:func:`bind`: function handle, shared-memory opt-in, the parameter block with the fixed arguments
+converted) and then called with the pointers that change from call to call, straight through ``cuLaunchKernel``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -489,33 +491,37 @@ def precompile(names: list[str], workers: int = 16) -> None:
         list(pool.map(get_kernel, names))
 
 
-def kernel_arguments(args: tuple[Any, ...], device: torch.device,
-                     positions: tuple[int, ...] | None = None) -> tuple[Any, ...]:
-    """Kernel arguments as CuPy passes them: tensors as 64-bit device pointers, None as a null pointer, ints
-    as int32. ``positions``: each argument's position in the kernel's parameter list, for the error messages
-    (default: its index in ``args``).
+def device_pointer(arg: torch.Tensor | None, device: torch.device, position: int) -> int:
+    """A pointer argument's value: a tensor's data pointer (zero copy), or 0 for None.
 
     Raises:
-        ValueError: naming the argument, for a tensor on another device or not contiguous (the kernels index
-            it densely), or an int that does not fit int32.
+        ValueError: naming the kernel parameter ``position``, for a tensor on another device or not contiguous
+            (the kernels index it densely), or anything else.
     """
-    import numpy as np
+    if arg is None:
+        return 0
+    if not isinstance(arg, torch.Tensor):
+        raise ValueError(f"kernel argument {position}: expected a tensor or None, got {type(arg).__name__}")
+    if arg.device != device:
+        raise ValueError(f"kernel argument {position}: tensor on {arg.device}, launch on {device}")
+    if not arg.is_contiguous():
+        raise ValueError(f"kernel argument {position}: tensor is not contiguous")
+    return arg.data_ptr()
 
-    converted = []
-    for position, arg in zip(range(len(args)) if positions is None else positions, args, strict=True):
-        if isinstance(arg, torch.Tensor):
-            if arg.device != device:
-                raise ValueError(f"kernel argument {position}: tensor on {arg.device}, launch on {device}")
-            if not arg.is_contiguous():
-                raise ValueError(f"kernel argument {position}: tensor is not contiguous")
-            converted.append(np.uint64(arg.data_ptr()))
-        elif arg is None:
-            converted.append(np.uint64(0))
-        else:
-            if not -(2**31) <= arg < 2**31:
-                raise ValueError(f"kernel argument {position}: {arg} does not fit int32")
-            converted.append(np.int32(arg))
-    return tuple(converted)
+
+def kernel_parameter(arg: Any, device: torch.device, position: int) -> ctypes.c_uint64 | ctypes.c_int32:
+    """One kernel argument as ``cuLaunchKernel`` copies it: tensors and None as 64-bit device pointers
+    (:func:`device_pointer`), ints as int32 (the kernels' index and size parameters).
+
+    Raises:
+        ValueError: naming the parameter ``position``: from :func:`device_pointer`, or an int that does not fit
+            int32.
+    """
+    if isinstance(arg, int) and not isinstance(arg, bool):
+        if not -(2**31) <= arg < 2**31:
+            raise ValueError(f"kernel argument {position}: {arg} does not fit int32")
+        return ctypes.c_int32(arg)
+    return ctypes.c_uint64(device_pointer(arg, device, position))
 
 
 class PerCall:
@@ -526,112 +532,89 @@ class PerCall:
 
 
 PER_CALL = PerCall()
-"""Marks, in the arguments given to :func:`bind`, a position that each call of the bound launch fills (the input,
-the bias, the output: what changes from call to call)."""
+"""Marks, in the arguments given to :func:`bind`, a pointer parameter that each call of the bound launch fills (the
+input, the bias, the output: what changes from call to call)."""
 
 
-@dataclass(frozen=True)
-class ArgumentTemplate:
-    """A kernel's argument list with its fixed arguments converted once (:func:`kernel_arguments`) and
-    :data:`PER_CALL` left at ``slots``, the positions each call fills."""
+class KernelParameters:
+    """The parameter block a bound launch hands ``cuLaunchKernel``: one ctypes value per kernel parameter, the fixed
+    ones converted once (:func:`kernel_parameter`), and the array of their addresses (``kernelParams``, which the
+    driver reads at launch time, so the block is reused from call to call). :data:`PER_CALL` positions are pointer
+    ``slots`` that :meth:`fill` sets.
 
-    converted: tuple[Any, ...]
-    slots: tuple[int, ...]
+    Raises:
+        ValueError: from :func:`kernel_parameter`, for a fixed argument, naming its position.
+    """
 
-    @classmethod
-    def of(cls, args: tuple[Any, ...], device: torch.device) -> ArgumentTemplate:
-        """Convert every argument of ``args`` but the :data:`PER_CALL` ones.
+    def __init__(self, args: tuple[Any, ...], device: torch.device) -> None:
+        self.values = tuple(ctypes.c_uint64(0) if arg is PER_CALL else kernel_parameter(arg, device, position)
+                            for position, arg in enumerate(args))
+        self.slots = tuple(position for position, arg in enumerate(args) if arg is PER_CALL)
+        self._slot_values = tuple(self.values[position] for position in self.slots)
+        self._addresses = (ctypes.c_void_p * max(1, len(args)))(*(ctypes.addressof(v) for v in self.values))
+
+    @property
+    def address(self) -> int:
+        """The address of the ``void*`` array (``kernelParams``)."""
+        return ctypes.addressof(self._addresses)
+
+    def fill(self, values: tuple[torch.Tensor | None, ...], device: torch.device) -> None:
+        """Set the slots, in order, to ``values``' device pointers (:func:`device_pointer`).
 
         Raises:
-            ValueError: from :func:`kernel_arguments`, naming the argument's position.
-        """
-        fixed = tuple(position for position, arg in enumerate(args) if arg is not PER_CALL)
-        return cls(_placed(list(args), fixed, tuple(args[i] for i in fixed), device),
-                   tuple(position for position, arg in enumerate(args) if arg is PER_CALL))
-
-    def fill(self, values: tuple[Any, ...], device: torch.device) -> tuple[Any, ...]:
-        """The whole converted argument list, ``values`` converted into the slots in order.
-
-        Raises:
-            ValueError: for a count of values other than the slots', or from :func:`kernel_arguments`.
+            ValueError: for a count of values other than the slots', or from :func:`device_pointer`.
         """
         if len(values) != len(self.slots):
             raise ValueError(f"kernel arguments: {len(values)} per-call values for {len(self.slots)} slots")
-        return _placed(list(self.converted), self.slots, values, device)
+        for slot, position, value in zip(self._slot_values, self.slots, values, strict=True):
+            slot.value = device_pointer(value, device, position)
 
 
-def _placed(arguments: list[Any], positions: tuple[int, ...], values: tuple[Any, ...],
-            device: torch.device) -> tuple[Any, ...]:
-    """``arguments`` with ``values`` converted (:func:`kernel_arguments`) into ``positions``."""
-    for position, value in zip(positions, kernel_arguments(values, device, positions), strict=True):
-        arguments[position] = value
-    return tuple(arguments)
+def current_stream(device: torch.device) -> int:
+    """The ``cudaStream_t`` of torch's current stream on ``device``, what a :class:`BoundLaunch` launches on. Look it
+    up once per layer call and pass it to each of the call's launches."""
+    return torch.cuda.current_stream(device).cuda_stream
 
 
-@dataclass(frozen=True)
-class StreamHandle:
-    """A CUDA stream by its ``cudaStream_t`` address, through the CUDA stream protocol (``__cuda_stream__``,
-    version 0), which CuPy 14's ``cupy.cuda.Stream.from_external`` takes in place of the deprecated
-    ``cupy.cuda.ExternalStream``."""
-
-    pointer: int
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        """``(protocol version, cudaStream_t address)``."""
-        return 0, self.pointer
-
-
-@functools.cache
-def _external_stream(device_index: int, stream_pointer: int) -> Any:
-    """CuPy's view of one of torch's streams (cached per device and stream): ``Stream.from_external`` where CuPy
-    has it (14 and later), else ``ExternalStream``."""
-    import cupy
-
-    with cupy.cuda.Device(device_index):
-        if hasattr(cupy.cuda.Stream, "from_external"):
-            return cupy.cuda.Stream.from_external(StreamHandle(stream_pointer))
-        return cupy.cuda.ExternalStream(stream_pointer, device_index)
-
-
-def current_stream(device: torch.device) -> Any:
-    """CuPy's view of torch's current stream on ``device``, what a :class:`BoundLaunch` launches on. Look it up
-    once per layer call and pass it to each of the call's launches."""
-    return _external_stream(device.index, torch.cuda.current_stream(device).cuda_stream)
-
-
-@dataclass(frozen=True)
 class BoundLaunch:
-    """One launch resolved once (:func:`bind`): the compiled instantiation, opted in to its dynamic shared memory,
-    and every argument but the per-call ones converted. A call converts and checks only its per-call values, so an
-    eager layer call pays for the arguments that change (kernels/NOTES.md, fifteenth session: converting all of them
-    at every call was part of the direct path's host cost).
+    """One launch resolved once (:func:`bind`): the compiled instantiation's function handle, opted in to its
+    dynamic shared memory, and its parameter block with every argument but the per-call ones converted. A call
+    sets the per-call pointers and calls ``cuLaunchKernel`` itself (``cupy.cuda.driver.launchKernel``): CuPy's
+    kernel call converted every argument again and entered device and stream contexts, about half of the direct
+    path's host cost in the fifteenth session's profile (kernels/NOTES.md, sixteenth session).
 
     Attributes:
         spec: grid, block, instantiation and dynamic shared memory.
         device: the CUDA device the fixed tensors live on and the kernel runs on.
-        arguments: the converted argument list with its per-call slots.
-        kernel: the ``cupy.RawKernel`` (:func:`get_kernel`).
+        parameters: the parameter block with its per-call slots.
         fixed: the fixed tensor arguments, kept alive as long as the binding, since their pointers are baked in.
     """
 
-    spec: Launch
-    device: torch.device
-    arguments: ArgumentTemplate
-    kernel: Any
-    fixed: tuple[torch.Tensor, ...]
-
-    def __call__(self, stream: Any, *values: Any) -> None:
-        """Run on ``stream`` (:func:`current_stream`) with ``values`` in the per-call slots, in order. Tensors
-        must stay alive until the kernel has run, as with any asynchronous torch operation on the stream.
-
-        Raises:
-            ValueError: from :meth:`ArgumentTemplate.fill`.
-        """
+    def __init__(self, spec: Launch, device: torch.device, parameters: KernelParameters, function: Any,
+                 fixed: tuple[torch.Tensor, ...]) -> None:
         import cupy
 
-        converted = self.arguments.fill(values, self.device)
-        with cupy.cuda.Device(self.device.index), stream:
-            self.kernel(self.spec.grid, self.spec.block, converted, shared_mem=self.spec.shared_bytes)
+        self.spec, self.device, self.parameters, self.fixed = spec, device, parameters, fixed
+        self._function = function  # the cupy Function: keeps its module loaded while its handle is used
+        self._handle = function.ptr
+        self._cuda_device = cupy.cuda.Device(device.index)
+        self._launch = cupy.cuda.driver.launchKernel
+        self._lock = threading.Lock()  # one parameter block: two threads must not fill it at once
+
+    def __call__(self, stream: int, *values: torch.Tensor | None) -> None:
+        """Run on ``stream`` (a ``cudaStream_t``, :func:`current_stream`) with ``values`` in the per-call slots, in
+        order. Tensors must stay alive until the kernel has run, as with any asynchronous torch operation on the
+        stream.
+
+        Raises:
+            ValueError: from :meth:`KernelParameters.fill`.
+            cupy.cuda.driver.CUDADriverError: if the driver refuses the launch.
+        """
+        spec = self.spec
+        with self._lock, self._cuda_device:
+            self.parameters.fill(values, self.device)
+            self._launch(self._handle, *spec.grid, *spec.block, spec.shared_bytes, stream,
+                         self.parameters.address, 0)
 
 
 def bind(spec: Launch, args: tuple[Any, ...], device: torch.device) -> BoundLaunch:
@@ -639,21 +622,23 @@ def bind(spec: Launch, args: tuple[Any, ...], device: torch.device) -> BoundLaun
 
     Args:
         spec: from :func:`rows_launch`, :func:`tile_launch`, :func:`pointwise_launch` or :func:`pairing_launch`.
-        args: kernel arguments in declaration order (:func:`kernel_arguments`), :data:`PER_CALL` where each call
-            gives the value.
+        args: kernel arguments in declaration order (:func:`kernel_parameter`), :data:`PER_CALL` where each call
+            gives a pointer.
 
     Raises:
         ImportError: without CuPy.
-        ValueError: from :func:`kernel_arguments`, for a fixed argument.
+        ValueError: from :func:`kernel_parameter`, for a fixed argument.
     """
     import cupy
 
-    arguments = ArgumentTemplate.of(args, device)
+    parameters = KernelParameters(args, device)
     kernel = get_kernel(spec.name)
-    if spec.shared_bytes > SHARED_LIMIT_BYTES:
-        with cupy.cuda.Device(device.index):
+    with cupy.cuda.Device(device.index):
+        if spec.shared_bytes > SHARED_LIMIT_BYTES:
             _opt_in(spec.name, spec.shared_bytes, device.index)
-    return BoundLaunch(spec, device, arguments, kernel, tuple(arg for arg in args if isinstance(arg, torch.Tensor)))
+        function = kernel.kernel  # this device's handle (compiled or loaded here on first use)
+    return BoundLaunch(spec, device, parameters, function,
+                       tuple(arg for arg in args if isinstance(arg, torch.Tensor)))
 
 
 @functools.cache
