@@ -1,8 +1,8 @@
 // Direct sparse convolution over a UniformCSR weight (Escoin, paper 000 §3; UnSparse-Opt, paper 004 §5).
 //
 // Three convolution kernels, all templated on the storage dtype T (float or __half; arithmetic is always float)
-// and on their tile sizes, and a fourth, pair_images (at the end), the input transform of direct_tile's paired
-// settings. Launch geometry is computed in one place on the Python side
+// and on their tile sizes, and two input transforms of direct_tile's paired settings (at the end): pair_images and,
+// for strided layers, phase_pair_images. Launch geometry is computed in one place on the Python side
 // (unsparse/runtime/cupy_launcher.py); every index the kernels read was validated there first.
 //
 // direct_rows: the paper's design, general (any kernel size, stride, dilation, padding, Conv1d as H = 1).
@@ -654,4 +654,37 @@ __global__ void pair_images(const T* __restrict__ x, T* __restrict__ out, int N,
       dst[2 * u + 1] = second_live ? first[P + p + u] : T(0.f);
     }
   }
+}
+
+// phase_pair_images: the phase split (unsparse/sparse/phases.py, every phase of both axes) and the image pairing of
+//   a strided layer's paired direct_tile setting in one pass: out[i][(c * SH + a) * SW + b][q][u][k] =
+//   x[2i + k][c][SH * q + a][SW * u + b], zero past the image's H x W and past an odd N; (N, C, H, W) to
+//   (ceil(N/2), C * SH * SW, HQ, WQ, 2) with HQ = ceil(H / SH), WQ = ceil(W / SW). The two-pass path (a torch copy into
+//   the phases, then pair_images) reads and writes the input twice. One thread per element (c, t, w) of one image
+//   pair's input padded to HQ * SH x WQ * SW: consecutive threads read consecutive input columns (coalesced) and write
+//   the pair to phase b = w % SW at column w / SW, so a warp's stores form SW runs of consecutive pairs. Grid
+//   (ceil(C * HQ * SH * WQ * SW / blockDim.x), ceil(N/2)); the Python side checks that C * HQ * SH * WQ * SW fits
+//   int32.
+template <typename T>
+__global__ void phase_pair_images(const T* __restrict__ x, T* __restrict__ out, int N, int C, int H, int W, int SH,
+                                  int SW, int HQ, int WQ) {
+  struct alignas(2 * sizeof(T)) Pair {
+    T first, second;
+  };
+  const int i = blockIdx.y;
+  const int rows = HQ * SH, cols = WQ * SW;
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= C * rows * cols) return;
+  const int w = e % cols;
+  const int t = (e / cols) % rows;
+  const int c = e / (cols * rows);
+  const long long plane = static_cast<long long>(H) * W;
+  const long long image = plane * C;
+  const bool inside = t < H && w < W;
+  const long long source = 2LL * i * image + c * plane + static_cast<long long>(t) * W + w;
+  const T first = inside ? x[source] : T(0.f);
+  const T second = inside && 2 * i + 1 < N ? x[source + image] : T(0.f);
+  const int phase = (c * SH + t % SH) * SW + w % SW;
+  const long long target = ((static_cast<long long>(i) * C * SH * SW + phase) * HQ + t / SH) * WQ + w / SW;
+  reinterpret_cast<Pair*>(out)[target] = Pair{first, second};
 }

@@ -6,10 +6,12 @@ from __future__ import annotations
 import ctypes
 import itertools
 import math
+import re
 import shutil
 import subprocess
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,6 +24,7 @@ from unsparse.runtime.backends.direct import (
     DirectHalf2Backend,
     TileArrays,
     aligned_copy,
+    bind_phase_pairing,
     is_pointwise,
     pair_images,
     pointwise_space,
@@ -35,7 +38,7 @@ from unsparse.runtime.backends.direct import (
     validate_tile,
 )
 from unsparse.sparse import ConvGeometry, UniformCSR
-from unsparse.sparse.phases import phase_split
+from unsparse.sparse.phases import PhaseSplit, phase_split
 
 # (N, C, H, W, M, R, S, stride, padding, dilation)
 GEOMETRIES = [(2, 3, 9, 11, 5, 3, 3, 1, 1, 1), (3, 4, 13, 10, 6, 3, 3, 2, 1, 1), (2, 5, 8, 8, 7, 1, 1, 1, 0, 1),
@@ -514,6 +517,58 @@ def test_pairing_kernel_emulation_matches_pair_images(batch: int, chw: tuple[int
         cl.pairing_launch(dtype, 0, 10, vector=False)
 
 
+def emulate_phase_pairing(x: torch.Tensor, split: PhaseSplit) -> torch.Tensor:
+    """The ``phase_pair_images`` kernel in Python, line by line and vectorised over each block's threads: its grid
+    (:func:`~unsparse.runtime.cupy_launcher.phase_pairing_launch`), each thread's element ``e`` of the padded
+    input, the source index (zero outside the image or past an odd N) and the target pair."""
+    N, C, H, W = x.shape
+    (HQ, WQ), (SH, SW) = split.input_size(H, W), split.stride
+    spec = cl.phase_pairing_launch(x.dtype, N, C, (HQ, WQ), split.stride)
+    rows, cols, flat = HQ * SH, WQ * SW, x.reshape(-1)
+    out = torch.full((spec.grid[1] * C * SH * SW * HQ * WQ, 2), float("nan"), dtype=x.dtype)
+    plane, image = H * W, H * W * C
+    for bx, i in itertools.product(range(spec.grid[0]), range(spec.grid[1])):
+        e = bx * spec.block[0] + torch.arange(spec.block[0])
+        e = e[e < C * rows * cols]
+        w, t, c = e % cols, (e // cols) % rows, e // (cols * rows)
+        inside = (t < H) & (w < W)
+        source = torch.where(inside, 2 * i * image + c * plane + t * W + w, 0)
+        first = torch.where(inside, flat[source], 0.0)
+        second = torch.where(inside & (2 * i + 1 < N), flat[(source + image).clamp(max=flat.numel() - 1)], 0.0)
+        phase = (c * SH + t % SH) * SW + w % SW
+        target = ((i * C * SH * SW + phase) * HQ + t // SH) * WQ + w // SW
+        out[target, 0], out[target, 1] = first, second
+    return out.reshape(spec.grid[1], C * SH * SW, HQ, WQ, 2)
+
+
+@pytest.mark.parametrize(("shape", "kernel", "stride", "padding"), [
+    ((3, 2, 9, 7), 3, 2, 1),  # odd N, H and W: zero image, zero last phase row and column
+    ((2, 3, 23, 23), 11, 4, 2),  # AlexNet's stem, scaled down
+    ((1, 2, 8, 10), 1, 2, 0),  # a 1x1 stride-2 layer reads one phase: no fused pairing
+    ((4, 1, 6, 5), (3, 1), (2, 1), (1, 0)),  # stride along rows only
+])
+def test_phase_pairing_kernel_emulation_matches_the_phase_split_then_pairing(shape, kernel, stride, padding) -> None:
+    """``phase_pair_images`` (emulated) writes what the two-pass path writes, :func:`pair_images` of
+    :meth:`PhaseSplit.input`, wherever the split reads every phase; the Python side refuses a split that does
+    not, and the launch geometry's size checks."""
+    R, S = (kernel, kernel) if isinstance(kernel, int) else kernel
+    x = torch.randn(*shape, dtype=torch.float16)
+    csr = UniformCSR.from_dense(torch.randn(4, shape[1], R, S))
+    split = phase_split(csr, ConvGeometry.of(stride, padding))
+    if not split.every_phase:
+        with pytest.raises(ValueError, match="every phase"):
+            bind_phase_pairing(shape, x.dtype, torch.device("cpu"), split)
+        return
+    assert torch.equal(emulate_phase_pairing(x, split), pair_images(split.input(x)))
+    spec = cl.phase_pairing_launch(torch.float32, 128, 3, (57, 57), (4, 4))
+    assert spec.name == "phase_pair_images<float>" and spec.block == (256, 1, 1)
+    assert spec.grid == (math.ceil(3 * 228 * 228 / 256), 64, 1)
+    with pytest.raises(ValueError, match="positive"):
+        cl.phase_pairing_launch(torch.float16, 0, 3, (5, 5), (2, 2))
+    with pytest.raises(ValueError, match="int32"):
+        cl.phase_pairing_launch(torch.float16, 2, 2**16, (128, 128), (2, 2))
+
+
 def test_tile_arrays_drop_padding_and_group_by_chunk() -> None:
     weight = torch.zeros(2, 3, 3, 3)
     weight[0, 2, 1, 2], weight[1, 0, 0, 0], weight[1, 1, 2, 1] = 1.0, 2.0, 3.0
@@ -565,8 +620,8 @@ def test_half2_backend_offers_tile_settings_on_float16_only() -> None:
                      if p["variant"] == "tile"]
     names = backend.kernel_names(x, csr, ConvGeometry.of(2, 1))
     assert all(f",{cl.HALF2_RUN}," in name for name in names if name.startswith("direct_tile"))
-    assert {name for name in names if not name.startswith("direct_tile")} == {"pair_images<__half,0>",
-                                                                               "pair_images<__half,1>"}
+    assert {name for name in names if not name.startswith("direct_tile")} == {
+        "pair_images<__half,0>", "pair_images<__half,1>", "phase_pair_images<__half>"}
     assert not any("accumulate" in p for p in direct.tuning_space(x, csr, ConvGeometry.of(1, 1)))
     with pytest.raises(ValueError, match="accumulate"):  # half2 runs on the tile kernel only
         direct._launch(x, csr, ConvGeometry.of(1, 1), {"variant": "rows", "accumulate": "half2"})
@@ -701,8 +756,11 @@ def test_kernel_parameters_are_checked_device_pointers_and_int32() -> None:
         cl.kernel_parameter(x, torch.device("cuda", 0), 1)
     with pytest.raises(ValueError, match="argument 0: 2147483648 does not fit int32"):
         cl.kernel_parameter(2**31, cpu, 0)
-    with pytest.raises(ValueError, match="argument 2: expected a tensor or None, got float"):
+    with pytest.raises(ValueError, match="argument 2: expected a tensor, None or an integer, got float"):
         cl.kernel_parameter(1.5, cpu, 2)
+    assert cl.kernel_parameter(np.int64(5), cpu, 0).value == 5  # numpy integers are integers
+    with pytest.raises(ValueError, match="argument 1: expected a tensor or None, got int"):
+        cl.KernelParameters((cl.PER_CALL, cl.PER_CALL), cpu).fill((x, 3), cpu)  # a per-call slot is a pointer
 
 
 def test_kernel_parameters_convert_fixed_arguments_once_and_fill_the_slots() -> None:
@@ -793,18 +851,44 @@ def test_kernels_compile_for_sm90(tmp_path, tuned_kernel_names) -> None:
     assert not [line for line in spilled if any(f"Li{k}ELi{k}E" in line for k in (1, 2, 3))], spilled
 
 
+def kernel_signatures() -> dict[str, list[bool]]:
+    """Per ``__global__`` kernel of ``kernels/direct_conv.cu``, whether each declared parameter is a pointer (the
+    others are ``int``): what the launch's parameter block must match, since ``cuLaunchKernel`` checks neither
+    count nor types."""
+    source = re.sub(r"//[^\n]*", "", cl.KERNEL_FILE.read_text())
+    declared = re.findall(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s*)?(\w+)\s*\(([^)]*)\)",
+                          source)
+    assert all(("*" in p) or p.split()[0] == "int" for _, params in declared for p in params.split(","))
+    return {name: ["*" in p for p in params.split(",")] for name, params in declared}
+
+
 def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkeypatch) -> None:
     """``DirectBackend.conv``'s host path on the CPU, with the launch replaced by a recorder: a setting is
     prepared once per input size and reused; a strided tile setting hands the kernel the phase images (image
-    pairs in float16) and the strided layer's output size; split-K partial sums are summed and biased here."""
+    pairs in float16, written in one pass by ``phase_pair_images``) and the strided layer's output size; split-K
+    partial sums are summed and biased here."""
     launches: list[tuple] = []
+    signatures = kernel_signatures()
+
+    def phase_pairs(x: torch.Tensor, N: int, C: int, H: int, W: int, sh: int, sw: int, hq: int,
+                    wq: int) -> torch.Tensor:
+        """``phase_pair_images`` as its comment defines it: out[i, (c*sh + a)*sw + b, q, u, k] =
+        x[2i + k, c, sh*q + a, sw*u + b], zero beyond x."""
+        padded = x.new_zeros(2 * ((N + 1) // 2), C, hq * sh, wq * sw)
+        padded[:N, :, :H, :W] = x
+        grid = padded.view(-1, 2, C, hq, sh, wq, sw).permute(0, 2, 4, 6, 3, 5, 1)
+        return grid.reshape(-1, C * sh * sw, hq, wq, 2)
 
     def record(spec: cl.Launch, args: tuple, device: torch.device) -> None:
+        pointers = signatures[spec.name.partition("<")[0]]  # the kernel's declared parameters, in order
+        assert [arg is None or isinstance(arg, torch.Tensor) for arg in args] == pointers, spec.name
         for position, arg in enumerate(args):  # every argument a kernel can take
             cl.kernel_parameter(arg, device, position)
         launches.append((spec, args))
         if spec.name.startswith("pair_images"):  # the pairing kernel's result, from torch
             args[1].copy_(pair_images(args[0]))
+        elif spec.name.startswith("phase_pair_images"):
+            args[1].copy_(phase_pairs(args[0], *args[2:]))
         elif isinstance(args[4], torch.Tensor) and args[4].dim() == 5:  # split-K: slice s holds s + 1
             args[4].copy_(torch.arange(1.0, args[4].shape[0] + 1).view(-1, 1, 1, 1, 1).expand_as(args[4]))
 
@@ -824,15 +908,16 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     weight[torch.rand(weight.shape) < 0.7] = 0
     csr, geometry = UniformCSR.from_dense(weight.half()), ConvGeometry.of(2, 1)
     params = {"variant": "tile", "wx": 8, "py": 2, "nb": 2, "mw": 4, "warps": 2, "cc": 4}
-    x = torch.randn(3, 4, 16, 12).half()
+    x = torch.randn(3, 4, 15, 11).half()  # odd sizes: the phase images' last row and column read zero padding
     prepare = DirectBackend._prepare
     prepared: list[tuple] = []
     monkeypatch.setattr(DirectBackend, "_prepare", lambda self, *a: prepared.append(a[0].shape) or prepare(self, *a))
     for batch in (3, 3, 2):
         out = backend.conv(x[:batch], csr, None, geometry, **params)
         assert out.shape == (batch, 6, 8, 6) and out.dtype == torch.float16
-    assert prepared == [(3, 4, 16, 12), (2, 4, 16, 12)]
-    assert launches[-2][0].name.startswith("pair_images<__half,")  # float16 reads image pairs
+    assert prepared == [(3, 4, 15, 11), (2, 4, 15, 11)]
+    assert launches[-2][0].name == "phase_pair_images<__half>"  # float16 reads image pairs of the phases
+    assert launches[-2][1][0] is not None and launches[-2][1][0].shape == (2, 4, 15, 11)  # read from x itself
     spec, args = launches[-1]
     split = phase_split(csr, geometry)
     assert spec.name.startswith("direct_tile<__half,2,2,")
@@ -845,6 +930,8 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
         spec, args = launches[-1]
         assert spec.name.endswith(f",3,{1 + paired}>")
         assert torch.equal(args[0], pair_images(x32) if paired else x32)  # float32 pairs only where asked
+    backend.conv(x32, csr32, torch.randn(6), ConvGeometry.of(2, 1))  # rows, the default setting
+    assert launches[-1][0].name.startswith("direct_rows<float,")
     csr1 = UniformCSR.from_dense(torch.randn(5, 64, 1, 1))
     bias = torch.randn(5)
     setting = {"variant": "pointwise", "pv": 1, "mw": 2, "warps": 4, "cc": 16, "splits": 4}

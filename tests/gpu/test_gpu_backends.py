@@ -175,6 +175,26 @@ def test_pairing_kernel_matches_torchs_pair_images(batch: int, chw: tuple[int, i
         assert torch.equal(out.cpu(), pair_images(source.cpu()))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("shape", "kernel", "stride", "padding"), [
+    ((3, 2, 9, 7), (3, 3), 2, 1), ((128, 3, 224, 224), (11, 11), 4, 2), ((5, 3, 230, 229), (7, 7), 2, 3),
+    ((4, 5, 6, 5), (3, 1), (2, 1), (1, 0))])
+def test_phase_pairing_kernel_matches_the_phase_split_then_pairing(shape, kernel, stride, padding, dtype) -> None:
+    """``phase_pair_images`` against torch's two passes (:meth:`PhaseSplit.input`, then :func:`pair_images`), bit
+    for bit: odd batches, sizes that are not multiples of the stride (zero phase rows and columns), AlexNet's stem
+    at batch 128, ResNet-50's 7x7 stride-2 stem on odd sizes, and a stride along rows only. The output is poisoned
+    first, so an element the kernel skips fails."""
+    from unsparse.runtime.backends.direct import bind_phase_pairing
+
+    x = torch.randn(*shape, device=CUDA).to(dtype)
+    split = phase_split(UniformCSR.from_dense(torch.randn(4, shape[1], *kernel)), ConvGeometry.of(stride, padding))
+    launch, out_shape = bind_phase_pairing(shape, dtype, CUDA, split)
+    out = torch.full(out_shape, float("nan"), dtype=dtype, device=CUDA)
+    launch(cl.current_stream(CUDA), x, out)
+    torch.cuda.synchronize()
+    assert torch.equal(out, pair_images(split.input(x)))
+
+
 def test_direct_kernels_run_on_torchs_current_stream() -> None:
     """A kernel launched under ``torch.cuda.stream(s)`` runs on ``s``, after the work queued there before it: the
     input is copied on ``s`` behind about 5 ms of GPU sleep, which the kernel must wait for (on another stream it
@@ -467,6 +487,35 @@ def test_a_bound_launch_reuses_its_parameter_block_back_to_back_and_across_threa
         for i, stacked in enumerate(pool.map(run, range(4))):
             for k in range(8):
                 assert relative_error(stacked[k].cpu(), refs[(i + k) % 8]) <= tolerance(torch.float16), (i, k)
+
+
+def test_a_bound_launch_runs_from_a_thread_that_has_no_cuda_context_yet() -> None:
+    """``cuLaunchKernel`` launches in the calling thread's current driver context, and a fresh thread has none: the
+    launcher makes the device's primary context current there first (otherwise ``CUDA_ERROR_INVALID_CONTEXT``)."""
+    import threading
+
+    from cupy.cuda import driver
+
+    from unsparse.runtime.backends.direct import bind_pairing
+
+    x = torch.randn(3, 4, 5, 8, device=CUDA)
+    launch, shape = bind_pairing(tuple(x.shape), x.dtype, CUDA, cl.vector_aligned(x))
+    out = torch.full(shape, float("nan"), device=CUDA)
+    stream = cl.current_stream(CUDA)
+    torch.cuda.synchronize()
+    seen: dict[str, object] = {}
+
+    def work() -> None:
+        seen["context"] = driver.ctxGetCurrent()
+        launch(stream, x, out)
+        seen["launched"] = True
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    thread.join()
+    torch.cuda.synchronize()
+    assert seen == {"context": 0, "launched": True}
+    assert torch.equal(out.cpu(), pair_images(x.cpu()))
 
 
 def test_compare_layer_times_cuda_graph_replays() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import operator
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -430,7 +431,8 @@ def pointwise_launch(dtype: torch.dtype, batch: int, out_channels: int, pixels: 
 
 
 PAIRING_THREADS = 256
-"""Threads per block of ``pair_images`` (each moves one 16-byte vector of two images)."""
+"""Threads per block of ``pair_images`` (each moves one 16-byte vector of two images) and of
+``phase_pair_images`` (each moves one element of two images)."""
 
 
 def pairing_launch(dtype: torch.dtype, batch: int, image_elements: int, vector: bool) -> Launch:
@@ -450,6 +452,28 @@ def pairing_launch(dtype: torch.dtype, batch: int, image_elements: int, vector: 
     grid = (math.ceil(image_elements / (unit * PAIRING_THREADS)), math.ceil(batch / 2), 1)
     _check_grid(grid)
     return Launch(f"pair_images<{cuda_type(dtype)},{int(vector)}>", grid, (PAIRING_THREADS, 1, 1))
+
+
+def phase_pairing_launch(dtype: torch.dtype, batch: int, channels: int, phase_hw: tuple[int, int],
+                         stride: tuple[int, int]) -> Launch:
+    """Geometry of ``phase_pair_images``, the kernel that writes a strided layer's phase images
+    (:meth:`~unsparse.sparse.phases.PhaseSplit.input`, every phase) as image pairs in one pass: ``(N, C, H, W)``
+    to ``(ceil(N/2), C * s_h * s_w, HQ, WQ, 2)`` with ``phase_hw = (HQ, WQ)``. One thread per element of an image
+    pair's input padded to ``HQ * s_h x WQ * s_w``: grid ``(ceil(C * HQ * s_h * WQ * s_w / PAIRING_THREADS),
+    ceil(N / 2))``, :data:`PAIRING_THREADS` threads per block.
+
+    Raises:
+        ValueError: for a non-positive size, an image of ``2**31`` or more padded elements, or a grid beyond CUDA's
+            limits.
+    """
+    elements = channels * phase_hw[0] * stride[0] * phase_hw[1] * stride[1]
+    if min(batch, elements) < 1:
+        raise ValueError("phase_pairing_launch: every size must be positive")
+    if elements >= 2**31:
+        raise ValueError(f"phase_pairing_launch: {elements} padded elements per image exceed int32 indexing")
+    grid = (math.ceil(elements / PAIRING_THREADS), math.ceil(batch / 2), 1)
+    _check_grid(grid)
+    return Launch(f"phase_pair_images<{cuda_type(dtype)}>", grid, (PAIRING_THREADS, 1, 1))
 
 
 def pairing_vector(image_bytes: int, aligned: bool) -> bool:
@@ -511,17 +535,23 @@ def device_pointer(arg: torch.Tensor | None, device: torch.device, position: int
 
 def kernel_parameter(arg: Any, device: torch.device, position: int) -> ctypes.c_uint64 | ctypes.c_int32:
     """One kernel argument as ``cuLaunchKernel`` copies it: tensors and None as 64-bit device pointers
-    (:func:`device_pointer`), ints as int32 (the kernels' index and size parameters).
+    (:func:`device_pointer`), integers (anything ``operator.index`` takes, numpy's included) as int32 (the kernels'
+    index and size parameters).
 
     Raises:
-        ValueError: naming the parameter ``position``: from :func:`device_pointer`, or an int that does not fit
+        ValueError: naming the parameter ``position``: from :func:`device_pointer`, or an integer that does not fit
             int32.
     """
-    if isinstance(arg, int) and not isinstance(arg, bool):
-        if not -(2**31) <= arg < 2**31:
-            raise ValueError(f"kernel argument {position}: {arg} does not fit int32")
-        return ctypes.c_int32(arg)
-    return ctypes.c_uint64(device_pointer(arg, device, position))
+    if arg is None or isinstance(arg, torch.Tensor):
+        return ctypes.c_uint64(device_pointer(arg, device, position))
+    try:
+        value = operator.index(arg)
+    except TypeError:
+        raise ValueError(f"kernel argument {position}: expected a tensor, None or an integer, got "
+                         f"{type(arg).__name__}") from None
+    if not -(2**31) <= value < 2**31:
+        raise ValueError(f"kernel argument {position}: {value} does not fit int32")
+    return ctypes.c_int32(value)
 
 
 class PerCall:
@@ -580,8 +610,8 @@ class BoundLaunch:
     """One launch resolved once (:func:`bind`): the compiled instantiation's function handle, opted in to its
     dynamic shared memory, and its parameter block with every argument but the per-call ones converted. A call
     sets the per-call pointers and calls ``cuLaunchKernel`` itself (``cupy.cuda.driver.launchKernel``): CuPy's
-    kernel call converted every argument again and entered device and stream contexts, about half of the direct
-    path's host cost in the fifteenth session's profile (kernels/NOTES.md, sixteenth session).
+    kernel call converted every argument again and entered device and stream contexts: about 40 % of the direct
+    stem call's host time in the fifteenth session's cProfile (kernels/NOTES.md, sixteenth session).
 
     Attributes:
         spec: grid, block, instantiation and dynamic shared memory.
@@ -612,16 +642,37 @@ class BoundLaunch:
         """
         spec = self.spec
         with self._lock, self._cuda_device:
+            _ensure_context(self.device.index)
             self.parameters.fill(values, self.device)
             self._launch(self._handle, *spec.grid, *spec.block, spec.shared_bytes, stream,
                          self.parameters.address, 0)
+
+
+_THREAD_CONTEXTS = threading.local()
+"""Per thread, the device indices whose primary context this module made current on it (:func:`_ensure_context`)."""
+
+
+def _ensure_context(device_index: int) -> None:
+    """Make device ``device_index``'s primary context current on this thread (the current device), once per thread
+    and device. ``cuLaunchKernel`` launches in the thread's current driver context, and a thread whose first CUDA
+    work is a bound launch has none (``CUDA_ERROR_INVALID_CONTEXT``); a runtime call that needs the context
+    (``cudaMemGetInfo``, as CuPy's own launches do) sets it, and torch's calls on that device then share it."""
+    made = getattr(_THREAD_CONTEXTS, "devices", None)
+    if made is None:
+        made = _THREAD_CONTEXTS.devices = set()
+    if device_index not in made:
+        import cupy
+
+        cupy.cuda.runtime.memGetInfo()
+        made.add(device_index)
 
 
 def bind(spec: Launch, args: tuple[Any, ...], device: torch.device) -> BoundLaunch:
     """Resolve one launch for repeated calls on ``device``.
 
     Args:
-        spec: from :func:`rows_launch`, :func:`tile_launch`, :func:`pointwise_launch` or :func:`pairing_launch`.
+        spec: from :func:`rows_launch`, :func:`tile_launch`, :func:`pointwise_launch`, :func:`pairing_launch` or
+            :func:`phase_pairing_launch`.
         args: kernel arguments in declaration order (:func:`kernel_parameter`), :data:`PER_CALL` where each call
             gives a pointer.
 

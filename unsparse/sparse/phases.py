@@ -74,6 +74,12 @@ class PhaseSplit:
     phases_h: tuple[int, ...]
     phases_w: tuple[int, ...]
 
+    @property
+    def every_phase(self) -> bool:
+        """Whether some tap reads every phase of both axes (always once the filter is at least as large as the
+        stride): the phase channels are then all ``C * s_h * s_w`` in order."""
+        return (len(self.phases_h), len(self.phases_w)) == self.stride
+
     def input_size(self, height: int, width: int) -> tuple[int, int]:
         """``(ceil(H / s_h), ceil(W / s_w))``: the size of each phase image of an ``H x W`` input."""
         return math.ceil(height / self.stride[0]), math.ceil(width / self.stride[1])
@@ -98,7 +104,7 @@ class PhaseSplit:
         if (hq * sh, wq * sw) != (H, W):
             x = F.pad(x, (0, wq * sw - W, 0, hq * sh - H))
         grid = x.reshape(N, C, hq, sh, wq, sw).permute(0, 1, 3, 5, 2, 4)  # (N, C, s_h, s_w, hq, wq), a view
-        if (len(self.phases_h), len(self.phases_w)) == (sh, sw):  # every phase, in order: one copy of the grid
+        if self.every_phase:  # in order: one copy of the grid
             return grid.clone(memory_format=torch.contiguous_format).view(N, -1, hq, wq)
         phases = x.new_empty(N, C, len(self.phases_h), len(self.phases_w), hq, wq)
         for (i, first_h, rows), (j, first_w, cols) in itertools.product(_runs(self.phases_h), _runs(self.phases_w)):

@@ -6,7 +6,8 @@ Three kernel variants share the backend and its tuning space (parameter ``varian
 * ``"tile"``: input tiles with halos in shared memory, each warp accumulating several output channels over
   a pixel x image tile; stride 1, dilation 1, Conv2d. float16 inputs, and float32 inputs of ``"paired"``
   settings, are first re-laid as image pairs (on CUDA by the ``pair_images`` kernel, bound at prepare time by
-  :func:`bind_pairing` into the layer's :class:`PreparedCall`: a copy timed with the convolution).
+  :func:`bind_pairing` into the layer's :class:`PreparedCall`: a copy timed with the convolution; a strided layer's
+  phase images are paired in the same pass as its phase split, :func:`bind_phase_pairing`).
   ``"stage": "vector"`` settings copy each staged row's interior as 16-byte vectors (32-column warp rows, input
   width a multiple of 4; see :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason`).
 * ``"pointwise"``: 1x1, stride 1, unpadded Conv2d as a sparse x dense product over the flattened
@@ -246,6 +247,26 @@ def bind_pairing(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     N, P = shape[0], math.prod(shape[1:])
     spec = cl.pairing_launch(dtype, N, P, cl.pairing_vector(P * dtype.itemsize, aligned))
     return cl.bind(spec, (cl.PER_CALL, cl.PER_CALL, N, P), device), ((N + 1) // 2, *shape[1:], 2)
+
+
+def bind_phase_pairing(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                       split: PhaseSplit) -> tuple[cl.BoundLaunch, tuple[int, ...]]:
+    """The ``phase_pair_images`` kernel for contiguous ``(N, C, H, W)`` inputs of ``shape`` on ``device`` and a phase
+    split that reads every phase (:attr:`~unsparse.sparse.phases.PhaseSplit.every_phase`): the bound launch
+    (per-call arguments: the input, then a fresh output of the returned shape ``(ceil(N / 2), C * s_h * s_w, HQ, WQ,
+    2)``), equal to :func:`pair_images` of ``split.input(x)`` in one pass instead of two.
+
+    Raises:
+        ValueError: for a split that skips a phase, or from
+            :func:`~unsparse.runtime.cupy_launcher.phase_pairing_launch`.
+    """
+    if not split.every_phase:
+        raise ValueError(f"split: phase_pair_images needs every phase, got {split.phases_h} x {split.phases_w}")
+    N, C, H, W = shape
+    (hq, wq), (sh, sw) = split.input_size(H, W), split.stride
+    spec = cl.phase_pairing_launch(dtype, N, C, (hq, wq), split.stride)
+    return (cl.bind(spec, (cl.PER_CALL, cl.PER_CALL, N, C, H, W, sh, sw, hq, wq), device),
+            ((N + 1) // 2, C * sh * sw, hq, wq, 2))
 
 
 def pair_images_on_device(x: torch.Tensor) -> torch.Tensor:
@@ -492,12 +513,14 @@ class PreparedCall:
     Attributes:
         kernel: the convolution kernel, its validated index arrays (and, for ``rows``, the weight values) and
             scalar arguments bound; per call the input, the bias (None for split-K) and the output.
-        split: the phase split whose images the kernel reads (a strided ``tile`` or ``pointwise`` setting),
-            None where it reads ``x`` itself.
+        split: the phase split ``x`` is copied into first (a strided ``tile`` or ``pointwise`` setting), None
+            where the kernel or the pairing reads ``x`` itself (a fused phase pairing reads ``x``).
         out_shape: ``(N, M, E, F)``.
         splits: split-K shares of ``pointwise`` (float32 partial sums, summed here), 1 otherwise.
         pairing: where the kernel reads the input as image pairs (float16, or a ``paired`` float32 tiling), the
-            bound ``pair_images`` kernel and the paired shape (:func:`bind_pairing`); None otherwise.
+            bound pairing kernel and the paired shape: ``phase_pair_images`` on ``x`` for a strided setting that
+            reads every phase (:func:`bind_phase_pairing`), else ``pair_images`` (:func:`bind_pairing`); None
+            otherwise.
     """
 
     kernel: cl.BoundLaunch
@@ -628,11 +651,14 @@ class DirectBackend(ConvBackend):
     def kernel_names(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                      space: list[dict[str, Any]] | None = None) -> list[str]:
         """Template instantiations a list of settings (default: the tuning space) uses, with both
-        ``pair_images`` kernels of the dtype where a setting pairs its input."""
+        ``pair_images`` kernels of the dtype, and ``phase_pair_images`` for a strided layer, where a setting pairs
+        its input."""
         space = space if space is not None else self.tuning_space(x, csr, geometry)
         names = {self._launch(x, csr, geometry, params)[0].name for params in space}
         if any(params.get("variant") == "tile" and reads_pairs(params, x.dtype) for params in space):
             names.update(cl.pairing_launch(x.dtype, 2, 1, vector).name for vector in (False, True))
+            if geometry.stride != (1, 1):
+                names.add(cl.phase_pairing_launch(x.dtype, 2, 1, (1, 1), (1, 1)).name)
         return sorted(names)
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
@@ -721,13 +747,15 @@ class DirectBackend(ConvBackend):
             half2 = half_run_of(params, x.dtype) > 0
             tile = self._arrays(view.csr, ("tile", layout, half2, tiling.union),
                                 lambda: prepare_tile(view.csr, layout, half2, tiling.union))
-            pairing = None
-            if reads_pairs(params, x.dtype):
+            pairing, split = None, view.split
+            if reads_pairs(params, x.dtype) and split is not None and split.every_phase:  # one pass from x
+                pairing, split = bind_phase_pairing(tuple(x.shape), x.dtype, x.device, split), None
+            elif reads_pairs(params, x.dtype):
                 pairing = bind_pairing((N, C, H, W), x.dtype, x.device, view.source_aligned)
             return PreparedCall(bound((tile.chunk_ptr, tile.entries),
                                       (N, C, H, W, M, E, F_, *view.geometry.padding,
                                        math.ceil(F_ / tiling.tile_hw[1]), math.ceil(M / tiling.channels))),
-                                view.split, out_shape, pairing=pairing)
+                                split, out_shape, pairing=pairing)
         tiling = pointwise_tiling_of(params)
         layout = cl.pointwise_layout(x.dtype, tiling, view.staging)
         tile = self._arrays(view.csr, ("tile", layout, False, 1), lambda: prepare_tile(view.csr, layout))
