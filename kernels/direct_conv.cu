@@ -660,11 +660,12 @@ __global__ void pair_images(const T* __restrict__ x, T* __restrict__ out, int N,
 //   a strided layer's paired direct_tile setting in one pass: out[i][(c * SH + a) * SW + b][q][u][k] =
 //   x[2i + k][c][SH * q + a][SW * u + b], zero past the image's H x W and past an odd N; (N, C, H, W) to
 //   (ceil(N/2), C * SH * SW, HQ, WQ, 2) with HQ = ceil(H / SH), WQ = ceil(W / SW). The two-pass path (a torch copy into
-//   the phases, then pair_images) reads and writes the input twice. One thread per element (c, t, w) of one image
-//   pair's input padded to HQ * SH x WQ * SW: consecutive threads read consecutive input columns (coalesced) and write
-//   the pair to phase b = w % SW at column w / SW, so a warp's stores form SW runs of consecutive pairs. Grid
-//   (ceil(C * HQ * SH * WQ * SW / blockDim.x), ceil(N/2)); the Python side checks that C * HQ * SH * WQ * SW fits
-//   int32.
+//   the phases, then pair_images) reads and writes the input twice. One thread per (c, t, u) of one image pair's input
+//   padded to HQ * SH rows: it reads input columns SW * u .. SW * u + SW - 1 of row t of both images and writes one
+//   pair to each of the SW phase planes of row t's phase, at column u, so a warp's stores to a plane are 32
+//   consecutive pairs (kernels/NOTES.md v24b; v24 ran one thread per input element, whose stores to a plane came in
+//   runs of 32 / SW pairs). Grid (ceil(C * HQ * SH * WQ / blockDim.x), ceil(N/2)); the Python side checks that
+//   C * HQ * SH * WQ * SW fits int32.
 template <typename T>
 __global__ void phase_pair_images(const T* __restrict__ x, T* __restrict__ out, int N, int C, int H, int W, int SH,
                                   int SW, int HQ, int WQ) {
@@ -672,19 +673,25 @@ __global__ void phase_pair_images(const T* __restrict__ x, T* __restrict__ out, 
     T first, second;
   };
   const int i = blockIdx.y;
-  const int rows = HQ * SH, cols = WQ * SW;
+  const int rows = HQ * SH;
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
-  if (e >= C * rows * cols) return;
-  const int w = e % cols;
-  const int t = (e / cols) % rows;
-  const int c = e / (cols * rows);
+  if (e >= C * rows * WQ) return;
+  const int u = e % WQ;
+  const int t = (e / WQ) % rows;
+  const int c = e / (WQ * rows);
   const long long plane = static_cast<long long>(H) * W;
   const long long image = plane * C;
-  const bool inside = t < H && w < W;
-  const long long source = 2LL * i * image + c * plane + static_cast<long long>(t) * W + w;
-  const T first = inside ? x[source] : T(0.f);
-  const T second = inside && 2 * i + 1 < N ? x[source + image] : T(0.f);
-  const int phase = (c * SH + t % SH) * SW + w % SW;
-  const long long target = ((static_cast<long long>(i) * C * SH * SW + phase) * HQ + t / SH) * WQ + w / SW;
-  reinterpret_cast<Pair*>(out)[target] = Pair{first, second};
+  const T* row = x + 2LL * i * image + c * plane + static_cast<long long>(t) * W;
+  const bool second_live = 2 * i + 1 < N;
+  const long long phase_plane = static_cast<long long>(HQ) * WQ;
+  // pair index of phase (c * SH + t % SH) * SW + 0, row t / SH, column u; phase b is b planes further
+  Pair* target = reinterpret_cast<Pair*>(out) +
+                 ((static_cast<long long>(i) * C * SH + c * SH + t % SH) * SW * HQ + t / SH) * WQ + u;
+  for (int b = 0; b < SW; ++b) {
+    const int w = SW * u + b;
+    const bool inside = t < H && w < W;
+    const T first = inside ? row[w] : T(0.f);
+    const T second = inside && second_live ? row[image + w] : T(0.f);
+    target[b * phase_plane] = Pair{first, second};
+  }
 }

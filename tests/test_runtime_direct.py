@@ -519,25 +519,27 @@ def test_pairing_kernel_emulation_matches_pair_images(batch: int, chw: tuple[int
 
 def emulate_phase_pairing(x: torch.Tensor, split: PhaseSplit) -> torch.Tensor:
     """The ``phase_pair_images`` kernel in Python, line by line and vectorised over each block's threads: its grid
-    (:func:`~unsparse.runtime.cupy_launcher.phase_pairing_launch`), each thread's element ``e`` of the padded
-    input, the source index (zero outside the image or past an odd N) and the target pair."""
+    (:func:`~unsparse.runtime.cupy_launcher.phase_pairing_launch`), each thread's (channel, row, phase column), its
+    ``s_w`` input columns (zero outside the image or past an odd N) and their target pairs, one per phase plane."""
     N, C, H, W = x.shape
     (HQ, WQ), (SH, SW) = split.input_size(H, W), split.stride
     spec = cl.phase_pairing_launch(x.dtype, N, C, (HQ, WQ), split.stride)
-    rows, cols, flat = HQ * SH, WQ * SW, x.reshape(-1)
+    rows, flat = HQ * SH, x.reshape(-1)
     out = torch.full((spec.grid[1] * C * SH * SW * HQ * WQ, 2), float("nan"), dtype=x.dtype)
     plane, image = H * W, H * W * C
     for bx, i in itertools.product(range(spec.grid[0]), range(spec.grid[1])):
         e = bx * spec.block[0] + torch.arange(spec.block[0])
-        e = e[e < C * rows * cols]
-        w, t, c = e % cols, (e // cols) % rows, e // (cols * rows)
-        inside = (t < H) & (w < W)
-        source = torch.where(inside, 2 * i * image + c * plane + t * W + w, 0)
-        first = torch.where(inside, flat[source], 0.0)
-        second = torch.where(inside & (2 * i + 1 < N), flat[(source + image).clamp(max=flat.numel() - 1)], 0.0)
-        phase = (c * SH + t % SH) * SW + w % SW
-        target = ((i * C * SH * SW + phase) * HQ + t // SH) * WQ + w // SW
-        out[target, 0], out[target, 1] = first, second
+        e = e[e < C * rows * WQ]
+        u, t, c = e % WQ, (e // WQ) % rows, e // (WQ * rows)
+        row = 2 * i * image + c * plane + t * W
+        target = ((i * C * SH + c * SH + t % SH) * SW * HQ + t // SH) * WQ + u
+        for b in range(SW):
+            w = SW * u + b
+            inside = (t < H) & (w < W)
+            first = torch.where(inside, flat[torch.where(inside, row + w, 0)], 0.0)
+            live = inside & (2 * i + 1 < N)
+            second = torch.where(live, flat[torch.where(live, row + image + w, 0)], 0.0)
+            out[target + b * HQ * WQ, 0], out[target + b * HQ * WQ, 1] = first, second
     return out.reshape(spec.grid[1], C * SH * SW, HQ, WQ, 2)
 
 
@@ -562,7 +564,7 @@ def test_phase_pairing_kernel_emulation_matches_the_phase_split_then_pairing(sha
     assert torch.equal(emulate_phase_pairing(x, split), pair_images(split.input(x)))
     spec = cl.phase_pairing_launch(torch.float32, 128, 3, (57, 57), (4, 4))
     assert spec.name == "phase_pair_images<float>" and spec.block == (256, 1, 1)
-    assert spec.grid == (math.ceil(3 * 228 * 228 / 256), 64, 1)
+    assert spec.grid == (math.ceil(3 * 228 * 57 / 256), 64, 1)
     with pytest.raises(ValueError, match="positive"):
         cl.phase_pairing_launch(torch.float16, 0, 3, (5, 5), (2, 2))
     with pytest.raises(ValueError, match="int32"):

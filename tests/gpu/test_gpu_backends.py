@@ -188,7 +188,7 @@ def test_phase_pairing_kernel_matches_the_phase_split_then_pairing(shape, kernel
 
     x = torch.randn(*shape, device=CUDA).to(dtype)
     split = phase_split(UniformCSR.from_dense(torch.randn(4, shape[1], *kernel)), ConvGeometry.of(stride, padding))
-    launch, out_shape = bind_phase_pairing(shape, dtype, CUDA, split)
+    launch, out_shape = bind_phase_pairing(shape, dtype, x.device, split)  # cuda:0, as the tensors say
     out = torch.full(out_shape, float("nan"), dtype=dtype, device=CUDA)
     launch(cl.current_stream(CUDA), x, out)
     torch.cuda.synchronize()
@@ -499,7 +499,7 @@ def test_a_bound_launch_runs_from_a_thread_that_has_no_cuda_context_yet() -> Non
     from unsparse.runtime.backends.direct import bind_pairing
 
     x = torch.randn(3, 4, 5, 8, device=CUDA)
-    launch, shape = bind_pairing(tuple(x.shape), x.dtype, CUDA, cl.vector_aligned(x))
+    launch, shape = bind_pairing(tuple(x.shape), x.dtype, x.device, cl.vector_aligned(x))
     out = torch.full(shape, float("nan"), device=CUDA)
     stream = cl.current_stream(CUDA)
     torch.cuda.synchronize()

@@ -432,7 +432,7 @@ def pointwise_launch(dtype: torch.dtype, batch: int, out_channels: int, pixels: 
 
 PAIRING_THREADS = 256
 """Threads per block of ``pair_images`` (each moves one 16-byte vector of two images) and of
-``phase_pair_images`` (each moves one element of two images)."""
+``phase_pair_images`` (each moves ``s_w`` elements of two images)."""
 
 
 def pairing_launch(dtype: torch.dtype, batch: int, image_elements: int, vector: bool) -> Launch:
@@ -458,9 +458,9 @@ def phase_pairing_launch(dtype: torch.dtype, batch: int, channels: int, phase_hw
                          stride: tuple[int, int]) -> Launch:
     """Geometry of ``phase_pair_images``, the kernel that writes a strided layer's phase images
     (:meth:`~unsparse.sparse.phases.PhaseSplit.input`, every phase) as image pairs in one pass: ``(N, C, H, W)``
-    to ``(ceil(N/2), C * s_h * s_w, HQ, WQ, 2)`` with ``phase_hw = (HQ, WQ)``. One thread per element of an image
-    pair's input padded to ``HQ * s_h x WQ * s_w``: grid ``(ceil(C * HQ * s_h * WQ * s_w / PAIRING_THREADS),
-    ceil(N / 2))``, :data:`PAIRING_THREADS` threads per block.
+    to ``(ceil(N/2), C * s_h * s_w, HQ, WQ, 2)`` with ``phase_hw = (HQ, WQ)``. One thread per (channel, row, phase
+    column) of an image pair's input padded to ``HQ * s_h`` rows, each moving ``s_w`` input columns: grid
+    ``(ceil(C * HQ * s_h * WQ / PAIRING_THREADS), ceil(N / 2))``, :data:`PAIRING_THREADS` threads per block.
 
     Raises:
         ValueError: for a non-positive size, an image of ``2**31`` or more padded elements, or a grid beyond CUDA's
@@ -471,7 +471,7 @@ def phase_pairing_launch(dtype: torch.dtype, batch: int, channels: int, phase_hw
         raise ValueError("phase_pairing_launch: every size must be positive")
     if elements >= 2**31:
         raise ValueError(f"phase_pairing_launch: {elements} padded elements per image exceed int32 indexing")
-    grid = (math.ceil(elements / PAIRING_THREADS), math.ceil(batch / 2), 1)
+    grid = (math.ceil(elements // stride[1] / PAIRING_THREADS), math.ceil(batch / 2), 1)
     _check_grid(grid)
     return Launch(f"phase_pair_images<{cuda_type(dtype)}>", grid, (PAIRING_THREADS, 1, 1))
 
