@@ -204,6 +204,37 @@ def test_a_model_saved_in_float16_loads_in_float16(tmp_path):
         assert torch.equal(layer.values, sparse_layers(model)[name].values)
 
 
+def with_header(data: bytes, change) -> bytes:
+    """``data`` (a safetensors file) with its JSON header changed in place by ``change(header)``, re-padded to 8
+    bytes."""
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + length])
+    change(header)
+    text = json.dumps(header).encode()
+    text = text.ljust(-(-len(text) // 8) * 8)
+    return len(text).to_bytes(8, "little") + text + data[8 + length:]
+
+
+def first_tensor(header: dict) -> dict:
+    return header[next(k for k in header if k != "__metadata__")]
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda h: h.update(__metadata__=None), "metadata: no '__metadata__' object"),
+    (lambda h: h.update(__metadata__=[1, 2]), "not a valid safetensors file"),
+    (lambda h: h.pop("__metadata__"), "metadata: no '__metadata__' object"),
+    (lambda h: h["__metadata__"].pop("unsparse"), "metadata: no 'unsparse' string"),
+    (lambda h: first_tensor(h).update(dtype="F4"), "not a valid safetensors file"),
+    (lambda h: first_tensor(h).update(dtype=7), "not a valid safetensors file"),
+])
+def test_malformed_safetensors_headers_raise_naming_the_field(tmp_path, exported, change, match):
+    """Found by fuzzing the loader: a null metadata block raised AttributeError, an unknown dtype name KeyError."""
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(with_header(exported[1].read_bytes(), change))
+    with pytest.raises(SparseFileError, match=match):
+        load_sparse(path)
+
+
 def test_file_tensor_bytes_rejects_headers_beyond_the_file(tmp_path, exported):
     from unsparse.sparse.io import file_tensor_bytes
 

@@ -117,10 +117,14 @@ def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         tensors = safetensors_load(data)
         header_length = int.from_bytes(data[:8], "little")
         header = json.loads(data[8:8 + header_length])
-    except (SafetensorError, ValueError, UnicodeDecodeError, RecursionError) as error:
-        raise SparseFileError(f"file: {path} is not a valid safetensors file ({error})") from error
-    raw = header.get("__metadata__", {}).get(METADATA_KEY)
-    _require(raw is not None, "metadata", f"no {METADATA_KEY!r} block; not an UnSparse file")
+    except (SafetensorError, ValueError, UnicodeDecodeError, RecursionError, KeyError) as error:
+        # KeyError: safetensors' torch loader looks the header's dtype names up in a dict
+        raise SparseFileError(f"file: {path} is not a valid safetensors file ({error!r})") from error
+    _require(isinstance(header, dict), "header", "not a JSON object")
+    block = header.get("__metadata__")
+    _require(isinstance(block, dict), "metadata", "no '__metadata__' object; not an UnSparse file")
+    raw = block.get(METADATA_KEY)
+    _require(isinstance(raw, str), "metadata", f"no {METADATA_KEY!r} string; not an UnSparse file")
     try:
         metadata = json.loads(raw)
     except (ValueError, RecursionError) as error:  # ValueError: also an integer beyond Python's digit limit
