@@ -226,9 +226,14 @@ def first_tensor(header: dict) -> dict:
     (lambda h: h["__metadata__"].pop("unsparse"), "metadata: no 'unsparse' string"),
     (lambda h: first_tensor(h).update(dtype="F4"), "not a valid safetensors file"),
     (lambda h: first_tensor(h).update(dtype=7), "not a valid safetensors file"),
+    (lambda h: h.update(empty={"dtype": "F32", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}),
+     "not a valid safetensors file"),  # zero bytes, but a stride beyond int64
+    (lambda h: h.update(empty={"dtype": "F32", "shape": [0, 2**70], "data_offsets": [0, 0]}),
+     "not a valid safetensors file"),  # zero bytes, but a size beyond int64
 ])
 def test_malformed_safetensors_headers_raise_naming_the_field(tmp_path, exported, change, match):
-    """Found by fuzzing the loader: a null metadata block raised AttributeError, an unknown dtype name KeyError."""
+    """Found by fuzzing the loader: a null metadata block raised AttributeError, an unknown dtype name KeyError, and
+    empty tensors of shapes beyond int64 RuntimeError or TypeError."""
     path = tmp_path / "bad.safetensors"
     path.write_bytes(with_header(exported[1].read_bytes(), change))
     with pytest.raises(SparseFileError, match=match):

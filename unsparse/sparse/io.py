@@ -117,8 +117,10 @@ def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         tensors = safetensors_load(data)
         header_length = int.from_bytes(data[:8], "little")
         header = json.loads(data[8:8 + header_length])
-    except (SafetensorError, ValueError, UnicodeDecodeError, RecursionError, KeyError) as error:
-        # KeyError: safetensors' torch loader looks the header's dtype names up in a dict
+    except (SafetensorError, ValueError, UnicodeDecodeError, RecursionError, KeyError, TypeError,
+            RuntimeError) as error:
+        # safetensors' torch loader looks dtype names up in a dict (KeyError) and makes empty tensors of the header's
+        # shapes, whose sizes torch refuses beyond int64 (TypeError) or whose strides overflow (RuntimeError)
         raise SparseFileError(f"file: {path} is not a valid safetensors file ({error!r})") from error
     _require(isinstance(header, dict), "header", "not a JSON object")
     block = header.get("__metadata__")
