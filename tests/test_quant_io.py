@@ -212,6 +212,9 @@ def rewrite(path, change):
     (lambda t, m: m["tensors"]["0.0.values"]["codec"].update(step=10**400), "0.0.values: step must be a float32"),
     (lambda t, m: m["quantization"].update(scheme=["linear"]), "unknown scheme"),
     (lambda t, m: m.update(quantization="linear"), "quantization: expected an object"),
+    (lambda t, m: m.pop("quantization"), "quantization: missing"),  # not read as unquantized
+    (lambda t, m: m["quantization"]["activations"].pop("bits"), r"activations: missing \['bits'\]"),
+    (lambda t, m: t.update({"0.0.values::": t["0.0.values::codes"].clone()}), "0.0.values::: empty part name"),
 ])
 def test_tampered_quantized_files_raise_naming_the_field(tmp_path, change, match):
     model = LinearQuantizer(progress=False).quantize(pruned_sparse_model(), calibration())

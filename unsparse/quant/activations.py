@@ -16,7 +16,7 @@ On load, :func:`unsparse.quant.layerwise.restore_layerwise` rebuilds the structu
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from itertools import islice
 from typing import Any
 
@@ -71,9 +71,15 @@ class ActivationSpec:
 
     @classmethod
     def from_dict(cls, data: Any) -> ActivationSpec:
-        """Inverse of :meth:`to_dict`; raises ``ValueError`` (or ``TypeError`` for unknown keys) on bad data."""
+        """Inverse of :meth:`to_dict`: ``format`` must be there, and for ``fixed`` every field (a description that
+        lost one would otherwise fall back to a default and quantize differently). Raises ``ValueError`` (or
+        ``TypeError`` for unknown keys) on bad data."""
         if not isinstance(data, dict):
             raise ValueError(f"activations: expected an object, got {data!r}")
+        required = {f.name for f in fields(cls)} if data.get("format") == "fixed" else {"format"}
+        missing = sorted(required - set(data))
+        if missing:
+            raise ValueError(f"activations: missing {missing}")
         return cls(**data)
 
 

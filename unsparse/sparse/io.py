@@ -136,6 +136,7 @@ def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     _require(version == FORMAT_VERSION, "format_version", f"unsupported version {version!r}, expected {FORMAT_VERSION}")
     for key, kind in (("model", dict), ("layers", dict), ("tensors", dict), ("extra", dict)):
         _require(isinstance(metadata.get(key), kind), key, f"missing or not a {kind.__name__}")
+    _require("quantization" in metadata, "quantization", "missing (null for an unquantized model)")
     return metadata, tensors
 
 
@@ -205,7 +206,9 @@ def _decode_tensors(metadata: dict[str, Any], stored: dict[str, torch.Tensor]) -
     """Every tensor of the file from its stored parts (entries already checked by :func:`_check_entries`)."""
     parts_by_key: dict[str, dict[str, torch.Tensor]] = {}
     for stored_key, tensor in stored.items():
-        key, _, part = stored_key.partition(PART_SEPARATOR)
+        key, separator, part = stored_key.partition(PART_SEPARATOR)
+        # "k::" would be part "" of k, as "k" is: one silently replacing the other
+        _require(not separator or part != "", stored_key, "empty part name")
         parts_by_key.setdefault(key, {})[part] = tensor
     entries = metadata["tensors"]
     _require(set(parts_by_key) == set(entries), "tensors",
