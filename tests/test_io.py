@@ -240,6 +240,17 @@ def test_malformed_safetensors_headers_raise_naming_the_field(tmp_path, exported
         load_sparse(path)
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+def test_an_architecture_with_empty_layers_is_refused(tmp_path, exported):
+    """Found by fuzzing: a zero width built a model whose layers have no channels, which loaded and then failed in
+    the forward pass (batch norm's IndexError)."""
+    tensors, metadata = read(exported[1])
+    metadata["model"]["kwargs"]["width"] = 0
+    path = write(tmp_path / "w0.safetensors", tensors, metadata)
+    with pytest.raises(SparseFileError, match=r"model: 'vgg_small' .* has empty tensors"):
+        load_sparse(path)
+
+
 def test_file_tensor_bytes_rejects_headers_beyond_the_file(tmp_path, exported):
     from unsparse.sparse.io import file_tensor_bytes
 

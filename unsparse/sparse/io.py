@@ -147,9 +147,12 @@ def _build_architecture(spec: dict[str, Any]) -> nn.Module:
     _require(isinstance(name, str) and isinstance(kwargs, dict), "model", f"bad model spec {spec!r}")
     try:
         with torch.device("meta"):
-            return create_model(name, **kwargs)
+            model = create_model(name, **kwargs)
     except (TypeError, ValueError, RuntimeError, OverflowError) as error:  # e.g. a negative or huge width
         raise SparseFileError(f"model: cannot build {name!r} with {kwargs}: {error}") from error
+    empty = [key for key, tensor in model.state_dict().items() if tensor.numel() == 0]
+    _require(not empty, "model", f"{name!r} with {kwargs} has empty tensors {empty[:3]} (a zero width?)")
+    return model
 
 
 def _sparse_shell(name: str, conv: nn.Module, layer_meta: Any) -> SparseConv:
