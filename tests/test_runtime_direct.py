@@ -624,6 +624,9 @@ def test_half2_backend_offers_tile_settings_on_float16_only() -> None:
     assert all(f",{cl.HALF2_RUN}," in name for name in names if name.startswith("direct_tile"))
     assert {name for name in names if not name.startswith("direct_tile")} == {
         "pair_images<__half,0>", "pair_images<__half,1>", "phase_pair_images<__half>"}
+    one_phase = UniformCSR.from_dense(torch.randn(8, 4, 1, 1).half())  # a 1x1 stride-2 split reads one phase
+    assert {name for name in direct.kernel_names(x, one_phase, ConvGeometry.of(2, 0)) if "pair" in name} == {
+        "pair_images<__half,0>", "pair_images<__half,1>"}
     assert not any("accumulate" in p for p in direct.tuning_space(x, csr, ConvGeometry.of(1, 1)))
     with pytest.raises(ValueError, match="accumulate"):  # half2 runs on the tile kernel only
         direct._launch(x, csr, ConvGeometry.of(1, 1), {"variant": "rows", "accumulate": "half2"})
@@ -872,14 +875,6 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     launches: list[tuple] = []
     signatures = kernel_signatures()
 
-    def phase_pairs(x: torch.Tensor, N: int, C: int, H: int, W: int, sh: int, sw: int, hq: int,
-                    wq: int) -> torch.Tensor:
-        """``phase_pair_images`` as its comment defines it: out[i, (c*sh + a)*sw + b, q, u, k] =
-        x[2i + k, c, sh*q + a, sw*u + b], zero beyond x."""
-        padded = x.new_zeros(2 * ((N + 1) // 2), C, hq * sh, wq * sw)
-        padded[:N, :, :H, :W] = x
-        grid = padded.view(-1, 2, C, hq, sh, wq, sw).permute(0, 2, 4, 6, 3, 5, 1)
-        return grid.reshape(-1, C * sh * sw, hq, wq, 2)
 
     def record(spec: cl.Launch, args: tuple, device: torch.device) -> None:
         pointers = signatures[spec.name.partition("<")[0]]  # the kernel's declared parameters, in order
@@ -889,8 +884,10 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
         launches.append((spec, args))
         if spec.name.startswith("pair_images"):  # the pairing kernel's result, from torch
             args[1].copy_(pair_images(args[0]))
-        elif spec.name.startswith("phase_pair_images"):
-            args[1].copy_(phase_pairs(args[0], *args[2:]))
+        elif spec.name.startswith("phase_pair_images"):  # the strided float16 layer below
+            N, C, H, W = args[0].shape
+            assert args[2:] == (N, C, H, W, *split.stride, *split.input_size(H, W))
+            args[1].copy_(emulate_phase_pairing(args[0], split))
         elif isinstance(args[4], torch.Tensor) and args[4].dim() == 5:  # split-K: slice s holds s + 1
             args[4].copy_(torch.arange(1.0, args[4].shape[0] + 1).view(-1, 1, 1, 1, 1).expand_as(args[4]))
 
@@ -909,6 +906,7 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     weight = torch.randn(6, 4, 3, 3)
     weight[torch.rand(weight.shape) < 0.7] = 0
     csr, geometry = UniformCSR.from_dense(weight.half()), ConvGeometry.of(2, 1)
+    split = phase_split(csr, geometry)
     params = {"variant": "tile", "wx": 8, "py": 2, "nb": 2, "mw": 4, "warps": 2, "cc": 4}
     x = torch.randn(3, 4, 15, 11).half()  # odd sizes: the phase images' last row and column read zero padding
     prepare = DirectBackend._prepare
@@ -921,7 +919,6 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     assert launches[-2][0].name == "phase_pair_images<__half>"  # float16 reads image pairs of the phases
     assert launches[-2][1][0] is not None and launches[-2][1][0].shape == (2, 4, 15, 11)  # read from x itself
     spec, args = launches[-1]
-    split = phase_split(csr, geometry)
     assert spec.name.startswith("direct_tile<__half,2,2,")
     assert torch.equal(args[0], pair_images(split.input(x[:2])))  # (1, 16, 8, 6, 2): phases, image pairs
     assert args[5:12] == (2, 16, 8, 6, 6, 8, 6) and args[12:14] == split.geometry.padding

@@ -466,12 +466,13 @@ def phase_pairing_launch(dtype: torch.dtype, batch: int, channels: int, phase_hw
         ValueError: for a non-positive size, an image of ``2**31`` or more padded elements, or a grid beyond CUDA's
             limits.
     """
-    elements = channels * phase_hw[0] * stride[0] * phase_hw[1] * stride[1]
-    if min(batch, elements) < 1:
+    threads = channels * phase_hw[0] * stride[0] * phase_hw[1]
+    if min(batch, threads, stride[1]) < 1:
         raise ValueError("phase_pairing_launch: every size must be positive")
-    if elements >= 2**31:
-        raise ValueError(f"phase_pairing_launch: {elements} padded elements per image exceed int32 indexing")
-    grid = (math.ceil(elements // stride[1] / PAIRING_THREADS), math.ceil(batch / 2), 1)
+    if threads * stride[1] >= 2**31:
+        raise ValueError(f"phase_pairing_launch: {threads * stride[1]} padded elements per image exceed int32 "
+                         "indexing")
+    grid = (math.ceil(threads / PAIRING_THREADS), math.ceil(batch / 2), 1)
     _check_grid(grid)
     return Launch(f"phase_pair_images<{cuda_type(dtype)}>", grid, (PAIRING_THREADS, 1, 1))
 

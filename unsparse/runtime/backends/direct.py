@@ -651,13 +651,14 @@ class DirectBackend(ConvBackend):
     def kernel_names(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                      space: list[dict[str, Any]] | None = None) -> list[str]:
         """Template instantiations a list of settings (default: the tuning space) uses, with both
-        ``pair_images`` kernels of the dtype, and ``phase_pair_images`` for a strided layer, where a setting pairs
-        its input."""
+        ``pair_images`` kernels of the dtype, and ``phase_pair_images`` for a strided layer whose split reads every
+        phase, where a setting pairs its input."""
         space = space if space is not None else self.tuning_space(x, csr, geometry)
         names = {self._launch(x, csr, geometry, params)[0].name for params in space}
         if any(params.get("variant") == "tile" and reads_pairs(params, x.dtype) for params in space):
             names.update(cl.pairing_launch(x.dtype, 2, 1, vector).name for vector in (False, True))
-            if geometry.stride != (1, 1):
+            split = self._stride_one(x, csr, geometry)[2]
+            if split is not None and split.every_phase:
                 names.add(cl.phase_pairing_launch(x.dtype, 2, 1, (1, 1), (1, 1)).name)
         return sorted(names)
 
@@ -748,10 +749,11 @@ class DirectBackend(ConvBackend):
             tile = self._arrays(view.csr, ("tile", layout, half2, tiling.union),
                                 lambda: prepare_tile(view.csr, layout, half2, tiling.union))
             pairing, split = None, view.split
-            if reads_pairs(params, x.dtype) and split is not None and split.every_phase:  # one pass from x
-                pairing, split = bind_phase_pairing(tuple(x.shape), x.dtype, x.device, split), None
-            elif reads_pairs(params, x.dtype):
-                pairing = bind_pairing((N, C, H, W), x.dtype, x.device, view.source_aligned)
+            if reads_pairs(params, x.dtype):
+                if split is not None and split.every_phase:  # one pass from x
+                    pairing, split = bind_phase_pairing(tuple(x.shape), x.dtype, x.device, split), None
+                else:
+                    pairing = bind_pairing((N, C, H, W), x.dtype, x.device, view.source_aligned)
             return PreparedCall(bound((tile.chunk_ptr, tile.entries),
                                       (N, C, H, W, M, E, F_, *view.geometry.padding,
                                        math.ceil(F_ / tiling.tile_hw[1]), math.ceil(M / tiling.channels))),
