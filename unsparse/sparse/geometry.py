@@ -85,16 +85,27 @@ class ConvGeometry:
         """Inverse of :meth:`to_dict`.
 
         Raises:
-            SparseFormatError: on missing or extra keys or bad values.
+            SparseFormatError: on missing or extra keys, a value that is not an integer (or a list of two for
+                ``stride``, ``padding`` and ``dilation``; strings, floats and booleans are refused, not converted),
+                or an invalid geometry.
         """
         expected = {"stride", "padding", "dilation", "groups", "spatial_dims"}
         if not isinstance(data, dict) or set(data) != expected:
             raise SparseFormatError(f"geometry: expected keys {sorted(expected)}, got {data!r}")
-        try:
-            return cls(tuple(data["stride"]), tuple(data["padding"]), tuple(data["dilation"]),
-                       int(data["groups"]), int(data["spatial_dims"]))
-        except (TypeError, ValueError, OverflowError) as error:  # OverflowError: int(inf) of a JSON Infinity
-            raise SparseFormatError(f"geometry: {error}") from error
+        def integer(value: object, name: str) -> int:
+            # no coercion: int("1") or int(1.7) would read a different number than the file wrote
+            if type(value) is not int:
+                raise SparseFormatError(f"geometry: {name} must be an integer, got {value!r}")
+            return value
+
+        def pair(name: str) -> tuple[int, int]:
+            value = data[name]
+            if not isinstance(value, list) or len(value) != 2:
+                raise SparseFormatError(f"geometry: {name} must be a list of two integers, got {value!r}")
+            return integer(value[0], name), integer(value[1], name)
+
+        return cls(pair("stride"), pair("padding"), pair("dilation"), integer(data["groups"], "groups"),
+                   integer(data["spatial_dims"], "spatial_dims"))
 
     def padded_size(self, height: int, width: int) -> tuple[int, int]:
         """``(Hp, Wp)``: the input size after zero padding."""

@@ -133,7 +133,8 @@ def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         raise SparseFileError(f"metadata: invalid JSON ({error})") from error
     _require(isinstance(metadata, dict), "metadata", "expected a JSON object")
     version = metadata.get("format_version")
-    _require(version == FORMAT_VERSION, "format_version", f"unsupported version {version!r}, expected {FORMAT_VERSION}")
+    _require(type(version) is int and version == FORMAT_VERSION, "format_version",
+             f"unsupported version {version!r}, expected the integer {FORMAT_VERSION}")
     for key, kind in (("model", dict), ("layers", dict), ("tensors", dict), ("extra", dict)):
         _require(isinstance(metadata.get(key), kind), key, f"missing or not a {kind.__name__}")
     _require("quantization" in metadata, "quantization", "missing (null for an unquantized model)")
@@ -203,6 +204,17 @@ def _check_entries(entries: dict[str, Any], expected: dict[str, torch.Tensor]) -
         else:
             _require(dtype == reference.dtype, key, f"dtype {dtype}, architecture needs {reference.dtype}")
     _require(len(floating) <= 1, "tensors", f"floating tensors in several dtypes {sorted(map(str, floating))}")
+
+
+def _check_counts(name: str, layer_meta: dict[str, Any], csr: UniformCSR) -> None:
+    """The layer's recorded ``nnz`` and ``sparsity`` (paper 004 eq. 6) against its decoded values: reports and
+    plans read them from the metadata, so a file whose counts disagree with its tensors is refused."""
+    field = f"layers.{name}"
+    nnz, sparsity = layer_meta.get("nnz"), layer_meta.get("sparsity")
+    _require(type(nnz) is int and nnz == csr.nnz, f"{field}.nnz",
+             f"recorded {nnz!r}, the values hold {csr.nnz} nonzeros")
+    _require(type(sparsity) is float and math.isclose(sparsity, csr.sparsity, rel_tol=0.0, abs_tol=1e-12),
+             f"{field}.sparsity", f"recorded {sparsity!r}, the values give {csr.sparsity!r}")
 
 
 def _decode_tensors(metadata: dict[str, Any], stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -296,7 +308,8 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
         SparseFileError: (a ``ValueError``) unreadable or non-safetensors file, missing metadata, unknown
             format version or model name, missing/extra/misshapen tensors (checked against the architecture
             before any is decoded), wrong dtypes or floating tensors of several dtypes, column indices outside
-            ``[0, K)``, geometry or shape disagreeing with the architecture, non-finite values, negative
+            ``[0, K)``, geometry or shape disagreeing with the architecture, a layer's recorded ``nnz`` or
+            ``sparsity`` disagreeing with its values, non-finite values, negative
             BatchNorm variances, or a module's own check of its loaded state failing (``check_loaded_state(name)``,
             e.g. an activation quantizer's saturation).
     """
@@ -321,9 +334,10 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
     _check_values(model, decoded)
     for name, layer in sparse_layers(model).items():
         try:
-            UniformCSR(decoded[f"{name}.values"], decoded[f"{name}.col_idx"], layer.weight_shape)
+            csr = UniformCSR(decoded[f"{name}.values"], decoded[f"{name}.col_idx"], layer.weight_shape)
         except SparseFormatError as error:
             raise SparseFileError(f"{name}.{error}") from error
+        _check_counts(name, metadata["layers"][name], csr)
     model.load_state_dict(decoded, strict=True, assign=True)
     _restore_codecs(model, metadata["tensors"])
     _require(not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "tensors",
