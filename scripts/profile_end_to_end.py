@@ -25,9 +25,10 @@ from pathlib import Path
 import torch
 
 from unsparse.pipeline import git_commit
-from unsparse.runtime.bench import PRECISIONS, build_model, environment, magnitude_prune_, precision_mode
+from unsparse.runtime.bench import build_model, environment, magnitude_prune_
 from unsparse.runtime.comparator import plan_model
 from unsparse.runtime.modules import set_backend, sparsify
+from unsparse.runtime.precision import PRECISIONS, precision_mode
 from unsparse.runtime.timing import host_enqueue_ms, host_profile, time_fn, time_graph
 
 

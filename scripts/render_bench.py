@@ -12,8 +12,8 @@ import argparse
 from pathlib import Path
 
 from unsparse.atomic import atomic_write_text
+from unsparse.report.benchmark import evaluate_targets, markdown_report, plot_results
 from unsparse.report.results import beside, load_result, result_stem
-from unsparse.runtime.bench import evaluate_targets, markdown_report, plot_results
 
 
 def main(argv: list[str] | None = None) -> None:

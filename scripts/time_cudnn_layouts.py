@@ -36,16 +36,15 @@ from unsparse.pipeline import git_commit
 from unsparse.runtime.baseline import time_baseline
 from unsparse.runtime.bench import (
     MODELS,
-    PRECISIONS,
     ConvLayer,
     build_model,
     conv_layers,
     dense_channels_last,
     environment,
-    precision_mode,
 )
 from unsparse.runtime.comparator import relative_error, tolerance
 from unsparse.runtime.layout import LAYOUTS as BASELINE_LAYOUTS
+from unsparse.runtime.precision import PRECISIONS, precision_mode
 from unsparse.runtime.timing import cache_bytes, rotated_inputs, rotation_count, time_fn
 
 LAYOUTS = (*BASELINE_LAYOUTS, "nhwc_converted")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from unsparse.runtime.bench import evaluate_targets, for_json, markdown_report, plot_results
+from unsparse.report.benchmark import evaluate_targets, markdown_report, plot_results
+from unsparse.runtime.bench import for_json
 
 
 def layer(model, name, in_chw, kernel, cudnn_ms, direct_ms, cublas_ms=None, cusparse_ms=None, precision="fp32",

@@ -535,9 +535,9 @@ def test_compare_layer_times_cuda_graph_replays() -> None:
 def test_compare_layer_times_the_cudnn_baseline_in_both_layouts(dtype: torch.dtype, timing: str) -> None:
     """cuDNN's convolution alone (no bias, NCHW and NHWC) is checked against the float64 reference with the bias
     added and timed in both layouts, eagerly and as graph replays; its fastest layout is named."""
-    from unsparse.runtime.bench import precision_mode
     from unsparse.runtime.comparator import compare_layer
     from unsparse.runtime.layout import LAYOUTS
+    from unsparse.runtime.precision import precision_mode
 
     x, csr, bias, geometry, _ = make_case("empty_and_dense_rows", dtype, seed=11)
     with precision_mode(False):  # TF32 off: the float32 bound is FP32's (cuDNN allows TF32 by default)

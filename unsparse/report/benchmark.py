@@ -1,0 +1,261 @@
+"""The benchmark's report: issue targets evaluated from its records, ``bench.md`` and its PNG plots.
+
+Reads the result dictionary that :func:`unsparse.runtime.bench.run_bench` builds (``layers`` and ``end_to_end``
+records, ``environment``); writes nothing itself except the plots. Where sparse is slower than cuDNN the report
+says so, per precision and per end-to-end run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from unsparse.runtime.comparator import PLAN_MARGIN
+from unsparse.runtime.precision import PRECISIONS
+
+ESCOIN_MODELS = ("alexnet", "googlenet", "resnet50")
+"""Models of Escoin's Fig. 8 comparison against im2col + cuBLAS / cuSPARSE."""
+ESCOIN_TARGETS = {"im2col_cublas": 2.63, "im2col_cusparse": 3.07}
+"""Escoin's P100 geometric-mean speedups of direct sparse convolution (paper 000 §4), issue 5 targets."""
+
+def _off_cudnn(record: dict[str, Any], suffix: str = "") -> str:
+    """``; not on cuDNN: NAME (BACKEND), ...`` for an end-to-end record's layers planned off cuDNN (the NCHW plan's,
+    or with ``suffix="_nhwc"`` the channels-last plan's), else ``""``."""
+    names = record.get("off_cudnn" + suffix) or {}
+    return "; not on cuDNN: " + ", ".join(f"{name} ({backend})" for name, backend in names.items()) if names else ""
+
+
+def geomean(values: Sequence[float]) -> float | None:
+    """Geometric mean of positive values; None for an empty sequence."""
+    return math.exp(sum(math.log(v) for v in values) / len(values)) if values else None
+
+
+def evaluate_targets(result: dict[str, Any]) -> dict[str, Any]:
+    """Issue 5's targets computed from the measured records (batch 128, H100, sparsity 0.9).
+
+    * ``vgg16_fp32_2x``: per VGG16 3x3 layer with input 224..28, direct FP32 vs cuDNN FP32 (TF32 off) >= 2.
+    * ``escoin_geomean``: geometric mean over non-stem layers of AlexNet, GoogLeNet and ResNet-50 of
+      direct vs im2col + cuBLAS (>= 2.63) and vs im2col + cuSPARSE (>= 3.07), FP32.
+    * ``end_to_end``: the planned model in its faster layout not slower than the dense model in its faster layout
+      (:func:`fastest_ms`: NCHW, or NHWC where recorded; :data:`PLAN_MARGIN` noise allowance), per model and
+      precision.
+    """
+    layers = [r for r in result["layers"] if r["batch"] == 128 and abs(r["target_sparsity"] - 0.9) < 1e-9]
+    vgg = [r for r in layers if r["model"] == "vgg16" and r["precision"] == "fp32"
+           and r["weight_shape"][2:] == [3, 3] and 28 <= r["in_chw"][1] <= 224]
+    vgg_rows = [{"layer": r["layer"], "in_chw": r["in_chw"], "speedup": r["speedup_vs_cudnn"],
+                 "met": r["speedup_vs_cudnn"] is not None and r["speedup_vs_cudnn"] >= 2} for r in vgg]
+    targets: dict[str, Any] = {"vgg16_fp32_2x": {"layers": vgg_rows,
+                                                 "met": bool(vgg_rows) and all(r["met"] for r in vgg_rows)}}
+    escoin = [r for r in layers if r["model"] in ESCOIN_MODELS and r["precision"] == "fp32" and not r["stem"]]
+    for name, goal in ESCOIN_TARGETS.items():
+        speedups = [r[f"speedup_vs_{name}"] for r in escoin for _ in range(r["count"])
+                    if r[f"speedup_vs_{name}"] is not None]
+        value = geomean(speedups)
+        targets[f"escoin_geomean_vs_{name}"] = {"geomean": value, "goal": goal, "layers": len(speedups),
+                                                "met": value is not None and value >= goal}
+    e2e = [{"model": r["model"], "precision": r["precision"],
+            "speedup": fastest_ms(r, "dense") / fastest_ms(r, "planned"),
+            "met": fastest_ms(r, "planned") <= (1 + PLAN_MARGIN) * fastest_ms(r, "dense")}
+           for r in result["end_to_end"]]
+    targets["end_to_end_not_slower"] = {"runs": e2e, "met": bool(e2e) and all(r["met"] for r in e2e)}
+    return targets
+
+
+def fastest_ms(record: dict[str, Any], model: str) -> float:
+    """The faster layout's time (ms) of an end-to-end record's ``"dense"`` or ``"planned"`` model (NCHW only in
+    records made before that model was also run in channels-last)."""
+    return min(record[f"{model}_ms"], record.get(f"{model}_nhwc_ms") or math.inf)
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_report(result: dict[str, Any]) -> str:
+    """Markdown tables: environment, targets, every per-layer record, end-to-end runs."""
+    env = result["environment"]
+    lines = ["# UnSparse benchmark", "", f"GPU: {env.get('gpu')}; driver {env.get('driver')}; torch {env['torch']}; "
+             f"CUDA {env['cuda']}; cuDNN {env.get('cudnn')}; CuPy {env.get('cupy')}; commit {env['commit']}; "
+             f"{env['date_utc']}.", "", f"Weights: {result['weights']}. Medians of {result['runs']} runs (ms), "
+             "CUDA events, inputs rotated beyond L2. FP32 columns have TF32 off.", ""]
+    if any("baseline" not in r for r in result["layers"]):
+        lines += ["Some records predate the cuDNN-alone baseline (twelfth session): their speedups are against the "
+                  "cuDNN call (bias added in a separate pass, NCHW) and appear as direct/cuDNN call only; targets "
+                  "read from them say not measured.", ""]
+    if result.get("timing") == "graph":
+        lines += ["Per-layer times are CUDA-graph replays of each call: GPU time only, without the host's per-call "
+                  "work (Python, dispatch, launch), which eager calls at small batches mostly measure.", ""]
+    lines += ["## Targets (issue 5)", ""]
+    targets = result["targets"]
+
+    def verdict(met: bool, measured: bool) -> str:
+        return "not measured in this run" if not measured else "met" if met else "missed"
+
+    vgg = targets["vgg16_fp32_2x"]
+    lines.append("- VGG16 3x3 layers 224..28, FP32, b128, 0.9: direct >= 2x cuDNN: "
+                 f"**{verdict(vgg['met'], any(r['speedup'] is not None for r in vgg['layers']))}**")
+    lines += [f"  - {r['layer']} {r['in_chw']}: {_fmt(r['speedup'], 2)}x" for r in vgg["layers"]]
+    for name in ESCOIN_TARGETS:
+        t = targets[f"escoin_geomean_vs_{name}"]
+        lines.append(f"- geomean direct vs {name} (AlexNet/GoogLeNet/ResNet-50 non-stem layers, FP32, b128, 0.9, "
+                     f"{t['layers']} layers): {_fmt(t['geomean'], 2)}x, goal {t['goal']}x: "
+                     f"**{verdict(t['met'], bool(t['layers']))}**")
+    e2e = targets["end_to_end_not_slower"]
+    lines.append(f"- end to end, planned not slower than dense: **{verdict(e2e['met'], bool(e2e['runs']))}**")
+    if result.get("stopped_early") or result.get("failed"):
+        lines += ["", "## Not measured", ""]
+        lines += [f"- stopped by the time budget before: {what}" for what in result.get("stopped_early", [])]
+        lines += [f"- FAILED: {f['what']}: {f['error']}" for f in result.get("failed", [])]
+    lines += ["", "## Where sparse is slower", ""]
+    for precision in PRECISIONS:
+        for key, against in (("speedup_vs_cudnn", "cuDNN (alone, best layout)"),
+                             ("speedup_vs_cudnn_call", "the cuDNN call (records before the baseline)")):
+            speedups = [r[key] for r in result["layers"] if r["precision"] == precision and r.get(key) is not None]
+            if speedups:
+                slower = sum(value < 1 for value in speedups)
+                lines.append(f"- {precision}: {PRECISIONS[precision].sparse} is SLOWER than {against} on {slower} of "
+                             f"{len(speedups)} layer settings (geomean direct/cuDNN speedup "
+                             f"{_fmt(geomean(speedups), 2)}x, best {_fmt(max(speedups), 2)}x, worst "
+                             f"{_fmt(min(speedups), 2)}x).")
+                break
+    for r in result["end_to_end"]:
+        for suffix, layout in (("", "NCHW"), ("_nhwc", "channels-last")):
+            check = r.get("plan_check" + suffix) or {}
+            if check.get("reverted"):
+                lines.append(f"- end to end {r['model']} {r['precision']} b{r['batch']}: the {layout} plan "
+                             f"({_fmt(check['planned_ms'])} ms) was SLOWER than its dense default "
+                             f"({_fmt(check['default_ms'])} ms, timed {check.get('timing', 'eagerly')}); "
+                             f"{len(check['reverted'])} layer keys were set back to the default before the times "
+                             "below.")
+        dense, planned = fastest_ms(r, "dense"), fastest_ms(r, "planned")
+        if planned > (1 + PLAN_MARGIN) * dense:  # closer than that is run-to-run noise
+            layout = "NCHW" if dense == r["dense_ms"] else "channels-last"
+            lines.append(f"- end to end {r['model']} {r['precision']} b{r['batch']}: the planned model "
+                         f"({_fmt(planned)} ms in its faster layout) is SLOWER than the dense model in {layout} "
+                         f"({_fmt(dense)} ms); run that one instead.")
+    lines += ["", "## Per layer", "", "cuDNN alone: the convolution without bias, input and weight already in the "
+              "layout named and the output left in it (`unsparse.runtime.baseline`); direct/cuDNN is against it. "
+              "cuDNN call: `F.conv2d` as an NCHW model calls it (bias added in a separate kernel; its channels-last "
+              "setting converts inside the call), the figure results before the twelfth session compared with.", "",
+              "| model | layer | n | C,H,W | weight | stride | batch | prec | sparsity | L "
+              "| cuDNN alone | layout | cuDNN call | direct | im2col+cuBLAS | im2col+cuSPARSE | direct/cuDNN "
+              "| direct/cuDNN call | direct TFLOP/s | direct params |",
+              "|" + "---|" * 20]
+    for r in result["layers"]:
+        best = r["best_ms"]
+        sparse_ms = best.get(r.get("sparse_backend", "direct"))
+        baseline = r.get("baseline") or {}
+        lines.append(f"| {r['model']} | {r['layer']} | {r['count']} | {r['in_chw']} | {r['weight_shape']} | "
+                     f"{r['geometry']['stride']} | {r['batch']} | {r['precision']} | {r['sparsity']:.3f} | "
+                     f"{r['row_length']} | {_fmt(baseline.get('median_ms'))} | {baseline.get('layout') or '-'} | "
+                     f"{_fmt(best.get('cudnn'))} | {_fmt(sparse_ms)} | "
+                     f"{_fmt(best.get('im2col_cublas'))} | {_fmt(best.get('im2col_cusparse'))} | "
+                     f"{_fmt(r['speedup_vs_cudnn'], 2)} | {_fmt(r.get('speedup_vs_cudnn_call'), 2)} | "
+                     f"{_fmt(r['direct_useful_tflops'], 1)} | {json.dumps(r['direct_params'])} |")
+    lines += ["", "## End to end", "", "Eager times include the host's per-layer work; CUDA-graph times replay the "
+              "same forward without it (GPU time only), so where the two speedups differ the model is host-bound.", "",
+              "NHWC: the model and its input in channels-last from end to end (a planned model's layers then receive "
+              "and return NHWC; the direct kernels' conversions are part of their planned time). Speedup (NCHW): "
+              "planned over dense, both NCHW; best planned / best dense: the faster layout of each.", "",
+              "| model | weights | batch | prec | dense ms | dense NHWC ms | planned ms | planned NHWC ms "
+              "| speedup (NCHW) | best planned / best dense | dense ms (graph) | planned ms (graph) | speedup (graph) "
+              "| dense NHWC ms (graph) | planned NHWC ms (graph) | rel. error | backends (NCHW plan) "
+              "| backends (NHWC plan) |", "|" + "---|" * 18]
+    for r in result["end_to_end"]:
+        best = fastest_ms(r, "dense") / fastest_ms(r, "planned")
+        lines.append(f"| {r['model']} | {r['weights']} | {r['batch']} | {r['precision']} | {_fmt(r['dense_ms'])} | "
+                     f"{_fmt(r.get('dense_nhwc_ms'))} | {_fmt(r['planned_ms'])} | {_fmt(r.get('planned_nhwc_ms'))} | "
+                     f"{_fmt(r['speedup'], 2)} | {_fmt(best, 2)} | {_fmt(r.get('dense_graph_ms'))} | "
+                     f"{_fmt(r.get('planned_graph_ms'))} | {_fmt(r.get('graph_speedup'), 2)} | "
+                     f"{_fmt(r.get('dense_nhwc_graph_ms'))} | {_fmt(r.get('planned_nhwc_graph_ms'))} | "
+                     f"{r['rel_error']:.2e} | {r.get('backend_counts', '')}{_off_cudnn(r)} | "
+                     f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')} |")
+    trained = [(r, layer) for r in result["end_to_end"] for layer in r.get("layers", [])]
+    if trained:
+        lines += ["", "## Trained model, per layer (every backend, ms)", "",
+                  "| batch | layer key | chosen | cuDNN alone | cuDNN call | direct | im2col+cuBLAS "
+                  "| im2col+cuSPARSE |", "|" + "---|" * 8]
+        for r, layer in trained:
+            best = layer["best_ms"]
+            alone = (layer.get("baseline") or {}).get("median_ms")
+            lines.append(f"| {r['batch']} | `{layer['key']}` | {layer['best']} | {_fmt(alone)} | "
+                         f"{_fmt(best.get('cudnn'))} | "
+                         f"{_fmt(best.get('direct'))} | {_fmt(best.get('im2col_cublas'))} | "
+                         f"{_fmt(best.get('im2col_cusparse'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot_results(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """``speedup.png`` (direct over cuDNN alone of the same precision per layer against sparsity, largest batch;
+    one panel per model and precision: the break-even plot), ``breakdown.png`` (summed FP32 layer time per backend
+    and model at sparsity 0.9, cuDNN alone for cuDNN) and ``end_to_end.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    largest = max((q["batch"] for q in result["layers"]), default=0)
+    records = [r for r in result["layers"] if r["batch"] == largest]
+    layers = [r for r in records if r["precision"] == "fp32"]
+    models = sorted({r["model"] for r in records})
+    precisions = [p for p in PRECISIONS if any(r["precision"] == p for r in records)]
+    if models:
+        fig, axes = plt.subplots(len(precisions), len(models), figsize=(5 * len(models), 4 * len(precisions)),
+                                 squeeze=False)
+        for row, precision in zip(axes, precisions, strict=True):
+            for ax, name in zip(row, models, strict=True):
+                by_layer: dict[str, list[tuple[float, float]]] = {}
+                for r in records:
+                    if r["model"] == name and r["precision"] == precision and r["speedup_vs_cudnn"] is not None:
+                        by_layer.setdefault(r["layer"], []).append((r["target_sparsity"], r["speedup_vs_cudnn"]))
+                for layer, points in by_layer.items():
+                    points.sort()
+                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=layer)
+                ax.axhline(1.0, color="gray", linestyle="--")
+                ax.set(title=f"{name} {precision} b{largest} (synthetic weights)", xlabel="sparsity",
+                       ylabel=f"speedup over cuDNN {precision}")
+                if 0 < len(by_layer) <= 16:
+                    ax.legend(fontsize=6)
+        fig.tight_layout()
+        paths.append(out_dir / "speedup.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+        fig, ax = plt.subplots(figsize=(8, 4))
+        backends = {"cuDNN alone": lambda r: (r.get("baseline") or {}).get("median_ms"),
+                    **{name: lambda r, name=name: r["best_ms"].get(name)
+                       for name in ("direct", "im2col_cublas", "im2col_cusparse")}}
+        width = 0.8 / len(backends)
+        for i, (backend, ms) in enumerate(backends.items()):
+            totals = [sum(ms(r) * r["count"] for r in layers
+                          if r["model"] == m and abs(r["target_sparsity"] - 0.9) < 1e-9 and ms(r) is not None)
+                      for m in models]
+            ax.bar([j + i * width for j in range(len(models))], totals, width, label=backend)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
+        ax.set(ylabel="sum of conv layer times (ms), sparsity 0.9", yscale="log")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out_dir / "breakdown.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    if result["end_to_end"]:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        labels = [f"{r['model'].split('/')[-1]}\n{r['precision']} b{r['batch']}" for r in result["end_to_end"]]
+        xs = range(len(labels))
+        runs = result["end_to_end"]
+        bars = {"dense (cuDNN, NCHW)": "dense_ms", "dense (cuDNN, NHWC)": "dense_nhwc_ms",
+                "planned (NCHW)": "planned_ms", "planned (NHWC)": "planned_nhwc_ms"}
+        for i, (label, field_name) in enumerate(bars.items()):
+            ax.bar([x + (i - 1.5) * 0.2 for x in xs], [r.get(field_name) or 0 for r in runs], 0.2, label=label)
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set(ylabel="model time (ms)")
+        ax.legend()
+        fig.tight_layout()
+        paths.append(out_dir / "end_to_end.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths

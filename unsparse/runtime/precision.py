@@ -1,0 +1,42 @@
+"""Benchmark precisions: storage dtype, TF32 permission for cuDNN and cuBLAS, and the sparse backend compared.
+
+"FP32" means TF32 off in every library (the brief's benchmark protocol); a column says TF32 where it is on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Precision:
+    """One benchmark precision: the storage dtype, whether cuDNN and cuBLAS may use TF32, and the sparse backend
+    timed against them."""
+
+    dtype: torch.dtype
+    tf32: bool
+    sparse: str = "direct"
+
+
+PRECISIONS = {"fp32": Precision(torch.float32, False), "tf32": Precision(torch.float32, True),
+              "fp16": Precision(torch.float16, False), "fp16_half2": Precision(torch.float16, False, "direct_half2")}
+"""Precision name -> :class:`Precision`. ``fp16_half2``: cuDNN FP16 against the half2-product kernel
+(:class:`~unsparse.runtime.backends.direct.DirectHalf2Backend`), an opt-in change of numerics; ``fp16`` times the
+direct kernels with float32 products."""
+
+
+@contextmanager
+def precision_mode(tf32: bool) -> Iterator[None]:
+    """Allow or forbid TF32 in cuDNN and cuBLAS for the duration; restores the previous flags."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
