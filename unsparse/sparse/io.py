@@ -207,8 +207,10 @@ def _check_entries(entries: dict[str, Any], expected: dict[str, torch.Tensor]) -
 
 
 def _check_counts(name: str, layer_meta: dict[str, Any], csr: UniformCSR) -> None:
-    """The layer's recorded ``nnz`` and ``sparsity`` (paper 004 eq. 6) against its decoded values: reports and
-    plans read them from the metadata, so a file whose counts disagree with its tensors is refused."""
+    """The layer's recorded ``nnz`` and ``sparsity`` (paper 004 eq. 6) against its decoded values. The metadata is
+    what a reader sees without decoding tensors (a header dump, the loaded model's ``unsparse_metadata``); counts
+    that disagree with the values describe another model, so the file is refused. (Our own reports count from the
+    values.)"""
     field = f"layers.{name}"
     nnz, sparsity = layer_meta.get("nnz"), layer_meta.get("sparsity")
     _require(type(nnz) is int and nnz == csr.nnz, f"{field}.nnz",
