@@ -60,16 +60,18 @@ def test_magnitude_step_reaches_target_and_masks_survive_training(scope):
     assert model_weighted_sparsity(model) == pytest.approx(0.8, abs=1e-3)
     if scope == "layer":
         assert all(value == pytest.approx(0.8, abs=0.01) for value in layer_sparsity(model).values())
-    zeros = {name: layer.weight == 0 for name, layer in model.named_modules() if name in masks_of(model)}
+    masks = {name: mask.mask.clone() for name, mask in masks_of(model).items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=1e-3)
     for _ in range(3):
         optimizer.zero_grad()
         model(torch.randn(8, 1, 28, 28)).square().mean().backward()
         optimizer.step()
-    for name, layer in model.named_modules():
-        if name in zeros:
-            assert torch.all(layer.weight[zeros[name]] == 0)
+    # the masks are no parameters: momentum and weight decay leave them as they were
+    assert all(torch.equal(mask.mask, masks[name]) for name, mask in masks_of(model).items())
     remove_masks(model)
+    for name, layer in model.named_modules():  # squashed: the dense weights are zero where the masks were
+        if name in masks:
+            assert torch.all(layer.weight[masks[name] == 0] == 0)
     assert not masks_of(model)
     assert model_weighted_sparsity(model) >= 0.8 - 1e-3
 
@@ -106,3 +108,27 @@ def test_pack_mask_bit_order_and_unpack_validation():
         unpack_mask(torch.zeros(2, dtype=torch.uint8), (17,))
     with pytest.raises(ValueError, match="bits"):
         unpack_mask(torch.zeros(2, dtype=torch.int32), (9,))
+
+
+@pytest.mark.parametrize("scope", ["global", "layer"])
+def test_magnitude_target_zero_prunes_nothing(scope):
+    """Target 0 is a valid baseline (the dense model behind masks); the layer scope divided by it."""
+    torch.manual_seed(0)
+    model = create_model("vgg_small", width=8)
+    pruner = MagnitudePruner(0.0, scope=scope)
+    pruner.prepare(model)
+    pruner.step()
+    assert all(bool(mask.mask.all()) for mask in masks_of(model).values())
+
+
+def test_a_mask_takes_only_zeros_and_ones_of_the_weights_shape():
+    from unsparse.prune.masks import WeightMask
+
+    mask = WeightMask(torch.randn(2, 3))
+    mask.set(torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]]))
+    mask.set(torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match="values other than 0 and 1"):
+        mask.set(torch.full((2, 3), 0.5))
+    with pytest.raises(ValueError, match="shape"):
+        mask.set(torch.ones(3, 2))
+    assert torch.equal(mask.mask, torch.ones(2, 3))  # a refused set leaves the mask as it was

@@ -24,10 +24,11 @@ from unsparse.prune.masks import model_weighted_sparsity, prunable_layers, thres
 from unsparse.train import Trainer
 
 
-def tiny_model(seed: int = 0) -> nn.Module:
+def tiny_model(seed: int = 0, dropout: float = 0.0) -> nn.Module:
+    """With ``dropout`` the training steps draw from torch's global generator, which a resume must restore."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 8, 3), nn.ReLU(), nn.Flatten(),
-                         nn.Linear(8 * 4 * 4, 3))
+                         *([nn.Dropout(dropout)] if dropout else []), nn.Linear(8 * 4 * 4, 3))
 
 
 def tiny_trainer(cls: type[Trainer] = Trainer) -> Trainer:
@@ -98,12 +99,28 @@ def test_ranked_list_keeps_best_length_sorted():
     assert [s.iteration for s in ranked.solutions][:2] == [1, 5]
     assert entered == [True, True, True, True, True, True, False, True]
     assert not ranked.accepts(7.0) and ranked.accepts(7.5)
+    assert not ranked.accepts(math.inf) and not ranked.accepts(math.nan)
     restored = RankedList(4)
     restored.load_state(ranked.state())
     assert [(s.score, s.iteration) for s in restored.solutions] == [(s.score, s.iteration) for s in ranked.solutions]
     old_format = [{"score": 1.0, "iteration": 0, "weighted_sparsity": 0.0, "masks": {}, "state": {}}]
     with pytest.raises(ValueError, match="ranked: checkpoint entry has fields"):
         restored.load_state(old_format)
+
+
+def test_a_nan_score_does_not_block_the_ranked_list():
+    """NaN compares false with everything: once in a list it would stay last, and no later solution could beat it."""
+    ranked = RankedList(2)
+    assert [ranked.offer(solution(score, i)) for i, score in enumerate([1.0, math.nan, 5.0, 6.0])] == \
+        [True, False, True, True]
+    assert [s.score for s in ranked.solutions] == [6.0, 5.0]
+
+
+def test_relative_change_treats_a_diverged_score_as_the_worst():
+    assert evo.relative_change(90.0, 100.0) == pytest.approx(-0.1)
+    assert evo.relative_change(-math.inf, 100.0) == -math.inf
+    assert evo.relative_change(90.0, -math.inf) == 0.0
+    assert evo._score({"mse": math.nan}) == -math.inf and evo._score({"top1": math.nan}) == -math.inf
 
 
 def test_solution_keeps_masks_bit_packed_and_returns_them_unchanged():
@@ -196,35 +213,69 @@ def test_mutation_lowers_sparsity_of_previous_layers_with_valid_masks():
         assert not (before[name].bool() & ~mask.mask.bool()).any()
     assert p.zero_counts()["0"] == int((before["0"] == 0).sum())
     dropped = int((before["2"] == 0).sum()) - p.zero_counts()["2"]
-    assert 0 <= dropped <= round(0.5 * p.layer_sizes()["2"])
+    assert 1 <= dropped <= math.ceil(0.5 * p.layer_sizes()["2"])
+    revived = before["2"].bool() != p.masks["2"].mask.bool()
+    still_pruned = ~p.masks["2"].mask.bool()
+    score = importance(prunable_layers(p._prepared())["2"].parametrizations.weight.original, p.grad_stats["2"],
+                       p.alpha)
+    assert score[revived].min() >= score[still_pruned].max()  # eq. 15-16 revive the most important
+
+
+def test_crossover_never_copies_the_masks_being_repaired():
+    """The solution ranked in the current iteration holds the masks that stalled; a crossover with it would
+    change nothing, so the donor comes from an earlier iteration."""
+    p = prepared()
+    p.iteration, p.pending = 4, ["5"]
+    current = {name: m.mask.bool() for name, m in p.masks.items()}
+    p.ranked.offer(Solution.from_masks(9.0, 4, 0.0, current))
+    assert p.ranked.candidates(before_iteration=4) == []
+    with pytest.raises(IndexError, match="before iteration 4"):
+        p.crossover()
+    p.ranked.offer(Solution.from_masks(1.0, 2, 0.0, {name: torch.zeros_like(keep) for name, keep in current.items()}))
+    assert all(p.crossover() == 2 for _ in range(8))
 
 
 def test_crossover_takes_masks_from_ranked_solution():
     p = prepared()
     p.ranked.offer(Solution.from_masks(1.0, 0, 0.0, {name: torch.zeros_like(m.mask, dtype=torch.bool)
                                                       for name, m in p.masks.items()}))
-    p.pending = ["5"]
+    p.iteration, p.pending = 1, ["5"]
     assert p.crossover() == 0
     assert p.zero_counts()["5"] == p.layer_sizes()["5"] and p.zero_counts()["0"] == 0
 
 
 class CheckingTrainer(Trainer):
-    """Asserts after every optimizer step that masked-out effective weights are exactly zero."""
+    """Asserts that no optimizer step changes a mask (weight decay or momentum would, were a mask a parameter):
+    the effective weight ``original * mask`` is then zero wherever the mask is."""
 
     def train_epoch(self, model, optimizer, after_step=None, desc="train"):
+        masks = current_masks(model)
+
         def checked():
             if after_step is not None:
                 after_step()
-            assert_pruned_zero(model)
+            assert all(torch.equal(masks[name], mask) for name, mask in current_masks(model).items())
 
         return super().train_epoch(model, optimizer, checked, desc)
 
 
+def current_masks(model: nn.Module) -> dict[str, torch.Tensor]:
+    masks = {name: layer.parametrizations.weight[0].mask.clone() for name, layer in prunable_layers(model).items()}
+    assert all(set(mask.unique().tolist()) <= {0.0, 1.0} for mask in masks.values())
+    return masks
+
+
 def assert_pruned_zero(model: nn.Module) -> None:
-    for layer in prunable_layers(model).values():
-        mask = layer.parametrizations.weight[0].mask
-        assert set(mask.unique().tolist()) <= {0.0, 1.0}
-        assert torch.all(layer.weight[mask == 0] == 0)
+    """Squash a copy's masks into its weights: the dense weights are zero exactly where the masks were."""
+    import copy
+
+    from unsparse.prune.masks import remove_masks
+
+    masks, squashed = current_masks(model), copy.deepcopy(model)
+    remove_masks(squashed)
+    for name, layer in prunable_layers(squashed).items():
+        assert not hasattr(layer, "parametrizations")
+        assert torch.all(layer.weight[masks[name] == 0] == 0)
 
 
 def test_pruned_weights_stay_zero_through_training_and_rewinds(tmp_path):
@@ -239,6 +290,57 @@ def test_pruned_weights_stay_zero_through_training_and_rewinds(tmp_path):
     assert len(lines) == sum(entry["phase"] == "prune" for entry in result.history)
 
 
+def test_rewind_restores_the_weights_and_keeps_the_repaired_masks():
+    """A stall (line 25) mutates the masks, then rewinds (line 34): parameters and buffers return to their values
+    before the iteration's training, while the masks stay the mutated ones, not the state dict's older copy."""
+    p = pruner(epsilon=-math.inf, mutation_threshold=1.0)
+    model = tiny_model()
+    p.prepare(model)
+    trainer = tiny_trainer()
+    optimizer = trainer.optimizer(model, p.lr)
+    p._begin(trainer)
+    p._iterate(trainer, optimizer)  # prunes its chosen layers: something pending for the stall below
+    assert p.pending
+    masks_before = current_masks(model)
+    weights = {key: value.clone() for key, value in model.state_dict().items() if "mask" not in key}
+    mutated = {}
+    mutate = p.mutate
+
+    def recording_mutate():
+        mutate()
+        mutated.update(current_masks(model))
+
+    p.mutate = recording_mutate
+    entry = p._iterate(trainer, optimizer)
+    assert entry["events"][-2:] == ["mutation", "rewind"]
+    assert all(torch.equal(value, weights[key]) for key, value in model.state_dict().items() if "mask" not in key)
+    assert any(not torch.equal(mutated[name], masks_before[name]) for name in mutated)
+    assert all(torch.equal(mask, mutated[name]) for name, mask in current_masks(model).items())
+
+
+def test_a_diverged_iteration_stalls_and_stays_out_of_the_ranked_list(tmp_path):
+    """A NaN validation score (a diverged model) is the worst outcome: a stall with ``Δ_l`` at ``min_step``, a
+    repair and a rewind, nothing ranked; the next change is measured as 0 against it, not NaN."""
+
+    class DivergingTrainer(Trainer):
+        calls = 0
+
+        def evaluate(self, model, split="val", desc=None):
+            metrics = super().evaluate(model, split, desc)
+            DivergingTrainer.calls += 1
+            return {**metrics, "top1": math.nan} if DivergingTrainer.calls == 3 else metrics
+
+    p = pruner(iterations=5, target=0.95, epsilon=0.5)
+    result = p.run(tiny_model(), tiny_trainer(DivergingTrainer), tmp_path)
+    diverged = result.history[2]
+    assert diverged["iteration"] == 2 and diverged["relative_change"] == -math.inf
+    assert "ranked" not in diverged["events"] and diverged["events"][-1] == "rewind"
+    hit = [name for name, value in diverged["sensitivity"].items() if value == -math.inf]
+    assert hit and all(diverged["delta"][name] == p.min_step for name in hit)
+    assert result.history[3]["relative_change"] == 0.0
+    assert all(math.isfinite(solution.score) for solution in p.ranked.solutions)
+
+
 def test_reaches_target_then_fine_tunes(tmp_path):
     model = tiny_model()
     result = pruner(target=0.5, iterations=50, unit_step=0.3, layers_per_iteration=3, epsilon=math.inf, beta=0.0).run(
@@ -251,7 +353,7 @@ def test_reaches_target_then_fine_tunes(tmp_path):
 
 def test_resume_after_crash_equals_uninterrupted_run(tmp_path, monkeypatch):
     settings = {"epsilon": 0.0, "iterations": 7, "target": 0.95}
-    reference_model = tiny_model()
+    reference_model = tiny_model(dropout=0.3)
     reference = pruner(**settings).run(reference_model, tiny_trainer(), tmp_path / "a")
 
     calls = {"count": 0}
@@ -265,10 +367,10 @@ def test_resume_after_crash_equals_uninterrupted_run(tmp_path, monkeypatch):
 
     monkeypatch.setattr(evo, "save_checkpoint", crashing)
     with pytest.raises(KeyboardInterrupt):
-        pruner(**settings).run(tiny_model(), tiny_trainer(), tmp_path / "b")
+        pruner(**settings).run(tiny_model(dropout=0.3), tiny_trainer(), tmp_path / "b")
     monkeypatch.setattr(evo, "save_checkpoint", original)
-    torch.manual_seed(12345)
-    resumed_model = tiny_model()
+    resumed_model = tiny_model(dropout=0.3)
+    torch.manual_seed(12345)  # a fresh process's generator state; the resume must restore the checkpoint's
     resumed = pruner(**settings).run(resumed_model, tiny_trainer(), tmp_path / "b")
 
     reference_state, resumed_state = reference_model.state_dict(), resumed_model.state_dict()
@@ -358,7 +460,7 @@ def test_crossover_donors_are_at_most_max_regress_below_current_masks():
     masks = {name: m.mask.bool() for name, m in p.masks.items()}
     p.ranked.offer(Solution.from_masks(9.0, 1, 0.0, {name: torch.ones_like(keep) for name, keep in masks.items()}))
     assert p.ranked.candidates(p.donor_floor()) == []
-    p.pending = ["5"]
+    p.iteration, p.pending = 3, ["5"]
     with pytest.raises(IndexError):
         p.crossover()
     p.ranked.offer(Solution.from_masks(1.0, 2, 0.46, masks))

@@ -22,7 +22,15 @@ The paper's text lacks its equations; this follows the reading in ``DESIGN.md``.
    (eq. 15-16) — otherwise by crossover — they take the masks of a random ranked solution (eq. 17-18); then,
    if ``rewind``, every parameter and buffer returns to its value before this iteration's training
    (line 34). The next iteration only trains (nothing pending), so a repair is never judged against the
-   score from before the damage, which a rewound model could not reach and would loop on.
+   score from before the damage, which a rewound model could not reach and would loop on. A crossover donor
+   comes from an earlier iteration: the solution just ranked holds the masks that stalled, and copying them
+   would repair nothing.
+
+Readings of the text, not switches: the paper lists the rewind (line 34) after the repair's if-block; here it
+runs on a stall only, since rewinding after every iteration would undo all training. It restores weights and
+buffers, not the optimizer's momentum. A validation score that is not finite (a diverged model: NaN loss or
+MSE) counts as the worst possible: it never enters the ranked list, and its relative change is ``-inf`` (a
+stall, and ``Δ_l`` at ``min_step``); the change measured against such a score is 0.
 
 Deviations from the paper, each a config value whose constructor default turns it off:
 
@@ -178,8 +186,9 @@ class RankedList:
         return len(self.solutions)
 
     def accepts(self, score: float) -> bool:
-        """Whether a solution of ``score`` would enter (list not full, or better than the worst)."""
-        return len(self.solutions) < self.length or score > self.solutions[-1].score
+        """Whether a solution of ``score`` would enter: a finite score (NaN compares false with everything and
+        would stay last forever, blocking every later entry) and the list not full, or better than the worst."""
+        return math.isfinite(score) and (len(self.solutions) < self.length or score > self.solutions[-1].score)
 
     def offer(self, solution: Solution) -> bool:
         """Insert ``solution`` if :meth:`accepts`; drop the worst beyond ``length``. Returns whether it entered."""
@@ -191,19 +200,23 @@ class RankedList:
         del self.solutions[self.length:]
         return True
 
-    def candidates(self, min_sparsity: float = 0.0) -> list[Solution]:
-        """Solutions whose weighted sparsity is at least ``min_sparsity``, best first."""
-        return [solution for solution in self.solutions if solution.weighted_sparsity >= min_sparsity]
+    def candidates(self, min_sparsity: float = 0.0, before_iteration: int | None = None) -> list[Solution]:
+        """Solutions whose weighted sparsity is at least ``min_sparsity`` (and, if given, evaluated in an
+        iteration before ``before_iteration``), best first."""
+        return [solution for solution in self.solutions if solution.weighted_sparsity >= min_sparsity
+                and (before_iteration is None or solution.iteration < before_iteration)]
 
-    def sample(self, generator: torch.Generator, min_sparsity: float = 0.0) -> Solution:
+    def sample(self, generator: torch.Generator, min_sparsity: float = 0.0,
+               before_iteration: int | None = None) -> Solution:
         """A uniformly random solution among :meth:`candidates` (crossover partner).
 
         Raises:
-            IndexError: when no solution has weighted sparsity ``>= min_sparsity``.
+            IndexError: when no solution qualifies.
         """
-        pool = self.candidates(min_sparsity)
+        pool = self.candidates(min_sparsity, before_iteration)
         if not pool:
-            raise IndexError(f"no ranked solution with weighted sparsity >= {min_sparsity}")
+            raise IndexError(f"no ranked solution with weighted sparsity >= {min_sparsity} before iteration "
+                             f"{before_iteration}")
         return pool[int(torch.randint(len(pool), (), generator=generator))]
 
     def state(self) -> list[dict[str, Any]]:
@@ -410,12 +423,13 @@ class EvolutionaryPruner(Pruner):
     def crossover(self) -> int:
         """Give the ``pending`` layers the masks of a random ranked solution (eq. 17-18). Returns its iteration.
 
-        The donor is drawn among the ranked solutions at least :meth:`donor_floor` sparse.
+        The donor is drawn among the ranked solutions at least :meth:`donor_floor` sparse and evaluated before the
+        current iteration (the current one's are the masks being repaired).
 
         Raises:
             IndexError: when there is no such solution.
         """
-        donor = self.ranked.sample(self.generator, self.donor_floor())
+        donor = self.ranked.sample(self.generator, self.donor_floor(), self.iteration)
         current = {name: mask.mask.bool() for name, mask in self.masks.items()}
         for name, keep in crossover_masks(current, donor.masks(), self.pending).items():
             self.masks[name].set(keep)
@@ -504,15 +518,15 @@ class EvolutionaryPruner(Pruner):
         train_loss = self._train(trainer, optimizer)
         metrics = trainer.evaluate(model, "val")
         score = _score(metrics)
-        sensitivity = (score - self.score) / max(abs(self.score), 1e-12)
+        sensitivity = relative_change(score, self.score)
+        growth = 1.0 + self.beta * sensitivity if self.beta else 1.0  # beta 0 with an infinite change: no NaN
         for name in self.pending:
             self.sensitivity[name] = sensitivity
-            self.delta[name] = min(max(self.delta[name] * (1.0 + self.beta * sensitivity), self.min_step),
-                                   self.max_step)
+            self.delta[name] = min(max(self.delta[name] * growth, self.min_step), self.max_step)
         evaluated = {"weighted_sparsity": self.mask_weighted_sparsity(), "layer_sparsity": self.mask_sparsity()}
         events = ["ranked"] if self._offer(score) else []
         if sensitivity < -self.epsilon and self.pending:
-            donors = self.ranked.candidates(self.donor_floor())
+            donors = self.ranked.candidates(self.donor_floor(), self.iteration)
             if not donors or float(torch.rand((), generator=self.generator)) < self.mutation_threshold:
                 self.mutate()
                 events.append("mutation")
@@ -657,8 +671,21 @@ def share(total: int, weights: Mapping[str, float], caps: Mapping[str, int]) -> 
 
 
 def _score(metrics: Mapping[str, float]) -> float:
-    """Higher-is-better score of :meth:`Trainer.evaluate` metrics: top-1 %, or ``-mse`` (as ``Trainer.score``)."""
-    return metrics["top1"] if "top1" in metrics else -metrics["mse"]
+    """Higher-is-better score of :meth:`Trainer.evaluate` metrics: top-1 %, or ``-mse`` (as ``Trainer.score``);
+    ``-inf`` for a NaN (a diverged model)."""
+    score = metrics["top1"] if "top1" in metrics else -metrics["mse"]
+    return -math.inf if math.isnan(score) else score
+
+
+def relative_change(score: float, previous: float) -> float:
+    """Sensitivity of lines 13-14: ``(score - previous) / |previous|`` (``|previous|`` at least 1e-12); ``-inf``
+    when ``score`` is not finite (a diverged model is the worst outcome), 0 when only ``previous`` is not (no
+    measure to compare with)."""
+    if not math.isfinite(score):
+        return -math.inf
+    if not math.isfinite(previous):
+        return 0.0
+    return (score - previous) / max(abs(previous), 1e-12)
 
 
 def val_metrics(metrics: Mapping[str, float]) -> dict[str, float]:

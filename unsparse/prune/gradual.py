@@ -95,8 +95,8 @@ class GradualMagnitudePruner(MagnitudePruner):
 
         Returns:
             A :class:`PruneResult`; ``history`` has one entry per epoch with ``iteration`` (the epoch),
-            ``weighted_sparsity`` (the schedule's value at the epoch's end), ``val_score`` and ``val_top1``
-            or ``val_mse``.
+            ``weighted_sparsity`` (the value of the last pruning step at or before the epoch's end: what the
+            masks hold, up to the rounding to whole weights), ``val_score`` and ``val_top1`` or ``val_mse``.
         """
         started = time.perf_counter()
         checkpoint = Path(workdir) / CHECKPOINT
@@ -119,7 +119,12 @@ class GradualMagnitudePruner(MagnitudePruner):
 
         tuned = trainer.fit(model, self.epochs(steps_per_epoch), checkpoint, lr=self.lr, desc=self.name,
                             after_step=after_step, identity=self.identity())
-        history = [{"phase": "prune", "iteration": entry["epoch"],
-                    "weighted_sparsity": self.sparsity_at(entry["epoch"] * steps_per_epoch / scale),
+        def reached(epoch: int) -> float:
+            """The sparsity the last pruning step at or before ``epoch``'s end set (0 before the first): the
+            masks change only at pruning points, so with ``unit="step"`` an epoch's end can lie between them."""
+            done = [point for point in points if point <= epoch * steps_per_epoch]
+            return self.sparsity_at(max(done) / scale) if done else 0.0
+
+        history = [{"phase": "prune", "iteration": entry["epoch"], "weighted_sparsity": reached(entry["epoch"]),
                     **val_metrics(entry)} for entry in tuned]
         return self.result(history, time.perf_counter() - started)

@@ -75,7 +75,8 @@ class MagnitudePruner(Pruner):
             if unknown:
                 raise KeyError(f"layer_targets: not masked layers: {sorted(unknown)}")
             for name, magnitude in magnitudes.items():
-                share = self.layer_targets.get(name, self.target) / self.target
+                # layer_targets imply target > 0 (checked in __init__); a layer without one follows the step
+                share = self.layer_targets[name] / self.target if name in self.layer_targets else 1.0
                 self.masks[name].set(threshold_mask(magnitude, min(sparsity * share, 1.0)))
             return
         flat = torch.cat([m.reshape(-1).float().cpu() for m in magnitudes.values()])

@@ -38,10 +38,12 @@ class WeightMask(nn.Module):
         """Overwrite the mask in place with ``keep`` (bool or 0/1 tensor of the weight's shape).
 
         Raises:
-            ValueError: on a shape mismatch.
+            ValueError: on a shape mismatch, or values other than 0 and 1 (a 0.5 would scale weights, not prune).
         """
         if keep.shape != self.mask.shape:
             raise ValueError(f"mask: shape {tuple(keep.shape)} differs from weight {tuple(self.mask.shape)}")
+        if keep.dtype != torch.bool and not bool(((keep == 0) | (keep == 1)).all()):
+            raise ValueError("mask: values other than 0 and 1")
         self.mask.copy_(keep.to(self.mask.dtype))
 
 
