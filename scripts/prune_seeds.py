@@ -29,6 +29,12 @@ def spread(values: list[float], digits: int) -> str:
     return f"{mean:.{digits}f} ± {statistics.stdev(values):.{digits}f} (n={len(values)})"
 
 
+def with_settings(run: dict[str, Any]) -> dict[str, Any]:
+    """``run`` with the table options it ran with (``fine_tune_lr``, ``evolutionary_overrides``) on every block."""
+    settings = {key: run["meta"][key] for key in ("fine_tune_lr", "evolutionary_overrides") if key in run["meta"]}
+    return {**run, "blocks": [{**block, "settings": settings} for block in run["blocks"]]}
+
+
 def merge_by_seed(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """One run per seed: runs of the same seed (``prune_table.py --models`` subsets) pooled, in order of first
     appearance; each model's block comes from the first file that has it.
@@ -37,10 +43,8 @@ def merge_by_seed(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ValueError: if two runs of one seed have different budgets (they are not one experiment).
     """
     merged: dict[int, dict[str, Any]] = {}
-    for run in runs:
+    for run in map(with_settings, runs):
         seed = run["meta"].get("seed", 0)
-        settings = {key: run["meta"][key] for key in ("fine_tune_lr", "evolutionary_overrides") if key in run["meta"]}
-        run = {**run, "blocks": [{**block, "settings": settings} for block in run["blocks"]]}
         if seed not in merged:
             merged[seed] = {"meta": run["meta"], "blocks": list(run["blocks"])}
             continue
@@ -52,23 +56,31 @@ def merge_by_seed(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return list(merged.values())
 
 
-def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | None = None) -> str:
+def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | None = None,
+            pool: bool = False) -> str:
     """The Markdown page for runs of one budget with different seeds (several files of one seed are merged);
-    ``notes`` are paragraphs placed under the heading (e.g. how the settings were chosen)."""
+    ``notes`` are paragraphs placed under the heading (e.g. how the settings were chosen). With ``pool``, files
+    are not merged: every block of a model counts as one run, so repeated runs of one protocol with the same seeds
+    pool into one mean (n = all of them)."""
     budgets = {run["meta"].get("budget_name") for run in runs}
     files = ", ".join(f"`{path.name}` (seed {run['meta'].get('seed', 0)}, commit {run['meta']['commit']})"
                       for path, run in zip(sources, runs, strict=True))
-    runs = merge_by_seed(runs)
+    runs = [with_settings(run) for run in runs] if pool else merge_by_seed(runs)
+    unit = "runs" if pool else "seeds"
     seeds = [run["meta"].get("seed", 0) for run in runs]
-    lines = ["# Pruning results over seeds", "",
+    lines = [f"# Pruning results {'pooled over runs' if pool else 'over seeds'}", "",
              f"Budget {', '.join(sorted(map(str, budgets)))}; seeds {seeds}; files: {files}.",
              "Each seed trains its own dense model; changes are against that seed's dense model. ± is the sample "
-             "standard deviation over seeds.", "", *(line for note in notes or [] for line in (note, ""))]
+             f"standard deviation over {unit}.", "", *(line for note in notes or [] for line in (note, ""))]
     complete = [{block["model"] for block in run["blocks"] if "error" not in block} for run in runs]
-    models = [block["model"] for block in runs[0]["blocks"]
-              if "error" not in block and all(block["model"] in found for found in complete)]
+    if pool:
+        models = list(dict.fromkeys(model for found in complete for model in sorted(found)))
+    else:
+        models = [block["model"] for block in runs[0]["blocks"]
+                  if "error" not in block and all(block["model"] in found for found in complete)]
     for model in models:
-        blocks = [next(b for b in run["blocks"] if b["model"] == model) for run in runs]
+        blocks = [b for run in runs for b in run["blocks"] if b["model"] == model and "error" not in b] if pool \
+            else [next(b for b in run["blocks"] if b["model"] == model) for run in runs]
         key = "top1" if "top1" in blocks[0]["rows"][0]["test"] else "mse"
         change = "change (points)" if key == "top1" else "ratio to dense"
         lines += [f"## {model}", ""]
@@ -91,13 +103,13 @@ def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | 
             lines.append(f"| {method} | {spread(values, digits)} | {spread(changes, 2)} | {min(sparsity):.4f} |")
         evolutionary, gradual = per_method["evolutionary"], per_method["gradual"]
         better = [e > g if key == "top1" else e < g for e, g in zip(evolutionary, gradual, strict=True)]
-        lines += ["", f"Evolutionary beats gradual magnitude in {sum(better)} of {len(better)} seeds."]
+        lines += ["", f"Evolutionary beats gradual magnitude in {sum(better)} of {len(better)} {unit}."]
         if key == "top1":
             drop = -statistics.fmean(evolutionary)
             met = drop <= GOAL_DROP and min(r["weighted_sparsity"] for b in blocks for r in b["rows"]
                                             if r["method"] == "evolutionary") >= GOAL_SPARSITY - 1e-9
             lines.append(f"Goal (>= {GOAL_SPARSITY:.0%} weighted sparsity, <= {GOAL_DROP} point drop): "
-                         f"{'met' if met else 'NOT met'} on the mean (drop {drop:.2f} points; per seed "
+                         f"{'met' if met else 'NOT met'} on the mean (drop {drop:.2f} points; per {unit[:-1]} "
                          f"{', '.join(f'{-c:.2f}' for c in evolutionary)}).")
         lines.append("")
     return "\n".join(lines)
@@ -109,9 +121,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("results", nargs="+", type=Path, help="pruning_results JSON files (.json or .json.xz)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--note", action="append", default=[], help="a paragraph under the heading (repeatable)")
+    parser.add_argument("--pool", action="store_true",
+                        help="count every file's block as one run (repeated runs of one protocol), not one per seed")
     args = parser.parse_args(argv)
     runs = [load_result(path) for path in args.results]
-    atomic_write_text(args.out, summary(runs, args.results, args.note))
+    atomic_write_text(args.out, summary(runs, args.results, args.note, args.pool))
     print(f"wrote {args.out}")
 
 

@@ -46,3 +46,15 @@ def test_summary_states_each_models_settings(seeds) -> None:
     text = seeds.summary([tuned], [Path("a.json")], ["Chosen on validation."])
     assert "\n\nChosen on validation.\n\n" in text
     assert 'Run with {"evolutionary_overrides": {"epsilon": 0.005}, "fine_tune_lr": 0.05}' in text
+
+
+def test_pooled_runs_count_every_file_even_of_one_seed(seeds) -> None:
+    """Repeated runs of one protocol (same seeds, another commit) pool into one mean over all of them."""
+    first, again = run(0, 93.0, 92.6, 92.0), run(0, 93.0, 92.2, 92.5)
+    resnet = {"meta": again["meta"], "blocks": [{**again["blocks"][0], "model": "resnet_small"}]}
+    text = seeds.summary([first, again, resnet], [Path("a.json"), Path("b.json"), Path("c.json")], pool=True)
+    assert "| evolutionary | 92.40 ± 0.28 (n=2) | -0.60 ± 0.28 (n=2) | 0.9200 |" in text
+    assert "Evolutionary beats gradual magnitude in 1 of 2 runs." in text
+    assert "NOT met on the mean (drop 0.60 points; per run 0.40, 0.80)" in text
+    assert "## resnet_small" in text and "(n=1)" in text.split("## resnet_small")[1]
+    assert "| evolutionary | 92.60 (n=1) |" in seeds.summary([first, again], [Path("a"), Path("b")])  # merged
