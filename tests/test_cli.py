@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 
@@ -38,6 +39,18 @@ def test_every_quant_config_builds_a_quantizer(option):
 def test_every_model_config_builds_a_model(option):
     model = instantiate(composed(f"model={option}").model)
     assert sum(parameter.numel() for parameter in model.parameters()) > 0
+
+
+def test_a_job_built_twice_from_one_seed_starts_from_the_same_weights():
+    """The seed reaches the model's initialisation: two runs of one config train the same dense model."""
+    from unsparse.cli import build_job
+
+    def weights(*overrides: str):
+        return build_job(composed("experiment=smoke", "data=digits", "device=cpu", *overrides))["model"].state_dict()
+
+    first, again, other = weights(), weights(), weights("seed=1")
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    assert not all(torch.equal(first[key], other[key]) for key in first)
 
 
 def test_smoke_experiment_overrides_the_defaults():

@@ -53,6 +53,7 @@ def test_pipeline_smoke_on_real_data(tmp_path):
     for name in ("report.json", "report.md", "layers.png", "timings.png", "model.safetensors", "dense.pt"):
         assert (tmp_path / name).exists(), name
     assert report["pruning"]["weighted_sparsity"] == pytest.approx(0.9, abs=1e-3)
+    assert report["pruning"]["target"] == 0.9 and report["pruning"]["target_reached"]
     accuracy = report["accuracy"]
     assert abs(accuracy["sparse_run"] - accuracy["pruned"]) <= 0.1
     assert accuracy["dense"] > 30.0  # one epoch on real data learns something
@@ -66,6 +67,7 @@ def test_pipeline_smoke_on_real_data(tmp_path):
     assert check["planned_ms"] > 0 and check["default_ms"] > 0
     markdown = (tmp_path / "report.md").read_text()
     assert "sparse" in markdown and "## Whole model" in markdown and "not on the plan" in markdown
+    assert "Target 90.00%: reached." in markdown
     assert load_sparse(tmp_path / "model.safetensors").unsparse_metadata["extra"]["accuracy"]["pruned"] == \
         accuracy["pruned"]
     with pytest.raises(ValueError, match=r"job.json: written by .* settings \(pruner.target: 0.9 there, 0.8"):
@@ -88,7 +90,7 @@ def test_an_output_folder_binds_to_its_job_only_once_it_holds_checkpoints(tmp_pa
         settings = TrainSettings(**{"epochs": 1, "batch_size": 64, **train})
         return job_identity(splits, create_model("vgg_small", width=4), MagnitudePruner(0.9), settings, 0)
 
-    claim_output_folder(tmp_path, identity(batch_size=0))  # say it then failed before its first checkpoint
+    claim_output_folder(tmp_path, identity(batch_size=32))  # say it then failed before its first checkpoint
     claim_output_folder(tmp_path, identity())
     (tmp_path / "dense.pt").write_bytes(b"not read")  # a checkpoint: the folder is bound now
     claim_output_folder(tmp_path, identity(lr=0.05, eval_batch_size=10, deterministic=True))
@@ -103,6 +105,60 @@ def test_an_output_folder_binds_to_its_job_only_once_it_holds_checkpoints(tmp_pa
     with caplog.at_level(logging.WARNING, logger="unsparse.pipeline"):
         claim_output_folder(tmp_path, identity())
     assert "no job.json" in caplog.text and (tmp_path / JOB_FILE).exists()
+
+
+def test_a_pruner_that_stops_below_its_target_says_so(tmp_path, caplog):
+    """Evolutionary pruning without iterations stops at its initial sparsity: the log and the report say the target
+    was not reached instead of presenting the result as the run asked for."""
+    from unsparse.prune.evolutionary import EvolutionaryPruner
+
+    torch.manual_seed(0)
+    with caplog.at_level("WARNING"):
+        report = run_pipeline(digits(limit_train=200, limit_test=60), create_model("vgg_small", width=4),
+                              EvolutionaryPruner(0.9, iterations=0, initial_sparsity=0.5, fine_tune_epochs=0),
+                              lambda model, loader: model, tmp_path, TrainSettings(epochs=0, batch_size=64),
+                              TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]),
+                              progress=False)
+    assert report["pruning"]["target"] == 0.9 and not report["pruning"]["target_reached"]
+    assert report["pruning"]["weighted_sparsity"] == pytest.approx(0.5, abs=0.01)
+    assert "**NOT reached**" in (tmp_path / "report.md").read_text()
+    messages = " ".join(record.getMessage() for record in caplog.records)
+    assert "below its target 0.9000" in messages and "train.epochs = 0" in messages
+
+
+@pytest.mark.parametrize(("make", "field"), [
+    (lambda: TrainSettings(epochs=-1), "train.epochs = -1"),
+    (lambda: TrainSettings(batch_size=0), "train.batch_size = 0"),
+    (lambda: TrainSettings(eval_batch_size=0), "train.eval_batch_size = 0"),
+    (lambda: TrainSettings(lr=-1.0), "train.lr = -1.0"),
+    (lambda: TrainSettings(momentum=1.0), "train.momentum = 1.0"),
+    (lambda: TrainSettings(weight_decay=-0.1), "train.weight_decay"),
+    (lambda: TimingSettings(repeats=0), "runtime.timing.repeats = 0"),
+    (lambda: TimingSettings(batch_size=0), "runtime.timing.batch_size = 0"),
+    (lambda: TimingSettings(warmup=-1), "runtime.timing.warmup = -1"),
+    (lambda: digits(limit_test=0), "limit_test: 0 keeps no image"),
+    (lambda: digits(limit_train=-5), "limit_train"),
+    (lambda: create_model("vgg_small", width=0), "model: 'vgg_small' .* has empty tensors"),
+])
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_settings_out_of_range_are_refused_naming_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_devices_and_backends_are_checked_before_any_work(tmp_path):
+    from unsparse.pipeline import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="device: 'gpu' is not a device"):
+        resolve_device("gpu")
+    with pytest.raises(ValueError, match="device: 'meta'; expected"):
+        resolve_device("meta")
+    with pytest.raises(ValueError, match=r"device: 'cuda:7' requested, but torch sees"):
+        resolve_device("cuda:7" if torch.cuda.device_count() < 8 else "cuda:99")
+    with pytest.raises(ValueError, match=r"runtime\.backend: unknown 'foo'"):
+        run_pipeline(None, None, None, None, tmp_path, TrainSettings(), TimingSettings(), backend="foo")
+    assert not any(tmp_path.iterdir())  # refused before the folder was claimed
 
 
 def test_the_same_settings_written_differently_are_the_same_job():

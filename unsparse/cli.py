@@ -10,8 +10,10 @@ from __future__ import annotations
 import logging
 import sys
 from pathlib import Path
+from typing import Any
 
 import hydra
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -22,16 +24,37 @@ CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("unsparse")
 
 
+def build_job(cfg: DictConfig) -> dict[str, Any]:
+    """:func:`~unsparse.pipeline.run_pipeline`'s arguments (all but ``outdir``) from the composed config.
+
+    Settings are checked first (device, training, timing), then torch's generator is seeded with ``cfg.seed``
+    before anything is instantiated, so the model's initial weights repeat from the seed: two runs of one config
+    train the same dense model (with ``train.deterministic`` on CUDA too).
+
+    Raises:
+        ValueError: from :func:`resolve_device`, :class:`TrainSettings`, :class:`TimingSettings` or a factory.
+    """
+    device = resolve_device(cfg.device)
+    train, timing = TrainSettings(**cfg.train), TimingSettings(**cfg.runtime.timing)
+    torch.manual_seed(cfg.seed)
+    return {"splits": instantiate(cfg.data), "model": instantiate(cfg.model), "pruner": instantiate(cfg.prune),
+            "quantizer": instantiate(cfg.quant).quantize, "train": train, "timing": timing,
+            "backend": cfg.runtime.backend, "device": device, "progress": cfg.progress, "seed": cfg.seed}
+
+
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
 def run(cfg: DictConfig) -> None:
-    """The main job on the composed config; outputs go to Hydra's output directory."""
+    """The main job on the composed config; outputs go to Hydra's output directory. Ctrl-C ends it with exit
+    status 130 and says how to resume (the checkpoints written so far stay)."""
     outdir = Path(HydraConfig.get().runtime.output_dir)
     log.info("config:\n%s", OmegaConf.to_yaml(cfg))
-    report = run_pipeline(
-        splits=instantiate(cfg.data), model=instantiate(cfg.model), pruner=instantiate(cfg.prune),
-        quantizer=instantiate(cfg.quant).quantize, outdir=outdir,
-        train=TrainSettings(**cfg.train), timing=TimingSettings(**cfg.runtime.timing),
-        backend=cfg.runtime.backend, device=resolve_device(cfg.device), progress=cfg.progress, seed=cfg.seed)
+    try:
+        report = run_pipeline(outdir=outdir, **build_job(cfg))
+    except KeyboardInterrupt:
+        overrides = " ".join(HydraConfig.get().overrides.task)
+        log.error("interrupted; to resume from the checkpoints in %s run: unsparse %s hydra.run.dir=%s", outdir,
+                  overrides, outdir)
+        raise SystemExit(130) from None
     accuracy = report["accuracy"]
     log.info("weighted sparsity %.2f%% | top-1 dense %.2f, pruned %.2f, sparse run %.2f | report: %s",
              100 * report["pruning"]["weighted_sparsity"], accuracy["dense"], accuracy["pruned"],

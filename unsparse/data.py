@@ -122,7 +122,15 @@ def _normalise(splits: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str
     return {key: ((images - mean) / std, labels) for key, (images, labels) in splits.items()}
 
 
-def _subset(pair: tuple[torch.Tensor, torch.Tensor], limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _subset(pair: tuple[torch.Tensor, torch.Tensor], limit: int | None,
+            name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``limit`` examples of ``pair`` (all for None).
+
+    Raises:
+        ValueError: naming ``name``, for a limit below 1 (an empty split fails later, far from the setting).
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"{name}: {limit} keeps no image; use a positive number or null for all")
     return pair if limit is None else (pair[0][:limit], pair[1][:limit])
 
 
@@ -138,6 +146,7 @@ def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, li
 
     Raises:
         DatasetUnavailableError: files missing (the message names the Debian package).
+        ValueError: a limit below 1, naming it.
     """
     from torchvision.datasets import FashionMNIST
 
@@ -146,8 +155,10 @@ def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, li
     test = FashionMNIST(str(torchvision_root), train=False, download=False)
     images = train.data.unsqueeze(1).float() / 255.0
     train_pair, val_pair = _split_validation(images, train.targets.long(), val_size, seed)
-    splits = _normalise({"train": _subset(train_pair, limit_train), "val": _subset(val_pair, limit_test),
-                         "test": _subset((test.data.unsqueeze(1).float() / 255.0, test.targets.long()), limit_test)})
+    splits = _normalise({"train": _subset(train_pair, limit_train, "limit_train"),
+                         "val": _subset(val_pair, limit_test, "limit_test"),
+                         "test": _subset((test.data.unsqueeze(1).float() / 255.0, test.targets.long()), limit_test,
+                                         "limit_test")})
     return Splits(**splits, num_classes=10, name="fashion_mnist")
 
 
@@ -156,6 +167,9 @@ def digits(test_size: int = 360, val_size: int = 180, seed: int = 0, limit_train
     """scikit-learn's handwritten digits (1797 8x8 images, 10 classes), bilinearly upsampled to 28x28.
 
     The test split is the last ``test_size`` images; validation is drawn from the rest with ``seed``.
+
+    Raises:
+        ValueError: a limit below 1, naming it.
     """
     from sklearn.datasets import load_digits
 
@@ -165,6 +179,6 @@ def digits(test_size: int = 360, val_size: int = 180, seed: int = 0, limit_train
     labels = torch.tensor(bunch.target, dtype=torch.long)
     rest, test = (images[:-test_size], labels[:-test_size]), (images[-test_size:], labels[-test_size:])
     train_pair, val_pair = _split_validation(*rest, val_size, seed)
-    splits = _normalise({"train": _subset(train_pair, limit_train), "val": val_pair,
-                         "test": _subset(test, limit_test)})
+    splits = _normalise({"train": _subset(train_pair, limit_train, "limit_train"), "val": val_pair,
+                         "test": _subset(test, limit_test, "limit_test")})
     return Splits(**splits, num_classes=10, name="digits")

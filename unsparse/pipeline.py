@@ -37,7 +37,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class TrainSettings:
     """Dense training settings (``train:`` in configs/config.yaml). ``deterministic``: train and prune under
-    :func:`~unsparse.train.deterministic_algorithms`, so a CUDA run repeats from its seed, as CPU runs already do."""
+    :func:`~unsparse.train.deterministic_algorithms`, so a CUDA run repeats from its seed, as CPU runs already do.
+
+    Raises:
+        ValueError: naming the ``train.`` field: negative ``epochs``, batch sizes below 1, a learning rate that is
+            not positive, momentum outside ``[0, 1)`` or negative weight decay (checked before any work starts).
+    """
 
     epochs: int = 3
     batch_size: int = 128
@@ -46,6 +51,14 @@ class TrainSettings:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     deterministic: bool = False
+
+    def __post_init__(self) -> None:
+        checks = {"epochs": self.epochs >= 0, "batch_size": self.batch_size >= 1,
+                  "eval_batch_size": self.eval_batch_size >= 1, "lr": self.lr > 0,
+                  "momentum": 0 <= self.momentum < 1, "weight_decay": self.weight_decay >= 0}
+        wrong = [f"train.{name} = {getattr(self, name)!r}" for name, valid in checks.items() if not valid]
+        if wrong:
+            raise ValueError(f"out of range: {', '.join(wrong)}")
 
 
 @dataclass
@@ -56,7 +69,8 @@ class TimingSettings:
     float16 products).
 
     Raises:
-        ValueError: naming ``backends``, for a name that is not a registered backend.
+        ValueError: naming ``backends``, for a name that is not a registered backend; naming the field, for a
+            ``batch_size`` or ``repeats`` below 1 or a negative ``warmup``.
     """
 
     batch_size: int = 64
@@ -65,6 +79,10 @@ class TimingSettings:
     backends: list[str] | None = None
 
     def __post_init__(self) -> None:
+        checks = {"batch_size": self.batch_size >= 1, "repeats": self.repeats >= 1, "warmup": self.warmup >= 0}
+        wrong = [f"runtime.timing.{name} = {getattr(self, name)!r}" for name, valid in checks.items() if not valid]
+        if wrong:
+            raise ValueError(f"out of range: {', '.join(wrong)}")
         if self.backends is not None:
             self.backends = list(self.backends)
             unknown = sorted(set(self.backends) - set(backend_names()))
@@ -127,10 +145,22 @@ def claim_output_folder(outdir: Path, identity: str) -> None:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``"auto"`` -> CUDA if available else CPU; otherwise ``torch.device(name)``."""
+    """``"auto"`` -> CUDA if available else CPU; otherwise ``"cpu"``, ``"cuda"`` or ``"cuda:N"``.
+
+    Raises:
+        ValueError: naming ``device``, for another name, or CUDA where torch sees no CUDA device (or not device N).
+    """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device: {name!r} is not a device; expected auto, cpu, cuda or cuda:N") from error
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device: {name!r}; expected auto, cpu, cuda or cuda:N")
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        raise ValueError(f"device: {name!r} requested, but torch sees {torch.cuda.device_count()} CUDA device(s)")
+    return device
 
 
 def git_commit() -> str | None:
@@ -234,8 +264,13 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         The report dict (also written as ``report.json``).
 
     Raises:
-        ValueError: ``outdir`` holds the checkpoints of another job (:func:`claim_output_folder`).
+        ValueError: ``outdir`` holds the checkpoints of another job (:func:`claim_output_folder`), or ``backend`` is
+            neither ``"auto"`` nor a registered backend (checked before any training).
     """
+    if backend != "auto" and backend not in backend_names():
+        raise ValueError(f"runtime.backend: unknown {backend!r}; known: auto, {', '.join(backend_names())}")
+    if train.epochs == 0:
+        log.warning("train.epochs = 0: the dense model is not trained (its accuracy is chance level)")
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     claim_output_folder(outdir, job_identity(splits, model, pruner, train, seed))
@@ -254,6 +289,10 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         accuracy["pruned"] = trainer.evaluate(model, "test", "test pruned")["top1"]
     log.info("weighted sparsity %.4f, dense %.2f%%, pruned %.2f%%", result.weighted_sparsity, accuracy["dense"],
              accuracy["pruned"])
+    target_reached = result.weighted_sparsity >= pruner.target - 1e-9
+    if not target_reached:
+        log.warning("pruning stopped at weighted sparsity %.4f, below its target %.4f (its iteration budget ran "
+                    "out, or no layer could be pruned further)", result.weighted_sparsity, pruner.target)
 
     sparse_model = quantizer(sparsify(model.cpu()), loaders["val"])
     path = save_sparse(sparse_model, outdir / "model.safetensors",
@@ -272,7 +311,8 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
                 "deterministic": train.deterministic},
         "accuracy": accuracy,
         "dense_training": dense_history,
-        "pruning": {"method": result.method, "weighted_sparsity": result.weighted_sparsity,
+        "pruning": {"method": result.method, "target": pruner.target, "target_reached": target_reached,
+                    "weighted_sparsity": result.weighted_sparsity,
                     "layer_sparsity": result.layer_sparsity, "wall_time_s": result.wall_time_s,
                     "history": result.history},
         "quantization": getattr(loaded, "unsparse_quantization", None),

@@ -33,10 +33,14 @@ def create_model(name: str, **kwargs: Any) -> nn.Module:
         kwargs: JSON-serialisable keyword arguments of the factory (e.g. ``num_classes``).
 
     Raises:
-        ValueError: unknown name (the message lists the known ones).
+        ValueError: unknown name (the message lists the known ones), or arguments that build layers without
+            weights (a zero width: the forward would fail deep inside torch).
     """
     if name not in _MODELS:
         raise ValueError(f"model: unknown name {name!r}; known: {list_models()}")
     model = _MODELS[name](**kwargs)
+    empty = [key for key, tensor in model.state_dict().items() if tensor.numel() == 0]
+    if empty:
+        raise ValueError(f"model: {name!r} with {kwargs} has empty tensors {empty[:3]} (a zero width?)")
     model.unsparse_spec = {"name": name, "kwargs": dict(kwargs)}
     return model

@@ -92,7 +92,8 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
     """Write ``report.json`` and ``report.md`` into ``outdir`` (atomically).
 
     Args:
-        report: JSON-ready dict with keys ``run``, ``accuracy``, ``pruning``, ``quantization``, ``layers``
+        report: JSON-ready dict with keys ``run``, ``accuracy``, ``pruning`` (its ``target`` and
+            ``target_reached`` stated when present), ``quantization``, ``layers``
             (rows of :func:`unsparse.report.layers.layer_rows`), ``timings``, ``timing_baseline``,
             ``timing_verdicts`` (from :func:`timing_verdicts`), ``file`` and optionally ``plan_check`` (the
             fields of :class:`~unsparse.runtime.comparator.PlanCheck` with ``images`` and ``model_runs_on``).
@@ -110,7 +111,10 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
         markdown_table(["stage", "top-1 (%)"], [[key, value] for key, value in accuracy.items()]),
         "## Pruning",
         f"Method **{pruning['method']}**, weighted sparsity **{100 * pruning['weighted_sparsity']:.2f}%** "
-        f"(paper 004 eq. 7-8, over conv and linear layers), wall time {pruning['wall_time_s']:.1f} s.",
+        f"(paper 004 eq. 7-8, over conv and linear layers), wall time {pruning['wall_time_s']:.1f} s. "
+        + (f"Target {100 * pruning['target']:.2f}%: "
+           + ("reached." if pruning["target_reached"] else "**NOT reached**: the run stopped below it (its iteration "
+              "budget ran out, or no layer could be pruned further).") if "target" in pruning else ""),
         markdown_table(["layer", "sparsity (%)"],
                        [[name, 100 * value] for name, value in pruning["layer_sparsity"].items()]),
     ]
