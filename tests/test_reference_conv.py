@@ -109,3 +109,29 @@ def test_stretched_offsets_address_the_padded_input():
     offsets = geometry.stretched_offsets(col_idx, (3, 3), (10, 12))
     assert offsets.tolist() == [[0, 1 * 12 + 2 * 2, 1 * 120 + 2 * 12 + 2 * 2]]
     assert geometry.output_size(8, 10, (3, 3)) == (4, 4)
+
+
+@pytest.mark.parametrize("backend", ["dense_cpu", "im2col_cublas", "im2col_cusparse", "reference"])
+def test_a_layer_changed_in_place_is_not_served_from_a_backend_cache(backend):
+    """Backends cache per weight object (dense copies, lowered matrices); an in-place ``load_state_dict`` or
+    ``values.mul_`` keeps the buffers, so the layer must hand them a new weight object (found by a review helper:
+    dense_cpu and im2col_cublas kept computing with the old weight)."""
+    from unsparse.runtime import SparseConv
+    from unsparse.runtime.modules import sparse_from_conv
+
+    torch.manual_seed(3)
+    conv = torch.nn.Conv2d(4, 6, 3, padding=1)
+    with torch.no_grad():
+        conv.weight[torch.rand(conv.weight.shape) < 0.6] = 0
+    layer = sparse_from_conv(conv, backend)
+    assert isinstance(layer, SparseConv)
+    x = torch.randn(2, 4, 8, 8)
+    layer(x)  # fills the backend's caches for this weight
+    state = {key: value.clone() for key, value in layer.state_dict().items()}
+    state["values"] *= 2
+    layer.load_state_dict(state)  # in place: the same buffer objects
+    expected = F.conv2d(x.double(), 2 * conv.weight.double(), conv.bias.double(), padding=1)
+    assert relative_error(layer(x), expected) < 1e-5
+    layer.values.mul_(0.5)
+    expected = F.conv2d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)
+    assert relative_error(layer(x), expected) < 1e-5

@@ -24,7 +24,8 @@ from unsparse.runtime.comparator import (
     relative_error,
     tolerance,
 )
-from unsparse.runtime.plan import Plan, PlanEntry, PlanError, layer_key, use_plan
+from unsparse.runtime.layout import layout_of
+from unsparse.runtime.plan import Plan, PlanEntry, PlanError, layer_key, precision_tag, use_plan
 from unsparse.runtime.timing import Timing, host_enqueue_ms, host_profile, rotation_count, time_backend, time_fn
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
 
@@ -166,6 +167,113 @@ def test_plan_json_round_trip_and_validation(tmp_path) -> None:
         Plan.load(tmp_path / "bad.json")
 
 
+def entry(**fields) -> dict:
+    return {"version": 1, "entries": {"k": {"backend": "reference", "params": {}, "median_ms": 1.0,
+                                           "runner_up": None, **fields}}}
+
+
+@pytest.mark.parametrize(("data", "field"), [
+    ({"version": True, "entries": {}}, "version: expected the integer 1"),
+    ({"version": 1, "entries": {}, "format": "x"}, "plan: expected the fields"),
+    (entry(backend="auto"), r"entries\['k'\].backend: 'auto' is not a backend a plan may name"),
+    (entry(params={"images_per_step": {"n": 1}}), r"entries\['k'\].params"),
+    (entry(params={"images_per_step": 1.5}), r"entries\['k'\].params"),
+    (entry(params=[1]), r"entries\['k'\].params"),
+    (entry(median_ms=-1.0), r"entries\['k'\].median_ms"),
+    (entry(median_ms="3"), r"entries\['k'\].median_ms"),
+    (entry(median_ms=[1]), r"entries\['k'\].median_ms"),
+    (entry(median_ms=10**400), r"entries\['k'\].median_ms"),
+    (entry(runner_up="nope"), r"entries\['k'\].runner_up"),
+])
+def test_plan_fields_are_checked_naming_the_field(data, field) -> None:
+    """A plan file is untrusted input: each malformed field is refused by name, never loaded (found by a review
+    helper fuzzing plans: these loaded, or raised TypeError/OverflowError)."""
+    with pytest.raises(PlanError, match=field):
+        Plan.from_dict(data)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    (b'{"version": 1, "entries": {"k": {"backend": "reference", "params": {}, "median_ms": NaN, "runner_up": null}}}',
+     "NaN is not JSON"),
+    (b'{"version": 1, "version": 1, "entries": {}}', "duplicate keys"),
+    (b'\xff\xfe{}', "not a plan file"),
+    (b"[" * 100_000 + b"]" * 100_000, "not a plan file"),
+])
+def test_a_plan_file_that_is_not_strict_json_is_refused_naming_the_file(tmp_path, text, message) -> None:
+    path = tmp_path / "plan.json"
+    path.write_bytes(text)
+    with pytest.raises(PlanError, match=f"plan.json: .*{message}"):
+        Plan.load(path)
+
+
+def test_an_unmeasured_median_is_saved_as_null(tmp_path) -> None:
+    Plan({"k": PlanEntry("dense_cpu", {}, math.nan, None)}).save(tmp_path / "p.json")
+    data = json.loads((tmp_path / "p.json").read_text(), parse_constant=lambda name: pytest.fail(name))
+    assert data["entries"]["k"]["median_ms"] is None
+    assert math.isnan(Plan.load(tmp_path / "p.json").get("k").median_ms)
+
+
+def test_auto_checks_a_planned_entry_against_the_layer_before_running_it(caplog) -> None:
+    """An entry's params must be a setting its backend offers for the layer (a negative ``images_per_step`` left the
+    reference's output unwritten); a planned backend that cannot run the layer falls back to dense, logged."""
+    x, csr, bias = small_layer(seed=6)
+    g = ConvGeometry.of(1, 1)
+    dense = get_backend("dense_cpu").conv(x, csr, bias, g)
+    use_plan(Plan({layer_key(x, csr, g): PlanEntry("reference", {"images_per_step": -1}, 1.0)}))
+    with pytest.raises(PlanError, match=r"params: \{'images_per_step': -1\} is not a setting reference offers"):
+        sparse_conv(x, csr, bias, g, backend="auto")
+    use_plan(Plan({layer_key(x, csr, g): PlanEntry("im2col_cublas", {"bogus": 1}, 1.0)}))
+    with pytest.raises(PlanError, match="bogus"):
+        sparse_conv(x, csr, bias, g, backend="auto")
+    use_plan(Plan({layer_key(x, csr, g): PlanEntry("direct", {}, 1.0)}))  # a CUDA backend, planned for a CPU key
+    with caplog.at_level("WARNING"):
+        out = sparse_conv(x, csr, bias, g, backend="auto")
+    assert torch.equal(out, dense)
+    assert any("the plan's direct does not run" in record.getMessage() for record in caplog.records)
+    with pytest.raises(ValueError, match="images_per_step"):
+        get_backend("reference").conv(x, csr, bias, g, images_per_step=0)
+
+
+def test_a_grouped_layer_runs_its_planned_dense_setting(monkeypatch) -> None:
+    """``auto`` used to send every grouped layer to the dense default with no parameters, whatever its plan said
+    (a report naming NHWC for a layer that ran NCHW)."""
+    gen = torch.Generator().manual_seed(8)
+    weight = torch.randn(6, 2, 3, 3, generator=gen)
+    csr, x, g = UniformCSR.from_dense(weight), torch.randn(2, 4, 7, 7, generator=gen), ConvGeometry.of(1, 1, groups=2)
+    use_plan(Plan({layer_key(x, csr, g): PlanEntry("dense_cpu", {"memory_format": "channels_last"}, 1.0)}))
+    dense = get_backend("dense_cpu")
+    computed_in = []
+    conv = dense.conv
+
+    def recording(*args, **params):
+        out = conv(*args, **params)
+        computed_in.append(layout_of(out))
+        return out
+
+    monkeypatch.setattr(dense, "conv", recording)
+    out = sparse_conv(x, csr, None, g, backend="auto")
+    assert computed_in == ["nhwc"] and layout_of(out) == "nchw"  # the planned setting, converted back by run
+    assert torch.allclose(out, torch.nn.functional.conv2d(x, weight, padding=1, groups=2), atol=1e-5)
+
+
+def test_plan_keys_separate_weight_dtypes_and_cublas_precision() -> None:
+    """A float16 weight on a float32 input is another problem for the kernels (the direct ones need equal dtypes),
+    and the lowering backends' products follow cuBLAS's TF32 flag, not cuDNN's."""
+    x, csr, _ = small_layer()
+    g = ConvGeometry.of(1, 1)
+    assert layer_key(x, csr.to(dtype=torch.float16), g) == layer_key(x, csr, g) + "|wdtype=float16"
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    try:
+        tags = set()
+        for cudnn, matmul in ((False, False), (True, True), (False, True), (True, False)):
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = cudnn, matmul
+            tags.add(precision_tag(torch.float32, "cuda"))
+        assert tags == {"float32", "float32+tf32", "float32+matmul_tf32", "float32+tf32+matmul_fp32"}
+        assert precision_tag(torch.float32, "cpu") == "float32"
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 def test_layer_key_separates_batch_dtype_shape_and_geometry() -> None:
     x, csr, _ = small_layer()
     g = ConvGeometry.of(1, 1)
@@ -266,10 +374,10 @@ def test_host_profile_lists_the_function_that_takes_the_time() -> None:
 
 
 def fake_comparison(key: str, default_ms: float, fast_ms: float) -> LayerComparison:
-    """The dense default measured at ``default_ms`` and a 50 ms-per-call setting of ``test_slow`` at ``fast_ms``."""
+    """The dense default measured at ``default_ms`` and a 60 ms-per-call setting of ``test_slow`` at ``fast_ms``."""
     return LayerComparison(key, [
         Measurement("dense_cpu", {}, "ok", 0.0, timing=Timing(default_ms, default_ms, default_ms, 20, 1)),
-        Measurement("test_slow", {"delay": 0.05}, "ok", 0.0, timing=Timing(fast_ms, fast_ms, fast_ms, 20, 1))])
+        Measurement("test_slow", {"delay": 0.06}, "ok", 0.0, timing=Timing(fast_ms, fast_ms, fast_ms, 20, 1))])
 
 
 def one_layer_model() -> tuple[nn.Module, torch.Tensor]:

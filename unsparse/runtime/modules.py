@@ -43,14 +43,18 @@ class SparseConv(nn.Module):
         self.backend = backend
         self.backend_params = dict(backend_params or {})
         self._csr: UniformCSR | None = None
+        self._csr_versions = (-1, -1)
 
     @property
     def csr(self) -> UniformCSR:
-        """The weight as a UniformCSR over the module's current buffers (rebuilt after ``.to()``)."""
-        csr = self._csr
-        if csr is None or csr.values is not self.values or csr.col_idx is not self.col_idx:
+        """The weight as a UniformCSR over the module's current buffers: a new object after ``.to()`` or after any
+        in-place change of a buffer (an in-place ``load_state_dict``, ``values.mul_``), so that the backends'
+        per-weight caches (dense copies, lowered matrices, kernel entries) never serve an older weight."""
+        csr, versions = self._csr, (self.values._version, self.col_idx._version)
+        if (csr is None or csr.values is not self.values or csr.col_idx is not self.col_idx
+                or self._csr_versions != versions):
             csr = UniformCSR(self.values, self.col_idx, self.weight_shape)
-            self._csr = csr
+            self._csr, self._csr_versions = csr, versions
         return csr
 
     def set_csr(self, csr: UniformCSR) -> None:

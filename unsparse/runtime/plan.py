@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,23 +35,30 @@ def device_name(device: torch.device | str) -> str:
 
 
 def precision_tag(dtype: torch.dtype, device: torch.device | str) -> str:
-    """dtype name, with ``+tf32`` for float32 on CUDA while cuDNN may use TF32 (a different problem)."""
+    """dtype name, with ``+tf32`` for float32 on CUDA while cuDNN may use TF32 (a different problem), and the
+    cuBLAS flag where it differs from cuDNN's (``+matmul_tf32`` / ``+matmul_fp32``: the lowering backends'
+    products), so an entry chosen under one precision is not run under another."""
     name = str(dtype).removeprefix("torch.")
-    if dtype == torch.float32 and torch.device(device).type == "cuda" and torch.backends.cudnn.allow_tf32:
-        return name + "+tf32"
-    return name
+    if dtype != torch.float32 or torch.device(device).type != "cuda":
+        return name
+    cudnn, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    name += "+tf32" if cudnn else ""
+    return name if matmul == cudnn else name + ("+matmul_tf32" if matmul else "+matmul_fp32")
 
 
 def layer_key(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, device: str | None = None) -> str:
     """Plan key of one layer on one input: GPU name, precision, input shape (batch included), weight
-    shape, row length L, stride, padding, dilation, groups, and ``fmt=nhwc`` for a channels-last input
-    (:func:`~unsparse.runtime.layout.layout_of`; NCHW keys carry no layout part, as before layouts were planned).
-    A string so that it is a JSON object key."""
+    shape, row length L, stride, padding, dilation, groups, ``wdtype=`` where the weight's dtype differs from the
+    input's (the direct kernels need them equal; NCHW-era keys with equal dtypes are unchanged), and ``fmt=nhwc``
+    for a channels-last input (:func:`~unsparse.runtime.layout.layout_of`; NCHW keys carry no layout part, as
+    before layouts were planned). A string so that it is a JSON object key."""
     device = device if device is not None else device_name(x.device)
     parts = [device, precision_tag(x.dtype, x.device), "x=" + "x".join(map(str, x.shape)),
              "w=" + "x".join(map(str, csr.weight_shape)), f"L={csr.row_length}",
              "s={}x{}".format(*geometry.stride), "p={}x{}".format(*geometry.padding),
              "d={}x{}".format(*geometry.dilation), f"g={geometry.groups}", f"dims={geometry.spatial_dims}"]
+    if csr.values.dtype != x.dtype:
+        parts.append("wdtype=" + str(csr.values.dtype).removeprefix("torch."))
     layout = layout_of(x)
     return "|".join(parts if layout == "nchw" else [*parts, f"fmt={layout}"])
 
@@ -90,32 +98,49 @@ class Plan:
         return self.entries.get(key)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready form: ``{"version": 1, "entries": {key: {backend, params, median_ms, runner_up}}}``."""
-        return {"version": PLAN_VERSION, "entries": {k: asdict(v) for k, v in self.entries.items()}}
+        """JSON-ready form: ``{"version": 1, "entries": {key: {backend, params, median_ms, runner_up}}}``; a median
+        that was not measured (NaN) is written as null, so the file is strict JSON."""
+        return {"version": PLAN_VERSION,
+                "entries": {k: {**asdict(v), "median_ms": v.median_ms if math.isfinite(v.median_ms) else None}
+                            for k, v in self.entries.items()}}
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
-        """Inverse of :meth:`to_dict`.
+        """Inverse of :meth:`to_dict`. A plan file is untrusted input, like a sparse model file: every field is
+        checked here, and each entry's ``params`` again when a layer first uses it (:class:`AutoBackend`: it must
+        be a setting the backend offers for that layer).
 
         Raises:
-            PlanError: wrong version, missing fields, wrong types or unknown backend names.
+            PlanError: naming the field: a version other than the integer 1, missing or extra fields, a backend
+                that is not registered (or ``"auto"``, which would dispatch to itself), params that are not an
+                object of string keys and scalar values (string, integer, boolean), a median that is not a
+                non-negative number or null, a runner-up that is not a registered backend or null.
         """
-        if not isinstance(data, dict) or data.get("version") != PLAN_VERSION:
-            raise PlanError(f"version: expected {PLAN_VERSION}")
-        entries = data.get("entries")
+        if not isinstance(data, dict) or type(data.get("version")) is not int or data["version"] != PLAN_VERSION:
+            raise PlanError(f"version: expected the integer {PLAN_VERSION}")
+        if set(data) != {"version", "entries"}:
+            raise PlanError(f"plan: expected the fields version and entries, got {sorted(data)}")
+        entries = data["entries"]
         if not isinstance(entries, dict):
             raise PlanError("entries: expected an object")
         plan = cls()
         for key, raw in entries.items():
+            field_name = f"entries[{key!r}]"
             if not isinstance(raw, dict) or set(raw) != {"backend", "params", "median_ms", "runner_up"}:
-                raise PlanError(f"entries[{key!r}]: expected backend, params, median_ms, runner_up")
-            if not isinstance(raw["backend"], str) or not isinstance(raw["params"], dict):
-                raise PlanError(f"entries[{key!r}]: backend must be a string and params an object")
-            try:
-                get_backend(raw["backend"])
-            except KeyError as error:
-                raise PlanError(f"entries[{key!r}].backend: {error}") from error
-            plan.entries[key] = PlanEntry(raw["backend"], raw["params"], float(raw["median_ms"]),
+                raise PlanError(f"{field_name}: expected backend, params, median_ms, runner_up")
+            if raw["backend"] not in _planned_backends():
+                raise PlanError(f"{field_name}.backend: {raw['backend']!r} is not a backend a plan may name; known: "
+                                f"{sorted(_planned_backends())}")
+            params = raw["params"]
+            if not isinstance(params, dict) or not all(isinstance(value, str | int) for value in params.values()):
+                raise PlanError(f"{field_name}.params: expected an object of strings, integers and booleans, got "
+                                f"{params!r}")
+            median = raw["median_ms"]
+            if median is not None and (type(median) not in (int, float) or not 0 <= median < 1e300):  # int: no overflow
+                raise PlanError(f"{field_name}.median_ms: expected a non-negative number or null, got {median!r}")
+            if raw["runner_up"] is not None and raw["runner_up"] not in _planned_backends():
+                raise PlanError(f"{field_name}.runner_up: {raw['runner_up']!r} is not a registered backend")
+            plan.entries[key] = PlanEntry(raw["backend"], dict(params), math.nan if median is None else float(median),
                                           raw["runner_up"])
         return plan
 
@@ -126,16 +151,37 @@ class Plan:
 
     @classmethod
     def load(cls, path: str | Path) -> Plan:
-        """Read a plan written by :meth:`save`.
+        """Read a plan written by :meth:`save` (untrusted: see :meth:`from_dict`).
 
         Raises:
-            PlanError: invalid JSON or content. OSError: unreadable file.
+            PlanError: not UTF-8, not strict JSON (NaN and Infinity literals, duplicate keys, nesting beyond the
+                parser), or invalid content (:meth:`from_dict`); the message names the file. OSError: unreadable
+                file.
         """
+        def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+            keys = [key for key, _ in pairs]
+            if len(set(keys)) != len(keys):
+                raise PlanError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})}")
+            return dict(pairs)
+
+        def no_constant(name: str) -> None:
+            raise PlanError(f"{name} is not JSON")
+
+        raw = Path(path).read_bytes()
         try:
-            data = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as error:
-            raise PlanError(f"{path}: not JSON ({error})") from error
-        return cls.from_dict(data)
+            data = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates, parse_constant=no_constant)
+            return cls.from_dict(data)
+        except PlanError as error:
+            raise PlanError(f"{path}: {error}") from error
+        except (ValueError, RecursionError) as error:  # ValueError: JSON syntax, UTF-8, digit limit
+            raise PlanError(f"{path}: not a plan file ({type(error).__name__}: {error})") from error
+
+
+def _planned_backends() -> set[str]:
+    """Backends a plan entry may name: every registered one but ``"auto"`` (the dispatcher itself)."""
+    from unsparse.runtime.backends import backend_names
+
+    return set(backend_names()) - {"auto"}
 
 
 _ACTIVE = Plan()
@@ -154,10 +200,23 @@ def active_plan() -> Plan:
 
 @register_backend
 class AutoBackend(ConvBackend):
-    """Runs the planned backend of each layer; layers missing from the active plan run dense (logged)."""
+    """Runs the planned backend of each layer; layers missing from the active plan run dense (logged).
+
+    An entry is checked when a layer first resolves to it: its backend must support the layer on this input
+    (else the layer runs dense, logged, as :func:`~unsparse.sparse.functional.sparse_conv` does for a backend named
+    directly), and its ``params`` must be empty (the backend's defaults, as the dense fallback entries are) or one
+    of the settings the backend offers for the layer (:meth:`~unsparse.runtime.backends.base.ConvBackend.tuning_space`,
+    the settings the comparator times), so a tampered or stale plan cannot pass other values into a kernel launch.
+    """
 
     name = "auto"
     device_types = frozenset({"cpu", "cuda"})
+
+    def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
+        """None on CPU and CUDA: the planned backend decides (a grouped layer keeps its planned dense setting)."""
+        if x.device.type not in self.device_types:
+            return f"auto runs on {sorted(self.device_types)}, input is on {x.device.type}"
+        return None
 
     def __init__(self) -> None:
         self._logged: set[str] = set()
@@ -171,10 +230,13 @@ class AutoBackend(ConvBackend):
     def resolve(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> tuple[str, dict[str, Any]]:
         """``(backend, params)`` for this layer and input: the plan's entry, else the dense backend.
 
-        Resolutions are cached per weight and (input shape, layout, dtype, device, TF32 flag, geometry), so a
-        planned model pays the plan-key lookup once per layer, not on every forward pass.
+        Resolutions are cached per weight and (input shape, layout, dtype, device, TF32 flags, geometry), so a
+        planned model pays the plan-key lookup and the entry's checks once per layer, not on every forward pass.
+
+        Raises:
+            PlanError: the entry's ``params`` are not a setting its backend offers for this layer.
         """
-        signature = (tuple(x.shape), layout_of(x), x.dtype, x.device, torch.backends.cudnn.allow_tf32, geometry)
+        signature = (tuple(x.shape), layout_of(x), x.dtype, x.device, precision_tag(x.dtype, x.device), geometry)
         per_csr = self._resolved.setdefault(csr, {})
         if signature not in per_csr:
             per_csr[signature] = self._lookup(x, csr, geometry)
@@ -190,6 +252,14 @@ class AutoBackend(ConvBackend):
                 self._logged.add(key)
                 log.warning("auto: no plan entry for %s; running dense", key)
             return dense_fallback_backend(x.device), {}
+        backend = get_backend(entry.backend)
+        reason = backend.unsupported_reason(x, csr, geometry)
+        if reason is not None:
+            log.warning("auto: the plan's %s does not run %s (%s); running dense", entry.backend, key, reason)
+            return dense_fallback_backend(x.device), {}
+        if entry.params and entry.params not in backend.tuning_space(x, csr, geometry):  # {}: the defaults
+            raise PlanError(f"entries[{key!r}].params: {entry.params} is not a setting {entry.backend} offers for "
+                            "this layer (a plan of another version, or edited)")
         return entry.backend, entry.params
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,

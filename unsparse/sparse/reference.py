@@ -48,8 +48,11 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
         ``(N, M, E, F)`` tensor of ``x``'s dtype; float16/bfloat16 inputs accumulate in float32.
 
     Raises:
-        ValueError: if ``groups != 1`` or ``x``'s channels do not match the weight.
+        ValueError: if ``groups != 1``, ``x``'s channels do not match the weight, or ``images_per_step`` is not a
+            positive integer (a negative one would leave the output unwritten).
     """
+    if type(images_per_step) is not int or images_per_step < 1:
+        raise ValueError(f"images_per_step: expected a positive integer, got {images_per_step!r}")
     if geometry.groups != 1:
         raise ValueError("reference_sparse_conv: groups must be 1 (callers fall back to dense for groups > 1)")
     N, C, H, W = x.shape

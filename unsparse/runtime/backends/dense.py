@@ -62,6 +62,10 @@ class DenseBackend(ConvBackend):
         return F.conv2d(in_layout(x, layout), weight, None if bias is None else bias.to(x.dtype), geometry.stride,
                         geometry.padding, geometry.dilation, geometry.groups)
 
+    def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
+        """Both memory formats: either may be the faster one, and a plan may only name settings offered here."""
+        return [{"memory_format": "contiguous"}, {"memory_format": "channels_last"}]
+
 
 @register_backend
 class CudnnBackend(DenseBackend):
@@ -69,9 +73,6 @@ class CudnnBackend(DenseBackend):
 
     name = "cudnn"
     device_types = frozenset({"cuda"})
-
-    def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
-        return [{"memory_format": "contiguous"}, {"memory_format": "channels_last"}]
 
 
 @register_backend
