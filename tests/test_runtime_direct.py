@@ -956,3 +956,26 @@ def test_tile_shared_limit_follows_the_gpus_opt_in_limit(monkeypatch) -> None:
     assert tiles and all(cl.tile_layout(torch.float32, (3, 3), tiling_of(p), 1 if p.get("stage") else None)
                          .shared_bytes() <= cl.SHARED_LIMIT_BYTES for p in tiles)
     assert len(tiles) < len(tile_space(2, (64, 64), (3, 3), torch.float32, vector_pad=1))
+
+
+@pytest.mark.parametrize(("params", "message"), [
+    ({"variant": "tile", "wx": 32.0, "py": 4, "nb": 2, "mw": 4, "warps": 8, "cc": 8}, "tiling: wx must be a positive"),
+    ({"variant": "tile", "wx": 32, "py": True, "nb": 2, "mw": 4, "warps": 8, "cc": 8}, "tiling: py must be"),
+    ({"variant": "tile", "wx": 32, "py": 4, "nb": 2, "mw": 4, "warps": 8, "cc": 8, "paired": 1},
+     "paired must be a bool"),
+    ({"variant": "tile", "wx": 32, "py": 4, "mw": 4, "warps": 8, "cc": 8}, r"a tile setting needs \['nb'\]"),
+    ({"variant": "pointwise", "pv": 1, "mw": "4", "warps": 8, "cc": 8}, "tiling: mw must be"),
+    ({"variant": "rows", "threads": 128.0}, "rows: threads must be a positive integer"),
+    ({"variant": "rows", "pixels": 0}, "rows: pixels must be"),
+])
+def test_hand_made_direct_settings_are_refused_before_a_kernel_name_is_built(params, message):
+    """Settings passed by hand (``backend_params``) are not checked against the tuning space as plan entries are:
+    floats, bools and strings would reach NVRTC as template text or the driver as a float."""
+    from unsparse.runtime.backends.direct import DirectBackend
+
+    x = torch.randn(2, 8, 9, 9)
+    kernel = 1 if params["variant"] == "pointwise" else 3
+    csr = UniformCSR.from_dense(torch.randn(8, 8, kernel, kernel))
+    geometry = ConvGeometry.of(1, 0 if params["variant"] == "pointwise" else 1)
+    with pytest.raises(ValueError, match=message):
+        DirectBackend()._launch(x, csr, geometry, params)

@@ -92,6 +92,18 @@ class Launch:
     shared_bytes: int = 0
 
 
+def require_sizes(owner: str, **sizes: Any) -> None:
+    """Each of ``sizes`` a positive Python integer (not a bool, a float or a string): they become template arguments
+    and launch geometry, where ``32.0`` or ``True`` would reach NVRTC as text or the driver as a float.
+
+    Raises:
+        ValueError: naming ``owner`` and the first size that is not.
+    """
+    for name, value in sizes.items():
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
+
+
 def rows_launch(dtype: torch.dtype, batch: int, out_channels: int, out_pixels: int, threads: int,
                 pixels_per_thread: int, sub_batch: int, channels_per_block: int) -> Launch:
     """Geometry of ``direct_rows`` (UnSparse-Opt eq. 23: blocks = pixel tiles x channel groups x sub-batches).
@@ -107,7 +119,8 @@ def rows_launch(dtype: torch.dtype, batch: int, out_channels: int, out_pixels: i
         ValueError: on a non-positive size, a thread count that is not a multiple of 32 in [32, 1024], or a
             grid dimension beyond CUDA's limits (y, z < 65536).
     """
-    if min(batch, out_channels, out_pixels, pixels_per_thread, sub_batch, channels_per_block) < 1:
+    require_sizes("rows", threads=threads, pixels=pixels_per_thread, sub_batch=sub_batch, channels=channels_per_block)
+    if min(batch, out_channels, out_pixels) < 1:
         raise ValueError("rows_launch: every size must be positive")
     if threads % 32 or not 32 <= threads <= 1024:
         raise ValueError(f"threads: {threads} is not a multiple of 32 in [32, 1024]")
@@ -141,6 +154,13 @@ class TileTiling:
     cc: int
     union: int = 1
     paired: bool = False
+
+    def __post_init__(self) -> None:
+        """Raises ValueError for a size that is not a positive integer or a ``paired`` that is not a bool."""
+        require_sizes("tiling", wx=self.wx, py=self.py, nb=self.nb, mw=self.mw, warps=self.warps, cc=self.cc,
+                      union=self.union)
+        if type(self.paired) is not bool:
+            raise ValueError(f"tiling: paired must be a bool, got {self.paired!r}")
 
     @property
     def wy(self) -> int:
@@ -336,6 +356,10 @@ class PointwiseTiling:
     mw: int
     warps: int
     cc: int
+
+    def __post_init__(self) -> None:
+        """Raises ValueError for a size that is not a positive integer."""
+        require_sizes("tiling", pv=self.pv, mw=self.mw, warps=self.warps, cc=self.cc)
 
     @property
     def columns(self) -> int:

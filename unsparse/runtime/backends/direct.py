@@ -190,9 +190,25 @@ def pointwise_space(batch: int, out_channels: int, pixels: int, dtype: torch.dty
     return space
 
 
+def setting_sizes(params: dict[str, Any], names: tuple[str, ...], variant: str) -> list[Any]:
+    """``params``' values of ``names`` in order.
+
+    Raises:
+        ValueError: naming the sizes a ``variant`` setting lacks.
+    """
+    missing = [name for name in names if name not in params]
+    if missing:
+        raise ValueError(f"params: a {variant} setting needs {missing}")
+    return [params[name] for name in names]
+
+
 def pointwise_tiling_of(params: dict[str, Any]) -> cl.PointwiseTiling:
-    """The :class:`~unsparse.runtime.cupy_launcher.PointwiseTiling` of a ``pointwise`` setting."""
-    return cl.PointwiseTiling(params["pv"], params["mw"], params["warps"], params["cc"])
+    """The :class:`~unsparse.runtime.cupy_launcher.PointwiseTiling` of a ``pointwise`` setting.
+
+    Raises:
+        ValueError: a missing or invalid size.
+    """
+    return cl.PointwiseTiling(*setting_sizes(params, ("pv", "mw", "warps", "cc"), "pointwise"))
 
 
 ACCUMULATE = ("float32", "half2")
@@ -295,9 +311,13 @@ def reads_pairs(params: dict[str, Any], dtype: torch.dtype) -> bool:
 
 def tiling_of(params: dict[str, Any]) -> cl.TileTiling:
     """The :class:`~unsparse.runtime.cupy_launcher.TileTiling` of a ``tile`` setting (``"union"`` 1 and
-    ``"paired"`` false where absent)."""
-    return cl.TileTiling(params["wx"], params["py"], params["nb"], params["mw"], params["warps"], params["cc"],
-                         params.get("union", 1), bool(params.get("paired", False)))
+    ``"paired"`` false where absent).
+
+    Raises:
+        ValueError: a missing or invalid size, or a ``"paired"`` that is not a bool.
+    """
+    return cl.TileTiling(*setting_sizes(params, ("wx", "py", "nb", "mw", "warps", "cc"), "tile"),
+                         params.get("union", 1), params.get("paired", False))
 
 
 @dataclass(frozen=True)
