@@ -79,8 +79,8 @@ def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | 
         models = [block["model"] for block in runs[0]["blocks"]
                   if "error" not in block and all(block["model"] in found for found in complete)]
     for model in models:
-        blocks = [b for run in runs for b in run["blocks"] if b["model"] == model and "error" not in b] if pool \
-            else [next(b for b in run["blocks"] if b["model"] == model) for run in runs]
+        # merged runs hold one block per model, each complete for the models kept: one list serves both modes
+        blocks = [b for run in runs for b in run["blocks"] if b["model"] == model and "error" not in b]
         key = "top1" if "top1" in blocks[0]["rows"][0]["test"] else "mse"
         change = "change (points)" if key == "top1" else "ratio to dense"
         lines += [f"## {model}", ""]

@@ -50,13 +50,19 @@ def test_weighted_sparsity_formula():
         weighted_sparsity({"a": 0.5}, {"b": 1})
 
 
-@pytest.mark.parametrize("scope", ["global", "layer"])
-def test_magnitude_step_reaches_target_and_masks_survive_training(scope):
+def magnitude_pruned(target: float, scope: str):
+    """A small VGG (seed 0) after one magnitude step to ``target``."""
     torch.manual_seed(0)
     model = create_model("vgg_small", width=8)
-    pruner = MagnitudePruner(0.8, scope=scope)
+    pruner = MagnitudePruner(target, scope=scope)
     pruner.prepare(model)
     pruner.step()
+    return model
+
+
+@pytest.mark.parametrize("scope", ["global", "layer"])
+def test_magnitude_step_reaches_target_and_masks_survive_training(scope):
+    model = magnitude_pruned(0.8, scope)
     assert model_weighted_sparsity(model) == pytest.approx(0.8, abs=1e-3)
     if scope == "layer":
         assert all(value == pytest.approx(0.8, abs=0.01) for value in layer_sparsity(model).values())
@@ -113,11 +119,7 @@ def test_pack_mask_bit_order_and_unpack_validation():
 @pytest.mark.parametrize("scope", ["global", "layer"])
 def test_magnitude_target_zero_prunes_nothing(scope):
     """Target 0 is a valid baseline (the dense model behind masks); the layer scope divided by it."""
-    torch.manual_seed(0)
-    model = create_model("vgg_small", width=8)
-    pruner = MagnitudePruner(0.0, scope=scope)
-    pruner.prepare(model)
-    pruner.step()
+    model = magnitude_pruned(0.0, scope)
     assert all(bool(mask.mask.all()) for mask in masks_of(model).values())
 
 

@@ -34,6 +34,13 @@ from unsparse.train import Trainer, check_resumable, deterministic_algorithms, t
 log = logging.getLogger(__name__)
 
 
+def require_in_range(group: str, settings: object, checks: dict[str, bool]) -> None:
+    """Raise ``ValueError`` naming every ``group.field = value`` of ``settings`` whose check in ``checks`` failed."""
+    wrong = [f"{group}.{name} = {getattr(settings, name)!r}" for name, valid in checks.items() if not valid]
+    if wrong:
+        raise ValueError(f"out of range: {', '.join(wrong)}")
+
+
 @dataclass
 class TrainSettings:
     """Dense training settings (``train:`` in configs/config.yaml). ``deterministic``: train and prune under
@@ -53,12 +60,9 @@ class TrainSettings:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
-        checks = {"epochs": self.epochs >= 0, "batch_size": self.batch_size >= 1,
-                  "eval_batch_size": self.eval_batch_size >= 1, "lr": self.lr > 0,
-                  "momentum": 0 <= self.momentum < 1, "weight_decay": self.weight_decay >= 0}
-        wrong = [f"train.{name} = {getattr(self, name)!r}" for name, valid in checks.items() if not valid]
-        if wrong:
-            raise ValueError(f"out of range: {', '.join(wrong)}")
+        require_in_range("train", self, {"epochs": self.epochs >= 0, "batch_size": self.batch_size >= 1,
+                                         "eval_batch_size": self.eval_batch_size >= 1, "lr": self.lr > 0,
+                                         "momentum": 0 <= self.momentum < 1, "weight_decay": self.weight_decay >= 0})
 
 
 @dataclass
@@ -79,10 +83,8 @@ class TimingSettings:
     backends: list[str] | None = None
 
     def __post_init__(self) -> None:
-        checks = {"batch_size": self.batch_size >= 1, "repeats": self.repeats >= 1, "warmup": self.warmup >= 0}
-        wrong = [f"runtime.timing.{name} = {getattr(self, name)!r}" for name, valid in checks.items() if not valid]
-        if wrong:
-            raise ValueError(f"out of range: {', '.join(wrong)}")
+        require_in_range("runtime.timing", self, {"batch_size": self.batch_size >= 1, "repeats": self.repeats >= 1,
+                                                  "warmup": self.warmup >= 0})
         if self.backends is not None:
             self.backends = list(self.backends)
             unknown = sorted(set(self.backends) - set(backend_names()))
@@ -158,7 +160,7 @@ def resolve_device(name: str) -> torch.device:
         raise ValueError(f"device: {name!r} is not a device; expected auto, cpu, cuda or cuda:N") from error
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device: {name!r}; expected auto, cpu, cuda or cuda:N")
-    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():  # 0 devices without CUDA
         raise ValueError(f"device: {name!r} requested, but torch sees {torch.cuda.device_count()} CUDA device(s)")
     return device
 

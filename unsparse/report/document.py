@@ -104,6 +104,9 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
     """
     outdir = Path(outdir)
     run, accuracy, pruning = report["run"], report["accuracy"], report["pruning"]
+    target = "" if "target" not in pruning else f" Target {100 * pruning['target']:.2f}%: " + (
+        "reached." if pruning["target_reached"] else "**NOT reached**: the run stopped below it (its iteration "
+        "budget ran out, or no layer could be pruned further).")
     sections = [
         f"# UnSparse report: {run['model']['name']} on {run['data']}",
         f"Device: {run['device']}; torch {run['torch']}; weights: {run['weights']}; commit {run.get('commit')}.",
@@ -111,10 +114,7 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
         markdown_table(["stage", "top-1 (%)"], [[key, value] for key, value in accuracy.items()]),
         "## Pruning",
         f"Method **{pruning['method']}**, weighted sparsity **{100 * pruning['weighted_sparsity']:.2f}%** "
-        f"(paper 004 eq. 7-8, over conv and linear layers), wall time {pruning['wall_time_s']:.1f} s. "
-        + (f"Target {100 * pruning['target']:.2f}%: "
-           + ("reached." if pruning["target_reached"] else "**NOT reached**: the run stopped below it (its iteration "
-              "budget ran out, or no layer could be pruned further).") if "target" in pruning else ""),
+        f"(paper 004 eq. 7-8, over conv and linear layers), wall time {pruning['wall_time_s']:.1f} s.{target}",
         markdown_table(["layer", "sparsity (%)"],
                        [[name, 100 * value] for name, value in pruning["layer_sparsity"].items()]),
     ]

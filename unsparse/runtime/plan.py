@@ -123,14 +123,14 @@ class Plan:
         entries = data["entries"]
         if not isinstance(entries, dict):
             raise PlanError("entries: expected an object")
-        plan = cls()
+        plan, known = cls(), _planned_backends()
         for key, raw in entries.items():
             field_name = f"entries[{key!r}]"
             if not isinstance(raw, dict) or set(raw) != {"backend", "params", "median_ms", "runner_up"}:
                 raise PlanError(f"{field_name}: expected backend, params, median_ms, runner_up")
-            if raw["backend"] not in _planned_backends():
+            if raw["backend"] not in known:
                 raise PlanError(f"{field_name}.backend: {raw['backend']!r} is not a backend a plan may name; known: "
-                                f"{sorted(_planned_backends())}")
+                                f"{sorted(known)}")
             params = raw["params"]
             if not isinstance(params, dict) or not all(isinstance(value, str | int) for value in params.values()):
                 raise PlanError(f"{field_name}.params: expected an object of strings, integers and booleans, got "
@@ -138,7 +138,7 @@ class Plan:
             median = raw["median_ms"]
             if median is not None and (type(median) not in (int, float) or not 0 <= median < 1e300):  # int: no overflow
                 raise PlanError(f"{field_name}.median_ms: expected a non-negative number or null, got {median!r}")
-            if raw["runner_up"] is not None and raw["runner_up"] not in _planned_backends():
+            if raw["runner_up"] is not None and raw["runner_up"] not in known:
                 raise PlanError(f"{field_name}.runner_up: {raw['runner_up']!r} is not a registered backend")
             plan.entries[key] = PlanEntry(raw["backend"], dict(params), math.nan if median is None else float(median),
                                           raw["runner_up"])
@@ -213,10 +213,9 @@ class AutoBackend(ConvBackend):
     device_types = frozenset({"cpu", "cuda"})
 
     def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
-        """None on CPU and CUDA: the planned backend decides (a grouped layer keeps its planned dense setting)."""
-        if x.device.type not in self.device_types:
-            return f"auto runs on {sorted(self.device_types)}, input is on {x.device.type}"
-        return None
+        """The device only: the planned backend's own check decides the rest when the layer resolves, so a grouped
+        layer keeps its planned dense setting."""
+        return None if x.device.type in self.device_types else super().unsupported_reason(x, csr, geometry)
 
     def __init__(self) -> None:
         self._logged: set[str] = set()
@@ -236,7 +235,8 @@ class AutoBackend(ConvBackend):
         Raises:
             PlanError: the entry's ``params`` are not a setting its backend offers for this layer.
         """
-        signature = (tuple(x.shape), layout_of(x), x.dtype, x.device, precision_tag(x.dtype, x.device), geometry)
+        signature = (tuple(x.shape), layout_of(x), x.dtype, x.device, torch.backends.cudnn.allow_tf32,
+                     torch.backends.cuda.matmul.allow_tf32, geometry)  # the flags precision_tag reads
         per_csr = self._resolved.setdefault(csr, {})
         if signature not in per_csr:
             per_csr[signature] = self._lookup(x, csr, geometry)

@@ -211,10 +211,11 @@ def _check_counts(name: str, layer_meta: dict[str, Any], csr: UniformCSR) -> Non
     values.)"""
     field = f"layers.{name}"
     nnz, sparsity = layer_meta.get("nnz"), layer_meta.get("sparsity")
-    _require(type(nnz) is int and nnz == csr.nnz, f"{field}.nnz",
-             f"recorded {nnz!r}, the values hold {csr.nnz} nonzeros")
-    _require(type(sparsity) is float and math.isclose(sparsity, csr.sparsity, rel_tol=0.0, abs_tol=1e-12),
-             f"{field}.sparsity", f"recorded {sparsity!r}, the values give {csr.sparsity!r}")
+    counted, fraction = csr.nnz, csr.sparsity  # each a pass over the values: once, not again for the messages
+    _require(type(nnz) is int and nnz == counted, f"{field}.nnz",
+             f"recorded {nnz!r}, the values hold {counted} nonzeros")
+    _require(type(sparsity) is float and math.isclose(sparsity, fraction, rel_tol=0.0, abs_tol=1e-12),
+             f"{field}.sparsity", f"recorded {sparsity!r}, the values give {fraction!r}")
 
 
 def _decode_tensors(metadata: dict[str, Any], stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
