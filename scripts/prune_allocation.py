@@ -128,8 +128,10 @@ def ablate(name: str, budget: dict[str, Any], overrides: dict[str, Any], fine_tu
             for layer, mask in masks_of(models[source]).items():
                 masks[layer].set(mask.mask)
             history = trainer_for().fit(model, epochs, workdir / arm / "fit.pt", lr=fine_tune_lr, desc=arm)
-            finish(arm, model, PruneResult(arm, model_weighted_sparsity(model), layer_sparsity(model), history,
-                                           time.perf_counter() - started), epochs=epochs)
+            sparsity = model_weighted_sparsity(model)
+            finish(arm, model, PruneResult(arm, sparsity, layer_sparsity(model), masked_weighted_sparsity=sparsity,
+                                           history=history, wall_time_s=time.perf_counter() - started),
+                   epochs=epochs)
     return arms
 
 

@@ -93,6 +93,22 @@ def test_squashed_copy_leaves_the_original_parametrized():
     assert torch.equal(copy(x), model(x))
 
 
+def test_a_layer_subset_reaches_its_target_over_the_masked_layers_only():
+    """With ``layers`` naming a subset, the target is measured on the masked layers; the model-wide figure is lower
+    (the other layers stay dense) and the result carries both, so the target is not reported as missed."""
+    torch.manual_seed(0)
+    model = create_model("vgg_small", width=8)
+    chosen = sorted(layer_sparsity(model))[:2]
+    pruner = MagnitudePruner(0.9, layers=chosen)
+    pruner.prepare(model)
+    pruner.step()
+    result = pruner.result([], 0.0)
+    assert 0.9 <= result.masked_weighted_sparsity < 0.91 and result.target_reached(0.9)
+    assert result.weighted_sparsity == pytest.approx(model_weighted_sparsity(model))
+    assert result.weighted_sparsity < 0.5
+    assert not result.target_reached(0.95)
+
+
 def test_pruner_needs_prepare():
     with pytest.raises(RuntimeError, match="prepare"):
         MagnitudePruner(0.5).step()

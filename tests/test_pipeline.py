@@ -126,6 +126,22 @@ def test_a_pruner_that_stops_below_its_target_says_so(tmp_path, caplog):
     assert "below its target 0.9000" in messages and "train.epochs = 0" in messages
 
 
+def test_a_layer_subset_is_judged_on_the_layers_it_prunes(tmp_path):
+    """Pruning two layers to 0.9 reaches the target; report.md gives the model-wide figure and the pruned layers'."""
+    torch.manual_seed(0)
+    model = create_model("vgg_small", width=4)
+    subset = [name for name, layer in model.named_modules() if isinstance(layer, torch.nn.Conv2d)][:2]
+    report = run_pipeline(digits(limit_train=200, limit_test=60), model,
+                          MagnitudePruner(0.9, layers=subset, fine_tune_epochs=0), lambda model, loader: model,
+                          tmp_path, TrainSettings(epochs=0, batch_size=64),
+                          TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]), progress=False)
+    pruning = report["pruning"]
+    assert pruning["target_reached"] and pruning["masked_weighted_sparsity"] == pytest.approx(0.9, abs=1e-3)
+    assert pruning["weighted_sparsity"] < 0.5
+    markdown = (tmp_path / "report.md").read_text()
+    assert "over the pruned layers only" in markdown and "Target 90.00%: reached." in markdown
+
+
 @pytest.mark.parametrize(("make", "field"), [
     (lambda: TrainSettings(epochs=-1), "train.epochs = -1"),
     (lambda: TrainSettings(batch_size=0), "train.batch_size = 0"),

@@ -485,3 +485,20 @@ def test_log_and_checkpoint_written(tmp_path: Path):
     pruner(iterations=2, fine_tune_epochs=0).run(tiny_model(), tiny_trainer(), tmp_path)
     assert (tmp_path / evo.CHECKPOINT).exists()
     assert len((tmp_path / evo.LOG).read_text().splitlines()) == 3
+
+
+def test_iteration_batches_keep_the_train_loaders_collation_and_last_batch_setting():
+    """The loader of ``batches_per_iteration`` random batches collates and drops a short last batch as the train
+    loader does (both were lost: the iterations trained on default-collated batches)."""
+    trainer = tiny_trainer()
+    train = trainer.loaders["train"]
+    seen = []
+
+    def collate(samples):
+        seen.append(len(samples))
+        return torch.utils.data.default_collate(samples)
+
+    trainer.loaders["train"] = DataLoader(train.dataset, batch_size=10, shuffle=True, drop_last=True,
+                                          collate_fn=collate, generator=torch.Generator().manual_seed(2))
+    batches = pruner(batches_per_iteration=3)._iteration_trainer(trainer).loaders["train"]
+    assert len(list(batches)) == 3 and seen == [10, 10, 10] and batches.drop_last

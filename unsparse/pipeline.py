@@ -291,10 +291,11 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         accuracy["pruned"] = trainer.evaluate(model, "test", "test pruned")["top1"]
     log.info("weighted sparsity %.4f, dense %.2f%%, pruned %.2f%%", result.weighted_sparsity, accuracy["dense"],
              accuracy["pruned"])
-    target_reached = result.weighted_sparsity >= pruner.target - 1e-9
+    target_reached = result.target_reached(pruner.target)
     if not target_reached:
-        log.warning("pruning stopped at weighted sparsity %.4f, below its target %.4f (its iteration budget ran "
-                    "out, or no layer could be pruned further)", result.weighted_sparsity, pruner.target)
+        log.warning("pruning stopped at weighted sparsity %.4f over the pruned layers, below its target %.4f (its "
+                    "iteration budget ran out, or no layer could be pruned further)", result.masked_weighted_sparsity,
+                    pruner.target)
 
     sparse_model = quantizer(sparsify(model.cpu()), loaders["val"])
     path = save_sparse(sparse_model, outdir / "model.safetensors",
@@ -315,6 +316,7 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         "dense_training": dense_history,
         "pruning": {"method": result.method, "target": pruner.target, "target_reached": target_reached,
                     "weighted_sparsity": result.weighted_sparsity,
+                    "masked_weighted_sparsity": result.masked_weighted_sparsity,
                     "layer_sparsity": result.layer_sparsity, "wall_time_s": result.wall_time_s,
                     "history": result.history},
         "quantization": getattr(loaded, "unsparse_quantization", None),

@@ -23,6 +23,7 @@ from unsparse.prune.masks import (
     model_weighted_sparsity,
     prunable_layers,
     remove_masks,
+    weighted_sparsity,
 )
 from unsparse.train import Trainer, tensor_digest
 
@@ -35,6 +36,8 @@ class PruneResult:
         method: the pruner's name.
         weighted_sparsity: paper 004 eq. 7-8 over all prunable layers, in ``[0, 1]``.
         layer_sparsity: per-layer fraction of zeros.
+        masked_weighted_sparsity: eq. 7-8 over the masked layers only, what the pruner's ``target`` is measured
+            on; equal to ``weighted_sparsity`` unless ``layers`` named a subset.
         history: one dict per epoch/iteration (method-specific keys; at least ``val`` metric and sparsity).
         wall_time_s: seconds spent in ``run``.
     """
@@ -42,15 +45,21 @@ class PruneResult:
     method: str
     weighted_sparsity: float
     layer_sparsity: dict[str, float]
+    masked_weighted_sparsity: float
     history: list[dict[str, Any]] = field(default_factory=list)
     wall_time_s: float = 0.0
+
+    def target_reached(self, target: float) -> bool:
+        """Whether the masked layers reached the weighted sparsity ``target`` (1e-9 tolerance)."""
+        return self.masked_weighted_sparsity >= target - 1e-9
 
 
 class Pruner(ABC):
     """Base class of pruning methods.
 
     Args:
-        target: target weighted sparsity in ``[0, 1)``.
+        target: target weighted sparsity in ``[0, 1)`` over the masked layers (paper 004 eq. 7-8); with a subset in
+            ``layers`` the model-wide figure is lower, since unmasked layers stay dense.
         layers: names of the layers to prune (default: every Conv1d/Conv2d/Linear).
     """
 
@@ -102,7 +111,10 @@ class Pruner(ABC):
     def result(self, history: list[dict[str, Any]], wall_time_s: float) -> PruneResult:
         """A :class:`PruneResult` describing the prepared model now."""
         model = self._prepared()
-        return PruneResult(self.name, model_weighted_sparsity(model), layer_sparsity(model), history, wall_time_s)
+        per_layer = layer_sparsity(model)
+        sizes = self.layer_sizes()
+        masked = weighted_sparsity({name: per_layer[name] for name in sizes}, sizes)
+        return PruneResult(self.name, model_weighted_sparsity(model), per_layer, masked, history, wall_time_s)
 
     @abstractmethod
     def run(self, model: nn.Module, trainer: Trainer, workdir: str | Path) -> PruneResult:

@@ -578,13 +578,17 @@ class EvolutionaryPruner(Pruner):
         return loss
 
     def _iteration_trainer(self, trainer: Trainer) -> Trainer:
-        """``trainer``, or a copy whose train loader draws ``batches_per_iteration`` random batches."""
+        """``trainer``, or a copy whose train loader draws ``batches_per_iteration`` random batches (with the
+        original loader's collation, workers, memory pinning and last-batch setting)."""
         if self.batches_per_iteration is None:
             return trainer
         loader = trainer.loaders["train"]
         sampler = RandomSampler(loader.dataset, num_samples=self.batches_per_iteration * loader.batch_size,
                                 generator=loader.generator)
-        batches = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler)
+        batches = DataLoader(loader.dataset, batch_size=loader.batch_size, sampler=sampler,
+                             collate_fn=loader.collate_fn, num_workers=loader.num_workers,
+                             pin_memory=loader.pin_memory, drop_last=loader.drop_last,
+                             worker_init_fn=loader.worker_init_fn)
         return dataclasses.replace(trainer, loaders={**trainer.loaders, "train": batches})
 
     @torch.no_grad()
