@@ -14,6 +14,7 @@ import site
 from pathlib import Path
 
 import pytest
+import torch
 
 from unsparse.runtime import cupy_launcher as cl
 
@@ -62,3 +63,21 @@ def test_every_tuned_instantiation_compiles_under_nvrtc(tuned_kernel_names) -> N
                                      [*cl.COMPILE_OPTIONS, "-arch=compute_90", f"-I{include}"])
     assert status == 0, log
     assert " error" not in log, log
+
+
+@pytest.mark.skipif(nvrtc_library() is None, reason="no NVRTC library in the nvidia wheels")
+def test_the_wide_tiling_check_is_the_kernels_static_assert() -> None:
+    """A wide tiling (more than TILE_WIDE_SUMS sums per thread) with more than TILE_WIDE_WARPS warps is refused by
+    tile_launch with a ValueError, and NVRTC refuses the same instantiation; one warp fewer passes both."""
+    library = nvrtc_library()
+    include = library.parent.parent / "include"
+    options = [*cl.COMPILE_OPTIONS, "-arch=compute_90", f"-I{include}"]
+    launch = cl.tile_launch(torch.float32, 8, 64, (16, 16), (3, 3),
+                            cl.TileTiling(32, 8, 2, 8, cl.TILE_WIDE_WARPS, 1))
+    status, log = compile_with_nvrtc(library, cl.KERNEL_FILE.read_text(), [launch.name], options)
+    assert status == 0, log
+    refused = launch.name.replace(f",8,{cl.TILE_WIDE_WARPS},1,", f",8,{cl.TILE_WIDE_WARPS + 1},1,")
+    status, log = compile_with_nvrtc(library, cl.KERNEL_FILE.read_text(), [refused], options)
+    assert status != 0 and "wide tiling" in log
+    with pytest.raises(ValueError, match=f"at most {cl.TILE_WIDE_WARPS} warps, got {cl.TILE_WIDE_WARPS + 1}"):
+        cl.tile_launch(torch.float32, 8, 64, (16, 16), (3, 3), cl.TileTiling(32, 8, 2, 8, cl.TILE_WIDE_WARPS + 1, 1))

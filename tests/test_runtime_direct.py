@@ -728,6 +728,10 @@ def test_launch_geometry() -> None:
     assert paired.shared_bytes == wide.shared_bytes // 2  # a __half2 element holds two images
     with pytest.raises(ValueError, match="exceed"):  # two float32 buffers of 105 KB
         cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 28))
+    with pytest.raises(ValueError, match="exceed the 65536 bytes"):  # 60 KB on a GPU that allows 64 KB: fits
+        cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 9), shared_limit=65536)
+    assert cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8),
+                          shared_limit=65536).shared_bytes == wide.shared_bytes
     spec = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8))
     assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,0,1,2>"
     half2 = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8), half_run=16)

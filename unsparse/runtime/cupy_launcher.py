@@ -38,6 +38,11 @@ TILE_SHARED_LIMIT_BYTES = 99 * 1024
 """Dynamic shared memory a ``direct_tile`` block may ask for (its two staged chunks, :meth:`TileLayout.shared_bytes`;
 beyond :data:`SHARED_LIMIT_BYTES` :func:`bind` opts in): the per-block opt-in limit of sm_86/sm_89 GPUs, below
 sm_80's 163 KB and sm_90's 227 KB. On an H100 two such blocks fit one SM's 228 KB."""
+TILE_WIDE_SUMS = 64
+"""float32 partial sums per thread (:meth:`TileTiling.accumulators`) above which a ``direct_tile`` tiling is "wide":
+the kernel holds it to 128 registers and two blocks per SM, so it may have at most :data:`TILE_WIDE_WARPS` warps
+(the kernel's ``TILE_WIDE_SUMS`` and its ``static_assert``)."""
+TILE_WIDE_WARPS = 8
 HALF2_RUN = 16
 """Longest run of products ``direct_tile`` sums in float16 before adding the run to its float32 accumulators, with
 half2 products (template ``HALF_RUN``; backend ``direct_half2``). A run of n float16 roundings gives a relative
@@ -257,13 +262,17 @@ def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTi
 
     Raises:
         ValueError: if WX does not divide 32, NB is not a multiple of the images per element, a size is not
-            positive, or the union is not one of :data:`TILE_UNIONS`, does not divide MW or is above 1 on float16, or
-            the tiling is ``paired`` on a dtype other than float32; with ``vector_pad``: WX != 32 or ``pad_w``
-            outside ``[0, S - 1]``.
+            positive, the union is not one of :data:`TILE_UNIONS`, does not divide MW or is above 1 on float16,
+            the tiling is ``paired`` on a dtype other than float32, or a wide tiling (:data:`TILE_WIDE_SUMS`) has
+            more than :data:`TILE_WIDE_WARPS` warps; with ``vector_pad``: WX != 32 or ``pad_w`` outside
+            ``[0, S - 1]``. These are the kernel's ``static_assert`` checks, named before NVRTC compiles anything.
     """
     (R, S) = kernel_size
     if tiling.wx not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"tiling: WX={tiling.wx} does not divide 32")
+    if tiling.accumulators() > TILE_WIDE_SUMS and tiling.warps > TILE_WIDE_WARPS:
+        raise ValueError(f"tiling: {tiling.accumulators()} sums per thread (MW * NB * PY) above {TILE_WIDE_SUMS} "
+                         f"allow at most {TILE_WIDE_WARPS} warps, got {tiling.warps}")
     if tiling.union not in TILE_UNIONS or tiling.mw % tiling.union or (tiling.union > 1 and dtype != torch.float32):
         raise ValueError(f"tiling: union {tiling.union} must be one of {TILE_UNIONS}, divide MW={tiling.mw} and be 1 "
                          f"on {dtype}")
@@ -314,16 +323,17 @@ def vector_staging_reason(width: int, kernel_size: tuple[int, int], padding: tup
 
 def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple[int, int],
                 kernel_size: tuple[int, int], tiling: TileTiling, vector_pad: int | None = None,
-                half_run: int = 0) -> Launch:
+                half_run: int = 0, shared_limit: int = TILE_SHARED_LIMIT_BYTES) -> Launch:
     """Geometry of ``direct_tile``: grid ``(channel groups * output tiles, ceil(N / NB))``, channel groups
     fastest so that the blocks staging one input tile run together and find it in L2. ``vector_pad``: the
     16-byte staging layout of :func:`tile_layout` (template arguments LEFT and VEC). ``half_run``: 0 for float32
     products, else the longest run of float16 (``HFMA2``) products summed before each float32 addition
-    (template ``HALF_RUN``, :data:`HALF2_RUN`).
+    (template ``HALF_RUN``, :data:`HALF2_RUN`). ``shared_limit``: bytes of shared memory a block may take on the
+    GPU that runs it (:func:`tile_shared_limit`).
 
     Raises:
         ValueError: for an invalid tiling (:func:`tile_layout`), more than 1024 threads, a non-positive
-            size, staged chunks beyond :data:`TILE_SHARED_LIMIT_BYTES`, a grid beyond CUDA's limits, or a
+            size, staged chunks beyond ``shared_limit`` (bytes), a grid beyond CUDA's limits, or a
             negative ``half_run`` or a positive one on a dtype other than float16.
     """
     (E, F_), (R, S) = out_hw, kernel_size
@@ -334,8 +344,9 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
         raise ValueError("tile_launch: every size must be positive")
     if tiling.warps * 32 > 1024:
         raise ValueError(f"tiling: {tiling.warps} warps exceed 1024 threads")
-    if layout.shared_bytes() > TILE_SHARED_LIMIT_BYTES:
-        raise ValueError(f"tiling: staged chunks of {layout.shared_bytes()} bytes exceed {TILE_SHARED_LIMIT_BYTES}")
+    if layout.shared_bytes() > shared_limit:
+        raise ValueError(f"tiling: staged chunks of {layout.shared_bytes()} bytes exceed the {shared_limit} bytes of "
+                         "shared memory a block may take")
     te, tf = tiling.tile_hw
     groups = math.ceil(out_channels / tiling.channels)
     grid = (groups * math.ceil(E / te) * math.ceil(F_ / tf), math.ceil(batch / tiling.nb), 1)

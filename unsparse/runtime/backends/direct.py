@@ -711,7 +711,7 @@ class DirectBackend(ConvBackend):
             _, splits = cl.split_chunks(view.csr.in_channels_per_group, tiling.cc, params.get("splits", 1))
             return cl.pointwise_launch(x.dtype, N, csr.out_channels, E * F_, tiling, view.staging, splits), view
         return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), view.csr.kernel_size, tiling_of(params),
-                              view.staging, half_run), view
+                              view.staging, half_run, cl.tile_shared_limit(x.device)), view
 
     @staticmethod
     def _vector_requested(params: dict[str, Any], reason: Callable[[], str | None]) -> bool:
