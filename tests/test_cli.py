@@ -70,7 +70,10 @@ def test_multirun_sweeps_pruners_and_targets(tmp_path):
     methods = {json.loads(path.read_text())["pruning"]["method"] for path in reports}
     assert methods == {"magnitude", "gradual"}
     for path in reports:
-        assert json.loads(path.read_text())["pruning"]["weighted_sparsity"] == pytest.approx(0.8, abs=0.01)
+        report = json.loads(path.read_text())
+        assert report["pruning"]["weighted_sparsity"] == pytest.approx(0.8, abs=0.01)
+        assert f"- prune={report['pruning']['method']}\n" in (path.parent / ".hydra" / "overrides.yaml").read_text()
+        assert "_target_: unsparse.prune" in (path.parent / ".hydra" / "config.yaml").read_text()
 
 
 def test_every_bench_option_is_a_run_bench_argument():

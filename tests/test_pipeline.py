@@ -48,7 +48,7 @@ def test_pipeline_smoke_on_real_data(tmp_path):
     report = run_pipeline(
         splits, create_model("vgg_small", width=8), MagnitudePruner(0.9, fine_tune_epochs=1),
         lambda model, loader: model, tmp_path, TrainSettings(epochs=1, batch_size=64, deterministic=True),
-        TimingSettings(batch_size=8, repeats=2, warmup=1), progress=False)
+        TimingSettings(batch_size=8, repeats=2, warmup=1), progress=False, record={".hydra/config.yaml": "first\n"})
     assert report["run"]["deterministic"] and not torch.are_deterministic_algorithms_enabled()  # training only
     for name in ("report.json", "report.md", "layers.png", "timings.png", "model.safetensors", "dense.pt"):
         assert (tmp_path / name).exists(), name
@@ -73,7 +73,9 @@ def test_pipeline_smoke_on_real_data(tmp_path):
     with pytest.raises(ValueError, match=r"job.json: written by .* settings \(pruner.target: 0.9 there, 0.8"):
         run_pipeline(splits, create_model("vgg_small", width=8), MagnitudePruner(0.8, fine_tune_epochs=1),
                      lambda model, loader: model, tmp_path, TrainSettings(epochs=1, batch_size=64, deterministic=True),
-                     TimingSettings(batch_size=8, repeats=2, warmup=1), progress=False)
+                     TimingSettings(batch_size=8, repeats=2, warmup=1), progress=False,
+                     record={".hydra/config.yaml": "refused\n"})
+    assert (tmp_path / ".hydra" / "config.yaml").read_text() == "first\n"  # the folder's record of its own job
 
 
 def test_an_output_folder_binds_to_its_job_only_once_it_holds_checkpoints(tmp_path, caplog):

@@ -11,7 +11,7 @@ import logging
 import math
 import os
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -244,7 +244,8 @@ def compare_layers(model: nn.Module, example: torch.Tensor,
 
 def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Callable[..., nn.Module],
                  outdir: str | Path, train: TrainSettings, timing: TimingSettings, backend: str = "reference",
-                 device: torch.device | None = None, progress: bool = True, seed: int = 0) -> dict[str, Any]:
+                 device: torch.device | None = None, progress: bool = True, seed: int = 0,
+                 record: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Run the whole job and write ``model.safetensors``, ``report.json``, ``report.md`` and PNGs to ``outdir``.
 
     Checkpoints (``dense.pt``, ``prune/``) live in ``outdir`` too: running again with the same ``outdir``
@@ -261,6 +262,9 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
             slower than that default. Whatever the choice, every available backend is compared per layer on
             ``timing.batch_size`` images (``eval_batch_size`` for ``"auto"``), and the planned model is timed
             against its dense default (:func:`compare_layers`; ``plan_check`` in the report).
+        record: text files to write into ``outdir`` (relative path -> content, atomically) once the folder is
+            claimed, e.g. the command line's composed config: a refused job leaves the folder's record of its own
+            job as it was.
 
     Returns:
         The report dict (also written as ``report.json``).
@@ -276,6 +280,8 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     claim_output_folder(outdir, job_identity(splits, model, pruner, train, seed))
+    for name, text in (record or {}).items():
+        atomic_write_text(outdir / name, text)
     device = device or torch.device("cpu")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
