@@ -971,6 +971,7 @@ def test_tile_shared_limit_follows_the_gpus_opt_in_limit(monkeypatch) -> None:
     ({"variant": "pointwise", "pv": 1, "mw": "4", "warps": 8, "cc": 8}, "tiling: mw must be"),
     ({"variant": "rows", "threads": 128.0}, "rows: threads must be a positive integer"),
     ({"variant": "rows", "pixels": 0}, "rows: pixels must be"),
+    ({"variant": "tile", "wx": 32, "py": 8, "nb": 2, "mw": 8, "warps": 16, "cc": 1}, "at most 8 warps, got 16"),
 ])
 def test_hand_made_direct_settings_are_refused_before_a_kernel_name_is_built(params, message):
     """Settings passed by hand (``backend_params``) are not checked against the tuning space as plan entries are:
@@ -983,3 +984,16 @@ def test_hand_made_direct_settings_are_refused_before_a_kernel_name_is_built(par
     geometry = ConvGeometry.of(1, 0 if params["variant"] == "pointwise" else 1)
     with pytest.raises(ValueError, match=message):
         DirectBackend()._launch(x, csr, geometry, params)
+
+
+def test_hand_made_tile_settings_are_held_to_the_running_gpus_shared_memory(monkeypatch):
+    """The direct backend checks a tile setting's staged chunks against the GPU's own per-block limit
+    (:func:`~unsparse.runtime.cupy_launcher.tile_shared_limit`), not the fixed 99 KB, before anything launches."""
+    from unsparse.runtime.backends.direct import DirectBackend
+
+    params = {"variant": "tile", "wx": 16, "py": 4, "nb": 2, "mw": 8, "warps": 8, "cc": 8}  # 60 KB of chunks
+    x, csr = torch.randn(2, 8, 9, 9), UniformCSR.from_dense(torch.randn(8, 8, 3, 3))
+    assert DirectBackend()._launch(x, csr, ConvGeometry.of(1, 1), params)[0].shared_bytes == 61440
+    monkeypatch.setattr(cl, "tile_shared_limit", lambda device: 48 * 1024)
+    with pytest.raises(ValueError, match="61440 bytes exceed the 49152 bytes"):
+        DirectBackend()._launch(x, csr, ConvGeometry.of(1, 1), params)
