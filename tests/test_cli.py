@@ -41,6 +41,23 @@ def test_every_model_config_builds_a_model(option):
     assert sum(parameter.numel() for parameter in model.parameters()) > 0
 
 
+@pytest.mark.parametrize("option", GROUPS["data"])
+def test_every_data_config_builds_splits_a_model_config_fits(option):
+    """Each data set with the model config made for its task (the autoencoder for the time series)."""
+    from unsparse.data import DatasetUnavailableError
+    from unsparse.task import check_model_fits
+
+    if option == "co2":
+        pytest.importorskip("statsmodels")
+    try:
+        splits = instantiate(composed(f"data={option}", "data.limit_train=40", "data.limit_test=20").data)
+    except DatasetUnavailableError:
+        pytest.skip(f"{option} is not installed")
+    assert len(splits.train[0]) == 40 and len(splits.test[0]) == 20
+    model = "autoencoder1d" if option == "co2" else "vgg_small"
+    check_model_fits(instantiate(composed(f"model={model}").model), splits)
+
+
 def test_a_job_built_twice_from_one_seed_starts_from_the_same_weights():
     """The seed reaches the model's initialisation: two runs of one config train the same dense model."""
     from unsparse.cli import build_job

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import pytest
@@ -144,6 +145,35 @@ def test_a_layer_subset_is_judged_on_the_layers_it_prunes(tmp_path):
     assert "over the pruned layers only" in markdown and "Target 90.00%: reached." in markdown
 
 
+def test_a_time_series_trains_an_autoencoder_and_reports_its_mse(tmp_path, caplog):
+    """Windows without labels train with MSE and the report gives reconstruction MSE per stage next to predicting
+    each window's mean (cross-entropy against a one-channel output was always 0: nothing trained, top-1 0 was
+    reported); a fully pruned layer is warned about; the test set's backend is timed as a whole model."""
+    from test_task import windows
+
+    torch.manual_seed(0)
+    model = create_model("autoencoder1d", width=4)
+    first = next(name for name, layer in model.named_modules() if isinstance(layer, torch.nn.Conv1d))
+    untrained = {key: value.clone() for key, value in model.state_dict().items()}
+    with caplog.at_level("WARNING"):
+        report = run_pipeline(windows(count=48), model, MagnitudePruner(0.9999, layers=[first], fine_tune_epochs=0),
+                              lambda model, loader: model, tmp_path, TrainSettings(epochs=2, batch_size=8),
+                              TimingSettings(batch_size=4, repeats=2, warmup=0, backends=["dense_cpu"]), progress=False)
+    assert report["run"]["metric"] == "mse" and report["run"]["weights"].startswith("trained on the data set, 2 epochs")
+    assert report["run"]["metric_trivial"] > 0
+    assert all(math.isfinite(value) and value > 0 for value in report["accuracy"].values())
+    trained = model.state_dict()
+    assert not torch.equal(trained["1.7.0.weight"], untrained["1.7.0.weight"])  # the last conv, not masked
+    assert all(entry["train_loss"] > 0 for entry in report["dense_training"])
+    assert report["pruning"]["fully_pruned_layers"] == [first] and f"every weight of {first}" in caplog.text
+    check = report["plan_check"]
+    assert check["model_runs_on"] == "reference" and check["model_runs_on_ms"] > 0
+    assert set(check["layer_backends"].values()) == {"reference"}
+    markdown = (tmp_path / "report.md").read_text()
+    assert "| stage | reconstruction MSE (lower is better) |" in markdown and "A model that learned nothing" in markdown
+    assert "1 layer(s) fully pruned" in markdown and "The test set ran on `reference`, not on the plan: " in markdown
+
+
 @pytest.mark.parametrize(("make", "field"), [
     (lambda: TrainSettings(epochs=-1), "train.epochs = -1"),
     (lambda: TrainSettings(batch_size=0), "train.batch_size = 0"),
@@ -154,7 +184,7 @@ def test_a_layer_subset_is_judged_on_the_layers_it_prunes(tmp_path):
     (lambda: TimingSettings(repeats=0), "runtime.timing.repeats = 0"),
     (lambda: TimingSettings(batch_size=0), "runtime.timing.batch_size = 0"),
     (lambda: TimingSettings(warmup=-1), "runtime.timing.warmup = -1"),
-    (lambda: digits(limit_test=0), "limit_test: 0 keeps no image"),
+    (lambda: digits(limit_test=0), "limit_test: 0 keeps no example"),
     (lambda: digits(limit_train=-5), "limit_train"),
     (lambda: create_model("vgg_small", width=0), "model: 'vgg_small' .* has empty tensors"),
 ])

@@ -61,9 +61,9 @@ def run(cfg: DictConfig) -> None:
                   overrides, outdir)
         raise SystemExit(130) from None
     accuracy = report["accuracy"]
-    log.info("weighted sparsity %.2f%% | top-1 dense %.2f, pruned %.2f, sparse run %.2f | report: %s",
-             100 * report["pruning"]["weighted_sparsity"], accuracy["dense"], accuracy["pruned"],
-             accuracy["sparse_run"], outdir / "report.md")
+    log.info("weighted sparsity %.2f%% | %s dense %.4g, pruned %.4g, sparse run %.4g | report: %s",
+             100 * report["pruning"]["weighted_sparsity"], report["run"]["metric_label"], accuracy["dense"],
+             accuracy["pruned"], accuracy["sparse_run"], outdir / "report.md")
 
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="bench")

@@ -40,8 +40,9 @@ class Splits:
     """Train / validation / test tensors of one data set.
 
     Attributes:
-        train, val, test: ``(images (N, 1, 28, 28) float32, labels (N,) int64)`` pairs.
-        num_classes: number of labels.
+        train, val, test: ``(images (N, 1, 28, 28) float32, labels (N,) int64)`` pairs, or for a time series
+            ``(windows (N, 1, T) float32, the same windows)`` (:func:`unsparse.timeseries.timeseries`).
+        num_classes: number of labels; 0 for a time series (reconstruction, :mod:`unsparse.task`).
         name: data set name.
     """
 
@@ -122,7 +123,7 @@ def _normalise(splits: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str
     return {key: ((images - mean) / std, labels) for key, (images, labels) in splits.items()}
 
 
-def _subset(pair: tuple[torch.Tensor, torch.Tensor], limit: int | None,
+def first_examples(pair: tuple[torch.Tensor, torch.Tensor], limit: int | None,
             name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The first ``limit`` examples of ``pair`` (all for None).
 
@@ -130,7 +131,7 @@ def _subset(pair: tuple[torch.Tensor, torch.Tensor], limit: int | None,
         ValueError: naming ``name``, for a limit below 1 (an empty split fails later, far from the setting).
     """
     if limit is not None and limit < 1:
-        raise ValueError(f"{name}: {limit} keeps no image; use a positive number or null for all")
+        raise ValueError(f"{name}: {limit} keeps no example; use a positive number or null for all")
     return pair if limit is None else (pair[0][:limit], pair[1][:limit])
 
 
@@ -155,10 +156,10 @@ def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, li
     test = FashionMNIST(str(torchvision_root), train=False, download=False)
     images = train.data.unsqueeze(1).float() / 255.0
     train_pair, val_pair = _split_validation(images, train.targets.long(), val_size, seed)
-    splits = _normalise({"train": _subset(train_pair, limit_train, "limit_train"),
-                         "val": _subset(val_pair, limit_test, "limit_test"),
-                         "test": _subset((test.data.unsqueeze(1).float() / 255.0, test.targets.long()), limit_test,
-                                         "limit_test")})
+    splits = _normalise({"train": first_examples(train_pair, limit_train, "limit_train"),
+                         "val": first_examples(val_pair, limit_test, "limit_test"),
+                         "test": first_examples((test.data.unsqueeze(1).float() / 255.0, test.targets.long()),
+                                                limit_test, "limit_test")})
     return Splits(**splits, num_classes=10, name="fashion_mnist")
 
 
@@ -179,6 +180,6 @@ def digits(test_size: int = 360, val_size: int = 180, seed: int = 0, limit_train
     labels = torch.tensor(bunch.target, dtype=torch.long)
     rest, test = (images[:-test_size], labels[:-test_size]), (images[-test_size:], labels[-test_size:])
     train_pair, val_pair = _split_validation(*rest, val_size, seed)
-    splits = _normalise({"train": _subset(train_pair, limit_train, "limit_train"), "val": val_pair,
-                         "test": _subset(test, limit_test, "limit_test")})
+    splits = _normalise({"train": first_examples(train_pair, limit_train, "limit_train"), "val": val_pair,
+                         "test": first_examples(test, limit_test, "limit_test")})
     return Splits(**splits, num_classes=10, name="digits")

@@ -26,9 +26,11 @@ from unsparse.report import layer_rows, timing_verdicts, write_report
 from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
 from unsparse.runtime.baseline import NAME as BASELINE
-from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model
+from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model, time_forward
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
+from unsparse.runtime.plan import active_plan
 from unsparse.sparse.io import load_sparse, save_sparse
+from unsparse.task import check_model_fits, task_of, trivial_score
 from unsparse.train import Trainer, check_resumable, deterministic_algorithms, tensor_digest
 
 log = logging.getLogger(__name__)
@@ -177,6 +179,36 @@ def git_commit() -> str | None:
         return None
 
 
+def git_tree_modified() -> bool | None:
+    """Whether tracked files differ from HEAD (``git status``), so that :func:`git_commit` does not name the code
+    that ran; None outside a git checkout or where ``$UNSPARSE_COMMIT`` names the commit (a copied tree)."""
+    if os.environ.get("UNSPARSE_COMMIT", "").strip():
+        return None
+    try:
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                text=True, check=True, cwd=Path(__file__).parent).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return bool(status.strip())
+
+
+def layer_backends(model: nn.Module, backend: str) -> dict[str, str]:
+    """The backend (with its params, where any) each SparseConv of ``model`` runs on: ``backend``, or for ``"auto"``
+    the active plan's entry for the layer's planning key (the dense default where the plan has none)."""
+    from unsparse.sparse.functional import dense_fallback_backend
+
+    if backend != "auto":
+        return dict.fromkeys(sparse_layers(model), backend)
+    chosen = {}
+    for name, layer in sparse_layers(model).items():
+        entry = active_plan().get(getattr(layer, "plan_key", ""))
+        if entry is None:
+            chosen[name] = f"{dense_fallback_backend(layer.values.device)} (not planned)"
+        else:
+            chosen[name] = entry.backend + (f" {json.dumps(entry.params, sort_keys=True)}" if entry.params else "")
+    return chosen
+
+
 def compare_layers(model: nn.Module, example: torch.Tensor,
                    timing: TimingSettings) -> tuple[list[dict[str, Any]], PlanCheck]:
     """Plan ``model`` on ``example`` with the comparator, check the plan end to end and flatten the comparisons
@@ -275,8 +307,10 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     """
     if backend != "auto" and backend not in backend_names():
         raise ValueError(f"runtime.backend: unknown {backend!r}; known: auto, {', '.join(backend_names())}")
+    task = task_of(splits)
+    check_model_fits(model, splits)
     if train.epochs == 0:
-        log.warning("train.epochs = 0: the dense model is not trained (its accuracy is chance level)")
+        log.warning("train.epochs = 0: the dense model is not trained (its %s is chance level)", task.label)
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     claim_output_folder(outdir, job_identity(splits, model, pruner, train, seed))
@@ -288,15 +322,19 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         torch.backends.cudnn.allow_tf32 = False
     torch.manual_seed(seed)
     loaders = splits.loaders(train.batch_size, train.eval_batch_size, seed)
-    trainer = Trainer(loaders, device, lr=train.lr, momentum=train.momentum, weight_decay=train.weight_decay,
-                      progress=progress)
+    trainer = Trainer(loaders, device, loss=task.loss, lr=train.lr, momentum=train.momentum,
+                      weight_decay=train.weight_decay, progress=progress)
     with deterministic_algorithms(train.deterministic):
         dense_history = trainer.fit(model, train.epochs, outdir / "dense.pt", desc="dense training")
-        accuracy = {"dense": trainer.evaluate(model, "test", "test dense")["top1"]}
+        accuracy = {"dense": trainer.evaluate(model, "test", "test dense")[task.metric]}
         result = pruner.run(model, trainer, outdir / "prune")
-        accuracy["pruned"] = trainer.evaluate(model, "test", "test pruned")["top1"]
-    log.info("weighted sparsity %.4f, dense %.2f%%, pruned %.2f%%", result.weighted_sparsity, accuracy["dense"],
-             accuracy["pruned"])
+        accuracy["pruned"] = trainer.evaluate(model, "test", "test pruned")[task.metric]
+    log.info("weighted sparsity %.4f, %s dense %.4g, pruned %.4g", result.weighted_sparsity, task.label,
+             accuracy["dense"], accuracy["pruned"])
+    fully_pruned = [name for name, sparsity in result.layer_sparsity.items() if sparsity >= 1.0]
+    if fully_pruned:
+        log.warning("every weight of %s is pruned: the network's signal is cut there (only biases pass)",
+                    ", ".join(fully_pruned))
     target_reached = result.target_reached(pruner.target)
     if not target_reached:
         log.warning("pruning stopped at weighted sparsity %.4f over the pruned layers, below its target %.4f (its "
@@ -311,27 +349,35 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     rows = layer_rows(loaded, path)
     example = splits.test[0][: train.eval_batch_size if backend == "auto" else timing.batch_size].to(device)
     timings, check = compare_layers(loaded, example, timing)
+    runs_on = {"model_runs_on": backend, "layer_backends": layer_backends(loaded, backend)}
     if backend != "auto":
         set_backend(loaded, backend)
-    accuracy["sparse_run"] = trainer.evaluate(loaded, "test", f"test sparse ({backend})")["top1"]
+        with torch.no_grad():
+            runs_on["model_runs_on_ms"] = time_forward(loaded, example, check.timing, timing.repeats, timing.warmup)
+    accuracy["sparse_run"] = trainer.evaluate(loaded, "test", f"test sparse ({backend})")[task.metric]
+    weights = (f"trained on the data set, {train.epochs} epoch{'s' * (train.epochs != 1)} (not synthetic)"
+               if train.epochs else
+               "NOT trained (train.epochs = 0): the seed's initial weights, pruned")
     report = {
         "run": {"data": splits.name, "model": model.unsparse_spec, "device": str(device), "torch": torch.__version__,
-                "weights": "trained on the data set (not synthetic)", "commit": git_commit(), "seed": seed,
-                "deterministic": train.deterministic},
+                "weights": weights, "metric": task.metric, "metric_label": task.label,
+                "metric_trivial": trivial_score(splits), "commit": git_commit(),
+                "tree_modified": git_tree_modified(), "seed": seed, "deterministic": train.deterministic,
+                "timing_runs": timing.repeats, "timing_warmup": timing.warmup},
         "accuracy": accuracy,
         "dense_training": dense_history,
         "pruning": {"method": result.method, "target": pruner.target, "target_reached": target_reached,
                     "weighted_sparsity": result.weighted_sparsity,
                     "masked_weighted_sparsity": result.masked_weighted_sparsity,
-                    "layer_sparsity": result.layer_sparsity, "wall_time_s": result.wall_time_s,
-                    "history": result.history},
+                    "layer_sparsity": result.layer_sparsity, "fully_pruned_layers": fully_pruned,
+                    "wall_time_s": result.wall_time_s, "history": result.history},
         "quantization": getattr(loaded, "unsparse_quantization", None),
         "layers": rows,
         "timings": [entry for entry in timings if entry["time_ms"] is not None],
         "not_timed": [entry for entry in timings if entry["time_ms"] is None],
         "timing_baseline": BASELINE,
         "timing_verdicts": timing_verdicts([entry for entry in timings if entry["time_ms"] is not None], BASELINE),
-        "plan_check": {**asdict(check), "images": len(example), "model_runs_on": backend},
+        "plan_check": {**asdict(check), "images": len(example), **runs_on},
         "file": {"path": path.name, "bytes": path.stat().st_size,
                  "sparse_conv_bytes": sum(row["file_bytes"] for row in rows),
                  "dense_conv_fp32_bytes": sum(row["dense_fp32_bytes"] for row in rows)},
@@ -339,8 +385,8 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     figures = {"Layers: sparsity and storage": plot_layers(rows, outdir / "layers.png"),
                "Per-layer time by backend": plot_backend_times(report["timings"], outdir / "timings.png")}
     if result.history:
-        metric = "val_top1" if "val_top1" in result.history[0] else "top1"
-        figures["Pruning: accuracy and weighted sparsity"] = plot_history(
-            result.history, outdir / "pruning.png", metric, f"{result.method} pruning (validation)")
+        metric = f"val_{task.metric}" if f"val_{task.metric}" in result.history[0] else task.metric
+        figures["Pruning: validation metric and weighted sparsity"] = plot_history(
+            result.history, outdir / "pruning.png", metric, f"{result.method} pruning (validation {task.label})")
     write_report(outdir, report, figures)
     return report

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from unsparse.atomic import atomic_write_text
-from unsparse.data import Splits, mean_and_std
+from unsparse.data import Splits, first_examples, mean_and_std
 
 SERIES = ("co2", "sunspots", "elnino")
 
@@ -84,7 +84,8 @@ def windows(series: torch.Tensor, length: int, stride: int) -> torch.Tensor:
 
 
 def timeseries(name: str = "co2", window: int = 64, stride: int = 4, val_fraction: float = 0.15,
-               test_fraction: float = 0.15, source: str | Path | None = None) -> Splits:
+               test_fraction: float = 0.15, source: str | Path | None = None, limit_train: int | None = None,
+               limit_test: int | None = None) -> Splits:
     """Chronological train / val / test windows of a statsmodels series for reconstruction.
 
     The series is split in time first (no window crosses a split), windowed, levelled per window and scaled by
@@ -94,14 +95,18 @@ def timeseries(name: str = "co2", window: int = 64, stride: int = 4, val_fractio
     Args:
         source: a file written by :func:`export_series` to read instead of statsmodels (``name`` then only
             names the splits).
+        limit_train, limit_test: keep only the first N train / (validation and test) windows (smoke runs); the
+            scale is taken from the windows kept.
 
     Raises:
-        ValueError: unknown series, or a split shorter than ``window``.
+        ValueError: unknown series, a split shorter than ``window``, or a limit below 1, naming it.
     """
     series = statsmodels_series(name) if source is None else read_series(source)
     test_start = round(len(series) * (1.0 - test_fraction))
     val_start = round(len(series) * (1.0 - test_fraction - val_fraction))
     parts = {"train": series[:val_start], "val": series[val_start:test_start], "test": series[test_start:]}
-    cut = {key: windows(part, window, stride) for key, part in parts.items()}
+    limits = {"train": (limit_train, "limit_train"), "val": (limit_test, "limit_test"),
+              "test": (limit_test, "limit_test")}
+    cut = {key: first_examples((windows(part, window, stride),) * 2, *limits[key])[0] for key, part in parts.items()}
     scale = mean_and_std(cut["train"])[1]
     return Splits(**{key: (value / scale, value / scale) for key, value in cut.items()}, num_classes=0, name=name)

@@ -64,8 +64,10 @@ def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[di
 def plan_check_text(check: dict[str, Any]) -> str:
     """One paragraph on the whole planned model against its dense default (the report's ``plan_check``: the fields
     of :class:`~unsparse.runtime.comparator.PlanCheck`, its ``margin`` a fraction, plus ``images`` per
-    forward and ``model_runs_on``, the backend the test set ran on). Says whether the plan is faster, within the
-    margin (run-to-run noise) or SLOWER, and that slower plans were set back."""
+    forward, ``model_runs_on``, the backend the test set ran on, ``layer_backends``, each layer's backend there, and
+    where that is not ``auto`` ``model_runs_on_ms``, the model's time on it). Says whether the plan is faster,
+    within the margin (run-to-run noise) or SLOWER, that slower plans were set back, and what the test set ran on:
+    the plan's backend per layer, or another backend's whole-model time against the dense default."""
     how = "as CUDA-graph replays (GPU time)" if check["timing"] == "graph" else "eagerly (host clock included)"
     planned, default = check["planned_ms"], check["default_ms"]
     speed = default / planned
@@ -84,7 +86,16 @@ def plan_check_text(check: dict[str, Any]) -> str:
         text += (" Every layer of the plan already runs its dense default, so nothing was set back: the gap is the "
                  "plan's per-layer dispatch (host time) or noise.")
     if check["model_runs_on"] != "auto":
-        text += f" The test set ran on `{check['model_runs_on']}`, not on the plan."
+        text += f" The test set ran on `{check['model_runs_on']}`, not on the plan"
+        if check.get("model_runs_on_ms") is not None:
+            runs_on = check["model_runs_on_ms"]
+            text += (f": {runs_on:.4g} ms per forward, timed the same way, "
+                     f"{default / runs_on:.2f}x the dense default's speed"
+                     + (" (SLOWER)" if runs_on > (1 + check["margin"]) * default else ""))
+        text += "."
+    elif check.get("layer_backends"):
+        text += " The test set ran on the plan: " + ", ".join(
+            f"`{layer}` on {backend}" for layer, backend in check["layer_backends"].items()) + "."
     return text
 
 
@@ -100,11 +111,13 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
     """Write ``report.json`` and ``report.md`` into ``outdir`` (atomically).
 
     Args:
-        report: JSON-ready dict with keys ``run``, ``accuracy``, ``pruning`` (its ``target`` and
-            ``target_reached`` stated when present), ``quantization``, ``layers``
-            (rows of :func:`unsparse.report.layers.layer_rows`), ``timings``, ``timing_baseline``,
-            ``timing_verdicts`` (from :func:`timing_verdicts`), ``file`` and optionally ``plan_check`` (the
-            fields of :class:`~unsparse.runtime.comparator.PlanCheck` with ``images`` and ``model_runs_on``).
+        report: JSON-ready dict with keys ``run`` (with ``metric_label``, ``metric_trivial``, ``timing_runs``,
+            ``timing_warmup`` and ``tree_modified``), ``accuracy`` (the test metric per stage), ``pruning`` (its
+            ``target`` and ``target_reached`` stated when present, ``fully_pruned_layers`` warned about),
+            ``quantization``, ``layers`` (rows of :func:`unsparse.report.layers.layer_rows`), ``timings``,
+            ``timing_baseline``, ``timing_verdicts`` (from :func:`timing_verdicts`), ``file`` and optionally
+            ``plan_check`` (the fields of :class:`~unsparse.runtime.comparator.PlanCheck` with the keys
+            :func:`plan_check_text` names).
         figures: title -> PNG path (relative links are written into the Markdown).
 
     Returns:
@@ -115,11 +128,18 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
     target = "" if "target" not in pruning else f" Target {100 * pruning['target']:.2f}%: " + (
         "reached." if pruning["target_reached"] else "**NOT reached**: the run stopped below it (its iteration "
         "budget ran out, or no layer could be pruned further).")
+    modified = " (working tree modified: the code that ran is not that commit's)" if run.get("tree_modified") else ""
     sections = [
         f"# UnSparse report: {run['model']['name']} on {run['data']}",
-        f"Device: {run['device']}; torch {run['torch']}; weights: {run['weights']}; commit {run.get('commit')}.",
-        "## Accuracy",
-        markdown_table(["stage", "top-1 (%)"], [[key, value] for key, value in accuracy.items()]),
+        f"Device: {run['device']}; torch {run['torch']}; weights: {run['weights']}; commit {run.get('commit')}"
+        f"{modified}.",
+        "## Test metric",
+        "On the test split: `dense` after dense training, `pruned` after pruning and fine-tuning (masks on, before "
+        "quantization), `sparse_run` the exported file reloaded (quantized, if a scheme was chosen) and run on the "
+        "backend named under Whole model.",
+        markdown_table(["stage", run["metric_label"]], [[key, value] for key, value in accuracy.items()]),
+        f"A model that learned nothing scores {run['metric_trivial']:.4g} here (the most frequent training label, or "
+        "each window's own mean).",
         "## Pruning",
         f"Method **{pruning['method']}**, weighted sparsity **{100 * pruning['weighted_sparsity']:.2f}%** "
         f"(paper 004 eq. 7-8, over conv and linear layers){_masked_sparsity(pruning)}, wall time "
@@ -127,6 +147,11 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
         markdown_table(["layer", "sparsity (%)"],
                        [[name, 100 * value] for name, value in pruning["layer_sparsity"].items()]),
     ]
+    if pruning.get("fully_pruned_layers"):
+        sections.append(f"**{len(pruning['fully_pruned_layers'])} layer(s) fully pruned** "
+                        f"({', '.join(pruning['fully_pruned_layers'])}): every weight is zero, so the signal is cut "
+                        "there and only biases pass; a global magnitude threshold does this to layers of small "
+                        "weights.")
     if report.get("quantization"):
         quant = report["quantization"]
         sections += ["## Quantization", markdown_table(["key", "value"], [[k, v] for k, v in quant.items()])]
@@ -141,8 +166,9 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
                          100 * r["sparsity"], r["nnz"], r["row_length"], r["padding_entries"], r["file_bytes"],
                          r["dense_fp32_bytes"]] for r in report["layers"]]),
         "## Per-layer time",
-        f"Median of timed calls after warm-up on {run['device']} (see `timings` in report.json for every "
-        f"measurement). Speedups are relative to `{report['timing_baseline']}`, measured in the same run"
+        f"Median of {run['timing_runs']} timed calls after {run['timing_warmup']} warm-up calls on {run['device']} "
+        f"(see `timings` in report.json for every measurement). Speedups are relative to "
+        f"`{report['timing_baseline']}`, measured in the same run"
         + (": the dense convolution alone (no bias) in its faster layout, NCHW or NHWC, with the input already in it "
            "(cuDNN on a GPU)." if report["timing_baseline"] == BASELINE else "."),
         markdown_table(["layer", "input shape", "backend", "params", "median ms", "rel. error vs reference"],

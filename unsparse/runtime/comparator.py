@@ -386,6 +386,22 @@ class PlanCheck:
     margin: float
 
 
+def time_forward(model: nn.Module, example: torch.Tensor, timing: str, runs: int = MIN_RUNS, warmup: int = 3) -> float:
+    """Median time (ms) of ``model(example)``: ``timing`` ``"graph"`` replays a CUDA graph of the forward
+    (:func:`~unsparse.runtime.timing.time_graph`, GPU time; no warm-up), ``"eager"`` calls it
+    (:func:`~unsparse.runtime.timing.time_fn`, host time included). Call it under ``torch.no_grad()``.
+
+    Raises:
+        RuntimeError: a CUDA graph capture that failed (the forward synchronises or allocates on the host).
+    """
+    def forward() -> None:
+        model(example)
+
+    if timing == "graph":
+        return time_graph(forward, example.device, runs).median_ms
+    return time_fn(lambda i: forward(), example.device, runs=runs, warmup=warmup).median_ms
+
+
 def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons: list[LayerComparison],
                runs: int = MIN_RUNS, warmup: int = 3, margin: float = PLAN_MARGIN) -> PlanCheck:
     """Time a model :func:`plan_model` planned against its dense default; keep the plan only if it is not slower.
@@ -415,20 +431,12 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
     """
     from unsparse.sparse.functional import dense_fallback_backend
 
-    def forward() -> None:
-        model(example)
-
-    def measure(timing: str) -> float:
-        if timing == "graph":
-            return time_graph(forward, example.device, runs).median_ms
-        return time_fn(lambda i: forward(), example.device, runs=runs, warmup=warmup).median_ms
-
     default_backend = dense_fallback_backend(example.device)
 
     def both(timing: str) -> tuple[float, float]:
-        planned = measure(timing)
+        planned = time_forward(model, example, timing, runs, warmup)
         with temporary_backend(model, default_backend):
-            return planned, measure(timing)
+            return planned, time_forward(model, example, timing, runs, warmup)
 
     timing = "graph" if example.device.type == "cuda" else "eager"
     with torch.no_grad():

@@ -1,0 +1,54 @@
+"""The task a data set asks for: its loss, metric, the score of a model that learned nothing, and the model check."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unsparse import create_model
+from unsparse.data import Splits, digits
+from unsparse.task import CLASSIFICATION, RECONSTRUCTION, check_model_fits, task_of, trivial_score
+
+
+def windows(count: int = 24, length: int = 64, seed: int = 0) -> Splits:
+    """Levelled random-walk windows, targets equal to inputs (as :func:`unsparse.timeseries.timeseries` builds)."""
+    walk = torch.randn(count, 1, length, generator=torch.Generator().manual_seed(seed)).cumsum(-1)
+    walk = walk - walk.mean(-1, keepdim=True)
+    parts = walk.split([count // 2, count // 4, count - count // 2 - count // 4])
+    return Splits(*((part, part) for part in parts), num_classes=0, name="walk")
+
+
+def test_labelled_data_is_classification_and_windows_are_reconstruction():
+    assert task_of(digits(limit_train=50, limit_test=20)) is CLASSIFICATION
+    assert task_of(windows()) is RECONSTRUCTION and not RECONSTRUCTION.higher_is_better
+
+
+def test_trivial_scores_are_the_most_frequent_label_and_each_windows_mean():
+    labels = torch.tensor([2, 2, 2, 1])
+    images = torch.zeros(4, 1, 28, 28)
+    splits = Splits((images, labels), (images, labels), (images, torch.tensor([2, 0, 2, 2])), 3, "toy")
+    assert trivial_score(splits) == pytest.approx(75.0)
+    series = windows()
+    test = series.test[1].double()
+    assert trivial_score(series) == pytest.approx(float((test ** 2).mean()))  # levelled: each window's mean is 0
+    shifted = Splits(series.train, series.val, (series.test[0] + 5, series.test[1] + 5), 0, "shifted")
+    assert trivial_score(shifted) == pytest.approx(trivial_score(series))
+
+
+@pytest.mark.parametrize(("model", "data", "message"), [
+    ("vgg_small", windows, r"model 'vgg_small' cannot take the inputs of data 'walk'"),
+    ("autoencoder1d", lambda: digits(limit_train=50, limit_test=20), r"model 'autoencoder1d' cannot take"),
+])
+def test_a_model_of_another_task_is_refused_before_training(model, data, message):
+    with pytest.raises(ValueError, match=message):
+        check_model_fits(create_model(model, width=4), data())
+
+
+def test_a_model_whose_output_does_not_fit_the_targets_is_refused():
+    classifier = torch.nn.Sequential(torch.nn.Conv1d(1, 3, 3, padding=1), torch.nn.Flatten(), torch.nn.LazyLinear(5))
+    with pytest.raises(ValueError, match=r"outputs of shape \(2, 5\) on data 'walk', which needs \(2, 1, 64\)"):
+        check_model_fits(classifier, windows())
+    model = create_model("autoencoder1d", width=4)
+    model.train()
+    check_model_fits(model, windows())
+    assert model.training  # the check restores the mode
