@@ -136,13 +136,20 @@ def test_a_layer_subset_is_judged_on_the_layers_it_prunes(tmp_path):
     subset = [name for name, layer in model.named_modules() if isinstance(layer, torch.nn.Conv2d)][:2]
     report = run_pipeline(digits(limit_train=200, limit_test=60), model,
                           MagnitudePruner(0.9, layers=subset, fine_tune_epochs=0), lambda model, loader: model,
-                          tmp_path, TrainSettings(epochs=0, batch_size=64),
-                          TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]), progress=False)
+                          tmp_path, TrainSettings(epochs=0, batch_size=64, eval_batch_size=30),
+                          TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]), backend="auto",
+                          progress=False)
+    layer_backends = report["plan_check"]["layer_backends"]  # the plan: each layer on dense_cpu in some layout
+    assert len(layer_backends) == len(report["layers"])
+    assert all(backend.startswith("dense_cpu") for backend in layer_backends.values())
+    assert "model_runs_on_ms" not in report["plan_check"]
+    assert report["run"]["weights"].startswith("NOT trained")
     pruning = report["pruning"]
     assert pruning["target_reached"] and pruning["masked_weighted_sparsity"] == pytest.approx(0.9, abs=1e-3)
     assert pruning["weighted_sparsity"] < 0.5
     markdown = (tmp_path / "report.md").read_text()
     assert "over the pruned layers only" in markdown and "Target 90.00%: reached." in markdown
+    assert f"The test set ran on the plan: `{subset[0]}` on dense_cpu" in markdown
 
 
 def test_a_time_series_trains_an_autoencoder_and_reports_its_mse(tmp_path, caplog):
