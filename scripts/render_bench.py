@@ -9,32 +9,55 @@ the GPU machine; this only formats it again, e.g. after the report layout change
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
+from typing import Any
 
 from unsparse.atomic import atomic_write_text
 from unsparse.report.benchmark import evaluate_targets, markdown_report, plot_results
 from unsparse.report.results import beside, load_result, result_stem
 
 
-def main(argv: list[str] | None = None) -> None:
+def is_bench_result(result: dict[str, Any]) -> bool:
+    """Whether a result file is ``run_bench``'s: an environment and per-layer records with a target sparsity (other
+    scripts' results, e.g. ``time_cudnn_layouts.py``'s, also have ``layers`` and ``environment``)."""
+    layers = result.get("layers")
+    return ("environment" in result and isinstance(layers, list)
+            and all(isinstance(record, dict) and "target_sparsity" in record for record in layers))
+
+
+def main(argv: list[str] | None = None) -> int:
     """Write ``<name>.md`` beside each ``<name>.json`` or ``<name>.json.xz`` (targets recomputed from the
-    records)."""
+    records) and with ``--plots`` ``<name>_speedup.png`` etc. Files of other scripts are skipped, and a file that
+    cannot be rendered (a missing or null field) is named with its error while the others still render.
+
+    Returns:
+        0, or 1 if any file could not be rendered.
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path, help="bench JSON files (.json or .json.xz)")
     parser.add_argument("--plots", action="store_true", help="also write the PNG plots beside each file")
     args = parser.parse_args(argv)
+    failed = 0
     for path in args.results:
-        result = load_result(path)
-        if "layers" not in result or "environment" not in result:
+        try:
+            result = load_result(path)
+            if not is_bench_result(result):
+                print(f"skipped {path}: not a run_bench result")
+                continue
+            result.setdefault("end_to_end", [])
+            result["targets"] = evaluate_targets(result)
+            stem = result_stem(path)
+            page = atomic_write_text(beside(stem, ".md"), markdown_report(result))
+            if args.plots:
+                plot_results(result, path.parent, prefix=f"{stem.name}_")
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            failed += 1
+            print(f"FAILED {path}: {type(error).__name__}: {error}", file=sys.stderr)
             continue
-        result.setdefault("end_to_end", [])
-        result["targets"] = evaluate_targets(result)
-        page = beside(result_stem(path), ".md")
-        atomic_write_text(page, markdown_report(result))
-        if args.plots:
-            plot_results(result, path.parent)
         print(f"rendered {page}")
+    return int(failed > 0)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -59,7 +59,11 @@ def test_targets_follow_the_measured_ratios(result):
     targets = evaluate_targets(result)
     vgg = {r["layer"]: r["met"] for r in targets["vgg16_fp32_2x"]["layers"]}
     assert vgg == {"features.2": True, "features.19": True}  # 14x14 is outside the 224..28 target range
-    assert targets["vgg16_fp32_2x"]["met"]
+    assert not targets["vgg16_fp32_2x"]["met"] and targets["vgg16_fp32_2x"]["missing_inputs"] == [112, 56]
+    result["layers"] += [layer("vgg16", "features.5", [64, 112, 112], 3, 8.0, 4.0),
+                         layer("vgg16", "features.10", [128, 56, 56], 3, 8.0, 3.0)]
+    assert evaluate_targets(result)["vgg16_fp32_2x"]["met"]  # every input size measured, each at >= 2x
+    result["layers"] = result["layers"][:-2]
     cublas = targets["escoin_geomean_vs_im2col_cublas"]
     assert cublas["layers"] == 4  # alexnet once, resnet50 layer three times, stem excluded
     assert cublas["geomean"] == pytest.approx(4.0 ** 0.25)
@@ -96,7 +100,8 @@ def test_report_says_where_sparse_is_slower(result, tmp_path):
     assert ("end to end googlenet fp16 b128: the channels-last plan (8.500 ms) was SLOWER than its dense default "
             "(7.900 ms, timed graph); 2 layer keys were set back to the default") in text
     assert "the NCHW plan" not in text
-    assert "**missed**" in text
+    assert "**missed**" in text and "(no layer measured at input 112, 56)" in text
+    assert "Weights: synthetic: synthetic; trained: model.safetensors (end-to-end rows marked trained)." in text
     paths = plot_results(result, tmp_path)
     assert {path.name for path in paths} == {"speedup.png", "breakdown.png", "end_to_end.png"}
     assert all(path.stat().st_size > 0 for path in paths)
@@ -164,3 +169,9 @@ def test_records_before_the_baseline_render_as_call_figures(result) -> None:
     assert "Some records predate the cuDNN-alone baseline" in text
     assert "direct is SLOWER than the cuDNN call (records before the baseline) on 1 of 6 layer settings" in text
     assert "direct >= 2x cuDNN: **not measured in this run**" in text
+
+
+def test_a_result_of_trained_models_only_does_not_call_its_weights_synthetic(result) -> None:
+    result["layers"], result["end_to_end"] = [], result["end_to_end"][-1:]
+    result["targets"] = evaluate_targets(result)
+    assert "Weights: trained: model.safetensors (end-to-end rows marked trained)." in markdown_report(result)

@@ -33,6 +33,10 @@ def test_bad_result_files_raise_value_errors(tmp_path) -> None:
     broken.write_bytes(b"not xz")
     with pytest.raises(ValueError):
         load_result(broken)
+    for text in ('{"layers": [{"speedup_vs_cudnn": NaN}]}', '{"a": Infinity}', '{"a": 1'):
+        listed.write_text(text)
+        with pytest.raises(ValueError, match=r"list.json: not valid JSON"):
+            load_result(listed)
 
 
 def test_break_even_script_reads_a_compressed_sweep(tmp_path, load_script) -> None:
@@ -86,3 +90,23 @@ def test_pages_keep_a_dot_in_the_result_name(tmp_path, load_script) -> None:
     (tmp_path / "run_s0.9.json").write_text(json.dumps(result))
     load_script("render_bench").main([str(tmp_path / "run_s0.9.json")])
     assert (tmp_path / "run_s0.9.md").exists() and not (tmp_path / "run_s0.md").exists()
+
+
+def test_render_bench_skips_other_results_names_a_broken_one_and_renders_the_rest(tmp_path, load_script,
+                                                                                  capsys) -> None:
+    """One result of another script, one with a null field and a good one: the good one is rendered with its plots
+    under its own name, the broken one is named with its error, and the exit status says a file failed."""
+    good = {"environment": {"gpu": "g", "driver": "0", "torch": "x", "cuda": "x", "commit": "abc",
+                            "date_utc": "today"}, "weights": "synthetic", "runs": 20, "layers": [],
+            "end_to_end": [{"model": "m.safetensors", "weights": "trained", "batch": 4, "precision": "fp32",
+                            "dense_ms": 1.0, "planned_ms": 0.5, "speedup": 2.0, "rel_error": 0.0}]}
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    good["end_to_end"][0]["planned_ms"] = None
+    (tmp_path / "broken.json").write_text(json.dumps(good))
+    (tmp_path / "layouts.json").write_text(json.dumps({"environment": {}, "layers": [{"ms": {}}]}))
+    paths = [str(tmp_path / name) for name in ("layouts.json", "broken.json", "good.json")]
+    assert load_script("render_bench").main([*paths, "--plots"]) == 1
+    out, err = capsys.readouterr()
+    assert f"skipped {tmp_path / 'layouts.json'}: not a run_bench result" in out
+    assert f"FAILED {tmp_path / 'broken.json'}: TypeError" in err and f"rendered {tmp_path / 'good.md'}" in out
+    assert (tmp_path / "good_end_to_end.png").exists() and not (tmp_path / "end_to_end.png").exists()

@@ -37,6 +37,12 @@ def beside(stem: str | Path, suffix: str) -> Path:
     return stem.with_name(stem.name + suffix)
 
 
+def _refuse_constant(name: str) -> float:
+    """``json.loads``' hook for ``NaN`` and ``Infinity``, which ``bench.json`` never holds (unmeasured values are
+    null): a hand-edited NaN speedup would compare false everywhere and pass as a met target."""
+    raise ValueError(f"{name} is not JSON")
+
+
 def load_result(path: str | Path) -> dict[str, Any]:
     """The JSON object in a result file, plain or xz-compressed.
 
@@ -46,19 +52,23 @@ def load_result(path: str | Path) -> dict[str, Any]:
     cuDNN's convolution alone in its best layout (:mod:`unsparse.runtime.baseline`).
 
     Raises:
-        ValueError: for another file ending, a broken xz stream, or content that is not a JSON object
-            (``json.JSONDecodeError`` is a ``ValueError`` too).
+        ValueError: naming the file, for another file ending, a broken xz stream, text that is not strict JSON
+            (NaN and Infinity included), or content that is not a JSON object.
     """
     path = Path(path)
     result_stem(path)
     if path.name.endswith(".xz"):
         try:
             with lzma.open(path, "rt") as handle:
-                result = json.load(handle)
+                text = handle.read()
         except (lzma.LZMAError, EOFError) as error:
             raise ValueError(f"result {path}: not a complete xz stream ({error})") from error
     else:
-        result = json.loads(path.read_text())
+        text = path.read_text()
+    try:
+        result = json.loads(text, parse_constant=_refuse_constant)
+    except ValueError as error:
+        raise ValueError(f"result {path}: not valid JSON ({error})") from error
     if not isinstance(result, dict):
         raise ValueError(f"result {path}: expected a JSON object, got {type(result).__name__}")
     for record in result.get("layers", []):
