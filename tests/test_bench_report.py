@@ -101,7 +101,7 @@ def test_report_says_where_sparse_is_slower(result, tmp_path):
             "(7.900 ms, timed graph); 2 layer keys were set back to the default") in text
     assert "the NCHW plan" not in text
     assert "**missed**" in text and "(no layer measured at input 112, 56)" in text
-    assert "Weights: synthetic: synthetic; trained: model.safetensors (end-to-end rows marked trained)." in text
+    assert "Weights: synthetic; trained: model.safetensors (end-to-end rows marked trained)." in text
     paths = plot_results(result, tmp_path)
     assert {path.name for path in paths} == {"speedup.png", "breakdown.png", "end_to_end.png"}
     assert all(path.stat().st_size > 0 for path in paths)

@@ -85,9 +85,9 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 def weights_text(result: dict[str, Any]) -> str:
     """What the weights of a result's records are: ``result["weights"]`` (how the synthetic ones were made) where any
     per-layer or end-to-end record is synthetic, and the files of trained end-to-end records."""
-    trained = [r["model"] for r in result["end_to_end"] if r.get("weights") == "trained"]
+    trained = list(dict.fromkeys(r["model"] for r in result["end_to_end"] if r.get("weights") == "trained"))
     synthetic = bool(result["layers"]) or any(r.get("weights") != "trained" for r in result["end_to_end"])
-    parts = [f"synthetic: {result['weights']}"] if synthetic else []
+    parts = [result["weights"]] if synthetic else []
     parts += [f"trained: {', '.join(trained)} (end-to-end rows marked trained)"] if trained else []
     return "; ".join(parts) or "no records"
 
