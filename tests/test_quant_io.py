@@ -12,7 +12,9 @@ from safetensors.torch import save
 from unsparse import create_model, load_sparse, save_sparse, sparsify
 from unsparse.prune import MagnitudePruner
 from unsparse.quant import ActivationSpec, FP16Quantizer, KMeansQuantizer, LinearQuantizer, NoQuantization
+from unsparse.quant.codecs import FixedPointCodec
 from unsparse.quant.histogram import saturation_level
+from unsparse.quant.state import check_values_codecs
 from unsparse.runtime import sparse_layers
 from unsparse.sparse.format import SparseFormatError
 from unsparse.sparse.io import file_tensor_bytes
@@ -109,7 +111,7 @@ def test_zeros_and_padding_stay_exactly_zero(scheme):
     quantized = SCHEMES[scheme]().quantize(pruned_sparse_model(), calibration())
     for name, layer in sparse_layers(quantized).items():
         before, after = sparse_layers(original)[name].csr, layer.csr
-        assert torch.equal(after.col_idx, before.col_idx)  # sparsify's layout is kept
+        assert torch.equal(after.col_idx, before.col_idx)  # no weight here quantizes to 0: sparsify's layout stays
         assert bool((after.values[before.values == 0] == 0).all())  # UniformCSR padding entries
         assert bool((after.to_dense()[before.to_dense() == 0] == 0).all())  # every pruned weight
 
@@ -186,8 +188,16 @@ def test_fp16_refuses_weights_beyond_its_range():
     model = pruned_sparse_model()
     with torch.no_grad():
         model.get_submodule("0.0").values[0, 0] = 1e6
-    with pytest.raises(ValueError, match=r"0\.0: weights exceed float16"):
+    with pytest.raises(ValueError, match=r"^0\.0\.values: weights exceed float16"):
         FP16Quantizer(progress=False).quantize(model)
+
+
+def store_raw(tensors, metadata, key):
+    """Store fixed-point ``key`` as its float32 values under the raw codec (the file's description left as it is)."""
+    entry = metadata["tensors"][key]
+    parts = {"codes": tensors.pop(f"{key}::codes")}
+    tensors[key] = FixedPointCodec().decode(parts, entry["codec"], tuple(entry["shape"]), key)
+    entry["codec"] = {"name": "raw"}
 
 
 def rewrite(path, change):
@@ -215,9 +225,63 @@ def rewrite(path, change):
     (lambda t, m: m.pop("quantization"), "quantization: missing"),  # not read as unquantized
     (lambda t, m: m["quantization"]["activations"].pop("bits"), r"activations: missing \['bits'\]"),
     (lambda t, m: t.update({"0.0.values::": t["0.0.values::codes"].clone()}), "0.0.values::: empty part name"),
+    (lambda t, m: m["quantization"].pop("weights"), "quantization.weights: expected an object"),
+    (lambda t, m: m["quantization"].update(weights="8-bit"), "quantization.weights: expected an object"),
+    (lambda t, m: m["quantization"]["weights"].pop("power_of_two"), r"quantization.weights.power_of_two: missing"),
+    (lambda t, m: m["quantization"]["weights"].update(bits=40), r"quantization.weights.bits: expected"),
+    (lambda t, m: m["quantization"]["weights"].update(power_of_two=1), r"quantization.weights.power_of_two: expected"),
+    (lambda t, m: m["quantization"]["weights"].update(weight_quantile=2.0), r"quantization.weights.weight_quantile"),
+    (lambda t, m: m["quantization"]["weights"].update(extra=1), r"quantization.weights: unexpected \['extra'\]"),
+    (lambda t, m: m["quantization"]["weights"].update(bits=4), r"^0.0.values: codec .*'bits': 8.* gives .*'bits': 4"),
+    (lambda t, m: m["quantization"].update(scheme="kmeans", weights={"clusters": 16}),
+     "quantization.weights.centroid_bits: missing"),
+    (lambda t, m: m["quantization"].update(scheme="kmeans", weights={"clusters": 16, "index_bits": 4,
+                                                                     "centroid_bits": 8}),
+     r"^0.0.values: codec \{'name': 'fixed_point'.* gives \{'name': 'codebook'"),
+    (lambda t, m: m["quantization"].update(scheme="fp16", weights={"format": "float16"}),
+     r"^0.0.values: codec \{'name': 'fixed_point'.* gives \{'name': 'float16'\}"),
+    (lambda t, m: store_raw(t, m, "0.0.values"), r"^0.0.values: codec \{'name': 'raw'\}"),
 ])
 def test_tampered_quantized_files_raise_naming_the_field(tmp_path, change, match):
     model = LinearQuantizer(progress=False).quantize(pruned_sparse_model(), calibration())
     path = rewrite(save_sparse(model, tmp_path / "m.safetensors"), change)
     with pytest.raises(SparseFormatError, match=match):
         load_sparse(path)
+
+
+@pytest.mark.parametrize(("scheme", "change", "match"), [
+    ("kmeans8", lambda m: m["quantization"]["weights"].update(index_bits=3),
+     r"quantization.weights.index_bits: recorded 3, the scheme's settings give 4"),
+    ("kmeans8", lambda m: m["quantization"]["weights"].update(index_bits=4.0), r"quantization.weights.index_bits"),
+    ("kmeans8", lambda m: m["quantization"]["weights"].update(centroid_bits=16),
+     r"^0.0.values: codec .*'centroid_bits': 8.* gives .*'centroid_bits': 16"),
+    ("kmeans8", lambda m: m["quantization"]["weights"].update(clusters=4, index_bits=2),
+     r"^0.0.values: codec .*'index_bits': 4.* gives .*'index_bits': 2"),
+    ("fp16", lambda m: m["quantization"]["weights"].update(format="bfloat16"),
+     "quantization.weights.format: recorded 'bfloat16'"),
+    ("fp16", lambda m: m["quantization"].update(scheme="linear", weights={"bits": 16, "weight_quantile": 1.0,
+                                                                          "power_of_two": False}),
+     r"^0.0.values: codec \{'name': 'float16'\} contradicts .* gives \{'name': 'fixed_point', 'bits': 16\}"),
+])
+def test_a_description_that_contradicts_the_weight_codecs_is_refused(tmp_path, scheme, change, match):
+    model = SCHEMES[scheme]().quantize(pruned_sparse_model(), calibration())
+    path = rewrite(save_sparse(model, tmp_path / "m.safetensors"), lambda tensors, metadata: change(metadata))
+    with pytest.raises(SparseFormatError, match=match):
+        load_sparse(path)
+
+
+def test_an_unquantized_description_needs_raw_weights(tmp_path):
+    model = LinearQuantizer(activations=ActivationSpec(format="none"), progress=False).quantize(pruned_sparse_model())
+    path = rewrite(save_sparse(model, tmp_path / "m.safetensors"), lambda t, m: m.update(quantization=None))
+    with pytest.raises(SparseFormatError, match=r"^0.0.values: codec .*fixed_point.* \(scheme 'none'\), .*'raw'"):
+        load_sparse(path)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_and_reloaded_models_agree_with_their_description(tmp_path, scheme):
+    model = SCHEMES[scheme]().quantize(pruned_sparse_model(), calibration())
+    check_values_codecs(model)
+    loaded = load_sparse(save_sparse(model, tmp_path / "m.safetensors"))
+    check_values_codecs(loaded)
+    if scheme == "none":  # a reloaded unquantized model may still be quantized, and agrees with its new description
+        check_values_codecs(LinearQuantizer(bits=4, progress=False).quantize(loaded, calibration()))

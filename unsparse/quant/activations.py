@@ -9,7 +9,7 @@ arithmetic stays float32 (on the CPU; FP16/INT kernels belong to the GPU runtime
   saturation level chosen by histogram analysis of calibration data (:mod:`unsparse.quant.histogram`),
   stored per layer as the buffer ``input_quantizer.saturation`` (float32 scalar, same unit as activations).
 
-On load, :func:`unsparse.quant.layerwise.restore_layerwise` rebuilds the structure from
+On load, :meth:`unsparse.quant.layerwise.LayerwiseQuantizer.restore` rebuilds the structure from
 :meth:`ActivationSpec.to_dict` (the restorer mechanism of :mod:`unsparse.quant.state`).
 """
 
@@ -25,7 +25,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from unsparse.quant.fixed_point import check_bits, fake_quantize, fixed_point_step
-from unsparse.quant.histogram import MagnitudeHistogram, check_count, check_quantile
+from unsparse.quant.histogram import MagnitudeHistogram
+from unsparse.quant.settings import check_choice, check_flag, check_integer, check_quantile
 from unsparse.runtime.modules import sparse_layers
 from unsparse.sparse.format import SparseFormatError
 
@@ -56,14 +57,12 @@ class ActivationSpec:
     calibration_batches: int = 4
 
     def __post_init__(self) -> None:
-        if self.format not in FORMATS:
-            raise ValueError(f"activations.format: expected one of {FORMATS}, got {self.format!r}")
+        check_choice(self.format, FORMATS, "activations.format")
         check_bits(self.bits, "activations.bits")
-        check_quantile(self.quantile)
-        check_count(self.bins, "activations.bins")
-        check_count(self.calibration_batches, "activations.calibration_batches")
-        if not isinstance(self.power_of_two, bool):
-            raise ValueError(f"activations.power_of_two: expected a bool, got {self.power_of_two!r}")
+        check_quantile(self.quantile, "activations.quantile")
+        check_integer(self.bins, "activations.bins")
+        check_integer(self.calibration_batches, "activations.calibration_batches")
+        check_flag(self.power_of_two, "activations.power_of_two")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (stored in the file's quantization description); only ``format`` unless fixed."""
@@ -163,7 +162,8 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
     Two passes over the first ``spec.calibration_batches`` batches (model in eval mode, float32
     activations; call it before :func:`attach_activation_quantizers`): the first finds ``max |x|`` per
     layer, the second fills a :class:`MagnitudeHistogram` over ``[0, max]`` and takes its ``spec.quantile``
-    level. Inputs include exact zeros (e.g. after ReLU): the quantile is over all values.
+    level. Exact zeros (e.g. after a ReLU) are not counted: the quantile is over the nonzero magnitudes, so the
+    level does not depend on the share of zeros (see :mod:`unsparse.quant.histogram`).
 
     Args:
         model: CPU model with SparseConv layers.

@@ -9,8 +9,10 @@ quantization); on save its codec stores the compact form, and on load it rebuild
 - ``codebook`` (params ``index_bits``, ``centroid_bits``, ``step``) for a UniformCSR ``values`` ``(M, L)``
   tensor: the centroids as fixed-point codes (part ``centroids``, int8 or int16), the bit-packed centroid
   index of every entry (part ``indices``, e.g. two 4-bit indices per byte) and, per row, how many leading
-  entries are stored weights (part ``row_nnz``, bit-packed); the entries after them are UniformCSR padding
-  and decode to exactly zero, so zeros need no codebook entry (paper 004 §4, Algorithm 3).
+  entries are stored (part ``row_nnz``, bit-packed in :func:`row_count_bits` bits, 1 to 31); the entries after
+  them are UniformCSR padding and decode to exactly zero, so padding needs no codebook entry (paper 004 §4,
+  Algorithm 3). A stored zero before a row's padding would take one like any value; the quantizers re-pack
+  each layer after quantizing (:mod:`unsparse.quant.layerwise`), so they leave none.
 
 The step travels in the JSON metadata as a float that is exactly a float32 value.
 """
@@ -94,7 +96,9 @@ def _centroid_codes(centroids: torch.Tensor, index_bits: int, centroid_bits: int
 
 
 def row_count_bits(row_length: int) -> int:
-    """Bits of one ``row_nnz`` entry of a codebook tensor with rows of ``row_length`` entries (>= 1)."""
+    """Bits of one ``row_nnz`` entry of a codebook tensor with rows of ``row_length`` entries: the bits of
+    ``row_length`` itself, at least 1 (17 from 65,536 entries on; a row length fits int32 column indices, so at
+    most 31)."""
     return max(1, int(row_length).bit_length())
 
 

@@ -51,29 +51,40 @@ def fixed_point_step(saturation: float, bits: int, power_of_two: bool = False) -
         power_of_two: round ``Δ`` to ``2^-fl`` with ``fl = b - 1 - ceil(log2 x_sat)`` (a shift).
 
     Returns:
-        ``Δ`` as a Python float that is exactly a float32 value (so the files can carry it in JSON exactly).
+        ``Δ`` as a Python float that is exactly a float32 value (so the files can carry it in JSON exactly), and
+        whose largest multiple ``q_max·Δ`` is finite in float32: where ``x_sat / q_max`` rounds up so far that
+        ``q_max·Δ`` would overflow (``x_sat`` near float32's maximum), ``Δ`` is the largest float32 value below
+        it that does not (a power-of-two ``Δ`` never needs this).
 
     Raises:
-        ValueError: bits out of range, or ``saturation`` not finite and positive (e.g. an all-zero layer).
+        ValueError: bits out of range, or ``saturation`` not finite and positive (e.g. an all-zero layer), or a
+            step outside float32's range (``saturation`` beyond it, or subnormal).
     """
     q_max = max_code(bits)
     if not math.isfinite(saturation) or saturation <= 0:
         raise ValueError(f"saturation: expected a finite level > 0, got {saturation!r} (all values zero?)")
     step = 2.0 ** (math.ceil(math.log2(saturation)) + 1 - bits) if power_of_two else saturation / q_max
-    step32 = float(torch.tensor(step, dtype=torch.float32))
-    if not math.isfinite(step32) or step32 <= 0:
+    step32 = torch.tensor(step, dtype=torch.float32)
+    if not bool(torch.isfinite(step32)) or float(step32) <= 0:
         raise ValueError(f"saturation: {saturation!r} gives a step {step!r} outside float32's range")
-    return step32
+    while not bool(torch.isfinite(step32 * q_max)):
+        step32 = torch.nextafter(step32, torch.zeros((), dtype=torch.float32))
+    return float(step32)
+
+
+def _rounded_codes(x: torch.Tensor, step: float, bits: int) -> torch.Tensor:
+    """``clip(round(x / Δ), -q_max, q_max)`` (eq. 19) in float32, shape of ``x``; NaN stays NaN, ±inf clip."""
+    q_max = max_code(bits)
+    return torch.round(x.to(torch.float32) / torch.tensor(step, dtype=torch.float32)).clamp(-q_max, q_max)
 
 
 def to_codes(x: torch.Tensor, step: float, bits: int) -> torch.Tensor:
     """Integer codes ``clip(round(x / Δ), -q_max, q_max)`` (eq. 19), int64, shape of ``x``.
 
-    ``round`` is round-half-to-even; ``x`` may be any float dtype.
+    ``round`` is round-half-to-even; ``x`` may be any float dtype and must be free of NaN (an int64 has no NaN;
+    ±inf give ``±q_max``).
     """
-    q_max = max_code(bits)
-    scaled = x.to(torch.float32) / torch.tensor(step, dtype=torch.float32)
-    return torch.round(scaled).clamp(-q_max, q_max).to(torch.int64)
+    return _rounded_codes(x, step, bits).to(torch.int64)
 
 
 def from_codes(codes: torch.Tensor, step: float) -> torch.Tensor:
@@ -85,5 +96,10 @@ def from_codes(codes: torch.Tensor, step: float) -> torch.Tensor:
 
 
 def fake_quantize(x: torch.Tensor, step: float, bits: int) -> torch.Tensor:
-    """``Q(x)`` of eq. 19 in float32: ``|Q(x) - x| <= Δ/2`` for ``|x| <= q_max·Δ``; larger ``|x|`` saturate."""
-    return from_codes(to_codes(x, step, bits), step)
+    """``Q(x)`` of eq. 19 as float32, shape of ``x`` (any float dtype), computed in floating point.
+
+    ``|Q(x) - x| <= Δ/2`` for ``|x| <= q_max·Δ``; larger ``|x|`` saturate, ±inf included, and NaN stays NaN
+    (an integer code has no NaN). For finite ``x`` the result is bitwise ``from_codes(to_codes(x, Δ, b), Δ)``.
+    """
+    # + 0.0 turns the -0.0 that round() gives a small negative value into the +0.0 of the integer code 0
+    return from_codes(_rounded_codes(x, step, bits) + 0.0, step)

@@ -14,13 +14,13 @@ class FP16Quantizer(LayerwiseQuantizer):
     """Round each sparse convolution's weights to float16 (stored as float16: 2 bytes per value) and, by
     default, its input activations too (fake quantization on the CPU; see :mod:`unsparse.quant.layerwise`).
 
-    Weights below float16's subnormal range round to zero (they become stored zeros of the UniformCSR).
+    Weights below float16's subnormal range round to zero and leave the UniformCSR (the layer is re-packed).
     """
 
     scheme = "fp16"
     default_activations = ActivationSpec(format="fp16")
 
-    def quantize_values(self, values: torch.Tensor, layer: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    def quantize_values(self, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """``values`` rounded to the nearest float16, as float32.
 
         Raises:
@@ -28,8 +28,15 @@ class FP16Quantizer(LayerwiseQuantizer):
         """
         quantized = values.to(torch.float16).to(torch.float32)
         if not bool(torch.isfinite(quantized).all()):
-            raise ValueError(f"{layer}: weights exceed float16's range (|w| > 65504)")
-        return quantized, {"name": "float16"}
+            raise ValueError("weights exceed float16's range (|w| > 65504)")
+        return quantized, {}
+
+    def values_codec(self) -> dict[str, Any]:
+        return {"name": "float16"}
 
     def settings(self) -> dict[str, Any]:
         return {"format": "float16"}
+
+    @classmethod
+    def from_settings(cls, weights: dict[str, Any]) -> FP16Quantizer:
+        return cls(progress=False)

@@ -1,9 +1,13 @@
 """Histogram analysis of magnitudes to choose a saturation level (paper 004 §4).
 
 The paper sets the activation saturation threshold to 0.99 after histogram analysis of outliers. We read
-it as a quantile: the saturation level ``x_sat`` is where the histogram of ``|x|`` (over calibration data)
-reaches the configured fraction of its mass, so that fraction of the values lies within ``±x_sat`` and the
-rest saturate. ``quantile = 1`` gives ``max |x|`` (nothing saturates).
+it as a quantile: the saturation level ``x_sat`` is where the histogram of the nonzero ``|x|`` (over
+calibration data) reaches the configured fraction of its mass, so that fraction of the nonzero values lies
+within ``±x_sat`` and the rest saturate. ``quantile = 1`` gives ``max |x|`` (nothing saturates).
+
+Exact zeros are left out: a zero never saturates (it is code 0 on every grid), and counting them would tie the
+level to the share of zeros, which after a ReLU is often most of the values: above a share of ``quantile``
+zeros the level would fall to the first bin and every nonzero value would saturate.
 """
 
 from __future__ import annotations
@@ -12,23 +16,11 @@ import math
 
 import torch
 
-
-def check_quantile(quantile: float) -> float:
-    """``quantile`` if it is a number in ``(0, 1]``; raises ``ValueError`` naming it otherwise."""
-    if isinstance(quantile, bool) or not isinstance(quantile, int | float) or not 0 < quantile <= 1:
-        raise ValueError(f"quantile: expected a number in (0, 1], got {quantile!r}")
-    return float(quantile)
-
-
-def check_count(value: int, field: str) -> int:
-    """``value`` if it is an integer >= 1 (bools refused); raises ``ValueError`` naming ``field`` otherwise."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{field}: expected an integer >= 1, got {value!r}")
-    return value
+from unsparse.quant.settings import check_integer, check_quantile
 
 
 class MagnitudeHistogram:
-    """Counts of ``|x|`` in ``bins`` equal bins over ``[0, upper]``, accumulated over batches.
+    """Counts of the nonzero ``|x|`` in ``bins`` equal bins over ``[0, upper]``, accumulated over batches.
 
     Args:
         upper: the largest magnitude to expect (e.g. ``max |x|`` from a first pass), finite and > 0; larger
@@ -42,12 +34,13 @@ class MagnitudeHistogram:
     def __init__(self, upper: float, bins: int) -> None:
         if not math.isfinite(upper) or upper <= 0:
             raise ValueError(f"upper: expected a finite magnitude > 0, got {upper!r} (all values zero?)")
-        self.upper, self.bins = float(upper), check_count(bins, "bins")
+        self.upper, self.bins = float(upper), check_integer(bins, "bins")
         self.counts = torch.zeros(bins, dtype=torch.float64)
 
     def add(self, x: torch.Tensor) -> None:
-        """Count the magnitudes of ``x`` (any shape, float dtype)."""
-        magnitudes = x.detach().abs().to(torch.float64).reshape(-1).clamp(max=self.upper)
+        """Count the nonzero magnitudes of ``x`` (any shape, float dtype); exact zeros are not counted."""
+        magnitudes = x.detach().abs().to(torch.float64).reshape(-1)
+        magnitudes = magnitudes[magnitudes != 0].clamp(max=self.upper)
         self.counts += torch.histc(magnitudes, self.bins, 0.0, self.upper).cpu()
 
     def level(self, quantile: float) -> float:
@@ -56,12 +49,12 @@ class MagnitudeHistogram:
         The true quantile ``t`` of the counted magnitudes satisfies ``level - upper/bins <= t <= level``.
 
         Raises:
-            ValueError: ``quantile`` outside ``(0, 1]``, or nothing counted.
+            ValueError: ``quantile`` outside ``(0, 1]``, or no nonzero magnitude counted.
         """
-        quantile = check_quantile(quantile)
+        quantile = check_quantile(quantile, "quantile")
         total = float(self.counts.sum())
         if total == 0:
-            raise ValueError("histogram: no values counted")
+            raise ValueError("histogram: no nonzero magnitude counted")
         cumulative = torch.cumsum(self.counts, 0) / total
         index = int(torch.searchsorted(cumulative, torch.tensor([quantile], dtype=torch.float64)).clamp(
             max=self.bins - 1))
@@ -69,7 +62,7 @@ class MagnitudeHistogram:
 
 
 def saturation_level(x: torch.Tensor, quantile: float, bins: int) -> float:
-    """The histogram saturation level of one tensor's magnitudes (see :class:`MagnitudeHistogram`).
+    """The histogram saturation level of one tensor's nonzero magnitudes (see :class:`MagnitudeHistogram`).
 
     Raises:
         ValueError: empty or all-zero ``x``, non-finite values, bad ``quantile`` or ``bins``.

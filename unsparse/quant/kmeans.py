@@ -4,7 +4,8 @@ Per sparse convolution: the nonzero weights are clustered into ``clusters`` grou
 ``KMeans`` (Alg. 3 line 4), each weight is replaced by its cluster's centroid (lines 5-7, 12), and the
 centroids are quantized to ``centroid_bits``-bit signed fixed point (lines 8-10; eq. 19-20 with ``x_sat`` the
 largest centroid magnitude). Zeros (pruned weights and UniformCSR padding) are not clustered and stay
-exactly zero. The file stores ``ceil(log2 clusters)``-bit indices, packed (two per byte for 16 clusters),
+exactly zero; weights whose centroid rounds to zero become zeros too and leave the UniformCSR (the layer is
+re-packed). The file stores ``ceil(log2 clusters)``-bit indices, packed (two per byte for 16 clusters),
 plus the codebook (codec ``codebook``, :mod:`unsparse.quant.codecs`).
 """
 
@@ -18,10 +19,15 @@ import torch
 from unsparse.quant.activations import ActivationSpec
 from unsparse.quant.fixed_point import check_bits, fixed_point_step, from_codes, to_codes
 from unsparse.quant.layerwise import LayerwiseQuantizer
+from unsparse.quant.settings import check_choice, check_integer
 
 EMPTY_LAYER_STEP = 1.0
 """Step recorded for a layer without nonzero weights (it has no centroid, so the step is never used)."""
 MAX_CLUSTERS = 1 << 16
+INITS = ("k-means++", "random")
+"""``init`` methods of ``sklearn.cluster.KMeans`` that take no data of their own."""
+MAX_SEED = (1 << 32) - 1
+"""Largest ``random_state`` seed scikit-learn accepts."""
 
 
 class KMeansQuantizer(LayerwiseQuantizer):
@@ -33,12 +39,17 @@ class KMeansQuantizer(LayerwiseQuantizer):
     Args:
         clusters: centroids per layer in ``[2, 65536]`` (16: 4-bit indices, the paper's setting).
         centroid_bits: bits of each centroid in ``[2, 16]`` (paper: 8 or 16).
-        n_init, max_iter, init, random_state: passed to ``sklearn.cluster.KMeans`` (fixed seed: repeatable).
+        n_init: k-means runs per layer, the best kept (an integer >= 1).
+        max_iter: iterations per run (an integer >= 1).
+        init: ``"k-means++"`` or ``"random"``.
+        random_state: seed, an integer in ``[0, 2^32 - 1]`` (fixed: repeatable). These four are passed to
+            ``sklearn.cluster.KMeans``.
         activations: default float16 (the paper's 4b/16b row reads as 4-bit weights, 16-bit activations).
         progress: tqdm bars during calibration.
 
     Raises:
-        ValueError: clusters or centroid bits out of range.
+        ValueError: any argument out of range or of the wrong type, naming it (checked here, not when
+            scikit-learn first runs).
     """
 
     scheme = "kmeans"
@@ -48,11 +59,12 @@ class KMeansQuantizer(LayerwiseQuantizer):
                  init: str = "k-means++", random_state: int = 0, activations: ActivationSpec | None = None,
                  progress: bool = True) -> None:
         super().__init__(activations, progress)
-        if isinstance(clusters, bool) or not isinstance(clusters, int) or not 2 <= clusters <= MAX_CLUSTERS:
-            raise ValueError(f"clusters: expected an integer in [2, {MAX_CLUSTERS}], got {clusters!r}")
-        self.clusters, self.centroid_bits = clusters, check_bits(centroid_bits, "centroid_bits")
+        self.clusters = check_integer(clusters, "clusters", 2, MAX_CLUSTERS)
+        self.centroid_bits = check_bits(centroid_bits, "centroid_bits")
         self.index_bits = math.ceil(math.log2(clusters))
-        self.n_init, self.max_iter, self.init, self.random_state = n_init, max_iter, init, random_state
+        self.n_init, self.max_iter = check_integer(n_init, "n_init"), check_integer(max_iter, "max_iter")
+        self.init = check_choice(init, INITS, "init")
+        self.random_state = check_integer(random_state, "random_state", 0, MAX_SEED)
 
     def cluster(self, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Centroids ``(k,)`` float64 and each weight's centroid index ``(n,)`` int64 for ``weights`` ``(n,)``.
@@ -68,21 +80,26 @@ class KMeansQuantizer(LayerwiseQuantizer):
                         random_state=self.random_state).fit(weights.reshape(-1, 1).numpy())
         return torch.from_numpy(kmeans.cluster_centers_[:, 0]), torch.from_numpy(kmeans.labels_).to(torch.int64)
 
-    def quantize_values(self, values: torch.Tensor, layer: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    def quantize_values(self, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """Every nonzero weight replaced by its quantized centroid; zeros unchanged.
 
-        A centroid smaller than half a centroid step rounds to 0 and its weights become stored zeros.
+        A centroid smaller than half a centroid step rounds to 0: its weights become zeros.
         """
         nonzero = values != 0
-        codec = {"name": "codebook", "index_bits": self.index_bits, "centroid_bits": self.centroid_bits,
-                 "step": EMPTY_LAYER_STEP}
         if not bool(nonzero.any()):
-            return values.clone(), codec
+            return values.clone(), {"step": EMPTY_LAYER_STEP}
         centroids, labels = self.cluster(values[nonzero].to(torch.float64))
         step = fixed_point_step(float(centroids.abs().max()), self.centroid_bits)
         quantized = torch.zeros_like(values)
         quantized[nonzero] = from_codes(to_codes(centroids, step, self.centroid_bits)[labels], step)
-        return quantized, {**codec, "step": step}
+        return quantized, {"step": step}
+
+    def values_codec(self) -> dict[str, Any]:
+        return {"name": "codebook", "index_bits": self.index_bits, "centroid_bits": self.centroid_bits}
 
     def settings(self) -> dict[str, Any]:
         return {"clusters": self.clusters, "index_bits": self.index_bits, "centroid_bits": self.centroid_bits}
+
+    @classmethod
+    def from_settings(cls, weights: dict[str, Any]) -> KMeansQuantizer:
+        return cls(clusters=weights["clusters"], centroid_bits=weights["centroid_bits"], progress=False)

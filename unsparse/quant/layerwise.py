@@ -20,33 +20,24 @@ from torch import nn
 
 from unsparse.quant.activations import ActivationSpec, attach_activation_quantizers, calibrate
 from unsparse.quant.base import Quantizer
-from unsparse.quant.state import describe_quantization, register_restorer
-from unsparse.runtime.modules import sparse_layers
+from unsparse.quant.state import describe_quantization, register_scheme
+from unsparse.runtime.modules import SparseConv, sparse_layers
 from unsparse.sparse.format import SparseFormatError, UniformCSR
-
-
-def restore_layerwise(model: nn.Module, description: dict[str, Any]) -> None:
-    """Restorer of every layer-wise scheme: re-attach the described activation quantizers (meta model).
-
-    Raises:
-        SparseFormatError: a malformed ``activations`` entry.
-    """
-    try:
-        spec = ActivationSpec.from_dict(description.get("activations"))
-    except (TypeError, ValueError) as error:
-        raise SparseFormatError(f"quantization.activations: {error}") from error
-    attach_activation_quantizers(model, spec)
 
 
 class LayerwiseQuantizer(Quantizer):
     """Quantize each SparseConv's ``values`` with :meth:`quantize_values`, then its input activations.
 
-    Subclasses set ``scheme`` (registered as a file restorer), ``default_activations`` and implement
-    :meth:`quantize_values` and :meth:`settings`.
+    Subclasses set ``scheme`` (registered with the file loader, :func:`unsparse.quant.state.register_scheme`) and
+    ``default_activations``, and implement :meth:`quantize_values`, :meth:`values_codec`, :meth:`settings` and
+    :meth:`from_settings`.
 
     Args:
-        activations: the activation quantization (default: the scheme's ``default_activations``).
+        activations: the activation quantization (None: the scheme's ``default_activations``).
         progress: tqdm bars during calibration.
+
+    Raises:
+        ValueError: ``activations`` neither None nor an :class:`ActivationSpec`.
     """
 
     scheme: ClassVar[str]
@@ -54,42 +45,127 @@ class LayerwiseQuantizer(Quantizer):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        register_restorer(cls.scheme)(restore_layerwise)
+        register_scheme(cls.scheme, cls.restore, cls.described_values_codec)
 
     def __init__(self, activations: ActivationSpec | None = None, progress: bool = True) -> None:
-        self.activations = activations or self.default_activations
+        if activations is not None and not isinstance(activations, ActivationSpec):
+            raise ValueError(f"activations: expected an ActivationSpec, or None for the scheme's default, got "
+                             f"{activations!r}")
+        self.activations = self.default_activations if activations is None else activations
         self.progress = progress
 
     @abstractmethod
-    def quantize_values(self, values: torch.Tensor, layer: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    def quantize_values(self, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """Quantize one layer's weights.
 
         Args:
-            values: UniformCSR values ``(M, L)`` float32 on the CPU: each row's stored weights first, then
-                exact-zero padding.
-            layer: the layer's name, for error messages.
+            values: UniformCSR values ``(M, L)`` float32 on the CPU, finite: each row's stored weights first,
+                then exact-zero padding.
 
         Returns:
-            ``(quantized (M, L) float32, codec spec)``; zeros must stay exactly zero and the codec must
-            store the quantized tensor exactly (:mod:`unsparse.quant.codecs`).
+            ``(quantized (M, L) float32, the layer's own codec params)``: zeros stay exactly zero, and the codec
+            ``{**values_codec(), **params}`` stores the quantized tensor exactly (:mod:`unsparse.quant.codecs`).
+
+        Raises:
+            ValueError: weights the scheme cannot quantize (the caller adds the layer's name).
         """
+
+    @abstractmethod
+    def values_codec(self) -> dict[str, Any]:
+        """The codec spec every layer's ``values`` take, less each layer's own params (e.g. its ``step``)."""
 
     @abstractmethod
     def settings(self) -> dict[str, Any]:
         """The weight settings (JSON-ready) recorded in the model's quantization description."""
 
+    @classmethod
+    @abstractmethod
+    def from_settings(cls, weights: dict[str, Any]) -> LayerwiseQuantizer:
+        """The quantizer with the weight settings ``weights`` (as :meth:`settings` writes them).
+
+        Raises:
+            KeyError: a setting missing (its key).
+            ValueError: a setting out of range, naming it.
+        """
+
+    @classmethod
+    def described(cls, description: dict[str, Any]) -> LayerwiseQuantizer:
+        """The quantizer that a file's quantization description records: its ``weights`` must hold exactly the
+        scheme's :meth:`settings`, each valid and of the type the scheme writes (e.g. ``index_bits`` the one that
+        ``clusters`` gives).
+
+        Raises:
+            SparseFormatError: naming ``quantization.weights`` or ``quantization.weights.<setting>``.
+        """
+        weights = description.get("weights")
+        if not isinstance(weights, dict):
+            raise SparseFormatError(f"quantization.weights: expected an object, got {weights!r}")
+        try:
+            quantizer = cls.from_settings(weights)
+        except KeyError as error:
+            raise SparseFormatError(f"quantization.weights.{error.args[0]}: missing") from error
+        except ValueError as error:
+            raise SparseFormatError(f"quantization.weights.{error}") from error
+        settings = quantizer.settings()
+        unexpected = sorted(set(weights) - set(settings))
+        if unexpected:
+            raise SparseFormatError(f"quantization.weights: unexpected {unexpected}, expected {sorted(settings)}")
+        for key, value in settings.items():
+            if type(weights[key]) is not type(value) or weights[key] != value:
+                raise SparseFormatError(f"quantization.weights.{key}: recorded {weights[key]!r}, the scheme's "
+                                        f"settings give {value!r}")
+        return quantizer
+
+    @classmethod
+    def described_values_codec(cls, description: dict[str, Any]) -> dict[str, Any]:
+        """The :meth:`values_codec` of the :meth:`described` quantizer. Raises ``SparseFormatError`` as it."""
+        return cls.described(description).values_codec()
+
+    @classmethod
+    def restore(cls, model: nn.Module, description: dict[str, Any]) -> None:
+        """The scheme's file restorer: check the described weight settings and re-attach the described activation
+        quantizers (``model`` on the ``meta`` device).
+
+        Raises:
+            SparseFormatError: a malformed ``weights`` or ``activations`` entry, naming the field.
+        """
+        cls.described(description)
+        try:
+            spec = ActivationSpec.from_dict(description.get("activations"))
+        except (TypeError, ValueError) as error:
+            raise SparseFormatError(f"quantization.activations: {error}") from error
+        attach_activation_quantizers(model, spec)
+
+    def quantize_layer(self, name: str, layer: SparseConv) -> tuple[UniformCSR, dict[str, Any]]:
+        """One layer's quantized weight, on the CPU, and its ``values`` codec spec.
+
+        The weight is re-packed with :meth:`UniformCSR.from_dense` before (stored weights first, padding last,
+        no column twice: the layout :func:`unsparse.sparsify` produces) and after quantization, so that weights
+        that quantize to zero leave the stored entries and ``L`` is again the largest nnz of any row.
+
+        Raises:
+            ValueError: the scheme's own errors, prefixed with ``<name>.values``.
+        """
+        packed = UniformCSR.from_dense(layer.csr.to_dense().cpu())
+        try:
+            values, params = self.quantize_values(packed.values)
+        except ValueError as error:
+            raise ValueError(f"{name}.values: {error}") from error
+        quantized = UniformCSR(values, packed.col_idx, packed.weight_shape)
+        return UniformCSR.from_dense(quantized.to_dense()), {**self.values_codec(), **params}
+
     def quantize(self, model: nn.Module,
                  calibration: Iterable[tuple[torch.Tensor, torch.Tensor]] | None = None) -> nn.Module:
         """Quantize a float32 sparse model in place (see the module docstring); returns it.
 
-        Activation saturation levels are calibrated on the float32 model first; each weight is re-packed
-        with :meth:`UniformCSR.from_dense` (stored weights first, padding last: the layout
-        :func:`unsparse.sparsify` produces, so a no-op on its output). Every layer is quantized before any is
-        changed, so an error leaves the model as it was.
+        Activation saturation levels are calibrated on the float32 model first; each weight is quantized and
+        re-packed by :meth:`quantize_layer`. Every layer is quantized before any is changed, so an error leaves the
+        model as it was.
 
         Raises:
-            ValueError: no SparseConv layer, a model already quantized, weights not float32, no calibration
-                data for fixed-point activations, or a scheme's own errors (bits out of range, ...).
+            ValueError: no SparseConv layer, a model already quantized, weights not float32 or not finite (naming
+                ``<layer>.values``), no calibration data for fixed-point activations, or a scheme's own errors
+                (naming ``<layer>.values``).
         """
         layers = sparse_layers(model)
         if not layers:
@@ -99,13 +175,14 @@ class LayerwiseQuantizer(Quantizer):
         for name, layer in layers.items():
             if layer.values.dtype != torch.float32:
                 raise ValueError(f"{name}.values: quantization expects float32 weights, got {layer.values.dtype}")
+            if not bool(torch.isfinite(layer.values).all()):
+                raise ValueError(f"{name}.values: non-finite weights (NaN or inf); quantization needs finite ones")
         levels = calibrate(model, calibration, self.activations, self.progress) \
             if self.activations.format == "fixed" else {}
-        packed = {name: UniformCSR.from_dense(layer.csr.to_dense().cpu()) for name, layer in layers.items()}
-        quantized = {name: self.quantize_values(csr.values, name) for name, csr in packed.items()}
+        quantized = {name: self.quantize_layer(name, layer) for name, layer in layers.items()}
         for name, layer in layers.items():
-            (values, codec), device = quantized[name], layer.values.device
-            layer.set_csr(UniformCSR(values.to(device), packed[name].col_idx.to(device), layer.weight_shape))
+            csr, codec = quantized[name]
+            layer.set_csr(csr.to(layer.values.device))
             layer.unsparse_codecs = {**getattr(layer, "unsparse_codecs", {}), "values": codec}
         quantizers = attach_activation_quantizers(model, self.activations)
         for name, level in levels.items():

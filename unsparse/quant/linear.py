@@ -8,8 +8,9 @@ import torch
 
 from unsparse.quant.activations import ActivationSpec
 from unsparse.quant.fixed_point import check_bits, fake_quantize, fixed_point_step
-from unsparse.quant.histogram import check_count, check_quantile, saturation_level
+from unsparse.quant.histogram import saturation_level
 from unsparse.quant.layerwise import LayerwiseQuantizer
+from unsparse.quant.settings import check_flag, check_integer, check_quantile
 
 EMPTY_LAYER_STEP = 1.0
 """Step recorded for a layer without nonzero weights (every code is 0, so the step is never used)."""
@@ -26,12 +27,12 @@ class LinearQuantizer(LayerwiseQuantizer):
         bits: weight bits in ``[2, 16]``.
         weight_quantile: saturation quantile of ``|w|`` over the nonzero weights, in ``(0, 1]``.
         bins: histogram bins for that quantile.
-        power_of_two: power-of-two steps (eq. 21) instead of ``x_sat / q_max`` (eq. 20).
+        power_of_two: power-of-two steps (eq. 21) instead of ``x_sat / q_max`` (eq. 20); a bool.
         activations: default signed 8-bit fixed point at the 0.99 quantile (the paper's setting).
         progress: tqdm bars during calibration.
 
     Raises:
-        ValueError: bits out of range, bad quantile or bins.
+        ValueError: bits out of range, bad quantile or bins, a non-bool ``power_of_two``, naming the argument.
     """
 
     scheme = "linear"
@@ -41,18 +42,25 @@ class LinearQuantizer(LayerwiseQuantizer):
                  activations: ActivationSpec | None = None, progress: bool = True) -> None:
         super().__init__(activations, progress)
         self.bits = check_bits(bits)
-        self.weight_quantile = check_quantile(weight_quantile)
-        self.bins, self.power_of_two = check_count(bins, "bins"), bool(power_of_two)
+        self.weight_quantile = check_quantile(weight_quantile, "weight_quantile")
+        self.bins, self.power_of_two = check_integer(bins, "bins"), check_flag(power_of_two, "power_of_two")
 
-    def quantize_values(self, values: torch.Tensor, layer: str) -> tuple[torch.Tensor, dict[str, Any]]:
+    def quantize_values(self, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """``Q(values)`` (eq. 19) with the layer's step; a layer without nonzero weights stays all zero."""
-        nonzero = values[values != 0]
-        if nonzero.numel() == 0:
+        if not bool(values.any()):
             step = EMPTY_LAYER_STEP
         else:
-            step = fixed_point_step(saturation_level(nonzero, self.weight_quantile, self.bins), self.bits,
+            step = fixed_point_step(saturation_level(values, self.weight_quantile, self.bins), self.bits,
                                     self.power_of_two)
-        return fake_quantize(values, step, self.bits), {"name": "fixed_point", "bits": self.bits, "step": step}
+        return fake_quantize(values, step, self.bits), {"step": step}
+
+    def values_codec(self) -> dict[str, Any]:
+        return {"name": "fixed_point", "bits": self.bits}
 
     def settings(self) -> dict[str, Any]:
         return {"bits": self.bits, "weight_quantile": self.weight_quantile, "power_of_two": self.power_of_two}
+
+    @classmethod
+    def from_settings(cls, weights: dict[str, Any]) -> LinearQuantizer:
+        return cls(bits=weights["bits"], weight_quantile=weights["weight_quantile"],
+                   power_of_two=weights["power_of_two"], progress=False)

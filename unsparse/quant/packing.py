@@ -3,7 +3,8 @@
 Code ``i`` of a ``b``-bit stream occupies stream bits ``[i·b, (i+1)·b)``, least significant bit first, and
 stream bit ``j`` is bit ``j % 8`` of byte ``j // 8``. So two 4-bit indices share a byte (the first in the
 low nibble), 8-bit codes are one byte each and 16-bit codes are little-endian byte pairs. The last byte's
-unused high bits are zero.
+unused high bits are zero. Codes are 1 to 32 bits wide (quantization codes take at most 16; the codebook's row
+counts take as many as the row length needs).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import torch
 
 from unsparse.sparse.format import SparseFormatError
 
-MAX_PACKED_BITS = 16
+MAX_PACKED_BITS = 32
 
 
 def packed_size(count: int, bits: int) -> int:
@@ -32,9 +33,14 @@ tensor's size (a stream of bits per code would take 8 bytes per bit, about 60 ti
 
 def _code_bytes(start: int, stop: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """For codes ``start .. stop - 1`` of a ``bits``-bit stream: the byte holding each code's first bit, and that
-    bit's position in it (0-7). A code of at most 16 bits then lies in that byte and the next two."""
+    bit's position in it (0-7). A code then lies in that byte and the next ``_span(bits) - 1``."""
     first_bit = torch.arange(start, stop, dtype=torch.int64) * bits
     return first_bit >> 3, first_bit & 7
+
+
+def _span(bits: int) -> int:
+    """Bytes a ``bits``-bit code may touch: its first bit is at position 0-7 of its first byte (5 for 32 bits)."""
+    return (7 + bits + 7) // 8
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -42,7 +48,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
     Args:
         codes: integer tensor (any shape, flattened in row-major order), every entry in ``[0, 2^bits)``.
-        bits: code width in ``[1, 16]``.
+        bits: code width in ``[1, 32]``.
 
     Returns:
         ``(packed_size(codes.numel(), bits),)`` uint8 tensor on the CPU.
@@ -57,12 +63,13 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= 1 << bits):
         raise ValueError(f"codes: entries must lie in [0, {1 << bits}), found [{int(flat.min())}, {int(flat.max())}]")
     size = packed_size(flat.numel(), bits)
-    packed = torch.zeros(size + 2, dtype=torch.uint8)  # two spare bytes for the last code's reach
+    span = _span(bits)
+    packed = torch.zeros(size + span - 1, dtype=torch.uint8)  # spare bytes for the last code's reach
     for start in range(0, flat.numel(), CHUNK_CODES):
         stop = min(flat.numel(), start + CHUNK_CODES)
         byte, offset = _code_bytes(start, stop, bits)
         shifted = flat[start:stop] << offset
-        for k in range(3):  # codes own disjoint bits, so adding their bytes is OR-ing them
+        for k in range(span):  # codes own disjoint bits, so adding their bytes is OR-ing them
             packed.index_add_(0, byte + k, ((shifted >> (8 * k)) & 0xFF).to(torch.uint8))
     return packed[:size].clone()
 
@@ -72,7 +79,7 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int, field: str) -> torc
 
     Args:
         packed: the stored part; must be a 1-D uint8 tensor of ``packed_size(count, bits)`` bytes.
-        bits: code width in ``[1, 16]``.
+        bits: code width in ``[1, 32]``.
         count: number of codes expected.
         field: names the part in errors.
 
@@ -95,11 +102,12 @@ def unpack_bits(packed: torch.Tensor, bits: int, count: int, field: str) -> torc
     used = count * bits % 8
     if used and int(packed[-1]) >> used:
         raise SparseFormatError(f"{field}: nonzero padding bits after the last code")
-    padded = torch.cat([packed, packed.new_zeros(2)])
+    span = _span(bits)
+    padded = torch.cat([packed, packed.new_zeros(span - 1)])
     codes = torch.empty(count, dtype=torch.int64)
     for start in range(0, count, CHUNK_CODES):
         stop = min(count, start + CHUNK_CODES)
         byte, offset = _code_bytes(start, stop, bits)
-        word = sum(padded[byte + k].to(torch.int32) << (8 * k) for k in range(3))
-        codes[start:stop] = (word >> offset.to(torch.int32)) & ((1 << bits) - 1)
+        word = sum(padded[byte + k].to(torch.int64) << (8 * k) for k in range(span))
+        codes[start:stop] = (word >> offset) & ((1 << bits) - 1)
     return codes

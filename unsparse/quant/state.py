@@ -1,10 +1,12 @@
 """How a model's quantization is described in, and restored from, the sparse file's metadata.
 
-A quantizer that changes a model's structure (e.g. inserts activation quantizers) records
-``model.unsparse_quantization = {"scheme": name, ...}`` and registers a restorer for ``name`` with
-:func:`register_restorer`. :func:`restore_quantization` calls it on the freshly built architecture (on the
-``meta`` device, before tensors are loaded), so that the state dict of the file and the model match.
-Weight encodings themselves travel as tensor codecs (:mod:`unsparse.sparse.codecs`).
+A quantizer records ``model.unsparse_quantization = {"scheme": name, ...}`` and registers the scheme with
+:func:`register_scheme`: a restorer, which :func:`restore_quantization` calls on the freshly built architecture
+(on the ``meta`` device, before tensors are loaded) so that the state dict of the file and the model match, and
+the codec that the description gives every sparse layer's ``values``. Weight encodings themselves travel as
+tensor codecs (:mod:`unsparse.sparse.codecs`); :func:`check_values_codecs` holds them to the description, so a
+file whose description and weights disagree (a scheme relabelled, bits changed, raw values under ``linear``)
+cannot load as a model that misdescribes itself.
 """
 
 from __future__ import annotations
@@ -14,18 +16,24 @@ from typing import Any
 
 from torch import nn
 
+from unsparse.runtime.modules import sparse_layers
 from unsparse.sparse.format import SparseFormatError
 
-_RESTORERS: dict[str, Callable[[nn.Module, dict[str, Any]], None]] = {}
+Restorer = Callable[[nn.Module, dict[str, Any]], None]
+"""``restore(model, description)``: rebuild a scheme's structure on a ``meta`` model; raises SparseFormatError."""
+ValuesCodec = Callable[[dict[str, Any]], dict[str, Any]]
+"""``values_codec(description)``: the codec spec every sparse layer's ``values`` must match (its name and the
+scheme-wide params; a layer's own params, e.g. its ``step``, left out); raises SparseFormatError."""
+
+RAW_CODEC = {"name": "raw"}
+"""The codec of an unquantized model's values (``quantization: null`` in the file)."""
+
+_SCHEMES: dict[str, tuple[Restorer, ValuesCodec]] = {}
 
 
-def register_restorer(scheme: str) -> Callable[[Callable[[nn.Module, dict[str, Any]], None]],
-                                                Callable[[nn.Module, dict[str, Any]], None]]:
-    """Decorator: ``restore(model, description)`` rebuilds scheme ``scheme``'s structure on ``model``."""
-    def decorate(restore: Callable[[nn.Module, dict[str, Any]], None]) -> Callable[[nn.Module, dict[str, Any]], None]:
-        _RESTORERS[scheme] = restore
-        return restore
-    return decorate
+def register_scheme(scheme: str, restore: Restorer, values_codec: ValuesCodec) -> None:
+    """Make ``scheme`` known to the file loader (see the module docstring)."""
+    _SCHEMES[scheme] = (restore, values_codec)
 
 
 def describe_quantization(model: nn.Module) -> dict[str, Any] | None:
@@ -33,18 +41,59 @@ def describe_quantization(model: nn.Module) -> dict[str, Any] | None:
     return getattr(model, "unsparse_quantization", None)
 
 
-def restore_quantization(model: nn.Module, description: Any) -> None:
-    """Re-apply a described quantization scheme to ``model`` (mutated); None means unquantized.
+def _scheme(description: Any) -> tuple[Restorer, ValuesCodec]:
+    """The registered functions of a (non-None) description's scheme.
 
     Raises:
         SparseFormatError: if the description is not an object with a known ``scheme``.
     """
-    if description is None:
-        return
     if not isinstance(description, dict):
         raise SparseFormatError(f"quantization: expected an object with a 'scheme', got {type(description).__name__}")
     scheme = description.get("scheme")
-    if not isinstance(scheme, str) or scheme not in _RESTORERS:
-        raise SparseFormatError(f"quantization: unknown scheme {scheme!r}; known: {sorted(_RESTORERS)}")
-    _RESTORERS[scheme](model, description)
+    if not isinstance(scheme, str) or scheme not in _SCHEMES:
+        raise SparseFormatError(f"quantization: unknown scheme {scheme!r}; known: {sorted(_SCHEMES)}")
+    return _SCHEMES[scheme]
+
+
+def expected_values_codec(description: Any) -> dict[str, Any]:
+    """The codec spec, less per-layer params, that ``description`` gives every sparse layer's ``values``:
+    ``raw`` for None (unquantized); e.g. ``{"name": "fixed_point", "bits": 8}`` for 8-bit ``linear``.
+
+    Raises:
+        SparseFormatError: a malformed description, naming the field.
+    """
+    return dict(RAW_CODEC) if description is None else _scheme(description)[1](description)
+
+
+def check_values_codecs(model: nn.Module) -> None:
+    """Every SparseConv's ``values`` codec (``unsparse_codecs``, raw when absent) against the codec that the model's
+    quantization description gives it (:func:`expected_values_codec`).
+
+    Raises:
+        SparseFormatError: naming ``<layer>.values`` for a layer whose codec disagrees, or the description's field.
+    """
+    description = describe_quantization(model)
+    expected = expected_values_codec(description)
+    for name, layer in sparse_layers(model).items():
+        codec = getattr(layer, "unsparse_codecs", {}).get("values", RAW_CODEC)
+        if any(key not in codec or type(codec[key]) is not type(value) or codec[key] != value
+               for key, value in expected.items()):
+            scheme = "none" if description is None else description["scheme"]
+            raise SparseFormatError(f"{name}.values: codec {codec} contradicts the quantization description (scheme "
+                                    f"{scheme!r}), which gives {expected}")
+
+
+def restore_quantization(model: nn.Module, description: Any) -> None:
+    """Re-apply a described quantization scheme to ``model`` (mutated); None means unquantized. The file loader
+    checks the layers' ``values`` codecs against the description once they are loaded (:func:`check_values_codecs`,
+    called by :func:`unsparse.sparse.io.load_sparse`).
+
+    Raises:
+        SparseFormatError: if the description is not null or an object with a known ``scheme`` that its
+            restorer accepts.
+    """
+    if description is None:
+        return
+    restore, _ = _scheme(description)
+    restore(model, description)
     model.unsparse_quantization = description

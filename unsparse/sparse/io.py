@@ -311,10 +311,11 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
             before any is decoded), wrong dtypes or floating tensors of several dtypes, column indices outside
             ``[0, K)``, geometry or shape disagreeing with the architecture, a layer's recorded ``nnz`` or
             ``sparsity`` disagreeing with its values, non-finite values, negative
-            BatchNorm variances, or a module's own check of its loaded state failing (``check_loaded_state(name)``,
-            e.g. an activation quantizer's saturation).
+            BatchNorm variances, a layer's ``values`` codec that contradicts the quantization description
+            (:func:`~unsparse.quant.state.check_values_codecs`), or a module's own check of its loaded state failing
+            (``check_loaded_state(name)``, e.g. an activation quantizer's saturation).
     """
-    from unsparse.quant.state import restore_quantization
+    from unsparse.quant.state import check_values_codecs, restore_quantization
 
     metadata, stored = _read_file(Path(path))
     model = _build_architecture(metadata["model"])
@@ -343,6 +344,10 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
     _restore_codecs(model, metadata["tensors"])
     _require(not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "tensors",
              "the architecture has tensors the file does not provide")
+    try:
+        check_values_codecs(model)
+    except SparseFormatError as error:
+        raise SparseFileError(str(error)) from error
     for name, module in model.named_modules():
         check = getattr(module, "check_loaded_state", None)
         if callable(check):

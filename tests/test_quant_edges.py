@@ -1,0 +1,195 @@
+"""Quantization edge cases: exact zeros in calibration inputs, non-finite and extreme values, codebook rows of
+65,536 entries or more, re-packing after quantization, and settings refused up front naming the field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from unsparse import create_model, load_sparse, save_sparse, sparsify
+from unsparse.quant import FP16Quantizer, KMeansQuantizer, LinearQuantizer
+from unsparse.quant.activations import ActivationQuantizer, ActivationSpec, calibrate
+from unsparse.quant.codecs import CodebookCodec, row_count_bits
+from unsparse.quant.fixed_point import fake_quantize, fixed_point_step, from_codes, max_code, to_codes
+from unsparse.quant.histogram import saturation_level
+from unsparse.quant.packing import pack_bits
+from unsparse.runtime.modules import sparse_from_conv, sparse_layers
+from unsparse.sparse.format import SparseFormatError
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
+NO_ACTIVATIONS = ActivationSpec(format="none")
+SCHEMES = {
+    "linear": lambda: LinearQuantizer(bits=8, activations=NO_ACTIVATIONS, progress=False),
+    "kmeans": lambda: KMeansQuantizer(n_init=1, max_iter=20, activations=NO_ACTIVATIONS, progress=False),
+    "fp16": lambda: FP16Quantizer(activations=NO_ACTIVATIONS, progress=False),
+}
+
+
+def sparse_model(**kwargs) -> nn.Module:
+    """An unpruned sparse ``vgg_small`` (width 4 unless given), random weights."""
+    torch.manual_seed(0)
+    return sparsify(create_model("vgg_small", **{"width": 4, **kwargs}).eval())
+
+
+def assert_round_trips(model: nn.Module, path) -> nn.Module:
+    """Save ``model``, load it back and check every sparse layer's values are bitwise the same; the loaded model."""
+    loaded = load_sparse(save_sparse(model, path))
+    for name, layer in sparse_layers(model).items():
+        assert torch.equal(sparse_layers(loaded)[name].values, layer.values)
+    return loaded
+
+
+def with_zeros(nonzero: torch.Tensor, zero_share: float) -> torch.Tensor:
+    """``nonzero`` followed by as many exact zeros as make ``zero_share`` of the result."""
+    zeros = round(nonzero.numel() * zero_share / (1 - zero_share))
+    return torch.cat([nonzero, torch.zeros(zeros)])
+
+
+@pytest.mark.parametrize("zero_share", [0.5, 0.9, 0.995])
+def test_saturation_level_does_not_depend_on_the_share_of_exact_zeros(zero_share):
+    nonzero = torch.rand(2000, generator=torch.Generator().manual_seed(0)) + 1e-3
+    assert saturation_level(with_zeros(nonzero, zero_share), 0.99, 1024) == saturation_level(nonzero, 0.99, 1024)
+
+
+def test_calibration_level_is_the_quantile_of_the_nonzero_inputs_when_most_inputs_are_zero():
+    generator = torch.Generator().manual_seed(1)
+    x = torch.rand(16, 1, 28, 28, generator=generator) + 1e-3
+    x[torch.rand(x.shape, generator=generator) < 0.995] = 0  # a ReLU output with 99.5 % zeros
+    model = nn.Sequential(sparse_from_conv(nn.Conv2d(1, 4, 3, padding=1)))
+    spec = ActivationSpec(format="fixed", bins=1024, calibration_batches=1)
+    level = calibrate(model, [(x, torch.zeros(16))], spec, progress=False)["0"]
+    nonzero = torch.sort(x[x != 0]).values
+    true = float(nonzero[math.ceil(0.99 * nonzero.numel()) - 1])
+    assert level - float(x.max()) / 1024 <= true <= level
+    assert float((nonzero > level).float().mean()) <= 0.01  # at most 1 % of the nonzero inputs saturate
+
+
+@pytest.mark.parametrize("bits", [2, 3, 8, 16])
+def test_fake_quantize_is_bitwise_the_integer_code_path_for_finite_inputs(bits):
+    generator = torch.Generator().manual_seed(bits)
+    for step in (fixed_point_step(1.0, bits), fixed_point_step(3e-5, bits, power_of_two=True), 0.1):
+        codes = torch.randint(-2 * max_code(bits), 2 * max_code(bits) + 1, (20_000,), generator=generator)
+        ties = (codes.to(torch.float32) + 0.5) * step  # halfway between codes: round half to even
+        x = torch.cat([torch.randn(20_000, generator=generator) * step * max_code(bits), ties,
+                       torch.rand(1000, generator=generator) * -step / 2,  # small negatives: code 0, not -0.0
+                       torch.tensor([0.0, -0.0, FLOAT32_MAX, -FLOAT32_MAX])])
+        integer_path = from_codes(to_codes(x, step, bits), step)
+        assert torch.equal(fake_quantize(x, step, bits).view(torch.int32), integer_path.view(torch.int32))
+
+
+def test_fake_quantize_keeps_nan_and_saturates_infinities():
+    step = fixed_point_step(4.0, 8)
+    out = fake_quantize(torch.tensor([float("nan"), float("inf"), -float("inf"), 0.5]), step, 8)
+    assert math.isnan(out[0]) and torch.equal(out[1:3], from_codes(torch.tensor([127, -127]), step))
+    quantizer = ActivationQuantizer(ActivationSpec(format="fixed", bits=8))
+    quantizer.saturation.fill_(4.0)
+    assert math.isnan(quantizer(torch.tensor([float("nan")])))
+
+
+@pytest.mark.parametrize("power_of_two", [False, True])
+@pytest.mark.parametrize("bits", range(2, 17))
+def test_a_step_for_float32s_largest_value_keeps_every_code_finite(bits, power_of_two):
+    step = fixed_point_step(FLOAT32_MAX, bits, power_of_two)
+    assert float(torch.tensor(step, dtype=torch.float32)) == step
+    out = fake_quantize(torch.tensor([FLOAT32_MAX, -FLOAT32_MAX]), step, bits)
+    assert bool(torch.isfinite(out).all()) and float(out[0]) >= FLOAT32_MAX * (1 - 2 / max_code(bits))
+
+
+@pytest.mark.filterwarnings("ignore:Number of distinct clusters")  # the outlier leaves k-means few clusters
+@pytest.mark.parametrize("scheme", ["linear", "kmeans"])
+def test_a_weight_at_float32s_largest_value_quantizes_to_a_finite_value_and_round_trips(tmp_path, scheme):
+    model = sparse_model()
+    with torch.no_grad():
+        model.get_submodule("0.0").values[0, 0] = FLOAT32_MAX
+    SCHEMES[scheme]().quantize(model)
+    assert bool(torch.isfinite(model.get_submodule("0.0").values).all())
+    assert float(model.get_submodule("0.0").values[0, 0]) >= FLOAT32_MAX * (1 - 2 / 127)
+    assert_round_trips(model, tmp_path / "m.safetensors")
+
+
+def test_codebook_rows_of_65536_entries_or_more_encode_and_decode():
+    L = (1 << 16) + 2  # row counts up to L need 17 bits
+    values = torch.zeros(3, L)
+    values[0, :] = 0.5
+    values[1, : L - 1] = -1.0
+    params = {"name": "codebook", "index_bits": 4, "centroid_bits": 8, "step": 0.5}
+    parts = CodebookCodec().encode(values, params)
+    assert row_count_bits(L) == 17
+    assert torch.equal(CodebookCodec().decode(parts, params, (3, L), "big.values"), values)
+    parts["row_nnz"] = pack_bits(torch.tensor([L + 1, 0, 0]), 17)
+    with pytest.raises(SparseFormatError, match=r"big.values::row_nnz: .*exceeds the row length"):
+        CodebookCodec().decode(parts, params, (3, L), "big.values")
+
+
+def test_kmeans_quantized_layers_with_rows_of_65536_entries_or_more_save_and_load(tmp_path):
+    model = SCHEMES["kmeans"]().quantize(sparse_model(in_channels=7282, width=1))  # first conv: K = 7282 * 9
+    assert model.get_submodule("0.0").csr.row_length >= 1 << 16
+    assert_round_trips(model, tmp_path / "m.safetensors")
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_weights_that_quantize_to_zero_leave_the_stored_entries(tmp_path, scheme):
+    model = sparse_model()
+    with torch.no_grad():
+        values = model.get_submodule("3.0").values
+        values[values != 0] = 1e-9  # below every scheme's grid: quantizes to zero
+        values[0, 0] = 1.0  # sets the step (linear, k-means); the one weight left
+    column = int(model.get_submodule("3.0").col_idx[0, 0])
+    SCHEMES[scheme]().quantize(model)
+    csr = model.get_submodule("3.0").csr
+    assert csr.row_length == 1 and csr.nnz == 1  # L is the largest nnz of any row again
+    assert int(csr.col_idx[0, 0]) == column and float(csr.values[0, 0]) == pytest.approx(1.0, rel=1e-2)
+    for layer in sparse_layers(model).values():
+        assert layer.csr.row_length == int((layer.values != 0).sum(dim=1).max())
+    loaded = assert_round_trips(model, tmp_path / "m.safetensors")
+    assert loaded.unsparse_metadata["layers"]["3.0"]["row_length"] == 1
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_weights_are_refused_naming_the_layer(scheme, value):
+    model = sparse_model()
+    with torch.no_grad():
+        model.get_submodule("3.0").values[0, 0] = value
+    before = {name: layer.values.clone() for name, layer in sparse_layers(model).items()}
+    with pytest.raises(ValueError, match=r"^3\.0\.values: non-finite weights"):
+        SCHEMES[scheme]().quantize(model)
+    for name, layer in sparse_layers(model).items():  # the model is left as it was
+        assert torch.equal(layer.values.nan_to_num(), before[name].nan_to_num())
+    assert not hasattr(model, "unsparse_quantization")
+
+
+def test_a_schemes_own_errors_name_the_layer():
+    model = sparse_model()
+    with torch.no_grad():
+        values = model.get_submodule("3.0").values
+        values[values != 0] = 1e-42  # a 16-bit step for this saturation is below float32's range
+    with pytest.raises(ValueError, match=r"^3\.0\.values: saturation"):
+        LinearQuantizer(bits=16, activations=NO_ACTIVATIONS, progress=False).quantize(model)
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: LinearQuantizer(weight_quantile=1.5), "weight_quantile"),
+    (lambda: LinearQuantizer(weight_quantile=True), "weight_quantile"),
+    (lambda: ActivationSpec(format="fixed", quantile=0), r"activations\.quantile"),
+    (lambda: LinearQuantizer(power_of_two="false"), "power_of_two"),
+    (lambda: LinearQuantizer(power_of_two=1), "power_of_two"),
+    (lambda: LinearQuantizer(bins=True), "bins"),
+    (lambda: KMeansQuantizer(n_init=0), "n_init"),
+    (lambda: KMeansQuantizer(n_init=2.0), "n_init"),
+    (lambda: KMeansQuantizer(max_iter=0), "max_iter"),
+    (lambda: KMeansQuantizer(init="kmeans"), "init"),
+    (lambda: KMeansQuantizer(random_state=-1), "random_state"),
+    (lambda: KMeansQuantizer(random_state=1 << 32), "random_state"),
+    (lambda: KMeansQuantizer(random_state=None), "random_state"),
+    (lambda: KMeansQuantizer(clusters=True), "clusters"),
+    (lambda: FP16Quantizer(activations="fp16"), "activations"),
+    (lambda: LinearQuantizer(activations={"format": "fixed"}), "activations"),
+    (lambda: KMeansQuantizer(activations="none"), "activations"),
+])
+def test_bad_settings_are_refused_up_front_naming_the_field(build, field):
+    with pytest.raises(ValueError, match=f"^{field}: "):
+        build()

@@ -1,0 +1,54 @@
+"""Checks of the quantizers' settings: each returns the value, or raises ``ValueError`` naming the field.
+
+Bools are refused where a number is expected (``True`` is an ``int`` to Python) and numbers where a bool is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any
+
+
+def check_quantile(quantile: float, field: str) -> float:
+    """``quantile`` as a float if it is a number in ``(0, 1]``.
+
+    Raises:
+        ValueError: naming ``field`` otherwise.
+    """
+    if isinstance(quantile, bool) or not isinstance(quantile, int | float) or not 0 < quantile <= 1:
+        raise ValueError(f"{field}: expected a number in (0, 1], got {quantile!r}")
+    return float(quantile)
+
+
+def check_integer(value: int, field: str, low: int = 1, high: int | None = None) -> int:
+    """``value`` if it is an integer in ``[low, high]`` (no upper bound when ``high`` is None).
+
+    Raises:
+        ValueError: naming ``field`` otherwise.
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{field}: expected an integer {bounds}, got {value!r}")
+    return value
+
+
+def check_flag(value: bool, field: str) -> bool:
+    """``value`` if it is a bool (a string such as ``"false"`` would be true to ``bool()``).
+
+    Raises:
+        ValueError: naming ``field`` otherwise.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{field}: expected a bool, got {value!r}")
+    return value
+
+
+def check_choice(value: Any, choices: Collection[str], field: str) -> str:
+    """``value`` if it is one of the strings ``choices``.
+
+    Raises:
+        ValueError: naming ``field`` otherwise.
+    """
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{field}: expected one of {tuple(choices)}, got {value!r}")
+    return value
