@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from unsparse.runtime import bench
+from unsparse.runtime import bench, comparator
 from unsparse.runtime.plan import Plan, PlanEntry
 
 
@@ -51,11 +51,11 @@ def test_planned_backends_name_cudnn_layers_that_compute_in_the_other_layout() -
     first, second = bench.sparse_layers(sparse).values()
     plan.entries[first.plan_key] = PlanEntry("cudnn", {"memory_format": "contiguous"})
     plan.entries[second.plan_key] = PlanEntry("cudnn", {"memory_format": "channels_last"})
-    assert list(bench.planned_backends(sparse, plan).values()) == ["cudnn, converted to nchw", "cudnn"]
+    assert list(comparator.planned_backends(sparse, plan).values()) == ["cudnn, converted to nchw", "cudnn"]
     bench.plan_model(sparse, x, plan, ["dense_cpu"], runs=3)  # the same layers' NCHW keys
     plan.entries[first.plan_key] = PlanEntry("cudnn", {"memory_format": "channels_last"})
     plan.entries[second.plan_key] = PlanEntry("direct", {})
-    assert list(bench.planned_backends(sparse, plan).values()) == ["cudnn, converted to nhwc", "direct"]
+    assert list(comparator.planned_backends(sparse, plan).values()) == ["cudnn, converted to nhwc", "direct"]
 
 
 def test_a_channels_last_planned_model_that_disagrees_is_not_counted(monkeypatch: pytest.MonkeyPatch) -> None:

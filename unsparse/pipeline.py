@@ -26,7 +26,7 @@ from unsparse.report import layer_rows, timing_verdicts, write_report
 from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
 from unsparse.runtime.baseline import NAME as BASELINE
-from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model, time_forward
+from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model, planned_backends, time_forward
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.runtime.plan import active_plan
 from unsparse.sparse.io import load_sparse, save_sparse
@@ -193,20 +193,13 @@ def git_tree_modified() -> bool | None:
 
 
 def layer_backends(model: nn.Module, backend: str) -> dict[str, str]:
-    """The backend (with its params, where any) each SparseConv of ``model`` runs on: ``backend``, or for ``"auto"``
-    the active plan's entry for the layer's planning key (the dense default where the plan has none)."""
-    from unsparse.sparse.functional import dense_fallback_backend
-
+    """The backend each SparseConv of ``model`` runs on: ``backend``, or for ``"auto"`` the active plan's entry for
+    the layer's planning key (:func:`~unsparse.runtime.comparator.planned_backends`; ``"dense default (not
+    planned)"`` where the plan has none)."""
     if backend != "auto":
         return dict.fromkeys(sparse_layers(model), backend)
-    chosen = {}
-    for name, layer in sparse_layers(model).items():
-        entry = active_plan().get(getattr(layer, "plan_key", ""))
-        if entry is None:
-            chosen[name] = f"{dense_fallback_backend(layer.values.device)} (not planned)"
-        else:
-            chosen[name] = entry.backend + (f" {json.dumps(entry.params, sort_keys=True)}" if entry.params else "")
-    return chosen
+    planned = planned_backends(model, active_plan())
+    return {name: planned.get(name, "dense default (not planned)") for name in sparse_layers(model)}
 
 
 def compare_layers(model: nn.Module, example: torch.Tensor,

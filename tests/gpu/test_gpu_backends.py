@@ -388,7 +388,27 @@ def test_main_job_on_auto_checks_its_plan_as_cuda_graphs(tmp_path) -> None:
     assert check["timing"] == "graph" and check["model_runs_on"] == "auto" and check["images"] == 360
     assert check["planned_ms"] > 0 and check["default_ms"] > 0
     assert abs(report["accuracy"]["sparse_run"] - report["accuracy"]["pruned"]) <= 0.6  # two of 360 images
+    assert set(check["layer_backends"]) == {row["layer"] for row in report["layers"]}
     assert "## Whole model" in (tmp_path / "report.md").read_text()
+
+
+def test_a_model_from_a_file_is_benchmarked_with_its_plan_checked(tmp_path) -> None:
+    """The benchmark's trained-model path (``--sparse-file``) checks its plan end to end like the synthetic one."""
+    from unsparse.models import create_model
+    from unsparse.prune import MagnitudePruner
+    from unsparse.runtime.bench import bench_end_to_end_sparse
+    from unsparse.sparse.io import load_sparse, save_sparse
+
+    torch.manual_seed(0)
+    model = create_model("vgg_small", width=8).eval()
+    pruner = MagnitudePruner(0.9)
+    pruner.prepare(model)
+    pruner.step()
+    path = save_sparse(sparsify(pruner.squash_mask()), tmp_path / "model.safetensors")
+    record = bench_end_to_end_sparse(load_sparse(path).to(CUDA), (1, 28, 28), 16, CUDA, 5, Plan())
+    check = record["plan_check"]
+    assert check["timing"] == "graph" and check["planned_ms"] > 0 and check["default_ms"] > 0
+    assert record["rel_error"] <= record["tolerance"] and record["layers_planned_now"] > 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -27,18 +27,18 @@ from torch import nn
 
 from unsparse.atomic import atomic_write_text
 from unsparse.report.benchmark import ESCOIN_MODELS, evaluate_targets, markdown_report, plot_results
-from unsparse.runtime.backends.dense import MEMORY_FORMATS
 from unsparse.runtime.comparator import (
     LayerComparison,
     check_plan,
     compare_layer,
     plan_model,
+    planned_backends,
     relative_error,
     tolerance,
 )
 from unsparse.runtime.layout import layout_of
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
-from unsparse.runtime.plan import Plan, device_name, key_layout
+from unsparse.runtime.plan import Plan, device_name
 from unsparse.runtime.precision import PRECISIONS, precision_mode
 from unsparse.runtime.timing import MIN_RUNS, Timing, time_fn, time_graph
 from unsparse.sparse.format import UniformCSR
@@ -328,20 +328,6 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "off_cudnn_nhwc": {name: backend for name, backend in by_layer_nhwc.items() if backend != "cudnn"}}
 
 
-def planned_backends(model: nn.Module, plan: Plan) -> dict[str, str]:
-    """Layer name -> planned backend, for each SparseConv of a model :func:`plan_model` planned; a cuDNN entry that
-    computes in the other layout than the layer's input reads ``"cudnn, converted to nchw"`` (or ``nhwc``)."""
-    labels = {}
-    for name, layer in sparse_layers(model).items():
-        entry = plan.get(layer.plan_key)
-        if entry is None:
-            continue
-        computed = MEMORY_FORMATS.get(entry.params.get("memory_format"))
-        converted = entry.backend == "cudnn" and computed not in (None, key_layout(layer.plan_key))
-        labels[name] = f"cudnn, converted to {computed}" if converted else entry.backend
-    return labels
-
-
 def _finite(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
@@ -487,7 +473,8 @@ def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch:
     """A model that is already sparse (loaded from a file): its dense fallback (cuDNN, NCHW) vs its plan. Each layer
     planned now also records cuDNN's convolution alone in its faster layout (``baseline``); the whole model runs in
     NCHW only: the trained models take one-channel images, which cannot carry the channels-last layout
-    (:func:`~unsparse.runtime.layout.layout_of`).
+    (:func:`~unsparse.runtime.layout.layout_of`). The plan is checked end to end against the dense default right
+    after planning (:func:`check_plan`, ``plan_check``), as in :func:`bench_end_to_end`.
     """
     layers = sparse_layers(model)
     dtype = next(iter(layers.values())).values.dtype if layers else torch.float32
@@ -500,6 +487,7 @@ def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch:
             dense_t = time_fn(lambda i: model(x), device, runs=runs)
         reused_before = len(plan.entries)
         plan, comparisons = plan_model(model, x, plan, baseline=True)
+        check = check_plan(model, x, plan, comparisons, runs)
         with torch.no_grad():
             sparse_out = model(x)
             sparse_t = time_fn(lambda i: model(x), device, runs=runs)
@@ -513,7 +501,7 @@ def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch:
             "speedup": dense_t.median_ms / sparse_t.median_ms, "layers": layer_records,
             "rel_error": relative_error(sparse_out.double(), dense_out.double()),
             "tolerance": 10 * tolerance(dtype), "layers_planned_now": len(comparisons),
-            "plan_entries_reused": reused_before, "dense_timing": dense_t.to_dict(),
+            "plan_entries_reused": reused_before, "plan_check": asdict(check), "dense_timing": dense_t.to_dict(),
             "planned_timing": sparse_t.to_dict()}
 
 

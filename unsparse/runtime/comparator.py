@@ -19,10 +19,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from unsparse.runtime.backends import available_backends, get_backend
+from unsparse.runtime.backends.dense import MEMORY_FORMATS
 from unsparse.runtime.baseline import Baseline, time_baseline
 from unsparse.runtime.layout import layout_of
 from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, temporary_backend
-from unsparse.runtime.plan import Plan, PlanEntry, layer_key, use_plan
+from unsparse.runtime.plan import Plan, PlanEntry, key_layout, layer_key, use_plan
 from unsparse.runtime.timing import (
     MIN_RUNS,
     Timing,
@@ -459,3 +460,18 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
                         "default", planned_ms, default_ms, timing, len(reverted))
             use_plan(plan)
     return PlanCheck(planned_ms, default_ms, tuple(reverted), timing, margin)
+
+
+def planned_backends(model: nn.Module, plan: Plan) -> dict[str, str]:
+    """Layer name -> planned backend, for each SparseConv of a model :func:`plan_model` planned (layers without an
+    entry in ``plan`` left out); a cuDNN entry that computes in the other layout than the layer's input reads
+    ``"cudnn, converted to nchw"`` (or ``nhwc``)."""
+    labels = {}
+    for name, layer in sparse_layers(model).items():
+        entry = plan.get(getattr(layer, "plan_key", ""))
+        if entry is None:
+            continue
+        computed = MEMORY_FORMATS.get(entry.params.get("memory_format"))
+        converted = entry.backend == "cudnn" and computed not in (None, key_layout(layer.plan_key))
+        labels[name] = f"cudnn, converted to {computed}" if converted else entry.backend
+    return labels
