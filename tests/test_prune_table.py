@@ -53,6 +53,23 @@ def test_markdown_counts_only_the_requested_models_as_missing(table):
     assert "chosen after the `gpu` and `gpu_long` runs" in page and "- shared" in page
 
 
+def test_the_autoencoders_verdict_states_its_target_and_the_trivial_mse(table):
+    """A run below the autoencoder's sparsity target says NOT met, and methods no better than predicting each
+    window's mean are not counted as having learned anything (the verdict compared two such models)."""
+    def row(method, mse, sparsity):
+        return {"method": method, "test": {"mse": mse}, "weighted_sparsity": sparsity, "layer_sparsity": {},
+                "history": [{"phase": "prune", "iteration": 1, "events": []}] if method == "evolutionary" else []}
+
+    block = {"iterations": 5, "trivial_mse": 1.19,
+             "rows": [row("dense", 0.03, 0.0), row("evolutionary", 1.03, 0.7959), row("gradual", 1.07, 0.7959),
+                      row("magnitude", 1.2, 0.7959)]}
+    lines = " ".join(table.verdict(block, "mse"))
+    assert "Target (90% weighted sparsity): NOT met, evolutionary reached 79.59% after 1 of 5 iterations" in lines
+    assert "below it: dense, evolutionary, gradual" in lines
+    block["rows"][1]["weighted_sparsity"] = 0.9
+    assert "Target (90% weighted sparsity): met" in table.verdict(block, "mse")[0]
+
+
 def test_setting_reads_yaml_values_and_rejects_text_without_a_key(table):
     assert table.setting("epsilon=0.005") == ("epsilon", 0.005)
     assert table.setting(" deadline = null") == ("deadline", None)
