@@ -168,6 +168,7 @@ def test_a_time_series_trains_an_autoencoder_and_reports_its_mse(tmp_path, caplo
                               TimingSettings(batch_size=4, repeats=2, warmup=0, backends=["dense_cpu"]), progress=False)
     assert report["run"]["metric"] == "mse" and report["run"]["weights"].startswith("trained on the data set, 2 epochs")
     assert report["run"]["metric_trivial"] > 0
+    assert all(len(row["stride"]) == len(row["padding"]) == 1 for row in report["layers"])  # a Conv1d's length
     assert all(math.isfinite(value) and value > 0 for value in report["accuracy"].values())
     trained = model.state_dict()
     assert not torch.equal(trained["1.7.0.weight"], untrained["1.7.0.weight"])  # the last conv, not masked

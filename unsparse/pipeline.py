@@ -380,6 +380,6 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     if result.history:
         metric = f"val_{task.metric}" if f"val_{task.metric}" in result.history[0] else task.metric
         figures["Pruning: validation metric and weighted sparsity"] = plot_history(
-            result.history, outdir / "pruning.png", metric, f"{result.method} pruning (validation {task.label})")
+            result.history, outdir / "pruning.png", metric, f"{result.method} pruning", f"validation {task.label}")
     write_report(outdir, report, figures)
     return report

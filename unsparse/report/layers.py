@@ -16,10 +16,10 @@ def layer_rows(model: nn.Module, path: str | Path) -> list[dict[str, Any]]:
     """One row per SparseConv of ``model`` as stored in the file at ``path``.
 
     Row keys: ``layer``, ``kind`` (``conv1d``/``conv2d``), ``weight_shape``, ``stride``, ``padding``,
-    ``dilation``, ``groups``, ``sparsity`` (fraction of zero weights), ``nnz``, ``row_length`` (L, UnSparse-Opt
-    §5), ``padding_entries`` (stored zeros that pad rows to L), ``file_bytes`` (all of the layer's tensors in
-    the file: values or their codec parts, col_idx, bias) and ``dense_fp32_bytes`` (dense weight + bias at
-    4 bytes per element).
+    ``dilation`` (one entry per spatial dimension: a Conv1d's length only), ``groups``, ``sparsity`` (fraction of
+    zero weights), ``nnz``, ``row_length`` (L, UnSparse-Opt §5), ``padding_entries`` (stored zeros that pad rows
+    to L), ``file_bytes`` (all of the layer's tensors in the file: values or their codec parts, col_idx, bias) and
+    ``dense_fp32_bytes`` (dense weight + bias at 4 bytes per element).
     """
     stored = file_tensor_bytes(path)
     rows = []
@@ -31,8 +31,8 @@ def layer_rows(model: nn.Module, path: str | Path) -> list[dict[str, Any]]:
         bias_elements = 0 if layer.bias is None else layer.bias.numel()
         rows.append({
             "layer": name, "kind": f"conv{geometry.spatial_dims}d", "weight_shape": list(csr.weight_shape),
-            "stride": list(geometry.stride), "padding": list(geometry.padding),
-            "dilation": list(geometry.dilation), "groups": geometry.groups, "sparsity": csr.sparsity,
+            **{field: list(getattr(geometry, field))[-geometry.spatial_dims:]
+               for field in ("stride", "padding", "dilation")}, "groups": geometry.groups, "sparsity": csr.sparsity,
             "nnz": csr.nnz, "row_length": csr.row_length,
             "padding_entries": csr.out_channels * csr.row_length - csr.nnz,
             "file_bytes": file_bytes, "dense_fp32_bytes": 4 * (csr.out_channels * csr.columns + bias_elements),

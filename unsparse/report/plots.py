@@ -40,9 +40,11 @@ def plot_layers(rows: Sequence[dict[str, Any]], path: Path) -> Path:
 
 
 def plot_backend_times(timings: Sequence[dict[str, Any]], path: Path) -> Path:
-    """Median time (ms, log scale) of every backend on every layer (its fastest setting), grouped by layer."""
+    """Median time (ms, log scale) of every backend on every layer (its fastest setting), grouped by layer; sparse
+    backends are marked ``(sparse)`` in the legend."""
     layers = list(dict.fromkeys(entry["layer"] for entry in timings))
     backends = list(dict.fromkeys(entry["backend"] for entry in timings))
+    sparse = {entry["backend"] for entry in timings if entry.get("sparse")}
     width = 0.8 / max(len(backends), 1)
     figure, axis = plt.subplots(figsize=(max(8, 0.9 * len(layers) * max(len(backends), 1) / 2), 4))
     for index, backend in enumerate(backends):
@@ -51,7 +53,7 @@ def plot_backend_times(timings: Sequence[dict[str, Any]], path: Path) -> Path:
             if entry["backend"] == backend:
                 times[entry["layer"]] = min(entry["time_ms"], times.get(entry["layer"], entry["time_ms"]))
         axis.bar([p + index * width for p in range(len(layers))], [times.get(layer, 0.0) for layer in layers],
-                 width, label=backend)
+                 width, label=f"{backend} (sparse)" if backend in sparse else backend)
     axis.set_yscale("log")
     axis.set(ylabel="median time per call (ms)", title="Per-layer time by backend (lower is better)")
     axis.set_xticks([p + 0.4 - width / 2 for p in range(len(layers))])
@@ -60,15 +62,18 @@ def plot_backend_times(timings: Sequence[dict[str, Any]], path: Path) -> Path:
     return _save(figure, path)
 
 
-def plot_history(history: Sequence[dict[str, Any]], path: Path, metric: str, title: str) -> Path:
-    """``metric`` (left axis) and ``weighted_sparsity`` (right axis, %) over the entries of ``history``."""
-    steps = list(range(1, len(history) + 1))
+def plot_history(history: Sequence[dict[str, Any]], path: Path, metric: str, title: str, label: str) -> Path:
+    """``metric`` (left axis, labelled ``label``) and ``weighted_sparsity`` (right axis, %) over the entries of
+    ``history``, placed at their ``iteration`` (pruners' iterations, from 0) or ``epoch`` (fine-tuning, from 1)."""
+    steps = [entry.get("iteration", entry.get("epoch", index + 1)) for index, entry in enumerate(history)]
     figure, axis = plt.subplots(figsize=(8, 4))
-    axis.plot(steps, [entry.get(metric) for entry in history], marker="o", color="tab:blue", label=metric)
-    axis.set(xlabel="iteration / epoch", ylabel=metric, title=title)
+    lines = axis.plot(steps, [entry.get(metric) for entry in history], marker="o", color="tab:blue", label=label)
+    axis.set(xlabel="iteration" if "iteration" in history[0] else "fine-tuning epoch", ylabel=label, title=title)
+    top = axis
     if any("weighted_sparsity" in entry for entry in history):
-        twin = axis.twinx()
-        twin.plot(steps, [100 * entry.get("weighted_sparsity", float("nan")) for entry in history], marker="s",
-                  color="tab:red", label="weighted sparsity")
-        twin.set_ylabel("weighted sparsity (%)", color="tab:red")
+        top = axis.twinx()
+        lines += top.plot(steps, [100 * entry.get("weighted_sparsity", float("nan")) for entry in history],
+                          marker="s", color="tab:red", label="weighted sparsity (%)")
+        top.set_ylabel("weighted sparsity (%)", color="tab:red")
+    top.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="best", framealpha=0.9)
     return _save(figure, path)
