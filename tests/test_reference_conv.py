@@ -120,7 +120,7 @@ def test_a_layer_changed_in_place_is_not_served_from_a_backend_cache(backend):
     from unsparse.runtime.modules import sparse_from_conv
 
     torch.manual_seed(3)
-    conv = torch.nn.Conv2d(4, 6, 3, padding=1)
+    conv = torch.nn.Conv2d(4, 6, 3, padding=1).requires_grad_(False)
     with torch.no_grad():
         conv.weight[torch.rand(conv.weight.shape) < 0.6] = 0
     layer = sparse_from_conv(conv, backend)
