@@ -69,10 +69,11 @@ class TrainSettings:
 
 @dataclass
 class TimingSettings:
-    """Per-layer timing in the report (``runtime.timing:``): images per call, timed runs, warm-up runs, and the
-    backends the comparator times (None: every one available on the device except
-    :data:`~unsparse.runtime.comparator.COMPARED_BY_DEFAULT_EXCLUDES`; name ``direct_half2`` here to opt in to
-    float16 products).
+    """Per-layer timing in the report (``runtime.timing:``): images per call (``batch_size``; with
+    ``runtime.backend=auto`` the test set's batch, ``train.eval_batch_size``, instead, so that the plan's keys are
+    the ones the test set looks up), timed runs, warm-up runs, and the backends the comparator times (None: every
+    one available on the device except :data:`~unsparse.runtime.comparator.COMPARED_BY_DEFAULT_EXCLUDES`;
+    ``direct_half2`` takes float16 inputs only, so the main job's float32 models record it as unsupported).
 
     Raises:
         ValueError: naming ``backends``, for a name that is not a registered backend; naming the field, for a
@@ -299,7 +300,7 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
             neither ``"auto"`` nor a registered backend (checked before any training).
     """
     if backend != "auto" and backend not in backend_names():
-        raise ValueError(f"runtime.backend: unknown {backend!r}; known: auto, {', '.join(backend_names())}")
+        raise ValueError(f"runtime.backend: unknown {backend!r}; known: {', '.join(backend_names())}")
     task = task_of(splits)
     check_model_fits(model, splits)
     if train.epochs == 0:
