@@ -135,3 +135,26 @@ def test_a_layer_changed_in_place_is_not_served_from_a_backend_cache(backend):
     layer.values.mul_(0.5)
     expected = F.conv2d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)
     assert relative_error(layer(x), expected) < 1e-5
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_an_empty_batch_gives_an_empty_output(backend):
+    csr = UniformCSR.from_dense(torch.randn(6, 4, 3, 3))
+    output = sparse_conv2d(torch.randn(0, 4, 9, 9), csr, torch.randn(6), 1, 1, backend=backend)
+    assert output.shape == (0, 6, 9, 9)
+
+
+def test_a_weight_without_output_channels_packs_to_an_empty_csr():
+    csr = UniformCSR.from_dense(torch.randn(0, 4, 3, 3))
+    assert csr.values.shape == (0, 0) and csr.to_dense().shape == (0, 4, 3, 3)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("groups", [1, 2])
+def test_an_input_smaller_than_the_kernel_raises_the_same_error_on_every_backend(backend, groups):
+    """Grouped layers fall back to the dense backend, which let torch's RuntimeError through."""
+    from unsparse.sparse.format import SparseFormatError
+
+    csr = UniformCSR.from_dense(torch.randn(4, 4 // groups, 5, 5))
+    with pytest.raises(SparseFormatError, match="smaller than dilated kernel"):
+        sparse_conv2d(torch.randn(1, 4, 3, 3), csr, None, 1, 0, 1, groups, backend=backend)

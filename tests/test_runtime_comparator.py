@@ -448,3 +448,19 @@ def test_temporary_backend_puts_each_layer_back_also_after_an_error() -> None:
         assert (layer.backend, layer.backend_params) == ("dense_cpu", {})
         raise RuntimeError("inside")
     assert (layer.backend, layer.backend_params) == ("reference", {"images_per_step": 2})
+
+
+def test_a_layer_no_compared_backend_computes_is_planned_on_the_dense_default(caplog) -> None:
+    """``backends`` naming only a sparse backend that refuses grouped layers: the grouped layer is planned on the
+    dense default with a logged reason (it raised), the other layer on that backend, and the model stays correct."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Conv2d(4, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1, groups=8)).eval()
+    sparse, x = sparsify(model), torch.randn(2, 4, 10, 10)
+    with caplog.at_level("WARNING"):
+        plan, _ = plan_model(sparse, x, backends=["im2col_cusparse"], runs=2, warmup=0)
+    layers = sparse_layers(sparse)
+    assert plan.get(layers["0"].plan_key).backend == "im2col_cusparse"
+    assert plan.get(layers["2"].plan_key).backend == "dense_cpu"
+    assert "no backend compared computed this layer correctly (im2col_cusparse unsupported)" in caplog.text
+    with torch.no_grad():
+        assert torch.allclose(sparse(x), model(x), atol=1e-5)

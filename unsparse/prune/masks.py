@@ -101,7 +101,8 @@ def remove_masks(model: nn.Module) -> nn.Module:
 
 @torch.no_grad()
 def squashed_copy(model: nn.Module) -> nn.Module:
-    """A deep copy of ``model`` whose parametrized tensors (masks included) are folded into plain parameters.
+    """A deep copy of ``model`` whose parametrized tensors (masks included, and any other parametrization such as
+    ``torch.nn.utils.parametrizations.weight_norm``'s ``original0``/``original1``) are folded into plain parameters.
 
     ``model`` is left untouched. (``parametrize.remove_parametrizations`` on a deep copy would edit the
     parametrized class that the copy shares with the original, so the copy's modules get their original
@@ -111,12 +112,13 @@ def squashed_copy(model: nn.Module) -> nn.Module:
     for module in folded.modules():
         if not parametrize.is_parametrized(module):
             continue
-        effective = {name: (getattr(module, name).detach().clone(), module.parametrizations[name].original)
+        effective = {name: (getattr(module, name).detach().clone(),
+                            any(p.requires_grad for p in module.parametrizations[name].parameters(recurse=False)))
                      for name in module.parametrizations}
         module.__class__ = module.__class__.__bases__[0]
         del module._modules["parametrizations"]
-        for name, (tensor, original) in effective.items():
-            setattr(module, name, nn.Parameter(tensor, requires_grad=original.requires_grad))
+        for name, (tensor, requires_grad) in effective.items():
+            setattr(module, name, nn.Parameter(tensor, requires_grad=requires_grad))
     return folded
 
 

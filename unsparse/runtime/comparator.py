@@ -326,7 +326,8 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
     One forward pass runs the layers on their dense fallback; before each sparse layer runs, its actual
     input is compared with :func:`compare_layer` unless its key is already in ``plan`` (plan reuse).
     The resulting plan is activated (:func:`~unsparse.runtime.plan.use_plan`); each layer's key is left in
-    its ``plan_key`` attribute.
+    its ``plan_key`` attribute. A layer that none of the compared backends computes correctly (e.g. ``backends``
+    naming only sparse backends that refuse a grouped layer) is planned on the dense default, with a logged reason.
 
     Args:
         model: holds SparseConv layers, on the device of ``example``.
@@ -353,7 +354,14 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
         if plan.get(key) is None:
             comparison = compare_layer(x, layer.csr, layer.bias, layer.geometry, backends, **compare_kwargs)
             comparisons.append(comparison)
-            plan.entries[key] = comparison.plan_entry()
+            if comparison.chosen() is not None:
+                plan.entries[key] = comparison.plan_entry()
+                return
+            fallback = dense_fallback_backend(x.device)
+            outcomes = sorted({f"{m.backend} {m.status}" for m in comparison.measurements})
+            log.warning("%s: no backend compared computed this layer correctly (%s); planned on the dense default, "
+                        "%s", key, ", ".join(outcomes) or "none ran", fallback)
+            plan.entries[key] = comparison.default_entry(fallback)
 
     handles = [layer.register_forward_pre_hook(before) for layer in sparse_layers(model).values()]
     try:

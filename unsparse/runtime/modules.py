@@ -18,6 +18,12 @@ from unsparse.sparse.geometry import ConvGeometry
 log = logging.getLogger(__name__)
 
 
+def _version(tensor: torch.Tensor) -> int:
+    """``tensor``'s in-place version counter; -1 for a tensor made under ``torch.inference_mode()``, which has none
+    (such a tensor is changed in place only inside inference mode, where no cache can notice it)."""
+    return -1 if tensor.is_inference() else tensor._version
+
+
 class SparseConv(nn.Module):
     """A convolution whose weight is stored as a UniformCSR (buffers ``values`` and ``col_idx``).
 
@@ -49,8 +55,10 @@ class SparseConv(nn.Module):
     def csr(self) -> UniformCSR:
         """The weight as a UniformCSR over the module's current buffers: a new object after ``.to()`` or after any
         in-place change of a buffer (an in-place ``load_state_dict``, ``values.mul_``), so that the backends'
-        per-weight caches (dense copies, lowered matrices, kernel entries) never serve an older weight."""
-        csr, versions = self._csr, (self.values._version, self.col_idx._version)
+        per-weight caches (dense copies, lowered matrices, kernel entries) never serve an older weight. Changes that
+        bypass the version counter (through ``.data``, or to buffers made under ``torch.inference_mode()``) are not
+        seen: replace the buffers, or call :meth:`set_csr`, instead."""
+        csr, versions = self._csr, (_version(self.values), _version(self.col_idx))
         if (csr is None or csr.values is not self.values or csr.col_idx is not self.col_idx
                 or self._csr_versions != versions):
             csr = UniformCSR(self.values, self.col_idx, self.weight_shape)
@@ -90,21 +98,47 @@ def sparse_from_conv(conv: nn.Conv1d | nn.Conv2d, backend: str = "reference") ->
     return SparseConv(UniformCSR.from_dense(conv.weight), conv.bias, ConvGeometry.from_module(conv), backend)
 
 
+def _computes_as_torch_conv(conv: nn.Conv1d | nn.Conv2d) -> bool:
+    """Whether ``conv``'s class computes as ``nn.Conv1d``/``nn.Conv2d`` do (it may add attributes, but neither
+    ``forward`` nor ``_conv_forward`` is its own): only then does a :class:`SparseConv` of its weight compute the
+    same function."""
+    base = nn.Conv1d if isinstance(conv, nn.Conv1d) else nn.Conv2d
+    return type(conv).forward is base.forward and type(conv)._conv_forward is base._conv_forward
+
+
 def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
     """Copy ``model`` with every ``nn.Conv1d``/``nn.Conv2d`` replaced by a :class:`SparseConv`.
 
     Pruning parametrizations (masks) are folded into the weights of the copy first, so the copy's convs hold
-    exactly the masked weights; other modules (Linear, BatchNorm, ...) are copied unchanged. The input
-    model is not modified. The copy keeps ``model.unsparse_spec`` (registry name and kwargs) if present.
+    exactly the masked weights; other modules (Linear, BatchNorm, ...) are copied unchanged. A conv subclass with
+    its own ``forward`` (weight standardisation, a fused BatchNorm, fake quantization) stays as it is, with a
+    logged reason: its weight alone does not say what it computes. The input model is not modified. The copy keeps
+    ``model.unsparse_spec`` (registry name and kwargs) if present.
 
     Returns:
         The sparse copy, in eval mode.
+
+    Raises:
+        ValueError: naming the layer, for a conv with hooks: ``torch.nn.utils.prune`` and the older
+            ``torch.nn.utils.weight_norm`` recompute the weight in a forward pre-hook, so its ``weight`` attribute
+            may be stale, and a sparse copy would lose any hook; remove them first (``prune.remove``,
+            ``remove_weight_norm``).
     """
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Conv1d | nn.Conv2d) and (module._forward_pre_hooks or module._forward_hooks):
+            raise ValueError(f"{name}: a conv with forward hooks (torch.nn.utils.prune or weight_norm keep the weight "
+                             "in one) cannot be sparsified; remove them first (torch.nn.utils.prune.remove(module, "
+                             "'weight'), torch.nn.utils.remove_weight_norm)")
     sparse_model = squashed_copy(model)
-    for parent in list(sparse_model.modules()):
+    for parent_name, parent in list(sparse_model.named_modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Conv1d | nn.Conv2d):
+            if not isinstance(child, nn.Conv1d | nn.Conv2d):
+                continue
+            if _computes_as_torch_conv(child):
                 setattr(parent, name, sparse_from_conv(child, backend))
+            else:
+                log.warning("%s: %s has its own forward; left dense", f"{parent_name}.{name}".lstrip("."),
+                            type(child).__name__)
     return sparse_model.eval()
 
 

@@ -75,7 +75,7 @@ class UniformCSR:
             raise SparseFormatError(f"weight: dtype {weight.dtype} is not a float dtype")
         weight = weight.detach()
         M = weight.shape[0]
-        rows = weight.reshape(M, -1)
+        rows = weight.reshape(M, math.prod(weight.shape[1:]))  # -1 cannot be inferred for M = 0
         nonzero = rows != 0
         L = int(nonzero.sum(dim=1).max().item()) if M > 0 and rows.shape[1] > 0 else 0
         # A stable sort on "is zero" puts each row's nonzero columns first (ascending), then its zero

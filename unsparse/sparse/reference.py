@@ -11,6 +11,8 @@ indexing errors, and fast enough to run a whole test set on the CPU.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -63,7 +65,7 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
                                       geometry.padding[0], geometry.padding[0]))
     padded_hw = (padded.shape[2], padded.shape[3])
     E, F_ = geometry.output_size(H, W, csr.kernel_size)
-    flat = padded.reshape(N, -1)
+    flat = padded.reshape(N, math.prod(padded.shape[1:]))  # -1 cannot be inferred for N = 0
     offsets = geometry.stretched_offsets(csr.col_idx, csr.kernel_size, padded_hw)  # (M, L)
     distinct, slot = torch.unique(offsets, return_inverse=True)  # (U,), (M, L)
     rows = torch.arange(csr.out_channels, device=x.device)[:, None].expand_as(slot)

@@ -51,11 +51,13 @@ class DenseBackend(ConvBackend):
                 layout, so a setting that differs from the model's layout is timed with both conversions.
 
         Raises:
-            ValueError: for another ``memory_format``.
+            ValueError: for another ``memory_format``; ``SparseFormatError`` (a ValueError) for an input smaller
+                than the dilated kernel (:meth:`ConvGeometry.output_size`), as the sparse backends raise it.
         """
         layout = layout_of(x) if memory_format is None else MEMORY_FORMATS.get(memory_format)
         if layout is None:
             raise ValueError(f"memory_format: unknown {memory_format!r}, expected one of {sorted(MEMORY_FORMATS)}")
+        geometry.output_size(*x.shape[2:], csr.kernel_size)  # an input smaller than the kernel: as the others say
         weight = self.dense_weight(csr, x.dtype, layout)
         if x.device.type == "cuda":
             torch.backends.cudnn.benchmark = True

@@ -1,0 +1,74 @@
+"""``sparsify`` on models it must not silently change: conv subclasses, hooks, foreign parametrizations, and layers
+made under ``torch.inference_mode()``; each compared with the dense model in float64."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.nn.utils.prune as torch_prune
+from torch import nn
+
+from unsparse.runtime import SparseConv, sparsify
+
+
+class WeightStandardisedConv2d(nn.Conv2d):
+    """A conv whose forward changes its weight (BiT / NFNet style): its weight alone does not say what it computes."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        weight = (weight - weight.mean((1, 2, 3), keepdim=True)) / (weight.std((1, 2, 3), keepdim=True) + 1e-5)
+        return self._conv_forward(x, weight, self.bias)
+
+
+class NamedConv2d(nn.Conv2d):
+    """A subclass that only adds an attribute: it computes as nn.Conv2d does."""
+
+    tag = "named"
+
+
+def test_a_conv_subclass_with_its_own_forward_stays_dense_with_a_logged_reason(caplog):
+    torch.manual_seed(0)
+    model = nn.Sequential(WeightStandardisedConv2d(3, 4, 3), nn.ReLU(), NamedConv2d(4, 5, 3)).double().eval()
+    x = torch.randn(2, 3, 9, 9, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING):
+        sparse = sparsify(model)
+    assert isinstance(sparse[0], WeightStandardisedConv2d) and isinstance(sparse[2], SparseConv)
+    assert "0: WeightStandardisedConv2d has its own forward; left dense" in caplog.text
+    with torch.no_grad():
+        assert torch.allclose(sparse(x), model(x), rtol=1e-10, atol=1e-12)
+
+
+def test_a_conv_with_hooks_is_refused_naming_it():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 3))
+    torch_prune.l1_unstructured(model[2], "weight", amount=0.5)
+    with pytest.raises(ValueError, match=r"^2: a conv with forward hooks .*torch.nn.utils.prune.remove"):
+        sparsify(model)
+    torch_prune.remove(model[2], "weight")
+    assert isinstance(sparsify(model)[2], SparseConv)
+
+
+def test_a_foreign_parametrization_is_folded_into_the_weight():
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1)).double()
+    torch.nn.utils.parametrizations.weight_norm(model[0])  # original0 / original1, no "original"
+    x = torch.randn(2, 3, 7, 7, dtype=torch.float64)
+    sparse = sparsify(model)
+    with torch.no_grad():
+        expected = F.conv2d(x, model[0].weight, model[0].bias, padding=1)
+        assert torch.allclose(sparse(x), expected, rtol=1e-10, atol=1e-12)
+
+
+def test_layers_made_under_inference_mode_run_inside_and_outside_it():
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1)).eval()
+    x = torch.randn(1, 3, 8, 8)
+    with torch.inference_mode():
+        sparse = sparsify(model)
+        inside = sparse(x)
+    outside = sparse(x)
+    with torch.no_grad():
+        expected = model(x)
+    assert torch.allclose(inside, expected, atol=1e-5) and torch.allclose(outside, expected, atol=1e-5)
