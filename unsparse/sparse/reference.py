@@ -47,7 +47,9 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
         images_per_step: images gathered at once (memory ~ images_per_step * distinct offsets * E * F).
 
     Returns:
-        ``(N, M, E, F)`` tensor of ``x``'s dtype; float16/bfloat16 inputs accumulate in float32.
+        ``(N, M, E, F)`` tensor of ``x``'s dtype; float16/bfloat16 inputs accumulate in float32. Only stored
+        weights are multiplied, so an infinite input under a pruned weight adds nothing, where ``F.conv2d``'s
+        ``inf * 0`` gives NaN (as in every sparse backend that skips zeros).
 
     Raises:
         ValueError: if ``groups != 1``, ``x``'s channels do not match the weight, or ``images_per_step`` is not a
