@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unsparse.runtime import cupy_launcher as cl
-from unsparse.runtime import get_backend, sparsify
+from unsparse.runtime import get_backend, set_backend, sparsify
 from unsparse.runtime.backends.direct import (
     is_pointwise,
     pair_images,
@@ -345,6 +345,21 @@ def test_whole_model_auto_matches_dense_and_plan_is_reused(tmp_path) -> None:
     plan.save(tmp_path / "plan.json")
     again, comparisons = plan_model(sparsify(model), x, Plan.load(tmp_path / "plan.json"), runs=3)
     assert comparisons == [] and again.entries.keys() == plan.entries.keys()
+
+
+@pytest.mark.parametrize("backend", ["direct", "im2col_cublas", "cudnn"])
+def test_a_model_sparsified_under_inference_mode_runs_on_cuda(backend: str) -> None:
+    """Buffers made under ``torch.inference_mode()`` have no version counter; the layers still run (they crashed
+    on every forward) and match the dense model, inside and outside the mode."""
+    model = pruned_small_net(17, 0.8)
+    x = torch.randn(4, 3, 20, 20, device=CUDA)
+    with torch.inference_mode():
+        sparse = set_backend(sparsify(model), backend)
+        inside = sparse(x)
+    with torch.no_grad():
+        expected = model(x)
+    for output in (inside, sparse(x)):
+        assert relative_error(output.double(), expected.double()) <= 10 * tolerance(torch.float32)
 
 
 def test_check_plan_times_cuda_graphs_and_keeps_the_model_correct() -> None:
