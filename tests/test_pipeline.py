@@ -193,8 +193,11 @@ def test_a_time_series_trains_an_autoencoder_and_reports_its_mse(tmp_path, caplo
     (lambda: TimingSettings(batch_size=0), "runtime.timing.batch_size = 0"),
     (lambda: TimingSettings(warmup=-1), "runtime.timing.warmup = -1"),
     (lambda: digits(limit_test=0), "limit_test: 0 keeps no example"),
+    (lambda: digits(test_size=0), r"test_size: expected an integer in \[1, 1796\]"),
+    (lambda: digits(val_size=-100), r"val_size: expected an integer in \[1, 1436\]"),
+    (lambda: digits(val_size=5000), "val_size"),
     (lambda: digits(limit_train=-5), "limit_train"),
-    (lambda: create_model("vgg_small", width=0), "model: 'vgg_small' .* has empty tensors"),
+    (lambda: create_model("vgg_small", width=0), r"model.width: expected an integer >= 1, got 0"),
 ])
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
 def test_settings_out_of_range_are_refused_naming_the_field(make, field):

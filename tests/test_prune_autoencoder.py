@@ -51,3 +51,24 @@ def test_exported_series_reads_back_exactly(tmp_path):
     (tmp_path / "bad.txt").write_text("1.0\nnan\n")
     with pytest.raises(ValueError):
         read_series(tmp_path / "bad.txt")
+
+
+def test_time_series_settings_are_refused_naming_the_field(tmp_path):
+    """A zero stride, a one-point window (every window levels to 0, then NaN after scaling), fractions that leave a
+    split empty, and a file with a word that is not a number: each named (some ran on to NaN or a bare error)."""
+    from unsparse.timeseries import read_series, timeseries, windows
+
+    with pytest.raises(ValueError, match="window: expected an integer >= 2"):
+        windows(torch.arange(10.0), 1, 1)
+    with pytest.raises(ValueError, match="stride: expected an integer >= 1"):
+        windows(torch.arange(10.0), 4, 0)
+    with pytest.raises(ValueError, match=r"val split: 3 points, shorter than the window of 4"):
+        windows(torch.arange(3.0), 4, 1, "val split")
+    with pytest.raises(ValueError, match=r"val_fraction: expected a fraction in \(0, 1\), got 0"):
+        timeseries(val_fraction=0)
+    with pytest.raises(ValueError, match=r"val_fraction \+ test_fraction: 1.2 leaves no training points"):
+        timeseries(val_fraction=0.6, test_fraction=0.6)
+    path = tmp_path / "series.txt"
+    path.write_text("1.0\n2.5\nabc\n")
+    with pytest.raises(ValueError, match=r"series.txt: not a series of numbers"):
+        read_series(path)

@@ -52,3 +52,22 @@ def test_a_model_whose_output_does_not_fit_the_targets_is_refused():
     model.train()
     check_model_fits(model, windows())
     assert model.training  # the check restores the mode
+
+
+def test_create_model_names_a_bad_argument_and_a_layer_built_empty(monkeypatch):
+    """A misspelt keyword, a negative or fractional width (torch's TypeError or RuntimeError, or a misleading groups
+    error before), and a factory argument that builds a layer without weights: each a ValueError naming it."""
+    from unsparse.models import registry
+
+    with pytest.raises(ValueError, match=r"'vgg_small' takes no \['widht'\]"):
+        create_model("vgg_small", widht=8)
+    for width in (-4, 2.5, True):
+        with pytest.raises(ValueError, match=r"model\.width: expected an integer >= 1"):
+            create_model("vgg_small", width=width)
+
+    def scaled(scale: float = 1.0) -> torch.nn.Module:
+        return torch.nn.Conv2d(1, int(8 * scale), 3)
+
+    monkeypatch.setitem(registry._MODELS, "scaled", scaled)
+    with pytest.raises(ValueError, match=r"'scaled' with \{'scale': 0.1\} has empty tensors"):
+        create_model("scaled", scale=0.1)

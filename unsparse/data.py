@@ -13,8 +13,9 @@ from __future__ import annotations
 import gzip
 import hashlib
 import lzma
+import math
 import os
-import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from unsparse.atomic import atomic_write
+from unsparse.settings import check_integer
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
@@ -66,41 +68,80 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("UNSPARSE_CACHE", Path.home() / ".cache" / "unsparse"))
 
 
-def _prepare_fashion_mnist_root(source: Path) -> Path:
-    """Lay out (decompressed) copies of the Debian files where torchvision's FashionMNIST looks for them.
+def check_idx(data: bytes, name: str) -> bytes:
+    """``data`` if it is a complete idx file of unsigned bytes (the MNIST format: magic ``0x0000 08 nd``, ``nd``
+    big-endian int32 dimensions, then their product in bytes).
 
-    The copies live in a cache folder keyed by ``source``'s path (``$UNSPARSE_CACHE``, default
-    ``~/.cache/unsparse``), written atomically (temporary file + rename).
+    Raises:
+        ValueError: naming ``name``, for another magic number or a length that disagrees with the dimensions (a
+            truncated or corrupt file, which torchvision would report as a tensor shape error).
+    """
+    if len(data) < 4 or data[:3] != b"\x00\x00\x08" or not 1 <= data[3] <= 4:
+        raise ValueError(f"{name}: not an idx file of unsigned bytes (header {data[:4].hex()})")
+    ndim = data[3]
+    dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim]) if len(data) >= 4 + 4 * ndim else ()
+    expected = 4 + 4 * ndim + math.prod(dims) if dims else None
+    if expected != len(data):
+        raise ValueError(f"{name}: {len(data)} bytes, but its header {dims} needs {expected} (truncated or corrupt)")
+    return data
+
+
+def _prepare_fashion_mnist_root(source: Path) -> Path:
+    """Lay out checked, decompressed copies of the Debian files where torchvision's FashionMNIST looks for them.
+
+    The copies live in a cache folder (``$UNSPARSE_CACHE``, default ``~/.cache/unsparse``) keyed by ``source``'s
+    path and each source file's size and modification time, so a replaced file is read again; each is checked
+    (:func:`check_idx`) before it is written, atomically (temporary file + rename).
 
     Returns:
         The ``root`` to pass to ``torchvision.datasets.FashionMNIST`` (files under ``root/FashionMNIST/raw``).
 
     Raises:
         DatasetUnavailableError: if a file is missing from ``source``.
+        ValueError: naming the source file, if it is not a complete idx file.
     """
-    root = _cache_dir() / "torchvision" / hashlib.sha1(str(source.resolve()).encode()).hexdigest()[:12]
-    raw = root / "FashionMNIST" / "raw"
-    raw.mkdir(parents=True, exist_ok=True)
+    found = {}
     for name in FASHION_MNIST_FILES:
-        target = raw / name
-        if target.exists():
-            continue
         candidates = ((source / f"{name}.gz", gzip.open), (source / f"{name}.xz", lzma.open), (source / name, open))
-        found = [(path, opener) for path, opener in candidates if path.exists()]
-        if not found:
+        present = [(path, opener) for path, opener in candidates if path.exists()]
+        if not present:
             raise DatasetUnavailableError(
                 f"Fashion-MNIST file {source / name}.gz not found. Install Debian's package: "
                 "`apt-get install dataset-fashion-mnist` (or set data.root to a folder holding the four "
                 "idx files).")
-        path, opener = found[0]
+        found[name] = present[0]
+    stamp = [str(source.resolve())] + [f"{path.name}:{path.stat().st_size}:{path.stat().st_mtime_ns}"
+                                       for path, _ in found.values()]
+    root = _cache_dir() / "torchvision" / hashlib.sha1("|".join(stamp).encode()).hexdigest()[:12]
+    raw = root / "FashionMNIST" / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    for name, (path, opener) in found.items():
+        target = raw / name
+        if target.exists():
+            continue
+        with opener(path, "rb") as src:
+            try:
+                data = check_idx(src.read(), str(path))
+            except (OSError, EOFError, lzma.LZMAError) as error:  # a damaged .gz or .xz stream
+                raise ValueError(f"{path}: cannot be read ({error})") from error
         # A unique temporary name per writer: processes preparing the same cache at once (several tables on
         # one machine) each rename a whole file into place instead of renaming each other's half-written one.
-        with opener(path, "rb") as src:
-            atomic_write(target, lambda dst, src=src: shutil.copyfileobj(src, dst))
+        atomic_write(target, lambda dst, data=data: dst.write(data))
     return root
 
 
+def check_split_size(size: int, available: int, field: str) -> int:
+    """``size`` if it is an integer in ``[1, available - 1]``: a split that leaves the other one part empty, or a
+    negative size (which Python's slicing reads from the end), would train or validate on nothing.
+
+    Raises:
+        ValueError: naming ``field`` otherwise.
+    """
+    return check_integer(size, field, 1, available - 1)
+
+
 def _split_validation(images: torch.Tensor, labels: torch.Tensor, val_size: int, seed: int):
+    check_split_size(val_size, len(labels), "val_size")
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     val, train = order[:val_size], order[val_size:]
     return (images[train], labels[train]), (images[val], labels[val])
@@ -147,7 +188,7 @@ def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, li
 
     Raises:
         DatasetUnavailableError: files missing (the message names the Debian package).
-        ValueError: a limit below 1, naming it.
+        ValueError: a limit below 1, or a ``val_size`` outside ``[1, 59999]``, naming it.
     """
     from torchvision.datasets import FashionMNIST
 
@@ -168,18 +209,21 @@ def digits(test_size: int = 360, val_size: int = 180, seed: int = 0, limit_train
     """scikit-learn's handwritten digits (1797 8x8 images, 10 classes), bilinearly upsampled to 28x28.
 
     The test split is the last ``test_size`` images; validation is drawn from the rest with ``seed``.
+    ``limit_train`` and ``limit_test`` keep the first N train / (validation and test) images, as for Fashion-MNIST.
 
     Raises:
-        ValueError: a limit below 1, naming it.
+        ValueError: a limit below 1, or a split size that leaves a split empty, naming it.
     """
     from sklearn.datasets import load_digits
 
     bunch = load_digits()
+    check_split_size(test_size, len(bunch.target), "test_size")
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     images = F.interpolate(images, size=(28, 28), mode="bilinear", align_corners=False)
     labels = torch.tensor(bunch.target, dtype=torch.long)
     rest, test = (images[:-test_size], labels[:-test_size]), (images[-test_size:], labels[-test_size:])
     train_pair, val_pair = _split_validation(*rest, val_size, seed)
-    splits = _normalise({"train": first_examples(train_pair, limit_train, "limit_train"), "val": val_pair,
+    splits = _normalise({"train": first_examples(train_pair, limit_train, "limit_train"),
+                         "val": first_examples(val_pair, limit_test, "limit_test"),
                          "test": first_examples(test, limit_test, "limit_test")})
     return Splits(**splits, num_classes=10, name="digits")

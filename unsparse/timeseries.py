@@ -17,6 +17,7 @@ import torch
 
 from unsparse.atomic import atomic_write_text
 from unsparse.data import Splits, first_examples, mean_and_std
+from unsparse.settings import check_integer
 
 SERIES = ("co2", "sunspots", "elnino")
 
@@ -65,20 +66,27 @@ def read_series(path: str | Path) -> torch.Tensor:
         FileNotFoundError: the file is missing.
         ValueError: a line is not a number, or a value is not finite.
     """
-    values = np.array([float(line) for line in Path(path).read_text(encoding="utf-8").split()], dtype=np.float64)
+    words = Path(path).read_text(encoding="utf-8").split()
+    try:
+        values = np.array([float(word) for word in words], dtype=np.float64)
+    except ValueError as error:
+        raise ValueError(f"{path}: not a series of numbers ({error})") from error
     if not np.isfinite(values).all():
         raise ValueError(f"{path}: series holds non-finite values")
     return torch.tensor(values, dtype=torch.float32)
 
 
-def windows(series: torch.Tensor, length: int, stride: int) -> torch.Tensor:
+def windows(series: torch.Tensor, length: int, stride: int, name: str = "series") -> torch.Tensor:
     """Overlapping windows ``(N, 1, length)`` of a ``(T,)`` series, each minus its own mean (level removed).
 
     Raises:
-        ValueError: the series is shorter than ``length``.
+        ValueError: ``length`` below 2 (a one-point window levels to 0) or ``stride`` below 1, naming it; the series
+            (``name``) shorter than ``length``.
     """
+    check_integer(length, "window", low=2)
+    check_integer(stride, "stride")
     if len(series) < length:
-        raise ValueError(f"series of {len(series)} points is shorter than the window {length}")
+        raise ValueError(f"{name}: {len(series)} points, shorter than the window of {length}")
     cut = series.unfold(0, length, stride)
     return (cut - cut.mean(dim=1, keepdim=True)).unsqueeze(1)
 
@@ -99,14 +107,21 @@ def timeseries(name: str = "co2", window: int = 64, stride: int = 4, val_fractio
             scale is taken from the windows kept.
 
     Raises:
-        ValueError: unknown series, a split shorter than ``window``, or a limit below 1, naming it.
+        ValueError: unknown series, fractions outside (0, 1) or summing to 1 or more, a window below 2 or stride
+            below 1, a split shorter than ``window`` (naming the split), or a limit below 1, naming it.
     """
+    for field, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
+        if not 0 < fraction < 1:
+            raise ValueError(f"{field}: expected a fraction in (0, 1), got {fraction!r}")
+    if val_fraction + test_fraction >= 1:
+        raise ValueError(f"val_fraction + test_fraction: {val_fraction + test_fraction} leaves no training points")
     series = statsmodels_series(name) if source is None else read_series(source)
     test_start = round(len(series) * (1.0 - test_fraction))
     val_start = round(len(series) * (1.0 - test_fraction - val_fraction))
     parts = {"train": series[:val_start], "val": series[val_start:test_start], "test": series[test_start:]}
     limits = {"train": (limit_train, "limit_train"), "val": (limit_test, "limit_test"),
               "test": (limit_test, "limit_test")}
-    cut = {key: first_examples((windows(part, window, stride),) * 2, *limits[key])[0] for key, part in parts.items()}
+    cut = {key: first_examples((windows(part, window, stride, f"{key} split"),) * 2, *limits[key])[0]
+           for key, part in parts.items()}
     scale = mean_and_std(cut["train"])[1]
     return Splits(**{key: (value / scale, value / scale) for key, value in cut.items()}, num_classes=0, name=name)

@@ -6,10 +6,13 @@ rebuild the architecture without pickling code (DESIGN.md, File).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
+
+from unsparse.settings import check_integer
 
 _MODELS: dict[str, Callable[..., nn.Module]] = {}
 
@@ -33,11 +36,21 @@ def create_model(name: str, **kwargs: Any) -> nn.Module:
         kwargs: JSON-serialisable keyword arguments of the factory (e.g. ``num_classes``).
 
     Raises:
-        ValueError: unknown name (the message lists the known ones), or arguments that build layers without
-            weights (a zero width: the forward would fail deep inside torch).
+        ValueError: unknown name (the message lists the known ones), an argument the factory does not take, an
+            integer setting (one whose default is an integer: widths, channel and class counts) that is not a
+            positive integer, or arguments that build layers without weights (the forward would fail deep inside
+            torch).
     """
     if name not in _MODELS:
         raise ValueError(f"model: unknown name {name!r}; known: {list_models()}")
+    parameters = inspect.signature(_MODELS[name]).parameters
+    unknown = sorted(set(kwargs) - set(parameters))
+    if unknown:
+        raise ValueError(f"model: {name!r} takes no {unknown}; it takes {sorted(parameters)}")
+    for key, value in kwargs.items():
+        default = parameters[key].default
+        if isinstance(default, int) and not isinstance(default, bool):
+            check_integer(value, f"model.{key}")
     model = _MODELS[name](**kwargs)
     empty = [key for key, tensor in model.state_dict().items() if tensor.numel() == 0]
     if empty:

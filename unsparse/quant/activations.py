@@ -26,8 +26,8 @@ from tqdm.auto import tqdm
 
 from unsparse.quant.fixed_point import check_bits, fake_quantize, fixed_point_step
 from unsparse.quant.histogram import MagnitudeHistogram
-from unsparse.quant.settings import check_choice, check_flag, check_integer, check_quantile
 from unsparse.runtime.modules import sparse_layers
+from unsparse.settings import check_choice, check_flag, check_integer, check_quantile
 from unsparse.sparse.format import SparseFormatError
 
 FORMATS = ("none", "fp16", "fixed")

@@ -16,7 +16,7 @@ import math
 
 import torch
 
-from unsparse.quant.settings import check_integer, check_quantile
+from unsparse.settings import check_integer, check_quantile
 
 
 class MagnitudeHistogram:

@@ -19,7 +19,7 @@ import torch
 from unsparse.quant.activations import ActivationSpec
 from unsparse.quant.fixed_point import check_bits, fixed_point_step, from_codes, to_codes
 from unsparse.quant.layerwise import LayerwiseQuantizer
-from unsparse.quant.settings import check_choice, check_integer
+from unsparse.settings import check_choice, check_integer
 
 EMPTY_LAYER_STEP = 1.0
 """Step recorded for a layer without nonzero weights (it has no centroid, so the step is never used)."""

@@ -10,7 +10,7 @@ from unsparse.quant.activations import ActivationSpec
 from unsparse.quant.fixed_point import check_bits, fake_quantize, fixed_point_step
 from unsparse.quant.histogram import saturation_level
 from unsparse.quant.layerwise import LayerwiseQuantizer
-from unsparse.quant.settings import check_flag, check_integer, check_quantile
+from unsparse.settings import check_flag, check_integer, check_quantile
 
 EMPTY_LAYER_STEP = 1.0
 """Step recorded for a layer without nonzero weights (every code is 0, so the step is never used)."""

@@ -1,4 +1,4 @@
-"""Checks of the quantizers' settings: each returns the value, or raises ``ValueError`` naming the field.
+"""Checks of settings (quantizers, data, time series): each returns the value or raises ``ValueError`` naming it.
 
 Bools are refused where a number is expected (``True`` is an ``int`` to Python) and numbers where a bool is.
 """
