@@ -54,6 +54,7 @@ def test_a_model_whose_output_does_not_fit_the_targets_is_refused():
     assert model.training  # the check restores the mode
 
 
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
 def test_create_model_names_a_bad_argument_and_a_layer_built_empty(monkeypatch):
     """A misspelt keyword, a negative or fractional width (torch's TypeError or RuntimeError, or a misleading groups
     error before), and a factory argument that builds a layer without weights: each a ValueError naming it."""

@@ -12,31 +12,49 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+_PREFIX_BYTES = 200
+"""The most bytes of the target's name that the temporary file's name repeats: with the dot before and after, the
+random part and ``.tmp``, the temporary name stays within the 255 bytes a file name may have (NAME_MAX)."""
+
 
 def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
     """Call ``write(file)`` on a temporary file in ``path``'s folder, fsync it, and rename it to ``path``.
 
-    The folder is created if missing. The file gets the permissions of the file it replaces, or those a new file
-    gets under the process's umask (``mkstemp`` alone would leave it readable by its owner only). On any exception
-    the temporary file is removed and ``path`` is left untouched.
+    The folder is created if missing. Where ``path`` is a symbolic link, the file it points to (followed to the
+    end of a chain of links, and created if missing) is replaced atomically and the link stays. The file gets the
+    permissions of the file it replaces, or those a new file gets under the process's umask (``mkstemp`` alone
+    would leave it readable by its owner only). The temporary file is named after the target (the first
+    ``_PREFIX_BYTES`` bytes of its name, so that a name of up to 255 bytes can be written). On any exception the
+    temporary file is removed and ``path`` is left untouched.
 
     Returns:
-        ``path`` as a Path.
+        ``path`` as a Path (the link, where it is one).
+
+    Raises:
+        OSError: from the file system, e.g. where ``path`` is a folder or its folder cannot be created.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    target = Path(os.path.realpath(path)) if path.is_symlink() else path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{_name_prefix(target.name)}.", suffix=".tmp", dir=target.parent)
     try:
-        os.fchmod(handle, _file_mode(path))
+        os.fchmod(handle, _file_mode(target))
         with os.fdopen(handle, "wb") as file:
             write(file)
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temporary, path)
+        os.replace(temporary, target)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
     return path
+
+
+def _name_prefix(name: str) -> str:
+    """``name`` cut to at most :data:`_PREFIX_BYTES` bytes in the file-system encoding, at a character boundary."""
+    while len(os.fsencode(name)) > _PREFIX_BYTES:
+        name = name[:-1]
+    return name
 
 
 def _file_mode(path: Path) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import logging
 import os
@@ -24,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from unsparse.atomic import atomic_write_bytes
+from unsparse.atomic import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +42,8 @@ def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
     """Within the block, torch runs only deterministic algorithms (``torch.use_deterministic_algorithms``, cuDNN
     deterministic and not benchmarking, cuBLAS with a fixed workspace), so a CUDA training run repeats bit for bit
     from its seed and a resumed run equals an uninterrupted one, as on the CPU. On exit the previous settings come
-    back. ``enabled=False`` changes nothing (so callers can pass a flag through).
+    back, also after an exception: torch's flags, cuDNN's, and ``CUBLAS_WORKSPACE_CONFIG`` (unset again where it
+    was unset). ``enabled=False`` changes nothing (so callers can pass a flag through).
 
     Raises:
         RuntimeError: from torch, inside the block, for an operation without a deterministic implementation.
@@ -54,21 +54,25 @@ def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
     mode = torch.are_deterministic_algorithms_enabled()
     warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     cudnn_deterministic, cudnn_benchmark = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
-    torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     try:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE_CONFIG)
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
         yield
     finally:
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_deterministic, cudnn_benchmark
+        if workspace is None:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+        else:
+            os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
-    """Atomically write ``state`` (tensors, numbers, strings, lists, dicts) with ``torch.save``."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    atomic_write_bytes(path, buffer.getvalue())
+    """Atomically write ``state`` (tensors, numbers, strings, lists, dicts) with ``torch.save``, streamed straight
+    into the temporary file (:func:`~unsparse.atomic.atomic_write`), not through a copy in memory."""
+    atomic_write(path, lambda file: torch.save(state, file))
 
 
 def random_states() -> dict[str, Any]:
@@ -94,9 +98,37 @@ def restore_random_states(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state(generator_state, index)
 
 
-def load_checkpoint(path: str | Path) -> dict[str, Any]:
-    """Read a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no code is unpickled)."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+def load_checkpoint(path: str | Path, required: Iterable[str] = ()) -> dict[str, Any]:
+    """Read a checkpoint written by :func:`save_checkpoint` (``weights_only=True``: no code is unpickled), its
+    tensors on the CPU.
+
+    Args:
+        path: the checkpoint file. required: keys the checkpoint must hold.
+
+    Returns:
+        The saved ``state`` dict.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        MemoryError: from torch, where the checkpoint does not fit into memory.
+        ValueError: naming ``path``, where it is not a readable checkpoint (truncated, empty, a folder, not torch's
+            format, or holding objects other than tensors and plain containers), is not a dict, or lacks a key of
+            ``required``.
+    """
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (FileNotFoundError, MemoryError):
+        raise
+    except Exception as error:  # torch reports a damaged file as OSError, EOFError, RuntimeError, UnpicklingError...
+        raise ValueError(f"{path}: not a readable checkpoint ({type(error).__name__}); it is damaged or not one "
+                         "this program wrote: delete it to start over") from None
+    if not isinstance(state, dict):
+        raise ValueError(f"{path}: not a checkpoint (holds a {type(state).__name__}, not a dict); delete it to "
+                         "start over")
+    missing = [key for key in required if key not in state]
+    if missing:
+        raise ValueError(f"{path}: not a complete checkpoint (no {', '.join(missing)}); delete it to start over")
+    return state
 
 
 def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:
@@ -108,18 +140,19 @@ def tensor_digest(tensors: Iterable[torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
-def check_resumable(path: str | Path, state: dict[str, Any], identity: str | None) -> None:
+def check_resumable(path: str | Path, state: dict[str, Any], identity: str | None, key: str = "identity") -> None:
     """Refuse to resume from a checkpoint that a run of other settings wrote into the same folder.
 
     Args:
         path: the checkpoint (named in the error). state: its content (:func:`load_checkpoint`).
-        identity: what this run writes into its checkpoints (e.g. :meth:`~unsparse.prune.base.Pruner.identity`);
-            None, or a checkpoint that records none, checks nothing.
+        identity: what this run writes into its checkpoints (e.g. :meth:`~unsparse.prune.base.Pruner.identity`),
+            JSON or any string; None, or a checkpoint that records none, checks nothing.
+        key: the entry of ``state`` that holds what the run that wrote it recorded.
 
     Raises:
         ValueError: naming the checkpoint and the settings that differ.
     """
-    saved = state.get("identity")
+    saved = state.get(key)
     if identity is None or saved is None or saved == identity:
         return
     try:
@@ -141,6 +174,24 @@ def _differences(before: Any, now: Any, prefix: str = "") -> list[tuple[str, Any
     return [] if before == now else [(prefix.rstrip(".") or "identity", before, now)]
 
 
+def _check_model_state(path: str | Path, saved: Any, model: nn.Module) -> None:
+    """Raise ValueError naming ``path`` unless ``saved`` holds exactly the tensors of ``model.state_dict()``, of
+    the same names and shapes (what ``load_state_dict`` needs; checked first, so a refused checkpoint changes
+    nothing)."""
+    if not isinstance(saved, dict) or not all(isinstance(value, torch.Tensor) for value in saved.values()):
+        raise ValueError(f"{path}: its 'model' is not a state dict of tensors; delete it to start over")
+    expected = {name: tuple(value.shape) for name, value in model.state_dict().items()}
+    found = {name: tuple(value.shape) for name, value in saved.items()}
+    problems = [f"missing {name}" for name in expected if name not in found]
+    problems += [f"unexpected {name}" for name in found if name not in expected]
+    problems += [f"{name}: shape {found[name]} there, {shape} here" for name, shape in expected.items()
+                 if name in found and found[name] != shape]
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise ValueError(f"{path}: written for another model ({shown}); resume with the same model, or start in "
+                         "another folder")
+
+
 @dataclass
 class Trainer:
     """SGD training on one data set.
@@ -152,6 +203,9 @@ class Trainer:
             is the mean squared error, reported as ``mse``; :meth:`score` negates it so higher is better).
         lr, momentum, weight_decay: SGD settings; the learning rate follows a cosine schedule within ``fit``.
         progress: show tqdm bars.
+
+    Raises:
+        ValueError: naming ``loss``, for a loss other than those of :data:`LOSSES`.
     """
 
     loaders: dict[str, DataLoader]
@@ -161,6 +215,11 @@ class Trainer:
     momentum: float = 0.9
     weight_decay: float = 5e-4
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        """Raises ValueError for an unknown ``loss``."""
+        if self.loss not in LOSSES:
+            raise ValueError(f"Trainer: unknown loss {self.loss!r}; known losses: {', '.join(LOSSES)}")
 
     def optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
         """SGD with Nesterov momentum over ``model``'s trainable parameters."""
@@ -195,22 +254,37 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str = "val", desc: str | None = None) -> dict[str, float]:
-        """Metrics of ``model`` on a split, in eval mode: ``{"top1": %, "loss"}`` or ``{"mse", "loss"}``."""
+        """Metrics of ``model`` on a split, in eval mode; afterwards every module is back in the mode it was in.
+
+        Returns:
+            ``{"top1": %, "loss": mean cross-entropy per sample}`` or ``{"mse", "loss"}`` (both the mean squared
+            error per target element).
+
+        Raises:
+            ValueError: naming ``split``, where it has no samples.
+        """
+        modes = [(module, module.training) for module in model.modules()]
         model.eval()
-        loss_fn = LOSSES[self.loss]
-        correct, total_loss, count = 0, 0.0, 0
-        for inputs, targets in tqdm(self.loaders[split], desc=desc or f"eval {split}", leave=False,
-                                    disable=not self.progress):
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
-            outputs = model(inputs)
-            total_loss += float(loss_fn(outputs.float(), targets, reduction="sum"))
-            count += len(inputs)
-            if self.loss == "cross_entropy":
-                correct += int((outputs.argmax(dim=1) == targets).sum())
+        try:
+            loss_fn = LOSSES[self.loss]
+            correct, total_loss, count, elements = 0, 0.0, 0, 0
+            for inputs, targets in tqdm(self.loaders[split], desc=desc or f"eval {split}", leave=False,
+                                        disable=not self.progress):
+                inputs, targets = inputs.to(self.device), targets.to(self.device)
+                outputs = model(inputs)
+                total_loss += float(loss_fn(outputs.float(), targets, reduction="sum"))
+                count += len(inputs)
+                elements += targets.numel()
+                if self.loss == "cross_entropy":
+                    correct += int((outputs.argmax(dim=1) == targets).sum())
+        finally:
+            for module, training in modes:
+                module.training = training
+        if count == 0:
+            raise ValueError(f"evaluate: split {split!r} has no samples")
         if self.loss == "cross_entropy":
-            return {"top1": 100.0 * correct / max(count, 1), "loss": total_loss / max(count, 1)}
-        per_element = total_loss / max(count * targets[0].numel(), 1)
-        return {"mse": per_element, "loss": per_element}
+            return {"top1": 100.0 * correct / count, "loss": total_loss / count}
+        return {"mse": total_loss / elements, "loss": total_loss / elements}
 
     def score(self, model: nn.Module, split: str = "val") -> float:
         """Higher-is-better scalar: top-1 % for classification, ``-mse`` for reconstruction."""
@@ -226,24 +300,41 @@ class Trainer:
         history); after each epoch it is rewritten atomically. Masks attached as parametrizations stay applied
         throughout.
         ``after_step`` is passed to :meth:`train_epoch` (e.g. a pruning schedule). ``identity`` is written into
-        the checkpoint and must match the one a checkpoint to resume from recorded (:func:`check_resumable`).
+        the checkpoint and must match the one a checkpoint to resume from recorded (:func:`check_resumable`); so
+        must the settings that shape the run (``epochs``, the learning rate used, ``momentum``, ``weight_decay``,
+        ``loss``), which every checkpoint records under ``"settings"`` (one written before it did checks only that
+        it holds no more than ``epochs`` epochs).
 
         Returns:
             One ``{"epoch", "train_loss", <val metrics>}`` dict per epoch (resumed epochs included).
 
         Raises:
-            ValueError: a checkpoint written with another ``identity``.
+            ValueError: naming the checkpoint: one written with another ``identity`` or other settings, holding
+                more than ``epochs`` epochs, written for another model (nothing is loaded then), or not a
+                readable, complete checkpoint (:func:`load_checkpoint`).
         """
         model.to(self.device)
         optimizer = self.optimizer(model, lr)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(epochs, 1))
+        settings = json.dumps({"epochs": epochs, "lr": optimizer.defaults["lr"], "momentum": self.momentum,
+                               "weight_decay": self.weight_decay, "loss": self.loss}, sort_keys=True)
         history: list[dict[str, float]] = []
         generator = self.loaders["train"].generator
         if checkpoint is not None and Path(checkpoint).exists():
-            state = load_checkpoint(checkpoint)
+            state = load_checkpoint(checkpoint, required=("model", "optimizer", "schedule", "rng", "history",
+                                                          *(("loader_rng",) if generator is not None else ())))
             check_resumable(checkpoint, state, identity)
+            check_resumable(checkpoint, state, settings, key="settings")
+            if len(state["history"]) > epochs:
+                raise ValueError(f"{checkpoint}: holds {len(state['history'])} epochs, more than the {epochs} asked "
+                                 "for; resume with the same settings, or start in another folder")
+            _check_model_state(checkpoint, state["model"], model)
+            try:
+                optimizer.load_state_dict(state["optimizer"])
+            except ValueError as error:
+                raise ValueError(f"{checkpoint}: its optimizer state does not fit this model ({error}); delete it "
+                                 "to start over") from None
             model.load_state_dict(state["model"])
-            optimizer.load_state_dict(state["optimizer"])
             schedule.load_state_dict(state["schedule"])
             restore_random_states(state)
             if generator is not None:
@@ -261,5 +352,6 @@ class Trainer:
                     "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "schedule": schedule.state_dict(), **random_states(),
                     "loader_rng": generator.get_state() if generator is not None else torch.empty(0),
-                    "history": history, **({"identity": identity} if identity is not None else {})})
+                    "history": history, "settings": settings,
+                    **({"identity": identity} if identity is not None else {})})
         return history

@@ -1,0 +1,260 @@
+"""Checks of ``unsparse.train`` and ``unsparse.atomic`` on tiny synthetic data: resuming only with the settings of
+the checkpoint, clear errors for damaged or foreign checkpoints, scoped deterministic settings, checkpoints
+streamed to disk, evaluation edge cases, and atomic writes through symlinks and under long names."""
+
+from __future__ import annotations
+
+import os
+import re
+import tracemalloc
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unsparse.atomic import atomic_write_text
+from unsparse.train import (
+    CUBLAS_WORKSPACE_CONFIG,
+    Trainer,
+    deterministic_algorithms,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+
+def loaders(samples: int = 32) -> dict[str, DataLoader]:
+    """Train and val loaders of ``samples`` random 4-feature inputs in 3 classes."""
+    generator = torch.Generator().manual_seed(0)
+    inputs, targets = torch.randn(samples, 4, generator=generator), torch.randint(0, 3, (samples,), generator=generator)
+    data = DataLoader(TensorDataset(inputs, targets), batch_size=8)
+    return {"train": data, "val": data}
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3))
+
+
+def trainer(**settings) -> Trainer:
+    return Trainer(loaders(), progress=False, **settings)
+
+
+def weights(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: value.clone() for name, value in module.state_dict().items()}
+
+
+def shown(error: BaseException | None) -> str:
+    """The messages a traceback of ``error`` prints: its own and those of the errors it was raised from."""
+    if error is None:
+        return ""
+    below = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return f"{error}\n{shown(below)}"
+
+
+def no_leftovers(folder: Path) -> bool:
+    return not [path for path in folder.iterdir() if path.name.endswith(".tmp")]
+
+
+# Finding 1: a resumed run must have the settings of the checkpoint.
+
+@pytest.mark.parametrize(("changed", "field"), [
+    ({"epochs": 3}, "epochs"), ({"epochs": 1}, "epochs"), ({"lr": 0.5}, "lr"),
+    ({"trainer": {"lr": 0.5}}, "lr"), ({"trainer": {"momentum": 0.5}}, "momentum"),
+    ({"trainer": {"weight_decay": 0.0}}, "weight_decay"), ({"trainer": {"loss": "mse"}}, "loss")])
+def test_resume_refuses_other_settings(tmp_path, changed, field):
+    checkpoint = tmp_path / "fit.pt"
+    trainer().fit(model(), 2, checkpoint)
+    resumed = model()
+    before = weights(resumed)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(checkpoint))}: .*\b{field}: "):
+        trainer(**changed.get("trainer", {})).fit(resumed, changed.get("epochs", 2), checkpoint, lr=changed.get("lr"))
+    assert all(torch.equal(value, resumed.state_dict()[name]) for name, value in before.items())
+
+
+def test_resume_with_the_same_settings_returns_the_finished_run(tmp_path):
+    checkpoint = tmp_path / "fit.pt"
+    history = trainer(lr=0.1).fit(model(), 2, checkpoint)
+    assert trainer().fit(model(), 2, checkpoint, lr=0.1) == history  # the same lr, given another way
+
+
+def test_checkpoint_without_recorded_settings_resumes_but_not_with_fewer_epochs(tmp_path):
+    checkpoint = tmp_path / "fit.pt"
+    history = trainer().fit(model(), 2, checkpoint)
+    state = load_checkpoint(checkpoint)
+    del state["settings"]  # as written before checkpoints recorded their settings
+    save_checkpoint(checkpoint, state)
+    assert trainer().fit(model(), 2, checkpoint) == history
+    with pytest.raises(ValueError, match=rf"{re.escape(str(checkpoint))}: holds 2 epochs, more than the 1"):
+        trainer().fit(model(), 1, checkpoint)
+
+
+# Finding 2: damaged or foreign checkpoints give a ValueError naming the file and change nothing.
+
+def _truncated(path: Path) -> None:
+    trainer().fit(model(), 1, path)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def _bare_state_dict(path: Path) -> None:
+    torch.save(model().state_dict(), path)
+
+
+def _without_optimizer(path: Path) -> None:
+    torch.save({"model": model().state_dict()}, path)
+
+
+@pytest.mark.parametrize("damage", [
+    _truncated, lambda path: path.write_bytes(b""), lambda path: path.write_bytes(b"not a checkpoint\n" * 10),
+    _bare_state_dict, _without_optimizer, lambda path: torch.save([1, 2], path), lambda path: path.mkdir()],
+    ids=["truncated", "empty", "garbage", "bare state dict", "no optimizer", "a list", "a folder"])
+def test_unreadable_checkpoints_are_named_and_change_nothing(tmp_path, damage):
+    checkpoint = tmp_path / "fit.pt"
+    damage(checkpoint)
+    resumed = model()
+    with torch.no_grad():
+        resumed[0].weight.add_(1.0)
+    before = weights(resumed)
+    with pytest.raises(ValueError, match=re.escape(str(checkpoint))) as error:
+        trainer().fit(resumed, 1, checkpoint)
+    assert "delete it to start over" in str(error.value)
+    assert "weights_only" not in shown(error.value)  # torch's advice to unpickle code is not passed on
+    assert all(torch.equal(value, resumed.state_dict()[name]) for name, value in before.items())
+
+
+def test_load_checkpoint_names_the_file_and_keeps_missing_files_apart(tmp_path):
+    (tmp_path / "garbage.pt").write_bytes(b"\x80\x02garbage")
+    with pytest.raises(ValueError, match=re.escape(str(tmp_path / "garbage.pt"))):
+        load_checkpoint(tmp_path / "garbage.pt")
+    save_checkpoint(tmp_path / "state.pt", {"history": []})
+    with pytest.raises(ValueError, match="no model"):
+        load_checkpoint(tmp_path / "state.pt", required=("history", "model"))
+    with pytest.raises(FileNotFoundError):
+        load_checkpoint(tmp_path / "missing.pt")
+
+
+@pytest.mark.parametrize("other", [
+    lambda: nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 3)),  # the first layer alone would load
+    lambda: nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3)),
+    lambda: nn.Sequential(nn.Linear(5, 3))],  # the same tensors in number, so the optimizer state would load
+    ids=["one more layer", "other widths", "other shapes"])
+def test_checkpoint_of_another_model_is_refused_before_loading_anything(tmp_path, other):
+    checkpoint = tmp_path / "fit.pt"
+    trainer().fit(model(), 1, checkpoint)
+    resumed = other()
+    before = weights(resumed)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(checkpoint))}: written for another model"):
+        trainer().fit(resumed, 1, checkpoint)
+    assert all(torch.equal(value, resumed.state_dict()[name]) for name, value in before.items())
+
+
+def test_checkpoint_whose_optimizer_state_does_not_fit_is_refused_before_loading_anything(tmp_path):
+    checkpoint = tmp_path / "fit.pt"
+    trainer().fit(model(), 1, checkpoint)
+    resumed = model()
+    resumed[0].bias.requires_grad_(False)  # the same model, but the optimizer now has one parameter, not two
+    before = weights(resumed)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(checkpoint))}: its optimizer state does not fit"):
+        trainer().fit(resumed, 1, checkpoint)
+    assert all(torch.equal(value, resumed.state_dict()[name]) for name, value in before.items())
+
+
+# Finding 3: deterministic_algorithms puts CUBLAS_WORKSPACE_CONFIG back.
+
+@pytest.mark.parametrize("previous", [None, ":16:8"])
+def test_deterministic_algorithms_restores_the_cublas_workspace(monkeypatch, previous):
+    if previous is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", previous)
+    with deterministic_algorithms():
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == (previous or CUBLAS_WORKSPACE_CONFIG)
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == previous
+    with pytest.raises(KeyboardInterrupt), deterministic_algorithms():
+        raise KeyboardInterrupt
+    assert os.environ.get("CUBLAS_WORKSPACE_CONFIG") == previous
+
+
+# Finding 4: checkpoints stream to disk, atomically.
+
+def test_save_checkpoint_streams_to_disk_and_stays_atomic(tmp_path):
+    path = tmp_path / "state.pt"
+    tensor = torch.arange(2_000_000, dtype=torch.float32)  # 8 MB
+    tracemalloc.start()
+    try:
+        save_checkpoint(path, {"tensor": tensor})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < tensor.nbytes // 4  # no copy of the serialised checkpoint in Python memory
+    assert torch.equal(load_checkpoint(path)["tensor"], tensor)
+    before = path.read_bytes()
+    with pytest.raises(Exception):  # noqa: B017 - pickle reports a lambda as AttributeError or PicklingError
+        save_checkpoint(path, {"tensor": tensor, "code": lambda: None})
+    assert path.read_bytes() == before and no_leftovers(tmp_path)
+
+
+# Finding 5: evaluate and the loss setting.
+
+@pytest.mark.parametrize(("loss", "targets"), [("mse", torch.empty(0, 3)),
+                                               ("cross_entropy", torch.empty(0, dtype=torch.long))])
+def test_evaluate_refuses_an_empty_split(loss, targets):
+    empty = DataLoader(TensorDataset(torch.empty(0, 4), targets), batch_size=8)
+    with pytest.raises(ValueError, match="'holdout'"):
+        Trainer({"holdout": empty}, loss=loss, progress=False).evaluate(model(), "holdout")
+
+
+def test_evaluate_puts_every_module_back_in_its_mode():
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 3))
+    net.train()
+    net[1].eval()  # e.g. frozen batch-norm statistics
+    before = [module.training for module in net.modules()]
+    first = trainer().evaluate(net)
+    assert [module.training for module in net.modules()] == before
+    assert trainer().evaluate(net) == first  # evaluated in eval mode: no dropout, no statistics updated
+    net.eval()
+    trainer().evaluate(net)
+    assert not any(module.training for module in net.modules())
+
+
+def test_evaluate_mse_is_per_target_element_with_uneven_batches():
+    inputs = torch.randn(13, 4)
+    targets = torch.randn(13, 3)
+    net = model()
+    metrics = Trainer({"val": DataLoader(TensorDataset(inputs, targets), batch_size=5)}, loss="mse",
+                      progress=False).evaluate(net)
+    with torch.no_grad():
+        assert metrics["mse"] == pytest.approx(float(nn.functional.mse_loss(net(inputs), targets)), rel=1e-5)
+
+
+def test_unknown_loss_is_refused_at_construction():
+    with pytest.raises(ValueError, match=r"loss 'l1'.*cross_entropy, mse"):
+        Trainer(loaders(), loss="l1")
+
+
+# Finding 6: atomic writes through symlinks and under long names.
+
+def test_atomic_write_through_a_symlink_replaces_the_target_and_keeps_the_link(tmp_path):
+    (tmp_path / "data").mkdir()
+    target = tmp_path / "data" / "real.txt"
+    target.write_text("old")
+    link = tmp_path / "link.txt"
+    link.symlink_to(Path("data") / "real.txt")  # relative, as `ln -s` makes them
+    chained = tmp_path / "chained.txt"
+    chained.symlink_to(link.name)
+    assert atomic_write_text(link, "new") == link
+    assert link.is_symlink() and target.read_text() == "new"
+    atomic_write_text(chained, "newer")
+    assert chained.is_symlink() and link.is_symlink() and target.read_text() == "newer"
+    assert no_leftovers(tmp_path) and no_leftovers(tmp_path / "data")
+    dangling = tmp_path / "dangling.txt"
+    dangling.symlink_to(tmp_path / "data" / "created.txt")
+    atomic_write_text(dangling, "created")
+    assert dangling.is_symlink() and (tmp_path / "data" / "created.txt").read_text() == "created"
+
+
+@pytest.mark.parametrize("name", ["n" * 250, "n" * 255, "é" * 127])  # 250, 255 and 254 bytes
+def test_atomic_write_accepts_names_of_up_to_255_bytes(tmp_path, name):
+    assert atomic_write_text(tmp_path / name, "x").read_text() == "x"
+    assert no_leftovers(tmp_path)
