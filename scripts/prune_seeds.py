@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--pool", action="store_true",
                         help="count every file's block as one run (repeated runs of one protocol), not one per seed")
     args = parser.parse_args(argv)
-    runs = [load_result(path) for path in args.results]
+    runs = [load_result(path, strict=False) for path in args.results]  # histories may hold -Infinity
     atomic_write_text(args.out, summary(runs, args.results, args.note, args.pool))
     print(f"wrote {args.out}")
 

@@ -267,8 +267,9 @@ def markdown(blocks: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             layers = ", ".join(f"{name}: {s:.3f}" for name, s in row["layer_sparsity"].items())
             shown = f"{value:.2f}" if key == "top1" else f"{value:.5f}"
             change = f"{value - dense:+.2f}" if key == "top1" else f"{value / dense:.3f}x"
+            wall = row["wall_time_s"]
             out.append(f"| {row['method']} | {shown} | {change} | {row['weighted_sparsity']:.4f} | "
-                       f"{row['train_batches']} | {row['wall_time_s']:.3g} | {layers} |")
+                       f"{row['train_batches']} | {wall:.{1 if wall < 100 else 0}f} | {layers} |")
         out += ["", *verdict(block, key), ""]
     out += ["## Notes", "", *meta["notes"], ""]
     return "\n".join(out)

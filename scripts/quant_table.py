@@ -224,7 +224,7 @@ def main() -> None:
             "the Linear classifier stay FP32 in every scheme (they are included, as FP32, in the file bytes).",
             "- Linear fixed point (paper 004 eq. 19-21, reconstructed as `Q(x) = step * clip(round(x / step), "
             "-(2^(b-1)-1), 2^(b-1)-1)`): one step per layer; weights saturate at max |w|, activations at the "
-            "0.99 quantile of |x| from a histogram (2048 bins) of the first calibration batches of the "
+            "0.99 quantile of the nonzero |x| from a histogram (2048 bins) of the first calibration batches of the "
             "validation split (the row marked quantile 1.0 saturates at max |x|). Paper 004's text can also be "
             "read as saturating at 0.99 x max |x|, which is close to that row.",
             "- FP16 and the k-means rows use float16 activations (the paper's 16b activations); k-means clusters "

@@ -58,3 +58,16 @@ def test_pooled_runs_count_every_file_even_of_one_seed(seeds) -> None:
     assert "NOT met on the mean (drop 0.60 points; per run 0.40, 0.80)" in text
     assert "## resnet_small" in text and "(n=1)" in text.split("## resnet_small")[1]
     assert "| evolutionary | 92.60 (n=1) |" in seeds.summary([first, again], [Path("a"), Path("b")])  # merged
+
+
+def test_a_history_holding_minus_infinity_is_read(seeds, tmp_path) -> None:
+    """A diverged evolutionary iteration records its change as -Infinity (Python's JSON writes it); the summary reads
+    such files (the strict reader of benchmark results refused them)."""
+    from unsparse.atomic import atomic_write_json
+
+    result = run(0, 93.0, 92.6, 92.0)
+    result["blocks"][0]["rows"][1]["history"] = [{"relative_change": float("-inf")}]
+    path = atomic_write_json(tmp_path / "seed0.json", result)
+    assert "-Infinity" in path.read_text()
+    seeds.main([str(path), "--out", str(tmp_path / "seeds.md")])
+    assert "| evolutionary | 92.60" in (tmp_path / "seeds.md").read_text()

@@ -27,7 +27,7 @@ from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
 from unsparse.runtime.baseline import NAME as BASELINE
 from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model, planned_backends, time_forward
-from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
+from unsparse.runtime.modules import set_backend, sparse_layers, sparsify, temporary_backend
 from unsparse.runtime.plan import active_plan
 from unsparse.sparse.io import load_sparse, save_sparse
 from unsparse.task import check_model_fits, task_of, trivial_score
@@ -203,6 +203,27 @@ def layer_backends(model: nn.Module, backend: str) -> dict[str, str]:
     return {name: planned.get(name, "dense default (not planned)") for name in sparse_layers(model)}
 
 
+def time_model_on(model: nn.Module, example: torch.Tensor, backend: str, timing_mode: str,
+                  timing: TimingSettings) -> dict[str, Any]:
+    """Time ``model`` with every layer on ``backend`` (set, and left so) against its dense default, both the same
+    way: ``timing_mode`` (``"graph"`` or ``"eager"``, :func:`~unsparse.runtime.comparator.time_forward`), or eagerly
+    for a backend that cannot be recorded as a CUDA graph (``graph_capturable``).
+
+    Returns:
+        ``model_runs_on_ms`` and ``model_runs_on_default_ms`` (medians, ms) and ``model_runs_on_timing``.
+    """
+    from unsparse.runtime.backends import get_backend
+    from unsparse.sparse.functional import dense_fallback_backend
+
+    mode = timing_mode if get_backend(backend).graph_capturable else "eager"
+    with torch.no_grad():
+        with temporary_backend(model, dense_fallback_backend(example.device)):
+            default_ms = time_forward(model, example, mode, timing.repeats, timing.warmup)
+        set_backend(model, backend)
+        runs_on_ms = time_forward(model, example, mode, timing.repeats, timing.warmup)
+    return {"model_runs_on_ms": runs_on_ms, "model_runs_on_default_ms": default_ms, "model_runs_on_timing": mode}
+
+
 def compare_layers(model: nn.Module, example: torch.Tensor,
                    timing: TimingSettings) -> tuple[list[dict[str, Any]], PlanCheck]:
     """Plan ``model`` on ``example`` with the comparator, check the plan end to end and flatten the comparisons
@@ -345,9 +366,7 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     timings, check = compare_layers(loaded, example, timing)
     runs_on = {"model_runs_on": backend, "layer_backends": layer_backends(loaded, backend)}
     if backend != "auto":
-        set_backend(loaded, backend)
-        with torch.no_grad():
-            runs_on["model_runs_on_ms"] = time_forward(loaded, example, check.timing, timing.repeats, timing.warmup)
+        runs_on.update(time_model_on(loaded, example, backend, check.timing, timing))
     accuracy["sparse_run"] = trainer.evaluate(loaded, "test", f"test sparse ({backend})")[task.metric]
     weights = (f"trained on the data set, {train.epochs} epoch{'s' * (train.epochs != 1)} (not synthetic)"
                if train.epochs else

@@ -407,6 +407,27 @@ def test_main_job_on_auto_checks_its_plan_as_cuda_graphs(tmp_path) -> None:
     assert "## Whole model" in (tmp_path / "report.md").read_text()
 
 
+@pytest.mark.parametrize(("backend", "timing"), [("reference", "eager"), ("direct", "graph")])
+def test_main_job_on_a_named_backend_times_the_model_on_it(tmp_path, backend: str, timing: str) -> None:
+    """The report times the model on the backend the test set ran on, against its dense default, both the same way:
+    as CUDA graphs, or eagerly for the reference backend, whose torch.unique cannot be captured (the job crashed
+    at its end on any GPU with the default runtime.backend=reference)."""
+    from unsparse.data import digits
+    from unsparse.models import create_model
+    from unsparse.pipeline import TimingSettings, TrainSettings, run_pipeline
+    from unsparse.prune import MagnitudePruner
+
+    torch.manual_seed(0)
+    report = run_pipeline(digits(limit_train=300, limit_test=60), create_model("vgg_small", width=8),
+                          MagnitudePruner(0.9, fine_tune_epochs=0), lambda model, loader: model, tmp_path,
+                          TrainSettings(epochs=1, batch_size=64), TimingSettings(batch_size=16, repeats=3, warmup=1),
+                          backend=backend, device=CUDA, progress=False)
+    check = report["plan_check"]
+    assert check["model_runs_on"] == backend and check["model_runs_on_timing"] == timing
+    assert check["model_runs_on_ms"] > 0 and check["model_runs_on_default_ms"] > 0
+    assert abs(report["accuracy"]["sparse_run"] - report["accuracy"]["pruned"]) <= 100 / 60 + 1e-9
+
+
 def test_a_model_from_a_file_is_benchmarked_with_its_plan_checked(tmp_path) -> None:
     """The benchmark's trained-model path (``--sparse-file``) checks its plan end to end like the synthetic one."""
     from unsparse.models import create_model

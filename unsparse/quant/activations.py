@@ -40,7 +40,7 @@ class ActivationSpec:
     Args:
         format: ``"none"`` (float32), ``"fp16"`` or ``"fixed"``.
         bits: fixed-point bits in ``[2, 16]`` (``fixed`` only).
-        quantile: saturation quantile of ``|x|`` in ``(0, 1]`` (``fixed``; paper: 0.99).
+        quantile: saturation quantile of the nonzero ``|x|`` in ``(0, 1]`` (``fixed``; paper: 0.99).
         bins: histogram bins over ``[0, max |x|]``; the level is exact to ``max |x| / bins``.
         power_of_two: step as a power of two (eq. 21) instead of ``x_sat / q_max`` (eq. 20).
         calibration_batches: calibration batches used (the first ones of the loader).

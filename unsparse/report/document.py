@@ -65,7 +65,8 @@ def plan_check_text(check: dict[str, Any]) -> str:
     """One paragraph on the whole planned model against its dense default (the report's ``plan_check``: the fields
     of :class:`~unsparse.runtime.comparator.PlanCheck`, its ``margin`` a fraction, plus ``images`` per
     forward, ``model_runs_on``, the backend the test set ran on, ``layer_backends``, each layer's backend there, and
-    where that is not ``auto`` ``model_runs_on_ms``, the model's time on it). Says whether the plan is faster,
+    where that is not ``auto`` ``model_runs_on_ms``, ``model_runs_on_default_ms`` and ``model_runs_on_timing``,
+    the model's time on it and on its dense default, and how both were timed). Says whether the plan is faster,
     within the margin (run-to-run noise) or SLOWER, that slower plans were set back, and what the test set ran on:
     the plan's backend per layer, or another backend's whole-model time against the dense default."""
     how = "as CUDA-graph replays (GPU time)" if check["timing"] == "graph" else "eagerly (host clock included)"
@@ -88,10 +89,11 @@ def plan_check_text(check: dict[str, Any]) -> str:
     if check["model_runs_on"] != "auto":
         text += f" The test set ran on `{check['model_runs_on']}`, not on the plan"
         if check.get("model_runs_on_ms") is not None:
-            runs_on = check["model_runs_on_ms"]
-            text += (f": {runs_on:.4g} ms per forward, timed the same way, "
-                     f"{default / runs_on:.2f}x the dense default's speed"
-                     + (" (SLOWER)" if runs_on > (1 + check["margin"]) * default else ""))
+            runs_on, runs_on_default = check["model_runs_on_ms"], check["model_runs_on_default_ms"]
+            how_runs_on = "as CUDA-graph replays" if check["model_runs_on_timing"] == "graph" else "eagerly"
+            text += (f": {runs_on:.4g} ms per forward against {runs_on_default:.4g} ms on the dense default, both "
+                     f"timed {how_runs_on}, {runs_on_default / runs_on:.2f}x its speed"
+                     + (" (SLOWER)" if runs_on > (1 + check["margin"]) * runs_on_default else ""))
         text += "."
     elif check.get("layer_backends"):
         text += " The test set ran on the plan: " + ", ".join(

@@ -43,7 +43,7 @@ def _refuse_constant(name: str) -> float:
     raise ValueError(f"{name} is not JSON")
 
 
-def load_result(path: str | Path) -> dict[str, Any]:
+def load_result(path: str | Path, strict: bool = True) -> dict[str, Any]:
     """The JSON object in a result file, plain or xz-compressed.
 
     Layer records written before the twelfth session have no ``baseline``: their ``speedup_vs_cudnn`` was against
@@ -51,9 +51,13 @@ def load_result(path: str | Path) -> dict[str, Any]:
     ``speedup_vs_cudnn_call`` and ``speedup_vs_cudnn`` None, so that no report takes it for a speedup over
     cuDNN's convolution alone in its best layout (:mod:`unsparse.runtime.baseline`).
 
+    ``strict``: refuse NaN and Infinity, which ``bench.json`` never holds (unmeasured values are null); pass False
+    for files whose values may be infinite by design (a pruning table's evolutionary history records a diverged
+    iteration's change as -Infinity).
+
     Raises:
-        ValueError: naming the file, for another file ending, a broken xz stream, text that is not strict JSON
-            (NaN and Infinity included), or content that is not a JSON object.
+        ValueError: naming the file, for another file ending, a broken xz stream, text that is not JSON (strict
+            JSON where ``strict``), or content that is not a JSON object.
     """
     path = Path(path)
     result_stem(path)
@@ -66,7 +70,7 @@ def load_result(path: str | Path) -> dict[str, Any]:
     else:
         text = path.read_text()
     try:
-        result = json.loads(text, parse_constant=_refuse_constant)
+        result = json.loads(text, parse_constant=_refuse_constant if strict else None)
     except ValueError as error:
         raise ValueError(f"result {path}: not valid JSON ({error})") from error
     if not isinstance(result, dict):

@@ -25,11 +25,14 @@ class ConvBackend(ABC):
         name: registry name (``"reference"``, ``"cudnn"``, ``"direct"``, ``"im2col_cublas"``, ...).
         device_types: torch device types it runs on (``{"cpu"}``, ``{"cuda"}`` or both).
         sparse: True if it exploits the weight's sparsity (dense backends run ``csr.to_dense()``).
+        graph_capturable: False if a call synchronises with the GPU (e.g. ``torch.unique``), so that it cannot be
+            recorded as a CUDA graph and is timed eagerly.
     """
 
     name: ClassVar[str]
     device_types: ClassVar[frozenset[str]]
     sparse: ClassVar[bool] = True
+    graph_capturable: ClassVar[bool] = True
 
     def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
         """Why this backend cannot run the layer on this input, or None if it can."""

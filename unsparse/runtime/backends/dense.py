@@ -52,17 +52,21 @@ class DenseBackend(ConvBackend):
 
         Raises:
             ValueError: for another ``memory_format``; ``SparseFormatError`` (a ValueError) for an input smaller
-                than the dilated kernel (:meth:`ConvGeometry.output_size`), as the sparse backends raise it.
+                than the dilated kernel (:meth:`ConvGeometry.output_size`, asked only once torch has refused it, so
+                that no call pays for the check), as the sparse backends raise it.
         """
         layout = layout_of(x) if memory_format is None else MEMORY_FORMATS.get(memory_format)
         if layout is None:
             raise ValueError(f"memory_format: unknown {memory_format!r}, expected one of {sorted(MEMORY_FORMATS)}")
-        geometry.output_size(*x.shape[2:], csr.kernel_size)  # an input smaller than the kernel: as the others say
         weight = self.dense_weight(csr, x.dtype, layout)
         if x.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
-        return F.conv2d(in_layout(x, layout), weight, None if bias is None else bias.to(x.dtype), geometry.stride,
-                        geometry.padding, geometry.dilation, geometry.groups)
+        try:
+            return F.conv2d(in_layout(x, layout), weight, None if bias is None else bias.to(x.dtype), geometry.stride,
+                            geometry.padding, geometry.dilation, geometry.groups)
+        except RuntimeError:
+            geometry.output_size(*x.shape[2:], csr.kernel_size)  # an input smaller than the kernel: as the others say
+            raise
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
         """Both memory formats: either may be the faster one, and a plan may only name settings offered here."""

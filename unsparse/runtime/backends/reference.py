@@ -18,6 +18,7 @@ class ReferenceBackend(ConvBackend):
 
     name = "reference"
     device_types = frozenset({"cpu", "cuda"})
+    graph_capturable = False  # torch.unique of the column offsets waits for the GPU
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              **params: Any) -> torch.Tensor:
