@@ -72,3 +72,32 @@ def test_layers_made_under_inference_mode_run_inside_and_outside_it():
     with torch.no_grad():
         expected = model(x)
     assert torch.allclose(inside, expected, atol=1e-5) and torch.allclose(outside, expected, atol=1e-5)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
+def test_string_padding_is_resolved_and_other_padding_modes_stay_dense(caplog):
+    """'valid' and symmetric 'same' padding become ints; a reflect padding mode or an asymmetric 'same' stays a
+    dense layer with a logged reason (the whole model was refused); the model computes what the dense one does."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding="same"), nn.Conv2d(4, 4, 3, padding="valid"),
+                          nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"),
+                          nn.Conv2d(4, 4, 2, padding="same")).double()
+    x = torch.randn(2, 3, 11, 11, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING):
+        sparse = sparsify(model)
+    assert isinstance(sparse[0], SparseConv) and isinstance(sparse[1], SparseConv)
+    assert type(sparse[2]) is nn.Conv2d and type(sparse[3]) is nn.Conv2d
+    assert "2: padding_mode: 'reflect' is not supported, only 'zeros'; left dense" in caplog.text
+    assert "3: padding: 'same' with kernel (2, 2)" in caplog.text
+    with torch.no_grad():
+        assert torch.allclose(sparse(x), model(x), rtol=1e-10, atol=1e-12)
+
+
+def test_same_padding_of_a_dilated_conv1d_is_resolved():
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Conv1d(3, 4, 3, padding="same", dilation=2)).double()
+    x = torch.randn(2, 3, 17, dtype=torch.float64)
+    sparse = sparsify(model)
+    assert isinstance(sparse[0], SparseConv)
+    with torch.no_grad():
+        assert torch.allclose(sparse(x), model(x), rtol=1e-10, atol=1e-12)

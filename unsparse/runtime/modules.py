@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from unsparse.prune.masks import squashed_copy
-from unsparse.sparse.format import UniformCSR
+from unsparse.sparse.format import SparseFormatError, UniformCSR
 from unsparse.sparse.functional import sparse_conv
 from unsparse.sparse.geometry import ConvGeometry
 
@@ -112,7 +112,9 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
     Pruning parametrizations (masks) are folded into the weights of the copy first, so the copy's convs hold
     exactly the masked weights; other modules (Linear, BatchNorm, ...) are copied unchanged. A conv subclass with
     its own ``forward`` (weight standardisation, a fused BatchNorm, fake quantization) stays as it is, with a
-    logged reason: its weight alone does not say what it computes. The input model is not modified. The copy keeps
+    logged reason: its weight alone does not say what it computes; so does a conv whose geometry the sparse
+    format does not hold (a padding mode other than zeros, an asymmetric ``'same'`` padding,
+    :meth:`ConvGeometry.from_module`). The input model is not modified. The copy keeps
     ``model.unsparse_spec`` (registry name and kwargs) if present.
 
     Returns:
@@ -134,11 +136,14 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
         for name, child in list(parent.named_children()):
             if not isinstance(child, nn.Conv1d | nn.Conv2d):
                 continue
-            if _computes_as_torch_conv(child):
+            qualified = f"{parent_name}.{name}".lstrip(".")
+            if not _computes_as_torch_conv(child):
+                log.warning("%s: %s has its own forward; left dense", qualified, type(child).__name__)
+                continue
+            try:
                 setattr(parent, name, sparse_from_conv(child, backend))
-            else:
-                log.warning("%s: %s has its own forward; left dense", f"{parent_name}.{name}".lstrip("."),
-                            type(child).__name__)
+            except SparseFormatError as error:
+                log.warning("%s: %s; left dense", qualified, error)
     return sparse_model.eval()
 
 

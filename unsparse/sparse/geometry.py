@@ -63,18 +63,27 @@ class ConvGeometry:
 
     @classmethod
     def from_module(cls, conv: nn.Conv1d | nn.Conv2d) -> ConvGeometry:
-        """Geometry of an ``nn.Conv1d``/``nn.Conv2d``.
+        """Geometry of an ``nn.Conv1d``/``nn.Conv2d``. String padding is resolved: ``'valid'`` is 0, ``'same'`` is
+        half of each dilated kernel's extent ``dilation * (k - 1)`` where that is even (torch allows ``'same'`` at
+        stride 1 only).
 
         Raises:
-            SparseFormatError: for string padding (``'same'``) other than already-resolved ints, or a
+            SparseFormatError: for ``'same'`` padding that would be asymmetric (an even dilated kernel), or a
                 padding mode other than ``'zeros'``.
         """
-        if isinstance(conv.padding, str):
-            raise SparseFormatError(f"padding: string padding {conv.padding!r} is not supported; use ints")
         if conv.padding_mode != "zeros":
             raise SparseFormatError(f"padding_mode: {conv.padding_mode!r} is not supported, only 'zeros'")
         dims = 1 if isinstance(conv, nn.Conv1d) else 2
-        return cls.of(conv.stride, conv.padding, conv.dilation, conv.groups, dims)
+        padding = conv.padding
+        if padding == "valid":
+            padding = (0,) * dims
+        elif padding == "same":
+            extents = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size, strict=True)]
+            if any(extent % 2 for extent in extents):
+                raise SparseFormatError(f"padding: 'same' with kernel {conv.kernel_size} and dilation {conv.dilation} "
+                                        "pads one side more than the other, which is not supported")
+            padding = tuple(extent // 2 for extent in extents)
+        return cls.of(conv.stride, padding, conv.dilation, conv.groups, dims)
 
     def to_dict(self) -> dict:
         """JSON-ready form (lists instead of tuples)."""
