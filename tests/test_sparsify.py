@@ -101,3 +101,15 @@ def test_same_padding_of_a_dilated_conv1d_is_resolved():
     assert isinstance(sparse[0], SparseConv)
     with torch.no_grad():
         assert torch.allclose(sparse(x), model(x), rtol=1e-10, atol=1e-12)
+
+
+def test_a_model_with_a_conv_left_dense_is_not_saved(tmp_path):
+    """The loader rebuilds every conv of the architecture as sparse, so a file holding a dense one could be written
+    but not read back (``layers.0.0: missing from the file``); saving refuses it, naming the layer."""
+    from unsparse import create_model, save_sparse
+
+    model = create_model("vgg_small", width=4)
+    next(module for module in model.modules() if isinstance(module, nn.Conv2d)).padding_mode = "reflect"
+    with pytest.raises(ValueError, match=r"convolutions left dense \(0\.0; see sparsify's log\)"):
+        save_sparse(sparsify(model), tmp_path / "model.safetensors")
+    assert not (tmp_path / "model.safetensors").exists()

@@ -67,7 +67,9 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
     """The file's bytes for a sparsified model (see the module docstring).
 
     Raises:
-        ValueError: if the model has no ``unsparse_spec`` (build it with ``create_model``) or no sparse layer.
+        ValueError: if the model has no ``unsparse_spec`` (build it with ``create_model``), no sparse layer, or a
+            convolution :func:`~unsparse.runtime.modules.sparsify` left dense (the loader rebuilds every convolution
+            of the architecture as a sparse one, so such a file could not be read back).
     """
     from unsparse.quant.state import describe_quantization
 
@@ -76,6 +78,10 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
         raise ValueError("model: no unsparse_spec; build the model with unsparse.models.create_model")
     if not sparse_layers(model):
         raise ValueError("model: no SparseConv layer; call unsparse.sparsify(model) first")
+    dense = [name for name, module in model.named_modules() if isinstance(module, nn.Conv1d | nn.Conv2d)]
+    if dense:
+        raise ValueError(f"model: convolutions left dense ({', '.join(dense)}; see sparsify's log) cannot be "
+                         "stored: the file holds every convolution as a UniformCSR")
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict[str, Any]] = {}
     for key, tensor in model.state_dict().items():
