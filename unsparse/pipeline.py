@@ -26,8 +26,8 @@ from unsparse.report import layer_rows, timing_verdicts, write_report
 from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
 from unsparse.runtime.baseline import NAME as BASELINE
-from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model, planned_backends, time_forward
-from unsparse.runtime.modules import set_backend, sparse_layers, sparsify, temporary_backend
+from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model, planned_backends, time_against_default
+from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.runtime.plan import active_plan
 from unsparse.sparse.io import load_sparse, save_sparse
 from unsparse.task import check_model_fits, task_of, trivial_score
@@ -206,21 +206,17 @@ def layer_backends(model: nn.Module, backend: str) -> dict[str, str]:
 def time_model_on(model: nn.Module, example: torch.Tensor, backend: str, timing_mode: str,
                   timing: TimingSettings) -> dict[str, Any]:
     """Time ``model`` with every layer on ``backend`` (set, and left so) against its dense default, both the same
-    way: ``timing_mode`` (``"graph"`` or ``"eager"``, :func:`~unsparse.runtime.comparator.time_forward`), or eagerly
-    for a backend that cannot be recorded as a CUDA graph (``graph_capturable``).
+    way (:func:`~unsparse.runtime.comparator.time_against_default`): ``timing_mode`` (``"graph"`` or ``"eager"``),
+    or eagerly for a backend that cannot be recorded as a CUDA graph (``graph_capturable``).
 
     Returns:
         ``model_runs_on_ms`` and ``model_runs_on_default_ms`` (medians, ms) and ``model_runs_on_timing``.
     """
     from unsparse.runtime.backends import get_backend
-    from unsparse.sparse.functional import dense_fallback_backend
 
     mode = timing_mode if get_backend(backend).graph_capturable else "eager"
-    with torch.no_grad():
-        with temporary_backend(model, dense_fallback_backend(example.device)):
-            default_ms = time_forward(model, example, mode, timing.repeats, timing.warmup)
-        set_backend(model, backend)
-        runs_on_ms = time_forward(model, example, mode, timing.repeats, timing.warmup)
+    runs_on_ms, default_ms = time_against_default(set_backend(model, backend), example, mode, timing.repeats,
+                                                  timing.warmup)
     return {"model_runs_on_ms": runs_on_ms, "model_runs_on_default_ms": default_ms, "model_runs_on_timing": mode}
 
 

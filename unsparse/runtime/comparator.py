@@ -411,6 +411,23 @@ def time_forward(model: nn.Module, example: torch.Tensor, timing: str, runs: int
     return time_fn(lambda i: forward(), example.device, runs=runs, warmup=warmup).median_ms
 
 
+def time_against_default(model: nn.Module, example: torch.Tensor, timing: str, runs: int = MIN_RUNS,
+                         warmup: int = 3) -> tuple[float, float]:
+    """Medians (ms) of ``model(example)`` as its layers are set, then with every layer on its dense default
+    (:func:`~unsparse.sparse.functional.dense_fallback_backend`; each layer's setting is put back), both timed
+    ``timing`` (:func:`time_forward`), without autograd.
+
+    Raises:
+        RuntimeError: a CUDA graph capture that failed.
+    """
+    from unsparse.sparse.functional import dense_fallback_backend
+
+    with torch.no_grad():
+        as_set = time_forward(model, example, timing, runs, warmup)
+        with temporary_backend(model, dense_fallback_backend(example.device)):
+            return as_set, time_forward(model, example, timing, runs, warmup)
+
+
 def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons: list[LayerComparison],
                runs: int = MIN_RUNS, warmup: int = 3, margin: float = PLAN_MARGIN) -> PlanCheck:
     """Time a model :func:`plan_model` planned against its dense default; keep the plan only if it is not slower.
@@ -441,20 +458,13 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
     from unsparse.sparse.functional import dense_fallback_backend
 
     default_backend = dense_fallback_backend(example.device)
-
-    def both(timing: str) -> tuple[float, float]:
-        planned = time_forward(model, example, timing, runs, warmup)
-        with temporary_backend(model, default_backend):
-            return planned, time_forward(model, example, timing, runs, warmup)
-
     timing = "graph" if example.device.type == "cuda" else "eager"
-    with torch.no_grad():
-        try:
-            planned_ms, default_ms = both(timing)
-        except RuntimeError as error:  # a capture that failed: time both eagerly
-            log.warning("check_plan: CUDA graph capture failed (%s); timing eagerly", error)
-            timing = "eager"
-            planned_ms, default_ms = both(timing)
+    try:
+        planned_ms, default_ms = time_against_default(model, example, timing, runs, warmup)
+    except RuntimeError as error:  # a capture that failed: time both eagerly
+        log.warning("check_plan: CUDA graph capture failed (%s); timing eagerly", error)
+        timing = "eager"
+        planned_ms, default_ms = time_against_default(model, example, timing, runs, warmup)
     reverted = []
     if planned_ms > (1 + margin) * default_ms:
         for comparison in comparisons:
