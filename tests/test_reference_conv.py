@@ -158,3 +158,34 @@ def test_an_input_smaller_than_the_kernel_raises_the_same_error_on_every_backend
     csr = UniformCSR.from_dense(torch.randn(4, 4 // groups, 5, 5))
     with pytest.raises(SparseFormatError, match="smaller than dilated kernel"):
         sparse_conv2d(torch.randn(1, 4, 3, 3), csr, None, 1, 0, 1, groups, backend=backend)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_unbatched_inputs_run_as_torch_runs_them(backend):
+    """nn.Conv1d/nn.Conv2d and F.conv1d/F.conv2d accept (C, L) / (C, H, W); so do the drop-ins and SparseConv."""
+    from torch import nn
+
+    from unsparse.runtime import sparsify
+
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    weight = sparse_weight((5, 3, 3, 3), 0.6, generator)
+    x = torch.randn(3, 9, 8, generator=generator, dtype=torch.float64)
+    expected = F.conv2d(x, weight, None, 1, 1)
+    output = sparse_conv2d(x, UniformCSR.from_dense(weight), None, 1, 1, backend=backend)
+    assert output.shape == expected.shape == (5, 9, 8)
+    assert relative_error(output, expected) < 1e-12
+    weight_1d = sparse_weight((4, 3, 3), 0.6, generator)
+    signal = torch.randn(3, 11, generator=generator, dtype=torch.float64)
+    output = sparse_conv1d(signal, UniformCSR.from_dense(weight_1d), None, 2, 1, backend=backend)
+    assert relative_error(output, F.conv1d(signal, weight_1d, None, 2, 1)) < 1e-12
+    assert output.shape == (4, 6)
+
+    model = nn.Sequential(nn.Conv1d(3, 4, 3, padding=1), nn.ReLU(), nn.Conv1d(4, 2, 1)).double()
+    model_2d = nn.Sequential(nn.Conv2d(3, 5, 3, stride=2), nn.ReLU(), nn.Conv2d(5, 2, 1)).double()
+    with torch.no_grad():
+        assert relative_error(sparsify(model, backend)(signal), model(signal)) < 1e-12
+        sparse_2d = sparsify(model_2d, backend)
+        assert sparse_2d(x).shape == model_2d(x).shape
+        assert relative_error(sparse_2d(x), model_2d(x)) < 1e-12
+        with pytest.raises(ValueError, match="expected"):
+            sparse_2d(x[0])

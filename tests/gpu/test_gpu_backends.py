@@ -362,6 +362,27 @@ def test_a_model_sparsified_under_inference_mode_runs_on_cuda(backend: str) -> N
         assert relative_error(output.double(), expected.double()) <= 10 * tolerance(torch.float32)
 
 
+@pytest.mark.parametrize("backend", ["direct", "im2col_cublas", "im2col_cusparse", "cudnn", "auto"])
+def test_an_unbatched_input_runs_as_a_batch_of_one(backend: str) -> None:
+    """``(C, H, W)`` inputs, which ``nn.Conv2d`` accepts, give the dense model's ``(M, E, F)`` on every backend
+    (``auto`` planned on that input)."""
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(23)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 6, 3, stride=2)).to(CUDA).eval()
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Conv2d):
+                module.weight[torch.rand_like(module.weight) < 0.8] = 0
+    x = torch.randn(3, 21, 19, device=CUDA)
+    sparse = set_backend(sparsify(model), backend)
+    if backend == "auto":
+        plan_model(sparse, x, Plan(), runs=3)
+    with torch.no_grad():
+        expected, output = model(x), sparse(x)
+    assert output.shape == expected.shape == (6, 10, 9)
+    assert relative_error(output.double(), expected.double()) <= 10 * tolerance(torch.float32)
+
+
 def test_check_plan_times_cuda_graphs_and_keeps_the_model_correct() -> None:
     from unsparse.runtime.comparator import check_plan
 

@@ -36,6 +36,7 @@ class SparseConv(nn.Module):
 
     Forward: ``(N, C, H, W)`` -> ``(N, M, E, F)`` for 2-D, in the input's layout (NCHW or channels-last);
     ``(N, C, L)`` -> ``(N, M, L_out)`` for 1-D, always contiguous (a transposed ``(N, L, C)`` input is copied).
+    Unbatched inputs ``(C, H, W)`` / ``(C, L)``, as ``nn.Conv2d``/``nn.Conv1d`` accept, run as a batch of one.
     """
 
     def __init__(self, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
@@ -78,14 +79,23 @@ class SparseConv(nn.Module):
         self._csr = None
 
     def conv2d_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The 4-D input the backends see: ``x`` itself for 2-D layers; for 1-D ones ``(N, C, 1, L)``, contiguous
-        (a 1-D input has no channels-last layout, so a transposed one is copied)."""
+        """The 4-D input the backends see: ``x`` itself for batched 2-D layers; for 1-D ones ``(N, C, 1, L)``,
+        contiguous (a 1-D input has no channels-last layout, so a transposed one is copied). An unbatched input
+        gets a batch of one first."""
+        if self.unbatched(x):
+            x = x.unsqueeze(0)
         return x.unsqueeze(2).contiguous() if self.geometry.spatial_dims == 1 else x
+
+    def unbatched(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` is an unbatched input, ``(C, H, W)`` or ``(C, L)``."""
+        return x.dim() == self.geometry.spatial_dims + 1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = sparse_conv(self.conv2d_input(x), self.csr, self.bias, self.geometry, self.backend,
                           **self.backend_params)
-        return out.squeeze(2) if self.geometry.spatial_dims == 1 else out
+        if self.geometry.spatial_dims == 1:
+            out = out.squeeze(2)
+        return out.squeeze(0) if self.unbatched(x) else out
 
     def extra_repr(self) -> str:
         csr = self.csr

@@ -8,6 +8,7 @@ dense convolution (cuDNN on CUDA, torch's CPU convolution otherwise) and the rea
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,21 +61,35 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
     return chosen.run(x, csr, bias, geometry, **params)
 
 
+def _batched_call(x: torch.Tensor, spatial_dims: int, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``run(x)`` for a batched input ``(N, C, *spatial)``; for an unbatched one ``(C, *spatial)`` (which
+    ``nn.Conv1d``/``nn.Conv2d`` and ``F.conv1d``/``F.conv2d`` accept) ``run`` gets ``(1, C, *spatial)`` and the
+    output's batch dimension is removed again. Any other number of dimensions goes to ``run`` unchanged (which
+    refuses it, :func:`sparse_conv`)."""
+    if x.dim() == spatial_dims + 1:
+        return run(x.unsqueeze(0)).squeeze(0)
+    return run(x)
+
+
 def sparse_conv2d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = None,
                   stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0,
                   dilation: int | tuple[int, int] = 1, groups: int = 1, backend: str = "reference",
                   **params: Any) -> torch.Tensor:
     """Drop-in for ``torch.nn.functional.conv2d(x, csr.to_dense(), bias, stride, padding, dilation, groups)``.
 
-    ``x`` is ``(N, C, H, W)``; returns ``(N, M, E, F)``. See :func:`sparse_conv` for backends and errors.
+    ``x`` is ``(N, C, H, W)``, or ``(C, H, W)`` unbatched; returns ``(N, M, E, F)`` (``(M, E, F)``). See
+    :func:`sparse_conv` for backends and errors.
     """
-    return sparse_conv(x, csr, bias, ConvGeometry.of(stride, padding, dilation, groups, 2), backend, **params)
+    geometry = ConvGeometry.of(stride, padding, dilation, groups, 2)
+    return _batched_call(x, 2, lambda x: sparse_conv(x, csr, bias, geometry, backend, **params))
 
 
 def sparse_conv1d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = None, stride: int = 1,
                   padding: int = 0, dilation: int = 1, groups: int = 1, backend: str = "reference",
                   **params: Any) -> torch.Tensor:
-    """Drop-in for ``torch.nn.functional.conv1d``: ``x`` ``(N, C, L)`` -> contiguous ``(N, M, L_out)`` (a 1-D input
-    has no channels-last layout: a transposed one is copied to ``(N, C, L)`` first)."""
+    """Drop-in for ``torch.nn.functional.conv1d``: ``x`` ``(N, C, L)`` -> contiguous ``(N, M, L_out)``, or ``(C, L)``
+    unbatched -> ``(M, L_out)`` (a 1-D input has no channels-last layout: a transposed one is copied to
+    ``(N, C, L)`` first)."""
     geometry = ConvGeometry.of(stride, padding, dilation, groups, 1)
-    return sparse_conv(x.unsqueeze(2).contiguous(), csr, bias, geometry, backend, **params).squeeze(2)
+    return _batched_call(x, 1, lambda x: sparse_conv(x.unsqueeze(2).contiguous(), csr, bias, geometry, backend,
+                                                    **params).squeeze(2))
