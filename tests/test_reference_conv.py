@@ -189,3 +189,15 @@ def test_unbatched_inputs_run_as_torch_runs_them(backend):
         assert relative_error(sparse_2d(x), model_2d(x)) < 1e-12
         with pytest.raises(ValueError, match="expected"):
             sparse_2d(x[0])
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_every_cpu_backend_runs_under_bfloat16_autocast(backend):
+    """CPU autocast picks bfloat16, for which torch has no CPU sparse CSR product (im2col_cusparse crashed)."""
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    weight = sparse_weight((6, 4, 3, 3), 0.7, generator)
+    x = torch.randn(2, 4, 10, 9, generator=generator, dtype=torch.float64)
+    expected = F.conv2d(x, weight, None, 1, 1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        output = sparse_conv2d(x.float(), UniformCSR.from_dense(weight.float()), None, 1, 1, backend=backend)
+    assert relative_error(output.double(), expected) < 2e-2

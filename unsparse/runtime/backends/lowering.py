@@ -50,11 +50,15 @@ class LoweringBackend(ConvBackend):
         """Dense ``(M, K)`` weight; overridden for the sparse product."""
         return csr.to_dense().reshape(csr.out_channels, csr.columns)
 
+    def product(self, matrix: torch.Tensor, lowered: torch.Tensor) -> torch.Tensor:
+        """``matrix @ lowered``: ``(M, K)`` times ``(K, N*E*F)``."""
+        return matrix @ lowered
+
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              **params: Any) -> torch.Tensor:
         N = x.shape[0]
         lowered, E, F_ = lower_input(x, csr, geometry)
-        out = self.weight_matrix(csr, x.dtype) @ lowered  # (M, N*E*F)
+        out = self.product(self.weight_matrix(csr, x.dtype), lowered)  # (M, N*E*F)
         if bias is not None:
             out = out + bias.to(out.dtype)[:, None]
         return out.reshape(csr.out_channels, N, E, F_).transpose(0, 1)
@@ -86,3 +90,12 @@ class Im2colCusparseBackend(LoweringBackend):
 
     def build_matrix(self, csr: UniformCSR) -> torch.Tensor:
         return csr.to_torch_csr()
+
+    def product(self, matrix: torch.Tensor, lowered: torch.Tensor) -> torch.Tensor:
+        """The CSR product in the input's dtype. On the CPU it runs with autocast off: torch has no CPU sparse CSR
+        product in bfloat16 or float16, the dtypes CPU autocast picks, so under CPU autocast this backend returns
+        float32 for a float32 input (as the direct kernels do under CUDA autocast)."""
+        if lowered.device.type == "cpu":
+            with torch.autocast("cpu", enabled=False):
+                return matrix @ lowered
+        return matrix @ lowered
