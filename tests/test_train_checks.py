@@ -205,6 +205,17 @@ def test_evaluate_refuses_an_empty_split(loss, targets):
         Trainer({"holdout": empty}, loss=loss, progress=False).evaluate(model(), "holdout")
 
 
+def test_fit_refuses_an_empty_training_split_before_changing_anything(tmp_path):
+    """It used to train nothing and report a loss of 0 for every epoch."""
+    empty = DataLoader(TensorDataset(torch.empty(0, 4), torch.empty(0, dtype=torch.long)), batch_size=8)
+    net = model()
+    before = weights(net)
+    with pytest.raises(ValueError, match="'train' has no samples"):
+        Trainer({"train": empty, "val": loaders()["val"]}, progress=False).fit(net, 2, tmp_path / "fit.pt")
+    assert all(torch.equal(value, before[name]) for name, value in net.state_dict().items())
+    assert not (tmp_path / "fit.pt").exists()
+
+
 def test_evaluate_puts_every_module_back_in_its_mode():
     net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 3))
     net.train()

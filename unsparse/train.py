@@ -236,6 +236,9 @@ class Trainer:
 
         Returns:
             Mean training loss over the epoch.
+
+        Raises:
+            ValueError: where the training split has no samples (nothing is changed then).
         """
         model.train()
         loss_fn = LOSSES[self.loss]
@@ -250,7 +253,9 @@ class Trainer:
                 after_step()
             total += float(loss.detach()) * len(inputs)
             count += len(inputs)
-        return total / max(count, 1)
+        if count == 0:
+            raise ValueError("train_epoch: split 'train' has no samples")
+        return total / count
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, split: str = "val", desc: str | None = None) -> dict[str, float]:
