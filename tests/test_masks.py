@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -91,6 +92,24 @@ def test_squashed_copy_leaves_the_original_parametrized():
     assert torch.equal(copy[0].weight, model[0].weight)
     x = torch.randn(2, 2, 6, 6)
     assert torch.equal(copy(x), model(x))
+
+
+@pytest.mark.parametrize("squashed", ["copy", "original"])
+def test_removing_the_masks_of_a_deep_copy_leaves_the_other_model_masked_and_running(squashed):
+    """Deep copies share torch's parametrized class; removing a parametrization deletes its property from that
+    class, so squashing one model broke the other (AttributeError: no attribute 'weight')."""
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Conv2d(3, 2, 3))
+    for mask in attach_masks(model).values():
+        mask.set(torch.rand_like(mask.mask) > 0.5)
+    other = copy.deepcopy(model)
+    x = torch.randn(2, 2, 8, 8)
+    expected = model(x)
+    kept, squashed_model = (model, other) if squashed == "copy" else (other, model)
+    remove_masks(squashed_model)
+    assert not masks_of(squashed_model) and set(masks_of(kept)) == {"0", "2"}
+    assert torch.equal(kept(x), expected) and torch.equal(squashed_model(x), expected)
+    remove_masks(kept)
+    assert not masks_of(kept) and torch.equal(kept(x), expected)
 
 
 def test_a_layer_subset_reaches_its_target_over_the_masked_layers_only():

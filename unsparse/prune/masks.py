@@ -91,10 +91,17 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
 def remove_masks(model: nn.Module) -> nn.Module:
     """Fold every mask into its weight (``weight <- weight * mask``) and drop the parametrizations.
 
-    The analogue of ``torch.ao.pruning``'s ``squash_mask``. Mutates and returns ``model``.
+    The analogue of ``torch.ao.pruning``'s ``squash_mask``. Mutates and returns ``model``; a deep copy of it (or
+    the model it was deep-copied from) is not changed. (``parametrize.remove_parametrizations`` deletes the weight's
+    property from the layer's parametrized class, which deep copies share, so each layer first gets a class of its
+    own.)
     """
     for layer in prunable_layers(model).values():
         if mask_of(layer) is not None:
+            shared = type(layer)
+            layer.__class__ = type(shared.__name__, shared.__bases__,
+                                   {key: value for key, value in vars(shared).items()
+                                    if key not in ("__dict__", "__weakref__")})
             parametrize.remove_parametrizations(layer, "weight", leave_parametrized=True)
     return model
 
