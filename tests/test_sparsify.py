@@ -113,3 +113,24 @@ def test_a_model_with_a_conv_left_dense_is_not_saved(tmp_path):
     with pytest.raises(ValueError, match=r"convolutions left dense \(0\.0; see sparsify's log\)"):
         save_sparse(sparsify(model), tmp_path / "model.safetensors")
     assert not (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("change", ["classifier", "conv"])
+def test_a_model_that_differs_from_its_spec_is_not_saved(tmp_path, change):
+    """The loader rebuilds the architecture ``unsparse_spec`` names; a model whose layers were replaced after
+    ``create_model`` was written and then refused on loading. Saving now runs the loader's structural checks first."""
+    from unsparse import create_model, save_sparse
+
+    model = create_model("vgg_small", width=4)
+    if change == "classifier":
+        name = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)][-1]
+        parent, attribute = model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+        setattr(parent, attribute, nn.Linear(getattr(parent, attribute).in_features, 5))
+        field = rf"{name}\.weight: shape \[5, "
+    else:
+        name, conv = next((n, m) for n, m in model.named_modules() if isinstance(m, nn.Conv2d))
+        conv.stride = (2, 2)
+        field = rf"layers\.{name}\.geometry"
+    with pytest.raises(ValueError, match=rf"differs from the architecture its unsparse_spec names .*{field}"):
+        save_sparse(sparsify(model), tmp_path / "model.safetensors")
+    assert not (tmp_path / "model.safetensors").exists()

@@ -67,9 +67,11 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
     """The file's bytes for a sparsified model (see the module docstring).
 
     Raises:
-        ValueError: if the model has no ``unsparse_spec`` (build it with ``create_model``), no sparse layer, or a
+        ValueError: if the model has no ``unsparse_spec`` (build it with ``create_model``), no sparse layer, a
             convolution :func:`~unsparse.runtime.modules.sparsify` left dense (the loader rebuilds every convolution
-            of the architecture as a sparse one, so such a file could not be read back).
+            of the architecture as a sparse one, so such a file could not be read back), or layers or tensors that
+            differ from the architecture ``unsparse_spec`` names (e.g. a replaced classifier; :func:`load_sparse`
+            would refuse the file, and the same checks run before it is written).
     """
     from unsparse.quant.state import describe_quantization
 
@@ -92,6 +94,11 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
                         "codec": codec}
     metadata = {"format_version": FORMAT_VERSION, "model": spec, "layers": describe_layers(model),
                 "tensors": entries, "quantization": describe_quantization(model), "extra": extra or {}}
+    try:
+        _shell_model(metadata)
+    except SparseFileError as error:
+        raise ValueError(f"model: differs from the architecture its unsparse_spec names ({spec}), so the file "
+                         f"could not be read back: {error}") from error
     return safetensors_save(tensors, metadata={METADATA_KEY: json.dumps(metadata)})
 
 
@@ -157,6 +164,33 @@ def _build_architecture(spec: dict[str, Any]) -> nn.Module:
             model = create_model(name, **kwargs)
     except (TypeError, ValueError, RuntimeError, OverflowError) as error:  # e.g. a negative, zero or huge width
         raise SparseFileError(f"model: cannot build {name!r} with {kwargs}: {error}") from error
+    return model
+
+
+def _shell_model(metadata: dict[str, Any]) -> nn.Module:
+    """The architecture ``metadata["model"]`` names, on the ``meta`` device, each convolution replaced by its
+    :func:`_sparse_shell` and the quantization modules restored; the declared tensors (``metadata["tensors"]``) are
+    checked against its state dict (:func:`_check_entries`) before anything is decoded.
+
+    Raises:
+        SparseFileError: naming the field that differs from the architecture.
+    """
+    from unsparse.quant.state import restore_quantization
+
+    model = _build_architecture(metadata["model"])
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, nn.Conv1d | nn.Conv2d):
+                name = next(n for n, m in model.named_modules() if m is child)
+                setattr(parent, child_name, _sparse_shell(name, child, metadata["layers"].get(name)))
+    _require(set(metadata["layers"]) == set(sparse_layers(model)), "layers",
+             f"names differ from the architecture's convolutions: "
+             f"{sorted(set(metadata['layers']) ^ set(sparse_layers(model)))}")
+    try:
+        restore_quantization(model, metadata.get("quantization"))
+    except SparseFormatError as error:
+        raise SparseFileError(str(error)) from error
+    _check_entries(metadata["tensors"], model.state_dict())
     return model
 
 
@@ -321,23 +355,10 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
             (:func:`~unsparse.quant.state.check_values_codecs`), or a module's own check of its loaded state failing
             (``check_loaded_state(name)``, e.g. an activation quantizer's saturation).
     """
-    from unsparse.quant.state import check_values_codecs, restore_quantization
+    from unsparse.quant.state import check_values_codecs
 
     metadata, stored = _read_file(Path(path))
-    model = _build_architecture(metadata["model"])
-    for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
-            if isinstance(child, nn.Conv1d | nn.Conv2d):
-                name = next(n for n, m in model.named_modules() if m is child)
-                setattr(parent, child_name, _sparse_shell(name, child, metadata["layers"].get(name)))
-    _require(set(metadata["layers"]) == set(sparse_layers(model)), "layers",
-             f"names differ from the architecture's convolutions: "
-             f"{sorted(set(metadata['layers']) ^ set(sparse_layers(model)))}")
-    try:
-        restore_quantization(model, metadata.get("quantization"))
-    except SparseFormatError as error:
-        raise SparseFileError(str(error)) from error
-    _check_entries(metadata["tensors"], model.state_dict())
+    model = _shell_model(metadata)
     decoded = _decode_tensors(metadata, stored)
     _check_values(model, decoded)
     for name, layer in sparse_layers(model).items():
