@@ -201,3 +201,31 @@ def test_every_cpu_backend_runs_under_bfloat16_autocast(backend):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         output = sparse_conv2d(x.float(), UniformCSR.from_dense(weight.float()), None, 1, 1, backend=backend)
     assert relative_error(output.double(), expected) < 2e-2
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(("padding", "dilation"), [("same", 1), ("same", (2, 3)), ("valid", 1), ("valid", 2)])
+def test_string_padding_matches_torch(backend, padding, dilation):
+    """The drop-ins take F.conv1d/F.conv2d's 'same' and 'valid' (they failed with int('s'))."""
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    weight = sparse_weight((5, 3, 3, 5), 0.6, generator)
+    x = torch.randn(2, 3, 13, 14, generator=generator, dtype=torch.float64)
+    expected = F.conv2d(x, weight, None, 1, padding, dilation)
+    output = sparse_conv2d(x, UniformCSR.from_dense(weight), None, 1, padding, dilation, backend=backend)
+    assert output.shape == expected.shape and relative_error(output, expected) < 1e-12
+    weight_1d = sparse_weight((4, 3, 5), 0.6, generator)
+    signal = torch.randn(2, 3, 17, generator=generator, dtype=torch.float64)
+    dilation_1d = dilation if isinstance(dilation, int) else dilation[0]
+    expected = F.conv1d(signal, weight_1d, None, 1, padding, dilation_1d)
+    output = sparse_conv1d(signal, UniformCSR.from_dense(weight_1d), None, 1, padding, dilation_1d, backend=backend)
+    assert output.shape == expected.shape and relative_error(output, expected) < 1e-12
+
+
+@pytest.mark.parametrize(("padding", "stride", "kernel", "message"), [
+    ("same", 2, 3, "stride 1 only"), ("same", 1, 4, "pads one side more"), ("full", 1, 3, "expected 'valid', 'same'"),
+])
+def test_string_padding_torch_refuses_or_that_would_be_asymmetric_is_refused_by_name(padding, stride, kernel, message):
+    weight = torch.randn(2, 3, kernel, kernel, dtype=torch.float64)
+    with pytest.raises(ValueError, match=rf"padding: .*{message}"):
+        sparse_conv2d(torch.randn(1, 3, 9, 9, dtype=torch.float64), UniformCSR.from_dense(weight), None, stride,
+                      padding)

@@ -72,24 +72,25 @@ def _batched_call(x: torch.Tensor, spatial_dims: int, run: Callable[[torch.Tenso
 
 
 def sparse_conv2d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = None,
-                  stride: int | tuple[int, int] = 1, padding: int | tuple[int, int] = 0,
+                  stride: int | tuple[int, int] = 1, padding: str | int | tuple[int, int] = 0,
                   dilation: int | tuple[int, int] = 1, groups: int = 1, backend: str = "reference",
                   **params: Any) -> torch.Tensor:
     """Drop-in for ``torch.nn.functional.conv2d(x, csr.to_dense(), bias, stride, padding, dilation, groups)``.
 
-    ``x`` is ``(N, C, H, W)``, or ``(C, H, W)`` unbatched; returns ``(N, M, E, F)`` (``(M, E, F)``). See
-    :func:`sparse_conv` for backends and errors.
+    ``x`` is ``(N, C, H, W)``, or ``(C, H, W)`` unbatched; returns ``(N, M, E, F)`` (``(M, E, F)``). ``padding``
+    takes ints, pairs or torch's ``'valid'``/``'same'`` (:meth:`ConvGeometry.of`, which raises for a string it
+    cannot resolve). See :func:`sparse_conv` for backends and errors.
     """
-    geometry = ConvGeometry.of(stride, padding, dilation, groups, 2)
+    geometry = ConvGeometry.of(stride, padding, dilation, groups, 2, csr.kernel_size)
     return _batched_call(x, 2, lambda x: sparse_conv(x, csr, bias, geometry, backend, **params))
 
 
 def sparse_conv1d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = None, stride: int = 1,
-                  padding: int = 0, dilation: int = 1, groups: int = 1, backend: str = "reference",
+                  padding: str | int = 0, dilation: int = 1, groups: int = 1, backend: str = "reference",
                   **params: Any) -> torch.Tensor:
     """Drop-in for ``torch.nn.functional.conv1d``: ``x`` ``(N, C, L)`` -> contiguous ``(N, M, L_out)``, or ``(C, L)``
     unbatched -> ``(M, L_out)`` (a 1-D input has no channels-last layout: a transposed one is copied to
     ``(N, C, L)`` first)."""
-    geometry = ConvGeometry.of(stride, padding, dilation, groups, 1)
+    geometry = ConvGeometry.of(stride, padding, dilation, groups, 1, csr.kernel_size[1:])
     return _batched_call(x, 1, lambda x: sparse_conv(x.unsqueeze(2).contiguous(), csr, bias, geometry, backend,
                                                     **params).squeeze(2))

@@ -22,6 +22,27 @@ def _pair(value: int | tuple[int, ...] | list[int], name: str) -> tuple[int, int
     return value
 
 
+def _resolve_padding(padding: str, kernel_size: tuple[int, ...] | None, stride: int | tuple[int, ...],
+                     dilation: int | tuple[int, ...]) -> tuple[int, ...]:
+    """``'valid'`` / ``'same'`` as per-dimension integers (see :meth:`ConvGeometry.of`)."""
+    if padding not in ("valid", "same"):
+        raise SparseFormatError(f"padding: {padding!r}, expected 'valid', 'same' or integers")
+    if kernel_size is None:
+        raise SparseFormatError(f"padding: {padding!r} needs the kernel size to be resolved")
+    dims = len(kernel_size)
+    if padding == "valid":
+        return (0,) * dims
+    strides = (stride,) * dims if isinstance(stride, int) else tuple(stride)
+    if any(step != 1 for step in strides):
+        raise SparseFormatError(f"padding: 'same' with stride {stride}; torch allows it at stride 1 only")
+    dilations = (dilation,) * dims if isinstance(dilation, int) else tuple(dilation)
+    extents = [d * (k - 1) for d, k in zip(dilations, kernel_size, strict=True)]
+    if any(extent % 2 for extent in extents):
+        raise SparseFormatError(f"padding: 'same' with kernel {tuple(kernel_size)} and dilation {dilation} pads one "
+                                "side more than the other, which is not supported")
+    return tuple(extent // 2 for extent in extents)
+
+
 @dataclass(frozen=True)
 class ConvGeometry:
     """Everything about a convolution except its weight and input.
@@ -52,9 +73,21 @@ class ConvGeometry:
             raise SparseFormatError(f"geometry: invalid {self}")
 
     @classmethod
-    def of(cls, stride: int | tuple[int, ...] = 1, padding: int | tuple[int, ...] = 0,
-           dilation: int | tuple[int, ...] = 1, groups: int = 1, spatial_dims: int = 2) -> ConvGeometry:
-        """Build from ``torch.nn.functional.conv1d/conv2d``-style arguments (ints or 1-/2-tuples)."""
+    def of(cls, stride: int | tuple[int, ...] = 1, padding: str | int | tuple[int, ...] = 0,
+           dilation: int | tuple[int, ...] = 1, groups: int = 1, spatial_dims: int = 2,
+           kernel_size: tuple[int, ...] | None = None) -> ConvGeometry:
+        """Build from ``torch.nn.functional.conv1d/conv2d``-style arguments (ints or 1-/2-tuples).
+
+        String padding, as torch takes it, is resolved against ``kernel_size`` (``(R, S)``, or ``(S,)`` for 1-D):
+        ``'valid'`` is 0, ``'same'`` is half of each dilated kernel's extent ``dilation * (k - 1)`` where that is
+        even (torch allows ``'same'`` at stride 1 only).
+
+        Raises:
+            SparseFormatError: for another string, ``'same'`` with a stride other than 1 or without
+                ``kernel_size``, or ``'same'`` padding that would be asymmetric (an even dilated kernel).
+        """
+        if isinstance(padding, str):
+            padding = _resolve_padding(padding, kernel_size, stride, dilation)
         if spatial_dims == 1:
             def lift(v: int | tuple[int, ...], fill: int) -> tuple[int, int]:
                 return (fill, v) if isinstance(v, int) else (fill, *tuple(v))
@@ -63,9 +96,7 @@ class ConvGeometry:
 
     @classmethod
     def from_module(cls, conv: nn.Conv1d | nn.Conv2d) -> ConvGeometry:
-        """Geometry of an ``nn.Conv1d``/``nn.Conv2d``. String padding is resolved: ``'valid'`` is 0, ``'same'`` is
-        half of each dilated kernel's extent ``dilation * (k - 1)`` where that is even (torch allows ``'same'`` at
-        stride 1 only).
+        """Geometry of an ``nn.Conv1d``/``nn.Conv2d``, string padding resolved as in :meth:`of`.
 
         Raises:
             SparseFormatError: for ``'same'`` padding that would be asymmetric (an even dilated kernel), or a
@@ -74,16 +105,7 @@ class ConvGeometry:
         if conv.padding_mode != "zeros":
             raise SparseFormatError(f"padding_mode: {conv.padding_mode!r} is not supported, only 'zeros'")
         dims = 1 if isinstance(conv, nn.Conv1d) else 2
-        padding = conv.padding
-        if padding == "valid":
-            padding = (0,) * dims
-        elif padding == "same":
-            extents = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size, strict=True)]
-            if any(extent % 2 for extent in extents):
-                raise SparseFormatError(f"padding: 'same' with kernel {conv.kernel_size} and dilation {conv.dilation} "
-                                        "pads one side more than the other, which is not supported")
-            padding = tuple(extent // 2 for extent in extents)
-        return cls.of(conv.stride, padding, conv.dilation, conv.groups, dims)
+        return cls.of(conv.stride, conv.padding, conv.dilation, conv.groups, dims, conv.kernel_size)
 
     def to_dict(self) -> dict:
         """JSON-ready form (lists instead of tuples)."""
