@@ -134,3 +134,13 @@ def test_a_model_that_differs_from_its_spec_is_not_saved(tmp_path, change):
     with pytest.raises(ValueError, match=rf"differs from the architecture its unsparse_spec names .*{field}"):
         save_sparse(sparsify(model), tmp_path / "model.safetensors")
     assert not (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("conv", [nn.Conv2d(3, 4, 3, padding=1), nn.Conv1d(3, 4, 3, stride=2)])
+def test_a_bare_conv_is_sparsified_itself(conv):
+    """Only children used to be replaced, so a model that is one conv came back as a dense copy, silently."""
+    x = torch.randn(2, 3, 9, 9) if isinstance(conv, nn.Conv2d) else torch.randn(2, 3, 9)
+    sparse = sparsify(conv)
+    assert isinstance(sparse, SparseConv) and isinstance(conv, nn.Conv1d | nn.Conv2d)
+    with torch.no_grad():
+        assert torch.allclose(sparse(x), conv(x), atol=1e-6)

@@ -117,7 +117,8 @@ def _computes_as_torch_conv(conv: nn.Conv1d | nn.Conv2d) -> bool:
 
 
 def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
-    """Copy ``model`` with every ``nn.Conv1d``/``nn.Conv2d`` replaced by a :class:`SparseConv`.
+    """Copy ``model`` with every ``nn.Conv1d``/``nn.Conv2d`` replaced by a :class:`SparseConv` (``model`` itself
+    where it is one).
 
     Pruning parametrizations (masks) are folded into the weights of the copy first, so the copy's convs hold
     exactly the masked weights; other modules (Linear, BatchNorm, ...) are copied unchanged. A conv subclass with
@@ -142,19 +143,25 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
                              "in one) cannot be sparsified; remove them first (torch.nn.utils.prune.remove(module, "
                              "'weight'), torch.nn.utils.remove_weight_norm)")
     sparse_model = squashed_copy(model)
+    if isinstance(sparse_model, nn.Conv1d | nn.Conv2d):  # the model is one conv
+        return _sparse_or_dense(sparse_model, type(sparse_model).__name__, backend).eval()
     for parent_name, parent in list(sparse_model.named_modules()):
         for name, child in list(parent.named_children()):
-            if not isinstance(child, nn.Conv1d | nn.Conv2d):
-                continue
-            qualified = f"{parent_name}.{name}".lstrip(".")
-            if not _computes_as_torch_conv(child):
-                log.warning("%s: %s has its own forward; left dense", qualified, type(child).__name__)
-                continue
-            try:
-                setattr(parent, name, sparse_from_conv(child, backend))
-            except SparseFormatError as error:
-                log.warning("%s: %s; left dense", qualified, error)
+            if isinstance(child, nn.Conv1d | nn.Conv2d):
+                setattr(parent, name, _sparse_or_dense(child, f"{parent_name}.{name}".lstrip("."), backend))
     return sparse_model.eval()
+
+
+def _sparse_or_dense(conv: nn.Conv1d | nn.Conv2d, name: str, backend: str) -> nn.Module:
+    """``conv``'s :class:`SparseConv`, or ``conv`` itself with a logged reason (see :func:`sparsify`)."""
+    if not _computes_as_torch_conv(conv):
+        log.warning("%s: %s has its own forward; left dense", name, type(conv).__name__)
+        return conv
+    try:
+        return sparse_from_conv(conv, backend)
+    except SparseFormatError as error:
+        log.warning("%s: %s; left dense", name, error)
+        return conv
 
 
 def sparse_layers(model: nn.Module) -> dict[str, SparseConv]:
