@@ -135,6 +135,40 @@ def test_pruner_needs_prepare():
         MagnitudePruner(1.0)
 
 
+def test_a_squashed_pruner_asks_for_prepare_again():
+    """After squash_mask, step and result raised torch.cat's and the weighted sparsity's errors."""
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
+    pruner = MagnitudePruner(0.5)
+    pruner.prepare(model)
+    pruner.step()
+    assert pruner.squash_mask() is model and not masks_of(model)
+    for call in (pruner.step, lambda: pruner.result([], 0.0), pruner.squash_mask):
+        with pytest.raises(RuntimeError, match="prepare"):
+            call()
+    pruner.prepare(model)
+    pruner.step(0.75)
+    assert model_weighted_sparsity(model) == pytest.approx(0.75, abs=0.01)
+
+
+@pytest.mark.parametrize("scope", ["global", "layer"])
+@pytest.mark.parametrize("sparsity", [-0.1, 1.5])
+def test_a_step_outside_zero_one_is_refused_in_either_scope(scope, sparsity):
+    """In the layer scope 1.5 pruned every layer to 100 %, and -0.1 was reported scaled by layer_targets."""
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
+    pruner = MagnitudePruner(0.5, scope=scope, layer_targets={"0": 0.6} if scope == "layer" else None)
+    pruner.prepare(model)
+    with pytest.raises(ValueError, match=rf"sparsity: {sparsity} outside \[0, 1\]"):
+        pruner.step(sparsity)
+    assert model_weighted_sparsity(model) == 0
+
+
+def test_unknown_layer_names_are_refused_naming_them_before_anything_is_attached():
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(3 * 4 * 4, 2))
+    with pytest.raises(ValueError, match=r"layers: \['conv9'\] are not .* it has 0, 2"):
+        MagnitudePruner(0.5, layers=["0", "conv9"]).prepare(model)
+    assert not masks_of(model)
+
+
 @pytest.mark.parametrize("shape", [(1,), (8,), (3, 5, 7), (16, 3, 3, 3), (0,)])
 def test_pack_mask_round_trips_and_takes_an_eighth_of_the_bytes(shape):
     keep = torch.rand(shape, generator=torch.Generator().manual_seed(1)) < 0.4

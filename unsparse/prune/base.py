@@ -86,10 +86,11 @@ class Pruner(ABC):
         """Update the masks of the prepared model."""
 
     def squash_mask(self) -> nn.Module:
-        """Fold the masks into the weights and detach them; returns the (mutated) model."""
+        """Fold the masks into the weights and detach them; returns the (mutated) model, which the pruner then
+        forgets (prepare a model again to prune more)."""
         model = self._prepared()
         remove_masks(model)
-        self.masks = {}
+        self.model, self.masks = None, {}
         return model
 
     def identity(self) -> str:
@@ -125,5 +126,5 @@ class Pruner(ABC):
 
     def _prepared(self) -> nn.Module:
         if self.model is None:
-            raise RuntimeError(f"{type(self).__name__}: call prepare(model) first")
+            raise RuntimeError(f"{type(self).__name__}: call prepare(model) first (squash_mask forgets the model)")
         return self.model

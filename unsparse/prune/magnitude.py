@@ -65,9 +65,12 @@ class MagnitudePruner(Pruner):
         sparsity grows (Zhu & Gupta 2017); ties are broken by position.
 
         Raises:
+            ValueError: a ``sparsity`` outside ``[0, 1]``.
             KeyError: a ``layer_targets`` name is not a masked layer.
         """
         sparsity = self.target if sparsity is None else sparsity
+        if not 0.0 <= sparsity <= 1.0:
+            raise ValueError(f"sparsity: {sparsity} outside [0, 1]")
         layers = prunable_layers(self._prepared())
         magnitudes = {name: layers[name].weight.abs() for name in self.masks}
         if self.scope == "layer":

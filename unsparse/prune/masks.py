@@ -59,8 +59,17 @@ def attach_masks(model: nn.Module, names: Iterable[str] | None = None) -> dict[s
 
     Returns:
         The masks by layer name.
+
+    Raises:
+        ValueError: naming the ``names`` that are not prunable layers of ``model`` (nothing is attached then).
     """
     layers = prunable_layers(model)
+    if names is not None:
+        names = list(names)
+        unknown = [name for name in names if name not in layers]
+        if unknown:
+            raise ValueError(f"layers: {unknown} are not Conv1d/Conv2d/Linear layers of the model; it has "
+                             f"{', '.join(layers) or 'none'}")
     chosen = layers if names is None else {name: layers[name] for name in names}
     for layer in chosen.values():
         if mask_of(layer) is None:
