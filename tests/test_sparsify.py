@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import torch.nn.utils.prune as torch_prune
 from torch import nn
 
-from unsparse.runtime import SparseConv, sparsify
+from unsparse.runtime import SparseConv, sparse_layers, sparsify
 
 
 class WeightStandardisedConv2d(nn.Conv2d):
@@ -144,3 +144,17 @@ def test_a_bare_conv_is_sparsified_itself(conv):
     assert isinstance(sparse, SparseConv) and isinstance(conv, nn.Conv1d | nn.Conv2d)
     with torch.no_grad():
         assert torch.allclose(sparse(x), conv(x), atol=1e-6)
+
+
+def test_an_unknown_backend_name_is_refused_up_front(tmp_path):
+    """A typo used to be accepted by sparsify, set_backend and load_sparse and fail only at the first forward."""
+    from unsparse import create_model, load_sparse, save_sparse
+    from unsparse.runtime import set_backend
+
+    model = sparsify(create_model("vgg_small", width=4))
+    save_sparse(model, tmp_path / "model.safetensors")
+    for call in (lambda: sparsify(nn.Conv2d(2, 2, 3), "refrence"), lambda: set_backend(model, "refrence"),
+                 lambda: load_sparse(tmp_path / "model.safetensors", backend="refrence")):
+        with pytest.raises(KeyError, match=r"unknown backend 'refrence'; known: \[.*'reference'"):
+            call()
+    assert {layer.backend for layer in sparse_layers(model).values()} == {"reference"}

@@ -132,11 +132,15 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
         The sparse copy, in eval mode.
 
     Raises:
+        KeyError: an unknown backend name, listing the known ones.
         ValueError: naming the layer, for a conv with hooks: ``torch.nn.utils.prune`` and the older
             ``torch.nn.utils.weight_norm`` recompute the weight in a forward pre-hook, so its ``weight`` attribute
             may be stale, and a sparse copy would lose any hook; remove them first (``prune.remove``,
             ``remove_weight_norm``).
     """
+    from unsparse.runtime.backends import get_backend
+
+    get_backend(backend)  # an unknown name fails here, not at the first forward
     for name, module in model.named_modules():
         if isinstance(module, nn.Conv1d | nn.Conv2d) and (module._forward_pre_hooks or module._forward_hooks):
             raise ValueError(f"{name}: a conv with forward hooks (torch.nn.utils.prune or weight_norm keep the weight "
@@ -183,7 +187,14 @@ def temporary_backend(model: nn.Module, backend: str, **params: Any) -> Iterator
 
 
 def set_backend(model: nn.Module, backend: str, **params: Any) -> nn.Module:
-    """Point every :class:`SparseConv` of ``model`` at ``backend`` (in place); returns ``model``."""
+    """Point every :class:`SparseConv` of ``model`` at ``backend`` (in place); returns ``model``.
+
+    Raises:
+        KeyError: an unknown backend name, listing the known ones (nothing is changed then).
+    """
+    from unsparse.runtime.backends import get_backend
+
+    get_backend(backend)
     for layer in sparse_layers(model).values():
         layer.backend, layer.backend_params = backend, dict(params)
     return model

@@ -346,6 +346,7 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
         The model in eval mode, with ``unsparse_spec`` and ``unsparse_metadata`` (the JSON block) attributes.
 
     Raises:
+        KeyError: an unknown ``backend`` name, listing the known ones.
         SparseFileError: (a ``ValueError``) unreadable or non-safetensors file, missing metadata, unknown
             format version or model name, missing/extra/misshapen tensors (checked against the architecture
             before any is decoded), wrong dtypes or floating tensors of several dtypes, column indices outside
@@ -356,7 +357,9 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
             (``check_loaded_state(name)``, e.g. an activation quantizer's saturation).
     """
     from unsparse.quant.state import check_values_codecs
+    from unsparse.runtime.backends import get_backend
 
+    get_backend(backend)  # an unknown name fails before the file is read, not at the first forward
     metadata, stored = _read_file(Path(path))
     model = _shell_model(metadata)
     decoded = _decode_tensors(metadata, stored)
