@@ -168,12 +168,14 @@ class UniformCSR:
 
     @property
     def nnz(self) -> int:
-        """Number of stored values that are nonzero (padding excluded)."""
+        """Number of stored values that are nonzero (padding excluded): the dense weight's nonzero count, unless a
+        hand-made row repeats a column (then each stored entry counts, as each is a product the kernels compute)."""
         return int((self.values != 0).sum())
 
     @property
     def sparsity(self) -> float:
-        """Fraction of the dense weight's ``M * K`` entries that are zero (paper 004 eq. 6)."""
+        """``1 - nnz / (M * K)`` (paper 004 eq. 6): the fraction of the dense weight's entries that are zero, unless
+        a hand-made row repeats a column (:attr:`nnz`)."""
         total = self.out_channels * self.columns
         return 1.0 - self.nnz / total if total else 0.0
 
