@@ -64,7 +64,13 @@ def plot_backend_times(timings: Sequence[dict[str, Any]], path: Path) -> Path:
 
 def plot_history(history: Sequence[dict[str, Any]], path: Path, metric: str, title: str, label: str) -> Path:
     """``metric`` (left axis, labelled ``label``) and ``weighted_sparsity`` (right axis, %) over the entries of
-    ``history``, placed at their ``iteration`` (pruners' iterations, from 0) or ``epoch`` (fine-tuning, from 1)."""
+    ``history``, placed at their ``iteration`` (pruners' iterations, from 0) or ``epoch`` (fine-tuning, from 1).
+
+    Raises:
+        ValueError: an empty ``history`` (nothing to plot).
+    """
+    if not history:
+        raise ValueError("history: no entries to plot")
     steps = [entry.get("iteration", entry.get("epoch", index + 1)) for index, entry in enumerate(history)]
     figure, axis = plt.subplots(figsize=(8, 4))
     lines = axis.plot(steps, [entry.get(metric) for entry in history], marker="o", color="tab:blue", label=label)

@@ -1,0 +1,23 @@
+"""The report's history plot: a PNG for pruner iterations and fine-tuning epochs; an empty history is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from unsparse.report.plots import plot_history
+
+
+@pytest.mark.parametrize("history", [
+    [{"iteration": 0, "val_top1": 90.0, "weighted_sparsity": 0.5}, {"iteration": 1, "val_top1": 89.0,
+                                                                    "weighted_sparsity": 0.6}],
+    [{"epoch": 1, "val_top1": 88.0}, {"epoch": 2, "val_top1": 89.5}],
+])
+def test_plot_history_writes_a_png(tmp_path, history):
+    path = plot_history(history, tmp_path / "history.png", "val_top1", "pruning", "validation top-1")
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_an_empty_history_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="history: no entries"):
+        plot_history([], tmp_path / "history.png", "val_top1", "pruning", "validation top-1")
+    assert not (tmp_path / "history.png").exists()
