@@ -175,3 +175,19 @@ def test_a_result_of_trained_models_only_does_not_call_its_weights_synthetic(res
     result["layers"], result["end_to_end"] = [], result["end_to_end"][-1:]
     result["targets"] = evaluate_targets(result)
     assert "Weights: trained: model.safetensors (end-to-end rows marked trained)." in markdown_report(result)
+
+
+def test_a_plan_slower_eagerly_in_one_layout_is_named_with_its_graph_times(result) -> None:
+    """AlexNet FP16 at 6df8367: the channels-last plan kept by the graph-timed check ran 0.93x eagerly, while the
+    faster of the two planned models matched the faster dense one, so no whole-model line said so."""
+    result["end_to_end"] = [{"model": "alexnet", "weights": "synthetic", "batch": 128, "precision": "fp16",
+                             "dense_ms": 1.760, "planned_ms": 1.256, "speedup": 1.760 / 1.256, "rel_error": 1e-3,
+                             "dense_nhwc_ms": 1.264, "planned_nhwc_ms": 1.360, "speedup_vs_best_dense": 1.264 / 1.256,
+                             "dense_graph_ms": 1.724, "planned_graph_ms": 1.108, "dense_nhwc_graph_ms": 1.238,
+                             "planned_nhwc_graph_ms": 1.058}]
+    result["targets"] = evaluate_targets(result)
+    text = markdown_report(result)
+    assert ("end to end alexnet fp16 b128: the channels-last plan is SLOWER eagerly than the dense model in "
+            "channels-last (1.360 against 1.264 ms); as CUDA graphs it takes 1.058 against 1.238 ms, so the eager "
+            "loss is host time.") in text
+    assert "the NCHW plan" not in text and "run that one instead" not in text

@@ -143,6 +143,8 @@ def markdown_report(result: dict[str, Any]) -> str:
                              f"{_fmt(min(speedups), 2)}x).")
                 break
     for r in result["end_to_end"]:
+        dense, planned = fastest_ms(r, "dense"), fastest_ms(r, "planned")
+        slower_overall = planned > (1 + PLAN_MARGIN) * dense  # closer than that is run-to-run noise
         for suffix, layout in (("", "NCHW"), ("_nhwc", "channels-last")):
             check = r.get("plan_check" + suffix) or {}
             if check.get("reverted"):
@@ -151,8 +153,16 @@ def markdown_report(result: dict[str, Any]) -> str:
                              f"({_fmt(check['default_ms'])} ms, timed {check.get('timing', 'eagerly')}); "
                              f"{len(check['reverted'])} layer keys were set back to the default before the times "
                              "below.")
-        dense, planned = fastest_ms(r, "dense"), fastest_ms(r, "planned")
-        if planned > (1 + PLAN_MARGIN) * dense:  # closer than that is run-to-run noise
+            dense_ms, planned_ms = r.get(f"dense{suffix}_ms"), r.get(f"planned{suffix}_ms")
+            if not slower_overall and dense_ms and planned_ms and planned_ms > (1 + PLAN_MARGIN) * dense_ms:
+                dense_graph, planned_graph = r.get(f"dense{suffix}_graph_ms"), r.get(f"planned{suffix}_graph_ms")
+                host = (f"; as CUDA graphs it takes {_fmt(planned_graph)} against {_fmt(dense_graph)} ms, so the "
+                        "eager loss is host time" if dense_graph and planned_graph and planned_graph < dense_graph
+                        else "")
+                lines.append(f"- end to end {r['model']} {r['precision']} b{r['batch']}: the {layout} plan is SLOWER "
+                             f"eagerly than the dense model in {layout} ({_fmt(planned_ms)} against "
+                             f"{_fmt(dense_ms)} ms){host}.")
+        if slower_overall:
             layout = "NCHW" if dense == r["dense_ms"] else "channels-last"
             lines.append(f"- end to end {r['model']} {r['precision']} b{r['batch']}: the planned model "
                          f"({_fmt(planned)} ms in its faster layout) is SLOWER than the dense model in {layout} "
