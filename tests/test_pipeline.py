@@ -129,6 +129,21 @@ def test_a_pruner_that_stops_below_its_target_says_so(tmp_path, caplog):
     assert "below its target 0.9000" in messages and "train.epochs = 0" in messages
 
 
+def test_a_resumed_job_removes_the_temporary_files_of_killed_writes_and_says_so(tmp_path, caplog):
+    stale = [tmp_path / ".dense.pt.k1ll3d_0.tmp", tmp_path / "prune" / ".magnitude_finetune.pt.abcdefgh.tmp"]
+    stale[1].parent.mkdir()
+    for path in stale:
+        path.write_bytes(b"half a checkpoint")
+    with caplog.at_level("WARNING", logger="unsparse.pipeline"):
+        run_pipeline(digits(limit_train=200, limit_test=60), create_model("vgg_small", width=4),
+                     MagnitudePruner(0.5, fine_tune_epochs=0), lambda model, loader: model, tmp_path,
+                     TrainSettings(epochs=0, batch_size=64),
+                     TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]), progress=False)
+    assert not any(path.exists() for path in stale) and not list(tmp_path.rglob("*.tmp"))
+    assert ("removed 2 temporary files of writes an earlier process did not finish: .dense.pt.k1ll3d_0.tmp, "
+            "prune/.magnitude_finetune.pt.abcdefgh.tmp") in caplog.text
+
+
 def test_a_layer_subset_is_judged_on_the_layers_it_prunes(tmp_path):
     """Pruning two layers to 0.9 reaches the target; report.md gives the model-wide figure and the pruned layers'."""
     torch.manual_seed(0)

@@ -269,3 +269,27 @@ def test_atomic_write_through_a_symlink_replaces_the_target_and_keeps_the_link(t
 def test_atomic_write_accepts_names_of_up_to_255_bytes(tmp_path, name):
     assert atomic_write_text(tmp_path / name, "x").read_text() == "x"
     assert no_leftovers(tmp_path)
+
+
+def test_a_write_killed_before_its_rename_leaves_a_temporary_file_that_remove_stale_temporaries_finds(tmp_path):
+    """SIGKILL (or a power loss) between writing and renaming skips atomic_write's cleanup; the file stayed for good,
+    one more per kill. The resumed job now removes such files from its own folder; other files stay."""
+    import subprocess
+    import sys
+
+    from unsparse.atomic import remove_stale_temporaries
+
+    (tmp_path / "prune").mkdir()
+    code = ("import os, signal, sys; from unsparse.atomic import atomic_write; "
+            "atomic_write(sys.argv[1], lambda file: (file.write(b'x' * 4096), os.kill(os.getpid(), signal.SIGKILL)))")
+    for name in ("dense.pt", "prune/evolutionary.pt"):
+        done = subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], capture_output=True, timeout=60)
+        assert done.returncode == -9
+    left = sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*") if path.is_file())
+    assert len(left) == 2 and all(path.name.endswith(".tmp") for path in left)
+    keep = [tmp_path / "notes.tmp", tmp_path / ".notes.tmp", tmp_path / "prune" / ".log.abc.tmp",
+            tmp_path / "dense.pt"]
+    for path in keep:
+        path.write_text("kept")
+    assert [path.relative_to(tmp_path) for path in remove_stale_temporaries(tmp_path)] == left
+    assert sorted(path for path in tmp_path.rglob("*") if path.is_file()) == sorted(keep)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +49,26 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
         Path(temporary).unlink(missing_ok=True)
         raise
     return path
+
+
+_TEMPORARY_NAME = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+"""Names :func:`atomic_write` gives its temporary files: ``.<target name>.<mkstemp's 8 characters>.tmp``."""
+
+
+def remove_stale_temporaries(folder: str | Path) -> list[Path]:
+    """Delete the temporary files :func:`atomic_write` left in ``folder`` and its subfolders when its process was
+    killed between creating one and renaming it (SIGKILL, power loss; an exception removes its own). Call it only
+    where no other process is writing into ``folder`` (e.g. a job's own output folder, once claimed): another
+    writer's temporary file would be deleted under it.
+
+    Returns:
+        The files removed, sorted.
+    """
+    removed = sorted(path for path in Path(folder).rglob(".*.tmp")
+                     if path.is_file() and not path.is_symlink() and _TEMPORARY_NAME.fullmatch(path.name))
+    for path in removed:
+        path.unlink(missing_ok=True)
+    return removed
 
 
 def _name_prefix(name: str) -> str:

@@ -8,6 +8,7 @@ with ``hydra.utils.instantiate`` from their ``_target_``.
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -56,9 +57,8 @@ def run(cfg: DictConfig) -> None:
     try:
         report = run_pipeline(outdir=outdir, record=record, **build_job(cfg))
     except KeyboardInterrupt:
-        overrides = " ".join(task_overrides)
-        log.error("interrupted; to resume from the checkpoints in %s run: unsparse %s hydra.run.dir=%s", outdir,
-                  overrides, outdir)
+        overrides = " ".join(map(shlex.quote, [*task_overrides, f"hydra.run.dir={outdir}"]))
+        log.error("interrupted; to resume from the checkpoints in %s run: unsparse %s", outdir, overrides)
         raise SystemExit(130) from None
     accuracy = report["accuracy"]
     log.info("weighted sparsity %.2f%% | %s dense %.4g, pruned %.4g, sparse run %.4g | report: %s",

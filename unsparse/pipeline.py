@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unsparse.atomic import atomic_write_text
+from unsparse.atomic import atomic_write_text, remove_stale_temporaries
 from unsparse.data import Splits
 from unsparse.prune.base import Pruner
 from unsparse.report import layer_rows, timing_verdicts, write_report
@@ -294,6 +294,8 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     Checkpoints (``dense.pt``, ``prune/``) live in ``outdir`` too: running again with the same ``outdir``
     resumes after an interruption (Ctrl-C loses at most the current epoch). ``outdir/job.json`` records the job
     (:func:`job_identity`), and a run of another job in the same folder is refused before it reads a checkpoint.
+    Once the folder accepts the job, temporary files that a killed process left mid-write are removed, logged
+    (:func:`~unsparse.atomic.remove_stale_temporaries`): one folder takes one running job at a time.
 
     Args:
         splits: data (train/val/test tensors).
@@ -325,6 +327,10 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     claim_output_folder(outdir, job_identity(splits, model, pruner, train, seed))
+    stale = remove_stale_temporaries(outdir)
+    if stale:
+        log.warning("removed %d temporary files of writes an earlier process did not finish: %s", len(stale),
+                    ", ".join(str(path.relative_to(outdir)) for path in stale))
     for name, text in (record or {}).items():
         atomic_write_text(outdir / name, text)
     device = device or torch.device("cpu")
