@@ -380,6 +380,39 @@ def test_resume_after_crash_equals_uninterrupted_run(tmp_path, monkeypatch):
     assert (tmp_path / "b" / evo.LOG).read_bytes() == (tmp_path / "a" / evo.LOG).read_bytes()
 
 
+@pytest.mark.parametrize("damage", ["shorter", "missing", "longer"])
+def test_a_resume_sets_the_log_to_the_checkpoints_history(tmp_path, monkeypatch, caplog, damage):
+    """The log is appended without fsync and the checkpoint then renamed; after a crash of the machine the log can
+    be shorter than the checkpoint's history, and truncate() padded it with NUL bytes. A longer log (lines of an
+    iteration the checkpoint does not hold) is cut back, as before, without a warning."""
+    settings = {"epsilon": 0.0, "iterations": 5, "target": 0.95}
+    pruner(**settings).run(tiny_model(), tiny_trainer(), tmp_path / "a")
+    calls = {"count": 0}
+    original = evo.save_checkpoint
+
+    def crashing(path, state):
+        calls["count"] += 1
+        if calls["count"] == 4:
+            raise KeyboardInterrupt
+        original(path, state)
+
+    monkeypatch.setattr(evo, "save_checkpoint", crashing)
+    with pytest.raises(KeyboardInterrupt):
+        pruner(**settings).run(tiny_model(), tiny_trainer(), tmp_path / "b")
+    monkeypatch.setattr(evo, "save_checkpoint", original)
+    log_path = tmp_path / "b" / evo.LOG
+    if damage == "shorter":
+        log_path.write_bytes(log_path.read_bytes()[:40])
+    elif damage == "missing":
+        log_path.unlink()
+    else:
+        assert len(log_path.read_text().splitlines()) == 4  # the iteration whose checkpoint was not written
+    with caplog.at_level("WARNING", logger="unsparse.prune.evolutionary"):
+        pruner(**settings).run(tiny_model(), tiny_trainer(), tmp_path / "b")
+    assert log_path.read_bytes() == (tmp_path / "a" / evo.LOG).read_bytes()
+    assert ("rebuilt from the checkpoint's history (3 entries)" in caplog.text) == (damage != "longer")
+
+
 def test_share_is_proportional_capped_and_falls_back_to_room():
     assert share(10, {"a": 1.0, "b": 4.0}, {"a": 100, "b": 100}) == {"a": 2, "b": 8}
     assert share(10, {"a": 1.0, "b": 4.0}, {"a": 100, "b": 3}) == {"a": 7, "b": 3}

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -75,6 +76,7 @@ from torch import nn
 from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
 
+from unsparse.atomic import atomic_write_bytes
 from unsparse.prune.base import Pruner, PruneResult
 from unsparse.prune.masks import dense_weight, lowest_mask, pack_mask, prunable_layers, pruned_count, unpack_mask
 from unsparse.train import (
@@ -85,6 +87,8 @@ from unsparse.train import (
     restore_random_states,
     save_checkpoint,
 )
+
+log = logging.getLogger(__name__)
 
 CHECKPOINT = "evolutionary.pt"
 LOG = "prune_log.jsonl"
@@ -609,21 +613,23 @@ class EvolutionaryPruner(Pruner):
     def _record(self, entry: dict[str, Any], log_path: Path, checkpoint: Path, optimizer: torch.optim.Optimizer,
                 trainer: Trainer, history: list[dict[str, Any]], elapsed: float, started: float) -> None:
         """Append ``entry`` to the log, then checkpoint the whole state atomically (log offset included)."""
-        with open(log_path, "a", encoding="utf-8") as log:
-            log.write(json.dumps(entry) + "\n")
+        with open(log_path, "a", encoding="utf-8") as log_file:
+            log_file.write(log_line(entry))
         generator = trainer.loaders["train"].generator
         save_checkpoint(checkpoint, {
             "model": self._prepared().state_dict(), "optimizer": optimizer.state_dict(),
             "grad_stats": self.grad_stats, "delta": self.delta, "sensitivity": self.sensitivity,
             "pending": self.pending, "ranked": self.ranked.state(), "iteration": self.iteration,
-            "score": self.score, "history": history, "log_bytes": log_path.stat().st_size,
+            "score": self.score, "history": history,
             **random_states(), "generator": self.generator.get_state(),
             "loader_rng": generator.get_state() if generator is not None else torch.empty(0),
             "elapsed_s": elapsed + time.perf_counter() - started, "identity": self.identity()})
 
     def _load(self, checkpoint: Path, optimizer: torch.optim.Optimizer, trainer: Trainer,
               log_path: Path) -> tuple[list[dict[str, Any]], float]:
-        """Restore the state written by :meth:`_record`; cut the log back to its checkpointed length."""
+        """Restore the state written by :meth:`_record`; the log is set to the checkpoint's history (one line per
+        entry): lines of an iteration the checkpoint does not hold are cut, and a log shorter than the history (a
+        crash of the machine before the appended lines reached the disk) or missing is rebuilt, with a warning."""
         state = load_checkpoint(checkpoint)
         check_resumable(checkpoint, state, self.identity())
         device = trainer.device
@@ -638,9 +644,20 @@ class EvolutionaryPruner(Pruner):
         generator = trainer.loaders["train"].generator
         if generator is not None:
             generator.set_state(state["loader_rng"])
-        with open(log_path, "r+b") as log:
-            log.truncate(state["log_bytes"])
+        expected = "".join(map(log_line, state["history"])).encode()
+        current = log_path.read_bytes() if log_path.exists() else None
+        if current is None or not current.startswith(expected):
+            log.warning("%s: %s; rebuilt from the checkpoint's history (%d entries)", log_path,
+                        "missing" if current is None else "shorter than or different from the checkpoint's history",
+                        len(state["history"]))
+        if current != expected:
+            atomic_write_bytes(log_path, expected)
         return state["history"], state["elapsed_s"]
+
+
+def log_line(entry: Mapping[str, Any]) -> str:
+    """One history entry as a line of ``prune_log.jsonl``."""
+    return json.dumps(entry) + "\n"
 
 
 def share(total: int, weights: Mapping[str, float], caps: Mapping[str, int]) -> dict[str, int]:
