@@ -71,7 +71,7 @@ def main() -> None:
     calls["cudnn"] = lambda: F.conv2d(x, weight, None, args.stride, args.padding)
     profiles = {"direct": calls["direct"]}
     if args.modules:
-        # A Sequential, since sparsify replaces child convolutions only; no bias, as in the bare calls.
+        # A Sequential, as in the earlier sessions' host-cost runs; no bias, as in the bare calls.
         conv = torch.nn.Sequential(torch.nn.Conv2d(C, M, args.kernel, args.stride, args.padding, bias=False,
                                                    device=device, dtype=dtype)).eval()
         with torch.no_grad():

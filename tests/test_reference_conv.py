@@ -187,8 +187,14 @@ def test_unbatched_inputs_run_as_torch_runs_them(backend):
         sparse_2d = sparsify(model_2d, backend)
         assert sparse_2d(x).shape == model_2d(x).shape
         assert relative_error(sparse_2d(x), model_2d(x)) < 1e-12
-        with pytest.raises(ValueError, match="expected"):
+        with pytest.raises(ValueError, match=r"expected \(N, C, H, W\) or unbatched \(C, H, W\), got shape \(9, 8\)"):
             sparse_2d(x[0])
+        with pytest.raises(ValueError, match=r"x: expected \(N, C, L\) or unbatched \(C, L\), got shape \(11,\)"):
+            sparsify(model, backend)(signal[0])
+        image = torch.randn(9, 8, 3, generator=generator, dtype=torch.float64).permute(2, 0, 1)  # an HWC image
+        output = sparse_2d(image)
+        assert output.is_contiguous() and output.stride() == model_2d(image).stride()
+        assert relative_error(output, model_2d(image)) < 1e-12
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
@@ -219,6 +225,13 @@ def test_string_padding_matches_torch(backend, padding, dilation):
     expected = F.conv1d(signal, weight_1d, None, 1, padding, dilation_1d)
     output = sparse_conv1d(signal, UniformCSR.from_dense(weight_1d), None, 1, padding, dilation_1d, backend=backend)
     assert output.shape == expected.shape and relative_error(output, expected) < 1e-12
+
+
+def test_valid_padding_needs_no_kernel_size():
+    assert ConvGeometry.of(2, "valid").padding == (0, 0)
+    assert ConvGeometry.of(2, "valid", spatial_dims=1).padding == (0, 0)
+    with pytest.raises(ValueError, match="'same' needs the kernel size"):
+        ConvGeometry.of(1, "same")
 
 
 @pytest.mark.parametrize(("padding", "stride", "kernel", "message"), [

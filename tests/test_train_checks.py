@@ -205,15 +205,17 @@ def test_evaluate_refuses_an_empty_split(loss, targets):
         Trainer({"holdout": empty}, loss=loss, progress=False).evaluate(model(), "holdout")
 
 
-def test_fit_refuses_an_empty_training_split_before_changing_anything(tmp_path):
+@pytest.mark.parametrize("samples", [0, 5])  # 5 samples with drop_last and batches of 8: no batch either
+def test_fit_refuses_a_training_loader_without_batches_before_changing_anything(tmp_path, samples):
     """It used to train nothing and report a loss of 0 for every epoch."""
-    empty = DataLoader(TensorDataset(torch.empty(0, 4), torch.empty(0, dtype=torch.long)), batch_size=8)
-    net = model()
+    data = TensorDataset(torch.randn(samples, 4), torch.zeros(samples, dtype=torch.long))
+    net = model().eval()
     before = weights(net)
-    with pytest.raises(ValueError, match="'train' has no samples"):
-        Trainer({"train": empty, "val": loaders()["val"]}, progress=False).fit(net, 2, tmp_path / "fit.pt")
+    with pytest.raises(ValueError, match="'train' loader yielded no batch"):
+        Trainer({"train": DataLoader(data, batch_size=8, drop_last=True), "val": loaders()["val"]},
+                progress=False).fit(net, 2, tmp_path / "fit.pt")
     assert all(torch.equal(value, before[name]) for name, value in net.state_dict().items())
-    assert not (tmp_path / "fit.pt").exists()
+    assert not net.training and not (tmp_path / "fit.pt").exists()
 
 
 def test_evaluate_puts_every_module_back_in_its_mode():

@@ -238,8 +238,10 @@ class Trainer:
             Mean training loss over the epoch.
 
         Raises:
-            ValueError: where the training split has no samples (nothing is changed then).
+            ValueError: where the training loader yields no batch (an empty split, or ``drop_last`` with fewer
+                samples than one batch); nothing is changed then.
         """
+        was_training = model.training
         model.train()
         loss_fn = LOSSES[self.loss]
         total, count = 0.0, 0
@@ -254,7 +256,9 @@ class Trainer:
             total += float(loss.detach()) * len(inputs)
             count += len(inputs)
         if count == 0:
-            raise ValueError("train_epoch: split 'train' has no samples")
+            model.train(was_training)
+            raise ValueError("train_epoch: the 'train' loader yielded no batch (an empty split, or drop_last with "
+                             "fewer samples than one batch)")
         return total / count
 
     @torch.no_grad()

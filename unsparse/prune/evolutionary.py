@@ -612,7 +612,8 @@ class EvolutionaryPruner(Pruner):
 
     def _record(self, entry: dict[str, Any], log_path: Path, checkpoint: Path, optimizer: torch.optim.Optimizer,
                 trainer: Trainer, history: list[dict[str, Any]], elapsed: float, started: float) -> None:
-        """Append ``entry`` to the log, then checkpoint the whole state atomically (log offset included)."""
+        """Append ``entry`` to the log, then checkpoint the whole state atomically (the history, which the log is
+        set to on a resume: :meth:`_load`)."""
         with open(log_path, "a", encoding="utf-8") as log_file:
             log_file.write(log_line(entry))
         generator = trainer.loaders["train"].generator

@@ -12,7 +12,7 @@ from torch import nn
 
 from unsparse.prune.masks import squashed_copy
 from unsparse.sparse.format import SparseFormatError, UniformCSR
-from unsparse.sparse.functional import sparse_conv
+from unsparse.sparse.functional import batched_call, sparse_conv, with_batch
 from unsparse.sparse.geometry import ConvGeometry
 
 log = logging.getLogger(__name__)
@@ -81,21 +81,20 @@ class SparseConv(nn.Module):
     def conv2d_input(self, x: torch.Tensor) -> torch.Tensor:
         """The 4-D input the backends see: ``x`` itself for batched 2-D layers; for 1-D ones ``(N, C, 1, L)``,
         contiguous (a 1-D input has no channels-last layout, so a transposed one is copied). An unbatched input
-        gets a batch of one first."""
-        if self.unbatched(x):
-            x = x.unsqueeze(0)
-        return x.unsqueeze(2).contiguous() if self.geometry.spatial_dims == 1 else x
+        gets a batch of one first (:func:`~unsparse.sparse.functional.with_batch`, which raises ``ValueError`` for
+        another number of dimensions)."""
+        return self._as_4d(with_batch(x, self.geometry.spatial_dims)[0])
 
-    def unbatched(self, x: torch.Tensor) -> bool:
-        """Whether ``x`` is an unbatched input, ``(C, H, W)`` or ``(C, L)``."""
-        return x.dim() == self.geometry.spatial_dims + 1
+    def _as_4d(self, batched: torch.Tensor) -> torch.Tensor:
+        return batched.unsqueeze(2).contiguous() if self.geometry.spatial_dims == 1 else batched
+
+    def _run_batched(self, batched: torch.Tensor) -> torch.Tensor:
+        out = sparse_conv(self._as_4d(batched), self.csr, self.bias, self.geometry, self.backend,
+                          **self.backend_params)
+        return out.squeeze(2) if self.geometry.spatial_dims == 1 else out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = sparse_conv(self.conv2d_input(x), self.csr, self.bias, self.geometry, self.backend,
-                          **self.backend_params)
-        if self.geometry.spatial_dims == 1:
-            out = out.squeeze(2)
-        return out.squeeze(0) if self.unbatched(x) else out
+        return batched_call(x, self.geometry.spatial_dims, self._run_batched)
 
     def extra_repr(self) -> str:
         csr = self.csr
@@ -143,9 +142,9 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
     get_backend(backend)  # an unknown name fails here, not at the first forward
     for name, module in model.named_modules():
         if isinstance(module, nn.Conv1d | nn.Conv2d) and (module._forward_pre_hooks or module._forward_hooks):
-            raise ValueError(f"{name}: a conv with forward hooks (torch.nn.utils.prune or weight_norm keep the weight "
-                             "in one) cannot be sparsified; remove them first (torch.nn.utils.prune.remove(module, "
-                             "'weight'), torch.nn.utils.remove_weight_norm)")
+            raise ValueError(f"{name or type(module).__name__}: a conv with forward hooks (torch.nn.utils.prune or "
+                             "weight_norm keep the weight in one) cannot be sparsified; remove them first "
+                             "(torch.nn.utils.prune.remove(module, 'weight'), torch.nn.utils.remove_weight_norm)")
     sparse_model = squashed_copy(model)
     if isinstance(sparse_model, nn.Conv1d | nn.Conv2d):  # the model is one conv
         return _sparse_or_dense(sparse_model, type(sparse_model).__name__, backend).eval()

@@ -61,14 +61,27 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
     return chosen.run(x, csr, bias, geometry, **params)
 
 
-def _batched_call(x: torch.Tensor, spatial_dims: int, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``run(x)`` for a batched input ``(N, C, *spatial)``; for an unbatched one ``(C, *spatial)`` (which
-    ``nn.Conv1d``/``nn.Conv2d`` and ``F.conv1d``/``F.conv2d`` accept) ``run`` gets ``(1, C, *spatial)`` and the
-    output's batch dimension is removed again. Any other number of dimensions goes to ``run`` unchanged (which
-    refuses it, :func:`sparse_conv`)."""
+def with_batch(x: torch.Tensor, spatial_dims: int) -> tuple[torch.Tensor, bool]:
+    """``x`` as a batched input ``(N, C, *spatial)`` and whether it came unbatched, ``(C, *spatial)`` (which
+    ``nn.Conv1d``/``nn.Conv2d`` and ``F.conv1d``/``F.conv2d`` accept; it gets a batch of one).
+
+    Raises:
+        ValueError: ``x`` has neither ``spatial_dims + 2`` nor ``spatial_dims + 1`` dimensions.
+    """
+    if x.dim() == spatial_dims + 2:
+        return x, False
     if x.dim() == spatial_dims + 1:
-        return run(x.unsqueeze(0)).squeeze(0)
-    return run(x)
+        return x.unsqueeze(0), True
+    spatial = "H, W" if spatial_dims == 2 else "L"
+    raise ValueError(f"x: expected (N, C, {spatial}) or unbatched (C, {spatial}), got shape {tuple(x.shape)}")
+
+
+def batched_call(x: torch.Tensor, spatial_dims: int, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``run`` on ``x`` with a batch dimension (:func:`with_batch`); for an unbatched input the output's batch
+    dimension is removed again and the output is contiguous, as torch returns it."""
+    batched, unbatched = with_batch(x, spatial_dims)
+    out = run(batched)
+    return out.squeeze(0).contiguous() if unbatched else out
 
 
 def sparse_conv2d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = None,
@@ -82,7 +95,7 @@ def sparse_conv2d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = 
     cannot resolve). See :func:`sparse_conv` for backends and errors.
     """
     geometry = ConvGeometry.of(stride, padding, dilation, groups, 2, csr.kernel_size)
-    return _batched_call(x, 2, lambda x: sparse_conv(x, csr, bias, geometry, backend, **params))
+    return batched_call(x, 2, lambda x: sparse_conv(x, csr, bias, geometry, backend, **params))
 
 
 def sparse_conv1d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = None, stride: int = 1,
@@ -92,5 +105,5 @@ def sparse_conv1d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = 
     unbatched -> ``(M, L_out)`` (a 1-D input has no channels-last layout: a transposed one is copied to
     ``(N, C, L)`` first)."""
     geometry = ConvGeometry.of(stride, padding, dilation, groups, 1, csr.kernel_size[1:])
-    return _batched_call(x, 1, lambda x: sparse_conv(x.unsqueeze(2).contiguous(), csr, bias, geometry, backend,
+    return batched_call(x, 1, lambda x: sparse_conv(x.unsqueeze(2).contiguous(), csr, bias, geometry, backend,
                                                     **params).squeeze(2))

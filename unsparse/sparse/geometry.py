@@ -23,15 +23,15 @@ def _pair(value: int | tuple[int, ...] | list[int], name: str) -> tuple[int, int
 
 
 def _resolve_padding(padding: str, kernel_size: tuple[int, ...] | None, stride: int | tuple[int, ...],
-                     dilation: int | tuple[int, ...]) -> tuple[int, ...]:
-    """``'valid'`` / ``'same'`` as per-dimension integers (see :meth:`ConvGeometry.of`)."""
+                     dilation: int | tuple[int, ...]) -> int | tuple[int, ...]:
+    """``'valid'`` as 0, ``'same'`` as per-dimension integers (see :meth:`ConvGeometry.of`)."""
     if padding not in ("valid", "same"):
         raise SparseFormatError(f"padding: {padding!r}, expected 'valid', 'same' or integers")
-    if kernel_size is None:
-        raise SparseFormatError(f"padding: {padding!r} needs the kernel size to be resolved")
-    dims = len(kernel_size)
     if padding == "valid":
-        return (0,) * dims
+        return 0
+    if kernel_size is None:
+        raise SparseFormatError("padding: 'same' needs the kernel size to be resolved")
+    dims = len(kernel_size)
     strides = (stride,) * dims if isinstance(stride, int) else tuple(stride)
     if any(step != 1 for step in strides):
         raise SparseFormatError(f"padding: 'same' with stride {stride}; torch allows it at stride 1 only")

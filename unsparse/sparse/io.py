@@ -97,8 +97,8 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
     try:
         _shell_model(metadata)
     except SparseFileError as error:
-        raise ValueError(f"model: differs from the architecture its unsparse_spec names ({spec}), so the file "
-                         f"could not be read back: {error}") from error
+        raise ValueError(f"model: load_sparse would refuse its file ({error}): it checks the layers and tensors "
+                         f"against the architecture unsparse_spec names ({spec})") from error
     return safetensors_save(tensors, metadata={METADATA_KEY: json.dumps(metadata)})
 
 
