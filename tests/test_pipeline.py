@@ -132,16 +132,34 @@ def test_a_pruner_that_stops_below_its_target_says_so(tmp_path, caplog):
 def test_a_resumed_job_removes_the_temporary_files_of_killed_writes_and_says_so(tmp_path, caplog):
     stale = [tmp_path / ".dense.pt.k1ll3d_0.tmp", tmp_path / "prune" / ".magnitude_finetune.pt.abcdefgh.tmp"]
     stale[1].parent.mkdir()
-    for path in stale:
+    (tmp_path / "notes").mkdir()
+    foreign = [tmp_path / "notes" / ".todo.20241124.tmp", tmp_path / ".index.json.abcdefgh.tmp"]  # not the job's
+    for path in stale + foreign:
         path.write_bytes(b"half a checkpoint")
     with caplog.at_level("WARNING", logger="unsparse.pipeline"):
         run_pipeline(digits(limit_train=200, limit_test=60), create_model("vgg_small", width=4),
                      MagnitudePruner(0.5, fine_tune_epochs=0), lambda model, loader: model, tmp_path,
                      TrainSettings(epochs=0, batch_size=64),
                      TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]), progress=False)
-    assert not any(path.exists() for path in stale) and not list(tmp_path.rglob("*.tmp"))
+    assert not any(path.exists() for path in stale) and all(path.exists() for path in foreign)
     assert ("removed 2 temporary files of writes an earlier process did not finish: .dense.pt.k1ll3d_0.tmp, "
             "prune/.magnitude_finetune.pt.abcdefgh.tmp") in caplog.text
+
+
+def test_a_folder_takes_one_running_job_at_a_time(tmp_path):
+    """A second start of a job in a folder where it is running (e.g. a resume typed while the first one still runs)
+    is refused before it touches anything: it would have written over the running job's checkpoints."""
+    from unsparse.pipeline import JOB_FILE, only_job_in
+
+    with only_job_in(tmp_path):  # the running job
+        with pytest.raises(ValueError, match="another running job holds this folder"):
+            run_pipeline(digits(limit_train=200, limit_test=60), create_model("vgg_small", width=4),
+                         MagnitudePruner(0.5, fine_tune_epochs=0), lambda model, loader: model, tmp_path,
+                         TrainSettings(epochs=0, batch_size=64), TimingSettings(batch_size=2, repeats=1, warmup=0),
+                         progress=False)
+        assert not (tmp_path / JOB_FILE).exists()
+    with only_job_in(tmp_path):  # released with the block
+        pass
 
 
 def test_a_layer_subset_is_judged_on_the_layers_it_prunes(tmp_path):
@@ -306,3 +324,23 @@ def test_git_commit_prefers_the_environment(monkeypatch):
     assert git_commit() == "0123456789abcdef"
     monkeypatch.setenv("UNSPARSE_COMMIT", "")
     assert git_commit() != "0123456789abcdef"
+
+
+def test_the_folder_lock_holds_across_processes_and_ends_with_a_killed_one(tmp_path):
+    import subprocess
+    import sys
+
+    from unsparse.pipeline import only_job_in
+
+    code = ("import sys, time; from pathlib import Path; from unsparse.pipeline import only_job_in\n"
+            "with only_job_in(Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ValueError, match="another running job"), only_job_in(tmp_path):
+            pass
+    finally:
+        holder.kill()  # SIGKILL: no cleanup runs in the holder
+        holder.wait(timeout=30)
+    with only_job_in(tmp_path):
+        pass

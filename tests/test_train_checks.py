@@ -289,9 +289,13 @@ def test_a_write_killed_before_its_rename_leaves_a_temporary_file_that_remove_st
         assert done.returncode == -9
     left = sorted(path.relative_to(tmp_path) for path in tmp_path.rglob("*") if path.is_file())
     assert len(left) == 2 and all(path.name.endswith(".tmp") for path in left)
+    (tmp_path / "notes").mkdir()
     keep = [tmp_path / "notes.tmp", tmp_path / ".notes.tmp", tmp_path / "prune" / ".log.abc.tmp",
-            tmp_path / "dense.pt"]
+            tmp_path / "dense.pt", tmp_path / ".todo.20241124.tmp", tmp_path / "notes" / ".dense.pt.abcdefgh.tmp",
+            tmp_path / "prune" / ".prune_log.jsonl.abcdefgh.tmp"]  # not targets, or in another folder
     for path in keep:
         path.write_text("kept")
-    assert [path.relative_to(tmp_path) for path in remove_stale_temporaries(tmp_path)] == left
-    assert sorted(path for path in tmp_path.rglob("*") if path.is_file()) == sorted(keep)
+    (tmp_path / ".dense.pt.linkedto.tmp").symlink_to(keep[0])
+    removed = remove_stale_temporaries(tmp_path, ["dense.pt", "prune/*.pt"])
+    assert [path.relative_to(tmp_path) for path in removed] == left
+    assert sorted(path for path in tmp_path.rglob("*") if path.is_file() and not path.is_symlink()) == sorted(keep)

@@ -9,8 +9,9 @@ import json
 import os
 import re
 import tempfile
-from collections.abc import Callable
-from pathlib import Path
+from collections.abc import Callable, Iterable
+from fnmatch import fnmatch
+from pathlib import Path, PurePath
 from typing import Any, BinaryIO
 
 _PREFIX_BYTES = 200
@@ -51,24 +52,30 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
     return path
 
 
-_TEMPORARY_NAME = re.compile(r"\..+\.[a-z0-9_]{8}\.tmp")
+_TEMPORARY_NAME = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.tmp")
 """Names :func:`atomic_write` gives its temporary files: ``.<target name>.<mkstemp's 8 characters>.tmp``."""
 
 
-def remove_stale_temporaries(folder: str | Path) -> list[Path]:
-    """Delete the temporary files :func:`atomic_write` left in ``folder`` and its subfolders when its process was
-    killed between creating one and renaming it (SIGKILL, power loss; an exception removes its own). Call it only
-    where no other process is writing into ``folder`` (e.g. a job's own output folder, once claimed): another
-    writer's temporary file would be deleted under it.
+def remove_stale_temporaries(folder: str | Path, targets: Iterable[str]) -> list[Path]:
+    """Delete the temporary files :func:`atomic_write` left for the files ``targets`` names (glob patterns relative
+    to ``folder``, e.g. ``"prune/*.pt"``) when its process was killed between creating one and renaming it (SIGKILL,
+    power loss; an exception removes its own). Other files are left, also ones named like temporary files of other
+    targets, and links. Call it only while no other process writes those targets (e.g. under a job's folder lock):
+    another writer's temporary file would be deleted under it.
 
     Returns:
         The files removed, sorted.
     """
-    removed = sorted(path for path in Path(folder).rglob(".*.tmp")
-                     if path.is_file() and not path.is_symlink() and _TEMPORARY_NAME.fullmatch(path.name))
+    removed = set()
+    for pattern in targets:
+        name = PurePath(pattern).name
+        for path in (Path(folder) / pattern).parent.glob(f".{name}.*.tmp"):
+            match = _TEMPORARY_NAME.fullmatch(path.name)
+            if match and fnmatch(match.group(1), name) and path.is_file() and not path.is_symlink():
+                removed.add(path)
     for path in removed:
         path.unlink(missing_ok=True)
-    return removed
+    return sorted(removed)
 
 
 def _name_prefix(name: str) -> str:

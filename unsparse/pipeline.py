@@ -6,12 +6,14 @@ pipeline runs (and is tested) without Hydra.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import math
 import os
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,7 @@ from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model, plann
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.runtime.plan import active_plan
 from unsparse.sparse.io import load_sparse, save_sparse
-from unsparse.task import check_model_fits, task_of, trivial_score
+from unsparse.task import Task, check_model_fits, task_of, trivial_score
 from unsparse.train import Trainer, check_resumable, deterministic_algorithms, tensor_digest
 
 log = logging.getLogger(__name__)
@@ -102,6 +104,31 @@ checkpoints, and from then on it is compared (:func:`claim_output_folder`)."""
 
 CHECKPOINTS = ("dense.pt", "prune")
 """What :func:`run_pipeline` checkpoints in an output folder (the dense training, the pruner's folder)."""
+
+WRITTEN_ATOMICALLY = (JOB_FILE, "dense.pt", "prune/*.pt", "prune/*.jsonl", "model.safetensors", "report.json",
+                      "report.md", ".hydra/*.yaml")
+"""The files (glob patterns) a job writes into its output folder with :func:`~unsparse.atomic.atomic_write`."""
+
+LOCK_FILE = ".lock"
+"""The file a running job holds locked in its output folder (:func:`only_job_in`)."""
+
+
+@contextmanager
+def only_job_in(outdir: Path) -> Iterator[None]:
+    """Hold ``outdir/.lock`` locked (``fcntl.flock``, exclusive) inside the ``with`` block: a second job started in
+    the same folder is refused instead of writing over the first one's checkpoints. The lock ends with the block or
+    with the process, however that ends (Ctrl-C, SIGKILL).
+
+    Raises:
+        ValueError: another process holds the lock.
+    """
+    with open(outdir / LOCK_FILE, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{outdir}: another running job holds this folder ({LOCK_FILE}); wait for it to end, "
+                             "or run in another folder") from None
+        yield
 
 
 def split_digest(split: tuple[torch.Tensor, torch.Tensor]) -> str:
@@ -294,8 +321,9 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     Checkpoints (``dense.pt``, ``prune/``) live in ``outdir`` too: running again with the same ``outdir``
     resumes after an interruption (Ctrl-C loses at most the current epoch). ``outdir/job.json`` records the job
     (:func:`job_identity`), and a run of another job in the same folder is refused before it reads a checkpoint.
-    Once the folder accepts the job, temporary files that a killed process left mid-write are removed, logged
-    (:func:`~unsparse.atomic.remove_stale_temporaries`): one folder takes one running job at a time.
+    One folder takes one running job at a time (:func:`only_job_in`); once it accepts the job, temporary files of
+    the job's files that a killed process left mid-write are removed, logged
+    (:func:`~unsparse.atomic.remove_stale_temporaries`).
 
     Args:
         splits: data (train/val/test tensors).
@@ -315,7 +343,8 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         The report dict (also written as ``report.json``).
 
     Raises:
-        ValueError: ``outdir`` holds the checkpoints of another job (:func:`claim_output_folder`), or ``backend`` is
+        ValueError: ``outdir`` holds the checkpoints of another job (:func:`claim_output_folder`) or another running
+            job (:func:`only_job_in`), or ``backend`` is
             neither ``"auto"`` nor a registered backend (checked before any training).
     """
     if backend != "auto" and backend not in backend_names():
@@ -326,8 +355,18 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         log.warning("train.epochs = 0: the dense model is not trained (its %s is chance level)", task.label)
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
+    with only_job_in(outdir):
+        return _run_in_folder(splits, task, model, pruner, quantizer, outdir, train, timing, backend, device,
+                              progress, seed, record)
+
+
+def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner, quantizer: Callable[..., nn.Module],
+                   outdir: Path, train: TrainSettings, timing: TimingSettings, backend: str,
+                   device: torch.device | None, progress: bool, seed: int,
+                   record: Mapping[str, str] | None) -> dict[str, Any]:
+    """:func:`run_pipeline` once its settings are checked, in the folder it holds locked."""
     claim_output_folder(outdir, job_identity(splits, model, pruner, train, seed))
-    stale = remove_stale_temporaries(outdir)
+    stale = remove_stale_temporaries(outdir, WRITTEN_ATOMICALLY)
     if stale:
         log.warning("removed %d temporary files of writes an earlier process did not finish: %s", len(stale),
                     ", ".join(str(path.relative_to(outdir)) for path in stale))
