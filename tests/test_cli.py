@@ -105,3 +105,21 @@ def test_every_bench_option_is_a_run_bench_argument():
     settings.pop("hydra", None)
     settings.pop("quick")
     assert set(settings) <= set(inspect.signature(run_bench).parameters)
+
+
+@pytest.mark.parametrize("folder", ["outputs/2026-11-24/20-00-00", "multirun/prune.target=0.9,train.epochs=5",
+                                    "runs/it's [1]", "a b\\c\\", "é/${x}"])
+def test_the_printed_resume_command_reads_back_as_the_same_overrides(folder):
+    """The interrupted job prints it to be pasted: a folder named by Hydra's override_dirname (``=``, ``,``) made
+    Hydra's parser refuse the command, and spaces split it in the shell."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from unsparse.cli import resume_command
+
+    overrides = ["prune=gradual", "prune.target=0.8", "data=digits"]
+    words = shlex.split(resume_command(overrides, Path(folder)))
+    assert words[0] == "unsparse" and words[1:-1] == overrides
+    parsed = OverridesParser.create().parse_overrides(words[1:])
+    assert parsed[-1].key_or_group == "hydra.run.dir" and parsed[-1].value() == folder

@@ -8,6 +8,7 @@ with ``hydra.utils.instantiate`` from their ``_target_``.
 from __future__ import annotations
 
 import logging
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -43,6 +44,14 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
             "backend": cfg.runtime.backend, "device": device, "progress": cfg.progress, "seed": cfg.seed}
 
 
+def resume_command(task_overrides: list[str], outdir: Path) -> str:
+    """The shell command that resumes a job in ``outdir``: ``unsparse``, the job's overrides as Hydra recorded them,
+    and ``hydra.run.dir`` as a single-quoted Hydra value (quotes escaped, and backslashes before a quote or at the
+    end doubled, as Hydra's override grammar reads them), each shell-quoted."""
+    folder = re.sub(r"(\\*)('|$)", lambda match: match.group(1) * 2 + ("\\'" if match.group(2) else ""), str(outdir))
+    return " ".join(["unsparse", *map(shlex.quote, [*task_overrides, f"hydra.run.dir='{folder}'"])])
+
+
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
 def run(cfg: DictConfig) -> None:
     """The main job on the composed config; outputs go to Hydra's output directory. The composed config and the
@@ -57,8 +66,8 @@ def run(cfg: DictConfig) -> None:
     try:
         report = run_pipeline(outdir=outdir, record=record, **build_job(cfg))
     except KeyboardInterrupt:
-        overrides = " ".join(map(shlex.quote, [*task_overrides, f"hydra.run.dir={outdir}"]))
-        log.error("interrupted; to resume from the checkpoints in %s run: unsparse %s", outdir, overrides)
+        log.error("interrupted; to resume from the checkpoints in %s run: %s", outdir,
+                  resume_command(task_overrides, outdir))
         raise SystemExit(130) from None
     accuracy = report["accuracy"]
     log.info("weighted sparsity %.2f%% | %s dense %.4g, pruned %.4g, sparse run %.4g | report: %s",
