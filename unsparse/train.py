@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -192,6 +193,12 @@ def _check_model_state(path: str | Path, saved: Any, model: nn.Module) -> None:
                          "another folder")
 
 
+def fit_seconds(history: list[dict[str, float]]) -> float:
+    """Seconds the epochs of a :meth:`Trainer.fit` history took, summed over every process that ran them (its last
+    entry's ``elapsed_s``; 0 for no epoch, or a checkpoint written before fit recorded it)."""
+    return history[-1].get("elapsed_s", 0.0) if history else 0.0
+
+
 @dataclass
 class Trainer:
     """SGD training on one data set.
@@ -315,7 +322,9 @@ class Trainer:
         it holds no more than ``epochs`` epochs).
 
         Returns:
-            One ``{"epoch", "train_loss", <val metrics>}`` dict per epoch (resumed epochs included).
+            One ``{"epoch", "train_loss", <val metrics>, "elapsed_s"}`` dict per epoch (resumed epochs included);
+            ``elapsed_s`` is the seconds of training and evaluation up to that epoch's end, summed over every process
+            that ran the epochs (:func:`fit_seconds`).
 
         Raises:
             ValueError: naming the checkpoint: one written with another ``identity`` or other settings, holding
@@ -352,9 +361,12 @@ class Trainer:
             log.info("resumed %s from %s after epoch %d", desc, checkpoint, len(history))
         for epoch in tqdm(range(len(history), epochs), desc=desc, initial=len(history), total=epochs,
                           disable=not self.progress):
+            epoch_started = time.perf_counter()
             train_loss = self.train_epoch(model, optimizer, after_step, desc=f"{desc} epoch {epoch + 1}")
             schedule.step()
-            history.append({"epoch": epoch + 1, "train_loss": train_loss, **self.evaluate(model, "val")})
+            metrics = self.evaluate(model, "val")
+            history.append({"epoch": epoch + 1, "train_loss": train_loss, **metrics,
+                            "elapsed_s": fit_seconds(history) + time.perf_counter() - epoch_started})
             log.info("%s epoch %d: %s", desc, epoch + 1, history[-1])
             if checkpoint is not None:
                 save_checkpoint(checkpoint, {

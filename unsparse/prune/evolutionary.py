@@ -82,6 +82,7 @@ from unsparse.prune.masks import dense_weight, lowest_mask, pack_mask, prunable_
 from unsparse.train import (
     Trainer,
     check_resumable,
+    fit_seconds,
     load_checkpoint,
     random_states,
     restore_random_states,
@@ -485,13 +486,12 @@ class EvolutionaryPruner(Pruner):
                             score=f"{history[-1]['val_score']:.4g}")
         bar.close()
         elapsed += time.perf_counter() - started
-        started = time.perf_counter()
         tuned = trainer.fit(model, self.fine_tune_epochs, workdir / FINE_TUNE_CHECKPOINT, lr=self.fine_tune_lr,
                             desc=f"{self.name} fine-tune", identity=self.identity())
         sparsity = self.mask_weighted_sparsity()
         history += [{"phase": "fine_tune", "iteration": self.iteration + entry["epoch"],
                      "weighted_sparsity": sparsity, **val_metrics(entry)} for entry in tuned]
-        return self.result(history, elapsed + time.perf_counter() - started)
+        return self.result(history, elapsed + fit_seconds(tuned))
 
     def _continues(self) -> bool:
         eligible = any(zeros < math.floor(self.max_layer_sparsity * size)

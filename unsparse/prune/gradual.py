@@ -18,7 +18,7 @@ from torch import nn
 from unsparse.prune.base import PruneResult
 from unsparse.prune.evolutionary import val_metrics
 from unsparse.prune.magnitude import MagnitudePruner
-from unsparse.train import Trainer, check_resumable, load_checkpoint
+from unsparse.train import Trainer, check_resumable, fit_seconds, load_checkpoint
 
 CHECKPOINT = "gradual.pt"
 UNITS = ("epoch", "step")
@@ -117,6 +117,7 @@ class GradualMagnitudePruner(MagnitudePruner):
             if counter in points:
                 self.step(self.sparsity_at(counter / scale))
 
+        setup_s = time.perf_counter() - started
         tuned = trainer.fit(model, self.epochs(steps_per_epoch), checkpoint, lr=self.lr, desc=self.name,
                             after_step=after_step, identity=self.identity())
         def reached(epoch: int) -> float:
@@ -127,4 +128,4 @@ class GradualMagnitudePruner(MagnitudePruner):
 
         history = [{"phase": "prune", "iteration": entry["epoch"], "weighted_sparsity": reached(entry["epoch"]),
                     **val_metrics(entry)} for entry in tuned]
-        return self.result(history, time.perf_counter() - started)
+        return self.result(history, setup_s + fit_seconds(tuned))

@@ -17,7 +17,7 @@ from torch import nn
 
 from unsparse.prune.base import Pruner, PruneResult
 from unsparse.prune.masks import prunable_layers, threshold_mask
-from unsparse.train import Trainer
+from unsparse.train import Trainer, fit_seconds
 
 
 class MagnitudePruner(Pruner):
@@ -96,6 +96,7 @@ class MagnitudePruner(Pruner):
         started = time.perf_counter()
         self.prepare(model)
         self.step()
+        pruning_s = time.perf_counter() - started
         history = trainer.fit(model, self.fine_tune_epochs, Path(workdir) / f"{self.name}_finetune.pt", lr=self.lr,
                               desc=f"{self.name} fine-tune", identity=self.identity())
-        return self.result(history, time.perf_counter() - started)
+        return self.result(history, pruning_s + fit_seconds(history))
