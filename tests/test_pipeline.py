@@ -250,6 +250,10 @@ def test_devices_and_backends_are_checked_before_any_work(tmp_path):
         resolve_device("cuda:7" if torch.cuda.device_count() < 8 else "cuda:99")
     with pytest.raises(ValueError, match=r"runtime\.backend: unknown 'foo'"):
         run_pipeline(None, None, None, None, tmp_path, TrainSettings(), TimingSettings(), backend="foo")
+    for backend in ("direct", "direct_half2", "cudnn"):  # they ran every layer dense, and the report named them
+        with pytest.raises(ValueError, match=rf"runtime\.backend: '{backend}' runs on \['cuda'\], the job on cpu"):
+            run_pipeline(None, None, None, None, tmp_path, TrainSettings(), TimingSettings(), backend=backend,
+                         device=torch.device("cpu"))
     assert not any(tmp_path.iterdir())  # refused before the folder was claimed
 
 
@@ -344,3 +348,36 @@ def test_the_folder_lock_holds_across_processes_and_ends_with_a_killed_one(tmp_p
         holder.wait(timeout=30)
     with only_job_in(tmp_path):
         pass
+
+
+def test_layers_a_named_backend_declines_are_reported_on_their_dense_fallback():
+    """A layer the named backend cannot run (here a grouped one on a sparse backend) runs dense; the report said the
+    whole test set ran on the named backend."""
+    from torch import nn
+
+    from unsparse.pipeline import layer_backends
+    from unsparse.report.document import plan_check_text
+    from unsparse.runtime import sparsify
+
+    model = sparsify(nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=2)))
+    backends = layer_backends(model, "im2col_cusparse", torch.randn(2, 4, 9, 9))
+    assert backends == {"0": "im2col_cusparse",
+                        "2": "dense_cpu (dense fallback: groups=2 is not supported by sparse backends)"}
+    text = plan_check_text({"timing": "eager", "planned_ms": 1.0, "default_ms": 1.0, "margin": 0.03, "images": 2,
+                            "reverted": [], "model_runs_on": "im2col_cusparse", "layer_backends": backends})
+    assert ("The test set ran on `im2col_cusparse`, not on the plan (**1 of 2 layers ran dense instead**: `2` on "
+            "dense_cpu (dense fallback: groups=2 is not supported by sparse backends))") in text
+
+
+def test_report_md_lists_the_backends_that_were_not_timed(tmp_path):
+    """A backend named for timing that cannot run here was listed only in report.json's not_timed."""
+    run_pipeline(digits(limit_train=200, limit_test=60), create_model("vgg_small", width=4),
+                 MagnitudePruner(0.5, fine_tune_epochs=0), lambda model, loader: model, tmp_path,
+                 TrainSettings(epochs=0, batch_size=64),
+                 TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["direct_half2", "dense_cpu"]),
+                 progress=False)
+    report = json.loads((tmp_path / "report.json").read_text())
+    layers = list(dict.fromkeys(entry["layer"] for entry in report["not_timed"]))
+    assert layers and {entry["backend"] for entry in report["not_timed"]} == {"direct_half2"}
+    assert ("Not timed: `direct_half2` on " + ", ".join(f"`{layer}`" for layer in layers)
+            + " (unsupported: direct_half2 runs on ['cuda'], input is on cpu).") in (tmp_path / "report.md").read_text()

@@ -44,3 +44,17 @@ def test_plan_check_text_says_whether_the_plan_is_slower_and_what_was_set_back()
                                           "margin": 0.03, "images": 8, "model_runs_on": "auto"})
     assert "SLOWER" in default_everywhere and "already runs its dense default, so nothing was set back" in \
         default_everywhere
+
+
+def test_stages_no_better_than_a_model_that_learned_nothing_are_named_per_task() -> None:
+    """A smoke run on digits reported pruned 10 and sparse_run 10 next to a trivial score of 10 without a word, and
+    the sentence named both tasks' trivial models at once."""
+    from unsparse.report.document import _trivial_text
+
+    text = _trivial_text({"metric": "top1", "metric_trivial": 10.0}, {"dense": 90.0, "pruned": 10.0, "sparse_run": 9.5})
+    assert text == ("A model that learned nothing scores 10 here (always the most frequent training label). "
+                    "**No better than that: `pruned`, `sparse_run`.**")
+    text = _trivial_text({"metric": "mse", "metric_trivial": 1.19}, {"dense": 0.03, "pruned": 1.2})
+    assert text.startswith("A model that learned nothing scores 1.19 here (each window predicted by its own mean).")
+    assert text.endswith("**No better than that: `pruned`.**")
+    assert "No better" not in _trivial_text({"metric": "mse", "metric_trivial": 1.19}, {"dense": 0.03})

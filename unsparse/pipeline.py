@@ -29,7 +29,7 @@ from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
 from unsparse.runtime.baseline import NAME as BASELINE
 from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model, planned_backends, time_against_default
-from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
+from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, sparsify
 from unsparse.runtime.plan import active_plan
 from unsparse.sparse.io import load_sparse, save_sparse
 from unsparse.task import Task, check_model_fits, task_of, trivial_score
@@ -220,14 +220,35 @@ def git_tree_modified() -> bool | None:
     return bool(status.strip())
 
 
-def layer_backends(model: nn.Module, backend: str) -> dict[str, str]:
-    """The backend each SparseConv of ``model`` runs on: ``backend``, or for ``"auto"`` the active plan's entry for
-    the layer's planning key (:func:`~unsparse.runtime.comparator.planned_backends`; ``"dense default (not
-    planned)"`` where the plan has none)."""
-    if backend != "auto":
-        return dict.fromkeys(sparse_layers(model), backend)
-    planned = planned_backends(model, active_plan())
-    return {name: planned.get(name, "dense default (not planned)") for name in sparse_layers(model)}
+def layer_backends(model: nn.Module, backend: str, example: torch.Tensor) -> dict[str, str]:
+    """The backend each SparseConv of ``model`` runs on for ``example``: ``backend``, or where that backend declines
+    the layer (a dtype or geometry it lacks) the dense default it falls back to, with the reason
+    (:func:`~unsparse.sparse.functional.sparse_conv`); for ``"auto"`` the active plan's entry for the layer's planning
+    key (:func:`~unsparse.runtime.comparator.planned_backends`; ``"dense default (not planned)"`` where the plan has
+    none). Runs one forward of ``example`` for a named backend, without autograd."""
+    from unsparse.runtime.backends import get_backend
+    from unsparse.sparse.functional import dense_fallback_backend
+
+    if backend == "auto":
+        planned = planned_backends(model, active_plan())
+        return {name: planned.get(name, "dense default (not planned)") for name in sparse_layers(model)}
+    chosen, names = get_backend(backend), {layer: name for name, layer in sparse_layers(model).items()}
+    backends = dict.fromkeys(names.values(), backend)
+
+    def record(layer: SparseConv, args: tuple[torch.Tensor, ...]) -> None:
+        x = layer.conv2d_input(args[0])
+        reason = chosen.unsupported_reason(x, layer.csr, layer.geometry)
+        if reason is not None:
+            backends[names[layer]] = f"{dense_fallback_backend(x.device)} (dense fallback: {reason})"
+
+    handles = [layer.register_forward_pre_hook(record) for layer in names]
+    try:
+        with torch.no_grad():
+            model(example)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return backends
 
 
 def time_model_on(model: nn.Module, example: torch.Tensor, backend: str, timing_mode: str,
@@ -344,11 +365,17 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
 
     Raises:
         ValueError: ``outdir`` holds the checkpoints of another job (:func:`claim_output_folder`) or another running
-            job (:func:`only_job_in`), or ``backend`` is
-            neither ``"auto"`` nor a registered backend (checked before any training).
+            job (:func:`only_job_in`), or ``backend`` is neither ``"auto"`` nor a registered backend that runs on
+            ``device`` (checked before any training: a CUDA backend on the CPU would run every layer dense).
     """
+    from unsparse.runtime.backends import get_backend
+
     if backend != "auto" and backend not in backend_names():
         raise ValueError(f"runtime.backend: unknown {backend!r}; known: {', '.join(backend_names())}")
+    device_type = (device or torch.device("cpu")).type
+    if device_type not in get_backend(backend).device_types:
+        raise ValueError(f"runtime.backend: {backend!r} runs on {sorted(get_backend(backend).device_types)}, the job "
+                         f"on {device_type}; choose a backend of that device, or auto")
     task = task_of(splits)
     check_model_fits(model, splits)
     if train.epochs == 0:
@@ -405,7 +432,7 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
     rows = layer_rows(loaded, path)
     example = splits.test[0][: train.eval_batch_size if backend == "auto" else timing.batch_size].to(device)
     timings, check = compare_layers(loaded, example, timing)
-    runs_on = {"model_runs_on": backend, "layer_backends": layer_backends(loaded, backend)}
+    runs_on = {"model_runs_on": backend, "layer_backends": layer_backends(loaded, backend, example)}
     if backend != "auto":
         runs_on.update(time_model_on(loaded, example, backend, check.timing, timing))
     accuracy["sparse_run"] = trainer.evaluate(loaded, "test", f"test sparse ({backend})")[task.metric]

@@ -87,7 +87,11 @@ def plan_check_text(check: dict[str, Any]) -> str:
         text += (" Every layer of the plan already runs its dense default, so nothing was set back: the gap is the "
                  "plan's per-layer dispatch (host time) or noise.")
     if check["model_runs_on"] != "auto":
-        text += f" The test set ran on `{check['model_runs_on']}`, not on the plan"
+        declined = {layer: backend for layer, backend in check.get("layer_backends", {}).items()
+                    if backend != check["model_runs_on"]}
+        text += f" The test set ran on `{check['model_runs_on']}`, not on the plan" + (
+            f" (**{len(declined)} of {len(check['layer_backends'])} layers ran dense instead**: "
+            + "; ".join(f"`{layer}` on {backend}" for layer, backend in declined.items()) + ")" if declined else "")
         if check.get("model_runs_on_ms") is not None:
             runs_on, runs_on_default = check["model_runs_on_ms"], check["model_runs_on_default_ms"]
             how_runs_on = "as CUDA-graph replays" if check["model_runs_on_timing"] == "graph" else "eagerly"
@@ -98,6 +102,18 @@ def plan_check_text(check: dict[str, Any]) -> str:
     elif check.get("layer_backends"):
         text += " The test set ran on the plan: " + ", ".join(
             f"`{layer}` on {backend}" for layer, backend in check["layer_backends"].items()) + "."
+    return text
+
+
+def _trivial_text(run: dict[str, Any], accuracy: dict[str, float]) -> str:
+    """What a model that learned nothing scores (``run["metric_trivial"]``), and the stages that do no better."""
+    top1 = run["metric"] == "top1"
+    trivial = run["metric_trivial"]
+    text = (f"A model that learned nothing scores {trivial:.4g} here ("
+            + ("always the most frequent training label" if top1 else "each window predicted by its own mean") + ").")
+    no_better = [stage for stage, value in accuracy.items() if (value <= trivial if top1 else value >= trivial)]
+    if no_better:
+        text += f" **No better than that: {', '.join(f'`{stage}`' for stage in no_better)}.**"
     return text
 
 
@@ -140,8 +156,7 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
         "quantization), `sparse_run` the exported file reloaded (quantized, if a scheme was chosen) and run on the "
         "backend named under Whole model.",
         markdown_table(["stage", run["metric_label"]], [[key, value] for key, value in accuracy.items()]),
-        f"A model that learned nothing scores {run['metric_trivial']:.4g} here (the most frequent training label, or "
-        "each window's own mean).",
+        _trivial_text(run, accuracy),
         "## Pruning",
         f"Method **{pruning['method']}**, weighted sparsity **{100 * pruning['weighted_sparsity']:.2f}%** "
         f"(paper 004 eq. 7-8, over conv and linear layers){_masked_sparsity(pruning)}, wall time "
@@ -176,10 +191,19 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
         markdown_table(["layer", "input shape", "backend", "params", "median ms", "rel. error vs reference"],
                        [[t["layer"], "x".join(map(str, t["input_shape"])), t["backend"], t.get("params") or "",
                          t["time_ms"], t["rel_error"]] for t in report["timings"]]),
+        "Per layer against the baseline: the fastest backend measured, the fastest sparse one and its speedup (the "
+        "baseline's time over its time).",
         markdown_table(["layer", "baseline ms", "fastest", "best sparse", "sparse speedup", "verdict"],
                        [[v["layer"], v["baseline_ms"], v["fastest"], v["best_sparse"], v["sparse_speedup"],
                          v["verdict"]] for v in report["timing_verdicts"]]),
     ]
+    if report.get("not_timed"):
+        layers: dict[tuple[str, str, str], list[str]] = {}
+        for entry in report["not_timed"]:
+            layers.setdefault((entry["backend"], entry["status"], entry.get("reason") or ""), []).append(entry["layer"])
+        sections.append("Not timed: " + "; ".join(
+            f"`{backend}` on {', '.join(f'`{layer}`' for layer in names)} ({status}{': ' * bool(reason)}{reason})"
+            for (backend, status, reason), names in layers.items()) + ".")
     if report.get("plan_check"):
         sections += ["## Whole model", plan_check_text(report["plan_check"])]
     sections += [f"## {title}\n\n![{title}]({path.relative_to(outdir)})" for title, path in figures.items()]
