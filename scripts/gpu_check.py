@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="*")
     parser.add_argument("--sparsities", nargs="*", type=float)
     parser.add_argument("--batches", nargs="*", type=int)
-    parser.add_argument("--precisions", nargs="*")
+    parser.add_argument("--precisions", nargs="*", help="of unsparse.runtime.precision.PRECISIONS: fp32, tf32, fp16, "
+                        "fp16_half2 (the half2-product kernel, direct_half2, against cuDNN FP16)")
     parser.add_argument("--end-to-end", nargs="*")
     parser.add_argument("--end-to-end-sparsity", type=float,
                         help="sparsity of the models timed whole (default: run_bench's, 0.9)")

@@ -119,7 +119,7 @@ def test_the_printed_resume_command_reads_back_as_the_same_overrides(folder):
     from unsparse.cli import resume_command
 
     overrides = ["prune=gradual", "prune.target=0.8", "data=digits"]
-    words = shlex.split(resume_command(overrides, Path(folder)))
-    assert words[0] == "unsparse" and words[1:-1] == overrides
+    words = shlex.split(resume_command(overrides, Path(folder), "my venv/bin/unsparse"))
+    assert words[0] == "my venv/bin/unsparse" and words[1:-1] == overrides
     parsed = OverridesParser.create().parse_overrides(words[1:])
     assert parsed[-1].key_or_group == "hydra.run.dir" and parsed[-1].value() == folder

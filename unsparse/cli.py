@@ -44,12 +44,13 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
             "backend": cfg.runtime.backend, "device": device, "progress": cfg.progress, "seed": cfg.seed}
 
 
-def resume_command(task_overrides: list[str], outdir: Path) -> str:
-    """The shell command that resumes a job in ``outdir``: ``unsparse``, the job's overrides as Hydra recorded them,
-    and ``hydra.run.dir`` as a single-quoted Hydra value (quotes escaped, and backslashes before a quote or at the
-    end doubled, as Hydra's override grammar reads them), each shell-quoted."""
+def resume_command(task_overrides: list[str], outdir: Path, program: str = "unsparse") -> str:
+    """The shell command that resumes a job in ``outdir``: ``program`` (the command that started it where that was
+    the ``unsparse`` script, e.g. ``.venv/bin/unsparse``, which may not be on the PATH), the job's overrides as
+    Hydra recorded them, and ``hydra.run.dir`` as a single-quoted Hydra value (quotes escaped, and backslashes before
+    a quote or at the end doubled, as Hydra's override grammar reads them), each shell-quoted."""
     folder = re.sub(r"(\\*)('|$)", lambda match: match.group(1) * 2 + ("\\'" if match.group(2) else ""), str(outdir))
-    return " ".join(["unsparse", *map(shlex.quote, [*task_overrides, f"hydra.run.dir='{folder}'"])])
+    return " ".join(map(shlex.quote, [program, *task_overrides, f"hydra.run.dir='{folder}'"]))
 
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
@@ -66,8 +67,9 @@ def run(cfg: DictConfig) -> None:
     try:
         report = run_pipeline(outdir=outdir, record=record, **build_job(cfg))
     except KeyboardInterrupt:
+        program = sys.argv[0] if Path(sys.argv[0]).name == "unsparse" else "unsparse"
         log.error("interrupted; to resume from the checkpoints in %s run: %s", outdir,
-                  resume_command(task_overrides, outdir))
+                  resume_command(task_overrides, outdir, program))
         raise SystemExit(130) from None
     accuracy = report["accuracy"]
     log.info("weighted sparsity %.2f%% | %s dense %.4g, pruned %.4g, sparse run %.4g | report: %s",
