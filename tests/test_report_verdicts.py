@@ -58,3 +58,17 @@ def test_stages_no_better_than_a_model_that_learned_nothing_are_named_per_task()
     assert text.startswith("A model that learned nothing scores 1.19 here (each window predicted by its own mean).")
     assert text.endswith("**No better than that: `pruned`.**")
     assert "No better" not in _trivial_text({"metric": "mse", "metric_trivial": 1.19}, {"dense": 0.03})
+    assert _trivial_text({"metric": "mse", "metric_trivial": 1.19}, {"dense": float("nan")}).endswith(
+        "**No better than that: `dense`.**")  # a diverged stage
+
+
+def test_not_timed_names_backends_that_could_not_run_not_settings_the_screening_left_out() -> None:
+    """The comparator times a backend's best three settings; the others stay "ok" without a time, and the line
+    named every layer of a timed backend (once per dropped setting)."""
+    from unsparse.report.document import not_timed_text
+
+    rows = [{"layer": layer, "backend": "direct", "status": "ok", "reason": None} for layer in ("0", "0", "1")]
+    rows += [{"layer": layer, "backend": "direct_half2", "status": "unsupported", "reason": "float16 only"}
+             for layer in ("0", "0", "1")]
+    assert not_timed_text(rows) == "Not timed: `direct_half2` on `0`, `1` (unsupported: float16 only)."
+    assert not_timed_text(rows[:3]) == ""

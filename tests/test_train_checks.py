@@ -299,3 +299,22 @@ def test_a_write_killed_before_its_rename_leaves_a_temporary_file_that_remove_st
     removed = remove_stale_temporaries(tmp_path, ["dense.pt", "prune/*.pt"])
     assert [path.relative_to(tmp_path) for path in removed] == left
     assert sorted(path for path in tmp_path.rglob("*") if path.is_file() and not path.is_symlink()) == sorted(keep)
+
+
+def test_fit_seconds_count_the_checkpoint_writes(tmp_path, monkeypatch):
+    """Pruning wall time comes from fit's elapsed_s; it counted training and evaluation only, so slow checkpoint
+    writes (fsync of a large model) went missing from it."""
+    import time
+
+    import unsparse.train as train_module
+    from unsparse.train import fit_seconds
+
+    original = train_module.save_checkpoint
+
+    def slow(path, state):
+        time.sleep(0.2)
+        original(path, state)
+
+    monkeypatch.setattr(train_module, "save_checkpoint", slow)
+    history = trainer().fit(model(), 3, tmp_path / "fit.pt")
+    assert fit_seconds(history) >= 2 * 0.2  # the writes after epochs 1 and 2; the last one follows its entry

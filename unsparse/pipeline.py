@@ -122,13 +122,16 @@ def only_job_in(outdir: Path) -> Iterator[None]:
     Raises:
         ValueError: another process holds the lock.
     """
-    with open(outdir / LOCK_FILE, "a") as lock:
+    lock = os.open(outdir / LOCK_FILE, os.O_RDONLY | os.O_CREAT, 0o666)  # flock needs no write access
+    try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ValueError(f"{outdir}: another running job holds this folder ({LOCK_FILE}); wait for it to end, "
                              "or run in another folder") from None
         yield
+    finally:
+        os.close(lock)
 
 
 def split_digest(split: tuple[torch.Tensor, torch.Tensor]) -> str:
@@ -225,7 +228,8 @@ def layer_backends(model: nn.Module, backend: str, example: torch.Tensor) -> dic
     the layer (a dtype or geometry it lacks) the dense default it falls back to, with the reason
     (:func:`~unsparse.sparse.functional.sparse_conv`); for ``"auto"`` the active plan's entry for the layer's planning
     key (:func:`~unsparse.runtime.comparator.planned_backends`; ``"dense default (not planned)"`` where the plan has
-    none). Runs one forward of ``example`` for a named backend, without autograd."""
+    none). Runs one forward of ``example`` for a named backend, without autograd (in train mode that forward would
+    update BatchNorm statistics: pass a model in eval mode)."""
     from unsparse.runtime.backends import get_backend
     from unsparse.sparse.functional import dense_fallback_backend
 

@@ -194,8 +194,9 @@ def _check_model_state(path: str | Path, saved: Any, model: nn.Module) -> None:
 
 
 def fit_seconds(history: list[dict[str, float]]) -> float:
-    """Seconds the epochs of a :meth:`Trainer.fit` history took, summed over every process that ran them (its last
-    entry's ``elapsed_s``; 0 for no epoch, or a checkpoint written before fit recorded it)."""
+    """Seconds the epochs of a :meth:`Trainer.fit` history took, summed over every process that ran them: its last
+    entry's ``elapsed_s``, 0 for no epoch. An entry without it (from a checkpoint written before fit recorded it)
+    counts as 0, so a run resumed from such a checkpoint counts only the epochs after it."""
     return history[-1].get("elapsed_s", 0.0) if history else 0.0
 
 
@@ -323,8 +324,8 @@ class Trainer:
 
         Returns:
             One ``{"epoch", "train_loss", <val metrics>, "elapsed_s"}`` dict per epoch (resumed epochs included);
-            ``elapsed_s`` is the seconds of training and evaluation up to that epoch's end, summed over every process
-            that ran the epochs (:func:`fit_seconds`).
+            ``elapsed_s`` is the seconds of training and evaluation up to that epoch's end, and of the checkpoint
+            writes before it, summed over every process that ran the epochs (:func:`fit_seconds`).
 
         Raises:
             ValueError: naming the checkpoint: one written with another ``identity`` or other settings, holding
@@ -359,6 +360,7 @@ class Trainer:
                 generator.set_state(state["loader_rng"])
             history = state["history"]
             log.info("resumed %s from %s after epoch %d", desc, checkpoint, len(history))
+        spent = fit_seconds(history)
         for epoch in tqdm(range(len(history), epochs), desc=desc, initial=len(history), total=epochs,
                           disable=not self.progress):
             epoch_started = time.perf_counter()
@@ -366,7 +368,7 @@ class Trainer:
             schedule.step()
             metrics = self.evaluate(model, "val")
             history.append({"epoch": epoch + 1, "train_loss": train_loss, **metrics,
-                            "elapsed_s": fit_seconds(history) + time.perf_counter() - epoch_started})
+                            "elapsed_s": spent + time.perf_counter() - epoch_started})
             log.info("%s epoch %d: %s", desc, epoch + 1, history[-1])
             if checkpoint is not None:
                 save_checkpoint(checkpoint, {
@@ -375,4 +377,5 @@ class Trainer:
                     "loader_rng": generator.get_state() if generator is not None else torch.empty(0),
                     "history": history, "settings": settings,
                     **({"identity": identity} if identity is not None else {})})
+            spent += time.perf_counter() - epoch_started  # the checkpoint write counts in the next epoch's figure
         return history

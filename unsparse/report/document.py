@@ -5,6 +5,7 @@ When a sparse backend is slower than the dense baseline the report says so, laye
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -111,10 +112,25 @@ def _trivial_text(run: dict[str, Any], accuracy: dict[str, float]) -> str:
     trivial = run["metric_trivial"]
     text = (f"A model that learned nothing scores {trivial:.4g} here ("
             + ("always the most frequent training label" if top1 else "each window predicted by its own mean") + ").")
-    no_better = [stage for stage, value in accuracy.items() if (value <= trivial if top1 else value >= trivial)]
+    no_better = [stage for stage, value in accuracy.items()
+                 if math.isnan(value) or (value <= trivial if top1 else value >= trivial)]
     if no_better:
         text += f" **No better than that: {', '.join(f'`{stage}`' for stage in no_better)}.**"
     return text
+
+
+def not_timed_text(not_timed: Sequence[dict[str, Any]]) -> str:
+    """One line naming the backends that could not be timed, grouped by backend, status and reason with their
+    layers; rows of status ``"ok"`` without a time (settings the comparator's screening left out of a backend it
+    timed) are not named. Empty when there is nothing to name."""
+    layers: dict[tuple[str, str, str], list[str]] = {}
+    for entry in not_timed:
+        if entry["status"] != "ok":
+            names = layers.setdefault((entry["backend"], entry["status"], entry.get("reason") or ""), [])
+            names += [entry["layer"]] * (entry["layer"] not in names)
+    return "" if not layers else "Not timed: " + "; ".join(
+        f"`{backend}` on {', '.join(f'`{layer}`' for layer in names)} ({status}{': ' * bool(reason)}{reason})"
+        for (backend, status, reason), names in layers.items()) + "."
 
 
 def _masked_sparsity(pruning: dict[str, Any]) -> str:
@@ -129,11 +145,13 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
     """Write ``report.json`` and ``report.md`` into ``outdir`` (atomically).
 
     Args:
-        report: JSON-ready dict with keys ``run`` (with ``metric_label``, ``metric_trivial``, ``timing_runs``,
-            ``timing_warmup`` and ``tree_modified``), ``accuracy`` (the test metric per stage), ``pruning`` (its
+        report: JSON-ready dict with keys ``run`` (with ``metric`` (``"top1"`` or ``"mse"``), ``metric_label``,
+            ``metric_trivial``, ``timing_runs``, ``timing_warmup`` and ``tree_modified``), ``accuracy`` (the test
+            metric per stage; a NaN, or one no better than ``metric_trivial``, is named), ``pruning`` (its
             ``target`` and ``target_reached`` stated when present, ``fully_pruned_layers`` warned about),
             ``quantization``, ``layers`` (rows of :func:`unsparse.report.layers.layer_rows`), ``timings``,
-            ``timing_baseline``, ``timing_verdicts`` (from :func:`timing_verdicts`), ``file`` and optionally
+            ``timing_baseline``, ``timing_verdicts`` (from :func:`timing_verdicts`), ``file``, optionally
+            ``not_timed`` (rows without a time; those whose status is not ``"ok"`` are listed) and optionally
             ``plan_check`` (the fields of :class:`~unsparse.runtime.comparator.PlanCheck` with the keys
             :func:`plan_check_text` names).
         figures: title -> PNG path (relative links are written into the Markdown).
@@ -191,19 +209,14 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
         markdown_table(["layer", "input shape", "backend", "params", "median ms", "rel. error vs reference"],
                        [[t["layer"], "x".join(map(str, t["input_shape"])), t["backend"], t.get("params") or "",
                          t["time_ms"], t["rel_error"]] for t in report["timings"]]),
-        "Per layer against the baseline: the fastest backend measured, the fastest sparse one and its speedup (the "
-        "baseline's time over its time).",
+        "Per layer against the baseline: the fastest other backend measured, the fastest sparse one and its "
+        "speedup (the baseline's time over its time).",
         markdown_table(["layer", "baseline ms", "fastest", "best sparse", "sparse speedup", "verdict"],
                        [[v["layer"], v["baseline_ms"], v["fastest"], v["best_sparse"], v["sparse_speedup"],
                          v["verdict"]] for v in report["timing_verdicts"]]),
     ]
-    if report.get("not_timed"):
-        layers: dict[tuple[str, str, str], list[str]] = {}
-        for entry in report["not_timed"]:
-            layers.setdefault((entry["backend"], entry["status"], entry.get("reason") or ""), []).append(entry["layer"])
-        sections.append("Not timed: " + "; ".join(
-            f"`{backend}` on {', '.join(f'`{layer}`' for layer in names)} ({status}{': ' * bool(reason)}{reason})"
-            for (backend, status, reason), names in layers.items()) + ".")
+    if not_timed_text(report.get("not_timed", [])):
+        sections.append(not_timed_text(report["not_timed"]))
     if report.get("plan_check"):
         sections += ["## Whole model", plan_check_text(report["plan_check"])]
     sections += [f"## {title}\n\n![{title}]({path.relative_to(outdir)})" for title, path in figures.items()]
