@@ -213,6 +213,7 @@ def test_a_time_series_trains_an_autoencoder_and_reports_its_mse(tmp_path, caplo
     markdown = (tmp_path / "report.md").read_text()
     assert "| stage | reconstruction MSE (lower is better) |" in markdown and "A model that learned nothing" in markdown
     assert "1 layer(s) fully pruned" in markdown and "The test set ran on `reference`, not on the plan: " in markdown
+    assert "every output channel stores `L` entries" in markdown  # the export table's L and padding explained
 
 
 @pytest.mark.parametrize(("make", "field"), [

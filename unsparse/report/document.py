@@ -194,7 +194,9 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
     sections += [
         "## Export",
         f"`{file_info['path']}`: {file_info['bytes']} bytes in the file; the conv weights would take "
-        f"{file_info['dense_conv_fp32_bytes']} bytes dense in FP32 and take {file_info['sparse_conv_bytes']} here.",
+        f"{file_info['dense_conv_fp32_bytes']} bytes dense in FP32 and take {file_info['sparse_conv_bytes']} here. "
+        "Each conv is a uniform-nnz CSR matrix (paper 004 §5): every output channel stores `L` entries, the nonzeros "
+        "of its densest channel, so sparser channels are padded with zero entries (`padding entries`).",
         markdown_table(["layer", "kind", "weight shape", "stride", "sparsity (%)", "nnz", "L", "padding entries",
                         "file bytes", "dense FP32 bytes"],
                        [[r["layer"], r["kind"], "x".join(map(str, r["weight_shape"])), r["stride"],
