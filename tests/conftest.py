@@ -1,13 +1,15 @@
 """Shared test setup: GPU tests skip cleanly without CUDA; every test gets a fixed-but-fresh seed. Fixtures:
 ``load_script`` (a ``scripts/*.py`` file as a module), ``interrupt_at_epoch`` (a trainer that raises Ctrl-C's
-``KeyboardInterrupt`` as an epoch starts) and ``tuned_kernel_names`` (the kernel instantiations the direct backend's
+``KeyboardInterrupt`` as an epoch starts), ``crash_at_save`` (a module's ``save_checkpoint`` raising it at its n-th
+call) and ``tuned_kernel_names`` (the kernel instantiations the direct backend's
 tuning spaces name for a few representative layers)."""
 
 from __future__ import annotations
 
 import functools
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -49,6 +51,30 @@ def _interrupt_at_epoch(trainer: Any, epoch: int) -> None:
 def interrupt_at_epoch() -> Callable[[Any, int], None]:
     """``interrupt_at_epoch(trainer, 2)``: Ctrl-C as the trainer's second epoch starts (resume tests)."""
     return _interrupt_at_epoch
+
+
+@pytest.fixture
+def crash_at_save(monkeypatch: pytest.MonkeyPatch) -> Callable[[ModuleType, int], AbstractContextManager[None]]:
+    """``with crash_at_save(module, 4): run()``: ``module.save_checkpoint`` raises ``KeyboardInterrupt`` at its 4th
+    call inside the block (the calls before it write), which the block must end with; the function is put back
+    afterwards (resume tests)."""
+    @contextmanager
+    def crash(module: ModuleType, count: int) -> Iterator[None]:
+        calls, original = [], module.save_checkpoint
+
+        def crashing(path: Any, state: Any) -> None:
+            calls.append(path)
+            if len(calls) == count:
+                raise KeyboardInterrupt
+            original(path, state)
+
+        monkeypatch.setattr(module, "save_checkpoint", crashing)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                yield
+        finally:
+            monkeypatch.setattr(module, "save_checkpoint", original)
+    return crash
 
 
 @pytest.fixture(scope="session")

@@ -351,24 +351,13 @@ def test_reaches_target_then_fine_tunes(tmp_path):
     assert result.method == "evolutionary"
 
 
-def test_resume_after_crash_equals_uninterrupted_run(tmp_path, monkeypatch):
+def test_resume_after_crash_equals_uninterrupted_run(tmp_path, crash_at_save):
     settings = {"epsilon": 0.0, "iterations": 7, "target": 0.95}
     reference_model = tiny_model(dropout=0.3)
     reference = pruner(**settings).run(reference_model, tiny_trainer(), tmp_path / "a")
 
-    calls = {"count": 0}
-    original = evo.save_checkpoint
-
-    def crashing(path, state):
-        calls["count"] += 1
-        if calls["count"] == 4:
-            raise KeyboardInterrupt
-        original(path, state)
-
-    monkeypatch.setattr(evo, "save_checkpoint", crashing)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_at_save(evo, 4):
         pruner(**settings).run(tiny_model(dropout=0.3), tiny_trainer(), tmp_path / "b")
-    monkeypatch.setattr(evo, "save_checkpoint", original)
     resumed_model = tiny_model(dropout=0.3)
     torch.manual_seed(12345)  # a fresh process's generator state; the resume must restore the checkpoint's
     resumed = pruner(**settings).run(resumed_model, tiny_trainer(), tmp_path / "b")
@@ -381,25 +370,14 @@ def test_resume_after_crash_equals_uninterrupted_run(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("damage", ["shorter", "missing", "longer"])
-def test_a_resume_sets_the_log_to_the_checkpoints_history(tmp_path, monkeypatch, caplog, damage):
+def test_a_resume_sets_the_log_to_the_checkpoints_history(tmp_path, crash_at_save, caplog, damage):
     """The log is appended without fsync and the checkpoint then renamed; after a crash of the machine the log can
     be shorter than the checkpoint's history, and truncate() padded it with NUL bytes. A longer log (lines of an
     iteration the checkpoint does not hold) is cut back, as before, without a warning."""
     settings = {"epsilon": 0.0, "iterations": 5, "target": 0.95}
     pruner(**settings).run(tiny_model(), tiny_trainer(), tmp_path / "a")
-    calls = {"count": 0}
-    original = evo.save_checkpoint
-
-    def crashing(path, state):
-        calls["count"] += 1
-        if calls["count"] == 4:
-            raise KeyboardInterrupt
-        original(path, state)
-
-    monkeypatch.setattr(evo, "save_checkpoint", crashing)
-    with pytest.raises(KeyboardInterrupt):
+    with crash_at_save(evo, 4):
         pruner(**settings).run(tiny_model(), tiny_trainer(), tmp_path / "b")
-    monkeypatch.setattr(evo, "save_checkpoint", original)
     log_path = tmp_path / "b" / evo.LOG
     if damage == "shorter":
         log_path.write_bytes(log_path.read_bytes()[:40])

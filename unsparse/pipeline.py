@@ -29,7 +29,7 @@ from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
 from unsparse.runtime.baseline import NAME as BASELINE
 from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model, planned_backends, time_against_default
-from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, sparsify
+from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, sparsify, visit_layer_inputs
 from unsparse.runtime.plan import active_plan
 from unsparse.sparse.io import load_sparse, save_sparse
 from unsparse.task import Task, check_model_fits, task_of, trivial_score
@@ -228,8 +228,8 @@ def layer_backends(model: nn.Module, backend: str, example: torch.Tensor) -> dic
     the layer (a dtype or geometry it lacks) the dense default it falls back to, with the reason
     (:func:`~unsparse.sparse.functional.sparse_conv`); for ``"auto"`` the active plan's entry for the layer's planning
     key (:func:`~unsparse.runtime.comparator.planned_backends`; ``"dense default (not planned)"`` where the plan has
-    none). Runs one forward of ``example`` for a named backend, without autograd (in train mode that forward would
-    update BatchNorm statistics: pass a model in eval mode)."""
+    none). For a named backend the layers' inputs come from one forward of ``example``
+    (:func:`~unsparse.runtime.modules.visit_layer_inputs`: pass a model in eval mode)."""
     from unsparse.runtime.backends import get_backend
     from unsparse.sparse.functional import dense_fallback_backend
 
@@ -239,19 +239,12 @@ def layer_backends(model: nn.Module, backend: str, example: torch.Tensor) -> dic
     chosen, names = get_backend(backend), {layer: name for name, layer in sparse_layers(model).items()}
     backends = dict.fromkeys(names.values(), backend)
 
-    def record(layer: SparseConv, args: tuple[torch.Tensor, ...]) -> None:
-        x = layer.conv2d_input(args[0])
+    def record(layer: SparseConv, x: torch.Tensor) -> None:
         reason = chosen.unsupported_reason(x, layer.csr, layer.geometry)
         if reason is not None:
             backends[names[layer]] = f"{dense_fallback_backend(x.device)} (dense fallback: {reason})"
 
-    handles = [layer.register_forward_pre_hook(record) for layer in names]
-    try:
-        with torch.no_grad():
-            model(example)
-    finally:
-        for handle in handles:
-            handle.remove()
+    visit_layer_inputs(model, example, record)
     return backends
 
 
@@ -376,10 +369,10 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
 
     if backend != "auto" and backend not in backend_names():
         raise ValueError(f"runtime.backend: unknown {backend!r}; known: {', '.join(backend_names())}")
-    device_type = (device or torch.device("cpu")).type
-    if device_type not in get_backend(backend).device_types:
-        raise ValueError(f"runtime.backend: {backend!r} runs on {sorted(get_backend(backend).device_types)}, the job "
-                         f"on {device_type}; choose a backend of that device, or auto")
+    device_type, device_types = (device or torch.device("cpu")).type, get_backend(backend).device_types
+    if device_type not in device_types:
+        raise ValueError(f"runtime.backend: {backend!r} runs on {sorted(device_types)}, the job on {device_type}; "
+                         "choose a backend of that device, or auto")
     task = task_of(splits)
     check_model_fits(model, splits)
     if train.epochs == 0:

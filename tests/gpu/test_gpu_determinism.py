@@ -51,7 +51,7 @@ def test_cuda_training_repeats_bit_for_bit(name: str, width: int, tmp_path) -> N
     assert all(torch.equal(first[key], second[key]) for key in first), name
 
 
-def test_cuda_evolutionary_resume_equals_uninterrupted_run(tmp_path, monkeypatch) -> None:
+def test_cuda_evolutionary_resume_equals_uninterrupted_run(tmp_path, crash_at_save) -> None:
     settings = {"target": 0.8, "iterations": 5, "batches_per_iteration": 2, "unit_step": 0.2, "fine_tune_epochs": 1,
                 "seed": 3, "epsilon": 0.0}
 
@@ -61,21 +61,10 @@ def test_cuda_evolutionary_resume_equals_uninterrupted_run(tmp_path, monkeypatch
         result = EvolutionaryPruner(**settings).run(model, digit_trainer(), workdir)
         return {key: value.cpu() for key, value in model.state_dict().items()}, result.history
 
-    original = evo.save_checkpoint
-    calls = {"count": 0}
-
-    def crashing(path, state):
-        calls["count"] += 1
-        if calls["count"] == 3:
-            raise KeyboardInterrupt
-        original(path, state)
-
     with deterministic_algorithms():
         reference_state, reference_history = run(tmp_path / "a")
-        monkeypatch.setattr(evo, "save_checkpoint", crashing)
-        with pytest.raises(KeyboardInterrupt):
+        with crash_at_save(evo, 3):
             run(tmp_path / "b")
-        monkeypatch.setattr(evo, "save_checkpoint", original)
         resumed_state, resumed_history = run(tmp_path / "b")
     assert resumed_history == reference_history
     assert all(torch.equal(reference_state[key], resumed_state[key]) for key in reference_state)

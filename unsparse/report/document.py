@@ -217,8 +217,9 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
                        [[v["layer"], v["baseline_ms"], v["fastest"], v["best_sparse"], v["sparse_speedup"],
                          v["verdict"]] for v in report["timing_verdicts"]]),
     ]
-    if not_timed_text(report.get("not_timed", [])):
-        sections.append(not_timed_text(report["not_timed"]))
+    not_timed = not_timed_text(report.get("not_timed", []))
+    if not_timed:
+        sections.append(not_timed)
     if report.get("plan_check"):
         sections += ["## Whole model", plan_check_text(report["plan_check"])]
     sections += [f"## {title}\n\n![{title}]({path.relative_to(outdir)})" for title, path in figures.items()]

@@ -22,7 +22,7 @@ from unsparse.runtime.backends import available_backends, get_backend
 from unsparse.runtime.backends.dense import MEMORY_FORMATS
 from unsparse.runtime.baseline import Baseline, time_baseline
 from unsparse.runtime.layout import layout_of
-from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, temporary_backend
+from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, temporary_backend, visit_layer_inputs
 from unsparse.runtime.plan import Plan, PlanEntry, key_layout, layer_key, use_plan
 from unsparse.runtime.timing import (
     MIN_RUNS,
@@ -347,8 +347,7 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
     plan = plan if plan is not None else Plan()
     comparisons: list[LayerComparison] = []
 
-    def before(layer: SparseConv, args: tuple[torch.Tensor, ...]) -> None:
-        x = layer.conv2d_input(args[0])
+    def before(layer: SparseConv, x: torch.Tensor) -> None:
         key = layer_key(x, layer.csr, layer.geometry)
         layer.plan_key = key
         if plan.get(key) is None:
@@ -363,13 +362,7 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
                         "%s", key, ", ".join(outcomes) or "none ran", fallback)
             plan.entries[key] = comparison.default_entry(fallback)
 
-    handles = [layer.register_forward_pre_hook(before) for layer in sparse_layers(model).values()]
-    try:
-        with temporary_backend(model, dense_fallback_backend(example.device)), torch.no_grad():
-            model(example)
-    finally:
-        for handle in handles:
-            handle.remove()
+    visit_layer_inputs(model, example, before)
     set_backend(model, "auto")
     use_plan(plan)
     return plan, comparisons

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from unsparse.prune.masks import squashed_copy
 from unsparse.sparse.format import SparseFormatError, UniformCSR
-from unsparse.sparse.functional import batched_call, sparse_conv, with_batch
+from unsparse.sparse.functional import conv2d_input, dense_fallback_backend, sparse_conv_nd
 from unsparse.sparse.geometry import ConvGeometry
 
 log = logging.getLogger(__name__)
@@ -79,22 +79,11 @@ class SparseConv(nn.Module):
         self._csr = None
 
     def conv2d_input(self, x: torch.Tensor) -> torch.Tensor:
-        """The 4-D input the backends see: ``x`` itself for batched 2-D layers; for 1-D ones ``(N, C, 1, L)``,
-        contiguous (a 1-D input has no channels-last layout, so a transposed one is copied). An unbatched input
-        gets a batch of one first (:func:`~unsparse.sparse.functional.with_batch`, which raises ``ValueError`` for
-        another number of dimensions)."""
-        return self._as_4d(with_batch(x, self.geometry.spatial_dims)[0])
-
-    def _as_4d(self, batched: torch.Tensor) -> torch.Tensor:
-        return batched.unsqueeze(2).contiguous() if self.geometry.spatial_dims == 1 else batched
-
-    def _run_batched(self, batched: torch.Tensor) -> torch.Tensor:
-        out = sparse_conv(self._as_4d(batched), self.csr, self.bias, self.geometry, self.backend,
-                          **self.backend_params)
-        return out.squeeze(2) if self.geometry.spatial_dims == 1 else out
+        """The 4-D input the backends see for ``x`` (:func:`~unsparse.sparse.functional.conv2d_input`)."""
+        return conv2d_input(x, self.geometry.spatial_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return batched_call(x, self.geometry.spatial_dims, self._run_batched)
+        return sparse_conv_nd(x, self.csr, self.bias, self.geometry, self.backend, **self.backend_params)
 
     def extra_repr(self) -> str:
         csr = self.csr
@@ -183,6 +172,24 @@ def temporary_backend(model: nn.Module, backend: str, **params: Any) -> Iterator
     finally:
         for layer, (name, layer_params) in saved.items():
             layer.backend, layer.backend_params = name, layer_params
+
+
+def visit_layer_inputs(model: nn.Module, example: torch.Tensor,
+                       visit: Callable[[SparseConv, torch.Tensor], None]) -> None:
+    """Run ``model(example)`` once without autograd, every layer on its dense default (:func:`temporary_backend`:
+    each layer's own setting is put back), calling ``visit(layer, x)`` with each :class:`SparseConv`'s 4-D input
+    (:meth:`SparseConv.conv2d_input`) before the layer runs. In train mode the forward updates BatchNorm statistics:
+    pass a model in eval mode."""
+    def before(layer: SparseConv, args: tuple[torch.Tensor, ...]) -> None:
+        visit(layer, layer.conv2d_input(args[0]))
+
+    handles = [layer.register_forward_pre_hook(before) for layer in sparse_layers(model).values()]
+    try:
+        with temporary_backend(model, dense_fallback_backend(example.device)), torch.no_grad():
+            model(example)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def set_backend(model: nn.Module, backend: str, **params: Any) -> nn.Module:

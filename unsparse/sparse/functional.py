@@ -8,7 +8,6 @@ dense convolution (cuDNN on CUDA, torch's CPU convolution otherwise) and the rea
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,12 +75,24 @@ def with_batch(x: torch.Tensor, spatial_dims: int) -> tuple[torch.Tensor, bool]:
     raise ValueError(f"x: expected (N, C, {spatial}) or unbatched (C, {spatial}), got shape {tuple(x.shape)}")
 
 
-def batched_call(x: torch.Tensor, spatial_dims: int, run: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """``run`` on ``x`` with a batch dimension (:func:`with_batch`); for an unbatched input the output's batch
-    dimension is removed again and the output is contiguous, as torch returns it."""
-    batched, unbatched = with_batch(x, spatial_dims)
-    out = run(batched)
-    return out.squeeze(0).contiguous() if unbatched else out
+def conv2d_input(x: torch.Tensor, spatial_dims: int) -> torch.Tensor:
+    """The 4-D input the backends see for an input as ``nn.Conv1d``/``nn.Conv2d`` take it: ``(N, C, H, W)`` itself;
+    ``(N, C, L)`` as ``(N, C, 1, L)``, contiguous (a 1-D input has no channels-last layout, so a transposed one is
+    copied); an unbatched one with a batch of one first (:func:`with_batch`, which raises ``ValueError`` for another
+    number of dimensions)."""
+    batched = with_batch(x, spatial_dims)[0]
+    return batched.unsqueeze(2).contiguous() if spatial_dims == 1 else batched
+
+
+def sparse_conv_nd(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+                   backend: str = "reference", **params: Any) -> torch.Tensor:
+    """:func:`sparse_conv` for an input as ``nn.Conv1d``/``nn.Conv2d`` take it (``geometry.spatial_dims`` says which):
+    ``(N, C, H, W)`` -> ``(N, M, E, F)`` in the input's layout, ``(N, C, L)`` -> contiguous ``(N, M, L_out)``, and
+    unbatched ``(C, ...)`` -> ``(M, ...)``, contiguous as torch returns it (:func:`conv2d_input`)."""
+    out = sparse_conv(conv2d_input(x, geometry.spatial_dims), csr, bias, geometry, backend, **params)
+    if geometry.spatial_dims == 1:
+        out = out.squeeze(2)
+    return out.squeeze(0).contiguous() if x.dim() == geometry.spatial_dims + 1 else out
 
 
 def sparse_conv2d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = None,
@@ -95,7 +106,7 @@ def sparse_conv2d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = 
     cannot resolve). See :func:`sparse_conv` for backends and errors.
     """
     geometry = ConvGeometry.of(stride, padding, dilation, groups, 2, csr.kernel_size)
-    return batched_call(x, 2, lambda x: sparse_conv(x, csr, bias, geometry, backend, **params))
+    return sparse_conv_nd(x, csr, bias, geometry, backend, **params)
 
 
 def sparse_conv1d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = None, stride: int = 1,
@@ -105,5 +116,4 @@ def sparse_conv1d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = 
     unbatched -> ``(M, L_out)`` (a 1-D input has no channels-last layout: a transposed one is copied to
     ``(N, C, L)`` first)."""
     geometry = ConvGeometry.of(stride, padding, dilation, groups, 1, csr.kernel_size[1:])
-    return batched_call(x, 1, lambda x: sparse_conv(x.unsqueeze(2).contiguous(), csr, bias, geometry, backend,
-                                                    **params).squeeze(2))
+    return sparse_conv_nd(x, csr, bias, geometry, backend, **params)
