@@ -113,9 +113,9 @@ def test_stretched_offsets_address_the_padded_input():
 
 @pytest.mark.parametrize("backend", ["dense_cpu", "im2col_cublas", "im2col_cusparse", "reference"])
 def test_a_layer_changed_in_place_is_not_served_from_a_backend_cache(backend):
-    """Backends cache per weight object (dense copies, lowered matrices); an in-place ``load_state_dict`` or
-    ``values.mul_`` keeps the buffers, so the layer must hand them a new weight object (found by a review helper:
-    dense_cpu and im2col_cublas kept computing with the old weight)."""
+    """Backends cache per weight (dense copies, lowered matrices); an in-place ``load_state_dict`` or ``values.mul_``
+    keeps the buffers, and the caches must see the change (found by a review helper: dense_cpu and im2col_cublas
+    kept computing with the old weight)."""
     from unsparse.runtime import SparseConv
     from unsparse.runtime.modules import sparse_from_conv
 
@@ -135,6 +135,36 @@ def test_a_layer_changed_in_place_is_not_served_from_a_backend_cache(backend):
     layer.values.mul_(0.5)
     expected = F.conv2d(x.double(), conv.weight.double(), conv.bias.double(), padding=1)
     assert relative_error(layer(x), expected) < 1e-5
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_weight_changed_in_place_is_not_served_from_a_backend_cache_through_the_functional_api(backend):
+    """The caches are keyed by the UniformCSR object, which a caller of ``sparse_conv2d`` edits in place (a helper
+    found dense_cpu and im2col_cublas 19.7 off after ``csr.values.mul_(2)``)."""
+    torch.manual_seed(4)
+    weight = torch.randn(6, 4, 3, 3) * (torch.rand(6, 4, 3, 3) > 0.6)
+    csr, x = UniformCSR.from_dense(weight), torch.randn(2, 4, 7, 7)
+    sparse_conv2d(x, csr, None, 1, 1, backend=backend)  # fills the caches
+    csr.values.mul_(2)
+    expected = F.conv2d(x.double(), 2 * weight.double(), padding=1)
+    assert relative_error(sparse_conv2d(x, csr, None, 1, 1, backend=backend), expected) < 1e-5
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_a_column_index_written_out_of_range_in_place_is_refused_before_the_backend_reads_it(backend):
+    """The constructor's range check ran before the edit; every call re-checks a weight whose tensors changed."""
+    from unsparse.runtime import SparseConv
+    from unsparse.sparse.format import SparseFormatError
+
+    csr, x = UniformCSR.from_dense(torch.randn(6, 4, 3, 3)), torch.randn(2, 4, 7, 7)
+    layer = SparseConv(csr, None, ConvGeometry.of(padding=1), backend)
+    for run in (lambda: sparse_conv2d(x, csr, None, 1, 1, backend=backend), lambda: layer(x)):
+        run()
+    for tensor in (csr.col_idx, layer.col_idx):
+        tensor[0, 0] = 36
+    for run in (lambda: sparse_conv2d(x, csr, None, 1, 1, backend=backend), lambda: layer(x)):
+        with pytest.raises(SparseFormatError, match=r"col_idx: entries must lie in \[0, 36\)"):
+            run()
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)

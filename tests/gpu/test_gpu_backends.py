@@ -292,6 +292,24 @@ def test_direct_rejects_bad_indices_before_launch() -> None:
         get_backend("direct").conv(x, forged, bias, geometry, variant="rows")
 
 
+@pytest.mark.parametrize("case", ["odd_3x3", "stride2_3x3", "pointwise_vector"])
+def test_direct_settings_see_a_weight_changed_in_place(case: str) -> None:
+    """Prepared kernel entries hold copies of the values; after ``csr.values.mul_`` every setting must rebuild them
+    (the per-weight cache is keyed by the UniformCSR object, which the edit keeps)."""
+    x, csr, bias, geometry, _ = make_case(case, torch.float32, seed=11)
+    backend = get_backend("direct")
+    space = backend.tuning_space(x, csr, geometry)
+    for params in space:
+        backend.conv(x, csr, bias, geometry, **params)
+    csr.values.mul_(-2)
+    expected = F.conv2d(x.double().cpu(), csr.to_conv2d_weight().double().cpu(), bias.double().cpu(),
+                        geometry.stride, geometry.padding, geometry.dilation)
+    for params in space:
+        out = sparse_conv(x, csr, bias, geometry, "direct", **params)
+        error = relative_error(out.cpu(), expected)
+        assert error <= tolerance(torch.float32), f"{case} {params}: relative error {error:.3g}"
+
+
 def test_fallback_for_groups_and_unsupported_dtype() -> None:
     gen = torch.Generator().manual_seed(5)
     weight = torch.randn(8, 2, 3, 3, generator=gen)

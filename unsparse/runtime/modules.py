@@ -18,12 +18,6 @@ from unsparse.sparse.geometry import ConvGeometry
 log = logging.getLogger(__name__)
 
 
-def _version(tensor: torch.Tensor) -> int:
-    """``tensor``'s in-place version counter; -1 for a tensor made under ``torch.inference_mode()``, which has none
-    (such a tensor is changed in place only inside inference mode, where no cache can notice it)."""
-    return -1 if tensor.is_inference() else tensor._version
-
-
 class SparseConv(nn.Module):
     """A convolution whose weight is stored as a UniformCSR (buffers ``values`` and ``col_idx``).
 
@@ -50,20 +44,19 @@ class SparseConv(nn.Module):
         self.backend = backend
         self.backend_params = dict(backend_params or {})
         self._csr: UniformCSR | None = None
-        self._csr_versions = (-1, -1)
 
     @property
     def csr(self) -> UniformCSR:
-        """The weight as a UniformCSR over the module's current buffers: a new object after ``.to()`` or after any
-        in-place change of a buffer (an in-place ``load_state_dict``, ``values.mul_``), so that the backends'
-        per-weight caches (dense copies, lowered matrices, kernel entries) never serve an older weight. Changes that
-        bypass the version counter (through ``.data``, or to buffers made under ``torch.inference_mode()``) are not
-        seen: replace the buffers, or call :meth:`set_csr`, instead."""
-        csr, versions = self._csr, (_version(self.values), _version(self.col_idx))
-        if (csr is None or csr.values is not self.values or csr.col_idx is not self.col_idx
-                or self._csr_versions != versions):
+        """The weight as a UniformCSR over the module's current buffers: a new object after ``.to()`` or another
+        replacement of a buffer. An in-place change of a buffer (an in-place ``load_state_dict``, ``values.mul_``)
+        keeps the object; its tensors' version counters tell the backends' per-weight caches (dense copies, lowered
+        matrices, kernel entries) to rebuild, and every call re-checks the changed weight first
+        (:meth:`UniformCSR.revalidate`). Changes that bypass the version counter (through ``.data``, or to buffers
+        made under ``torch.inference_mode()``) are not seen: replace the buffers, or call :meth:`set_csr`, instead."""
+        csr = self._csr
+        if csr is None or csr.values is not self.values or csr.col_idx is not self.col_idx:
             csr = UniformCSR(self.values, self.col_idx, self.weight_shape)
-            self._csr, self._csr_versions = csr, versions
+            self._csr = csr
         return csr
 
     def set_csr(self, csr: UniformCSR) -> None:

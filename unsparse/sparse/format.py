@@ -29,6 +29,10 @@ class SparseFormatError(ValueError):
     """A UniformCSR (or a file holding one) is malformed; the message names the offending field."""
 
 
+def _version(tensor: torch.Tensor) -> int:
+    return -1 if tensor.is_inference() else tensor._version
+
+
 @dataclass(frozen=True, eq=False)
 class UniformCSR:
     """Uniform-nnz CSR form of one convolution weight (UnSparse-Opt §5; Escoin §2.3, Fig. 4).
@@ -43,8 +47,8 @@ class UniformCSR:
         weight_shape: shape of the dense weight, ``(M, C/groups, R, S)`` or ``(M, C/groups, S)``.
 
     Raises:
-        SparseFormatError: from :meth:`validate` (called by the constructor) when shapes, dtypes, devices
-            or index ranges are inconsistent.
+        SparseFormatError: from :meth:`validate` (called by the constructor, and by :meth:`revalidate` after an
+            in-place change) when shapes, dtypes, devices or index ranges are inconsistent.
     """
 
     values: torch.Tensor
@@ -54,6 +58,7 @@ class UniformCSR:
     def __post_init__(self) -> None:
         object.__setattr__(self, "weight_shape", tuple(int(d) for d in self.weight_shape))
         self.validate()
+        object.__setattr__(self, "_validated_versions", self.versions())
 
     @classmethod
     def from_dense(cls, weight: torch.Tensor) -> UniformCSR:
@@ -135,6 +140,27 @@ class UniformCSR:
             low, high = int(self.col_idx.min()), int(self.col_idx.max())
             if low < 0 or high >= self.columns:
                 raise SparseFormatError(f"col_idx: entries must lie in [0, {self.columns}), found [{low}, {high}]")
+
+    def versions(self) -> tuple[int, int]:
+        """The in-place version counters of ``values`` and ``col_idx`` (torch's ``_version``; -1 for a tensor made
+        under ``torch.inference_mode()``, which has none). Every in-place edit moves them, so whatever was derived
+        from the weight before (a backend's dense copy or kernel arrays) can be seen to be stale."""
+        return _version(self.values), _version(self.col_idx)
+
+    def revalidate(self) -> None:
+        """:meth:`validate` again if ``values`` or ``col_idx`` changed in place since the last check (their
+        :meth:`versions` moved), so that a column index written out of range after construction is refused before a
+        kernel reads through it; called by :func:`~unsparse.sparse.functional.sparse_conv` on every call. Changes
+        that bypass the version counters (through ``.data``, or to tensors made under ``torch.inference_mode()``)
+        are not seen.
+
+        Raises:
+            SparseFormatError: as :meth:`validate`.
+        """
+        versions = self.versions()
+        if versions != self._validated_versions:
+            self.validate()
+            object.__setattr__(self, "_validated_versions", versions)
 
     @property
     def out_channels(self) -> int:

@@ -7,9 +7,10 @@ parameters it has, and times :meth:`ConvBackend.run` for each.
 
 from __future__ import annotations
 
+import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from typing import Any, ClassVar
+from collections.abc import Callable, Hashable
+from typing import Any, ClassVar, TypeVar
 
 import torch
 
@@ -78,6 +79,32 @@ class ConvBackend(ABC):
         out = self.conv(x, csr, bias, geometry, **params)
         layout = layout_of(x)
         return out if layout_of(out) == layout else in_layout(out, layout)
+
+
+T = TypeVar("T")
+
+
+class WeightCache:
+    """What a backend derives from a weight (a dense copy, a lowered matrix, kernel index arrays, a prepared
+    launch), cached per UniformCSR object and key. The entries of a weight whose tensors changed in place since
+    they were built (:meth:`UniformCSR.versions`) are dropped and rebuilt, so that an edited weight never runs with
+    an older copy; they go with their UniformCSR object (weak keys)."""
+
+    def __init__(self) -> None:
+        self._entries: weakref.WeakKeyDictionary[UniformCSR, tuple[tuple[int, int], dict[Hashable, Any]]] = (
+            weakref.WeakKeyDictionary())
+
+    def get(self, csr: UniformCSR, key: Hashable, build: Callable[[], T]) -> T:
+        """The entry ``key`` of ``csr``, built by ``build()`` if absent or stale."""
+        versions = csr.versions()
+        cached = self._entries.get(csr)
+        if cached is None or cached[0] != versions:
+            cached = (versions, {})
+            self._entries[csr] = cached
+        entries = cached[1]
+        if key not in entries:
+            entries[key] = build()
+        return entries[key]
 
 
 def check_bias(bias: torch.Tensor | None, csr: UniformCSR) -> None:

@@ -6,13 +6,12 @@ torch's own CPU convolution, reported as ``dense_cpu`` so that no CPU figure is 
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from unsparse.runtime.backends.base import ConvBackend, register_backend
+from unsparse.runtime.backends.base import ConvBackend, WeightCache, register_backend
 from unsparse.runtime.layout import in_layout, layout_of
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
@@ -22,23 +21,18 @@ MEMORY_FORMATS = {"contiguous": "nchw", "channels_last": "nhwc"}
 
 
 class DenseBackend(ConvBackend):
-    """``F.conv2d`` on the decompressed weight; the decompression is cached per UniformCSR object and layout."""
+    """``F.conv2d`` on the decompressed weight; the decompression is cached per weight, dtype and layout."""
 
     sparse = False
 
     def __init__(self) -> None:
-        self._dense: weakref.WeakKeyDictionary[UniformCSR, dict[tuple[torch.dtype, str], torch.Tensor]] = (
-            weakref.WeakKeyDictionary())
+        self._dense = WeightCache()
 
     def dense_weight(self, csr: UniformCSR, dtype: torch.dtype, layout: str = "nchw") -> torch.Tensor:
         """``(M, C/groups, R, S)`` dense weight of ``dtype`` stored in ``layout`` on ``csr``'s device (Conv1d
-        weights get R = 1), decompressed once per (weight, dtype, layout)."""
-        per_csr = self._dense.setdefault(csr, {})
-        weight = per_csr.get((dtype, layout))
-        if weight is None:
-            weight = in_layout(csr.to_conv2d_weight().to(dtype), layout)
-            per_csr[(dtype, layout)] = weight
-        return weight
+        weights get R = 1), decompressed once per (weight, dtype, layout) and again after an in-place edit of the
+        weight (:class:`~unsparse.runtime.backends.base.WeightCache`)."""
+        return self._dense.get(csr, (dtype, layout), lambda: in_layout(csr.to_conv2d_weight().to(dtype), layout))
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              memory_format: str | None = None, **params: Any) -> torch.Tensor:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 import torch
 
 from unsparse.runtime import cupy_launcher as cl
-from unsparse.runtime.backends.base import ConvBackend, check_bias, register_backend
+from unsparse.runtime.backends.base import ConvBackend, T, WeightCache, check_bias, register_backend
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 from unsparse.sparse.phases import PhaseSplit, phase_split
@@ -583,7 +582,7 @@ class DirectBackend(ConvBackend):
     device_types = frozenset({"cuda"})
 
     def __init__(self) -> None:
-        self._cache: weakref.WeakKeyDictionary[UniformCSR, dict[tuple, Any]] = weakref.WeakKeyDictionary()
+        self._cache = WeightCache()
 
     def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
         reason = super().unsupported_reason(x, csr, geometry)
@@ -733,11 +732,8 @@ class DirectBackend(ConvBackend):
             raise ValueError(f"stage: vector staging impossible here: {why}")
         return True
 
-    def _arrays(self, csr: UniformCSR, key: tuple, build: Any) -> Any:
-        per_csr = self._cache.setdefault(csr, {})
-        if key not in per_csr:
-            per_csr[key] = build()
-        return per_csr[key]
+    def _arrays(self, csr: UniformCSR, key: tuple, build: Callable[[], T]) -> T:
+        return self._cache.get(csr, key, build)
 
     def _prepare(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                  params: dict[str, Any]) -> PreparedCall:

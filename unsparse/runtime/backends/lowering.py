@@ -7,13 +7,12 @@ cuSPARSE; on the CPU it calls its CPU BLAS and sparse kernels (the names keep Es
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from unsparse.runtime.backends.base import ConvBackend, register_backend
+from unsparse.runtime.backends.base import ConvBackend, WeightCache, register_backend
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
@@ -36,15 +35,12 @@ class LoweringBackend(ConvBackend):
     device_types = frozenset({"cpu", "cuda"})
 
     def __init__(self) -> None:
-        self._matrices: weakref.WeakKeyDictionary[UniformCSR, torch.Tensor] = weakref.WeakKeyDictionary()
+        self._matrices = WeightCache()
 
     def weight_matrix(self, csr: UniformCSR, dtype: torch.dtype) -> torch.Tensor:
-        """The ``(M, K)`` weight in this backend's layout, cached per UniformCSR object."""
-        matrix = self._matrices.get(csr)
-        if matrix is None or matrix.dtype != dtype:
-            matrix = self.build_matrix(csr.to(dtype=dtype))
-            self._matrices[csr] = matrix
-        return matrix
+        """The ``(M, K)`` weight of ``dtype`` in this backend's layout, cached per weight and dtype (rebuilt after an
+        in-place edit of the weight: :class:`~unsparse.runtime.backends.base.WeightCache`)."""
+        return self._matrices.get(csr, dtype, lambda: self.build_matrix(csr.to(dtype=dtype)))
 
     def build_matrix(self, csr: UniformCSR) -> torch.Tensor:
         """Dense ``(M, K)`` weight; overridden for the sparse product."""
