@@ -67,6 +67,16 @@ def test_torch_csr_matches_dense():
     (lambda v, c, s: (v, c, (4, 3, 3)), "row length"),
     (lambda v, c, s: (v[0], c[0], s), "values"),
     (lambda v, c, s: (v, c, (4, 3, 3, 3, 1)), "weight_shape"),
+    # sizes that are no integers were truncated ((4, 3.9, 3, 3) read as (4, 3, 3, 3)); None, True, inf, a string
+    (lambda v, c, s: (v, c, (4, 3.9, 3, 3)), "weight_shape"),
+    (lambda v, c, s: (v, c, (4, None, 3, 3)), "weight_shape"),
+    (lambda v, c, s: (v, c, (4, 3, True, 3)), "weight_shape"),
+    (lambda v, c, s: (v, c, (4, float("inf"), 3, 3)), "weight_shape"),
+    (lambda v, c, s: (v, c, "4333"), "weight_shape"),
+    (lambda v, c, s: (v, c, None), "weight_shape"),
+    (lambda v, c, s: (v, c, (4, 2**62, 8, 3)), "weight_shape"),
+    (lambda v, c, s: (v.to_sparse(), c, s), "values"),
+    (lambda v, c, s: (v, c.tolist(), s), "col_idx"),
 ])
 def test_validation_names_the_field(change, field):
     csr = UniformCSR.from_dense(random_sparse_weight((4, 3, 3, 3), 0.5, torch.Generator().manual_seed(2)))
@@ -80,3 +90,7 @@ def test_from_dense_rejects_bad_weights():
         UniformCSR.from_dense(torch.ones(3, 3))
     with pytest.raises(SparseFormatError, match="weight"):
         UniformCSR.from_dense(torch.ones(3, 3, 3, 3, dtype=torch.int64))
+    with pytest.raises(SparseFormatError, match="weight: expected a dense"):
+        UniformCSR.from_dense([[[[1.0]]]])
+    with pytest.raises(SparseFormatError, match="weight: expected a dense"):
+        UniformCSR.from_dense(torch.ones(2, 2, 2, 2).to_sparse())

@@ -272,3 +272,26 @@ def test_string_padding_torch_refuses_or_that_would_be_asymmetric_is_refused_by_
     with pytest.raises(ValueError, match=rf"padding: .*{message}"):
         sparse_conv2d(torch.randn(1, 3, 9, 9, dtype=torch.float64), UniformCSR.from_dense(weight), None, stride,
                       padding)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize(("stride", "padding", "dilation"), [((2,), (1,), (1,)), ([3], 1, (2,)), (1, "same", (2,))])
+def test_one_element_tuples_read_as_torch_reads_them(backend, stride, padding, dilation):
+    """F.conv1d/F.conv2d take ``stride=(2,)`` for every dimension (sparse_conv2d refused it: a helper's find)."""
+    generator = torch.Generator().manual_seed(torch.seed() % 2**31)
+    weight = sparse_weight((5, 3, 3, 5), 0.6, generator)
+    x = torch.randn(2, 3, 13, 14, generator=generator, dtype=torch.float64)
+    expected = F.conv2d(x, weight, None, stride, padding, dilation)
+    output = sparse_conv2d(x, UniformCSR.from_dense(weight), None, stride, padding, dilation, backend=backend)
+    assert output.shape == expected.shape and relative_error(output, expected) < 1e-12
+    weight_1d, signal = sparse_weight((4, 3, 5), 0.6, generator), torch.randn(2, 3, 17, generator=generator,
+                                                                              dtype=torch.float64)
+    expected = F.conv1d(signal, weight_1d, None, stride, padding, dilation)
+    output = sparse_conv1d(signal, UniformCSR.from_dense(weight_1d), None, stride, padding, dilation, backend=backend)
+    assert output.shape == expected.shape and relative_error(output, expected) < 1e-12
+
+
+@pytest.mark.parametrize(("value", "spatial_dims"), [((1.5, 1), 2), (2.0, 2), ((1, 2, 3), 2), ((2, 3), 1), ("2", 2)])
+def test_a_stride_that_is_no_integer_or_too_long_is_refused_not_truncated(value, spatial_dims):
+    with pytest.raises(ValueError, match=r"stride: expected an integer"):
+        ConvGeometry.of(value, spatial_dims=spatial_dims)

@@ -53,6 +53,19 @@ def test_a_conv_with_hooks_is_refused_naming_it():
         sparsify(model[0])
 
 
+def test_a_lazy_conv_is_refused_until_its_first_forward_then_sparsified():
+    """An uninitialised ``nn.LazyConv2d`` has a setup hook: it was refused as "a conv with forward hooks
+    (torch.nn.utils.prune ...)", which sent the user to the wrong fix (a helper's find)."""
+    model = nn.Sequential(nn.LazyConv2d(4, 3, padding=1), nn.ReLU()).double()
+    with pytest.raises(ValueError, match=r"^0: LazyConv2d has no weight yet; run one forward pass first"):
+        sparsify(model)
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    with torch.no_grad():
+        expected = model(x)
+        sparse = sparsify(model)
+        assert isinstance(sparse[0], SparseConv) and torch.allclose(sparse(x), expected, rtol=1e-10, atol=1e-12)
+
+
 def test_a_foreign_parametrization_is_folded_into_the_weight():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1)).double()

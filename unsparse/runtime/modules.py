@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from unsparse.prune.masks import squashed_copy
 from unsparse.sparse.format import SparseFormatError, UniformCSR
@@ -114,7 +115,8 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
 
     Raises:
         KeyError: an unknown backend name, listing the known ones.
-        ValueError: naming the layer, for a conv with hooks: ``torch.nn.utils.prune`` and the older
+        ValueError: naming the layer, for a lazy module not initialised yet (``nn.LazyConv2d`` before its first
+            forward pass), or for a conv with hooks: ``torch.nn.utils.prune`` and the older
             ``torch.nn.utils.weight_norm`` recompute the weight in a forward pre-hook, so its ``weight`` attribute
             may be stale, and a sparse copy would lose any hook; remove them first (``prune.remove``,
             ``remove_weight_norm``).
@@ -123,6 +125,9 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
 
     get_backend(backend)  # an unknown name fails here, not at the first forward
     for name, module in model.named_modules():
+        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+            raise ValueError(f"{name or type(module).__name__}: {type(module).__name__} has no weight yet; run one "
+                             "forward pass first, which gives it its shape")
         if isinstance(module, nn.Conv1d | nn.Conv2d) and (module._forward_pre_hooks or module._forward_hooks):
             raise ValueError(f"{name or type(module).__name__}: a conv with forward hooks (torch.nn.utils.prune or "
                              "weight_norm keep the weight in one) cannot be sparsified; remove them first "

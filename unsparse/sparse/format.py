@@ -13,6 +13,7 @@ row, so a row never names a column twice and ``to_dense`` is an exact inverse of
 from __future__ import annotations
 
 import math
+import operator
 import warnings
 from dataclasses import dataclass
 
@@ -27,6 +28,12 @@ FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 class SparseFormatError(ValueError):
     """A UniformCSR (or a file holding one) is malformed; the message names the offending field."""
+
+
+def _require_strided(tensor: object, name: str) -> None:
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        kind = f"a tensor of layout {tensor.layout}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise SparseFormatError(f"{name}: expected a dense (strided) torch.Tensor, got {kind}")
 
 
 def _version(tensor: torch.Tensor) -> int:
@@ -56,7 +63,13 @@ class UniformCSR:
     weight_shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "weight_shape", tuple(int(d) for d in self.weight_shape))
+        try:  # integers only (operator.index): 1.9, "4" or True would silently read as another shape
+            shape = tuple(map(operator.index, self.weight_shape))
+            if any(isinstance(size, bool) for size in self.weight_shape):
+                raise TypeError("a boolean size")
+        except TypeError as error:
+            raise SparseFormatError(f"weight_shape: expected integers, got {self.weight_shape!r}") from error
+        object.__setattr__(self, "weight_shape", shape)
         self.validate()
         object.__setattr__(self, "_validated_versions", self.versions())
 
@@ -72,8 +85,9 @@ class UniformCSR:
             A UniformCSR on ``weight``'s device with ``L = max_m nnz(row m)`` entries per row.
 
         Raises:
-            SparseFormatError: if ``weight`` is not 3-D/4-D or not a float dtype.
+            SparseFormatError: if ``weight`` is not a strided tensor, not 3-D/4-D or not a float dtype.
         """
+        _require_strided(weight, "weight")
         if weight.dim() not in (3, 4):
             raise SparseFormatError(f"weight: expected 3-D (Conv1d) or 4-D (Conv2d), got shape {tuple(weight.shape)}")
         if weight.dtype not in FLOAT_DTYPES:
@@ -117,9 +131,10 @@ class UniformCSR:
         """
         if len(self.weight_shape) not in (3, 4) or any(d < 0 for d in self.weight_shape):
             raise SparseFormatError(f"weight_shape: expected 3 or 4 non-negative dims, got {self.weight_shape}")
+        if math.prod(self.weight_shape) >= 2**63:
+            raise SparseFormatError(f"weight_shape: {self.weight_shape} has more entries than a tensor can hold")
         for name in ("values", "col_idx"):
-            if not isinstance(getattr(self, name), torch.Tensor):
-                raise SparseFormatError(f"{name}: expected a torch.Tensor, got {type(getattr(self, name)).__name__}")
+            _require_strided(getattr(self, name), name)
         if self.values.dtype not in FLOAT_DTYPES:
             raise SparseFormatError(f"values: dtype {self.values.dtype} is not one of {FLOAT_DTYPES}")
         if self.col_idx.dtype != INDEX_DTYPE:

@@ -5,6 +5,7 @@ Conv1d is handled as Conv2d over an input of height 1 (``R = 1``, stride/padding
 
 from __future__ import annotations
 
+import operator
 from dataclasses import asdict, dataclass
 
 import torch
@@ -13,13 +14,30 @@ from torch import nn
 from unsparse.sparse.format import SparseFormatError
 
 
+def _integers(value: object) -> tuple[int, ...]:
+    """``value`` (an integer, or a tuple or list of them) as a tuple; ``()`` for anything else (``operator.index``:
+    a float is refused, not truncated)."""
+    try:
+        return (operator.index(value),) if not isinstance(value, tuple | list) else tuple(map(operator.index, value))
+    except TypeError:
+        return ()
+
+
 def _pair(value: int | tuple[int, ...] | list[int], name: str) -> tuple[int, int]:
-    if isinstance(value, int):
-        return (value, value)
-    value = tuple(int(v) for v in value)
-    if len(value) != 2:
-        raise SparseFormatError(f"{name}: expected an int or a pair, got {value}")
-    return value
+    """``value`` as ``(height, width)``: an integer or a one-element sequence for both, as ``F.conv2d`` reads it,
+    or a pair."""
+    values = _integers(value)
+    if len(values) not in (1, 2):
+        raise SparseFormatError(f"{name}: expected an integer, or one or two of them, got {value!r}")
+    return (values[0], values[-1])
+
+
+def _single(value: int | tuple[int, ...] | list[int], name: str) -> int:
+    """``value`` of a 1-D convolution: an integer or a one-element sequence, as ``F.conv1d`` reads it."""
+    values = _integers(value)
+    if len(values) != 1:
+        raise SparseFormatError(f"{name}: expected an integer, or one of them (1-D), got {value!r}")
+    return values[0]
 
 
 def _resolve_padding(padding: str, kernel_size: tuple[int, ...] | None, stride: int | tuple[int, ...],
@@ -31,11 +49,16 @@ def _resolve_padding(padding: str, kernel_size: tuple[int, ...] | None, stride: 
         return 0
     if kernel_size is None:
         raise SparseFormatError("padding: 'same' needs the kernel size to be resolved")
-    dims = len(kernel_size)
-    strides = (stride,) * dims if isinstance(stride, int) else tuple(stride)
-    if any(step != 1 for step in strides):
+    def per_dimension(value: int | tuple[int, ...], name: str) -> tuple[int, ...]:
+        values = _integers(value)
+        values = values * len(kernel_size) if len(values) == 1 else values
+        if len(values) != len(kernel_size):
+            raise SparseFormatError(f"{name}: expected an integer, or one or {len(kernel_size)} of them, got {value!r}")
+        return values
+
+    if any(step != 1 for step in per_dimension(stride, "stride")):
         raise SparseFormatError(f"padding: 'same' with stride {stride}; torch allows it at stride 1 only")
-    dilations = (dilation,) * dims if isinstance(dilation, int) else tuple(dilation)
+    dilations = per_dimension(dilation, "dilation")
     extents = [d * (k - 1) for d, k in zip(dilations, kernel_size, strict=True)]
     if any(extent % 2 for extent in extents):
         raise SparseFormatError(f"padding: 'same' with kernel {tuple(kernel_size)} and dilation {dilation} pads one "
@@ -76,7 +99,8 @@ class ConvGeometry:
     def of(cls, stride: int | tuple[int, ...] = 1, padding: str | int | tuple[int, ...] = 0,
            dilation: int | tuple[int, ...] = 1, groups: int = 1, spatial_dims: int = 2,
            kernel_size: tuple[int, ...] | None = None) -> ConvGeometry:
-        """Build from ``torch.nn.functional.conv1d/conv2d``-style arguments (ints or 1-/2-tuples).
+        """Build from ``torch.nn.functional.conv1d/conv2d``-style arguments (ints, or tuples of one, or of two for
+        2-D).
 
         String padding, as torch takes it, is resolved against ``kernel_size`` (``(R, S)``, or ``(S,)`` for 1-D):
         ``'valid'`` is 0, ``'same'`` is half of each dilated kernel's extent ``dilation * (k - 1)`` where that is
@@ -89,9 +113,8 @@ class ConvGeometry:
         if isinstance(padding, str):
             padding = _resolve_padding(padding, kernel_size, stride, dilation)
         if spatial_dims == 1:
-            def lift(v: int | tuple[int, ...], fill: int) -> tuple[int, int]:
-                return (fill, v) if isinstance(v, int) else (fill, *tuple(v))
-            return cls(lift(stride, 1), lift(padding, 0), lift(dilation, 1), groups, 1)
+            return cls((1, _single(stride, "stride")), (0, _single(padding, "padding")),
+                       (1, _single(dilation, "dilation")), groups, 1)
         return cls(_pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation"), groups, 2)
 
     @classmethod

@@ -47,7 +47,8 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
         images_per_step: images gathered at once (memory ~ images_per_step * distinct offsets * E * F).
 
     Returns:
-        ``(N, M, E, F)`` tensor of ``x``'s dtype; float16/bfloat16 inputs accumulate in float32. Only stored
+        ``(N, M, E, F)`` tensor of ``x``'s dtype, autocast or not (a float32 input under CPU bfloat16 autocast
+        gives float32, where ``F.conv2d`` gives bfloat16); float16/bfloat16 inputs accumulate in float32. Only stored
         weights are multiplied, so an infinite input under a pruned weight adds nothing, where ``F.conv2d``'s
         ``inf * 0`` gives NaN (as in every sparse backend that skips zeros).
 
