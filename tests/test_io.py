@@ -143,7 +143,8 @@ def first_layer(exported):
     (lambda t, m, layer: m["layers"][layer]["geometry"].update(stride=[2, 2]), "geometry"),
     (lambda t, m, layer: m["layers"].pop(layer), "layers"),
     (lambda t, m, layer: m["tensors"][f"{layer}.values"].update(codec={"name": "zip"}), "codec"),
-    (lambda t, m, layer: t.update({"extra.tensor": torch.zeros(2)}), "tensors"),
+    (lambda t, m, layer: t.update({"extra.tensor": torch.zeros(2)}), "extra.tensor: a stored tensor the metadata does "
+     "not declare"),
     (lambda t, m, layer: t[f"{layer}.values"].view(-1).__setitem__(0, float("nan")), "non-finite"),
     (lambda t, m, layer: t["0.1.running_var"].view(-1).__setitem__(0, -1.0), "0.1.running_var: negative"),
     (lambda t, m, layer: (t.update({"0.1.weight": t["0.1.weight"].half()}),
@@ -154,7 +155,7 @@ def first_layer(exported):
     (lambda t, m, layer: m["layers"][layer].update(row_length=10**6), f"layers.{'0.0'}.row_length"),
     (lambda t, m, layer: m["layers"][layer].update(row_length="3"), "row_length"),
     (lambda t, m, layer: m["layers"][layer]["geometry"].update(stride=[float("inf"), 1]),
-     r"layers.0.0.geometry: stride must be an integer, got inf"),
+     r"metadata: invalid JSON \(Infinity is not JSON\)"),  # strict JSON: no literal reaches the field checks
     (lambda t, m, layer: m["layers"][layer]["geometry"].update(groups="1"),
      r"layers.0.0.geometry: groups must be an integer, got '1'"),
     (lambda t, m, layer: m["layers"][layer]["geometry"].update(padding=[1.0, 1]), "padding must be an integer"),
@@ -169,6 +170,19 @@ def first_layer(exported):
     (lambda t, m, layer: m["model"]["kwargs"].update(width=-1), "model: cannot build"),
     (lambda t, m, layer: m["tensors"]["0.1.running_mean"].update(shape=[8.0]), "0.1.running_mean: bad entry"),
     (lambda t, m, layer: m["extra"].update(nested=json.loads("[" * 200 + "]" * 200)), None),
+    # keys the format does not define were loaded and kept (a helper's finds)
+    (lambda t, m, layer: m.update(comment="x"), r"metadata: unexpected keys \['comment'\]"),
+    (lambda t, m, layer: m["layers"][layer].update(density=0.1), r"layers.0.0: keys \[.*'density'"),
+    (lambda t, m, layer: m["tensors"]["0.1.running_mean"].update(note=1), "0.1.running_mean: bad entry"),
+    (lambda t, m, layer: m["tensors"]["0.1.running_mean"].pop("codec"), "0.1.running_mean: bad entry"),
+    (lambda t, m, layer: m["tensors"]["0.1.running_mean"]["codec"].update(bits=3),
+     r"0.1.running_mean: codec params \['bits', 'name'\], expected \['name'\]"),
+    (lambda t, m, layer: m["model"].update(version=2), "model: bad model spec"),
+    (lambda t, m, layer: m["layers"][layer].update(weight_shape=[float(d) for d in m["layers"][layer]["weight_shape"]]),
+     "layers.0.0.weight_shape"),
+    # a stored part far larger than its tensor was read in full before any check
+    (lambda t, m, layer: t.update({"0.1.running_mean::big": torch.zeros(2**19)}),
+     r"0.1.running_mean: 2097184 stored bytes; a tensor of shape \[8\] needs at most 1048640"),
 ])
 def test_malformed_files_raise_value_errors_naming_the_field(tmp_path, exported, mutate, field):
     tensors, metadata = read(exported[1])
@@ -231,14 +245,16 @@ def first_tensor(header: dict) -> dict:
 
 
 @pytest.mark.parametrize(("change", "match"), [
-    (lambda h: h.update(__metadata__=None), "metadata: no '__metadata__' object"),
+    (lambda h: h.update(__metadata__=None), "metadata: no 'unsparse' string"),
     (lambda h: h.update(__metadata__=[1, 2]), "not a valid safetensors file"),
-    (lambda h: h.pop("__metadata__"), "metadata: no '__metadata__' object"),
+    (lambda h: h.pop("__metadata__"), "metadata: no 'unsparse' string"),
     (lambda h: h["__metadata__"].pop("unsparse"), "metadata: no 'unsparse' string"),
     (lambda h: first_tensor(h).update(dtype="F4"), "not a valid safetensors file"),
     (lambda h: first_tensor(h).update(dtype=7), "not a valid safetensors file"),
     (lambda h: h.update(empty={"dtype": "F32", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}),
-     "not a valid safetensors file"),  # zero bytes, but a stride beyond int64
+     "empty: a stored tensor the metadata does not declare"),  # zero bytes, but a stride beyond int64
+    (lambda h: h.update({"0.1.running_mean::x": {"dtype": "F32", "shape": [0, 2**62, 4], "data_offsets": [0, 0]}}),
+     r"0.1.running_mean: expected parts \[''\], found \['', 'x'\]"),  # the same, under a declared key
     (lambda h: h.update(empty={"dtype": "F32", "shape": [0, 2**70], "data_offsets": [0, 0]}),
      "not a valid safetensors file"),  # zero bytes, but a size beyond int64
 ])
@@ -279,5 +295,76 @@ def test_file_tensor_bytes_rejects_headers_beyond_the_file(tmp_path, exported):
     text = json.dumps(header, separators=(",", ":")).encode()
     assert len(text) <= header_length  # safetensors writes compact JSON, padded with spaces
     path.write_bytes(data[:8] + text.ljust(header_length) + data[8 + header_length:])
-    with pytest.raises(SparseFileError, match="data_offsets"):
+    with pytest.raises(SparseFileError, match="invalid offset"):
         file_tensor_bytes(path)
+
+
+def test_a_path_that_is_no_regular_file_is_refused_without_reading_it(tmp_path, exported):
+    """A FIFO blocked the loader for good and a link to /dev/zero read until memory ran out (a helper's finds)."""
+    import os
+    import threading
+
+    fifo, device_link = tmp_path / "fifo", tmp_path / "device.safetensors"
+    os.mkfifo(fifo)
+    device_link.symlink_to("/dev/null")
+    errors = []
+
+    def load_all():
+        for path in (fifo, device_link, tmp_path):
+            try:
+                load_sparse(path)
+            except SparseFileError as error:
+                errors.append(str(error))
+
+    worker = threading.Thread(target=load_all, daemon=True)  # a blocked read cannot hang the test run
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and len(errors) == 3
+    assert all("is not a regular file" in error for error in errors)
+
+
+@pytest.mark.parametrize(("edit", "match"), [
+    (lambda raw: raw[:-1] + ', "layers": {}}', r"duplicate keys \['layers'\]"),  # the last one won, unchecked
+    (lambda raw: raw.replace('"extra": {', '"extra": {"x": NaN, ', 1), "NaN is not JSON"),
+])
+def test_metadata_that_python_reads_but_json_does_not_define_is_refused(tmp_path, exported, edit, match):
+    tensors, metadata = read(exported[1])
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(save(tensors, metadata={"unsparse": edit(json.dumps(metadata))}))
+    with pytest.raises(SparseFileError, match=match):
+        load_sparse(path)
+
+
+@pytest.mark.parametrize("offsets", [["0", "4"], [0.0, 4.0], [True, 4]])
+def test_file_tensor_bytes_refuses_offsets_that_are_no_integers(tmp_path, exported, offsets):
+    """They were converted with int() and gave sizes adding up to more than the data (a helper's find)."""
+    from unsparse.sparse.io import file_tensor_bytes
+
+    def change(header):
+        first_tensor(header)["data_offsets"] = offsets
+
+    path = tmp_path / "h.safetensors"
+    path.write_bytes(with_header(exported[1].read_bytes(), change))
+    with pytest.raises(SparseFileError, match="not a valid safetensors file"):
+        file_tensor_bytes(path)
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda model: model[0][0].values.view(-1).__setitem__(0, float("nan")), r"0.0.values: non-finite values"),
+    (lambda model: model[0][1].running_var.fill_(-1.0), r"0.1.running_var: negative running variance"),
+])
+def test_save_refuses_values_the_loader_would_refuse(tmp_path, change, match):
+    """The file was written, and load_sparse then refused it (a helper's find)."""
+    model = pruned_sparse_model(width=8)
+    change(model)
+    with pytest.raises(ValueError, match=f"model: load_sparse would refuse its file .*{match}"):
+        save_sparse(model, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize(("device", "match"), [("bogus", "device: 'bogus' is not a device"),
+                                               ("cuda", "device: 'cuda', but CUDA is not available")])
+def test_a_device_the_model_cannot_go_to_is_refused_before_the_file_is_read(tmp_path, device, match):
+    with pytest.raises(ValueError, match=match):
+        load_sparse(tmp_path / "absent.safetensors", device=device)

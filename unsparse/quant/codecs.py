@@ -26,13 +26,8 @@ import torch
 
 from unsparse.quant.fixed_point import check_bits, from_codes, max_code, to_codes
 from unsparse.quant.packing import pack_bits, unpack_bits
-from unsparse.sparse.codecs import TensorCodec, expect_parts, register_codec
+from unsparse.sparse.codecs import TensorCodec, expect_params, expect_parts, register_codec
 from unsparse.sparse.format import SparseFormatError
-
-
-def _param(params: dict[str, Any], names: set[str], field: str) -> None:
-    if set(params) != names | {"name"}:
-        raise SparseFormatError(f"{field}: codec params {sorted(params)}, expected {sorted(names | {'name'})}")
 
 
 def _bits(params: dict[str, Any], key: str, low: int, field: str) -> int:
@@ -117,7 +112,7 @@ class Float16Codec(TensorCodec):
 
     def decode(self, parts: dict[str, torch.Tensor], params: dict[str, Any], shape: tuple[int, ...],
                field: str) -> torch.Tensor:
-        _param(params, set(), field)
+        expect_params(params, set(), field)
         expect_parts(parts, {"half"}, field)
         half = parts["half"]
         if half.dtype != torch.float16 or tuple(half.shape) != tuple(shape):
@@ -139,7 +134,7 @@ class FixedPointCodec(TensorCodec):
 
     def decode(self, parts: dict[str, torch.Tensor], params: dict[str, Any], shape: tuple[int, ...],
                field: str) -> torch.Tensor:
-        _param(params, {"bits", "step"}, field)
+        expect_params(params, {"bits", "step"}, field)
         bits, step = _bits(params, "bits", 2, field), _step(params, field)
         expect_parts(parts, {"codes"}, field)
         count = math.prod(shape)
@@ -175,7 +170,7 @@ class CodebookCodec(TensorCodec):
 
     def decode(self, parts: dict[str, torch.Tensor], params: dict[str, Any], shape: tuple[int, ...],
                field: str) -> torch.Tensor:
-        _param(params, {"index_bits", "centroid_bits", "step"}, field)
+        expect_params(params, {"index_bits", "centroid_bits", "step"}, field)
         index_bits, centroid_bits = _bits(params, "index_bits", 1, field), _bits(params, "centroid_bits", 2, field)
         step = _step(params, field)
         expect_parts(parts, {"indices", "centroids", "row_nnz"}, field)

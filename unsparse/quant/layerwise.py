@@ -95,8 +95,12 @@ class LayerwiseQuantizer(Quantizer):
         ``clusters`` gives).
 
         Raises:
-            SparseFormatError: naming ``quantization.weights`` or ``quantization.weights.<setting>``.
+            SparseFormatError: naming ``quantization`` (keys other than ``scheme``, ``weights`` and
+                ``activations``), ``quantization.weights`` or ``quantization.weights.<setting>``.
         """
+        unexpected = sorted(set(description) - {"scheme", "weights", "activations"})
+        if unexpected:
+            raise SparseFormatError(f"quantization: unexpected {unexpected}, expected scheme, weights and activations")
         weights = description.get("weights")
         if not isinstance(weights, dict):
             raise SparseFormatError(f"quantization.weights: expected an object, got {weights!r}")

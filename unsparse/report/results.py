@@ -7,10 +7,11 @@ device machine under its 64 MiB limit. Readers take either form.
 
 from __future__ import annotations
 
-import json
 import lzma
 from pathlib import Path
 from typing import Any
+
+from unsparse.strict_json import loads_strict
 
 SUFFIXES = (".json.xz", ".json")
 """File endings of a benchmark result: compressed or plain JSON."""
@@ -35,12 +36,6 @@ def beside(stem: str | Path, suffix: str) -> Path:
     ``Path.with_suffix``, a dot inside the name (a sparsity) is kept."""
     stem = Path(stem)
     return stem.with_name(stem.name + suffix)
-
-
-def _refuse_constant(name: str) -> float:
-    """``json.loads``' hook for ``NaN`` and ``Infinity``, which ``bench.json`` never holds (unmeasured values are
-    null): a hand-edited NaN speedup would compare false everywhere and pass as a met target."""
-    raise ValueError(f"{name} is not JSON")
 
 
 def load_result(path: str | Path, strict: bool = True) -> dict[str, Any]:
@@ -70,7 +65,7 @@ def load_result(path: str | Path, strict: bool = True) -> dict[str, Any]:
     else:
         text = path.read_text()
     try:
-        result = json.loads(text, parse_constant=_refuse_constant if strict else None)
+        result = loads_strict(text, constants=not strict)
     except ValueError as error:
         raise ValueError(f"result {path}: not valid JSON ({error})") from error
     if not isinstance(result, dict):

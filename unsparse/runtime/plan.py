@@ -22,6 +22,7 @@ from unsparse.runtime.backends.base import ConvBackend, get_backend, register_ba
 from unsparse.runtime.layout import layout_of
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
+from unsparse.strict_json import loads_strict
 
 log = logging.getLogger(__name__)
 
@@ -158,18 +159,9 @@ class Plan:
                 parser), or invalid content (:meth:`from_dict`); the message names the file. OSError: unreadable
                 file.
         """
-        def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-            keys = [key for key, _ in pairs]
-            if len(set(keys)) != len(keys):
-                raise PlanError(f"duplicate keys {sorted({k for k in keys if keys.count(k) > 1})}")
-            return dict(pairs)
-
-        def no_constant(name: str) -> None:
-            raise PlanError(f"{name} is not JSON")
-
         raw = Path(path).read_bytes()
         try:
-            data = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates, parse_constant=no_constant)
+            data = loads_strict(raw.decode("utf-8"))
             return cls.from_dict(data)
         except PlanError as error:
             raise PlanError(f"{path}: {error}") from error

@@ -61,6 +61,12 @@ def get_codec(name: str, field: str) -> TensorCodec:
     return _CODECS[name]
 
 
+def expect_params(params: dict[str, Any], names: set[str], field: str) -> None:
+    """Raise :class:`SparseFormatError` unless the codec spec ``params`` has exactly ``"name"`` and ``names``."""
+    if set(params) != names | {"name"}:
+        raise SparseFormatError(f"{field}: codec params {sorted(params)}, expected {sorted(names | {'name'})}")
+
+
 def expect_parts(parts: dict[str, torch.Tensor], names: set[str], field: str) -> None:
     """Raise :class:`SparseFormatError` unless ``parts`` has exactly the part ``names``."""
     if set(parts) != names:
@@ -78,6 +84,7 @@ class RawCodec(TensorCodec):
 
     def decode(self, parts: dict[str, torch.Tensor], params: dict[str, Any], shape: tuple[int, ...],
                field: str) -> torch.Tensor:
+        expect_params(params, set(), field)
         expect_parts(parts, {""}, field)
         tensor = parts[""]
         if tuple(tensor.shape) != tuple(shape):

@@ -8,12 +8,15 @@ Layout:
   ``layers`` (per sparse conv: ``weight_shape``, ``geometry``, ``row_length``, ``nnz``, ``sparsity``),
   ``tensors`` (per state-dict key: ``shape``, ``dtype``, ``codec``), ``quantization`` and ``extra``.
 
-Loading treats the file as untrusted: the architecture is built on the ``meta`` device (no memory), with each
-convolution replaced by a shape-only :class:`SparseConv` of the file's row length, and every tensor's declared
-key, shape and dtype is checked against its state dict before any tensor is decoded, so that a file cannot make
-the loader allocate more than its architecture holds. Then values (finite, BatchNorm variances not negative) and
-index ranges are checked, and only then are real tensors assigned. Every problem raises :class:`SparseFileError`
-(a ``ValueError``) naming the field.
+Loading treats the file as untrusted: only a regular file is opened, memory-mapped, and at first only its header
+is read (strict JSON metadata: no duplicate keys, no NaN literals). The architecture is built on the ``meta``
+device (no memory), with each convolution replaced by a shape-only :class:`SparseConv` of the file's row length,
+and every tensor's declared key, shape, dtype and codec (a quantization codec only on a sparse layer's
+``values``) is checked against its state dict, and every stored part's size against what its tensor can need,
+before any tensor is read or decoded, so that a file cannot make the loader allocate much more than its
+architecture holds. Then values (finite, BatchNorm variances not negative) and index ranges are checked, and only
+then are real tensors assigned. Every problem raises :class:`SparseFileError` (a ``ValueError``) naming the
+field.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load as safetensors_load
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_save
 from torch import nn
 
@@ -35,12 +40,27 @@ from unsparse.runtime.modules import SparseConv, sparse_layers
 from unsparse.sparse.codecs import PART_SEPARATOR, get_codec
 from unsparse.sparse.format import INDEX_DTYPE, SparseFormatError, UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
+from unsparse.strict_json import loads_strict
 
 FORMAT_VERSION = 1
 METADATA_KEY = "unsparse"
 DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
     torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
     torch.int32, torch.int64, torch.bool)}
+STORED_DTYPES: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+                                         "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8,
+                                         "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+                                         "BOOL": torch.bool}
+"""The safetensors names of the dtypes a file may store (those of :data:`DTYPES`)."""
+PART_BYTES_PER_ELEMENT = 8
+"""Bytes a tensor's stored parts may hold per element of the tensor (float64, the widest dtype), plus
+:data:`PART_BYTES_EXTRA`."""
+PART_BYTES_EXTRA = 2**20
+"""Bytes a tensor's stored parts may hold beyond :data:`PART_BYTES_PER_ELEMENT` per element: a codebook's
+centroids (at most 2^16 of 4 bytes) and packing's rounding."""
+TOP_LEVEL_KEYS = {"format_version", "model", "layers", "tensors", "quantization", "extra"}
+LAYER_KEYS = {"weight_shape", "geometry", "row_length", "nnz", "sparsity"}
+TENSOR_KEYS = {"shape", "dtype", "codec"}
 
 
 class SparseFileError(SparseFormatError):
@@ -70,8 +90,9 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
         ValueError: if the model has no ``unsparse_spec`` (build it with ``create_model``), no sparse layer, a
             convolution :func:`~unsparse.runtime.modules.sparsify` left dense (the loader rebuilds every convolution
             of the architecture as a sparse one, so such a file could not be read back), or layers or tensors that
-            differ from the architecture ``unsparse_spec`` names (e.g. a replaced classifier; :func:`load_sparse`
-            would refuse the file, and the same checks run before it is written).
+            differ from the architecture ``unsparse_spec`` names (e.g. a replaced classifier), or values the loader
+            refuses (NaN or infinite, a negative BatchNorm variance): :func:`load_sparse` would refuse the file,
+            and the same checks run before it is written.
     """
     from unsparse.quant.state import describe_quantization
 
@@ -95,10 +116,10 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
     metadata = {"format_version": FORMAT_VERSION, "model": spec, "layers": describe_layers(model),
                 "tensors": entries, "quantization": describe_quantization(model), "extra": extra or {}}
     try:
-        _shell_model(metadata)
+        _check_values(_shell_model(metadata), model.state_dict())
     except SparseFileError as error:
         raise ValueError(f"model: load_sparse would refuse its file ({error}): it checks the layers and tensors "
-                         f"against the architecture unsparse_spec names ({spec})") from error
+                         f"against the architecture unsparse_spec names ({spec}), and their values") from error
     return safetensors_save(tensors, metadata={METADATA_KEY: json.dumps(metadata)})
 
 
@@ -121,27 +142,34 @@ def _require(condition: bool, field: str, message: str) -> None:
         raise SparseFileError(f"{field}: {message}")
 
 
-def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+@contextmanager
+def _open_file(path: Path) -> Iterator[Any]:
+    """The safetensors file at ``path``, opened for reading (memory-mapped; safetensors checks its header: length,
+    JSON, dtypes, offsets): a regular file only, so that a FIFO cannot block the loader and a device (a link to
+    ``/dev/zero``) cannot be read without end.
+
+    Raises:
+        SparseFileError: unreadable, not a regular file, or not a safetensors file.
+    """
     try:
-        data = path.read_bytes()
+        mode = os.stat(path).st_mode
     except OSError as error:
         raise SparseFileError(f"file: cannot read {path}: {error}") from error
+    _require(stat.S_ISREG(mode), "file", f"{path} is not a regular file")
     try:
-        tensors = safetensors_load(data)
-        header_length = int.from_bytes(data[:8], "little")
-        header = json.loads(data[8:8 + header_length])
-    except (SafetensorError, ValueError, UnicodeDecodeError, RecursionError, KeyError, TypeError,
-            RuntimeError) as error:
-        # safetensors' torch loader looks dtype names up in a dict (KeyError) and makes empty tensors of the header's
-        # shapes, whose sizes torch refuses beyond int64 (TypeError) or whose strides overflow (RuntimeError)
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError, ValueError) as error:
         raise SparseFileError(f"file: {path} is not a valid safetensors file ({error!r})") from error
-    _require(isinstance(header, dict), "header", "not a JSON object")
-    block = header.get("__metadata__")
-    _require(isinstance(block, dict), "metadata", "no '__metadata__' object; not an UnSparse file")
-    raw = block.get(METADATA_KEY)
+    with handle:
+        yield handle
+
+
+def _read_metadata(handle: Any) -> dict[str, Any]:
+    """The ``"unsparse"`` metadata block of an open file, parsed as strict JSON and checked at the top level."""
+    raw = (handle.metadata() or {}).get(METADATA_KEY)
     _require(isinstance(raw, str), "metadata", f"no {METADATA_KEY!r} string; not an UnSparse file")
     try:
-        metadata = json.loads(raw)
+        metadata = loads_strict(raw)
     except (ValueError, RecursionError) as error:  # ValueError: also an integer beyond Python's digit limit
         raise SparseFileError(f"metadata: invalid JSON ({error})") from error
     _require(isinstance(metadata, dict), "metadata", "expected a JSON object")
@@ -151,14 +179,49 @@ def _read_file(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     for key, kind in (("model", dict), ("layers", dict), ("tensors", dict), ("extra", dict)):
         _require(isinstance(metadata.get(key), kind), key, f"missing or not a {kind.__name__}")
     _require("quantization" in metadata, "quantization", "missing (null for an unquantized model)")
-    return metadata, tensors
+    _require(set(metadata) == TOP_LEVEL_KEYS, "metadata", f"unexpected keys {sorted(set(metadata) - TOP_LEVEL_KEYS)}")
+    return metadata
+
+
+def _read_parts(handle: Any, entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
+    """The stored tensors of an open file, grouped by the state-dict key they encode (``<key>::<part>``, or the
+    plain key as part ``""``), read only once every one belongs to a declared tensor (``entries``, already checked
+    against the architecture), has a dtype of :data:`STORED_DTYPES`, and the parts of each tensor hold at most
+    :data:`PART_BYTES_PER_ELEMENT` bytes per element of it plus :data:`PART_BYTES_EXTRA`.
+
+    Raises:
+        SparseFileError: naming the stored key or tensor.
+    """
+    layout: dict[str, dict[str, tuple[torch.dtype, int]]] = {}
+    for stored_key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+        key, separator, part = stored_key.partition(PART_SEPARATOR)
+        # "k::" would be part "" of k, as "k" is: one silently replacing the other
+        _require(not separator or part != "", stored_key, "empty part name")
+        _require(key in entries, stored_key, "a stored tensor the metadata does not declare")
+        stored = handle.get_slice(stored_key)
+        dtype = STORED_DTYPES.get(stored.get_dtype())
+        _require(dtype is not None, stored_key, f"stored dtype {stored.get_dtype()}, expected one of "
+                 f"{sorted(STORED_DTYPES)}")
+        layout.setdefault(key, {})[part] = (dtype, math.prod(stored.get_shape()) * dtype.itemsize)
+    missing = sorted(set(entries) - set(layout))
+    _require(not missing, "tensors", f"declared but not stored: {missing}")
+    for key, parts in layout.items():
+        stored_bytes = sum(size for _, size in parts.values())
+        limit = PART_BYTES_PER_ELEMENT * math.prod(entries[key]["shape"]) + PART_BYTES_EXTRA
+        _require(stored_bytes <= limit, key, f"{stored_bytes} stored bytes; a tensor of shape {entries[key]['shape']} "
+                 f"needs at most {limit}")
+    # cloned: safetensors returns tensors in Python buffers (16-byte aligned), on which torch's CPU matrix products
+    # take other code paths than on its own allocations, and a reloaded model would not compute bit for bit alike
+    return {key: {part: handle.get_tensor(f"{key}{PART_SEPARATOR}{part}" if part else key).clone() for part in parts}
+            for key, parts in layout.items()}
 
 
 def _build_architecture(spec: dict[str, Any]) -> nn.Module:
     from unsparse.models import create_model
 
-    name, kwargs = spec.get("name"), spec.get("kwargs", {})
-    _require(isinstance(name, str) and isinstance(kwargs, dict), "model", f"bad model spec {spec!r}")
+    name, kwargs = spec.get("name"), spec.get("kwargs")
+    _require(set(spec) == {"name", "kwargs"} and isinstance(name, str) and isinstance(kwargs, dict), "model",
+             f"bad model spec {spec!r}: expected a name and kwargs")
     try:
         with torch.device("meta"):
             model = create_model(name, **kwargs)
@@ -190,7 +253,7 @@ def _shell_model(metadata: dict[str, Any]) -> nn.Module:
         restore_quantization(model, metadata.get("quantization"))
     except SparseFormatError as error:
         raise SparseFileError(str(error)) from error
-    _check_entries(metadata["tensors"], model.state_dict())
+    _check_entries(metadata["tensors"], model.state_dict(), {f"{name}.values" for name in sparse_layers(model)})
     return model
 
 
@@ -201,6 +264,7 @@ def _sparse_shell(name: str, conv: nn.Module, layer_meta: Any) -> SparseConv:
     its exact shape, before any of them is decoded."""
     field = f"layers.{name}"
     _require(isinstance(layer_meta, dict), field, "missing from the file")
+    _require(set(layer_meta) == LAYER_KEYS, field, f"keys {sorted(layer_meta)}, expected {sorted(LAYER_KEYS)}")
     try:
         geometry = ConvGeometry.from_dict(layer_meta.get("geometry"))
     except SparseFormatError as error:
@@ -208,7 +272,9 @@ def _sparse_shell(name: str, conv: nn.Module, layer_meta: Any) -> SparseConv:
     _require(geometry == ConvGeometry.from_module(conv), f"{field}.geometry",
              f"{geometry} differs from the architecture's {ConvGeometry.from_module(conv)}")
     weight_shape = tuple(conv.weight.shape)
-    _require(layer_meta.get("weight_shape") == list(weight_shape), f"{field}.weight_shape",
+    recorded = layer_meta["weight_shape"]
+    _require(isinstance(recorded, list) and all(type(size) is int for size in recorded)
+             and recorded == list(weight_shape), f"{field}.weight_shape",
              f"{layer_meta.get('weight_shape')} differs from the architecture's {list(weight_shape)}")
     columns, row_length = math.prod(weight_shape[1:]), layer_meta.get("row_length")
     _require(isinstance(row_length, int) and not isinstance(row_length, bool) and 0 <= row_length <= columns,
@@ -219,21 +285,25 @@ def _sparse_shell(name: str, conv: nn.Module, layer_meta: Any) -> SparseConv:
     return SparseConv(csr, conv.bias, geometry)
 
 
-def _check_entries(entries: dict[str, Any], expected: dict[str, torch.Tensor]) -> None:
+def _check_entries(entries: dict[str, Any], expected: dict[str, torch.Tensor], coded: set[str]) -> None:
     """The file's declared tensors against the architecture's state dict ``expected`` (meta tensors), before any is
-    decoded, so that a file cannot make the loader allocate more than its architecture holds: the same keys, the
-    same shapes, the same integer dtypes, and one floating dtype for every floating tensor (a model computes in
-    one; the architecture's own is float32, a file may hold the model in another, e.g. float16)."""
+    read, so that a file cannot make the loader allocate more than its architecture holds: the same keys, each entry
+    holding exactly ``shape``, ``dtype`` and ``codec``; the same shapes, the same integer dtypes, and one floating
+    dtype for every floating tensor (a model computes in one; the architecture's own is float32, a file may hold the
+    model in another, e.g. float16); a codec other than ``raw`` only on the keys in ``coded`` (the sparse layers'
+    ``values``, which the quantizers encode: a codec's decoder makes temporaries several times its tensor's size,
+    and a quantized classifier would load as a model that misdescribes itself)."""
     missing, unexpected = sorted(set(expected) - set(entries)), sorted(set(entries) - set(expected))
     _require(not missing and not unexpected, "tensors", f"missing {missing}, unexpected {unexpected}")
     floating = set()
     for key, reference in expected.items():
         entry = entries[key]
-        _require(isinstance(entry, dict) and isinstance(entry.get("shape"), list)
-                 and all(type(size) is int for size in entry["shape"]), key, f"bad entry {entry!r}")
+        _require(isinstance(entry, dict) and set(entry) == TENSOR_KEYS and isinstance(entry["shape"], list)
+                 and all(type(size) is int for size in entry["shape"]), key,
+                 f"bad entry {entry!r}: expected {sorted(TENSOR_KEYS)}, the shape a list of integers")
         _require(entry["shape"] == list(reference.shape), key,
                  f"shape {entry['shape']}, architecture needs {list(reference.shape)}")
-        name = entry.get("dtype")
+        name = entry["dtype"]
         dtype = DTYPES.get(name) if isinstance(name, str) else None
         _require(dtype is not None, key, f"unknown dtype {name!r}")
         if reference.dtype.is_floating_point:
@@ -241,6 +311,10 @@ def _check_entries(entries: dict[str, Any], expected: dict[str, torch.Tensor]) -
             floating.add(dtype)
         else:
             _require(dtype == reference.dtype, key, f"dtype {dtype}, architecture needs {reference.dtype}")
+        codec = entry["codec"]
+        _require(isinstance(codec, dict) and isinstance(codec.get("name"), str), key, f"bad codec {codec!r}")
+        _require(codec["name"] == "raw" or key in coded, key,
+                 f"codec {codec['name']!r}; only a sparse layer's values may carry a codec other than raw")
     _require(len(floating) <= 1, "tensors", f"floating tensors in several dtypes {sorted(map(str, floating))}")
 
 
@@ -258,21 +332,13 @@ def _check_counts(name: str, layer_meta: dict[str, Any], csr: UniformCSR) -> Non
              f"{field}.sparsity", f"recorded {sparsity!r}, the values give {fraction!r}")
 
 
-def _decode_tensors(metadata: dict[str, Any], stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Every tensor of the file from its stored parts (entries already checked by :func:`_check_entries`)."""
-    parts_by_key: dict[str, dict[str, torch.Tensor]] = {}
-    for stored_key, tensor in stored.items():
-        key, separator, part = stored_key.partition(PART_SEPARATOR)
-        # "k::" would be part "" of k, as "k" is: one silently replacing the other
-        _require(not separator or part != "", stored_key, "empty part name")
-        parts_by_key.setdefault(key, {})[part] = tensor
-    entries = metadata["tensors"]
-    _require(set(parts_by_key) == set(entries), "tensors",
-             f"stored tensors and metadata differ: {sorted(set(parts_by_key) ^ set(entries))}")
+def _decode_tensors(entries: dict[str, dict[str, Any]],
+                    parts_by_key: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Every tensor of the file from its stored parts (:func:`_read_parts`; entries already checked by
+    :func:`_check_entries`)."""
     decoded = {}
     for key, entry in entries.items():
-        codec = entry.get("codec", {"name": "raw"})
-        _require(isinstance(codec, dict) and isinstance(codec.get("name"), str), key, f"bad codec {codec!r}")
+        codec = entry["codec"]
         try:
             tensor = get_codec(codec["name"], key).decode(parts_by_key[key], codec, tuple(entry["shape"]), key)
         except SparseFormatError as error:
@@ -298,7 +364,7 @@ def _check_values(model: nn.Module, decoded: dict[str, torch.Tensor]) -> None:
 def _restore_codecs(model: nn.Module, entries: dict[str, dict[str, Any]]) -> None:
     """Put each non-raw codec spec back on its module (``unsparse_codecs``), so a reloaded model saves alike."""
     for key, entry in entries.items():
-        codec = entry.get("codec", {"name": "raw"})
+        codec = entry["codec"]
         if codec["name"] != "raw":
             module_name, _, tensor_name = key.rpartition(".")
             module = model.get_submodule(module_name) if module_name else model
@@ -306,32 +372,37 @@ def _restore_codecs(model: nn.Module, entries: dict[str, dict[str, Any]]) -> Non
 
 
 def file_tensor_bytes(path: str | Path) -> dict[str, int]:
-    """Bytes each stored tensor (or codec part) occupies in a safetensors file, read from its header only.
+    """Bytes each stored tensor (or codec part) occupies in a safetensors file, read from its header only
+    (safetensors checks that the header's offsets are integers that tile the data section exactly).
 
     Returns:
         ``{stored key: bytes}``; keys of codec parts keep their ``::part`` suffix.
 
     Raises:
-        SparseFileError: unreadable file, or a malformed header: longer than the file, not a JSON object, or data
-            offsets outside the file's data or reversed.
+        SparseFileError: unreadable file, not a regular file, a malformed header, or a stored dtype outside
+            :data:`STORED_DTYPES`.
     """
+    sizes = {}
+    with _open_file(Path(path)) as handle:
+        for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+            stored = handle.get_slice(key)
+            dtype = STORED_DTYPES.get(stored.get_dtype())
+            _require(dtype is not None, key, f"stored dtype {stored.get_dtype()}, expected one of "
+                     f"{sorted(STORED_DTYPES)}")
+            sizes[key] = math.prod(stored.get_shape()) * dtype.itemsize
+    return sizes
+
+
+def _target_device(device: torch.device | str) -> torch.device:
+    """``device`` parsed, and on CUDA only where CUDA is available (else ``ValueError``: found before the file is
+    read, not after it was validated)."""
     try:
-        with open(path, "rb") as file:
-            size = os.fstat(file.fileno()).st_size
-            header_length = int.from_bytes(file.read(8), "little")
-            _require(8 + header_length <= size, "header", f"{header_length} bytes in a file of {size}")
-            header = json.loads(file.read(header_length))
-        _require(isinstance(header, dict), "header", "not a JSON object")
-        sizes = {}
-        for key, entry in header.items():
-            if key != "__metadata__":
-                start, end = (int(offset) for offset in entry["data_offsets"])
-                _require(0 <= start <= end <= size - 8 - header_length, f"{key}.data_offsets",
-                         f"[{start}, {end}] outside the file's data")
-                sizes[key] = end - start
-        return sizes
-    except (OSError, ValueError, KeyError, TypeError, IndexError, OverflowError, RecursionError) as error:
-        raise SparseFileError(f"file: cannot read the safetensors header of {path}: {error}") from error
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError) as error:
+        raise ValueError(f"device: {device!r} is not a device ({error})") from error
+    if parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r}, but CUDA is not available")
+    return parsed
 
 
 def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: str = "reference") -> nn.Module:
@@ -347,9 +418,13 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
 
     Raises:
         KeyError: an unknown ``backend`` name, listing the known ones.
-        SparseFileError: (a ``ValueError``) unreadable or non-safetensors file, missing metadata, unknown
-            format version or model name, missing/extra/misshapen tensors (checked against the architecture
-            before any is decoded), wrong dtypes or floating tensors of several dtypes, column indices outside
+        ValueError: a ``device`` torch cannot parse, or a CUDA device on a machine without one (checked first).
+        SparseFileError: (a ``ValueError``) unreadable, non-regular or non-safetensors file, missing metadata,
+            metadata that is not strict JSON (duplicate keys, NaN literals) or holds keys the format does not
+            define, unknown format version or model name, missing/extra/misshapen tensors (checked against the
+            architecture before any is read), a codec other than raw on a tensor that is no sparse layer's
+            values, stored parts larger than their tensor can need, wrong dtypes or floating tensors of several
+            dtypes, column indices outside
             ``[0, K)``, geometry or shape disagreeing with the architecture, a layer's recorded ``nnz`` or
             ``sparsity`` disagreeing with its values, non-finite values, negative
             BatchNorm variances, a layer's ``values`` codec that contradicts the quantization description
@@ -360,9 +435,12 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
     from unsparse.runtime.backends import get_backend
 
     get_backend(backend)  # an unknown name fails before the file is read, not at the first forward
-    metadata, stored = _read_file(Path(path))
-    model = _shell_model(metadata)
-    decoded = _decode_tensors(metadata, stored)
+    device = _target_device(device)
+    with _open_file(Path(path)) as handle:
+        metadata = _read_metadata(handle)
+        model = _shell_model(metadata)
+        parts_by_key = _read_parts(handle, metadata["tensors"])
+    decoded = _decode_tensors(metadata["tensors"], parts_by_key)
     _check_values(model, decoded)
     for name, layer in sparse_layers(model).items():
         try:

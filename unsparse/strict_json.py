@@ -1,0 +1,32 @@
+"""Strict JSON for files read as untrusted input (sparse model files, plans, benchmark results).
+
+Python's ``json`` accepts the literals ``NaN``, ``Infinity`` and ``-Infinity`` and keeps the last of duplicate object
+keys; in a file that is checked field by field, either lets two readers see different content (a duplicate layer
+entry with other counts, a NaN that compares false everywhere).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"duplicate keys {sorted({key for key in keys if keys.count(key) > 1})}")
+    return dict(pairs)
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads_strict(text: str | bytes, constants: bool = False) -> Any:
+    """``json.loads`` that refuses duplicate object keys and, unless ``constants``, ``NaN``/``Infinity`` literals.
+
+    Raises:
+        ValueError: naming the duplicate keys or the literal, or ``json``'s own error (syntax, UTF-8, an integer
+            beyond Python's digit limit). RecursionError: nesting deeper than the parser.
+    """
+    return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=None if constants else _refuse_constant)
