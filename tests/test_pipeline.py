@@ -382,3 +382,20 @@ def test_report_md_lists_the_backends_that_were_not_timed(tmp_path):
     assert layers and {entry["backend"] for entry in report["not_timed"]} == {"direct_half2"}
     assert ("Not timed: `direct_half2` on " + ", ".join(f"`{layer}`" for layer in layers)
             + " (unsupported: direct_half2 runs on ['cuda'], input is on cpu).") in (tmp_path / "report.md").read_text()
+
+
+def test_report_md_counts_the_weights_quantization_rounds_to_zero(tmp_path):
+    """The report gave only the pruning's sparsity, while 2-bit weights drop every |w| under half a step (a helper
+    found k-means and linear quantization removing nonzeros without a word)."""
+    from unsparse.quant import ActivationSpec, LinearQuantizer
+
+    torch.manual_seed(0)
+    report = run_pipeline(digits(limit_train=200, limit_test=60), create_model("vgg_small", width=4),
+                          MagnitudePruner(0.1, fine_tune_epochs=0),
+                          LinearQuantizer(bits=2, activations=ActivationSpec("none"), progress=False).quantize,
+                          tmp_path, TrainSettings(epochs=0, batch_size=64),
+                          TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]), progress=False)
+    counts = report["conv_nonzeros"]
+    assert counts["exported"] == sum(row["nnz"] for row in report["layers"]) < counts["pruned"]
+    assert (f"quantization rounded {counts['pruned'] - counts['exported']} of them to zero, so the exported file "
+            f"holds {counts['exported']}") in (tmp_path / "report.md").read_text()

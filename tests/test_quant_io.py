@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -166,7 +167,8 @@ def test_empty_and_constant_layers_are_handled_exactly(tmp_path, scheme, inputs)
 @pytest.mark.parametrize(("build", "data", "match"), [
     (lambda: LinearQuantizer(progress=False), None, "calibration"),
     (lambda: LinearQuantizer(progress=False), [], "calibration"),
-    (lambda: LinearQuantizer(progress=False), [(torch.zeros(2, 1, 28, 28), torch.zeros(2))], "zero"),
+    (lambda: LinearQuantizer(progress=False), [(torch.zeros(2, 1, 28, 28), torch.zeros(2))],
+     "every calibration image is zero"),
 ])
 def test_fixed_point_activations_need_usable_calibration_data(build, data, match):
     model = pruned_sparse_model()
@@ -174,6 +176,26 @@ def test_fixed_point_activations_need_usable_calibration_data(build, data, match
     with pytest.raises(ValueError, match=match):
         build().quantize(model, data)
     assert all(torch.equal(layer.values, before[name]) for name, layer in sparse_layers(model).items())
+
+
+def test_a_layer_after_a_fully_pruned_one_is_quantized_with_a_logged_level(tmp_path, caplog):
+    """Its inputs are zero on any data (the fully pruned conv's BatchNorm has no shift, then a ReLU): linear
+    quantization refused the whole model after training, where FP16 and k-means quantize it (a helper's find)."""
+    torch.manual_seed(0)
+    model = create_model("vgg_small", width=4).eval()
+    with torch.no_grad():
+        [conv for conv in model.modules() if isinstance(conv, torch.nn.Conv2d)][3].weight.zero_()
+    sparse, images = sparsify(model), torch.randn(8, 1, 28, 28)
+    with torch.no_grad():
+        expected = sparse(images)
+    with caplog.at_level(logging.WARNING):
+        quantized = LinearQuantizer(progress=False).quantize(sparse, [(images, torch.zeros(8))])
+    assert "every input of 6.0, 7.0 is zero" in caplog.text
+    assert [float(sparse_layers(quantized)[name].input_quantizer.saturation) for name in ("6.0", "7.0")] == [1.0, 1.0]
+    loaded = load_sparse(save_sparse(quantized, tmp_path / "m.safetensors"))
+    with torch.no_grad():
+        output = loaded(images)
+    assert torch.equal(output, quantized(images)) and (output - expected).abs().max() < 0.1 * expected.abs().max()
 
 
 def test_quantizing_twice_or_a_dense_model_is_refused():
@@ -198,6 +220,15 @@ def store_raw(tensors, metadata, key):
     parts = {"codes": tensors.pop(f"{key}::codes")}
     tensors[key] = FixedPointCodec().decode(parts, entry["codec"], tuple(entry["shape"]), key)
     entry["codec"] = {"name": "raw"}
+
+
+def code_tensor(tensors, metadata, key):
+    """Store the raw float32 ``key`` under a 2-bit fixed-point codec that decodes it (a valid encoding)."""
+    entry, tensor = metadata["tensors"][key], tensors.pop(key)
+    codec = {"name": "fixed_point", "bits": 2, "step": float(tensor.abs().max())}
+    tensors.update({f"{key}::{part}": data for part, data in FixedPointCodec().encode(
+        torch.zeros_like(tensor), codec).items()})
+    entry["codec"] = codec
 
 
 def rewrite(path, change):
@@ -241,6 +272,11 @@ def rewrite(path, change):
     (lambda t, m: m["quantization"].update(scheme="fp16", weights={"format": "float16"}),
      r"^0.0.values: codec \{'name': 'fixed_point'.* gives \{'name': 'float16'\}"),
     (lambda t, m: store_raw(t, m, "0.0.values"), r"^0.0.values: codec \{'name': 'raw'\}"),
+    # a quantization codec on another tensor decoded it with temporaries of 8 bytes a code, 250 times the file's
+    # size for a 1-bit classifier (a helper's find); and the model loaded as one that misdescribes itself
+    (lambda t, m: code_tensor(t, m, "0.1.running_var"),
+     "0.1.running_var: codec 'fixed_point'; only a sparse layer's values may carry a codec other than raw"),
+    (lambda t, m: m["quantization"].update(note=1), r"quantization: unexpected \['note'\]"),
 ])
 def test_tampered_quantized_files_raise_naming_the_field(tmp_path, change, match):
     model = LinearQuantizer(progress=False).quantize(pruned_sparse_model(), calibration())

@@ -421,7 +421,9 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
                     "iteration budget ran out, or no layer could be pruned further)", result.masked_weighted_sparsity,
                     pruner.target)
 
-    sparse_model = quantizer(sparsify(model.cpu()), loaders["val"])
+    sparse_model = sparsify(model.cpu())
+    pruned_nonzeros = sum(layer.csr.nnz for layer in sparse_layers(sparse_model).values())
+    sparse_model = quantizer(sparse_model, loaders["val"])
     path = save_sparse(sparse_model, outdir / "model.safetensors",
                        extra={"data": splits.name, "accuracy": accuracy, "weighted_sparsity": result.weighted_sparsity})
     loaded = load_sparse(path, device=device)
@@ -450,6 +452,7 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
                     "layer_sparsity": result.layer_sparsity, "fully_pruned_layers": fully_pruned,
                     "wall_time_s": result.wall_time_s, "history": result.history},
         "quantization": getattr(loaded, "unsparse_quantization", None),
+        "conv_nonzeros": {"pruned": pruned_nonzeros, "exported": sum(row["nnz"] for row in rows)},
         "layers": rows,
         "timings": [entry for entry in timings if entry["time_ms"] is not None],
         "not_timed": [entry for entry in timings if entry["time_ms"] is None],

@@ -15,6 +15,7 @@ On load, :meth:`unsparse.quant.layerwise.LayerwiseQuantizer.restore` rebuilds th
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from itertools import islice
@@ -31,6 +32,9 @@ from unsparse.settings import check_choice, check_flag, check_integer, check_qua
 from unsparse.sparse.format import SparseFormatError
 
 FORMATS = ("none", "fp16", "fixed")
+SILENT_LEVEL = 1.0
+"""Saturation level of a layer whose calibration inputs are all zero (:func:`calibrate`)."""
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,9 @@ class ActivationSpec:
     Args:
         format: ``"none"`` (float32), ``"fp16"`` or ``"fixed"``.
         bits: fixed-point bits in ``[2, 16]`` (``fixed`` only).
-        quantile: saturation quantile of the nonzero ``|x|`` in ``(0, 1]`` (``fixed``; paper: 0.99).
+        quantile: saturation quantile of the nonzero ``|x|`` in ``(0, 1]`` (``fixed``): paper 004 §4's threshold
+            0.99 read as a quantile of the histogram. The paper's sentence can also be read as saturating at
+            ``0.99 * max |x|``, which ``quantile = 1`` (``max |x|``) approaches; that reading is not offered.
         bins: histogram bins over ``[0, max |x|]``; the level is exact to ``max |x| / bins``.
         power_of_two: step as a power of two (eq. 21) instead of ``x_sat / q_max`` (eq. 20).
         calibration_batches: calibration batches used (the first ones of the loader).
@@ -171,14 +177,18 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
         spec: quantile, bins and number of batches.
 
     Returns:
-        Saturation level per layer name (same unit as the activations).
+        Saturation level per layer name (same unit as the activations). A layer whose calibration inputs are all
+        zero (a fully pruned layer before it makes them so on any data) gets :data:`SILENT_LEVEL`, with a logged
+        warning: any level quantizes zeros exactly.
 
     Raises:
-        ValueError: no calibration batch, or a layer whose calibration inputs are all zero.
+        ValueError: no calibration batch, or calibration images that are all zero.
     """
     batches = [images for images, _ in islice(calibration or [], spec.calibration_batches)]
     if not batches:
         raise ValueError("calibration: fixed-point activations need at least one calibration batch")
+    if not any(bool(images.any()) for images in batches):
+        raise ValueError("calibration: every calibration image is zero; no saturation level can be measured")
     maxima = dict.fromkeys(sparse_layers(model), 0.0)
 
     def record_max(name: str, x: torch.Tensor) -> None:
@@ -188,11 +198,16 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
     model.eval()
     try:
         _observe_inputs(model, batches, record_max, "calibration: max |x|", progress)
-        for name, upper in maxima.items():
-            if upper <= 0:
-                raise ValueError(f"calibration: every input of layer {name!r} is zero; no saturation level")
-        histograms = {name: MagnitudeHistogram(upper, spec.bins) for name, upper in maxima.items()}
-        _observe_inputs(model, batches, lambda name, x: histograms[name].add(x), "calibration: histogram", progress)
+        silent = sorted(name for name, upper in maxima.items() if upper <= 0)
+        if silent:
+            log.warning("calibration: every input of %s is zero (a fully pruned layer before it?); their saturation "
+                        "level is set to %s, under which zeros stay exactly zero", ", ".join(silent), SILENT_LEVEL)
+        histograms = {name: MagnitudeHistogram(upper, spec.bins) for name, upper in maxima.items() if upper > 0}
+        def record_histogram(name: str, x: torch.Tensor) -> None:
+            if name in histograms:
+                histograms[name].add(x)
+
+        _observe_inputs(model, batches, record_histogram, "calibration: histogram", progress)
     finally:
         model.train(was_training)
-    return {name: histogram.level(spec.quantile) for name, histogram in histograms.items()}
+    return {name: histograms[name].level(spec.quantile) if name in histograms else SILENT_LEVEL for name in maxima}

@@ -58,11 +58,12 @@ def fixed_point_step(saturation: float, bits: int, power_of_two: bool = False) -
 
     Raises:
         ValueError: bits out of range, or ``saturation`` not finite and positive (e.g. an all-zero layer), or a
-            step outside float32's range (``saturation`` beyond it, or subnormal).
+            step outside float32's range (beyond it, or rounding to 0 in float32; a subnormal step is accepted).
     """
     q_max = max_code(bits)
     if not math.isfinite(saturation) or saturation <= 0:
-        raise ValueError(f"saturation: expected a finite level > 0, got {saturation!r} (all values zero?)")
+        raise ValueError(f"saturation: expected a finite level > 0, got {saturation!r}"
+                         + (" (every value is zero)" if saturation == 0 else ""))
     step = 2.0 ** (math.ceil(math.log2(saturation)) + 1 - bits) if power_of_two else saturation / q_max
     step32 = torch.tensor(step, dtype=torch.float32)
     if not bool(torch.isfinite(step32)) or float(step32) <= 0:

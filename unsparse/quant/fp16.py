@@ -21,14 +21,15 @@ class FP16Quantizer(LayerwiseQuantizer):
     default_activations = ActivationSpec(format="fp16")
 
     def quantize_values(self, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        """``values`` rounded to the nearest float16, as float32.
+        """``values`` rounded to the nearest float16, as float32 (round to nearest even: ``|w| < 65520`` rounds to at
+        most 65504, float16's largest value).
 
         Raises:
-            ValueError: a weight beyond float16's range (``|w| > 65504``).
+            ValueError: a weight that rounds beyond float16's range (``|w| >= 65520``).
         """
         quantized = values.to(torch.float16).to(torch.float32)
         if not bool(torch.isfinite(quantized).all()):
-            raise ValueError("weights exceed float16's range (|w| > 65504)")
+            raise ValueError("weights exceed float16's range (|w| >= 65520 rounds to infinity)")
         return quantized, {}
 
     def values_codec(self) -> dict[str, Any]:

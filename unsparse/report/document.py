@@ -149,7 +149,9 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
             ``metric_trivial``, ``timing_runs``, ``timing_warmup`` and ``tree_modified``), ``accuracy`` (the test
             metric per stage; a NaN, or one no better than ``metric_trivial``, is named), ``pruning`` (its
             ``target`` and ``target_reached`` stated when present, ``fully_pruned_layers`` warned about),
-            ``quantization``, ``layers`` (rows of :func:`unsparse.report.layers.layer_rows`), ``timings``,
+            ``quantization`` (with optional ``conv_nonzeros``: ``pruned`` and ``exported`` nonzero conv weights,
+            whose difference quantization rounded to zero), ``layers`` (rows of
+            :func:`unsparse.report.layers.layer_rows`), ``timings``,
             ``timing_baseline``, ``timing_verdicts`` (from :func:`timing_verdicts`), ``file``, optionally
             ``not_timed`` (rows without a time; those whose status is not ``"ok"`` are listed) and optionally
             ``plan_check`` (the fields of :class:`~unsparse.runtime.comparator.PlanCheck` with the keys
@@ -190,6 +192,13 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
     if report.get("quantization"):
         quant = report["quantization"]
         sections += ["## Quantization", markdown_table(["key", "value"], [[k, v] for k, v in quant.items()])]
+        counts = report.get("conv_nonzeros")
+        if counts:
+            lost = counts["pruned"] - counts["exported"]
+            sections.append(f"The pruned model's convolutions hold {counts['pruned']} nonzero weights; "
+                            + (f"quantization rounded {lost} of them to zero, so the exported file holds "
+                               f"{counts['exported']} (its sparsities below count from the file)." if lost else
+                               "quantization kept every one of them nonzero."))
     file_info = report["file"]
     sections += [
         "## Export",
