@@ -70,6 +70,22 @@ def test_a_job_built_twice_from_one_seed_starts_from_the_same_weights():
     assert not all(torch.equal(first[key], other[key]) for key in first)
 
 
+@pytest.mark.parametrize(("override", "message"), [
+    ("seed=abc", "seed: expected an integer >= 0, got 'abc'"),  # torch.manual_seed's "invalid literal for int()"
+    ("train.epochs=true", "train.epochs: expected an integer >= 0, got True"),  # ran 1 epoch, "True epoch"
+    ("+prune.layer_targets={7.0: 0.5}", None),  # Hydra reads the key as a float: it names layer "7.0"
+])
+def test_command_line_values_are_read_or_refused_by_name(override, message):
+    from unsparse.cli import build_job
+
+    cfg = composed("experiment=smoke", "data=digits", "device=cpu", "prune.scope=layer", override)
+    if message is None:
+        assert build_job(cfg)["pruner"].layer_targets == {"7.0": 0.5}
+        return
+    with pytest.raises(ValueError, match=message):
+        build_job(cfg)
+
+
 def test_smoke_experiment_overrides_the_defaults():
     cfg = composed("experiment=smoke")
     assert cfg.train.epochs == 1 and cfg.model.width == 8 and cfg.prune.fine_tune_epochs == 1

@@ -13,6 +13,8 @@ from unsparse import create_model, load_sparse
 from unsparse.data import DatasetUnavailableError, digits, fashion_mnist
 from unsparse.pipeline import TimingSettings, TrainSettings, compare_layers, run_pipeline
 from unsparse.prune import MagnitudePruner
+from unsparse.prune.evolutionary import EvolutionaryPruner
+from unsparse.prune.gradual import GradualMagnitudePruner
 
 
 def small_real_data():
@@ -217,15 +219,39 @@ def test_a_time_series_trains_an_autoencoder_and_reports_its_mse(tmp_path, caplo
 
 
 @pytest.mark.parametrize(("make", "field"), [
-    (lambda: TrainSettings(epochs=-1), "train.epochs = -1"),
-    (lambda: TrainSettings(batch_size=0), "train.batch_size = 0"),
-    (lambda: TrainSettings(eval_batch_size=0), "train.eval_batch_size = 0"),
-    (lambda: TrainSettings(lr=-1.0), "train.lr = -1.0"),
-    (lambda: TrainSettings(momentum=1.0), "train.momentum = 1.0"),
+    (lambda: TrainSettings(epochs=-1), r"train.epochs: expected an integer >= 0, got -1"),
+    (lambda: TrainSettings(batch_size=0), r"train.batch_size: expected an integer >= 1, got 0"),
+    (lambda: TrainSettings(eval_batch_size=0), r"train.eval_batch_size: expected an integer >= 1, got 0"),
+    (lambda: TrainSettings(lr=-1.0), r"train.lr: expected a number > 0, got -1.0"),
+    (lambda: TrainSettings(momentum=1.0), r"train.momentum: expected a number in \[0, 1\), got 1.0"),
     (lambda: TrainSettings(weight_decay=-0.1), "train.weight_decay"),
-    (lambda: TimingSettings(repeats=0), "runtime.timing.repeats = 0"),
-    (lambda: TimingSettings(batch_size=0), "runtime.timing.batch_size = 0"),
-    (lambda: TimingSettings(warmup=-1), "runtime.timing.warmup = -1"),
+    # types the comparisons let through (a helper's finds): "True epoch" in report.md, a float epoch count that
+    # failed after the folder was claimed, a string that switched deterministic mode on
+    (lambda: TrainSettings(epochs=True), r"train.epochs: expected an integer >= 0, got True"),
+    (lambda: TrainSettings(epochs=1.5), r"train.epochs: expected an integer >= 0, got 1.5"),
+    (lambda: TrainSettings(batch_size=64.5), "train.batch_size"),
+    (lambda: TrainSettings(epochs="abc"), "train.epochs"),
+    (lambda: TrainSettings(deterministic="maybe"), r"train.deterministic: expected a bool, got 'maybe'"),
+    (lambda: TimingSettings(repeats=0), "runtime.timing.repeats: expected an integer >= 1, got 0"),
+    (lambda: TimingSettings(batch_size=0), "runtime.timing.batch_size"),
+    (lambda: TimingSettings(warmup=-1), "runtime.timing.warmup: expected an integer >= 0, got -1"),
+    (lambda: TimingSettings(backends="dense_cpu"), "runtime.timing.backends: expected a list of backend names"),
+    # pruner settings torch refused only after dense training, or took without a word (a helper's finds)
+    (lambda: MagnitudePruner(lr=-1), r"lr: expected a number > 0 \(or null\), got -1"),
+    (lambda: MagnitudePruner(lr=0), "lr: expected a number > 0"),
+    (lambda: MagnitudePruner(fine_tune_epochs=-1), "fine_tune_epochs: expected an integer >= 0, got -1"),
+    (lambda: MagnitudePruner(fine_tune_epochs=1.5), "fine_tune_epochs: expected an integer >= 0, got 1.5"),
+    (lambda: MagnitudePruner(target="abc"), r"target: expected a number in \[0, 1\) \(a sparsity\), got 'abc'"),
+    (lambda: MagnitudePruner(layers="7.0"), "layers: expected a list of layer names"),
+    (lambda: MagnitudePruner(scope="layer", layer_targets={"7.0": "x"}), r"layer_targets.7.0: expected a number"),
+    (lambda: EvolutionaryPruner(fine_tune_lr=-1), "fine_tune_lr: expected a number > 0"),
+    (lambda: EvolutionaryPruner(epsilon=float("nan")), r"epsilon: expected a number \(not NaN\)"),
+    (lambda: EvolutionaryPruner(iterations=2.5), "iterations: expected an integer >= 0, got 2.5"),
+    (lambda: EvolutionaryPruner(unit_step={"0.0": -0.1}), r"unit_step.0.0: expected a number > 0"),
+    (lambda: EvolutionaryPruner(rewind="no"), "rewind: expected a bool"),
+    (lambda: GradualMagnitudePruner(target=0.9, initial_sparsity=0.95),
+     r"initial_sparsity: expected a number in \[0, target = 0.9\], got 0.95"),
+    (lambda: GradualMagnitudePruner(frequency=0), "frequency: expected an integer >= 1, got 0"),
     (lambda: digits(limit_test=0), "limit_test: 0 keeps no example"),
     (lambda: digits(test_size=0), r"test_size: expected an integer in \[1, 1796\]"),
     (lambda: digits(val_size=-100), r"val_size: expected an integer in \[1, 1436\]"),
@@ -237,6 +263,23 @@ def test_a_time_series_trains_an_autoencoder_and_reports_its_mse(tmp_path, caplo
 def test_settings_out_of_range_are_refused_naming_the_field(make, field):
     with pytest.raises(ValueError, match=field):
         make()
+
+
+def test_layer_names_the_model_lacks_are_refused_before_training_binds_the_folder(tmp_path):
+    """A typo in a per-layer setting failed after dense training, and the folder then refused the corrected run
+    (a helper's find). Hydra reads a command-line key ``7.0`` as a float: it names layer "7.0"."""
+    for pruner, message in (
+            (MagnitudePruner(scope="layer", layer_targets={"bogus": 0.5}), r"layer_targets: \['bogus'\]"),
+            (MagnitudePruner(layers=["0.0", "7.1"]), r"layers: \['7.1'\] are not prunable"),
+            (EvolutionaryPruner(layers=["0.0"], unit_step={"0.0": 0.1, "6.0": 0.1}),
+             r"unit_step: \['6.0'\] are not masked"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            run_pipeline(digits(limit_train=200, limit_test=60), create_model("vgg_small", width=4), pruner,
+                         lambda model, loader: model, tmp_path, TrainSettings(epochs=1, batch_size=64),
+                         TimingSettings(), progress=False)
+        assert not any(tmp_path.iterdir())
+    assert MagnitudePruner(scope="layer", layer_targets={7.0: 0.5, 10: 0.2}).layer_targets == {"7.0": 0.5, "10": 0.2}
 
 
 def test_devices_and_backends_are_checked_before_any_work(tmp_path):
@@ -394,7 +437,12 @@ def test_report_md_counts_the_weights_quantization_rounds_to_zero(tmp_path):
                           MagnitudePruner(0.1, fine_tune_epochs=0),
                           LinearQuantizer(bits=2, activations=ActivationSpec("none"), progress=False).quantize,
                           tmp_path, TrainSettings(epochs=0, batch_size=64),
-                          TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]), progress=False)
+                          TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]),
+                          backend="dense_cpu", progress=False)
+    # the named backend is the CPU's dense default: timed against itself it read "0.55x (SLOWER)" on a busy machine
+    assert report["plan_check"]["model_runs_on_is_default"] and "model_runs_on_ms" not in report["plan_check"]
+    assert ("The test set ran on `dense_cpu`, not on the plan, which is the dense default itself (not timed against "
+            "itself).") in (tmp_path / "report.md").read_text()
     counts = report["conv_nonzeros"]
     assert counts["exported"] == sum(row["nnz"] for row in report["layers"]) < counts["pruned"]
     assert (f"quantization rounded {counts['pruned'] - counts['exported']} of them to zero, so the exported file "

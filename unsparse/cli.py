@@ -21,6 +21,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from unsparse.pipeline import TimingSettings, TrainSettings, resolve_device, run_pipeline
+from unsparse.settings import check_integer
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("unsparse")
@@ -34,11 +35,12 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
     train the same dense model (with ``train.deterministic`` on CUDA too).
 
     Raises:
-        ValueError: from :func:`resolve_device`, :class:`TrainSettings`, :class:`TimingSettings` or a factory.
+        ValueError: from :func:`resolve_device`, :class:`TrainSettings`, :class:`TimingSettings`, a ``seed`` that is
+            no integer >= 0, or a factory.
     """
     device = resolve_device(cfg.device)
     train, timing = TrainSettings(**cfg.train), TimingSettings(**cfg.runtime.timing)
-    torch.manual_seed(cfg.seed)
+    torch.manual_seed(check_integer(cfg.seed, "seed", low=0))
     return {"splits": instantiate(cfg.data), "model": instantiate(cfg.model), "pruner": instantiate(cfg.prune),
             "quantizer": instantiate(cfg.quant).quantize, "train": train, "timing": timing,
             "backend": cfg.runtime.backend, "device": device, "progress": cfg.progress, "seed": cfg.seed}

@@ -31,18 +31,13 @@ from unsparse.runtime.baseline import NAME as BASELINE
 from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model, planned_backends, time_against_default
 from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, sparsify, visit_layer_inputs
 from unsparse.runtime.plan import active_plan
+from unsparse.settings import check_flag, check_integer, check_number
+from unsparse.sparse.functional import dense_fallback_backend
 from unsparse.sparse.io import load_sparse, save_sparse
 from unsparse.task import Task, check_model_fits, task_of, trivial_score
 from unsparse.train import Trainer, check_resumable, deterministic_algorithms, tensor_digest
 
 log = logging.getLogger(__name__)
-
-
-def require_in_range(group: str, settings: object, checks: dict[str, bool]) -> None:
-    """Raise ``ValueError`` naming every ``group.field = value`` of ``settings`` whose check in ``checks`` failed."""
-    wrong = [f"{group}.{name} = {getattr(settings, name)!r}" for name, valid in checks.items() if not valid]
-    if wrong:
-        raise ValueError(f"out of range: {', '.join(wrong)}")
 
 
 @dataclass
@@ -51,8 +46,9 @@ class TrainSettings:
     :func:`~unsparse.train.deterministic_algorithms`, so a CUDA run repeats from its seed, as CPU runs already do.
 
     Raises:
-        ValueError: naming the ``train.`` field: negative ``epochs``, batch sizes below 1, a learning rate that is
-            not positive, momentum outside ``[0, 1)`` or negative weight decay (checked before any work starts).
+        ValueError: naming the ``train.`` field: ``epochs`` that is no integer >= 0, batch sizes that are no integers
+            >= 1, a learning rate that is not positive, momentum outside ``[0, 1)``, negative weight decay (numbers,
+            not bools), or a ``deterministic`` that is no bool (checked before any work starts).
     """
 
     epochs: int = 3
@@ -64,9 +60,13 @@ class TrainSettings:
     deterministic: bool = False
 
     def __post_init__(self) -> None:
-        require_in_range("train", self, {"epochs": self.epochs >= 0, "batch_size": self.batch_size >= 1,
-                                         "eval_batch_size": self.eval_batch_size >= 1, "lr": self.lr > 0,
-                                         "momentum": 0 <= self.momentum < 1, "weight_decay": self.weight_decay >= 0})
+        check_integer(self.epochs, "train.epochs", low=0)
+        check_integer(self.batch_size, "train.batch_size")
+        check_integer(self.eval_batch_size, "train.eval_batch_size")
+        check_number(self.lr, "train.lr", lambda value: value > 0, "> 0")
+        check_number(self.momentum, "train.momentum", lambda value: 0 <= value < 1, "in [0, 1)")
+        check_number(self.weight_decay, "train.weight_decay", lambda value: value >= 0, ">= 0")
+        check_flag(self.deterministic, "train.deterministic")
 
 
 @dataclass
@@ -78,8 +78,9 @@ class TimingSettings:
     ``direct_half2`` takes float16 inputs only, so the main job's float32 models record it as unsupported).
 
     Raises:
-        ValueError: naming ``backends``, for a name that is not a registered backend; naming the field, for a
-            ``batch_size`` or ``repeats`` below 1 or a negative ``warmup``.
+        ValueError: naming ``backends``, for a name that is not a registered backend, or backends that are no list
+            of names; naming the field, for a ``batch_size`` or ``repeats`` that is no integer >= 1 or a ``warmup``
+            that is no integer >= 0.
     """
 
     batch_size: int = 64
@@ -88,9 +89,12 @@ class TimingSettings:
     backends: list[str] | None = None
 
     def __post_init__(self) -> None:
-        require_in_range("runtime.timing", self, {"batch_size": self.batch_size >= 1, "repeats": self.repeats >= 1,
-                                                  "warmup": self.warmup >= 0})
+        check_integer(self.batch_size, "runtime.timing.batch_size")
+        check_integer(self.repeats, "runtime.timing.repeats")
+        check_integer(self.warmup, "runtime.timing.warmup", low=0)
         if self.backends is not None:
+            if isinstance(self.backends, str) or not all(isinstance(name, str) for name in self.backends):
+                raise ValueError(f"runtime.timing.backends: expected a list of backend names, got {self.backends!r}")
             self.backends = list(self.backends)
             unknown = sorted(set(self.backends) - set(backend_names()))
             if unknown:
@@ -231,7 +235,6 @@ def layer_backends(model: nn.Module, backend: str, example: torch.Tensor) -> dic
     none). For a named backend the layers' inputs come from one forward of ``example``
     (:func:`~unsparse.runtime.modules.visit_layer_inputs`: pass a model in eval mode)."""
     from unsparse.runtime.backends import get_backend
-    from unsparse.sparse.functional import dense_fallback_backend
 
     if backend == "auto":
         planned = planned_backends(model, active_plan())
@@ -363,7 +366,9 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     Raises:
         ValueError: ``outdir`` holds the checkpoints of another job (:func:`claim_output_folder`) or another running
             job (:func:`only_job_in`), or ``backend`` is neither ``"auto"`` nor a registered backend that runs on
-            ``device`` (checked before any training: a CUDA backend on the CPU would run every layer dense).
+            ``device`` (checked before any training: a CUDA backend on the CPU would run every layer dense), or
+            the pruner's settings name layers the model does not have (:meth:`Pruner.check_layers`, also before
+            training: the folder would otherwise be bound to the typo by then).
     """
     from unsparse.runtime.backends import get_backend
 
@@ -375,6 +380,7 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
                          "choose a backend of that device, or auto")
     task = task_of(splits)
     check_model_fits(model, splits)
+    pruner.check_layers(model)
     if train.epochs == 0:
         log.warning("train.epochs = 0: the dense model is not trained (its %s is chance level)", task.label)
     outdir = Path(outdir)
@@ -432,7 +438,9 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
     example = splits.test[0][: train.eval_batch_size if backend == "auto" else timing.batch_size].to(device)
     timings, check = compare_layers(loaded, example, timing)
     runs_on = {"model_runs_on": backend, "layer_backends": layer_backends(loaded, backend, example)}
-    if backend != "auto":
+    if backend == dense_fallback_backend(example.device):
+        runs_on["model_runs_on_is_default"] = True  # timed against itself, the figure would be noise
+    elif backend != "auto":
         runs_on.update(time_model_on(loaded, example, backend, check.timing, timing))
     accuracy["sparse_run"] = trainer.evaluate(loaded, "test", f"test sparse ({backend})")[task.metric]
     weights = (f"trained on the data set, {train.epochs} epoch{'s' * (train.epochs != 1)} (not synthetic)"

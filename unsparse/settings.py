@@ -1,11 +1,12 @@
-"""Checks of settings (quantizers, data, time series): each returns the value or raises ``ValueError`` naming it.
+"""Checks of settings (training, timing, pruners, quantizers, data, time series): each returns the value or raises
+``ValueError`` naming it.
 
 Bools are refused where a number is expected (``True`` is an ``int`` to Python) and numbers where a bool is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any
 
 
@@ -18,6 +19,18 @@ def check_quantile(quantile: float, field: str) -> float:
     if isinstance(quantile, bool) or not isinstance(quantile, int | float) or not 0 < quantile <= 1:
         raise ValueError(f"{field}: expected a number in (0, 1], got {quantile!r}")
     return float(quantile)
+
+
+def check_number(value: float, field: str, valid: Callable[[float], bool], expected: str) -> float:
+    """``value`` as a float if it is a number (not a bool) for which ``valid(value)`` holds; ``expected`` says
+    which numbers, for the message (e.g. ``"> 0"``).
+
+    Raises:
+        ValueError: naming ``field`` otherwise.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float) or not valid(value):
+        raise ValueError(f"{field}: expected a number {expected}, got {value!r}")
+    return float(value)
 
 
 def check_integer(value: int, field: str, low: int = 1, high: int | None = None) -> int:

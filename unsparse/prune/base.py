@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from unsparse.prune.masks import (
     remove_masks,
     weighted_sparsity,
 )
+from unsparse.settings import check_number
 from unsparse.train import Trainer, tensor_digest
 
 
@@ -54,6 +56,29 @@ class PruneResult:
         return self.masked_weighted_sparsity >= target - 1e-9
 
 
+def layer_mapping(mapping: Mapping[Any, float], field: str, valid: Callable[[float], bool],
+                  expected: str) -> dict[str, float]:
+    """A per-layer setting as ``{layer name: number}``: keys as strings (Hydra reads a command-line key such as
+    ``7.0`` or ``10`` as a number, and ``str`` gives the layer's name back), each value a number ``valid`` accepts.
+
+    Raises:
+        ValueError: naming ``field`` and the layer, for a value that is no such number, or a ``mapping`` that is no
+            mapping.
+    """
+    if not isinstance(mapping, Mapping):
+        raise ValueError(f"{field}: expected a mapping of layer names to numbers, got {mapping!r}")
+    return {str(name): check_number(value, f"{field}.{name}", valid, expected) for name, value in mapping.items()}
+
+
+def optional_rate(rate: float | None, field: str) -> float | None:
+    """A learning rate that may be None (the trainer's): else a number > 0.
+
+    Raises:
+        ValueError: naming ``field`` otherwise.
+    """
+    return None if rate is None else check_number(rate, field, lambda value: value > 0, "> 0 (or null)")
+
+
 class Pruner(ABC):
     """Base class of pruning methods.
 
@@ -61,22 +86,53 @@ class Pruner(ABC):
         target: target weighted sparsity in ``[0, 1)`` over the masked layers (paper 004 eq. 7-8); with a subset in
             ``layers`` the model-wide figure is lower, since unmasked layers stay dense.
         layers: names of the layers to prune (default: every Conv1d/Conv2d/Linear).
+
+    Raises:
+        ValueError: a ``target`` that is no number in ``[0, 1)``, or ``layers`` that is no list of names.
     """
 
     name: str = "pruner"
 
     def __init__(self, target: float, layers: list[str] | None = None) -> None:
-        if not 0.0 <= target < 1.0:
-            raise ValueError(f"target: sparsity {target} outside [0, 1)")
+        check_number(target, "target", lambda value: 0.0 <= value < 1.0, "in [0, 1) (a sparsity)")
+        if layers is not None and (isinstance(layers, str) or not all(isinstance(name, str) for name in layers)):
+            raise ValueError(f"layers: expected a list of layer names, got {layers!r}")
         self.target = target
         self.layer_names = layers
         self.model: nn.Module | None = None
         self.input_digest: str | None = None
         self.masks: dict[str, WeightMask] = {}
 
+    def named_layers(self) -> dict[str, list[str]]:
+        """The layer names the settings hold, by setting: ``layers`` here; subclasses add per-layer settings, which
+        must name masked layers."""
+        return {"layers": list(self.layer_names or [])}
+
+    def check_layers(self, model: nn.Module) -> None:
+        """Check the layer names of the settings (:meth:`named_layers`) against ``model`` before any work: ``layers``
+        must name prunable layers, and every per-layer setting a masked one (the main job calls this before it
+        trains, so that a typo does not surface after dense training; :meth:`prepare` calls it too).
+
+        Raises:
+            ValueError: naming the setting and its unknown names, listing the layers that would do.
+        """
+        prunable = list(prunable_layers(model))
+        masked = self.layer_names if self.layer_names is not None else prunable
+        for setting, names in self.named_layers().items():
+            allowed = prunable if setting == "layers" else masked
+            unknown = [name for name in names if name not in allowed]
+            if unknown:
+                raise ValueError(f"{setting}: {unknown} are not {'prunable' if setting == 'layers' else 'masked'} "
+                                 f"Conv1d/Conv2d/Linear layers of the model; it has {', '.join(allowed) or 'none'}")
+
     def prepare(self, model: nn.Module) -> None:
         """Attach masks (all ones) to the chosen layers of ``model`` (mutated) and remember it, with a digest of the
-        weights and buffers it held before (:func:`~unsparse.train.tensor_digest`, part of :meth:`identity`)."""
+        weights and buffers it held before (:func:`~unsparse.train.tensor_digest`, part of :meth:`identity`).
+
+        Raises:
+            ValueError: from :meth:`check_layers`.
+        """
+        self.check_layers(model)
         self.input_digest = tensor_digest(model.state_dict().values())
         self.model = model
         self.masks = attach_masks(model, self.layer_names)

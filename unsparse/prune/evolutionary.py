@@ -77,8 +77,9 @@ from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
 
 from unsparse.atomic import atomic_write_bytes
-from unsparse.prune.base import Pruner, PruneResult
+from unsparse.prune.base import Pruner, PruneResult, layer_mapping, optional_rate
 from unsparse.prune.masks import dense_weight, lowest_mask, pack_mask, prunable_layers, pruned_count, unpack_mask
+from unsparse.settings import check_flag, check_integer, check_number
 from unsparse.train import (
     Trainer,
     check_resumable,
@@ -182,9 +183,7 @@ class RankedList:
     """
 
     def __init__(self, length: int) -> None:
-        if length < 1:
-            raise ValueError(f"length: {length} < 1")
-        self.length = length
+        self.length = check_integer(length, "ranked_list_length")
         self.solutions: list[Solution] = []
 
     def __len__(self) -> int:
@@ -276,7 +275,9 @@ class EvolutionaryPruner(Pruner):
         layers: layers to prune (default all prunable).
 
     Raises:
-        ValueError: on out-of-range constants.
+        ValueError: naming the constant that is out of range or not a number of its kind (an integer for counts
+            and ``seed``, a bool for ``rewind``; learning rates None or > 0; ``unit_step`` a number > 0 or a mapping
+            of layer names, read as strings, to such numbers); as :class:`~unsparse.prune.base.Pruner`.
     """
 
     name = "evolutionary"
@@ -290,30 +291,38 @@ class EvolutionaryPruner(Pruner):
                  fine_tune_epochs: int = 3, fine_tune_lr: float | None = None, seed: int = 0,
                  layers: list[str] | None = None) -> None:
         super().__init__(target, layers)
-        if not 0.0 < min_step <= max_step <= 1.0:
-            raise ValueError(f"steps: need 0 < min_step {min_step} <= max_step {max_step} <= 1")
-        if not 0.0 <= initial_sparsity <= max_layer_sparsity <= 1.0:
-            raise ValueError(f"need 0 <= initial_sparsity {initial_sparsity} <= max_layer_sparsity "
-                             f"{max_layer_sparsity} <= 1")
-        if iterations < 0 or layers_per_iteration < 1 or (batches_per_iteration or 1) < 1:
-            raise ValueError("iterations must be >= 0, layers_per_iteration and batches_per_iteration >= 1")
-        if deadline is not None and not 0.0 < deadline <= 1.0:
-            raise ValueError(f"deadline: {deadline} outside (0, 1]")
-        if crossover_max_regress < 0.0:
-            raise ValueError(f"crossover_max_regress: {crossover_max_regress} < 0")
-        if not 0.0 <= mutation_threshold <= 1.0:
-            raise ValueError(f"mutation_threshold: probability {mutation_threshold} outside [0, 1]")
-        if min(alpha, beta) < 0.0:
-            raise ValueError(f"alpha {alpha} and beta {beta} must be >= 0")
+        check_number(min_step, "min_step", lambda value: 0.0 < value <= 1.0, "in (0, 1]")
+        check_number(max_step, "max_step", lambda value: min_step <= value <= 1.0, f"in [min_step = {min_step}, 1]")
+        check_number(max_layer_sparsity, "max_layer_sparsity", lambda value: 0.0 <= value <= 1.0, "in [0, 1]")
+        check_number(initial_sparsity, "initial_sparsity", lambda value: 0.0 <= value <= max_layer_sparsity,
+                     f"in [0, max_layer_sparsity = {max_layer_sparsity}]")
+        check_integer(iterations, "iterations", low=0)
+        check_integer(layers_per_iteration, "layers_per_iteration")
+        if batches_per_iteration is not None:
+            check_integer(batches_per_iteration, "batches_per_iteration")
+        if deadline is not None:
+            check_number(deadline, "deadline", lambda value: 0.0 < value <= 1.0, "in (0, 1] (or null)")
+        check_number(crossover_max_regress, "crossover_max_regress", lambda value: value >= 0.0, ">= 0")
+        check_number(mutation_threshold, "mutation_threshold", lambda value: 0.0 <= value <= 1.0,
+                     "in [0, 1] (a probability)")
+        for name, value in (("alpha", alpha), ("beta", beta)):
+            check_number(value, name, lambda number: number >= 0.0, ">= 0")
+        # a negative epsilon asks every iteration to improve the score by at least |epsilon| (-inf: every one stalls)
+        check_number(epsilon, "epsilon", lambda number: not math.isnan(number), "(not NaN)")
+        check_flag(rewind, "rewind")
         self.iterations, self.batches_per_iteration = iterations, batches_per_iteration
         self.alpha, self.beta, self.epsilon = alpha, beta, epsilon
         self.ranked, self.ranked_list_length = RankedList(ranked_list_length), ranked_list_length
-        self.unit_step = dict(unit_step) if isinstance(unit_step, Mapping) else unit_step
+        self.unit_step = (layer_mapping(unit_step, "unit_step", lambda value: value > 0.0, "> 0")
+                          if isinstance(unit_step, Mapping) else
+                          check_number(unit_step, "unit_step", lambda value: value > 0.0, "> 0 (or a mapping)"))
         self.min_step, self.max_step = min_step, max_step
         self.layers_per_iteration, self.mutation_threshold = layers_per_iteration, mutation_threshold
         self.initial_sparsity, self.max_layer_sparsity, self.rewind = initial_sparsity, max_layer_sparsity, rewind
         self.deadline, self.crossover_max_regress = deadline, crossover_max_regress
-        self.lr, self.fine_tune_epochs, self.fine_tune_lr, self.seed = lr, fine_tune_epochs, fine_tune_lr, seed
+        self.lr, self.fine_tune_lr = optional_rate(lr, "lr"), optional_rate(fine_tune_lr, "fine_tune_lr")
+        self.fine_tune_epochs = check_integer(fine_tune_epochs, "fine_tune_epochs", low=0)
+        self.seed = check_integer(seed, "seed", low=0)
         self.generator = torch.Generator()
         self.grad_stats: dict[str, torch.Tensor] = {}
         self.delta: dict[str, float] = {}
@@ -322,6 +331,10 @@ class EvolutionaryPruner(Pruner):
         self.pending: list[str] = []
         self.iteration = 0
         self.score = -math.inf
+
+    def named_layers(self) -> dict[str, list[str]]:
+        """``layers`` and the names of a ``unit_step`` mapping."""
+        return {**super().named_layers(), "unit_step": list(self.unit_step) if isinstance(self.unit_step, dict) else []}
 
     def prepare(self, model: nn.Module) -> None:
         """Attach masks and reset the state: ``Δ_l`` to its unit step, ``G`` to zeros, the generator to ``seed``.
@@ -653,6 +666,7 @@ class EvolutionaryPruner(Pruner):
                         len(state["history"]))
         if current != expected:
             atomic_write_bytes(log_path, expected)
+        log.info("resumed evolutionary pruning from %s after iteration %d", checkpoint, self.iteration)
         return state["history"], state["elapsed_s"]
 
 

@@ -18,6 +18,7 @@ from torch import nn
 from unsparse.prune.base import PruneResult
 from unsparse.prune.evolutionary import val_metrics
 from unsparse.prune.magnitude import MagnitudePruner
+from unsparse.settings import check_choice, check_integer, check_number
 from unsparse.train import Trainer, check_resumable, fit_seconds, load_checkpoint
 
 CHECKPOINT = "gradual.pt"
@@ -60,7 +61,9 @@ class GradualMagnitudePruner(MagnitudePruner):
             ``layer_targets[l] / target`` (:class:`MagnitudePruner`).
 
     Raises:
-        ValueError: on a bad unit, scope, schedule constant or ``layer_targets``.
+        ValueError: naming the setting: a bad unit, a schedule constant that is no integer in range (``start`` and
+            ``pruning_steps`` >= 0, ``frequency`` >= 1), an ``initial_sparsity`` outside ``[0, target]``, or as
+            :class:`MagnitudePruner`.
     """
 
     name = "gradual"
@@ -70,10 +73,12 @@ class GradualMagnitudePruner(MagnitudePruner):
                  lr: float | None = None, layers: list[str] | None = None,
                  layer_targets: Mapping[str, float] | None = None) -> None:
         super().__init__(target, scope, fine_tune_epochs, lr, layers, layer_targets)
-        if unit not in UNITS:
-            raise ValueError(f"unit: expected one of {UNITS}, got {unit!r}")
-        if start < 0 or frequency < 1 or pruning_steps < 0 or not 0.0 <= initial_sparsity <= target:
-            raise ValueError("need start >= 0, frequency >= 1, pruning_steps >= 0, 0 <= initial_sparsity <= target")
+        check_choice(unit, UNITS, "unit")
+        check_integer(start, "start", low=0)
+        check_integer(frequency, "frequency")
+        check_integer(pruning_steps, "pruning_steps", low=0)
+        check_number(initial_sparsity, "initial_sparsity", lambda value: 0.0 <= value <= target,
+                     f"in [0, target = {target}]")
         self.initial_sparsity, self.start, self.frequency = initial_sparsity, start, frequency
         self.pruning_steps, self.unit = pruning_steps, unit
 

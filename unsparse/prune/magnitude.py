@@ -15,8 +15,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from unsparse.prune.base import Pruner, PruneResult
+from unsparse.prune.base import Pruner, PruneResult, layer_mapping, optional_rate
 from unsparse.prune.masks import prunable_layers, threshold_mask
+from unsparse.settings import check_choice, check_integer
 from unsparse.train import Trainer, fit_seconds
 
 
@@ -36,7 +37,9 @@ class MagnitudePruner(Pruner):
 
     Raises:
         ValueError: bad ``scope``; ``layer_targets`` with ``scope="global"``, with ``target`` 0, or with a value
-            outside ``[0, 1)``.
+            outside ``[0, 1)`` (its keys are read as strings: Hydra reads ``7.0`` as a number); a
+            ``fine_tune_epochs`` that is no integer >= 0; an ``lr`` that is neither None nor > 0; as
+            :class:`~unsparse.prune.base.Pruner`.
     """
 
     name = "magnitude"
@@ -45,16 +48,17 @@ class MagnitudePruner(Pruner):
                  lr: float | None = None, layers: list[str] | None = None,
                  layer_targets: Mapping[str, float] | None = None) -> None:
         super().__init__(target, layers)
-        if scope not in ("global", "layer"):
-            raise ValueError(f"scope: expected 'global' or 'layer', got {scope!r}")
-        if layer_targets is not None:
-            if scope != "layer" or target == 0.0:
-                raise ValueError("layer_targets: needs scope='layer' and a target above 0")
-            outside = {name: value for name, value in layer_targets.items() if not 0.0 <= value < 1.0}
-            if outside:
-                raise ValueError(f"layer_targets: sparsity outside [0, 1) for {outside}")
-        self.scope, self.fine_tune_epochs, self.lr = scope, fine_tune_epochs, lr
-        self.layer_targets = dict(layer_targets or {})
+        check_choice(scope, ("global", "layer"), "scope")
+        if layer_targets is not None and (scope != "layer" or target == 0.0):
+            raise ValueError("layer_targets: needs scope='layer' and a target above 0")
+        self.layer_targets = layer_mapping(layer_targets or {}, "layer_targets", lambda value: 0.0 <= value < 1.0,
+                                           "in [0, 1) (a sparsity)")
+        self.scope, self.fine_tune_epochs = scope, check_integer(fine_tune_epochs, "fine_tune_epochs", low=0)
+        self.lr = optional_rate(lr, "lr")
+
+    def named_layers(self) -> dict[str, list[str]]:
+        """``layers`` and the names of ``layer_targets``."""
+        return {**super().named_layers(), "layer_targets": list(self.layer_targets)}
 
     @torch.no_grad()
     def step(self, sparsity: float | None = None) -> None:
@@ -66,17 +70,13 @@ class MagnitudePruner(Pruner):
 
         Raises:
             ValueError: a ``sparsity`` outside ``[0, 1]``.
-            KeyError: a ``layer_targets`` name is not a masked layer.
         """
         sparsity = self.target if sparsity is None else sparsity
         if not 0.0 <= sparsity <= 1.0:
             raise ValueError(f"sparsity: {sparsity} outside [0, 1]")
         layers = prunable_layers(self._prepared())
         magnitudes = {name: layers[name].weight.abs() for name in self.masks}
-        if self.scope == "layer":
-            unknown = set(self.layer_targets) - set(magnitudes)
-            if unknown:
-                raise KeyError(f"layer_targets: not masked layers: {sorted(unknown)}")
+        if self.scope == "layer":  # layer_targets name masked layers (checked by prepare)
             for name, magnitude in magnitudes.items():
                 # layer_targets imply target > 0 (checked in __init__); a layer without one follows the step
                 share = self.layer_targets[name] / self.target if name in self.layer_targets else 1.0

@@ -67,7 +67,8 @@ def plan_check_text(check: dict[str, Any]) -> str:
     of :class:`~unsparse.runtime.comparator.PlanCheck`, its ``margin`` a fraction, plus ``images`` per
     forward, ``model_runs_on``, the backend the test set ran on, ``layer_backends``, each layer's backend there, and
     where that is not ``auto`` ``model_runs_on_ms``, ``model_runs_on_default_ms`` and ``model_runs_on_timing``,
-    the model's time on it and on its dense default, and how both were timed). Says whether the plan is faster,
+    the model's time on it and on its dense default, and how both were timed, or ``model_runs_on_is_default`` where
+    it is that default). Says whether the plan is faster,
     within the margin (run-to-run noise) or SLOWER, that slower plans were set back, and what the test set ran on:
     the plan's backend per layer, or another backend's whole-model time against the dense default."""
     how = "as CUDA-graph replays (GPU time)" if check["timing"] == "graph" else "eagerly (host clock included)"
@@ -93,7 +94,9 @@ def plan_check_text(check: dict[str, Any]) -> str:
         text += f" The test set ran on `{check['model_runs_on']}`, not on the plan" + (
             f" (**{len(declined)} of {len(check['layer_backends'])} layers ran dense instead**: "
             + "; ".join(f"`{layer}` on {backend}" for layer, backend in declined.items()) + ")" if declined else "")
-        if check.get("model_runs_on_ms") is not None:
+        if check.get("model_runs_on_is_default"):
+            text += ", which is the dense default itself (not timed against itself)"
+        elif check.get("model_runs_on_ms") is not None:
             runs_on, runs_on_default = check["model_runs_on_ms"], check["model_runs_on_default_ms"]
             how_runs_on = "as CUDA-graph replays" if check["model_runs_on_timing"] == "graph" else "eagerly"
             text += (f": {runs_on:.4g} ms per forward against {runs_on_default:.4g} ms on the dense default, both "
