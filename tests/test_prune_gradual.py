@@ -130,3 +130,13 @@ def test_wall_time_after_a_resume_counts_the_epochs_of_the_interrupted_process(t
         pruner().run(tiny_model(), trainer, tmp_path)
     resumed = pruner().run(tiny_model(), slow_trainer(), tmp_path)
     assert resumed.wall_time_s >= 3 * 0.2
+
+
+def test_checking_the_settings_keeps_the_values_a_checkpoint_records():
+    """``Pruner.identity`` records the settings as given; the type checks must not turn ``lr: 1`` into ``1.0``, or a
+    run started before them could not resume."""
+    import json
+
+    pruner = GradualMagnitudePruner(target=0.8, scope="layer", lr=1, layer_targets={7.0: 1 / 2})
+    identity = json.loads(pruner.identity())
+    assert type(identity["lr"]) is int and identity["layer_targets"] == {"7.0": 0.5}

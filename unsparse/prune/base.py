@@ -67,7 +67,9 @@ def layer_mapping(mapping: Mapping[Any, float], field: str, valid: Callable[[flo
     """
     if not isinstance(mapping, Mapping):
         raise ValueError(f"{field}: expected a mapping of layer names to numbers, got {mapping!r}")
-    return {str(name): check_number(value, f"{field}.{name}", valid, expected) for name, value in mapping.items()}
+    for name, value in mapping.items():
+        check_number(value, f"{field}.{name}", valid, expected)
+    return {str(name): value for name, value in mapping.items()}  # values as given: they enter Pruner.identity
 
 
 def optional_rate(rate: float | None, field: str) -> float | None:
@@ -76,7 +78,9 @@ def optional_rate(rate: float | None, field: str) -> float | None:
     Raises:
         ValueError: naming ``field`` otherwise.
     """
-    return None if rate is None else check_number(rate, field, lambda value: value > 0, "> 0 (or null)")
+    if rate is not None:
+        check_number(rate, field, lambda value: value > 0, "> 0 (or null)")
+    return rate  # as given: it enters Pruner.identity
 
 
 class Pruner(ABC):

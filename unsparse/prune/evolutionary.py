@@ -313,9 +313,11 @@ class EvolutionaryPruner(Pruner):
         self.iterations, self.batches_per_iteration = iterations, batches_per_iteration
         self.alpha, self.beta, self.epsilon = alpha, beta, epsilon
         self.ranked, self.ranked_list_length = RankedList(ranked_list_length), ranked_list_length
-        self.unit_step = (layer_mapping(unit_step, "unit_step", lambda value: value > 0.0, "> 0")
-                          if isinstance(unit_step, Mapping) else
-                          check_number(unit_step, "unit_step", lambda value: value > 0.0, "> 0 (or a mapping)"))
+        if isinstance(unit_step, Mapping):
+            unit_step = layer_mapping(unit_step, "unit_step", lambda value: value > 0.0, "> 0")
+        else:
+            check_number(unit_step, "unit_step", lambda value: value > 0.0, "> 0 (or a mapping)")
+        self.unit_step = unit_step
         self.min_step, self.max_step = min_step, max_step
         self.layers_per_iteration, self.mutation_threshold = layers_per_iteration, mutation_threshold
         self.initial_sparsity, self.max_layer_sparsity, self.rewind = initial_sparsity, max_layer_sparsity, rewind
