@@ -152,6 +152,39 @@ def test_activation_saturation_is_the_configured_histogram_quantile():
     assert float((first.input_quantizer(x) - x)[inside].abs().max()) <= step / 2 * (1 + 1e-5)
 
 
+def test_the_fraction_of_max_rule_saturates_at_that_fraction_of_each_layers_largest_input(tmp_path, inputs):
+    """Paper 004 §4's sentence, "values higher than 0.99 x_max are saturated to 0.99 x_max", read literally (a
+    helper found only the quantile reading offered, labelled as the paper's)."""
+    batches = calibration(batches=3)
+    spec = ActivationSpec(format="fixed", bits=8, quantile=0.99, calibration_batches=2, rule="fraction_of_max")
+    model = LinearQuantizer(activations=spec, progress=False).quantize(pruned_sparse_model(), batches)
+    largest, reference = {}, pruned_sparse_model().eval()  # the float32 model the calibration observes
+    for name, layer in sparse_layers(reference).items():
+        layer.register_forward_pre_hook(lambda module, args, name=name: largest.__setitem__(
+            name, max(largest.get(name, 0.0), float(args[0].abs().max()))))
+    with torch.no_grad():
+        for images, _ in batches[:2]:  # only the configured number of batches
+            reference(images)
+    levels = {name: float(layer.input_quantizer.saturation) for name, layer in sparse_layers(model).items()}
+    assert levels == pytest.approx({name: 0.99 * value for name, value in largest.items()}, rel=1e-6)
+    loaded = load_sparse(save_sparse(model, tmp_path / "m.safetensors"))
+    assert loaded.unsparse_quantization["activations"]["rule"] == "fraction_of_max"
+    with torch.no_grad():
+        assert torch.equal(loaded(inputs), model(inputs))
+
+
+def test_a_description_written_before_the_saturation_rule_loads_with_the_quantile_rule(tmp_path, inputs):
+    model = LinearQuantizer(progress=False).quantize(pruned_sparse_model(), calibration())
+    path = rewrite(save_sparse(model, tmp_path / "m.safetensors"),
+                   lambda t, m: m["quantization"]["activations"].pop("rule"))
+    loaded = load_sparse(path)
+    assert {layer.input_quantizer.spec.rule for layer in sparse_layers(loaded).values()} == {"quantile"}
+    with torch.no_grad():
+        assert torch.equal(loaded(inputs), model(inputs))
+    with pytest.raises(ValueError, match=r"activations.rule: expected one of \('quantile', 'fraction_of_max'\)"):
+        ActivationSpec(format="fixed", rule="max")
+
+
 @pytest.mark.parametrize("scheme", [name for name in SCHEMES if name != "none"])
 def test_empty_and_constant_layers_are_handled_exactly(tmp_path, scheme, inputs):
     model = pruned_sparse_model(empty="3.0", constant="4.0")

@@ -32,6 +32,8 @@ from unsparse.settings import check_choice, check_flag, check_integer, check_qua
 from unsparse.sparse.format import SparseFormatError
 
 FORMATS = ("none", "fp16", "fixed")
+SATURATION_RULES = ("quantile", "fraction_of_max")
+"""How :attr:`ActivationSpec.quantile` gives a layer's saturation level (see :class:`ActivationSpec`)."""
 SILENT_LEVEL = 1.0
 """Saturation level of a layer whose calibration inputs are all zero (:func:`calibrate`)."""
 log = logging.getLogger(__name__)
@@ -44,15 +46,17 @@ class ActivationSpec:
     Args:
         format: ``"none"`` (float32), ``"fp16"`` or ``"fixed"``.
         bits: fixed-point bits in ``[2, 16]`` (``fixed`` only).
-        quantile: saturation quantile of the nonzero ``|x|`` in ``(0, 1]`` (``fixed``): paper 004 §4's threshold
-            0.99 read as a quantile of the histogram. The paper's sentence can also be read as saturating at
-            ``0.99 * max |x|``, which ``quantile = 1`` (``max |x|``) approaches; that reading is not offered.
+        quantile: the saturation threshold in ``(0, 1]`` (``fixed``; paper 004 §4 sets 0.99), read by ``rule``.
         bins: histogram bins over ``[0, max |x|]``; the level is exact to ``max |x| / bins``.
         power_of_two: step as a power of two (eq. 21) instead of ``x_sat / q_max`` (eq. 20).
         calibration_batches: calibration batches used (the first ones of the loader).
+        rule: how ``quantile`` gives the saturation level ``x_sat`` (:data:`SATURATION_RULES`): ``"quantile"``,
+            that quantile of the nonzero ``|x|`` (the histogram analysis of §4); ``"fraction_of_max"``,
+            ``quantile * max |x|`` (§4's sentence "values higher than 0.99 x_max are saturated to 0.99 x_max"
+            read literally; the histogram then plays no part).
 
     Raises:
-        ValueError: unknown format, bits out of range, bad quantile/bins/batches.
+        ValueError: unknown format or rule, bits out of range, bad quantile/bins/batches.
     """
 
     format: str = "none"
@@ -61,6 +65,7 @@ class ActivationSpec:
     bins: int = 2048
     power_of_two: bool = False
     calibration_batches: int = 4
+    rule: str = "quantile"
 
     def __post_init__(self) -> None:
         check_choice(self.format, FORMATS, "activations.format")
@@ -69,6 +74,7 @@ class ActivationSpec:
         check_integer(self.bins, "activations.bins")
         check_integer(self.calibration_batches, "activations.calibration_batches")
         check_flag(self.power_of_two, "activations.power_of_two")
+        check_choice(self.rule, SATURATION_RULES, "activations.rule")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready fields (stored in the file's quantization description); only ``format`` unless fixed."""
@@ -76,12 +82,14 @@ class ActivationSpec:
 
     @classmethod
     def from_dict(cls, data: Any) -> ActivationSpec:
-        """Inverse of :meth:`to_dict`: ``format`` must be there, and for ``fixed`` every field (a description that
-        lost one would otherwise fall back to a default and quantize differently). Raises ``ValueError`` (or
+        """Inverse of :meth:`to_dict`: ``format`` must be there, and for ``fixed`` every field but ``rule`` (a
+        description that lost one would otherwise fall back to a default and quantize differently; files written
+        before ``rule`` existed used the quantile rule, its default). Raises ``ValueError`` (or
         ``TypeError`` for unknown keys) on bad data."""
         if not isinstance(data, dict):
             raise ValueError(f"activations: expected an object, got {data!r}")
-        required = {f.name for f in fields(cls)} if data.get("format") == "fixed" else {"format"}
+        # a description without "rule" was written before the field existed, by the quantile rule (the default)
+        required = {f.name for f in fields(cls)} - {"rule"} if data.get("format") == "fixed" else {"format"}
         missing = sorted(required - set(data))
         if missing:
             raise ValueError(f"activations: missing {missing}")
@@ -165,16 +173,17 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
               spec: ActivationSpec, progress: bool = True) -> dict[str, float]:
     """Saturation level of each SparseConv's input: the histogram analysis of paper 004 §4.
 
-    Two passes over the first ``spec.calibration_batches`` batches (model in eval mode, float32
-    activations; call it before :func:`attach_activation_quantizers`): the first finds ``max |x|`` per
-    layer, the second fills a :class:`MagnitudeHistogram` over ``[0, max]`` and takes its ``spec.quantile``
-    level. Exact zeros (e.g. after a ReLU) are not counted: the quantile is over the nonzero magnitudes, so the
-    level does not depend on the share of zeros (see :mod:`unsparse.quant.histogram`).
+    Passes over the first ``spec.calibration_batches`` batches (model in eval mode, float32 activations; call it
+    before :func:`attach_activation_quantizers`): the first finds ``max |x|`` per layer; with ``spec.rule``
+    ``"fraction_of_max"`` the level is ``spec.quantile * max |x|``, and with ``"quantile"`` a second pass fills a
+    :class:`MagnitudeHistogram` over ``[0, max]`` and takes its ``spec.quantile`` level. Exact zeros (e.g. after a
+    ReLU) are not counted: the quantile is over the nonzero magnitudes, so the level does not depend on the share
+    of zeros (see :mod:`unsparse.quant.histogram`).
 
     Args:
         model: CPU model with SparseConv layers.
         calibration: batches ``(images (N, C, H, W) float32, labels)``.
-        spec: quantile, bins and number of batches.
+        spec: rule, quantile, bins and number of batches.
 
     Returns:
         Saturation level per layer name (same unit as the activations). A layer whose calibration inputs are all
@@ -202,7 +211,11 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
         if silent:
             log.warning("calibration: every input of %s is zero (a fully pruned layer before it?); their saturation "
                         "level is set to %s, under which zeros stay exactly zero", ", ".join(silent), SILENT_LEVEL)
+        levels = dict.fromkeys(silent, SILENT_LEVEL)
+        if spec.rule == "fraction_of_max":
+            return {**levels, **{name: spec.quantile * upper for name, upper in maxima.items() if upper > 0}}
         histograms = {name: MagnitudeHistogram(upper, spec.bins) for name, upper in maxima.items() if upper > 0}
+
         def record_histogram(name: str, x: torch.Tensor) -> None:
             if name in histograms:
                 histograms[name].add(x)
@@ -210,4 +223,4 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
         _observe_inputs(model, batches, record_histogram, "calibration: histogram", progress)
     finally:
         model.train(was_training)
-    return {name: histograms[name].level(spec.quantile) if name in histograms else SILENT_LEVEL for name in maxima}
+    return {**levels, **{name: histogram.level(spec.quantile) for name, histogram in histograms.items()}}
