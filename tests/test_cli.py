@@ -71,7 +71,7 @@ def test_a_job_built_twice_from_one_seed_starts_from_the_same_weights():
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("seed=abc", "seed: expected an integer >= 0, got 'abc'"),  # torch.manual_seed's "invalid literal for int()"
+    ("seed=abc", "seed: expected an integer, got 'abc'"),  # torch.manual_seed's "invalid literal for int()"
     ("train.epochs=true", "train.epochs: expected an integer >= 0, got True"),  # ran 1 epoch, "True epoch"
     ("+prune.layer_targets={7.0: 0.5}", None),  # Hydra reads the key as a float: it names layer "7.0"
 ])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -155,7 +156,14 @@ def first_layer(exported):
     (lambda t, m, layer: m["layers"][layer].update(row_length=10**6), f"layers.{'0.0'}.row_length"),
     (lambda t, m, layer: m["layers"][layer].update(row_length="3"), "row_length"),
     (lambda t, m, layer: m["layers"][layer]["geometry"].update(stride=[float("inf"), 1]),
-     r"metadata: invalid JSON \(Infinity is not JSON\)"),  # strict JSON: no literal reaches the field checks
+     r"layers.0.0.geometry: stride must be an integer, got inf"),
+    # a recorded sparsity off by far less than a percent describes another model too (a mutation audit's find)
+    (lambda t, m, layer: m["layers"][layer].update(sparsity=m["layers"][layer]["sparsity"] + 1e-6),
+     "layers.0.0.sparsity: recorded"),
+    (lambda t, m, layer: m["layers"][layer].update(sparsity=m["layers"][layer]["sparsity"] - 1e-6),
+     "layers.0.0.sparsity: recorded"),
+    # NaN is read (a run's metric in extra may be NaN), and every checked field refuses it
+    (lambda t, m, layer: m["layers"][layer].update(sparsity=float("nan")), "layers.0.0.sparsity: recorded nan"),
     (lambda t, m, layer: m["layers"][layer]["geometry"].update(groups="1"),
      r"layers.0.0.geometry: groups must be an integer, got '1'"),
     (lambda t, m, layer: m["layers"][layer]["geometry"].update(padding=[1.0, 1]), "padding must be an integer"),
@@ -325,14 +333,35 @@ def test_a_path_that_is_no_regular_file_is_refused_without_reading_it(tmp_path, 
 
 @pytest.mark.parametrize(("edit", "match"), [
     (lambda raw: raw[:-1] + ', "layers": {}}', r"duplicate keys \['layers'\]"),  # the last one won, unchecked
-    (lambda raw: raw.replace('"extra": {', '"extra": {"x": NaN, ', 1), "NaN is not JSON"),
+    (lambda raw: raw[:-1] + ', "pad": "' + "x" * 4 * 2**20 + '"}', r"metadata: \d+ characters, more than 4194304"),
 ])
-def test_metadata_that_python_reads_but_json_does_not_define_is_refused(tmp_path, exported, edit, match):
+def test_metadata_that_python_reads_but_the_format_does_not_allow_is_refused(tmp_path, exported, edit, match):
     tensors, metadata = read(exported[1])
     path = tmp_path / "bad.safetensors"
     path.write_bytes(save(tensors, metadata={"unsparse": edit(json.dumps(metadata))}))
     with pytest.raises(SparseFileError, match=match):
         load_sparse(path)
+
+
+def test_notes_with_nan_metrics_round_trip_and_notes_json_cannot_hold_are_refused_on_save(tmp_path):
+    """The main job stores its metrics in extra; a NaN metric (a diverged autoencoder) was saved and then refused by
+    the strict loader, after all the training (a reread's find)."""
+    model = pruned_sparse_model(width=8)
+    loaded = load_sparse(save_sparse(model, tmp_path / "m.safetensors", extra={"accuracy": {"pruned": math.nan}}))
+    assert math.isnan(loaded.unsparse_metadata["extra"]["accuracy"]["pruned"])
+    with pytest.raises(ValueError, match=r"extra: not JSON the loader reads back \(duplicate keys \['1'\]\)"):
+        save_sparse(model, tmp_path / "n.safetensors", extra={1: "a", "1": "b"})
+    with pytest.raises(ValueError, match="extra: metadata of"):
+        save_sparse(model, tmp_path / "n.safetensors", extra={"pad": "x" * 4 * 2**20})
+    assert not (tmp_path / "n.safetensors").exists()
+
+
+def test_a_tensor_stored_in_more_parts_than_any_codec_writes_is_refused(tmp_path, exported):
+    """Parts of zero bytes pass the byte bound; 200,000 of them took 173 MB before the codec refused them."""
+    tensors, metadata = read(exported[1])
+    tensors.update({f"0.1.running_mean::p{index}": torch.zeros(0) for index in range(3)})
+    with pytest.raises(SparseFileError, match=r"0.1.running_mean: more than 3 stored parts"):
+        load_sparse(write(tmp_path / "bad.safetensors", tensors, metadata))
 
 
 @pytest.mark.parametrize("offsets", [["0", "4"], [0.0, 4.0], [True, 4]])

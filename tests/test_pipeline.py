@@ -271,8 +271,9 @@ def test_layer_names_the_model_lacks_are_refused_before_training_binds_the_folde
     for pruner, message in (
             (MagnitudePruner(scope="layer", layer_targets={"bogus": 0.5}), r"layer_targets: \['bogus'\]"),
             (MagnitudePruner(layers=["0.0", "7.1"]), r"layers: \['7.1'\] are not prunable"),
-            (EvolutionaryPruner(layers=["0.0"], unit_step={"0.0": 0.1, "6.0": 0.1}),
-             r"unit_step: \['6.0'\] are not masked"),
+            (EvolutionaryPruner(layers=["0.0"], unit_step={"0.0": 0.1, "9.9": 0.1}),
+             r"unit_step: \['9.9'\] are not prunable layers of the model"),
+            (EvolutionaryPruner(unit_step={"0.0": 0.02}), r"unit_step: no step for the masked layers \['1.0', "),
     ):
         with pytest.raises(ValueError, match=message):
             run_pipeline(digits(limit_train=200, limit_test=60), create_model("vgg_small", width=4), pruner,
@@ -280,6 +281,16 @@ def test_layer_names_the_model_lacks_are_refused_before_training_binds_the_folde
                          TimingSettings(), progress=False)
         assert not any(tmp_path.iterdir())
     assert MagnitudePruner(scope="layer", layer_targets={7.0: 0.5, 10: 0.2}).layer_targets == {"7.0": 0.5, "10": 0.2}
+    # a step for a prunable layer outside a subset is accepted, as it was before the check
+    EvolutionaryPruner(layers=["0.0"], unit_step={"0.0": 0.1, "6.0": 0.1}).check_layers(create_model("vgg_small"))
+
+
+def test_numpy_scalars_and_negative_seeds_are_the_numbers_they_were_before_the_type_checks():
+    import numpy as np
+
+    assert TrainSettings(epochs=np.int64(2), lr=np.float32(0.05)).epochs == 2
+    assert MagnitudePruner(np.float32(0.9), fine_tune_epochs=np.int64(1)).fine_tune_epochs == 1
+    assert EvolutionaryPruner(seed=-1).seed == -1  # torch.manual_seed takes it
 
 
 def test_devices_and_backends_are_checked_before_any_work(tmp_path):

@@ -167,6 +167,33 @@ def test_a_column_index_written_out_of_range_in_place_is_refused_before_the_back
             run()
 
 
+def test_a_layer_whose_index_was_written_out_of_range_is_refused_wherever_its_weight_is_read():
+    """Not only in a forward: the comparator and timings call the backend directly, and saving reads layer.csr (a
+    reread found them reading through the bad index, and save_sparse writing a file the loader refuses)."""
+    from unsparse.runtime import SparseConv
+    from unsparse.runtime.backends import get_backend
+    from unsparse.sparse.format import SparseFormatError
+    from unsparse.sparse.io import describe_layers
+
+    csr = UniformCSR.from_dense(torch.randn(6, 4, 3, 3))
+    layer, x = SparseConv(csr, None, ConvGeometry.of(padding=1), "dense_cpu"), torch.randn(2, 4, 7, 7)
+    held = layer.csr  # the weight object the comparator holds while it times the layer's backends
+    with torch.no_grad():
+        layer.col_idx[0, 0] = 10**6
+    message = r"col_idx: entries must lie in \[0, 36\)"
+    with pytest.raises(SparseFormatError, match=message):
+        describe_layers(torch.nn.Sequential(layer))  # what save_sparse writes: it reads layer.csr
+    with pytest.raises(SparseFormatError, match=message):
+        get_backend("dense_cpu").run(x, held, None, layer.geometry)
+
+
+def test_a_weight_unpickled_from_before_revalidate_existed_runs():
+    csr = UniformCSR.from_dense(torch.randn(6, 4, 3, 3))
+    object.__delattr__(csr, "_validated_versions")  # what torch.load gives for an object pickled by that version
+    output = sparse_conv2d(torch.randn(1, 4, 5, 5), csr, None, 1, 1, backend="dense_cpu")
+    assert output.shape == (1, 6, 5, 5)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
 def test_an_empty_batch_gives_an_empty_output(backend):
     csr = UniformCSR.from_dense(torch.randn(6, 4, 3, 3))
@@ -291,7 +318,28 @@ def test_one_element_tuples_read_as_torch_reads_them(backend, stride, padding, d
     assert output.shape == expected.shape and relative_error(output, expected) < 1e-12
 
 
-@pytest.mark.parametrize(("value", "spatial_dims"), [((1.5, 1), 2), (2.0, 2), ((1, 2, 3), 2), ((2, 3), 1), ("2", 2)])
+@pytest.mark.parametrize(("value", "spatial_dims"), [((1.5, 1), 2), (2.0, 2), ((1, 2, 3), 2), ((2, 3), 1), ("2", 2),
+                                                    (True, 2), ((True, 1), 2)])
 def test_a_stride_that_is_no_integer_or_too_long_is_refused_not_truncated(value, spatial_dims):
     with pytest.raises(ValueError, match=r"stride: expected an integer"):
         ConvGeometry.of(value, spatial_dims=spatial_dims)
+
+
+@pytest.mark.parametrize("fields", [{"stride": (0, 1)}, {"dilation": (1, 0)}, {"padding": (0, -1)}, {"groups": 0},
+                                    {"spatial_dims": 3}])
+def test_a_geometry_out_of_range_is_refused(fields):
+    """A negative padding was never tested: without its check the reference conv cropped the input silently (a
+    mutation audit's find)."""
+    with pytest.raises(ValueError, match=r"geometry: invalid|spatial_dims"):
+        ConvGeometry(**fields)
+    data = {**ConvGeometry().to_dict(), **{key: list(value) if isinstance(value, tuple) else value
+                                           for key, value in fields.items()}}
+    with pytest.raises(ValueError, match=r"geometry: invalid|spatial_dims"):
+        ConvGeometry.from_dict(data)
+
+
+@pytest.mark.parametrize("groups", [2.0, "2", True])
+def test_groups_that_are_no_integer_are_refused_by_name(groups):
+    """groups=2.0 passed, was logged as "not supported by sparse backends" and failed in torch (a reread's find)."""
+    with pytest.raises(ValueError, match="groups: expected an integer"):
+        ConvGeometry.of(groups=groups)

@@ -66,6 +66,13 @@ def test_a_lazy_conv_is_refused_until_its_first_forward_then_sparsified():
         assert isinstance(sparse[0], SparseConv) and torch.allclose(sparse(x), expected, rtol=1e-10, atol=1e-12)
 
 
+def test_another_uninitialised_lazy_module_is_copied_as_it_is():
+    """Only lazy convs are refused: an uninitialised LazyLinear was sparsified before that check (a reread's find)."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.LazyLinear(10))
+    sparse = sparsify(model)
+    assert isinstance(sparse[0], SparseConv) and sparse(torch.randn(2, 3, 6, 6)).shape == (2, 10)
+
+
 def test_a_foreign_parametrization_is_folded_into_the_weight():
     torch.manual_seed(1)
     model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1)).double()

@@ -324,7 +324,7 @@ class EvolutionaryPruner(Pruner):
         self.deadline, self.crossover_max_regress = deadline, crossover_max_regress
         self.lr, self.fine_tune_lr = optional_rate(lr, "lr"), optional_rate(fine_tune_lr, "fine_tune_lr")
         self.fine_tune_epochs = check_integer(fine_tune_epochs, "fine_tune_epochs", low=0)
-        self.seed = check_integer(seed, "seed", low=0)
+        self.seed = check_integer(seed, "seed", low=None)
         self.generator = torch.Generator()
         self.grad_stats: dict[str, torch.Tensor] = {}
         self.delta: dict[str, float] = {}
@@ -334,21 +334,32 @@ class EvolutionaryPruner(Pruner):
         self.iteration = 0
         self.score = -math.inf
 
-    def named_layers(self) -> dict[str, list[str]]:
-        """``layers`` and the names of a ``unit_step`` mapping."""
-        return {**super().named_layers(), "unit_step": list(self.unit_step) if isinstance(self.unit_step, dict) else []}
+    def check_layers(self, model: nn.Module) -> None:
+        """:meth:`Pruner.check_layers`, and a ``unit_step`` mapping must name prunable layers and give every masked
+        layer a step (checked before training in the main job, as :meth:`prepare` needs it).
+
+        Raises:
+            ValueError: naming ``unit_step`` and the layers.
+        """
+        super().check_layers(model)
+        if isinstance(self.unit_step, dict):
+            prunable = list(prunable_layers(model))
+            unknown = [name for name in self.unit_step if name not in prunable]
+            missing = [name for name in (self.layer_names or prunable) if name not in self.unit_step]
+            problems = ([f"{unknown} are not prunable layers of the model"] if unknown else []) + (
+                [f"no step for the masked layers {missing}"] if missing else [])
+            if problems:
+                raise ValueError("unit_step: " + "; ".join(problems))
 
     def prepare(self, model: nn.Module) -> None:
         """Attach masks and reset the state: ``Δ_l`` to its unit step, ``G`` to zeros, the generator to ``seed``.
 
         Raises:
-            ValueError: a ``unit_step`` mapping that misses a masked layer.
+            ValueError: from :meth:`check_layers`.
         """
         super().prepare(model)
         layers = prunable_layers(model)
         units = self.unit_step if isinstance(self.unit_step, dict) else dict.fromkeys(self.masks, self.unit_step)
-        if missing := sorted(set(self.masks) - set(units)):
-            raise ValueError(f"unit_step: no step for the masked layers {missing}")
         self.delta = {name: float(min(max(units[name], self.min_step), self.max_step)) for name in self.masks}
         self.sensitivity = dict.fromkeys(self.masks, 0.0)
         self.grad_stats = {name: torch.zeros_like(dense_weight(layers[name])) for name in self.masks}

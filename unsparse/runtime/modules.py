@@ -50,14 +50,16 @@ class SparseConv(nn.Module):
     def csr(self) -> UniformCSR:
         """The weight as a UniformCSR over the module's current buffers: a new object after ``.to()`` or another
         replacement of a buffer. An in-place change of a buffer (an in-place ``load_state_dict``, ``values.mul_``)
-        keeps the object; its tensors' version counters tell the backends' per-weight caches (dense copies, lowered
-        matrices, kernel entries) to rebuild, and every call re-checks the changed weight first
-        (:meth:`UniformCSR.revalidate`). Changes that bypass the version counter (through ``.data``, or to buffers
-        made under ``torch.inference_mode()``) are not seen: replace the buffers, or call :meth:`set_csr`, instead."""
+        keeps the object, re-checked here once changed (:meth:`UniformCSR.revalidate`: a column index written out of
+        range raises ``SparseFormatError``), and its tensors' version counters tell the backends' per-weight caches
+        (dense copies, lowered matrices, kernel entries) to rebuild. Changes that bypass the version counter (through
+        ``.data``, or to buffers made under ``torch.inference_mode()``) are not seen: replace the buffers, or call
+        :meth:`set_csr`, instead."""
         csr = self._csr
         if csr is None or csr.values is not self.values or csr.col_idx is not self.col_idx:
             csr = UniformCSR(self.values, self.col_idx, self.weight_shape)
             self._csr = csr
+        csr.revalidate()
         return csr
 
     def set_csr(self, csr: UniformCSR) -> None:
@@ -115,7 +117,7 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
 
     Raises:
         KeyError: an unknown backend name, listing the known ones.
-        ValueError: naming the layer, for a lazy module not initialised yet (``nn.LazyConv2d`` before its first
+        ValueError: naming the layer, for a lazy conv not initialised yet (``nn.LazyConv2d`` before its first
             forward pass), or for a conv with hooks: ``torch.nn.utils.prune`` and the older
             ``torch.nn.utils.weight_norm`` recompute the weight in a forward pre-hook, so its ``weight`` attribute
             may be stale, and a sparse copy would lose any hook; remove them first (``prune.remove``,
@@ -125,7 +127,8 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
 
     get_backend(backend)  # an unknown name fails here, not at the first forward
     for name, module in model.named_modules():
-        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+        if (isinstance(module, nn.Conv1d | nn.Conv2d) and isinstance(module, LazyModuleMixin)
+                and module.has_uninitialized_params()):  # other lazy modules are copied as they are
             raise ValueError(f"{name or type(module).__name__}: {type(module).__name__} has no weight yet; run one "
                              "forward pass first, which gives it its shape")
         if isinstance(module, nn.Conv1d | nn.Conv2d) and (module._forward_pre_hooks or module._forward_hooks):

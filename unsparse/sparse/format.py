@@ -165,15 +165,15 @@ class UniformCSR:
     def revalidate(self) -> None:
         """:meth:`validate` again if ``values`` or ``col_idx`` changed in place since the last check (their
         :meth:`versions` moved), so that a column index written out of range after construction is refused before a
-        kernel reads through it; called by :func:`~unsparse.sparse.functional.sparse_conv` on every call. Changes
-        that bypass the version counters (through ``.data``, or to tensors made under ``torch.inference_mode()``)
-        are not seen.
+        kernel reads through it; called by every backend call (``ConvBackend.run``) and by ``SparseConv.csr``.
+        Changes that bypass the version counters (through ``.data``, or to tensors made under
+        ``torch.inference_mode()``) are not seen.
 
         Raises:
             SparseFormatError: as :meth:`validate`.
         """
         versions = self.versions()
-        if versions != self._validated_versions:
+        if versions != getattr(self, "_validated_versions", None):  # absent: unpickled from an older version
             self.validate()
             object.__setattr__(self, "_validated_versions", versions)
 

@@ -43,7 +43,7 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
     Raises:
         KeyError: unknown backend name.
         ValueError: input channels that do not match the weight; ``SparseFormatError`` (a ValueError) for a weight
-            whose tensors were changed in place into an invalid one (:meth:`UniformCSR.revalidate`).
+            whose tensors were changed in place into an invalid one (:meth:`ConvBackend.run` re-checks it).
     """
     from unsparse.runtime.backends import get_backend
 
@@ -51,7 +51,6 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
         raise ValueError(f"x: expected (N, C, H, W), got shape {tuple(x.shape)}")
     if x.shape[1] != csr.in_channels_per_group * geometry.groups:
         raise ValueError(f"x: {x.shape[1]} channels, weight expects {csr.in_channels_per_group * geometry.groups}")
-    csr.revalidate()
     chosen = get_backend(backend)
     reason = chosen.unsupported_reason(x, csr, geometry)
     if reason is not None:

@@ -5,6 +5,7 @@ Conv1d is handled as Conv2d over an input of height 1 (``R = 1``, stride/padding
 
 from __future__ import annotations
 
+import numbers
 import operator
 from dataclasses import asdict, dataclass
 
@@ -16,9 +17,12 @@ from unsparse.sparse.format import SparseFormatError
 
 def _integers(value: object) -> tuple[int, ...]:
     """``value`` (an integer, or a tuple or list of them) as a tuple; ``()`` for anything else (``operator.index``:
-    a float is refused, not truncated)."""
+    a float is refused, not truncated; so is a bool)."""
+    values = tuple(value) if isinstance(value, tuple | list) else (value,)
+    if any(isinstance(item, bool) for item in values):  # True is an int to Python, not a size
+        return ()
     try:
-        return (operator.index(value),) if not isinstance(value, tuple | list) else tuple(map(operator.index, value))
+        return tuple(map(operator.index, values))
     except TypeError:
         return ()
 
@@ -90,6 +94,8 @@ class ConvGeometry:
     def __post_init__(self) -> None:
         for name in ("stride", "padding", "dilation"):
             object.__setattr__(self, name, _pair(getattr(self, name), name))
+        if isinstance(self.groups, bool) or not isinstance(self.groups, numbers.Integral):
+            raise SparseFormatError(f"groups: expected an integer, got {self.groups!r}")
         if self.spatial_dims not in (1, 2):
             raise SparseFormatError(f"spatial_dims: expected 1 or 2, got {self.spatial_dims}")
         if min(self.stride) < 1 or min(self.dilation) < 1 or min(self.padding) < 0 or self.groups < 1:

@@ -9,14 +9,14 @@ Layout:
   ``tensors`` (per state-dict key: ``shape``, ``dtype``, ``codec``), ``quantization`` and ``extra``.
 
 Loading treats the file as untrusted: only a regular file is opened, memory-mapped, and at first only its header
-is read (strict JSON metadata: no duplicate keys, no NaN literals). The architecture is built on the ``meta``
-device (no memory), with each convolution replaced by a shape-only :class:`SparseConv` of the file's row length,
-and every tensor's declared key, shape, dtype and codec (a quantization codec only on a sparse layer's
-``values``) is checked against its state dict, and every stored part's size against what its tensor can need,
-before any tensor is read or decoded, so that a file cannot make the loader allocate much more than its
-architecture holds. Then values (finite, BatchNorm variances not negative) and index ranges are checked, and only
-then are real tensors assigned. Every problem raises :class:`SparseFileError` (a ``ValueError``) naming the
-field.
+is read (JSON metadata of at most :data:`METADATA_MAX_BYTES`, without duplicate keys). The architecture is built
+on the ``meta`` device (no memory), with each convolution replaced by a shape-only :class:`SparseConv` of the
+file's row length, and every tensor's declared key, shape, dtype and codec (a quantization codec only on a sparse
+layer's ``values``) is checked against its state dict, and every stored part's size against what its tensor can
+need (at most :data:`MAX_PARTS` parts), before any tensor is read or decoded, so that a file cannot make the loader
+allocate much more than its architecture holds. Then values (finite, BatchNorm variances not negative) and index
+ranges are checked, and only then are real tensors assigned. Every problem raises :class:`SparseFileError` (a
+``ValueError``) naming the field.
 """
 
 from __future__ import annotations
@@ -44,20 +44,24 @@ from unsparse.strict_json import loads_strict
 
 FORMAT_VERSION = 1
 METADATA_KEY = "unsparse"
-DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in (
-    torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int8, torch.uint8, torch.int16,
-    torch.int32, torch.int64, torch.bool)}
 STORED_DTYPES: dict[str, torch.dtype] = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
                                          "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8,
                                          "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
                                          "BOOL": torch.bool}
-"""The safetensors names of the dtypes a file may store (those of :data:`DTYPES`)."""
+"""The dtypes a file may store, by their safetensors names."""
+DTYPES: dict[str, torch.dtype] = {str(dtype).removeprefix("torch."): dtype for dtype in STORED_DTYPES.values()}
+"""The same dtypes by the names the metadata's tensor entries use (``"float32"``, ``"int32"``, ...)."""
 PART_BYTES_PER_ELEMENT = 8
 """Bytes a tensor's stored parts may hold per element of the tensor (float64, the widest dtype), plus
 :data:`PART_BYTES_EXTRA`."""
 PART_BYTES_EXTRA = 2**20
 """Bytes a tensor's stored parts may hold beyond :data:`PART_BYTES_PER_ELEMENT` per element: a codebook's
-centroids (at most 2^16 of 4 bytes) and packing's rounding."""
+centroids (at most 2^16 of 2 bytes) and packing's rounding."""
+MAX_PARTS = 3
+"""Stored parts a tensor may have (a codebook's indices, centroids and row counts; a raw tensor has one)."""
+METADATA_MAX_BYTES = 4 * 2**20
+"""Bytes the JSON metadata block may hold (a model of a thousand convolutions needs about 1 MiB): parsing JSON
+takes up to about 30 times its size in memory."""
 TOP_LEVEL_KEYS = {"format_version", "model", "layers", "tensors", "quantization", "extra"}
 LAYER_KEYS = {"weight_shape", "geometry", "row_length", "nnz", "sparsity"}
 TENSOR_KEYS = {"shape", "dtype", "codec"}
@@ -91,8 +95,9 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
             convolution :func:`~unsparse.runtime.modules.sparsify` left dense (the loader rebuilds every convolution
             of the architecture as a sparse one, so such a file could not be read back), or layers or tensors that
             differ from the architecture ``unsparse_spec`` names (e.g. a replaced classifier), or values the loader
-            refuses (NaN or infinite, a negative BatchNorm variance): :func:`load_sparse` would refuse the file,
-            and the same checks run before it is written.
+            refuses (NaN or infinite, a negative BatchNorm variance), or an ``extra`` whose JSON the loader refuses
+            (keys that become one, such as ``1`` and ``"1"``; more than :data:`METADATA_MAX_BYTES` in all):
+            :func:`load_sparse` would refuse the file, and the same checks run before it is written.
     """
     from unsparse.quant.state import describe_quantization
 
@@ -120,7 +125,14 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
     except SparseFileError as error:
         raise ValueError(f"model: load_sparse would refuse its file ({error}): it checks the layers and tensors "
                          f"against the architecture unsparse_spec names ({spec}), and their values") from error
-    return safetensors_save(tensors, metadata={METADATA_KEY: json.dumps(metadata)})
+    text = json.dumps(metadata)
+    try:  # int and str keys of extra can become one JSON key ({1: .., "1": ..}), which the loader refuses
+        loads_strict(text, constants=True)
+    except ValueError as error:
+        raise ValueError(f"extra: not JSON the loader reads back ({error})") from error
+    _require(len(text) <= METADATA_MAX_BYTES, "extra", f"metadata of {len(text)} characters, more than "
+             f"{METADATA_MAX_BYTES}")
+    return safetensors_save(tensors, metadata={METADATA_KEY: text})
 
 
 def save_sparse(model: nn.Module, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
@@ -165,11 +177,13 @@ def _open_file(path: Path) -> Iterator[Any]:
 
 
 def _read_metadata(handle: Any) -> dict[str, Any]:
-    """The ``"unsparse"`` metadata block of an open file, parsed as strict JSON and checked at the top level."""
+    """The ``"unsparse"`` metadata block of an open file (at most :data:`METADATA_MAX_BYTES`), parsed without
+    duplicate keys and checked at the top level."""
     raw = (handle.metadata() or {}).get(METADATA_KEY)
     _require(isinstance(raw, str), "metadata", f"no {METADATA_KEY!r} string; not an UnSparse file")
-    try:
-        metadata = loads_strict(raw)
+    _require(len(raw) <= METADATA_MAX_BYTES, "metadata", f"{len(raw)} characters, more than {METADATA_MAX_BYTES}")
+    try:  # NaN allowed: a run's metric in extra may be NaN; every checked field refuses it by type or range
+        metadata = loads_strict(raw, constants=True)
     except (ValueError, RecursionError) as error:  # ValueError: also an integer beyond Python's digit limit
         raise SparseFileError(f"metadata: invalid JSON ({error})") from error
     _require(isinstance(metadata, dict), "metadata", "expected a JSON object")
@@ -183,37 +197,52 @@ def _read_metadata(handle: Any) -> dict[str, Any]:
     return metadata
 
 
+def _stored_layout(handle: Any) -> dict[str, tuple[torch.dtype, int]]:
+    """``{stored key: (dtype, bytes)}`` of an open file, from its header (no tensor is read).
+
+    Raises:
+        SparseFileError: a stored dtype outside :data:`STORED_DTYPES`, naming the key.
+    """
+    layout = {}
+    for stored_key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+        stored = handle.get_slice(stored_key)
+        dtype = STORED_DTYPES.get(stored.get_dtype())
+        _require(dtype is not None, stored_key, f"stored dtype {stored.get_dtype()}, expected one of "
+                 f"{sorted(STORED_DTYPES)}")
+        layout[stored_key] = (dtype, math.prod(stored.get_shape()) * dtype.itemsize)
+    return layout
+
+
 def _read_parts(handle: Any, entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
     """The stored tensors of an open file, grouped by the state-dict key they encode (``<key>::<part>``, or the
     plain key as part ``""``), read only once every one belongs to a declared tensor (``entries``, already checked
-    against the architecture), has a dtype of :data:`STORED_DTYPES`, and the parts of each tensor hold at most
-    :data:`PART_BYTES_PER_ELEMENT` bytes per element of it plus :data:`PART_BYTES_EXTRA`.
+    against the architecture), no tensor has more than :data:`MAX_PARTS` parts, every part has a dtype of
+    :data:`STORED_DTYPES`, and the parts of each tensor hold at most :data:`PART_BYTES_PER_ELEMENT` bytes per
+    element of it plus :data:`PART_BYTES_EXTRA`.
 
     Raises:
         SparseFileError: naming the stored key or tensor.
     """
-    layout: dict[str, dict[str, tuple[torch.dtype, int]]] = {}
+    parts_of: dict[str, list[str]] = {}
     for stored_key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
         key, separator, part = stored_key.partition(PART_SEPARATOR)
         # "k::" would be part "" of k, as "k" is: one silently replacing the other
         _require(not separator or part != "", stored_key, "empty part name")
         _require(key in entries, stored_key, "a stored tensor the metadata does not declare")
-        stored = handle.get_slice(stored_key)
-        dtype = STORED_DTYPES.get(stored.get_dtype())
-        _require(dtype is not None, stored_key, f"stored dtype {stored.get_dtype()}, expected one of "
-                 f"{sorted(STORED_DTYPES)}")
-        layout.setdefault(key, {})[part] = (dtype, math.prod(stored.get_shape()) * dtype.itemsize)
-    missing = sorted(set(entries) - set(layout))
+        parts_of.setdefault(key, []).append(part)
+        _require(len(parts_of[key]) <= MAX_PARTS, key, f"more than {MAX_PARTS} stored parts")
+    missing = sorted(set(entries) - set(parts_of))
     _require(not missing, "tensors", f"declared but not stored: {missing}")
-    for key, parts in layout.items():
-        stored_bytes = sum(size for _, size in parts.values())
+    layout = _stored_layout(handle)
+    for key, parts in parts_of.items():
+        stored_bytes = sum(layout[f"{key}{PART_SEPARATOR}{part}" if part else key][1] for part in parts)
         limit = PART_BYTES_PER_ELEMENT * math.prod(entries[key]["shape"]) + PART_BYTES_EXTRA
         _require(stored_bytes <= limit, key, f"{stored_bytes} stored bytes; a tensor of shape {entries[key]['shape']} "
                  f"needs at most {limit}")
     # cloned: safetensors returns tensors in Python buffers (16-byte aligned), on which torch's CPU matrix products
     # take other code paths than on its own allocations, and a reloaded model would not compute bit for bit alike
     return {key: {part: handle.get_tensor(f"{key}{PART_SEPARATOR}{part}" if part else key).clone() for part in parts}
-            for key, parts in layout.items()}
+            for key, parts in parts_of.items()}
 
 
 def _build_architecture(spec: dict[str, Any]) -> nn.Module:
@@ -382,15 +411,8 @@ def file_tensor_bytes(path: str | Path) -> dict[str, int]:
         SparseFileError: unreadable file, not a regular file, a malformed header, or a stored dtype outside
             :data:`STORED_DTYPES`.
     """
-    sizes = {}
     with _open_file(Path(path)) as handle:
-        for key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
-            stored = handle.get_slice(key)
-            dtype = STORED_DTYPES.get(stored.get_dtype())
-            _require(dtype is not None, key, f"stored dtype {stored.get_dtype()}, expected one of "
-                     f"{sorted(STORED_DTYPES)}")
-            sizes[key] = math.prod(stored.get_shape()) * dtype.itemsize
-    return sizes
+        return {key: size for key, (_, size) in _stored_layout(handle).items()}
 
 
 def _target_device(device: torch.device | str) -> torch.device:
@@ -420,7 +442,7 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
         KeyError: an unknown ``backend`` name, listing the known ones.
         ValueError: a ``device`` torch cannot parse, or a CUDA device on a machine without one (checked first).
         SparseFileError: (a ``ValueError``) unreadable, non-regular or non-safetensors file, missing metadata,
-            metadata that is not strict JSON (duplicate keys, NaN literals) or holds keys the format does not
+            metadata larger than :data:`METADATA_MAX_BYTES`, with duplicate keys, or holding keys the format does not
             define, unknown format version or model name, missing/extra/misshapen tensors (checked against the
             architecture before any is read), a codec other than raw on a tensor that is no sparse layer's
             values, stored parts larger than their tensor can need, wrong dtypes or floating tensors of several

@@ -72,9 +72,14 @@ class ConvBackend(ABC):
         output already in that layout is returned as the backend made it (the lowering backends' transposed
         ``(N, M, E, F)`` view of their GEMM result counts as NCHW and stays a view, as it was timed before layouts).
 
+        Every call re-checks a weight whose tensors changed in place since it was last validated
+        (:meth:`UniformCSR.revalidate`), so an index written out of range after construction never reaches a kernel.
+
         Raises:
-            ValueError: a bias that is not ``(M,)`` (:func:`check_bias`), or the backend's own errors.
+            ValueError: a bias that is not ``(M,)`` (:func:`check_bias`), ``SparseFormatError`` for such a weight,
+                or the backend's own errors.
         """
+        csr.revalidate()
         check_bias(bias, csr)
         out = self.conv(x, csr, bias, geometry, **params)
         layout = layout_of(x)
