@@ -193,3 +193,21 @@ def test_a_schemes_own_errors_name_the_layer():
 def test_bad_settings_are_refused_up_front_naming_the_field(build, field):
     with pytest.raises(ValueError, match=f"^{field}: "):
         build()
+
+
+@pytest.mark.parametrize("clusters", [2, 3, 5, 17])
+def test_kmeans_with_a_cluster_count_that_is_no_power_of_two_saves_and_loads(tmp_path, clusters):
+    """Only 16 clusters were tested, where rounding log2 down or up agree (a mutation audit's find)."""
+    quantizer = KMeansQuantizer(clusters=clusters, n_init=1, max_iter=20, activations=NO_ACTIVATIONS, progress=False)
+    assert quantizer.index_bits == math.ceil(math.log2(clusters))
+    model = quantizer.quantize(sparse_model())
+    assert max(int(torch.unique(layer.values[layer.values != 0]).numel()) for layer in
+               sparse_layers(model).values()) == clusters
+    assert_round_trips(model, tmp_path / "m.safetensors")
+
+
+def test_kmeans_keeps_exactly_as_many_distinct_weights_as_clusters():
+    """With as many distinct weights as clusters the centroids are those weights, exactly (not k-means' estimate)."""
+    weights = torch.arange(1, 17, dtype=torch.float64).repeat(3) / 7
+    centroids, labels = KMeansQuantizer(clusters=16).cluster(weights)
+    assert torch.equal(centroids[labels], weights)

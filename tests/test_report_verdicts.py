@@ -26,6 +26,12 @@ def test_verdicts_use_the_fastest_baseline_entry_and_say_slower() -> None:
     assert c["baseline_ms"] is None and c["verdict"] == "no sparse/baseline pair measured"
 
 
+def test_a_sparse_backend_that_ties_the_baseline_is_called_neither_faster_nor_slower() -> None:
+    (tie,) = timing_verdicts([{"layer": "a", "backend": "dense_alone", "time_ms": 1.5, "sparse": False},
+                              {"layer": "a", "backend": "direct", "time_ms": 1.5, "sparse": True}], "dense_alone")
+    assert tie["sparse_speedup"] == 1.0 and tie["verdict"] == "sparse as fast as the baseline (1.00x)"
+
+
 def test_plan_check_text_says_whether_the_plan_is_slower_and_what_was_set_back() -> None:
     from unsparse.report.document import plan_check_text
 

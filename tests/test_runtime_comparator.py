@@ -18,6 +18,7 @@ from unsparse.runtime.comparator import (
     LayerComparison,
     Measurement,
     check_error,
+    check_images,
     check_plan,
     compare_layer,
     plan_model,
@@ -137,6 +138,11 @@ def test_relative_error_and_tolerance() -> None:
     assert relative_error(torch.tensor([1.0, 1.0, 1.0, float("nan")]), ref) == float("inf")
     assert relative_error(torch.ones(3), ref) == float("inf")
     assert tolerance(torch.float16) > tolerance(torch.float32) and tolerance(torch.float32, tf32=True) > 1e-4
+
+
+def test_the_checked_images_are_the_first_the_middle_and_the_last() -> None:
+    """Sub-batch starts and tails and both images of a float16 pair (a mutation audit found no test of them)."""
+    assert [check_images(batch) for batch in (1, 2, 5, 128)] == [[0], [0, 1], [0, 2, 4], [0, 64, 127]]
 
 
 def test_check_error_floors_at_the_dtype_resolution() -> None:

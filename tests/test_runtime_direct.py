@@ -661,6 +661,29 @@ def test_tile_layout_is_bank_conflict_free() -> None:
         cl.tile_layout(torch.float32, (3, 3), cl.TileTiling(wx=12, py=4, nb=1, mw=4, warps=8, cc=8))
 
 
+@pytest.mark.parametrize("dilation", [(1, 2), (2, 1)])
+def test_rows_emulation_matches_conv2d_with_unequal_dilations(dilation: tuple[int, int]) -> None:
+    """Every GEOMETRIES case dilates both axes alike, so taking the row dilation for the column shift went unseen
+    (a mutation audit's find)."""
+    gen = torch.Generator().manual_seed(21)
+    weight = torch.randn(5, 3, 3, 3, generator=gen, dtype=torch.float64)
+    weight[torch.rand(weight.shape, generator=gen, dtype=torch.float64) < 0.5] = 0
+    x, geometry = torch.randn(2, 3, 12, 13, generator=gen, dtype=torch.float64), ConvGeometry.of(1, 1, dilation)
+    csr = UniformCSR.from_dense(weight)
+    out = emulate_rows(x, csr, geometry, 64, 1, 1, 8)
+    assert torch.allclose(out, F.conv2d(x, weight, None, 1, 1, dilation), atol=1e-10)
+
+
+def test_validation_bounds_each_offset_to_its_image_exactly() -> None:
+    """The first address past the image is refused and the last channel's start is accepted (shifting every offset
+    by a whole image could not tell ``>`` from ``>=``)."""
+    C, H, W = 3, 9, 11
+    taps = torch.zeros(1, 1, dtype=torch.int64)
+    validate_rows(torch.tensor([[(C - 1) * H * W]]), taps, C, (H, W))
+    with pytest.raises(ValueError, match="offsets"):
+        validate_rows(torch.tensor([[C * H * W]]), taps, C, (H, W))
+
+
 def test_validation_rejects_out_of_range_offsets_and_taps() -> None:
     _, csr, geometry, _ = layer(GEOMETRIES[0])
     arrays = prepare_rows(csr, geometry, (9, 11))
