@@ -9,8 +9,8 @@ Layout:
   ``tensors`` (per state-dict key: ``shape``, ``dtype``, ``codec``), ``quantization`` and ``extra``.
 
 Loading treats the file as untrusted: only a regular file is opened, memory-mapped, and at first only its header
-is read (JSON metadata of at most :data:`METADATA_MAX_BYTES`, without duplicate keys). The architecture is built
-on the ``meta`` device (no memory), with each convolution replaced by a shape-only :class:`SparseConv` of the
+is read (JSON metadata of at most :data:`METADATA_MAX_CHARACTERS`, without duplicate keys). The architecture is
+built on the ``meta`` device (no memory), with each convolution replaced by a shape-only :class:`SparseConv` of the
 file's row length, and every tensor's declared key, shape, dtype and codec (a quantization codec only on a sparse
 layer's ``values``) is checked against its state dict, and every stored part's size against what its tensor can
 need (at most :data:`MAX_PARTS` parts), before any tensor is read or decoded, so that a file cannot make the loader
@@ -59,9 +59,9 @@ PART_BYTES_EXTRA = 2**20
 centroids (at most 2^16 of 2 bytes) and packing's rounding."""
 MAX_PARTS = 3
 """Stored parts a tensor may have (a codebook's indices, centroids and row counts; a raw tensor has one)."""
-METADATA_MAX_BYTES = 4 * 2**20
-"""Bytes the JSON metadata block may hold (a model of a thousand convolutions needs about 1 MiB): parsing JSON
-takes up to about 30 times its size in memory."""
+METADATA_MAX_CHARACTERS = 4 * 2**20
+"""Characters the JSON metadata block may hold (a model of a thousand convolutions needs about a million): parsing
+JSON takes up to about 30 times its size in memory."""
 TOP_LEVEL_KEYS = {"format_version", "model", "layers", "tensors", "quantization", "extra"}
 LAYER_KEYS = {"weight_shape", "geometry", "row_length", "nnz", "sparsity"}
 TENSOR_KEYS = {"shape", "dtype", "codec"}
@@ -96,7 +96,7 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
             of the architecture as a sparse one, so such a file could not be read back), or layers or tensors that
             differ from the architecture ``unsparse_spec`` names (e.g. a replaced classifier), or values the loader
             refuses (NaN or infinite, a negative BatchNorm variance), or an ``extra`` whose JSON the loader refuses
-            (keys that become one, such as ``1`` and ``"1"``; more than :data:`METADATA_MAX_BYTES` in all):
+            (keys that become one, such as ``1`` and ``"1"``; more than :data:`METADATA_MAX_CHARACTERS` in all):
             :func:`load_sparse` would refuse the file, and the same checks run before it is written.
     """
     from unsparse.quant.state import describe_quantization
@@ -130,8 +130,8 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
         loads_strict(text, constants=True)
     except ValueError as error:
         raise ValueError(f"extra: not JSON the loader reads back ({error})") from error
-    _require(len(text) <= METADATA_MAX_BYTES, "extra", f"metadata of {len(text)} characters, more than "
-             f"{METADATA_MAX_BYTES}")
+    _require(len(text) <= METADATA_MAX_CHARACTERS, "extra", f"metadata of {len(text)} characters, more than "
+             f"{METADATA_MAX_CHARACTERS}")
     return safetensors_save(tensors, metadata={METADATA_KEY: text})
 
 
@@ -177,11 +177,12 @@ def _open_file(path: Path) -> Iterator[Any]:
 
 
 def _read_metadata(handle: Any) -> dict[str, Any]:
-    """The ``"unsparse"`` metadata block of an open file (at most :data:`METADATA_MAX_BYTES`), parsed without
+    """The ``"unsparse"`` metadata block of an open file (at most :data:`METADATA_MAX_CHARACTERS`), parsed without
     duplicate keys and checked at the top level."""
     raw = (handle.metadata() or {}).get(METADATA_KEY)
     _require(isinstance(raw, str), "metadata", f"no {METADATA_KEY!r} string; not an UnSparse file")
-    _require(len(raw) <= METADATA_MAX_BYTES, "metadata", f"{len(raw)} characters, more than {METADATA_MAX_BYTES}")
+    _require(len(raw) <= METADATA_MAX_CHARACTERS, "metadata",
+             f"{len(raw)} characters, more than {METADATA_MAX_CHARACTERS}")
     try:  # NaN allowed: a run's metric in extra may be NaN; every checked field refuses it by type or range
         metadata = loads_strict(raw, constants=True)
     except (ValueError, RecursionError) as error:  # ValueError: also an integer beyond Python's digit limit
@@ -442,8 +443,8 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
         KeyError: an unknown ``backend`` name, listing the known ones.
         ValueError: a ``device`` torch cannot parse, or a CUDA device on a machine without one (checked first).
         SparseFileError: (a ``ValueError``) unreadable, non-regular or non-safetensors file, missing metadata,
-            metadata larger than :data:`METADATA_MAX_BYTES`, with duplicate keys, or holding keys the format does not
-            define, unknown format version or model name, missing/extra/misshapen tensors (checked against the
+            metadata longer than :data:`METADATA_MAX_CHARACTERS`, with duplicate keys, or holding keys the format
+            does not define, unknown format version or model name, missing/extra/misshapen tensors (checked against the
             architecture before any is read), a codec other than raw on a tensor that is no sparse layer's
             values, stored parts larger than their tensor can need, wrong dtypes or floating tensors of several
             dtypes, column indices outside
