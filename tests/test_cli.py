@@ -71,7 +71,8 @@ def test_a_job_built_twice_from_one_seed_starts_from_the_same_weights():
 
 
 @pytest.mark.parametrize(("override", "message"), [
-    ("seed=abc", "seed: expected an integer, got 'abc'"),  # torch.manual_seed's "invalid literal for int()"
+    # torch.manual_seed said "invalid literal for int()"
+    ("seed=abc", r"seed: expected an integer in \[-9223372036854775808, 18446744073709551615\], got 'abc'"),
     ("train.epochs=true", "train.epochs: expected an integer >= 0, got True"),  # ran 1 epoch, "True epoch"
     ("+prune.layer_targets={7.0: 0.5}", None),  # Hydra reads the key as a float: it names layer "7.0"
 ])

@@ -353,6 +353,13 @@ def test_notes_with_nan_metrics_round_trip_and_notes_json_cannot_hold_are_refuse
         save_sparse(model, tmp_path / "n.safetensors", extra={1: "a", "1": "b"})
     with pytest.raises(ValueError, match="extra: metadata of"):
         save_sparse(model, tmp_path / "n.safetensors", extra={"pad": "x" * 4 * 2**20})
+    nested: list = []
+    for _ in range(3000):  # deeper than json.dumps goes: its RecursionError escaped save_sparse
+        nested = [nested]
+    with pytest.raises(ValueError, match=r"extra: not JSON \(maximum recursion depth"):
+        save_sparse(model, tmp_path / "n.safetensors", extra={"nested": nested})
+    with pytest.raises(ValueError, match=r"extra: not JSON \(Object of type int64"):
+        save_sparse(model, tmp_path / "n.safetensors", extra={"epochs": torch.tensor(2).numpy()[()]})
     assert not (tmp_path / "n.safetensors").exists()
 
 

@@ -285,12 +285,19 @@ def test_layer_names_the_model_lacks_are_refused_before_training_binds_the_folde
     EvolutionaryPruner(layers=["0.0"], unit_step={"0.0": 0.1, "6.0": 0.1}).check_layers(create_model("vgg_small"))
 
 
-def test_numpy_scalars_and_negative_seeds_are_the_numbers_they_were_before_the_type_checks():
+def test_numpy_scalars_are_refused_by_name_and_seeds_are_what_torch_takes():
+    """Settings go into JSON records: a numpy integer accepted here failed only when the file was saved, after the
+    training (a reread's find); numpy's float64 is a Python float."""
     import numpy as np
 
-    assert TrainSettings(epochs=np.int64(2), lr=np.float32(0.05)).epochs == 2
-    assert MagnitudePruner(np.float32(0.9), fine_tune_epochs=np.int64(1)).fine_tune_epochs == 1
-    assert EvolutionaryPruner(seed=-1).seed == -1  # torch.manual_seed takes it
+    with pytest.raises(ValueError, match=r"train.epochs: expected an integer >= 0, got np.int64\(2\)"):
+        TrainSettings(epochs=np.int64(2))
+    with pytest.raises(ValueError, match="fine_tune_epochs: expected an integer"):
+        MagnitudePruner(0.9, fine_tune_epochs=np.int64(1))
+    assert TrainSettings(lr=np.float64(0.05)).lr == 0.05
+    assert EvolutionaryPruner(seed=-1).seed == -1  # torch.manual_seed takes [-2^63, 2^64)
+    with pytest.raises(ValueError, match=r"seed: expected an integer in \[-9223372036854775808, "):
+        EvolutionaryPruner(seed=-2**63 - 1)
 
 
 def test_devices_and_backends_are_checked_before_any_work(tmp_path):

@@ -185,6 +185,7 @@ def test_a_layer_whose_index_was_written_out_of_range_is_refused_wherever_its_we
         describe_layers(torch.nn.Sequential(layer))  # what save_sparse writes: it reads layer.csr
     with pytest.raises(SparseFormatError, match=message):
         get_backend("dense_cpu").run(x, held, None, layer.geometry)
+    assert "weight_shape=(6, 4, 3, 3)" in repr(layer)  # a model that fails its check still prints
 
 
 def test_a_weight_unpickled_from_before_revalidate_existed_runs():
@@ -319,7 +320,7 @@ def test_one_element_tuples_read_as_torch_reads_them(backend, stride, padding, d
 
 
 @pytest.mark.parametrize(("value", "spatial_dims"), [((1.5, 1), 2), (2.0, 2), ((1, 2, 3), 2), ((2, 3), 1), ("2", 2),
-                                                    (True, 2), ((True, 1), 2)])
+                                                    (True, 2), ((True, 1), 2), (torch.tensor(True), 2)])
 def test_a_stride_that_is_no_integer_or_too_long_is_refused_not_truncated(value, spatial_dims):
     with pytest.raises(ValueError, match=r"stride: expected an integer"):
         ConvGeometry.of(value, spatial_dims=spatial_dims)
@@ -336,6 +337,15 @@ def test_a_geometry_out_of_range_is_refused(fields):
                                            for key, value in fields.items()}}
     with pytest.raises(ValueError, match=r"geometry: invalid|spatial_dims"):
         ConvGeometry.from_dict(data)
+
+
+def test_numpy_and_torch_integers_become_python_ints_in_a_geometry():
+    """A geometry goes into file metadata as JSON; a numpy groups value kept as numpy could not be written."""
+    import numpy as np
+
+    geometry = ConvGeometry.of(np.int64(2), torch.tensor(1), groups=np.int64(2))
+    assert geometry == ConvGeometry.of(2, 1, groups=2)
+    assert all(type(value) is int for value in (*geometry.stride, *geometry.padding, geometry.groups))
 
 
 @pytest.mark.parametrize("groups", [2.0, "2", True])

@@ -30,6 +30,11 @@ def test_a_sparse_backend_that_ties_the_baseline_is_called_neither_faster_nor_sl
     (tie,) = timing_verdicts([{"layer": "a", "backend": "dense_alone", "time_ms": 1.5, "sparse": False},
                               {"layer": "a", "backend": "direct", "time_ms": 1.5, "sparse": True}], "dense_alone")
     assert tie["sparse_speedup"] == 1.0 and tie["verdict"] == "sparse as fast as the baseline (1.00x)"
+    for base, sparse in ((1.5, 1.501), (1.501, 1.5)):  # a ratio the page prints as 1.00 is a tie too
+        (near,) = timing_verdicts([{"layer": "a", "backend": "dense_alone", "time_ms": base, "sparse": False},
+                                   {"layer": "a", "backend": "direct", "time_ms": sparse, "sparse": True}],
+                                  "dense_alone")
+        assert near["verdict"] == "sparse as fast as the baseline (1.00x)"
 
 
 def test_plan_check_text_says_whether_the_plan_is_slower_and_what_was_set_back() -> None:

@@ -36,11 +36,11 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
 
     Raises:
         ValueError: from :func:`resolve_device`, :class:`TrainSettings`, :class:`TimingSettings`, a ``seed`` that is
-            no integer, or a factory.
+            no integer torch takes (``[-2^63, 2^64)``), or a factory.
     """
     device = resolve_device(cfg.device)
     train, timing = TrainSettings(**cfg.train), TimingSettings(**cfg.runtime.timing)
-    torch.manual_seed(check_integer(cfg.seed, "seed", low=None))
+    torch.manual_seed(check_integer(cfg.seed, "seed", low=-2**63, high=2**64 - 1))
     return {"splits": instantiate(cfg.data), "model": instantiate(cfg.model), "pruner": instantiate(cfg.prune),
             "quantizer": instantiate(cfg.quant).quantize, "train": train, "timing": timing,
             "backend": cfg.runtime.backend, "device": device, "progress": cfg.progress, "seed": cfg.seed}

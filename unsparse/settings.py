@@ -1,13 +1,13 @@
 """Checks of settings (training, timing, pruners, quantizers, data, time series): each returns the value or raises
 ``ValueError`` naming it.
 
-Bools are refused where a number is expected (``True`` is an ``int`` to Python) and numbers where a bool is; numpy
-scalars count as the numbers they are (``numbers.Integral``/``numbers.Real``).
+Bools are refused where a number is expected (``True`` is an ``int`` to Python) and numbers where a bool is. So are
+numpy integers and float32 scalars: the settings go into JSON files (job records, file metadata), which take Python
+numbers only (numpy's float64 is a Python float).
 """
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -18,7 +18,7 @@ def check_quantile(quantile: float, field: str) -> float:
     Raises:
         ValueError: naming ``field`` otherwise.
     """
-    if isinstance(quantile, bool) or not isinstance(quantile, numbers.Real) or not 0 < quantile <= 1:
+    if isinstance(quantile, bool) or not isinstance(quantile, int | float) or not 0 < quantile <= 1:
         raise ValueError(f"{field}: expected a number in (0, 1], got {quantile!r}")
     return float(quantile)
 
@@ -30,7 +30,7 @@ def check_number(value: float, field: str, valid: Callable[[float], bool], expec
     Raises:
         ValueError: naming ``field`` otherwise.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not valid(value):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not valid(value):
         raise ValueError(f"{field}: expected a number {expected}, got {value!r}")
     return float(value)
 
@@ -41,9 +41,10 @@ def check_integer(value: int, field: str, low: int | None = 1, high: int | None 
     Raises:
         ValueError: naming ``field`` otherwise.
     """
-    if (isinstance(value, bool) or not isinstance(value, numbers.Integral) or (low is not None and value < low)
+    if (isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low)
             or (high is not None and value > high)):
-        bounds = f" in [{low}, {high}]" if high is not None else "" if low is None else f" >= {low}"
+        bounds = (f" in [{low}, {high}]" if low is not None and high is not None else f" >= {low}" if low is not None
+                  else f" <= {high}" if high is not None else "")
         raise ValueError(f"{field}: expected an integer{bounds}, got {value!r}")
     return value
 

@@ -27,7 +27,7 @@ def loads_strict(text: str | bytes, constants: bool = False) -> Any:
     """``json.loads`` that refuses duplicate object keys and, unless ``constants``, ``NaN``/``Infinity`` literals.
 
     Raises:
-        ValueError: naming the duplicate keys (the first ten) or the literal, or ``json``'s own error (syntax,
+        ValueError: naming the duplicate keys (the first ten, sorted) or the literal, or ``json``'s own error (syntax,
             UTF-8, an integer beyond Python's digit limit). RecursionError: nesting deeper than the parser.
     """
     return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=None if constants else _refuse_constant)

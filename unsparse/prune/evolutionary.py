@@ -324,7 +324,7 @@ class EvolutionaryPruner(Pruner):
         self.deadline, self.crossover_max_regress = deadline, crossover_max_regress
         self.lr, self.fine_tune_lr = optional_rate(lr, "lr"), optional_rate(fine_tune_lr, "fine_tune_lr")
         self.fine_tune_epochs = check_integer(fine_tune_epochs, "fine_tune_epochs", low=0)
-        self.seed = check_integer(seed, "seed", low=None)
+        self.seed = check_integer(seed, "seed", low=-2**63, high=2**64 - 1)
         self.generator = torch.Generator()
         self.grad_stats: dict[str, torch.Tensor] = {}
         self.delta: dict[str, float] = {}
@@ -345,8 +345,10 @@ class EvolutionaryPruner(Pruner):
         if isinstance(self.unit_step, dict):
             prunable = list(prunable_layers(model))
             unknown = [name for name in self.unit_step if name not in prunable]
-            missing = [name for name in (self.layer_names or prunable) if name not in self.unit_step]
-            problems = ([f"{unknown} are not prunable layers of the model"] if unknown else []) + (
+            masked = self.layer_names if self.layer_names is not None else prunable
+            missing = [name for name in masked if name not in self.unit_step]
+            problems = ([f"{unknown} are not prunable layers of the model (it has {', '.join(prunable)})"]
+                        if unknown else []) + (
                 [f"no step for the masked layers {missing}"] if missing else [])
             if problems:
                 raise ValueError("unit_step: " + "; ".join(problems))

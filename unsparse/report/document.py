@@ -49,7 +49,7 @@ def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[di
         speedup = base["time_ms"] / best_sparse["time_ms"] if base and best_sparse else None
         if speedup is None:
             verdict = "no sparse/baseline pair measured"
-        elif speedup == 1.0:
+        elif f"{speedup:.2f}" == "1.00" or f"{1 / speedup:.2f}" == "1.00":  # what the page prints: a tie
             verdict = "sparse as fast as the baseline (1.00x)"
         elif speedup > 1.0:
             verdict = f"sparse faster ({speedup:.2f}x)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -82,8 +83,10 @@ class SparseConv(nn.Module):
         return sparse_conv_nd(x, self.csr, self.bias, self.geometry, self.backend, **self.backend_params)
 
     def extra_repr(self) -> str:
-        csr = self.csr
-        return (f"weight_shape={self.weight_shape}, L={csr.row_length}, sparsity={csr.sparsity:.3f}, "
+        # the buffers, not self.csr: a model whose weight fails its re-check must still print
+        total = math.prod(self.weight_shape)
+        sparsity = 1.0 - int((self.values != 0).sum()) / total if total and not self.values.is_meta else 0.0
+        return (f"weight_shape={self.weight_shape}, L={self.values.shape[1]}, sparsity={sparsity:.3f}, "
                 f"{self.geometry}, backend={self.backend!r}")
 
 

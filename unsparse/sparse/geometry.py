@@ -5,7 +5,6 @@ Conv1d is handled as Conv2d over an input of height 1 (``R = 1``, stride/padding
 
 from __future__ import annotations
 
-import numbers
 import operator
 from dataclasses import asdict, dataclass
 
@@ -19,12 +18,26 @@ def _integers(value: object) -> tuple[int, ...]:
     """``value`` (an integer, or a tuple or list of them) as a tuple; ``()`` for anything else (``operator.index``:
     a float is refused, not truncated; so is a bool)."""
     values = tuple(value) if isinstance(value, tuple | list) else (value,)
-    if any(isinstance(item, bool) for item in values):  # True is an int to Python, not a size
+    if any(_is_bool(item) for item in values):  # True is an int to Python, not a size
         return ()
     try:
         return tuple(map(operator.index, values))
     except TypeError:
         return ()
+
+
+def _is_bool(value: object) -> bool:
+    """A Python, numpy or torch boolean (each of which ``operator.index`` reads as 0 or 1)."""
+    return isinstance(value, bool) or type(value).__name__ == "bool_" or (
+        isinstance(value, torch.Tensor) and value.dtype == torch.bool)
+
+
+def _integer(value: object, name: str) -> int:
+    """``value`` as a Python int (a numpy or torch integer converted), or ``SparseFormatError`` naming ``name``."""
+    values = _integers(value)
+    if isinstance(value, tuple | list) or len(values) != 1:
+        raise SparseFormatError(f"{name}: expected an integer, got {value!r}")
+    return values[0]
 
 
 def _pair(value: int | tuple[int, ...] | list[int], name: str) -> tuple[int, int]:
@@ -81,8 +94,9 @@ class ConvGeometry:
         spatial_dims: 2 for Conv2d (NCHW input), 1 for Conv1d (NCL input).
 
     Raises:
-        SparseFormatError: on a non-positive stride/dilation/groups, negative padding, or ``spatial_dims``
-            other than 1 or 2.
+        SparseFormatError: on values that are no integers (floats, strings, booleans; numpy and torch integers are
+            converted), a non-positive stride/dilation/groups, negative padding, or ``spatial_dims`` other than 1
+            or 2.
     """
 
     stride: tuple[int, int] = (1, 1)
@@ -94,8 +108,8 @@ class ConvGeometry:
     def __post_init__(self) -> None:
         for name in ("stride", "padding", "dilation"):
             object.__setattr__(self, name, _pair(getattr(self, name), name))
-        if isinstance(self.groups, bool) or not isinstance(self.groups, numbers.Integral):
-            raise SparseFormatError(f"groups: expected an integer, got {self.groups!r}")
+        object.__setattr__(self, "groups", _integer(self.groups, "groups"))
+        object.__setattr__(self, "spatial_dims", _integer(self.spatial_dims, "spatial_dims"))
         if self.spatial_dims not in (1, 2):
             raise SparseFormatError(f"spatial_dims: expected 1 or 2, got {self.spatial_dims}")
         if min(self.stride) < 1 or min(self.dilation) < 1 or min(self.padding) < 0 or self.groups < 1:

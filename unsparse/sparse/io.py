@@ -95,9 +95,11 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
             convolution :func:`~unsparse.runtime.modules.sparsify` left dense (the loader rebuilds every convolution
             of the architecture as a sparse one, so such a file could not be read back), or layers or tensors that
             differ from the architecture ``unsparse_spec`` names (e.g. a replaced classifier), or values the loader
-            refuses (NaN or infinite, a negative BatchNorm variance), or an ``extra`` whose JSON the loader refuses
-            (keys that become one, such as ``1`` and ``"1"``; more than :data:`METADATA_MAX_CHARACTERS` in all):
-            :func:`load_sparse` would refuse the file, and the same checks run before it is written.
+            refuses (NaN or infinite, a negative BatchNorm variance), or an ``extra`` that is no JSON (a numpy
+            value, nesting deeper than the encoder goes) or whose JSON the loader refuses (keys that become one,
+            such as ``1`` and ``"1"``; nesting deeper than the parser reads; more than
+            :data:`METADATA_MAX_CHARACTERS` in all): :func:`load_sparse` would refuse the file, and the same checks
+            run before it is written.
     """
     from unsparse.quant.state import describe_quantization
 
@@ -125,13 +127,16 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
     except SparseFileError as error:
         raise ValueError(f"model: load_sparse would refuse its file ({error}): it checks the layers and tensors "
                          f"against the architecture unsparse_spec names ({spec}), and their values") from error
-    text = json.dumps(metadata)
-    try:  # int and str keys of extra can become one JSON key ({1: .., "1": ..}), which the loader refuses
-        loads_strict(text, constants=True)
-    except ValueError as error:
-        raise ValueError(f"extra: not JSON the loader reads back ({error})") from error
+    try:  # extra is the caller's: values JSON cannot hold, or nesting deeper than the encoder goes
+        text = json.dumps(metadata)
+    except (TypeError, ValueError, RecursionError) as error:
+        raise ValueError(f"extra: not JSON ({error})") from error
     _require(len(text) <= METADATA_MAX_CHARACTERS, "extra", f"metadata of {len(text)} characters, more than "
              f"{METADATA_MAX_CHARACTERS}")
+    try:  # int and str keys of extra can become one JSON key ({1: .., "1": ..}), which the loader refuses
+        loads_strict(text, constants=True)
+    except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the parser reads
+        raise ValueError(f"extra: not JSON the loader reads back ({error})") from error
     return safetensors_save(tensors, metadata={METADATA_KEY: text})
 
 
@@ -444,7 +449,8 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
         ValueError: a ``device`` torch cannot parse, or a CUDA device on a machine without one (checked first).
         SparseFileError: (a ``ValueError``) unreadable, non-regular or non-safetensors file, missing metadata,
             metadata longer than :data:`METADATA_MAX_CHARACTERS`, with duplicate keys, or holding keys the format
-            does not define, unknown format version or model name, missing/extra/misshapen tensors (checked against the
+            does not define, unknown format version or model name, a tensor stored in more than :data:`MAX_PARTS`
+            parts, missing/extra/misshapen tensors (checked against the
             architecture before any is read), a codec other than raw on a tensor that is no sparse layer's
             values, stored parts larger than their tensor can need, wrong dtypes or floating tensors of several
             dtypes, column indices outside
