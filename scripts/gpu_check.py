@@ -16,9 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 
 def main(argv: list[str] | None = None) -> int:
-    """Run tests and benchmark; returns pytest's exit code (the benchmark still runs after failures)."""
+    """Run tests and benchmark; returns pytest's exit code (the benchmark still runs after failures), or 2 without
+    a CUDA device when tests were asked for (they would all skip, which pytest counts as success)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_out"))
     parser.add_argument("--quick", action="store_true", help="FP32, batch 128, sparsity 0.9, VGG16 end to end")
@@ -51,6 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     log.write_text(json.dumps(env, indent=1) + "\n")
     print(json.dumps(env), flush=True)
     code = 0
+    if not args.skip_tests and not torch.cuda.is_available():  # every GPU test would skip, and pytest exit 0
+        message = "gpu_check: no CUDA device here; no GPU test ran"
+        with log.open("a") as handle:
+            handle.write(message + "\n")
+        print(message, file=sys.stderr, flush=True)
+        return 2
     if not args.skip_tests:
         tests = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider",
                                 "tests/gpu"], capture_output=True, text=True)

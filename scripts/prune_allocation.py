@@ -192,8 +192,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("vgg_small", "resnet_small"), default="resnet_small")
     parser.add_argument("--budget", choices=list(TABLE.BUDGETS), default="gpu_w32")
-    parser.add_argument("--evolutionary", nargs="*", type=TABLE.setting, default=[], metavar="KEY=VALUE",
-                        help="EvolutionaryPruner settings overriding the config file")
+    parser.add_argument("--evolutionary", nargs="*", action="extend", type=TABLE.setting, default=[],
+                        metavar="KEY=VALUE", help="EvolutionaryPruner settings overriding the config file (repeatable)")
     parser.add_argument("--fine-tune-lr", type=float, default=0.05)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")

@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
             page = atomic_write_text(beside(stem, ".md"), markdown_report(result))
             if args.plots:
                 plot_results(result, path.parent, prefix=f"{stem.name}_")
-        except (ValueError, KeyError, TypeError, AttributeError) as error:
+        except (ValueError, KeyError, TypeError, AttributeError, OSError) as error:
             failed += 1
             print(f"FAILED {path}: {type(error).__name__}: {error}", file=sys.stderr)
             continue

@@ -25,3 +25,11 @@ def test_benchmark_options_reach_run_bench(load_script: Callable[[str], ModuleTy
     assert first["end_to_end"] == ["vgg16"] and first["end_to_end_sparsity"] == 0.7
     assert first["models"] == ["vgg16"] and first["sparsities"] == [0.7]
     assert second["end_to_end"] == [] and "end_to_end_sparsity" not in second  # run_bench's default applies
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+def test_the_gpu_tests_on_a_machine_without_cuda_are_a_failure_not_a_pass(load_script: Callable[[str], ModuleType],
+                                                                          tmp_path: Path) -> None:
+    """Every GPU test skips there, and pytest's exit 0 read as "GPU tests passed" (a scripts audit's find)."""
+    assert load_script("gpu_check").main(["--skip-bench", "--out", str(tmp_path)]) == 2
+    assert "no CUDA device here; no GPU test ran" in (tmp_path / "gpu_check.log").read_text()

@@ -104,9 +104,13 @@ def test_render_bench_skips_other_results_names_a_broken_one_and_renders_the_res
     good["end_to_end"][0]["planned_ms"] = None
     (tmp_path / "broken.json").write_text(json.dumps(good))
     (tmp_path / "layouts.json").write_text(json.dumps({"environment": {}, "layers": [{"ms": {}}]}))
-    paths = [str(tmp_path / name) for name in ("layouts.json", "broken.json", "good.json")]
+    (tmp_path / "folder.json").mkdir()  # an unreadable path stopped the batch (a scripts audit's find)
+    paths = [str(tmp_path / name) for name in ("layouts.json", "missing.json", "folder.json", "broken.json",
+                                               "good.json")]
     assert load_script("render_bench").main([*paths, "--plots"]) == 1
     out, err = capsys.readouterr()
+    assert f"FAILED {tmp_path / 'missing.json'}: FileNotFoundError" in err
+    assert f"FAILED {tmp_path / 'folder.json'}: IsADirectoryError" in err
     assert f"skipped {tmp_path / 'layouts.json'}: not a run_bench result" in out
     assert f"FAILED {tmp_path / 'broken.json'}: TypeError" in err and f"rendered {tmp_path / 'good.md'}" in out
     assert (tmp_path / "good_end_to_end.png").exists() and not (tmp_path / "end_to_end.png").exists()
