@@ -61,28 +61,21 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
     return chosen.run(x, csr, bias, geometry, **params)
 
 
-def with_batch(x: torch.Tensor, spatial_dims: int) -> tuple[torch.Tensor, bool]:
-    """``x`` as a batched input ``(N, C, *spatial)`` and whether it came unbatched, ``(C, *spatial)`` (which
-    ``nn.Conv1d``/``nn.Conv2d`` and ``F.conv1d``/``F.conv2d`` accept; it gets a batch of one).
+def conv2d_input(x: torch.Tensor, spatial_dims: int) -> torch.Tensor:
+    """The 4-D input the backends see for an input as ``nn.Conv1d``/``nn.Conv2d`` take it: ``(N, C, H, W)`` itself;
+    ``(N, C, L)`` as ``(N, C, 1, L)``, contiguous (a 1-D input has no channels-last layout, so a transposed one is
+    copied); an unbatched one, ``(C, *spatial)`` (which ``F.conv1d``/``F.conv2d`` accept too), with a batch of one
+    first.
 
     Raises:
         ValueError: ``x`` has neither ``spatial_dims + 2`` nor ``spatial_dims + 1`` dimensions.
     """
-    if x.dim() == spatial_dims + 2:
-        return x, False
     if x.dim() == spatial_dims + 1:
-        return x.unsqueeze(0), True
-    spatial = "H, W" if spatial_dims == 2 else "L"
-    raise ValueError(f"x: expected (N, C, {spatial}) or unbatched (C, {spatial}), got shape {tuple(x.shape)}")
-
-
-def conv2d_input(x: torch.Tensor, spatial_dims: int) -> torch.Tensor:
-    """The 4-D input the backends see for an input as ``nn.Conv1d``/``nn.Conv2d`` take it: ``(N, C, H, W)`` itself;
-    ``(N, C, L)`` as ``(N, C, 1, L)``, contiguous (a 1-D input has no channels-last layout, so a transposed one is
-    copied); an unbatched one with a batch of one first (:func:`with_batch`, which raises ``ValueError`` for another
-    number of dimensions)."""
-    batched = with_batch(x, spatial_dims)[0]
-    return batched.unsqueeze(2).contiguous() if spatial_dims == 1 else batched
+        x = x.unsqueeze(0)
+    elif x.dim() != spatial_dims + 2:
+        spatial = "H, W" if spatial_dims == 2 else "L"
+        raise ValueError(f"x: expected (N, C, {spatial}) or unbatched (C, {spatial}), got shape {tuple(x.shape)}")
+    return x.unsqueeze(2).contiguous() if spatial_dims == 1 else x
 
 
 def sparse_conv_nd(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,

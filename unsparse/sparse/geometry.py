@@ -40,21 +40,15 @@ def _integer(value: object, name: str) -> int:
     return values[0]
 
 
-def _pair(value: int | tuple[int, ...] | list[int], name: str) -> tuple[int, int]:
-    """``value`` as ``(height, width)``: an integer or a one-element sequence for both, as ``F.conv2d`` reads it,
-    or a pair."""
+def _per_dimension(value: int | tuple[int, ...] | list[int], name: str, dims: int) -> tuple[int, ...]:
+    """``value`` for each of ``dims`` dimensions: an integer or a one-element sequence for all of them, as
+    ``F.conv1d``/``F.conv2d`` read it, or ``dims`` integers."""
     values = _integers(value)
-    if len(values) not in (1, 2):
-        raise SparseFormatError(f"{name}: expected an integer, or one or two of them, got {value!r}")
-    return (values[0], values[-1])
-
-
-def _single(value: int | tuple[int, ...] | list[int], name: str) -> int:
-    """``value`` of a 1-D convolution: an integer or a one-element sequence, as ``F.conv1d`` reads it."""
-    values = _integers(value)
-    if len(values) != 1:
-        raise SparseFormatError(f"{name}: expected an integer, or one of them (1-D), got {value!r}")
-    return values[0]
+    values = values * dims if len(values) == 1 else values
+    if len(values) != dims:
+        raise SparseFormatError(f"{name}: expected an integer, or {'one' if dims == 1 else f'one or {dims}'} of "
+                                f"them, got {value!r}")
+    return values
 
 
 def _resolve_padding(padding: str, kernel_size: tuple[int, ...] | None, stride: int | tuple[int, ...],
@@ -66,16 +60,9 @@ def _resolve_padding(padding: str, kernel_size: tuple[int, ...] | None, stride: 
         return 0
     if kernel_size is None:
         raise SparseFormatError("padding: 'same' needs the kernel size to be resolved")
-    def per_dimension(value: int | tuple[int, ...], name: str) -> tuple[int, ...]:
-        values = _integers(value)
-        values = values * len(kernel_size) if len(values) == 1 else values
-        if len(values) != len(kernel_size):
-            raise SparseFormatError(f"{name}: expected an integer, or one or {len(kernel_size)} of them, got {value!r}")
-        return values
-
-    if any(step != 1 for step in per_dimension(stride, "stride")):
+    if any(step != 1 for step in _per_dimension(stride, "stride", len(kernel_size))):
         raise SparseFormatError(f"padding: 'same' with stride {stride}; torch allows it at stride 1 only")
-    dilations = per_dimension(dilation, "dilation")
+    dilations = _per_dimension(dilation, "dilation", len(kernel_size))
     extents = [d * (k - 1) for d, k in zip(dilations, kernel_size, strict=True)]
     if any(extent % 2 for extent in extents):
         raise SparseFormatError(f"padding: 'same' with kernel {tuple(kernel_size)} and dilation {dilation} pads one "
@@ -107,7 +94,7 @@ class ConvGeometry:
 
     def __post_init__(self) -> None:
         for name in ("stride", "padding", "dilation"):
-            object.__setattr__(self, name, _pair(getattr(self, name), name))
+            object.__setattr__(self, name, _per_dimension(getattr(self, name), name, 2))
         object.__setattr__(self, "groups", _integer(self.groups, "groups"))
         object.__setattr__(self, "spatial_dims", _integer(self.spatial_dims, "spatial_dims"))
         if self.spatial_dims not in (1, 2):
@@ -132,10 +119,10 @@ class ConvGeometry:
         """
         if isinstance(padding, str):
             padding = _resolve_padding(padding, kernel_size, stride, dilation)
-        if spatial_dims == 1:
-            return cls((1, _single(stride, "stride")), (0, _single(padding, "padding")),
-                       (1, _single(dilation, "dilation")), groups, 1)
-        return cls(_pair(stride, "stride"), _pair(padding, "padding"), _pair(dilation, "dilation"), groups, 2)
+        if spatial_dims == 1:  # height 1: stride 1, no padding, dilation 1 along H
+            return cls((1, *_per_dimension(stride, "stride", 1)), (0, *_per_dimension(padding, "padding", 1)),
+                       (1, *_per_dimension(dilation, "dilation", 1)), groups, 1)
+        return cls(stride, padding, dilation, groups, 2)
 
     @classmethod
     def from_module(cls, conv: nn.Conv1d | nn.Conv2d) -> ConvGeometry:
