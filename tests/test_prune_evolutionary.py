@@ -492,10 +492,14 @@ def test_rejects_bad_constants():
         EvolutionaryPruner(crossover_max_regress=-0.1)
 
 
-def test_log_and_checkpoint_written(tmp_path: Path):
-    pruner(iterations=2, fine_tune_epochs=0).run(tiny_model(), tiny_trainer(), tmp_path)
+def test_log_and_checkpoint_written(tmp_path: Path, caplog):
+    with caplog.at_level("INFO", logger="unsparse.prune.evolutionary"):
+        result = pruner(iterations=2, fine_tune_epochs=0).run(tiny_model(), tiny_trainer(), tmp_path)
     assert (tmp_path / evo.CHECKPOINT).exists()
     assert len((tmp_path / evo.LOG).read_text().splitlines()) == 3
+    lines = [record.getMessage() for record in caplog.records if " iteration " in record.getMessage()]
+    assert [line.split(":")[0] for line in lines] == ["evolutionary iteration 1", "evolutionary iteration 2"]
+    assert f"weighted sparsity {result.history[2]['weighted_sparsity']:.4f}" in lines[1]
 
 
 def test_iteration_batches_keep_the_train_loaders_collation_and_last_batch_setting():

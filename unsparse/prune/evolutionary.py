@@ -509,6 +509,7 @@ class EvolutionaryPruner(Pruner):
         while self._continues():
             history.append(self._iterate(trainer, optimizer))
             self._record(history[-1], log_path, checkpoint, optimizer, trainer, history, elapsed, started)
+            _log_iteration(self.name, history[-1])
             bar.update(1)
             bar.set_postfix(ws=f"{history[-1]['next_weighted_sparsity']:.4f}",
                             score=f"{history[-1]['val_score']:.4g}")
@@ -688,6 +689,14 @@ class EvolutionaryPruner(Pruner):
 def log_line(entry: Mapping[str, Any]) -> str:
     """One history entry as a line of ``prune_log.jsonl``."""
     return json.dumps(entry) + "\n"
+
+
+def _log_iteration(name: str, entry: Mapping[str, Any]) -> None:
+    """One INFO line per iteration (the job's log has it with progress bars off too): weighted sparsity evaluated and
+    next, validation score, events."""
+    log.info("%s iteration %d: weighted sparsity %.4f (next %.4f), val score %.4g, events %s", name,
+             entry["iteration"], entry["weighted_sparsity"], entry["next_weighted_sparsity"], entry["val_score"],
+             ", ".join(entry["events"]) or "none")
 
 
 def share(total: int, weights: Mapping[str, float], caps: Mapping[str, int]) -> dict[str, int]:
