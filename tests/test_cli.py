@@ -108,6 +108,19 @@ def test_multirun_sweeps_pruners_and_targets(tmp_path):
         assert report["pruning"]["weighted_sparsity"] == pytest.approx(0.8, abs=0.01)
         assert f"- prune={report['pruning']['method']}\n" in (path.parent / ".hydra" / "overrides.yaml").read_text()
         assert "_target_: unsparse.prune" in (path.parent / ".hydra" / "config.yaml").read_text()
+        assert "_target_: unsparse.prune" in (path.parent / "cli.log").read_text()  # logged once the folder is held
+
+
+def test_a_job_refused_by_the_folder_lock_leaves_the_running_jobs_log_alone(tmp_path):
+    from unsparse.pipeline import only_job_in
+
+    (tmp_path / "cli.log").write_text("running job\n")
+    command = [sys.executable, "-c", "from unsparse.cli import main; main()", "experiment=smoke", "data=digits",
+               "progress=false", f"hydra.run.dir={tmp_path}"]
+    with only_job_in(tmp_path):  # the running job
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "another running job holds this folder" in done.stderr
+    assert "_target_" not in (tmp_path / "cli.log").read_text()
 
 
 def test_every_bench_option_is_a_run_bench_argument():

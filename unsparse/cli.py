@@ -60,11 +60,11 @@ def run(cfg: DictConfig) -> None:
     """The main job on the composed config; outputs go to Hydra's output directory. The composed config and the
     command line's overrides are saved there (``.hydra/config.yaml``, ``.hydra/overrides.yaml``) only once the
     folder accepts the job, so a refused resume leaves the folder's record of its own job (Hydra's own copy,
-    written before the job starts, is turned off: ``hydra.output_subdir: null``). Ctrl-C ends the job with exit
+    written before the job starts, is turned off: ``hydra.output_subdir: null``); the job logs them then too, so a
+    refused job's config does not land in the running job's ``cli.log``. Ctrl-C ends the job with exit
     status 130 and says how to resume (the checkpoints written so far stay)."""
     outdir = Path(HydraConfig.get().runtime.output_dir)
     task_overrides = list(HydraConfig.get().overrides.task)
-    log.info("config:\n%s", OmegaConf.to_yaml(cfg))
     record = {".hydra/config.yaml": OmegaConf.to_yaml(cfg), ".hydra/overrides.yaml": OmegaConf.to_yaml(task_overrides)}
     try:
         report = run_pipeline(outdir=outdir, record=record, **build_job(cfg))

@@ -356,9 +356,9 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
             slower than that default. Whatever the choice, every available backend is compared per layer on
             ``timing.batch_size`` images (``eval_batch_size`` for ``"auto"``), and the planned model is timed
             against its dense default (:func:`compare_layers`; ``plan_check`` in the report).
-        record: text files to write into ``outdir`` (relative path -> content, atomically) once the folder is
-            claimed, e.g. the command line's composed config: a refused job leaves the folder's record of its own
-            job as it was.
+        record: text files to write into ``outdir`` (relative path -> content, atomically) and log once the folder
+            is claimed, e.g. the command line's composed config: a refused job leaves the folder's record of its own
+            job, and the log that a running job writes there, as they were.
 
     Returns:
         The report dict (also written as ``report.json``).
@@ -402,6 +402,7 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
                     ", ".join(str(path.relative_to(outdir)) for path in stale))
     for name, text in (record or {}).items():
         atomic_write_text(outdir / name, text)
+        log.info("%s:\n%s", name, text)
     device = device or torch.device("cpu")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
