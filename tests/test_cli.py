@@ -153,3 +153,24 @@ def test_the_printed_resume_command_reads_back_as_the_same_overrides(folder):
     assert words[0] == "my venv/bin/unsparse" and words[1:-1] == overrides
     parsed = OverridesParser.create().parse_overrides(words[1:])
     assert parsed[-1].key_or_group == "hydra.run.dir" and parsed[-1].value() == folder
+
+
+def test_an_interrupted_sweep_prints_the_sweeps_command(tmp_path):
+    """Ctrl-C in a sweep's first job printed that job's own command, which drops the jobs not yet started; the
+    printed command is the sweep's, with its folder, and runs every job again."""
+    import shlex
+    import signal
+
+    sweep = ["-m", "experiment=smoke", "data=digits", "prune=magnitude,gradual", "progress=false",
+             "train.epochs=50"]
+    command = [sys.executable, "-c", "from unsparse.cli import main; main()", *sweep,
+               f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as job:
+        for line in job.stdout:
+            if "epoch 1:" in line:  # the first job is training
+                job.send_signal(signal.SIGINT)
+                break
+        output = job.communicate(timeout=120)[0]
+    assert job.returncode == 130, output[-3000:]
+    printed = output.split("written so far run: ")[1].splitlines()[0]
+    assert shlex.split(printed) == ["unsparse", *sweep, f"hydra.sweep.dir='{tmp_path / 'sweep'}'"]

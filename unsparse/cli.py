@@ -17,6 +17,7 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -46,13 +47,27 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
             "backend": cfg.runtime.backend, "device": device, "progress": cfg.progress, "seed": cfg.seed}
 
 
-def resume_command(task_overrides: list[str], outdir: Path, program: str = "unsparse") -> str:
+def resume_command(task_overrides: list[str], outdir: Path, program: str = "unsparse",
+                   folder_key: str = "hydra.run.dir") -> str:
     """The shell command that resumes a job in ``outdir``: ``program`` (the command that started it where that was
     the ``unsparse`` script, e.g. ``.venv/bin/unsparse``, which may not be on the PATH), the job's overrides as
-    Hydra recorded them, and ``hydra.run.dir`` as a single-quoted Hydra value (quotes escaped, and backslashes before
-    a quote or at the end doubled, as Hydra's override grammar reads them), each shell-quoted."""
+    Hydra recorded them, and ``folder_key`` (``hydra.run.dir``; ``hydra.sweep.dir`` for a sweep, whose overrides
+    then are its command line's words) set to ``outdir`` as a single-quoted Hydra value (quotes escaped, and
+    backslashes before a quote or at the end doubled, as Hydra's override grammar reads them), each shell-quoted."""
     folder = re.sub(r"(\\*)('|$)", lambda match: match.group(1) * 2 + ("\\'" if match.group(2) else ""), str(outdir))
-    return " ".join(map(shlex.quote, [program, *task_overrides, f"hydra.run.dir='{folder}'"]))
+    return " ".join(map(shlex.quote, [program, *task_overrides, f"{folder_key}='{folder}'"]))
+
+
+def interrupted_command(program: str) -> str:
+    """What an interrupted job prints to be run again (inside a Hydra job): in a single run, the job's resume
+    command (:func:`resume_command`); in a sweep (``-m``), the whole sweep's command line with its
+    ``hydra.sweep.dir``, which runs every job again, each resuming from its folder's checkpoints (a job's own
+    command would resume that job only and drop the jobs not yet started)."""
+    hydra_config = HydraConfig.get()
+    if hydra_config.mode == RunMode.MULTIRUN:
+        words = [word for word in sys.argv[1:] if not word.lstrip("+~").startswith("hydra.sweep.dir=")]
+        return resume_command(words, Path(hydra_config.sweep.dir), program, "hydra.sweep.dir")
+    return resume_command(list(hydra_config.overrides.task), Path(hydra_config.runtime.output_dir), program)
 
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
@@ -70,8 +85,8 @@ def run(cfg: DictConfig) -> None:
         report = run_pipeline(outdir=outdir, record=record, **build_job(cfg))
     except KeyboardInterrupt:
         program = sys.argv[0] if Path(sys.argv[0]).name == "unsparse" else "unsparse"
-        log.error("interrupted; to resume from the checkpoints in %s run: %s", outdir,
-                  resume_command(task_overrides, outdir, program))
+        log.error("interrupted in %s; to resume from the checkpoints written so far run: %s", outdir,
+                  interrupted_command(program))
         raise SystemExit(130) from None
     accuracy = report["accuracy"]
     log.info("weighted sparsity %.2f%% | %s dense %.4g, pruned %.4g, sparse run %.4g | report: %s",
