@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import json
 import math
 import statistics
 import time
@@ -45,7 +44,6 @@ from typing import Any
 import torch
 
 from unsparse.atomic import atomic_write_json, atomic_write_text
-from unsparse.data import FASHION_MNIST_DIR
 from unsparse.prune.base import PruneResult
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
@@ -189,40 +187,41 @@ def markdown(runs: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("vgg_small", "resnet_small"), default="resnet_small")
-    parser.add_argument("--budget", choices=list(TABLE.BUDGETS), default="gpu_w32")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=("vgg_small", "resnet_small"), default="resnet_small",
+                        help="model to ablate (default %(default)s)")
     parser.add_argument("--evolutionary", nargs="*", action="extend", type=TABLE.setting, default=[],
                         metavar="KEY=VALUE", help="EvolutionaryPruner settings overriding the config file (repeatable)")
-    parser.add_argument("--fine-tune-lr", type=float, default=0.05)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--data-root", type=Path, default=FASHION_MNIST_DIR)
-    parser.add_argument("--workdir", type=Path, default=Path("outputs/prune_allocation"))
+    parser.add_argument("--fine-tune-lr", type=TABLE.learning_rate, default=0.05,
+                        help="fine-tuning learning rate of every arm (default %(default)s)")
     parser.add_argument("--out", type=Path, required=True, help="JSON file (with --render: the Markdown page)")
-    parser.add_argument("--render", nargs="+", type=Path, metavar="JSON", help="write the page and run nothing")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
+    parser.add_argument("--render", nargs="+", type=Path, metavar="JSON",
+                        help="write the page for these --out files (.json or .json.xz) and run nothing")
     parser.add_argument("--arms", nargs="+", choices=[*ARMS, *MASK_ARMS], default=list(ARMS),
-                        help="arms to run (evolutionary always runs; a mask-swap arm also runs its source arm)")
-    TABLE.add_deterministic_option(parser)
+                        help="arms to run (evolutionary always runs; a mask-swap arm also runs its source arm; "
+                             f"default: {' '.join(ARMS)})")
+    SELECT.add_run_options(parser, "outputs/prune_allocation")
     args = parser.parse_args()
+    TABLE.check_file_option(parser, "--out", args.out)
     if args.render:
-        atomic_write_text(args.out, markdown([json.loads(path.read_text()) for path in args.render]))
+        atomic_write_text(args.out, markdown(TABLE.read_results(parser, "--render", args.render)))
         return
-    budget, device, splits, meta = SELECT.run_setup(args.budget, args.device, args.data_root)
-    meta |= {"model": args.model, "seed": args.seed, "overrides": dict(args.evolutionary),
+    overrides = TABLE.settings_option(parser, "--evolutionary", args.evolutionary)
+    TABLE.check_evolutionary(parser, "--evolutionary", [overrides], args.seed)
+    budget, splits, meta = SELECT.run_setup(args.budget, args.device, args.data_root)
+    meta |= {"model": args.model, "seed": args.seed, "overrides": overrides,
              "fine_tune_lr": args.fine_tune_lr, "deterministic": args.deterministic}
     started = time.perf_counter()
 
     def trainer_for() -> Trainer:
-        return Trainer(splits.loaders(TABLE.BATCH_SIZE, seed=args.seed), device=device, lr=0.05,
+        return Trainer(splits.loaders(TABLE.BATCH_SIZE, seed=args.seed), device=args.device, lr=0.05,
                        progress=args.progress)
 
     def record(arms: dict[str, dict[str, Any]]) -> None:
         atomic_write_json(args.out, {"meta": {**meta, "wall_time_s": time.perf_counter() - started}, "arms": arms})
 
     with deterministic_algorithms(args.deterministic):
-        ablate(args.model, budget, dict(args.evolutionary), args.fine_tune_lr, trainer_for,
+        ablate(args.model, budget, overrides, args.fine_tune_lr, trainer_for,
                args.workdir / f"seed{args.seed}" / args.model, args.seed, record, tuple(args.arms))
 
 

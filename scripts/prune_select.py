@@ -24,7 +24,6 @@ import argparse
 import copy
 import importlib.util
 import itertools
-import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -65,20 +64,50 @@ def train_dense(name: str, budget: dict[str, Any], trainer: Trainer, workdir: Pa
     return dense
 
 
-def run_setup(budget_name: str, device: str | None, data_root: Path) -> tuple[dict[str, Any], torch.device, Splits,
-                                                                            dict[str, Any]]:
-    """What a validation run of one budget needs: the budget's settings, the torch device (``device``, default CUDA
-    if available, else CPU), Fashion-MNIST from ``data_root`` cut as the budget says, and the fields every result
-    JSON's ``meta`` starts with (budget name and settings, device and its name, torch version, short commit)."""
+def run_setup(budget_name: str, device: torch.device, data_root: Path) -> tuple[dict[str, Any], Splits,
+                                                                        dict[str, Any]]:
+    """What a validation run of one budget on ``device`` needs: the budget's settings, Fashion-MNIST from
+    ``data_root`` cut as the budget says, and the fields every result JSON's ``meta`` starts with (budget name and
+    settings, device and its name, torch version, short commit)."""
     budget = TABLE.BUDGETS[budget_name]
-    torch_device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     splits = TABLE.trim(fashion_mnist(root=data_root, limit_train=budget["limit_train"]), budget["val"],
                         budget["test"])
-    meta = {"budget_name": budget_name, "budget": budget, "device": str(torch_device),
-            "device_name": (torch.cuda.get_device_name(torch_device) if torch_device.type == "cuda"
-                            else TABLE.cpu_name()),
+    meta = {"budget_name": budget_name, "budget": budget, "device": str(device),
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else TABLE.cpu_name(),
             "torch": torch.__version__, "commit": (git_commit() or "none")[:7]}
-    return budget, torch_device, splits, meta
+    return budget, splits, meta
+
+
+def add_run_options(parser: argparse.ArgumentParser, workdir: str) -> None:
+    """The options the validation scripts share (``prune_allocation.py`` too): budget, device, data, seed, checkpoint
+    folder, progress bars and ``--deterministic``; ``workdir`` is the default checkpoint folder."""
+    parser.add_argument("--budget", choices=list(TABLE.BUDGETS), default="gpu_w32",
+                        help="data and training budget of scripts/prune_table.py (default %(default)s: all 55,000 "
+                             "training images at width 32, meant for a CUDA GPU: several minutes per model on an "
+                             "H100, many hours on a CPU; quick is a smoke run)")
+    parser.add_argument("--device", type=TABLE.device_option, default="auto",
+                        help="torch device: auto (cuda if available, else cpu), cpu, cuda or cuda:N (default "
+                             "%(default)s)")
+    parser.add_argument("--data-root", type=Path, default=FASHION_MNIST_DIR,
+                        help="folder with the four Fashion-MNIST idx files (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the initial weights, the training order and the pruner (default %(default)s)")
+    parser.add_argument("--workdir", type=Path, default=Path(workdir),
+                        help="checkpoints; a rerun resumes from them (default %(default)s)")
+    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False,
+                        help="tqdm progress bars")
+    TABLE.add_deterministic_option(parser)
+
+
+def grid_option(parser: argparse.ArgumentParser, pairs: list[tuple[str, Any]] | None) -> dict[str, list[Any]]:
+    """``--grid`` as setting -> values (a single value is a list of one; default ``epsilon=[0.015, 0.005]``);
+    ``parser.error`` naming ``--grid`` for a setting given twice or with no values."""
+    grid = {key: value if isinstance(value, list) else [value]
+            for key, value in TABLE.settings_option(parser, "--grid", pairs or [("epsilon", [0.015, 0.005])]).items()}
+    empty = [key for key, values in grid.items() if not values]
+    if empty:
+        parser.error(f"--grid: {', '.join(empty)} has no values")
+    return grid
 
 
 def select(name: str, budget: dict[str, Any], grid: dict[str, list[Any]], learning_rates: list[float],
@@ -167,35 +196,33 @@ def markdown(selections: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", choices=list(TABLE.BUDGETS), default="gpu_w32")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", choices=("vgg_small", "resnet_small"),
-                        default=["vgg_small", "resnet_small"])
+                        default=["vgg_small", "resnet_small"], help="models to select for (default: both)")
     parser.add_argument("--grid", action="append", type=TABLE.setting, metavar="KEY=[V1, V2]",
                         help="an EvolutionaryPruner setting and its values (YAML); repeat for more settings "
                              "(default: epsilon=[0.015, 0.005])")
-    parser.add_argument("--fine-tune-lr", nargs="+", type=float, default=[0.01, 0.05])
-    parser.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
-    parser.add_argument("--data-root", type=Path, default=FASHION_MNIST_DIR)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workdir", type=Path, default=Path("outputs/prune_select"))
+    parser.add_argument("--fine-tune-lr", nargs="+", type=TABLE.learning_rate, default=[0.01, 0.05],
+                        help="fine-tuning learning rates, each tried on every pruned candidate (default 0.01 0.05)")
     parser.add_argument("--out", type=Path, help="JSON file (with --render: the Markdown page); required unless "
                                                  "--dense-only")
     parser.add_argument("--dense-only", action="store_true",
                         help="only train (or finish) the dense models under --workdir, for jobs to share")
     parser.add_argument("--render", nargs="+", type=Path, metavar="JSON",
-                        help="write the page for these --out files to --out and run nothing")
-    parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=False)
-    TABLE.add_deterministic_option(parser)
+                        help="write the page for these --out files (.json or .json.xz) to --out and run nothing")
+    add_run_options(parser, "outputs/prune_select")
     args = parser.parse_args()
     if args.out is None and not args.dense_only:
         parser.error("--out is required unless --dense-only")
-    grid = {key: value if isinstance(value, list) else [value]
-            for key, value in (args.grid or [("epsilon", [0.015, 0.005])])}
+    if args.out is not None:
+        TABLE.check_file_option(parser, "--out", args.out)
     if args.render:
-        atomic_write_text(args.out, markdown([json.loads(path.read_text()) for path in args.render]))
+        atomic_write_text(args.out, markdown(TABLE.read_results(parser, "--render", args.render)))
         return
-    budget, device, splits, meta = run_setup(args.budget, args.device, args.data_root)
+    grid = grid_option(parser, args.grid)
+    TABLE.check_evolutionary(parser, "--grid", [dict(zip(grid, values, strict=True))
+                                                for values in itertools.product(*grid.values())], args.seed)
+    budget, splits, meta = run_setup(args.budget, args.device, args.data_root)
     meta |= {"seed": args.seed, "selection": "validation top-1", "grid": {**grid, "fine_tune_lr": args.fine_tune_lr},
              "deterministic": args.deterministic}
     done: dict[str, list[dict[str, Any]]] = {}
@@ -206,7 +233,7 @@ def main() -> None:
         atomic_write_json(args.out, {"meta": meta, "candidates": done, "chosen": chosen})
 
     def trainer_for() -> Trainer:
-        return Trainer(splits.loaders(TABLE.BATCH_SIZE, seed=args.seed), device=device, lr=0.05,
+        return Trainer(splits.loaders(TABLE.BATCH_SIZE, seed=args.seed), device=args.device, lr=0.05,
                        progress=args.progress)
 
     with deterministic_algorithms(args.deterministic):

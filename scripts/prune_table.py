@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import math
 import platform
 import sys
@@ -44,10 +43,11 @@ import torch
 from unsparse.atomic import atomic_write_json, atomic_write_text
 from unsparse.data import FASHION_MNIST_DIR, Splits, fashion_mnist
 from unsparse.models import create_model
-from unsparse.pipeline import git_commit
+from unsparse.pipeline import git_commit, resolve_device
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
 from unsparse.prune.magnitude import MagnitudePruner
+from unsparse.report.results import beside, load_result
 from unsparse.task import trivial_score
 from unsparse.timeseries import timeseries
 from unsparse.train import Trainer, deterministic_algorithms
@@ -91,6 +91,9 @@ EVOLUTIONARY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "prun
 TARGET = 0.92
 AE_TARGET = 0.9
 MODELS = ("vgg_small", "resnet_small", "autoencoder1d")
+SET_BY_SCRIPTS = ("target", "iterations", "batches_per_iteration", "fine_tune_epochs", "fine_tune_lr")
+"""EvolutionaryPruner arguments the pruning scripts set from the budget, the target and ``--fine-tune-lr``: an
+override of one would be ignored, so the scripts refuse it."""
 STARTED = time.perf_counter()
 
 
@@ -118,6 +121,37 @@ def evolutionary_settings(seed: int = 0) -> dict[str, Any]:
     config.seed = seed
     settings = OmegaConf.to_container(config, resolve=True)
     del settings["_target_"]
+    return settings
+
+
+def settings_option(parser: argparse.ArgumentParser, option: str, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs of a repeatable ``option`` (read by :func:`setting`) as a mapping; ``parser.error``
+    naming ``option`` for a key given twice (a mapping would keep only the last)."""
+    keys = [key for key, _ in pairs]
+    repeated = sorted({key for key in keys if keys.count(key) > 1})
+    if repeated:
+        parser.error(f"{option}: {', '.join(repeated)} given more than once")
+    return dict(pairs)
+
+
+def check_evolutionary(parser: argparse.ArgumentParser, option: str, overrides: list[dict[str, Any]],
+                       seed: int = 0) -> dict[str, Any]:
+    """:func:`evolutionary_settings` (``seed`` set), once every mapping of ``overrides`` (one per pruner the script
+    will build, given by ``option``) was checked before any training: ``parser.error`` naming ``option`` for a key
+    the config file lacks or the scripts set themselves (:data:`SET_BY_SCRIPTS`), or a value that
+    :class:`EvolutionaryPruner` refuses."""
+    settings = evolutionary_settings(seed)
+    for chosen in overrides:
+        unknown = sorted(set(chosen) - set(settings))
+        if unknown:
+            parser.error(f"{option}: {', '.join(unknown)} not in {EVOLUTIONARY_CONFIG.name}")
+        fixed = sorted(set(chosen) & set(SET_BY_SCRIPTS))
+        if fixed:
+            parser.error(f"{option}: {', '.join(fixed)} is set by the budget, the target or --fine-tune-lr")
+        try:
+            EvolutionaryPruner(**{**settings, **chosen})
+        except (TypeError, ValueError) as error:
+            parser.error(f"{option}: {error}")
     return settings
 
 
@@ -289,6 +323,51 @@ def setting(text: str) -> tuple[str, Any]:
     return key.strip(), yaml.safe_load(value)
 
 
+def device_option(text: str) -> torch.device:
+    """A ``--device`` value of the pruning scripts: ``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or
+    ``cuda:N`` (:func:`unsparse.pipeline.resolve_device`), checked as the command line is read, before any training.
+
+    Raises:
+        argparse.ArgumentTypeError: for another name, or CUDA where torch sees no such device.
+    """
+    try:
+        return resolve_device(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def learning_rate(text: str) -> float:
+    """A learning-rate option's value: a finite number > 0.
+
+    Raises:
+        argparse.ArgumentTypeError: otherwise.
+    """
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = math.nan
+    if not (math.isfinite(rate) and rate > 0):
+        raise argparse.ArgumentTypeError(f"expected a learning rate (a finite number > 0), got {text!r}")
+    return rate
+
+
+def check_file_option(parser: argparse.ArgumentParser, option: str, path: Path) -> None:
+    """``parser.error`` naming ``option`` if ``path``, a file the script writes, is an existing folder (the write
+    would fail only after the training)."""
+    if path.is_dir():
+        parser.error(f"{option}: {path} is a folder; expected a file name")
+
+
+def read_results(parser: argparse.ArgumentParser, option: str, paths: list[Path]) -> list[dict[str, Any]]:
+    """The JSON objects in ``paths``, ``.json`` or the committed ``.json.xz``
+    (:func:`unsparse.report.results.load_result`; infinities allowed, as pruning histories hold them);
+    ``parser.error`` naming ``option`` and the file for one that cannot be read."""
+    try:
+        return [load_result(path, strict=False) for path in paths]
+    except (OSError, ValueError) as error:
+        parser.error(f"{option}: {error}")
+
+
 def cpu_name() -> str:
     """The CPU's model name from ``/proc/cpuinfo`` (else ``platform.processor()``)."""
     try:
@@ -308,6 +387,13 @@ def output_path(out: Path | None, budget: str, workdir: Path) -> Path:
     return out if out.suffix == ".md" else out / "pruning_results.md"
 
 
+def saved_json(out: Path) -> Path:
+    """The JSON beside the markdown page ``out``: ``.json``, else the committed ``.json.xz`` where only it exists."""
+    plain = out.with_suffix(".json")
+    compressed = beside(out.with_suffix(""), ".json.xz")
+    return compressed if compressed.exists() and not plain.exists() else plain
+
+
 def add_deterministic_option(parser: argparse.ArgumentParser) -> None:
     """``--deterministic`` (the pruning scripts share it): train and prune under
     :func:`unsparse.train.deterministic_algorithms`, so that a CUDA run repeats from its seed."""
@@ -317,33 +403,38 @@ def add_deterministic_option(parser: argparse.ArgumentParser) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budget", choices=list(BUDGETS), help="data and training budget (default full)")
-    parser.add_argument("--quick", action="store_const", const="quick", dest="budget", help="--budget quick")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--budget", choices=list(BUDGETS),
+                        help="data and training budget (default %(default)s, about 15 minutes on 2 CPU cores; the gpu "
+                             "budgets train on all 55,000 training images and are meant for a CUDA GPU)")
+    parser.add_argument("--quick", action="store_const", const="quick", dest="budget",
+                        help="--budget quick (a smoke run, under a minute)")
     parser.set_defaults(budget="full")
-    parser.add_argument("--device", default=None, help="torch device for every model (default: cuda if "
-                                                       "available, else cpu)")
+    parser.add_argument("--device", type=device_option, default="auto",
+                        help="torch device for every model: auto (cuda if available, else cpu), cpu, cuda or cuda:N "
+                             "(default %(default)s)")
     parser.add_argument("--data-root", type=Path, default=FASHION_MNIST_DIR,
-                        help="folder with the four Fashion-MNIST idx files (.gz or plain)")
+                        help="folder with the four Fashion-MNIST idx files (.gz or plain; default %(default)s)")
     parser.add_argument("--series-file", type=Path, default=None,
                         help="CO2 series written by unsparse.timeseries.export_series (default: from statsmodels)")
     parser.add_argument("--workdir", type=Path, default=Path("outputs/prune_table"),
-                        help="checkpoints, under a folder named after the budget")
+                        help="checkpoints, under a folder named after the budget (default %(default)s)")
     parser.add_argument("--render", action="store_true",
-                        help="rewrite the markdown from the JSON beside it without running anything")
+                        help="rewrite the markdown from the JSON beside it (.json or .json.xz) without running "
+                             "anything")
     parser.add_argument("--out", type=Path, default=None,
                         help="markdown path, or a folder for pruning_results.md/.json (default "
                              "docs/pruning_results.md; quick: under --workdir)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seed of the initial weights, the training order and the evolutionary pruner (the "
-                             "validation and test splits stay fixed)")
+                             "validation and test splits stay fixed; default %(default)s)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),
                         help="run these models only (default: all; prune_seeds.py merges files of one seed)")
     parser.add_argument("--evolutionary", action="append", default=[], type=setting, metavar="KEY=VALUE",
                         help="override a value of configs/prune/evolutionary.yaml (repeatable; YAML value), e.g. "
                              "one chosen on the validation split by scripts/prune_select.py")
-    parser.add_argument("--fine-tune-lr", type=float, default=0.01,
-                        help="every pruner's fine-tuning learning rate (default 0.01)")
+    parser.add_argument("--fine-tune-lr", type=learning_rate, default=0.01,
+                        help="every pruner's fine-tuning learning rate (default %(default)s)")
     parser.add_argument("--note", action="append", default=[],
                         help="a sentence for the page's notes, e.g. how the run shared its machine (repeatable)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -354,20 +445,16 @@ def main() -> None:
     workdir = args.workdir / (args.budget if args.seed == 0 else f"{args.budget}_seed{args.seed}")
     out = output_path(args.out, args.budget, workdir)
     if args.render:
-        saved = json.loads(out.with_suffix(".json").read_text())
+        saved = read_results(parser, "--render", [saved_json(out)])[0]
         atomic_write_text(out, markdown(saved["blocks"], saved["meta"]))
         return
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {device}: CUDA is not available")
+    device = args.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     progress = sys.stderr.isatty() if args.progress is None else args.progress
-    settings = evolutionary_settings()  # fails here, before any training, if omegaconf or the config is missing
-    overrides = dict(args.evolutionary)
-    unknown = sorted(set(overrides) - set(settings))
-    if unknown:
-        parser.error(f"--evolutionary: {', '.join(unknown)} not in {EVOLUTIONARY_CONFIG.name}")
-    overridden = ("target", "iterations", "batches_per_iteration", "fine_tune_epochs", "fine_tune_lr", "seed")
+    overrides = settings_option(parser, "--evolutionary", args.evolutionary)
+    # fails here, before any training, if omegaconf or the config is missing
+    settings = check_evolutionary(parser, "--evolutionary", [overrides], args.seed)
+    overridden = (*SET_BY_SCRIPTS, "seed")
     commit = (git_commit() or "")[:7]
     meta = {"quick": args.budget == "quick", "budget_name": args.budget, "seed": args.seed, "device": str(device),
             "device_name": device_name, "host": platform.node() or "unknown", "torch": torch.__version__,

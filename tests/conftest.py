@@ -1,5 +1,6 @@
 """Shared test setup: GPU tests skip cleanly without CUDA; every test gets a fixed-but-fresh seed. Fixtures:
-``load_script`` (a ``scripts/*.py`` file as a module), ``interrupt_at_epoch`` (a trainer that raises Ctrl-C's
+``load_script`` (a ``scripts/*.py`` file as a module), ``run_script`` (a script's ``main()`` run in-process on a
+command line), ``interrupt_at_epoch`` (a trainer that raises Ctrl-C's
 ``KeyboardInterrupt`` as an epoch starts), ``crash_at_save`` (a module's ``save_checkpoint`` raising it at its n-th
 call) and ``tuned_kernel_names`` (the kernel instantiations the direct backend's
 tuning spaces name for a few representative layers)."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -32,6 +34,24 @@ def _load_script(name: str) -> ModuleType:
 def load_script() -> Callable[[str], ModuleType]:
     """``load_script("prune_table")`` imports ``scripts/prune_table.py`` (once; the folder is no package)."""
     return _load_script
+
+
+@pytest.fixture
+def run_script(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+               ) -> Callable[[ModuleType, list[str]], tuple[int, str]]:
+    """``run_script(module, ["--device", "bogus"])`` runs ``module.main()`` with that command line (``sys.argv``)
+    and returns its exit status (0 if it returned) and its stdout and stderr, each space run as one space (argparse
+    wraps lines)."""
+    def run(module: ModuleType, argv: list[str]) -> tuple[int, str]:
+        monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *argv])
+        try:
+            module.main()
+            code = 0
+        except SystemExit as exited:
+            code = exited.code
+        captured = capsys.readouterr()
+        return code, " ".join((captured.out + captured.err).split())
+    return run
 
 
 def _interrupt_at_epoch(trainer: Any, epoch: int) -> None:

@@ -3,6 +3,9 @@ mask-swap arms that retrain each method's final masks from the dense model."""
 
 from __future__ import annotations
 
+import json
+import lzma
+
 import pytest
 import torch
 
@@ -67,3 +70,33 @@ def test_mask_swap_arms_retrain_their_source_masks_and_the_page_splits_the_short
     assert "| M = C - D: the masks | " in page and "Differences to `gradual_global`" not in page
     shortfall = arms["evolutionary"]["test_top1"] - arms["gradual_allocation"]["test_top1"]
     assert "| S = A - B: shortfall against gradual_allocation | " in page and f"{shortfall:+.2f} |" in page
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--device", "bogus"], "argument --device: device: 'bogus' is not a device"),
+    (["--device", "cuda:0"], "argument --device: device: 'cuda:0' requested, but torch sees 0 CUDA device(s)"),
+    (["--fine-tune-lr", "0"], "argument --fine-tune-lr: expected a learning rate"),
+    (["--evolutionary", "nonsense=1"], "--evolutionary: nonsense not in evolutionary.yaml"),
+    (["--evolutionary", "fine_tune_lr=0.1"], "--evolutionary: fine_tune_lr is set by the budget"),
+    (["--evolutionary", "alpha=-1"], "--evolutionary: alpha: expected a number >= 0, got -1"),
+    (["--evolutionary", "epsilon=0.01", "--evolutionary", "epsilon=0.02"], "--evolutionary: epsilon given more"),
+])
+def test_bad_values_are_refused_before_any_training(ablation, run_script, monkeypatch, tmp_path, options, message):
+    """Every value is checked as the command line is read (exit status 2, naming the option), not after the dense
+    training or with a torch traceback."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(ablation.SELECT, "run_setup", lambda *args: pytest.fail("started a run"))
+    code, output = run_script(ablation, ["--budget", "quick", "--out", str(tmp_path / "arms.json"), *options])
+    assert code == 2 and message in output
+
+
+def test_render_reads_committed_xz_files(ablation, run_script, tmp_path):
+    row = {"val_top1": 90.0, "test_top1": 89.5, "weighted_sparsity": 0.92, "layer_sparsity": {"0": 0.5},
+           "wall_time_s": 1.0}
+    meta = {"model": "vgg_small", "budget_name": "quick", "overrides": {}, "fine_tune_lr": 0.05, "seed": 0,
+            "commit": "abc1234", "device_name": "cpu"}
+    with lzma.open(tmp_path / "s0.json.xz", "wt") as handle:
+        json.dump({"meta": meta, "arms": {"evolutionary": row}}, handle)
+    code, _ = run_script(ablation, ["--render", str(tmp_path / "s0.json.xz"), "--out", str(tmp_path / "page.md")])
+    assert code == 0 and "| 0 | abc1234 | cpu | evolutionary | 90.00 | 89.50 |" in (tmp_path / "page.md").read_text()

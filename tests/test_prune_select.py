@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import lzma
+
 import pytest
 import torch
 
@@ -86,3 +89,53 @@ def test_a_finished_dense_checkpoint_is_loaded_not_trained_again(selector, tmp_p
     again = selector.train_dense("vgg_small", budget, trainer(), tmp_path, seed=1)
     for key, value in first.state_dict().items():
         assert torch.equal(value, again.state_dict()[key]), key
+
+
+@pytest.fixture
+def no_training(selector, monkeypatch):
+    """No CUDA device, and data loading (which every run does before training) fails the test."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(selector, "run_setup", lambda *args: pytest.fail("started a run"))
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--device", "bogus"], "argument --device: device: 'bogus' is not a device"),
+    (["--device", "cuda"], "argument --device: device: 'cuda' requested, but torch sees 0 CUDA device(s)"),
+    (["--fine-tune-lr", "0.05", "-0.1"], "argument --fine-tune-lr: expected a learning rate"),
+    (["--grid", "nonsense=[1, 2]"], "--grid: nonsense not in evolutionary.yaml"),
+    (["--grid", "target=[0.5]"], "--grid: target is set by the budget"),
+    (["--grid", "min_step=[0.01, 2.0]"], "--grid: min_step: expected a number in (0, 1], got 2.0"),
+    (["--grid", "alpha=[]"], "--grid: alpha has no values"),
+    (["--grid", "alpha=[0.1]", "--grid", "alpha=[1.0]"], "--grid: alpha given more than once"),
+])
+def test_bad_values_are_refused_before_any_training(selector, run_script, no_training, tmp_path, options, message):
+    """Every value is checked as the command line is read (exit status 2, naming the option), not after hours of
+    dense training or with a torch traceback."""
+    code, output = run_script(selector, ["--budget", "quick", "--out", str(tmp_path / "select.json"), *options])
+    assert code == 2 and message in output
+
+
+def test_out_must_not_be_a_folder(selector, run_script, no_training, tmp_path):
+    code, output = run_script(selector, ["--budget", "quick", "--out", str(tmp_path)])
+    assert code == 2 and f"--out: {tmp_path} is a folder" in output
+
+
+def test_render_reads_committed_xz_files_and_names_a_missing_one(selector, run_script, tmp_path):
+    meta = {"budget_name": "quick", "budget": {}, "seed": 0, "device_name": "cpu", "commit": "abc1234",
+            "grid": {"alpha": [0.1], "fine_tune_lr": [0.05]}}
+    candidate = {"model": "vgg_small", "alpha": 0.1, "fine_tune_lr": 0.05, "val_top1": 91.0, "stalls": 0,
+                 "iterations": 30}
+    with lzma.open(tmp_path / "select.json.xz", "wt") as handle:
+        json.dump({"meta": meta, "candidates": {"vgg_small": [candidate]}}, handle)
+    code, _ = run_script(selector, ["--render", str(tmp_path / "select.json.xz"), "--out", str(tmp_path / "page.md")])
+    assert code == 0 and "| vgg_small | 0.1 | 0.05 | 91.00 | 0 / 30 | yes |" in (tmp_path / "page.md").read_text()
+    code, output = run_script(selector, ["--render", str(tmp_path / "gone.json"), "--out", str(tmp_path / "page.md")])
+    assert code == 2 and "--render:" in output and "gone.json" in output
+
+
+def test_help_states_defaults_and_the_long_default_budget(selector, run_script):
+    code, output = run_script(selector, ["--help"])
+    assert code == 0
+    assert "(default gpu_w32: all 55,000 training images" in output and "many hours on a CPU" in output
+    assert "(default auto)" in output and "(default 0.01 0.05)" in output

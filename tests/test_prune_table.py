@@ -3,11 +3,14 @@ pruning scripts' shared options."""
 
 from __future__ import annotations
 
+import json
+import lzma
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +87,26 @@ def test_pruning_scripts_offer_deterministic_runs(script: str) -> None:
                             text=True, cwd=root)
     assert result.returncode == 0, result.stderr
     assert "--deterministic" in result.stdout
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--device", "bogus"], "argument --device: device: 'bogus' is not a device"),
+    (["--device", "cuda"], "argument --device: device: 'cuda' requested, but torch sees 0 CUDA device(s)"),
+    (["--fine-tune-lr", "nan"], "argument --fine-tune-lr: expected a learning rate"),
+    (["--evolutionary", "iterations=5"], "--evolutionary: iterations is set by the budget"),
+])
+def test_bad_values_are_refused_before_any_training(table, run_script, monkeypatch, tmp_path, options, message):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    monkeypatch.setattr(table, "fashion_mnist", lambda *args, **kwargs: pytest.fail("started a run"))
+    code, output = run_script(table, ["--models", "vgg_small", "--out", str(tmp_path / "t.md"), *options])
+    assert code == 2 and message in output
+
+
+def test_render_reads_a_committed_xz_file_beside_the_page(table, run_script, tmp_path):
+    meta = {"host": "h", "torch": "t", "threads": 16, "commit": "abc1234", "budget": {}, "notes": [],
+            "budget_name": "gpu_w32", "device": "cuda", "models": []}
+    with lzma.open(tmp_path / "seed0.json.xz", "wt") as handle:
+        json.dump({"meta": meta, "blocks": []}, handle)
+    code, _ = run_script(table, ["--render", "--out", str(tmp_path / "seed0.md")])
+    assert code == 0 and "`scripts/prune_table.py --budget gpu_w32`" in (tmp_path / "seed0.md").read_text()
