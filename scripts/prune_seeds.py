@@ -4,6 +4,12 @@ dense model, the goal verdict on the mean, and how often evolutionary beats grad
 
     PYTHONPATH=. python scripts/prune_seeds.py docs/pruning_results_h100_long.json \
         docs/pruning_results_h100_long_seed*.json --out docs/pruning_results_h100_long_seeds.md
+
+Files of one seed are joined (``prune_table.py --models`` runs split one seed by model); two files holding a
+result for the same model and seed are refused, both named (a repeated run is pooled with ``--pool`` instead, on
+purpose). A model missing from some seeds (not run, or failed) is still summarised over the seeds that have it,
+with a warning on stderr and a line on the page naming the seeds it covers and those it lacks, so that no mean
+over fewer seeds passes for one over all of them.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,25 +42,48 @@ def with_settings(run: dict[str, Any]) -> dict[str, Any]:
     return {**run, "blocks": [{**block, "settings": settings} for block in run["blocks"]]}
 
 
-def merge_by_seed(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One run per seed: runs of the same seed (``prune_table.py --models`` subsets) pooled, in order of first
-    appearance; each model's block comes from the first file that has it.
+def merge_by_seed(runs: list[dict[str, Any]], sources: list[Path]) -> list[dict[str, Any]]:
+    """One run per seed: runs of the same seed (``prune_table.py --models`` subsets, read from ``sources``) pooled,
+    in order of first appearance; a model's failed block gives way to a finished one from another file.
 
     Raises:
-        ValueError: if two runs of one seed have different budgets (they are not one experiment).
+        ValueError: if two runs of one seed have different budgets (they are not one experiment), or two files of
+            one seed both hold a finished block of one model (naming both files: a duplicate seed).
     """
     merged: dict[int, dict[str, Any]] = {}
-    for run in map(with_settings, runs):
+    found: dict[tuple[int, str], tuple[dict[str, Any], Path]] = {}
+    for run, path in zip(map(with_settings, runs), sources, strict=True):
         seed = run["meta"].get("seed", 0)
         if seed not in merged:
-            merged[seed] = {"meta": run["meta"], "blocks": list(run["blocks"])}
-            continue
-        if run["meta"].get("budget") != merged[seed]["meta"].get("budget"):
+            merged[seed] = {"meta": run["meta"], "blocks": []}
+        elif run["meta"].get("budget") != merged[seed]["meta"].get("budget"):
             raise ValueError(f"runs of seed {seed} have different budgets: {merged[seed]['meta'].get('budget')} "
                              f"and {run['meta'].get('budget')}")
-        have = {block["model"] for block in merged[seed]["blocks"]}
-        merged[seed]["blocks"] += [block for block in run["blocks"] if block["model"] not in have]
+        for block in run["blocks"]:
+            earlier = found.get((seed, block["model"]))
+            if earlier and "error" not in earlier[0] and "error" not in block:
+                raise ValueError(f"seed {seed}: {block['model']} is in both {earlier[1]} and {path} (a duplicate "
+                                 "seed; --pool counts repeated runs)")
+            if earlier is None or "error" in earlier[0]:
+                found[seed, block["model"]] = (block, path)
+    for (seed, _), (block, _) in found.items():
+        merged[seed]["blocks"].append(block)
     return list(merged.values())
+
+
+def coverage(model: str, runs: list[dict[str, Any]]) -> str | None:
+    """A line for the page if ``model`` has no finished block in some of the ``runs``' seeds (None if it is in
+    all), also written to stderr as a warning: the seeds its figures cover and those they lack."""
+    seeds = list(dict.fromkeys(run["meta"].get("seed", 0) for run in runs))
+    covered = {run["meta"].get("seed", 0) for run in runs
+               if any(block["model"] == model and "error" not in block for block in run["blocks"])}
+    missing = [seed for seed in seeds if seed not in covered]
+    if not missing:
+        return None
+    print(f"warning: {model} is missing from seed(s) {missing} (not run or failed); its figures cover seed(s) "
+          f"{sorted(covered)} only", file=sys.stderr)
+    return (f"**Partial**: these figures cover seed(s) {sorted(covered)} only; {model} is missing from seed(s) "
+            f"{missing} (not run or failed).")
 
 
 def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | None = None,
@@ -61,11 +91,12 @@ def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | 
     """The Markdown page for runs of one budget with different seeds (several files of one seed are merged);
     ``notes`` are paragraphs placed under the heading (e.g. how the settings were chosen). With ``pool``, files
     are not merged: every block of a model counts as one run, so repeated runs of one protocol with the same seeds
-    pool into one mean (n = all of them)."""
+    pool into one mean (n = all of them). A model missing from some seeds is summarised over the seeds that have
+    it, marked on the page and warned of on stderr (:func:`coverage`)."""
     budgets = {run["meta"].get("budget_name") for run in runs}
     files = ", ".join(f"`{path.name}` (seed {run['meta'].get('seed', 0)}, commit {run['meta']['commit']})"
                       for path, run in zip(sources, runs, strict=True))
-    runs = [with_settings(run) for run in runs] if pool else merge_by_seed(runs)
+    runs = [with_settings(run) for run in runs] if pool else merge_by_seed(runs, sources)
     unit = "runs" if pool else "seeds"
     seeds = [run["meta"].get("seed", 0) for run in runs]
     lines = [f"# Pruning results {'pooled over runs' if pool else 'over seeds'}", "",
@@ -76,14 +107,16 @@ def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | 
     if pool:
         models = list(dict.fromkeys(model for found in complete for model in sorted(found)))
     else:
-        models = [block["model"] for block in runs[0]["blocks"]
-                  if "error" not in block and all(block["model"] in found for found in complete)]
+        models = list(dict.fromkeys(block["model"] for run in runs for block in run["blocks"] if "error" not in block))
     for model in models:
-        # merged runs hold one block per model, each complete for the models kept: one list serves both modes
+        # merged runs hold at most one block per model: one list serves both modes
         blocks = [b for run in runs for b in run["blocks"] if b["model"] == model and "error" not in b]
         key = "top1" if "top1" in blocks[0]["rows"][0]["test"] else "mse"
         change = "change (points)" if key == "top1" else "ratio to dense"
         lines += [f"## {model}", ""]
+        partial = coverage(model, runs)
+        if partial:
+            lines += [partial, ""]
         settings = {json.dumps(block["settings"], sort_keys=True) for block in blocks if block["settings"]}
         if settings:
             lines += [f"Run with {' / '.join(sorted(settings))} (the tables' `--fine-tune-lr` and `--evolutionary` "
@@ -117,15 +150,19 @@ def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | 
 
 def main(argv: list[str] | None = None) -> None:
     """Write the summary of the given ``pruning_results*.json`` files."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("results", nargs="+", type=Path, help="pruning_results JSON files (.json or .json.xz)")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True, help="the Markdown page to write")
     parser.add_argument("--note", action="append", default=[], help="a paragraph under the heading (repeatable)")
     parser.add_argument("--pool", action="store_true",
                         help="count every file's block as one run (repeated runs of one protocol), not one per seed")
     args = parser.parse_args(argv)
-    runs = [load_result(path, strict=False) for path in args.results]  # histories may hold -Infinity
-    atomic_write_text(args.out, summary(runs, args.results, args.note, args.pool))
+    try:
+        runs = [load_result(path, strict=False) for path in args.results]  # histories may hold -Infinity
+        page = summary(runs, args.results, args.note, args.pool)
+    except (OSError, ValueError) as error:
+        parser.error(f"results: {error}")
+    atomic_write_text(args.out, page)
     print(f"wrote {args.out}")
 
 

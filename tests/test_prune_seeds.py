@@ -27,17 +27,36 @@ def test_summary_means_changes_per_seed_and_judges_the_mean(seeds) -> None:
     assert "met on the mean (drop 0.40" in seeds.summary([run(0, 93.0, 92.6, 92.0)], [Path("a.json")])
 
 
-def test_runs_of_one_seed_split_by_model_are_merged_and_partial_models_left_out(seeds) -> None:
+def test_runs_of_one_seed_split_by_model_are_merged_and_partial_models_marked(seeds, capsys) -> None:
     split = run(1, 92.0, 91.2, 91.5)
     resnet = {"meta": split["meta"], "blocks": [{**split["blocks"][0], "model": "resnet_small"}]}
     text = seeds.summary([run(0, 93.0, 92.6, 92.0), split, resnet],
                          [Path("a.json"), Path("b_vgg.json"), Path("b_resnet.json")])
     assert "seeds [0, 1]" in text and "`b_resnet.json` (seed 1, commit abc1234)" in text
     assert "| evolutionary | 91.90 ± 0.99 (n=2) |" in text
-    assert "## resnet_small" not in text  # seed 0 has no resnet_small: no mean over one seed posing as two
+    assert "**Partial**" not in text.split("## resnet_small")[0]
+    # seed 0 has no resnet_small: its mean over one seed says so, on the page and on stderr
+    assert ("## resnet_small\n\n**Partial**: these figures cover seed(s) [1] only; resnet_small is missing from "
+            "seed(s) [0] (not run or failed).") in text
+    assert "warning: resnet_small is missing from seed(s) [0]" in capsys.readouterr().err
     other = {"meta": {**split["meta"], "budget": {"width": 32}}, "blocks": resnet["blocks"]}
     with pytest.raises(ValueError, match="different budgets"):
-        seeds.merge_by_seed([split, other])
+        seeds.merge_by_seed([split, other], [Path("b_vgg.json"), Path("c.json")])
+
+
+def test_a_duplicate_seed_is_refused_naming_both_files(seeds, run_script, tmp_path) -> None:
+    """Two files with a result for one model and seed are not one seed's runs split by model; a failed block gives
+    way to a finished one of the same seed (a model rerun after it failed)."""
+    from unsparse.atomic import atomic_write_json
+
+    first = atomic_write_json(tmp_path / "seed0.json", run(0, 93.0, 92.6, 92.0))
+    again = atomic_write_json(tmp_path / "seed0_again.json", run(0, 93.0, 92.2, 92.5))
+    code, output = run_script(seeds, [str(first), str(again), "--out", str(tmp_path / "seeds.md")])
+    assert code == 2 and f"seed 0: vgg_small is in both {first} and {again}" in output
+    failed = run(0, 93.0, 92.6, 92.0)
+    failed["blocks"] = [{"model": "vgg_small", "error": "Traceback"}]
+    merged = seeds.merge_by_seed([failed, run(0, 93.0, 92.2, 92.5)], [Path("failed.json"), Path("rerun.json")])
+    assert [block["rows"][1]["test"]["top1"] for block in merged[0]["blocks"]] == [92.2]
 
 
 def test_summary_states_each_models_settings(seeds) -> None:
@@ -57,7 +76,8 @@ def test_pooled_runs_count_every_file_even_of_one_seed(seeds) -> None:
     assert "Evolutionary beats gradual magnitude in 1 of 2 runs." in text
     assert "NOT met on the mean (drop 0.60 points; per run 0.40, 0.80)" in text
     assert "## resnet_small" in text and "(n=1)" in text.split("## resnet_small")[1]
-    assert "| evolutionary | 92.60 (n=1) |" in seeds.summary([first, again], [Path("a"), Path("b")])  # merged
+    with pytest.raises(ValueError, match="vgg_small is in both a and b"):  # not pooled: a duplicate seed
+        seeds.summary([first, again], [Path("a"), Path("b")])
 
 
 def test_a_history_holding_minus_infinity_is_read(seeds, tmp_path) -> None:
@@ -71,3 +91,8 @@ def test_a_history_holding_minus_infinity_is_read(seeds, tmp_path) -> None:
     assert "-Infinity" in path.read_text()
     seeds.main([str(path), "--out", str(tmp_path / "seeds.md")])
     assert "| evolutionary | 92.60" in (tmp_path / "seeds.md").read_text()
+
+
+def test_help_gives_the_whole_first_paragraph(seeds, run_script) -> None:
+    code, output = run_script(seeds, ["--help"])
+    assert code == 0 and "and how often evolutionary beats gradual magnitude." in output
