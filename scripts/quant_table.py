@@ -202,12 +202,18 @@ def markdown(blocks: list[dict[str, Any]], meta: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny budgets (smoke run)")
-    parser.add_argument("--workdir", type=Path, default=Path("outputs/quant_table"))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny budgets (a smoke run of a minute or two; without "
+                                                             "it about 15 minutes on 2 CPU cores)")
+    parser.add_argument("--workdir", type=Path, default=Path("outputs/quant_table"),
+                        help="checkpoints and quantized files, under full/ or quick/ (default %(default)s)")
     parser.add_argument("--out", type=Path, default=None,
-                        help="markdown path (default docs/quantization_results.md; --quick: under --workdir)")
+                        help="markdown file, the JSON written beside it; not a folder (default "
+                             "docs/quantization_results.md; --quick: under --workdir)")
     args = parser.parse_args()
+    if args.out is not None and args.out.is_dir():
+        parser.error(f"--out: {args.out} is a folder; expected a markdown file name, e.g. "
+                     f"{args.out / 'quantization_results.md'}")
     budget = BUDGETS["quick" if args.quick else "full"]
     workdir = args.workdir / ("quick" if args.quick else "full")
     out = args.out or (workdir / "quantization_results.md" if args.quick else Path("docs/quantization_results.md"))
