@@ -3,6 +3,12 @@
 Reads benchmark JSON files written by ``scripts/gpu_check.py`` (one sweep may span several device calls; every
 ratio comes from the run that measured it) and writes a Markdown report and a PNG with one panel per layer.
 
+The page needs speedups over cuDNN's convolution alone (records with ``baseline``, written since the twelfth
+session) at ``--batch``. A file without any such record (one written before that baseline) is named on stderr and
+left out of the page, like the baseline-less records of the other files; if no file has one, the script writes
+nothing and exits with status 2. A file that cannot be read, is not JSON, or lacks a field the page reads also stops
+it with status 2 and one line naming the file: a page missing part of a sweep would read as the whole sweep.
+
     PYTHONPATH=. python scripts/break_even.py benchmarks/results/h100_2026-11-24_baseline_sweep_*.json.xz \
         --out benchmarks/results/h100_2026-11-24_break_even_baseline_vgg16
 """
@@ -10,6 +16,7 @@ ratio comes from the run that measured it) and writes a Markdown report and a PN
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +34,64 @@ GOALS = {"fp32": FP32_GOAL, "tf32": TF32_GOAL, "fp16": FP16_GOAL, "fp16_half2": 
 """Break-even goal per benchmark precision; both FP16 kernels face issue 6's FP16 goal."""
 TFLOPS_GOALS = {"fp32": FP32_TFLOPS_GOAL, "fp16": FP16_TFLOPS_GOAL, "fp16_half2": FP16_TFLOPS_GOAL}
 """Throughput goal per benchmark precision (TF32 is a cuDNN mode; direct computes FP32 there)."""
+
+
+RESULT_FIELDS = ("environment", "device", "weights", "runs", "layers")
+"""Fields of a bench result that the page reads."""
+RECORD_FIELDS = ("model", "layer", "in_chw", "weight_shape", "batch", "precision", "target_sparsity")
+"""Fields of each layer record that the page reads (``speedup_vs_cudnn`` may be absent or null: left out)."""
+
+
+def read_result(path: Path) -> dict[str, Any]:
+    """The bench result in ``path`` (``.json`` or ``.json.xz``), checked for the fields the page reads.
+
+    Raises:
+        ValueError: naming the file, if it cannot be read, is not a JSON object, or lacks a field (naming the
+            field, and for a layer record its index).
+    """
+    try:
+        result = load_result(path)
+    except OSError as error:
+        raise ValueError(f"result {path}: cannot be read ({error.strerror or error})") from error
+    missing = [field for field in RESULT_FIELDS if field not in result]
+    if missing:
+        raise ValueError(f"result {path}: not a bench result, no {', '.join(missing)}")
+    if not isinstance(result["environment"], dict) or not isinstance(result["layers"], list):
+        raise ValueError(f"result {path}: 'environment' must be an object and 'layers' a list")
+    for index, record in enumerate(result["layers"]):
+        lacking = [field for field in RECORD_FIELDS if not isinstance(record, dict) or field not in record]
+        if lacking:
+            raise ValueError(f"result {path}: layers[{index}] has no {', '.join(lacking)}")
+    return result
+
+
+def without_baseline(result: dict[str, Any], batch: int) -> str | None:
+    """Why ``result`` gives the page no point at ``batch`` (None if it gives one): no layer records, none with
+    cuDNN's convolution alone timed (written before that baseline), or none of those at this batch."""
+    if not result["layers"]:
+        return "no layer records"
+    records = [record for record in result["layers"] if record.get("speedup_vs_cudnn") is not None]
+    if not records:
+        return ("no record has a speedup over cuDNN's convolution alone ('baseline', 'speedup_vs_cudnn'): "
+                "written before that baseline existed")
+    if not any(record["batch"] == batch for record in records):
+        batches = sorted({record["batch"] for record in records})
+        return f"no record at batch {batch} has a speedup over cuDNN's convolution alone (batches {batches})"
+    return None
+
+
+def with_baseline(paths: list[Path], results: list[dict[str, Any]], batch: int
+                  ) -> tuple[list[tuple[Path, dict[str, Any]]], list[str]]:
+    """The ``(path, result)`` pairs that give the page a point at ``batch``, and a ``"path: why"`` line for each
+    of the others (:func:`without_baseline`)."""
+    kept, left_out = [], []
+    for path, result in zip(paths, results, strict=True):
+        why = without_baseline(result, batch)
+        if why is None:
+            kept.append((path, result))
+        else:
+            left_out.append(f"{path}: {why}")
+    return kept, left_out
 
 
 def goals(record: dict[str, Any]) -> dict[str, float]:
@@ -78,15 +143,26 @@ def report(results: list[dict[str, Any]], sources: list[Path], batch: int, png_n
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Write ``<out>.md`` and ``<out>.png`` from the given benchmark JSON files."""
+    """Write ``<out>.md`` and ``<out>.png`` from the given benchmark JSON files; files without a point at
+    ``--batch`` are named on stderr and left out, and without any such file, or for a bad file, it exits with
+    status 2 (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path, help="bench JSON files of one sweep (.json or .json.xz)")
     parser.add_argument("--out", type=Path, required=True, help="output path without suffix")
     parser.add_argument("--batch", type=int, default=128)
     args = parser.parse_args(argv)
-    results = [load_result(path) for path in args.results]
+    try:
+        results = [read_result(path) for path in args.results]
+    except ValueError as error:
+        parser.error(str(error))
+    kept, left_out = with_baseline(args.results, results, args.batch)
+    if not kept:
+        parser.error("nothing to report: " + "; ".join(left_out))
+    for line in left_out:
+        print(f"break_even: left out {line}", file=sys.stderr)
+    sources, results = [path for path, _ in kept], [result for _, result in kept]
     png = plot_break_even([r for result in results for r in result["layers"]], args.batch, beside(args.out, ".png"))
-    page = atomic_write_text(beside(args.out, ".md"), report(results, args.results, args.batch, png.name))
+    page = atomic_write_text(beside(args.out, ".md"), report(results, sources, args.batch, png.name))
     print(f"wrote {page} and {png}")
 
 

@@ -50,3 +50,26 @@ def test_break_even_script_says_when_a_precision_was_not_measured(tmp_path, load
     text = module.report([result], [tmp_path / "r.json"], 128, "r.png")
     assert "- Break-even against cuDNN FP32 (TF32 off) <= 0.7: met on 0 of 1 layers." in text
     assert "- Break-even against cuDNN TF32 <= 0.9: not measured in these runs." in text
+
+
+@pytest.mark.parametrize(("name", "content", "says"), [
+    ("missing.json", None, "cannot be read (No such file or directory)"),
+    ("binary.json", b"\xff\xfe\x00", "not UTF-8 text"),
+    ("cut.json", b'{"layers": [', "not valid JSON"),
+    ("list.json", b"[]", "expected a JSON object"),
+    ("other.json", b'{"environment": {}, "layers": []}', "not a bench result, no device, weights, runs"),
+    ("record.json", b'{"environment": {}, "device": "GPU", "weights": "w", "runs": 20, "layers": [{"model": "m"}]}',
+     "layers[0] has no layer, in_chw, weight_shape, batch, precision, target_sparsity"),
+])
+def test_break_even_script_names_a_bad_file_in_one_line(tmp_path, load_script, capsys, name: str,
+                                                        content: bytes | None, says: str) -> None:
+    """A missing, undecodable, non-JSON or incomplete result stops the script with status 2 and one error line that
+    names the file and what is wrong, not a traceback (a scripts audit's find), and no page is written."""
+    path = tmp_path / name
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(SystemExit) as stopped:
+        load_script("break_even").main([str(path), "--out", str(tmp_path / "page")])
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert stopped.value.code == 2 and f"error: result {path}: {says}" in line
+    assert not (tmp_path / "page.md").exists()

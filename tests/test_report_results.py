@@ -53,19 +53,28 @@ def test_break_even_script_reads_a_compressed_sweep(tmp_path, load_script) -> No
     assert (tmp_path / "page_s0.9.png").exists()  # the prefix keeps its dot
 
 
-def test_break_even_pages_leave_out_records_before_the_baseline(tmp_path, load_script) -> None:
-    """A sweep written before the cuDNN-alone baseline (no ``baseline`` in its records) yields no break-even:
-    its speedups were against the cuDNN call."""
+def test_break_even_refuses_a_sweep_from_before_the_baseline(tmp_path, load_script, capsys) -> None:
+    """A sweep written before the cuDNN-alone baseline (no ``baseline`` in its records) yields no break-even: its
+    speedups were against the cuDNN call. Alone it stops the script with the file named and no page; beside a
+    newer file it is named on stderr and left out of the page (a scripts audit's find: it wrote a page of "not
+    measured" and exited 0)."""
     records = [{"model": "vgg16", "layer": "a", "in_chw": [64, 56, 56], "weight_shape": [64, 64, 3, 3],
                 "batch": 128, "precision": "fp32", "target_sparsity": s, "speedup_vs_cudnn": v,
                 "direct_useful_tflops": 9.0} for s, v in ((0.6, 0.8), (0.8, 1.2))]
-    path = tmp_path / "old.json"
-    path.write_text(json.dumps({"environment": {"commit": "abc"}, "device": "GPU", "layers": records,
-                                "weights": "synthetic", "runs": 20}))
-    load_script("break_even").main([str(path), "--out", str(tmp_path / "page")])
+    result = {"environment": {"commit": "abc"}, "device": "GPU", "layers": records, "weights": "synthetic",
+              "runs": 20}
+    old, new = tmp_path / "old.json", tmp_path / "new.json"
+    old.write_text(json.dumps(result))
+    with pytest.raises(SystemExit) as stopped:
+        load_script("break_even").main([str(old), "--out", str(tmp_path / "page")])
+    assert stopped.value.code == 2 and not (tmp_path / "page.md").exists() and not (tmp_path / "page.png").exists()
+    assert f"nothing to report: {old}: no record has a speedup over cuDNN's" in capsys.readouterr().err
+    new.write_text(json.dumps({**result, "layers": [{**r, "baseline": {"layout": "nchw"}} for r in records]}))
+    load_script("break_even").main([str(old), str(new), "--out", str(tmp_path / "page")])
+    assert f"break_even: left out {old}: no record has a speedup" in capsys.readouterr().err
     text = (tmp_path / "page.md").read_text()
-    assert "- Break-even against cuDNN FP32 (TF32 off) <= 0.7: not measured in these runs." in text
-    assert "| cuDNN FP32 (TF32 off) |" not in text
+    assert "| cuDNN FP32 (TF32 off) | 0.80 | 1.20 | 0.700 | <= 0.7: met |" in text
+    assert "`new.json`" in text and "`old.json`" not in text
 
 
 def test_records_before_the_baseline_keep_their_speedup_as_the_call_figure(tmp_path) -> None:

@@ -51,19 +51,22 @@ def load_result(path: str | Path, strict: bool = True) -> dict[str, Any]:
     iteration's change as -Infinity).
 
     Raises:
-        ValueError: naming the file, for another file ending, a broken xz stream, text that is not JSON (strict
-            JSON where ``strict``), or content that is not a JSON object.
+        ValueError: naming the file, for another file ending, a broken xz stream, content that is not UTF-8, text
+            that is not JSON (strict JSON where ``strict``), or content that is not a JSON object.
+        OSError: from reading the file (missing, a folder).
     """
     path = Path(path)
     result_stem(path)
-    if path.name.endswith(".xz"):
-        try:
+    try:
+        if path.name.endswith(".xz"):
             with lzma.open(path, "rt") as handle:
                 text = handle.read()
-        except (lzma.LZMAError, EOFError) as error:
-            raise ValueError(f"result {path}: not a complete xz stream ({error})") from error
-    else:
-        text = path.read_text()
+        else:
+            text = path.read_text()
+    except (lzma.LZMAError, EOFError) as error:
+        raise ValueError(f"result {path}: not a complete xz stream ({error})") from error
+    except UnicodeDecodeError as error:
+        raise ValueError(f"result {path}: not UTF-8 text ({error})") from error
     try:
         result = loads_strict(text, constants=not strict)
     except ValueError as error:
