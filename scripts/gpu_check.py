@@ -18,6 +18,12 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from unsparse.pipeline import git_commit
+from unsparse.runtime import bench
+from unsparse.runtime.precision import PRECISIONS
+
 
 def main(argv: list[str] | None = None) -> int:
     """Run tests and benchmark; returns pytest's exit code (the benchmark still runs after failures), or 2 without
@@ -27,12 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="FP32, batch 128, sparsity 0.9, VGG16 end to end")
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
-    parser.add_argument("--models", nargs="*")
+    parser.add_argument("--models", nargs="*", choices=bench.MODELS)
     parser.add_argument("--sparsities", nargs="*", type=float)
     parser.add_argument("--batches", nargs="*", type=int)
-    parser.add_argument("--precisions", nargs="*", help="of unsparse.runtime.precision.PRECISIONS: fp32, tf32, fp16, "
-                        "fp16_half2 (the half2-product kernel, direct_half2, against cuDNN FP16)")
-    parser.add_argument("--end-to-end", nargs="*")
+    parser.add_argument("--precisions", nargs="*", choices=list(PRECISIONS),
+                        help="fp16_half2: the half2-product kernel, direct_half2, against cuDNN FP16")
+    parser.add_argument("--end-to-end", nargs="*", choices=bench.MODELS)
     parser.add_argument("--end-to-end-sparsity", type=float,
                         help="sparsity of the models timed whole (default: run_bench's, 0.9)")
     parser.add_argument("--runs", type=int, default=20)
@@ -45,11 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from unsparse.pipeline import git_commit
-    from unsparse.runtime.bench import QUICK, environment, run_bench
-
-    env = environment(git_commit())
+    env = bench.environment(git_commit())
     log = out / "gpu_check.log"
     log.write_text(json.dumps(env, indent=1) + "\n")
     print(json.dumps(env), flush=True)
@@ -68,13 +70,13 @@ def main(argv: list[str] | None = None) -> int:
         print(tests.stdout[-3000:] + tests.stderr[-2000:], flush=True)
         code = tests.returncode
     if not args.skip_bench:
-        settings = dict(QUICK) if args.quick else {}
+        settings = dict(bench.QUICK) if args.quick else {}
         for name in ("models", "sparsities", "batches", "precisions", "end_to_end", "end_to_end_sparsity"):
             if getattr(args, name) is not None:
                 settings[name] = getattr(args, name)
-        result = run_bench(out, runs=args.runs, commit=env["commit"], layer_filter=args.layer_filter,
-                           time_budget_s=args.time_budget, sparse_file=args.sparse_file,
-                           sparse_input_shape=args.sparse_input_shape, timing=args.timing, **settings)
+        result = bench.run_bench(out, runs=args.runs, commit=env["commit"], layer_filter=args.layer_filter,
+                                 time_budget_s=args.time_budget, sparse_file=args.sparse_file,
+                                 sparse_input_shape=args.sparse_input_shape, timing=args.timing, **settings)
         print(json.dumps(result["targets"], indent=1), flush=True)
     return code
 

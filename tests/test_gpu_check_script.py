@@ -33,3 +33,25 @@ def test_the_gpu_tests_on_a_machine_without_cuda_are_a_failure_not_a_pass(load_s
     """Every GPU test skips there, and pytest's exit 0 read as "GPU tests passed" (a scripts audit's find)."""
     assert load_script("gpu_check").main(["--skip-bench", "--out", str(tmp_path)]) == 2
     assert "no CUDA device here; no GPU test ran" in (tmp_path / "gpu_check.log").read_text()
+
+
+MODELS = "'vgg16', 'resnet50', 'alexnet', 'googlenet'"
+
+
+@pytest.mark.parametrize(("option", "values", "allowed"), [
+    ("--models", ["vgg16", "vgg19"], MODELS),
+    ("--end-to-end", ["resnet18"], MODELS),
+    ("--precisions", ["fp32", "bf16"], "'fp32', 'tf32', 'fp16', 'fp16_half2'"),
+])
+def test_a_bad_model_or_precision_stops_before_anything_runs(load_script: Callable[[str], ModuleType],
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                             option: str, values: list[str], allowed: str) -> None:
+    """A misspelt model or precision is refused while parsing, naming the value and the allowed ones, before the
+    GPU tests (minutes) run and the benchmark fails on it (a scripts audit's find); nothing is written."""
+    monkeypatch.setattr(bench, "run_bench", lambda out, **kwargs: pytest.fail("the benchmark ran"))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        load_script("gpu_check").main(["--out", str(out), option, *values])
+    assert stopped.value.code == 2 and not out.exists()
+    assert f"argument {option}: invalid choice: '{values[-1]}' (choose from {allowed})" in capsys.readouterr().err
