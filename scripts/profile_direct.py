@@ -35,8 +35,10 @@ def main() -> None:
     from torch import nn
 
     from unsparse.runtime import get_backend
-    from unsparse.runtime.bench import magnitude_prune_
+    from unsparse.runtime.bench import magnitude_prune_, require_cuda
     from unsparse.sparse import ConvGeometry, UniformCSR
+
+    require_cuda("profile_direct.py")
 
     device, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     N, C, H, W = args.shape

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from unsparse.pipeline import git_commit
-from unsparse.runtime.bench import build_model, environment, magnitude_prune_
+from unsparse.runtime.bench import build_model, environment, magnitude_prune_, require_cuda
 from unsparse.runtime.comparator import plan_model
 from unsparse.runtime.modules import set_backend, sparsify
 from unsparse.runtime.precision import PRECISIONS, precision_mode
@@ -119,6 +119,7 @@ def main() -> None:
                         help="also time each model eagerly in this many pairs of blocks, garbage collector on / off")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    require_cuda("profile_end_to_end.py")
     device = torch.device("cuda")
     dtype, tf32 = PRECISIONS[args.precision].dtype, PRECISIONS[args.precision].tf32
     torch.backends.cudnn.benchmark = True

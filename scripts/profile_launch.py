@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from unsparse.pipeline import git_commit
 from unsparse.runtime import set_backend, sparsify
 from unsparse.runtime.backends.direct import POINTWISE_SPLITS, DirectBackend
-from unsparse.runtime.bench import environment
+from unsparse.runtime.bench import environment, require_cuda
 from unsparse.runtime.comparator import plan_model
 from unsparse.runtime.timing import host_enqueue_ms, host_profile, time_fn, time_graph
 from unsparse.sparse import ConvGeometry, UniformCSR
@@ -54,6 +54,7 @@ def main() -> None:
                         help="host enqueue in this many rounds over every path, interleaved (median and spread)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
+    require_cuda("profile_launch.py")
     device = torch.device("cuda", torch.cuda.current_device())
     dtype = getattr(torch, args.dtype)
     C, M, side = args.layer

@@ -35,8 +35,10 @@ def main() -> None:
 
     from unsparse.pipeline import git_commit
     from unsparse.runtime.backends.direct import pair_images, pair_images_on_device
-    from unsparse.runtime.bench import environment
+    from unsparse.runtime.bench import environment, require_cuda
     from unsparse.runtime.timing import time_fn
+
+    require_cuda("time_pairing.py")
 
     device = torch.device("cuda")
     formulations = {

@@ -15,6 +15,7 @@ import json
 import math
 import platform
 import re
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -81,6 +82,18 @@ def environment(commit: str | None = None) -> dict[str, Any]:
         except ImportError:
             info.update(cupy=None)
     return info
+
+
+def require_cuda(script: str) -> None:
+    """For a GPU-only script, after parsing its arguments and before any work: without a CUDA device, one line on
+    stderr naming ``script`` and exit status 2 (instead of torch's driver error, a traceback, further on).
+
+    Raises:
+        SystemExit: with status 2, where ``torch.cuda.is_available()`` is False.
+    """
+    if not torch.cuda.is_available():
+        print(f"{script}: needs a CUDA GPU, and torch sees none here", file=sys.stderr)
+        raise SystemExit(2)
 
 
 def build_model(name: str) -> nn.Module:
