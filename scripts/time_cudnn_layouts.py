@@ -41,6 +41,7 @@ from unsparse.runtime.bench import (
     conv_layers,
     dense_channels_last,
     environment,
+    require_cuda,
 )
 from unsparse.runtime.comparator import relative_error, tolerance
 from unsparse.runtime.layout import LAYOUTS as BASELINE_LAYOUTS
@@ -112,8 +113,24 @@ def time_model(name: str, batch: int, precision: str, device: torch.device, runs
             "nhwc_speedup": nchw_ms / nhwc_ms, "rel_error": error}
 
 
-def main(argv: list[str] | None = None) -> None:
-    """Parse arguments, time every selected layer and model, write the JSON atomically."""
+def cuda_device(text: str) -> torch.device:
+    """``--device``'s value as a device, which must be a CUDA one: on another device these would be its own
+    convolutions timed under cuDNN's labels.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the value, if it is no device or not a CUDA one.
+    """
+    try:
+        device = torch.device(text)
+    except RuntimeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device (e.g. cuda, cuda:1)") from error
+    if device.type != "cuda":
+        raise argparse.ArgumentTypeError(f"{text!r} is not a CUDA device: the timings are cuDNN's (e.g. cuda, cuda:1)")
+    return device
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (see the module docstring)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", nargs="+", default=["vgg16", "resnet50"], choices=MODELS)
     parser.add_argument("--precisions", nargs="+", default=["fp32", "tf32", "fp16"],
@@ -122,10 +139,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--layer-filter", default="", help="regular expression on layer names (search)")
     parser.add_argument("--whole-models", action="store_true", help="also time each dense model end to end")
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", type=cuda_device, default="cuda", help="a CUDA device (default: cuda)")
     parser.add_argument("--out", required=True, help="JSON file to write")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
+    return parser
+
+
+def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Time every layer and model that ``args`` select on ``device`` (the tests pass the CPU): the JSON-ready
+    result, with the environment, the layouts and the per-layer and per-model records."""
     layers, models = [], []
     for name in args.models:
         for layer in conv_layers(build_model(name), (3, 224, 224)):
@@ -139,9 +160,16 @@ def main(argv: list[str] | None = None) -> None:
             for precision in args.precisions:
                 models.append(time_model(name, args.batch, precision, device, args.runs))
                 print(models[-1], flush=True)
-    result = {"environment": environment(git_commit()), "runs": args.runs, "layouts": list(LAYOUTS),
-              "layers": layers, "models": models}
-    atomic_write_text(Path(args.out), json.dumps(result, indent=1))
+    return {"environment": environment(git_commit()), "runs": args.runs, "layouts": list(LAYOUTS),
+            "layers": layers, "models": models}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse arguments (a non-CUDA ``--device`` is refused), check that CUDA is there, time every selected layer
+    and model, write the JSON atomically."""
+    args = build_parser().parse_args(argv)
+    require_cuda("time_cudnn_layouts.py")
+    atomic_write_text(Path(args.out), json.dumps(measure(args, args.device), indent=1))
 
 
 if __name__ == "__main__":
