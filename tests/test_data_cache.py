@@ -6,6 +6,7 @@ import gzip
 import lzma
 import math
 import os
+import random
 import struct
 import subprocess
 import sys
@@ -21,6 +22,12 @@ def idx_file(dims: tuple[int, ...], fill: int) -> bytes:
     return bytes([0, 0, 8, len(dims)]) + struct.pack(f">{len(dims)}I", *dims) + bytes([fill]) * math.prod(dims)
 
 
+def fashion_files(count: int, size: int = 28, fill: int = 1) -> dict[str, bytes]:
+    """The four Fashion-MNIST files, ``count`` images of ``size`` x ``size`` and ``count`` labels in each split."""
+    return {name: idx_file((count,) if "labels" in name else (count, size, size), fill)
+            for name in FASHION_MNIST_FILES}
+
+
 PREPARE = "import sys; from pathlib import Path; from unsparse.data import _prepare_fashion_mnist_root as p; " \
           "print(p(Path(sys.argv[1])))"
 
@@ -31,7 +38,8 @@ PREPARE = "import sys; from pathlib import Path; from unsparse.data import _prep
 def test_concurrent_preparers_all_succeed_with_complete_files(tmp_path, suffix, compress):
     source = tmp_path / "source"
     source.mkdir()
-    payload = {name: idx_file((4096, 1024), index) for index, name in enumerate(FASHION_MNIST_FILES)}
+    payload = {name: idx_file((4096 * 1024,) if "labels" in name else (4096, 32, 32), index)
+               for index, name in enumerate(FASHION_MNIST_FILES)}
     for name, data in payload.items():
         (source / f"{name}{suffix}").write_bytes(compress(data))
     environment = {**os.environ, "UNSPARSE_CACHE": str(tmp_path / "cache"),
@@ -55,13 +63,69 @@ def test_a_replaced_source_is_read_again_and_a_truncated_one_is_named(tmp_path, 
     monkeypatch.setenv("UNSPARSE_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "source"
     source.mkdir()
-    for name in FASHION_MNIST_FILES:
-        (source / name).write_bytes(idx_file((3, 2), 1))
+    for name, data in fashion_files(3, 2).items():
+        (source / name).write_bytes(data)
     first = _prepare_fashion_mnist_root(source) / "FashionMNIST" / "raw" / FASHION_MNIST_FILES[0]
-    assert first.read_bytes() == idx_file((3, 2), 1)
-    (source / FASHION_MNIST_FILES[0]).write_bytes(idx_file((5, 2), 7))
+    assert first.read_bytes() == idx_file((3, 2, 2), 1)
+    (source / FASHION_MNIST_FILES[0]).write_bytes(idx_file((5, 2, 2), 7))
     again = _prepare_fashion_mnist_root(source) / "FashionMNIST" / "raw" / FASHION_MNIST_FILES[0]
-    assert again.read_bytes() == idx_file((5, 2), 7)
-    (source / FASHION_MNIST_FILES[1]).write_bytes(idx_file((5, 2), 7)[:-3])
-    with pytest.raises(ValueError, match=rf"{FASHION_MNIST_FILES[1]}: 19 bytes, but its header \(5, 2\) needs 22"):
+    assert again.read_bytes() == idx_file((5, 2, 2), 7)
+    (source / FASHION_MNIST_FILES[1]).write_bytes(idx_file((5,), 7)[:-3])
+    with pytest.raises(ValueError, match=rf"{FASHION_MNIST_FILES[1]}: 10 bytes, but its header \(5,\) needs 13"):
         _prepare_fashion_mnist_root(source)
+
+
+def test_a_damaged_gzip_stream_is_named(tmp_path, monkeypatch):
+    """A flipped byte inside the compressed data raised a bare zlib.error that named no file."""
+    from unsparse.data import _prepare_fashion_mnist_root
+
+    monkeypatch.setenv("UNSPARSE_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "source"
+    source.mkdir()
+    rng = random.Random(0)
+    labels = bytes([0, 0, 8, 1]) + struct.pack(">I", 60000) + bytes(rng.randrange(10) for _ in range(60000))
+    for name, data in {**fashion_files(50), FASHION_MNIST_FILES[1]: labels}.items():
+        (source / f"{name}.gz").write_bytes(gzip.compress(data))
+    damaged = bytearray((source / f"{FASHION_MNIST_FILES[1]}.gz").read_bytes())
+    damaged[1000] ^= 0xFF  # inside the Huffman-coded labels: zlib's "invalid distance too far back"
+    (source / f"{FASHION_MNIST_FILES[1]}.gz").write_bytes(bytes(damaged))
+    with pytest.raises(ValueError, match=rf"{FASHION_MNIST_FILES[1]}.gz: cannot be read \(Error -3"):
+        _prepare_fashion_mnist_root(source)
+
+
+@pytest.mark.parametrize(("replace", "message"), [
+    ({1: idx_file((40,), 1)}, r"train-labels-idx1-ubyte: 40 labels for the 50 images of .*train-images-idx3-ubyte"),
+    ({3: idx_file((60,), 1)}, r"t10k-labels-idx1-ubyte: 60 labels for the 50 images"),
+    ({1: idx_file((50,), 200)}, r"train-labels-idx1-ubyte: label 200 outside \[0, 10\)"),
+    ({1: idx_file((50, 28, 28), 1)}, r"train-labels-idx1-ubyte: 3 dimensions, expected 1"),
+    ({0: idx_file((50, 32, 32), 1)}, r"train-images-idx3-ubyte: images of \(32, 32\) pixels, expected \(28, 28\)"),
+])
+def test_image_and_label_files_that_disagree_are_named(tmp_path, monkeypatch, replace, message):
+    """Each file was checked on its own: fewer labels dropped images without a word, more gave an IndexError or
+    extra test labels that were scored, a label of 200 failed in training, and a labels file holding images gave
+    torchvision's error naming no file."""
+    from unsparse.data import fashion_mnist
+
+    monkeypatch.setenv("UNSPARSE_CACHE", str(tmp_path / "cache"))
+    files = fashion_files(50)
+    for index, data in replace.items():
+        files[FASHION_MNIST_FILES[index]] = data
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=message):
+        fashion_mnist(tmp_path, val_size=10)
+
+
+def test_constant_images_and_non_integer_limits_are_refused_by_name(tmp_path, monkeypatch):
+    """Constant training images were scaled by a standard deviation of 0 into NaN; a limit of 2.5 failed in
+    slicing and True was read as 1."""
+    from unsparse.data import digits, fashion_mnist
+
+    monkeypatch.setenv("UNSPARSE_CACHE", str(tmp_path / "cache"))
+    for name, data in fashion_files(50).items():
+        (tmp_path / name).write_bytes(data)
+    with pytest.raises(ValueError, match=r"training images: standard deviation 0.0"):
+        fashion_mnist(tmp_path, val_size=10)
+    for limit in (2.5, True, "10"):
+        with pytest.raises(ValueError, match=rf"limit_train: expected an integer, got {limit!r}"):
+            digits(limit_train=limit)

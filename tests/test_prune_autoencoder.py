@@ -64,11 +64,19 @@ def test_time_series_settings_are_refused_naming_the_field(tmp_path):
         windows(torch.arange(10.0), 4, 0)
     with pytest.raises(ValueError, match=r"val split: 3 points, shorter than the window of 4"):
         windows(torch.arange(3.0), 4, 1, "val split")
-    with pytest.raises(ValueError, match=r"val_fraction: expected a fraction in \(0, 1\), got 0"):
+    with pytest.raises(ValueError, match=r"val_fraction: expected a number in \(0, 1\), got 0"):
         timeseries(val_fraction=0)
     with pytest.raises(ValueError, match=r"val_fraction \+ test_fraction: 1.2 leaves no training points"):
         timeseries(val_fraction=0.6, test_fraction=0.6)
+    with pytest.raises(ValueError, match=r"test_fraction: expected a number in \(0, 1\), got '0.1'"):
+        timeseries(test_fraction="0.1")
     path = tmp_path / "series.txt"
     path.write_text("1.0\n2.5\nabc\n")
     with pytest.raises(ValueError, match=r"series.txt: not a series of numbers"):
         read_series(path)
+    path.write_text("1.0\n1e39\n")  # finite in float64, inf in float32
+    with pytest.raises(ValueError, match=r"series.txt: series holds values that are not finite in float32"):
+        read_series(path)
+    path.write_text("400.0\n" * 300)  # every window levels to 0: scaled by a standard deviation of 0, all NaN
+    with pytest.raises(ValueError, match=r"training windows: standard deviation 0.0"):
+        timeseries("flat", window=16, stride=4, source=path)

@@ -16,8 +16,10 @@ import lzma
 import math
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,17 +70,21 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("UNSPARSE_CACHE", Path.home() / ".cache" / "unsparse"))
 
 
-def check_idx(data: bytes, name: str) -> bytes:
+def check_idx(data: bytes, name: str, ndim: int | None = None) -> bytes:
     """``data`` if it is a complete idx file of unsigned bytes (the MNIST format: magic ``0x0000 08 nd``, ``nd``
-    big-endian int32 dimensions, then their product in bytes).
+    big-endian int32 dimensions, then their product in bytes), of ``ndim`` dimensions where given (3 for images,
+    1 for labels).
 
     Raises:
-        ValueError: naming ``name``, for another magic number or a length that disagrees with the dimensions (a
-            truncated or corrupt file, which torchvision would report as a tensor shape error).
+        ValueError: naming ``name``, for another magic number, another number of dimensions (a labels file in an
+            images file's place), or a length that disagrees with the dimensions (a truncated or corrupt file,
+            which torchvision would report as a tensor shape error).
     """
     if len(data) < 4 or data[:3] != b"\x00\x00\x08" or not 1 <= data[3] <= 4:
         raise ValueError(f"{name}: not an idx file of unsigned bytes (header {data[:4].hex()})")
-    ndim = data[3]
+    ndim, expected_ndim = data[3], ndim
+    if expected_ndim is not None and ndim != expected_ndim:
+        raise ValueError(f"{name}: {ndim} dimensions, expected {expected_ndim}")
     dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim]) if len(data) >= 4 + 4 * ndim else ()
     expected = 4 + 4 * ndim + math.prod(dims) if dims else None
     if expected != len(data):
@@ -98,7 +104,8 @@ def _prepare_fashion_mnist_root(source: Path) -> Path:
 
     Raises:
         DatasetUnavailableError: if a file is missing from ``source``.
-        ValueError: naming the source file, if it is not a complete idx file.
+        ValueError: naming the source file, if it cannot be decompressed or is not a complete idx file of images
+            (3 dimensions) or labels (1).
     """
     found = {}
     for name in FASHION_MNIST_FILES:
@@ -121,8 +128,8 @@ def _prepare_fashion_mnist_root(source: Path) -> Path:
             continue
         with opener(path, "rb") as src:
             try:
-                data = check_idx(src.read(), str(path))
-            except (OSError, EOFError, lzma.LZMAError) as error:  # a damaged .gz or .xz stream
+                data = check_idx(src.read(), str(path), 1 if "labels" in name else 3)
+            except (OSError, EOFError, lzma.LZMAError, zlib.error) as error:  # a damaged .gz or .xz stream
                 raise ValueError(f"{path}: cannot be read ({error})") from error
         # A unique temporary name per writer: processes preparing the same cache at once (several tables on
         # one machine) each rename a whole file into place instead of renaming each other's half-written one.
@@ -159,8 +166,21 @@ def mean_and_std(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return wide.mean().float(), wide.std().float()
 
 
+def spread(values: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`mean_and_std` of ``values`` (the training split), for scaling every split by.
+
+    Raises:
+        ValueError: naming ``name``, if the standard deviation is 0 or not finite (constant inputs: every scaled
+            value would be NaN).
+    """
+    mean, std = mean_and_std(values)
+    if not (torch.isfinite(std) and std > 0):
+        raise ValueError(f"{name}: standard deviation {std.item()} (constant or non-finite values); cannot scale by it")
+    return mean, std
+
+
 def _normalise(splits: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    mean, std = mean_and_std(splits["train"][0])
+    mean, std = spread(splits["train"][0], "training images")
     return {key: ((images - mean) / std, labels) for key, (images, labels) in splits.items()}
 
 
@@ -169,11 +189,34 @@ def first_examples(pair: tuple[torch.Tensor, torch.Tensor], limit: int | None,
     """The first ``limit`` examples of ``pair`` (all for None).
 
     Raises:
-        ValueError: naming ``name``, for a limit below 1 (an empty split fails later, far from the setting).
+        ValueError: naming ``name``, for a limit that is no integer, or below 1 (an empty split fails later, far
+            from the setting).
     """
-    if limit is not None and limit < 1:
+    if limit is not None and check_integer(limit, name, low=None) < 1:
         raise ValueError(f"{name}: {limit} keeps no example; use a positive number or null for all")
     return pair if limit is None else (pair[0][:limit], pair[1][:limit])
+
+
+def labelled_images(dataset: Any, root: Path, images_file: str, labels_file: str, classes: int) -> tuple[torch.Tensor,
+                                                                                                         torch.Tensor]:
+    """``(images (N, 1, 28, 28) float32 in [0, 1], labels (N,) int64)`` of a torchvision MNIST-style ``dataset``
+    read from ``root``'s ``images_file`` and ``labels_file``, checked against each other (each file was checked on
+    its own, :func:`check_idx`).
+
+    Raises:
+        ValueError: naming the files, for images other than 28x28, a count of labels other than of images (extra
+            labels would be scored, missing ones drop images or fail indexing), or a label outside
+            ``[0, classes)``.
+    """
+    images, labels = dataset.data, dataset.targets
+    if tuple(images.shape[1:]) != (28, 28):
+        raise ValueError(f"{root / images_file}: images of {tuple(images.shape[1:])} pixels, expected (28, 28)")
+    if len(labels) != len(images):
+        raise ValueError(f"{root / labels_file}: {len(labels)} labels for the {len(images)} images of "
+                         f"{root / images_file}")
+    if len(labels) and int(labels.max()) >= classes:
+        raise ValueError(f"{root / labels_file}: label {int(labels.max())} outside [0, {classes})")
+    return images.unsqueeze(1).float() / 255.0, labels.long()
 
 
 def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, limit_train: int | None = None,
@@ -188,19 +231,20 @@ def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, li
 
     Raises:
         DatasetUnavailableError: files missing (the message names the Debian package).
-        ValueError: a limit below 1, or a ``val_size`` outside ``[1, 59999]``, naming it.
+        ValueError: a limit that is no integer or below 1, or a ``val_size`` outside ``[1, 59999]``, naming it;
+            files that are corrupt, or disagree with each other (:func:`labelled_images`), or constant images,
+            naming them.
     """
     from torchvision.datasets import FashionMNIST
 
     torchvision_root = _prepare_fashion_mnist_root(Path(root))
-    train = FashionMNIST(str(torchvision_root), train=True, download=False)
-    test = FashionMNIST(str(torchvision_root), train=False, download=False)
-    images = train.data.unsqueeze(1).float() / 255.0
-    train_pair, val_pair = _split_validation(images, train.targets.long(), val_size, seed)
+    train, test = (labelled_images(FashionMNIST(str(torchvision_root), train=split == "train", download=False),
+                                   Path(root), *FASHION_MNIST_FILES[offset:offset + 2], len(FASHION_MNIST_CLASSES))
+                   for split, offset in (("train", 0), ("test", 2)))
+    train_pair, val_pair = _split_validation(*train, val_size, seed)
     splits = _normalise({"train": first_examples(train_pair, limit_train, "limit_train"),
                          "val": first_examples(val_pair, limit_test, "limit_test"),
-                         "test": first_examples((test.data.unsqueeze(1).float() / 255.0, test.targets.long()),
-                                                limit_test, "limit_test")})
+                         "test": first_examples(test, limit_test, "limit_test")})
     return Splits(**splits, num_classes=10, name="fashion_mnist")
 
 

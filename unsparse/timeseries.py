@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from unsparse.atomic import atomic_write_text
-from unsparse.data import Splits, first_examples, mean_and_std
-from unsparse.settings import check_integer
+from unsparse.data import Splits, first_examples, spread
+from unsparse.settings import check_integer, check_number
 
 SERIES = ("co2", "sunspots", "elnino")
 
@@ -64,16 +64,17 @@ def read_series(path: str | Path) -> torch.Tensor:
 
     Raises:
         FileNotFoundError: the file is missing.
-        ValueError: a line is not a number, or a value is not finite.
+        ValueError: a line is not a number, or a value is not finite in float32 (beyond about 3.4e38).
     """
     words = Path(path).read_text(encoding="utf-8").split()
     try:
         values = np.array([float(word) for word in words], dtype=np.float64)
     except ValueError as error:
         raise ValueError(f"{path}: not a series of numbers ({error})") from error
-    if not np.isfinite(values).all():
-        raise ValueError(f"{path}: series holds non-finite values")
-    return torch.tensor(values, dtype=torch.float32)
+    series = torch.tensor(values, dtype=torch.float32)
+    if not torch.isfinite(series).all():
+        raise ValueError(f"{path}: series holds values that are not finite in float32")
+    return series
 
 
 def windows(series: torch.Tensor, length: int, stride: int, name: str = "series") -> torch.Tensor:
@@ -107,12 +108,12 @@ def timeseries(name: str = "co2", window: int = 64, stride: int = 4, val_fractio
             scale is taken from the windows kept.
 
     Raises:
-        ValueError: unknown series, fractions outside (0, 1) or summing to 1 or more, a window below 2 or stride
-            below 1, a split shorter than ``window`` (naming the split), or a limit below 1, naming it.
+        ValueError: unknown series, fractions that are no numbers in (0, 1) or sum to 1 or more, a window below 2
+            or stride below 1, a split shorter than ``window`` (naming the split), a limit that is no integer or
+            below 1, naming it, or constant training windows (nothing to scale by).
     """
     for field, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
-        if not 0 < fraction < 1:
-            raise ValueError(f"{field}: expected a fraction in (0, 1), got {fraction!r}")
+        check_number(fraction, field, lambda value: 0 < value < 1, "in (0, 1)")
     if val_fraction + test_fraction >= 1:
         raise ValueError(f"val_fraction + test_fraction: {val_fraction + test_fraction} leaves no training points")
     series = statsmodels_series(name) if source is None else read_series(source)
@@ -123,5 +124,5 @@ def timeseries(name: str = "co2", window: int = 64, stride: int = 4, val_fractio
               "test": (limit_test, "limit_test")}
     cut = {key: first_examples((windows(part, window, stride, f"{key} split"),) * 2, *limits[key])[0]
            for key, part in parts.items()}
-    scale = mean_and_std(cut["train"])[1]
+    scale = spread(cut["train"], "training windows")[1]
     return Splits(**{key: (value / scale, value / scale) for key, value in cut.items()}, num_classes=0, name=name)
