@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from unsparse.report import timing_verdicts
+from unsparse.report.document import sparsity_percent
 
 
 def test_verdicts_use_the_fastest_baseline_entry_and_say_slower() -> None:
@@ -83,3 +84,10 @@ def test_not_timed_names_backends_that_could_not_run_not_settings_the_screening_
              for layer in ("0", "0", "1")]
     assert not_timed_text(rows) == "Not timed: `direct_half2` on `0`, `1` (unsupported: float16 only)."
     assert not_timed_text(rows[:3]) == ""
+
+
+@pytest.mark.parametrize(("fraction", "text"), [(0.99996, ">99.99"), (1.0, "100.00"), (0.9, "90.00"),
+                                                (0.99994, "99.99"), (0.00004, "<0.01"), (0.0, "0.00")])
+def test_a_sparsity_reads_as_complete_only_when_it_is(fraction, text) -> None:
+    """With 4 significant digits a layer of 2.4M weights with 94 left printed as 100 % sparse."""
+    assert sparsity_percent(fraction) == text

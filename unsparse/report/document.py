@@ -23,6 +23,18 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(lines)
 
 
+def sparsity_percent(fraction: float) -> str:
+    """A sparsity (fraction of zero weights) as a percentage with two decimals for a table cell, never rounded to
+    ``100.00`` or ``0.00`` unless exact: a 2.4M-weight layer with 94 weights left (99.996 %) read as fully pruned
+    (``>99.99`` and ``<0.01`` instead)."""
+    text = f"{100 * fraction:.2f}"
+    if text == "100.00" and fraction < 1:
+        return ">99.99"
+    if text == "0.00" and fraction > 0:
+        return "<0.01"
+    return text
+
+
 def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
     """Per layer: baseline time, fastest backend, its speedup over the baseline and a plain verdict.
 
@@ -143,7 +155,7 @@ def _masked_sparsity(pruning: dict[str, Any]) -> str:
     masked = pruning.get("masked_weighted_sparsity", pruning["weighted_sparsity"])
     if abs(masked - pruning["weighted_sparsity"]) <= 1e-9:
         return ""
-    return f"; **{100 * masked:.2f}%** over the pruned layers only, which the target is measured on"
+    return f"; **{sparsity_percent(masked)}%** over the pruned layers only, which the target is measured on"
 
 
 def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, Path]) -> dict[str, Path]:
@@ -183,11 +195,11 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
         markdown_table(["stage", run["metric_label"]], [[key, value] for key, value in accuracy.items()]),
         _trivial_text(run, accuracy),
         "## Pruning",
-        f"Method **{pruning['method']}**, weighted sparsity **{100 * pruning['weighted_sparsity']:.2f}%** "
+        f"Method **{pruning['method']}**, weighted sparsity **{sparsity_percent(pruning['weighted_sparsity'])}%** "
         f"(paper 004 eq. 7-8, over conv and linear layers){_masked_sparsity(pruning)}, wall time "
         f"{pruning['wall_time_s']:.1f} s.{target}",
         markdown_table(["layer", "sparsity (%)"],
-                       [[name, 100 * value] for name, value in pruning["layer_sparsity"].items()]),
+                       [[name, sparsity_percent(value)] for name, value in pruning["layer_sparsity"].items()]),
     ]
     if pruning.get("fully_pruned_layers"):
         sections.append(f"**{len(pruning['fully_pruned_layers'])} layer(s) fully pruned** "
@@ -214,8 +226,8 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
         markdown_table(["layer", "kind", "weight shape", "stride", "sparsity (%)", "nnz", "L", "padding entries",
                         "file bytes", "dense FP32 bytes"],
                        [[r["layer"], r["kind"], "x".join(map(str, r["weight_shape"])), r["stride"],
-                         100 * r["sparsity"], r["nnz"], r["row_length"], r["padding_entries"], r["file_bytes"],
-                         r["dense_fp32_bytes"]] for r in report["layers"]]),
+                         sparsity_percent(r["sparsity"]), r["nnz"], r["row_length"], r["padding_entries"],
+                         r["file_bytes"], r["dense_fp32_bytes"]] for r in report["layers"]]),
         "## Per-layer time",
         f"Median of {run['timing_runs']} timed calls after {run['timing_warmup']} warm-up calls on {run['device']} "
         f"(see `timings` in report.json for every measurement). Speedups are relative to "
