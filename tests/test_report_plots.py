@@ -21,3 +21,25 @@ def test_an_empty_history_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="history: no entries"):
         plot_history([], tmp_path / "history.png", "val_top1", "pruning", "validation top-1")
     assert not (tmp_path / "history.png").exists()
+
+
+def test_a_plot_write_that_fails_keeps_the_previous_png_and_closes_its_figure(tmp_path, monkeypatch):
+    """The PNG was written in place: a write stopped midway left a torn file that report.md linked to, and the
+    figure stayed open."""
+    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure
+
+    history = [{"epoch": 1, "val_top1": 88.0}, {"epoch": 2, "val_top1": 89.5}]
+    path = plot_history(history, tmp_path / "history.png", "val_top1", "pruning", "validation top-1")
+    before = path.read_bytes()
+
+    def torn(self, handle, **kwargs):
+        handle.write(before[:100])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", torn)
+    with pytest.raises(KeyboardInterrupt):
+        plot_history(history, path, "val_top1", "pruning", "validation top-1")
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["history.png"]
+    assert plt.get_fignums() == []

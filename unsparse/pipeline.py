@@ -110,7 +110,7 @@ CHECKPOINTS = ("dense.pt", "prune")
 """What :func:`run_pipeline` checkpoints in an output folder (the dense training, the pruner's folder)."""
 
 WRITTEN_ATOMICALLY = (JOB_FILE, "dense.pt", "prune/*.pt", "prune/*.jsonl", "model.safetensors", "report.json",
-                      "report.md", ".hydra/*.yaml")
+                      "report.md", "*.png", ".hydra/*.yaml")
 """The files (glob patterns) a job writes into its output folder with :func:`~unsparse.atomic.atomic_write`."""
 
 LOCK_FILE = ".lock"

@@ -224,10 +224,9 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
     one panel per model and precision: the break-even plot), ``breakdown.png`` (summed FP32 layer time per backend
     and model at sparsity 0.9, cuDNN alone for cuDNN) and ``end_to_end.png``, each name after ``prefix`` (so that
     the plots of several results can share a folder)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from unsparse.report.plots import save_figure
 
     paths = []
     largest = max((q["batch"] for q in result["layers"]), default=0)
@@ -252,10 +251,7 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
                        ylabel=f"speedup over cuDNN {precision}")
                 if 0 < len(by_layer) <= 16:
                     ax.legend(fontsize=6)
-        fig.tight_layout()
-        paths.append(out_dir / f"{prefix}speedup.png")
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir / f"{prefix}speedup.png", dpi=100))
         fig, ax = plt.subplots(figsize=(8, 4))
         backends = {"cuDNN alone": lambda r: (r.get("baseline") or {}).get("median_ms"),
                     **{name: lambda r, name=name: r["best_ms"].get(name)
@@ -269,10 +265,7 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
         ax.set(ylabel="sum of conv layer times (ms), sparsity 0.9", yscale="log")
         ax.legend()
-        fig.tight_layout()
-        paths.append(out_dir / f"{prefix}breakdown.png")
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir / f"{prefix}breakdown.png", dpi=100))
     if result["end_to_end"]:
         fig, ax = plt.subplots(figsize=(8, 4))
         labels = [f"{r['model'].split('/')[-1]}\n{r['precision']} b{r['batch']}" for r in result["end_to_end"]]
@@ -285,8 +278,5 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
         ax.set_xticks(list(xs), labels, fontsize=7)
         ax.set(ylabel="model time (ms)")
         ax.legend()
-        fig.tight_layout()
-        paths.append(out_dir / f"{prefix}end_to_end.png")
-        fig.savefig(paths[-1], dpi=100)
-        plt.close(fig)
+        paths.append(save_figure(fig, out_dir / f"{prefix}end_to_end.png", dpi=100))
     return paths

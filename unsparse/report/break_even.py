@@ -117,10 +117,9 @@ def break_even_markdown(records: Sequence[dict[str, Any]], batch: int,
 def plot_break_even(records: Sequence[dict[str, Any]], batch: int, path: str | Path) -> Path:
     """``path`` (PNG): one panel per layer, speedup of the direct kernel over each cuDNN mode against sparsity
     (log scale; the dashed line is break-even)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from unsparse.report.plots import save_figure
 
     by_layer = curves(records, batch)
     columns = min(3, max(1, len(by_layer)))
@@ -137,8 +136,4 @@ def plot_break_even(records: Sequence[dict[str, Any]], batch: int, path: str | P
     for ax in list(axes.flat)[len(by_layer):]:
         ax.set_visible(False)
     fig.suptitle(f"Direct sparse kernels against cuDNN, batch {batch} (synthetic weights)")
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=90)

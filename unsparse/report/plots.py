@@ -11,13 +11,19 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from unsparse.atomic import atomic_write
 
-def _save(figure: plt.Figure, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.tight_layout()
-    figure.savefig(path, dpi=110)
-    plt.close(figure)
-    return path
+
+def save_figure(figure: plt.Figure, path: str | Path, dpi: int = 110) -> Path:
+    """Lay out ``figure`` and write it to ``path`` atomically (a report never links to a torn PNG) at ``dpi`` dots
+    per inch, in the format the suffix names (PNG by default); close it however the write ends."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        figure.tight_layout()
+        return atomic_write(path, lambda handle: figure.savefig(handle, dpi=dpi, format=path.suffix[1:] or "png"))
+    finally:
+        plt.close(figure)
 
 
 def plot_layers(rows: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -36,7 +42,7 @@ def plot_layers(rows: Sequence[dict[str, Any]], path: Path) -> Path:
     for axis in (left, right):
         axis.set_xticks(positions)
         axis.set_xticklabels(names, rotation=60, fontsize=7)
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_backend_times(timings: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -59,7 +65,7 @@ def plot_backend_times(timings: Sequence[dict[str, Any]], path: Path) -> Path:
     axis.set_xticks([p + 0.4 - width / 2 for p in range(len(layers))])
     axis.set_xticklabels(layers, rotation=60, fontsize=7)
     axis.legend(fontsize=8)
-    return _save(figure, path)
+    return save_figure(figure, path)
 
 
 def plot_history(history: Sequence[dict[str, Any]], path: Path, metric: str, title: str, label: str) -> Path:
@@ -82,4 +88,4 @@ def plot_history(history: Sequence[dict[str, Any]], path: Path, metric: str, tit
                           marker="s", color="tab:red", label="weighted sparsity (%)")
         top.set_ylabel("weighted sparsity (%)", color="tab:red")
     top.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="best", framealpha=0.9)
-    return _save(figure, path)
+    return save_figure(figure, path)
