@@ -129,3 +129,25 @@ def test_constant_images_and_non_integer_limits_are_refused_by_name(tmp_path, mo
     for limit in (2.5, True, "10"):
         with pytest.raises(ValueError, match=rf"limit_train: expected an integer, got {limit!r}"):
             digits(limit_train=limit)
+
+
+def test_temporaries_a_killed_preparer_left_are_removed_once_old(tmp_path, monkeypatch, caplog):
+    """A process killed mid-copy left a temporary file of up to 47 MB in the shared cache for good; one that may
+    belong to a live writer (recent) stays."""
+    from unsparse.data import STALE_CACHE_WRITE_S, _prepare_fashion_mnist_root
+
+    monkeypatch.setenv("UNSPARSE_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "source"
+    source.mkdir()
+    for name, data in fashion_files(3).items():
+        (source / name).write_bytes(data)
+    raw = _prepare_fashion_mnist_root(source) / "FashionMNIST" / "raw"
+    old, recent = raw / f".{FASHION_MNIST_FILES[0]}.abcd1234.tmp", raw / f".{FASHION_MNIST_FILES[1]}.efgh5678.tmp"
+    for path in (old, recent):
+        path.write_bytes(b"partial")
+    stamp = old.stat().st_mtime - STALE_CACHE_WRITE_S - 1
+    os.utime(old, (stamp, stamp))
+    with caplog.at_level("WARNING", logger="unsparse.data"):
+        _prepare_fashion_mnist_root(source)
+    assert not old.exists() and recent.exists()
+    assert f"removed 1 temporary files that killed processes left in the data cache: {old.name}" in caplog.text

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from collections.abc import Callable, Iterable
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
@@ -56,23 +57,29 @@ _TEMPORARY_NAME = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.tmp")
 """Names :func:`atomic_write` gives its temporary files: ``.<target name>.<mkstemp's 8 characters>.tmp``."""
 
 
-def remove_stale_temporaries(folder: str | Path, targets: Iterable[str]) -> list[Path]:
+def remove_stale_temporaries(folder: str | Path, targets: Iterable[str], older_than_s: float = 0.0) -> list[Path]:
     """Delete the temporary files :func:`atomic_write` left for the files ``targets`` names (glob patterns relative
     to ``folder``, e.g. ``"prune/*.pt"``) when its process was killed between creating one and renaming it (SIGKILL,
-    power loss; an exception removes its own). Other files are left, also ones named like temporary files of other
-    targets, and links. Call it only while no other process writes those targets (e.g. under a job's folder lock):
+    power loss; an exception removes its own), if last modified more than ``older_than_s`` seconds ago. Other files
+    are left, also ones named like temporary files of other targets, and links. Call it only while no other process
+    writes those targets (e.g. under a job's folder lock), or with an age no live write can reach (a shared cache):
     another writer's temporary file would be deleted under it.
 
     Returns:
         The files removed, sorted.
     """
     removed = set()
+    now = time.time()
     for pattern in targets:
         name = PurePath(pattern).name
         for path in (Path(folder) / pattern).parent.glob(f".{name}.*.tmp"):
             match = _TEMPORARY_NAME.fullmatch(path.name)
             if match and fnmatch(match.group(1), name) and path.is_file() and not path.is_symlink():
-                removed.add(path)
+                try:
+                    if now - path.stat().st_mtime > older_than_s:
+                        removed.add(path)
+                except FileNotFoundError:  # renamed into place by a writer meanwhile
+                    continue
     for path in removed:
         path.unlink(missing_ok=True)
     return sorted(removed)

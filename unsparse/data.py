@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import logging
 import lzma
 import math
 import os
@@ -25,12 +26,17 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-from unsparse.atomic import atomic_write
+from unsparse.atomic import atomic_write, remove_stale_temporaries
 from unsparse.settings import check_integer
+
+log = logging.getLogger(__name__)
 
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 FASHION_MNIST_FILES = ("train-images-idx3-ubyte", "train-labels-idx1-ubyte",
                        "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")
+STALE_CACHE_WRITE_S = 3600.0
+"""Age (seconds since last written) after which a temporary file in the data cache is taken for one a killed process
+left: the cache is shared by concurrent jobs, and a live copy of a file (at most 47 MB) is written in seconds."""
 FASHION_MNIST_CLASSES = ("T-shirt/top", "Trouser", "Pullover", "Dress", "Coat", "Sandal", "Shirt", "Sneaker",
                          "Bag", "Ankle boot")
 
@@ -97,7 +103,8 @@ def _prepare_fashion_mnist_root(source: Path) -> Path:
 
     The copies live in a cache folder (``$UNSPARSE_CACHE``, default ``~/.cache/unsparse``) keyed by ``source``'s
     path and each source file's size and modification time, so a replaced file is read again; each is checked
-    (:func:`check_idx`) before it is written, atomically (temporary file + rename).
+    (:func:`check_idx`) before it is written, atomically (temporary file + rename). Temporary files that killed
+    processes left there (older than :data:`STALE_CACHE_WRITE_S`) are removed, logged.
 
     Returns:
         The ``root`` to pass to ``torchvision.datasets.FashionMNIST`` (files under ``root/FashionMNIST/raw``).
@@ -122,6 +129,10 @@ def _prepare_fashion_mnist_root(source: Path) -> Path:
     root = _cache_dir() / "torchvision" / hashlib.sha1("|".join(stamp).encode()).hexdigest()[:12]
     raw = root / "FashionMNIST" / "raw"
     raw.mkdir(parents=True, exist_ok=True)
+    stale = remove_stale_temporaries(raw, FASHION_MNIST_FILES, older_than_s=STALE_CACHE_WRITE_S)
+    if stale:
+        log.warning("removed %d temporary files that killed processes left in the data cache: %s", len(stale),
+                    ", ".join(path.name for path in stale))
     for name, (path, opener) in found.items():
         target = raw / name
         if target.exists():
