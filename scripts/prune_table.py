@@ -169,13 +169,31 @@ def metric(trainer: Trainer, model: torch.nn.Module) -> dict[str, float]:
     return trainer.evaluate(model, "test")
 
 
+def matched_gradual(target: float, used: int, batches: int, steps_per_epoch: int, schedule: str,
+                    fine_tune_epochs: int, fine_tune_lr: float) -> GradualMagnitudePruner:
+    """The gradual magnitude baseline matched to an evolutionary run that used ``used`` iterations of ``batches``
+    training batches and reached ``target``: its cubic schedule spans the same batches, then it fine-tunes as long.
+
+    ``schedule`` ``"step"`` prunes as often as the evolutionary run did, after every ``batches`` training batches
+    (``unit="step"``, ``Δt = batches``, ``n = used``; Zhu & Gupta 2017 prune every 100-1000 steps); ``"epoch"`` (the
+    tables before the twenty-first session) prunes at the end of each of the ``ceil(used * batches /
+    steps_per_epoch)`` epochs, 3 or 4 pruning steps where the evolutionary run made 30 or more."""
+    if schedule == "step":
+        return GradualMagnitudePruner(target=target, unit="step", frequency=batches, pruning_steps=used,
+                                      lr=fine_tune_lr, fine_tune_epochs=fine_tune_epochs)
+    return GradualMagnitudePruner(target=target, pruning_steps=max(math.ceil(used * batches / steps_per_epoch), 1),
+                                  lr=fine_tune_lr, fine_tune_epochs=fine_tune_epochs)
+
+
 def compare(name: str, model_kwargs: dict[str, Any], trainer: Trainer, budget: dict[str, Any], target: float,
             workdir: Path, iterations: int, batches: int, dense_epochs: int, seed: int = 0,
-            overrides: dict[str, Any] | None = None, fine_tune_lr: float = 0.01) -> dict[str, Any]:
+            overrides: dict[str, Any] | None = None, fine_tune_lr: float = 0.01,
+            gradual_schedule: str = "step") -> dict[str, Any]:
     """Dense training, then the three pruners from copies of the dense model; one row per method. ``seed`` seeds
     the initial weights and the evolutionary pruner (the trainer's loaders carry their own); ``overrides``
     replace values of ``configs/prune/evolutionary.yaml``; ``fine_tune_lr`` is every pruner's fine-tuning
-    learning rate (gradual magnitude's cosine schedule spans its pruning and fine-tuning, so it starts there)."""
+    learning rate (gradual magnitude's cosine schedule spans its pruning and fine-tuning, so it starts there);
+    ``gradual_schedule`` as :func:`matched_gradual`."""
     torch.manual_seed(seed)
     dense = create_model(name, **model_kwargs)
     started = time.perf_counter()
@@ -195,10 +213,9 @@ def compare(name: str, model_kwargs: dict[str, Any], trainer: Trainer, budget: d
     reached = results["evolutionary"][0].weighted_sparsity
     say(f"{name} evolutionary: weighted sparsity {reached:.4f}")
     used = sum(entry["phase"] == "prune" and entry["iteration"] > 0 for entry in results["evolutionary"][0].history)
-    schedule_epochs = max(math.ceil(used * batches / steps_per_epoch), 1)
     pruners = {
-        "gradual": GradualMagnitudePruner(target=reached, pruning_steps=schedule_epochs, lr=fine_tune_lr,
-                                          fine_tune_epochs=budget["fine_tune_epochs"]),
+        "gradual": matched_gradual(reached, used, batches, steps_per_epoch, gradual_schedule,
+                                   budget["fine_tune_epochs"], fine_tune_lr),
         "magnitude": MagnitudePruner(target=reached, scope="global", lr=fine_tune_lr,
                                      fine_tune_epochs=budget["fine_tune_epochs"]),
     }
@@ -281,9 +298,12 @@ def markdown(blocks: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         parts = [f"{', '.join(names)} {verb}" for names, verb in ((failed, "failed"), (missing, "not run"))
                  if names]
         out += [f"**Incomplete run**: {'; '.join(parts)}.", ""]
+    pace = (", pruning as often as it did (after every iteration's batches)" if meta.get("gradual_schedule") == "step"
+            else ", pruning only at the ends of those epochs (3 or 4 pruning steps where the evolutionary run made "
+                 "one per iteration; Zhu & Gupta prune every 100-1000 steps, so this baseline is a coarse one)")
     out += ["Baselines run at the weighted sparsity the evolutionary run reached; gradual magnitude gets a "
-            "schedule over the same number of training batches as the evolutionary iterations used, and every "
-            "pruner fine-tunes the same number of epochs. Weighted sparsity is paper 004 eq. 7-8 over all "
+            "schedule over the same number of training batches as the evolutionary iterations used" + pace + ", and "
+            "every pruner fine-tunes the same number of epochs. Weighted sparsity is paper 004 eq. 7-8 over all "
             f"Conv/Linear weights. Wall time is wall-clock seconds of the pruning run on {where} (dense: "
             "training).", ""]
     for block in blocks:
@@ -435,6 +455,10 @@ def main() -> None:
                              "one chosen on the validation split by scripts/prune_select.py")
     parser.add_argument("--fine-tune-lr", type=learning_rate, default=0.01,
                         help="every pruner's fine-tuning learning rate (default %(default)s)")
+    parser.add_argument("--gradual-schedule", choices=("step", "epoch"), default="step",
+                        help="when the gradual magnitude baseline prunes: after every evolutionary iteration's "
+                             "batches (step), or at epoch ends only, as the tables before the twenty-first session "
+                             "did (default %(default)s)")
     parser.add_argument("--note", action="append", default=[],
                         help="a sentence for the page's notes, e.g. how the run shared its machine (repeatable)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -463,7 +487,7 @@ def main() -> None:
             "targets": {"classification": TARGET, "autoencoder": AE_TARGET},
             "series_source": str(args.series_file) if args.series_file else "statsmodels",
             "evolutionary_overrides": overrides, "fine_tune_lr": args.fine_tune_lr,
-            "deterministic": args.deterministic,
+            "deterministic": args.deterministic, "gradual_schedule": args.gradual_schedule,
             "notes": [
                 "- Evolutionary settings: `configs/prune/evolutionary.yaml` "
                 f"{ {key: value for key, value in {**settings, **overrides}.items() if key not in overridden} }"
@@ -501,7 +525,7 @@ def main() -> None:
                           budget["iterations"], budget["batches"], budget["dense_epochs"])
         block = compare(name, {"width": budget["width"]}, trainer, budget, TARGET, workdir / name,
                         budget["iterations"], budget["batches"], budget["dense_epochs"], args.seed, overrides,
-                        args.fine_tune_lr)
+                        args.fine_tune_lr, args.gradual_schedule)
         return {**block, "data": f"Fashion-MNIST ({len(splits.train[1])} train, {len(splits.val[1])} "
                                  f"val, {len(splits.test[1])} test images)"}
 
@@ -512,7 +536,7 @@ def main() -> None:
                           budget["ae_iterations"], budget["ae_batches"], budget["ae_dense_epochs"])
         block = compare("autoencoder1d", {"width": 16}, trainer, budget, AE_TARGET, workdir / "autoencoder1d",
                         budget["ae_iterations"], budget["ae_batches"], budget["ae_dense_epochs"], args.seed,
-                        overrides, args.fine_tune_lr)
+                        overrides, args.fine_tune_lr, args.gradual_schedule)
         return {**block, "trivial_mse": trivial_score(series),
                 "data": f"statsmodels co2 windows of 64 ({len(series.train[0])} train, {len(series.val[0])} val, "
                         f"{len(series.test[0])} test)"}

@@ -3,6 +3,7 @@ pruning scripts' shared options."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import lzma
 import subprocess
@@ -110,3 +111,27 @@ def test_render_reads_a_committed_xz_file_beside_the_page(table, run_script, tmp
         json.dump({"meta": meta, "blocks": []}, handle)
     code, _ = run_script(table, ["--render", "--out", str(tmp_path / "seed0.md")])
     assert code == 0 and "`scripts/prune_table.py --budget gpu_w32`" in (tmp_path / "seed0.md").read_text()
+
+
+def test_the_matched_gradual_baseline_prunes_as_often_as_the_evolutionary_run(table):
+    """The baseline pruned only at epoch ends: 3 cubic steps (0.65, then 0.89, then 0.92) where the evolutionary run
+    made 31 (an audit of the comparison's fairness); the step schedule prunes once per evolutionary iteration over
+    the same batches, and both train as many epochs."""
+    used, batches, steps_per_epoch = 31, 40, 430
+    fine = table.matched_gradual(0.92, used, batches, steps_per_epoch, "step", 15, 0.05)
+    coarse = table.matched_gradual(0.92, used, batches, steps_per_epoch, "epoch", 15, 0.05)
+    assert fine.epochs(steps_per_epoch) == coarse.epochs(steps_per_epoch) == 3 + 15
+    points = [fine.sparsity_at(i * batches) for i in range(used + 1)]
+    assert points[-1] == pytest.approx(0.92) and all(b > a for a, b in itertools.pairwise(points))
+    assert max(b - a for a, b in itertools.pairwise(points)) < 0.1
+    assert [round(coarse.sparsity_at(epoch), 4) for epoch in range(4)] == [0.0, 0.6474, 0.8859, 0.92]
+
+
+@pytest.mark.parametrize(("schedule", "text"), [
+    ("step", "pruning as often as it did (after every iteration's batches)"),
+    (None, "pruning only at the ends of those epochs (3 or 4 pruning steps"),
+])
+def test_the_page_says_how_often_the_gradual_baseline_pruned(table, schedule, text):
+    meta = {"host": "h", "torch": "t", "threads": 16, "commit": "abc1234", "budget": {}, "notes": [],
+            "budget_name": "gpu_w32", "device": "cuda", **({"gradual_schedule": schedule} if schedule else {})}
+    assert text in table.markdown([], meta)
