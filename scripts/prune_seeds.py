@@ -86,6 +86,19 @@ def coverage(model: str, runs: list[dict[str, Any]]) -> str | None:
             f"{missing} (not run or failed).")
 
 
+GRADUAL_PACES = {"step": " (the baseline pruning as often as the evolutionary run: after every iteration's batches)",
+                 "epoch": " (the baseline pruning only at epoch ends, one step an epoch against one per "
+                          "evolutionary iteration: a coarse baseline)"}
+"""How often the tables' gradual magnitude baseline pruned, by their ``gradual_schedule`` (``epoch`` before the
+twenty-first session, when the field did not exist)."""
+
+
+def gradual_pace(runs: list[dict[str, Any]]) -> str:
+    """The clause for the "evolutionary beats gradual" line saying how often the runs' baseline pruned."""
+    paces = {run["meta"].get("gradual_schedule", "epoch") for run in runs}
+    return GRADUAL_PACES[paces.pop()] if len(paces) == 1 else " (baselines of both schedules pooled: see the tables)"
+
+
 def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | None = None,
             pool: bool = False) -> str:
     """The Markdown page for runs of one budget with different seeds (several files of one seed are merged);
@@ -136,7 +149,8 @@ def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | 
             lines.append(f"| {method} | {spread(values, digits)} | {spread(changes, 2)} | {min(sparsity):.4f} |")
         evolutionary, gradual = per_method["evolutionary"], per_method["gradual"]
         better = [e > g if key == "top1" else e < g for e, g in zip(evolutionary, gradual, strict=True)]
-        lines += ["", f"Evolutionary beats gradual magnitude in {sum(better)} of {len(better)} {unit}."]
+        lines += ["", f"Evolutionary beats gradual magnitude in {sum(better)} of {len(better)} {unit}"
+                  f"{gradual_pace(runs)}."]
         if key == "top1":
             drop = -statistics.fmean(evolutionary)
             met = drop <= GOAL_DROP and min(r["weighted_sparsity"] for b in blocks for r in b["rows"]

@@ -177,7 +177,7 @@ def matched_gradual(target: float, used: int, batches: int, steps_per_epoch: int
     ``schedule`` ``"step"`` prunes as often as the evolutionary run did, after every ``batches`` training batches
     (``unit="step"``, ``Δt = batches``, ``n = used``; Zhu & Gupta 2017 prune every 100-1000 steps); ``"epoch"`` (the
     tables before the twenty-first session) prunes at the end of each of the ``ceil(used * batches /
-    steps_per_epoch)`` epochs, 3 or 4 pruning steps where the evolutionary run made 30 or more."""
+    steps_per_epoch)`` epochs: 3 pruning steps where a 31-iteration evolutionary run made 31."""
     if schedule == "step":
         return GradualMagnitudePruner(target=target, unit="step", frequency=batches, pruning_steps=used,
                                       lr=fine_tune_lr, fine_tune_epochs=fine_tune_epochs)
@@ -299,8 +299,9 @@ def markdown(blocks: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                  if names]
         out += [f"**Incomplete run**: {'; '.join(parts)}.", ""]
     pace = (", pruning as often as it did (after every iteration's batches)" if meta.get("gradual_schedule") == "step"
-            else ", pruning only at the ends of those epochs (3 or 4 pruning steps where the evolutionary run made "
-                 "one per iteration; Zhu & Gupta prune every 100-1000 steps, so this baseline is a coarse one)")
+            else ", pruning only at the ends of those epochs (one pruning step an epoch, where the evolutionary run "
+                 "made one per iteration of a few dozen batches; Zhu & Gupta prune every 100-1000 steps, so this "
+                 "baseline is a coarse one)")
     out += ["Baselines run at the weighted sparsity the evolutionary run reached; gradual magnitude gets a "
             "schedule over the same number of training batches as the evolutionary iterations used" + pace + ", and "
             "every pruner fine-tunes the same number of epochs. Weighted sparsity is paper 004 eq. 7-8 over all "

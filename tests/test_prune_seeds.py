@@ -22,7 +22,8 @@ def run(seed: int, dense: float, evolutionary: float, gradual: float) -> dict:
 def test_summary_means_changes_per_seed_and_judges_the_mean(seeds) -> None:
     text = seeds.summary([run(0, 93.0, 92.6, 92.0), run(1, 92.0, 91.2, 91.5)], [Path("a.json"), Path("b.json")])
     assert "| evolutionary | 91.90 ± 0.99 (n=2) | -0.60 ± 0.28 (n=2) | 0.9200 |" in text
-    assert "Evolutionary beats gradual magnitude in 1 of 2 seeds." in text
+    assert ("Evolutionary beats gradual magnitude in 1 of 2 seeds (the baseline pruning only at epoch ends, one "
+            "step an epoch against one per evolutionary iteration: a coarse baseline).") in text
     assert "NOT met on the mean (drop 0.60 points; per seed 0.40, 0.80)" in text
     assert "met on the mean (drop 0.40" in seeds.summary([run(0, 93.0, 92.6, 92.0)], [Path("a.json")])
 
@@ -73,7 +74,7 @@ def test_pooled_runs_count_every_file_even_of_one_seed(seeds) -> None:
     resnet = {"meta": again["meta"], "blocks": [{**again["blocks"][0], "model": "resnet_small"}]}
     text = seeds.summary([first, again, resnet], [Path("a.json"), Path("b.json"), Path("c.json")], pool=True)
     assert "| evolutionary | 92.40 ± 0.28 (n=2) | -0.60 ± 0.28 (n=2) | 0.9200 |" in text
-    assert "Evolutionary beats gradual magnitude in 1 of 2 runs." in text
+    assert "Evolutionary beats gradual magnitude in 1 of 2 runs (the baseline pruning only at epoch ends" in text
     assert "NOT met on the mean (drop 0.60 points; per run 0.40, 0.80)" in text
     assert "## resnet_small" in text and "(n=1)" in text.split("## resnet_small")[1]
     with pytest.raises(ValueError, match="vgg_small is in both a and b"):  # not pooled: a duplicate seed
@@ -96,3 +97,14 @@ def test_a_history_holding_minus_infinity_is_read(seeds, tmp_path) -> None:
 def test_help_gives_the_whole_first_paragraph(seeds, run_script) -> None:
     code, output = run_script(seeds, ["--help"])
     assert code == 0 and "and how often evolutionary beats gradual magnitude." in output
+
+
+def test_the_comparison_with_gradual_says_how_often_the_baseline_pruned(seeds) -> None:
+    """Tables before the twenty-first session pruned the baseline at 3-4 epoch ends only; later ones as often as the
+    evolutionary run; a pool of both says so."""
+    fine = run(0, 93.0, 92.6, 92.0)
+    fine["meta"] |= {"gradual_schedule": "step"}
+    text = seeds.summary([fine], [Path("a.json")])
+    assert "in 1 of 1 seeds (the baseline pruning as often as the evolutionary run: after every iteration's" in text
+    both = seeds.summary([fine, run(0, 93.0, 92.2, 92.5)], [Path("a.json"), Path("b.json")], pool=True)
+    assert "in 1 of 2 runs (baselines of both schedules pooled: see the tables)." in both

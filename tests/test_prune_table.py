@@ -129,7 +129,7 @@ def test_the_matched_gradual_baseline_prunes_as_often_as_the_evolutionary_run(ta
 
 @pytest.mark.parametrize(("schedule", "text"), [
     ("step", "pruning as often as it did (after every iteration's batches)"),
-    (None, "pruning only at the ends of those epochs (3 or 4 pruning steps"),
+    (None, "pruning only at the ends of those epochs (one pruning step an epoch"),
 ])
 def test_the_page_says_how_often_the_gradual_baseline_pruned(table, schedule, text):
     meta = {"host": "h", "torch": "t", "threads": 16, "commit": "abc1234", "budget": {}, "notes": [],
