@@ -65,6 +65,10 @@ def test_run_reaches_target_with_monotone_masks(tmp_path, unit):
     for entry in result.history:  # what the masks held at the epoch's end, up to whole weights per layer
         assert entry["weighted_sparsity"] == pytest.approx(measured[entry["iteration"] * steps - 1], abs=1 / total)
     assert {"iteration", "weighted_sparsity", "val_score", "val_top1"} <= set(result.history[0])
+    # the last pruning step falls in epoch 3 (epochs) or 9 // steps + 1 (steps); the epochs after it fine-tune
+    last = 3 if unit == "epoch" else -(-9 // steps)
+    assert [entry["phase"] for entry in result.history] == (
+        ["prune"] * last + ["fine_tune"] * (len(result.history) - last))
 
 
 def test_layer_targets_give_each_layer_its_own_final_sparsity_along_one_schedule(tmp_path):
@@ -140,3 +144,13 @@ def test_checking_the_settings_keeps_the_values_a_checkpoint_records():
     pruner = GradualMagnitudePruner(target=0.8, scope="layer", lr=1, layer_targets={7.0: 1 / 2})
     identity = json.loads(pruner.identity())
     assert type(identity["lr"]) is int and identity["layer_targets"] == {"7.0": 0.5}
+
+
+def test_one_shot_magnitude_history_gives_each_fine_tuning_epoch_its_sparsity(tmp_path):
+    """Its history was the trainer's raw epochs: no weighted sparsity or phase, which a result's history promises."""
+    from unsparse.prune.magnitude import MagnitudePruner
+
+    result = MagnitudePruner(0.6, fine_tune_epochs=2, lr=0.05).run(tiny_model(), tiny_trainer(), tmp_path)
+    assert [(entry["phase"], entry["iteration"]) for entry in result.history] == [("fine_tune", 1), ("fine_tune", 2)]
+    assert all(entry["weighted_sparsity"] == result.masked_weighted_sparsity for entry in result.history)
+    assert {"val_score", "val_top1", "val_loss"} <= set(result.history[0])

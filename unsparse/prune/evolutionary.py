@@ -517,9 +517,7 @@ class EvolutionaryPruner(Pruner):
         elapsed += time.perf_counter() - started
         tuned = trainer.fit(model, self.fine_tune_epochs, workdir / FINE_TUNE_CHECKPOINT, lr=self.fine_tune_lr,
                             desc=f"{self.name} fine-tune", identity=self.identity())
-        sparsity = self.mask_weighted_sparsity()
-        history += [{"phase": "fine_tune", "iteration": self.iteration + entry["epoch"],
-                     "weighted_sparsity": sparsity, **val_metrics(entry)} for entry in tuned]
+        history += fine_tune_history(tuned, self.mask_weighted_sparsity(), self.iteration)
         return self.result(history, elapsed + fit_seconds(tuned))
 
     def _continues(self) -> bool:
@@ -753,3 +751,10 @@ def val_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     better) plus ``val_top1`` or ``val_mse``, and ``val_loss``."""
     return {"val_score": _score(metrics), **{f"val_{key}": value for key, value in metrics.items()
                                              if key in ("top1", "mse", "loss")}}
+
+
+def fine_tune_history(tuned: list[dict[str, Any]], sparsity: float, first: int = 0) -> list[dict[str, Any]]:
+    """History entries of the fine-tuning epochs ``tuned`` (from :meth:`Trainer.fit`) at the masks' weighted
+    ``sparsity``: ``phase: "fine_tune"``, ``iteration`` = ``first`` + the epoch, and :func:`val_metrics`."""
+    return [{"phase": "fine_tune", "iteration": first + entry["epoch"], "weighted_sparsity": sparsity,
+             **val_metrics(entry)} for entry in tuned]

@@ -99,7 +99,8 @@ class GradualMagnitudePruner(MagnitudePruner):
         Mutates ``model`` (masks stay attached).
 
         Returns:
-            A :class:`PruneResult`; ``history`` has one entry per epoch with ``iteration`` (the epoch),
+            A :class:`PruneResult`; ``history`` has one entry per epoch with ``phase`` (``"prune"`` through the
+            epoch of the last pruning step, then ``"fine_tune"``), ``iteration`` (the epoch),
             ``weighted_sparsity`` (the value of the last pruning step at or before the epoch's end: what the
             masks hold, up to the rounding to whole weights), ``val_score`` and ``val_top1`` or ``val_mse``.
         """
@@ -131,6 +132,7 @@ class GradualMagnitudePruner(MagnitudePruner):
             done = [point for point in points if point <= epoch * steps_per_epoch]
             return self.sparsity_at(max(done) / scale) if done else 0.0
 
-        history = [{"phase": "prune", "iteration": entry["epoch"], "weighted_sparsity": reached(entry["epoch"]),
-                    **val_metrics(entry)} for entry in tuned]
+        last_pruned = math.ceil(max(points) / steps_per_epoch)  # the epoch of the last pruning step
+        history = [{"phase": "prune" if entry["epoch"] <= last_pruned else "fine_tune", "iteration": entry["epoch"],
+                    "weighted_sparsity": reached(entry["epoch"]), **val_metrics(entry)} for entry in tuned]
         return self.result(history, setup_s + fit_seconds(tuned))

@@ -8,6 +8,7 @@ or to its own entry of ``layer_targets`` (a per-layer allocation, e.g. the one a
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -16,6 +17,7 @@ import torch
 from torch import nn
 
 from unsparse.prune.base import Pruner, PruneResult, layer_mapping, optional_rate
+from unsparse.prune.evolutionary import fine_tune_history
 from unsparse.prune.masks import prunable_layers, threshold_mask
 from unsparse.settings import check_choice, check_integer
 from unsparse.train import Trainer, fit_seconds
@@ -92,11 +94,14 @@ class MagnitudePruner(Pruner):
 
     def run(self, model: nn.Module, trainer: Trainer, workdir: str | Path) -> PruneResult:
         """``prepare``, one ``step``, then masked fine-tuning (checkpointed in ``workdir/magnitude_finetune.pt``,
-        which resumes only a run of the same settings: :meth:`~unsparse.prune.base.Pruner.identity`)."""
+        which resumes only a run of the same settings: :meth:`~unsparse.prune.base.Pruner.identity`); the history
+        has one ``phase: "fine_tune"`` entry per epoch with ``iteration``, ``weighted_sparsity`` and validation
+        metrics."""
         started = time.perf_counter()
         self.prepare(model)
         self.step()
         pruning_s = time.perf_counter() - started
-        history = trainer.fit(model, self.fine_tune_epochs, Path(workdir) / f"{self.name}_finetune.pt", lr=self.lr,
-                              desc=f"{self.name} fine-tune", identity=self.identity())
-        return self.result(history, pruning_s + fit_seconds(history))
+        tuned = trainer.fit(model, self.fine_tune_epochs, Path(workdir) / f"{self.name}_finetune.pt", lr=self.lr,
+                            desc=f"{self.name} fine-tune", identity=self.identity())
+        result = self.result([], pruning_s + fit_seconds(tuned))
+        return dataclasses.replace(result, history=fine_tune_history(tuned, result.masked_weighted_sparsity))
