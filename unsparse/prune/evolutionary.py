@@ -55,6 +55,22 @@ Deviations from the paper, each a config value whose constructor default turns i
 Only the effective weight is zeroed where masked; the dense weight under a mask is kept but not frozen. Its
 gradient is zero, yet SGD's momentum and weight decay keep moving it. So a weight revived by mutation or
 crossover comes back with that drifted dense value, and mutation ranks pruned weights by it (eq. 12 on ``|w|``).
+
+Readings that differ from ``DESIGN.md``'s wording (an audit against the paper, twenty-first session), kept
+because the published runs used them:
+
+- Eq. 9 is applied in the forward pass (the mask parametrization), not by setting pruned weights to zero after
+  each optimizer step. So ``G`` is 0 at pruned entries (the gradient of a masked weight): ``α |G|`` ranks kept
+  weights only, a mask grown by eq. 13-14 never revives a weight, and mutation revives the pruned weights of
+  largest kept ``|w|``, which favours the most recently pruned ones, at their old values rather than at 0.
+- A :class:`Solution` keeps masks and score, not weights, optimizer state or ``G``: a crossover puts the donor's
+  masks on the current weights.
+- The ranked list starts with the initial solution once, not ``L`` copies of it (line 4), so while it holds fewer
+  than ``L`` solutions every finite score enters it (crossover donors are still bounded by
+  ``crossover_max_regress``). Entering the list is not gated by ``epsilon`` (line 18); ``epsilon`` decides only the
+  stall (line 25).
+- Mutation's step is ``r * Δ_l`` with ``r ~ U(0, 1)``: the paper's scaling coefficient for it is 1 here, not a
+  config value.
 The run starts from the model as given (normally trained dense) with masks at ``initial_sparsity`` by magnitude,
 stops when the weighted sparsity reaches ``target`` or after ``iterations``, then fine-tunes with masks on.
 """
