@@ -319,3 +319,15 @@ def test_fit_seconds_count_the_checkpoint_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(train_module, "save_checkpoint", slow)
     history = trainer().fit(model(), 3, tmp_path / "fit.pt")
     assert fit_seconds(history) >= 2 * 0.2  # the writes after epochs 1 and 2; the last one follows its entry
+
+
+def test_a_resume_removes_a_temporary_whatever_its_time(tmp_path):
+    """Under a job's lock every leftover temporary is stale, also one whose time lies ahead (clock skew)."""
+    from unsparse.atomic import remove_stale_temporaries
+
+    leftover = tmp_path / ".x.pt.abcd1234.tmp"
+    leftover.write_bytes(b"partial")
+    ahead = leftover.stat().st_mtime + 5
+    os.utime(leftover, (ahead, ahead))
+    assert remove_stale_temporaries(tmp_path, ["x.pt"], older_than_s=60) == []
+    assert remove_stale_temporaries(tmp_path, ["x.pt"]) == [leftover] and not leftover.exists()

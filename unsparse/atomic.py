@@ -57,10 +57,12 @@ _TEMPORARY_NAME = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.tmp")
 """Names :func:`atomic_write` gives its temporary files: ``.<target name>.<mkstemp's 8 characters>.tmp``."""
 
 
-def remove_stale_temporaries(folder: str | Path, targets: Iterable[str], older_than_s: float = 0.0) -> list[Path]:
+def remove_stale_temporaries(folder: str | Path, targets: Iterable[str], older_than_s: float | None = None
+                             ) -> list[Path]:
     """Delete the temporary files :func:`atomic_write` left for the files ``targets`` names (glob patterns relative
     to ``folder``, e.g. ``"prune/*.pt"``) when its process was killed between creating one and renaming it (SIGKILL,
-    power loss; an exception removes its own), if last modified more than ``older_than_s`` seconds ago. Other files
+    power loss; an exception removes its own), whatever their age, or with ``older_than_s`` only those last modified
+    more than that many seconds ago (a time in the future, from clock skew, reads as new). Other files
     are left, also ones named like temporary files of other targets, and links. Call it only while no other process
     writes those targets (e.g. under a job's folder lock), or with an age no live write can reach (a shared cache):
     another writer's temporary file would be deleted under it.
@@ -76,7 +78,7 @@ def remove_stale_temporaries(folder: str | Path, targets: Iterable[str], older_t
             match = _TEMPORARY_NAME.fullmatch(path.name)
             if match and fnmatch(match.group(1), name) and path.is_file() and not path.is_symlink():
                 try:
-                    if now - path.stat().st_mtime > older_than_s:
+                    if older_than_s is None or now - path.stat().st_mtime > older_than_s:
                         removed.add(path)
                 except FileNotFoundError:  # renamed into place by a writer meanwhile
                     continue

@@ -59,10 +59,10 @@ def load_result(path: str | Path, strict: bool = True) -> dict[str, Any]:
     result_stem(path)
     try:
         if path.name.endswith(".xz"):
-            with lzma.open(path, "rt") as handle:
+            with lzma.open(path, "rt", encoding="utf-8") as handle:
                 text = handle.read()
         else:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
     except (lzma.LZMAError, EOFError) as error:
         raise ValueError(f"result {path}: not a complete xz stream ({error})") from error
     except UnicodeDecodeError as error:
