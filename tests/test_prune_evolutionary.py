@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from unsparse.prune import evolutionary as evo
+from unsparse.prune.base import metric_score
 from unsparse.prune.evolutionary import (
     EvolutionaryPruner,
     RankedList,
@@ -120,7 +121,7 @@ def test_relative_change_treats_a_diverged_score_as_the_worst():
     assert evo.relative_change(90.0, 100.0) == pytest.approx(-0.1)
     assert evo.relative_change(-math.inf, 100.0) == -math.inf
     assert evo.relative_change(90.0, -math.inf) == 0.0
-    assert evo._score({"mse": math.nan}) == -math.inf and evo._score({"top1": math.nan}) == -math.inf
+    assert metric_score({"mse": math.nan}) == -math.inf and metric_score({"top1": math.nan}) == -math.inf
 
 
 def test_solution_keeps_masks_bit_packed_and_returns_them_unchanged():

@@ -44,13 +44,3 @@ def test_a_plot_write_that_fails_keeps_the_previous_png_and_closes_its_figure(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["history.png"]
     assert plt.get_fignums() == []
 
-
-@pytest.mark.parametrize(("phases", "label"), [(["prune", "prune"], "iteration"),
-                                               (["fine_tune", "fine_tune"], "fine-tuning epoch"),
-                                               (["prune", "fine_tune"], "iteration, then fine-tuning epoch")])
-def test_thehistory_axis_says_what_its_steps_are(phases, label):
-    """One-shot magnitude's fine-tuning epochs now carry an iteration too; the axis read "iteration" for them."""
-    from unsparse.report.plots import history_axis
-
-    assert history_axis([{"phase": phase, "iteration": index} for index, phase in enumerate(phases)]) == label
-    assert history_axis([{"epoch": 1, "val_top1": 88.0}]) == "fine-tuning epoch"

@@ -477,6 +477,7 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
     if result.history:
         metric = f"val_{task.metric}" if f"val_{task.metric}" in result.history[0] else task.metric
         figures["Pruning: validation metric and weighted sparsity"] = plot_history(
-            result.history, outdir / "pruning.png", metric, f"{result.method} pruning", f"validation {task.label}")
+            result.history, outdir / "pruning.png", metric, f"{result.method} pruning", f"validation {task.label}",
+            pruner.history_axis)
     write_report(outdir, report, figures)
     return report

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -96,6 +97,8 @@ class Pruner(ABC):
     """
 
     name: str = "pruner"
+    history_axis: str = "iteration"
+    """What the ``iteration`` of the :class:`PruneResult` history entries counts (a plot's x-axis label)."""
 
     def __init__(self, target: float, layers: list[str] | None = None) -> None:
         check_number(target, "target", lambda value: 0.0 <= value < 1.0, "in [0, 1) (a sparsity)")
@@ -188,3 +191,24 @@ class Pruner(ABC):
         if self.model is None:
             raise RuntimeError(f"{type(self).__name__}: call prepare(model) first (squash_mask forgets the model)")
         return self.model
+
+
+def metric_score(metrics: Mapping[str, float]) -> float:
+    """Higher-is-better score of :meth:`Trainer.evaluate` metrics: top-1 %, or ``-mse`` (as ``Trainer.score``);
+    ``-inf`` for a NaN (a diverged model)."""
+    score = metrics["top1"] if "top1" in metrics else -metrics["mse"]
+    return -math.inf if math.isnan(score) else score
+
+
+def val_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
+    """History keys of validation ``metrics`` (from :meth:`Trainer.evaluate`): ``val_score`` (higher is
+    better) plus ``val_top1`` or ``val_mse``, and ``val_loss``."""
+    return {"val_score": metric_score(metrics), **{f"val_{key}": value for key, value in metrics.items()
+                                             if key in ("top1", "mse", "loss")}}
+
+
+def fine_tune_history(tuned: list[dict[str, Any]], sparsity: float, first: int = 0) -> list[dict[str, Any]]:
+    """History entries of the fine-tuning epochs ``tuned`` (from :meth:`Trainer.fit`) at the masks' weighted
+    ``sparsity``: ``phase: "fine_tune"``, ``iteration`` = ``first`` + the epoch, and :func:`val_metrics`."""
+    return [{"phase": "fine_tune", "iteration": first + entry["epoch"], "weighted_sparsity": sparsity,
+             **val_metrics(entry)} for entry in tuned]

@@ -93,7 +93,15 @@ from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
 
 from unsparse.atomic import atomic_write_bytes
-from unsparse.prune.base import Pruner, PruneResult, layer_mapping, optional_rate
+from unsparse.prune.base import (
+    Pruner,
+    PruneResult,
+    fine_tune_history,
+    layer_mapping,
+    metric_score,
+    optional_rate,
+    val_metrics,
+)
 from unsparse.prune.masks import dense_weight, lowest_mask, pack_mask, prunable_layers, pruned_count, unpack_mask
 from unsparse.settings import check_flag, check_integer, check_number
 from unsparse.train import (
@@ -297,6 +305,7 @@ class EvolutionaryPruner(Pruner):
     """
 
     name = "evolutionary"
+    history_axis = "iteration, then fine-tuning epoch"
 
     def __init__(self, target: float = 0.9, iterations: int = 100, batches_per_iteration: int | None = None,
                  alpha: float = 0.1, beta: float = 10.0, epsilon: float = 0.005, ranked_list_length: int = 16,
@@ -546,7 +555,7 @@ class EvolutionaryPruner(Pruner):
         """Initial masks by magnitude at ``initial_sparsity``; evaluate; seed the ranked list (lines 1-7)."""
         self._grow(dict.fromkeys(self.masks, self.initial_sparsity), 0)
         metrics = trainer.evaluate(self._prepared(), "val")
-        self.score = _score(metrics)
+        self.score = metric_score(metrics)
         self._offer(self.score)
         return {"phase": "prune", "iteration": 0, "weighted_sparsity": self.mask_weighted_sparsity(),
                 "next_weighted_sparsity": self.mask_weighted_sparsity(), "layer_sparsity": self.mask_sparsity(),
@@ -564,7 +573,7 @@ class EvolutionaryPruner(Pruner):
         before = {key: value.detach().clone() for key, value in model.state_dict().items()}
         train_loss = self._train(trainer, optimizer)
         metrics = trainer.evaluate(model, "val")
-        score = _score(metrics)
+        score = metric_score(metrics)
         sensitivity = relative_change(score, self.score)
         growth = 1.0 + self.beta * sensitivity if self.beta else 1.0  # beta 0 with an infinite change: no NaN
         for name in self.pending:
@@ -744,13 +753,6 @@ def share(total: int, weights: Mapping[str, float], caps: Mapping[str, int]) -> 
     return given
 
 
-def _score(metrics: Mapping[str, float]) -> float:
-    """Higher-is-better score of :meth:`Trainer.evaluate` metrics: top-1 %, or ``-mse`` (as ``Trainer.score``);
-    ``-inf`` for a NaN (a diverged model)."""
-    score = metrics["top1"] if "top1" in metrics else -metrics["mse"]
-    return -math.inf if math.isnan(score) else score
-
-
 def relative_change(score: float, previous: float) -> float:
     """Sensitivity of lines 13-14: ``(score - previous) / |previous|`` (``|previous|`` at least 1e-12); ``-inf``
     when ``score`` is not finite (a diverged model is the worst outcome), 0 when only ``previous`` is not (no
@@ -760,17 +762,3 @@ def relative_change(score: float, previous: float) -> float:
     if not math.isfinite(previous):
         return 0.0
     return (score - previous) / max(abs(previous), 1e-12)
-
-
-def val_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
-    """History keys of validation ``metrics`` (from :meth:`Trainer.evaluate`): ``val_score`` (higher is
-    better) plus ``val_top1`` or ``val_mse``, and ``val_loss``."""
-    return {"val_score": _score(metrics), **{f"val_{key}": value for key, value in metrics.items()
-                                             if key in ("top1", "mse", "loss")}}
-
-
-def fine_tune_history(tuned: list[dict[str, Any]], sparsity: float, first: int = 0) -> list[dict[str, Any]]:
-    """History entries of the fine-tuning epochs ``tuned`` (from :meth:`Trainer.fit`) at the masks' weighted
-    ``sparsity``: ``phase: "fine_tune"``, ``iteration`` = ``first`` + the epoch, and :func:`val_metrics`."""
-    return [{"phase": "fine_tune", "iteration": first + entry["epoch"], "weighted_sparsity": sparsity,
-             **val_metrics(entry)} for entry in tuned]

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from torch import nn
 
-from unsparse.prune.base import PruneResult
-from unsparse.prune.evolutionary import val_metrics
+from unsparse.prune.base import PruneResult, val_metrics
 from unsparse.prune.magnitude import MagnitudePruner
 from unsparse.settings import check_choice, check_integer, check_number
 from unsparse.train import Trainer, check_resumable, fit_seconds, load_checkpoint
@@ -67,6 +66,7 @@ class GradualMagnitudePruner(MagnitudePruner):
     """
 
     name = "gradual"
+    history_axis = "epoch (pruning, then fine-tuning)"
 
     def __init__(self, target: float = 0.9, initial_sparsity: float = 0.0, start: int = 0, frequency: int = 1,
                  pruning_steps: int = 5, unit: str = "epoch", scope: str = "global", fine_tune_epochs: int = 3,

@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from unsparse.prune.base import Pruner, PruneResult, layer_mapping, optional_rate
-from unsparse.prune.evolutionary import fine_tune_history
+from unsparse.prune.base import Pruner, PruneResult, fine_tune_history, layer_mapping, optional_rate
 from unsparse.prune.masks import prunable_layers, threshold_mask
 from unsparse.settings import check_choice, check_integer
 from unsparse.train import Trainer, fit_seconds
@@ -45,6 +44,7 @@ class MagnitudePruner(Pruner):
     """
 
     name = "magnitude"
+    history_axis = "fine-tuning epoch"
 
     def __init__(self, target: float = 0.9, scope: str = "global", fine_tune_epochs: int = 3,
                  lr: float | None = None, layers: list[str] | None = None,

@@ -68,17 +68,11 @@ def plot_backend_times(timings: Sequence[dict[str, Any]], path: Path) -> Path:
     return save_figure(figure, path)
 
 
-def history_axis(history: Sequence[dict[str, Any]]) -> str:
-    """The x-axis label of :func:`plot_history`: pruning iterations, fine-tuning epochs, or iterations then epochs
-    (an entry's ``phase``; entries with ``epoch`` and no ``iteration`` are fine-tuning epochs)."""
-    phases = {entry.get("phase", "prune" if "iteration" in entry else "fine_tune") for entry in history}
-    return {frozenset({"prune"}): "iteration", frozenset({"fine_tune"}): "fine-tuning epoch"}.get(
-        frozenset(phases), "iteration, then fine-tuning epoch")
-
-
-def plot_history(history: Sequence[dict[str, Any]], path: Path, metric: str, title: str, label: str) -> Path:
+def plot_history(history: Sequence[dict[str, Any]], path: Path, metric: str, title: str, label: str,
+                 axis_label: str = "iteration") -> Path:
     """``metric`` (left axis, labelled ``label``) and ``weighted_sparsity`` (right axis, %) over the entries of
-    ``history``, placed at their ``iteration`` (pruners' iterations, from 0) or ``epoch`` (fine-tuning, from 1).
+    ``history``, placed at their ``iteration`` (what it counts is ``axis_label``, the pruner's
+    :attr:`~unsparse.prune.base.Pruner.history_axis`) or, without one, their ``epoch``.
 
     Raises:
         ValueError: an empty ``history`` (nothing to plot).
@@ -88,7 +82,7 @@ def plot_history(history: Sequence[dict[str, Any]], path: Path, metric: str, tit
     steps = [entry.get("iteration", entry.get("epoch", index + 1)) for index, entry in enumerate(history)]
     figure, axis = plt.subplots(figsize=(8, 4))
     lines = axis.plot(steps, [entry.get(metric) for entry in history], marker="o", color="tab:blue", label=label)
-    axis.set(xlabel=history_axis(history), ylabel=label, title=title)
+    axis.set(xlabel=axis_label, ylabel=label, title=title)
     top = axis
     if any("weighted_sparsity" in entry for entry in history):
         top = axis.twinx()
