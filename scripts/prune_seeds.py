@@ -47,8 +47,9 @@ def merge_by_seed(runs: list[dict[str, Any]], sources: list[Path]) -> list[dict[
     in order of first appearance; a model's failed block gives way to a finished one from another file.
 
     Raises:
-        ValueError: if two runs of one seed have different budgets (they are not one experiment), or two files of
-            one seed both hold a finished block of one model (naming both files: a duplicate seed).
+        ValueError: if two runs of one seed have different budgets or gradual schedules (they are not one
+            experiment), or two files of one seed both hold a finished block of one model (naming both files: a
+            duplicate seed).
     """
     merged: dict[int, dict[str, Any]] = {}
     found: dict[tuple[int, str], tuple[dict[str, Any], Path]] = {}
@@ -59,6 +60,9 @@ def merge_by_seed(runs: list[dict[str, Any]], sources: list[Path]) -> list[dict[
         elif run["meta"].get("budget") != merged[seed]["meta"].get("budget"):
             raise ValueError(f"runs of seed {seed} have different budgets: {merged[seed]['meta'].get('budget')} "
                              f"and {run['meta'].get('budget')}")
+        elif gradual_schedule(run, path) != gradual_schedule(merged[seed], path):
+            raise ValueError(f"runs of seed {seed} have different gradual schedules ({path} against an earlier "
+                             "file): they are not one experiment")
         for block in run["blocks"]:
             earlier = found.get((seed, block["model"]))
             if earlier and "error" not in earlier[0] and "error" not in block:
@@ -93,10 +97,25 @@ GRADUAL_PACES = {"step": " (the baseline pruning as often as the evolutionary ru
 twenty-first session, when the field did not exist)."""
 
 
-def gradual_pace(runs: list[dict[str, Any]]) -> str:
-    """The clause for the "evolutionary beats gradual" line saying how often the runs' baseline pruned."""
-    paces = {run["meta"].get("gradual_schedule", "epoch") for run in runs}
-    return GRADUAL_PACES[paces.pop()] if len(paces) == 1 else " (baselines of both schedules pooled: see the tables)"
+def gradual_schedule(run: dict[str, Any], source: Path) -> str:
+    """How often ``run``'s gradual baseline pruned (its meta's ``gradual_schedule``, ``"epoch"`` where absent).
+
+    Raises:
+        ValueError: naming ``source``, for a value other than those of :data:`GRADUAL_PACES`.
+    """
+    schedule = run["meta"].get("gradual_schedule", "epoch")
+    if schedule not in GRADUAL_PACES:
+        raise ValueError(f"{source}: gradual_schedule {schedule!r}, expected one of {sorted(GRADUAL_PACES)}")
+    return schedule
+
+
+def gradual_pace(runs: list[dict[str, Any]], model: str) -> str:
+    """The clause for ``model``'s "evolutionary beats gradual" line: how often the baseline pruned in the runs that
+    hold a finished block of it (their ``gradual_schedule``, checked by :func:`gradual_schedule`)."""
+    schedules = {run["meta"].get("gradual_schedule", "epoch") for run in runs
+                 if any(block["model"] == model and "error" not in block for block in run["blocks"])}
+    return GRADUAL_PACES[schedules.pop()] if len(schedules) == 1 else (
+        " (baselines of both schedules pooled: see the tables)")
 
 
 def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | None = None,
@@ -105,7 +124,15 @@ def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | 
     ``notes`` are paragraphs placed under the heading (e.g. how the settings were chosen). With ``pool``, files
     are not merged: every block of a model counts as one run, so repeated runs of one protocol with the same seeds
     pool into one mean (n = all of them). A model missing from some seeds is summarised over the seeds that have
-    it, marked on the page and warned of on stderr (:func:`coverage`)."""
+    it, marked on the page and warned of on stderr (:func:`coverage`). How often the gradual baseline pruned is
+    said per model, from the files that hold it.
+
+    Raises:
+        ValueError: files of one seed from different budgets or gradual schedules, a duplicate seed
+            (:func:`merge_by_seed`), or an unknown ``gradual_schedule`` (naming the file).
+    """
+    for run, source in zip(runs, sources, strict=True):
+        gradual_schedule(run, source)
     budgets = {run["meta"].get("budget_name") for run in runs}
     files = ", ".join(f"`{path.name}` (seed {run['meta'].get('seed', 0)}, commit {run['meta']['commit']})"
                       for path, run in zip(sources, runs, strict=True))
@@ -150,7 +177,7 @@ def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | 
         evolutionary, gradual = per_method["evolutionary"], per_method["gradual"]
         better = [e > g if key == "top1" else e < g for e, g in zip(evolutionary, gradual, strict=True)]
         lines += ["", f"Evolutionary beats gradual magnitude in {sum(better)} of {len(better)} {unit}"
-                  f"{gradual_pace(runs)}."]
+                  f"{gradual_pace(runs, model)}."]
         if key == "top1":
             drop = -statistics.fmean(evolutionary)
             met = drop <= GOAL_DROP and min(r["weighted_sparsity"] for b in blocks for r in b["rows"]

@@ -108,3 +108,19 @@ def test_the_comparison_with_gradual_says_how_often_the_baseline_pruned(seeds) -
     assert "in 1 of 1 seeds (the baseline pruning as often as the evolutionary run: after every iteration's" in text
     both = seeds.summary([fine, run(0, 93.0, 92.2, 92.5)], [Path("a.json"), Path("b.json")], pool=True)
     assert "in 1 of 2 runs (baselines of both schedules pooled: see the tables)." in both
+    # said per model: a ResNet file of the new schedule beside an old VGG one (a reviewer's repro)
+    resnet = run(1, 92.0, 91.2, 91.5)
+    resnet["meta"] |= {"gradual_schedule": "step"}
+    resnet["blocks"][0]["model"] = "resnet_small"
+    page = seeds.summary([run(0, 93.0, 92.6, 92.0), resnet], [Path("a.json"), Path("b.json")])
+    assert "a coarse baseline" in page.split("## resnet_small")[0]
+    assert "as often as the evolutionary run" in page.split("## resnet_small")[1]
+    split = run(0, 93.0, 92.6, 92.0)
+    split["meta"] |= {"gradual_schedule": "step"}
+    split["blocks"][0]["model"] = "resnet_small"
+    with pytest.raises(ValueError, match="runs of seed 0 have different gradual schedules"):
+        seeds.summary([run(0, 93.0, 92.6, 92.0), split], [Path("a.json"), Path("b.json")])
+    odd = run(0, 93.0, 92.6, 92.0)
+    odd["meta"] |= {"gradual_schedule": "weekly"}
+    with pytest.raises(ValueError, match=r"c.json: gradual_schedule 'weekly', expected one of \['epoch', 'step'\]"):
+        seeds.summary([odd], [Path("c.json")])
