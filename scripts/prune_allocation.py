@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib.util
-import math
 import statistics
 import time
 from pathlib import Path
@@ -46,7 +45,6 @@ import torch
 from unsparse.atomic import atomic_write_json, atomic_write_text
 from unsparse.prune.base import PruneResult
 from unsparse.prune.evolutionary import EvolutionaryPruner
-from unsparse.prune.gradual import GradualMagnitudePruner
 from unsparse.prune.masks import attach_masks, layer_sparsity, masks_of, model_weighted_sparsity
 from unsparse.train import Trainer, deterministic_algorithms
 
@@ -70,7 +68,7 @@ TABLE = SELECT.TABLE
 
 def ablate(name: str, budget: dict[str, Any], overrides: dict[str, Any], fine_tune_lr: float,
            trainer_for: Any, workdir: Path, seed: int, record: Any,
-           chosen: tuple[str, ...] = ARMS) -> dict[str, dict[str, Any]]:
+           chosen: tuple[str, ...] = ARMS, gradual_schedule: str = "step") -> dict[str, dict[str, Any]]:
     """The ``chosen`` arms (module docstring) on model ``name`` from one dense model of ``budget`` and ``seed``;
     ``evolutionary`` always runs (the others take its sparsity), and an arm whose masks a chosen mask-swap arm
     fixes runs too.
@@ -78,7 +76,8 @@ def ablate(name: str, budget: dict[str, Any], overrides: dict[str, Any], fine_tu
     ``trainer_for()`` returns a fresh :class:`Trainer` (loaders reseeded, so every arm sees the same batch order);
     ``record(arms)`` is called after every arm. Returns per arm: ``val_top1`` and ``test_top1`` (%),
     ``weighted_sparsity`` (eq. 7-8), ``layer_sparsity`` (per layer name), ``wall_time_s`` (s); the evolutionary
-    arm also ``iterations`` (used), the gradual arms ``pruning_steps`` (epochs of their schedule) and the
+    arm also ``iterations`` (used), the gradual arms ``pruning_steps`` and ``pruning_unit`` (their schedule's
+    steps, in epochs or training batches: ``gradual_schedule``, as ``prune_table.matched_gradual``) and the
     mask-swap arms ``epochs`` (trained).
     """
     dense = SELECT.train_dense(name, budget, trainer_for(), workdir, seed)
@@ -106,18 +105,18 @@ def ablate(name: str, budget: dict[str, Any], overrides: dict[str, Any], fine_tu
     result = evolutionary.run(model, trainer, workdir / "evolutionary")
     used = sum(entry["phase"] == "prune" and entry["iteration"] > 0 for entry in result.history)
     finish("evolutionary", model, result, iterations=used)
-    steps = max(math.ceil(used * budget["batches"] / len(trainer.loaders["train"])), 1)
     allocations = {"gradual_global": {"scope": "global"},
                    "gradual_allocation": {"scope": "layer", "layer_targets": result.layer_sparsity}}
     needed = set(chosen) | {MASK_ARMS[arm] for arm in chosen if arm in MASK_ARMS}
     epochs = 0
     for arm, allocation in allocations.items():
-        pruner = GradualMagnitudePruner(target=result.weighted_sparsity, pruning_steps=steps, lr=fine_tune_lr,
-                                        fine_tune_epochs=budget["fine_tune_epochs"], **allocation)
+        pruner = TABLE.matched_gradual(result.weighted_sparsity, used, budget["batches"], len(trainer.loaders["train"]),
+                                       gradual_schedule, budget["fine_tune_epochs"], fine_tune_lr, **allocation)
         epochs = pruner.epochs(len(trainer.loaders["train"]))
         if arm in needed:
             model = copy.deepcopy(dense)
-            finish(arm, model, pruner.run(model, trainer_for(), workdir / arm), pruning_steps=steps)
+            finish(arm, model, pruner.run(model, trainer_for(), workdir / arm), pruning_steps=pruner.pruning_steps,
+                   pruning_unit=pruner.unit)
     for arm, source in MASK_ARMS.items():
         if arm in chosen:
             started = time.perf_counter()
@@ -148,7 +147,9 @@ def markdown(runs: list[dict[str, Any]]) -> str:
              "Written by `scripts/prune_allocation.py --render`; plans and reading rules in "
              "`plan_allocation_ablation.md` and `plan_mask_swap.md`. Per seed one dense model; every arm starts "
              f"from a copy of it (budget `{meta['budget_name']}`, evolutionary overrides {meta['overrides']}, "
-             f"fine-tuning learning rate {meta['fine_tune_lr']}). Top-1 in %.", "",
+             f"fine-tuning learning rate {meta['fine_tune_lr']}). Top-1 in %. The gradual arms' cubic schedule spans "
+             "the training batches of the evolutionary iterations used, "
+             f"{TABLE.GRADUAL_PACE[meta.get('gradual_schedule', 'epoch')]}.", "",
              "| seed | commit | device | arm | val top1 | test top1 | weighted sparsity | wall s |",
              "|---|---|---|---|---|---|---|---|"]
     for run in runs:
@@ -200,6 +201,7 @@ def main() -> None:
     parser.add_argument("--arms", nargs="+", choices=[*ARMS, *MASK_ARMS], default=list(ARMS),
                         help="arms to run (evolutionary always runs; a mask-swap arm also runs its source arm; "
                              f"default: {' '.join(ARMS)})")
+    TABLE.add_gradual_schedule_option(parser)
     SELECT.add_run_options(parser, "outputs/prune_allocation")
     args = parser.parse_args()
     TABLE.check_file_option(parser, "--out", args.out)
@@ -210,7 +212,8 @@ def main() -> None:
     TABLE.check_evolutionary(parser, "--evolutionary", [overrides], args.seed)
     budget, splits, meta = SELECT.run_setup(args.budget, args.device, args.data_root)
     meta |= {"model": args.model, "seed": args.seed, "overrides": overrides,
-             "fine_tune_lr": args.fine_tune_lr, "deterministic": args.deterministic}
+             "fine_tune_lr": args.fine_tune_lr, "deterministic": args.deterministic,
+             "gradual_schedule": args.gradual_schedule}
     started = time.perf_counter()
 
     def trainer_for() -> Trainer:
@@ -222,7 +225,8 @@ def main() -> None:
 
     with deterministic_algorithms(args.deterministic):
         ablate(args.model, budget, overrides, args.fine_tune_lr, trainer_for,
-               args.workdir / f"seed{args.seed}" / args.model, args.seed, record, tuple(args.arms))
+               args.workdir / f"seed{args.seed}" / args.model, args.seed, record, tuple(args.arms),
+               args.gradual_schedule)
 
 
 if __name__ == "__main__":

@@ -169,20 +169,30 @@ def metric(trainer: Trainer, model: torch.nn.Module) -> dict[str, float]:
     return trainer.evaluate(model, "test")
 
 
+GRADUAL_PACE = {
+    "step": "pruning as often as it did (after every iteration's batches)",
+    "epoch": "pruning only at the ends of those epochs (one pruning step an epoch, where the evolutionary run made "
+             "one per iteration of a few dozen batches; Zhu & Gupta prune every 100-1000 steps, so this baseline is a "
+             "coarse one)"}
+"""How often :func:`matched_gradual` prunes, by schedule, for the pages (``"epoch"`` for JSON written before the
+twenty-first session, which does not record it)."""
+
+
 def matched_gradual(target: float, used: int, batches: int, steps_per_epoch: int, schedule: str,
-                    fine_tune_epochs: int, fine_tune_lr: float) -> GradualMagnitudePruner:
+                    fine_tune_epochs: int, fine_tune_lr: float, **settings: Any) -> GradualMagnitudePruner:
     """The gradual magnitude baseline matched to an evolutionary run that used ``used`` iterations of ``batches``
     training batches and reached ``target``: its cubic schedule spans the same batches, then it fine-tunes as long.
 
     ``schedule`` ``"step"`` prunes as often as the evolutionary run did, after every ``batches`` training batches
     (``unit="step"``, ``Δt = batches``, ``n = used``; Zhu & Gupta 2017 prune every 100-1000 steps); ``"epoch"`` (the
     tables before the twenty-first session) prunes at the end of each of the ``ceil(used * batches /
-    steps_per_epoch)`` epochs: 3 pruning steps where a 31-iteration evolutionary run made 31."""
+    steps_per_epoch)`` epochs: 3 pruning steps where a 31-iteration evolutionary run made 31. ``settings`` go to
+    :class:`GradualMagnitudePruner` too (``scope``, ``layer_targets``)."""
     if schedule == "step":
         return GradualMagnitudePruner(target=target, unit="step", frequency=batches, pruning_steps=used,
-                                      lr=fine_tune_lr, fine_tune_epochs=fine_tune_epochs)
+                                      lr=fine_tune_lr, fine_tune_epochs=fine_tune_epochs, **settings)
     return GradualMagnitudePruner(target=target, pruning_steps=max(math.ceil(used * batches / steps_per_epoch), 1),
-                                  lr=fine_tune_lr, fine_tune_epochs=fine_tune_epochs)
+                                  lr=fine_tune_lr, fine_tune_epochs=fine_tune_epochs, **settings)
 
 
 def compare(name: str, model_kwargs: dict[str, Any], trainer: Trainer, budget: dict[str, Any], target: float,
@@ -298,12 +308,9 @@ def markdown(blocks: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         parts = [f"{', '.join(names)} {verb}" for names, verb in ((failed, "failed"), (missing, "not run"))
                  if names]
         out += [f"**Incomplete run**: {'; '.join(parts)}.", ""]
-    pace = (", pruning as often as it did (after every iteration's batches)" if meta.get("gradual_schedule") == "step"
-            else ", pruning only at the ends of those epochs (one pruning step an epoch, where the evolutionary run "
-                 "made one per iteration of a few dozen batches; Zhu & Gupta prune every 100-1000 steps, so this "
-                 "baseline is a coarse one)")
     out += ["Baselines run at the weighted sparsity the evolutionary run reached; gradual magnitude gets a "
-            "schedule over the same number of training batches as the evolutionary iterations used" + pace + ", and "
+            "schedule over the same number of training batches as the evolutionary iterations used, "
+            f"{GRADUAL_PACE[meta.get('gradual_schedule', 'epoch')]}, and "
             "every pruner fine-tunes the same number of epochs. Weighted sparsity is paper 004 eq. 7-8 over all "
             f"Conv/Linear weights. Wall time is wall-clock seconds of the pruning run on {where} (dense: "
             "training).", ""]
@@ -415,6 +422,14 @@ def saved_json(out: Path) -> Path:
     return compressed if compressed.exists() and not plain.exists() else plain
 
 
+def add_gradual_schedule_option(parser: argparse.ArgumentParser) -> None:
+    """``--gradual-schedule`` (the scripts that run :func:`matched_gradual` share it)."""
+    parser.add_argument("--gradual-schedule", choices=tuple(GRADUAL_PACE), default="step",
+                        help="when the gradual magnitude baseline prunes: after every evolutionary iteration's "
+                             "batches (step), or at epoch ends only, as the tables before the twenty-first session "
+                             "did (default %(default)s)")
+
+
 def add_deterministic_option(parser: argparse.ArgumentParser) -> None:
     """``--deterministic`` (the pruning scripts share it): train and prune under
     :func:`unsparse.train.deterministic_algorithms`, so that a CUDA run repeats from its seed."""
@@ -456,10 +471,7 @@ def main() -> None:
                              "one chosen on the validation split by scripts/prune_select.py")
     parser.add_argument("--fine-tune-lr", type=learning_rate, default=0.01,
                         help="every pruner's fine-tuning learning rate (default %(default)s)")
-    parser.add_argument("--gradual-schedule", choices=("step", "epoch"), default="step",
-                        help="when the gradual magnitude baseline prunes: after every evolutionary iteration's "
-                             "batches (step), or at epoch ends only, as the tables before the twenty-first session "
-                             "did (default %(default)s)")
+    add_gradual_schedule_option(parser)
     parser.add_argument("--note", action="append", default=[],
                         help="a sentence for the page's notes, e.g. how the run shared its machine (repeatable)")
     parser.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,

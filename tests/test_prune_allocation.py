@@ -49,6 +49,12 @@ def test_allocation_arm_takes_the_evolutionary_layer_sparsity_and_the_page_joins
     page = ablation.markdown([{"meta": meta, "arms": arms}, {"meta": {**meta, "seed": 1}, "arms": arms}])
     assert "Differences to `gradual_global` in points, over 2 seed(s)" in page and "Mask swap" not in page
     assert "| gradual_allocation | " in page and page.count("| 1 | abc1234 | cpu |") == 3
+    # the gradual arms prune once per evolutionary iteration (1 batch here), as the table's baseline now does
+    assert {(arms[arm]["pruning_unit"], arms[arm]["pruning_steps"]) for arm in ablation.ARMS[1:]} == {
+        ("step", evolutionary["iterations"])}
+    assert "pruning only at the ends of those epochs" in page  # meta without gradual_schedule: an old file
+    assert "pruning as often as it did" in ablation.markdown([{"meta": {**meta, "gradual_schedule": "step"},
+                                                                "arms": arms}])
 
 
 def test_mask_swap_arms_retrain_their_source_masks_and_the_page_splits_the_shortfall(ablation, tmp_path):
