@@ -151,3 +151,16 @@ def test_temporaries_a_killed_preparer_left_are_removed_once_old(tmp_path, monke
         _prepare_fashion_mnist_root(source)
     assert not old.exists() and recent.exists()
     assert f"removed 1 temporary files that killed processes left in the data cache: {old.name}" in caplog.text
+
+
+def test_disagreeing_files_are_named_as_they_are_stored(tmp_path, monkeypatch):
+    """Debian's files are gzipped: the message named the path without .gz, a file that does not exist."""
+    from unsparse.data import fashion_mnist
+
+    monkeypatch.setenv("UNSPARSE_CACHE", str(tmp_path / "cache"))
+    files = {**fashion_files(50), FASHION_MNIST_FILES[1]: idx_file((40,), 1)}
+    for name, data in files.items():
+        (tmp_path / f"{name}.gz").write_bytes(gzip.compress(data))
+    with pytest.raises(ValueError, match=rf"{tmp_path}/train-labels-idx1-ubyte.gz: 40 labels for the 50 images of "
+                                         rf"{tmp_path}/train-images-idx3-ubyte.gz"):
+        fashion_mnist(tmp_path, val_size=10)

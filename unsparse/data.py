@@ -18,6 +18,7 @@ import math
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +99,26 @@ def check_idx(data: bytes, name: str, ndim: int | None = None) -> bytes:
     return data
 
 
+def fashion_mnist_sources(source: Path) -> dict[str, tuple[Path, Callable[..., Any]]]:
+    """Per name of :data:`FASHION_MNIST_FILES`, the file in ``source`` that holds it (``.gz``, ``.xz`` or plain, in
+    that order of preference) and the function that opens it.
+
+    Raises:
+        DatasetUnavailableError: if a file is missing from ``source``.
+    """
+    found = {}
+    for name in FASHION_MNIST_FILES:
+        candidates = ((source / f"{name}.gz", gzip.open), (source / f"{name}.xz", lzma.open), (source / name, open))
+        present = [(path, opener) for path, opener in candidates if path.exists()]
+        if not present:
+            raise DatasetUnavailableError(
+                f"Fashion-MNIST file {source / name}.gz not found. Install Debian's package: "
+                "`apt-get install dataset-fashion-mnist` (or set data.root to a folder holding the four "
+                "idx files).")
+        found[name] = present[0]
+    return found
+
+
 def _prepare_fashion_mnist_root(source: Path) -> Path:
     """Lay out checked, decompressed copies of the Debian files where torchvision's FashionMNIST looks for them.
 
@@ -114,16 +135,7 @@ def _prepare_fashion_mnist_root(source: Path) -> Path:
         ValueError: naming the source file, if it cannot be decompressed or is not a complete idx file of images
             (3 dimensions) or labels (1).
     """
-    found = {}
-    for name in FASHION_MNIST_FILES:
-        candidates = ((source / f"{name}.gz", gzip.open), (source / f"{name}.xz", lzma.open), (source / name, open))
-        present = [(path, opener) for path, opener in candidates if path.exists()]
-        if not present:
-            raise DatasetUnavailableError(
-                f"Fashion-MNIST file {source / name}.gz not found. Install Debian's package: "
-                "`apt-get install dataset-fashion-mnist` (or set data.root to a folder holding the four "
-                "idx files).")
-        found[name] = present[0]
+    found = fashion_mnist_sources(source)
     stamp = [str(source.resolve())] + [f"{path.name}:{path.stat().st_size}:{path.stat().st_mtime_ns}"
                                        for path, _ in found.values()]
     root = _cache_dir() / "torchvision" / hashlib.sha1("|".join(stamp).encode()).hexdigest()[:12]
@@ -208,11 +220,11 @@ def first_examples(pair: tuple[torch.Tensor, torch.Tensor], limit: int | None,
     return pair if limit is None else (pair[0][:limit], pair[1][:limit])
 
 
-def labelled_images(dataset: Any, root: Path, images_file: str, labels_file: str, classes: int) -> tuple[torch.Tensor,
-                                                                                                         torch.Tensor]:
+def labelled_images(dataset: Any, images_file: Path, labels_file: Path, classes: int) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor]:
     """``(images (N, 1, 28, 28) float32 in [0, 1], labels (N,) int64)`` of a torchvision MNIST-style ``dataset``
-    read from ``root``'s ``images_file`` and ``labels_file``, checked against each other (each file was checked on
-    its own, :func:`check_idx`).
+    read from ``images_file`` and ``labels_file``, checked against each other (each file was checked on its own,
+    :func:`check_idx`).
 
     Raises:
         ValueError: naming the files, for images other than 28x28, a count of labels other than of images (extra
@@ -221,12 +233,11 @@ def labelled_images(dataset: Any, root: Path, images_file: str, labels_file: str
     """
     images, labels = dataset.data, dataset.targets
     if tuple(images.shape[1:]) != (28, 28):
-        raise ValueError(f"{root / images_file}: images of {tuple(images.shape[1:])} pixels, expected (28, 28)")
+        raise ValueError(f"{images_file}: images of {tuple(images.shape[1:])} pixels, expected (28, 28)")
     if len(labels) != len(images):
-        raise ValueError(f"{root / labels_file}: {len(labels)} labels for the {len(images)} images of "
-                         f"{root / images_file}")
+        raise ValueError(f"{labels_file}: {len(labels)} labels for the {len(images)} images of {images_file}")
     if len(labels) and int(labels.max()) >= classes:
-        raise ValueError(f"{root / labels_file}: label {int(labels.max())} outside [0, {classes})")
+        raise ValueError(f"{labels_file}: label {int(labels.max())} outside [0, {classes})")
     return images.unsqueeze(1).float() / 255.0, labels.long()
 
 
@@ -249,8 +260,9 @@ def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, li
     from torchvision.datasets import FashionMNIST
 
     torchvision_root = _prepare_fashion_mnist_root(Path(root))
+    sources = [path for path, _ in fashion_mnist_sources(Path(root)).values()]
     train, test = (labelled_images(FashionMNIST(str(torchvision_root), train=split == "train", download=False),
-                                   Path(root), *FASHION_MNIST_FILES[offset:offset + 2], len(FASHION_MNIST_CLASSES))
+                                   *sources[offset:offset + 2], len(FASHION_MNIST_CLASSES))
                    for split, offset in (("train", 0), ("test", 2)))
     train_pair, val_pair = _split_validation(*train, val_size, seed)
     splits = _normalise({"train": first_examples(train_pair, limit_train, "limit_train"),
