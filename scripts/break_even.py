@@ -38,8 +38,10 @@ TFLOPS_GOALS = {"fp32": FP32_TFLOPS_GOAL, "fp16": FP16_TFLOPS_GOAL, "fp16_half2"
 
 RESULT_FIELDS = ("environment", "device", "weights", "runs", "layers")
 """Fields of a bench result that the page reads."""
-RECORD_FIELDS = ("model", "layer", "in_chw", "weight_shape", "batch", "precision", "target_sparsity")
-"""Fields of each layer record that the page reads (``speedup_vs_cudnn`` may be absent or null: left out)."""
+RECORD_FIELDS = {"model": str, "layer": str, "in_chw": list, "weight_shape": list, "batch": int, "precision": str,
+                 "target_sparsity": (int, float)}
+"""Fields of each layer record that the page reads, with their JSON types (``speedup_vs_cudnn`` may be absent or
+null: left out)."""
 
 
 def read_result(path: Path) -> dict[str, Any]:
@@ -62,6 +64,11 @@ def read_result(path: Path) -> dict[str, Any]:
         lacking = [field for field in RECORD_FIELDS if not isinstance(record, dict) or field not in record]
         if lacking:
             raise ValueError(f"result {path}: layers[{index}] has no {', '.join(lacking)}")
+        wrong = [field for field, kind in RECORD_FIELDS.items()
+                 if not isinstance(record[field], kind) or isinstance(record[field], bool)
+                 or (kind is list and not all(type(size) is int for size in record[field]))]
+        if wrong:
+            raise ValueError(f"result {path}: layers[{index}] has {', '.join(wrong)} of the wrong type")
     return result
 
 
@@ -161,8 +168,10 @@ def main(argv: list[str] | None = None) -> None:
     for line in left_out:
         print(f"break_even: left out {line}", file=sys.stderr)
     sources, results = [path for path, _ in kept], [result for _, result in kept]
-    png = plot_break_even([r for result in results for r in result["layers"]], args.batch, beside(args.out, ".png"))
-    page = atomic_write_text(beside(args.out, ".md"), report(results, sources, args.batch, png.name))
+    png = beside(args.out, ".png")
+    text = report(results, sources, args.batch, png.name)  # before any file is written: a failure leaves none
+    plot_break_even([r for result in results for r in result["layers"]], args.batch, png)
+    page = atomic_write_text(beside(args.out, ".md"), text)
     print(f"wrote {page} and {png}")
 
 

@@ -60,6 +60,10 @@ def test_break_even_script_says_when_a_precision_was_not_measured(tmp_path, load
     ("other.json", b'{"environment": {}, "layers": []}', "not a bench result, no device, weights, runs"),
     ("record.json", b'{"environment": {}, "device": "GPU", "weights": "w", "runs": 20, "layers": [{"model": "m"}]}',
      "layers[0] has no layer, in_chw, weight_shape, batch, precision, target_sparsity"),
+    ("types.json", b'{"environment": {}, "device": "GPU", "weights": "w", "runs": 20, "layers": [{"model": "m", '
+                   b'"layer": "l", "in_chw": null, "weight_shape": [4, 3, 3.0, 3], "batch": true, "precision": "fp32", '
+                   b'"target_sparsity": 0.9, "speedup_vs_cudnn": 1.0}]}',
+     "layers[0] has in_chw, weight_shape, batch of the wrong type"),
 ])
 def test_break_even_script_names_a_bad_file_in_one_line(tmp_path, load_script, capsys, name: str,
                                                         content: bytes | None, says: str) -> None:
@@ -72,4 +76,4 @@ def test_break_even_script_names_a_bad_file_in_one_line(tmp_path, load_script, c
         load_script("break_even").main([str(path), "--out", str(tmp_path / "page")])
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert stopped.value.code == 2 and f"error: result {path}: {says}" in line
-    assert not (tmp_path / "page.md").exists()
+    assert not (tmp_path / "page.md").exists() and not (tmp_path / "page.png").exists()
