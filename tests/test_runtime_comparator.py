@@ -470,3 +470,40 @@ def test_a_layer_no_compared_backend_computes_is_planned_on_the_dense_default(ca
     assert "no backend compared computed this layer correctly (im2col_cusparse unsupported)" in caplog.text
     with torch.no_grad():
         assert torch.allclose(sparse(x), model(x), atol=1e-5)
+
+
+
+def test_a_full_timing_far_slower_than_its_screening_is_repeated_once(monkeypatch) -> None:
+    """A busy moment during one setting's full timing made the comparator keep a slower setting (H100, AlexNet's
+    stem: 0.543 ms against a screening of 0.241); that timing is now repeated once and kept on the record."""
+    from unsparse.runtime import comparator
+
+    # per Slow setting (its delay), the medians its successive timings report: screening, full, repeat
+    scripted = {0.001: [0.0010, 0.0050, 0.0011], 0.002: [0.0020, 0.0021]}
+    ran: list[float] = []
+
+    class Recording(Slow):
+        name = "test_recording"
+
+        def conv(self, x, csr, bias, geometry, delay: float = 0.0, **params: Any) -> torch.Tensor:
+            ran.append(delay)
+            return get_backend("dense_cpu").conv(x, csr, bias, geometry)
+
+    def fake_time_fn(fn, device, runs, warmup, rotation):
+        fn(0)  # one call: the setting it times is the last one run
+        timed.append(ran[-1])
+        medians = scripted.get(ran[-1], [1.0])
+        value = medians[min(timed.count(ran[-1]), len(medians)) - 1]
+        return Timing(value, value, value, runs, rotation)
+
+    timed: list[float] = []
+    monkeypatch.setitem(base._REGISTRY, Recording.name, Recording)
+    monkeypatch.setitem(base._INSTANCES, Recording.name, Recording())
+    monkeypatch.setattr(comparator, "time_fn", fake_time_fn)
+    x, csr, bias = small_layer(batch=3)
+    result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), [Recording.name], runs=20, keep=2)
+    fastest = result.best
+    assert fastest.params == {"delay": 0.001} and fastest.median_ms == pytest.approx(0.0011)
+    assert fastest.disturbed.median_ms == pytest.approx(0.0050)
+    other = next(m for m in result.measurements if m.params == {"delay": 0.002})
+    assert other.disturbed is None and timed.count(0.001) == 3 and timed.count(0.002) == 2
