@@ -119,8 +119,21 @@ def test_a_job_refused_by_the_folder_lock_leaves_the_running_jobs_log_alone(tmp_
                "progress=false", f"hydra.run.dir={tmp_path}"]
     with only_job_in(tmp_path):  # the running job
         done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and "another running job holds this folder" in done.stderr
+    assert done.returncode == 2 and "another running job holds this folder" in done.stderr
     assert "_target_" not in (tmp_path / "cli.log").read_text()
+
+
+@pytest.mark.parametrize(("override", "line"), [
+    ("train.epochs=-1", "unsparse: refused: train.epochs: expected an integer >= 0, got -1"),
+    ("prune.lr=-1", "unsparse: refused: lr: expected a number > 0 (or null), got -1"),  # inside Hydra's instantiate
+    ("runtime.backend=direct", "unsparse: refused: runtime.backend: 'direct' runs on ['cuda'], the job on cpu"),
+])
+def test_a_refused_setting_is_one_line_and_exit_status_2(tmp_path, override, line):
+    """Hydra printed its traceback above the message of every refusal; nothing has run when one is raised."""
+    command = [sys.executable, "-c", "from unsparse.cli import main; main()", "experiment=smoke", "data=digits",
+               "device=cpu", "progress=false", override, f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and line in done.stderr and "Traceback" not in done.stderr
 
 
 def test_every_bench_option_is_a_run_bench_argument():

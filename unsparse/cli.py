@@ -17,11 +17,12 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from unsparse.pipeline import TimingSettings, TrainSettings, resolve_device, run_pipeline
+from unsparse.pipeline import JobRefusedError, TimingSettings, TrainSettings, refusing, resolve_device, run_pipeline
 from unsparse.settings import check_integer
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
@@ -36,15 +37,21 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
     train the same dense model (with ``train.deterministic`` on CUDA too).
 
     Raises:
-        ValueError: from :func:`resolve_device`, :class:`TrainSettings`, :class:`TimingSettings`, a ``seed`` that is
-            no integer torch takes (``[-2^63, 2^64)``), or a factory.
+        JobRefusedError: (a ``ValueError``) from :func:`resolve_device`, :class:`TrainSettings`,
+            :class:`TimingSettings`, a ``seed`` that is no integer torch takes (``[-2^63, 2^64)``), or a factory
+            that refuses its settings (its ``ValueError`` or ``TypeError``, which Hydra wraps, is the message).
     """
-    device = resolve_device(cfg.device)
-    train, timing = TrainSettings(**cfg.train), TimingSettings(**cfg.runtime.timing)
-    torch.manual_seed(check_integer(cfg.seed, "seed", low=-2**63, high=2**64 - 1))
-    return {"splits": instantiate(cfg.data), "model": instantiate(cfg.model), "pruner": instantiate(cfg.prune),
-            "quantizer": instantiate(cfg.quant).quantize, "train": train, "timing": timing,
-            "backend": cfg.runtime.backend, "device": device, "progress": cfg.progress, "seed": cfg.seed}
+    try:
+        with refusing():
+            device = resolve_device(cfg.device)
+            train, timing = TrainSettings(**cfg.train), TimingSettings(**cfg.runtime.timing)
+            torch.manual_seed(check_integer(cfg.seed, "seed", low=-2**63, high=2**64 - 1))
+            return {"splits": instantiate(cfg.data), "model": instantiate(cfg.model), "pruner": instantiate(cfg.prune),
+                    "quantizer": instantiate(cfg.quant).quantize, "train": train, "timing": timing,
+                    "backend": cfg.runtime.backend, "device": device, "progress": cfg.progress, "seed": cfg.seed}
+    except InstantiationException as error:
+        cause = error.__cause__
+        raise JobRefusedError(str(cause) if isinstance(cause, ValueError | TypeError) else str(error)) from error
 
 
 def resume_command(task_overrides: list[str], outdir: Path, program: str = "unsparse",
@@ -76,13 +83,17 @@ def run(cfg: DictConfig) -> None:
     command line's overrides are saved there (``.hydra/config.yaml``, ``.hydra/overrides.yaml``) only once the
     folder accepts the job, so a refused resume leaves the folder's record of its own job (Hydra's own copy,
     written before the job starts, is turned off: ``hydra.output_subdir: null``); the job logs them then too, so a
-    refused job's config does not land in the running job's ``cli.log``. Ctrl-C ends the job with exit
-    status 130 and says how to resume (the checkpoints written so far stay)."""
+    refused job's config does not land in the running job's ``cli.log``. A job refused before any work
+    (:class:`~unsparse.pipeline.JobRefusedError`) prints one line to stderr and exits with status 2. Ctrl-C ends
+    the job with exit status 130 and says how to resume (the checkpoints written so far stay)."""
     outdir = Path(HydraConfig.get().runtime.output_dir)
     task_overrides = list(HydraConfig.get().overrides.task)
     record = {".hydra/config.yaml": OmegaConf.to_yaml(cfg), ".hydra/overrides.yaml": OmegaConf.to_yaml(task_overrides)}
     try:
         report = run_pipeline(outdir=outdir, record=record, **build_job(cfg))
+    except JobRefusedError as error:  # one line, not Hydra's traceback: nothing ran
+        print(f"unsparse: refused: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     except KeyboardInterrupt:
         program = sys.argv[0] if Path(sys.argv[0]).name == "unsparse" else "unsparse"
         log.error("interrupted in %s; to resume from the checkpoints written so far run: %s", outdir,

@@ -117,6 +117,21 @@ LOCK_FILE = ".lock"
 """The file a running job holds locked in its output folder (:func:`only_job_in`)."""
 
 
+class JobRefusedError(ValueError):
+    """A job refused before any work: settings out of range or of the wrong type, a model that cannot take the data,
+    layer names the model lacks, a folder that holds another job or a running one. The command line prints its
+    message as one line (exit status 2)."""
+
+
+@contextmanager
+def refusing() -> Iterator[None]:
+    """Re-raise a ``ValueError`` of the block as :class:`JobRefusedError` (the block only checks; nothing has run)."""
+    try:
+        yield
+    except ValueError as error:
+        raise JobRefusedError(str(error)) from error
+
+
 @contextmanager
 def only_job_in(outdir: Path) -> Iterator[None]:
     """Hold ``outdir/.lock`` locked (``fcntl.flock``, exclusive) inside the ``with`` block: a second job started in
@@ -124,14 +139,14 @@ def only_job_in(outdir: Path) -> Iterator[None]:
     with the process, however that ends (Ctrl-C, SIGKILL).
 
     Raises:
-        ValueError: another process holds the lock.
+        JobRefusedError: (a ``ValueError``) another process holds the lock.
     """
     lock = os.open(outdir / LOCK_FILE, os.O_RDONLY | os.O_CREAT, 0o666)  # flock needs no write access
     try:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ValueError(f"{outdir}: another running job holds this folder ({LOCK_FILE}); wait for it to end, "
+            raise JobRefusedError(f"{outdir}: another running job holds this folder ({LOCK_FILE}); wait for it to end, "
                              "or run in another folder") from None
         yield
     finally:
@@ -364,23 +379,26 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         The report dict (also written as ``report.json``).
 
     Raises:
-        ValueError: ``outdir`` holds the checkpoints of another job (:func:`claim_output_folder`) or another running
-            job (:func:`only_job_in`), or ``backend`` is neither ``"auto"`` nor a registered backend that runs on
+        JobRefusedError: (a ``ValueError``, before any training) ``outdir`` holds the checkpoints of another job
+            (:func:`claim_output_folder`) or another running job (:func:`only_job_in`), the model cannot take the
+            data (:func:`~unsparse.task.check_model_fits`), or ``backend`` is neither ``"auto"`` nor a registered
+            backend that runs on
             ``device`` (checked before any training: a CUDA backend on the CPU would run every layer dense), or
             the pruner's settings name layers the model does not have (:meth:`Pruner.check_layers`, also before
             training: the folder would otherwise be bound to the typo by then).
     """
     from unsparse.runtime.backends import get_backend
 
-    if backend != "auto" and backend not in backend_names():
-        raise ValueError(f"runtime.backend: unknown {backend!r}; known: {', '.join(backend_names())}")
-    device_type, device_types = (device or torch.device("cpu")).type, get_backend(backend).device_types
-    if device_type not in device_types:
-        raise ValueError(f"runtime.backend: {backend!r} runs on {sorted(device_types)}, the job on {device_type}; "
-                         "choose a backend of that device, or auto")
-    task = task_of(splits)
-    check_model_fits(model, splits)
-    pruner.check_layers(model)
+    with refusing():
+        if backend != "auto" and backend not in backend_names():
+            raise ValueError(f"runtime.backend: unknown {backend!r}; known: {', '.join(backend_names())}")
+        device_type, device_types = (device or torch.device("cpu")).type, get_backend(backend).device_types
+        if device_type not in device_types:
+            raise ValueError(f"runtime.backend: {backend!r} runs on {sorted(device_types)}, the job on "
+                             f"{device_type}; choose a backend of that device, or auto")
+        task = task_of(splits)
+        check_model_fits(model, splits)
+        pruner.check_layers(model)
     if train.epochs == 0:
         log.warning("train.epochs = 0: the dense model is not trained (its %s is chance level)", task.label)
     outdir = Path(outdir)
@@ -395,7 +413,8 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
                    device: torch.device | None, progress: bool, seed: int,
                    record: Mapping[str, str] | None) -> dict[str, Any]:
     """:func:`run_pipeline` once its settings are checked, in the folder it holds locked."""
-    claim_output_folder(outdir, job_identity(splits, model, pruner, train, seed))
+    with refusing():
+        claim_output_folder(outdir, job_identity(splits, model, pruner, train, seed))
     stale = remove_stale_temporaries(outdir, WRITTEN_ATOMICALLY)
     if stale:
         log.warning("removed %d temporary files of writes an earlier process did not finish: %s", len(stale),
