@@ -146,8 +146,8 @@ def only_job_in(outdir: Path) -> Iterator[None]:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise JobRefusedError(f"{outdir}: another running job holds this folder ({LOCK_FILE}); wait for it to end, "
-                             "or run in another folder") from None
+            raise JobRefusedError(f"{outdir}: another running job holds this folder ({LOCK_FILE}); wait for it to "
+                                  "end, or run in another folder") from None
         yield
     finally:
         os.close(lock)
