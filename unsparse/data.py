@@ -89,11 +89,11 @@ def check_idx(data: bytes, name: str, ndim: int | None = None) -> bytes:
     """
     if len(data) < 4 or data[:3] != b"\x00\x00\x08" or not 1 <= data[3] <= 4:
         raise ValueError(f"{name}: not an idx file of unsigned bytes (header {data[:4].hex()})")
-    ndim, expected_ndim = data[3], ndim
-    if expected_ndim is not None and ndim != expected_ndim:
-        raise ValueError(f"{name}: {ndim} dimensions, expected {expected_ndim}")
-    dims = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim]) if len(data) >= 4 + 4 * ndim else ()
-    expected = 4 + 4 * ndim + math.prod(dims) if dims else None
+    stored = data[3]
+    if ndim is not None and stored != ndim:
+        raise ValueError(f"{name}: {stored} dimensions, expected {ndim}")
+    dims = struct.unpack(f">{stored}I", data[4:4 + 4 * stored]) if len(data) >= 4 + 4 * stored else ()
+    expected = 4 + 4 * stored + math.prod(dims) if dims else None
     if expected != len(data):
         raise ValueError(f"{name}: {len(data)} bytes, but its header {dims} needs {expected} (truncated or corrupt)")
     return data

@@ -204,7 +204,7 @@ def val_metrics(metrics: Mapping[str, float]) -> dict[str, float]:
     """History keys of validation ``metrics`` (from :meth:`Trainer.evaluate`): ``val_score`` (higher is
     better) plus ``val_top1`` or ``val_mse``, and ``val_loss``."""
     return {"val_score": metric_score(metrics), **{f"val_{key}": value for key, value in metrics.items()
-                                             if key in ("top1", "mse", "loss")}}
+                                                   if key in ("top1", "mse", "loss")}}
 
 
 def fine_tune_history(tuned: list[dict[str, Any]], sparsity: float, first: int = 0) -> list[dict[str, Any]]:

@@ -56,6 +56,9 @@ Only the effective weight is zeroed where masked; the dense weight under a mask 
 gradient is zero, yet SGD's momentum and weight decay keep moving it. So a weight revived by mutation or
 crossover comes back with that drifted dense value, and mutation ranks pruned weights by it (eq. 12 on ``|w|``).
 
+The run starts from the model as given (normally trained dense) with masks at ``initial_sparsity`` by magnitude,
+stops when the weighted sparsity reaches ``target`` or after ``iterations``, then fine-tunes with masks on.
+
 Readings that differ from ``DESIGN.md``'s wording (an audit against the paper, twenty-first session), kept
 because the published runs used them:
 
@@ -71,8 +74,6 @@ because the published runs used them:
   stall (line 25).
 - Mutation's step is ``r * Δ_l`` with ``r ~ U(0, 1)``: the paper's scaling coefficient for it is 1 here, not a
   config value.
-The run starts from the model as given (normally trained dense) with masks at ``initial_sparsity`` by magnitude,
-stops when the weighted sparsity reaches ``target`` or after ``iterations``, then fine-tunes with masks on.
 """
 
 from __future__ import annotations
