@@ -21,7 +21,15 @@ from unsparse.prune.evolutionary import (
     resize_mask,
     share,
 )
-from unsparse.prune.masks import model_weighted_sparsity, prunable_layers, threshold_mask, weighted_sparsity
+from unsparse.prune.masks import (
+    WeightMask,
+    dense_weight,
+    model_weighted_sparsity,
+    prunable_layers,
+    straight_through,
+    threshold_mask,
+    weighted_sparsity,
+)
 from unsparse.train import Trainer
 
 
@@ -81,6 +89,36 @@ def test_resize_mask_grows_and_shrinks_monotonically():
     assert int((~denser).sum()) == 20 and not (sparser & ~denser).any()
     with pytest.raises(ValueError):
         resize_mask(keep, score, 101)
+
+
+def test_resize_mask_with_regrow_thresholds_every_entry():
+    """Eq. 13-14 over all entries: the ``pruned`` lowest scores are zero whichever side they were on, so a pruned
+    entry scoring above kept ones comes back, growing or shrinking."""
+    score = torch.tensor([0.5, 0.1, 0.9, 0.3, 0.7, 0.2])
+    keep = torch.tensor([True, True, False, True, True, False])
+    for pruned in (1, 2, 3, 4):
+        regrown = resize_mask(keep, score, pruned, regrow=True)
+        assert int((~regrown).sum()) == pruned
+        assert score[regrown].min() > score[~regrown].max()
+    assert bool(resize_mask(keep, score, 3, regrow=True)[2])  # pruned, scores highest: back
+    assert not bool(resize_mask(keep, score, 3)[2])  # without regrow a growth keeps it pruned
+
+
+def test_straight_through_mask_passes_the_dense_gradient_with_the_masked_value():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(4, 5, generator=generator, dtype=torch.float64, requires_grad=True)
+    upstream = torch.randn(4, 5, generator=generator, dtype=torch.float64)
+    mask = WeightMask(weight)
+    mask.set(torch.rand(4, 5, generator=generator) < 0.5)
+    with straight_through([mask]):
+        through = mask(weight)
+        (through * upstream).sum().backward()
+    assert not mask.straight_through
+    assert torch.equal(through.detach(), weight.detach() * mask.mask)
+    assert torch.equal(weight.grad, upstream)
+    weight.grad = None
+    (mask(weight) * upstream).sum().backward()
+    assert torch.equal(weight.grad, upstream * mask.mask)
 
 
 def test_importance_weights_gradient_statistics():
@@ -291,6 +329,43 @@ def test_pruned_weights_stay_zero_through_training_and_rewinds(tmp_path):
     assert len(lines) == sum(entry["phase"] == "prune" for entry in result.history)
 
 
+class ZeroCheckingTrainer(Trainer):
+    """Asserts that after every optimizer step of the iterations the dense weights are 0 under the masks (eq. 9 as
+    ``mask_application="after_step"`` reads it) and that the gradient reached some pruned entries."""
+
+    pruned_gradients = 0
+
+    def train_epoch(self, model, optimizer, after_step=None, desc="train"):
+        layers = prunable_layers(model)
+
+        def checked():
+            ZeroCheckingTrainer.pruned_gradients += sum(
+                int((dense_weight(layer).grad[current_masks(model)[name] == 0] != 0).sum())
+                for name, layer in layers.items())
+            after_step()
+            for name, layer in layers.items():
+                assert torch.all(dense_weight(layer)[current_masks(model)[name] == 0] == 0)
+
+        return super().train_epoch(model, optimizer, checked if "iteration" in desc else after_step, desc)
+
+
+def test_after_step_zeroes_pruned_weights_gathers_their_gradients_and_regrows(tmp_path):
+    model = tiny_model()
+    p = pruner(mask_application="after_step", epsilon=-math.inf, iterations=6, target=0.95)
+    result = p.run(model, tiny_trainer(ZeroCheckingTrainer), tmp_path)
+    assert ZeroCheckingTrainer.pruned_gradients > 0
+    assert any(entry["events"] for entry in result.history if entry["phase"] == "prune")
+    assert_pruned_zero(model)
+    keep = {name: mask.mask.bool() for name, mask in p.masks.items()}
+    assert any(bool((p.grad_stats[name][~kept] != 0).any()) for name, kept in keep.items())
+    name = next(name for name, kept in keep.items() if (~kept).any())
+    revived = int((~keep[name]).flatten().nonzero()[0])
+    p.grad_stats[name].view(-1)[revived] = 1e6  # a pruned weight with a huge gradient statistic comes back
+    p.chosen, p.target = [name], 0.99
+    p.step()
+    assert bool(p.masks[name].mask.view(-1)[revived]) and p.zero_counts()[name] > int((~keep[name]).sum())
+
+
 def test_rewind_restores_the_weights_and_keeps_the_repaired_masks():
     """A stall (line 25) mutates the masks, then rewinds (line 34): parameters and buffers return to their values
     before the iteration's training, while the masks stay the mutated ones, not the state dict's older copy."""
@@ -352,8 +427,9 @@ def test_reaches_target_then_fine_tunes(tmp_path):
     assert result.method == "evolutionary"
 
 
-def test_resume_after_crash_equals_uninterrupted_run(tmp_path, crash_at_save):
-    settings = {"epsilon": 0.0, "iterations": 7, "target": 0.95}
+@pytest.mark.parametrize("mask_application", ["forward", "after_step"])
+def test_resume_after_crash_equals_uninterrupted_run(tmp_path, crash_at_save, mask_application):
+    settings = {"epsilon": 0.0, "iterations": 7, "target": 0.95, "mask_application": mask_application}
     reference_model = tiny_model(dropout=0.3)
     reference = pruner(**settings).run(reference_model, tiny_trainer(), tmp_path / "a")
 
@@ -491,6 +567,8 @@ def test_rejects_bad_constants():
         EvolutionaryPruner(deadline=0.0)
     with pytest.raises(ValueError):
         EvolutionaryPruner(crossover_max_regress=-0.1)
+    with pytest.raises(ValueError, match="mask_application"):
+        EvolutionaryPruner(mask_application="backward")
 
 
 def test_log_and_checkpoint_written(tmp_path: Path, caplog):

@@ -52,9 +52,10 @@ Deviations from the paper, each a config value whose constructor default turns i
   are restricted to ranked solutions whose weighted sparsity is at most this far below the current masks'
   (``1.0``: any, the paper); with no such donor the repair is a mutation.
 
-Only the effective weight is zeroed where masked; the dense weight under a mask is kept but not frozen. Its
-gradient is zero, yet SGD's momentum and weight decay keep moving it. So a weight revived by mutation or
-crossover comes back with that drifted dense value, and mutation ranks pruned weights by it (eq. 12 on ``|w|``).
+With ``mask_application="forward"`` (the default), only the effective weight is zeroed where masked; the dense
+weight under a mask is kept but not frozen. Its gradient is zero, yet SGD's momentum and weight decay keep moving
+it. So a weight revived by mutation or crossover comes back with that drifted dense value, and mutation ranks pruned
+weights by it (eq. 12 on ``|w|``).
 
 The run starts from the model as given (normally trained dense) with masks at ``initial_sparsity`` by magnitude,
 stops when the weighted sparsity reaches ``target`` or after ``iterations``, then fine-tunes with masks on.
@@ -62,10 +63,13 @@ stops when the weighted sparsity reaches ``target`` or after ``iterations``, the
 Readings that differ from ``DESIGN.md``'s wording (an audit against the paper, twenty-first session), kept
 because the published runs used them:
 
-- Eq. 9 is applied in the forward pass (the mask parametrization), not by setting pruned weights to zero after
-  each optimizer step. So ``G`` is 0 at pruned entries (the gradient of a masked weight): ``α |G|`` ranks kept
-  weights only, a mask grown by eq. 13-14 never revives a weight, and mutation revives the pruned weights of
-  largest kept ``|w|``, which favours the most recently pruned ones, at their old values rather than at 0.
+- By default (``mask_application="forward"``) eq. 9 is applied in the forward pass (the mask parametrization),
+  not by setting pruned weights to zero after each optimizer step. So ``G`` is 0 at pruned entries (the gradient
+  of a masked weight): ``α |G|`` ranks kept weights only, a mask grown by eq. 13-14 never revives a weight, and
+  mutation revives the pruned weights of largest kept ``|w|``, which favours the most recently pruned ones, at
+  their old values rather than at 0. ``mask_application="after_step"`` (twenty-second session) is DESIGN.md's
+  wording: dense gradients, pruned weights zeroed after each step, ``G`` at every entry, and thresholds over
+  every entry, so pruned weights can come back (at 0) by their ``α |G|``.
 - A :class:`Solution` keeps masks and score, not weights, optimizer state or ``G``: a crossover puts the donor's
   masks on the current weights.
 - The ranked list starts with the initial solution once, not ``L`` copies of it (line 4), so while it holds fewer
@@ -103,7 +107,16 @@ from unsparse.prune.base import (
     optional_rate,
     val_metrics,
 )
-from unsparse.prune.masks import dense_weight, lowest_mask, pack_mask, prunable_layers, pruned_count, unpack_mask
+from unsparse.prune.masks import (
+    dense_weight,
+    lowest_mask,
+    pack_mask,
+    prunable_layers,
+    pruned_count,
+    straight_through,
+    unpack_mask,
+    zero_pruned_weights,
+)
 from unsparse.settings import check_flag, check_integer, check_number
 from unsparse.train import (
     Trainer,
@@ -120,6 +133,8 @@ log = logging.getLogger(__name__)
 CHECKPOINT = "evolutionary.pt"
 LOG = "prune_log.jsonl"
 FINE_TUNE_CHECKPOINT = "evolutionary_finetune.pt"
+MASK_APPLICATIONS = ("forward", "after_step")
+"""Readings of eq. 9 while the iterations train (``EvolutionaryPruner``'s ``mask_application``)."""
 
 
 def importance(weight: torch.Tensor, grad_stat: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -127,22 +142,28 @@ def importance(weight: torch.Tensor, grad_stat: torch.Tensor, alpha: float) -> t
     return weight.abs() + alpha * grad_stat.abs()
 
 
-def resize_mask(keep: torch.Tensor, score: torch.Tensor, pruned: int) -> torch.Tensor:
+def resize_mask(keep: torch.Tensor, score: torch.Tensor, pruned: int, regrow: bool = False) -> torch.Tensor:
     """Boolean keep-mask with exactly ``pruned`` zeros by thresholding ``score`` (paper 004 eq. 13-14).
 
-    Growing the sparsity prunes the lowest-``score`` kept entries and leaves the pruned ones pruned; lowering
-    it (mutation, eq. 15-16) revives the highest-``score`` pruned entries and leaves the kept ones kept.
+    Without ``regrow``, growing the sparsity prunes the lowest-``score`` kept entries and leaves the pruned ones
+    pruned; lowering it (mutation, eq. 15-16) revives the highest-``score`` pruned entries and leaves the kept ones
+    kept. With ``regrow``, the threshold of eq. 13-14 runs over every entry, so in either direction a pruned entry
+    whose score beats a kept one's comes back (for scores of pruned entries that mean something: the
+    ``after_step`` reading of eq. 9, where a pruned weight is 0 and ranks by ``α |G|``).
 
     Args:
         keep: current boolean mask (any shape).
         score: importance of the same shape (e.g. :func:`importance`).
         pruned: number of zeros wanted, in ``[0, keep.numel()]``.
+        regrow: threshold over all entries instead of moving only one side's.
 
     Raises:
         ValueError: if ``pruned`` is outside ``[0, keep.numel()]``.
     """
     if not 0 <= pruned <= keep.numel():
         raise ValueError(f"pruned: {pruned} outside [0, {keep.numel()}]")
+    if regrow:
+        return lowest_mask(score.float(), pruned)
     growing = pruned >= int((~keep).sum())
     ranked = score.float().masked_fill(~keep if growing else keep, -math.inf if growing else math.inf)
     return lowest_mask(ranked, pruned)
@@ -293,6 +314,15 @@ class EvolutionaryPruner(Pruner):
         crossover_max_regress: how far (weighted sparsity, eq. 7-8) below the current masks a crossover donor
             may be (``1.0``: any ranked solution, the paper). See the module docstring.
         rewind: rewind the weights on a stall (line 34).
+        mask_application: how eq. 9 applies the masks while the iterations train (fine-tuning always masks in the
+            forward pass). ``"forward"``: the mask parametrization multiplies each forward's weight, so pruned
+            weights get no gradient, ``G`` is 0 there, and the dense weights under the masks keep (drifting) values
+            that mutation and crossover revive. ``"after_step"`` (DESIGN.md's "masks applied after each step", the
+            paper's "set to zero ... after each batch"): the gradient reaches pruned weights too
+            (:func:`~unsparse.prune.masks.straight_through`), they are set to 0 after every optimizer step and
+            every mask change (:func:`~unsparse.prune.masks.zero_pruned_weights`), ``G`` covers them, and eq. 13-16
+            threshold every entry (:func:`resize_mask` with ``regrow``), so a pruned weight with a large ``α |G|``
+            comes back, at 0.
         lr: learning rate of the iterations (None: the trainer's).
         fine_tune_epochs: masked fine-tuning epochs after the iterations.
         fine_tune_lr: their learning rate (None: the trainer's).
@@ -313,7 +343,8 @@ class EvolutionaryPruner(Pruner):
                  unit_step: float | Mapping[str, float] = 0.05, min_step: float = 0.005, max_step: float = 0.2,
                  layers_per_iteration: int = 2, mutation_threshold: float = 0.5, initial_sparsity: float = 0.0,
                  max_layer_sparsity: float = 0.99, deadline: float | None = None,
-                 crossover_max_regress: float = 1.0, rewind: bool = True, lr: float | None = 0.01,
+                 crossover_max_regress: float = 1.0, rewind: bool = True, mask_application: str = "forward",
+                 lr: float | None = 0.01,
                  fine_tune_epochs: int = 3, fine_tune_lr: float | None = None, seed: int = 0,
                  layers: list[str] | None = None) -> None:
         super().__init__(target, layers)
@@ -336,6 +367,9 @@ class EvolutionaryPruner(Pruner):
         # a negative epsilon asks every iteration to improve the score by at least |epsilon| (-inf: every one stalls)
         check_number(epsilon, "epsilon", lambda number: not math.isnan(number), "(not NaN)")
         check_flag(rewind, "rewind")
+        if mask_application not in MASK_APPLICATIONS:
+            raise ValueError(f"mask_application: {mask_application!r} is not one of {', '.join(MASK_APPLICATIONS)}")
+        self.mask_application = mask_application
         self.iterations, self.batches_per_iteration = iterations, batches_per_iteration
         self.alpha, self.beta, self.epsilon = alpha, beta, epsilon
         self.ranked, self.ranked_list_length = RankedList(ranked_list_length), ranked_list_length
@@ -499,7 +533,7 @@ class EvolutionaryPruner(Pruner):
         layers = prunable_layers(self._prepared())
         for name, count in pruned.items():
             score = importance(dense_weight(layers[name]), self.grad_stats[name], self.alpha)
-            self.masks[name].set(resize_mask(self.masks[name].mask.bool(), score, count))
+            self.masks[name].set(resize_mask(self.masks[name].mask.bool(), score, count, self._after_step()))
 
     def run(self, model: nn.Module, trainer: Trainer, workdir: str | Path) -> PruneResult:
         """Algorithm 2 then masked fine-tuning; resumes from ``workdir`` if a checkpoint is there.
@@ -555,6 +589,7 @@ class EvolutionaryPruner(Pruner):
     def _begin(self, trainer: Trainer) -> dict[str, Any]:
         """Initial masks by magnitude at ``initial_sparsity``; evaluate; seed the ranked list (lines 1-7)."""
         self._grow(dict.fromkeys(self.masks, self.initial_sparsity), 0)
+        self._zero_pruned()
         metrics = trainer.evaluate(self._prepared(), "val")
         self.score = metric_score(metrics)
         self._offer(self.score)
@@ -594,6 +629,7 @@ class EvolutionaryPruner(Pruner):
                 events.append("rewind")
             self.chosen = []
         self.step()
+        self._zero_pruned()
         self.score = score
         self.pending = self.chosen
         return {"phase": "prune", "iteration": self.iteration, **evaluated,
@@ -613,9 +649,11 @@ class EvolutionaryPruner(Pruner):
         return [names[i] for i in sorted(picked.tolist())]
 
     def _train(self, trainer: Trainer, optimizer: torch.optim.Optimizer) -> float:
-        """Masked training (eq. 9) gathering ``G`` = mean ``|grad|`` of the dense weights (eq. 10).
+        """Masked training (eq. 9, as ``mask_application`` reads it) gathering ``G`` = mean ``|grad|`` of the dense
+        weights (eq. 10).
 
-        The gradient of a dense weight is the masked gradient, so ``G`` is 0 at pruned entries.
+        ``"forward"``: the gradient of a dense weight is the masked gradient, so ``G`` is 0 at pruned entries.
+        ``"after_step"``: the gradient is the dense one, and pruned weights are set to 0 after every step.
         """
         layers = prunable_layers(self._prepared())
         totals = {name: torch.zeros_like(stat) for name, stat in self.grad_stats.items()}
@@ -628,11 +666,21 @@ class EvolutionaryPruner(Pruner):
                 grad = dense_weight(layers[name]).grad
                 if grad is not None:
                     total.add_(grad.abs())
+            self._zero_pruned()
 
-        loss = self._iteration_trainer(trainer).train_epoch(self._prepared(), optimizer, after_step,
-                                                             desc=f"{self.name} iteration {self.iteration}")
+        with straight_through(self.masks.values() if self._after_step() else ()):
+            loss = self._iteration_trainer(trainer).train_epoch(self._prepared(), optimizer, after_step,
+                                                                 desc=f"{self.name} iteration {self.iteration}")
         self.grad_stats = {name: total / max(steps, 1) for name, total in totals.items()}
         return loss
+
+    def _after_step(self) -> bool:
+        return self.mask_application == "after_step"
+
+    def _zero_pruned(self) -> None:
+        """Under ``"after_step"``, set the dense weights under mask zeros to 0 (eq. 9 on the stored weights)."""
+        if self._after_step():
+            zero_pruned_weights(self._prepared())
 
     def _iteration_trainer(self, trainer: Trainer) -> Trainer:
         """``trainer``, or a copy whose train loader draws ``batches_per_iteration`` random batches (with the

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -25,13 +26,20 @@ class WeightMask(nn.Module):
     Attributes:
         mask: buffer of the weight's shape and dtype holding 0 and 1; mutated by pruners through
             :meth:`set` (in place, so optimizers and references stay valid).
+        straight_through: when True, the gradient reaches the dense weight unmasked (the forward value is still
+            ``weight * mask``), as if the pruned weights were zeros of a dense tensor rather than masked out: the
+            reading of eq. 9 in which pruned weights are set to zero after each batch (:func:`straight_through`).
+            Not part of the state dict; False unless a pruner sets it.
     """
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.register_buffer("mask", torch.ones_like(weight))
+        self.straight_through = False
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        if self.straight_through:
+            return weight - (weight * (1 - self.mask)).detach()
         return weight * self.mask
 
     def set(self, keep: torch.Tensor) -> None:
@@ -45,6 +53,35 @@ class WeightMask(nn.Module):
         if keep.dtype != torch.bool and not bool(((keep == 0) | (keep == 1)).all()):
             raise ValueError("mask: values other than 0 and 1")
         self.mask.copy_(keep.to(self.mask.dtype))
+
+
+@contextmanager
+def straight_through(masks: Iterable[WeightMask]) -> Iterator[None]:
+    """Within the block, ``masks`` pass the dense gradient to their weights (:attr:`WeightMask.straight_through`).
+
+    With the pruned weights zero before each forward (:func:`zero_pruned_weights` after every optimizer step),
+    training is then the dense training of paper 004 §3.1 whose "chosen layer weights are set to zero using the
+    element wise multiplication with the layer mask" after each batch (eq. 9): the same forward values, and a
+    gradient (hence eq. 10's ``G``) at pruned entries too. Mutates the masks' flag and restores it on exit.
+    """
+    masks = list(masks)
+    previous = [mask.straight_through for mask in masks]
+    try:
+        for mask in masks:
+            mask.straight_through = True
+        yield
+    finally:
+        for mask, flag in zip(masks, previous, strict=True):
+            mask.straight_through = flag
+
+
+@torch.no_grad()
+def zero_pruned_weights(model: nn.Module) -> None:
+    """Set every dense weight under a mask zero to 0 (``original <- original * mask``, paper 004 eq. 9 applied to
+    the stored weight). Mutates the masked layers' dense weights in place; the effective weights are unchanged."""
+    for layer in prunable_layers(model).values():
+        if (mask := mask_of(layer)) is not None:
+            dense_weight(layer).mul_(mask.mask)
 
 
 def prunable_layers(model: nn.Module) -> dict[str, nn.Module]:
