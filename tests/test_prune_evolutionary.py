@@ -322,6 +322,9 @@ def test_pruned_weights_stay_zero_through_training_and_rewinds(tmp_path):
     result = pruner(epsilon=-math.inf, iterations=6, target=0.95).run(model, tiny_trainer(CheckingTrainer), tmp_path)
     events = [event for entry in result.history if entry["phase"] == "prune" for event in entry["events"]]
     assert "rewind" in events and any(e == "mutation" or e.startswith("crossover") for e in events)
+    iterations = [entry for entry in result.history if entry["phase"] == "prune" and entry["iteration"] > 0]
+    assert all(entry["revived"] >= 1 for entry in iterations if "mutation" in entry["events"])
+    assert all(entry["revived"] == 0 for entry in iterations if entry["events"][-1:] != ["rewind"])
     assert_pruned_zero(model)
     for entry in result.history:
         assert {"iteration", "weighted_sparsity", "val_score", "val_top1"} <= set(entry)

@@ -546,7 +546,8 @@ class EvolutionaryPruner(Pruner):
         Returns:
             A :class:`PruneResult` whose ``history`` has one entry per iteration (``phase: "prune"``) and
             per fine-tuning epoch (``phase: "fine_tune"``), each with ``iteration``, ``weighted_sparsity``,
-            ``val_score`` and ``val_top1`` or ``val_mse``.
+            ``val_score`` and ``val_top1`` or ``val_mse``. An iteration's entry also counts the weights its mask
+            updates brought back (``revived``: by mutation, crossover, or an ``after_step`` regrowth).
 
         Raises:
             ValueError: a checkpoint in ``workdir`` written with other settings.
@@ -616,6 +617,7 @@ class EvolutionaryPruner(Pruner):
             self.sensitivity[name] = sensitivity
             self.delta[name] = min(max(self.delta[name] * growth, self.min_step), self.max_step)
         evaluated = {"weighted_sparsity": self.mask_weighted_sparsity(), "layer_sparsity": self.mask_sparsity()}
+        pruned_before = {name: mask.mask == 0 for name, mask in self.masks.items()}
         events = ["ranked"] if self._offer(score) else []
         if sensitivity < -self.epsilon and self.pending:
             donors = self.ranked.candidates(self.donor_floor(), self.iteration)
@@ -632,11 +634,12 @@ class EvolutionaryPruner(Pruner):
         self._zero_pruned()
         self.score = score
         self.pending = self.chosen
+        revived = sum(int((pruned_before[name] & (mask.mask != 0)).sum()) for name, mask in self.masks.items())
         return {"phase": "prune", "iteration": self.iteration, **evaluated,
                 "next_weighted_sparsity": self.mask_weighted_sparsity(),
                 "next_layer_sparsity": self.mask_sparsity(), "delta": dict(self.delta),
                 "sensitivity": dict(self.sensitivity), "relative_change": sensitivity, "chosen": self.chosen,
-                "events": events, "train_loss": train_loss, **val_metrics(metrics)}
+                "events": events, "revived": revived, "train_loss": train_loss, **val_metrics(metrics)}
 
     def _choose(self) -> list[str]:
         """Draw ``C_t`` without replacement, weights ``size_l * (max_layer_sparsity - s_l)`` (line 10)."""
