@@ -210,6 +210,7 @@ def main() -> None:
         return
     overrides = TABLE.settings_option(parser, "--evolutionary", args.evolutionary)
     TABLE.check_evolutionary(parser, "--evolutionary", [overrides], args.seed)
+    TABLE.check_data_root(parser, "--data-root", args.data_root)
     budget, splits, meta = SELECT.run_setup(args.budget, args.device, args.data_root)
     meta |= {"model": args.model, "seed": args.seed, "overrides": overrides,
              "fine_tune_lr": args.fine_tune_lr, "deterministic": args.deterministic,

@@ -222,6 +222,7 @@ def main() -> None:
     grid = grid_option(parser, args.grid)
     TABLE.check_evolutionary(parser, "--grid", [dict(zip(grid, values, strict=True))
                                                 for values in itertools.product(*grid.values())], args.seed)
+    TABLE.check_data_root(parser, "--data-root", args.data_root)
     budget, splits, meta = run_setup(args.budget, args.device, args.data_root)
     meta |= {"seed": args.seed, "selection": "validation top-1", "grid": {**grid, "fine_tune_lr": args.fine_tune_lr},
              "deterministic": args.deterministic}

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from unsparse.atomic import atomic_write_json, atomic_write_text
-from unsparse.data import FASHION_MNIST_DIR, Splits, fashion_mnist
+from unsparse.data import FASHION_MNIST_DIR, DatasetUnavailableError, Splits, fashion_mnist, fashion_mnist_sources
 from unsparse.models import create_model
 from unsparse.pipeline import git_commit, resolve_device
 from unsparse.prune.evolutionary import EvolutionaryPruner
@@ -386,6 +386,17 @@ def check_file_option(parser: argparse.ArgumentParser, option: str, path: Path) 
         parser.error(f"{option}: {path} is a folder; expected a file name")
 
 
+def check_data_root(parser: argparse.ArgumentParser, option: str, root: Path) -> None:
+    """``parser.error`` naming ``option`` and the first missing file if the folder ``root`` lacks one of
+    Fashion-MNIST's four idx files (:func:`unsparse.data.fashion_mnist_sources`), before any training: found only
+    when the data are loaded, a wrong folder ended in a traceback (``prune_select.py``, ``prune_allocation.py``) or,
+    in this script, in a failed block per classifier after the autoencoder's training."""
+    try:
+        fashion_mnist_sources(root)
+    except DatasetUnavailableError as error:
+        parser.error(f"{option}: {error}")
+
+
 def read_results(parser: argparse.ArgumentParser, option: str, paths: list[Path]) -> list[dict[str, Any]]:
     """The JSON objects in ``paths``, ``.json`` or the committed ``.json.xz``
     (:func:`unsparse.report.results.load_result`; infinities allowed, as pruning histories hold them);
@@ -491,6 +502,8 @@ def main() -> None:
     overrides = settings_option(parser, "--evolutionary", args.evolutionary)
     # fails here, before any training, if omegaconf or the config is missing
     settings = check_evolutionary(parser, "--evolutionary", [overrides], args.seed)
+    if set(args.models) - {"autoencoder1d"}:  # the classifiers read Fashion-MNIST
+        check_data_root(parser, "--data-root", args.data_root)
     overridden = (*SET_BY_SCRIPTS, "seed")
     commit = (git_commit() or "")[:7]
     meta = {"quick": args.budget == "quick", "budget_name": args.budget, "seed": args.seed, "device": str(device),

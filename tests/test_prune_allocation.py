@@ -86,6 +86,8 @@ def test_mask_swap_arms_retrain_their_source_masks_and_the_page_splits_the_short
     (["--evolutionary", "fine_tune_lr=0.1"], "--evolutionary: fine_tune_lr is set by the budget"),
     (["--evolutionary", "alpha=-1"], "--evolutionary: alpha: expected a number >= 0, got -1"),
     (["--evolutionary", "epsilon=0.01", "--evolutionary", "epsilon=0.02"], "--evolutionary: epsilon given more"),
+    (["--data-root", "/nonexistent/fashion"],
+     "--data-root: Fashion-MNIST file /nonexistent/fashion/train-images-idx3-ubyte.gz not found"),
 ])
 def test_bad_values_are_refused_before_any_training(ablation, run_script, monkeypatch, tmp_path, options, message):
     """Every value is checked as the command line is read (exit status 2, naming the option), not after the dense

@@ -108,6 +108,8 @@ def no_training(selector, monkeypatch):
     (["--grid", "min_step=[0.01, 2.0]"], "--grid: min_step: expected a number in (0, 1], got 2.0"),
     (["--grid", "alpha=[]"], "--grid: alpha has no values"),
     (["--grid", "alpha=[0.1]", "--grid", "alpha=[1.0]"], "--grid: alpha given more than once"),
+    (["--data-root", "/nonexistent/fashion"],
+     "--data-root: Fashion-MNIST file /nonexistent/fashion/train-images-idx3-ubyte.gz not found"),
 ])
 def test_bad_values_are_refused_before_any_training(selector, run_script, no_training, tmp_path, options, message):
     """Every value is checked as the command line is read (exit status 2, naming the option), not after hours of

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from unsparse.data import FASHION_MNIST_FILES
+
 
 @pytest.fixture(scope="module")
 def table(load_script):
@@ -95,6 +97,8 @@ def test_pruning_scripts_offer_deterministic_runs(script: str) -> None:
     (["--device", "cuda"], "argument --device: device: 'cuda' requested, but torch sees 0 CUDA device(s)"),
     (["--fine-tune-lr", "nan"], "argument --fine-tune-lr: expected a learning rate"),
     (["--evolutionary", "iterations=5"], "--evolutionary: iterations is set by the budget"),
+    (["--data-root", "/nonexistent/fashion"],
+     "--data-root: Fashion-MNIST file /nonexistent/fashion/train-images-idx3-ubyte.gz not found"),
 ])
 def test_bad_values_are_refused_before_any_training(table, run_script, monkeypatch, tmp_path, options, message):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
@@ -102,6 +106,32 @@ def test_bad_values_are_refused_before_any_training(table, run_script, monkeypat
     monkeypatch.setattr(table, "fashion_mnist", lambda *args, **kwargs: pytest.fail("started a run"))
     code, output = run_script(table, ["--models", "vgg_small", "--out", str(tmp_path / "t.md"), *options])
     assert code == 2 and message in output
+
+
+def test_a_data_root_missing_a_file_is_refused_unless_only_the_autoencoder_runs(table, run_script, monkeypatch,
+                                                                                tmp_path):
+    """A folder without Fashion-MNIST's files ran the autoencoder, then recorded each classifier's traceback as a
+    failed block (a scripts audit's find): it is refused before any training, naming the file it lacks. The
+    autoencoder alone reads no Fashion-MNIST, so such a folder does not stop it."""
+    root = tmp_path / "fashion"
+    root.mkdir()
+    for name in FASHION_MNIST_FILES[:3]:
+        (root / f"{name}.gz").touch()
+    monkeypatch.setattr(table, "fashion_mnist", lambda *args, **kwargs: pytest.fail("started a run"))
+    common = ["--out", str(tmp_path / "t.md"), "--workdir", str(tmp_path / "work"), "--data-root", str(root)]
+    code, output = run_script(table, common)
+    assert code == 2 and f"--data-root: Fashion-MNIST file {root}/t10k-labels-idx1-ubyte.gz not found" in output
+    assert not (tmp_path / "t.md").exists()
+
+    class Started(BaseException):
+        """Raised where the autoencoder's run starts (``except Exception`` records ordinary errors)."""
+
+    def started(*args, **kwargs):
+        raise Started
+
+    monkeypatch.setattr(table, "timeseries", started)
+    with pytest.raises(Started):
+        run_script(table, ["--models", "autoencoder1d", *common])
 
 
 def test_render_reads_a_committed_xz_file_beside_the_page(table, run_script, tmp_path):
