@@ -27,7 +27,13 @@ from unsparse.runtime.precision import PRECISIONS
 
 def main(argv: list[str] | None = None) -> int:
     """Run tests and benchmark; returns pytest's exit code (the benchmark still runs after failures), or 2 without
-    a CUDA device when tests were asked for (they would all skip, which pytest counts as success)."""
+    a CUDA device when only tests were asked for (they would all skip, which pytest counts as success).
+
+    Raises:
+        SystemExit: with status 2 and one line, before anything is written: for a bad option (argparse), or
+            without a CUDA device when the benchmark was asked for (:func:`~unsparse.runtime.bench.require_cuda`;
+            with ``--skip-tests``, ``run_bench`` stopped there with a traceback).
+    """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_out"))
     parser.add_argument("--quick", action="store_true", help="FP32, batch 128, sparsity 0.9, VGG16 end to end")
@@ -49,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sparse-file", help="a trained model (model.safetensors) timed per layer and end to end")
     parser.add_argument("--sparse-input-shape", nargs="*", type=int, help="its per-sample input shape, e.g. 1 28 28")
     args = parser.parse_args(argv)
+    if not args.skip_bench:
+        bench.require_cuda("gpu_check.py")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = bench.environment(git_commit())

@@ -7,6 +7,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+import torch
 
 from unsparse.runtime import bench
 
@@ -16,6 +17,7 @@ def test_benchmark_options_reach_run_bench(load_script: Callable[[str], ModuleTy
     """The per-layer options and ``--end-to-end-sparsity`` arrive as ``run_bench`` arguments; without the latter,
     ``run_bench``'s own default applies."""
     calls: list[dict] = []
+    monkeypatch.setattr(bench, "require_cuda", lambda script: None)
     monkeypatch.setattr(bench, "run_bench", lambda out, **kwargs: calls.append(kwargs) or {"targets": {}})
     gpu_check = load_script("gpu_check")
     common = ["--skip-tests", "--out", str(tmp_path), "--models", "vgg16", "--sparsities", "0.7"]
@@ -27,12 +29,27 @@ def test_benchmark_options_reach_run_bench(load_script: Callable[[str], ModuleTy
     assert second["end_to_end"] == [] and "end_to_end_sparsity" not in second  # run_bench's default applies
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_the_gpu_tests_on_a_machine_without_cuda_are_a_failure_not_a_pass(load_script: Callable[[str], ModuleType],
                                                                           tmp_path: Path) -> None:
     """Every GPU test skips there, and pytest's exit 0 read as "GPU tests passed" (a scripts audit's find)."""
     assert load_script("gpu_check").main(["--skip-bench", "--out", str(tmp_path)]) == 2
     assert "no CUDA device here; no GPU test ran" in (tmp_path / "gpu_check.log").read_text()
+
+
+@pytest.mark.parametrize("options", [["--skip-tests"], []])
+def test_the_benchmark_on_a_machine_without_cuda_is_refused_before_anything_is_written(
+        load_script: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+        tmp_path: Path, options: list[str]) -> None:
+    """``--skip-tests`` there ended in ``run_bench``'s traceback (a scripts audit's find); like the GPU-only scripts,
+    it is one line and exit status 2 before the log is written, as is a run of tests and benchmark."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench, "run_bench", lambda out, **kwargs: pytest.fail("the benchmark ran"))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        load_script("gpu_check").main([*options, "--quick", "--out", str(out)])
+    assert stopped.value.code == 2 and not out.exists()
+    assert capsys.readouterr().err == "gpu_check.py: needs a CUDA GPU, and torch sees none here\n"
 
 
 MODELS = "'vgg16', 'resnet50', 'alexnet', 'googlenet'"
