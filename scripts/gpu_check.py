@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from unsparse.pipeline import git_commit
 from unsparse.runtime import bench
 from unsparse.runtime.precision import PRECISIONS
+from unsparse.settings import sparsity_argument
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,13 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-bench", action="store_true")
     parser.add_argument("--models", nargs="*", choices=bench.MODELS)
-    parser.add_argument("--sparsities", nargs="*", type=float)
+    parser.add_argument("--sparsities", nargs="*", type=sparsity_argument, help="each in [0, 1)")
     parser.add_argument("--batches", nargs="*", type=int)
     parser.add_argument("--precisions", nargs="*", choices=list(PRECISIONS),
                         help="fp16_half2: the half2-product kernel, direct_half2, against cuDNN FP16")
     parser.add_argument("--end-to-end", nargs="*", choices=bench.MODELS)
-    parser.add_argument("--end-to-end-sparsity", type=float,
-                        help="sparsity of the models timed whole (default: run_bench's, 0.9)")
+    parser.add_argument("--end-to-end-sparsity", type=sparsity_argument,
+                        help="sparsity of the models timed whole, in [0, 1) (default: run_bench's, 0.9)")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--layer-filter")
     parser.add_argument("--time-budget", type=float, help="seconds after which the benchmark starts nothing new")

@@ -17,6 +17,10 @@ import statistics
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from unsparse.settings import sparsity_argument
+
 
 def main() -> None:
     """Parse arguments, build the layer, run the setting and print its median time (ms)."""
@@ -24,13 +28,12 @@ def main() -> None:
     parser.add_argument("--shape", nargs=4, type=int, required=True, metavar=("N", "C", "H", "W"))
     parser.add_argument("--out-channels", type=int, required=True)
     parser.add_argument("--kernel", type=int, default=3)
-    parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--sparsity", type=sparsity_argument, default=0.9, help="in [0, 1) (default %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     parser.add_argument("--params", type=json.loads, action="append", required=True,
                         help="a direct tuning setting as JSON; repeat to run several")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
     from torch import nn
 

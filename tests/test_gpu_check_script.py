@@ -72,3 +72,23 @@ def test_a_bad_model_or_precision_stops_before_anything_runs(load_script: Callab
         load_script("gpu_check").main(["--out", str(out), option, *values])
     assert stopped.value.code == 2 and not out.exists()
     assert f"argument {option}: invalid choice: '{values[-1]}' (choose from {allowed})" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("option", "values"), [
+    ("--sparsities", ["0.9", "1"]),
+    ("--sparsities", ["-0.1"]),
+    ("--sparsities", ["nan"]),
+    ("--end-to-end-sparsity", ["1.5"]),
+])
+def test_a_sparsity_outside_0_to_1_stops_before_anything_runs(load_script: Callable[[str], ModuleType],
+                                                              monkeypatch: pytest.MonkeyPatch,
+                                                              capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                              option: str, values: list[str]) -> None:
+    """Magnitude pruning takes sparsities in [0, 1): another one was found only by the benchmark, after the GPU
+    tests, as a traceback (a scripts audit's find); it is refused while parsing, naming the option and the value."""
+    monkeypatch.setattr(bench, "run_bench", lambda out, **kwargs: pytest.fail("the benchmark ran"))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        load_script("gpu_check").main(["--out", str(out), option, *values])
+    assert stopped.value.code == 2 and not out.exists()
+    assert f"argument {option}: expected a sparsity in [0, 1), got '{values[-1]}'" in capsys.readouterr().err

@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -29,3 +31,13 @@ def test_a_gpu_script_without_cuda_says_so_in_one_line(tmp_path: Path, script: s
     assert done.returncode == 2, done.stderr
     assert done.stderr == f"{script}: needs a CUDA GPU, and torch sees none here\n"
     assert not out.exists()
+
+
+def test_profile_direct_refuses_a_sparsity_outside_0_to_1_while_parsing(load_script: Callable[[str], ModuleType],
+                                                                        run_script: Callable[..., tuple[int, str]]
+                                                                        ) -> None:
+    """Magnitude pruning takes sparsities in [0, 1): another one stopped a GPU run with a traceback (here, before
+    the CUDA check), now argparse names the option and the value."""
+    code, output = run_script(load_script("profile_direct"), ["--shape", "2", "8", "8", "8", "--out-channels", "8",
+                                                             "--params", "{}", "--sparsity", "1"])
+    assert code == 2 and "argument --sparsity: expected a sparsity in [0, 1), got '1'" in output

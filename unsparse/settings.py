@@ -8,6 +8,8 @@ numbers only (numpy's float64 is a Python float).
 
 from __future__ import annotations
 
+import argparse
+import math
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -68,4 +70,22 @@ def check_choice(value: Any, choices: Collection[str], field: str) -> str:
     """
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{field}: expected one of {tuple(choices)}, got {value!r}")
+    return value
+
+
+def sparsity_argument(text: str) -> float:
+    """A sparsity given on a command line (an argparse ``type``): a number in ``[0, 1)``, the range that magnitude
+    pruning (:func:`unsparse.runtime.bench.magnitude_prune_`) and every pruner's target take (1 would prune every
+    weight). Checked while the command line is read, so argparse names the option, instead of a traceback at the
+    first setting of a GPU run that uses it.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the value otherwise (NaN included).
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"expected a sparsity in [0, 1), got {text!r}")
     return value
