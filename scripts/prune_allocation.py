@@ -143,7 +143,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
     difference to it (the allocation ablation); with the mask-swap arms, the split of the shortfall S = A - B into
     P = A - C, M = C - D and R = D - B (``plan_mask_swap.md``)."""
     meta = runs[0]["meta"]
-    lines = [f"# Ablation: {meta['model']}", "",
+    lines = [f"# Ablation: {meta['model']}", "", *TABLE.smoke_run_notice(run["meta"]["budget_name"] for run in runs),
              "Written by `scripts/prune_allocation.py --render`; plans and reading rules in "
              "`plan_allocation_ablation.md` and `plan_mask_swap.md`. Per seed one dense model; every arm starts "
              f"from a copy of it (budget `{meta['budget_name']}`, evolutionary overrides {meta['overrides']}, "

@@ -173,12 +173,14 @@ def merge(selections: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def markdown(selections: list[dict[str, Any]]) -> str:
     """The selection page: one row per candidate of every ``--out`` JSON given (:func:`merge`d), the best per
     model and merged selection marked."""
+    merged = merge(selections)
     lines = ["# Evolutionary settings chosen on the validation split", "",
+             *TABLE.smoke_run_notice(selection["meta"]["budget_name"] for selection in merged),
              "Written by `scripts/prune_select.py --render`. Each candidate: the evolutionary pruner to 92 % "
              "weighted sparsity with the given settings (the others as in `configs/prune/evolutionary.yaml`), then "
              "the budget's masked fine-tuning at the given learning rate; scored by validation top-1 only (the test "
              "split was not evaluated).", ""]
-    for selection in merge(selections):
+    for selection in merged:
         meta = selection["meta"]
         keys = [key for key in meta["grid"] if key != "fine_tune_lr"]
         lines += [f"Budget `{meta['budget_name']}` {meta['budget']}, seed {meta['seed']}, on {meta['device_name']}, "

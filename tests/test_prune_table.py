@@ -165,3 +165,24 @@ def test_the_page_says_how_often_the_gradual_baseline_pruned(table, schedule, te
     meta = {"host": "h", "torch": "t", "threads": 16, "commit": "abc1234", "budget": {}, "notes": [],
             "budget_name": "gpu_w32", "device": "cuda", **({"gradual_schedule": schedule} if schedule else {})}
     assert text in table.markdown([], meta)
+
+
+def pages(load_script, budget_name: str) -> dict[str, str]:
+    """Per pruning script, the page it renders from a run of ``budget_name`` with nothing else in it."""
+    meta = {"host": "h", "torch": "t", "threads": 2, "commit": "abc1234", "budget": {}, "notes": [], "seed": 0,
+            "budget_name": budget_name, "device_name": "cpu", "grid": {"fine_tune_lr": [0.05]}, "model": "vgg_small",
+            "overrides": {}, "fine_tune_lr": 0.05}
+    arm = {"val_top1": 90.0, "test_top1": 89.0, "weighted_sparsity": 0.92, "layer_sparsity": {}, "wall_time_s": 1.0}
+    return {"prune_table": load_script("prune_table").markdown([], meta),
+            "prune_select": load_script("prune_select").markdown([{"meta": meta, "candidates": {}}]),
+            "prune_allocation": load_script("prune_allocation").markdown([{"meta": meta,
+                                                                           "arms": {"evolutionary": arm}}])}
+
+
+def test_a_smoke_run_says_so_under_the_heading(load_script):
+    """A page of the quick budget (a few training batches) named the budget only among the settings, so its
+    figures could pass for results (a scripts audit's find); the line is on no page of another budget."""
+    for script, page in pages(load_script, "quick").items():
+        assert page.splitlines()[2].startswith("**Smoke run (budget `quick`): figures are not results.**"), script
+    for script, page in pages(load_script, "gpu_w32").items():
+        assert "Smoke run" not in page, script
