@@ -1,10 +1,13 @@
-"""The report's history plot: a PNG for pruner iterations and fine-tuning epochs; an empty history is refused."""
+"""The report's history plot: a PNG for pruner iterations and fine-tuning epochs; an empty history is refused; a
+figure's format comes from its path's image suffix."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from unsparse.report.plots import plot_history
+from unsparse.report.plots import plot_history, save_figure
 
 
 @pytest.mark.parametrize("history", [
@@ -44,3 +47,26 @@ def test_a_plot_write_that_fails_keeps_the_previous_png_and_closes_its_figure(tm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["history.png"]
     assert plt.get_fignums() == []
 
+
+
+@pytest.mark.parametrize("name", ["page_s0.9", "page", "page.md"])
+def test_a_path_without_an_image_suffix_is_refused_by_name(tmp_path, name):
+    """The format was whatever followed the last dot, PNG for none: ``page_s0.9`` asked matplotlib for format "9",
+    and ``page`` or ``page.md`` got PNG bytes under a name no link or viewer reads as an image. Refused, naming the
+    path, before anything is written; the figure is closed."""
+    import matplotlib.pyplot as plt
+
+    path = tmp_path / "plots" / name
+    figure, _ = plt.subplots()
+    with pytest.raises(ValueError, match=rf"{re.escape(str(path))}: expected an image suffix \(.*\.png.*\)"):
+        save_figure(figure, path)
+    assert not (tmp_path / "plots").exists() and plt.get_fignums() == []
+
+
+@pytest.mark.parametrize(("name", "start"), [("page_s0.9.svg", b"<?xml"), ("page_s0.9.PDF", b"%PDF"),
+                                             ("page_s0.9.png", b"\x89PNG")])
+def test_the_suffix_names_the_format_in_any_case(tmp_path, name, start):
+    import matplotlib.pyplot as plt
+
+    figure, _ = plt.subplots()
+    assert save_figure(figure, tmp_path / name).read_bytes().startswith(start)

@@ -16,12 +16,27 @@ from unsparse.atomic import atomic_write
 
 def save_figure(figure: plt.Figure, path: str | Path, dpi: int = 110) -> Path:
     """Lay out ``figure`` and write it to ``path`` atomically (a report never links to a torn PNG) at ``dpi`` dots
-    per inch, in the format the suffix names (PNG by default); close it however the write ends."""
+    per inch, in the image format its suffix names (``.png``, ``.svg``, ``.pdf``, any case: one of
+    ``figure.canvas.get_supported_filetypes()``); close it however the call ends.
+
+    A path without such a suffix is refused, not written as PNG: the format came from whatever followed the last dot
+    (``page_s0.9`` asked matplotlib for format "9"), and an image under a name that does not say it is one is a file
+    that neither the report's link nor a viewer takes for one. Add the suffix with
+    :func:`unsparse.report.results.beside`, which keeps a dot inside the name.
+
+    Raises:
+        ValueError: naming ``path`` and the suffixes known, for another suffix or none; nothing is written.
+    """
     path = Path(path)
     try:
+        formats = figure.canvas.get_supported_filetypes()
+        kind = path.suffix[1:].lower()
+        if kind not in formats:
+            raise ValueError(f"{path}: expected an image suffix ({', '.join(f'.{name}' for name in sorted(formats))}), "
+                             f"got {path.suffix or 'none'}")
         path.parent.mkdir(parents=True, exist_ok=True)
         figure.tight_layout()
-        return atomic_write(path, lambda handle: figure.savefig(handle, dpi=dpi, format=path.suffix[1:] or "png"))
+        return atomic_write(path, lambda handle: figure.savefig(handle, dpi=dpi, format=kind))
     finally:
         plt.close(figure)
 
