@@ -44,3 +44,39 @@ def test_a_device_other_than_cuda_is_refused(load_script: Callable[[str], Module
                                                 "--out", str(out)])
     assert stopped.value.code == 2 and not out.exists()
     assert f"argument --device: {says}" in capsys.readouterr().err
+
+
+def test_main_writes_the_measured_records_as_json(load_script: Callable[[str], ModuleType],
+                                                   monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``main``'s path from the command line to the file, on the CPU: the CUDA check and the two timings replaced
+    (they run on the GPU only), every selected layer and model timed on the ``--device`` given, once per precision,
+    and the JSON written, its folder created, with the environment, the layouts and the records in order."""
+    script = load_script("time_cudnn_layouts")
+    calls: list[tuple[str, str, torch.device]] = []
+
+    def layer(layer, batch, precision, device, runs):
+        calls.append((layer.name, precision, device))
+        return {"model_layer": layer.name, "batch": batch, "precision": precision, "ms": {"nchw": 1.0}}
+
+    def model(name, batch, precision, device, runs):
+        calls.append((name, precision, device))
+        return {"model": name, "batch": batch, "precision": precision, "nhwc_speedup": 1.5}
+
+    monkeypatch.setattr(script, "require_cuda", lambda name: None)
+    monkeypatch.setattr(script, "time_layer", layer)
+    monkeypatch.setattr(script, "time_model", model)
+    out = tmp_path / "new" / "layouts.json"
+    script.main(["--models", "alexnet", "--precisions", "fp32", "fp16", "--batch", "4", "--runs", "3",
+                 "--layer-filter", r"^features\.(0|3)$", "--whole-models", "--device", "cuda:1", "--out", str(out)])
+    cuda = torch.device("cuda:1")
+    assert calls == [("features.0", "fp32", cuda), ("features.0", "fp16", cuda), ("features.3", "fp32", cuda),
+                     ("features.3", "fp16", cuda), ("alexnet", "fp32", cuda), ("alexnet", "fp16", cuda)]
+    result = json.loads(out.read_text())
+    assert result["runs"] == 3 and result["layouts"] == list(script.LAYOUTS)
+    assert {"torch", "commit"} <= set(result["environment"])
+    assert [(r["model"], r["model_layer"], r["precision"], r["batch"]) for r in result["layers"]] == [
+        ("alexnet", "features.0", "fp32", 4), ("alexnet", "features.0", "fp16", 4),
+        ("alexnet", "features.3", "fp32", 4), ("alexnet", "features.3", "fp16", 4)]
+    assert result["models"] == [{"model": "alexnet", "batch": 4, "precision": precision, "nhwc_speedup": 1.5}
+                                for precision in ("fp32", "fp16")]
+    assert [p.name for p in out.parent.iterdir()] == ["layouts.json"]
