@@ -165,9 +165,13 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse arguments (a non-CUDA ``--device`` is refused), check that CUDA is there, time every selected layer
-    and model, write the JSON atomically."""
-    args = build_parser().parse_args(argv)
+    """Parse arguments (a non-CUDA ``--device`` is refused, and an ``--out`` that is a folder, which the write
+    would fail on only after every timing), check that CUDA is there, time every selected layer and model, write
+    the JSON atomically."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if Path(args.out).is_dir():
+        parser.error(f"--out: {args.out} is a folder; expected a file name")
     require_cuda("time_cudnn_layouts.py")
     atomic_write_text(Path(args.out), json.dumps(measure(args, args.device), indent=1))
 

@@ -80,3 +80,16 @@ def test_main_writes_the_measured_records_as_json(load_script: Callable[[str], M
     assert result["models"] == [{"model": "alexnet", "batch": 4, "precision": precision, "nhwc_speedup": 1.5}
                                 for precision in ("fp32", "fp16")]
     assert [p.name for p in out.parent.iterdir()] == ["layouts.json"]
+
+
+def test_an_out_folder_is_refused_before_any_timing(load_script: Callable[[str], ModuleType],
+                                                     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture,
+                                                     tmp_path: Path) -> None:
+    """The JSON is written once, after every timing: a folder as ``--out`` failed there with a traceback. It is
+    refused with the other options, before the CUDA check."""
+    script = load_script("time_cudnn_layouts")
+    monkeypatch.setattr(script, "require_cuda", lambda name: pytest.fail("got past the options"))
+    with pytest.raises(SystemExit) as stopped:
+        script.main(["--models", "alexnet", "--out", str(tmp_path)])
+    assert stopped.value.code == 2 and list(tmp_path.iterdir()) == []
+    assert f"--out: {tmp_path} is a folder; expected a file name" in capsys.readouterr().err
