@@ -136,6 +136,31 @@ def test_a_refused_setting_is_one_line_and_exit_status_2(tmp_path, override, lin
     assert done.returncode == 2 and line in done.stderr and "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize(("override", "line"), [
+    ("sparsities=[0.9,1.0]", "unsparse bench: refused: sparsities: expected a number in [0, 1) (a sparsity), got 1.0"),
+    ("models=[vgg17]", "unsparse bench: refused: models: ['vgg17'] not among vgg16, resnet50, alexnet, googlenet"),
+    ("layer_filter='features.(1'", "unsparse bench: refused: layer_filter: 'features.(1' is no regular expression"),
+    ("sparse_file=model.safetensors", "unsparse bench: refused: sparse_input_shape: needed with sparse_file"),
+    ("batches=[0]", "unsparse bench: refused: batches: expected an integer >= 1, got 0"),
+])
+def test_a_refused_bench_setting_is_one_line_and_exit_status_2(tmp_path, override, line):
+    """``unsparse bench`` checks its settings before any GPU work (this machine has none, so a setting that passed
+    would end in the CUDA refusal instead); a missing ``sparse_input_shape`` used to stop the run after every
+    per-layer timing."""
+    command = [sys.executable, "-c", "from unsparse.cli import main; main()", "bench", override,
+               f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and line in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_bench_without_cuda_is_one_line_and_exit_status_2(tmp_path):
+    command = [sys.executable, "-c", "from unsparse.cli import main; main()", "bench", f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "unsparse bench: refused: run_bench needs a CUDA GPU, and torch sees none here" in done.stderr
+
+
 def test_every_bench_option_is_a_run_bench_argument():
     import inspect
 

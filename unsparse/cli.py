@@ -107,15 +107,20 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="bench")
 def bench(cfg: DictConfig) -> None:
-    """``unsparse bench``: the GPU per-layer comparison (needs CUDA); outputs in Hydra's output directory."""
+    """``unsparse bench``: the GPU per-layer comparison (needs CUDA); outputs in Hydra's output directory. Settings
+    that ``run_bench`` refuses, and a machine without CUDA, print one line to stderr and exit with status 2."""
     from unsparse.pipeline import git_commit
-    from unsparse.runtime.bench import QUICK, run_bench
+    from unsparse.runtime.bench import QUICK, BenchRefusedError, run_bench
 
     settings = OmegaConf.to_container(cfg, resolve=True)
     settings.pop("hydra", None)
     if settings.pop("quick"):
         settings.update(QUICK)
-    run_bench(HydraConfig.get().runtime.output_dir, commit=git_commit(), **settings)
+    try:
+        run_bench(HydraConfig.get().runtime.output_dir, commit=git_commit(), **settings)
+    except BenchRefusedError as error:  # one line, not Hydra's traceback: nothing ran
+        print(f"unsparse bench: refused: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def main() -> None:

@@ -29,6 +29,7 @@ from torch import nn
 from unsparse.atomic import atomic_write_text
 from unsparse.report.benchmark import ESCOIN_MODELS, evaluate_targets, markdown_report, plot_results
 from unsparse.runtime.comparator import (
+    TIMINGS,
     LayerComparison,
     check_plan,
     compare_layer,
@@ -42,6 +43,7 @@ from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
 from unsparse.runtime.plan import Plan, device_name
 from unsparse.runtime.precision import PRECISIONS, precision_mode
 from unsparse.runtime.timing import MIN_RUNS, Timing, time_fn, time_graph
+from unsparse.settings import check_integer, check_number
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
@@ -94,6 +96,55 @@ def require_cuda(script: str) -> None:
     if not torch.cuda.is_available():
         print(f"{script}: needs a CUDA GPU, and torch sees none here", file=sys.stderr)
         raise SystemExit(2)
+
+
+class BenchRefusedError(ValueError):
+    """What :func:`run_bench` refuses before any work: a setting (:func:`check_settings`; the message names it), or
+    a machine without CUDA."""
+
+
+def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: Sequence[int],
+                   precisions: Sequence[str], lowering_models: Sequence[str], end_to_end: Sequence[str],
+                   end_to_end_sparsity: float, end_to_end_batch: int, runs: int, sparse_file: str | Path | None,
+                   sparse_input_shape: Sequence[int] | None, layer_filter: str | None, time_budget_s: float | None,
+                   timing: str) -> None:
+    """Check :func:`run_bench`'s settings (same meanings) before any GPU work, so that a typo does not surface
+    after minutes of timings or as a traceback deep inside them: model names from :data:`MODELS`, precisions from
+    :data:`~unsparse.runtime.precision.PRECISIONS`, sparsities in ``[0, 1)`` (the range of
+    :func:`magnitude_prune_`), batch sizes and ``runs`` integers >= 1, ``sparse_input_shape`` given with
+    ``sparse_file`` (positive integers), ``layer_filter`` a regular expression, ``time_budget_s`` > 0, ``timing``
+    one of :data:`~unsparse.runtime.comparator.TIMINGS`.
+
+    Raises:
+        BenchRefusedError: (a ``ValueError``) naming the setting and the value.
+    """
+    try:
+        for field, names, known in (("models", models, MODELS), ("lowering_models", lowering_models, MODELS),
+                                    ("end_to_end", end_to_end, MODELS), ("precisions", precisions, PRECISIONS),
+                                    ("timing", [timing], TIMINGS)):
+            unknown = [name for name in names if name not in known]
+            if unknown:
+                raise ValueError(f"{field}: {unknown} not among {', '.join(known)}")
+        for field, values in (("sparsities", sparsities), ("end_to_end_sparsity", [end_to_end_sparsity])):
+            for value in values:
+                check_number(value, field, lambda number: 0 <= number < 1, "in [0, 1) (a sparsity)")
+        for field, values in (("batches", batches), ("end_to_end_batch", [end_to_end_batch]), ("runs", [runs])):
+            for value in values:
+                check_integer(value, field)
+        if sparse_file is not None:
+            if sparse_input_shape is None:
+                raise ValueError("sparse_input_shape: needed with sparse_file (the per-sample input shape, e.g. "
+                                 "[1, 28, 28])")
+            for value in sparse_input_shape:
+                check_integer(value, "sparse_input_shape")
+        if time_budget_s is not None:
+            check_number(time_budget_s, "time_budget_s", lambda number: number > 0, "> 0 (or null)")
+        if layer_filter is not None:
+            re.compile(layer_filter)
+    except re.error as error:
+        raise BenchRefusedError(f"layer_filter: {layer_filter!r} is no regular expression ({error})") from None
+    except ValueError as error:
+        raise BenchRefusedError(str(error)) from None
 
 
 def build_model(name: str) -> nn.Module:
@@ -398,10 +449,12 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         The dict written to ``bench.json``.
 
     Raises:
-        RuntimeError: without CUDA.
+        BenchRefusedError: (a ``ValueError``) before anything runs: from :func:`check_settings`, or without CUDA.
     """
+    check_settings(models, sparsities, batches, precisions, lowering_models, end_to_end, end_to_end_sparsity,
+                   end_to_end_batch, runs, sparse_file, sparse_input_shape, layer_filter, time_budget_s, timing)
     if not torch.cuda.is_available():
-        raise RuntimeError("run_bench needs a CUDA GPU")
+        raise BenchRefusedError("run_bench needs a CUDA GPU, and torch sees none here")
     torch.manual_seed(seed)
     device = torch.device("cuda", 0)
     out_dir = Path(out_dir)
@@ -462,8 +515,6 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     if sparse_file is not None:
         from unsparse.sparse.io import load_sparse
 
-        if sparse_input_shape is None:
-            raise ValueError("sparse_input_shape: needed with sparse_file")
         for batch in batches:
             if out_of_time(f"trained model {sparse_file} b{batch}"):
                 continue
