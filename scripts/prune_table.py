@@ -35,7 +35,6 @@ import platform
 import sys
 import time
 import traceback
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +47,7 @@ from unsparse.pipeline import git_commit, resolve_device
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
 from unsparse.prune.magnitude import MagnitudePruner
+from unsparse.report.document import smoke_run_notice
 from unsparse.report.results import beside, load_result
 from unsparse.task import trivial_score
 from unsparse.timeseries import timeseries
@@ -87,9 +87,6 @@ BUDGET_NOTES = {"gpu_long": "This budget was chosen after the `gpu` run (docs/pr
                            "(docs/pruning_results_h100*.md) missed the goal on the test split: it is `gpu_long` "
                            "with the CNNs at width 32, the width the models default to (width 16 was chosen for "
                            "the 2-core CPU budgets), so its figures are optimistic too."}
-SMOKE_RUN = ("**Smoke run (budget `quick`): figures are not results.** A few training batches on a subset of the "
-             "data, to check that the script runs from end to end.")
-"""The line that opens a page made with the ``quick`` budget (:func:`smoke_run_notice`)."""
 BATCH_SIZE = 128
 EVOLUTIONARY_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "prune" / "evolutionary.yaml"
 TARGET = 0.92
@@ -99,12 +96,6 @@ SET_BY_SCRIPTS = ("target", "iterations", "batches_per_iteration", "fine_tune_ep
 """EvolutionaryPruner arguments the pruning scripts set from the budget, the target and ``--fine-tune-lr``: an
 override of one would be ignored, so the scripts refuse it."""
 STARTED = time.perf_counter()
-
-
-def smoke_run_notice(budget_names: Iterable[str]) -> list[str]:
-    """:data:`SMOKE_RUN` and a blank line for the top of a page if one of its runs used the ``quick`` budget, else
-    nothing: without it, figures of a few training batches read as results."""
-    return [SMOKE_RUN, ""] if "quick" in budget_names else []
 
 
 def say(message: str) -> None:

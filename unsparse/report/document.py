@@ -6,12 +6,22 @@ When a sparse backend is slower than the dense baseline the report says so, laye
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from unsparse.atomic import atomic_write_json, atomic_write_text
 from unsparse.runtime.baseline import NAME as BASELINE
+
+SMOKE_RUN = ("**Smoke run (budget `quick`): figures are not results.** A few training batches on a subset of the "
+             "data, to check that the script runs from end to end.")
+"""The line that opens a page made with a script's ``quick`` budget (:func:`smoke_run_notice`)."""
+
+
+def smoke_run_notice(budget_names: Iterable[str]) -> list[str]:
+    """:data:`SMOKE_RUN` and a blank line for the top of a page if one of its runs used the ``quick`` budget, else
+    nothing: without it, figures of a few training batches read as results."""
+    return [SMOKE_RUN, ""] if "quick" in budget_names else []
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
