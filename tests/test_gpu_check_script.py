@@ -55,40 +55,34 @@ def test_the_benchmark_on_a_machine_without_cuda_is_refused_before_anything_is_w
 MODELS = "'vgg16', 'resnet50', 'alexnet', 'googlenet'"
 
 
-@pytest.mark.parametrize(("option", "values", "allowed"), [
-    ("--models", ["vgg16", "vgg19"], MODELS),
-    ("--end-to-end", ["resnet18"], MODELS),
-    ("--precisions", ["fp32", "bf16"], "'fp32', 'tf32', 'fp16', 'fp16_half2'"),
+def invalid_choice(value: str, allowed: str) -> str:
+    return f"invalid choice: '{value}' (choose from {allowed})"
+
+
+def out_of_range(value: str) -> str:
+    return f"expected a sparsity in [0, 1), got '{value}'"
+
+
+@pytest.mark.parametrize(("option", "values", "message"), [
+    ("--models", ["vgg16", "vgg19"], invalid_choice("vgg19", MODELS)),
+    ("--end-to-end", ["resnet18"], invalid_choice("resnet18", MODELS)),
+    ("--precisions", ["fp32", "bf16"], invalid_choice("bf16", "'fp32', 'tf32', 'fp16', 'fp16_half2'")),
+    ("--sparsities", ["0.9", "1"], out_of_range("1")),
+    ("--sparsities", ["-0.1"], out_of_range("-0.1")),
+    ("--sparsities", ["nan"], out_of_range("nan")),
+    ("--end-to-end-sparsity", ["1.5"], out_of_range("1.5")),
 ])
-def test_a_bad_model_or_precision_stops_before_anything_runs(load_script: Callable[[str], ModuleType],
-                                                             monkeypatch: pytest.MonkeyPatch,
-                                                             capsys: pytest.CaptureFixture, tmp_path: Path,
-                                                             option: str, values: list[str], allowed: str) -> None:
-    """A misspelt model or precision is refused while parsing, naming the value and the allowed ones, before the
-    GPU tests (minutes) run and the benchmark fails on it (a scripts audit's find); nothing is written."""
+def test_a_bad_model_precision_or_sparsity_stops_before_anything_runs(load_script: Callable[[str], ModuleType],
+                                                                       monkeypatch: pytest.MonkeyPatch,
+                                                                       capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                                       option: str, values: list[str],
+                                                                       message: str) -> None:
+    """A misspelt model or precision, or a sparsity outside magnitude pruning's [0, 1), is refused while parsing,
+    naming the option and the value (and the allowed choices), before the GPU tests (minutes) run and the benchmark
+    fails on it with a traceback (scripts audits' finds); nothing is written."""
     monkeypatch.setattr(bench, "run_bench", lambda out, **kwargs: pytest.fail("the benchmark ran"))
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as stopped:
         load_script("gpu_check").main(["--out", str(out), option, *values])
     assert stopped.value.code == 2 and not out.exists()
-    assert f"argument {option}: invalid choice: '{values[-1]}' (choose from {allowed})" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize(("option", "values"), [
-    ("--sparsities", ["0.9", "1"]),
-    ("--sparsities", ["-0.1"]),
-    ("--sparsities", ["nan"]),
-    ("--end-to-end-sparsity", ["1.5"]),
-])
-def test_a_sparsity_outside_0_to_1_stops_before_anything_runs(load_script: Callable[[str], ModuleType],
-                                                              monkeypatch: pytest.MonkeyPatch,
-                                                              capsys: pytest.CaptureFixture, tmp_path: Path,
-                                                              option: str, values: list[str]) -> None:
-    """Magnitude pruning takes sparsities in [0, 1): another one was found only by the benchmark, after the GPU
-    tests, as a traceback (a scripts audit's find); it is refused while parsing, naming the option and the value."""
-    monkeypatch.setattr(bench, "run_bench", lambda out, **kwargs: pytest.fail("the benchmark ran"))
-    out = tmp_path / "out"
-    with pytest.raises(SystemExit) as stopped:
-        load_script("gpu_check").main(["--out", str(out), option, *values])
-    assert stopped.value.code == 2 and not out.exists()
-    assert f"argument {option}: expected a sparsity in [0, 1), got '{values[-1]}'" in capsys.readouterr().err
+    assert f"argument {option}: {message}" in capsys.readouterr().err
