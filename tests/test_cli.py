@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,18 @@ def test_command_line_values_are_read_or_refused_by_name(override, message):
         return
     with pytest.raises(ValueError, match=message):
         build_job(cfg)
+
+
+def test_the_refusal_of_an_ambiguous_float_key_gives_an_override_that_passes_the_name():
+    """Hydra's command line quotes no mapping key (``{"1.10": 0.02}`` does not parse), so the refusal of a float key
+    that could name several layers (:meth:`~unsparse.prune.base.LayerMapping.check_float_keys`) gives a shell word
+    that passes the quoted name through ``oc.create``: it must reach the pruner as written."""
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 1, 1),
+                                torch.nn.Sequential(*(torch.nn.Conv2d(1, 1, 1) for _ in range(11))))
+    with pytest.raises(ValueError, match="on the command line") as refusal:
+        instantiate(composed("prune=evolutionary", "prune.unit_step={1.10: 0.02}").prune).check_layers(model)
+    override = shlex.split(str(refusal.value).rsplit(" as ", 1)[1])
+    assert instantiate(composed("prune=evolutionary", *override).prune).unit_step == {"1.10": 0.02}
 
 
 def test_smoke_experiment_overrides_the_defaults():

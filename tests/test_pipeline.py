@@ -285,6 +285,29 @@ def test_layer_names_the_model_lacks_are_refused_before_training_binds_the_folde
     EvolutionaryPruner(layers=["0.0"], unit_step={"0.0": 0.1, "6.0": 0.1}).check_layers(create_model("vgg_small"))
 
 
+def test_a_float_key_that_could_name_several_layers_is_refused():
+    """Hydra and YAML read an unquoted key ``1.10`` as the float 1.1, whose ``str`` is "1.1": with layers 1.1 and
+    1.10 the setting went to 1.1 unasked, and with 1.10 alone it was refused as naming no layer (a helper's find).
+    A float key that reads as one layer only keeps working, and a quoted name is taken as written."""
+    def conv() -> torch.nn.Module:
+        return torch.nn.Conv2d(1, 1, 1)
+
+    both = torch.nn.Sequential(conv(), torch.nn.Sequential(*(conv() for _ in range(11))))  # 1.0 ... 1.10
+    longer_only = torch.nn.Sequential(conv(), torch.nn.Sequential(conv(), torch.nn.ReLU(), *(conv() for _ in range(9))))
+    for pruner, model, layers in (
+            (MagnitudePruner(scope="layer", layer_targets={1.1: 0.5}), both, r"\['1.1', '1.10'\]"),
+            (GradualMagnitudePruner(scope="layer", layer_targets={1.1: 0.5}), both, r"\['1.1', '1.10'\]"),
+            (EvolutionaryPruner(unit_step={1.1: 0.02}), longer_only, r"\['1.10'\]"),
+    ):
+        field = "unit_step" if isinstance(pruner, EvolutionaryPruner) else "layer_targets"
+        with pytest.raises(ValueError, match=rf"{field}: the key 1.1 is a number .* could stand for the layers "
+                                             rf"{layers}; quote the layer's name, in a YAML config as {field}: "):
+            pruner.check_layers(model)
+    for layer_targets in ({1.2: 0.5}, {"1.1": 0.5, "1.10": 0.4}):
+        MagnitudePruner(scope="layer", layer_targets=layer_targets).check_layers(both)
+    assert MagnitudePruner(scope="layer", layer_targets={1.2: 0.5}).layer_targets == {"1.2": 0.5}
+
+
 def test_numpy_scalars_are_refused_by_name_and_seeds_are_what_torch_takes():
     """Settings go into JSON records: a numpy integer accepted here failed only when the file was saved, after the
     training (a reread's find); numpy's float64 is a Python float."""

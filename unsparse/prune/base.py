@@ -10,8 +10,9 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import shlex
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,10 +58,54 @@ class PruneResult:
         return self.masked_weighted_sparsity >= target - 1e-9
 
 
+class LayerMapping(dict[str, float]):
+    """A per-layer setting as :func:`layer_mapping` returns it: ``{layer name: number}``, which remembers its field and
+    the names it read from float keys, for :meth:`check_float_keys` (a dict: the pruners use it as one, and it
+    enters :meth:`Pruner.identity` as one)."""
+
+    def __init__(self, items: Mapping[str, float], field: str, float_keys: list[str]) -> None:
+        super().__init__(items)
+        self.field, self.float_keys = field, float_keys
+
+    def check_float_keys(self, layers: Iterable[str]) -> None:
+        """Refuse a float key that could stand for more than one of ``layers``: Hydra and YAML read an unquoted
+        ``1.10`` as the float 1.1, whose ``str`` is ``"1.1"``, so with layers ``1.1`` and ``1.10`` (or ``1.10`` alone)
+        the setting would go to another layer than meant (or be refused as naming none).
+
+        Raises:
+            ValueError: naming the field, the key and the layers it could stand for, and saying how to quote the
+                key (YAML quotes a key; Hydra's command line cannot, but passes a YAML mapping through
+                ``oc.create``).
+        """
+        for name in self.float_keys:
+            alike = [layer for layer in layers if reads_as(layer, float(name))]
+            other = next((layer for layer in alike if layer != name), None)
+            if other is not None:
+                quoted = f'{{"{other}": {self[name]}}}'
+                created = "${oc.create:'" + quoted.replace('"', r'\"') + "'}"  # oc.create reads YAML
+                override = shlex.quote(f'prune.{self.field}="{created}"')
+                raise ValueError(
+                    f"{self.field}: the key {name} is a number (Hydra and YAML read an unquoted {other} as {name}) "
+                    f"that could stand for the layers {alike}; quote the layer's name, in a YAML config as "
+                    f"{self.field}: {quoted}, or on the command line, where Hydra cannot quote a mapping's key, "
+                    f"as {override}")
+
+
+def reads_as(text: str, number: float) -> bool:
+    """Whether ``text`` reads as the float ``number`` (``"1.10"`` and ``"1.1"`` as 1.1; a name that is no number
+    reads as none)."""
+    try:
+        return float(text) == number
+    except ValueError:
+        return False
+
+
 def layer_mapping(mapping: Mapping[Any, float], field: str, valid: Callable[[float], bool],
-                  expected: str) -> dict[str, float]:
+                  expected: str) -> LayerMapping:
     """A per-layer setting as ``{layer name: number}``: keys as strings (Hydra reads a command-line key such as
     ``7.0`` or ``10`` as a number, and ``str`` gives the layer's name back), each value a number ``valid`` accepts.
+    The :class:`LayerMapping` remembers the float keys: ``str(1.1)`` gives ``"1.1"`` back for a ``1.10`` too, which
+    :meth:`Pruner.check_layers` refuses once the model's layers show the key ambiguous.
 
     Raises:
         ValueError: naming ``field`` and the layer, for a value that is no such number, or a ``mapping`` that is no
@@ -70,7 +115,9 @@ def layer_mapping(mapping: Mapping[Any, float], field: str, valid: Callable[[flo
         raise ValueError(f"{field}: expected a mapping of layer names to numbers, got {mapping!r}")
     for name, value in mapping.items():
         check_number(value, f"{field}.{name}", valid, expected)
-    return {str(name): value for name, value in mapping.items()}  # values as given: they enter Pruner.identity
+    # values as given: they enter Pruner.identity
+    return LayerMapping({str(name): value for name, value in mapping.items()}, field,
+                        [str(name) for name in mapping if isinstance(name, float)])
 
 
 def optional_rate(rate: float | None, field: str) -> float | None:
@@ -120,10 +167,17 @@ class Pruner(ABC):
         must name prunable layers, and every per-layer setting a masked one (the main job calls this before it
         trains, so that a typo does not surface after dense training; :meth:`prepare` calls it too).
 
+        A float key of a per-layer setting (:func:`layer_mapping`) that could stand for several layers is refused
+        first (:meth:`LayerMapping.check_float_keys`), before it reads as an unknown name.
+
         Raises:
-            ValueError: naming the setting and its unknown names, listing the layers that would do.
+            ValueError: naming the setting and its unknown names, listing the layers that would do; or from
+                :meth:`LayerMapping.check_float_keys`.
         """
         prunable = list(prunable_layers(model))
+        for setting in vars(self).values():
+            if isinstance(setting, LayerMapping):
+                setting.check_float_keys(prunable)
         masked = self.layer_names if self.layer_names is not None else prunable
         for setting, names in self.named_layers().items():
             allowed = prunable if setting == "layers" else masked
