@@ -80,15 +80,35 @@ def test_resume_with_the_same_settings_returns_the_finished_run(tmp_path):
     assert trainer().fit(model(), 2, checkpoint, lr=0.1) == history  # the same lr, given another way
 
 
-def test_checkpoint_without_recorded_settings_resumes_but_not_with_fewer_epochs(tmp_path):
+def _without_settings(state: dict) -> None:
+    del state["settings"]
+
+
+def _without_elapsed_s(state: dict) -> None:
+    for entry in state["history"]:
+        del entry["elapsed_s"]
+
+
+@pytest.mark.parametrize(("strip", "identity", "lacking"), [
+    (_without_settings, None, "'settings'"), (lambda state: None, "pruner", "'identity'"),
+    (_without_elapsed_s, None, "'elapsed_s' in its history")], ids=["settings", "identity", "elapsed_s"])
+@pytest.mark.parametrize("epochs", [2, 4])
+def test_checkpoint_of_an_older_version_is_refused(tmp_path, strip, identity, lacking, epochs):
+    """Older versions wrote no settings (a resume with more epochs trained on under the saved 2-epoch cosine
+    schedule: epoch 3 at learning rate 0, epoch 4 at a rising one), no identity (a run of other settings resumed
+    it) or no elapsed_s (the wall time counted only the epochs after the resume). A helper's find; refused like
+    the evolutionary pruner's old checkpoints, before anything is loaded."""
     checkpoint = tmp_path / "fit.pt"
-    history = trainer().fit(model(), 2, checkpoint)
+    trainer().fit(model(), 2, checkpoint)
     state = load_checkpoint(checkpoint)
-    del state["settings"]  # as written before checkpoints recorded their settings
+    strip(state)
     save_checkpoint(checkpoint, state)
-    assert trainer().fit(model(), 2, checkpoint) == history
-    with pytest.raises(ValueError, match=rf"{re.escape(str(checkpoint))}: holds 2 epochs, more than the 1"):
-        trainer().fit(model(), 1, checkpoint)
+    resumed = model()
+    before = weights(resumed)
+    with pytest.raises(ValueError, match=rf"{re.escape(str(checkpoint))}: records no {lacking} .*; start the run "
+                                         "in a new folder"):
+        trainer().fit(resumed, epochs, checkpoint, identity=identity)
+    assert all(torch.equal(value, resumed.state_dict()[name]) for name, value in before.items())
 
 
 # Finding 2: damaged or foreign checkpoints give a ValueError naming the file and change nothing.

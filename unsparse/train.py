@@ -193,11 +193,32 @@ def _check_model_state(path: str | Path, saved: Any, model: nn.Module) -> None:
                          "another folder")
 
 
+def _check_recorded(path: str | Path, state: dict[str, Any], identity: str | None) -> None:
+    """Refuse a fit checkpoint that lacks what a resume checks or sums: the run's ``"settings"`` (without them a
+    resume with more epochs trained on under the saved cosine schedule), the ``"identity"`` where this run has one
+    (without it a run of other settings would resume it), and every history entry's ``elapsed_s`` (without it the
+    wall time would count only the epochs after the resume). Checkpoints of older versions lack them; a run with
+    one starts again in a new folder, as one with an old checkpoint of the evolutionary pruner's ranked list does.
+
+    Raises:
+        ValueError: naming ``path`` and what it lacks.
+    """
+    lacking = [what for what, lacks in (
+        ("'settings' (the epochs, learning rate and the like, which a resume must match)", "settings" not in state),
+        ("'identity' (the settings of the run that wrote it, which a resume must match)",
+         identity is not None and "identity" not in state),
+        ("'elapsed_s' in its history (the seconds of its epochs, which the run's time sums)",
+         not all(isinstance(entry, dict) and "elapsed_s" in entry for entry in state["history"])),
+    ) if lacks]
+    if lacking:
+        raise ValueError(f"{path}: records no {'; no '.join(lacking)}: an older version, or another kind of run, "
+                         "wrote it; start the run in a new folder")
+
+
 def fit_seconds(history: list[dict[str, float]]) -> float:
     """Seconds the epochs of a :meth:`Trainer.fit` history took, summed over every process that ran them: its last
-    entry's ``elapsed_s``, 0 for no epoch. An entry without it (from a checkpoint written before fit recorded it)
-    counts as 0, so a run resumed from such a checkpoint counts only the epochs after it."""
-    return history[-1].get("elapsed_s", 0.0) if history else 0.0
+    entry's ``elapsed_s`` (fit refuses a checkpoint without it), 0 for no epoch."""
+    return history[-1]["elapsed_s"] if history else 0.0
 
 
 @dataclass
@@ -319,8 +340,7 @@ class Trainer:
         ``after_step`` is passed to :meth:`train_epoch` (e.g. a pruning schedule). ``identity`` is written into
         the checkpoint and must match the one a checkpoint to resume from recorded (:func:`check_resumable`); so
         must the settings that shape the run (``epochs``, the learning rate used, ``momentum``, ``weight_decay``,
-        ``loss``), which every checkpoint records under ``"settings"`` (one written before it did checks only that
-        it holds no more than ``epochs`` epochs).
+        ``loss``), which every checkpoint records under ``"settings"``.
 
         Returns:
             One ``{"epoch", "train_loss", <val metrics>, "elapsed_s"}`` dict per epoch (resumed epochs included);
@@ -329,8 +349,9 @@ class Trainer:
 
         Raises:
             ValueError: naming the checkpoint: one written with another ``identity`` or other settings, holding
-                more than ``epochs`` epochs, written for another model (nothing is loaded then), or not a
-                readable, complete checkpoint (:func:`load_checkpoint`).
+                more than ``epochs`` epochs, written for another model (nothing is loaded then), one of an older
+                version that records no settings, no identity (where this run has one) or no ``elapsed_s``, or not
+                a readable, complete checkpoint (:func:`load_checkpoint`).
         """
         model.to(self.device)
         optimizer = self.optimizer(model, lr)
@@ -342,6 +363,7 @@ class Trainer:
         if checkpoint is not None and Path(checkpoint).exists():
             state = load_checkpoint(checkpoint, required=("model", "optimizer", "schedule", "rng", "history",
                                                           *(("loader_rng",) if generator is not None else ())))
+            _check_recorded(checkpoint, state, identity)
             check_resumable(checkpoint, state, identity)
             check_resumable(checkpoint, state, settings, key="settings")
             if len(state["history"]) > epochs:
