@@ -111,6 +111,31 @@ def test_checkpoint_of_an_older_version_is_refused(tmp_path, strip, identity, la
     assert all(torch.equal(value, resumed.state_dict()[name]) for name, value in before.items())
 
 
+def shuffled(generator: torch.Generator | None) -> dict[str, DataLoader]:
+    """:func:`loaders` whose train loader shuffles, with ``generator`` (None: torch's global one)."""
+    data = loaders()
+    return {**data, "train": DataLoader(data["train"].dataset, batch_size=8, shuffle=True, generator=generator)}
+
+
+@pytest.mark.parametrize(("before", "after", "shown"), [
+    (None, torch.Generator().manual_seed(0), "had no generator .*this run's has a generator of a 5056-byte state"),
+    (torch.Generator().manual_seed(0), None, "had a generator of a 5056-byte state, this run's has no generator")],
+    ids=["generator added", "generator dropped"])
+def test_resume_with_another_kind_of_loader_generator_is_refused(tmp_path, before, after, shown):
+    """The train loader's generator draws the training order: a checkpoint without one resumed by a loader with
+    one failed in torch after loading the model ("RNG state must be a torch.ByteTensor"), and the other way round
+    the run went on in another order than the one that wrote it, silently (a helper's find). A generator of the
+    same kind resumes, whatever its seed: the checkpoint's state replaces it."""
+    checkpoint = tmp_path / "fit.pt"
+    Trainer(shuffled(before), progress=False).fit(model(), 2, checkpoint)
+    resumed = model()
+    with pytest.raises(ValueError, match=rf"{re.escape(str(checkpoint))}: loader_rng: .*{shown}"):
+        Trainer(shuffled(after), progress=False).fit(resumed, 2, checkpoint)
+    assert all(torch.equal(value, resumed.state_dict()[name]) for name, value in weights(model()).items())
+    history = Trainer(shuffled(torch.Generator().manual_seed(1)), progress=False).fit(model(), 3, tmp_path / "g.pt")
+    assert Trainer(shuffled(torch.Generator()), progress=False).fit(model(), 3, tmp_path / "g.pt") == history
+
+
 # Finding 2: damaged or foreign checkpoints give a ValueError naming the file and change nothing.
 
 def _truncated(path: Path) -> None:

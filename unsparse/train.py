@@ -215,6 +215,27 @@ def _check_recorded(path: str | Path, state: dict[str, Any], identity: str | Non
                          "wrote it; start the run in a new folder")
 
 
+def _check_loader_generator(path: str | Path, saved: torch.Tensor, generator: torch.Generator | None) -> None:
+    """Refuse a checkpoint whose ``loader_rng`` (the state of the train loader's generator, empty where the loader
+    had none) does not fit this run's train loader: a generator of another kind (another state size, e.g. a CUDA
+    one) or one present on one side only would draw another training order than the run that wrote it.
+
+    Raises:
+        ValueError: naming ``path`` and ``loader_rng``, and both generators.
+    """
+    size = generator.get_state().numel() if generator is not None else 0
+    if saved.numel() == size:
+        return
+
+    def described(state_bytes: int) -> str:
+        return (f"a generator of a {state_bytes}-byte state" if state_bytes
+                else "no generator (its order, if shuffled, drew from torch's global one)")
+
+    raise ValueError(f"{path}: loader_rng: the train loader of the run that wrote it had {described(saved.numel())}, "
+                     f"this run's has {described(size)}; resume with the same data loader, or start in another "
+                     "folder")
+
+
 def fit_seconds(history: list[dict[str, float]]) -> float:
     """Seconds the epochs of a :meth:`Trainer.fit` history took, summed over every process that ran them: its last
     entry's ``elapsed_s`` (fit refuses a checkpoint without it), 0 for no epoch."""
@@ -340,7 +361,8 @@ class Trainer:
         ``after_step`` is passed to :meth:`train_epoch` (e.g. a pruning schedule). ``identity`` is written into
         the checkpoint and must match the one a checkpoint to resume from recorded (:func:`check_resumable`); so
         must the settings that shape the run (``epochs``, the learning rate used, ``momentum``, ``weight_decay``,
-        ``loss``), which every checkpoint records under ``"settings"``.
+        ``loss``), which every checkpoint records under ``"settings"``, and the kind of the train loader's
+        generator (``"loader_rng"``, empty without one), which draws the training order.
 
         Returns:
             One ``{"epoch", "train_loss", <val metrics>, "elapsed_s"}`` dict per epoch (resumed epochs included);
@@ -348,10 +370,10 @@ class Trainer:
             writes before it, summed over every process that ran the epochs (:func:`fit_seconds`).
 
         Raises:
-            ValueError: naming the checkpoint: one written with another ``identity`` or other settings, holding
-                more than ``epochs`` epochs, written for another model (nothing is loaded then), one of an older
-                version that records no settings, no identity (where this run has one) or no ``elapsed_s``, or not
-                a readable, complete checkpoint (:func:`load_checkpoint`).
+            ValueError: naming the checkpoint: one written with another ``identity``, other settings or another
+                kind of loader generator, holding more than ``epochs`` epochs, written for another model (nothing is
+                loaded then), one of an older version that records no settings, no identity (where this run has
+                one) or no ``elapsed_s``, or not a readable, complete checkpoint (:func:`load_checkpoint`).
         """
         model.to(self.device)
         optimizer = self.optimizer(model, lr)
@@ -362,10 +384,11 @@ class Trainer:
         generator = self.loaders["train"].generator
         if checkpoint is not None and Path(checkpoint).exists():
             state = load_checkpoint(checkpoint, required=("model", "optimizer", "schedule", "rng", "history",
-                                                          *(("loader_rng",) if generator is not None else ())))
+                                                          "loader_rng"))
             _check_recorded(checkpoint, state, identity)
             check_resumable(checkpoint, state, identity)
             check_resumable(checkpoint, state, settings, key="settings")
+            _check_loader_generator(checkpoint, state["loader_rng"], generator)
             if len(state["history"]) > epochs:
                 raise ValueError(f"{checkpoint}: holds {len(state['history'])} epochs, more than the {epochs} asked "
                                  "for; resume with the same settings, or start in another folder")
