@@ -112,6 +112,27 @@ def test_an_output_folder_binds_to_its_job_only_once_it_holds_checkpoints(tmp_pa
     assert "no job.json" in caplog.text and (tmp_path / JOB_FILE).exists()
 
 
+def test_a_digits_folder_with_limit_test_resumes_and_one_of_the_old_validation_split_is_refused(tmp_path):
+    """A helper's report had digits folders made with limit_test refused on resume. A resume builds the splits
+    again, equal to the first run's; the folders refused were made before limit_test limited digits' validation
+    split too (c005f5b: 180 images then, the first 60 now). Their checkpoints were pruned and fine-tuned against
+    that other validation split, so the refusal, naming data.val, is right."""
+    import dataclasses
+
+    from unsparse.pipeline import JOB_FILE, claim_output_folder, job_identity
+
+    def identity(splits) -> str:
+        return job_identity(splits, create_model("vgg_small", width=4), MagnitudePruner(0.9), TrainSettings(), 0)
+
+    claim_output_folder(tmp_path, identity(digits(limit_test=60)))
+    (tmp_path / "dense.pt").write_bytes(b"not read")  # a checkpoint: the folder is bound now
+    claim_output_folder(tmp_path, identity(digits(limit_test=60)))  # the resume
+    limited = digits(limit_test=60)
+    (tmp_path / JOB_FILE).write_text(identity(dataclasses.replace(limited, val=digits().val)) + "\n")
+    with pytest.raises(ValueError, match=r"data.val: '180:\w+' there, '60:\w+' here"):
+        claim_output_folder(tmp_path, identity(limited))
+
+
 def test_a_pruner_that_stops_below_its_target_says_so(tmp_path, caplog):
     """Evolutionary pruning without iterations stops at its initial sparsity: the log and the report say the target
     was not reached instead of presenting the result as the run asked for."""
