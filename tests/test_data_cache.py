@@ -28,8 +28,15 @@ def fashion_files(count: int, size: int = 28, fill: int = 1) -> dict[str, bytes]
             for name in FASHION_MNIST_FILES}
 
 
-PREPARE = "import sys; from pathlib import Path; from unsparse.data import _prepare_fashion_mnist_root as p; " \
-          "print(p(Path(sys.argv[1])))"
+def prepared(source: Path) -> Path:
+    """The torchvision root that ``_prepare_fashion_mnist_root`` lays out for the Fashion-MNIST files in ``source``."""
+    from unsparse.data import _prepare_fashion_mnist_root, fashion_mnist_sources
+
+    return _prepare_fashion_mnist_root(source, fashion_mnist_sources(source))
+
+
+PREPARE = "import sys; from pathlib import Path; from unsparse.data import _prepare_fashion_mnist_root as p, " \
+          "fashion_mnist_sources as f; source = Path(sys.argv[1]); print(p(source, f(source)))"
 
 
 @pytest.mark.parametrize("suffix, compress", [(".gz", lambda data: gzip.compress(data, compresslevel=1)),
@@ -58,27 +65,23 @@ def test_concurrent_preparers_all_succeed_with_complete_files(tmp_path, suffix, 
 def test_a_replaced_source_is_read_again_and_a_truncated_one_is_named(tmp_path, monkeypatch):
     """The cache is keyed on the source files' sizes and times, so a replaced file is not served from an old copy;
     a truncated one is refused naming it (torchvision reported a tensor shape error naming nothing)."""
-    from unsparse.data import _prepare_fashion_mnist_root
-
     monkeypatch.setenv("UNSPARSE_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "source"
     source.mkdir()
     for name, data in fashion_files(3, 2).items():
         (source / name).write_bytes(data)
-    first = _prepare_fashion_mnist_root(source) / "FashionMNIST" / "raw" / FASHION_MNIST_FILES[0]
+    first = prepared(source) / "FashionMNIST" / "raw" / FASHION_MNIST_FILES[0]
     assert first.read_bytes() == idx_file((3, 2, 2), 1)
     (source / FASHION_MNIST_FILES[0]).write_bytes(idx_file((5, 2, 2), 7))
-    again = _prepare_fashion_mnist_root(source) / "FashionMNIST" / "raw" / FASHION_MNIST_FILES[0]
+    again = prepared(source) / "FashionMNIST" / "raw" / FASHION_MNIST_FILES[0]
     assert again.read_bytes() == idx_file((5, 2, 2), 7)
     (source / FASHION_MNIST_FILES[1]).write_bytes(idx_file((5,), 7)[:-3])
     with pytest.raises(ValueError, match=rf"{FASHION_MNIST_FILES[1]}: 10 bytes, but its header \(5,\) needs 13"):
-        _prepare_fashion_mnist_root(source)
+        prepared(source)
 
 
 def test_a_damaged_gzip_stream_is_named(tmp_path, monkeypatch):
     """A flipped byte inside the compressed data raised a bare zlib.error that named no file."""
-    from unsparse.data import _prepare_fashion_mnist_root
-
     monkeypatch.setenv("UNSPARSE_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "source"
     source.mkdir()
@@ -90,7 +93,7 @@ def test_a_damaged_gzip_stream_is_named(tmp_path, monkeypatch):
     damaged[1000] ^= 0xFF  # inside the Huffman-coded labels: zlib's "invalid distance too far back"
     (source / f"{FASHION_MNIST_FILES[1]}.gz").write_bytes(bytes(damaged))
     with pytest.raises(ValueError, match=rf"{FASHION_MNIST_FILES[1]}.gz: cannot be read \(Error -3"):
-        _prepare_fashion_mnist_root(source)
+        prepared(source)
 
 
 @pytest.mark.parametrize(("replace", "message"), [
@@ -134,21 +137,21 @@ def test_constant_images_and_non_integer_limits_are_refused_by_name(tmp_path, mo
 def test_temporaries_a_killed_preparer_left_are_removed_once_old(tmp_path, monkeypatch, caplog):
     """A process killed mid-copy left a temporary file of up to 47 MB in the shared cache for good; one that may
     belong to a live writer (recent) stays."""
-    from unsparse.data import STALE_CACHE_WRITE_S, _prepare_fashion_mnist_root
+    from unsparse.data import STALE_CACHE_WRITE_S
 
     monkeypatch.setenv("UNSPARSE_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "source"
     source.mkdir()
     for name, data in fashion_files(3).items():
         (source / name).write_bytes(data)
-    raw = _prepare_fashion_mnist_root(source) / "FashionMNIST" / "raw"
+    raw = prepared(source) / "FashionMNIST" / "raw"
     old, recent = raw / f".{FASHION_MNIST_FILES[0]}.abcd1234.tmp", raw / f".{FASHION_MNIST_FILES[1]}.efgh5678.tmp"
     for path in (old, recent):
         path.write_bytes(b"partial")
     stamp = old.stat().st_mtime - STALE_CACHE_WRITE_S - 1
     os.utime(old, (stamp, stamp))
     with caplog.at_level("WARNING", logger="unsparse.data"):
-        _prepare_fashion_mnist_root(source)
+        prepared(source)
     assert not old.exists() and recent.exists()
     assert f"removed 1 temporary files that killed processes left in the data cache: {old.name}" in caplog.text
 
@@ -164,3 +167,22 @@ def test_disagreeing_files_are_named_as_they_are_stored(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=rf"{tmp_path}/train-labels-idx1-ubyte.gz: 40 labels for the 50 images of "
                                          rf"{tmp_path}/train-images-idx3-ubyte.gz"):
         fashion_mnist(tmp_path, val_size=10)
+
+
+def test_fashion_mnist_finds_its_source_files_once(tmp_path, monkeypatch):
+    """The files were looked up twice, for the cache and for the names in messages, which could disagree where the
+    folder changed in between (a .gz added next to a plain file)."""
+    import unsparse.data
+
+    monkeypatch.setenv("UNSPARSE_CACHE", str(tmp_path / "cache"))
+    looked_up = []
+    find = unsparse.data.fashion_mnist_sources
+    monkeypatch.setattr(unsparse.data, "fashion_mnist_sources", lambda source: looked_up.append(source) or find(source))
+    for name in FASHION_MNIST_FILES:
+        count = 50 if "train" in name else 20
+        dims, values = ((count,), 10) if "labels" in name else ((count, 28, 28), 256)
+        header = bytes([0, 0, 8, len(dims)]) + struct.pack(f">{len(dims)}I", *dims)
+        (tmp_path / name).write_bytes(header + bytes(index % values for index in range(math.prod(dims))))
+    splits = unsparse.data.fashion_mnist(tmp_path, val_size=10)
+    assert len(splits.train[1]) == 40 and len(splits.test[1]) == 20
+    assert looked_up == [tmp_path]

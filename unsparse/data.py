@@ -119,8 +119,9 @@ def fashion_mnist_sources(source: Path) -> dict[str, tuple[Path, Callable[..., A
     return found
 
 
-def _prepare_fashion_mnist_root(source: Path) -> Path:
-    """Lay out checked, decompressed copies of the Debian files where torchvision's FashionMNIST looks for them.
+def _prepare_fashion_mnist_root(source: Path, found: dict[str, tuple[Path, Callable[..., Any]]]) -> Path:
+    """Lay out checked, decompressed copies of the Debian files ``found`` in ``source`` (:func:`fashion_mnist_sources`,
+    which the caller also names them by) where torchvision's FashionMNIST looks for them.
 
     The copies live in a cache folder (``$UNSPARSE_CACHE``, default ``~/.cache/unsparse``) keyed by ``source``'s
     path and each source file's size and modification time, so a replaced file is read again; each is checked
@@ -131,11 +132,9 @@ def _prepare_fashion_mnist_root(source: Path) -> Path:
         The ``root`` to pass to ``torchvision.datasets.FashionMNIST`` (files under ``root/FashionMNIST/raw``).
 
     Raises:
-        DatasetUnavailableError: if a file is missing from ``source``.
         ValueError: naming the source file, if it cannot be decompressed or is not a complete idx file of images
             (3 dimensions) or labels (1).
     """
-    found = fashion_mnist_sources(source)
     stamp = [str(source.resolve())] + [f"{path.name}:{path.stat().st_size}:{path.stat().st_mtime_ns}"
                                        for path, _ in found.values()]
     root = _cache_dir() / "torchvision" / hashlib.sha1("|".join(stamp).encode()).hexdigest()[:12]
@@ -259,8 +258,9 @@ def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, li
     """
     from torchvision.datasets import FashionMNIST
 
-    torchvision_root = _prepare_fashion_mnist_root(Path(root))
-    sources = [path for path, _ in fashion_mnist_sources(Path(root)).values()]
+    found = fashion_mnist_sources(Path(root))
+    torchvision_root = _prepare_fashion_mnist_root(Path(root), found)
+    sources = [path for path, _ in found.values()]
     train, test = (labelled_images(FashionMNIST(str(torchvision_root), train=split == "train", download=False),
                                    *sources[offset:offset + 2], len(FASHION_MNIST_CLASSES))
                    for split, offset in (("train", 0), ("test", 2)))
