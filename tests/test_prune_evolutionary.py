@@ -239,6 +239,19 @@ def test_a_run_resumes_only_its_own_checkpoints(tmp_path):
         MagnitudePruner(target=0.3, fine_tune_epochs=1).run(tiny_model(seed=1), tiny_trainer(), tmp_path)
 
 
+def test_a_checkpoint_that_records_no_identity_is_refused(tmp_path):
+    """Checkpoints written before the pruners recorded their settings resumed unchecked, whatever settings wrote
+    them (a helper's find); they are refused before anything is loaded, naming the file."""
+    from unsparse.train import load_checkpoint, save_checkpoint
+
+    pruner(iterations=2).run(tiny_model(), tiny_trainer(), tmp_path)
+    state = load_checkpoint(tmp_path / evo.CHECKPOINT)
+    del state["identity"]
+    save_checkpoint(tmp_path / evo.CHECKPOINT, state)
+    with pytest.raises(ValueError, match=r"evolutionary.pt: records no 'identity' .*start the run in a new folder"):
+        pruner(iterations=2).run(tiny_model(), tiny_trainer(), tmp_path)
+
+
 def test_mutation_lowers_sparsity_of_previous_layers_with_valid_masks():
     p = prepared()
     p.chosen, p.delta = list(p.masks), dict.fromkeys(p.masks, 0.5)

@@ -104,6 +104,20 @@ def test_a_gradual_run_refuses_the_checkpoint_of_another_schedule(tmp_path):
                                                                                    tmp_path)
 
 
+def test_a_gradual_checkpoint_that_records_no_identity_is_refused(tmp_path):
+    """Written before the pruners recorded their settings, such a checkpoint resumed unchecked; its pruning steps
+    would have been counted from another run's epochs."""
+    from unsparse.train import load_checkpoint, save_checkpoint
+
+    GradualMagnitudePruner(target=0.5, pruning_steps=2, fine_tune_epochs=0).run(tiny_model(), tiny_trainer(), tmp_path)
+    state = load_checkpoint(tmp_path / "gradual.pt")
+    del state["identity"]
+    save_checkpoint(tmp_path / "gradual.pt", state)
+    with pytest.raises(ValueError, match=r"gradual.pt: records no 'identity' .*start the run in a new folder"):
+        GradualMagnitudePruner(target=0.5, pruning_steps=2, fine_tune_epochs=0).run(tiny_model(), tiny_trainer(),
+                                                                                   tmp_path)
+
+
 @pytest.mark.parametrize("method", ["magnitude", "gradual"])
 def test_wall_time_after_a_resume_counts_the_epochs_of_the_interrupted_process(tmp_path, interrupt_at_epoch,
                                                                                 method):

@@ -147,14 +147,19 @@ def check_resumable(path: str | Path, state: dict[str, Any], identity: str | Non
     Args:
         path: the checkpoint (named in the error). state: its content (:func:`load_checkpoint`).
         identity: what this run writes into its checkpoints (e.g. :meth:`~unsparse.prune.base.Pruner.identity`),
-            JSON or any string; None, or a checkpoint that records none, checks nothing.
+            JSON or any string; None checks nothing.
         key: the entry of ``state`` that holds what the run that wrote it recorded.
 
     Raises:
-        ValueError: naming the checkpoint and the settings that differ.
+        ValueError: naming the checkpoint and the settings that differ, or, where ``identity`` is given, a
+            checkpoint that records no ``key`` (an older version wrote it: the evolutionary and gradual pruners'
+            checkpoints recorded no identity before ef1f1e6, and resumed unchecked).
     """
     saved = state.get(key)
-    if identity is None or saved is None or saved == identity:
+    if identity is not None and saved is None:
+        raise ValueError(f"{path}: records no {key!r} (the settings of the run that wrote it, which a resume must "
+                         "match): an older version, or another kind of run, wrote it; start the run in a new folder")
+    if identity is None or saved == identity:
         return
     try:
         before, now = json.loads(saved), json.loads(identity)
@@ -193,26 +198,18 @@ def _check_model_state(path: str | Path, saved: Any, model: nn.Module) -> None:
                          "another folder")
 
 
-def _check_recorded(path: str | Path, state: dict[str, Any], identity: str | None) -> None:
-    """Refuse a fit checkpoint that lacks what a resume checks or sums: the run's ``"settings"`` (without them a
-    resume with more epochs trained on under the saved cosine schedule), the ``"identity"`` where this run has one
-    (without it a run of other settings would resume it), and every history entry's ``elapsed_s`` (without it the
-    wall time would count only the epochs after the resume). Checkpoints of older versions lack them; a run with
-    one starts again in a new folder, as one with an old checkpoint of the evolutionary pruner's ranked list does.
+def _check_recorded(path: str | Path, state: dict[str, Any]) -> None:
+    """Refuse a fit checkpoint whose history lacks ``elapsed_s`` in an entry (without it the wall time would count
+    only the epochs after the resume). Checkpoints of older versions lack it; a run with one starts again in a new
+    folder, as one with a checkpoint that records no settings or identity does (:func:`check_resumable`).
 
     Raises:
         ValueError: naming ``path`` and what it lacks.
     """
-    lacking = [what for what, lacks in (
-        ("'settings' (the epochs, learning rate and the like, which a resume must match)", "settings" not in state),
-        ("'identity' (the settings of the run that wrote it, which a resume must match)",
-         identity is not None and "identity" not in state),
-        ("'elapsed_s' in its history (the seconds of its epochs, which the run's time sums)",
-         not all(isinstance(entry, dict) and "elapsed_s" in entry for entry in state["history"])),
-    ) if lacks]
-    if lacking:
-        raise ValueError(f"{path}: records no {'; no '.join(lacking)}: an older version, or another kind of run, "
-                         "wrote it; start the run in a new folder")
+    if not all(isinstance(entry, dict) and "elapsed_s" in entry for entry in state["history"]):
+        raise ValueError(f"{path}: records no 'elapsed_s' in its history (the seconds of its epochs, which the run's "
+                         "time sums): an older version, or another kind of run, wrote it; start the run in a new "
+                         "folder")
 
 
 def _check_loader_generator(path: str | Path, saved: torch.Tensor, generator: torch.Generator | None) -> None:
@@ -385,7 +382,7 @@ class Trainer:
         if checkpoint is not None and Path(checkpoint).exists():
             state = load_checkpoint(checkpoint, required=("model", "optimizer", "schedule", "rng", "history",
                                                           "loader_rng"))
-            _check_recorded(checkpoint, state, identity)
+            _check_recorded(checkpoint, state)
             check_resumable(checkpoint, state, identity)
             check_resumable(checkpoint, state, settings, key="settings")
             _check_loader_generator(checkpoint, state["loader_rng"], generator)

@@ -110,8 +110,10 @@ class GradualMagnitudePruner(MagnitudePruner):
         steps_per_epoch = len(trainer.loaders["train"])
         scale = steps_per_epoch if self.unit == "epoch" else 1
         points = {(self.start + i * self.frequency) * scale for i in range(self.pruning_steps + 1)}
-        state = load_checkpoint(checkpoint) if checkpoint.exists() else {"history": []}
-        check_resumable(checkpoint, state, self.identity())
+        state = {"history": []}
+        if checkpoint.exists():
+            state = load_checkpoint(checkpoint)
+            check_resumable(checkpoint, state, self.identity())
         done = len(state["history"])
         counter = done * steps_per_epoch
         if counter == 0 and 0 in points:
