@@ -252,6 +252,20 @@ def test_a_checkpoint_that_records_no_identity_is_refused(tmp_path):
         pruner(iterations=2).run(tiny_model(), tiny_trainer(), tmp_path)
 
 
+def test_a_resume_with_another_kind_of_loader_generator_is_refused(tmp_path):
+    """A checkpoint of a loader without a generator made torch fail on the state after the model was loaded, and
+    one whose loader had a generator resumed a loader without one in another order, silently."""
+    from unsparse.train import load_checkpoint, save_checkpoint
+
+    pruner(iterations=2).run(tiny_model(), tiny_trainer(), tmp_path)
+    state = load_checkpoint(tmp_path / evo.CHECKPOINT)
+    state["loader_rng"] = torch.empty(0)
+    save_checkpoint(tmp_path / evo.CHECKPOINT, state)
+    with pytest.raises(ValueError, match=r"evolutionary.pt: loader_rng: the train loader of the run that wrote it "
+                                         r"had no generator"):
+        pruner(iterations=2).run(tiny_model(), tiny_trainer(), tmp_path)
+
+
 def test_mutation_lowers_sparsity_of_previous_layers_with_valid_masks():
     p = prepared()
     p.chosen, p.delta = list(p.masks), dict.fromkeys(p.masks, 0.5)

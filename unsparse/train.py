@@ -212,7 +212,7 @@ def _check_recorded(path: str | Path, state: dict[str, Any]) -> None:
                          "folder")
 
 
-def _check_loader_generator(path: str | Path, saved: torch.Tensor, generator: torch.Generator | None) -> None:
+def check_loader_generator(path: str | Path, saved: torch.Tensor, generator: torch.Generator | None) -> None:
     """Refuse a checkpoint whose ``loader_rng`` (the state of the train loader's generator, empty where the loader
     had none) does not fit this run's train loader: a generator of another kind (another state size, e.g. a CUDA
     one) or one present on one side only would draw another training order than the run that wrote it.
@@ -385,7 +385,7 @@ class Trainer:
             _check_recorded(checkpoint, state)
             check_resumable(checkpoint, state, identity)
             check_resumable(checkpoint, state, settings, key="settings")
-            _check_loader_generator(checkpoint, state["loader_rng"], generator)
+            check_loader_generator(checkpoint, state["loader_rng"], generator)
             if len(state["history"]) > epochs:
                 raise ValueError(f"{checkpoint}: holds {len(state['history'])} epochs, more than the {epochs} asked "
                                  "for; resume with the same settings, or start in another folder")

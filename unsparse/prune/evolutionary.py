@@ -120,6 +120,7 @@ from unsparse.prune.masks import (
 from unsparse.settings import check_flag, check_integer, check_number
 from unsparse.train import (
     Trainer,
+    check_loader_generator,
     check_resumable,
     fit_seconds,
     load_checkpoint,
@@ -550,7 +551,8 @@ class EvolutionaryPruner(Pruner):
             updates brought back (``revived``: by mutation, crossover, or an ``after_step`` regrowth).
 
         Raises:
-            ValueError: a checkpoint in ``workdir`` written with other settings.
+            ValueError: a checkpoint in ``workdir`` written with other settings, by an older version (no identity or
+                another entry missing), or for a train loader with another kind of shuffle generator.
         """
         started = time.perf_counter()
         workdir = Path(workdir)
@@ -735,8 +737,11 @@ class EvolutionaryPruner(Pruner):
         """Restore the state written by :meth:`_record`; the log is set to the checkpoint's history (one line per
         entry): lines of an iteration the checkpoint does not hold are cut, and a log shorter than the history (a
         crash of the machine before the appended lines reached the disk) or missing is rebuilt, with a warning."""
-        state = load_checkpoint(checkpoint)
+        state = load_checkpoint(checkpoint, required=("model", "optimizer", "grad_stats", "delta", "sensitivity",
+                                                      "pending", "ranked", "iteration", "score", "history",
+                                                      "generator", "loader_rng", "elapsed_s"))
         check_resumable(checkpoint, state, self.identity())
+        check_loader_generator(checkpoint, state["loader_rng"], trainer.loaders["train"].generator)
         device = trainer.device
         self._prepared().load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
