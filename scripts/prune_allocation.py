@@ -46,6 +46,7 @@ from unsparse.atomic import atomic_write_json, atomic_write_text
 from unsparse.prune.base import PruneResult
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.masks import attach_masks, layer_sparsity, masks_of, model_weighted_sparsity
+from unsparse.settings import output_file
 from unsparse.train import Trainer, deterministic_algorithms
 
 ARMS = ("evolutionary", "gradual_global", "gradual_allocation")
@@ -195,7 +196,7 @@ def main() -> None:
                         metavar="KEY=VALUE", help="EvolutionaryPruner settings overriding the config file (repeatable)")
     parser.add_argument("--fine-tune-lr", type=TABLE.learning_rate, default=0.05,
                         help="fine-tuning learning rate of every arm (default %(default)s)")
-    parser.add_argument("--out", type=Path, required=True, help="JSON file (with --render: the Markdown page)")
+    parser.add_argument("--out", type=output_file, required=True, help="JSON file (with --render: the Markdown page)")
     parser.add_argument("--render", nargs="+", type=Path, metavar="JSON",
                         help="write the page for these --out files (.json or .json.xz) and run nothing")
     parser.add_argument("--arms", nargs="+", choices=[*ARMS, *MASK_ARMS], default=list(ARMS),
@@ -204,7 +205,6 @@ def main() -> None:
     TABLE.add_gradual_schedule_option(parser)
     SELECT.add_run_options(parser, "outputs/prune_allocation")
     args = parser.parse_args()
-    TABLE.check_file_option(parser, "--out", args.out)
     if args.render:
         atomic_write_text(args.out, markdown(TABLE.read_results(parser, "--render", args.render)))
         return

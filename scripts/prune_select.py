@@ -36,6 +36,7 @@ from unsparse.data import FASHION_MNIST_DIR, Splits, fashion_mnist
 from unsparse.models import create_model
 from unsparse.pipeline import git_commit
 from unsparse.prune.evolutionary import EvolutionaryPruner
+from unsparse.settings import output_file
 from unsparse.train import Trainer, deterministic_algorithms
 
 
@@ -206,7 +207,7 @@ def main() -> None:
                              "(default: epsilon=[0.015, 0.005])")
     parser.add_argument("--fine-tune-lr", nargs="+", type=TABLE.learning_rate, default=[0.01, 0.05],
                         help="fine-tuning learning rates, each tried on every pruned candidate (default 0.01 0.05)")
-    parser.add_argument("--out", type=Path, help="JSON file (with --render: the Markdown page); required unless "
+    parser.add_argument("--out", type=output_file, help="JSON file (with --render: the Markdown page); required unless "
                                                  "--dense-only")
     parser.add_argument("--dense-only", action="store_true",
                         help="only train (or finish) the dense models under --workdir, for jobs to share")
@@ -216,8 +217,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.out is None and not args.dense_only:
         parser.error("--out is required unless --dense-only")
-    if args.out is not None:
-        TABLE.check_file_option(parser, "--out", args.out)
     if args.render:
         atomic_write_text(args.out, markdown(TABLE.read_results(parser, "--render", args.render)))
         return

@@ -380,13 +380,6 @@ def learning_rate(text: str) -> float:
     return rate
 
 
-def check_file_option(parser: argparse.ArgumentParser, option: str, path: Path) -> None:
-    """``parser.error`` naming ``option`` if ``path``, a file the script writes, is an existing folder (the write
-    would fail only after the training)."""
-    if path.is_dir():
-        parser.error(f"{option}: {path} is a folder; expected a file name")
-
-
 def check_data_root(parser: argparse.ArgumentParser, option: str, root: Path) -> None:
     """``parser.error`` naming ``option`` and the first missing file if the folder ``root`` lacks one of
     Fashion-MNIST's four idx files (:func:`unsparse.data.fashion_mnist_sources`), before any training: found only

@@ -39,6 +39,7 @@ from unsparse.quant import ActivationSpec, FP16Quantizer, KMeansQuantizer, Linea
 from unsparse.quant.base import Quantizer
 from unsparse.report.document import smoke_run_notice
 from unsparse.runtime import set_backend, sparsify
+from unsparse.settings import output_file
 from unsparse.sparse.codecs import PART_SEPARATOR
 from unsparse.sparse.io import file_tensor_bytes, load_sparse, save_sparse
 from unsparse.train import Trainer
@@ -208,13 +209,10 @@ def main() -> None:
                                                              "it about 15 minutes on 2 CPU cores)")
     parser.add_argument("--workdir", type=Path, default=Path("outputs/quant_table"),
                         help="checkpoints and quantized files, under full/ or quick/ (default %(default)s)")
-    parser.add_argument("--out", type=Path, default=None,
+    parser.add_argument("--out", type=output_file, default=None,
                         help="markdown file, the JSON written beside it; not a folder (default "
                              "docs/quantization_results.md; --quick: under --workdir)")
     args = parser.parse_args()
-    if args.out is not None and args.out.is_dir():
-        parser.error(f"--out: {args.out} is a folder; expected a markdown file name, e.g. "
-                     f"{args.out / 'quantization_results.md'}")
     budget = BUDGETS["quick" if args.quick else "full"]
     workdir = args.workdir / ("quick" if args.quick else "full")
     out = args.out or (workdir / "quantization_results.md" if args.quick else Path("docs/quantization_results.md"))

@@ -47,6 +47,7 @@ from unsparse.runtime.comparator import relative_error, tolerance
 from unsparse.runtime.layout import LAYOUTS as BASELINE_LAYOUTS
 from unsparse.runtime.precision import PRECISIONS, precision_mode
 from unsparse.runtime.timing import cache_bytes, rotated_inputs, rotation_count, time_fn
+from unsparse.settings import output_file
 
 LAYOUTS = (*BASELINE_LAYOUTS, "nhwc_converted")
 """Layer layouts timed, in the order of the records (see the module docstring)."""
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--layer-filter", default="", help="regular expression on layer names (search)")
     parser.add_argument("--whole-models", action="store_true", help="also time each dense model end to end")
     parser.add_argument("--device", type=cuda_device, default="cuda", help="a CUDA device (default: cuda)")
-    parser.add_argument("--out", required=True, help="JSON file to write")
+    parser.add_argument("--out", type=output_file, required=True, help="JSON file to write (not a folder)")
     return parser
 
 
@@ -166,14 +167,11 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments (a non-CUDA ``--device`` is refused, and an ``--out`` that is a folder, which the write
-    would fail on only after every timing), check that CUDA is there, time every selected layer and model, write
-    the JSON atomically."""
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if Path(args.out).is_dir():
-        parser.error(f"--out: {args.out} is a folder; expected a file name")
+    would fail on only after every timing: :func:`~unsparse.settings.output_file`), check that CUDA is there, time
+    every selected layer and model, write the JSON atomically."""
+    args = build_parser().parse_args(argv)
     require_cuda("time_cudnn_layouts.py")
-    atomic_write_text(Path(args.out), json.dumps(measure(args, args.device), indent=1))
+    atomic_write_text(args.out, json.dumps(measure(args, args.device), indent=1))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 from collections.abc import Callable, Collection
+from pathlib import Path
 from typing import Any
 
 
@@ -71,6 +72,19 @@ def check_choice(value: Any, choices: Collection[str], field: str) -> str:
     if not isinstance(value, str) or value not in choices:
         raise ValueError(f"{field}: expected one of {tuple(choices)}, got {value!r}")
     return value
+
+
+def output_file(text: str) -> Path:
+    """A file a script writes, given on its command line (an argparse ``type``): refused while the command line is
+    read if it names an existing folder, which the write would fail on only after the work (training, timings).
+
+    Raises:
+        argparse.ArgumentTypeError: naming the folder.
+    """
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{path} is a folder; expected a file name, e.g. {path / 'results.json'}")
+    return path
 
 
 def sparsity_argument(text: str) -> float:
