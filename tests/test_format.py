@@ -85,6 +85,19 @@ def test_validation_names_the_field(change, field):
         UniformCSR(values, col_idx, shape)
 
 
+def test_sizes_beyond_the_int32_indices_are_refused():
+    """An implicit row pointer M * L of 2^31 or more wrapped around in int32 (and went to cuSPARSE unchecked), and a
+    weight of no output channels skipped the size check with K = 2^70 (an audit's finds). Expanded views: no
+    memory."""
+    rows, length = 2**16, 2**15 + 1
+    with pytest.raises(SparseFormatError, match=r"values: .* stored entries; the int32 row pointer"):
+        UniformCSR(torch.zeros(1, 1).expand(rows, length), torch.zeros(1, 1, dtype=torch.int32).expand(rows, length),
+                   (rows, 1, 1, length))
+    with pytest.raises(SparseFormatError, match=r"weight_shape: K = 1180591620717411303424 columns"):
+        UniformCSR(torch.zeros(0, 3), torch.zeros(0, 3, dtype=torch.int32), (0, 2**70, 1, 1))
+    UniformCSR(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int32), (2, 2**31, 1, 1))  # K at the bound
+
+
 def test_from_dense_rejects_bad_weights():
     with pytest.raises(SparseFormatError, match="weight"):
         UniformCSR.from_dense(torch.ones(3, 3))

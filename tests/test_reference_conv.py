@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv1d, sparse_conv2d
+from unsparse.sparse.functional import sparse_conv
 from unsparse.sparse.reference import reference_sparse_conv
 
 CPU_BACKENDS = ["reference", "dense_cpu", "im2col_cublas", "im2col_cusparse"]
@@ -327,16 +328,29 @@ def test_a_stride_that_is_no_integer_or_too_long_is_refused_not_truncated(value,
 
 
 @pytest.mark.parametrize("fields", [{"stride": (0, 1)}, {"dilation": (1, 0)}, {"padding": (0, -1)}, {"groups": 0},
-                                    {"spatial_dims": 3}])
+                                    {"spatial_dims": 3}, {"spatial_dims": 1, "padding": (2, 1)},
+                                    {"spatial_dims": 1, "stride": (2, 1)}, {"spatial_dims": 1, "dilation": (3, 1)}])
 def test_a_geometry_out_of_range_is_refused(fields):
     """A negative padding was never tested: without its check the reference conv cropped the input silently (a
-    mutation audit's find)."""
-    with pytest.raises(ValueError, match=r"geometry: invalid|spatial_dims"):
+    mutation audit's find). A Conv1d geometry with padding along H gave its (N, C, L) input a 4-D output (an
+    audit's find)."""
+    with pytest.raises(ValueError, match=r"geometry: invalid|spatial_dims|geometry: a Conv1d"):
         ConvGeometry(**fields)
     data = {**ConvGeometry().to_dict(), **{key: list(value) if isinstance(value, tuple) else value
                                            for key, value in fields.items()}}
-    with pytest.raises(ValueError, match=r"geometry: invalid|spatial_dims"):
+    with pytest.raises(ValueError, match=r"geometry: invalid|spatial_dims|geometry: a Conv1d"):
         ConvGeometry.from_dict(data)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int64, torch.bool])
+@pytest.mark.parametrize("backend", ["reference", "dense_cpu"])
+def test_an_integer_input_is_refused_not_computed_in_integers(dtype, backend):
+    """The backends cast the weight to the input's dtype: a uint8 input of 100s against weights 0.5, 1.5, 2.5 gave
+    44 (weights cut to integers, sums wrapped) where F.conv2d refuses (an audit's find)."""
+    weight = torch.tensor([[[[0.5, 1.5], [2.5, 0.0]]]])
+    with pytest.raises(ValueError, match=r"x: expected a floating-point tensor"):
+        sparse_conv(torch.full((1, 1, 2, 2), 100).to(dtype), UniformCSR.from_dense(weight), None, ConvGeometry(),
+                    backend=backend)
 
 
 def test_numpy_and_torch_integers_become_python_ints_in_a_geometry():

@@ -21,6 +21,9 @@ import torch
 
 INDEX_DTYPE = torch.int32
 """dtype of ``col_idx`` (the flat ``(c, r, s)`` filter index), as stored in files and passed to kernels."""
+INDEX_LIMIT = 2**31
+"""Bound of the int32 indices: column indices lie in ``[0, K)`` with ``K <= INDEX_LIMIT``, and the implicit row
+pointer's last entry ``M * L`` stays below it."""
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """Value dtypes a UniformCSR may hold."""
@@ -126,13 +129,17 @@ class UniformCSR:
 
         Raises:
             SparseFormatError: naming the field: non-tensor fields, wrong rank, wrong dtype, mismatched
-                shapes or devices, or a column index outside ``[0, K)`` (not checked on the ``meta`` device, whose
-                tensors hold no data: file loading shapes a model there before reading its tensors).
+                shapes or devices, sizes the int32 indices cannot address (``K`` above :data:`INDEX_LIMIT`, or
+                ``M * L`` at or above it), or a column index outside ``[0, K)`` (not checked on the ``meta``
+                device, whose tensors hold no data: file loading shapes a model there before reading its tensors).
         """
         if len(self.weight_shape) not in (3, 4) or any(d < 0 for d in self.weight_shape):
             raise SparseFormatError(f"weight_shape: expected 3 or 4 non-negative dims, got {self.weight_shape}")
         if math.prod(self.weight_shape) >= 2**63:
             raise SparseFormatError(f"weight_shape: {self.weight_shape} has more entries than a tensor can hold")
+        if self.columns > INDEX_LIMIT:  # checked on its own: a weight of 0 output channels has no entries at all
+            raise SparseFormatError(f"weight_shape: K = {self.columns} columns per row, more than int32 column "
+                                    f"indices address ({INDEX_LIMIT})")
         for name in ("values", "col_idx"):
             _require_strided(getattr(self, name), name)
         if self.values.dtype not in FLOAT_DTYPES:
@@ -149,6 +156,9 @@ class UniformCSR:
                 f"values: {self.values.shape[0]} rows, weight_shape says {self.weight_shape[0]} output channels")
         if self.values.shape[1] > self.columns:
             raise SparseFormatError(f"values: row length {self.values.shape[1]} exceeds K = {self.columns}")
+        if self.values.numel() >= INDEX_LIMIT:
+            raise SparseFormatError(f"values: {self.values.numel()} stored entries; the int32 row pointer (M * L) "
+                                    f"holds fewer than {INDEX_LIMIT}")
         if self.col_idx.device != self.values.device:
             raise SparseFormatError(f"col_idx: on {self.col_idx.device}, values on {self.values.device}")
         if self.col_idx.numel() > 0 and not self.col_idx.is_meta:  # a meta tensor has shapes only, no indices

@@ -42,11 +42,15 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
 
     Raises:
         KeyError: unknown backend name.
-        ValueError: input channels that do not match the weight; ``SparseFormatError`` (a ValueError) for a weight
-            whose tensors were changed in place into an invalid one (:meth:`ConvBackend.run` re-checks it).
+        ValueError: an input that is not a floating-point tensor (the backends cast the weight to the input's dtype,
+            so an integer input cut the weights to integers and wrapped its sums around: ``F.conv2d`` refuses it too),
+            input channels that do not match the weight; ``SparseFormatError`` (a ValueError) for a weight whose
+            tensors were changed in place into an invalid one (:meth:`ConvBackend.run` re-checks it).
     """
     from unsparse.runtime.backends import get_backend
 
+    if not x.is_floating_point():
+        raise ValueError(f"x: expected a floating-point tensor, got {x.dtype}")
     if x.dim() != 4:
         raise ValueError(f"x: expected (N, C, H, W), got shape {tuple(x.shape)}")
     if x.shape[1] != csr.in_channels_per_group * geometry.groups:

@@ -82,8 +82,8 @@ class ConvGeometry:
 
     Raises:
         SparseFormatError: on values that are no integers (floats, strings, booleans; numpy and torch integers are
-            converted), a non-positive stride/dilation/groups, negative padding, or ``spatial_dims`` other than 1
-            or 2.
+            converted), a non-positive stride/dilation/groups, negative padding, ``spatial_dims`` other than 1
+            or 2, or a Conv1d geometry other than 1/0/1 along H (its output would gain a height).
     """
 
     stride: tuple[int, int] = (1, 1)
@@ -101,6 +101,9 @@ class ConvGeometry:
             raise SparseFormatError(f"spatial_dims: expected 1 or 2, got {self.spatial_dims}")
         if min(self.stride) < 1 or min(self.dilation) < 1 or min(self.padding) < 0 or self.groups < 1:
             raise SparseFormatError(f"geometry: invalid {self}")
+        if self.spatial_dims == 1 and (self.stride[0], self.padding[0], self.dilation[0]) != (1, 0, 1):
+            raise SparseFormatError(f"geometry: a Conv1d (spatial_dims 1) runs over a height of 1, so stride, padding "
+                                    f"and dilation along H must be 1, 0 and 1; got {self}")
 
     @classmethod
     def of(cls, stride: int | tuple[int, ...] = 1, padding: str | int | tuple[int, ...] = 0,
