@@ -181,3 +181,14 @@ def test_an_unknown_backend_name_is_refused_up_front(tmp_path):
         with pytest.raises(KeyError, match=r"unknown backend 'refrence'; known: \[.*'reference'"):
             call()
     assert {layer.backend for layer in sparse_layers(model).values()} == {"reference"}
+
+
+@pytest.mark.parametrize(("shape", "spatial_dims"), [((4, 3, 5), 2), ((4, 3, 1, 5), 1)])
+def test_a_weight_of_the_wrong_rank_for_its_geometry_is_refused(shape, spatial_dims):
+    """A Conv1d weight (M, C, S) under a 2-D geometry ran as a 1 x S kernel over an image, silently (an audit's
+    find)."""
+    from unsparse.sparse import ConvGeometry, SparseFormatError, UniformCSR
+
+    csr = UniformCSR.from_dense(torch.randn(shape))
+    with pytest.raises(SparseFormatError, match=r"weight_shape: .* dimensions"):
+        SparseConv(csr, None, ConvGeometry.of(spatial_dims=spatial_dims))

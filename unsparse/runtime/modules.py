@@ -33,11 +33,18 @@ class SparseConv(nn.Module):
     Forward: ``(N, C, H, W)`` -> ``(N, M, E, F)`` for 2-D, in the input's layout (NCHW or channels-last);
     ``(N, C, L)`` -> ``(N, M, L_out)`` for 1-D, always contiguous (a transposed ``(N, L, C)`` input is copied).
     Unbatched inputs ``(C, H, W)`` / ``(C, L)``, as ``nn.Conv2d``/``nn.Conv1d`` accept, run as a batch of one.
+
+    Raises:
+        SparseFormatError: (a ``ValueError``) a weight whose rank is not ``geometry.spatial_dims + 2`` (a Conv1d
+            weight under a 2-D geometry ran as a 1 x S kernel over an image, with no error).
     """
 
     def __init__(self, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
                  backend: str = "reference", backend_params: dict[str, Any] | None = None) -> None:
         super().__init__()
+        if len(csr.weight_shape) != geometry.spatial_dims + 2:
+            raise SparseFormatError(f"weight_shape: {csr.weight_shape} has {len(csr.weight_shape)} dimensions, a "
+                                    f"{geometry.spatial_dims}-D convolution's weight has {geometry.spatial_dims + 2}")
         self.register_buffer("values", csr.values.detach().clone())
         self.register_buffer("col_idx", csr.col_idx.detach().clone())
         self.weight_shape = csr.weight_shape
