@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -354,3 +355,31 @@ def test_quantized_and_reloaded_models_agree_with_their_description(tmp_path, sc
     check_values_codecs(loaded)
     if scheme == "none":  # a reloaded unquantized model may still be quantized, and agrees with its new description
         check_values_codecs(LinearQuantizer(bits=4, progress=False).quantize(loaded, calibration()))
+
+
+POWER_OF_TWO_LINEAR = {True: lambda: SCHEMES["linear4_pow2"](), False: lambda: LinearQuantizer(bits=4, progress=False)}
+
+
+@pytest.mark.parametrize(("power_of_two", "step", "match"), [
+    (True, float(torch.tensor(0.3, dtype=torch.float32)),
+     r"^0\.0\.values: step 0\.30000001192092896 is not a power of two, which quantization\.weights\.power_of_two"),
+    (True, float(torch.tensor(3 * 2.0**-20, dtype=torch.float32)), r"^0\.0\.values: step 2\.86102294921875e-06 is not"),
+    (True, 0.5, None),
+    (True, 2.0**-140, None),  # a subnormal float32 power of two
+    (True, 1.0, None),
+    (False, float(torch.tensor(0.3, dtype=torch.float32)), None),  # eq. 20 steps are any float32 value > 0
+])
+def test_a_power_of_two_description_needs_power_of_two_steps(tmp_path, power_of_two, step, match):
+    """Eq. 21's step ``2^-fl`` is applied as a shift: a layer whose step was edited to 0.3 loaded while the model
+    still claimed ``power_of_two``."""
+    model = POWER_OF_TWO_LINEAR[power_of_two]().quantize(pruned_sparse_model(), calibration())
+    if power_of_two:  # the quantizer's own steps pass
+        assert all(math.frexp(layer.unsparse_codecs["values"]["step"])[0] == 0.5
+                   for layer in sparse_layers(model).values())
+    path = rewrite(save_sparse(model, tmp_path / "m.safetensors"),
+                   lambda t, m: m["tensors"]["0.0.values"]["codec"].update(step=step))
+    if match is None:
+        assert load_sparse(path).get_submodule("0.0").unsparse_codecs["values"]["step"] == step
+        return
+    with pytest.raises(SparseFormatError, match=match):
+        load_sparse(path)

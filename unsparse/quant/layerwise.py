@@ -30,7 +30,7 @@ class LayerwiseQuantizer(Quantizer):
 
     Subclasses set ``scheme`` (registered with the file loader, :func:`unsparse.quant.state.register_scheme`) and
     ``default_activations``, and implement :meth:`quantize_values`, :meth:`values_codec`, :meth:`settings` and
-    :meth:`from_settings`.
+    :meth:`from_settings`; a scheme whose settings bound a layer beyond its codec spec overrides :meth:`check_layer`.
 
     Args:
         activations: the activation quantization (None: the scheme's ``default_activations``).
@@ -45,7 +45,7 @@ class LayerwiseQuantizer(Quantizer):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        register_scheme(cls.scheme, cls.restore, cls.described_values_codec)
+        register_scheme(cls.scheme, cls.restore, cls.described_values_codec, cls.check_described_layer)
 
     def __init__(self, activations: ActivationSpec | None = None, progress: bool = True) -> None:
         if activations is not None and not isinstance(activations, ActivationSpec):
@@ -73,6 +73,14 @@ class LayerwiseQuantizer(Quantizer):
     @abstractmethod
     def values_codec(self) -> dict[str, Any]:
         """The codec spec every layer's ``values`` take, less each layer's own params (e.g. its ``step``)."""
+
+    def check_layer(self, name: str, values: torch.Tensor, codec: dict[str, Any]) -> None:
+        """What :meth:`values_codec` cannot say: one layer's ``values`` (as decoded) and its codec's own params
+        against this quantizer's settings; every layer this quantizer writes passes. Nothing to check here.
+
+        Raises:
+            SparseFormatError: naming ``<name>.values`` (or one of its stored parts) and the field.
+        """
 
     @abstractmethod
     def settings(self) -> dict[str, Any]:
@@ -124,6 +132,13 @@ class LayerwiseQuantizer(Quantizer):
     def described_values_codec(cls, description: dict[str, Any]) -> dict[str, Any]:
         """The :meth:`values_codec` of the :meth:`described` quantizer. Raises ``SparseFormatError`` as it."""
         return cls.described(description).values_codec()
+
+    @classmethod
+    def check_described_layer(cls, description: dict[str, Any], name: str, values: torch.Tensor,
+                              codec: dict[str, Any]) -> None:
+        """The :meth:`check_layer` of the :meth:`described` quantizer (the scheme's
+        :data:`~unsparse.quant.state.LayerCheck`). Raises ``SparseFormatError`` as they do."""
+        cls.described(description).check_layer(name, values, codec)
 
     @classmethod
     def restore(cls, model: nn.Module, description: dict[str, Any]) -> None:

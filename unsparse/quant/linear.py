@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from unsparse.quant.fixed_point import check_bits, fake_quantize, fixed_point_st
 from unsparse.quant.histogram import saturation_level
 from unsparse.quant.layerwise import LayerwiseQuantizer
 from unsparse.settings import check_flag, check_integer, check_quantile
+from unsparse.sparse.format import SparseFormatError
 
 EMPTY_LAYER_STEP = 1.0
 """Step recorded for a layer without nonzero weights (every code is 0, so the step is never used)."""
@@ -21,7 +23,8 @@ class LinearQuantizer(LayerwiseQuantizer):
 
     The weight saturation level is the ``weight_quantile`` histogram level of the layer's nonzero weight
     magnitudes (1.0: ``max |w|``, nothing saturates); zeros map to code 0, so they stay exactly zero.
-    Stored as bit-packed codes plus the step (codec ``fixed_point``).
+    Stored as bit-packed codes plus the step (codec ``fixed_point``); with ``power_of_two`` every layer's step is
+    an exact power of two (a file whose step is not is refused, :meth:`check_layer`).
 
     Args:
         bits: weight bits in ``[2, 16]``.
@@ -56,6 +59,19 @@ class LinearQuantizer(LayerwiseQuantizer):
 
     def values_codec(self) -> dict[str, Any]:
         return {"name": "fixed_point", "bits": self.bits}
+
+    def check_layer(self, name: str, values: torch.Tensor, codec: dict[str, Any]) -> None:
+        """With ``power_of_two``, the layer's step must be exactly ``2^-fl`` (eq. 21, applied as a shift): the
+        quantizer's own steps, :data:`EMPTY_LAYER_STEP` included, always are.
+
+        Raises:
+            SparseFormatError: naming ``<name>.values`` and its step.
+        """
+        step = codec.get("step")
+        if self.power_of_two and not (not isinstance(step, bool) and isinstance(step, int | float)
+                                      and math.isfinite(step) and step > 0 and math.frexp(step)[0] == 0.5):
+            raise SparseFormatError(f"{name}.values: step {step!r} is not a power of two, which "
+                                    "quantization.weights.power_of_two requires (eq. 21)")
 
     def settings(self) -> dict[str, Any]:
         return {"bits": self.bits, "weight_quantile": self.weight_quantile, "power_of_two": self.power_of_two}

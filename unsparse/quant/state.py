@@ -2,11 +2,12 @@
 
 A quantizer records ``model.unsparse_quantization = {"scheme": name, ...}`` and registers the scheme with
 :func:`register_scheme`: a restorer, which :func:`restore_quantization` calls on the freshly built architecture
-(on the ``meta`` device, before tensors are loaded) so that the state dict of the file and the model match, and
-the codec that the description gives every sparse layer's ``values``. Weight encodings themselves travel as
-tensor codecs (:mod:`unsparse.sparse.codecs`); :func:`check_values_codecs` holds them to the description, so a
-file whose description and weights disagree (a scheme relabelled, bits changed, raw values under ``linear``)
-cannot load as a model that misdescribes itself.
+(on the ``meta`` device, before tensors are loaded) so that the state dict of the file and the model match, the
+codec that the description gives every sparse layer's ``values``, and a check of what that codec spec cannot say
+(a layer's values and own codec params, e.g. its ``step``). Weight encodings themselves travel as tensor codecs
+(:mod:`unsparse.sparse.codecs`); :func:`check_values_codecs` holds them to the description, so a
+file whose description and weights disagree (a scheme relabelled, bits changed, raw values under ``linear``, a
+step that is no power of two under ``power_of_two``) cannot load as a model that misdescribes itself.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from unsparse.runtime.modules import sparse_layers
@@ -24,16 +26,25 @@ Restorer = Callable[[nn.Module, dict[str, Any]], None]
 ValuesCodec = Callable[[dict[str, Any]], dict[str, Any]]
 """``values_codec(description)``: the codec spec every sparse layer's ``values`` must match (its name and the
 scheme-wide params; a layer's own params, e.g. its ``step``, left out); raises SparseFormatError."""
+LayerCheck = Callable[[dict[str, Any], str, torch.Tensor, dict[str, Any]], None]
+"""``check_layer(description, name, values, codec)``: what the scheme-wide codec spec cannot say, a sparse layer's
+``values`` and its codec's own params (e.g. its ``step``) against the described settings; raises SparseFormatError
+naming ``<name>.values`` (or one of its stored parts) and the field."""
 
 RAW_CODEC = {"name": "raw"}
 """The codec of an unquantized model's values (``quantization: null`` in the file)."""
 
-_SCHEMES: dict[str, tuple[Restorer, ValuesCodec]] = {}
+_SCHEMES: dict[str, tuple[Restorer, ValuesCodec, LayerCheck]] = {}
 
 
-def register_scheme(scheme: str, restore: Restorer, values_codec: ValuesCodec) -> None:
+def _no_layer_check(description: dict[str, Any], name: str, values: torch.Tensor, codec: dict[str, Any]) -> None:
+    """The :data:`LayerCheck` of a scheme whose codec spec says all."""
+
+
+def register_scheme(scheme: str, restore: Restorer, values_codec: ValuesCodec,
+                    check_layer: LayerCheck = _no_layer_check) -> None:
     """Make ``scheme`` known to the file loader (see the module docstring)."""
-    _SCHEMES[scheme] = (restore, values_codec)
+    _SCHEMES[scheme] = (restore, values_codec, check_layer)
 
 
 def describe_quantization(model: nn.Module) -> dict[str, Any] | None:
@@ -41,7 +52,7 @@ def describe_quantization(model: nn.Module) -> dict[str, Any] | None:
     return getattr(model, "unsparse_quantization", None)
 
 
-def _scheme(description: Any) -> tuple[Restorer, ValuesCodec]:
+def _scheme(description: Any) -> tuple[Restorer, ValuesCodec, LayerCheck]:
     """The registered functions of a (non-None) description's scheme.
 
     Raises:
@@ -67,13 +78,16 @@ def expected_values_codec(description: Any) -> dict[str, Any]:
 
 def check_values_codecs(model: nn.Module) -> None:
     """Every SparseConv's ``values`` codec (``unsparse_codecs``, raw when absent) against the codec that the model's
-    quantization description gives it (:func:`expected_values_codec`).
+    quantization description gives it (:func:`expected_values_codec`), then the layer's values and its codec's own
+    params against the described settings (the scheme's :data:`LayerCheck`).
 
     Raises:
-        SparseFormatError: naming ``<layer>.values`` for a layer whose codec disagrees, or the description's field.
+        SparseFormatError: naming ``<layer>.values`` (or one of its stored parts) for a layer whose codec or values
+            disagree, or the description's field.
     """
     description = describe_quantization(model)
     expected = expected_values_codec(description)
+    check_layer = _no_layer_check if description is None else _scheme(description)[2]
     for name, layer in sparse_layers(model).items():
         codec = getattr(layer, "unsparse_codecs", {}).get("values", RAW_CODEC)
         if any(key not in codec or type(codec[key]) is not type(value) or codec[key] != value
@@ -81,6 +95,7 @@ def check_values_codecs(model: nn.Module) -> None:
             scheme = "none" if description is None else description["scheme"]
             raise SparseFormatError(f"{name}.values: codec {codec} contradicts the quantization description (scheme "
                                     f"{scheme!r}), which gives {expected}")
+        check_layer(description, name, layer.values, codec)
 
 
 def restore_quantization(model: nn.Module, description: Any) -> None:
@@ -94,6 +109,6 @@ def restore_quantization(model: nn.Module, description: Any) -> None:
     """
     if description is None:
         return
-    restore, _ = _scheme(description)
+    restore = _scheme(description)[0]
     restore(model, description)
     model.unsparse_quantization = description
