@@ -14,8 +14,10 @@ from safetensors.torch import save
 from unsparse import create_model, load_sparse, save_sparse, sparsify
 from unsparse.prune import MagnitudePruner
 from unsparse.quant import ActivationSpec, FP16Quantizer, KMeansQuantizer, LinearQuantizer, NoQuantization
-from unsparse.quant.codecs import FixedPointCodec
+from unsparse.quant.codecs import CodebookCodec, FixedPointCodec
+from unsparse.quant.fixed_point import from_codes
 from unsparse.quant.histogram import saturation_level
+from unsparse.quant.packing import pack_bits, unpack_bits
 from unsparse.quant.state import check_values_codecs
 from unsparse.runtime import sparse_layers
 from unsparse.sparse.format import SparseFormatError
@@ -355,6 +357,104 @@ def test_quantized_and_reloaded_models_agree_with_their_description(tmp_path, sc
     check_values_codecs(loaded)
     if scheme == "none":  # a reloaded unquantized model may still be quantized, and agrees with its new description
         check_values_codecs(LinearQuantizer(bits=4, progress=False).quantize(loaded, calibration()))
+
+
+def recode(tensors, metadata, key, change):
+    """Re-encode codebook ``key`` with the codec's own encoder (a canonical encoding) after ``change(values, step)``
+    edited its decoded values in place; the layer's recorded nnz and sparsity follow the values."""
+    entry = metadata["tensors"][key]
+    parts = {part: tensors.pop(f"{key}::{part}") for part in ("indices", "centroids", "row_nnz")}
+    values = CodebookCodec().decode(parts, entry["codec"], tuple(entry["shape"]), key)
+    change(values, entry["codec"]["step"])
+    tensors.update({f"{key}::{part}": data for part, data in CodebookCodec().encode(values, entry["codec"]).items()})
+    layer = metadata["layers"][key.removesuffix(".values")]
+    layer["nnz"] = int((values != 0).sum())
+    layer["sparsity"] = 1.0 - layer["nnz"] / math.prod(layer["weight_shape"])
+
+
+def reassign(values, step, count, codes=None):
+    """Give ``count`` stored entries of ``values`` new values, each entry one whose centroid other entries keep
+    using (so every centroid stays used): the codes ``codes`` (default: codes not in the codebook yet), or 0 for a
+    stored zero, which must then lie before the row's last nonzero entry (it stays stored)."""
+    stored = values != 0
+    grid = torch.round(values / step).to(torch.int64)
+    uses = {code: int((grid[stored] == code).sum()) for code in grid[stored].tolist()}
+    codes = codes if codes is not None else [code for code in range(1, 128) if code not in uses][:count]
+    assert len(codes) == count
+    for (row, column), code in zip(stored.nonzero().tolist(), codes * 1000, strict=False):
+        if not codes:
+            break
+        if uses[int(grid[row, column])] > 1 and (code != 0 or bool(stored[row, column + 1:].any())):
+            uses[int(grid[row, column])] -= 1
+            values[row, column] = float(from_codes(torch.tensor(code), step))
+            codes = codes[1:]
+    assert not codes, "not enough entries to reassign"
+
+
+def repack_indices(tensors, key, change):
+    """Rewrite codebook ``key``'s 4-bit index part (an even number of indices) through ``change(indices)``."""
+    indices = unpack_bits(tensors[f"{key}::indices"], 4, tensors[f"{key}::indices"].numel() * 2, key)
+    change(indices)
+    tensors[f"{key}::indices"] = pack_bits(indices, 4)
+
+
+def duplicate_first_centroid(tensors, key):
+    """Append a copy of centroid 0 to ``key``'s codebook and point the first stored entry using it at the copy."""
+    centroids = tensors[f"{key}::centroids"]
+    tensors[f"{key}::centroids"] = torch.cat([centroids, centroids[:1]])
+
+    def point(indices):
+        indices[int((indices == 0).nonzero()[0])] = centroids.numel()  # the first index 0 is a stored entry here
+    repack_indices(tensors, key, point)
+
+
+KMEANS10 = "6.0.values"  # (16, 11) values in 10 clusters
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    (lambda t, m: recode(t, m, KMEANS10, lambda values, step: None), None),  # the encoder's own form loads
+    (lambda t, m: recode(t, m, KMEANS10, lambda values, step: reassign(values, step, 6)),
+     r"^6\.0\.values::centroids: 16 nonzero centroids, quantization\.weights\.clusters allows at most 10$"),
+    (lambda t, m: recode(t, m, KMEANS10, lambda values, step: reassign(values, step, 1)),
+     r"^6\.0\.values::centroids: 11 nonzero centroids, quantization\.weights\.clusters allows at most 10$"),
+    # unused codebook entries: 16 centroids in the file, 10 of them used
+    (lambda t, m: t.update({f"{KMEANS10}::centroids": torch.cat([t[f"{KMEANS10}::centroids"],
+                                                                  torch.arange(-6, 0, dtype=torch.int8)])}),
+     r"^6\.0\.values::centroids: centroid 10 \(code -6\) is used by no stored entry"),
+    (lambda t, m: duplicate_first_centroid(t, KMEANS10),
+     r"^6\.0\.values::centroids: code -127 appears twice"),
+])
+def test_a_codebook_beyond_the_described_clusters_is_refused(tmp_path, change, match, inputs):
+    """A layer's codebook holds its distinct stored values once each, at most ``clusters`` of them nonzero: a file
+    whose layer held 16 values under ``clusters: 10`` loaded (its 4-bit indices fit 16), as did unused centroids."""
+    model = KMeansQuantizer(clusters=10, n_init=1, progress=False).quantize(pruned_sparse_model(), calibration())
+    path = save_sparse(model, tmp_path / "m.safetensors")
+    assert contents(path)[0][f"{KMEANS10}::centroids"].numel() == 10
+    rewrite(path, change)
+    if match is None:
+        with torch.no_grad():
+            assert torch.equal(load_sparse(path)(inputs), model(inputs))
+        return
+    with pytest.raises(SparseFormatError, match=match):
+        load_sparse(path)
+
+
+def test_a_stored_zero_takes_a_zero_centroid_and_loads(tmp_path):
+    """A stored zero before a row's padding takes a codebook entry like any value (the codec's docstring); it is a
+    zero weight, not a cluster of k-means (whose nonzero centroids ``clusters`` bounds), so the model describes
+    itself truly and the file loads, and saves again alike. The quantizers leave none: built by hand here."""
+    model = KMeansQuantizer(clusters=10, n_init=1, progress=False).quantize(pruned_sparse_model(), calibration())
+    path = rewrite(save_sparse(model, tmp_path / "m.safetensors"),
+                   lambda t, m: recode(t, m, KMEANS10, lambda values, step: reassign(values, step, 1, codes=[0])))
+    tensors, _ = contents(path)
+    assert 0 in tensors[f"{KMEANS10}::centroids"].tolist() and tensors[f"{KMEANS10}::centroids"].numel() == 11
+    loaded = load_sparse(path)
+    values = loaded.get_submodule("6.0").values
+    assert torch.unique(values[values != 0]).numel() == 10
+    again, _ = contents(save_sparse(loaded, tmp_path / "again.safetensors"))
+    assert again.keys() == tensors.keys() and all(torch.equal(again[key], tensor) for key, tensor in tensors.items())
+    changed = values != model.get_submodule("6.0").values
+    assert int(changed.sum()) == 1 and float(values[changed]) == 0.0  # one weight fewer, still stored
 
 
 POWER_OF_TWO_LINEAR = {True: lambda: SCHEMES["linear4_pow2"](), False: lambda: LinearQuantizer(bits=4, progress=False)}

@@ -7,7 +7,8 @@ quantization); on save its codec stores the compact form, and on load it rebuild
 - ``fixed_point`` (params ``bits``, ``step``): signed codes of eq. 19 (:mod:`unsparse.quant.fixed_point`),
   two's complement, bit-packed (part ``codes``); value = code · step.
 - ``codebook`` (params ``index_bits``, ``centroid_bits``, ``step``) for a UniformCSR ``values`` ``(M, L)``
-  tensor: the centroids as fixed-point codes (part ``centroids``, int8 or int16), the bit-packed centroid
+  tensor: the centroids as fixed-point codes (part ``centroids``, int8 or int16; each distinct stored value once,
+  so every centroid is used by a stored entry and none repeats), the bit-packed centroid
   index of every entry (part ``indices``, e.g. two 4-bit indices per byte) and, per row, how many leading
   entries are stored (part ``row_nnz``, bit-packed in :func:`row_count_bits` bits, 1 to 31); the entries after
   them are UniformCSR padding and decode to exactly zero, so padding needs no codebook entry (paper 004 §4,
@@ -88,6 +89,21 @@ def _centroid_codes(centroids: torch.Tensor, index_bits: int, centroid_bits: int
     if codes.numel() and int(codes.abs().max()) > max_code(centroid_bits):
         raise SparseFormatError(f"{field}: codes outside [-{max_code(centroid_bits)}, {max_code(centroid_bits)}]")
     return codes
+
+
+def _check_codebook_form(centroids: torch.Tensor, used: torch.Tensor, field: str) -> None:
+    """The codebook holds each distinct stored value once, as the encoder writes it: no code twice, and each centroid
+    named by an entry of ``used`` (the stored entries' indices, all below ``centroids.numel()``). So its size is the
+    layer's count of distinct stored values, which a scheme's settings may bound (k-means ``clusters``)."""
+    distinct, counts = torch.unique(centroids, return_counts=True)
+    if bool((counts > 1).any()):
+        raise SparseFormatError(f"{field}: code {int(distinct[counts > 1][0])} appears twice; a codebook holds each "
+                                "distinct value once")
+    unused = (torch.bincount(used, minlength=centroids.numel()) == 0).nonzero()
+    if unused.numel():
+        index = int(unused[0])
+        raise SparseFormatError(f"{field}: centroid {index} (code {int(centroids[index])}) is used by no stored "
+                                "entry; a codebook holds only the stored values")
 
 
 def row_count_bits(row_length: int) -> int:
@@ -186,6 +202,7 @@ class CodebookCodec(TensorCodec):
         if bool((indices[stored] >= centroids.numel()).any()) or bool(indices[~stored].any()):
             raise SparseFormatError(f"{field}::indices: a stored entry names no centroid (of "
                                     f"{centroids.numel()}) or a padding entry is not 0")
+        _check_codebook_form(centroids, indices[stored], f"{field}::centroids")
         values = torch.zeros(M, L, dtype=torch.float32)
         values[stored] = from_codes(centroids, step)[indices[stored]]
         return values

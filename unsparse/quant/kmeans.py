@@ -6,7 +6,10 @@ centroids are quantized to ``centroid_bits``-bit signed fixed point (lines 8-10;
 largest centroid magnitude). Zeros (pruned weights and UniformCSR padding) are not clustered and stay
 exactly zero; weights whose centroid rounds to zero become zeros too and leave the UniformCSR (the layer is
 re-packed). The file stores ``ceil(log2 clusters)``-bit indices, packed (two per byte for 16 clusters),
-plus the codebook (codec ``codebook``, :mod:`unsparse.quant.codecs`).
+plus the codebook (codec ``codebook``, :mod:`unsparse.quant.codecs`): each distinct stored value once, so at
+most ``clusters`` nonzero codes (a file whose layer holds more is refused, :meth:`KMeansQuantizer.check_layer`).
+A zero code is no cluster: the quantizers store no zero, but a stored zero before a row's padding (a zero weight
+the codec keeps in place) takes one and loads.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from unsparse.quant.activations import ActivationSpec
 from unsparse.quant.fixed_point import check_bits, fixed_point_step, from_codes, to_codes
 from unsparse.quant.layerwise import LayerwiseQuantizer
 from unsparse.settings import check_choice, check_integer
+from unsparse.sparse.format import SparseFormatError
 
 EMPTY_LAYER_STEP = 1.0
 """Step recorded for a layer without nonzero weights (it has no centroid, so the step is never used)."""
@@ -96,6 +100,18 @@ class KMeansQuantizer(LayerwiseQuantizer):
 
     def values_codec(self) -> dict[str, Any]:
         return {"name": "codebook", "index_bits": self.index_bits, "centroid_bits": self.centroid_bits}
+
+    def check_layer(self, name: str, values: torch.Tensor, codec: dict[str, Any]) -> None:
+        """At most ``clusters`` distinct nonzero values, the nonzero centroids of the layer's codebook (which holds
+        each distinct stored value once; ``index_bits`` alone admits up to ``2^index_bits``).
+
+        Raises:
+            SparseFormatError: naming ``<name>.values::centroids`` and ``clusters``.
+        """
+        centroids = torch.unique(values[values != 0]).numel()
+        if centroids > self.clusters:
+            raise SparseFormatError(f"{name}.values::centroids: {centroids} nonzero centroids, "
+                                    f"quantization.weights.clusters allows at most {self.clusters}")
 
     def settings(self) -> dict[str, Any]:
         return {"clusters": self.clusters, "index_bits": self.index_bits, "centroid_bits": self.centroid_bits}

@@ -7,7 +7,8 @@ codec that the description gives every sparse layer's ``values``, and a check of
 (a layer's values and own codec params, e.g. its ``step``). Weight encodings themselves travel as tensor codecs
 (:mod:`unsparse.sparse.codecs`); :func:`check_values_codecs` holds them to the description, so a
 file whose description and weights disagree (a scheme relabelled, bits changed, raw values under ``linear``, a
-step that is no power of two under ``power_of_two``) cannot load as a model that misdescribes itself.
+layer's codebook beyond the described ``clusters``, a step that is no power of two under ``power_of_two``)
+cannot load as a model that misdescribes itself.
 """
 
 from __future__ import annotations
