@@ -483,3 +483,19 @@ def test_a_power_of_two_description_needs_power_of_two_steps(tmp_path, power_of_
         return
     with pytest.raises(SparseFormatError, match=match):
         load_sparse(path)
+
+
+def test_a_model_edited_after_quantizing_beyond_its_description_is_not_saved(tmp_path):
+    """A file the loader refuses is lost work: a k-means model given more distinct values than its ``clusters``
+    after quantizing was written, and only ``load_sparse`` refused it (a helper's find). Nothing is written."""
+    model = KMeansQuantizer(clusters=10, n_init=1, progress=False).quantize(pruned_sparse_model(), calibration())
+    layer = model.get_submodule("6.0")
+    step = layer.unsparse_codecs["values"]["step"]
+    with torch.no_grad():
+        used = {round(float(value) / step) for value in layer.values.unique()}
+        fresh = [code for code in range(-127, 128) if code not in used][:6]  # on the centroid grid, unused
+        kept = layer.values.nonzero()[:6]
+        layer.values[kept[:, 0], kept[:, 1]] = torch.tensor(fresh, dtype=layer.values.dtype) * step
+    with pytest.raises(ValueError, match=r"model: load_sparse would refuse its file \(6\.0\.values"):
+        save_sparse(model, tmp_path / "m.safetensors")
+    assert not list(tmp_path.iterdir())

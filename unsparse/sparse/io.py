@@ -95,13 +95,14 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
             convolution :func:`~unsparse.runtime.modules.sparsify` left dense (the loader rebuilds every convolution
             of the architecture as a sparse one, so such a file could not be read back), or layers or tensors that
             differ from the architecture ``unsparse_spec`` names (e.g. a replaced classifier), or values the loader
-            refuses (NaN or infinite, a negative BatchNorm variance), or an ``extra`` that is no JSON (a numpy
-            value, nesting deeper than the encoder goes) or whose JSON the loader refuses (keys that become one,
-            such as ``1`` and ``"1"``; nesting deeper than the parser reads; more than
+            refuses (NaN or infinite, a negative BatchNorm variance, quantized values that contradict the model's
+            quantization description: :func:`~unsparse.quant.state.check_values_codecs`), or an ``extra`` that is
+            no JSON (a numpy value, nesting deeper than the encoder goes) or whose JSON the loader refuses (keys that
+            become one, such as ``1`` and ``"1"``; nesting deeper than the parser reads; more than
             :data:`METADATA_MAX_CHARACTERS` in all): :func:`load_sparse` would refuse the file, and the same checks
             run before it is written.
     """
-    from unsparse.quant.state import describe_quantization
+    from unsparse.quant.state import check_values_codecs, describe_quantization
 
     spec = getattr(model, "unsparse_spec", None)
     if spec is None:
@@ -124,7 +125,8 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
                 "tensors": entries, "quantization": describe_quantization(model), "extra": extra or {}}
     try:
         _check_values(_shell_model(metadata), model.state_dict())
-    except SparseFileError as error:
+        check_values_codecs(model)
+    except SparseFormatError as error:
         raise ValueError(f"model: load_sparse would refuse its file ({error}): it checks the layers and tensors "
                          f"against the architecture unsparse_spec names ({spec}), and their values") from error
     try:  # extra is the caller's: values JSON cannot hold, or nesting deeper than the encoder goes
