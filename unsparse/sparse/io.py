@@ -458,9 +458,10 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
             dtypes, column indices outside
             ``[0, K)``, geometry or shape disagreeing with the architecture, a layer's recorded ``nnz`` or
             ``sparsity`` disagreeing with its values, non-finite values, negative
-            BatchNorm variances, a layer's ``values`` codec that contradicts the quantization description
-            (:func:`~unsparse.quant.state.check_values_codecs`), or a module's own check of its loaded state failing
-            (``check_loaded_state(name)``, e.g. an activation quantizer's saturation).
+            BatchNorm variances, a layer's ``values`` codec, codec parameters or values that contradict the
+            quantization description (:func:`~unsparse.quant.state.check_values_codecs`: e.g. a step that is no power
+            of two under ``power_of_two``, more nonzero centroids than ``clusters``), or a module's own check of
+            its loaded state failing (``check_loaded_state(name)``, e.g. an activation quantizer's saturation).
     """
     from unsparse.quant.state import check_values_codecs
     from unsparse.runtime.backends import get_backend
