@@ -15,6 +15,7 @@ from unsparse.pipeline import TimingSettings, TrainSettings, compare_layers, run
 from unsparse.prune import MagnitudePruner
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
+from unsparse.runtime import SparseConv, sparse_layers
 
 
 def small_real_data():
@@ -206,6 +207,68 @@ def test_a_layer_subset_is_judged_on_the_layers_it_prunes(tmp_path):
     markdown = (tmp_path / "report.md").read_text()
     assert "over the pruned layers only" in markdown and "Target 90.00%: reached." in markdown
     assert f"The test set ran on the plan: `{subset[0]}` on dense_cpu" in markdown
+
+
+def test_test_images_outside_the_plans_batch_size_are_reported_as_run_dense(tmp_path, caplog):
+    """Under auto, 60 test images in batches of 25 end in a batch of 10 that the plan (for 25) has no entry for; the
+    report said the whole test set ran on the plan (an audit's find)."""
+    from unsparse.pipeline import unplanned_images
+
+    assert unplanned_images(60, 25, 25) == 10 and unplanned_images(60, 30, 30) == 0 and unplanned_images(7, 25, 7) == 0
+    torch.manual_seed(0)
+    report = run_pipeline(digits(limit_train=200, limit_test=60), create_model("vgg_small", width=4),
+                          MagnitudePruner(0.5, fine_tune_epochs=0), lambda model, loader: model, tmp_path,
+                          TrainSettings(epochs=0, batch_size=64, eval_batch_size=25),
+                          TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]), backend="auto",
+                          progress=False)
+    assert report["plan_check"]["unplanned_images"] == 10
+    assert ("**10 test images ran on the dense default instead**: they came in a batch of another size than the "
+            "plan's 25 images") in (tmp_path / "report.md").read_text()
+
+
+def test_the_dense_default_named_as_backend_is_what_the_test_set_runs_on(tmp_path, monkeypatch):
+    """Planning left every layer on auto, and only other named backends were set back: the report said the test set
+    ran on dense_cpu while it ran on the plan (an audit's find)."""
+    from unsparse.train import Trainer
+
+    seen = {}
+    evaluate = Trainer.evaluate
+
+    def recording(self, model, split="val", desc=None):
+        if desc is not None and desc.startswith("test sparse"):
+            seen["backends"] = {layer.backend for layer in sparse_layers(model).values()}
+        return evaluate(self, model, split, desc)
+
+    monkeypatch.setattr(Trainer, "evaluate", recording)
+    torch.manual_seed(0)
+    run_pipeline(digits(limit_train=200, limit_test=60), create_model("vgg_small", width=4),
+                 MagnitudePruner(0.5, fine_tune_epochs=0), lambda model, loader: model, tmp_path,
+                 TrainSettings(epochs=0, batch_size=64),
+                 TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu", "reference"]),
+                 backend="dense_cpu", progress=False)
+    assert seen["backends"] == {"dense_cpu"}
+
+
+def test_the_report_names_the_commit_the_job_started_from(tmp_path, monkeypatch):
+    """The commit was read when the report was written, so a commit made while the job trained was named (an
+    audit's find)."""
+    import unsparse.pipeline as pipeline
+
+    head = {"commit": "started"}
+    monkeypatch.setattr(pipeline, "git_commit", lambda: head["commit"])
+
+    class CommittingWhilePruning(MagnitudePruner):
+        def run(self, *args, **kwargs):
+            head["commit"] = "made while the job ran"
+            return super().run(*args, **kwargs)
+
+    torch.manual_seed(0)
+    report = run_pipeline(digits(limit_train=200, limit_test=60), create_model("vgg_small", width=4),
+                          CommittingWhilePruning(0.5, fine_tune_epochs=0), lambda model, loader: model, tmp_path,
+                          TrainSettings(epochs=0, batch_size=64),
+                          TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]),
+                          backend="dense_cpu", progress=False)
+    assert report["run"]["commit"] == "started"
 
 
 def test_a_time_series_trains_an_autoencoder_and_reports_its_mse(tmp_path, caplog):
@@ -507,5 +570,22 @@ def test_report_md_counts_the_weights_quantization_rounds_to_zero(tmp_path):
             "itself).") in (tmp_path / "report.md").read_text()
     counts = report["conv_nonzeros"]
     assert counts["exported"] == sum(row["nnz"] for row in report["layers"]) < counts["pruned"]
+    # the weights as stored are sparser than after pruning; the report and the file's metadata give that figure (an
+    # audit found both giving the pruning's)
+    from unsparse.prune.masks import weighted_sparsity
+    from unsparse.report.document import sparsity_percent
+
+    loaded = load_sparse(tmp_path / "model.safetensors")
+    sizes = {name: module.weight.numel() if isinstance(module, torch.nn.Linear) else math.prod(module.weight_shape)
+             for name, module in loaded.named_modules() if isinstance(module, torch.nn.Linear | SparseConv)}
+    zeros = {name: int((module.weight == 0).sum()) if isinstance(module, torch.nn.Linear)
+             else sizes[name] - int((module.csr.to_dense() != 0).sum())
+             for name, module in loaded.named_modules() if name in sizes}
+    stored = weighted_sparsity({name: zeros[name] / sizes[name] for name in sizes}, sizes)
+    assert report["file"]["weighted_sparsity"] == pytest.approx(stored) and stored > report["pruning"][
+        "weighted_sparsity"]
+    assert loaded.unsparse_metadata["extra"]["weighted_sparsity"] == pytest.approx(stored)
+    assert (f"Weighted sparsity of the weights as stored (eq. 7-8, conv and linear): **{sparsity_percent(stored)}%**"
+            in (tmp_path / "report.md").read_text())
     assert (f"quantization rounded {counts['pruned'] - counts['exported']} of them to zero, so the exported file "
             f"holds {counts['exported']}") in (tmp_path / "report.md").read_text()

@@ -100,9 +100,10 @@ def run(cfg: DictConfig) -> None:
                   interrupted_command(program))
         raise SystemExit(130) from None
     accuracy = report["accuracy"]
-    log.info("weighted sparsity %.2f%% | %s dense %.4g, pruned %.4g, sparse run %.4g | report: %s",
-             100 * report["pruning"]["weighted_sparsity"], report["run"]["metric_label"], accuracy["dense"],
-             accuracy["pruned"], accuracy["sparse_run"], outdir / "report.md")
+    log.info("weighted sparsity %.2f%% pruned, %.2f%% as stored | %s dense %.4g, pruned %.4g, sparse run %.4g | "
+             "report: %s", 100 * report["pruning"]["weighted_sparsity"], 100 * report["file"]["weighted_sparsity"],
+             report["run"]["metric_label"], accuracy["dense"], accuracy["pruned"], accuracy["sparse_run"],
+             outdir / "report.md")
 
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="bench")

@@ -24,6 +24,7 @@ from torch import nn
 from unsparse.atomic import atomic_write_text, remove_stale_temporaries
 from unsparse.data import Splits
 from unsparse.prune.base import Pruner
+from unsparse.prune.masks import weighted_sparsity
 from unsparse.report import layer_rows, timing_verdicts, write_report
 from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
@@ -242,6 +243,33 @@ def git_tree_modified() -> bool | None:
     return bool(status.strip())
 
 
+def stored_weighted_sparsity(model: nn.Module) -> float:
+    """Weighted sparsity (paper 004 eq. 7-8) of a sparsified model's conv and linear weights as they are stored:
+    each SparseConv's zeros from its nnz (quantization may round kept weights to zero), each Linear's zero entries.
+    The basis of :func:`~unsparse.prune.masks.model_weighted_sparsity` before sparsifying: the same layers.
+
+    Raises:
+        ValueError: a model without conv or linear weights.
+    """
+    sizes, zeros = {}, {}
+    for name, module in model.named_modules():
+        if isinstance(module, SparseConv):
+            sizes[name] = math.prod(module.weight_shape)
+            zeros[name] = sizes[name] - module.csr.nnz
+        elif isinstance(module, nn.Linear):
+            sizes[name], zeros[name] = module.weight.numel(), int((module.weight == 0).sum())
+    return weighted_sparsity({name: zeros[name] / max(size, 1) for name, size in sizes.items()}, sizes)
+
+
+def unplanned_images(test_images: int, batch_size: int, planned_batch: int) -> int:
+    """Test images evaluated in batches of ``batch_size`` (the last one partial) whose size is not the plan's
+    ``planned_batch``: the plan holds entries for that batch size only, so under ``"auto"`` these run on the dense
+    default."""
+    full, last = divmod(test_images, batch_size)
+    sizes = [batch_size] * full + ([last] if last else [])
+    return sum(size for size in sizes if size != planned_batch)
+
+
 def layer_backends(model: nn.Module, backend: str, example: torch.Tensor) -> dict[str, str]:
     """The backend each SparseConv of ``model`` runs on for ``example``: ``backend``, or where that backend declines
     the layer (a dtype or geometry it lacks) the dense default it falls back to, with the reason
@@ -422,6 +450,7 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
     for name, text in (record or {}).items():
         atomic_write_text(outdir / name, text)
         log.info("%s:\n%s", name, text)
+    commit, tree_modified = git_commit(), git_tree_modified()  # the code this process runs, not the tree at its end
     device = device or torch.device("cpu")
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
@@ -450,17 +479,22 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
     sparse_model = sparsify(model.cpu())
     pruned_nonzeros = sum(layer.csr.nnz for layer in sparse_layers(sparse_model).values())
     sparse_model = quantizer(sparse_model, loaders["val"])
+    exported_sparsity = stored_weighted_sparsity(sparse_model)
     path = save_sparse(sparse_model, outdir / "model.safetensors",
-                       extra={"data": splits.name, "accuracy": accuracy, "weighted_sparsity": result.weighted_sparsity})
+                       extra={"data": splits.name, "accuracy": accuracy, "weighted_sparsity": exported_sparsity,
+                              "pruned_weighted_sparsity": result.weighted_sparsity})
     loaded = load_sparse(path, device=device)
 
     rows = layer_rows(loaded, path)
     example = splits.test[0][: train.eval_batch_size if backend == "auto" else timing.batch_size].to(device)
     timings, check = compare_layers(loaded, example, timing)
     runs_on = {"model_runs_on": backend, "layer_backends": layer_backends(loaded, backend, example)}
-    if backend == dense_fallback_backend(example.device):
+    if backend == "auto":
+        runs_on["unplanned_images"] = unplanned_images(len(splits.test[0]), train.eval_batch_size, len(example))
+    elif backend == dense_fallback_backend(example.device):
+        set_backend(loaded, backend)  # compare_layers left the layers on "auto", the plan
         runs_on["model_runs_on_is_default"] = True  # timed against itself, the figure would be noise
-    elif backend != "auto":
+    else:
         runs_on.update(time_model_on(loaded, example, backend, check.timing, timing))
     accuracy["sparse_run"] = trainer.evaluate(loaded, "test", f"test sparse ({backend})")[task.metric]
     weights = (f"trained on the data set, {train.epochs} epoch{'s' * (train.epochs != 1)} (not synthetic)"
@@ -469,8 +503,8 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
     report = {
         "run": {"data": splits.name, "model": model.unsparse_spec, "device": str(device), "torch": torch.__version__,
                 "weights": weights, "metric": task.metric, "metric_label": task.label,
-                "metric_trivial": trivial_score(splits), "commit": git_commit(),
-                "tree_modified": git_tree_modified(), "seed": seed, "deterministic": train.deterministic,
+                "metric_trivial": trivial_score(splits), "commit": commit,
+                "tree_modified": tree_modified, "seed": seed, "deterministic": train.deterministic,
                 "timing_runs": timing.repeats, "timing_warmup": timing.warmup},
         "accuracy": accuracy,
         "dense_training": dense_history,
@@ -489,6 +523,7 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
         "plan_check": {**asdict(check), "images": len(example), **runs_on},
         "file": {"path": path.name, "bytes": path.stat().st_size,
                  "sparse_conv_bytes": sum(row["file_bytes"] for row in rows),
+                 "weighted_sparsity": exported_sparsity,
                  "dense_conv_fp32_bytes": sum(row["dense_fp32_bytes"] for row in rows)},
     }
     figures = {"Layers: sparsity and storage": plot_layers(rows, outdir / "layers.png"),

@@ -89,7 +89,8 @@ def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[di
 def plan_check_text(check: dict[str, Any]) -> str:
     """One paragraph on the whole planned model against its dense default (the report's ``plan_check``: the fields
     of :class:`~unsparse.runtime.comparator.PlanCheck`, its ``margin`` a fraction, plus ``images`` per
-    forward, ``model_runs_on``, the backend the test set ran on, ``layer_backends``, each layer's backend there, and
+    forward, ``model_runs_on``, the backend the test set ran on, ``layer_backends``, each layer's backend there,
+    for ``auto`` ``unplanned_images``, the test images in batches of a size the plan has no entry for, and
     where that is not ``auto`` ``model_runs_on_ms``, ``model_runs_on_default_ms`` and ``model_runs_on_timing``,
     the model's time on it and on its dense default, and how both were timed, or ``model_runs_on_is_default`` where
     it is that default). Says whether the plan is faster,
@@ -130,6 +131,10 @@ def plan_check_text(check: dict[str, Any]) -> str:
     elif check.get("layer_backends"):
         text += " The test set ran on the plan: " + ", ".join(
             f"`{layer}` on {backend}" for layer, backend in check["layer_backends"].items()) + "."
+        if check.get("unplanned_images"):
+            text += (f" **{check['unplanned_images']} test images ran on the dense default instead**: they came in a "
+                     f"batch of another size than the plan's {check['images']} images, which the plan has no entry "
+                     "for.")
     return text
 
 
@@ -179,7 +184,8 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
             ``quantization`` (with optional ``conv_nonzeros``: ``pruned`` and ``exported`` nonzero conv weights,
             whose difference quantization rounded to zero), ``layers`` (rows of
             :func:`unsparse.report.layers.layer_rows`), ``timings``,
-            ``timing_baseline``, ``timing_verdicts`` (from :func:`timing_verdicts`), ``file``, optionally
+            ``timing_baseline``, ``timing_verdicts`` (from :func:`timing_verdicts`), ``file`` (with optional
+            ``weighted_sparsity``: the weights as stored, after quantization), optionally
             ``not_timed`` (rows without a time; those whose status is not ``"ok"`` are listed) and optionally
             ``plan_check`` (the fields of :class:`~unsparse.runtime.comparator.PlanCheck` with the keys
             :func:`plan_check_text` names).
@@ -227,9 +233,14 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
                                f"{counts['exported']} (its sparsities below count from the file)." if lost else
                                "quantization kept every one of them nonzero."))
     file_info = report["file"]
+    stored = file_info.get("weighted_sparsity")
+    stored_text = "" if stored is None else (
+        f"Weighted sparsity of the weights as stored (eq. 7-8, conv and linear): **{sparsity_percent(stored)}%**"
+        + (f", against {sparsity_percent(pruning['weighted_sparsity'])}% after pruning (quantization rounded weights "
+           "to zero). " if abs(stored - pruning["weighted_sparsity"]) > 1e-9 else ", as after pruning. "))
     sections += [
         "## Export",
-        f"`{file_info['path']}`: {file_info['bytes']} bytes in the file; the conv weights would take "
+        f"{stored_text}`{file_info['path']}`: {file_info['bytes']} bytes in the file; the conv weights would take "
         f"{file_info['dense_conv_fp32_bytes']} bytes dense in FP32 and take {file_info['sparse_conv_bytes']} here. "
         "Each conv is a uniform-nnz CSR matrix (paper 004 §5): every output channel stores `L` entries, the nonzeros "
         "of its densest channel, so sparser channels are padded with zero entries (`padding entries`).",
