@@ -1,10 +1,14 @@
-"""The benchmark's target evaluation and report rendering, on hand-made records (CPU, no timing)."""
+"""The benchmark's target evaluation and report rendering, on hand-made records and committed results (CPU, no
+timing)."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from unsparse.report.benchmark import evaluate_targets, markdown_report, plot_results
+from unsparse.report.results import beside, load_result, result_stem
 from unsparse.runtime.bench import for_json
 
 
@@ -191,3 +195,26 @@ def test_a_plan_slower_eagerly_in_one_layout_is_named_with_its_graph_times(resul
             "channels-last (1.360 against 1.264 ms); as CUDA graphs it takes 1.058 against 1.238 ms, so the eager "
             "loss is host time.") in text
     assert "the NCHW plan" not in text and "run that one instead" not in text
+
+
+RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+
+
+def committed(name: str) -> dict:
+    """A committed bench result as ``render_bench.py`` reads it: targets recomputed from its records."""
+    result = load_result(RESULTS / name)
+    result.setdefault("end_to_end", [])
+    return {**result, "targets": evaluate_targets(result)}
+
+
+def test_every_committed_page_renders_again_byte_for_byte(load_script) -> None:
+    """The pages under ``benchmarks/results`` are re-rendered from their JSON (their PNGs mostly not committed):
+    ``markdown_report`` without plots must keep giving each exactly, so that a re-render changes none by itself."""
+    is_bench_result = load_script("render_bench").is_bench_result
+    pages = 0
+    for path in sorted(RESULTS.iterdir()):
+        if path.name.endswith((".json", ".json.xz")) and is_bench_result(load_result(path)):
+            page = beside(result_stem(path), ".md")
+            assert markdown_report(committed(path.name)) == page.read_text(encoding="utf-8"), page.name
+            pages += 1
+    assert pages >= 129
