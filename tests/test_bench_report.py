@@ -3,6 +3,7 @@ timing)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -218,3 +219,28 @@ def test_every_committed_page_renders_again_byte_for_byte(load_script) -> None:
             assert markdown_report(committed(path.name)) == page.read_text(encoding="utf-8"), page.name
             pages += 1
     assert pages >= 129
+
+
+@pytest.mark.parametrize(("name", "written"), [
+    # FP16 only: the breakdown (summed FP32 times) was empty axes and a legend, with a log-scale warning
+    ("h100_2026-11-25_twentysecond_alexnet_fp16.json", ["speedup.png", "end_to_end.png"]),
+    ("h100_2026-11-24_layout_review_fixes_check_resnet50_layers_fp32.json", ["speedup.png", "breakdown.png"]),
+    # records from before the cuDNN-alone baseline: no speedup over it to draw (one empty panel before)
+    ("h100_2026-11-23_review_check.json", ["breakdown.png"]),
+])
+def test_a_plot_without_data_is_not_written(tmp_path, name, written) -> None:
+    result = committed(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Data has no positive values, and therefore cannot be log-scaled"
+        paths = plot_results(result, tmp_path)
+    assert [path.name for path in paths] == written
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(written)
+    assert all(path.read_bytes()[:4] == b"\x89PNG" for path in paths)
+
+
+def test_no_layer_records_no_layer_plots(result, tmp_path) -> None:
+    result["layers"] = []
+    result["targets"] = evaluate_targets(result)
+    assert [path.name for path in plot_results(result, tmp_path, prefix="r_")] == ["r_end_to_end.png"]
+    result["end_to_end"] = []
+    assert plot_results(result, tmp_path / "none") == [] and not (tmp_path / "none").exists()

@@ -92,6 +92,12 @@ def weights_text(result: dict[str, Any]) -> str:
     return "; ".join(parts) or "no records"
 
 
+def largest_batch(result: dict[str, Any]) -> int:
+    """The largest batch of a result's per-layer records (0 without any): the batch the speedup and breakdown plots
+    show."""
+    return max((record["batch"] for record in result["layers"]), default=0)
+
+
 def markdown_report(result: dict[str, Any]) -> str:
     """Markdown tables: environment, targets, every per-layer record, end-to-end runs."""
     env = result["environment"]
@@ -223,26 +229,35 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
     """``speedup.png`` (direct over cuDNN alone of the same precision per layer against sparsity, largest batch;
     one panel per model and precision: the break-even plot), ``breakdown.png`` (summed FP32 layer time per backend
     and model at sparsity 0.9, cuDNN alone for cuDNN) and ``end_to_end.png``, each name after ``prefix`` (so that
-    the plots of several results can share a folder)."""
+    the plots of several results can share a folder).
+
+    A plot with nothing to show is not written: no speedup over cuDNN alone at the largest batch (records from
+    before that baseline have none), no FP32 layer time at sparsity 0.9 there (an FP16-only run: the chart was
+    empty axes), no end-to-end run. A model or precision without data gets no panel or bar group.
+
+    Returns:
+        The paths written.
+    """
     import matplotlib.pyplot as plt
 
     from unsparse.report.plots import save_figure
 
     paths = []
-    largest = max((q["batch"] for q in result["layers"]), default=0)
+    largest = largest_batch(result)
     records = [r for r in result["layers"] if r["batch"] == largest]
-    layers = [r for r in records if r["precision"] == "fp32"]
-    models = sorted({r["model"] for r in records})
-    precisions = [p for p in PRECISIONS if any(r["precision"] == p for r in records)]
-    if models:
+    curves: dict[tuple[str, str], dict[str, list[tuple[float, float]]]] = {}
+    for r in records:
+        if r["speedup_vs_cudnn"] is not None:
+            curves.setdefault((r["precision"], r["model"]), {}).setdefault(r["layer"], []).append(
+                (r["target_sparsity"], r["speedup_vs_cudnn"]))
+    models = sorted({model for _, model in curves})
+    precisions = [p for p in PRECISIONS if any(precision == p for precision, _ in curves)]
+    if curves:
         fig, axes = plt.subplots(len(precisions), len(models), figsize=(5 * len(models), 4 * len(precisions)),
                                  squeeze=False)
         for row, precision in zip(axes, precisions, strict=True):
             for ax, name in zip(row, models, strict=True):
-                by_layer: dict[str, list[tuple[float, float]]] = {}
-                for r in records:
-                    if r["model"] == name and r["precision"] == precision and r["speedup_vs_cudnn"] is not None:
-                        by_layer.setdefault(r["layer"], []).append((r["target_sparsity"], r["speedup_vs_cudnn"]))
+                by_layer = curves.get((precision, name), {})
                 for layer, points in by_layer.items():
                     points.sort()
                     ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=layer)
@@ -252,16 +267,18 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
                 if 0 < len(by_layer) <= 16:
                     ax.legend(fontsize=6)
         paths.append(save_figure(fig, out_dir / f"{prefix}speedup.png", dpi=100))
+    layers = [r for r in records if r["precision"] == "fp32" and abs(r["target_sparsity"] - 0.9) < 1e-9]
+    backends = {"cuDNN alone": lambda r: (r.get("baseline") or {}).get("median_ms"),
+                **{name: lambda r, name=name: r["best_ms"].get(name)
+                   for name in ("direct", "im2col_cublas", "im2col_cusparse")}}
+    totals = {backend: {m: sum(ms(r) * r["count"] for r in layers if r["model"] == m and ms(r) is not None)
+                        for m in sorted({r["model"] for r in layers})} for backend, ms in backends.items()}
+    models = sorted({m for by_model in totals.values() for m, total in by_model.items() if total > 0})
+    if models:
         fig, ax = plt.subplots(figsize=(8, 4))
-        backends = {"cuDNN alone": lambda r: (r.get("baseline") or {}).get("median_ms"),
-                    **{name: lambda r, name=name: r["best_ms"].get(name)
-                       for name in ("direct", "im2col_cublas", "im2col_cusparse")}}
         width = 0.8 / len(backends)
-        for i, (backend, ms) in enumerate(backends.items()):
-            totals = [sum(ms(r) * r["count"] for r in layers
-                          if r["model"] == m and abs(r["target_sparsity"] - 0.9) < 1e-9 and ms(r) is not None)
-                      for m in models]
-            ax.bar([j + i * width for j in range(len(models))], totals, width, label=backend)
+        for i, (backend, by_model) in enumerate(totals.items()):
+            ax.bar([j + i * width for j in range(len(models))], [by_model[m] for m in models], width, label=backend)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
         ax.set(ylabel="sum of conv layer times (ms), sparsity 0.9", yscale="log")
         ax.legend()
