@@ -28,15 +28,18 @@ def is_bench_result(result: dict[str, Any]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     """Write ``<name>.md`` beside each ``<name>.json`` or ``<name>.json.xz`` (targets recomputed from the
-    records) and with ``--plots`` ``<name>_speedup.png`` etc. Files of other scripts are skipped, and a file that
-    cannot be rendered (a missing or null field) is named with its error while the others still render.
+    records) and with ``--plots`` ``<name>_speedup.png`` etc. (those with data), which the page then links; without
+    ``--plots`` it links none, as the committed pages do (each re-renders byte for byte). Files of other
+    scripts are skipped, and a file that cannot be rendered (a missing or null field) is named with its error while
+    the others still render.
 
     Returns:
         0, or 1 if any file could not be rendered.
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path, help="bench JSON files (.json or .json.xz)")
-    parser.add_argument("--plots", action="store_true", help="also write the PNG plots beside each file")
+    parser.add_argument("--plots", action="store_true",
+                        help="also write the PNG plots beside each file and link them from its page")
     args = parser.parse_args(argv)
     failed = 0
     for path in args.results:
@@ -48,9 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             result.setdefault("end_to_end", [])
             result["targets"] = evaluate_targets(result)
             stem = result_stem(path)
-            page = atomic_write_text(beside(stem, ".md"), markdown_report(result))
-            if args.plots:
-                plot_results(result, path.parent, prefix=f"{stem.name}_")
+            plots = plot_results(result, path.parent, prefix=f"{stem.name}_") if args.plots else []
+            page = atomic_write_text(beside(stem, ".md"), markdown_report(result, plots=plots))
         except (ValueError, KeyError, TypeError, AttributeError, OSError) as error:
             failed += 1
             print(f"FAILED {path}: {type(error).__name__}: {error}", file=sys.stderr)

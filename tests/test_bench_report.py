@@ -3,6 +3,8 @@ timing)."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import warnings
 from pathlib import Path
 
@@ -199,6 +201,7 @@ def test_a_plan_slower_eagerly_in_one_layout_is_named_with_its_graph_times(resul
 
 
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+LINK = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
 
 
 def committed(name: str) -> dict:
@@ -228,7 +231,7 @@ def test_every_committed_page_renders_again_byte_for_byte(load_script) -> None:
     # records from before the cuDNN-alone baseline: no speedup over it to draw (one empty panel before)
     ("h100_2026-11-23_review_check.json", ["breakdown.png"]),
 ])
-def test_a_plot_without_data_is_not_written(tmp_path, name, written) -> None:
+def test_the_page_links_exactly_the_plots_written_and_none_without_data(tmp_path, name, written) -> None:
     result = committed(name)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "Data has no positive values, and therefore cannot be log-scaled"
@@ -236,11 +239,31 @@ def test_a_plot_without_data_is_not_written(tmp_path, name, written) -> None:
     assert [path.name for path in paths] == written
     assert sorted(path.name for path in tmp_path.iterdir()) == sorted(written)
     assert all(path.read_bytes()[:4] == b"\x89PNG" for path in paths)
+    text = markdown_report(result, plots=[path.name for path in paths])
+    assert LINK.findall(text) == written
+    for plot in written:  # each link follows a line saying what the plot shows
+        assert f"{plot}: " in text.split("## Plots", 1)[1].split("## Per layer", 1)[0]
+    page = beside(result_stem(RESULTS / name), ".md").read_text(encoding="utf-8")
+    assert markdown_report(result, plots=paths) == text and markdown_report(result) == page
+    assert "## Plots" not in page and not LINK.findall(page)
 
 
-def test_no_layer_records_no_layer_plots(result, tmp_path) -> None:
+def test_render_bench_links_the_plots_it_writes_under_the_result_name(tmp_path, load_script) -> None:
+    name = "h100_2026-11-25_twentysecond_alexnet_fp16"
+    shutil.copy(RESULTS / f"{name}.json", tmp_path)
+    assert load_script("render_bench").main([str(tmp_path / f"{name}.json"), "--plots"]) == 0
+    written = [f"{name}_speedup.png", f"{name}_end_to_end.png"]
+    assert sorted(path.name for path in tmp_path.glob("*.png")) == sorted(written)
+    assert LINK.findall((tmp_path / f"{name}.md").read_text(encoding="utf-8")) == written
+    assert load_script("render_bench").main([str(tmp_path / f"{name}.json")]) == 0  # no --plots: no links
+    assert (tmp_path / f"{name}.md").read_text(encoding="utf-8") == (RESULTS / f"{name}.md").read_text(encoding="utf-8")
+
+
+def test_no_layer_records_no_layer_plots_and_an_unknown_plot_is_refused(result, tmp_path) -> None:
     result["layers"] = []
     result["targets"] = evaluate_targets(result)
     assert [path.name for path in plot_results(result, tmp_path, prefix="r_")] == ["r_end_to_end.png"]
     result["end_to_end"] = []
     assert plot_results(result, tmp_path / "none") == [] and not (tmp_path / "none").exists()
+    with pytest.raises(ValueError, match=r"plot layers\.png: not one of plot_results' plots"):
+        markdown_report(result, plots=["layers.png"])

@@ -1,8 +1,8 @@
 """The benchmark's report: issue targets evaluated from its records, ``bench.md`` and its PNG plots.
 
 Reads the result dictionary that :func:`unsparse.runtime.bench.run_bench` builds (``layers`` and ``end_to_end``
-records, ``environment``); writes nothing itself except the plots. Where sparse is slower than cuDNN the report
-says so, per precision and per end-to-end run.
+records, ``environment``); writes nothing itself except the plots, which the page links. Where sparse is slower
+than cuDNN the report says so, per precision and per end-to-end run.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from unsparse.runtime.comparator import PLAN_MARGIN
 from unsparse.runtime.precision import PRECISIONS
@@ -98,8 +99,38 @@ def largest_batch(result: dict[str, Any]) -> int:
     return max((record["batch"] for record in result["layers"]), default=0)
 
 
-def markdown_report(result: dict[str, Any]) -> str:
-    """Markdown tables: environment, targets, every per-layer record, end-to-end runs."""
+PLOTS = {
+    "speedup": "the sparse kernel's speedup over cuDNN alone (best layout) of the same precision, per layer against "
+               "sparsity, batch {batch}, one panel per model and precision (synthetic weights); above the dashed line "
+               "at 1 the sparse kernel is faster.",
+    "breakdown": "summed FP32 (TF32 off) conv layer time per model and backend at sparsity 0.9, batch {batch}, log "
+                 "scale (each layer times its count; cuDNN alone for cuDNN; no bar: not measured).",
+    "end_to_end": "whole-model time (ms, eager) per end-to-end run: the dense model (cuDNN) and the planned one, each "
+                  "in NCHW and channels-last (no bar: not run).",
+}
+"""What each of :func:`plot_results`'s plots shows, by the name it ends in (``<kind>.png``), for the page."""
+
+
+def plot_kind(name: str) -> str:
+    """The :data:`PLOTS` key of a plot file name (``run_s0.9_speedup.png`` -> ``speedup``).
+
+    Raises:
+        ValueError: naming the file, if its name ends in none of :data:`PLOTS`' ``<kind>.png``.
+    """
+    for kind in PLOTS:
+        if name.endswith(f"{kind}.png"):
+            return kind
+    raise ValueError(f"plot {name}: not one of plot_results' plots ({', '.join(f'{k}.png' for k in PLOTS)})")
+
+
+def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) -> str:
+    """Markdown tables: environment, targets, every per-layer record, end-to-end runs; with ``plots`` (the files
+    :func:`plot_results` wrote beside the page: names, or paths of which the name is linked) a section that links
+    each and says what it shows. Without, the page is the one pages rendered before plots were linked.
+
+    Raises:
+        ValueError: for a plot that is not one of :func:`plot_results`' (see :func:`plot_kind`).
+    """
     env = result["environment"]
     lines = ["# UnSparse benchmark", "", f"GPU: {env.get('gpu')}; driver {env.get('driver')}; torch {env['torch']}; "
              f"CUDA {env['cuda']}; cuDNN {env.get('cudnn')}; CuPy {env.get('cupy')}; commit {env['commit']}; "
@@ -173,6 +204,14 @@ def markdown_report(result: dict[str, Any]) -> str:
             lines.append(f"- end to end {r['model']} {r['precision']} b{r['batch']}: the planned model "
                          f"({_fmt(planned)} ms in its faster layout) is SLOWER than the dense model in {layout} "
                          f"({_fmt(dense)} ms); run that one instead.")
+    if plots:
+        lines += ["", "## Plots", ""]
+        for plot in plots:
+            name = Path(plot).name
+            kind = plot_kind(name)
+            lines += [f"{name}: {PLOTS[kind].format(batch=largest_batch(result))}", "",
+                      f"![{kind.replace('_', ' ')}]({quote(name)})", ""]
+        lines.pop()
     lines += ["", "## Per layer", "", "cuDNN alone: the convolution without bias, input and weight already in the "
               "layout named and the output left in it (`unsparse.runtime.baseline`); direct/cuDNN is against it. "
               "cuDNN call: `F.conv2d` as an NCHW model calls it (bias added in a separate kernel; its channels-last "
@@ -229,14 +268,14 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
     """``speedup.png`` (direct over cuDNN alone of the same precision per layer against sparsity, largest batch;
     one panel per model and precision: the break-even plot), ``breakdown.png`` (summed FP32 layer time per backend
     and model at sparsity 0.9, cuDNN alone for cuDNN) and ``end_to_end.png``, each name after ``prefix`` (so that
-    the plots of several results can share a folder).
+    the plots of several results can share a folder). What each shows: :data:`PLOTS`.
 
     A plot with nothing to show is not written: no speedup over cuDNN alone at the largest batch (records from
     before that baseline have none), no FP32 layer time at sparsity 0.9 there (an FP16-only run: the chart was
     empty axes), no end-to-end run. A model or precision without data gets no panel or bar group.
 
     Returns:
-        The paths written.
+        The paths written, in :data:`PLOTS`' order: what the page links (:func:`markdown_report`'s ``plots``).
     """
     import matplotlib.pyplot as plt
 

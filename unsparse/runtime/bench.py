@@ -527,11 +527,11 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     result["targets"] = evaluate_targets(result)
     result["complete"] = not result["stopped_early"] and not result["failed"]
     _write_json(result, out_dir)
+    plots = plot_results(result, out_dir)  # first: the page links the plots written (none without data)
     # from the figures bench.json keeps (for_json's 6 significant digits), so that re-rendering the JSON gives the
     # same page: rounding the full value to the page's 4 digits could differ (1.3705 -> 1.371, its JSON 1.37050 ->
     # 1.370 again after a decimal round trip)
-    atomic_write_text(out_dir / "bench.md", markdown_report(for_json(result)))
-    plot_results(result, out_dir)
+    atomic_write_text(out_dir / "bench.md", markdown_report(for_json(result), plots=plots))
     return result
 
 
