@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from unsparse.report.benchmark import evaluate_targets, markdown_report, plot_results
+from unsparse.report.benchmark import PLOTS, evaluate_targets, markdown_report, plot_results
 from unsparse.report.results import beside, load_result, result_stem
 from unsparse.runtime.bench import for_json
 
@@ -212,14 +212,18 @@ def committed(name: str) -> dict:
 
 
 def test_every_committed_page_renders_again_byte_for_byte(load_script) -> None:
-    """The pages under ``benchmarks/results`` are re-rendered from their JSON (their PNGs mostly not committed):
-    ``markdown_report`` without plots must keep giving each exactly, so that a re-render changes none by itself."""
+    """The pages under ``benchmarks/results`` are re-rendered from their JSON: ``markdown_report`` with the plots a
+    page links (``render_bench.py --plots`` names them ``<result>_<kind>.png``; most pages, rendered before plots
+    were linked, link none) must keep giving each exactly, and every plot a page links is committed beside it."""
     is_bench_result = load_script("render_bench").is_bench_result
     pages = 0
     for path in sorted(RESULTS.iterdir()):
         if path.name.endswith((".json", ".json.xz")) and is_bench_result(load_result(path)):
-            page = beside(result_stem(path), ".md")
-            assert markdown_report(committed(path.name)) == page.read_text(encoding="utf-8"), page.name
+            stem = result_stem(path)
+            text = beside(stem, ".md").read_text(encoding="utf-8")
+            linked = [f"{stem.name}_{kind}.png" for kind in PLOTS if f"]({stem.name}_{kind}.png)" in text]
+            assert all((RESULTS / name).is_file() for name in linked), stem.name
+            assert markdown_report(committed(path.name), plots=linked) == text, stem.name
             pages += 1
     assert pages >= 129
 
