@@ -31,9 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     a CUDA device when only tests were asked for (they would all skip, which pytest counts as success).
 
     Raises:
-        SystemExit: with status 2 and one line, before anything is written: for a bad option (argparse), or
-            without a CUDA device when the benchmark was asked for (:func:`~unsparse.runtime.bench.require_cuda`;
-            with ``--skip-tests``, ``run_bench`` stopped there with a traceback).
+        SystemExit: with status 2 and one line, before anything is written: for a bad option (argparse, and the
+            benchmark's settings through :func:`~unsparse.runtime.bench.check_run_settings`, which ``run_bench``
+            found only after the GPU tests), or without a CUDA device when the benchmark was asked for
+            (:func:`~unsparse.runtime.bench.require_cuda`; with ``--skip-tests``, ``run_bench`` stopped there with a
+            traceback).
     """
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "gpu_out"))
@@ -56,7 +58,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sparse-file", help="a trained model (model.safetensors) timed per layer and end to end")
     parser.add_argument("--sparse-input-shape", nargs="*", type=int, help="its per-sample input shape, e.g. 1 28 28")
     args = parser.parse_args(argv)
+    settings = {"runs": args.runs, "layer_filter": args.layer_filter, "time_budget_s": args.time_budget,
+                "sparse_file": args.sparse_file, "sparse_input_shape": args.sparse_input_shape, "timing": args.timing,
+                **(bench.QUICK if args.quick else {}),
+                **{name: getattr(args, name) for name in ("models", "sparsities", "batches", "precisions",
+                                                           "end_to_end", "end_to_end_sparsity")
+                   if getattr(args, name) is not None}}
     if not args.skip_bench:
+        try:
+            bench.check_run_settings(**settings)
+        except bench.BenchRefusedError as error:
+            parser.error(str(error))
         bench.require_cuda("gpu_check.py")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,13 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print(tests.stdout[-3000:] + tests.stderr[-2000:], flush=True)
         code = tests.returncode
     if not args.skip_bench:
-        settings = dict(bench.QUICK) if args.quick else {}
-        for name in ("models", "sparsities", "batches", "precisions", "end_to_end", "end_to_end_sparsity"):
-            if getattr(args, name) is not None:
-                settings[name] = getattr(args, name)
-        result = bench.run_bench(out, runs=args.runs, commit=env["commit"], layer_filter=args.layer_filter,
-                                 time_budget_s=args.time_budget, sparse_file=args.sparse_file,
-                                 sparse_input_shape=args.sparse_input_shape, timing=args.timing, **settings)
+        result = bench.run_bench(out, commit=env["commit"], **settings)
         print(json.dumps(result["targets"], indent=1), flush=True)
     return code
 

@@ -153,7 +153,10 @@ def test_a_refused_setting_is_one_line_and_exit_status_2(tmp_path, override, lin
     ("sparsities=[0.9,1.0]", "unsparse bench: refused: sparsities: expected a number in [0, 1) (a sparsity), got 1.0"),
     ("models=[vgg17]", "unsparse bench: refused: models: ['vgg17'] not among vgg16, resnet50, alexnet, googlenet"),
     ("layer_filter='features.(1'", "unsparse bench: refused: layer_filter: 'features.(1' is no regular expression"),
-    ("sparse_file=model.safetensors", "unsparse bench: refused: sparse_input_shape: needed with sparse_file"),
+    ("sparse_file=pyproject.toml", "unsparse bench: refused: sparse_input_shape: needed with sparse_file"),
+    ("sparse_file=missing.safetensors", "unsparse bench: refused: sparse_file: missing.safetensors is no file"),
+    ("batches=128", "unsparse bench: refused: batches: expected a list, e.g. [128], got 128"),
+    ("layer_filter=5", "unsparse bench: refused: layer_filter: expected a regular expression (a string), got 5"),
     ("batches=[0]", "unsparse bench: refused: batches: expected an integer >= 1, got 0"),
 ])
 def test_a_refused_bench_setting_is_one_line_and_exit_status_2(tmp_path, override, line):
@@ -162,7 +165,8 @@ def test_a_refused_bench_setting_is_one_line_and_exit_status_2(tmp_path, overrid
     per-layer timing."""
     command = [sys.executable, "-c", "from unsparse.cli import main; main()", "bench", override,
                f"hydra.run.dir={tmp_path}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)  # sparse_file=pyproject.toml: the repository's
     assert done.returncode == 2 and line in done.stderr and "Traceback" not in done.stderr
 
 

@@ -86,3 +86,24 @@ def test_a_bad_model_precision_or_sparsity_stops_before_anything_runs(load_scrip
         load_script("gpu_check").main(["--out", str(out), option, *values])
     assert stopped.value.code == 2 and not out.exists()
     assert f"argument {option}: {message}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    (["--batches", "0"], "batches: expected an integer >= 1, got 0"),
+    (["--runs", "0"], "runs: expected an integer >= 1, got 0"),
+    (["--time-budget", "-1"], "time_budget_s: expected a number > 0 (or null), got -1.0"),
+    (["--layer-filter", "("], "layer_filter: '(' is no regular expression"),
+    (["--sparse-file", "missing.safetensors"], "sparse_file: missing.safetensors is no file"),
+])
+def test_a_bad_benchmark_setting_stops_before_the_gpu_tests(load_script: Callable[[str], ModuleType],
+                                                             monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture, tmp_path: Path,
+                                                             options: list[str], message: str) -> None:
+    """run_bench refuses these, but only after the GPU tests had run for minutes, with a traceback and the log
+    written (a reread's find); they are refused while the command line is read, before anything is written."""
+    monkeypatch.setattr(bench, "require_cuda", lambda script: pytest.fail("got past the option checks"))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        load_script("gpu_check").main(["--out", str(out), *options])
+    assert stopped.value.code == 2 and not out.exists()
+    assert message in capsys.readouterr().err

@@ -11,6 +11,7 @@ the sparse model running its plan. Output: ``bench.json``, and ``bench.md`` with
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import math
 import platform
@@ -111,18 +112,23 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
     """Check :func:`run_bench`'s settings (same meanings) before any GPU work, so that a typo does not surface
     after minutes of timings or as a traceback deep inside them: model names from :data:`MODELS`, precisions from
     :data:`~unsparse.runtime.precision.PRECISIONS`, sparsities in ``[0, 1)`` (the range of
-    :func:`magnitude_prune_`), batch sizes and ``runs`` integers >= 1, ``sparse_input_shape`` given with
-    ``sparse_file`` (positive integers), ``layer_filter`` a regular expression, ``time_budget_s`` > 0, ``timing``
-    one of :data:`~unsparse.runtime.comparator.TIMINGS`.
+    :func:`magnitude_prune_`), batch sizes and ``runs`` integers >= 1, every sequence a list or tuple (not a string
+    or a lone number), ``sparse_file`` an existing file with a non-empty ``sparse_input_shape`` (positive
+    integers), ``layer_filter`` a regular expression, ``time_budget_s`` > 0, ``timing`` one of
+    :data:`~unsparse.runtime.comparator.TIMINGS`.
 
     Raises:
         BenchRefusedError: (a ``ValueError``) naming the setting and the value.
     """
     try:
+        for field, value in (("models", models), ("sparsities", sparsities), ("batches", batches),
+                             ("precisions", precisions), ("lowering_models", lowering_models),
+                             ("end_to_end", end_to_end)):
+            _check_list(value, field)
         for field, names, known in (("models", models, MODELS), ("lowering_models", lowering_models, MODELS),
                                     ("end_to_end", end_to_end, MODELS), ("precisions", precisions, PRECISIONS),
                                     ("timing", [timing], TIMINGS)):
-            unknown = [name for name in names if name not in known]
+            unknown = [name for name in names if not isinstance(name, str) or name not in known]
             if unknown:
                 raise ValueError(f"{field}: {unknown} not among {', '.join(known)}")
         for field, values in (("sparsities", sparsities), ("end_to_end_sparsity", [end_to_end_sparsity])):
@@ -132,19 +138,50 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
             for value in values:
                 check_integer(value, field)
         if sparse_file is not None:
+            if not Path(sparse_file).is_file():
+                raise ValueError(f"sparse_file: {sparse_file} is no file")
             if sparse_input_shape is None:
                 raise ValueError("sparse_input_shape: needed with sparse_file (the per-sample input shape, e.g. "
                                  "[1, 28, 28])")
+            _check_list(sparse_input_shape, "sparse_input_shape")
+            if not sparse_input_shape:
+                raise ValueError("sparse_input_shape: empty; expected the per-sample input shape, e.g. [1, 28, 28]")
             for value in sparse_input_shape:
                 check_integer(value, "sparse_input_shape")
         if time_budget_s is not None:
             check_number(time_budget_s, "time_budget_s", lambda number: number > 0, "> 0 (or null)")
         if layer_filter is not None:
+            if not isinstance(layer_filter, str):
+                raise ValueError(f"layer_filter: expected a regular expression (a string), got {layer_filter!r}")
             re.compile(layer_filter)
     except re.error as error:
         raise BenchRefusedError(f"layer_filter: {layer_filter!r} is no regular expression ({error})") from None
     except ValueError as error:
         raise BenchRefusedError(str(error)) from None
+
+
+def check_run_settings(**settings: Any) -> None:
+    """:func:`check_settings` on keyword settings of :func:`run_bench` (those not given at its defaults), for a
+    caller that checks its command line before other work (``scripts/gpu_check.py``).
+
+    Raises:
+        BenchRefusedError: as :func:`check_settings`.
+        TypeError: a name that is no setting of :func:`run_bench`.
+    """
+    arguments = RUN_BENCH_SIGNATURE.bind("", **settings)
+    arguments.apply_defaults()
+    check_settings(*(arguments.arguments[name] for name in inspect.signature(check_settings).parameters))
+
+
+def _check_list(value: Any, field: str) -> None:
+    """``value`` must be a list or tuple (a string or a lone number, as a command line gives ``batches=128``, is
+    not).
+
+    Raises:
+        ValueError: naming ``field``.
+    """
+    if not isinstance(value, list | tuple):
+        raise ValueError(f"{field}: expected a list, e.g. [{value!r}], got {value!r}")
 
 
 def build_model(name: str) -> nn.Module:
@@ -533,6 +570,10 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     # 1.370 again after a decimal round trip)
     atomic_write_text(out_dir / "bench.md", markdown_report(for_json(result), plots=plots))
     return result
+
+
+RUN_BENCH_SIGNATURE = inspect.signature(run_bench)
+""":func:`run_bench`'s parameters and defaults, for :func:`check_run_settings`."""
 
 
 def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch: int, device: torch.device,
