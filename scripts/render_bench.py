@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from unsparse.atomic import atomic_write_text
-from unsparse.report.benchmark import evaluate_targets, markdown_report, plot_results
+from unsparse.report.benchmark import evaluate_targets, linked_plots, markdown_report, plot_results
 from unsparse.report.results import beside, load_result, result_stem
 
 
@@ -29,7 +29,8 @@ def is_bench_result(result: dict[str, Any]) -> bool:
 def main(argv: list[str] | None = None) -> int:
     """Write ``<name>.md`` beside each ``<name>.json`` or ``<name>.json.xz`` (targets recomputed from the
     records) and with ``--plots`` ``<name>_speedup.png`` etc. (those with data), which the page then links; without
-    ``--plots`` it links none, as the committed pages do (each re-renders byte for byte). Files of other
+    ``--plots`` it keeps linking the plots the page already links and that exist beside it
+    (:func:`~unsparse.report.benchmark.linked_plots`), so each committed page re-renders byte for byte. Files of other
     scripts are skipped, and a file that cannot be rendered (a missing or null field) is named with its error while
     the others still render.
 
@@ -51,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
             result.setdefault("end_to_end", [])
             result["targets"] = evaluate_targets(result)
             stem = result_stem(path)
-            plots = plot_results(result, path.parent, prefix=f"{stem.name}_") if args.plots else []
-            page = atomic_write_text(beside(stem, ".md"), markdown_report(result, plots=plots))
+            page = beside(stem, ".md")
+            plots = (plot_results(result, path.parent, prefix=f"{stem.name}_") if args.plots
+                     else linked_plots(page, stem.name))
+            atomic_write_text(page, markdown_report(result, plots=plots))
         except (ValueError, KeyError, TypeError, AttributeError, OSError) as error:
             failed += 1
             print(f"FAILED {path}: {type(error).__name__}: {error}", file=sys.stderr)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from unsparse.report.benchmark import PLOTS, evaluate_targets, markdown_report, plot_results
+from unsparse.report.benchmark import evaluate_targets, linked_plots, markdown_report, plot_results
 from unsparse.report.results import beside, load_result, result_stem
 from unsparse.runtime.bench import for_json
 
@@ -221,8 +221,8 @@ def test_every_committed_page_renders_again_byte_for_byte(load_script) -> None:
         if path.name.endswith((".json", ".json.xz")) and is_bench_result(load_result(path)):
             stem = result_stem(path)
             text = beside(stem, ".md").read_text(encoding="utf-8")
-            linked = [f"{stem.name}_{kind}.png" for kind in PLOTS if f"]({stem.name}_{kind}.png)" in text]
-            assert all((RESULTS / name).is_file() for name in linked), stem.name
+            linked = linked_plots(beside(stem, ".md"), stem.name)
+            assert text.count("](") == len(linked), stem.name  # every link is to a plot committed beside it
             assert markdown_report(committed(path.name), plots=linked) == text, stem.name
             pages += 1
     assert pages >= 129
@@ -259,7 +259,14 @@ def test_render_bench_links_the_plots_it_writes_under_the_result_name(tmp_path, 
     written = [f"{name}_speedup.png", f"{name}_end_to_end.png"]
     assert sorted(path.name for path in tmp_path.glob("*.png")) == sorted(written)
     assert LINK.findall((tmp_path / f"{name}.md").read_text(encoding="utf-8")) == written
-    assert load_script("render_bench").main([str(tmp_path / f"{name}.json")]) == 0  # no --plots: no links
+    linked = (tmp_path / f"{name}.md").read_text(encoding="utf-8")
+    assert load_script("render_bench").main([str(tmp_path / f"{name}.json")]) == 0  # no --plots: keeps the links
+    assert (tmp_path / f"{name}.md").read_text(encoding="utf-8") == linked
+    (tmp_path / f"{name}_speedup.png").unlink()  # a plot no longer beside the page is no longer linked
+    assert load_script("render_bench").main([str(tmp_path / f"{name}.json")]) == 0
+    assert LINK.findall((tmp_path / f"{name}.md").read_text(encoding="utf-8")) == [f"{name}_end_to_end.png"]
+    (tmp_path / f"{name}.md").unlink()  # a page rendered anew without --plots links none
+    assert load_script("render_bench").main([str(tmp_path / f"{name}.json")]) == 0
     assert (tmp_path / f"{name}.md").read_text(encoding="utf-8") == (RESULTS / f"{name}.md").read_text(encoding="utf-8")
 
 

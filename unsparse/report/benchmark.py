@@ -123,6 +123,14 @@ def plot_kind(name: str) -> str:
     raise ValueError(f"plot {name}: not one of plot_results' plots ({', '.join(f'{k}.png' for k in PLOTS)})")
 
 
+def linked_plots(page: Path, name: str) -> list[str]:
+    """The plot files ``<name>_<kind>.png`` (:data:`PLOTS` order) that the Markdown ``page`` links and that exist
+    beside it: what a re-render without new plots keeps linking (none for a page not written yet)."""
+    text = page.read_text(encoding="utf-8") if page.is_file() else ""
+    return [f"{name}_{kind}.png" for kind in PLOTS
+            if f"]({name}_{kind}.png)" in text and (page.parent / f"{name}_{kind}.png").is_file()]
+
+
 def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) -> str:
     """Markdown tables: environment, targets, every per-layer record, end-to-end runs; with ``plots`` (the files
     :func:`plot_results` wrote beside the page: names, or paths of which the name is linked) a section that links
