@@ -390,6 +390,15 @@ def test_a_float_key_that_could_name_several_layers_is_refused():
     for layer_targets in ({1.2: 0.5}, {"1.1": 0.5, "1.10": 0.4}):
         MagnitudePruner(scope="layer", layer_targets=layer_targets).check_layers(both)
     assert MagnitudePruner(scope="layer", layer_targets={1.2: 0.5}).layer_targets == {"1.2": 0.5}
+    # a layer "7" reads as the integer 7, never as the float 7.0: no ambiguity (the message claimed one); the
+    # suggestion keeps the mapping's other keys (every masked layer needs a step); 1.1 and "1.1" are one name
+    flat = torch.nn.Sequential(*(conv() for _ in range(8)))  # 0 ... 7
+    with pytest.raises(ValueError, match=r"layer_targets: \['7.0'\] are not masked"):
+        MagnitudePruner(scope="layer", layer_targets={7.0: 0.5}).check_layers(flat)
+    with pytest.raises(ValueError, match=r'unit_step: \{"0": 0.02, "1.10": 0.03\}'):
+        EvolutionaryPruner(unit_step={"0": 0.02, 1.1: 0.03}).check_layers(both)
+    with pytest.raises(ValueError, match=r"layer_targets: the keys 1.1 and '1.1' name the same layer '1.1'"):
+        MagnitudePruner(scope="layer", layer_targets={1.1: 0.5, "1.1": 0.4})
 
 
 def test_numpy_scalars_are_refused_by_name_and_seeds_are_what_torch_takes():

@@ -12,7 +12,7 @@ import json
 import math
 import shlex
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,7 +67,7 @@ class LayerMapping(dict[str, float]):
         super().__init__(items)
         self.field, self.float_keys = field, float_keys
 
-    def check_float_keys(self, layers: Iterable[str]) -> None:
+    def check_float_keys(self, layers: Sequence[str]) -> None:
         """Refuse a float key that could stand for more than one of ``layers``: Hydra and YAML read an unquoted
         ``1.10`` as the float 1.1, whose ``str`` is ``"1.1"``, so with layers ``1.1`` and ``1.10`` (or ``1.10`` alone)
         the setting would go to another layer than meant (or be refused as naming none).
@@ -78,10 +78,10 @@ class LayerMapping(dict[str, float]):
                 ``oc.create``).
         """
         for name in self.float_keys:
-            alike = [layer for layer in layers if reads_as(layer, float(name))]
+            alike = [layer for layer in layers if "." in layer and reads_as(layer, float(name))]  # "7" reads as int
             other = next((layer for layer in alike if layer != name), None)
             if other is not None:
-                quoted = f'{{"{other}": {self[name]}}}'
+                quoted = json.dumps({other if key == name else key: value for key, value in self.items()})
                 created = "${oc.create:'" + quoted.replace('"', r'\"') + "'}"  # oc.create reads YAML
                 override = shlex.quote(f'prune.{self.field}="{created}"')
                 raise ValueError(
@@ -89,6 +89,20 @@ class LayerMapping(dict[str, float]):
                     f"that could stand for the layers {alike}; quote the layer's name, in a YAML config as "
                     f"{self.field}: {quoted}, or on the command line, where Hydra cannot quote a mapping's key, "
                     f"as {override}")
+
+
+def _check_colliding_keys(mapping: Mapping[Any, float], field: str) -> None:
+    """Refuse keys that become one name as strings (the float ``1.1`` and the string ``"1.1"``): one value would be
+    dropped unseen.
+
+    Raises:
+        ValueError: naming ``field`` and the keys.
+    """
+    names: dict[str, Any] = {}
+    for key in mapping:
+        if str(key) in names:
+            raise ValueError(f"{field}: the keys {names[str(key)]!r} and {key!r} name the same layer {str(key)!r}")
+        names[str(key)] = key
 
 
 def reads_as(text: str, number: float) -> bool:
@@ -108,13 +122,14 @@ def layer_mapping(mapping: Mapping[Any, float], field: str, valid: Callable[[flo
     :meth:`Pruner.check_layers` refuses once the model's layers show the key ambiguous.
 
     Raises:
-        ValueError: naming ``field`` and the layer, for a value that is no such number, or a ``mapping`` that is no
-            mapping.
+        ValueError: naming ``field`` and the layer, for a value that is no such number, a ``mapping`` that is no
+            mapping, or keys that become one name as strings (``1.1`` and ``"1.1"``).
     """
     if not isinstance(mapping, Mapping):
         raise ValueError(f"{field}: expected a mapping of layer names to numbers, got {mapping!r}")
     for name, value in mapping.items():
         check_number(value, f"{field}.{name}", valid, expected)
+    _check_colliding_keys(mapping, field)
     # values as given: they enter Pruner.identity
     return LayerMapping({str(name): value for name, value in mapping.items()}, field,
                         [str(name) for name in mapping if isinstance(name, float)])
