@@ -46,6 +46,7 @@ from unsparse.atomic import atomic_write_json, atomic_write_text
 from unsparse.prune.base import PruneResult
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.masks import attach_masks, layer_sparsity, masks_of, model_weighted_sparsity
+from unsparse.report.document import smoke_run_notice
 from unsparse.settings import output_file
 from unsparse.train import Trainer, deterministic_algorithms
 
@@ -144,7 +145,7 @@ def markdown(runs: list[dict[str, Any]]) -> str:
     difference to it (the allocation ablation); with the mask-swap arms, the split of the shortfall S = A - B into
     P = A - C, M = C - D and R = D - B (``plan_mask_swap.md``)."""
     meta = runs[0]["meta"]
-    lines = [f"# Ablation: {meta['model']}", "", *TABLE.smoke_run_notice(run["meta"]["budget_name"] for run in runs),
+    lines = [f"# Ablation: {meta['model']}", "", *smoke_run_notice(run["meta"]["budget_name"] for run in runs),
              "Written by `scripts/prune_allocation.py --render`; plans and reading rules in "
              "`plan_allocation_ablation.md` and `plan_mask_swap.md`. Per seed one dense model; every arm starts "
              f"from a copy of it (budget `{meta['budget_name']}`, evolutionary overrides {meta['overrides']}, "

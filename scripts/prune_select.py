@@ -36,6 +36,7 @@ from unsparse.data import FASHION_MNIST_DIR, Splits, fashion_mnist
 from unsparse.models import create_model
 from unsparse.pipeline import git_commit
 from unsparse.prune.evolutionary import EvolutionaryPruner
+from unsparse.report.document import smoke_run_notice
 from unsparse.settings import output_file
 from unsparse.train import Trainer, deterministic_algorithms
 
@@ -176,7 +177,7 @@ def markdown(selections: list[dict[str, Any]]) -> str:
     model and merged selection marked."""
     merged = merge(selections)
     lines = ["# Evolutionary settings chosen on the validation split", "",
-             *TABLE.smoke_run_notice(selection["meta"]["budget_name"] for selection in merged),
+             *smoke_run_notice(selection["meta"]["budget_name"] for selection in merged),
              "Written by `scripts/prune_select.py --render`. Each candidate: the evolutionary pruner to 92 % "
              "weighted sparsity with the given settings (the others as in `configs/prune/evolutionary.yaml`), then "
              "the budget's masked fine-tuning at the given learning rate; scored by validation top-1 only (the test "

@@ -380,6 +380,7 @@ class ZeroCheckingTrainer(Trainer):
 
 
 def test_after_step_zeroes_pruned_weights_gathers_their_gradients_and_regrows(tmp_path):
+    ZeroCheckingTrainer.pruned_gradients = 0
     model = tiny_model()
     p = pruner(mask_application="after_step", epsilon=-math.inf, iterations=6, target=0.95)
     result = p.run(model, tiny_trainer(ZeroCheckingTrainer), tmp_path)

@@ -83,7 +83,7 @@ def output_file(text: str) -> Path:
     """
     path = Path(text)
     if path.is_dir():
-        raise argparse.ArgumentTypeError(f"{path} is a folder; expected a file name, e.g. {path / 'results.json'}")
+        raise argparse.ArgumentTypeError(f"{path} is a folder; expected a file name (see --help for which file)")
     return path
 
 

@@ -117,7 +117,7 @@ from unsparse.prune.masks import (
     unpack_mask,
     zero_pruned_weights,
 )
-from unsparse.settings import check_flag, check_integer, check_number
+from unsparse.settings import check_choice, check_flag, check_integer, check_number
 from unsparse.train import (
     Trainer,
     check_loader_generator,
@@ -368,9 +368,7 @@ class EvolutionaryPruner(Pruner):
         # a negative epsilon asks every iteration to improve the score by at least |epsilon| (-inf: every one stalls)
         check_number(epsilon, "epsilon", lambda number: not math.isnan(number), "(not NaN)")
         check_flag(rewind, "rewind")
-        if mask_application not in MASK_APPLICATIONS:
-            raise ValueError(f"mask_application: {mask_application!r} is not one of {', '.join(MASK_APPLICATIONS)}")
-        self.mask_application = mask_application
+        self.mask_application = check_choice(mask_application, MASK_APPLICATIONS, "mask_application")
         self.iterations, self.batches_per_iteration = iterations, batches_per_iteration
         self.alpha, self.beta, self.epsilon = alpha, beta, epsilon
         self.ranked, self.ranked_list_length = RankedList(ranked_list_length), ranked_list_length
@@ -599,7 +597,7 @@ class EvolutionaryPruner(Pruner):
         return {"phase": "prune", "iteration": 0, "weighted_sparsity": self.mask_weighted_sparsity(),
                 "next_weighted_sparsity": self.mask_weighted_sparsity(), "layer_sparsity": self.mask_sparsity(),
                 "delta": dict(self.delta), "sensitivity": dict(self.sensitivity), "chosen": [], "events": [],
-                **val_metrics(metrics)}
+                "revived": 0, **val_metrics(metrics)}
 
     def _iterate(self, trainer: Trainer, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """One iteration of Algorithm 2 (lines 10-34); mutates model, masks, optimizer and state.
