@@ -62,14 +62,14 @@ class LinearQuantizer(LayerwiseQuantizer):
 
     def check_layer(self, name: str, values: torch.Tensor, codec: dict[str, Any]) -> None:
         """With ``power_of_two``, the layer's step must be exactly ``2^-fl`` (eq. 21, applied as a shift): the
-        quantizer's own steps, :data:`EMPTY_LAYER_STEP` included, always are.
+        quantizer's own steps, :data:`EMPTY_LAYER_STEP` included, always are. (The codec has already held the step to
+        a float32 value > 0; a mantissa of exactly 0.5 also refuses 0, negatives, infinities and NaN.)
 
         Raises:
             SparseFormatError: naming ``<name>.values`` and its step.
         """
         step = codec.get("step")
-        if self.power_of_two and not (not isinstance(step, bool) and isinstance(step, int | float)
-                                      and math.isfinite(step) and step > 0 and math.frexp(step)[0] == 0.5):
+        if self.power_of_two and not (isinstance(step, int | float) and math.frexp(step)[0] == 0.5):
             raise SparseFormatError(f"{name}.values: step {step!r} is not a power of two, which "
                                     "quantization.weights.power_of_two requires (eq. 21)")
 
