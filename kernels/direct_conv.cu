@@ -37,6 +37,10 @@
 //   cp.async of VE = 16 / sizeof(element) elements, which the row layout aligns by starting column xx of every
 //   row at LEFT + xx with (LEFT + pad_w) % VE == 0; the S - 1 halo columns stay one-element copies. Per staged
 //   element this issues about a fifth of the scalar path's address arithmetic (kernels/NOTES.md, third session).
+//   SE = 1 ("staged entries"): each warp also copies its groups' entries of chunk k + 1 into its slots in shared
+//   memory with the input chunk (cp.async, one entry per lane), so the nonzero loop reads each entry by one
+//   broadcast shared load, not by a warp-uniform global load that costs the L1 one wavefront per 4 bytes
+//   (kernels/NOTES.md v25).
 
 #include <cuda_fp16.h>
 
@@ -206,15 +210,23 @@ struct TileEntry<3> {
 // per-(row group, chunk) lists that direct_tile and direct_pointwise share (chunk_ptr / entries, built and validated
 // by prepare_tile on the Python side; m_base is a multiple of U). RUN > 0: the entries of a group come in runs of at
 // most RUN, and flush(g) follows each run (direct_tile's half2 partial sums); RUN = 0: one pass per group, no flush.
-template <int MW, int U, int UNROLL, int RUN, typename Apply, typename Flush>
+// STAGED: entry_data is not the global list but this warp's slots of chunk k in shared memory, `capacity` entries
+// per group (stage_entries below), so an entry is one broadcast shared load instead of a global load through L1
+// (kernels/NOTES.md v25).
+template <int MW, int U, int UNROLL, int RUN, bool STAGED, typename Apply, typename Flush>
 __device__ __forceinline__ void for_each_entry(const int* __restrict__ chunk_ptr, const void* __restrict__ entry_data,
-                                               int m_base, int M, int K, int k, const Apply& apply,
+                                               int capacity, int m_base, int M, int K, int k, const Apply& apply,
                                                const Flush& flush) {
   static_assert(MW % U == 0, "a warp's rows split into whole groups");
   using Entry = typename TileEntry<U>::type;
   const Entry* entries = static_cast<const Entry*>(entry_data);
   const auto visit = [&](int g, int t) {
-    const Entry entry = __ldg(entries + t);
+    Entry entry;
+    if constexpr (STAGED) {
+      entry = entries[t];
+    } else {
+      entry = __ldg(entries + t);
+    }
     int bits[U];
     TileEntry<U>::bits(entry, bits);
     apply(g, entry.x, bits);
@@ -224,8 +236,12 @@ __device__ __forceinline__ void for_each_entry(const int* __restrict__ chunk_ptr
     const int m = m_base + g * U;
     if (m >= M) break;
     const int list = m / U * K + k;
-    const int begin = __ldg(chunk_ptr + list);
-    const int end = __ldg(chunk_ptr + list + 1);
+    int begin = __ldg(chunk_ptr + list);
+    int end = __ldg(chunk_ptr + list + 1);
+    if constexpr (STAGED) {
+      end += g * capacity - begin;
+      begin = g * capacity;
+    }
     if constexpr (RUN == 0) {
 #pragma unroll UNROLL
       for (int t = begin; t < end; ++t) visit(g, t);
@@ -240,22 +256,45 @@ __device__ __forceinline__ void for_each_entry(const int* __restrict__ chunk_ptr
   }
 }
 
+// Copies the entries of chunk k of the warp's groups (rows m_base .. m_base + MW - 1 below M) into its slots in
+// shared memory, `capacity` entries per group, by asynchronous copies of one entry per lane (for_each_entry's STAGED
+// lists). The Python side sets `capacity` to the longest (group, chunk) list, so every copy stays in the warp's slots.
+template <int MW, int U>
+__device__ __forceinline__ void stage_entries(const int* __restrict__ chunk_ptr, const void* __restrict__ entry_data,
+                                              void* slots, int capacity, int m_base, int M, int K, int k, int lane) {
+  using Entry = typename TileEntry<U>::type;
+  const Entry* entries = static_cast<const Entry*>(entry_data);
+  Entry* dst = static_cast<Entry*>(slots);
+#pragma unroll
+  for (int g = 0; g < MW / U; ++g) {
+    const int m = m_base + g * U;
+    if (m >= M) break;
+    const int list = m / U * K + k;
+    const int begin = __ldg(chunk_ptr + list);
+    const int count = __ldg(chunk_ptr + list + 1) - begin;
+#pragma unroll 1
+    for (int t = lane; t < count; t += 32) stage_async<sizeof(Entry)>(dst + g * capacity + t, entries + begin + t, true);
+  }
+}
+
 // Tilings with more than 64 float32 sums per thread (the paired union tilings of kernels/NOTES.md v22) walk their
 // entries two at a time and are held to 128 registers, two 256-thread blocks per SM: unrolled by four, ptxas gave
-// them 137-153 registers, one block per SM. The others name no minimum (0): an explicit 1 let ptxas take 96
-// registers for 64-register tilings and spill the 1024-thread ones.
+// them 137-153 registers, one block per SM. The others take the tiling's MIN_BLOCKS, 0 (no minimum) unless the
+// Python side names one: an explicit 1 let ptxas take 96 registers for 64-register tilings and spill the 1024-thread
+// ones, and the staged-entry tilings (SE) name the blocks per SM of the tiling they stage for (kernels/NOTES.md v25).
 constexpr int TILE_WIDE_SUMS = 64;
 
 template <typename T, int R, int S, int WX, int PY, int NB, int MW, int WARPS, int CC, int IWP, int LEFT, int VEC,
-          int HALF_RUN, int U, int IMAGES>
-__global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 : 0)
+          int HALF_RUN, int U, int IMAGES, int SE, int MIN_BLOCKS>
+__global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 : MIN_BLOCKS)
     direct_tile(const T* __restrict__ x,                // IMAGES 1: (N, C, H, W); 2: (ceil(N/2), C, H, W, 2)
                 const int* __restrict__ chunk_ptr,      // (ceil(M/U) * K + 1,): entries of (group g, k) from g*K+k
                 const void* __restrict__ entries,       // (n,) TileEntry<U>: tile offset, U weights' bits
                 const T* __restrict__ bias,             // (M,) or nullptr
                 T* __restrict__ out,                    // (N, M, E, F)
                 int N, int C, int H, int W, int M, int E, int F, int pad_h, int pad_w, int tiles_f,
-                int groups) {
+                int groups,
+                int entry_capacity) {  // SE = 1: entries per (group, chunk) slot in shared memory, >= the longest list
   using Elem = typename TileElem<T, IMAGES>::type;
   constexpr int VE = 16 / sizeof(Elem);  // elements per 16-byte vector
   static_assert(NB % IMAGES == 0, "paired tiles: NB must be even");
@@ -263,6 +302,7 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
   static_assert(MW * NB * PY <= TILE_WIDE_SUMS || WARPS <= 8,
                 "a wide tiling runs two blocks per SM at 128 registers: at most 8 warps each");
   static_assert(U == 1 || sizeof(T) == 4, "union entries are float32 only (kernels/NOTES.md v21)");
+  static_assert(MIN_BLOCKS == 0 || MW * NB * PY <= TILE_WIDE_SUMS, "a wide tiling's minimum is fixed at two blocks");
   static_assert(32 % WX == 0, "a warp row holds WX lanes");
   constexpr int NBE = NB / IMAGES;
   constexpr int WY = 32 / WX;
@@ -276,11 +316,18 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
   constexpr int CS = NBE * PLANE;  // one input channel of the tile, all its image elements
   constexpr int THREADS = WARPS * 32;
   constexpr int STAGED = CC * NBE * IH * IW;
-  constexpr int ENTRY_UNROLL = MW * NB * PY > TILE_WIDE_SUMS ? 2 : 4;
+  // Entries walked per unrolled step: two for wide tilings (above) and for staged union entries, whose tiling spilled
+  // 12 bytes at the 80 registers of three blocks per SM unrolled by four (a shared load's latency is shorter).
+  constexpr int ENTRY_UNROLL = MW * NB * PY > TILE_WIDE_SUMS || (SE && U == 3) ? 2 : 4;
   // The two staged chunks sit in dynamic shared memory: the launch passes 2 * CC * CS * sizeof(Elem) bytes
-  // (TileLayout.shared_bytes), which may exceed the 48 KB of static shared memory (tile_launch opts in).
+  // (TileLayout.shared_bytes), which may exceed the 48 KB of static shared memory (tile_launch opts in). SE = 1:
+  // then, from the next 16-byte boundary, two buffers of the warps' entry slots, WARPS * (MW / U) * entry_capacity
+  // entries each (tile_shared_bytes on the Python side).
   extern __shared__ __align__(16) unsigned char tile_shared[];
   Elem (*tiles)[CC * CS] = reinterpret_cast<Elem (*)[CC * CS]>(tile_shared);
+  using Entry = typename TileEntry<U>::type;
+  constexpr int ENTRY_OFFSET = (2 * CC * CS * static_cast<int>(sizeof(Elem)) + 15) / 16 * 16;
+  Entry* const entry_slots = reinterpret_cast<Entry*>(tile_shared + ENTRY_OFFSET);
 
   const int group = blockIdx.x % groups;
   const int tile_id = blockIdx.x / groups;
@@ -316,7 +363,10 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
 
   // Stages chunk k into buffer b by asynchronous copies of one element or one 16-byte vector (zero-filled outside
   // the image, no registers held), so chunk k + 1 streams in while chunk k is computed.
+  const int slots_per_buffer = WARPS * (MW / U) * entry_capacity;
+  const auto warp_slots = [&](int b) { return entry_slots + b * slots_per_buffer + warp * (MW / U) * entry_capacity; };
   const auto stage = [&](int k, int b) {
+    if constexpr (SE) stage_entries<MW, U>(chunk_ptr, entries, warp_slots(b), entry_capacity, m_base, M, K, k, lane);
     if constexpr (VEC) {
       // Rows (cc, ie, yy) as (row, column xx) copies: first WX / VE interior vectors per row, then the S - 1
       // halo columns (xx < pad_w or xx >= pad_w + WX); W % VE == 0 puts every vector wholly inside or
@@ -378,10 +428,11 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
     }
     __syncthreads();
     const Elem* tile = tiles[b];
+    const void* list_data = SE ? static_cast<const void*>(warp_slots(b)) : entries;
 
     if constexpr (HALF_RUN == 0) {
       // Each staged element a lane loads feeds the U channels of the entry (U = 3: kernels/NOTES.md v21).
-      for_each_entry<MW, U, ENTRY_UNROLL, 0>(chunk_ptr, entries, m_base, M, K, k,
+      for_each_entry<MW, U, ENTRY_UNROLL, 0, SE>(chunk_ptr, list_data, entry_capacity, m_base, M, K, k,
                                              [&](int g, int offset, const int (&bits)[U]) {
         const Elem* src = tile + offset + base;
 #pragma unroll
@@ -401,8 +452,8 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
       // One HFMA2 per staged pair: weight (w, w) times (image 2i, image 2i + 1), summed in float16 over runs of at
       // most HALF_RUN entries, each run then added to the float32 accumulators (kernels/NOTES.md v17). Unrolled by
       // 2 below 3x3 filters: by 4, ptxas spilled the 2x2 (stride-2 phase) 16-warp tilings at 64 registers.
-      for_each_entry<MW, 1, R * S >= 9 ? 4 : 2, HALF_RUN>(chunk_ptr, entries, m_base, M, K, k,
-                                                          [&](int, int offset, const int (&bits)[1]) {
+      for_each_entry<MW, 1, R * S >= 9 ? 4 : 2, HALF_RUN, SE>(chunk_ptr, list_data, entry_capacity, m_base, M, K,
+                                                              k, [&](int, int offset, const int (&bits)[1]) {
         const __half2 w = *reinterpret_cast<const __half2*>(&bits[0]);
         const Elem* src = tile + offset + base;
 #pragma unroll
@@ -575,7 +626,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     __syncthreads();
     const T* lane_tile = tiles[b] + 4 * lane;
 
-    for_each_entry<MW, 1, 2, 0>(chunk_ptr, entries, m_base, M, K, k, [&](int j, int offset, const int (&bits)[1]) {
+    for_each_entry<MW, 1, 2, 0, false>(chunk_ptr, entries, 0, m_base, M, K, k, [&](int j, int offset, const int (&bits)[1]) {
       const float w = __int_as_float(bits[0]);
 #pragma unroll
       for (int v = 0; v < PV; ++v) {

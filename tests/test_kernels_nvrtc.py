@@ -51,11 +51,13 @@ def compile_with_nvrtc(library: Path, source: str, names: list[str], options: li
 def test_every_tuned_instantiation_compiles_under_nvrtc(tuned_kernel_names) -> None:
     library = nvrtc_library()
     assert any(",1,0,1," in name for name in tuned_kernel_names)  # the 16-byte staging is among them
-    assert any(name.endswith(f",1,{cl.HALF2_RUN},1,2>") for name in tuned_kernel_names)  # and the half2 products
-    assert any(name.startswith("direct_tile<float") and name.endswith(",1,0,3,1>")  # union entries
+    assert any(name.endswith(f",1,{cl.HALF2_RUN},1,2,0,0>") for name in tuned_kernel_names)  # and the half2 products
+    assert any(name.startswith("direct_tile<float") and name.endswith(",1,0,3,1,0,0>")  # union entries
                for name in tuned_kernel_names)
-    assert any(name.startswith("direct_tile<float") and name.endswith(",1,0,3,2>")  # on paired float32 images
+    assert any(name.startswith("direct_tile<float") and name.endswith(",1,0,3,2,0,0>")  # on paired float32 images
                for name in tuned_kernel_names)
+    for ending in (",1,0,1,1,1,4>", ",1,0,3,1,1,3>", ",1,0,1,2,1,4>", f",1,{cl.HALF2_RUN},1,2,1,4>"):  # staged entries
+        assert any(name.startswith("direct_tile<") and name.endswith(ending) for name in tuned_kernel_names), ending
     assert any(name.startswith("direct_pointwise<__half") and name.endswith(",float>")  # split-K partial sums
                for name in tuned_kernel_names)
     include = library.parent.parent / "include"

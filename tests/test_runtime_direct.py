@@ -25,7 +25,9 @@ from unsparse.runtime.backends.direct import (
     TileArrays,
     aligned_copy,
     bind_phase_pairing,
+    check_capacity,
     is_pointwise,
+    longest_list,
     pair_images,
     pointwise_space,
     prepare_rows,
@@ -112,15 +114,21 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
     ``half_run``: half2 products (weights decoded from the ``__half2`` entries), each product added to a float16
     partial sum with one rounding (``HFMA2``), runs of at most ``half_run`` entries added to the accumulators.
     ``tiling.union`` > 1: the warp walks its rows in groups of U, each entry feeding the group's U channels.
-    ``tiling.paired`` (float32): two images per element, as float16 always has."""
+    ``tiling.paired`` (float32): two images per element, as float16 always has. ``tiling.stage_entries``: per chunk
+    every warp's lists are first copied into the block's slots (``longest_list`` entries per list, each copy
+    checked to stay in its own list's slot), and the entries are then read from the slots."""
     N, C, H, W = x.shape
     R, S = csr.kernel_size
     E, F_ = out_hw or geometry.output_size(H, W, csr.kernel_size)
     pad = geometry.padding[1] if vector else None
     layout = cl.tile_layout(dtype, (R, S), tiling, pad)
-    spec = cl.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling, pad, half_run)
     union = tiling.union
+    capacity = longest_list(csr, tiling.cc, union) if tiling.stage_entries else 0
+    spec = cl.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling, pad, half_run, entry_capacity=capacity)
     arrays = prepare_tile(csr, layout, half2=half_run > 0, union=union)
+    if tiling.stage_entries:  # the slots start at the first 16-byte boundary after the two chunks
+        slot_bytes = 2 * tiling.entry_lists() * capacity * cl.entry_bytes(union)
+        assert spec.shared_bytes == -(-layout.shared_bytes() // 16) * 16 + slot_bytes
     ipe = cl.images_per_element(dtype, tiling.paired)
     (te, tf), wy = tiling.tile_hw, tiling.wy
     tiles_f, groups, K = math.ceil(F_ / tf), math.ceil(csr.out_channels / tiling.channels), math.ceil(C / tiling.cc)
@@ -148,24 +156,37 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
                     n = n0 + ie * ipe + q
                     live = inside[0] and n < N
                     chunk[row + xx, q] = x[n, c, iy, f0 + xx - pw] if live else 0.0
+            lists_of = {}  # (warp, g) -> (entry source, begin, end)
+            slots = torch.full((tiling.entry_lists() * capacity, 1 + union), -1, dtype=torch.int32)
+            for warp, g in [(a, b) for a in range(spec.block[0] // 32) for b in range(tiling.mw // union)]:
+                m = group * tiling.channels + warp * tiling.mw + g * union
+                if m >= csr.out_channels:
+                    continue
+                assert m % union == 0
+                lists = m // union * K + k
+                begin, end = int(arrays.chunk_ptr[lists]), int(arrays.chunk_ptr[lists + 1])
+                lists_of[warp, g] = (arrays.entries, begin, end)
+                if tiling.stage_entries:
+                    first = (warp * (tiling.mw // union) + g) * capacity
+                    assert end - begin <= capacity, "a list overflows its slot"
+                    assert bool((slots[first:first + end - begin] == -1).all()), "two lists share slots"
+                    slots[first:first + end - begin] = arrays.entries[begin:end]
+                    lists_of[warp, g] = (slots, first, first + end - begin)
             for warp in range(spec.block[0] // 32):
                 for g in range(tiling.mw // union):
-                    m = group * tiling.channels + warp * tiling.mw + g * union
-                    if m >= csr.out_channels:
+                    if (warp, g) not in lists_of:
                         break
-                    assert m % union == 0
-                    lists = m // union * K + k
-                    begin, end = int(arrays.chunk_ptr[lists]), int(arrays.chunk_ptr[lists + 1])
+                    source, begin, end = lists_of[warp, g]
                     for run in range(begin, end, half_run or max(end - begin, 1)):
                         partial = torch.zeros_like(acc[warp, g * union:(g + 1) * union])
                         for t in range(run, min(end, run + (half_run or end))):
-                            offset = int(arrays.entries[t, 0])
+                            offset = int(source[t, 0])
                             if half_run:
-                                pairs = arrays.entries[t, 1:].contiguous().view(torch.float16).reshape(union, 2)
+                                pairs = source[t, 1:].contiguous().view(torch.float16).reshape(union, 2)
                                 assert torch.equal(pairs[:, 0], pairs[:, 1]), "a __half2 weight holds w twice"
                                 weights = pairs[:, 0].to(x.dtype)
                             else:
-                                weights = arrays.entries[t, 1:].contiguous().view(torch.float32).to(x.dtype)
+                                weights = source[t, 1:].contiguous().view(torch.float32).to(x.dtype)
                             for ie in range(layout.image_elements):
                                 rows = (py * wy * layout.padded_width)[:, None]
                                 index = offset + base[None, :] + ie * layout.plane + rows
@@ -324,7 +345,9 @@ def test_rows_emulation_matches_conv2d(case: tuple, threads: int, pixels: int, s
 SMALL_TILINGS = [cl.TileTiling(wx=8, py=2, nb=2, mw=2, warps=2, cc=2),
                  cl.TileTiling(wx=4, py=3, nb=1, mw=3, warps=1, cc=3),
                  cl.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3),
-                 cl.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3, paired=True)]
+                 cl.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3, paired=True),
+                 cl.TileTiling(wx=8, py=2, nb=2, mw=2, warps=2, cc=3, stage_entries=True, min_blocks=4),
+                 cl.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3, stage_entries=True)]
 
 
 @pytest.mark.parametrize("case", [g for g in GEOMETRIES if g[7] == 1 and g[9] == 1 and g[2] > 1])
@@ -375,7 +398,7 @@ def test_paired_float32_tiles_stage_two_images_per_element() -> None:
     assert (layout.element_bytes, layout.vector_elements, layout.image_elements) == (8, 2, 2)
     assert (layout.left, layout.padded_width) == (1, 36)  # column 0 of the interior at element 2: byte 16
     spec = cl.tile_launch(torch.float32, 5, 64, (56, 56), (3, 3), tiling, vector_pad=1)
-    assert spec.name == "direct_tile<float,3,3,32,7,4,3,8,8,36,1,1,0,3,2>"
+    assert spec.name == "direct_tile<float,3,3,32,7,4,3,8,8,36,1,1,0,3,2,0,0>"
     assert spec.shared_bytes == 2 * 8 * 2 * 9 * 36 * 8 and spec.grid == (3 * 8 * 2, 2, 1)
     with pytest.raises(ValueError, match="paired"):
         cl.tile_layout(torch.float16, (3, 3), replace(tiling, union=1))
@@ -406,6 +429,72 @@ def test_rows_naming_a_column_twice_count_every_entry() -> None:
     pointwise = UniformCSR(csr.values[:, :C].contiguous(), col_idx[:, :C].contiguous(), (M, C, 1, 1))
     out = emulate_pointwise(x, pointwise, cl.PointwiseTiling(pv=1, mw=2, warps=4, cc=2))
     assert torch.allclose(out, F.conv2d(x, pointwise.to_dense()), atol=1e-5)
+
+
+def test_longest_list_sizes_the_staged_entry_slots() -> None:
+    """``longest_list`` equals the longest (group, chunk) list ``prepare_tile`` builds, for per-channel and union
+    entries, on rows that repeat columns, an all-zero row and a dense one; ``check_capacity`` refuses a slot one
+    entry short; an all-zero weight needs no slot."""
+    gen = torch.Generator().manual_seed(21)
+    M, C, L = 7, 6, 40
+    col_idx = torch.randint(0, C * 9, (M, L), generator=gen, dtype=torch.int32)
+    col_idx[:, :12] = torch.randint(0, 5, (M, 12), generator=gen, dtype=torch.int32)  # repeats in chunk 0
+    values = torch.randn(M, L, generator=gen, dtype=torch.float64)
+    values[2] = 0
+    repeated = UniformCSR(values, col_idx, (M, C, 3, 3))
+    dense = UniformCSR.from_dense(torch.randn(M, C, 3, 3, generator=gen, dtype=torch.float64))
+    for csr, chunk, union in itertools.product((repeated, dense), (1, 2, 4), (1, 3)):
+        layout = cl.tile_layout(torch.float32, (3, 3), cl.TileTiling(8, 2, 2, 3, 2, chunk, union=union))
+        arrays = prepare_tile(csr, layout, union=union)
+        longest = int((arrays.chunk_ptr[1:] - arrays.chunk_ptr[:-1]).max())
+        assert longest_list(csr, chunk, union) == longest > 0
+        check_capacity(arrays, longest)
+        with pytest.raises(ValueError, match="chunk_ptr"):
+            check_capacity(arrays, longest - 1)
+    assert longest_list(dense, 6, 1) == 54 and longest_list(repeated, 2, 1) > 18  # repeats count once each
+    assert longest_list(UniformCSR.from_dense(torch.zeros(4, 3, 3, 3)), 2, 3) == 0
+    for chunk, union in ((0, 1), (2, 2), (1.5, 1)):
+        with pytest.raises(ValueError, match="longest_list"):
+            longest_list(dense, chunk, union)
+
+
+def test_staged_entry_settings_fit_their_slots() -> None:
+    """``stage_entries`` tilings: in the tuning space only where their slots, sized by the weight's longest list,
+    fit the shared-memory limit (a dense 3x3 weight leaves the 16- and 32-channel chunks out), as ``"entries":
+    "shared"`` with their ``min_blocks``, in their own instantiations; the launch refuses a capacity without them
+    and ``tiling_of`` an unknown entry source."""
+    tiling = cl.TileTiling(32, 8, 2, 3, 8, 8, union=3, stage_entries=True, min_blocks=3)
+    layout = cl.tile_layout(torch.float32, (3, 3), tiling, vector_pad=1)
+    spec = cl.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), tiling, 1, entry_capacity=50)
+    assert spec.name.endswith(",0,3,1,1,3>")
+    assert spec.shared_bytes == cl.tile_shared_bytes(layout, tiling, 50) == layout.shared_bytes() + 2 * 8 * 50 * 16
+    unstaged = replace(tiling, stage_entries=False, min_blocks=0)
+    assert cl.tile_shared_bytes(layout, unstaged, 0) == layout.shared_bytes()
+    with pytest.raises(ValueError, match="exceed"):
+        cl.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), tiling, 1, entry_capacity=400)
+    for capacity, staged in ((3, unstaged), (-1, tiling), (2.0, tiling)):
+        with pytest.raises(ValueError, match="entry_capacity"):
+            cl.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), staged, 1, entry_capacity=capacity)
+    for min_blocks in (-1, 1.0):
+        with pytest.raises(ValueError, match="min_blocks"):
+            cl.TileTiling(32, 8, 2, 3, 8, 8, union=3, min_blocks=min_blocks)
+    with pytest.raises(ValueError, match="min_blocks"):  # a wide tiling is fixed at two blocks
+        cl.TileTiling(32, 7, 4, 3, 8, 8, union=3, paired=True, min_blocks=2)
+    with pytest.raises(ValueError, match="stage_entries"):
+        cl.TileTiling(32, 8, 2, 3, 8, 8, stage_entries=1)
+    assert not any("entries" in p for p in tile_space(128, (56, 56), (3, 3), torch.float32, vector_pad=1))
+    sparse = tile_space(128, (56, 56), (3, 3), torch.float16, vector_pad=1, entry_capacity=lambda cc, u: 4)
+    staged = [p for p in sparse if p.get("entries") == "shared"]
+    assert {(p["cc"], p["min_blocks"]) for p in staged} == {(8, 4), (16, 2), (32, 2)}
+    assert all(tiling_of(p).stage_entries and tiling_of(p).min_blocks == p["min_blocks"] for p in staged)
+    with pytest.raises(ValueError, match="entries"):
+        tiling_of({**staged[0], "entries": "texture"})
+    backend = DirectBackend()
+    gen = torch.Generator().manual_seed(2)
+    for density, chunks in ((1.0, {8}), (0.1, {8, 16})):
+        weight = torch.randn(64, 64, 3, 3, generator=gen) * (torch.rand(64, 64, 3, 3, generator=gen) < density)
+        space = backend.tuning_space(torch.zeros(2, 64, 56, 56), UniformCSR.from_dense(weight), ConvGeometry.of(1, 1))
+        assert {p["cc"] for p in space if p.get("entries") == "shared"} == chunks, density
 
 
 def test_vector_staging_eligibility() -> None:
@@ -472,6 +561,8 @@ def test_tile_emulation_of_half2_runs_matches_conv2d() -> None:
     assert 1e-5 < error < 2e-3  # the float16 roundings show, and stay within the bound
     whole = emulate_tile(x, csr, geometry, tiling, torch.float16, vector=True, half_run=144)  # one run per chunk
     assert float((whole - ref).norm() / ref.norm()) > error
+    staged = replace(tiling, stage_entries=True)  # the same runs, each entry read from its slot
+    assert torch.equal(emulate_tile(x, csr, geometry, staged, torch.float16, vector=True, half_run=cl.HALF2_RUN), runs)
 
 
 @pytest.mark.parametrize("batch", [1, 4, 5])
@@ -741,9 +832,9 @@ def test_launch_geometry() -> None:
     tiling = cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4)
     spec = cl.tile_launch(torch.float32, 127, 200, (28, 28), (3, 3), tiling)
     assert spec.grid == (4 * 4 * 2, 64, 1) and spec.block == (256, 1, 1)
-    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48,0,0,0,1,1>"
+    assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48,0,0,0,1,1,0,0>"
     spec = cl.tile_launch(torch.float32, 127, 200, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 4, 16, 8), 1)
-    assert spec.name == "direct_tile<float,3,3,32,4,2,4,16,8,40,3,1,0,1,1>"
+    assert spec.name == "direct_tile<float,3,3,32,4,2,4,16,8,40,3,1,0,1,1,0,0>"
     assert spec.shared_bytes == 2 * 8 * 6 * 40 * 2 * 4  # two chunks of CC x (NB images x 6 rows x 40 columns)
     wide = cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))
     assert wide.shared_bytes == 2 * 8 * 2 * 10 * 48 * 4 > cl.SHARED_LIMIT_BYTES  # 60 KB: dynamic, opted in
@@ -756,11 +847,11 @@ def test_launch_geometry() -> None:
     assert cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8),
                           shared_limit=65536).shared_bytes == wide.shared_bytes
     spec = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8))
-    assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,0,1,2>"
+    assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,0,1,2,0,0>"
     half2 = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8), half_run=16)
-    assert half2.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,16,1,2>" and half2.grid == spec.grid
+    assert half2.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,16,1,2,0,0>" and half2.grid == spec.grid
     union = cl.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 6, 8, 8, union=3))
-    assert union.name.endswith(",0,3,1>") and union.grid == (6 * 14 * 2, 64, 1)  # 48 channels per block
+    assert union.name.endswith(",0,3,1,0,0>") and union.grid == (6 * 14 * 2, 64, 1)  # 48 channels per block
     with pytest.raises(ValueError, match="half_run"):
         cl.tile_launch(torch.float32, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8), half_run=16)
     with pytest.raises(ValueError, match="threads"):
@@ -838,14 +929,15 @@ def test_tuning_spaces() -> None:
     assert {p["sub_batch"] for p in rows_space(128, 3136)} == {1, 2, 4, 8}
     assert len(rows_space(1, 1, prune=False)) == 6
     assert all(p["wx"] <= 14 for p in tile_space(8, (7, 7), (3, 3), torch.float32))
-    big = tile_space(128, (56, 56), (3, 3), torch.float32)
-    # Every tiling's 3x3 chunks fit the tile limit in float32 but the CC = 32 one (float16 only: half the bytes);
+    big = tile_space(128, (56, 56), (3, 3), torch.float32, entry_capacity=lambda cc, union: 20)
+    # Every tiling's 3x3 chunks fit the tile limit in float32 but the CC = 32 ones (float16 only: half the bytes);
     # NB = 1 and union entries are float32-only (float16 pairs images; union entries lost there, kernel notes v21).
     every = {tiling_of(p) for p in tile_space(128, (56, 56), (3, 3), torch.float32, prune=False,
-                                              shared_limit=10 ** 9)}
+                                              shared_limit=10 ** 9, entry_capacity=lambda cc, union: 20)}
     assert every == set(TILE_TILINGS)
     assert every - {tiling_of(p) for p in big} == {t for t in TILE_TILINGS if t.cc == 32}
-    assert every - {tiling_of(p) for p in tile_space(128, (56, 56), (3, 3), torch.float16)} == {
+    assert every - {tiling_of(p) for p in tile_space(128, (56, 56), (3, 3), torch.float16,
+                                                     entry_capacity=lambda cc, union: 20)} == {
         t for t in TILE_TILINGS if t.nb == 1 or t.union > 1}
     assert len(tile_space(128, (56, 56), (5, 5), torch.float32)) < len(big)
     small = tile_space(128, (56, 56), (3, 3), torch.float32, shared_limit=cl.SHARED_LIMIT_BYTES)
@@ -954,8 +1046,13 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     for paired in (False, True):
         backend.conv(x32, csr32, None, ConvGeometry.of(1, 1), **union, **({"paired": True} if paired else {}))
         spec, args = launches[-1]
-        assert spec.name.endswith(f",3,{1 + paired}>")
+        assert spec.name.endswith(f",3,{1 + paired},0,0>") and args[-1] == 0
         assert torch.equal(args[0], pair_images(x32) if paired else x32)  # float32 pairs only where asked
+    backend.conv(x32, csr32, None, ConvGeometry.of(1, 1), **union, entries="shared", min_blocks=3)
+    spec, args = launches[-1]  # the slots hold the longest list, and the shared memory both buffers of them
+    assert spec.name.endswith(",3,1,1,3>") and args[-1] == longest_list(csr32, 4, 3) > 0
+    layout = cl.tile_layout(torch.float32, (3, 3), tiling_of({**union, "entries": "shared"}))
+    assert spec.shared_bytes == layout.shared_bytes() + 2 * 2 * args[-1] * 16
     backend.conv(x32, csr32, torch.randn(6), ConvGeometry.of(2, 1))  # rows, the default setting
     assert launches[-1][0].name.startswith("direct_rows<float,")
     csr1 = UniformCSR.from_dense(torch.randn(5, 64, 1, 1))

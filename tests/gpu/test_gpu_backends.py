@@ -11,6 +11,7 @@ from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime import get_backend, set_backend, sparsify
 from unsparse.runtime.backends.direct import (
     is_pointwise,
+    longest_list,
     pair_images,
     pair_images_on_device,
     pointwise_space,
@@ -109,7 +110,8 @@ def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.
         in_hw = split.input_size(x.shape[2], x.shape[3])
         vector = cl.vector_staging_reason(in_hw[1], split.csr.kernel_size, split.geometry.padding) is None
         space += tile_space(x.shape[0], out_hw, split.csr.kernel_size, dtype, prune=False,
-                            vector_pad=split.geometry.padding[1] if vector else None)
+                            vector_pad=split.geometry.padding[1] if vector else None,
+                            entry_capacity=lambda cc, union: longest_list(split.csr, cc, union))
         if is_pointwise(split.csr, split.geometry) and in_hw == out_hw:
             pixels = out_hw[0] * out_hw[1]
             space += pointwise_space(x.shape[0], csr.out_channels, pixels, dtype, prune=False,
@@ -132,6 +134,28 @@ def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.
         assert error <= tolerance(dtype), f"{case} {params}: relative error {error:.3g}"
 
 
+@pytest.mark.parametrize("backend_name", ["direct", "direct_half2"])
+@pytest.mark.parametrize("case", ["empty_and_dense_rows", "groups_tiles_chunks", "vector_edges", "stride2_vector",
+                                  "fully_dense"])
+def test_staged_entries_give_the_unstaged_result_bit_for_bit(case: str, backend_name: str) -> None:
+    """A ``stage_entries`` setting reads the same entries in the same order as its unstaged tiling, from shared
+    memory instead of global memory, so both outputs agree bit for bit (float32 for ``direct``, float16 with half2
+    products for ``direct_half2``); every such setting of the case's tuning space is checked."""
+    dtype = torch.float32 if backend_name == "direct" else torch.float16
+    x, csr, bias, geometry, ref = make_case(case, dtype, seed=31)
+    backend = get_backend(backend_name)
+    staged = [p for p in backend.tuning_space(x, csr, geometry) if p.get("entries") == "shared"]
+    assert staged or case == "fully_dense", "no staged setting fits"
+    for params in staged:
+        unstaged = {k: v for k, v in params.items() if k not in ("entries", "min_blocks")}
+        poison_allocator(ref.numel(), dtype)
+        out = backend.conv(x, csr, bias, geometry, **params)
+        expected = backend.conv(x, csr, bias, geometry, **unstaged)
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected), params
+        assert relative_error(out.cpu(), ref) <= tolerance(dtype), params
+
+
 @pytest.mark.parametrize("case", sorted(c for c in CASES if CASES[c][9] == 1 and not c.startswith("conv1d")))
 def test_half2_every_setting_matches_float64_reference(case: str) -> None:
     """``direct_half2``: every tile setting (phase split for strided layers) on float16, within the comparator's
@@ -145,7 +169,8 @@ def test_half2_every_setting_matches_float64_reference(case: str) -> None:
     vector = cl.vector_staging_reason(in_hw[1], split.csr.kernel_size, split.geometry.padding) is None
     space = [{**p, "accumulate": "half2"} for p in tile_space(
         x.shape[0], geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size), split.csr.kernel_size,
-        torch.float16, prune=False, vector_pad=split.geometry.padding[1] if vector else None)]
+        torch.float16, prune=False, vector_pad=split.geometry.padding[1] if vector else None,
+        entry_capacity=lambda cc, union: longest_list(split.csr, cc, union))]
     assert space and all(p in space for p in backend.tuning_space(x, csr, geometry))
     backend.precompile(x, csr, geometry, space)
     for params in space:

@@ -149,6 +149,12 @@ class TileTiling:
     the H100 at 0.9-0.95, so they are not built). ``paired``: float32 images staged two per element (a ``float2``
     of images 2i and 2i + 1, from the image-paired input), so one 8-byte shared load feeds the FMAs of both images
     (kernels/NOTES.md v22); NB is then even. float16 elements always pair images (:func:`images_per_element`).
+    ``stage_entries``: each warp copies its entries of the next chunk into shared memory with the input chunk, so the
+    nonzero loop reads an entry by one broadcast shared load instead of a warp-uniform global load, which costs
+    the L1 one wavefront per 4 bytes (template ``SE``; kernels/NOTES.md v25); the slots take
+    :func:`tile_shared_bytes`, sized by the weight's longest entry list. ``min_blocks``: the blocks per SM the
+    kernel's ``__launch_bounds__`` asks ptxas to fit in registers (template ``MIN_BLOCKS``; 0 names none; a wide
+    tiling, :data:`TILE_WIDE_SUMS`, is fixed at two and takes 0 here).
     """
 
     wx: int
@@ -159,13 +165,21 @@ class TileTiling:
     cc: int
     union: int = 1
     paired: bool = False
+    stage_entries: bool = False
+    min_blocks: int = 0
 
     def __post_init__(self) -> None:
-        """Raises ValueError for a size that is not a positive integer or a ``paired`` that is not a bool."""
+        """Raises ValueError for a size that is not a positive integer, a ``min_blocks`` that is negative or set on a
+        wide tiling, or a ``paired`` or ``stage_entries`` that is not a bool."""
         require_sizes("tiling", wx=self.wx, py=self.py, nb=self.nb, mw=self.mw, warps=self.warps, cc=self.cc,
                       union=self.union)
-        if type(self.paired) is not bool:
-            raise ValueError(f"tiling: paired must be a bool, got {self.paired!r}")
+        if type(self.min_blocks) is not int or self.min_blocks < 0 or (
+                self.min_blocks and self.accumulators() > TILE_WIDE_SUMS):
+            raise ValueError(f"tiling: min_blocks {self.min_blocks!r} must be an integer >= 0, and 0 for a tiling of "
+                             f"more than {TILE_WIDE_SUMS} sums per thread (fixed at two blocks)")
+        for name in ("paired", "stage_entries"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"tiling: {name} must be a bool, got {getattr(self, name)!r}")
 
     @property
     def wy(self) -> int:
@@ -185,6 +199,10 @@ class TileTiling:
     def accumulators(self) -> int:
         """float32 partial sums per thread, ``MW * NB * PY``."""
         return self.mw * self.nb * self.py
+
+    def entry_lists(self) -> int:
+        """Entry lists (groups of ``union`` output channels) a block walks per chunk, ``WARPS * MW / union``."""
+        return self.warps * self.mw // self.union
 
 
 @dataclass(frozen=True)
@@ -235,7 +253,23 @@ class TileLayout:
 
 TILE_UNIONS = (1, 3)
 """Output channels per ``direct_tile`` entry (:attr:`TileTiling.union`): an entry is ``(offset, U weights)`` in 8 or
-16 bytes, one vector load (``TileEntry<U>`` in the kernel)."""
+16 bytes (:func:`entry_bytes`), one vector load (``TileEntry<U>`` in the kernel)."""
+
+
+def entry_bytes(union: int) -> int:
+    """Bytes of one ``direct_tile`` entry: an int32 offset and ``union`` weights' 32 bits (8 or 16)."""
+    return 4 * (1 + union)
+
+
+def tile_shared_bytes(layout: TileLayout, tiling: TileTiling, entry_capacity: int = 0) -> int:
+    """Dynamic shared memory of one ``direct_tile`` block, bytes: the two staged chunks
+    (:meth:`TileLayout.shared_bytes`), and for a ``stage_entries`` tiling, from the next 16-byte boundary, two buffers
+    of :meth:`TileTiling.entry_lists` slots of ``entry_capacity`` entries (:func:`entry_bytes`) each, the kernel's
+    ``ENTRY_OFFSET`` and ``entry_slots``."""
+    if not tiling.stage_entries:
+        return layout.shared_bytes()
+    chunks = -(-layout.shared_bytes() // 16) * 16
+    return chunks + 2 * tiling.entry_lists() * entry_capacity * entry_bytes(tiling.union)
 
 
 def images_per_element(dtype: torch.dtype, paired: bool = False) -> int:
@@ -323,29 +357,35 @@ def vector_staging_reason(width: int, kernel_size: tuple[int, int], padding: tup
 
 def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple[int, int],
                 kernel_size: tuple[int, int], tiling: TileTiling, vector_pad: int | None = None,
-                half_run: int = 0, shared_limit: int = TILE_SHARED_LIMIT_BYTES) -> Launch:
+                half_run: int = 0, shared_limit: int = TILE_SHARED_LIMIT_BYTES, entry_capacity: int = 0) -> Launch:
     """Geometry of ``direct_tile``: grid ``(channel groups * output tiles, ceil(N / NB))``, channel groups
     fastest so that the blocks staging one input tile run together and find it in L2. ``vector_pad``: the
     16-byte staging layout of :func:`tile_layout` (template arguments LEFT and VEC). ``half_run``: 0 for float32
     products, else the longest run of float16 (``HFMA2``) products summed before each float32 addition
     (template ``HALF_RUN``, :data:`HALF2_RUN`). ``shared_limit``: bytes of shared memory a block may take on the
-    GPU that runs it (:func:`tile_shared_limit`).
+    GPU that runs it (:func:`tile_shared_limit`). ``entry_capacity``: for a ``stage_entries`` tiling, the entries of
+    each list's slot (at least the longest (group, chunk) list of the weight; the kernel's ``entry_capacity``), else 0.
 
     Raises:
         ValueError: for an invalid tiling (:func:`tile_layout`), more than 1024 threads, a non-positive
-            size, staged chunks beyond ``shared_limit`` (bytes), a grid beyond CUDA's limits, or a
-            negative ``half_run`` or a positive one on a dtype other than float16.
+            size, shared memory (:func:`tile_shared_bytes`) beyond ``shared_limit`` (bytes), a grid beyond CUDA's
+            limits, a negative ``half_run`` or a positive one on a dtype other than float16, or an
+            ``entry_capacity`` that is negative, not an integer, or nonzero without ``stage_entries``.
     """
     (E, F_), (R, S) = out_hw, kernel_size
     if half_run < 0 or (half_run and dtype != torch.float16):
         raise ValueError(f"half_run: {half_run} needs float16 storage and a non-negative run, got {dtype}")
+    if type(entry_capacity) is not int or entry_capacity < 0 or (entry_capacity and not tiling.stage_entries):
+        raise ValueError(f"entry_capacity: {entry_capacity!r} must be an integer >= 0, and 0 unless the tiling "
+                         "stages its entries")
     layout = tile_layout(dtype, kernel_size, tiling, vector_pad)
     if min(batch, out_channels, E, F_) < 1:
         raise ValueError("tile_launch: every size must be positive")
     if tiling.warps * 32 > 1024:
         raise ValueError(f"tiling: {tiling.warps} warps exceed 1024 threads")
-    if layout.shared_bytes() > shared_limit:
-        raise ValueError(f"tiling: staged chunks of {layout.shared_bytes()} bytes exceed the {shared_limit} bytes of "
+    shared = tile_shared_bytes(layout, tiling, entry_capacity)
+    if shared > shared_limit:
+        raise ValueError(f"tiling: staged chunks and entries of {shared} bytes exceed the {shared_limit} bytes of "
                          "shared memory a block may take")
     te, tf = tiling.tile_hw
     groups = math.ceil(out_channels / tiling.channels)
@@ -353,8 +393,9 @@ def tile_launch(dtype: torch.dtype, batch: int, out_channels: int, out_hw: tuple
     _check_grid(grid)
     name = (f"direct_tile<{cuda_type(dtype)},{R},{S},{tiling.wx},{tiling.py},{tiling.nb},{tiling.mw},"
             f"{tiling.warps},{tiling.cc},{layout.padded_width},{layout.left},{int(layout.vector)},{half_run},"
-            f"{tiling.union},{images_per_element(dtype, tiling.paired)}>")
-    return Launch(name, grid, (tiling.warps * 32, 1, 1), layout.shared_bytes())
+            f"{tiling.union},{images_per_element(dtype, tiling.paired)},{int(tiling.stage_entries)},"
+            f"{tiling.min_blocks}>")
+    return Launch(name, grid, (tiling.warps * 32, 1, 1), shared)
 
 
 @dataclass(frozen=True)

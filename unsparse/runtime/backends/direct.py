@@ -67,6 +67,10 @@ TILE_TILINGS = (
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=32),
     cl.TileTiling(wx=32, py=8, nb=2, mw=3, warps=8, cc=8, union=3),
     cl.TileTiling(wx=32, py=7, nb=4, mw=3, warps=8, cc=8, union=3, paired=True),
+    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=8, stage_entries=True, min_blocks=4),
+    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=16, stage_entries=True, min_blocks=2),
+    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32, stage_entries=True, min_blocks=2),
+    cl.TileTiling(wx=32, py=8, nb=2, mw=3, warps=8, cc=8, union=3, stage_entries=True, min_blocks=3),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM within the
 register file; the paired union tiling's 84 are held to 128 registers, also two blocks), warp tiles 4x32 to 8x8 for
@@ -85,7 +89,12 @@ rows share many taps. On the H100, in float32 at 0.7, it ran VGG16 features.2-12
 was the fastest on every layer. The second, ``paired``, reads the float32 input as image pairs (one 8-byte shared
 load per two images, the pairing copy timed with the kernel) and puts 28 staged elements behind each 16-byte entry
 (kernel notes v22): on the H100 at 0.7 it ran VGG16 features.10 and .12 1.02x as fast as the union tiling above and
-lost on features.0-7 (0.90-0.99x) and at 0.9; a paired PY = 8, NB = 2 tiling (two blocks per SM) lost everywhere."""
+lost on features.0-7 (0.90-0.99x) and at 0.9; a paired PY = 8, NB = 2 tiling (two blocks per SM) lost everywhere.
+The last four are earlier winners with ``stage_entries`` (kernel notes v25): each warp copies its entries of the next
+chunk into shared memory, so an entry costs one broadcast shared load instead of a global load through L1; their
+slots take shared memory in proportion to the weight's longest entry list, so a dense weight may leave them out. Each
+names the blocks per SM its unstaged tiling reaches (``min_blocks``: 64 registers for the per-channel ones, 80 for
+the union one), since the staging code otherwise costs ptxas 2-16 more registers and a block per SM."""
 
 
 POINTWISE_TILINGS = (
@@ -121,13 +130,15 @@ def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str
 
 
 def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int], dtype: torch.dtype,
-               prune: bool = True, vector_pad: int | None = None,
-               shared_limit: int = cl.TILE_SHARED_LIMIT_BYTES) -> list[dict[str, Any]]:
-    """``direct_tile`` settings: the :data:`TILE_TILINGS` valid for ``dtype`` and whose two staged chunks fit
-    in ``shared_limit`` bytes of shared memory (:func:`~unsparse.runtime.cupy_launcher.tile_shared_limit` of the
-    GPU); with ``vector_pad`` (the layer's ``pad_w``, where
-    :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason` allows it) also each tiling that can stage
-    16-byte vectors, as ``"stage": "vector"``.
+               prune: bool = True, vector_pad: int | None = None, shared_limit: int = cl.TILE_SHARED_LIMIT_BYTES,
+               entry_capacity: Callable[[int, int], int] | None = None) -> list[dict[str, Any]]:
+    """``direct_tile`` settings: the :data:`TILE_TILINGS` valid for ``dtype`` and whose shared memory
+    (:func:`~unsparse.runtime.cupy_launcher.tile_shared_bytes`) fits in ``shared_limit`` bytes
+    (:func:`~unsparse.runtime.cupy_launcher.tile_shared_limit` of the GPU); with ``vector_pad`` (the layer's
+    ``pad_w``, where :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason` allows it) also each tiling that
+    can stage 16-byte vectors, as ``"stage": "vector"``. ``entry_capacity(chunk, union)``: the weight's longest
+    entry list (:func:`longest_list`), which sizes the ``stage_entries`` tilings' slots (``"entries": "shared"``);
+    None leaves those tilings out.
 
     With ``prune``, tilings whose output tile is more than twice the plane in either direction, or whose
     NB exceeds the batch (beyond the images per element), are left out.
@@ -135,11 +146,14 @@ def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int]
     E, F_ = out_hw
     space = []
     for tiling, pad in itertools.product(TILE_TILINGS, [None] if vector_pad is None else [None, vector_pad]):
+        if tiling.stage_entries and entry_capacity is None:
+            continue
         try:
             layout = cl.tile_layout(dtype, kernel_size, tiling, pad)
         except ValueError:
             continue
-        if layout.shared_bytes() > shared_limit:
+        capacity = entry_capacity(tiling.cc, tiling.union) if tiling.stage_entries else 0
+        if cl.tile_shared_bytes(layout, tiling, capacity) > shared_limit:
             continue
         te, tf = tiling.tile_hw
         if prune and (te > 2 * E or tf > 2 * F_ or tiling.nb > max(batch, cl.images_per_element(dtype))):
@@ -147,7 +161,9 @@ def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int]
         space.append({"variant": "tile", "wx": tiling.wx, "py": tiling.py, "nb": tiling.nb, "mw": tiling.mw,
                       "warps": tiling.warps, "cc": tiling.cc, **({} if pad is None else {"stage": "vector"}),
                       **({} if tiling.union == 1 else {"union": tiling.union}),
-                      **({"paired": True} if tiling.paired else {})})
+                      **({"paired": True} if tiling.paired else {}),
+                      **({"entries": "shared"} if tiling.stage_entries else {}),
+                      **({"min_blocks": tiling.min_blocks} if tiling.min_blocks else {})})
     return space
 
 
@@ -309,14 +325,20 @@ def reads_pairs(params: dict[str, Any], dtype: torch.dtype) -> bool:
 
 
 def tiling_of(params: dict[str, Any]) -> cl.TileTiling:
-    """The :class:`~unsparse.runtime.cupy_launcher.TileTiling` of a ``tile`` setting (``"union"`` 1 and
-    ``"paired"`` false where absent).
+    """The :class:`~unsparse.runtime.cupy_launcher.TileTiling` of a ``tile`` setting (``"union"`` 1, ``"paired"``
+    false, ``"entries"`` ``"global"`` and ``"min_blocks"`` 0 where absent; ``"entries": "shared"`` is
+    ``stage_entries``).
 
     Raises:
-        ValueError: a missing or invalid size, or a ``"paired"`` that is not a bool.
+        ValueError: a missing or invalid size or ``"min_blocks"``, a ``"paired"`` that is not a bool, or an
+            ``"entries"`` other than ``"global"`` and ``"shared"``.
     """
+    entries = params.get("entries", "global")
+    if entries not in ("global", "shared"):
+        raise ValueError(f"entries: unknown {entries!r}, expected 'global' or 'shared'")
     return cl.TileTiling(*setting_sizes(params, ("wx", "py", "nb", "mw", "warps", "cc"), "tile"),
-                         params.get("union", 1), params.get("paired", False))
+                         params.get("union", 1), params.get("paired", False), entries == "shared",
+                         params.get("min_blocks", 0))
 
 
 @dataclass(frozen=True)
@@ -438,6 +460,45 @@ def prepare_tile(csr: UniformCSR, layout: cl.TileLayout, half2: bool = False, un
     arrays = TileArrays(chunk_ptr.to(torch.int32), entries)
     validate_tile(arrays, M, C, (R, S), layout, union)
     return arrays
+
+
+def longest_list(csr: UniformCSR, chunk: int, union: int = 1) -> int:
+    """Entries of the longest (group, chunk) list :func:`prepare_tile` builds from ``csr`` for ``chunk`` input
+    channels per staged chunk and ``union`` output channels per group (0 for an all-zero weight): one entry per stored
+    nonzero for ``union`` 1, one per distinct tap of the group's nonzeros otherwise. It sizes the shared-memory slots
+    of a ``stage_entries`` tiling (:func:`~unsparse.runtime.cupy_launcher.tile_shared_bytes`); :func:`check_capacity`
+    holds the built arrays to it.
+
+    Raises:
+        ValueError: for a ``chunk`` below 1 or a ``union`` that is not one of the kernel's.
+    """
+    if union not in cl.TILE_UNIONS or type(chunk) is not int or chunk < 1:
+        raise ValueError(f"longest_list: chunk {chunk!r} must be a positive integer and union {union} one of "
+                         f"{cl.TILE_UNIONS}")
+    M, taps_per_channel = csr.out_channels, math.prod(csr.kernel_size)
+    taps = csr.in_channels_per_group * taps_per_channel
+    rows = torch.arange(M, device=csr.values.device)[:, None].expand_as(csr.col_idx)
+    keep = csr.values != 0
+    key = rows[keep] // union * taps + csr.col_idx.long()[keep]
+    if union > 1:
+        key = torch.unique(key)
+    if key.numel() == 0:
+        return 0
+    lists = key // taps * math.ceil(csr.in_channels_per_group / chunk) + key % taps // taps_per_channel // chunk
+    return int(torch.bincount(lists).max())
+
+
+def check_capacity(arrays: TileArrays, capacity: int) -> None:
+    """Check that no (group, chunk) list of ``arrays`` holds more than ``capacity`` entries, the slot a
+    ``stage_entries`` kernel copies each list into: a longer list would overwrite another warp's slots.
+
+    Raises:
+        ValueError: naming ``chunk_ptr`` and the longest list.
+    """
+    ptr = arrays.chunk_ptr.long()
+    longest = int((ptr[1:] - ptr[:-1]).max()) if ptr.numel() > 1 else 0
+    if longest > capacity:
+        raise ValueError(f"chunk_ptr: a list of {longest} entries exceeds the {capacity} entries of its slot")
 
 
 def validate_tile(arrays: TileArrays, out_channels: int, channels: int, kernel_size: tuple[int, int],
@@ -665,7 +726,16 @@ class DirectBackend(ConvBackend):
         vector = cl.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding) is None
         return tile_space(x.shape[0], self._out_hw(x, csr, geometry), csr1.kernel_size, x.dtype,
                           vector_pad=geometry1.padding[1] if vector else None,
-                          shared_limit=cl.tile_shared_limit(x.device))
+                          shared_limit=cl.tile_shared_limit(x.device),
+                          entry_capacity=lambda chunk, union: self._longest_list(csr1, chunk, union))
+
+    def _longest_list(self, csr: UniformCSR, chunk: int, union: int) -> int:
+        """:func:`longest_list` of a stride-1 layer's weight, cached with it."""
+        return self._arrays(csr, ("longest", chunk, union), lambda: longest_list(csr, chunk, union))
+
+    def _entry_capacity(self, csr: UniformCSR, tiling: cl.TileTiling) -> int:
+        """The slot size of a ``stage_entries`` tiling on a stride-1 layer's weight (its longest list), else 0."""
+        return self._longest_list(csr, tiling.cc, tiling.union) if tiling.stage_entries else 0
 
     def kernel_names(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                      space: list[dict[str, Any]] | None = None) -> list[str]:
@@ -709,8 +779,10 @@ class DirectBackend(ConvBackend):
             tiling = pointwise_tiling_of(params)
             _, splits = cl.split_chunks(view.csr.in_channels_per_group, tiling.cc, params.get("splits", 1))
             return cl.pointwise_launch(x.dtype, N, csr.out_channels, E * F_, tiling, view.staging, splits), view
-        return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), view.csr.kernel_size, tiling_of(params),
-                              view.staging, half_run, cl.tile_shared_limit(x.device)), view
+        tiling = tiling_of(params)
+        return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), view.csr.kernel_size, tiling, view.staging,
+                              half_run, cl.tile_shared_limit(x.device),
+                              self._entry_capacity(view.csr, tiling)), view
 
     @staticmethod
     def _vector_requested(params: dict[str, Any], reason: Callable[[], str | None]) -> bool:
@@ -764,6 +836,9 @@ class DirectBackend(ConvBackend):
             half2 = half_run_of(params, x.dtype) > 0
             tile = self._arrays(view.csr, ("tile", layout, half2, tiling.union),
                                 lambda: prepare_tile(view.csr, layout, half2, tiling.union))
+            capacity = self._entry_capacity(view.csr, tiling)
+            if tiling.stage_entries:
+                check_capacity(tile, capacity)
             pairing, split = None, view.split
             if reads_pairs(params, x.dtype):
                 if split is not None and split.every_phase:  # one pass from x
@@ -772,7 +847,8 @@ class DirectBackend(ConvBackend):
                     pairing = bind_pairing((N, C, H, W), x.dtype, x.device, view.source_aligned)
             return PreparedCall(bound((tile.chunk_ptr, tile.entries),
                                       (N, C, H, W, M, E, F_, *view.geometry.padding,
-                                       math.ceil(F_ / tiling.tile_hw[1]), math.ceil(M / tiling.channels))),
+                                       math.ceil(F_ / tiling.tile_hw[1]), math.ceil(M / tiling.channels),
+                                       capacity)),
                                 split, out_shape, pairing=pairing)
         tiling = pointwise_tiling_of(params)
         layout = cl.pointwise_layout(x.dtype, tiling, view.staging)
