@@ -1063,6 +1063,20 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     assert torch.allclose(out, (1.0 + 2.0 + 3.0 + 4.0) + bias.view(5, 1, 1).expand(1, 5, 4, 4))
 
 
+def test_the_dynamic_shared_memory_opt_in_only_grows(monkeypatch) -> None:
+    """A staged-entry instantiation is bound with the shared memory of each weight's slots: the opt-in keeps the
+    largest size asked for per (instantiation, device), so a launch bound with more is not refused after a smaller
+    one (CUDA_ERROR_INVALID_VALUE on the H100 before this)."""
+    kernels: dict[str, object] = {}
+    monkeypatch.setattr(cl, "get_kernel", lambda name: kernels.setdefault(name, type("Kernel", (), {})()))
+    monkeypatch.setattr(cl, "_OPTED_IN", {})
+    for shared_bytes in (70_000, 60_000, 80_000, 50_000):
+        cl._opt_in("k", shared_bytes, 0)
+    assert kernels["k"].max_dynamic_shared_size_bytes == 80_000
+    cl._opt_in("k", 55_000, 1)  # another device has its own attribute
+    assert cl._OPTED_IN == {("k", 0): 80_000, ("k", 1): 55_000}
+
+
 def test_tile_shared_limit_follows_the_gpus_opt_in_limit(monkeypatch) -> None:
     assert cl.tile_shared_limit(torch.device("cpu")) == cl.TILE_SHARED_LIMIT_BYTES
 

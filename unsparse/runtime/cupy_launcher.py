@@ -769,8 +769,17 @@ def bind(spec: Launch, args: tuple[Any, ...], device: torch.device) -> BoundLaun
                        tuple(arg for arg in args if isinstance(arg, torch.Tensor)))
 
 
-@functools.cache
+_OPTED_IN: dict[tuple[str, int], int] = {}
+"""Dynamic shared memory each (instantiation, device) may take so far, bytes (:func:`_opt_in`)."""
+
+
 def _opt_in(name: str, shared_bytes: int, device_index: int) -> None:
-    """Let instantiation ``name`` take ``shared_bytes`` of dynamic shared memory on the current device (CUDA's
-    ``MAX_DYNAMIC_SHARED_SIZE_BYTES`` function attribute; needed beyond :data:`SHARED_LIMIT_BYTES`), once."""
-    get_kernel(name).max_dynamic_shared_size_bytes = shared_bytes
+    """Let instantiation ``name`` take at least ``shared_bytes`` of dynamic shared memory on the current device
+    (CUDA's ``MAX_DYNAMIC_SHARED_SIZE_BYTES`` function attribute; needed beyond :data:`SHARED_LIMIT_BYTES`). The
+    attribute only grows: a ``stage_entries`` tiling's shared memory depends on the weight (:func:`tile_shared_bytes`),
+    so one instantiation is bound with several sizes, and lowering it would make the launches bound before fail with
+    ``CUDA_ERROR_INVALID_VALUE``."""
+    key = (name, device_index)
+    if shared_bytes > _OPTED_IN.get(key, 0):
+        get_kernel(name).max_dynamic_shared_size_bytes = shared_bytes
+        _OPTED_IN[key] = shared_bytes
