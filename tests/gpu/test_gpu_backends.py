@@ -135,17 +135,18 @@ def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.
 
 
 @pytest.mark.parametrize("backend_name", ["direct", "direct_half2"])
-@pytest.mark.parametrize("case", ["empty_and_dense_rows", "groups_tiles_chunks", "vector_edges", "stride2_vector",
-                                  "fully_dense"])
+@pytest.mark.parametrize("case", ["groups_tiles_chunks", "vector_edges", "vector_pad0", "stride2_vector"])
 def test_staged_entries_give_the_unstaged_result_bit_for_bit(case: str, backend_name: str) -> None:
     """A ``stage_entries`` setting reads the same entries in the same order as its unstaged tiling, from shared
     memory instead of global memory, so both outputs agree bit for bit (float32 for ``direct``, float16 with half2
-    products for ``direct_half2``); every such setting of the case's tuning space is checked."""
+    products for ``direct_half2``); every such setting of the case's tuning space is checked (planes at least 16
+    wide: the space leaves 32-wide warp tiles out of narrower ones, and every staged tiling has them; two cases hold
+    an all-zero and a dense row)."""
     dtype = torch.float32 if backend_name == "direct" else torch.float16
     x, csr, bias, geometry, ref = make_case(case, dtype, seed=31)
     backend = get_backend(backend_name)
     staged = [p for p in backend.tuning_space(x, csr, geometry) if p.get("entries") == "shared"]
-    assert staged or case == "fully_dense", "no staged setting fits"
+    assert staged, "no staged setting in the tuning space"
     for params in staged:
         unstaged = {k: v for k, v in params.items() if k not in ("entries", "min_blocks")}
         poison_allocator(ref.numel(), dtype)
