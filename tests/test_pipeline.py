@@ -15,7 +15,9 @@ from unsparse.pipeline import TimingSettings, TrainSettings, compare_layers, run
 from unsparse.prune import MagnitudePruner
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
+from unsparse.report import write_report
 from unsparse.runtime import SparseConv, sparse_layers
+from unsparse.strict_json import loads_strict
 
 
 def small_real_data():
@@ -74,6 +76,16 @@ def test_pipeline_smoke_on_real_data(tmp_path):
     assert "Target 90.00%: reached." in markdown
     assert load_sparse(tmp_path / "model.safetensors").unsparse_metadata["extra"]["accuracy"]["pruned"] == \
         accuracy["pruned"]
+    # a diverged stage's NaN and an infinite history value: report.json stays strict JSON (null) and renders the
+    # same page again, which names the stage and says n/a for its metric
+    diverged = {**report, "accuracy": {**accuracy, "sparse_run": math.nan},
+                "pruning": {**report["pruning"], "history": [{"relative_change": -math.inf}]}}
+    first = write_report(tmp_path / "diverged", diverged, {})
+    again = write_report(tmp_path / "again", loads_strict(first["json"].read_text()), {})
+    assert loads_strict(again["json"].read_text())["pruning"]["history"] == [{"relative_change": None}]
+    page = first["markdown"].read_text()
+    assert page == again["markdown"].read_text()
+    assert "| sparse_run | n/a |" in page and "No better than that: `sparse_run`" in page
     with pytest.raises(ValueError, match=r"job.json: written by .* settings \(pruner.target: 0.9 there, 0.8"):
         run_pipeline(splits, create_model("vgg_small", width=8), MagnitudePruner(0.8, fine_tune_epochs=1),
                      lambda model, loader: model, tmp_path, TrainSettings(epochs=1, batch_size=64, deterministic=True),

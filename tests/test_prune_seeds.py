@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -82,16 +83,22 @@ def test_pooled_runs_count_every_file_even_of_one_seed(seeds) -> None:
 
 
 def test_a_history_holding_minus_infinity_is_read(seeds, tmp_path) -> None:
-    """A diverged evolutionary iteration records its change as -Infinity (Python's JSON writes it); the summary reads
-    such files (the strict reader of benchmark results refused them)."""
+    """A diverged evolutionary iteration records its change as -inf: files written before the JSON writer wrote
+    null for it hold -Infinity (Python's JSON), which the summary reads (the strict reader of benchmark results
+    refused them), as it reads the null written now."""
     from unsparse.atomic import atomic_write_json
 
     result = run(0, 93.0, 92.6, 92.0)
     result["blocks"][0]["rows"][1]["history"] = [{"relative_change": float("-inf")}]
-    path = atomic_write_json(tmp_path / "seed0.json", result)
-    assert "-Infinity" in path.read_text()
-    seeds.main([str(path), "--out", str(tmp_path / "seeds.md")])
+    older = tmp_path / "seed0.json"
+    older.write_text(json.dumps(result))
+    assert "-Infinity" in older.read_text()
+    seeds.main([str(older), "--out", str(tmp_path / "seeds.md")])
     assert "| evolutionary | 92.60" in (tmp_path / "seeds.md").read_text()
+    now = atomic_write_json(tmp_path / "seed0_now.json", result)
+    assert "Infinity" not in now.read_text() and '"relative_change": null' in now.read_text()
+    seeds.main([str(now), "--out", str(tmp_path / "seeds_now.md")])
+    assert "| evolutionary | 92.60" in (tmp_path / "seeds_now.md").read_text()
 
 
 def test_help_gives_the_whole_first_paragraph(seeds, run_script) -> None:

@@ -5,7 +5,6 @@ A reader (or a crash, or Ctrl-C) sees either the old complete file or the new co
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import tempfile
@@ -14,6 +13,8 @@ from collections.abc import Callable, Iterable
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
 from typing import Any, BinaryIO
+
+from unsparse.strict_json import dumps_strict
 
 _PREFIX_BYTES = 200
 """The most bytes of the target's name that the temporary file's name repeats: with the dot before and after, the
@@ -125,5 +126,12 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
 
 
 def atomic_write_json(path: str | Path, data: Any) -> Path:
-    """Atomically replace ``path`` with ``data`` as indented JSON."""
-    return atomic_write_text(path, json.dumps(data, indent=2, sort_keys=False) + "\n")
+    """Atomically replace ``path`` with ``data`` as indented strict JSON: NaN and infinities are written as ``null``
+    (:func:`~unsparse.strict_json.dumps_strict`; Python's ``json`` writes ``NaN`` and ``Infinity``, which strict
+    readers refuse).
+
+    Raises:
+        TypeError, ValueError: from :func:`~unsparse.strict_json.dumps_strict`, before ``path`` is touched.
+        OSError: as :func:`atomic_write`.
+    """
+    return atomic_write_text(path, dumps_strict(data, indent=2, sort_keys=False) + "\n")

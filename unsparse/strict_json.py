@@ -1,13 +1,16 @@
-"""Strict JSON for files read as untrusted input (sparse model files, plans, benchmark results).
+"""Strict JSON: read for files taken as untrusted input (sparse model files, plans, benchmark results), written for
+the files the package writes (:func:`dumps_strict`).
 
 Python's ``json`` accepts the literals ``NaN``, ``Infinity`` and ``-Infinity`` and keeps the last of duplicate object
 keys; in a file that is checked field by field, either lets two readers see different content (a duplicate layer
-entry with other counts, a NaN that compares false everywhere).
+entry with other counts, a NaN that compares false everywhere). It also writes those literals, which no JSON
+standard has and strict readers (:func:`loads_strict`, browsers, ``jq``) refuse.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from typing import Any
 
@@ -31,3 +34,26 @@ def loads_strict(text: str | bytes, constants: bool = False) -> Any:
             UTF-8, an integer beyond Python's digit limit). RecursionError: nesting deeper than the parser.
     """
     return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=None if constants else _refuse_constant)
+
+
+def finite_or_none(value: Any) -> Any:
+    """``value`` (nested dicts, lists and tuples of JSON values) with every float that is NaN or infinite replaced by
+    None, and tuples as lists: what strict JSON can hold. Nothing else changes; ``value`` is not modified."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_none(item) for item in value]
+    return value
+
+
+def dumps_strict(data: Any, **kwargs: Any) -> str:
+    """``json.dumps`` (``kwargs``: its options, e.g. ``indent``) of :func:`finite_or_none` ``(data)``: NaN and
+    infinities are written as ``null``, so that :func:`loads_strict` and other strict readers accept the text.
+
+    Raises:
+        TypeError: a value JSON cannot hold (e.g. a set), from ``json.dumps``. ValueError: a circular reference, or
+            a dict key that is a non-finite float.
+    """
+    return json.dumps(finite_or_none(data), allow_nan=False, **kwargs)

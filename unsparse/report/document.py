@@ -24,9 +24,17 @@ def smoke_run_notice(budget_names: Iterable[str]) -> list[str]:
     return [SMOKE_RUN, ""] if "quick" in budget_names else []
 
 
+NOT_A_NUMBER = "n/a"
+"""A table cell for a value that is None or a float that is NaN or infinite (``report.json`` holds such a value as
+null: :func:`~unsparse.atomic.atomic_write_json`)."""
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub-flavoured Markdown table; floats get 4 significant digits."""
+    """A GitHub-flavoured Markdown table; floats get 4 significant digits, None and non-finite floats read
+    :data:`NOT_A_NUMBER`, so that a report renders the same from its values and from ``report.json``."""
     def cell(value: Any) -> str:
+        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+            return NOT_A_NUMBER
         return f"{value:.4g}" if isinstance(value, float) else str(value)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(cell(value) for value in row) + " |" for row in rows]
@@ -138,14 +146,15 @@ def plan_check_text(check: dict[str, Any]) -> str:
     return text
 
 
-def _trivial_text(run: dict[str, Any], accuracy: dict[str, float]) -> str:
-    """What a model that learned nothing scores (``run["metric_trivial"]``), and the stages that do no better."""
+def _trivial_text(run: dict[str, Any], accuracy: dict[str, float | None]) -> str:
+    """What a model that learned nothing scores (``run["metric_trivial"]``), and the stages that do no better (a
+    diverged stage's NaN, null in ``report.json``, counts as no better)."""
     top1 = run["metric"] == "top1"
     trivial = run["metric_trivial"]
     text = (f"A model that learned nothing scores {trivial:.4g} here ("
             + ("always the most frequent training label" if top1 else "each window predicted by its own mean") + ").")
     no_better = [stage for stage, value in accuracy.items()
-                 if math.isnan(value) or (value <= trivial if top1 else value >= trivial)]
+                 if value is None or math.isnan(value) or (value <= trivial if top1 else value >= trivial)]
     if no_better:
         text += f" **No better than that: {', '.join(f'`{stage}`' for stage in no_better)}.**"
     return text
@@ -179,7 +188,7 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
     Args:
         report: JSON-ready dict with keys ``run`` (with ``metric`` (``"top1"`` or ``"mse"``), ``metric_label``,
             ``metric_trivial``, ``timing_runs``, ``timing_warmup`` and ``tree_modified``), ``accuracy`` (the test
-            metric per stage; a NaN, or one no better than ``metric_trivial``, is named), ``pruning`` (its
+            metric per stage; a NaN or None, or one no better than ``metric_trivial``, is named), ``pruning`` (its
             ``target`` and ``target_reached`` stated when present, ``fully_pruned_layers`` warned about),
             ``quantization`` (with optional ``conv_nonzeros``: ``pruned`` and ``exported`` nonzero conv weights,
             whose difference quantization rounded to zero), ``layers`` (rows of
@@ -190,6 +199,9 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
             ``plan_check`` (the fields of :class:`~unsparse.runtime.comparator.PlanCheck` with the keys
             :func:`plan_check_text` names).
         figures: title -> PNG path (relative links are written into the Markdown).
+
+    ``report.json`` is strict JSON (NaN and infinities as null); ``report`` as read back from it renders the same
+    ``report.md``.
 
     Returns:
         ``{"json": path, "markdown": path}``.
