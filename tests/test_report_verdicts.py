@@ -51,7 +51,14 @@ def test_plan_check_text_says_whether_the_plan_is_slower_and_what_was_set_back()
     assert "2 new layer entries were set back" in slower and "`reference`, not on the plan" in slower
     noise = plan_check_text({"planned_ms": 1.02, "default_ms": 1.0, "reverted": [], "timing": "graph",
                              "margin": 0.03, "images": 8, "model_runs_on": "auto"})
-    assert "0.98x the default's speed, within the 3 % planning margin" in noise and "SLOWER" not in noise
+    assert "0.98x the default's speed: slower, within the 3 % noise margin" in noise and "SLOWER" not in noise
+    runs_on = {"planned_ms": 1.0, "default_ms": 1.0, "reverted": [], "timing": "graph", "margin": 0.03, "images": 8,
+               "model_runs_on": "direct", "model_runs_on_default_ms": 1.0, "model_runs_on_timing": "graph"}
+    assert plan_check_text({**runs_on, "model_runs_on_ms": 1.02}).endswith(
+        "1.02 ms per forward against 1 ms on the dense default, both timed as CUDA-graph replays, 0.98x its speed "
+        "(slower, within the 3 % noise margin).")
+    assert plan_check_text({**runs_on, "model_runs_on_ms": 1.2}).endswith("0.83x its speed (SLOWER).")
+    assert plan_check_text({**runs_on, "model_runs_on_ms": 0.9}).endswith("1.11x its speed.")
     default_everywhere = plan_check_text({"planned_ms": 1.2, "default_ms": 1.0, "reverted": [], "timing": "eager",
                                           "margin": 0.03, "images": 8, "model_runs_on": "auto"})
     assert "SLOWER" in default_everywhere and "already runs its dense default, so nothing was set back" in \

@@ -53,6 +53,18 @@ def sparsity_percent(fraction: float) -> str:
     return text
 
 
+def within_noise(ms: float, base_ms: float, margin: float) -> bool:
+    """Whether ``ms`` is slower than ``base_ms`` by no more than ``margin`` (a fraction of ``base_ms``): slower all
+    the same, which a page says (:func:`noise_text`), while decisions such as a plan's revert treat it as noise."""
+    return base_ms < ms <= (1 + margin) * base_ms
+
+
+def noise_text(margin: float) -> str:
+    """``within the 3 % noise margin`` for ``margin`` 0.03: what a page adds to a slower time that
+    :func:`within_noise` holds."""
+    return f"within the {100 * margin:.0f} % noise margin"
+
+
 def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
     """Per layer: baseline time, fastest backend, its speedup over the baseline and a plain verdict.
 
@@ -102,15 +114,16 @@ def plan_check_text(check: dict[str, Any]) -> str:
     where that is not ``auto`` ``model_runs_on_ms``, ``model_runs_on_default_ms`` and ``model_runs_on_timing``,
     the model's time on it and on its dense default, and how both were timed, or ``model_runs_on_is_default`` where
     it is that default). Says whether the plan is faster,
-    within the margin (run-to-run noise) or SLOWER, that slower plans were set back, and what the test set ran on:
-    the plan's backend per layer, or another backend's whole-model time against the dense default."""
+    slower within the margin (run-to-run noise) or SLOWER, that slower plans were set back, and what the test set
+    ran on: the plan's backend per layer, or another backend's whole-model time against the dense default (slower
+    within the margin or SLOWER, the same way)."""
     how = "as CUDA-graph replays (GPU time)" if check["timing"] == "graph" else "eagerly (host clock included)"
     planned, default = check["planned_ms"], check["default_ms"]
     speed = default / planned
     if speed >= 1:
         verdict = f"{speed:.2f}x the default's speed"
-    elif planned <= (1 + check["margin"]) * default:
-        verdict = f"{speed:.2f}x the default's speed, within the {100 * check['margin']:.0f} % planning margin"
+    elif within_noise(planned, default, check["margin"]):
+        verdict = f"{speed:.2f}x the default's speed: slower, {noise_text(check['margin'])}"
     else:
         verdict = f"{speed:.2f}x the default's speed, so the plan is SLOWER"
     text = (f"The planned model took {planned:.4g} ms per forward of {check['images']} images, against "
@@ -132,9 +145,11 @@ def plan_check_text(check: dict[str, Any]) -> str:
         elif check.get("model_runs_on_ms") is not None:
             runs_on, runs_on_default = check["model_runs_on_ms"], check["model_runs_on_default_ms"]
             how_runs_on = "as CUDA-graph replays" if check["model_runs_on_timing"] == "graph" else "eagerly"
+            slower = (" (SLOWER)" if runs_on > (1 + check["margin"]) * runs_on_default
+                      else f" (slower, {noise_text(check['margin'])})"
+                      if within_noise(runs_on, runs_on_default, check["margin"]) else "")
             text += (f": {runs_on:.4g} ms per forward against {runs_on_default:.4g} ms on the dense default, both "
-                     f"timed {how_runs_on}, {runs_on_default / runs_on:.2f}x its speed"
-                     + (" (SLOWER)" if runs_on > (1 + check["margin"]) * runs_on_default else ""))
+                     f"timed {how_runs_on}, {runs_on_default / runs_on:.2f}x its speed{slower}")
         text += "."
     elif check.get("layer_backends"):
         text += " The test set ran on the plan: " + ", ".join(
