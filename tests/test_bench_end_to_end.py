@@ -33,6 +33,9 @@ def test_end_to_end_compares_both_planned_layouts_with_both_dense_layouts() -> N
     for check in (record["plan_check"], record["plan_check_nhwc"]):
         assert check["planned_ms"] > 0 and check["default_ms"] > 0 and isinstance(check["reverted"], tuple)
     assert record["rel_error"] < 1e-5 and record["graph_error"] == "no CUDA graphs on cpu"
+    # one input every call, as the page says of end-to-end runs (per-layer timings rotate theirs)
+    assert record["dense_timing"]["rotation"] == record["planned_timing"]["rotation"] == 1
+    assert record["planned_nhwc_timing"]["rotation"] == 1
 
 
 def test_a_channels_last_model_that_disagrees_is_not_a_baseline(monkeypatch: pytest.MonkeyPatch) -> None:

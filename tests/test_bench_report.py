@@ -240,6 +240,27 @@ def test_a_plan_slower_within_the_noise_margin_is_said_to_be_slower(result) -> N
     assert "SLOWER eagerly" not in text and "run that one instead" not in text
 
 
+def test_the_page_says_how_each_kind_of_record_rotated_its_inputs(result) -> None:
+    """Every page said "inputs rotated beyond L2", while end-to-end runs call the model on one input every time and a
+    per-layer record's 16 sets (the comparator's limit) of a small input fit in L2."""
+    result["environment"]["l2_bytes"] = 50 * 2**20
+    for record, rotation in zip(result["layers"], (2, 16, 16, 16, 16, 16), strict=True):
+        record["comparison"] = {"measurements": [{"timing": {"rotation": rotation}}, {"timing": None}]}
+    result["layers"][1]["batch"] = 1  # 16 x 512x14x14 float32 inputs: 6.4 MB, within L2
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("CUDA events, per-layer inputs rotated beyond L2 in 5 of 6 timed records (the others' sets, at most 16, "
+            "fit in it); end-to-end runs on one input, not rotated. FP32 columns have TF32 off.") in text
+    del result["layers"][1]
+    result["end_to_end"] = []
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "CUDA events, inputs rotated beyond L2. FP32 columns have TF32 off." in text  # as pages said before
+    result["layers"] = []
+    result["end_to_end"] = [{"model": "model.safetensors", "weights": "trained", "batch": 32, "precision": "fp32",
+                             "dense_ms": 1.0, "planned_ms": 0.9, "speedup": 1 / 0.9, "rel_error": 1e-7}]
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "CUDA events, end-to-end runs on one input, not rotated. FP32" in text
+
+
 RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
 LINK = re.compile(r"!\[[^\]]*\]\(([^)]+)\)")
 

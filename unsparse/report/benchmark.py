@@ -151,6 +151,40 @@ def weights_text(result: dict[str, Any]) -> str:
     return "; ".join(parts) or "no records"
 
 
+def _rotated_bytes(record: dict[str, Any]) -> int | None:
+    """Bytes of the input sets a per-layer record's timed calls cycled through (its timings' ``rotation`` times one
+    input's bytes), None if no setting was timed."""
+    rotations = [m["timing"]["rotation"] for m in record.get("comparison", {}).get("measurements", [])
+                 if m.get("timing")]
+    if not rotations:
+        return None
+    channels, height, width = record["in_chw"]
+    return max(rotations) * record["batch"] * channels * height * width * PRECISIONS[record["precision"]].dtype.itemsize
+
+
+def rotation_text(result: dict[str, Any]) -> str:
+    """What the timed calls' inputs were, for the page's protocol line. Per-layer records cycle through input sets
+    (:func:`~unsparse.runtime.timing.rotation_count`: enough to exceed twice the L2 cache, at most 16), so their
+    inputs come from beyond L2 except where 16 sets of a small input fit in it: counted from each record's rotation
+    and input size against the GPU's recorded ``l2_bytes`` (not counted where that is missing). End-to-end records
+    call the model on one input every time (:func:`~unsparse.runtime.bench.bench_end_to_end`: its timings' rotation
+    is 1). A result of per-layer records only, all from beyond L2, reads ``inputs rotated beyond L2``, as before
+    end-to-end inputs were told apart."""
+    l2 = result["environment"].get("l2_bytes")
+    sizes = [size for size in map(_rotated_bytes, result["layers"]) if size is not None]
+    fit = sum(size <= l2 for size in sizes) if l2 else 0
+    if not l2:
+        layers = "inputs rotated (at most 16 sets; L2 size not recorded)"
+    elif fit == len(sizes) > 0:
+        layers = "inputs rotated (at most 16 sets, which fit in L2)"
+    else:
+        layers = "inputs rotated beyond L2" + (f" in {len(sizes) - fit} of {len(sizes)} timed records (the others' "
+                                               "sets, at most 16, fit in it)" if fit else "")
+    if not result["end_to_end"]:
+        return layers
+    return (f"per-layer {layers}; " if result["layers"] else "") + "end-to-end runs on one input, not rotated"
+
+
 def largest_batch(result: dict[str, Any]) -> int:
     """The largest batch of a result's per-layer records (0 without any): the batch the speedup and breakdown plots
     show."""
@@ -201,7 +235,7 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
     lines = ["# UnSparse benchmark", "", f"GPU: {env.get('gpu')}; driver {env.get('driver')}; torch {env['torch']}; "
              f"CUDA {env['cuda']}; cuDNN {env.get('cudnn')}; CuPy {env.get('cupy')}; commit {env['commit']}; "
              f"{env['date_utc']}.", "", f"Weights: {weights_text(result)}. Medians of {result['runs']} runs (ms), "
-             "CUDA events, inputs rotated beyond L2. FP32 columns have TF32 off.", ""]
+             f"CUDA events, {rotation_text(result)}. FP32 columns have TF32 off.", ""]
     if any("baseline" not in r for r in result["layers"]):
         lines += ["Some records predate the cuDNN-alone baseline (twelfth session): their speedups are against the "
                   "cuDNN call (bias added in a separate pass, NCHW) and appear as direct/cuDNN call only; targets "
