@@ -90,3 +90,17 @@ def test_a_one_channel_model_is_not_planned_in_channels_last() -> None:
     assert record["planned_nhwc_ms"] is None and record["planned_nhwc_rel_error"] is None
     assert record["plan_check_nhwc"] is None
     assert record["layers_planned_now"] == 2 and record["best_planned_layout"] == "nchw"
+
+
+def test_a_sparse_model_records_the_backend_its_plan_kept_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trained model's layer records named only the fastest backend; the plan keeps the dense default for a win
+    within the margin, and every key where the end-to-end check sets the plan back (forced here: margin -1)."""
+    plan = Plan()
+    record = bench.bench_end_to_end_sparse(bench.sparsify(model()), (3, 12, 10), 2, torch.device("cpu"), 3, plan)
+    assert [layer["planned"] for layer in record["layers"]] == [plan.entries[layer["key"]].backend
+                                                                for layer in record["layers"]]
+    check_plan = comparator.check_plan
+    monkeypatch.setattr(bench, "check_plan", lambda *args: check_plan(*args, margin=-1.0))
+    record = bench.bench_end_to_end_sparse(bench.sparsify(model()), (3, 12, 10), 2, torch.device("cpu"), 3, Plan())
+    assert len(record["layers"]) == 2 and all(layer["planned"] == "dense_cpu" for layer in record["layers"])
+    assert all(layer["best"] in layer["best_ms"] for layer in record["layers"])

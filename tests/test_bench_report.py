@@ -90,7 +90,8 @@ def test_report_says_where_sparse_is_slower(result, tmp_path):
     assert "direct is SLOWER than cuDNN (alone, best layout) on 1 of 6 layer settings" in text
     # cuDNN alone, its layout, cuDNN as called, direct; speedups against the first and the third
     assert "| 10.000 | nhwc | 15.000 | 4.000 | - | - | 2.50 | 3.75 |" in text
-    assert "| 32 | `k1` | cudnn | 0.080 | 0.100 | 0.300 |" in text  # cuDNN alone, then as called
+    # fastest, planned (not recorded before it was), cuDNN alone, then as called
+    assert "| 32 | `k1` | cudnn | — | 0.080 | 0.100 | 0.300 |" in text
     assert "predate" not in text
     # dense, dense NHWC, planned, planned NHWC, their speedups, then graph replays
     assert "| 10.000 | 10.500 | 10.200 | - | 0.98 | 0.98 | 9.000 | 8.000 | 1.12 | - | - |" in text
@@ -116,6 +117,16 @@ def test_report_says_where_sparse_is_slower(result, tmp_path):
     paths = plot_results(result, tmp_path)
     assert {path.name for path in paths} == {"speedup.png", "breakdown.png", "end_to_end.png"}
     assert all(path.stat().st_size > 0 for path in paths)
+
+
+def test_the_trained_layer_table_tells_the_fastest_backend_from_the_planned_one(result) -> None:
+    """The column read "chosen" and gave the fastest backend, while the plan keeps the dense default for a win
+    within the 3 % margin and all of it where the end-to-end check set the plan back."""
+    layer = result["end_to_end"][-1]["layers"][0]
+    layer |= {"best": "direct", "planned": "cudnn", "best_ms": {"cudnn": 0.1, "direct": 0.099}}
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "| batch | layer key | fastest | planned | cuDNN alone |" in text and "| chosen |" not in text
+    assert "| 32 | `k1` | direct | cudnn | 0.080 | 0.100 | 0.099 |" in text
 
 
 def test_graph_timings_say_why_they_are_missing_on_the_cpu() -> None:

@@ -331,12 +331,17 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
     trained = [(r, layer) for r in result["end_to_end"] for layer in r.get("layers", [])]
     if trained:
         lines += ["", "## Trained model, per layer (every backend, ms)", "",
-                  "| batch | layer key | chosen | cuDNN alone | cuDNN call | direct | im2col+cuBLAS "
-                  "| im2col+cuSPARSE |", "|" + "---|" * 8]
+                  "Times of the planner's per-layer comparison (inputs rotated, at most 16 sets). Fastest: the "
+                  "backend of the fastest time; planned: the one the plan kept for the key, the dense default unless "
+                  f"the fastest beat it by more than {100 * PLAN_MARGIN:.0f} % and the end-to-end check kept the plan "
+                  "(—: not recorded in this result).", "",
+                  "| batch | layer key | fastest | planned | cuDNN alone | cuDNN call | direct | im2col+cuBLAS "
+                  "| im2col+cuSPARSE |", "|" + "---|" * 9]
         for r, layer in trained:
             best = layer["best_ms"]
             alone = (layer.get("baseline") or {}).get("median_ms")
-            lines.append(f"| {r['batch']} | `{layer['key']}` | {layer['best']} | {_fmt(alone)} | "
+            lines.append(f"| {r['batch']} | `{layer['key']}` | {layer['best']} | {layer.get('planned', '—')} | "
+                         f"{_fmt(alone)} | "
                          f"{_fmt(best.get('cudnn'))} | "
                          f"{_fmt(best.get('direct'))} | {_fmt(best.get('im2col_cublas'))} | "
                          f"{_fmt(best.get('im2col_cusparse'))} |")

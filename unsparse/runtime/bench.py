@@ -583,6 +583,11 @@ def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch:
     NCHW only: the trained models take one-channel images, which cannot carry the channels-last layout
     (:func:`~unsparse.runtime.layout.layout_of`). The plan is checked end to end against the dense default right
     after planning (:func:`check_plan`, ``plan_check``), as in :func:`bench_end_to_end`.
+
+    ``layers``: one record per layer key planned now: ``key``, ``best`` (the backend of the fastest correct time),
+    ``planned`` (the backend the plan kept for the key after the check: the dense default where the fastest did not
+    beat it by :data:`~unsparse.runtime.comparator.PLAN_MARGIN`, or where the check set the plan back), ``best_ms``
+    (each backend's fastest median, ms) and ``baseline``.
     """
     layers = sparse_layers(model)
     dtype = next(iter(layers.values())).values.dtype if layers else torch.float32
@@ -603,6 +608,7 @@ def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch:
     for comparison in comparisons:
         best = comparison.best
         layer_records.append({"key": comparison.key, "best": None if best is None else best.backend,
+                              "planned": plan.entries[comparison.key].backend,
                               "best_ms": best_times(comparison, sorted({m.backend for m in comparison.measurements})),
                               "baseline": comparison.baseline.to_dict()})
     return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
