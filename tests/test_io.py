@@ -347,6 +347,28 @@ def test_a_path_that_is_no_regular_file_is_refused_without_reading_it(tmp_path, 
     assert all("is not a regular file" in error for error in errors)
 
 
+def test_the_file_checked_is_the_file_read(tmp_path, monkeypatch, exported):
+    """The loader checked the path with a stat and then opened the path again: a file put there in between (here a
+    valid one with other notes; a FIFO or a device would block it or read without end) was read unchecked."""
+    import os
+
+    from unsparse.sparse import io
+
+    checked, other = tmp_path / "checked.safetensors", tmp_path / "other.safetensors"
+    checked.write_bytes(exported[1].read_bytes())
+    save_sparse(exported[0], other, extra={"note": "other"})
+    real_safe_open = io.safe_open
+
+    def swap_then_open(*args, **kwargs):  # after every check, before safetensors opens the file
+        if other.exists():
+            os.replace(other, checked)
+        return real_safe_open(*args, **kwargs)
+
+    monkeypatch.setattr(io, "safe_open", swap_then_open)
+    assert load_sparse(checked).unsparse_metadata["extra"] == {"note": "test"}
+    assert load_sparse(checked).unsparse_metadata["extra"] == {"note": "other"}  # the path names the other file now
+
+
 @pytest.mark.parametrize(("edit", "match"), [
     (lambda raw: raw[:-1] + ', "layers": {}}', r"duplicate keys \['layers'\]"),  # the last one won, unchecked
     (lambda raw: raw[:-1] + ', "pad": "' + "x" * 4 * 2**20 + '"}', r"metadata: \d+ characters, more than 4194304"),

@@ -8,15 +8,15 @@ Layout:
   ``layers`` (per sparse conv: ``weight_shape``, ``geometry``, ``row_length``, ``nnz``, ``sparsity``),
   ``tensors`` (per state-dict key: ``shape``, ``dtype``, ``codec``), ``quantization`` and ``extra``.
 
-Loading treats the file as untrusted: only a regular file is opened, memory-mapped, and at first only its header
-is read (JSON metadata of at most :data:`METADATA_MAX_CHARACTERS`, without duplicate keys). The architecture is
-built on the ``meta`` device (no memory), with each convolution replaced by a shape-only :class:`SparseConv` of the
-file's row length, and every tensor's declared key, shape, dtype and codec (a quantization codec only on a sparse
-layer's ``values``) is checked against its state dict, and every stored part's size against what its tensor can
-need (at most :data:`MAX_PARTS` parts), before any tensor is read or decoded, so that a file cannot make the loader
-allocate much more than its architecture holds. Then values (finite, BatchNorm variances not negative) and index
-ranges are checked, and only then are real tensors assigned. Every problem raises :class:`SparseFileError` (a
-``ValueError``) naming the field.
+Loading treats the file as untrusted: the path is opened once, and only a regular file is read (through that
+descriptor, never the path again), memory-mapped, and at first only its header is read (JSON metadata of at most
+:data:`METADATA_MAX_CHARACTERS`, without duplicate keys). The architecture is built on the ``meta`` device (no
+memory), with each convolution replaced by a shape-only :class:`SparseConv` of the file's row length, and every
+tensor's declared key, shape, dtype and codec (a quantization codec only on a sparse layer's ``values``) is checked
+against its state dict, and every stored part's size against what its tensor can need (at most :data:`MAX_PARTS`
+parts), before any tensor is read or decoded, so that a file cannot make the loader allocate much more than its
+architecture holds. Then values (finite, BatchNorm variances not negative) and index ranges are checked, and only
+then are real tensors assigned. Every problem raises :class:`SparseFileError` (a ``ValueError``) naming the field.
 """
 
 from __future__ import annotations
@@ -62,6 +62,12 @@ MAX_PARTS = 3
 METADATA_MAX_CHARACTERS = 4 * 2**20
 """Characters the JSON metadata block may hold (a model of a thousand convolutions needs about a million): parsing
 JSON takes up to about 30 times its size in memory."""
+_OPEN_FLAGS = getattr(os, "O_PATH", os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+"""How a file to load is opened before it is checked: on Linux ``O_PATH`` (opens no device, blocks on no FIFO, reads
+nothing), elsewhere read-only without blocking on a FIFO or taking a terminal."""
+_DESCRIPTORS = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
+"""The folder whose entry ``N`` opens the file that descriptor ``N`` has open (Linux: ``/proc/self/fd``; other
+POSIX systems: ``/dev/fd``), whatever its path names by now."""
 TOP_LEVEL_KEYS = {"format_version", "model", "layers", "tensors", "quantization", "extra"}
 LAYER_KEYS = {"weight_shape", "geometry", "row_length", "nnz", "sparsity"}
 TENSOR_KEYS = {"shape", "dtype", "codec"}
@@ -167,20 +173,27 @@ def _open_file(path: Path) -> Iterator[Any]:
     JSON, dtypes, offsets): a regular file only, so that a FIFO cannot block the loader and a device (a link to
     ``/dev/zero``) cannot be read without end.
 
+    The path is opened once (:data:`_OPEN_FLAGS`), that open file is checked (``os.fstat``), and safetensors reads
+    it through the descriptor (:data:`_DESCRIPTORS`), not through the path: a file that takes the path after the
+    check is not the one read.
+
     Raises:
         SparseFileError: unreadable, not a regular file, or not a safetensors file.
     """
     try:
-        mode = os.stat(path).st_mode
+        descriptor = os.open(path, _OPEN_FLAGS)
     except OSError as error:
         raise SparseFileError(f"file: cannot read {path}: {error}") from error
-    _require(stat.S_ISREG(mode), "file", f"{path} is not a regular file")
     try:
-        handle = safe_open(str(path), framework="pt")
-    except (SafetensorError, OSError, ValueError) as error:
-        raise SparseFileError(f"file: {path} is not a valid safetensors file ({error!r})") from error
-    with handle:
-        yield handle
+        _require(stat.S_ISREG(os.fstat(descriptor).st_mode), "file", f"{path} is not a regular file")
+        try:
+            handle = safe_open(f"{_DESCRIPTORS}/{descriptor}", framework="pt")
+        except (SafetensorError, OSError, ValueError) as error:
+            raise SparseFileError(f"file: {path} is not a valid safetensors file ({error!r})") from error
+        with handle:
+            yield handle
+    finally:
+        os.close(descriptor)
 
 
 def _read_metadata(handle: Any) -> dict[str, Any]:
