@@ -369,6 +369,58 @@ def test_the_file_checked_is_the_file_read(tmp_path, monkeypatch, exported):
     assert load_sparse(checked).unsparse_metadata["extra"] == {"note": "other"}  # the path names the other file now
 
 
+def safetensors_by_hand(tensors: dict[str, torch.Tensor], metadata: str, twice: str = "") -> bytes:
+    """A safetensors file written byte by byte: the 8-byte little-endian header length, the JSON header, the data
+    (``tensors`` in order). The header holds ``metadata`` (the text of the ``__metadata__`` object, so that a key
+    may repeat), an entry per tensor, and the entry of tensor ``twice`` once more."""
+    from unsparse.sparse.io import STORED_DTYPES
+
+    names = {dtype: name for name, dtype in STORED_DTYPES.items()}
+    entries, data = [f'"__metadata__":{metadata}'], b""
+    for key, tensor in tensors.items():
+        raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        entry = json.dumps(key) + ":" + json.dumps({"dtype": names[tensor.dtype], "shape": list(tensor.shape),
+                                                    "data_offsets": [len(data), len(data) + len(raw)]})
+        entries += [entry, entry] if key == twice else [entry]
+        data += raw
+    header = ("{" + ",".join(entries) + "}").encode()
+    return len(header).to_bytes(8, "little") + header + data
+
+
+@pytest.mark.parametrize(("twice", "match"), [
+    ("", r"header: duplicate keys \['unsparse'\]"),
+    ("0.1.running_mean", r"header: duplicate keys \['0.1.running_mean'\]"),
+])
+def test_a_safetensors_header_with_duplicate_keys_is_refused(tmp_path, exported, twice, match):
+    """safetensors keeps the last of duplicate keys: a second "unsparse" metadata entry replaced the first, and a
+    tensor's second entry its first, unseen by the loader and by every other reader of the header."""
+    from unsparse.sparse.io import file_tensor_bytes
+
+    tensors, metadata = read(exported[1])
+    first, second = json.dumps(metadata), json.dumps({**metadata, "extra": {"note": "second"}})
+    block = f'{{"unsparse":{json.dumps(first)}' + ("}" if twice else f',"unsparse":{json.dumps(second)}}}')
+    path = tmp_path / "once.safetensors"
+    path.write_bytes(safetensors_by_hand(tensors, json.dumps({"unsparse": first})))
+    assert load_sparse(path).unsparse_metadata == metadata  # written by hand, each key once: a valid file
+    path.write_bytes(safetensors_by_hand(tensors, block, twice))
+    with pytest.raises(SparseFileError, match=match):
+        load_sparse(path)
+    with pytest.raises(SparseFileError, match=match):
+        file_tensor_bytes(path)
+
+
+def test_a_header_longer_than_the_loader_parses_is_refused_on_load_and_on_save(tmp_path, monkeypatch, exported):
+    from unsparse.sparse import io
+
+    length = int.from_bytes(exported[1].read_bytes()[:8], "little")
+    monkeypatch.setattr(io, "HEADER_MAX_BYTES", length - 1)
+    with pytest.raises(SparseFileError, match=rf"header: {length} bytes, more than {length - 1}"):
+        load_sparse(exported[1])
+    with pytest.raises(ValueError, match=rf"model: a safetensors header of {length} bytes .* more than the "
+                       rf"{length - 1} load_sparse reads"):
+        save_sparse(exported[0], tmp_path / "m.safetensors", extra={"note": "test"})
+
+
 @pytest.mark.parametrize(("edit", "match"), [
     (lambda raw: raw[:-1] + ', "layers": {}}', r"duplicate keys \['layers'\]"),  # the last one won, unchecked
     (lambda raw: raw[:-1] + ', "pad": "' + "x" * 4 * 2**20 + '"}', r"metadata: \d+ characters, more than 4194304"),

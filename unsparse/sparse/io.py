@@ -9,14 +9,16 @@ Layout:
   ``tensors`` (per state-dict key: ``shape``, ``dtype``, ``codec``), ``quantization`` and ``extra``.
 
 Loading treats the file as untrusted: the path is opened once, and only a regular file is read (through that
-descriptor, never the path again), memory-mapped, and at first only its header is read (JSON metadata of at most
-:data:`METADATA_MAX_CHARACTERS`, without duplicate keys). The architecture is built on the ``meta`` device (no
-memory), with each convolution replaced by a shape-only :class:`SparseConv` of the file's row length, and every
-tensor's declared key, shape, dtype and codec (a quantization codec only on a sparse layer's ``values``) is checked
-against its state dict, and every stored part's size against what its tensor can need (at most :data:`MAX_PARTS`
-parts), before any tensor is read or decoded, so that a file cannot make the loader allocate much more than its
-architecture holds. Then values (finite, BatchNorm variances not negative) and index ranges are checked, and only
-then are real tensors assigned. Every problem raises :class:`SparseFileError` (a ``ValueError``) naming the field.
+descriptor, never the path again), its safetensors header (at most :data:`HEADER_MAX_BYTES`) is refused with
+duplicate keys at any level before safetensors reads it, the file is memory-mapped, and at first only its header is
+read (JSON metadata of at most :data:`METADATA_MAX_CHARACTERS`, without duplicate keys). The architecture is built
+on the ``meta`` device (no memory), with each convolution replaced by a shape-only :class:`SparseConv` of the file's
+row length, and every tensor's declared key, shape, dtype and codec (a quantization codec only on a sparse layer's
+``values``) is checked against its state dict, and every stored part's size against what its tensor can need (at
+most :data:`MAX_PARTS` parts), before any tensor is read or decoded, so that a file cannot make the loader allocate
+much more than its architecture holds. Then values (finite, BatchNorm variances not negative) and index ranges are
+checked, and only then are real tensors assigned. Every problem raises :class:`SparseFileError` (a ``ValueError``)
+naming the field.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -62,6 +64,11 @@ MAX_PARTS = 3
 METADATA_MAX_CHARACTERS = 4 * 2**20
 """Characters the JSON metadata block may hold (a model of a thousand convolutions needs about a million): parsing
 JSON takes up to about 30 times its size in memory."""
+HEADER_MAX_BYTES = 3 * METADATA_MAX_CHARACTERS
+"""Bytes the safetensors header (JSON: every stored tensor's dtype, shape and offsets, and the metadata block) may
+hold; it is parsed in Python before safetensors reads it. The metadata block takes at most two bytes a character
+there (the encoder writes ASCII JSON, whose quotes and backslashes the header escapes), which leaves at least
+4 MiB for the tensor entries, about 100 bytes each."""
 _OPEN_FLAGS = getattr(os, "O_PATH", os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
 """How a file to load is opened before it is checked: on Linux ``O_PATH`` (opens no device, blocks on no FIFO, reads
 nothing), elsewhere read-only without blocking on a FIFO or taking a terminal."""
@@ -105,8 +112,8 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
             quantization description: :func:`~unsparse.quant.state.check_values_codecs`), or an ``extra`` that is
             no JSON (a numpy value, nesting deeper than the encoder goes) or whose JSON the loader refuses (keys that
             become one, such as ``1`` and ``"1"``; nesting deeper than the parser reads; more than
-            :data:`METADATA_MAX_CHARACTERS` in all): :func:`load_sparse` would refuse the file, and the same checks
-            run before it is written.
+            :data:`METADATA_MAX_CHARACTERS` in all), or a safetensors header of more than :data:`HEADER_MAX_BYTES`:
+            :func:`load_sparse` would refuse the file, and the same checks run before it is written.
     """
     from unsparse.quant.state import check_values_codecs, describe_quantization
 
@@ -145,7 +152,12 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
         loads_strict(text, constants=True)
     except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the parser reads
         raise ValueError(f"extra: not JSON the loader reads back ({error})") from error
-    return safetensors_save(tensors, metadata={METADATA_KEY: text})
+    data = safetensors_save(tensors, metadata={METADATA_KEY: text})
+    header_bytes = int.from_bytes(data[:8], "little")
+    if header_bytes > HEADER_MAX_BYTES:
+        raise ValueError(f"model: a safetensors header of {header_bytes} bytes ({len(tensors)} stored tensors), more "
+                         f"than the {HEADER_MAX_BYTES} load_sparse reads")
+    return data
 
 
 def save_sparse(model: nn.Module, path: str | Path, extra: dict[str, Any] | None = None) -> Path:
@@ -167,27 +179,60 @@ def _require(condition: bool, field: str, message: str) -> None:
         raise SparseFileError(f"{field}: {message}")
 
 
+def _check_header(file: BinaryIO, size: int, path: Path) -> None:
+    """The safetensors header of ``file`` (an open file of ``size`` bytes: an 8-byte little-endian length, then that
+    many bytes of JSON), parsed before safetensors reads it, which keeps the last of duplicate keys: a second
+    ``"unsparse"`` entry in ``__metadata__``, or a second entry of a tensor, would silently replace the first.
+
+    Raises:
+        SparseFileError: fewer than 8 bytes or a header beyond the file (``file``), a header of more than
+            :data:`HEADER_MAX_BYTES` bytes, or with duplicate keys at any level, naming them (``header``), or one
+            that is no UTF-8 JSON (``file``).
+    """
+    prefix = file.read(8)
+    _require(len(prefix) == 8, "file", f"{path} is not a valid safetensors file ({size} bytes, fewer than the 8 of "
+             "the header length)")
+    length = int.from_bytes(prefix, "little")
+    _require(length <= size - 8, "file", f"{path} is not a valid safetensors file (a header of {length} bytes in a "
+             f"file of {size})")
+    _require(length <= HEADER_MAX_BYTES, "header", f"{length} bytes, more than {HEADER_MAX_BYTES}")
+    try:
+        loads_strict(file.read(length).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+        raise SparseFileError(f"file: {path} is not a valid safetensors file (header: {error})") from error
+    except ValueError as error:  # duplicate keys, NaN or Infinity, an integer beyond Python's digit limit
+        raise SparseFileError(f"header: {error}") from error
+
+
 @contextmanager
 def _open_file(path: Path) -> Iterator[Any]:
     """The safetensors file at ``path``, opened for reading (memory-mapped; safetensors checks its header: length,
     JSON, dtypes, offsets): a regular file only, so that a FIFO cannot block the loader and a device (a link to
-    ``/dev/zero``) cannot be read without end.
+    ``/dev/zero``) cannot be read without end, and with a header :func:`_check_header` accepts (no duplicate keys).
 
-    The path is opened once (:data:`_OPEN_FLAGS`), that open file is checked (``os.fstat``), and safetensors reads
-    it through the descriptor (:data:`_DESCRIPTORS`), not through the path: a file that takes the path after the
-    check is not the one read.
+    The path is opened once (:data:`_OPEN_FLAGS`), that open file is checked (``os.fstat``), and the header check
+    and safetensors read it through the descriptor (:data:`_DESCRIPTORS`), not through the path: a file that takes
+    the path after the check is not the one read.
 
     Raises:
-        SparseFileError: unreadable, not a regular file, or not a safetensors file.
+        SparseFileError: unreadable, not a regular file, a header :func:`_check_header` refuses, or not a
+            safetensors file.
     """
     try:
         descriptor = os.open(path, _OPEN_FLAGS)
     except OSError as error:
         raise SparseFileError(f"file: cannot read {path}: {error}") from error
     try:
-        _require(stat.S_ISREG(os.fstat(descriptor).st_mode), "file", f"{path} is not a regular file")
+        info = os.fstat(descriptor)
+        _require(stat.S_ISREG(info.st_mode), "file", f"{path} is not a regular file")
+        opened = f"{_DESCRIPTORS}/{descriptor}"
         try:
-            handle = safe_open(f"{_DESCRIPTORS}/{descriptor}", framework="pt")
+            with open(opened, "rb") as file:
+                _check_header(file, info.st_size, path)
+        except OSError as error:
+            raise SparseFileError(f"file: cannot read {path}: {error}") from error
+        try:
+            handle = safe_open(opened, framework="pt")
         except (SafetensorError, OSError, ValueError) as error:
             raise SparseFileError(f"file: {path} is not a valid safetensors file ({error!r})") from error
         with handle:
@@ -429,8 +474,8 @@ def file_tensor_bytes(path: str | Path) -> dict[str, int]:
         ``{stored key: bytes}``; keys of codec parts keep their ``::part`` suffix.
 
     Raises:
-        SparseFileError: unreadable file, not a regular file, a malformed header, or a stored dtype outside
-            :data:`STORED_DTYPES`.
+        SparseFileError: unreadable file, not a regular file, a malformed header (duplicate keys included), or a
+            stored dtype outside :data:`STORED_DTYPES`.
     """
     with _open_file(Path(path)) as handle:
         return {key: size for key, (_, size) in _stored_layout(handle).items()}
@@ -462,7 +507,8 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
     Raises:
         KeyError: an unknown ``backend`` name, listing the known ones.
         ValueError: a ``device`` torch cannot parse, or a CUDA device on a machine without one (checked first).
-        SparseFileError: (a ``ValueError``) unreadable, non-regular or non-safetensors file, missing metadata,
+        SparseFileError: (a ``ValueError``) unreadable, non-regular or non-safetensors file, a safetensors header
+            of more than :data:`HEADER_MAX_BYTES` or with duplicate keys at any level, missing metadata,
             metadata longer than :data:`METADATA_MAX_CHARACTERS`, with duplicate keys, or holding keys the format
             does not define, unknown format version or model name, a tensor stored in more than :data:`MAX_PARTS`
             parts, missing/extra/misshapen tensors (checked against the
