@@ -219,6 +219,24 @@ def test_malformed_files_raise_value_errors_naming_the_field(tmp_path, exported,
         load_sparse(path)
 
 
+def test_rows_padded_beyond_the_largest_rows_nnz_are_refused(tmp_path, exported):
+    """Every row is padded to the largest row's nnz (UnSparse-Opt §5; DESIGN.md, The format): a file with one more
+    padding entry in every row (value 0 at a column the row does not use; nnz and sparsity unchanged) loaded, and
+    every kernel multiplied through the extra column."""
+    tensors, metadata = read(exported[1])
+    name, layer = next((name, layer) for name, layer in sparse_layers(exported[0]).items()
+                       if layer.csr.row_length < layer.csr.columns)
+    L, values, col_idx = layer.csr.row_length, tensors[f"{name}.values"], tensors[f"{name}.col_idx"]
+    unused = [min(set(range(layer.csr.columns)) - set(row.tolist())) for row in col_idx]
+    tensors[f"{name}.values"] = torch.cat([values, torch.zeros(len(unused), 1)], dim=1)
+    tensors[f"{name}.col_idx"] = torch.cat([col_idx, torch.tensor(unused, dtype=torch.int32)[:, None]], dim=1)
+    metadata["layers"][name]["row_length"] = L + 1
+    for key in (f"{name}.values", f"{name}.col_idx"):
+        metadata["tensors"][key]["shape"] = list(tensors[key].shape)
+    with pytest.raises(SparseFileError, match=rf"layers.{name}.row_length: {L + 1}, but the fullest row holds {L} "):
+        load_sparse(write(tmp_path / "padded.safetensors", tensors, metadata))
+
+
 def test_metadata_nested_beyond_the_parser_raises_a_file_error(tmp_path, exported):
     tensors, _ = read(exported[1])
     path = tmp_path / "deep.safetensors"
@@ -478,6 +496,7 @@ def test_file_tensor_bytes_refuses_offsets_that_are_no_integers(tmp_path, export
 @pytest.mark.parametrize(("change", "match"), [
     (lambda model: model[0][0].values.view(-1).__setitem__(0, float("nan")), r"0.0.values: non-finite values"),
     (lambda model: model[0][1].running_var.fill_(-1.0), r"0.1.running_var: negative running variance"),
+    (lambda model: model[0][0].values[:, -1].zero_(), r"layers.0.0.row_length: \d+, but the fullest row holds"),
 ])
 def test_save_refuses_values_the_loader_would_refuse(tmp_path, change, match):
     """The file was written, and load_sparse then refused it (a helper's find)."""

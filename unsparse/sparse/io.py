@@ -16,9 +16,9 @@ on the ``meta`` device (no memory), with each convolution replaced by a shape-on
 row length, and every tensor's declared key, shape, dtype and codec (a quantization codec only on a sparse layer's
 ``values``) is checked against its state dict, and every stored part's size against what its tensor can need (at
 most :data:`MAX_PARTS` parts), before any tensor is read or decoded, so that a file cannot make the loader allocate
-much more than its architecture holds. Then values (finite, BatchNorm variances not negative) and index ranges are
-checked, and only then are real tensors assigned. Every problem raises :class:`SparseFileError` (a ``ValueError``)
-naming the field.
+much more than its architecture holds. Then values (finite, BatchNorm variances not negative), index ranges and row
+lengths (each layer's largest row nnz, UnSparse-Opt §5) are checked, and only then are real tensors assigned. Every
+problem raises :class:`SparseFileError` (a ``ValueError``) naming the field.
 """
 
 from __future__ import annotations
@@ -108,7 +108,8 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
             convolution :func:`~unsparse.runtime.modules.sparsify` left dense (the loader rebuilds every convolution
             of the architecture as a sparse one, so such a file could not be read back), or layers or tensors that
             differ from the architecture ``unsparse_spec`` names (e.g. a replaced classifier), or values the loader
-            refuses (NaN or infinite, a negative BatchNorm variance, quantized values that contradict the model's
+            refuses (NaN or infinite, a negative BatchNorm variance, a layer whose row length is more than its
+            largest row's nnz, e.g. after values were zeroed in place, quantized values that contradict the model's
             quantization description: :func:`~unsparse.quant.state.check_values_codecs`), or an ``extra`` that is
             no JSON (a numpy value, nesting deeper than the encoder goes) or whose JSON the loader refuses (keys that
             become one, such as ``1`` and ``"1"``; nesting deeper than the parser reads; more than
@@ -138,6 +139,8 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
                 "tensors": entries, "quantization": describe_quantization(model), "extra": extra or {}}
     try:
         _check_values(_shell_model(metadata), model.state_dict())
+        for name, layer in sparse_layers(model).items():
+            _check_row_length(name, layer.csr)
         check_values_codecs(model)
     except SparseFormatError as error:
         raise ValueError(f"model: load_sparse would refuse its file ({error}): it checks the layers and tensors "
@@ -427,6 +430,19 @@ def _check_counts(name: str, layer_meta: dict[str, Any], csr: UniformCSR) -> Non
              f"{field}.sparsity", f"recorded {sparsity!r}, the values give {fraction!r}")
 
 
+def _check_row_length(name: str, csr: UniformCSR) -> None:
+    """The layer's row length ``L`` against its values: every row is padded to the largest row's nnz and no further
+    (paper 004 UnSparse-Opt §5; DESIGN.md, The format), so ``L`` must equal the most nonzero values of any row. A
+    longer ``L`` stores padding the format does not have, which every kernel then multiplies through.
+
+    Raises:
+        SparseFileError: naming ``layers.<name>.row_length``.
+    """
+    widest = int((csr.values != 0).sum(dim=1).max()) if csr.out_channels else 0
+    _require(csr.row_length == widest, f"layers.{name}.row_length", f"{csr.row_length}, but the fullest row holds "
+             f"{widest} nonzeros: rows are padded to the largest row's nnz and no further (UnSparse-Opt §5)")
+
+
 def _decode_tensors(entries: dict[str, dict[str, Any]],
                     parts_by_key: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Every tensor of the file from its stored parts (:func:`_read_parts`; entries already checked by
@@ -516,7 +532,8 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
             values, stored parts larger than their tensor can need, wrong dtypes or floating tensors of several
             dtypes, column indices outside
             ``[0, K)``, geometry or shape disagreeing with the architecture, a layer's recorded ``nnz`` or
-            ``sparsity`` disagreeing with its values, non-finite values, negative
+            ``sparsity`` disagreeing with its values, a row length other than the largest row's nnz (rows padded
+            further than UnSparse-Opt §5 pads them), non-finite values, negative
             BatchNorm variances, a layer's ``values`` codec, codec parameters or values that contradict the
             quantization description (:func:`~unsparse.quant.state.check_values_codecs`: e.g. a step that is no power
             of two under ``power_of_two``, more nonzero centroids than ``clusters``), or a module's own check of
@@ -539,6 +556,7 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
         except SparseFormatError as error:
             raise SparseFileError(f"{name}.{error}") from error
         _check_counts(name, metadata["layers"][name], csr)
+        _check_row_length(name, csr)
     model.load_state_dict(decoded, strict=True, assign=True)
     _restore_codecs(model, metadata["tensors"])
     _require(not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "tensors",
