@@ -21,7 +21,7 @@ from unsparse.quant.packing import pack_bits, unpack_bits
 from unsparse.quant.state import check_values_codecs
 from unsparse.runtime import sparse_layers
 from unsparse.sparse.format import SparseFormatError
-from unsparse.sparse.io import file_tensor_bytes
+from unsparse.sparse.io import file_tensor_bytes, layer_file_bytes
 
 SCHEMES = {
     "none": lambda: NoQuantization(),
@@ -107,6 +107,18 @@ def test_quantized_files_are_smaller_and_store_packed_codes(tmp_path):
     assert parts["linear4_pow2"][f"{layer}::codes"] == (32 * L + 1) // 2
     assert parts["kmeans8"][f"{layer}::indices"] == (32 * L + 1) // 2  # two 4-bit indices per byte
     assert parts["kmeans8"][f"{layer}::centroids"] <= 16 and parts["kmeans16"][f"{layer}::centroids"] <= 32
+
+
+def test_a_layers_file_bytes_are_the_bytes_stored_for_it(tmp_path):
+    """A layer's count left out its activation quantizer's saturation (4 bytes), which the file stores with it."""
+    model = LinearQuantizer(bits=4, progress=False).quantize(pruned_sparse_model(), calibration())
+    path = save_sparse(model, tmp_path / "m.safetensors")
+    with safe_open(str(path), "pt") as file:
+        stored = {key: file.get_tensor(key).nbytes for key in file.keys()}  # noqa: SIM118 (safe_open is not a dict)
+    expected = {name: sum(size for key, size in stored.items() if key.startswith(f"{name}."))
+                for name in sparse_layers(model)}  # no other module's name starts with a layer's name and a dot
+    assert layer_file_bytes(model, path) == expected
+    assert all(stored[f"{name}.input_quantizer.saturation"] == 4 for name in expected)
 
 
 @pytest.mark.parametrize("scheme", [name for name in SCHEMES if name != "none"])

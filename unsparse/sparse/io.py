@@ -497,6 +497,26 @@ def file_tensor_bytes(path: str | Path) -> dict[str, int]:
         return {key: size for key, (_, size) in _stored_layout(handle).items()}
 
 
+def layer_file_bytes(model: nn.Module, path: str | Path) -> dict[str, int]:
+    """Bytes each sparse convolution of ``model`` takes in the file at ``path`` (read from its header only,
+    :func:`file_tensor_bytes`): every stored tensor or codec part of the layer's own state dict, that is its
+    ``values`` (or their codec parts), ``col_idx`` and ``bias``, and where the model quantizes activations to fixed
+    point (paper 004 §4), its ``input_quantizer.saturation`` (a float32 scalar, 4 bytes).
+
+    Returns:
+        ``{layer name: bytes}`` for every :class:`SparseConv` of ``model``, in its order.
+
+    Raises:
+        SparseFileError: as :func:`file_tensor_bytes`.
+    """
+    stored = file_tensor_bytes(path)
+    sizes = {}
+    for name, layer in sparse_layers(model).items():
+        keys = {f"{name}.{key}" for key in layer.state_dict()}
+        sizes[name] = sum(size for key, size in stored.items() if key.partition(PART_SEPARATOR)[0] in keys)
+    return sizes
+
+
 def _target_device(device: torch.device | str) -> torch.device:
     """``device`` parsed, and on CUDA only where CUDA is available (else ``ValueError``: found before the file is
     read, not after it was validated)."""
