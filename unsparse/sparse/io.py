@@ -9,16 +9,16 @@ Layout:
   ``tensors`` (per state-dict key: ``shape``, ``dtype``, ``codec``), ``quantization`` and ``extra``.
 
 Loading treats the file as untrusted: the path is opened once, and only a regular file is read (through that
-descriptor, never the path again), its safetensors header (at most :data:`HEADER_MAX_BYTES`) is refused with
-duplicate keys at any level before safetensors reads it, the file is memory-mapped, and at first only its header is
-read (JSON metadata of at most :data:`METADATA_MAX_CHARACTERS`, without duplicate keys). The architecture is built
-on the ``meta`` device (no memory), with each convolution replaced by a shape-only :class:`SparseConv` of the file's
-row length, and every tensor's declared key, shape, dtype and codec (a quantization codec only on a sparse layer's
-``values``) is checked against its state dict, and every stored part's size against what its tensor can need (at
-most :data:`MAX_PARTS` parts), before any tensor is read or decoded, so that a file cannot make the loader allocate
-much more than its architecture holds. Then values (finite, BatchNorm variances not negative), index ranges and row
-lengths (each layer's largest row nnz, UnSparse-Opt §5) are checked, and only then are real tensors assigned. Every
-problem raises :class:`SparseFileError` (a ``ValueError``) naming the field.
+descriptor, never the path again), a safetensors header with duplicate keys at any level (or of more than
+:data:`HEADER_MAX_BYTES`) is refused before safetensors reads it, the file is memory-mapped, and at first only its
+header is read (JSON metadata of at most :data:`METADATA_MAX_CHARACTERS`, without duplicate keys). The architecture
+is built on the ``meta`` device (no memory), with each convolution replaced by a shape-only :class:`SparseConv` of
+the file's row length, and every tensor's declared key, shape, dtype and codec (a quantization codec only on a
+sparse layer's ``values``) is checked against its state dict, and every stored part's size against what its tensor
+can need (at most :data:`MAX_PARTS` parts), before any tensor is read or decoded, so that a file cannot make the
+loader allocate much more than its architecture holds. Then values (finite, BatchNorm variances not negative), index
+ranges and row lengths (each layer's largest row nnz, UnSparse-Opt §5) are checked, and only then are real tensors
+assigned. Every problem raises :class:`SparseFileError` (a ``ValueError``) naming the field.
 """
 
 from __future__ import annotations
