@@ -19,6 +19,7 @@ from unsparse.quant.fixed_point import from_codes
 from unsparse.quant.histogram import saturation_level
 from unsparse.quant.packing import pack_bits, unpack_bits
 from unsparse.quant.state import check_values_codecs
+from unsparse.report import layer_rows
 from unsparse.runtime import sparse_layers
 from unsparse.sparse.format import SparseFormatError
 from unsparse.sparse.io import file_tensor_bytes, layer_file_bytes
@@ -118,6 +119,7 @@ def test_a_layers_file_bytes_are_the_bytes_stored_for_it(tmp_path):
     expected = {name: sum(size for key, size in stored.items() if key.startswith(f"{name}."))
                 for name in sparse_layers(model)}  # no other module's name starts with a layer's name and a dot
     assert layer_file_bytes(model, path) == expected
+    assert {row["layer"]: row["file_bytes"] for row in layer_rows(model, path)} == expected  # the report's count
     assert all(stored[f"{name}.input_quantizer.saturation"] == 4 for name in expected)
 
 
