@@ -316,9 +316,7 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
   constexpr int CS = NBE * PLANE;  // one input channel of the tile, all its image elements
   constexpr int THREADS = WARPS * 32;
   constexpr int STAGED = CC * NBE * IH * IW;
-  // Entries walked per unrolled step: two for wide tilings (above) and for staged union entries, whose tiling spilled
-  // 12 bytes at the 80 registers of three blocks per SM unrolled by four (a shared load's latency is shorter).
-  constexpr int ENTRY_UNROLL = MW * NB * PY > TILE_WIDE_SUMS || (SE && U == 3) ? 2 : 4;
+  constexpr int ENTRY_UNROLL = MW * NB * PY > TILE_WIDE_SUMS ? 2 : 4;
   // The two staged chunks sit in dynamic shared memory: the launch passes 2 * CC * CS * sizeof(Elem) bytes
   // (TileLayout.shared_bytes), which may exceed the 48 KB of static shared memory (tile_launch opts in). SE = 1:
   // then, from the next 16-byte boundary, two buffers of the warps' entry slots, WARPS * (MW / U) * entry_capacity

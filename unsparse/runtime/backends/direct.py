@@ -70,7 +70,6 @@ TILE_TILINGS = (
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=8, stage_entries=True, min_blocks=4),
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=16, stage_entries=True, min_blocks=2),
     cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32, stage_entries=True, min_blocks=2),
-    cl.TileTiling(wx=32, py=8, nb=2, mw=3, warps=8, cc=8, union=3, stage_entries=True, min_blocks=3),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM within the
 register file; the paired union tiling's 84 are held to 128 registers, also two blocks), warp tiles 4x32 to 8x8 for
@@ -90,11 +89,14 @@ was the fastest on every layer. The second, ``paired``, reads the float32 input 
 load per two images, the pairing copy timed with the kernel) and puts 28 staged elements behind each 16-byte entry
 (kernel notes v22): on the H100 at 0.7 it ran VGG16 features.10 and .12 1.02x as fast as the union tiling above and
 lost on features.0-7 (0.90-0.99x) and at 0.9; a paired PY = 8, NB = 2 tiling (two blocks per SM) lost everywhere.
-The last four are earlier winners with ``stage_entries`` (kernel notes v25): each warp copies its entries of the next
-chunk into shared memory, so an entry costs one broadcast shared load instead of a global load through L1; their
+The last three are earlier winners with ``stage_entries`` (kernel notes v25): each warp copies its entries of the
+next chunk into shared memory, so an entry costs one broadcast shared load instead of a global load through L1; their
 slots take shared memory in proportion to the weight's longest entry list, so a dense weight may leave them out. Each
-names the blocks per SM its unstaged tiling reaches (``min_blocks``: 64 registers for the per-channel ones, 80 for
-the union one), since the staging code otherwise costs ptxas 2-16 more registers and a block per SM."""
+names the blocks per SM its unstaged tiling reaches (``min_blocks``, 64 registers), since the staging code otherwise
+costs ptxas up to 16 more registers and a block per SM. On the H100 (b128) the 8-warp CC = 8 one ran VGG16
+features.0-10 in float32 at 0.8 1.00-1.03x as fast as the best unstaged setting (1.08-1.12x its own unstaged
+tiling), the 16-warp CC = 16 one features.2-12 at 0.9 1.03-1.06x, the CC = 32 one half2 products at 0.95 1.02-1.05x;
+they lose in float16 at 0.9. The union tiling staged ran 0.97-1.01x as fast as unstaged and is not built."""
 
 
 POINTWISE_TILINGS = (
