@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -220,7 +221,11 @@ def test_an_interrupted_sweep_prints_the_sweeps_command(tmp_path):
              "train.epochs=50"]
     command = [sys.executable, "-c", "from unsparse.cli import main; main()", *sweep,
                f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as job:
+    # Unbuffered, so that the "epoch 1:" line arrives while the first job trains. Twice in full-suite runs the sweep
+    # ran to its end and exited 0, as if the signal came too late; a late line is the suspected cause, not a proven one.
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=environment) as job:
         for line in job.stdout:
             if "epoch 1:" in line:  # the first job is training
                 job.send_signal(signal.SIGINT)
