@@ -245,6 +245,13 @@ def compare(name: str, model_kwargs: dict[str, Any], trainer: Trainer, budget: d
     return {"model": name, "model_kwargs": model_kwargs, "iterations": iterations, "rows": rows}
 
 
+def test_value(row: dict[str, Any], key: str) -> float:
+    """A row's test-split ``key`` (``top1`` % or ``mse``); NaN where the JSON holds null, which the results file has
+    for a NaN (a diverged model: :func:`~unsparse.atomic.atomic_write_json` writes strict JSON)."""
+    value = row["test"][key]
+    return math.nan if value is None else value
+
+
 def verdict(block: dict[str, Any], key: str) -> list[str]:
     """Sentences on the goal (>= 92 % weighted sparsity, <= 0.5 point drop) and on evolutionary vs gradual.
 
@@ -255,7 +262,7 @@ def verdict(block: dict[str, Any], key: str) -> list[str]:
     iterations = [entry for entry in evo["history"] if entry["phase"] == "prune" and entry["iteration"] > 0]
     stalls = [entry for entry in iterations if "rewind" in entry["events"]]
     if key == "top1":
-        drop = dense["test"]["top1"] - evo["test"]["top1"]
+        drop = test_value(dense, "top1") - test_value(evo, "top1")
         short, excess = TARGET - evo["weighted_sparsity"], drop - 0.5
         reasons = []
         if short > 0:
@@ -266,18 +273,18 @@ def verdict(block: dict[str, Any], key: str) -> list[str]:
         lines = [f"Goal (>= {TARGET:.0%} weighted sparsity, <= 0.5 point top-1 drop): "
                  f"{'NOT met' if reasons else 'met'} (evolutionary {evo['weighted_sparsity']:.2%}, drop "
                  f"{drop:+.2f} points{''.join(f'; {reason}' for reason in reasons)})."]
-        better = evo["test"]["top1"] > gradual["test"]["top1"]
-        gap = evo["test"]["top1"] - gradual["test"]["top1"]
+        better = test_value(evo, "top1") > test_value(gradual, "top1")
+        gap = test_value(evo, "top1") - test_value(gradual, "top1")
     else:
-        better = evo["test"]["mse"] < gradual["test"]["mse"]
-        gap = gradual["test"]["mse"] - evo["test"]["mse"]
+        better = test_value(evo, "mse") < test_value(gradual, "mse")
+        gap = test_value(gradual, "mse") - test_value(evo, "mse")
         short = AE_TARGET - evo["weighted_sparsity"]
         lines = [f"Target ({AE_TARGET:.0%} weighted sparsity): "
                  + (f"NOT met, evolutionary reached {evo['weighted_sparsity']:.2%} after {len(iterations)} of "
                     f"{block['iterations']} iterations ({len(stalls)} stalls)." if short > 1e-9 else
                     f"met (evolutionary {evo['weighted_sparsity']:.2%}).")]
         if "trivial_mse" in block:
-            learned = [row["method"] for row in block["rows"] if row["test"]["mse"] < block["trivial_mse"]]
+            learned = [row["method"] for row in block["rows"] if test_value(row, "mse") < block["trivial_mse"]]
             lines.append(f"Predicting each window's own mean scores MSE {block['trivial_mse']:.5f} on the test "
                          f"windows; below it: {', '.join(learned) or 'no method'}. A method at or above it has "
                          "learned nothing, so comparing it with another one says nothing either.")
@@ -324,9 +331,9 @@ def markdown(blocks: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         out += [f"## {block['model']} {block['model_kwargs']} on {block['data']}", "",
                 f"| method | test {key} | vs dense | weighted sparsity | training batches | wall time (s) | "
                 "per-layer sparsity |", "|---|---|---|---|---|---|---|"]
-        dense = block["rows"][0]["test"][key]
+        dense = test_value(block["rows"][0], key)
         for row in block["rows"]:
-            value = row["test"][key]
+            value = test_value(row, key)
             layers = ", ".join(f"{name}: {s:.3f}" for name, s in row["layer_sparsity"].items())
             shown = f"{value:.2f}" if key == "top1" else f"{value:.5f}"
             change = f"{value - dense:+.2f}" if key == "top1" else f"{value / dense:.3f}x"

@@ -76,6 +76,23 @@ def test_the_autoencoders_verdict_states_its_target_and_the_trivial_mse(table):
     assert "Target (90% weighted sparsity): met" in table.verdict(block, "mse")[0]
 
 
+def test_a_null_test_metric_renders_as_nan(table):
+    """The results JSON holds null for a NaN test MSE (a diverged model; strict JSON), and the page still renders
+    from it: the value shows as nan, and NaN neither beats nor learns anything."""
+    def row(method, mse):
+        return {"method": method, "test": {"mse": mse}, "weighted_sparsity": 0.9, "layer_sparsity": {"0": 0.9},
+                "wall_time_s": 1.0, "train_batches": 3,
+                "history": [{"phase": "prune", "iteration": 1, "events": []}] if method == "evolutionary" else []}
+
+    block = {"model": "autoencoder1d", "model_kwargs": {}, "data": "co2", "iterations": 5, "trivial_mse": 1.19,
+             "rows": [row("dense", 0.03), row("evolutionary", None), row("gradual", 1.07), row("magnitude", 1.2)]}
+    meta = {"host": "h", "torch": "t", "threads": 2, "commit": "abc1234", "budget": {}, "notes": [],
+            "models": ["autoencoder1d"]}
+    page = table.markdown([block], meta)
+    assert "| evolutionary | nan | nanx |" in page and "Evolutionary does NOT beat gradual" in page
+    assert "below it: dense, gradual" in page
+
+
 def test_setting_reads_yaml_values_and_rejects_text_without_a_key(table):
     assert table.setting("epsilon=0.005") == ("epsilon", 0.005)
     assert table.setting(" deadline = null") == ("deadline", None)
