@@ -116,6 +116,22 @@ def test_atomic_json_is_strict_json_with_null_for_nan_and_infinities(tmp_path):
     assert loads_strict(path.read_text())["values"] == [1.5, None, None]  # a refused write leaves the file
 
 
+def test_atomic_json_refuses_a_circular_reference_with_a_value_error(tmp_path):
+    """dumps_strict said a circular reference raised ValueError (as json.dumps does), but its NaN-replacing walk
+    recursed to Python's limit first and raised RecursionError; a list held twice, not inside itself, is no cycle."""
+    from unsparse.atomic import atomic_write_json
+    from unsparse.strict_json import loads_strict
+
+    circular: list = [1.0]
+    circular.append({"back": circular})
+    with pytest.raises(ValueError, match="Circular reference"):
+        atomic_write_json(tmp_path / "circular.json", {"data": circular})
+    assert not (tmp_path / "circular.json").exists()
+    shared = [math.nan, 2]
+    path = atomic_write_json(tmp_path / "shared.json", {"a": shared, "b": (shared, shared)})
+    assert loads_strict(path.read_text()) == {"a": [None, 2], "b": [[None, 2], [None, 2]]}
+
+
 def test_truncated_file(tmp_path, exported):
     data = exported[1].read_bytes()
     path = tmp_path / "t.safetensors"

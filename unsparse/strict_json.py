@@ -38,14 +38,30 @@ def loads_strict(text: str | bytes, constants: bool = False) -> Any:
 
 def finite_or_none(value: Any) -> Any:
     """``value`` (nested dicts, lists and tuples of JSON values) with every float that is NaN or infinite replaced by
-    None, and tuples as lists: what strict JSON can hold. Nothing else changes; ``value`` is not modified."""
+    None, and tuples as lists: what strict JSON can hold. Nothing else changes; ``value`` is not modified.
+
+    Raises:
+        ValueError: a container that holds itself (``json``'s "Circular reference detected"; without the check the
+            walk recursed until Python's limit and raised RecursionError).
+    """
+    return _finite_or_none(value, set())
+
+
+def _finite_or_none(value: Any, open_containers: set[int]) -> Any:
+    """:func:`finite_or_none`; ``open_containers``: the ids of the containers being walked, enclosing ``value``."""
     if isinstance(value, float):
         return value if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {key: finite_or_none(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [finite_or_none(item) for item in value]
-    return value
+    if not isinstance(value, dict | list | tuple):
+        return value
+    if id(value) in open_containers:
+        raise ValueError("Circular reference detected")
+    open_containers.add(id(value))
+    try:
+        if isinstance(value, dict):
+            return {key: _finite_or_none(item, open_containers) for key, item in value.items()}
+        return [_finite_or_none(item, open_containers) for item in value]
+    finally:
+        open_containers.discard(id(value))
 
 
 def dumps_strict(data: Any, **kwargs: Any) -> str:
