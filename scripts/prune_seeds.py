@@ -23,6 +23,7 @@ from typing import Any
 
 from unsparse.atomic import atomic_write_text
 from unsparse.report.results import load_result
+from unsparse.strict_json import nan_if_none
 
 GOAL_SPARSITY, GOAL_DROP = 0.92, 0.5
 """Issue 3's goal: >= 92 % weighted sparsity with <= 0.5 point top-1 drop from dense."""
@@ -166,10 +167,11 @@ def summary(runs: list[dict[str, Any]], sources: list[Path], notes: list[str] | 
         for method in [row["method"] for row in blocks[0]["rows"]]:
             values, changes, sparsity = [], [], []
             for block in blocks:
-                dense = block["rows"][0]["test"][key]
+                dense = nan_if_none(block["rows"][0]["test"][key])
                 row = next(r for r in block["rows"] if r["method"] == method)
-                values.append(row["test"][key])
-                changes.append(row["test"][key] - dense if key == "top1" else row["test"][key] / dense)
+                value = nan_if_none(row["test"][key])
+                values.append(value)
+                changes.append(value - dense if key == "top1" else value / dense)
                 sparsity.append(row["weighted_sparsity"])
             per_method[method] = changes
             digits = 2 if key == "top1" else 5

@@ -49,6 +49,7 @@ from unsparse.prune.gradual import GradualMagnitudePruner
 from unsparse.prune.magnitude import MagnitudePruner
 from unsparse.report.document import smoke_run_notice
 from unsparse.report.results import beside, load_result
+from unsparse.strict_json import nan_if_none
 from unsparse.task import trivial_score
 from unsparse.timeseries import timeseries
 from unsparse.train import Trainer, deterministic_algorithms
@@ -248,8 +249,7 @@ def compare(name: str, model_kwargs: dict[str, Any], trainer: Trainer, budget: d
 def test_value(row: dict[str, Any], key: str) -> float:
     """A row's test-split ``key`` (``top1`` % or ``mse``); NaN where the JSON holds null, which the results file has
     for a NaN (a diverged model: :func:`~unsparse.atomic.atomic_write_json` writes strict JSON)."""
-    value = row["test"][key]
-    return math.nan if value is None else value
+    return nan_if_none(row["test"][key])
 
 
 def verdict(block: dict[str, Any], key: str) -> list[str]:

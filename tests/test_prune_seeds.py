@@ -101,6 +101,19 @@ def test_a_history_holding_minus_infinity_is_read(seeds, tmp_path) -> None:
     assert "| evolutionary | 92.60" in (tmp_path / "seeds_now.md").read_text()
 
 
+def test_a_null_test_metric_reads_as_nan(seeds, tmp_path) -> None:
+    """A diverged model's test metric is NaN, which the results file holds as null (strict JSON): the summary reads
+    it as NaN (the change and the goal's verdict too) instead of stopping on arithmetic with None."""
+    from unsparse.atomic import atomic_write_json
+
+    result = run(0, 93.0, float("nan"), 92.0)
+    path = atomic_write_json(tmp_path / "seed0.json", result)
+    assert '"top1": null' in path.read_text()
+    seeds.main([str(path), "--out", str(tmp_path / "seeds.md")])
+    text = (tmp_path / "seeds.md").read_text()
+    assert "| evolutionary | nan (n=1) | nan (n=1) | 0.9200 |" in text and "NOT met on the mean" in text
+
+
 def test_help_gives_the_whole_first_paragraph(seeds, run_script) -> None:
     code, output = run_script(seeds, ["--help"])
     assert code == 0 and "and how often evolutionary beats gradual magnitude." in output

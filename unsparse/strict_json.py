@@ -47,6 +47,13 @@ def finite_or_none(value: Any) -> Any:
     return _finite_or_none(value, set())
 
 
+def nan_if_none(value: float | None) -> float:
+    """A number read back from a file :func:`dumps_strict` wrote: ``None`` (its ``null``, written for a NaN or an
+    infinity) as NaN, so that arithmetic and comparisons on it go on as they would on the value before writing
+    (where the sign of an infinity is lost, NaN is what is left)."""
+    return math.nan if value is None else value
+
+
 def _finite_or_none(value: Any, open_containers: set[int]) -> Any:
     """:func:`finite_or_none`; ``open_containers``: the ids of the containers being walked, enclosing ``value``."""
     if isinstance(value, float):
