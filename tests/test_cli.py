@@ -83,6 +83,7 @@ def test_a_job_built_twice_from_one_seed_starts_from_the_same_weights():
     # torch.manual_seed said "invalid literal for int()"
     ("seed=abc", r"seed: expected an integer in \[-9223372036854775808, 18446744073709551615\], got 'abc'"),
     ("train.epochs=true", "train.epochs: expected an integer >= 0, got True"),  # ran 1 epoch, "True epoch"
+    ("progress=maybe", "progress: expected a bool, got 'maybe'"),  # ran, with bars: a non-empty string is true
     ("+prune.layer_targets={7.0: 0.5}", None),  # Hydra reads the key as a float: it names layer "7.0"
 ])
 def test_command_line_values_are_read_or_refused_by_name(override, message):

@@ -23,7 +23,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from unsparse.pipeline import JobRefusedError, TimingSettings, TrainSettings, refusing, resolve_device, run_pipeline
-from unsparse.settings import check_integer
+from unsparse.settings import check_flag, check_integer
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("unsparse")
@@ -37,18 +37,20 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
     train the same dense model (with ``train.deterministic`` on CUDA too).
 
     Raises:
-        JobRefusedError: (a ``ValueError``) from :func:`resolve_device`, :class:`TrainSettings`,
-            :class:`TimingSettings`, a ``seed`` that is no integer torch takes (``[-2^63, 2^64)``), or a factory
-            that refuses its settings (its ``ValueError`` or ``TypeError``, which Hydra wraps, is the message).
+        JobRefusedError: (a ``ValueError``) from :func:`resolve_device`, a ``progress`` that is no bool,
+            :class:`TrainSettings`, :class:`TimingSettings`, a ``seed`` that is no integer torch takes
+            (``[-2^63, 2^64)``), or a factory that refuses its settings (its ``ValueError`` or ``TypeError``, which
+            Hydra wraps, is the message).
     """
     try:
         with refusing():
             device = resolve_device(cfg.device)
+            progress = check_flag(cfg.progress, "progress")  # a string such as "maybe" would be true to bool()
             train, timing = TrainSettings(**cfg.train), TimingSettings(**cfg.runtime.timing)
             torch.manual_seed(check_integer(cfg.seed, "seed", low=-2**63, high=2**64 - 1))
             return {"splits": instantiate(cfg.data), "model": instantiate(cfg.model), "pruner": instantiate(cfg.prune),
                     "quantizer": instantiate(cfg.quant).quantize, "train": train, "timing": timing,
-                    "backend": cfg.runtime.backend, "device": device, "progress": cfg.progress, "seed": cfg.seed}
+                    "backend": cfg.runtime.backend, "device": device, "progress": progress, "seed": cfg.seed}
     except InstantiationException as error:
         cause = error.__cause__
         raise JobRefusedError(str(cause) if isinstance(cause, ValueError | TypeError) else str(error)) from error
