@@ -84,6 +84,8 @@ def test_a_job_built_twice_from_one_seed_starts_from_the_same_weights():
     ("seed=abc", r"seed: expected an integer in \[-9223372036854775808, 18446744073709551615\], got 'abc'"),
     ("train.epochs=true", "train.epochs: expected an integer >= 0, got True"),  # ran 1 epoch, "True epoch"
     ("progress=maybe", "progress: expected a bool, got 'maybe'"),  # ran, with bars: a non-empty string is true
+    # torch's RuntimeError "manual_seed expected a long", which Hydra's wrapping turned into three lines
+    ("data.seed=1.5", r"^seed: expected an integer in \[-9223372036854775808, 18446744073709551615\], got 1.5$"),
     ("+prune.layer_targets={7.0: 0.5}", None),  # Hydra reads the key as a float: it names layer "7.0"
 ])
 def test_command_line_values_are_read_or_refused_by_name(override, message):
@@ -95,6 +97,14 @@ def test_command_line_values_are_read_or_refused_by_name(override, message):
         return
     with pytest.raises(ValueError, match=message):
         build_job(cfg)
+
+
+@pytest.mark.parametrize("factory", ["fashion_mnist", "digits"])
+def test_a_data_seed_that_is_no_integer_is_refused_by_name(factory):
+    import unsparse.data
+
+    with pytest.raises(ValueError, match=r"^seed: expected an integer in \[.*\], got 'abc'$"):
+        getattr(unsparse.data, factory)(seed="abc")
 
 
 def test_the_refusal_of_an_ambiguous_float_key_gives_an_override_that_passes_the_name():

@@ -169,6 +169,16 @@ def check_split_size(size: int, available: int, field: str) -> int:
     return check_integer(size, field, 1, available - 1)
 
 
+def check_seed(seed: int) -> int:
+    """``seed`` (of the validation split) if it is an integer torch's generator takes, ``[-2^63, 2^64)``; torch's
+    own refusal is a ``RuntimeError`` ("manual_seed expected a long") that names no setting.
+
+    Raises:
+        ValueError: naming ``seed`` otherwise.
+    """
+    return check_integer(seed, "seed", low=-2**63, high=2**64 - 1)
+
+
 def _split_validation(images: torch.Tensor, labels: torch.Tensor, val_size: int, seed: int):
     check_split_size(val_size, len(labels), "val_size")
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
@@ -252,12 +262,14 @@ def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, li
 
     Raises:
         DatasetUnavailableError: files missing (the message names the Debian package).
-        ValueError: a limit that is no integer or below 1, or a ``val_size`` outside ``[1, 59999]``, naming it;
+        ValueError: a limit that is no integer or below 1, a ``val_size`` outside ``[1, 59999]``, or a ``seed`` that
+            is no integer (:func:`check_seed`), naming it;
             files that are corrupt, or disagree with each other (:func:`labelled_images`), or constant images,
             naming them.
     """
     from torchvision.datasets import FashionMNIST
 
+    check_seed(seed)
     found = fashion_mnist_sources(Path(root))
     torchvision_root = _prepare_fashion_mnist_root(Path(root), found)
     sources = [path for path, _ in found.values()]
@@ -279,10 +291,12 @@ def digits(test_size: int = 360, val_size: int = 180, seed: int = 0, limit_train
     ``limit_train`` and ``limit_test`` keep the first N train / (validation and test) images, as for Fashion-MNIST.
 
     Raises:
-        ValueError: a limit below 1, or a split size that leaves a split empty, naming it.
+        ValueError: a limit below 1, a split size that leaves a split empty, or a ``seed`` that is no integer
+            (:func:`check_seed`), naming it.
     """
     from sklearn.datasets import load_digits
 
+    check_seed(seed)
     bunch = load_digits()
     check_split_size(test_size, len(bunch.target), "test_size")
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
