@@ -99,6 +99,16 @@ def test_command_line_values_are_read_or_refused_by_name(override, message):
         build_job(cfg)
 
 
+def test_a_data_root_without_the_files_is_refused_in_one_line(tmp_path):
+    """Hydra's wrapping of the missing data set's error printed three lines ("Error in call to target ...")."""
+    from unsparse.cli import build_job
+    from unsparse.pipeline import JobRefusedError
+
+    with pytest.raises(JobRefusedError, match=r"^Fashion-MNIST file .* not found") as refusal:
+        build_job(composed("experiment=smoke", "device=cpu", f"data.root={tmp_path}"))
+    assert "\n" not in str(refusal.value) and "dataset-fashion-mnist" in str(refusal.value)
+
+
 @pytest.mark.parametrize("factory", ["fashion_mnist", "digits"])
 def test_a_data_seed_that_is_no_integer_is_refused_by_name(factory):
     import unsparse.data

@@ -22,6 +22,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from unsparse.data import DatasetUnavailableError
 from unsparse.pipeline import JobRefusedError, TimingSettings, TrainSettings, refusing, resolve_device, run_pipeline
 from unsparse.settings import check_flag, check_integer
 
@@ -40,7 +41,8 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
         JobRefusedError: (a ``ValueError``) from :func:`resolve_device`, a ``progress`` that is no bool,
             :class:`TrainSettings`, :class:`TimingSettings`, a ``seed`` that is no integer torch takes
             (``[-2^63, 2^64)``), or a factory that refuses its settings (its ``ValueError`` or ``TypeError``, which
-            Hydra wraps, is the message).
+            Hydra wraps, is the message; so is a data set's :class:`~unsparse.data.DatasetUnavailableError`, a
+            ``data.root`` without its files).
     """
     try:
         with refusing():
@@ -53,7 +55,8 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
                     "backend": cfg.runtime.backend, "device": device, "progress": progress, "seed": cfg.seed}
     except InstantiationException as error:
         cause = error.__cause__
-        raise JobRefusedError(str(cause) if isinstance(cause, ValueError | TypeError) else str(error)) from error
+        refusal = isinstance(cause, ValueError | TypeError | DatasetUnavailableError)
+        raise JobRefusedError(str(cause) if refusal else str(error)) from error
 
 
 def resume_command(task_overrides: list[str], outdir: Path, program: str = "unsparse",
