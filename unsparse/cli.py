@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from unsparse.data import DatasetUnavailableError
 from unsparse.pipeline import JobRefusedError, TimingSettings, TrainSettings, refusing, resolve_device, run_pipeline
-from unsparse.settings import check_flag, check_integer
+from unsparse.settings import check_flag, check_seed
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("unsparse")
@@ -49,7 +49,7 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
             device = resolve_device(cfg.device)
             progress = check_flag(cfg.progress, "progress")  # a string such as "maybe" would be true to bool()
             train, timing = TrainSettings(**cfg.train), TimingSettings(**cfg.runtime.timing)
-            torch.manual_seed(check_integer(cfg.seed, "seed", low=-2**63, high=2**64 - 1))
+            torch.manual_seed(check_seed(cfg.seed))
             return {"splits": instantiate(cfg.data), "model": instantiate(cfg.model), "pruner": instantiate(cfg.prune),
                     "quantizer": instantiate(cfg.quant).quantize, "train": train, "timing": timing,
                     "backend": cfg.runtime.backend, "device": device, "progress": progress, "seed": cfg.seed}

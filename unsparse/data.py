@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 from unsparse.atomic import atomic_write, remove_stale_temporaries
-from unsparse.settings import check_integer
+from unsparse.settings import check_integer, check_seed
 
 log = logging.getLogger(__name__)
 
@@ -169,16 +169,6 @@ def check_split_size(size: int, available: int, field: str) -> int:
     return check_integer(size, field, 1, available - 1)
 
 
-def check_seed(seed: int) -> int:
-    """``seed`` (of the validation split) if it is an integer torch's generator takes, ``[-2^63, 2^64)``; torch's
-    own refusal is a ``RuntimeError`` ("manual_seed expected a long") that names no setting.
-
-    Raises:
-        ValueError: naming ``seed`` otherwise.
-    """
-    return check_integer(seed, "seed", low=-2**63, high=2**64 - 1)
-
-
 def _split_validation(images: torch.Tensor, labels: torch.Tensor, val_size: int, seed: int):
     check_split_size(val_size, len(labels), "val_size")
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
@@ -263,7 +253,7 @@ def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, li
     Raises:
         DatasetUnavailableError: files missing (the message names the Debian package).
         ValueError: a limit that is no integer or below 1, a ``val_size`` outside ``[1, 59999]``, or a ``seed`` that
-            is no integer (:func:`check_seed`), naming it;
+            is no integer (:func:`~unsparse.settings.check_seed`), naming it;
             files that are corrupt, or disagree with each other (:func:`labelled_images`), or constant images,
             naming them.
     """
@@ -292,7 +282,7 @@ def digits(test_size: int = 360, val_size: int = 180, seed: int = 0, limit_train
 
     Raises:
         ValueError: a limit below 1, a split size that leaves a split empty, or a ``seed`` that is no integer
-            (:func:`check_seed`), naming it.
+            (:func:`~unsparse.settings.check_seed`), naming it.
     """
     from sklearn.datasets import load_digits
 

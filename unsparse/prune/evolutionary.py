@@ -117,7 +117,7 @@ from unsparse.prune.masks import (
     unpack_mask,
     zero_pruned_weights,
 )
-from unsparse.settings import check_choice, check_flag, check_integer, check_number
+from unsparse.settings import check_choice, check_flag, check_integer, check_number, check_seed
 from unsparse.train import (
     Trainer,
     check_loader_generator,
@@ -383,7 +383,7 @@ class EvolutionaryPruner(Pruner):
         self.deadline, self.crossover_max_regress = deadline, crossover_max_regress
         self.lr, self.fine_tune_lr = optional_rate(lr, "lr"), optional_rate(fine_tune_lr, "fine_tune_lr")
         self.fine_tune_epochs = check_integer(fine_tune_epochs, "fine_tune_epochs", low=0)
-        self.seed = check_integer(seed, "seed", low=-2**63, high=2**64 - 1)
+        self.seed = check_seed(seed)
         self.generator = torch.Generator()
         self.grad_stats: dict[str, torch.Tensor] = {}
         self.delta: dict[str, float] = {}
