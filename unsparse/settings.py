@@ -52,14 +52,14 @@ def check_integer(value: int, field: str, low: int | None = 1, high: int | None 
     return value
 
 
-def check_seed(value: int, field: str = "seed") -> int:
+def check_seed(value: int) -> int:
     """``value`` if it is an integer that torch's generators take, in ``[-2^63, 2^64)`` (torch's own refusal is a
     ``RuntimeError``, "manual_seed expected a long", that names no setting).
 
     Raises:
-        ValueError: naming ``field`` otherwise.
+        ValueError: naming ``seed`` otherwise.
     """
-    return check_integer(value, field, low=-2**63, high=2**64 - 1)
+    return check_integer(value, "seed", low=-2**63, high=2**64 - 1)
 
 
 def check_flag(value: bool, field: str) -> bool:
