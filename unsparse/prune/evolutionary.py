@@ -460,11 +460,22 @@ class EvolutionaryPruner(Pruner):
     def step(self) -> None:
         """Prune each layer of ``chosen`` by its ``Δ_l`` on importance ``|w| + α|G|`` (eq. 11-14).
 
-        The total increment is raised to :meth:`floor_zeros` if below it; with nothing chosen (a stall) it
-        does nothing. Mutates the masks; the dense weights keep their values.
+        Unlike the magnitude pruners' ``step``, this is not the whole method: it is the mask update of one
+        iteration of Algorithm 2, whose layers ``C_t`` (``chosen``), ``G`` and ``Δ_l`` :meth:`run` draws and
+        measures by training and validating (an iteration that stalls prunes nothing and does not call it).
+        The total increment is raised to :meth:`floor_zeros` if below it. Mutates the masks; the dense weights
+        keep their values.
+
+        Raises:
+            RuntimeError: before :meth:`prepare` (or after :meth:`squash_mask`), or with no layers chosen (right
+                after :meth:`prepare`: nothing would be pruned).
         """
-        if self.chosen:
-            self._grow({name: self.delta[name] for name in self.chosen}, self.floor_zeros())
+        self._prepared()
+        if not self.chosen:
+            raise RuntimeError(f"{type(self).__name__}.step: no layers chosen (C_t) to prune; an iteration of "
+                               "Algorithm 2 chooses them, gathers G and sets the steps by training: call "
+                               "run(model, trainer, workdir), or set chosen to layer names first")
+        self._grow({name: self.delta[name] for name in self.chosen}, self.floor_zeros())
 
     def _grow(self, fractions: Mapping[str, float], floor: int) -> None:
         """Add the fewest mask zeros that take each named layer from ``s_l`` to ``s_l + fractions[l]`` (eq. 13:
@@ -630,7 +641,8 @@ class EvolutionaryPruner(Pruner):
                 self._rewind(before)
                 events.append("rewind")
             self.chosen = []
-        self.step()
+        if self.chosen:
+            self.step()
         self._zero_pruned()
         self.score = score
         self.pending = self.chosen
