@@ -197,6 +197,7 @@ def test_a_refused_bench_setting_is_one_line_and_exit_status_2(tmp_path, overrid
     done = subprocess.run(command, capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parent.parent)  # sparse_file=pyproject.toml: the repository's
     assert done.returncode == 2 and line in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / ".hydra").exists()  # Hydra's copy of the refused run's config used to be written
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
@@ -205,6 +206,7 @@ def test_bench_without_cuda_is_one_line_and_exit_status_2(tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "unsparse bench: refused: run_bench needs a CUDA GPU, and torch sees none here" in done.stderr
+    assert not (tmp_path / ".hydra").exists()
 
 
 def test_every_bench_option_is_a_run_bench_argument():

@@ -5,11 +5,12 @@ A reader (or a crash, or Ctrl-C) sees either the old complete file or the new co
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from fnmatch import fnmatch
 from pathlib import Path, PurePath
 from typing import Any, BinaryIO
@@ -123,6 +124,20 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
 def atomic_write_text(path: str | Path, text: str) -> Path:
     """Atomically replace ``path`` with UTF-8 ``text``."""
     return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_record(folder: str | Path, record: Mapping[str, str] | None) -> None:
+    """Write a job's record into ``folder``, each file atomically (relative path -> UTF-8 text, e.g. the command
+    line's composed config as ``.hydra/config.yaml``), and log each file's content (logger ``unsparse.atomic``), so
+    the job's log holds it too. Called once a job is accepted, so a refused job writes no record. None writes
+    nothing.
+
+    Raises:
+        OSError: as :func:`atomic_write`.
+    """
+    for name, text in (record or {}).items():
+        atomic_write_text(Path(folder) / name, text)
+        logging.getLogger(__name__).info("%s:\n%s", name, text)
 
 
 def atomic_write_json(path: str | Path, data: Any) -> Path:

@@ -82,6 +82,15 @@ def interrupted_command(program: str) -> str:
     return resume_command(list(hydra_config.overrides.task), Path(hydra_config.runtime.output_dir), program)
 
 
+def job_record(cfg: DictConfig) -> dict[str, str]:
+    """The record a job writes into its folder once the folder accepts it (inside a Hydra job): the composed
+    config and the command line's overrides as YAML, under the names Hydra itself would give them
+    (``.hydra/config.yaml``, ``.hydra/overrides.yaml``). Hydra's own copy, written before the job's checks, is
+    turned off in the configs (``hydra.output_subdir: null``), so a refused job leaves no record of itself."""
+    overrides = list(HydraConfig.get().overrides.task)
+    return {".hydra/config.yaml": OmegaConf.to_yaml(cfg), ".hydra/overrides.yaml": OmegaConf.to_yaml(overrides)}
+
+
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="config")
 def run(cfg: DictConfig) -> None:
     """The main job on the composed config; outputs go to Hydra's output directory. The composed config and the
@@ -92,10 +101,8 @@ def run(cfg: DictConfig) -> None:
     (:class:`~unsparse.pipeline.JobRefusedError`) prints one line to stderr and exits with status 2. Ctrl-C ends
     the job with exit status 130 and says how to resume (the checkpoints written so far stay)."""
     outdir = Path(HydraConfig.get().runtime.output_dir)
-    task_overrides = list(HydraConfig.get().overrides.task)
-    record = {".hydra/config.yaml": OmegaConf.to_yaml(cfg), ".hydra/overrides.yaml": OmegaConf.to_yaml(task_overrides)}
     try:
-        report = run_pipeline(outdir=outdir, record=record, **build_job(cfg))
+        report = run_pipeline(outdir=outdir, record=job_record(cfg), **build_job(cfg))
     except JobRefusedError as error:  # one line, not Hydra's traceback: nothing ran
         print(f"unsparse: refused: {error}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -113,8 +120,9 @@ def run(cfg: DictConfig) -> None:
 
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="bench")
 def bench(cfg: DictConfig) -> None:
-    """``unsparse bench``: the GPU per-layer comparison (needs CUDA); outputs in Hydra's output directory. Settings
-    that ``run_bench`` refuses, and a machine without CUDA, print one line to stderr and exit with status 2."""
+    """``unsparse bench``: the GPU per-layer comparison (needs CUDA); outputs in Hydra's output directory, with the
+    job's record (:func:`job_record`) once ``run_bench`` accepts the settings. Settings that ``run_bench``
+    refuses, and a machine without CUDA, print one line to stderr, write nothing and exit with status 2."""
     from unsparse.pipeline import git_commit
     from unsparse.runtime.bench import QUICK, BenchRefusedError, run_bench
 
@@ -123,7 +131,7 @@ def bench(cfg: DictConfig) -> None:
     if settings.pop("quick"):
         settings.update(QUICK)
     try:
-        run_bench(HydraConfig.get().runtime.output_dir, commit=git_commit(), **settings)
+        run_bench(HydraConfig.get().runtime.output_dir, commit=git_commit(), record=job_record(cfg), **settings)
     except BenchRefusedError as error:  # one line, not Hydra's traceback: nothing ran
         print(f"unsparse bench: refused: {error}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unsparse.atomic import atomic_write_text, remove_stale_temporaries
+from unsparse.atomic import atomic_write_text, remove_stale_temporaries, write_record
 from unsparse.data import Splits
 from unsparse.prune.base import Pruner
 from unsparse.prune.masks import weighted_sparsity
@@ -447,9 +447,7 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
     if stale:
         log.warning("removed %d temporary files of writes an earlier process did not finish: %s", len(stale),
                     ", ".join(str(path.relative_to(outdir)) for path in stale))
-    for name, text in (record or {}).items():
-        atomic_write_text(outdir / name, text)
-        log.info("%s:\n%s", name, text)
+    write_record(outdir, record)
     commit, tree_modified = git_commit(), git_tree_modified()  # the code this process runs, not the tree at its end
     device = device or torch.device("cpu")
     if device.type == "cuda":

@@ -19,7 +19,7 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from unsparse.atomic import atomic_write_text
+from unsparse.atomic import atomic_write_text, write_record
 from unsparse.report.benchmark import ESCOIN_MODELS, evaluate_targets, markdown_report, plot_results
 from unsparse.runtime.comparator import (
     TIMINGS,
@@ -456,7 +456,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
               sparse_file: str | Path | None = None, sparse_input_shape: Sequence[int] | None = None,
               plan_path: str | Path | None = None, commit: str | None = None, seed: int = 0,
               layer_filter: str | None = None, time_budget_s: float | None = None,
-              timing: str = "eager") -> dict[str, Any]:
+              timing: str = "eager", record: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Run the benchmark on ``cuda:0`` and write ``bench.json``, ``bench.md`` and plots to ``out_dir``.
 
     Args:
@@ -481,6 +481,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             atomically after every record (``complete`` false until the end), so a killed run keeps its data.
         timing: how the per-layer comparison times settings (:data:`~unsparse.runtime.comparator.TIMINGS`):
             ``"graph"`` replays CUDA graphs, the GPU time without the host's per-call work (batch 1).
+        record: text files written into ``out_dir`` (relative path -> content, atomically) and logged once the
+            settings are accepted and a GPU is present (:func:`~unsparse.atomic.write_record`), e.g. the command
+            line's composed config: a refused run writes none.
 
     Returns:
         The dict written to ``bench.json``.
@@ -496,6 +499,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     device = torch.device("cuda", 0)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    write_record(out_dir, record)
     plan_path = Path(plan_path) if plan_path is not None else out_dir / "plan.json"
     plan = Plan.load(plan_path) if plan_path.exists() else Plan()
     plans = {"direct": plan}  # per sparse backend: fp16_half2's layer keys equal fp16's (same dtype)
