@@ -191,7 +191,8 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
         warning: any level quantizes zeros exactly.
 
     Raises:
-        ValueError: no calibration batch, or calibration images that are all zero.
+        ValueError: no calibration batch, calibration images that are all zero, or a layer input that holds NaN or
+            an infinity (naming the layer).
     """
     batches = [images for images, _ in islice(calibration or [], spec.calibration_batches)]
     if not batches:
@@ -201,6 +202,10 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
     maxima = dict.fromkeys(sparse_layers(model), 0.0)
 
     def record_max(name: str, x: torch.Tensor) -> None:
+        # Python's max would skip a NaN (NaN > m is false) and leave the layer looking all zero
+        if not bool(torch.isfinite(x).all()):
+            raise ValueError(f"calibration: the input of layer {name} holds NaN or infinite values; saturation levels "
+                             "need finite activations")
         maxima[name] = max(maxima[name], float(x.abs().max()))
 
     was_training = model.training
