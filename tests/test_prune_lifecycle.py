@@ -37,3 +37,20 @@ def test_an_evolutionary_step_with_no_layers_chosen_says_what_to_call():
     pruner.chosen = ["2"]
     pruner.step()
     assert pruner.zero_counts()["2"] > 0
+
+
+@pytest.mark.parametrize("cls", PRUNERS)
+@pytest.mark.parametrize(("dense", "layers", "message"), [
+    (False, None, "layers: the model has no Conv1d/Conv2d/Linear layer to prune"),
+    (True, [], r"layers: names no layer to prune \(null: every one of 0, 2, 5\)"),
+])
+def test_nothing_to_prune_is_refused_by_check_layers_naming_the_setting(cls, dense, layers, message):
+    """The magnitude pruners' step crashed in torch.cat and the evolutionary run in a ZeroDivisionError, after the
+    main job had trained the dense model (it calls check_layers before training)."""
+    model = tiny_model() if dense else nn.Sequential(nn.ReLU(), nn.Flatten())
+    pruner = cls(0.5, layers=layers)
+    with pytest.raises(ValueError, match=message):
+        pruner.check_layers(model)
+    with pytest.raises(ValueError, match=message):
+        pruner.prepare(model)
+    assert not masks_of(model)

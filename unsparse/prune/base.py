@@ -186,10 +186,15 @@ class Pruner(ABC):
         first (:meth:`LayerMapping.check_float_keys`), before it reads as an unknown name.
 
         Raises:
-            ValueError: naming the setting and its unknown names, listing the layers that would do; or from
-                :meth:`LayerMapping.check_float_keys`.
+            ValueError: naming ``layers`` where nothing would be masked (a model without a Conv1d/Conv2d/Linear
+                layer, or an empty ``layers``); naming the setting and its unknown names, listing the layers that
+                would do; or from :meth:`LayerMapping.check_float_keys`.
         """
         prunable = list(prunable_layers(model))
+        if not prunable:
+            raise ValueError("layers: the model has no Conv1d/Conv2d/Linear layer to prune")
+        if self.layer_names is not None and not self.layer_names:
+            raise ValueError(f"layers: names no layer to prune (null: every one of {', '.join(prunable)})")
         for setting in vars(self).values():
             if isinstance(setting, LayerMapping):
                 setting.check_float_keys(prunable)
