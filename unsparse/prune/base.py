@@ -136,13 +136,18 @@ def layer_mapping(mapping: Mapping[Any, float], field: str, valid: Callable[[flo
 
 
 def optional_rate(rate: float | None, field: str) -> float | None:
-    """A learning rate that may be None (the trainer's): else a number > 0.
+    """A pruner's learning rate that may be None (the trainer's): else a number > 0.
 
     Raises:
-        ValueError: naming ``field`` otherwise.
+        ValueError: naming ``field`` otherwise, and ``prune.<field>``, its key in the main job's config (where
+            ``train.lr`` is another setting, which the bare name could be taken for).
     """
     if rate is not None:
-        check_number(rate, field, lambda value: value > 0, "> 0 (or null)")
+        try:
+            check_number(rate, field, lambda value: value > 0, "> 0 (or null)")
+        except ValueError as error:
+            raise ValueError(f"{error} (the pruner's learning rate: prune.{field} in the job's config, not "
+                             "train.lr)") from None
     return rate  # as given: it enters Pruner.identity
 
 
