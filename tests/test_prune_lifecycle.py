@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from unsparse.prune import MagnitudePruner, masks_of
+from unsparse.prune import MagnitudePruner, masks_of, model_weighted_sparsity, remove_masks
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
 
@@ -62,3 +62,32 @@ def test_a_bad_learning_rate_is_refused_naming_the_pruners_setting(cls, field):
     """The refusal of prune.lr=-1 named 'lr' alone, and the job's config has a train.lr too."""
     with pytest.raises(ValueError, match=rf"^{field}: expected a number > 0 \(or null\), got -1 \(.*prune\.{field}"):
         cls(0.5, **{field: -1})
+
+
+@pytest.mark.parametrize("cls", PRUNERS)
+def test_a_step_on_masks_removed_behind_the_pruners_back_asks_for_prepare(cls):
+    """After remove_masks(model) the pruner's step set masks no layer carried any more: the model stayed dense and
+    nothing said so."""
+    model = tiny_model()
+    pruner = cls(0.5)
+    pruner.prepare(model)
+    pruner.chosen = ["0"]  # the evolutionary step's layers; an attribute the magnitude pruners do not read
+    remove_masks(model)
+    with pytest.raises(RuntimeError, match=r"masks of \['0', '2', '5'\] are no longer on the model.*prepare"):
+        pruner.step()
+    pruner.prepare(model)
+    pruner.chosen = ["0"]
+    pruner.step()
+    assert model_weighted_sparsity(model) > 0
+    assert pruner.squash_mask() is model and not masks_of(model)
+
+
+def test_squash_mask_after_remove_masks_returns_the_plain_model():
+    model = tiny_model()
+    pruner = MagnitudePruner(0.5)
+    pruner.prepare(model)
+    pruner.step()
+    remove_masks(model)
+    assert pruner.squash_mask() is model and not masks_of(model)
+    with pytest.raises(RuntimeError, match=r"call prepare\(model\) first"):
+        pruner.squash_mask()

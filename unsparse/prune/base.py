@@ -23,6 +23,7 @@ from unsparse.prune.masks import (
     WeightMask,
     attach_masks,
     layer_sparsity,
+    mask_of,
     model_weighted_sparsity,
     prunable_layers,
     remove_masks,
@@ -230,7 +231,7 @@ class Pruner(ABC):
     def squash_mask(self) -> nn.Module:
         """Fold the masks into the weights and detach them; returns the (mutated) model, which the pruner then
         forgets (prepare a model again to prune more)."""
-        model = self._prepared()
+        model = self._prepared(masked=False)
         remove_masks(model)
         self.model, self.masks = None, {}
         return model
@@ -266,9 +267,22 @@ class Pruner(ABC):
         ``workdir`` holds the method's checkpoints so an interrupted run resumes.
         """
 
-    def _prepared(self) -> nn.Module:
+    def _prepared(self, masked: bool = True) -> nn.Module:
+        """The prepared model.
+
+        Raises:
+            RuntimeError: before :meth:`prepare` or after :meth:`squash_mask`, or, with ``masked``, where masks of the
+                pruner are no longer on the model (:func:`~unsparse.prune.masks.remove_masks`, or another pruner's
+                ``squash_mask``): setting them would change nothing the model computes.
+        """
         if self.model is None:
             raise RuntimeError(f"{type(self).__name__}: call prepare(model) first (squash_mask forgets the model)")
+        layers = prunable_layers(self.model) if masked else {}
+        detached = [name for name, mask in self.masks.items()
+                    if masked and (name not in layers or mask_of(layers[name]) is not mask)]
+        if detached:
+            raise RuntimeError(f"{type(self).__name__}: the masks of {detached} are no longer on the model (removed "
+                               "by remove_masks or another pruner's squash_mask); call prepare(model) again")
         return self.model
 
 

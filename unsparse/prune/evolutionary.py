@@ -467,7 +467,8 @@ class EvolutionaryPruner(Pruner):
         keep their values.
 
         Raises:
-            RuntimeError: before :meth:`prepare` (or after :meth:`squash_mask`), or with no layers chosen (right
+            RuntimeError: before :meth:`prepare`, after :meth:`squash_mask`, with the masks removed from the model
+                since :meth:`prepare` (:func:`~unsparse.prune.masks.remove_masks`), or with no layers chosen (right
                 after :meth:`prepare`: nothing would be pruned).
         """
         self._prepared()

@@ -72,6 +72,8 @@ class MagnitudePruner(Pruner):
 
         Raises:
             ValueError: a ``sparsity`` outside ``[0, 1]``.
+            RuntimeError: before :meth:`prepare`, after :meth:`squash_mask`, or with the masks removed from the
+                model since :meth:`prepare` (:func:`~unsparse.prune.masks.remove_masks`).
         """
         sparsity = self.target if sparsity is None else sparsity
         if not 0.0 <= sparsity <= 1.0:
