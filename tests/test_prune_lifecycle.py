@@ -10,6 +10,7 @@ from torch import nn
 from unsparse.prune import MagnitudePruner, masks_of, model_weighted_sparsity, remove_masks
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
+from unsparse.prune.masks import prunable_layers
 
 PRUNERS = [MagnitudePruner, GradualMagnitudePruner, EvolutionaryPruner]
 
@@ -91,3 +92,22 @@ def test_squash_mask_after_remove_masks_returns_the_plain_model():
     assert pruner.squash_mask() is model and not masks_of(model)
     with pytest.raises(RuntimeError, match=r"call prepare\(model\) first"):
         pruner.squash_mask()
+
+
+def layer_masks(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: mask.mask.clone() for name, mask in masks_of(model).items()}
+
+
+@pytest.mark.parametrize("cls", PRUNERS)
+def test_preparing_a_model_twice_keeps_its_masks_and_stacks_none(cls):
+    model = tiny_model()
+    pruner = cls(0.5)
+    pruner.prepare(model)
+    pruner.chosen = ["2", "5"]
+    pruner.step()
+    pruned = layer_masks(model)
+    assert any(bool((keep == 0).any()) for keep in pruned.values())
+    cls(0.5).prepare(model)
+    pruner.prepare(model)
+    assert all(len(layer.parametrizations.weight) == 1 for layer in prunable_layers(model).values())
+    assert all(torch.equal(keep, pruned[name]) for name, keep in layer_masks(model).items())

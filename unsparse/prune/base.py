@@ -216,6 +216,10 @@ class Pruner(ABC):
         """Attach masks (all ones) to the chosen layers of ``model`` (mutated) and remember it, with a digest of the
         weights and buffers it held before (:func:`~unsparse.train.tensor_digest`, part of :meth:`identity`).
 
+        A layer that already carries a mask (an earlier ``prepare`` of this or another pruner, without
+        :meth:`squash_mask`) keeps it, zeros included (:func:`~unsparse.prune.masks.attach_masks`): preparing twice
+        stacks no second mask and undoes no pruning.
+
         Raises:
             ValueError: from :meth:`check_layers`.
         """

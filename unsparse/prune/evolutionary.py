@@ -413,7 +413,8 @@ class EvolutionaryPruner(Pruner):
                 raise ValueError("unit_step: " + "; ".join(problems))
 
     def prepare(self, model: nn.Module) -> None:
-        """Attach masks and reset the state: ``Δ_l`` to its unit step, ``G`` to zeros, the generator to ``seed``.
+        """Attach masks (:meth:`Pruner.prepare`: a mask already on a layer stays, zeros included) and reset the
+        state: ``Δ_l`` to its unit step, ``G`` to zeros, the generator to ``seed``, the ranked list to empty.
 
         Raises:
             ValueError: from :meth:`check_layers`.
