@@ -111,3 +111,13 @@ def test_preparing_a_model_twice_keeps_its_masks_and_stacks_none(cls):
     pruner.prepare(model)
     assert all(len(layer.parametrizations.weight) == 1 for layer in prunable_layers(model).values())
     assert all(torch.equal(keep, pruned[name]) for name, keep in layer_masks(model).items())
+
+
+def test_an_evolutionary_step_refuses_chosen_layers_it_does_not_mask():
+    model = tiny_model()
+    pruner = EvolutionaryPruner(0.5, layers=["0", "2"])
+    pruner.prepare(model)
+    pruner.chosen = ["2", "5", "conv9"]
+    with pytest.raises(ValueError, match=r"chosen: \['5', 'conv9'\] are not masked layers; the pruner masks 0, 2"):
+        pruner.step()
+    assert all(bool(keep.all()) for keep in layer_masks(model).values())

@@ -471,12 +471,16 @@ class EvolutionaryPruner(Pruner):
             RuntimeError: before :meth:`prepare`, after :meth:`squash_mask`, with the masks removed from the model
                 since :meth:`prepare` (:func:`~unsparse.prune.masks.remove_masks`), or with no layers chosen (right
                 after :meth:`prepare`: nothing would be pruned).
+            ValueError: naming ``chosen`` and the names in it that are not masked layers (nothing is pruned then).
         """
         self._prepared()
         if not self.chosen:
             raise RuntimeError(f"{type(self).__name__}.step: no layers chosen (C_t) to prune; an iteration of "
                                "Algorithm 2 chooses them, gathers G and sets the steps by training: call "
-                               "run(model, trainer, workdir), or set chosen to layer names first")
+                               "run(model, trainer, workdir), or set chosen to masked layers' names first")
+        unknown = [name for name in self.chosen if name not in self.masks]
+        if unknown:
+            raise ValueError(f"chosen: {unknown} are not masked layers; the pruner masks {', '.join(self.masks)}")
         self._grow({name: self.delta[name] for name in self.chosen}, self.floor_zeros())
 
     def _grow(self, fractions: Mapping[str, float], floor: int) -> None:
