@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from unsparse.prune import MagnitudePruner, masks_of, model_weighted_sparsity, remove_masks
+from unsparse.prune import MagnitudePruner, layer_sparsity, masks_of, model_weighted_sparsity, remove_masks
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
 from unsparse.prune.masks import prunable_layers
@@ -121,3 +121,19 @@ def test_an_evolutionary_step_refuses_chosen_layers_it_does_not_mask():
     with pytest.raises(ValueError, match=r"chosen: \['5', 'conv9'\] are not masked layers; the pruner masks 0, 2"):
         pruner.step()
     assert all(bool(keep.all()) for keep in layer_masks(model).values())
+
+
+def test_squash_mask_folds_only_the_pruners_own_masks():
+    """Squashing one pruner's masks dropped those another pruner had on other layers of the model, whose pruned
+    weights then trained back."""
+    model = tiny_model()
+    first, second = MagnitudePruner(0.5, layers=["0"]), MagnitudePruner(0.5, layers=["2", "5"])
+    first.prepare(model)
+    first.step()
+    second.prepare(model)
+    second.step()
+    kept = layer_masks(model)
+    first.squash_mask()
+    assert list(masks_of(model)) == ["2", "5"] and torch.equal(masks_of(model)["2"].mask, kept["2"])
+    second.step(0.6)
+    assert second.result([], 0.0).masked_weighted_sparsity >= 0.6 and layer_sparsity(model)["0"] == 0.5

@@ -233,10 +233,11 @@ class Pruner(ABC):
         """Update the masks of the prepared model."""
 
     def squash_mask(self) -> nn.Module:
-        """Fold the masks into the weights and detach them; returns the (mutated) model, which the pruner then
-        forgets (prepare a model again to prune more)."""
+        """Fold the pruner's masks into their weights and detach them (masks that another pruner put on other layers
+        of the model stay); returns the (mutated) model, which the pruner then forgets (prepare a model again to
+        prune more)."""
         model = self._prepared(masked=False)
-        remove_masks(model)
+        remove_masks(model, self.masks)
         self.model, self.masks = None, {}
         return model
 

@@ -134,15 +134,18 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
     return layer.weight
 
 
-def remove_masks(model: nn.Module) -> nn.Module:
-    """Fold every mask into its weight (``weight <- weight * mask``) and drop the parametrizations.
+def remove_masks(model: nn.Module, names: Iterable[str] | None = None) -> nn.Module:
+    """Fold every mask (or those of the prunable layers ``names``) into its weight (``weight <- weight * mask``) and
+    drop the parametrizations; a named layer without a mask is left as it is.
 
     The analogue of ``torch.ao.pruning``'s ``squash_mask``. Mutates and returns ``model``; a deep copy of it (or
     the model it was deep-copied from) is not changed. (``parametrize.remove_parametrizations`` deletes the weight's
     property from the layer's parametrized class, which deep copies share, so each layer first gets a class of its
     own.)
     """
-    for layer in prunable_layers(model).values():
+    layers = prunable_layers(model)
+    chosen = layers if names is None else {name: layers[name] for name in names if name in layers}
+    for layer in chosen.values():
         if mask_of(layer) is not None:
             shared = type(layer)
             layer.__class__ = type(shared.__name__, shared.__bases__,
