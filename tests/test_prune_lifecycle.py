@@ -3,6 +3,8 @@ of order, models or settings with nothing to prune, and the invariants of the ma
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -137,3 +139,67 @@ def test_squash_mask_folds_only_the_pruners_own_masks():
     assert list(masks_of(model)) == ["2", "5"] and torch.equal(masks_of(model)["2"].mask, kept["2"])
     second.step(0.6)
     assert second.result([], 0.0).masked_weighted_sparsity >= 0.6 and layer_sparsity(model)["0"] == 0.5
+
+
+def sgd_steps(model: nn.Module, steps: int = 5) -> None:
+    """SGD with Nesterov momentum and a large weight decay, which keep moving the dense weights under the masks."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9, weight_decay=0.1, nesterov=True)
+    inputs = torch.randn(8, 1, 8, 8, generator=torch.Generator().manual_seed(4))
+    for _ in range(steps):
+        optimizer.zero_grad()
+        model(inputs).square().mean().backward()
+        optimizer.step()
+
+
+@pytest.mark.parametrize("cls", PRUNERS)
+def test_masks_stay_binary_and_pruned_weights_zero_through_sgd_then_squash_leaves_weight_times_mask(cls):
+    model = tiny_model()
+    pruner = cls(0.6)
+    pruner.prepare(model)
+    pruner.chosen = ["0", "2", "5"]
+    pruner.delta = dict.fromkeys(pruner.chosen, 0.6)  # the evolutionary step: 0.6 of each chosen layer
+    pruner.step()
+    sgd_steps(model)
+    masks = layer_masks(model)
+    dense = {name: layer.parametrizations.weight.original.detach().clone()
+             for name, layer in prunable_layers(model).items()}
+    for name, layer in prunable_layers(model).items():
+        assert bool(((masks[name] == 0) | (masks[name] == 1)).all())
+        assert bool((layer.weight[masks[name] == 0] == 0).all())
+    assert any(bool((dense[name][masks[name] == 0] != 0).any()) for name in masks)  # the dense weights did move
+    assert pruner.squash_mask() is model
+    for name, layer in prunable_layers(model).items():
+        assert not hasattr(layer, "parametrizations") and isinstance(layer.weight, nn.Parameter)
+        assert torch.equal(layer.weight.detach(), dense[name] * masks[name])
+    assert sum((layer.weight == 0).sum().item() for layer in prunable_layers(model).values()) >= 0.6 * 708
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.37, 0.5, 0.999, 1.0])
+def test_a_layer_step_prunes_exactly_its_count_whatever_the_ties(sparsity):
+    """Every |w| tied (a layer of equal weights, and one all zero): the count is still ceil(sparsity * size)."""
+    model = tiny_model()
+    with torch.no_grad():
+        model[0].weight.fill_(0.25)
+        model[2].weight.zero_()
+        model[5].weight.copy_(torch.randint(-1, 2, model[5].weight.shape).float())
+    pruner = MagnitudePruner(0.5, scope="layer")
+    pruner.prepare(model)
+    pruner.step(sparsity)
+    for name, mask in masks_of(model).items():
+        assert int((mask.mask == 0).sum()) == math.ceil(sparsity * mask.mask.numel() - 1e-9), name
+
+
+def test_a_state_dict_saved_mid_run_resumes_to_the_same_masks(tmp_path):
+    model = tiny_model()
+    pruner = GradualMagnitudePruner(0.8, scope="layer")
+    pruner.prepare(model)
+    pruner.step(0.4)
+    sgd_steps(model)
+    torch.save(model.state_dict(), tmp_path / "mid.pt")
+    pruner.step(0.8)
+    resumed = tiny_model(seed=1)
+    other = GradualMagnitudePruner(0.8, scope="layer")
+    other.prepare(resumed)
+    resumed.load_state_dict(torch.load(tmp_path / "mid.pt", weights_only=True))
+    other.step(0.8)
+    assert all(torch.equal(keep, layer_masks(model)[name]) for name, keep in layer_masks(resumed).items())
