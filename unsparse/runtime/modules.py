@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.lazy import LazyModuleMixin
 
 from unsparse.prune.masks import squashed_copy
@@ -98,7 +99,18 @@ class SparseConv(nn.Module):
 
 
 def sparse_from_conv(conv: nn.Conv1d | nn.Conv2d, backend: str = "reference") -> SparseConv:
-    """A :class:`SparseConv` computing the same function as ``conv`` (its effective weight, masks applied)."""
+    """A :class:`SparseConv` computing the same function as ``conv`` (its effective weight, masks applied).
+
+    Raises:
+        SparseFormatError: (a ``ValueError``) for a module that is no ``nn.Conv1d``/``nn.Conv2d`` (``nn.Conv3d``,
+            the transposed convs: a transposed weight read as a plain conv's computed another function), for a
+            subclass with its own ``forward`` (its weight alone does not say what it computes), and for a geometry
+            the format does not hold (:meth:`ConvGeometry.from_module`).
+    """
+    if not isinstance(conv, nn.Conv1d | nn.Conv2d):
+        raise SparseFormatError(f"{type(conv).__name__} is not an nn.Conv1d or nn.Conv2d")
+    if not _computes_as_torch_conv(conv):
+        raise SparseFormatError(f"{type(conv).__name__} has its own forward")
     return SparseConv(UniformCSR.from_dense(conv.weight), conv.bias, ConvGeometry.from_module(conv), backend)
 
 
@@ -119,8 +131,8 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
     its own ``forward`` (weight standardisation, a fused BatchNorm, fake quantization) stays as it is, with a
     logged reason: its weight alone does not say what it computes; so does a conv whose geometry the sparse
     format does not hold (a padding mode other than zeros, an asymmetric ``'same'`` padding,
-    :meth:`ConvGeometry.from_module`). The input model is not modified. The copy keeps
-    ``model.unsparse_spec`` (registry name and kwargs) if present.
+    :meth:`ConvGeometry.from_module`), and so does any other convolution (``nn.Conv3d``, the transposed convs).
+    The input model is not modified. The copy keeps ``model.unsparse_spec`` (registry name and kwargs) if present.
 
     Returns:
         The sparse copy, in eval mode.
@@ -146,20 +158,17 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
                              "weight_norm keep the weight in one) cannot be sparsified; remove them first "
                              "(torch.nn.utils.prune.remove(module, 'weight'), torch.nn.utils.remove_weight_norm)")
     sparse_model = squashed_copy(model)
-    if isinstance(sparse_model, nn.Conv1d | nn.Conv2d):  # the model is one conv
+    if isinstance(sparse_model, _ConvNd):  # the model is one conv
         return _sparse_or_dense(sparse_model, type(sparse_model).__name__, backend).eval()
     for parent_name, parent in list(sparse_model.named_modules()):
         for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Conv1d | nn.Conv2d):
+            if isinstance(child, _ConvNd):
                 setattr(parent, name, _sparse_or_dense(child, f"{parent_name}.{name}".lstrip("."), backend))
     return sparse_model.eval()
 
 
-def _sparse_or_dense(conv: nn.Conv1d | nn.Conv2d, name: str, backend: str) -> nn.Module:
+def _sparse_or_dense(conv: _ConvNd, name: str, backend: str) -> nn.Module:
     """``conv``'s :class:`SparseConv`, or ``conv`` itself with a logged reason (see :func:`sparsify`)."""
-    if not _computes_as_torch_conv(conv):
-        log.warning("%s: %s has its own forward; left dense", name, type(conv).__name__)
-        return conv
     try:
         return sparse_from_conv(conv, backend)
     except SparseFormatError as error:

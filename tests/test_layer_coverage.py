@@ -1,0 +1,146 @@
+"""Which torch convolution layers :func:`sparsify` converts, and that each one either computes what the dense layer
+computes (``F.conv1d``/``F.conv2d`` in float64 on fresh random inputs) or stays dense with a logged reason: padding
+modes, string padding, asymmetric tuples, strides past the kernel, kernels past the input, groups, dilation,
+unbatched inputs, other convolution kinds, parametrizations, shared and aliased modules."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unsparse.runtime import SparseConv, sparsify
+from unsparse.runtime.modules import sparse_from_conv
+from unsparse.sparse import SparseFormatError
+
+BACKENDS = ["reference", "im2col_cusparse", "im2col_cublas", "dense_cpu"]
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal shapes and float64 values within rounding."""
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def converted(conv: nn.Conv1d | nn.Conv2d, backend: str, caplog: pytest.LogCaptureFixture) -> nn.Module:
+    """``sparsify(Sequential(conv))[0]``: a SparseConv, or the dense conv with a 'left dense' reason logged."""
+    with caplog.at_level(logging.WARNING):
+        layer = sparsify(nn.Sequential(conv), backend)[0]
+    assert isinstance(layer, SparseConv) or (type(layer) is type(conv) and "0: " in caplog.text
+                                             and "left dense" in caplog.text)
+    return layer
+
+
+CONV2D = [
+    ("reflect", dict(kernel_size=3, padding=1, padding_mode="reflect"), False),
+    ("replicate", dict(kernel_size=3, padding=(2, 1), padding_mode="replicate"), False),
+    ("circular", dict(kernel_size=3, padding=1, padding_mode="circular"), False),
+    ("same, even kernel", dict(kernel_size=(2, 4), padding="same"), False),
+    ("same, odd kernel", dict(kernel_size=(3, 5), padding="same"), True),
+    ("same, dilated", dict(kernel_size=3, padding="same", dilation=(2, 3)), True),
+    ("valid", dict(kernel_size=3, padding="valid"), True),
+    ("asymmetric tuples", dict(kernel_size=(3, 2), stride=(2, 3), padding=(1, 2), dilation=(2, 1)), True),
+    ("stride past the kernel", dict(kernel_size=2, stride=5), True),
+    ("kernel past the input, padded", dict(kernel_size=5, padding=2), True),
+    ("1x7", dict(kernel_size=(1, 7), padding=(0, 3)), True),
+    ("7x1, no bias", dict(kernel_size=(7, 1), padding=(3, 0), bias=False), True),
+    ("1x1", dict(kernel_size=1), True),
+    ("depthwise", dict(kernel_size=3, padding=1, groups=4, out_channels=4), True),
+    ("groups, M != C", dict(kernel_size=3, padding=1, groups=2, out_channels=10), True),
+    ("dilated, strided", dict(kernel_size=3, dilation=3, padding=2, stride=2), True),
+]
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("case", "kwargs", "sparse"), CONV2D, ids=[case for case, _, _ in CONV2D])
+def test_every_conv2d_geometry_converts_exactly_or_stays_dense_with_a_reason(case, kwargs, sparse, backend, caplog):
+    kwargs = {"in_channels": 4, "out_channels": 6, **kwargs}
+    conv = nn.Conv2d(**kwargs).double().eval()
+    layer = converted(conv, backend, caplog)
+    assert isinstance(layer, SparseConv) == sparse
+    for shape in [(1, 4, 1, 1), (3, 4, 7, 5), (2, 4, 9, 12), (4, 6, 5)]:
+        x = torch.randn(shape, dtype=torch.float64)
+        try:
+            expected = conv(x)
+        except RuntimeError:  # an input too small for the layer: the sparse layer says so too
+            with pytest.raises(ValueError if isinstance(layer, SparseConv) else RuntimeError):
+                layer(x)
+            continue
+        with torch.no_grad():
+            assert same(layer(x), expected), (case, shape)
+
+
+CONV1D = [
+    ("reflect", dict(kernel_size=3, padding=1, padding_mode="reflect"), False),
+    ("circular", dict(kernel_size=3, padding=2, padding_mode="circular"), False),
+    ("same, even kernel", dict(kernel_size=4, padding="same"), False),
+    ("same, dilated", dict(kernel_size=5, padding="same", dilation=2), True),
+    ("strided, dilated", dict(kernel_size=3, stride=2, padding=1, dilation=2), True),
+    ("stride past the kernel", dict(kernel_size=2, stride=4, bias=False), True),
+    ("kernel past the input, padded", dict(kernel_size=7, padding=3), True),
+    ("groups", dict(kernel_size=3, groups=4, out_channels=8), True),
+]
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(("case", "kwargs", "sparse"), CONV1D, ids=[case for case, _, _ in CONV1D])
+def test_every_conv1d_geometry_converts_exactly_or_stays_dense_with_a_reason(case, kwargs, sparse, backend, caplog):
+    kwargs = {"in_channels": 4, "out_channels": 6, **kwargs}
+    conv = nn.Conv1d(**kwargs).double().eval()
+    layer = converted(conv, backend, caplog)
+    assert isinstance(layer, SparseConv) == sparse
+    for shape in [(1, 4, 1), (3, 4, 11), (4, 10)]:
+        x = torch.randn(shape, dtype=torch.float64)
+        try:
+            expected = conv(x)
+        except RuntimeError:  # an input too small for the layer: the sparse layer says so too
+            with pytest.raises(ValueError if isinstance(layer, SparseConv) else RuntimeError):
+                layer(x)
+            continue
+        with torch.no_grad():
+            assert same(layer(x), expected), (case, shape)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("groups", [1, 2])
+def test_zero_dense_and_sparse_rows_and_an_all_zero_weight_compute_as_dense(groups, backend):
+    conv = nn.Conv2d(4, 6, 3, stride=2, padding=1, groups=groups).double()
+    with torch.no_grad():
+        conv.weight.mul_(torch.rand(conv.weight.shape) < 0.3)
+        conv.weight[0] = 0  # an output channel with no entry
+        conv.weight[2] = torch.randn_like(conv.weight[2])  # a fully dense row
+    x = torch.randn(3, 4, 7, 6, dtype=torch.float64)
+    for weight in (conv.weight.detach().clone(), torch.zeros_like(conv.weight)):
+        with torch.no_grad():
+            conv.weight.copy_(weight)
+        layer = sparsify(conv, backend)
+        with torch.no_grad():
+            assert same(layer(x), F.conv2d(x, weight, conv.bias, 2, 1, 1, groups))
+
+
+@pytest.mark.parametrize("conv", [nn.Conv3d(3, 4, 3), nn.ConvTranspose2d(3, 4, 3, stride=2),
+                                  nn.ConvTranspose1d(3, 4, 3)], ids=lambda conv: type(conv).__name__)
+def test_other_convolution_kinds_stay_dense_with_a_logged_reason(conv, caplog):
+    """Conv3d and the transposed convs were copied dense with nothing in the log, so a user saw fewer sparse layers
+    than convolutions and no reason (the rule: unsupported layers fall back with a logged reason)."""
+    conv = conv.double()
+    x = torch.randn((2, 3) + (5,) * (conv.weight.dim() - 2), dtype=torch.float64)
+    with caplog.at_level(logging.WARNING):
+        sparse = sparsify(nn.Sequential(nn.Identity(), conv))
+    assert type(sparse[1]) is type(conv)
+    assert f"1: {type(conv).__name__} is not an nn.Conv1d or nn.Conv2d" in caplog.text
+    assert "left dense" in caplog.text
+    with torch.no_grad():
+        assert same(sparse(x), conv(x))
+
+
+def test_sparse_from_conv_refuses_a_transposed_conv_instead_of_computing_a_plain_one():
+    """``sparse_from_conv(nn.ConvTranspose2d(...))`` read the transposed weight as a plain conv's and returned a layer
+    computing a different function (2x4x4x4 where the layer gives 2x4x8x8 at stride 1), silently."""
+    conv = nn.ConvTranspose2d(4, 4, 3)
+    with pytest.raises(SparseFormatError, match=r"ConvTranspose2d is not an nn\.Conv1d or nn\.Conv2d"):
+        sparse_from_conv(conv)
