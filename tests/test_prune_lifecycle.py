@@ -203,3 +203,16 @@ def test_a_state_dict_saved_mid_run_resumes_to_the_same_masks(tmp_path):
     resumed.load_state_dict(torch.load(tmp_path / "mid.pt", weights_only=True))
     other.step(0.8)
     assert all(torch.equal(keep, layer_masks(model)[name]) for name, keep in layer_masks(resumed).items())
+
+
+def test_the_evolutionary_pruner_refuses_weights_under_another_parametrization():
+    """It reads the dense weight and its gradient (eq. 10, 12), which a weight_norm layer does not have: prepare
+    crashed in an AttributeError of torch's ParametrizationList."""
+    from torch.nn.utils.parametrizations import weight_norm
+
+    model = tiny_model()
+    weight_norm(model[2])
+    with pytest.raises(ValueError, match=r"layers: the weights of \['2'\] carry a parametrization other than"):
+        EvolutionaryPruner(0.5).prepare(model)
+    assert not masks_of(model)
+    EvolutionaryPruner(0.5, layers=["0", "5"]).prepare(model)

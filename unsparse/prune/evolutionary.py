@@ -94,6 +94,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 from torch.utils.data import DataLoader, RandomSampler
 from tqdm.auto import tqdm
 
@@ -108,6 +109,7 @@ from unsparse.prune.base import (
     val_metrics,
 )
 from unsparse.prune.masks import (
+    WeightMask,
     dense_weight,
     lowest_mask,
     pack_mask,
@@ -394,13 +396,25 @@ class EvolutionaryPruner(Pruner):
         self.score = -math.inf
 
     def check_layers(self, model: nn.Module) -> None:
-        """:meth:`Pruner.check_layers`, and a ``unit_step`` mapping must name prunable layers and give every masked
-        layer a step (checked before training in the main job, as :meth:`prepare` needs it).
+        """:meth:`Pruner.check_layers`; a masked layer's weight must carry no parametrization but the pruner's mask
+        (the importance and ``G``, eq. 10 and 12, read the dense weight and its gradient, which e.g. a
+        ``weight_norm`` layer keeps as two other tensors); a ``unit_step`` mapping must name prunable layers and give
+        every masked layer a step (checked before training in the main job, as :meth:`prepare` needs it).
 
         Raises:
-            ValueError: naming ``unit_step`` and the layers.
+            ValueError: naming ``layers`` and the layers with another parametrization, or ``unit_step`` and the
+                layers.
         """
         super().check_layers(model)
+        layers = prunable_layers(model)
+        foreign = [name for name in (self.layer_names if self.layer_names is not None else layers)
+                   if parametrize.is_parametrized(layers[name], "weight")
+                   and not all(isinstance(step, WeightMask) for step in layers[name].parametrizations.weight)]
+        if foreign:
+            raise ValueError(f"layers: the weights of {foreign} carry a parametrization other than the pruner's mask "
+                             "(e.g. weight_norm), and the evolutionary pruner reads the dense weight and its gradient; "
+                             "remove it first (torch.nn.utils.parametrize.remove_parametrizations) or leave these "
+                             "layers out of layers")
         if isinstance(self.unit_step, dict):
             prunable = list(prunable_layers(model))
             unknown = [name for name in self.unit_step if name not in prunable]
