@@ -144,3 +144,47 @@ def test_sparse_from_conv_refuses_a_transposed_conv_instead_of_computing_a_plain
     conv = nn.ConvTranspose2d(4, 4, 3)
     with pytest.raises(SparseFormatError, match=r"ConvTranspose2d is not an nn\.Conv1d or nn\.Conv2d"):
         sparse_from_conv(conv)
+
+
+class Aliased(nn.Module):
+    """One conv reachable under three names (``conv``, ``alias`` and ``block.0``) and called twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1)
+        self.alias = self.conv
+        self.block = nn.Sequential(self.conv)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(torch.relu(self.alias(x)))
+
+
+def test_a_conv_under_several_names_becomes_one_shared_sparse_layer(caplog):
+    """A conv registered under a second name in the same parent stayed dense with nothing logged (named_children
+    skips repeats), and its other names got separate SparseConvs, so the copy no longer shared one weight: a layer
+    quantized or replaced under one name kept the old weight under the other."""
+    model = Aliased().double()
+    x = torch.randn(2, 3, 6, 5, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING):
+        sparse = sparsify(model)
+    assert "left dense" not in caplog.text
+    assert isinstance(sparse.conv, SparseConv) and sparse.alias is sparse.conv and sparse.block[0] is sparse.conv
+    with torch.no_grad():
+        assert same(sparse(x), model(x))
+
+
+def test_a_conv_called_twice_and_on_other_input_sizes_computes_as_dense():
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 3, 3, stride=2, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.conv(torch.relu(self.conv(x)))
+
+    model = Twice().double()
+    sparse = sparsify(model)
+    for shape in [(2, 3, 8, 8), (1, 3, 5, 7), (3, 3, 16, 9), (2, 3, 8, 8), (3, 4, 4)]:
+        x = torch.randn(shape, dtype=torch.float64)
+        with torch.no_grad():
+            assert same(sparse(x), model(x)), shape

@@ -132,7 +132,8 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
     logged reason: its weight alone does not say what it computes; so does a conv whose geometry the sparse
     format does not hold (a padding mode other than zeros, an asymmetric ``'same'`` padding,
     :meth:`ConvGeometry.from_module`), and so does any other convolution (``nn.Conv3d``, the transposed convs).
-    The input model is not modified. The copy keeps ``model.unsparse_spec`` (registry name and kwargs) if present.
+    A conv reachable under several names becomes one layer shared by all of them, as the conv was. The input model
+    is not modified. The copy keeps ``model.unsparse_spec`` (registry name and kwargs) if present.
 
     Returns:
         The sparse copy, in eval mode.
@@ -160,10 +161,13 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
     sparse_model = squashed_copy(model)
     if isinstance(sparse_model, _ConvNd):  # the model is one conv
         return _sparse_or_dense(sparse_model, type(sparse_model).__name__, backend).eval()
+    replaced: dict[nn.Module, nn.Module] = {}  # by identity: a conv under several names stays one shared layer
     for parent_name, parent in list(sparse_model.named_modules()):
-        for name, child in list(parent.named_children()):
+        for name, child in list(parent._modules.items()):  # named_children() skips a module's second name
             if isinstance(child, _ConvNd):
-                setattr(parent, name, _sparse_or_dense(child, f"{parent_name}.{name}".lstrip("."), backend))
+                if child not in replaced:
+                    replaced[child] = _sparse_or_dense(child, f"{parent_name}.{name}".lstrip("."), backend)
+                setattr(parent, name, replaced[child])
     return sparse_model.eval()
 
 
