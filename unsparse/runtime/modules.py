@@ -127,10 +127,11 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
     where it is one).
 
     Pruning parametrizations (masks) are folded into the weights of the copy first, so the copy's convs hold
-    exactly the masked weights; other modules (Linear, BatchNorm, ...) are copied unchanged. A conv subclass with
-    its own ``forward`` (weight standardisation, a fused BatchNorm, fake quantization) stays as it is, with a
-    logged reason: its weight alone does not say what it computes; so does a conv whose geometry the sparse
-    format does not hold (a padding mode other than zeros, an asymmetric ``'same'`` padding,
+    exactly the masked weights (every parametrization as it computes in eval mode, the mode of the copy: a
+    ``spectral_norm`` runs no power iteration); other modules (Linear, BatchNorm, ...) are copied unchanged. A
+    conv subclass with its own ``forward`` (weight standardisation, a fused BatchNorm, fake quantization) stays as
+    it is, with a logged reason: its weight alone does not say what it computes; so does a conv whose geometry the
+    sparse format does not hold (a padding mode other than zeros, an asymmetric ``'same'`` padding,
     :meth:`ConvGeometry.from_module`), and so does any other convolution (``nn.Conv3d``, the transposed convs).
     A conv reachable under several names becomes one layer shared by all of them, as the conv was. The input model
     is not modified. The copy keeps ``model.unsparse_spec`` (registry name and kwargs) if present.
@@ -158,7 +159,8 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
             raise ValueError(f"{name or type(module).__name__}: a conv with forward hooks (torch.nn.utils.prune or "
                              "weight_norm keep the weight in one) cannot be sparsified; remove them first "
                              "(torch.nn.utils.prune.remove(module, 'weight'), torch.nn.utils.remove_weight_norm)")
-    sparse_model = squashed_copy(model)
+    with _eval_mode(model):  # the parametrizations as the eval-mode copy computes them (spectral_norm: no update)
+        sparse_model = squashed_copy(model)
     if isinstance(sparse_model, _ConvNd):  # the model is one conv
         return _sparse_or_dense(sparse_model, type(sparse_model).__name__, backend).eval()
     replaced: dict[nn.Module, nn.Module] = {}  # by identity: a conv under several names stays one shared layer
@@ -169,6 +171,20 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
                     replaced[child] = _sparse_or_dense(child, f"{parent_name}.{name}".lstrip("."), backend)
                 setattr(parent, name, replaced[child])
     return sparse_model.eval()
+
+
+@contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """Every module of ``model`` with ``training`` off inside the block and as it was afterwards (the flags alone:
+    a module's own ``train()`` is not called)."""
+    modes = [(module, module.training) for module in model.modules()]
+    for module, _ in modes:
+        module.training = False
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
 
 
 def _sparse_or_dense(conv: _ConvNd, name: str, backend: str) -> nn.Module:
