@@ -219,3 +219,18 @@ def test_masked_and_weight_normed_convs_fold_their_effective_weight_and_hooks_ar
     hooked = nn.Sequential(nn.utils.spectral_norm(nn.Conv2d(3, 4, 3)))  # the older, hook-based API
     with pytest.raises(ValueError, match=r"^0: a conv with forward hooks .* remove them first"):
         sparsify(hooked)
+
+
+def test_a_conv_whose_forward_was_replaced_on_the_instance_stays_dense_with_a_logged_reason(caplog):
+    """Only the class's forward was compared, so a conv whose instance forward was replaced (as wrappers such as
+    accelerate's hooks do) became a SparseConv of its weight and dropped what the new forward adds, silently."""
+    conv = nn.Conv2d(3, 4, 3).double()
+    plain_forward = conv.forward
+    conv.forward = lambda x: 2 * plain_forward(x)
+    model = nn.Sequential(conv)
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    with caplog.at_level(logging.WARNING):
+        sparse = sparsify(model)
+    assert type(sparse[0]) is nn.Conv2d and "0: Conv2d has its own forward; left dense" in caplog.text
+    with torch.no_grad():
+        assert same(sparse(x), model(x))

@@ -115,11 +115,12 @@ def sparse_from_conv(conv: nn.Conv1d | nn.Conv2d, backend: str = "reference") ->
 
 
 def _computes_as_torch_conv(conv: nn.Conv1d | nn.Conv2d) -> bool:
-    """Whether ``conv``'s class computes as ``nn.Conv1d``/``nn.Conv2d`` do (it may add attributes, but neither
-    ``forward`` nor ``_conv_forward`` is its own): only then does a :class:`SparseConv` of its weight compute the
-    same function."""
+    """Whether ``conv`` computes as ``nn.Conv1d``/``nn.Conv2d`` do (its class may add attributes, but neither
+    ``forward`` nor ``_conv_forward`` is its own, nor replaced on the instance): only then does a
+    :class:`SparseConv` of its weight compute the same function."""
     base = nn.Conv1d if isinstance(conv, nn.Conv1d) else nn.Conv2d
-    return type(conv).forward is base.forward and type(conv)._conv_forward is base._conv_forward
+    return (type(conv).forward is base.forward and type(conv)._conv_forward is base._conv_forward
+            and not {"forward", "_conv_forward"} & vars(conv).keys())
 
 
 def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
@@ -129,12 +130,13 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
     Pruning parametrizations (masks) are folded into the weights of the copy first, so the copy's convs hold
     exactly the masked weights (every parametrization as it computes in eval mode, the mode of the copy: a
     ``spectral_norm`` runs no power iteration); other modules (Linear, BatchNorm, ...) are copied unchanged. A
-    conv subclass with its own ``forward`` (weight standardisation, a fused BatchNorm, fake quantization) stays as
-    it is, with a logged reason: its weight alone does not say what it computes; so does a conv whose geometry the
-    sparse format does not hold (a padding mode other than zeros, an asymmetric ``'same'`` padding,
-    :meth:`ConvGeometry.from_module`), and so does any other convolution (``nn.Conv3d``, the transposed convs).
-    A conv reachable under several names becomes one layer shared by all of them, as the conv was. The input model
-    is not modified. The copy keeps ``model.unsparse_spec`` (registry name and kwargs) if present.
+    conv subclass with its own ``forward`` (weight standardisation, a fused BatchNorm, fake quantization), or a conv
+    whose ``forward`` was replaced on the instance, stays as it is, with a logged reason: its weight alone does not
+    say what it computes; so does a conv whose geometry the sparse format does not hold (a padding mode other than
+    zeros, an asymmetric ``'same'`` padding, :meth:`ConvGeometry.from_module`), and so does any other convolution
+    (``nn.Conv3d``, the transposed convs). A conv reachable under several names becomes one layer shared by all of
+    them, as the conv was. The input model is not modified. The copy keeps ``model.unsparse_spec`` (registry name
+    and kwargs) if present.
 
     Returns:
         The sparse copy, in eval mode.
