@@ -403,6 +403,62 @@ def test_the_file_checked_is_the_file_read(tmp_path, monkeypatch, exported):
     assert load_sparse(checked).unsparse_metadata["extra"] == {"note": "other"}  # the path names the other file now
 
 
+TRUNCATED_WHILE_OPEN = """
+import os, sys
+from unsparse import SparseFileError, load_sparse
+from unsparse.sparse import io
+path, cut = sys.argv[1], int(sys.argv[2])
+real_safe_open = io.safe_open
+
+def open_then_truncate(*args, **kwargs):  # after every check, before any tensor is read
+    handle = real_safe_open(*args, **kwargs)
+    os.truncate(path, cut)
+    return handle
+
+io.safe_open = open_then_truncate
+try:
+    load_sparse(path)
+except SparseFileError as error:
+    print("refused:", error)
+"""
+
+
+def test_a_file_truncated_while_it_is_read_is_refused_not_a_crash(tmp_path, exported):
+    """safetensors memory-maps the file; a file cut short after the checks (another process rewriting it in place)
+    killed the loader with SIGBUS as it read a tensor past the new end. The child process is the one that would
+    die."""
+    import subprocess
+    import sys
+
+    data = exported[1].read_bytes()
+    path = tmp_path / "cut.safetensors"
+    path.write_bytes(data)
+    data_start = 8 + int.from_bytes(data[:8], "little")
+    done = subprocess.run([sys.executable, "-c", TRUNCATED_WHILE_OPEN, str(path), str(data_start + 4)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"exit status {done.returncode}: {done.stderr[-2000:]}"
+    assert done.stdout.startswith("refused: file: ") and "ended before" in done.stdout
+
+
+def test_a_file_rewritten_in_place_after_its_header_check_is_refused(tmp_path, monkeypatch, exported):
+    """The tensors are read at the offsets of the header the loader checked (no duplicate keys), so safetensors
+    must have read that same header: one rewritten in between (here other notes) is refused, not mixed in."""
+    from unsparse.sparse import io
+
+    checked, other = tmp_path / "checked.safetensors", tmp_path / "other.safetensors"
+    checked.write_bytes(exported[1].read_bytes())
+    save_sparse(exported[0], other, extra={"note": "else"})
+    real_safe_open = io.safe_open
+
+    def rewrite_then_open(*args, **kwargs):  # the same file (inode), new content
+        checked.write_bytes(other.read_bytes())
+        return real_safe_open(*args, **kwargs)
+
+    monkeypatch.setattr(io, "safe_open", rewrite_then_open)
+    with pytest.raises(SparseFileError, match=r"file: .* changed while it was opened"):
+        load_sparse(checked)
+
+
 def safetensors_by_hand(tensors: dict[str, torch.Tensor], metadata: str, twice: str = "") -> bytes:
     """A safetensors file written byte by byte: the 8-byte little-endian header length, the JSON header, the data
     (``tensors`` in order). The header holds ``metadata`` (the text of the ``__metadata__`` object, so that a key

@@ -10,13 +10,17 @@ Layout:
 
 Loading treats the file as untrusted: the path is opened once, and only a regular file is read (through that
 descriptor, never the path again), a safetensors header with duplicate keys at any level (or of more than
-:data:`HEADER_MAX_BYTES`) is refused before safetensors reads it, the file is memory-mapped, and at first only its
-header is read (JSON metadata of at most :data:`METADATA_MAX_CHARACTERS`, without duplicate keys). The architecture
+:data:`HEADER_MAX_BYTES`) is refused before safetensors reads it, and at first only its header is read (JSON
+metadata of at most :data:`METADATA_MAX_CHARACTERS`, without duplicate keys). The architecture
 is built on the ``meta`` device (no memory), with each convolution replaced by a shape-only :class:`SparseConv` of
 the file's row length, and every tensor's declared key, shape, dtype and codec (a quantization codec only on a
 sparse layer's ``values``) is checked against its state dict, and every stored part's size against what its tensor
 can need (at most :data:`MAX_PARTS` parts), before any tensor is read or decoded, so that a file cannot make the
-loader allocate much more than its architecture holds. Then values (finite, BatchNorm variances not negative), index
+loader allocate much more than its architecture holds. Tensors are read with ordinary reads into memory the loader
+owns, once each (as much memory as the loaded model holds: a few MB for the small models, some hundreds for VGG-16's
+dense classifier), not through safetensors' memory map, where a file cut short while open (rewritten in place by
+another process) kills the process with SIGBUS (safetensors still parses the header in its map: a file cut in those
+microseconds can still do so). Then values (finite, BatchNorm variances not negative), index
 ranges and row lengths (each layer's largest row nnz, UnSparse-Opt §5) are checked, and only then are real tensors
 assigned. Every problem raises :class:`SparseFileError` (a ``ValueError``) naming the field.
 """
@@ -28,7 +32,8 @@ import math
 import os
 import stat
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -182,10 +187,14 @@ def _require(condition: bool, field: str, message: str) -> None:
         raise SparseFileError(f"{field}: {message}")
 
 
-def _check_header(file: BinaryIO, size: int, path: Path) -> None:
+def _check_header(file: BinaryIO, size: int, path: Path) -> tuple[int, Any]:
     """The safetensors header of ``file`` (an open file of ``size`` bytes: an 8-byte little-endian length, then that
     many bytes of JSON), parsed before safetensors reads it, which keeps the last of duplicate keys: a second
     ``"unsparse"`` entry in ``__metadata__``, or a second entry of a tensor, would silently replace the first.
+
+    Returns:
+        ``(length, header)``: the header's length in bytes (the data section starts at byte ``8 + length``) and its
+        parsed JSON (a dict where safetensors accepts it), whose ``data_offsets`` :meth:`_OpenFile.tensor` reads.
 
     Raises:
         SparseFileError: fewer than 8 bytes or a header beyond the file (``file``), a header of more than
@@ -200,48 +209,95 @@ def _check_header(file: BinaryIO, size: int, path: Path) -> None:
              f"file of {size})")
     _require(length <= HEADER_MAX_BYTES, "header", f"{length} bytes, more than {HEADER_MAX_BYTES}")
     try:
-        loads_strict(file.read(length).decode("utf-8"))
+        return length, loads_strict(file.read(length).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
         raise SparseFileError(f"file: {path} is not a valid safetensors file (header: {error})") from error
     except ValueError as error:  # duplicate keys, NaN or Infinity, an integer beyond Python's digit limit
         raise SparseFileError(f"header: {error}") from error
 
 
-@contextmanager
-def _open_file(path: Path) -> Iterator[Any]:
-    """The safetensors file at ``path``, opened for reading (memory-mapped; safetensors checks its header: length,
-    JSON, dtypes, offsets): a regular file only, so that a FIFO cannot block the loader and a device (a link to
-    ``/dev/zero``) cannot be read without end, and with a header :func:`_check_header` accepts (no duplicate keys).
+@dataclass(frozen=True)
+class _OpenFile:
+    """A safetensors file open for loading: ``handle``, safetensors' view of its header (metadata, keys, dtypes and
+    shapes, validated), and ``file``, the same open file for ordinary reads, with ``header``, the header
+    :func:`_check_header` parsed from it (``data_offsets``), whose data section starts at byte ``data_start``."""
 
-    The path is opened once (:data:`_OPEN_FLAGS`), that open file is checked (``os.fstat``), and the header check
-    and safetensors read it through the descriptor (:data:`_DESCRIPTORS`), not through the path: a file that takes
-    the path after the check is not the one read.
+    handle: Any
+    file: BinaryIO
+    header: dict[str, Any]
+    data_start: int
+    path: Path
+
+    def tensor(self, stored_key: str) -> torch.Tensor:
+        """The stored tensor ``stored_key`` (of the dtype and shape safetensors read for it), read with ordinary reads
+        into memory the loader owns. safetensors' own ``get_tensor`` reads through its memory map of the file, and
+        a file cut short meanwhile (rewritten in place by another process) kills the process with SIGBUS at the
+        first page past its new end; a read returns fewer bytes instead. The tensor is a fresh allocation, as big as
+        its stored bytes: loading takes no more memory than the loaded model holds.
+
+        Raises:
+            SparseFileError: an entry of :attr:`header` that is not the one safetensors read (the file changed while
+                being opened) or whose offsets do not span the tensor's bytes (naming the key), or a file that ends
+                before them (``file``).
+        """
+        stored = self.handle.get_slice(stored_key)
+        name, shape = stored.get_dtype(), stored.get_shape()
+        dtype = STORED_DTYPES[name]
+        size = math.prod(shape) * dtype.itemsize
+        entry = self.header.get(stored_key)
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        _require(isinstance(entry, dict) and entry.get("dtype") == name and entry.get("shape") == shape
+                 and isinstance(offsets, list) and len(offsets) == 2 and all(type(at) is int for at in offsets)
+                 and offsets[0] >= 0 and offsets[1] - offsets[0] == size, stored_key,
+                 f"header entry {entry!r} is not the {name} {shape} safetensors read (the file changed while open)")
+        data = torch.empty(size, dtype=torch.uint8)
+        try:
+            self.file.seek(self.data_start + offsets[0])
+            read = self.file.readinto(memoryview(data.numpy()))
+        except OSError as error:
+            raise SparseFileError(f"file: cannot read {self.path}: {error}") from error
+        _require(read == size, "file", f"{self.path} ended before {stored_key}'s {size} bytes (cut short while open)")
+        return data.view(dtype).reshape(shape)
+
+
+@contextmanager
+def _open_file(path: Path) -> Iterator[_OpenFile]:
+    """The safetensors file at ``path``, opened for reading: a regular file only, so that a FIFO cannot block the
+    loader and a device (a link to ``/dev/zero``) cannot be read without end, and with a header
+    :func:`_check_header` accepts (no duplicate keys), which safetensors then checks (length, JSON, dtypes, offsets).
+
+    The path is opened once (:data:`_OPEN_FLAGS`), that open file is checked (``os.fstat``), and the header check,
+    safetensors and the tensor reads (:meth:`_OpenFile.tensor`) read it through the descriptor
+    (:data:`_DESCRIPTORS`), not through the path: a file that takes the path after the check is not the one read.
+    safetensors memory-maps the file and parses its header there; no tensor is read through that map.
 
     Raises:
-        SparseFileError: unreadable, not a regular file, a header :func:`_check_header` refuses, or not a
-            safetensors file.
+        SparseFileError: unreadable, not a regular file, a header :func:`_check_header` refuses, not a
+            safetensors file, or one whose header safetensors read otherwise than :func:`_check_header` did (changed
+            in between).
     """
     try:
         descriptor = os.open(path, _OPEN_FLAGS)
     except OSError as error:
         raise SparseFileError(f"file: cannot read {path}: {error}") from error
-    try:
+    with ExitStack() as stack:
+        stack.callback(os.close, descriptor)
         info = os.fstat(descriptor)
         _require(stat.S_ISREG(info.st_mode), "file", f"{path} is not a regular file")
         opened = f"{_DESCRIPTORS}/{descriptor}"
         try:
-            with open(opened, "rb") as file:
-                _check_header(file, info.st_size, path)
+            file = stack.enter_context(open(opened, "rb"))
+            length, header = _check_header(file, info.st_size, path)
         except OSError as error:
             raise SparseFileError(f"file: cannot read {path}: {error}") from error
         try:
-            handle = safe_open(opened, framework="pt")
+            handle = stack.enter_context(safe_open(opened, framework="pt"))
         except (SafetensorError, OSError, ValueError) as error:
             raise SparseFileError(f"file: {path} is not a valid safetensors file ({error!r})") from error
-        with handle:
-            yield handle
-    finally:
-        os.close(descriptor)
+        _require(isinstance(header, dict) and set(handle.keys()) == set(header) - {"__metadata__"}
+                 and (handle.metadata() or {}) == (header.get("__metadata__") or {}), "file",
+                 f"{path} changed while it was opened (safetensors read another header)")
+        yield _OpenFile(handle, file, header, 8 + length, path)
 
 
 def _read_metadata(handle: Any) -> dict[str, Any]:
@@ -282,18 +338,18 @@ def _stored_layout(handle: Any) -> dict[str, tuple[torch.dtype, int]]:
     return layout
 
 
-def _read_parts(handle: Any, entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
+def _read_parts(opened: _OpenFile, entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
     """The stored tensors of an open file, grouped by the state-dict key they encode (``<key>::<part>``, or the
-    plain key as part ``""``), read only once every one belongs to a declared tensor (``entries``, already checked
-    against the architecture), no tensor has more than :data:`MAX_PARTS` parts, every part has a dtype of
-    :data:`STORED_DTYPES`, and the parts of each tensor hold at most :data:`PART_BYTES_PER_ELEMENT` bytes per
-    element of it plus :data:`PART_BYTES_EXTRA`.
+    plain key as part ``""``), read (:meth:`_OpenFile.tensor`) only once every one belongs to a declared tensor
+    (``entries``, already checked against the architecture), no tensor has more than :data:`MAX_PARTS` parts, every
+    part has a dtype of :data:`STORED_DTYPES`, and the parts of each tensor hold at most
+    :data:`PART_BYTES_PER_ELEMENT` bytes per element of it plus :data:`PART_BYTES_EXTRA`.
 
     Raises:
         SparseFileError: naming the stored key or tensor.
     """
     parts_of: dict[str, list[str]] = {}
-    for stored_key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+    for stored_key in opened.handle.keys():  # noqa: SIM118 (safe_open is not iterable)
         key, separator, part = stored_key.partition(PART_SEPARATOR)
         # "k::" would be part "" of k, as "k" is: one silently replacing the other
         _require(not separator or part != "", stored_key, "empty part name")
@@ -302,15 +358,13 @@ def _read_parts(handle: Any, entries: dict[str, dict[str, Any]]) -> dict[str, di
         _require(len(parts_of[key]) <= MAX_PARTS, key, f"more than {MAX_PARTS} stored parts")
     missing = sorted(set(entries) - set(parts_of))
     _require(not missing, "tensors", f"declared but not stored: {missing}")
-    layout = _stored_layout(handle)
+    layout = _stored_layout(opened.handle)
     for key, parts in parts_of.items():
         stored_bytes = sum(layout[f"{key}{PART_SEPARATOR}{part}" if part else key][1] for part in parts)
         limit = PART_BYTES_PER_ELEMENT * math.prod(entries[key]["shape"]) + PART_BYTES_EXTRA
         _require(stored_bytes <= limit, key, f"{stored_bytes} stored bytes; a tensor of shape {entries[key]['shape']} "
                  f"needs at most {limit}")
-    # cloned: safetensors returns tensors in Python buffers (16-byte aligned), on which torch's CPU matrix products
-    # take other code paths than on its own allocations, and a reloaded model would not compute bit for bit alike
-    return {key: {part: handle.get_tensor(f"{key}{PART_SEPARATOR}{part}" if part else key).clone() for part in parts}
+    return {key: {part: opened.tensor(f"{key}{PART_SEPARATOR}{part}" if part else key) for part in parts}
             for key, parts in parts_of.items()}
 
 
@@ -493,8 +547,8 @@ def file_tensor_bytes(path: str | Path) -> dict[str, int]:
         SparseFileError: unreadable file, not a regular file, a malformed header (duplicate keys included), or a
             stored dtype outside :data:`STORED_DTYPES`.
     """
-    with _open_file(Path(path)) as handle:
-        return {key: size for key, (_, size) in _stored_layout(handle).items()}
+    with _open_file(Path(path)) as opened:
+        return {key: size for key, (_, size) in _stored_layout(opened.handle).items()}
 
 
 def layer_file_bytes(model: nn.Module, path: str | Path) -> dict[str, int]:
@@ -564,10 +618,10 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
 
     get_backend(backend)  # an unknown name fails before the file is read, not at the first forward
     device = _target_device(device)
-    with _open_file(Path(path)) as handle:
-        metadata = _read_metadata(handle)
+    with _open_file(Path(path)) as opened:
+        metadata = _read_metadata(opened.handle)
         model = _shell_model(metadata)
-        parts_by_key = _read_parts(handle, metadata["tensors"])
+        parts_by_key = _read_parts(opened, metadata["tensors"])
     decoded = _decode_tensors(metadata["tensors"], parts_by_key)
     _check_values(model, decoded)
     for name, layer in sparse_layers(model).items():
