@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 import torch
@@ -10,6 +11,9 @@ import torch
 from unsparse import create_model, sparsify
 from unsparse.quant import ActivationSpec
 from unsparse.quant.activations import calibrate
+from unsparse.quant.fixed_point import fixed_point_step, max_code
+
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def sparse_model() -> torch.nn.Module:
@@ -43,3 +47,27 @@ def test_calibration_levels_of_finite_inputs_are_the_histogram_quantiles():
     magnitudes = x.double().abs().reshape(-1).sort().values
     reference = float(magnitudes[math.ceil(0.9 * magnitudes.numel()) - 1])  # smallest t with share(<= t) >= 0.9
     assert level - float(magnitudes[-1]) / 4096 <= reference <= level
+
+
+@pytest.mark.parametrize("power_of_two", [False, True])
+@pytest.mark.parametrize("bits", [2, 8, 16])
+@pytest.mark.parametrize("saturation", [3.5e38, 1e39, 1e300])
+def test_a_saturation_beyond_float32s_range_is_refused_at_once(saturation, bits, power_of_two):
+    """No float32 value lies beyond ``FLOAT32_MAX``, and a level stored in a float32 buffer (activations) becomes
+    infinite. Such a level was walked down one float32 at a time when ``x_sat / q_max`` fit float32 (6 s for 3.5e38
+    at 16 bits, minutes for 1e39), gave a step that is no power of two under ``power_of_two``, and was refused
+    only where ``x_sat / q_max`` did not fit (2 bits)."""
+    start = time.perf_counter()
+    with pytest.raises(ValueError, match="saturation: expected a finite level > 0 and at most float32's largest"):
+        fixed_point_step(saturation, bits, power_of_two)
+    assert time.perf_counter() - start < 0.5
+
+
+@pytest.mark.parametrize("bits", [2, 8, 16])
+def test_float32s_largest_value_still_gives_the_largest_step_whose_codes_stay_finite(bits):
+    """The reference: ``x_sat / q_max`` in float64, then the float32 values below it until ``q_max·Δ`` is finite."""
+    step = fixed_point_step(FLOAT32_MAX, bits)
+    reference = torch.tensor(FLOAT32_MAX / max_code(bits), dtype=torch.float32)
+    while not bool(torch.isfinite(reference * max_code(bits))):
+        reference = torch.nextafter(reference, torch.tensor(0.0))
+    assert step == float(reference)

@@ -24,6 +24,7 @@ MIN_BITS = 2
 """Fewest bits of a signed symmetric code (``q_max = 1``: codes -1, 0, 1)."""
 MAX_BITS = 16
 """Most bits a code may have (codes are held in int16 at most)."""
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def check_bits(bits: int, field: str = "bits", low: int = MIN_BITS, high: int = MAX_BITS) -> int:
@@ -46,7 +47,7 @@ def fixed_point_step(saturation: float, bits: int, power_of_two: bool = False) -
     """The step ``Δ`` for saturation level ``x_sat`` (eq. 20, or eq. 21 with ``power_of_two``).
 
     Args:
-        saturation: ``x_sat > 0``, same unit as the values.
+        saturation: ``x_sat`` in ``(0, FLOAT32_MAX]`` (no float32 value lies beyond it), same unit as the values.
         bits: ``b`` in ``[2, 16]``.
         power_of_two: round ``Δ`` to ``2^-fl`` with ``fl = b - 1 - ceil(log2 x_sat)`` (a shift).
 
@@ -57,17 +58,17 @@ def fixed_point_step(saturation: float, bits: int, power_of_two: bool = False) -
         it that does not (a power-of-two ``Δ`` never needs this).
 
     Raises:
-        ValueError: bits out of range, or ``saturation`` not finite and positive (e.g. an all-zero layer), or a
-            step outside float32's range (beyond it, or rounding to 0 in float32; a subnormal step is accepted).
+        ValueError: bits out of range, or ``saturation`` not in ``(0, FLOAT32_MAX]`` (e.g. 0 for an all-zero layer),
+            or a step that rounds to 0 in float32 (a subnormal step is accepted).
     """
     q_max = max_code(bits)
-    if not math.isfinite(saturation) or saturation <= 0:
-        raise ValueError(f"saturation: expected a finite level > 0, got {saturation!r}"
-                         + (" (every value is zero)" if saturation == 0 else ""))
+    if not 0 < saturation <= FLOAT32_MAX:  # NaN and infinities fail it too
+        raise ValueError(f"saturation: expected a finite level > 0 and at most float32's largest value "
+                         f"{FLOAT32_MAX!r}, got {saturation!r}" + (" (every value is zero)" if saturation == 0 else ""))
     step = 2.0 ** (math.ceil(math.log2(saturation)) + 1 - bits) if power_of_two else saturation / q_max
     step32 = torch.tensor(step, dtype=torch.float32)
-    if not bool(torch.isfinite(step32)) or float(step32) <= 0:
-        raise ValueError(f"saturation: {saturation!r} gives a step {step!r} outside float32's range")
+    if float(step32) == 0:
+        raise ValueError(f"saturation: {saturation!r} gives a step {step!r} that rounds to 0 in float32")
     while not bool(torch.isfinite(step32 * q_max)):
         step32 = torch.nextafter(step32, torch.zeros((), dtype=torch.float32))
     return float(step32)
