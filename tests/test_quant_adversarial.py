@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from unsparse import create_model, sparsify
-from unsparse.quant import ActivationSpec
+from unsparse.quant import ActivationSpec, KMeansQuantizer
 from unsparse.quant.activations import calibrate
 from unsparse.quant.fixed_point import fixed_point_step, max_code
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
+NO_ACTIVATIONS = ActivationSpec(format="none")
 
 
 def sparse_model() -> torch.nn.Module:
@@ -71,3 +72,17 @@ def test_float32s_largest_value_still_gives_the_largest_step_whose_codes_stay_fi
     while not bool(torch.isfinite(reference * max_code(bits))):
         reference = torch.nextafter(reference, torch.tensor(0.0))
     assert step == float(reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64])
+def test_kmeans_quantizes_weights_of_any_real_dtype_to_float32_like_the_other_schemes(dtype):
+    """``quantize_values`` on float64 or integer weights raised torch's RuntimeError 'Index put requires the source
+    and destination dtypes match'; the linear and FP16 schemes return float32 for them."""
+    values = torch.tensor([[3, -1, 0, 7], [2, 0, 0, 0]], dtype=dtype)
+    quantizer = KMeansQuantizer(clusters=2, n_init=1, activations=NO_ACTIVATIONS, progress=False)
+    quantized, params = quantizer.quantize_values(values)
+    reference, reference_params = quantizer.quantize_values(values.to(torch.float32))
+    assert quantized.dtype == torch.float32 and torch.equal(quantized, reference) and params == reference_params
+    assert torch.equal(quantized == 0, values == 0)
+    empty, _ = quantizer.quantize_values(torch.zeros(2, 3, dtype=dtype))
+    assert empty.dtype == torch.float32 and not bool(empty.any())

@@ -85,16 +85,17 @@ class KMeansQuantizer(LayerwiseQuantizer):
         return torch.from_numpy(kmeans.cluster_centers_[:, 0]), torch.from_numpy(kmeans.labels_).to(torch.int64)
 
     def quantize_values(self, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        """Every nonzero weight replaced by its quantized centroid; zeros unchanged.
+        """Every nonzero weight replaced by its quantized centroid, zeros unchanged; float32 whatever the real dtype
+        of ``values`` (as the other schemes return).
 
         A centroid smaller than half a centroid step rounds to 0: its weights become zeros.
         """
         nonzero = values != 0
+        quantized = torch.zeros_like(values, dtype=torch.float32)
         if not bool(nonzero.any()):
-            return values.clone(), {"step": EMPTY_LAYER_STEP}
+            return quantized, {"step": EMPTY_LAYER_STEP}
         centroids, labels = self.cluster(values[nonzero].to(torch.float64))
         step = fixed_point_step(float(centroids.abs().max()), self.centroid_bits)
-        quantized = torch.zeros_like(values)
         quantized[nonzero] = from_codes(to_codes(centroids, step, self.centroid_bits)[labels], step)
         return quantized, {"step": step}
 
