@@ -8,10 +8,12 @@ import time
 import pytest
 import torch
 
-from unsparse import create_model, sparsify
-from unsparse.quant import ActivationSpec, KMeansQuantizer
+from unsparse import create_model, save_sparse, sparsify
+from unsparse.quant import ActivationSpec, KMeansQuantizer, LinearQuantizer
 from unsparse.quant.activations import calibrate
 from unsparse.quant.fixed_point import fixed_point_step, max_code
+from unsparse.runtime import sparse_layers
+from unsparse.sparse.format import UniformCSR
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 NO_ACTIVATIONS = ActivationSpec(format="none")
@@ -86,3 +88,25 @@ def test_kmeans_quantizes_weights_of_any_real_dtype_to_float32_like_the_other_sc
     assert torch.equal(quantized == 0, values == 0)
     empty, _ = quantizer.quantize_values(torch.zeros(2, 3, dtype=dtype))
     assert empty.dtype == torch.float32 and not bool(empty.any())
+
+
+@pytest.mark.parametrize("scheme", [
+    lambda: LinearQuantizer(activations=NO_ACTIVATIONS, progress=False),
+    lambda: KMeansQuantizer(n_init=1, max_iter=20, activations=NO_ACTIVATIONS, progress=False),
+])
+@pytest.mark.parametrize("all_zero", [False, True])
+def test_a_step_the_loader_refuses_is_refused_before_the_file_is_written(tmp_path, scheme, all_zero):
+    """The encoders quantized with the step rounded to float32 and wrote the step as given, so a step that is no
+    float32 value (from a codec spec edited by hand or a scheme's subclass), or 0 on an all-zero layer, saved and the
+    file then failed to load; save_sparse promises the loader's checks before it writes."""
+    model = scheme().quantize(sparse_model())
+    layer = sparse_layers(model)["0.0"]
+    if all_zero:
+        layer.set_csr(UniformCSR.from_dense(torch.zeros(layer.weight_shape)))
+        layer.unsparse_codecs["values"]["step"] = 0.0
+    else:
+        layer.unsparse_codecs["values"]["step"] += 1e-12  # rounds to the same float32 step
+    path = tmp_path / "m.safetensors"
+    with pytest.raises(ValueError, match=r"step must be a float32 value > 0"):
+        save_sparse(model, path)
+    assert not path.exists()

@@ -15,7 +15,8 @@ quantization); on save its codec stores the compact form, and on load it rebuild
   Algorithm 3). A stored zero before a row's padding would take one like any value; the quantizers re-pack
   each layer after quantizing (:mod:`unsparse.quant.layerwise`), so they leave none.
 
-The step travels in the JSON metadata as a float that is exactly a float32 value.
+The step travels in the JSON metadata as a float that is exactly a float32 value; the encoders refuse any other
+step (``SparseFormatError``, a ValueError), as the decoders do, so no file is written that would not load.
 """
 
 from __future__ import annotations
@@ -145,7 +146,7 @@ class FixedPointCodec(TensorCodec):
 
     def encode(self, tensor: torch.Tensor, params: dict[str, Any]) -> dict[str, torch.Tensor]:
         bits = check_bits(params["bits"])
-        codes = _grid_codes(_float32(tensor, self.name), params["step"], bits, self.name)
+        codes = _grid_codes(_float32(tensor, self.name), _step(params, self.name), bits, self.name)
         return {"codes": pack_bits(codes & ((1 << bits) - 1), bits)}
 
     def decode(self, parts: dict[str, torch.Tensor], params: dict[str, Any], shape: tuple[int, ...],
@@ -171,7 +172,7 @@ class CodebookCodec(TensorCodec):
             raise ValueError(f"codebook codec: expected UniformCSR values (M, L), got shape {tuple(tensor.shape)}")
         index_bits, centroid_bits = check_bits(params["index_bits"], "index_bits", low=1), check_bits(
             params["centroid_bits"], "centroid_bits")
-        codes = _grid_codes(tensor, params["step"], centroid_bits, self.name)
+        codes = _grid_codes(tensor, _step(params, self.name), centroid_bits, self.name)
         M, L = tensor.shape
         positions = torch.arange(1, L + 1)
         row_nnz = ((tensor != 0) * positions).amax(dim=1) if L else torch.zeros(M, dtype=torch.int64)
