@@ -110,3 +110,21 @@ def test_a_step_the_loader_refuses_is_refused_before_the_file_is_written(tmp_pat
     with pytest.raises(ValueError, match=r"step must be a float32 value > 0"):
         save_sparse(model, path)
     assert not path.exists()
+
+
+@pytest.mark.parametrize("bits", [2, 3, 8, 16])
+@pytest.mark.parametrize("largest", [1.0, 0.75, 3.0, 2.0**-20])
+def test_power_of_two_steps_top_out_just_below_the_next_power_of_two(bits, largest):
+    """As the docstrings say (they claimed nothing saturates at ``weight_quantile=1``): eq. 21's grid ends at
+    ``2^ceil(log2 max |w|) - Δ``; weights above it saturate, off by at most ``Δ``; the rest by at most ``Δ/2``.
+    Reference in float64."""
+    weights = torch.tensor([[largest, -largest, largest / 3, 0.0]])
+    quantizer = LinearQuantizer(bits=bits, power_of_two=True, activations=NO_ACTIVATIONS, progress=False)
+    quantized, params = quantizer.quantize_values(weights)
+    step = 2.0 ** (math.ceil(math.log2(largest)) + 1 - bits)
+    top = 2.0 ** math.ceil(math.log2(largest)) - step
+    assert params["step"] == step
+    assert float(quantized.abs().max()) == min(round(largest / step), 2 ** (bits - 1) - 1) * step <= top
+    error = (quantized.double() - weights.double()).abs()
+    assert bool((error <= step).all()) and bool((error[weights.abs() <= top] <= step / 2).all())
+    assert float(quantized[0, 3]) == 0.0

@@ -9,7 +9,9 @@ et al., ICLR 2016, the paper's ref. [35]) that its text describes, reconstructed
   saturated); ``x_sat`` is ``max |x|`` for weights and a histogram quantile for activations
   (:mod:`unsparse.quant.histogram`);
 - eq. 21, the power-of-two variant ("the scaling factor is essentially just a shift"): ``Δ = 2^-fl`` with
-  ``fl = b - 1 - ceil(log2 x_sat)`` fractional bits, i.e. ``b - fl`` integer bits (sign included).
+  ``fl = b - 1 - ceil(log2 x_sat)`` fractional bits, i.e. ``b - fl`` integer bits (sign included). Its largest
+  value ``q_max·Δ = 2^ceil(log2 x_sat) - Δ`` can lie below ``x_sat`` (by less than ``Δ``; e.g. ``1 - 2^-7`` for
+  ``x_sat = 1`` at 8 bits): values in between saturate too, off by at most ``Δ``.
 
 Codes are integers in ``[-q_max, q_max]``; a value is stored as its code and the layer's ``Δ``.
 """

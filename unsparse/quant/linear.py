@@ -22,7 +22,9 @@ class LinearQuantizer(LayerwiseQuantizer):
     """Each sparse convolution's weights on a signed ``bits``-bit grid, one step per layer (eq. 19-21).
 
     The weight saturation level is the ``weight_quantile`` histogram level of the layer's nonzero weight
-    magnitudes (1.0: ``max |w|``, nothing saturates); zeros map to code 0, so they stay exactly zero.
+    magnitudes (1.0: ``max |w|``, nothing saturates with eq. 20's step; eq. 21's power-of-two step tops out at
+    ``q_max·Δ = 2^ceil(log2 max |w|) - Δ``, so weights above that, ``max |w|`` itself when it is a power of two,
+    saturate to it, off by at most ``Δ``); zeros map to code 0, so they stay exactly zero.
     Stored as bit-packed codes plus the step (codec ``fixed_point``); with ``power_of_two`` every layer's step is
     an exact power of two (a file whose step is not is refused, :meth:`check_layer`).
 
