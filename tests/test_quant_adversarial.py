@@ -12,6 +12,7 @@ from unsparse import create_model, save_sparse, sparsify
 from unsparse.quant import ActivationSpec, KMeansQuantizer, LinearQuantizer
 from unsparse.quant.activations import calibrate
 from unsparse.quant.fixed_point import fixed_point_step, max_code
+from unsparse.quant.histogram import MagnitudeHistogram, saturation_level
 from unsparse.runtime import sparse_layers
 from unsparse.sparse.format import UniformCSR
 
@@ -128,3 +129,33 @@ def test_power_of_two_steps_top_out_just_below_the_next_power_of_two(bits, large
     error = (quantized.double() - weights.double()).abs()
     assert bool((error <= step).all()) and bool((error[weights.abs() <= top] <= step / 2).all())
     assert float(quantized[0, 3]) == 0.0
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
+def test_histograms_refuse_magnitudes_that_are_not_finite_naming_x(value):
+    """``saturation_level`` said 'upper: ... got nan (all values zero?)' for a NaN, naming an argument the caller
+    never gave and guessing wrong; ``MagnitudeHistogram.add`` dropped a NaN silently and counted an infinity as
+    ``upper``, so the level came from other data than the caller's."""
+    x = torch.tensor([0.5, value, 0.0, -0.25])
+    with pytest.raises(ValueError, match="x: NaN or infinite values"):
+        saturation_level(x, 0.99, 16)
+    histogram = MagnitudeHistogram(1.0, 4)
+    with pytest.raises(ValueError, match="x: NaN or infinite values"):
+        histogram.add(x)
+    assert not bool(histogram.counts.any())
+
+
+def test_histogram_levels_match_a_float64_reference_quantile():
+    """The documented bound ``level - upper/bins <= t <= level`` for ``t`` the smallest magnitude with a share of at
+    least ``quantile`` of the nonzero magnitudes at or below it; negative-only data, exact zeros left out."""
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(200):
+        x = -torch.rand(int(torch.randint(1, 60, (1,), generator=generator)), generator=generator)
+        x[torch.rand(x.shape, generator=generator) < 0.3] = 0
+        if not bool(x.any()):
+            continue
+        quantile, bins = float(torch.rand((), generator=generator)) * 0.99 + 0.01, 64
+        magnitudes = x[x != 0].double().abs().sort().values
+        reference = float(magnitudes[math.ceil(quantile * magnitudes.numel()) - 1])
+        level = saturation_level(x, quantile, bins)
+        assert level - float(magnitudes[-1]) / bins <= reference <= level * (1 + 1e-12)

@@ -19,6 +19,11 @@ import torch
 from unsparse.settings import check_integer, check_quantile
 
 
+def _check_finite(x: torch.Tensor) -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise ValueError("x: NaN or infinite values; a saturation level needs finite ones")
+
+
 class MagnitudeHistogram:
     """Counts of the nonzero ``|x|`` in ``bins`` equal bins over ``[0, upper]``, accumulated over batches.
 
@@ -38,7 +43,12 @@ class MagnitudeHistogram:
         self.counts = torch.zeros(bins, dtype=torch.float64)
 
     def add(self, x: torch.Tensor) -> None:
-        """Count the nonzero magnitudes of ``x`` (any shape, float dtype); exact zeros are not counted."""
+        """Count the nonzero magnitudes of ``x`` (any shape, float dtype); exact zeros are not counted.
+
+        Raises:
+            ValueError: NaN or infinite values in ``x`` (nothing is counted).
+        """
+        _check_finite(x)
         magnitudes = x.detach().abs().to(torch.float64).reshape(-1)
         magnitudes = magnitudes[magnitudes != 0].clamp(max=self.upper)
         self.counts += torch.histc(magnitudes, self.bins, 0.0, self.upper).cpu()
@@ -69,6 +79,7 @@ def saturation_level(x: torch.Tensor, quantile: float, bins: int) -> float:
     """
     if x.numel() == 0:
         raise ValueError("saturation_level: no values")
+    _check_finite(x)
     histogram = MagnitudeHistogram(float(x.detach().abs().max()), bins)
     histogram.add(x)
     return histogram.level(quantile)
