@@ -159,3 +159,23 @@ def test_histogram_levels_match_a_float64_reference_quantile():
         reference = float(magnitudes[math.ceil(quantile * magnitudes.numel()) - 1])
         level = saturation_level(x, quantile, bins)
         assert level - float(magnitudes[-1]) / bins <= reference <= level * (1 + 1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:Number of distinct clusters")
+def test_kmeans_is_repeatable_with_a_fixed_seed_and_keeps_zeros_zero():
+    """Same seed, same result bitwise; at most ``clusters`` distinct nonzero values; no zero becomes nonzero."""
+    generator = torch.Generator().manual_seed(5)
+    values = torch.randn(8, 100, generator=generator)
+    values[torch.rand(values.shape, generator=generator) < 0.7] = 0
+    values[0, :5] = torch.tensor([1e-3, 1e-3, 1e-3, 5.0, -5.0])  # repeats and outliers
+    values[1, :3] = 0.5
+
+    def run(seed: int) -> tuple[torch.Tensor, dict]:
+        return KMeansQuantizer(clusters=8, random_state=seed, activations=NO_ACTIVATIONS,
+                               progress=False).quantize_values(values)
+
+    (first, params), (again, params_again) = run(7), run(7)
+    assert torch.equal(first, again) and params == params_again
+    assert not bool(first[values == 0].any())
+    assert torch.unique(first[first != 0]).numel() <= 8
+    assert float(first.abs().max()) == float(first[0, 3:5].abs().max())  # the outliers' centroids end the grid
