@@ -278,10 +278,6 @@ def test_a_header_that_is_no_safetensors_header_is_refused(saved, loader, text):
                  f"header {text[:20]!r}", may_load=False)
 
 
-# quantization.weights.index_bits removed: unsparse/quant/layerwise.py (LayerwiseQuantizer.described) raises KeyError
-KNOWN_DEFECTS = {("quantization", "weights", "index_bits")}
-
-
 @pytest.mark.parametrize("name", ["conv1d", "codebook", "fixed_point"])
 def test_every_kind_of_metadata_field_set_wrong_loads_alike_or_is_refused(saved, loader, name):
     """Each kind of field of the JSON metadata (the notes aside) removed and replaced by two of the wrong values
@@ -293,8 +289,6 @@ def test_every_kind_of_metadata_field_set_wrong_loads_alike_or_is_refused(saved,
     paths = representatives(original.metadata, lambda path: path[0] == "extra", seed=name)
     for path in paths:
         for value in [DELETE, *rng.sample(BAD_VALUES[:-1], 2)]:
-            if value is DELETE and path in KNOWN_DEFECTS:
-                continue
             loader.check_metadata(edited(original.metadata, path, value), original, f"{name} {path} = {value!r}")
     for path in [(), *paths]:
         target = original.metadata
@@ -305,9 +299,9 @@ def test_every_kind_of_metadata_field_set_wrong_loads_alike_or_is_refused(saved,
                                   may_load=False)
 
 
-@pytest.mark.xfail(strict=True, raises=KeyError, reason="unsparse/quant/layerwise.py: LayerwiseQuantizer.described "
-                   "reads every setting of the scheme; k-means' index_bits is not one from_settings reads")
 def test_a_kmeans_description_without_index_bits_is_refused(saved, tmp_path):
+    """Found by this file: LayerwiseQuantizer.described compared every setting of the scheme with the description's,
+    and k-means' index_bits, which its from_settings does not read, raised KeyError when absent."""
     original = saved["codebook"]
     path = tmp_path / "no_index_bits.safetensors"
     metadata = edited(original.metadata, ("quantization", "weights", "index_bits"), DELETE)
