@@ -345,6 +345,9 @@ def test_tampered_quantized_files_raise_naming_the_field(tmp_path, change, match
      r"^0.0.values: codec .*'index_bits': 4.* gives .*'index_bits': 2"),
     ("fp16", lambda m: m["quantization"]["weights"].update(format="bfloat16"),
      "quantization.weights.format: recorded 'bfloat16'"),
+    # settings that from_settings does not read were looked up unchecked: a KeyError escaped load_sparse
+    ("kmeans8", lambda m: m["quantization"]["weights"].pop("index_bits"), r"quantization.weights.index_bits: missing"),
+    ("fp16", lambda m: m["quantization"]["weights"].pop("format"), r"quantization.weights.format: missing"),
     ("fp16", lambda m: m["quantization"].update(scheme="linear", weights={"bits": 16, "weight_quantile": 1.0,
                                                                           "power_of_two": False}),
      r"^0.0.values: codec \{'name': 'float16'\} contradicts .* gives \{'name': 'fixed_point', 'bits': 16\}"),

@@ -122,6 +122,9 @@ class LayerwiseQuantizer(Quantizer):
         unexpected = sorted(set(weights) - set(settings))
         if unexpected:
             raise SparseFormatError(f"quantization.weights: unexpected {unexpected}, expected {sorted(settings)}")
+        missing = sorted(set(settings) - set(weights))  # settings that from_settings does not read (index_bits)
+        if missing:
+            raise SparseFormatError(f"quantization.weights.{missing[0]}: missing")
         for key, value in settings.items():
             if type(weights[key]) is not type(value) or weights[key] != value:
                 raise SparseFormatError(f"quantization.weights.{key}: recorded {weights[key]!r}, the scheme's "
