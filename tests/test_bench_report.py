@@ -350,3 +350,15 @@ def test_no_layer_records_no_layer_plots_and_an_unknown_plot_is_refused(result, 
     assert plot_results(result, tmp_path / "none") == [] and not (tmp_path / "none").exists()
     with pytest.raises(ValueError, match=r"plot layers\.png: not one of plot_results' plots"):
         markdown_report(result, plots=["layers.png"])
+
+
+def test_a_planned_model_slower_overall_but_faster_as_graphs_is_called_host_bound(result) -> None:
+    """The trained small VGG of the twenty-fourth session's H200 run: SLOWER eagerly, faster as CUDA graphs; the
+    page said "run that one instead" without the graph times that show the loss is host time."""
+    result["end_to_end"] = [{"model": "model.safetensors", "weights": "trained", "batch": 128, "precision": "fp32",
+                             "dense_ms": 0.557, "planned_ms": 2.154, "speedup": 0.557 / 2.154, "rel_error": 0.0,
+                             "dense_graph_ms": 0.137, "planned_graph_ms": 0.128}]
+    result["targets"] = evaluate_targets(result)
+    assert ("end to end model.safetensors fp32 b128: the planned model (2.154 ms in its faster layout) is SLOWER "
+            "than the dense model in NCHW (0.557 ms); run that one instead; as CUDA graphs it takes 0.128 against "
+            "0.137 ms, so the eager loss is host time.") in markdown_report(result)

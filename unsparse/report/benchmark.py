@@ -39,6 +39,18 @@ def _slower(ms: float, base_ms: float, margin: float) -> str:
     return "slower" if within_noise(ms, base_ms, margin) else "SLOWER"
 
 
+def _host_time(record: dict[str, Any], planned_suffix: str, dense_suffix: str) -> str:
+    """The clause that says an eager loss is host time: where the record's CUDA-graph times have the planned model
+    in one layout faster than the dense model in one layout (each suffix ``""`` for NCHW, ``"_nhwc"``: the pair
+    the eager sentence compares), else ``""``."""
+    dense_graph = record.get(f"dense{dense_suffix}_graph_ms")
+    planned_graph = record.get(f"planned{planned_suffix}_graph_ms")
+    if dense_graph and planned_graph and planned_graph < dense_graph:
+        return (f"; as CUDA graphs it takes {_fmt(planned_graph)} against {_fmt(dense_graph)} ms, so the eager loss is "
+                "host time")
+    return ""
+
+
 def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
     """The "Where sparse is slower" lines of end-to-end records: per record and layout, a plan its check found
     slower than its dense default (set back, or kept: within the check's margin, or with no key of this run to set
@@ -68,18 +80,16 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
             dense_ms, planned_ms = r.get(f"dense{suffix}_ms"), r.get(f"planned{suffix}_ms")
             eager = _slower(planned_ms, dense_ms, PLAN_MARGIN) if dense_ms and planned_ms else ""
             if not slower_overall and eager:
-                dense_graph, planned_graph = r.get(f"dense{suffix}_graph_ms"), r.get(f"planned{suffix}_graph_ms")
-                host = (f"; as CUDA graphs it takes {_fmt(planned_graph)} against {_fmt(dense_graph)} ms, so the "
-                        "eager loss is host time" if dense_graph and planned_graph and planned_graph < dense_graph
-                        else "")
+                host = _host_time(r, suffix, suffix)
                 lines.append(f"- {run}: the {layout} plan is {eager} eagerly than the dense model in {layout} "
                              f"({_fmt(planned_ms)} against {_fmt(dense_ms)} ms)"
                              f"{f', {noise_text(PLAN_MARGIN)}' if eager == 'slower' else ''}{host}.")
         dense_layout = "NCHW" if dense == r["dense_ms"] else "channels-last"
         planned_layout = "NCHW" if planned == r["planned_ms"] else "channels-last"
         if slower_overall:
+            host = _host_time(r, *("" if layout == "NCHW" else "_nhwc" for layout in (planned_layout, dense_layout)))
             lines.append(f"- {run}: the planned model ({_fmt(planned)} ms in its faster layout) is SLOWER than the "
-                         f"dense model in {dense_layout} ({_fmt(dense)} ms); run that one instead.")
+                         f"dense model in {dense_layout} ({_fmt(dense)} ms); run that one instead{host}.")
         elif _slower(planned, dense, PLAN_MARGIN) and planned_layout != dense_layout:
             lines.append(f"- {run}: the planned model ({_fmt(planned)} ms in {planned_layout}, its faster layout) is "
                          f"slower than the dense model in {dense_layout} ({_fmt(dense)} ms), "
