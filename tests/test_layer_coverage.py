@@ -54,26 +54,6 @@ CONV2D = [
 ]
 
 
-@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(("case", "kwargs", "sparse"), CONV2D, ids=[case for case, _, _ in CONV2D])
-def test_every_conv2d_geometry_converts_exactly_or_stays_dense_with_a_reason(case, kwargs, sparse, backend, caplog):
-    kwargs = {"in_channels": 4, "out_channels": 6, **kwargs}
-    conv = nn.Conv2d(**kwargs).double().eval()
-    layer = converted(conv, backend, caplog)
-    assert isinstance(layer, SparseConv) == sparse
-    for shape in [(1, 4, 1, 1), (3, 4, 7, 5), (2, 4, 9, 12), (4, 6, 5)]:
-        x = torch.randn(shape, dtype=torch.float64)
-        try:
-            expected = conv(x)
-        except RuntimeError:  # an input too small for the layer: the sparse layer says so too
-            with pytest.raises(ValueError if isinstance(layer, SparseConv) else RuntimeError):
-                layer(x)
-            continue
-        with torch.no_grad():
-            assert same(layer(x), expected), (case, shape)
-
-
 CONV1D = [
     ("reflect", dict(kernel_size=3, padding=1, padding_mode="reflect"), False),
     ("circular", dict(kernel_size=3, padding=2, padding_mode="circular"), False),
@@ -86,15 +66,23 @@ CONV1D = [
 ]
 
 
+INPUT_SHAPES = {nn.Conv2d: [(1, 4, 1, 1), (3, 4, 7, 5), (2, 4, 9, 12), (4, 6, 5)],
+                nn.Conv1d: [(1, 4, 1), (3, 4, 11), (4, 10)]}
+"""Per conv class: a 1x1 plane, odd and even planes, and an unbatched input."""
+
+
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel lengths")
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(("case", "kwargs", "sparse"), CONV1D, ids=[case for case, _, _ in CONV1D])
-def test_every_conv1d_geometry_converts_exactly_or_stays_dense_with_a_reason(case, kwargs, sparse, backend, caplog):
+@pytest.mark.parametrize(("conv_class", "case", "kwargs", "sparse"),
+                         [(nn.Conv2d, *case) for case in CONV2D] + [(nn.Conv1d, *case) for case in CONV1D],
+                         ids=[f"2d {case}" for case, _, _ in CONV2D] + [f"1d {case}" for case, _, _ in CONV1D])
+def test_every_conv_geometry_converts_exactly_or_stays_dense_with_a_reason(conv_class, case, kwargs, sparse, backend,
+                                                                            caplog):
     kwargs = {"in_channels": 4, "out_channels": 6, **kwargs}
-    conv = nn.Conv1d(**kwargs).double().eval()
+    conv = conv_class(**kwargs).double().eval()
     layer = converted(conv, backend, caplog)
     assert isinstance(layer, SparseConv) == sparse
-    for shape in [(1, 4, 1), (3, 4, 11), (4, 10)]:
+    for shape in INPUT_SHAPES[conv_class]:
         x = torch.randn(shape, dtype=torch.float64)
         try:
             expected = conv(x)
