@@ -585,3 +585,42 @@ def test_save_refuses_values_the_loader_would_refuse(tmp_path, change, match):
 def test_a_device_the_model_cannot_go_to_is_refused_before_the_file_is_read(tmp_path, device, match):
     with pytest.raises(ValueError, match=match):
         load_sparse(tmp_path / "absent.safetensors", device=device)
+
+
+class SharedConvs(torch.nn.Module):
+    """One conv under two names in different parents (``first.0``, ``second.0``) and one under two names of one
+    parent (``head``, ``head_alias``), each called twice per forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        conv = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.first, self.second = torch.nn.Sequential(conv, torch.nn.ReLU()), torch.nn.Sequential(conv)
+        self.head = self.head_alias = torch.nn.Conv2d(4, 4, 3, padding=1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head_alias(torch.relu(self.head(self.second(self.first(x).mean(1, keepdim=True)))))
+
+
+@pytest.mark.parametrize("quantizer", [None, "linear"])
+def test_a_model_with_shared_convs_round_trips_with_its_layers_shared(tmp_path, monkeypatch, quantizer):
+    """sparsify keeps a conv reachable under several names one shared SparseConv (as the dense model has it); the
+    loader's shell gave each name in another parent its own layer and left a second name in one parent dense, so
+    save_sparse refused every such model ("load_sparse would refuse its file"), where a conv shared by two parents
+    saved and loaded before sparsify shared it."""
+    from unsparse.models import registry
+    from unsparse.quant import LinearQuantizer
+
+    monkeypatch.setitem(registry._MODELS, "shared_convs", SharedConvs)
+    torch.manual_seed(0)
+    model = create_model("shared_convs")
+    pruner = MagnitudePruner(0.5)
+    pruner.prepare(model)
+    pruner.step()
+    sparse = sparsify(model.eval())
+    x = torch.randn(2, 1, 8, 8)
+    if quantizer:
+        sparse = LinearQuantizer(progress=False).quantize(sparse, [(x, torch.zeros(2, dtype=torch.int64))])
+    loaded = load_sparse(save_sparse(sparse, tmp_path / "shared.safetensors"))
+    assert loaded.first[0] is loaded.second[0] and loaded.head is loaded.head_alias
+    with torch.no_grad():
+        assert torch.equal(loaded(x), sparse(x))

@@ -134,10 +134,14 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
                          "stored: the file holds every convolution as a UniformCSR")
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict[str, Any]] = {}
+    storages: set[int] = set()  # a layer under several names has its tensors under each: safetensors stores each once
     for key, tensor in model.state_dict().items():
         codec = _codec_spec(model, key)
         for part, data in get_codec(codec["name"], key).encode(tensor.detach(), codec).items():
-            tensors[f"{key}{PART_SEPARATOR}{part}" if part else key] = data.detach().cpu().contiguous()
+            data = data.detach().cpu().contiguous()
+            storage = data.untyped_storage().data_ptr()
+            tensors[f"{key}{PART_SEPARATOR}{part}" if part else key] = data.clone() if storage in storages else data
+            storages.add(storage)
         entries[key] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
                         "codec": codec}
     metadata = {"format_version": FORMAT_VERSION, "model": spec, "layers": describe_layers(model),
@@ -385,7 +389,10 @@ def _build_architecture(spec: dict[str, Any]) -> nn.Module:
 def _shell_model(metadata: dict[str, Any]) -> nn.Module:
     """The architecture ``metadata["model"]`` names, on the ``meta`` device, each convolution replaced by its
     :func:`_sparse_shell` and the quantization modules restored; the declared tensors (``metadata["tensors"]``) are
-    checked against its state dict (:func:`_check_entries`) before anything is decoded.
+    checked against its state dict (:func:`_check_entries`) before anything is decoded. A convolution the
+    architecture holds under several names becomes one shell shared by all of them, as
+    :func:`~unsparse.runtime.modules.sparsify` shares its SparseConv (the layer is described under its first name,
+    its tensors are stored under every name).
 
     Raises:
         SparseFileError: naming the field that differs from the architecture.
@@ -393,11 +400,14 @@ def _shell_model(metadata: dict[str, Any]) -> nn.Module:
     from unsparse.quant.state import restore_quantization
 
     model = _build_architecture(metadata["model"])
+    shells: dict[nn.Module, SparseConv] = {}  # by identity: a conv under several names stays one shared layer
     for parent in list(model.modules()):
-        for child_name, child in list(parent.named_children()):
+        for child_name, child in list(parent._modules.items()):  # named_children() skips a module's second name
             if isinstance(child, nn.Conv1d | nn.Conv2d):
-                name = next(n for n, m in model.named_modules() if m is child)
-                setattr(parent, child_name, _sparse_shell(name, child, metadata["layers"].get(name)))
+                if child not in shells:
+                    name = next(n for n, m in model.named_modules() if m is child)
+                    shells[child] = _sparse_shell(name, child, metadata["layers"].get(name))
+                setattr(parent, child_name, shells[child])
     _require(set(metadata["layers"]) == set(sparse_layers(model)), "layers",
              f"names differ from the architecture's convolutions: "
              f"{sorted(set(metadata['layers']) ^ set(sparse_layers(model)))}")
@@ -405,7 +415,9 @@ def _shell_model(metadata: dict[str, Any]) -> nn.Module:
         restore_quantization(model, metadata.get("quantization"))
     except SparseFormatError as error:
         raise SparseFileError(str(error)) from error
-    _check_entries(metadata["tensors"], model.state_dict(), {f"{name}.values" for name in sparse_layers(model)})
+    coded = {f"{name}.values" for name, module in model.named_modules(remove_duplicate=False)
+             if isinstance(module, SparseConv)}  # every name of a shared layer stores its values
+    _check_entries(metadata["tensors"], model.state_dict(), coded)
     return model
 
 
