@@ -182,7 +182,7 @@ def test_a_conv_called_twice_and_on_other_input_sizes_computes_as_dense():
 def test_a_spectral_norm_model_in_train_mode_folds_the_weight_it_computes_in_eval():
     """The copy is in eval mode, but its parametrizations were folded in the model's train mode, where spectral_norm
     runs one more power iteration first: the sparse layer divided by another sigma than the dense model in eval
-    mode (6e-7 off in float64), silently. The model's own modes are left as they were."""
+    mode (5.6e-4 relative off in float64 for this seed), silently. The model's own modes are left as they were."""
     torch.manual_seed(5)
     model = nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Conv2d(3, 4, 3))).double().train()
     x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
