@@ -282,9 +282,11 @@ class Pruner(ABC):
         """
         if self.model is None:
             raise RuntimeError(f"{type(self).__name__}: call prepare(model) first (squash_mask forgets the model)")
-        layers = prunable_layers(self.model) if masked else {}
+        if not masked:
+            return self.model
+        layers = prunable_layers(self.model)
         detached = [name for name, mask in self.masks.items()
-                    if masked and (name not in layers or mask_of(layers[name]) is not mask)]
+                    if name not in layers or mask_of(layers[name]) is not mask]
         if detached:
             raise RuntimeError(f"{type(self).__name__}: the masks of {detached} are no longer on the model (removed "
                                "by remove_masks or another pruner's squash_mask); call prepare(model) again")

@@ -165,14 +165,25 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
         sparse_model = squashed_copy(model)
     if isinstance(sparse_model, _ConvNd):  # the model is one conv
         return _sparse_or_dense(sparse_model, type(sparse_model).__name__, backend).eval()
-    replaced: dict[nn.Module, nn.Module] = {}  # by identity: a conv under several names stays one shared layer
-    for parent_name, parent in list(sparse_model.named_modules()):
-        for name, child in list(parent._modules.items()):  # named_children() skips a module's second name
-            if isinstance(child, _ConvNd):
-                if child not in replaced:
-                    replaced[child] = _sparse_or_dense(child, f"{parent_name}.{name}".lstrip("."), backend)
-                setattr(parent, name, replaced[child])
+    replace_shared(sparse_model, _ConvNd, lambda name, conv: _sparse_or_dense(conv, name, backend))
     return sparse_model.eval()
+
+
+def replace_shared(model: nn.Module, kind: type | tuple[type, ...],
+                   replace: Callable[[str, nn.Module], nn.Module]) -> None:
+    """Put ``replace(name, module)`` in the place of every submodule of ``model`` that is a ``kind``, under every
+    name it has (mutates ``model``). ``replace`` is called once per distinct module, with its first name in
+    ``model.named_modules()`` order, so a module reachable under several names (``self.alias = self.conv``, or two
+    parents holding it) becomes one replacement shared by all of them, as it was; ``named_children`` would skip its
+    second name in one parent. ``model`` itself is not replaced."""
+    first_names = {module: name for name, module in model.named_modules()}  # named_modules names each module once
+    replaced: dict[nn.Module, nn.Module] = {}
+    for parent in list(first_names):
+        for child_name, child in list(parent._modules.items()):
+            if isinstance(child, kind):
+                if child not in replaced:
+                    replaced[child] = replace(first_names[child], child)
+                setattr(parent, child_name, replaced[child])
 
 
 @contextmanager

@@ -17,7 +17,7 @@ the file's row length, and every tensor's declared key, shape, dtype and codec (
 sparse layer's ``values``) is checked against its state dict, and every stored part's size against what its tensor
 can need (at most :data:`MAX_PARTS` parts), before any tensor is read or decoded, so that a file cannot make the
 loader allocate much more than its architecture holds. Tensors are read with ordinary reads into memory the loader
-owns, once each (as much memory as the loaded model holds: a few MB for the small models, some hundreds for VGG-16's
+owns, once each (one allocation per stored tensor: a few MB for the small models, some hundreds for VGG-16's
 dense classifier), not through safetensors' memory map, where a file cut short while open (rewritten in place by
 another process) kills the process with SIGBUS (safetensors still parses the header in its map: a file cut in those
 microseconds can still do so). Then values (finite, BatchNorm variances not negative), index
@@ -43,7 +43,7 @@ from safetensors.torch import save as safetensors_save
 from torch import nn
 
 from unsparse.atomic import atomic_write_bytes
-from unsparse.runtime.modules import SparseConv, sparse_layers
+from unsparse.runtime.modules import SparseConv, replace_shared, sparse_layers
 from unsparse.sparse.codecs import PART_SEPARATOR, get_codec
 from unsparse.sparse.format import INDEX_DTYPE, SparseFormatError, UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
@@ -237,7 +237,7 @@ class _OpenFile:
         into memory the loader owns. safetensors' own ``get_tensor`` reads through its memory map of the file, and
         a file cut short meanwhile (rewritten in place by another process) kills the process with SIGBUS at the
         first page past its new end; a read returns fewer bytes instead. The tensor is a fresh allocation, as big as
-        its stored bytes: loading takes no more memory than the loaded model holds.
+        its stored bytes (decoding a quantized tensor then makes its own temporaries).
 
         Raises:
             SparseFileError: an entry of :attr:`header` that is not the one safetensors read (the file changed while
@@ -400,14 +400,8 @@ def _shell_model(metadata: dict[str, Any]) -> nn.Module:
     from unsparse.quant.state import restore_quantization
 
     model = _build_architecture(metadata["model"])
-    shells: dict[nn.Module, SparseConv] = {}  # by identity: a conv under several names stays one shared layer
-    for parent in list(model.modules()):
-        for child_name, child in list(parent._modules.items()):  # named_children() skips a module's second name
-            if isinstance(child, nn.Conv1d | nn.Conv2d):
-                if child not in shells:
-                    name = next(n for n, m in model.named_modules() if m is child)
-                    shells[child] = _sparse_shell(name, child, metadata["layers"].get(name))
-                setattr(parent, child_name, shells[child])
+    replace_shared(model, (nn.Conv1d, nn.Conv2d),
+                   lambda name, conv: _sparse_shell(name, conv, metadata["layers"].get(name)))
     _require(set(metadata["layers"]) == set(sparse_layers(model)), "layers",
              f"names differ from the architecture's convolutions: "
              f"{sorted(set(metadata['layers']) ^ set(sparse_layers(model)))}")
