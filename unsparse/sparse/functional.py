@@ -44,8 +44,10 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
         KeyError: unknown backend name.
         ValueError: an input that is not a floating-point tensor (the backends cast the weight to the input's dtype,
             so an integer input cut the weights to integers and wrapped its sums around: ``F.conv2d`` refuses it too),
-            input channels that do not match the weight; ``SparseFormatError`` (a ValueError) for a weight whose
-            tensors were changed in place into an invalid one (:meth:`ConvBackend.run` re-checks it).
+            input channels that do not match the weight; ``SparseFormatError`` (a ValueError) for ``groups`` that
+            does not divide the weight's output channels (:meth:`ConvGeometry.check_channels`, before any backend: torch
+            would raise a RuntimeError), or for a weight whose tensors were changed in place into an invalid one
+            (:meth:`ConvBackend.run` re-checks it).
     """
     from unsparse.runtime.backends import get_backend
 
@@ -55,6 +57,7 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
         raise ValueError(f"x: expected (N, C, H, W), got shape {tuple(x.shape)}")
     if x.shape[1] != csr.in_channels_per_group * geometry.groups:
         raise ValueError(f"x: {x.shape[1]} channels, weight expects {csr.in_channels_per_group * geometry.groups}")
+    geometry.check_channels(x.shape[1], csr.out_channels)
     chosen = get_backend(backend)
     reason = chosen.unsupported_reason(x, csr, geometry)
     if reason is not None:

@@ -77,7 +77,8 @@ class ConvGeometry:
     Attributes:
         stride, padding, dilation: ``(along H, along W)`` in elements; a Conv1d uses ``(1, s)``,
             ``(0, p)`` and ``(1, d)``.
-        groups: channel groups (``C`` and ``M`` divisible by it).
+        groups: channel groups (``C`` and ``M`` must be divisible by it; the geometry does not know them:
+            :meth:`check_channels`).
         spatial_dims: 2 for Conv2d (NCHW input), 1 for Conv1d (NCL input).
 
     Raises:
@@ -129,16 +130,36 @@ class ConvGeometry:
 
     @classmethod
     def from_module(cls, conv: nn.Conv1d | nn.Conv2d) -> ConvGeometry:
-        """Geometry of an ``nn.Conv1d``/``nn.Conv2d``, string padding resolved as in :meth:`of`.
+        """Geometry of an ``nn.Conv1d``/``nn.Conv2d`` (or a subclass), string padding resolved as in :meth:`of`.
 
         Raises:
-            SparseFormatError: for ``'same'`` padding that would be asymmetric (an even dilated kernel), or a
-                padding mode other than ``'zeros'``.
+            TypeError: naming the module's type, for any other module, the transposed convolutions and
+                ``nn.Conv3d`` included (they share ``stride``, ``padding`` and ``groups`` attributes, but a transposed
+                conv computes another function, and a 3-D one has no geometry here).
+            SparseFormatError: for ``'same'`` padding that would be asymmetric (an even dilated kernel), a padding
+                mode other than ``'zeros'``, or ``groups`` that does not divide the module's ``in_channels`` and
+                ``out_channels`` (:meth:`check_channels`; torch checks them when the conv is built, not when an
+                attribute changes later).
         """
+        if not isinstance(conv, nn.Conv1d | nn.Conv2d):
+            raise TypeError(f"conv: {type(conv).__name__} is not an nn.Conv1d or nn.Conv2d")
         if conv.padding_mode != "zeros":
             raise SparseFormatError(f"padding_mode: {conv.padding_mode!r} is not supported, only 'zeros'")
         dims = 1 if isinstance(conv, nn.Conv1d) else 2
-        return cls.of(conv.stride, conv.padding, conv.dilation, conv.groups, dims, conv.kernel_size)
+        geometry = cls.of(conv.stride, conv.padding, conv.dilation, conv.groups, dims, conv.kernel_size)
+        geometry.check_channels(conv.in_channels, conv.out_channels)
+        return geometry
+
+    def check_channels(self, in_channels: int, out_channels: int) -> None:
+        """Check that :attr:`groups` divides a convolution's input and output channel counts (``C`` and ``M``), as
+        ``F.conv1d``/``F.conv2d`` require.
+
+        Raises:
+            SparseFormatError: naming ``groups`` and the channel count it does not divide.
+        """
+        for name, channels in (("in_channels", in_channels), ("out_channels", out_channels)):
+            if channels % self.groups:
+                raise SparseFormatError(f"groups: {self.groups} does not divide the {name} ({channels})")
 
     def to_dict(self) -> dict:
         """JSON-ready form (lists instead of tuples)."""
