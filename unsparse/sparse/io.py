@@ -427,8 +427,12 @@ def _sparse_shell(name: str, conv: nn.Module, layer_meta: Any) -> SparseConv:
         geometry = ConvGeometry.from_dict(layer_meta.get("geometry"))
     except SparseFormatError as error:
         raise SparseFileError(f"{field}.{error}") from error
-    _require(geometry == ConvGeometry.from_module(conv), f"{field}.geometry",
-             f"{geometry} differs from the architecture's {ConvGeometry.from_module(conv)}")
+    try:  # the architecture's own conv: torch checked its groups when it was built, not if an attribute changed since
+        architecture = ConvGeometry.from_module(conv)
+    except SparseFormatError as error:
+        raise SparseFileError(f"{field}: the architecture's convolution: {error}") from error
+    _require(geometry == architecture, f"{field}.geometry",
+             f"{geometry} differs from the architecture's {architecture}")
     weight_shape = tuple(conv.weight.shape)
     recorded = layer_meta["weight_shape"]
     _require(isinstance(recorded, list) and all(type(size) is int for size in recorded)
