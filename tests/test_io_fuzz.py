@@ -1,8 +1,9 @@
 """load_sparse on systematically damaged files: every mutation of a valid file either loads as exactly the saved model
 or raises SparseFileError (a ValueError) naming the field; never another exception type, a crash or another model.
 
-Each valid file is written by save_sparse (Conv2d in float32 and float16, Conv1d with conv biases, and the three
-quantization codecs: codebook, fixed point, float16); the mutations are fixed (seeded), not random per run.
+Each valid file is written by save_sparse (Conv2d in float32 and float16, Conv1d with conv biases, grouped and
+depthwise Conv2d and a grouped Conv1d, and the three quantization codecs: codebook, fixed point, float16); the
+mutations are fixed (seeded), not random per run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from unsparse import SparseFileError, create_model, load_sparse, save_sparse, sparsify
+from unsparse.models import registry
 from unsparse.prune import MagnitudePruner
 from unsparse.quant import ActivationSpec, FP16Quantizer, KMeansQuantizer, LinearQuantizer
 from unsparse.runtime import sparse_layers
@@ -34,6 +36,33 @@ DELETE = object()
 """In a JSON edit: remove the entry instead of replacing its value."""
 BAD_VALUES = [-1, 0, 2**31 - 1, 2**64, 1.5, float("nan"), "1", None, True, [], {}, [[1]], DELETE]
 """Values put in place of every kind of metadata and header field."""
+
+
+class GroupedConvs(torch.nn.Module):
+    """Grouped convolutions for 1 x 28 x 28 inputs (registered as ``grouped_convs`` while this file runs): a dense
+    stem, a depthwise Conv2d (``groups == in_channels``, 9 weights per filter), a strided Conv2d of two groups without
+    bias and a Conv1d of four groups over the rows' means."""
+
+    def __init__(self, width: int = 3) -> None:  # not the width the files use: one without it describes another model
+        super().__init__()
+        channels = 2 * width
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(1, channels, 3, padding=1), torch.nn.BatchNorm2d(channels))
+        self.depthwise = torch.nn.Conv2d(channels, channels, 3, padding=1, groups=channels)
+        self.grouped = torch.nn.Conv2d(channels, 2 * channels, 3, stride=2, padding=1, groups=2, bias=False)
+        self.rows = torch.nn.Conv1d(2 * channels, 2 * channels, 3, padding=1, groups=4)
+        self.classifier = torch.nn.Linear(2 * channels, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.grouped(torch.relu(self.depthwise(torch.relu(self.stem(x))))))
+        return self.classifier(torch.relu(self.rows(x.mean(2))).mean(2))
+
+
+@pytest.fixture(scope="module")
+def grouped_registered() -> Iterator[None]:
+    """``grouped_convs`` in the model registry for this file's tests (load_sparse builds the architecture by name)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(registry._MODELS, "grouped_convs", GroupedConvs)
+        yield
 
 
 def pruned(name: str) -> torch.nn.Module:
@@ -62,13 +91,18 @@ BUILDERS: dict[str, Callable[[], torch.nn.Module]] = {
     "fixed_point": lambda: LinearQuantizer(bits=4, power_of_two=True, progress=False, activations=ActivationSpec(
         format="fixed", bits=6, power_of_two=True)).quantize(pruned("vgg_small"), calibration()),
     "float16": lambda: FP16Quantizer(progress=False).quantize(pruned("vgg_small"), calibration()),
+    "grouped": lambda: pruned("grouped_convs"),
+    "grouped_codebook": lambda: KMeansQuantizer(centroid_bits=8, n_init=1, progress=False).quantize(
+        pruned("grouped_convs"), calibration()),
 }
 
 
 class Saved:
-    """A valid file: its bytes, stored tensors and metadata block, and the model load_sparse makes of it."""
+    """A valid file: its bytes, stored tensors and metadata block, the model load_sparse makes of it, and the model
+    it was saved from (``source``)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, source: torch.nn.Module) -> None:
+        self.source = source
         self.data = path.read_bytes()
         self.header_length = int.from_bytes(self.data[:8], "little")
         self.header = json.loads(self.data[8:8 + self.header_length])
@@ -79,10 +113,11 @@ class Saved:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Saved]:
+def saved(tmp_path_factory: pytest.TempPathFactory, grouped_registered: None) -> dict[str, Saved]:
     folder = tmp_path_factory.mktemp("valid")
-    return {name: Saved(save_sparse(build(), folder / f"{name}.safetensors", extra={"note": "test"}))
-            for name, build in BUILDERS.items()}
+    models = {name: build() for name, build in BUILDERS.items()}
+    return {name: Saved(save_sparse(model, folder / f"{name}.safetensors", extra={"note": "test"}), model)
+            for name, model in models.items()}
 
 
 class Loader:
@@ -204,6 +239,14 @@ def test_every_valid_file_loads_as_the_saved_model(saved, loader):
         loader.check(original.data, original, name, may_load=True)
     assert {layer.values.dtype for layer in sparse_layers(saved["fp16"].model).values()} == {torch.float16}
     assert any(isinstance(module, torch.nn.Conv1d) for module in create_model("autoencoder1d").modules())
+    for name in ("grouped", "grouped_codebook"):
+        layers = sparse_layers(saved[name].model)
+        assert {name: layer.geometry.groups for name, layer in layers.items()} == {
+            "stem.0": 1, "depthwise": 8, "grouped": 2, "rows": 4}
+        assert layers["depthwise"].weight_shape == (8, 1, 3, 3) and layers["rows"].geometry.spatial_dims == 1
+        x = torch.randn(2, 1, 28, 28, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            assert torch.equal(saved[name].model(x), saved[name].source(x))
 
 
 @pytest.mark.parametrize("name", BUILDERS)
@@ -239,7 +282,7 @@ def test_any_byte_of_the_header_changed_loads_alike_or_is_refused(saved, loader,
             loader.check(bytes(data), original, f"{name} header byte {position} = {byte}")
 
 
-@pytest.mark.parametrize("name", ["conv1d", "codebook"])
+@pytest.mark.parametrize("name", ["conv1d", "codebook", "grouped"])
 def test_every_kind_of_safetensors_header_field_set_wrong_is_refused(saved, loader, name):
     """Each kind of entry of the safetensors header (a tensor's dtype, shape, data_offsets and their items, the
     entry itself) replaced by a wrong value or removed, plus offsets reversed, shared by two tensors, beyond the
@@ -278,7 +321,7 @@ def test_a_header_that_is_no_safetensors_header_is_refused(saved, loader, text):
                  f"header {text[:20]!r}", may_load=False)
 
 
-@pytest.mark.parametrize("name", ["conv1d", "codebook", "fixed_point"])
+@pytest.mark.parametrize("name", ["conv1d", "codebook", "fixed_point", "grouped_codebook"])
 def test_every_kind_of_metadata_field_set_wrong_loads_alike_or_is_refused(saved, loader, name):
     """Each kind of field of the JSON metadata (the notes aside) removed and replaced by two of the wrong values
     (chosen per field and file with a fixed seed; the whole list would take six times as long), and an unknown key
@@ -331,12 +374,13 @@ def test_metadata_text_that_is_no_format_metadata_is_refused(saved, loader, name
 def content_edits(saved: dict[str, Saved]) -> Iterator[tuple[str, str, Callable[[dict, dict], None]]]:
     """(file, label, edit of the stored tensors and metadata) of tensor contents the loader must refuse."""
     fp32 = saved["fp32"]
-    for name, layer in sparse_layers(fp32.model).items():
-        K = layer.csr.columns
-        for value in (-1, K, K + 1, 2**31 - 1, -(2**31)):
-            for index in (0, -1):
-                yield "fp32", f"{name}.col_idx[{index}] = {value}", \
-                    lambda t, m, key=f"{name}.col_idx", v=value, i=index: t[key].view(-1).__setitem__(i, v)
+    for file in ("fp32", "grouped"):
+        for name, layer in sparse_layers(saved[file].model).items():
+            K = layer.csr.columns  # C / groups * R * S: an index up to groups * K - 1 would be valid in a dense conv
+            for value in {-1, K, K + 1, max(layer.geometry.groups * K - 1, K), 2**31 - 1, -(2**31)}:
+                for index in (0, -1):
+                    yield file, f"{name}.col_idx[{index}] = {value}", \
+                        lambda t, m, key=f"{name}.col_idx", v=value, i=index: t[key].view(-1).__setitem__(i, v)
     for file, key in [("fp32", "0.0.values"), ("fp16", "3.0.values"), ("fp32", "0.1.running_mean"),
                       ("conv1d", next(k for k in saved["conv1d"].tensors if k.endswith(".bias"))),
                       ("fp32", next(k for k in fp32.tensors if k.endswith(".weight"))),
@@ -408,3 +452,25 @@ def test_paths_that_are_no_sparse_model_file_are_refused(saved, tmp_path, loader
                         ("pickle", b"\x80\x04\x95" + os.urandom(0) + bytes(range(256)) * 4),
                         ("zip", b"PK\x03\x04" + bytes(range(256)))]:
         loader.check(data, original, label, may_load=False)
+
+
+@pytest.mark.parametrize("name", ["grouped", "grouped_codebook"])
+def test_a_grouped_layers_groups_or_weight_shape_set_wrong_is_refused(saved, tmp_path, name):
+    """Every layer's ``groups`` set to each other value, among them ones that do not divide its channels (3 of 8
+    output channels; before the geometry was checked against the architecture's, torch's RuntimeError), and its
+    weight shape set to another grouping's (the input channels per group of groups=1 or of twice the groups), with
+    the rest of the file alike: refused naming the layer's field, never loaded."""
+    original, path = saved[name], tmp_path / "grouped.safetensors"
+    for layer_name, layer in sparse_layers(original.model).items():
+        field = re.escape(f"layers.{layer_name}")
+        groups, shape = layer.geometry.groups, list(layer.weight_shape)
+        for value in sorted({1, 2, 3, 4, 8, 16, 2 * groups} - {groups}):
+            metadata = edited(original.metadata, ("layers", layer_name, "geometry", "groups"), value)
+            path.write_bytes(save(original.tensors, metadata={"unsparse": json.dumps(metadata)}))
+            with pytest.raises(SparseFileError, match=rf"^{field}\.geometry: .*groups={value},"):
+                load_sparse(path)
+        for per_group in {shape[1] * groups, max(shape[1] // 2, 2)} - {shape[1]}:
+            metadata = edited(original.metadata, ("layers", layer_name, "weight_shape", 1), per_group)
+            path.write_bytes(save(original.tensors, metadata={"unsparse": json.dumps(metadata)}))
+            with pytest.raises(SparseFileError, match=rf"^{field}\.weight_shape: "):
+                load_sparse(path)
