@@ -232,12 +232,17 @@ class Pruner(ABC):
     def step(self) -> None:
         """Update the masks of the prepared model."""
 
-    def squash_mask(self) -> nn.Module:
+    def squash_mask(self, fold_others: bool = False) -> nn.Module:
         """Fold the pruner's masks into their weights and detach them (masks that another pruner put on other layers
-        of the model stay); returns the (mutated) model, which the pruner then forgets (prepare a model again to
-        prune more)."""
+        of the model stay, and so do other parametrizations of the weights, such as ``weight_norm``, unless
+        ``fold_others``: :func:`~unsparse.prune.masks.remove_masks`); returns the (mutated) model, which the pruner
+        then forgets (prepare a model again to prune more).
+
+        Raises:
+            ValueError: from :func:`~unsparse.prune.masks.remove_masks` (nothing is changed then).
+        """
         model = self._prepared(masked=False)
-        remove_masks(model, self.masks)
+        remove_masks(model, self.masks, fold_others)
         self.model, self.masks = None, {}
         return model
 

@@ -134,25 +134,79 @@ def dense_weight(layer: nn.Module) -> torch.Tensor:
     return layer.weight
 
 
-def remove_masks(model: nn.Module, names: Iterable[str] | None = None) -> nn.Module:
+def remove_masks(model: nn.Module, names: Iterable[str] | None = None, fold_others: bool = False) -> nn.Module:
     """Fold every mask (or those of the prunable layers ``names``) into its weight (``weight <- weight * mask``) and
-    drop the parametrizations; a named layer without a mask is left as it is.
+    drop the mask; a named layer without a mask is left as it is.
 
-    The analogue of ``torch.ao.pruning``'s ``squash_mask``. Mutates and returns ``model``; a deep copy of it (or
-    the model it was deep-copied from) is not changed. (``parametrize.remove_parametrizations`` deletes the weight's
-    property from the layer's parametrized class, which deep copies share, so each layer first gets a class of its
-    own.)
+    The analogue of ``torch.ao.pruning``'s ``squash_mask``. Another parametrization of a masked weight (e.g.
+    ``torch.nn.utils.parametrizations.weight_norm``) stays on the layer, holding the masked weight: a mask registered
+    first is multiplied into the ``original``, one registered after others is removed and the masked weight set back
+    through the others' ``right_inverse``. The layer then computes what it computed with the mask, but its pruned
+    weights are no longer held at zero. Mutates and returns ``model``; a deep copy of it (or the model it was
+    deep-copied from) is not changed. (``parametrize.remove_parametrizations`` deletes the weight's property from
+    the layer's parametrized class, which deep copies share, so each layer first gets a class of its own.)
+
+    Args:
+        model: the masked model. names: prunable layer names (default: every one).
+        fold_others: fold the other parametrizations of a masked weight into a plain parameter too (as
+            :func:`squashed_copy` does on a copy); the layers keep no parametrization of their weight then.
+
+    Raises:
+        ValueError: naming the layers whose other parametrizations cannot hold their masked weight (no
+            ``right_inverse``, or one that does not give it back within float error, such as ``weight_norm`` for an
+            output channel whose every weight is pruned: NaN); checked before any layer is changed.
     """
     layers = prunable_layers(model)
     chosen = layers if names is None else {name: layers[name] for name in names if name in layers}
-    for layer in chosen.values():
-        if mask_of(layer) is not None:
+    masked = {name: layer for name, layer in chosen.items() if mask_of(layer) is not None}
+    alone = {name: fold_others or all(isinstance(step, WeightMask) for step in layer.parametrizations.weight)
+             for name, layer in masked.items()}
+    refused = [name for name, layer in masked.items() if not alone[name] and not _holds_masked_weight(layer)]
+    if refused:
+        kinds = sorted({type(step).__name__ for name in refused for step in masked[name].parametrizations.weight
+                        if not isinstance(step, WeightMask)})
+        raise ValueError(f"layers {refused}: the other parametrizations of their weights ({', '.join(kinds)}) "
+                         "cannot hold the masked weight "
+                         "(no right_inverse, or one that gives another weight back: weight_norm gives NaN for an "
+                         "output channel whose every weight is pruned); pass fold_others=True to fold them into a "
+                         "plain weight too")
+    for name, layer in masked.items():
+        if alone[name]:
             shared = type(layer)
             layer.__class__ = type(shared.__name__, shared.__bases__,
                                    {key: value for key, value in vars(shared).items()
                                     if key not in ("__dict__", "__weakref__")})
             parametrize.remove_parametrizations(layer, "weight", leave_parametrized=True)
+        else:
+            _drop_masks(layer)
     return model
+
+
+@torch.no_grad()
+def _drop_masks(layer: nn.Module) -> None:
+    """Remove the :class:`WeightMask` parametrizations of ``layer.weight``, leaving its other parametrizations to
+    compute the masked weight (:func:`remove_masks`). Mutates ``layer``; raises what ``right_inverse`` raises."""
+    steps = layer.parametrizations.weight
+    while (mask := mask_of(layer)) is not None:
+        masked = layer.weight.detach().clone()
+        index = next(i for i, step in enumerate(steps) if step is mask)
+        del steps[index]
+        if index == 0:
+            steps.original.mul_(mask.mask)
+        else:
+            steps.right_inverse(masked)
+
+
+def _holds_masked_weight(layer: nn.Module) -> bool:
+    """Whether :func:`_drop_masks` leaves ``layer`` computing its masked weight (tried on a deep copy): the same
+    zeros and the other entries within a few float roundings."""
+    masked = layer.weight.detach()
+    trial = copy.deepcopy(layer)
+    try:
+        _drop_masks(trial)
+    except (RuntimeError, ValueError, NotImplementedError):
+        return False
+    return torch.allclose(trial.weight.detach(), masked, rtol=16 * torch.finfo(masked.dtype).eps, atol=0.0)
 
 
 @torch.no_grad()
