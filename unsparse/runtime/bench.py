@@ -41,7 +41,7 @@ from unsparse.runtime.comparator import (
 )
 from unsparse.runtime.layout import layout_of
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify, temporary_backend
-from unsparse.runtime.plan import Plan, device_name
+from unsparse.runtime.plan import Plan, PlanError, device_name
 from unsparse.runtime.precision import PRECISIONS, precision_mode
 from unsparse.runtime.timing import MIN_RUNS, Timing, time_fn, time_graph
 from unsparse.settings import check_integer, check_number
@@ -100,8 +100,8 @@ def require_cuda(script: str) -> None:
 
 
 class BenchRefusedError(ValueError):
-    """What :func:`run_bench` refuses before any work: a setting (:func:`check_settings`; the message names it), or
-    a machine without CUDA."""
+    """What :func:`run_bench` refuses before any work: a setting (:func:`check_settings`; the message names it), a
+    machine without CUDA, or a plan file that is unreadable or no valid plan."""
 
 
 def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: Sequence[int],
@@ -470,7 +470,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         runs: timed runs per setting (>= 20 per the protocol).
         sparse_file, sparse_input_shape: a trained sparse model (``unsparse.sparse.io.load_sparse``) and its
             per-sample input shape, e.g. ``(1, 28, 28)``; planned and timed end to end at each batch size.
-        plan_path: plan JSON to extend and rewrite (reuse across runs); ``out_dir/plan.json`` if None. It holds
+        plan_path: plan JSON to extend and rewrite (reuse across runs); ``out_dir/plan.json`` if None, read before
+            anything is written (a file :meth:`~unsparse.runtime.plan.Plan.load` refuses is a refusal). It holds
             the plans of the ``direct`` precisions; a precision with another sparse backend (``fp16_half2``)
             plans in memory, apart, since its layer keys equal those of the same dtype (``fp16``).
         commit: git commit recorded in the results. seed: torch seed.
@@ -482,26 +483,30 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         timing: how the per-layer comparison times settings (:data:`~unsparse.runtime.comparator.TIMINGS`):
             ``"graph"`` replays CUDA graphs, the GPU time without the host's per-call work (batch 1).
         record: text files written into ``out_dir`` (relative path -> content, atomically) and logged once the
-            settings are accepted and a GPU is present (:func:`~unsparse.atomic.write_record`), e.g. the command
-            line's composed config: a refused run writes none.
+            settings and the plan file are accepted and a GPU is present (:func:`~unsparse.atomic.write_record`),
+            e.g. the command line's composed config: a refused run writes none.
 
     Returns:
         The dict written to ``bench.json``.
 
     Raises:
-        BenchRefusedError: (a ``ValueError``) before anything runs: from :func:`check_settings`, or without CUDA.
+        BenchRefusedError: (a ``ValueError``) before anything runs: from :func:`check_settings`, without CUDA, or
+            for a plan file that cannot be read or is no valid plan (the message names the file and the field).
     """
     check_settings(models, sparsities, batches, precisions, lowering_models, end_to_end, end_to_end_sparsity,
                    end_to_end_batch, runs, sparse_file, sparse_input_shape, layer_filter, time_budget_s, timing)
     if not torch.cuda.is_available():
         raise BenchRefusedError("run_bench needs a CUDA GPU, and torch sees none here")
+    out_dir = Path(out_dir)
+    plan_path = Path(plan_path) if plan_path is not None else out_dir / "plan.json"
+    try:
+        plan = Plan.load(plan_path) if plan_path.exists() else Plan()
+    except (PlanError, OSError) as error:
+        raise BenchRefusedError(f"plan_path: {error}") from error
     torch.manual_seed(seed)
     device = torch.device("cuda", 0)
-    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_record(out_dir, record)
-    plan_path = Path(plan_path) if plan_path is not None else out_dir / "plan.json"
-    plan = Plan.load(plan_path) if plan_path.exists() else Plan()
     plans = {"direct": plan}  # per sparse backend: fp16_half2's layer keys equal fp16's (same dtype)
 
     def plan_for(precision: str) -> Plan:
