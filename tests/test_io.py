@@ -624,3 +624,26 @@ def test_a_model_with_shared_convs_round_trips_with_its_layers_shared(tmp_path, 
     assert loaded.first[0] is loaded.second[0] and loaded.head is loaded.head_alias
     with torch.no_grad():
         assert torch.equal(loaded(x), sparse(x))
+
+
+def test_a_shared_layers_file_bytes_count_its_copies_under_every_name(tmp_path, monkeypatch):
+    """The file stores a layer reachable under several names once per name (safetensors holds no shared tensors);
+    layer_file_bytes counted only its first name's copy, so the report's rows left the others unattributed (their sum
+    was half of what the file spends on these layers). Now one entry per layer, under its first name, counts every
+    copy: each stored byte of a layer is counted once, in one entry; layer_names lists the names."""
+    from unsparse.models import registry
+    from unsparse.report.layers import layer_rows
+    from unsparse.sparse.io import file_tensor_bytes, layer_file_bytes, layer_names
+
+    monkeypatch.setitem(registry._MODELS, "shared_convs", SharedConvs)
+    torch.manual_seed(0)
+    model = sparsify(create_model("shared_convs"))
+    path = save_sparse(model, tmp_path / "shared.safetensors")
+    stored = file_tensor_bytes(path)
+    names = {"first.0": ["first.0", "second.0"], "head": ["head", "head_alias"]}
+    assert layer_names(model) == names
+    expected = {name: sum(size for key, size in stored.items() for alias in aliases if key.startswith(f"{alias}."))
+                for name, aliases in names.items()}
+    assert expected["first.0"] == 2 * stored["first.0.values"] + 2 * stored["first.0.col_idx"] + 2 * 16  # 4 biases
+    assert layer_file_bytes(model, path) == expected and sum(expected.values()) == sum(stored.values())
+    assert {row["layer"]: row["file_bytes"] for row in layer_rows(model, path)} == expected

@@ -409,8 +409,8 @@ def _shell_model(metadata: dict[str, Any]) -> nn.Module:
         restore_quantization(model, metadata.get("quantization"))
     except SparseFormatError as error:
         raise SparseFileError(str(error)) from error
-    coded = {f"{name}.values" for name, module in model.named_modules(remove_duplicate=False)
-             if isinstance(module, SparseConv)}  # every name of a shared layer stores its values
+    # a shared layer's values are stored under each of its names
+    coded = {f"{alias}.values" for aliases in layer_names(model).values() for alias in aliases}
     _check_entries(metadata["tensors"], model.state_dict(), coded)
     return model
 
@@ -561,22 +561,45 @@ def file_tensor_bytes(path: str | Path) -> dict[str, int]:
         return {key: size for key, (_, size) in _stored_layout(opened.handle).items()}
 
 
+def layer_names(model: nn.Module) -> dict[str, list[str]]:
+    """Every name under which ``model`` holds each of its :class:`SparseConv` layers.
+
+    Returns:
+        ``{first name: [every name, the first one first]}`` in module order, one entry per distinct layer, keyed as
+        :func:`~unsparse.runtime.modules.sparse_layers` and the file's ``layers`` metadata name it. A layer shared
+        by several names (``self.alias = self.conv``, or two parents holding it) lists each; its state-dict tensors,
+        and so the file's, are stored under every one of them.
+    """
+    first_names = {layer: name for name, layer in sparse_layers(model).items()}
+    names: dict[str, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, SparseConv):
+            names.setdefault(first_names[module], []).append(name)
+    return names
+
+
 def layer_file_bytes(model: nn.Module, path: str | Path) -> dict[str, int]:
     """Bytes each sparse convolution of ``model`` takes in the file at ``path`` (read from its header only,
     :func:`file_tensor_bytes`): every stored tensor or codec part of the layer's own state dict, that is its
     ``values`` (or their codec parts), ``col_idx`` and ``bias``, and where the model quantizes activations to fixed
     point (paper 004 §4), its ``input_quantizer.saturation`` (a float32 scalar, 4 bytes).
 
+    A layer shared by several names (:func:`layer_names`) is stored once per name, and all those copies count, in its
+    one entry: each stored byte of a sparse layer is counted once, so the entries add up to what the file spends on
+    the sparse layers.
+
     Returns:
-        ``{layer name: bytes}`` for every :class:`SparseConv` of ``model``, in its order.
+        ``{first name: bytes}`` for every distinct :class:`SparseConv` of ``model``, in its order (the keys of
+        :func:`~unsparse.runtime.modules.sparse_layers`).
 
     Raises:
         SparseFileError: as :func:`file_tensor_bytes`.
     """
     stored = file_tensor_bytes(path)
+    layers = sparse_layers(model)
     sizes = {}
-    for name, layer in sparse_layers(model).items():
-        keys = {f"{name}.{key}" for key in layer.state_dict()}
+    for name, aliases in layer_names(model).items():
+        keys = {f"{alias}.{key}" for alias in aliases for key in layers[name].state_dict()}
         sizes[name] = sum(size for key, size in stored.items() if key.partition(PART_SEPARATOR)[0] in keys)
     return sizes
 
