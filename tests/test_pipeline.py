@@ -460,8 +460,8 @@ def test_timing_settings_choose_the_compared_backends():
 
     model = sparsify(create_model("vgg_small", width=4).eval())
     example = torch.randn(2, 1, 28, 28)
-    rows, check = compare_layers(model, example,
-                                 TimingSettings(repeats=1, warmup=0, backends=["dense_cpu", "reference"]))
+    rows, check, _ = compare_layers(model, example,
+                                    TimingSettings(repeats=1, warmup=0, backends=["dense_cpu", "reference"]))
     assert check.timing == "eager" and check.planned_ms > 0 and check.default_ms > 0
     assert rows and {row["backend"] for row in rows} == {"dense_cpu", "reference", "dense_alone"}
     assert {row["params"]["layout"] for row in rows if row["backend"] == "dense_alone"} == {"nchw", "nhwc"}
@@ -545,14 +545,15 @@ def test_layers_a_named_backend_declines_are_reported_on_their_dense_fallback():
     whole test set ran on the named backend."""
     from torch import nn
 
-    from unsparse.pipeline import layer_backends
     from unsparse.report.document import plan_check_text
     from unsparse.runtime import sparsify
 
-    model = sparsify(nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=2)))
-    backends = layer_backends(model, "im2col_cusparse", torch.randn(2, 4, 9, 9))
+    model = sparsify(nn.Sequential(nn.Conv2d(4, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3, groups=2)).eval())
+    example, settings = torch.randn(2, 4, 9, 9), TimingSettings(repeats=1, warmup=0, backends=["dense_cpu"])
+    backends = compare_layers(model, example, settings, "im2col_cusparse")[2]
     assert backends == {"0": "im2col_cusparse",
                         "2": "dense_cpu (dense fallback: groups=2 is not supported by sparse backends)"}
+    assert compare_layers(model, example, settings)[2] == {"0": "dense_cpu", "2": "dense_cpu"}  # auto: the plan
     text = plan_check_text({"timing": "eager", "planned_ms": 1.0, "default_ms": 1.0, "margin": 0.03, "images": 2,
                             "reverted": [], "model_runs_on": "im2col_cusparse", "layer_backends": backends})
     assert ("The test set ran on `im2col_cusparse`, not on the plan (**1 of 2 layers ran dense instead**: `2` on "
@@ -610,3 +611,29 @@ def test_report_md_counts_the_weights_quantization_rounds_to_zero(tmp_path):
             in (tmp_path / "report.md").read_text())
     assert (f"quantization rounded {counts['pruned'] - counts['exported']} of them to zero, so the exported file "
             f"holds {counts['exported']}") in (tmp_path / "report.md").read_text()
+
+
+def test_the_example_batch_runs_through_the_model_once_besides_its_timings(tmp_path, monkeypatch):
+    """The planning forward already saw every layer's input; naming the backend each layer runs on took a second,
+    identical forward of the example (a review's find). Timed forwards are stubbed out here: what is left is the
+    planning forward, and the test set's batches of another size."""
+    import unsparse.pipeline as pipeline
+    from unsparse.runtime import comparator
+
+    forwards = []
+
+    def loaded(*args, **kwargs):
+        model = load_sparse(*args, **kwargs)
+        model.register_forward_pre_hook(lambda module, inputs: forwards.append(len(inputs[0])))
+        return model
+
+    monkeypatch.setattr(pipeline, "load_sparse", loaded)
+    monkeypatch.setattr(comparator, "time_forward", lambda *args, **kwargs: 1.0)
+    torch.manual_seed(0)
+    report = run_pipeline(digits(limit_train=100, limit_test=40), create_model("vgg_small", width=4),
+                          MagnitudePruner(0.5, fine_tune_epochs=0), lambda model, loader: model, tmp_path,
+                          TrainSettings(epochs=0, batch_size=64, eval_batch_size=20),
+                          TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]),
+                          backend="dense_cpu", progress=False)
+    assert forwards == [2, 20, 20]
+    assert len(report["plan_check"]["layer_backends"]) == len(report["layers"])

@@ -30,7 +30,7 @@ from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
 from unsparse.runtime.baseline import NAME as BASELINE
 from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model, planned_backends, time_against_default
-from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, sparsify, visit_layer_inputs
+from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, sparsify
 from unsparse.runtime.plan import active_plan
 from unsparse.settings import check_flag, check_integer, check_number
 from unsparse.sparse.functional import dense_fallback_backend
@@ -270,30 +270,6 @@ def unplanned_images(test_images: int, batch_size: int, planned_batch: int) -> i
     return sum(size for size in sizes if size != planned_batch)
 
 
-def layer_backends(model: nn.Module, backend: str, example: torch.Tensor) -> dict[str, str]:
-    """The backend each SparseConv of ``model`` runs on for ``example``: ``backend``, or where that backend declines
-    the layer (a dtype or geometry it lacks) the dense default it falls back to, with the reason
-    (:func:`~unsparse.sparse.functional.sparse_conv`); for ``"auto"`` the active plan's entry for the layer's planning
-    key (:func:`~unsparse.runtime.comparator.planned_backends`; ``"dense default (not planned)"`` where the plan has
-    none). For a named backend the layers' inputs come from one forward of ``example``
-    (:func:`~unsparse.runtime.modules.visit_layer_inputs`: pass a model in eval mode)."""
-    from unsparse.runtime.backends import get_backend
-
-    if backend == "auto":
-        planned = planned_backends(model, active_plan())
-        return {name: planned.get(name, "dense default (not planned)") for name in sparse_layers(model)}
-    chosen, names = get_backend(backend), {layer: name for name, layer in sparse_layers(model).items()}
-    backends = dict.fromkeys(names.values(), backend)
-
-    def record(layer: SparseConv, x: torch.Tensor) -> None:
-        reason = chosen.unsupported_reason(x, layer.csr, layer.geometry)
-        if reason is not None:
-            backends[names[layer]] = f"{dense_fallback_backend(x.device)} (dense fallback: {reason})"
-
-    visit_layer_inputs(model, example, record)
-    return backends
-
-
 def time_model_on(model: nn.Module, example: torch.Tensor, backend: str, timing_mode: str,
                   timing: TimingSettings) -> dict[str, Any]:
     """Time ``model`` with every layer on ``backend`` (set, and left so) against its dense default, both the same
@@ -311,10 +287,10 @@ def time_model_on(model: nn.Module, example: torch.Tensor, backend: str, timing_
     return {"model_runs_on_ms": runs_on_ms, "model_runs_on_default_ms": default_ms, "model_runs_on_timing": mode}
 
 
-def compare_layers(model: nn.Module, example: torch.Tensor,
-                   timing: TimingSettings) -> tuple[list[dict[str, Any]], PlanCheck]:
-    """Plan ``model`` on ``example`` with the comparator, check the plan end to end and flatten the comparisons
-    into report rows.
+def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettings,
+                   runs_on: str = "auto") -> tuple[list[dict[str, Any]], PlanCheck, dict[str, str]]:
+    """Plan ``model`` on ``example`` with the comparator, check the plan end to end, flatten the comparisons
+    into report rows and name the backend each layer runs on under ``runs_on``.
 
     Every available backend (or those ``timing.backends`` names) is timed on every SparseConv with the input
     ``example`` produces there and checked against the float64 reference
@@ -324,26 +300,45 @@ def compare_layers(model: nn.Module, example: torch.Tensor,
     ``timing.repeats`` runs of each): per-layer times need not add up to a model's.
 
     Args:
-        model: holds SparseConv layers on ``example``'s device (mutated: backends set to ``"auto"``).
+        model: holds SparseConv layers on ``example``'s device (mutated: backends set to ``"auto"``); eval mode
+            (the planning forward would update BatchNorm statistics otherwise).
         example: a model input batch.
         timing: timed runs and warm-up runs per setting, backends to time.
+        runs_on: the backend the model will run on: ``"auto"`` or a registered name.
 
     Returns:
-        The rows and the plan check. Rows with ``layer``, ``backend``, ``sparse``, ``params``, ``status``
-        (``ok``/``wrong``/``unsupported``/``error``), ``input_shape``, ``time_ms`` (median, ms; None if not
-        timed), ``runs``, ``rel_error`` (vs the float64 reference) and ``reason``; layers sharing a plan key share
-        their measurements. Besides the backends, each layer has one row per layout of the dense convolution alone
-        (backend :data:`unsparse.runtime.baseline.NAME`, params ``{"layout": ...}``), the baseline of the speedups.
+        The rows, the plan check and the layers' backends. Rows with ``layer``, ``backend``, ``sparse``,
+        ``params``, ``status`` (``ok``/``wrong``/``unsupported``/``error``), ``input_shape``, ``time_ms`` (median,
+        ms; None if not timed), ``runs``, ``rel_error`` (vs the float64 reference) and ``reason``; layers sharing a
+        plan key share their measurements. Besides the backends, each layer has one row per layout of the dense
+        convolution alone (backend :data:`unsparse.runtime.baseline.NAME`, params ``{"layout": ...}``), the
+        baseline of the speedups.
+        The layers' backends: per SparseConv name, the backend it runs on for ``example`` under ``runs_on``; for
+        ``"auto"`` the checked plan's entry (:func:`~unsparse.runtime.comparator.planned_backends`; ``"dense
+        default (not planned)"`` where it has none), for a named backend that name, or where the backend declines
+        the layer (a dtype or geometry it lacks) the dense default it falls back to, with the reason
+        (:func:`~unsparse.sparse.functional.sparse_conv`), judged on the layer's input in the planning forward (the
+        one forward of ``example`` besides the timed ones).
+
+    Raises:
+        KeyError: ``runs_on`` is neither ``"auto"`` nor a registered backend.
     """
     from unsparse.runtime.backends import get_backend
 
     shapes: dict[str, list[int]] = {}
-
-    def record_shape(layer: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
-        shapes[names[layer]] = list(args[0].shape)
-
     names = {layer: name for name, layer in sparse_layers(model).items()}
-    hooks = [layer.register_forward_pre_hook(record_shape) for layer in names]
+    chosen = None if runs_on == "auto" else get_backend(runs_on)
+    backends = dict.fromkeys(names.values(), runs_on)
+
+    def record_input(layer: SparseConv, args: tuple[torch.Tensor, ...]) -> None:
+        x = args[0]
+        shapes[names[layer]] = list(x.shape)
+        reason = None if chosen is None else chosen.unsupported_reason(layer.conv2d_input(x), layer.csr,
+                                                                       layer.geometry)
+        if reason is not None:
+            backends[names[layer]] = f"{dense_fallback_backend(x.device)} (dense fallback: {reason})"
+
+    hooks = [layer.register_forward_pre_hook(record_input) for layer in names]
     try:
         plan, comparisons = plan_model(model, example, backends=timing.backends, runs=timing.repeats,
                                        warmup=timing.warmup, baseline=True)
@@ -351,6 +346,9 @@ def compare_layers(model: nn.Module, example: torch.Tensor,
         for hook in hooks:
             hook.remove()
     check = check_plan(model, example, plan, comparisons, runs=timing.repeats, warmup=timing.warmup)
+    if chosen is None:
+        planned = planned_backends(model, active_plan())
+        backends = {name: planned.get(name, "dense default (not planned)") for name in backends}
     by_key = {comparison.key: comparison for comparison in comparisons}
     rows = []
     for name, layer in sparse_layers(model).items():
@@ -373,7 +371,7 @@ def compare_layers(model: nn.Module, example: torch.Tensor,
                          "input_shape": shapes[name],
                          "time_ms": timed.median_ms if timed else None, "runs": timed.runs if timed else None,
                          "rel_error": error, "reason": baseline.failures.get(layout)})
-    return rows, check
+    return rows, check, backends
 
 
 def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Callable[..., nn.Module],
@@ -485,8 +483,8 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
 
     rows = layer_rows(loaded, path)
     example = splits.test[0][: train.eval_batch_size if backend == "auto" else timing.batch_size].to(device)
-    timings, check = compare_layers(loaded, example, timing)
-    runs_on = {"model_runs_on": backend, "layer_backends": layer_backends(loaded, backend, example)}
+    timings, check, backends = compare_layers(loaded, example, timing, backend)
+    runs_on = {"model_runs_on": backend, "layer_backends": backends}
     if backend == "auto":
         runs_on["unplanned_images"] = unplanned_images(len(splits.test[0]), train.eval_batch_size, len(example))
     elif backend == dense_fallback_backend(example.device):
