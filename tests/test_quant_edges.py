@@ -3,18 +3,20 @@
 
 from __future__ import annotations
 
+import logging
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from unsparse import create_model, load_sparse, save_sparse, sparsify
 from unsparse.quant import FP16Quantizer, KMeansQuantizer, LinearQuantizer
-from unsparse.quant.activations import ActivationQuantizer, ActivationSpec, calibrate
+from unsparse.quant.activations import ActivationQuantizer, ActivationSpec, attach_activation_quantizers, calibrate
 from unsparse.quant.codecs import CodebookCodec, row_count_bits
 from unsparse.quant.fixed_point import fake_quantize, fixed_point_step, from_codes, max_code, to_codes
-from unsparse.quant.histogram import saturation_level
+from unsparse.quant.histogram import MAX_BINS, MagnitudeHistogram, saturation_level
 from unsparse.quant.packing import pack_bits
 from unsparse.runtime.modules import sparse_from_conv, sparse_layers
 from unsparse.sparse.format import SparseFormatError
@@ -165,10 +167,24 @@ def test_non_finite_weights_are_refused_naming_the_layer(scheme, value):
 def test_a_schemes_own_errors_name_the_layer():
     model = sparse_model()
     with torch.no_grad():
-        values = model.get_submodule("3.0").values
-        values[values != 0] = 1e-42  # a 16-bit step for this saturation is below float32's range
-    with pytest.raises(ValueError, match=r"^3\.0\.values: saturation"):
-        LinearQuantizer(bits=16, activations=NO_ACTIVATIONS, progress=False).quantize(model)
+        model.get_submodule("3.0").values[0, 0] = 70000.0  # beyond float16's range
+    with pytest.raises(ValueError, match=r"^3\.0\.values: weights exceed float16"):
+        FP16Quantizer(activations=NO_ACTIVATIONS, progress=False).quantize(model)
+
+
+def test_a_schemes_errors_of_other_kinds_name_the_layer_in_a_note():
+    """An error that is no ValueError (e.g. torch's RuntimeError when memory runs out) keeps its type and message
+    and gains a note naming the layer: with 50 layers the traceback alone did not say which one failed."""
+    quantizer = SCHEMES["fp16"]()
+
+    def out_of_memory(values):
+        raise RuntimeError("DefaultCPUAllocator: not enough memory")
+
+    quantizer.quantize_values = out_of_memory
+    with pytest.raises(RuntimeError) as info:
+        quantizer.quantize(sparse_model())
+    assert str(info.value) == "DefaultCPUAllocator: not enough memory"
+    assert info.value.__notes__ == ["while quantizing layer 0.0.values"]
 
 
 @pytest.mark.parametrize(("build", "field"), [
@@ -211,3 +227,136 @@ def test_kmeans_keeps_exactly_as_many_distinct_weights_as_clusters():
     weights = torch.arange(1, 17, dtype=torch.float64).repeat(3) / 7
     centroids, labels = KMeansQuantizer(clusters=16).cluster(weights)
     assert torch.equal(centroids[labels], weights)
+
+
+def test_a_histogram_level_holds_every_magnitude_it_counted():
+    """torch.histc placed a magnitude one ulp above a bin's upper edge ``upper·(i+1)/bins`` in that bin (its own edges
+    differ from the level's by an ulp), so the level could lie below a value counted inside it; and the last edge
+    ``upper·bins/bins`` could miss ``upper`` itself (the maximum then saturated at quantile 1)."""
+    generator = torch.Generator().manual_seed(0)
+    for bins in (3, 7, 10, 18, 43):
+        for upper in (torch.rand(20, dtype=torch.float64, generator=generator) + 0.1).tolist():
+            edges = upper * torch.arange(1, bins, dtype=torch.float64) / bins
+            x = torch.cat([edges, torch.nextafter(edges, torch.full_like(edges, 2.0)),
+                           torch.nextafter(edges, torch.zeros_like(edges)), torch.tensor([upper], dtype=torch.float64)])
+            histogram = MagnitudeHistogram(upper, bins)
+            histogram.add(x)
+            cumulative = torch.cumsum(histogram.counts, 0) / x.numel()
+            for share in cumulative[cumulative > 0].unique().tolist():
+                assert float((x <= histogram.level(share)).double().mean()) >= share
+            assert histogram.level(1.0) == upper
+
+
+@pytest.mark.parametrize(("build", "field"), [
+    (lambda: MagnitudeHistogram(1.0, MAX_BINS + 1), "bins"),
+    (lambda: saturation_level(torch.ones(3), 0.9, 10**12), "bins"),
+    (lambda: LinearQuantizer(bins=MAX_BINS + 1), "bins"),
+    (lambda: ActivationSpec(format="fixed", bins=10**12), r"activations\.bins"),
+    (lambda: ActivationSpec(format="fixed", calibration_batches=10**30), r"activations\.calibration_batches"),
+])
+def test_histogram_bins_and_calibration_batches_are_bounded(build, field):
+    """A huge ``bins`` allocated ``8·bins`` bytes per layer (10^12: 8 TB); 10^30 calibration batches passed the
+    check and then failed inside itertools.islice, naming nothing."""
+    with pytest.raises(ValueError, match=f"^{field}: expected an integer in \\[1, "):
+        build()
+
+
+def test_the_largest_bin_count_still_works():
+    assert saturation_level(torch.tensor([1.0, 2.0, 4.0]), 1.0, MAX_BINS) == 4.0
+
+
+def float16_reference(x: torch.Tensor) -> torch.Tensor:
+    """``x`` rounded once to the nearest float16 (numpy's conversion from float64 rounds once), as float64."""
+    return torch.from_numpy(x.numpy().astype(np.float16).astype(np.float64))
+
+
+def double_rounding_cases() -> torch.Tensor:
+    """float64 values just above a float16 halfway point, by less than float32 keeps (float64 -> float32 -> float16
+    lands on the tie and rounds to even: down), random values and subnormals, both signs."""
+    generator = torch.Generator().manual_seed(0)
+    halfway = torch.tensor([1 + 2**-11, 2**-25, 3 * 2**-25, 65504 + 8, 1000.5, 2**-14 + 2**-25], dtype=torch.float64)
+    above = halfway * (1 + 2**-40)
+    scaled = torch.randn(5000, dtype=torch.float64, generator=generator) * 2.0 ** torch.randint(
+        -30, 16, (5000,), generator=generator)
+    values = torch.cat([above, halfway, scaled, torch.tensor([0.0, 1e-300, 1e300, 65519.9, 65520.0])])
+    return torch.cat([values, -values])
+
+
+def test_fp16_activations_of_float64_inputs_round_once():
+    """torch's float64 -> float16 conversion goes through float32 and rounds twice: 1 + 2^-11 + 2^-40 gave 1.0."""
+    x = double_rounding_cases()
+    x = x[x.abs() < 65504]  # in float16's range (beyond it: saturation, tested below)
+    quantizer = ActivationQuantizer(ActivationSpec(format="fp16"))
+    assert float(quantizer(torch.tensor([1 + 2**-11 + 2**-40], dtype=torch.float64))) == 1 + 2**-10
+    out = quantizer(x)
+    assert out.dtype == torch.float64 and torch.equal(out, float16_reference(x))
+    assert torch.equal(quantizer(x.float()), float16_reference(x.float().double()).float())
+
+
+def test_fp16_weights_given_as_float64_round_once():
+    x = double_rounding_cases()
+    x = x[x.abs() < 65504].reshape(2, -1)
+    quantized, _ = FP16Quantizer(progress=False).quantize_values(x)
+    assert quantized.dtype == torch.float32 and torch.equal(quantized.double(), float16_reference(x))
+
+
+def test_fp16_activations_beyond_float16s_range_saturate_with_a_warning(caplog):
+    """They overflowed to infinity silently; the fixed format saturates at its level, and so does fp16 now, at
+    float16's largest value, saying so once per layer."""
+    model = nn.Sequential(sparse_from_conv(nn.Conv2d(1, 2, 1)))
+    quantizer = attach_activation_quantizers(model, ActivationSpec(format="fp16"))["0"]
+    x = torch.tensor([70000.0, -1e6, 65519.0, float("inf"), -float("inf"), float("nan"), 1.5])
+    with caplog.at_level(logging.WARNING, logger="unsparse.quant.activations"):
+        out = quantizer(x)
+        quantizer(x)
+    assert torch.equal(out[:5], torch.tensor([65504.0, -65504.0, 65504.0, 65504.0, -65504.0]))
+    assert math.isnan(out[5]) and float(out[6]) == 1.5
+    messages = [record.getMessage() for record in caplog.records]
+    assert len(messages) == 1 and "0.input_quantizer" in messages[0] and "65504" in messages[0]
+    assert "4 values" in messages[0]  # 65519 rounds to 65504 anyway: not beyond the range
+
+
+@pytest.mark.parametrize("power_of_two", [False, True])
+@pytest.mark.parametrize("bits", [2, 8, 16])
+def test_a_step_below_float32s_normal_range_keeps_the_saturation_level_on_the_grid(bits, power_of_two):
+    """A step below 2^-149 rounded to 0 and was refused; one just above rounded to nearest lost up to a third of
+    itself (q_max·Δ fell below x_sat, so the largest values saturated far below it)."""
+    tiny = 2.0**-149
+    for saturation in (5e-324, 1e-46, 1e-44, 1.4 * max_code(bits) * tiny, 1e-40, 1e-39):
+        step = fixed_point_step(saturation, bits, power_of_two)
+        assert step > 0 and float(torch.tensor(step, dtype=torch.float32)) == step
+        assert max_code(bits) * step >= saturation or power_of_two
+        if power_of_two:
+            assert math.frexp(step)[0] == 0.5
+
+
+@pytest.mark.parametrize("scheme", ["linear16", "linear16_pow2", "kmeans"])
+def test_layers_of_subnormal_weights_quantize_and_round_trip(tmp_path, scheme):
+    """A layer of weights near 1e-42 (float32 subnormals) was refused: its 16-bit step rounded to 0 in float32.
+    The smallest float32 step holds every subnormal exactly, so the quantization is exact."""
+    build = {"linear16": lambda: LinearQuantizer(bits=16, activations=NO_ACTIVATIONS, progress=False),
+             "linear16_pow2": lambda: LinearQuantizer(bits=16, power_of_two=True, activations=NO_ACTIVATIONS,
+                                                      progress=False),
+             "kmeans": lambda: KMeansQuantizer(clusters=2, centroid_bits=16, n_init=1, activations=NO_ACTIVATIONS,
+                                               progress=False)}[scheme]
+    model = sparse_model()
+    with torch.no_grad():
+        values = model.get_submodule("3.0").values
+        values[values != 0] = torch.where(values[values != 0] > 0, 1e-42, -3e-43)
+    expected = values.clone()
+    build().quantize(model)
+    assert torch.equal(model.get_submodule("3.0").values, expected)
+    assert_round_trips(model, tmp_path / "m.safetensors")
+
+
+def test_tiny_activations_calibrate_quantize_and_load(tmp_path):
+    """Calibration inputs near 1e-44 gave a saturation level whose step rounded to 0: the quantizer failed on its
+    first forward pass, and the file it wrote was refused on load."""
+    model = sparse_model()
+    images = torch.full((2, 1, 28, 28), 1e-44)
+    quantizer = LinearQuantizer(activations=ActivationSpec(format="fixed", calibration_batches=1), progress=False)
+    quantizer.quantize(model, [(images, torch.zeros(2))])
+    first = model.get_submodule("0.0").input_quantizer
+    assert float(first.saturation) > 0 and torch.equal(first(images), images)
+    loaded = assert_round_trips(model, tmp_path / "m.safetensors")
+    assert torch.equal(loaded.get_submodule("0.0").input_quantizer.saturation, first.saturation)

@@ -4,7 +4,11 @@ Each :class:`unsparse.runtime.SparseConv` gets a child module ``input_quantizer`
 passes the layer's input through it, so the convolution sees activations on the chosen grid while the
 arithmetic stays float32 (on the CPU; FP16/INT kernels belong to the GPU runtime). Formats:
 
-- ``fp16``: round to the nearest float16 (the 16b activations of the paper's 16b/16b configuration);
+- ``fp16``: round to the nearest float16 (the 16b activations of the paper's 16b/16b configuration), once from any
+  float dtype (:func:`~unsparse.quant.float16.to_float16`). Magnitudes beyond float16's range (``|x| >= 65520``,
+  infinities included) saturate to ``±65504``, its largest value, as the ``fixed`` format saturates at its level,
+  instead of overflowing to infinity, which would turn the rest of the network into infinities and NaN; a
+  warning names the layer and the count, once per layer. (A float16 GPU run would overflow there.)
 - ``fixed``: signed ``bits``-bit fixed point (eq. 19-21, :mod:`unsparse.quant.fixed_point`) with the
   saturation level chosen by histogram analysis of calibration data (:mod:`unsparse.quant.histogram`),
   stored per layer as the buffer ``input_quantizer.saturation`` (float32 scalar, same unit as activations).
@@ -26,7 +30,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from unsparse.quant.fixed_point import check_bits, fake_quantize, fixed_point_step
-from unsparse.quant.histogram import MagnitudeHistogram
+from unsparse.quant.float16 import FLOAT16_MAX, FLOAT16_OVERFLOW, to_float16
+from unsparse.quant.histogram import MagnitudeHistogram, check_bins
 from unsparse.runtime.modules import sparse_layers
 from unsparse.settings import check_choice, check_flag, check_integer, check_quantile
 from unsparse.sparse.format import SparseFormatError
@@ -34,6 +39,9 @@ from unsparse.sparse.format import SparseFormatError
 FORMATS = ("none", "fp16", "fixed")
 SATURATION_RULES = ("quantile", "fraction_of_max")
 """How :attr:`ActivationSpec.quantile` gives a layer's saturation level (see :class:`ActivationSpec`)."""
+MAX_CALIBRATION_BATCHES = 1 << 16
+"""Most calibration batches: :func:`calibrate` keeps them all for its two passes (and a larger count than
+``itertools.islice`` takes failed inside it, naming nothing)."""
 SILENT_LEVEL = 1.0
 """Saturation level of a layer whose calibration inputs are all zero (:func:`calibrate`)."""
 log = logging.getLogger(__name__)
@@ -47,9 +55,11 @@ class ActivationSpec:
         format: ``"none"`` (float32), ``"fp16"`` or ``"fixed"``.
         bits: fixed-point bits in ``[2, 16]`` (``fixed`` only).
         quantile: the saturation threshold in ``(0, 1]`` (``fixed``; paper 004 §4 sets 0.99), read by ``rule``.
-        bins: histogram bins over ``[0, max |x|]``; the level is exact to ``max |x| / bins``.
+        bins: histogram bins over ``[0, max |x|]``, in ``[1, 65536]``
+            (:data:`~unsparse.quant.histogram.MAX_BINS`); the level is exact to ``max |x| / bins``.
         power_of_two: step as a power of two (eq. 21) instead of ``x_sat / q_max`` (eq. 20).
-        calibration_batches: calibration batches used (the first ones of the loader).
+        calibration_batches: calibration batches used (the first ones of the loader), in
+            ``[1, MAX_CALIBRATION_BATCHES]`` (65,536; :func:`calibrate` holds them all in memory).
         rule: how ``quantile`` gives the saturation level ``x_sat`` (:data:`SATURATION_RULES`): ``"quantile"``,
             that quantile of the nonzero ``|x|`` (the histogram analysis of §4); ``"fraction_of_max"``,
             ``quantile * max |x|`` (§4's sentence "values higher than 0.99 x_max are saturated to 0.99 x_max"
@@ -71,8 +81,8 @@ class ActivationSpec:
         check_choice(self.format, FORMATS, "activations.format")
         check_bits(self.bits, "activations.bits")
         check_quantile(self.quantile, "activations.quantile")
-        check_integer(self.bins, "activations.bins")
-        check_integer(self.calibration_batches, "activations.calibration_batches")
+        check_bins(self.bins, "activations.bins")
+        check_integer(self.calibration_batches, "activations.calibration_batches", 1, MAX_CALIBRATION_BATCHES)
         check_flag(self.power_of_two, "activations.power_of_two")
         check_choice(self.rule, SATURATION_RULES, "activations.rule")
 
@@ -99,18 +109,27 @@ class ActivationSpec:
 class ActivationQuantizer(nn.Module):
     """Fake-quantizes a tensor to ``spec``'s format; output has the input's shape and dtype.
 
-    ``fixed`` needs :attr:`saturation` (``()`` float32 buffer, > 0) set by :func:`calibrate`.
+    ``fixed`` needs :attr:`saturation` (``()`` float32 buffer, > 0) set by :func:`calibrate`. ``name`` (e.g.
+    ``features.3.input_quantizer``) names the quantizer in the warning about fp16 saturation (see the module
+    docstring).
     """
 
-    def __init__(self, spec: ActivationSpec) -> None:
+    def __init__(self, spec: ActivationSpec, name: str = "input_quantizer") -> None:
         super().__init__()
-        self.spec = spec
+        self.spec, self.name = spec, name
+        self.saturation_logged = False
         if spec.format == "fixed":
             self.register_buffer("saturation", torch.zeros((), dtype=torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.format == "fp16":
-            return x.to(torch.float16).to(x.dtype)
+            if not self.saturation_logged:
+                beyond = int((x.abs() >= FLOAT16_OVERFLOW).sum())
+                if beyond:
+                    log.warning("%s: %d values beyond float16's range saturated to ±%s (further batches of this "
+                                "layer are not reported)", self.name, beyond, FLOAT16_MAX)
+                    self.saturation_logged = True
+            return to_float16(x.clamp(-FLOAT16_MAX, FLOAT16_MAX)).to(x.dtype)
         if self.spec.format == "fixed":
             step = fixed_point_step(float(self.saturation), self.spec.bits, self.spec.power_of_two)
             return fake_quantize(x, step, self.spec.bits).to(x.dtype)
@@ -149,7 +168,7 @@ def attach_activation_quantizers(model: nn.Module, spec: ActivationSpec) -> dict
         return {}
     quantizers = {}
     for name, layer in sparse_layers(model).items():
-        layer.input_quantizer = ActivationQuantizer(spec)
+        layer.input_quantizer = ActivationQuantizer(spec, f"{name}.input_quantizer")
         layer.register_forward_pre_hook(_quantize_input)
         quantizers[name] = layer.input_quantizer
     return quantizers

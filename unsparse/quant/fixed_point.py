@@ -27,6 +27,9 @@ MIN_BITS = 2
 MAX_BITS = 16
 """Most bits a code may have (codes are held in int16 at most)."""
 FLOAT32_MAX = torch.finfo(torch.float32).max
+FLOAT32_SMALLEST_NORMAL = torch.finfo(torch.float32).tiny
+SMALLEST_STEP = 2.0**-149
+"""The smallest step, float32's smallest subnormal value: every float32 value is a multiple of it."""
 
 
 def check_bits(bits: int, field: str = "bits", low: int = MIN_BITS, high: int = MAX_BITS) -> int:
@@ -57,20 +60,23 @@ def fixed_point_step(saturation: float, bits: int, power_of_two: bool = False) -
         ``Δ`` as a Python float that is exactly a float32 value (so the files can carry it in JSON exactly), and
         whose largest multiple ``q_max·Δ`` is finite in float32: where ``x_sat / q_max`` rounds up so far that
         ``q_max·Δ`` would overflow (``x_sat`` near float32's maximum), ``Δ`` is the largest float32 value below
-        it that does not (a power-of-two ``Δ`` never needs this).
+        it that does not (a power-of-two ``Δ`` never needs this). A step below float32's normal range (a layer of
+        tiny weights, e.g. ``x_sat = 1e-42``) is rounded up to a multiple of :data:`SMALLEST_STEP`: so it is never
+        0, ``q_max·Δ >= x_sat`` (rounding to nearest there could lose a third of the step and saturate the largest
+        values far below ``x_sat``), and a power of two stays one; every float32 value is a multiple of
+        :data:`SMALLEST_STEP`, so values below ``q_max·SMALLEST_STEP`` quantize exactly.
 
     Raises:
-        ValueError: bits out of range, or ``saturation`` not in ``(0, FLOAT32_MAX]`` (e.g. 0 for an all-zero layer),
-            or a step that rounds to 0 in float32 (a subnormal step is accepted).
+        ValueError: bits out of range, or ``saturation`` not in ``(0, FLOAT32_MAX]`` (e.g. 0 for an all-zero layer).
     """
     q_max = max_code(bits)
     if not 0 < saturation <= FLOAT32_MAX:  # NaN and infinities fail it too
         raise ValueError(f"saturation: expected a finite level > 0 and at most float32's largest value "
                          f"{FLOAT32_MAX!r}, got {saturation!r}" + (" (every value is zero)" if saturation == 0 else ""))
     step = 2.0 ** (math.ceil(math.log2(saturation)) + 1 - bits) if power_of_two else saturation / q_max
+    if step < FLOAT32_SMALLEST_NORMAL:  # at least 1: a float64 step can underflow to 0 (x_sat = 5e-324)
+        return max(1, math.ceil(step / SMALLEST_STEP)) * SMALLEST_STEP
     step32 = torch.tensor(step, dtype=torch.float32)
-    if float(step32) == 0:
-        raise ValueError(f"saturation: {saturation!r} gives a step {step!r} that rounds to 0 in float32")
     while not bool(torch.isfinite(step32 * q_max)):
         step32 = torch.nextafter(step32, torch.zeros((), dtype=torch.float32))
     return float(step32)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from unsparse.quant.activations import ActivationSpec
+from unsparse.quant.float16 import to_float16
 from unsparse.quant.layerwise import LayerwiseQuantizer
 
 
@@ -21,13 +22,15 @@ class FP16Quantizer(LayerwiseQuantizer):
     default_activations = ActivationSpec(format="fp16")
 
     def quantize_values(self, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        """``values`` rounded to the nearest float16, as float32 (round to nearest even: ``|w| < 65520`` rounds to at
-        most 65504, float16's largest value).
+        """``values`` rounded once to the nearest float16 (:func:`~unsparse.quant.float16.to_float16`, float64 too), as
+        float32 (round to nearest even: ``|w| < 65520`` rounds to at most 65504, float16's largest value). Weights
+        beyond that are refused rather than saturated, as activations are (:mod:`unsparse.quant.activations`): they
+        are known when quantizing, and a weight clipped by orders of magnitude would change the model unseen.
 
         Raises:
             ValueError: a weight that rounds beyond float16's range (``|w| >= 65520``).
         """
-        quantized = values.to(torch.float16).to(torch.float32)
+        quantized = to_float16(values).to(torch.float32)
         if not bool(torch.isfinite(quantized).all()):
             raise ValueError("weights exceed float16's range (|w| >= 65520 rounds to infinity)")
         return quantized, {}

@@ -166,13 +166,18 @@ class LayerwiseQuantizer(Quantizer):
         that quantize to zero leave the stored entries and ``L`` is again the largest nnz of any row.
 
         Raises:
-            ValueError: the scheme's own errors, prefixed with ``<name>.values``.
+            ValueError: the scheme's own errors, prefixed with ``<name>.values``. Errors of other kinds (e.g. torch's
+                ``RuntimeError`` when memory runs out) keep their type and message and gain the note
+                ``while quantizing layer <name>.values``, which the traceback shows.
         """
         packed = UniformCSR.from_dense(layer.csr.to_dense().cpu())
         try:
             values, params = self.quantize_values(packed.values)
         except ValueError as error:
             raise ValueError(f"{name}.values: {error}") from error
+        except Exception as error:
+            error.add_note(f"while quantizing layer {name}.values")
+            raise
         quantized = UniformCSR(values, packed.col_idx, packed.weight_shape)
         return UniformCSR.from_dense(quantized.to_dense()), {**self.values_codec(), **params}
 

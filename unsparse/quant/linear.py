@@ -9,9 +9,9 @@ import torch
 
 from unsparse.quant.activations import ActivationSpec
 from unsparse.quant.fixed_point import check_bits, fake_quantize, fixed_point_step
-from unsparse.quant.histogram import saturation_level
+from unsparse.quant.histogram import check_bins, saturation_level
 from unsparse.quant.layerwise import LayerwiseQuantizer
-from unsparse.settings import check_flag, check_integer, check_quantile
+from unsparse.settings import check_flag, check_quantile
 from unsparse.sparse.format import SparseFormatError
 
 EMPTY_LAYER_STEP = 1.0
@@ -31,7 +31,7 @@ class LinearQuantizer(LayerwiseQuantizer):
     Args:
         bits: weight bits in ``[2, 16]``.
         weight_quantile: saturation quantile of ``|w|`` over the nonzero weights, in ``(0, 1]``.
-        bins: histogram bins for that quantile.
+        bins: histogram bins for that quantile, in ``[1, 65536]`` (:data:`~unsparse.quant.histogram.MAX_BINS`).
         power_of_two: power-of-two steps (eq. 21) instead of ``x_sat / q_max`` (eq. 20); a bool.
         activations: default signed 8-bit fixed point at the 0.99 quantile (the paper's setting).
         progress: tqdm bars during calibration.
@@ -48,7 +48,7 @@ class LinearQuantizer(LayerwiseQuantizer):
         super().__init__(activations, progress)
         self.bits = check_bits(bits)
         self.weight_quantile = check_quantile(weight_quantile, "weight_quantile")
-        self.bins, self.power_of_two = check_integer(bins, "bins"), check_flag(power_of_two, "power_of_two")
+        self.bins, self.power_of_two = check_bins(bins), check_flag(power_of_two, "power_of_two")
 
     def quantize_values(self, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
         """``Q(values)`` (eq. 19) with the layer's step; a layer without nonzero weights stays all zero."""
