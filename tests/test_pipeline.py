@@ -76,13 +76,13 @@ def test_pipeline_smoke_on_real_data(tmp_path):
     assert "Target 90.00%: reached." in markdown
     assert load_sparse(tmp_path / "model.safetensors").unsparse_metadata["extra"]["accuracy"]["pruned"] == \
         accuracy["pruned"]
-    # a diverged stage's NaN and an infinite history value: report.json stays strict JSON (null) and renders the
-    # same page again, which names the stage and says n/a for its metric
+    # a diverged stage's NaN and an infinite history value: report.json stays strict JSON (NaN as null, the infinity
+    # as -1e999, read back as itself) and renders the same page again, which names the stage and says n/a for it
     diverged = {**report, "accuracy": {**accuracy, "sparse_run": math.nan},
                 "pruning": {**report["pruning"], "history": [{"relative_change": -math.inf}]}}
     first = write_report(tmp_path / "diverged", diverged, {})
     again = write_report(tmp_path / "again", loads_strict(first["json"].read_text()), {})
-    assert loads_strict(again["json"].read_text())["pruning"]["history"] == [{"relative_change": None}]
+    assert loads_strict(again["json"].read_text())["pruning"]["history"] == [{"relative_change": -math.inf}]
     page = first["markdown"].read_text()
     assert page == again["markdown"].read_text()
     assert "| sparse_run | n/a |" in page and "No better than that: `sparse_run`" in page

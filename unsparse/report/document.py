@@ -10,8 +10,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from unsparse.atomic import atomic_write_json, atomic_write_text
+from unsparse.atomic import atomic_write_text
 from unsparse.runtime.baseline import NAME as BASELINE
+from unsparse.strict_json import dumps_strict
 
 SMOKE_RUN = ("**Smoke run (budget `quick`): figures are not results.** A few training batches on a subset of the "
              "data, to check that the script runs from end to end.")
@@ -25,15 +26,16 @@ def smoke_run_notice(budget_names: Iterable[str]) -> list[str]:
 
 
 NOT_A_NUMBER = "n/a"
-"""A table cell for a value that is None or a float that is NaN or infinite (``report.json`` holds such a value as
-null: :func:`~unsparse.atomic.atomic_write_json`)."""
+"""A table cell for a value that is None or a float that is NaN (``report.json`` holds such a value as null:
+:func:`write_report`)."""
 
 
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub-flavoured Markdown table; floats get 4 significant digits, None and non-finite floats read
-    :data:`NOT_A_NUMBER`, so that a report renders the same from its values and from ``report.json``."""
+    """A GitHub-flavoured Markdown table; floats get 4 significant digits (an infinity reads ``inf`` or ``-inf``),
+    None and NaN read :data:`NOT_A_NUMBER`, so that a report renders the same from its values and from
+    ``report.json``."""
     def cell(value: Any) -> str:
-        if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        if value is None or (isinstance(value, float) and math.isnan(value)):
             return NOT_A_NUMBER
         return f"{value:.4g}" if isinstance(value, float) else str(value)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -215,7 +217,9 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
             :func:`plan_check_text` names).
         figures: title -> PNG path (relative links are written into the Markdown).
 
-    ``report.json`` is strict JSON (NaN and infinities as null); ``report`` as read back from it renders the same
+    ``report.json`` is strict JSON, indented: NaN as null, infinities (a diverged model's MSE, a pruning history's
+    change) as ``1e999`` and ``-1e999``, which :func:`~unsparse.strict_json.loads_strict` reads back as the
+    infinities (:func:`~unsparse.strict_json.dumps_strict`); ``report`` as read back from it renders the same
     ``report.md``.
 
     Returns:
@@ -297,6 +301,7 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
     if report.get("plan_check"):
         sections += ["## Whole model", plan_check_text(report["plan_check"])]
     sections += [f"## {title}\n\n![{title}]({path.relative_to(outdir)})" for title, path in figures.items()]
-    paths = {"json": atomic_write_json(outdir / "report.json", report),
+    paths = {"json": atomic_write_text(outdir / "report.json",
+                                       dumps_strict(report, infinities=True, indent=2, sort_keys=False) + "\n"),
              "markdown": atomic_write_text(outdir / "report.md", "\n\n".join(sections) + "\n")}
     return paths
