@@ -45,7 +45,7 @@ COMPARED_BY_DEFAULT_EXCLUDES = frozenset({"reference", "auto", "direct_half2"})
 DENSE_DEFAULTS = {"cudnn": {"nchw": {"memory_format": "contiguous"}, "nhwc": {"memory_format": "channels_last"}},
                   "dense_cpu": {"nchw": {}, "nhwc": {}}}
 """Per backend name and input layout, the parameters of the dense default a plan falls back to: cuDNN in the input's
-layout, which converts nothing."""
+layout, which converts nothing; ``dense_cpu`` with its format left to the input's (:func:`is_dense_default`)."""
 TIMINGS = ("eager", "graph")
 """How :func:`compare_layer` times a setting: ``eager`` calls (CUDA events around each call, host work included,
 the default) or ``graph`` replays (each setting captured as a CUDA graph per rotated input: the GPU time alone,
@@ -57,6 +57,16 @@ DISTURBED_RATIO = 1.5
 disturbed one and repeated once (:class:`Measurement` keeps both): on an H100 a tiling screened at 0.241 ms timed a
 median of 0.543 ms (its maximum 1.71 ms) and lost to one of 0.239 ms; in two quiet runs the full and screening
 medians of all 30 settings timed both ways agreed within 1.4 % (``h100_2026-11-25_twentyfirst_{final,retime}_*``)."""
+
+
+def is_dense_default(backend: str, params: dict[str, Any], layout: str) -> bool:
+    """Whether ``backend`` run with ``params`` is the dense default of a layer whose input is in ``layout``
+    (``"nchw"`` or ``"nhwc"``): a backend of :data:`DENSE_DEFAULTS` computing in that layout, its ``memory_format``
+    naming it or left out (the input's). ``dense_cpu``'s default entry leaves it out while the comparator times it
+    named, as its tuning space offers it."""
+    memory_format = params.get("memory_format")
+    return (backend in DENSE_DEFAULTS and set(params) <= {"memory_format"}
+            and (memory_format is None or MEMORY_FORMATS.get(memory_format) == layout))
 
 
 def tolerance(dtype: torch.dtype, tf32: bool = False) -> float:
@@ -205,11 +215,11 @@ class LayerComparison:
         return PlanEntry(best.backend, best.params, best.timing.median_ms, runner)
 
     def default_measurement(self, backend: str | None = None) -> Measurement | None:
-        """The timed, correct measurement of the dense default in this layer's layout (:data:`DENSE_DEFAULTS`), of
+        """The timed, correct measurement of the dense default in this layer's layout (:func:`is_dense_default`), of
         ``backend`` if named, else of any dense backend; None if it was not timed."""
         return next((m for m in self.measurements if m.status == "ok" and m.timing is not None
                      and (backend is None or m.backend == backend)
-                     and DENSE_DEFAULTS.get(m.backend, {}).get(self.layout) == m.params), None)
+                     and is_dense_default(m.backend, m.params, self.layout)), None)
 
     def default_entry(self, backend: str, runner_up: str | None = None) -> PlanEntry:
         """The plan entry of the dense default ``backend`` (a key of :data:`DENSE_DEFAULTS`) in this layer's layout,
@@ -473,9 +483,9 @@ def check_plan(model: nn.Module, example: torch.Tensor, plan: Plan, comparisons:
     if planned_ms > (1 + margin) * default_ms:
         for comparison in comparisons:
             entry = plan.get(comparison.key)
-            fallback = comparison.default_entry(default_backend, runner_up=None if entry is None else entry.backend)
-            if entry is not None and (entry.backend, entry.params) != (fallback.backend, fallback.params):
-                plan.entries[comparison.key] = fallback
+            if entry is not None and not (entry.backend == default_backend
+                                          and is_dense_default(entry.backend, entry.params, comparison.layout)):
+                plan.entries[comparison.key] = comparison.default_entry(default_backend, runner_up=entry.backend)
                 reverted.append(comparison.key)
         if reverted:
             log.warning("planned model %.3f ms, dense default %.3f ms (%s): %d layer keys set back to the dense "
