@@ -92,18 +92,54 @@ def test_a_one_channel_model_is_not_planned_in_channels_last() -> None:
     assert record["layers_planned_now"] == 2 and record["best_planned_layout"] == "nchw"
 
 
-def test_a_sparse_model_records_the_backend_its_plan_kept_per_layer(monkeypatch: pytest.MonkeyPatch) -> None:
+COSTS_MS = {("dense_cpu", 8): 1.0, ("im2col_cublas", 8): 0.99, ("im2col_cusparse", 8): 2.0,
+            ("dense_cpu", 4): 1.0, ("im2col_cublas", 4): 0.5, ("im2col_cusparse", 4): 2.0}
+"""What a call of each CPU backend costs on the virtual clock of :func:`virtual_clock`, per backend and layer (its
+output channels: 8, then 4, in :func:`model`)."""
+
+
+@pytest.fixture
+def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU timings read a clock that only the backends' calls advance, each by its :data:`COSTS_MS`: every median is
+    exact, whatever else the machine runs."""
+    from types import SimpleNamespace
+
+    from unsparse.runtime import timing
+    from unsparse.runtime.backends.dense import DenseBackend
+    from unsparse.runtime.backends.lowering import LoweringBackend
+
+    clock = [0.0]
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0] / 1e3))
+    for cls in (DenseBackend, LoweringBackend):
+        def costed(self, x, csr, *args, conv=cls.conv, **params):
+            clock[0] += COSTS_MS[self.name, csr.out_channels]
+            return conv(self, x, csr, *args, **params)
+        monkeypatch.setattr(cls, "conv", costed)
+
+
+def test_a_sparse_model_records_the_backend_its_plan_kept_per_layer(virtual_clock: None,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """A trained model's layer records named only the fastest backend; the plan keeps the dense default for a win
-    within the margin, and every key where the end-to-end check sets the plan back (forced here: margin -1)."""
+    within the margin (the first layer: 1 % faster), leaves it for a larger one (the second: 2x), and every key goes
+    back to the default where the end-to-end check sets the plan back (forced here: margin -1). The test once timed
+    the backends for real and could only check the record against the plan, whichever backend won."""
     plan = Plan()
     record = bench.bench_end_to_end_sparse(bench.sparsify(model()), (3, 12, 10), 2, torch.device("cpu"), 3, plan)
+    assert [(layer["best"], layer["planned"]) for layer in record["layers"]] == [("im2col_cublas", "dense_cpu"),
+                                                                                 ("im2col_cublas", "im2col_cublas")]
     assert [layer["planned"] for layer in record["layers"]] == [plan.entries[layer["key"]].backend
                                                                 for layer in record["layers"]]
+    assert record["layers"][0]["best_ms"] == pytest.approx({"dense_cpu": 1.0, "im2col_cublas": 0.99,
+                                                             "im2col_cusparse": 2.0})
+    check = record["plan_check"]
+    assert (check["planned_ms"], check["default_ms"], check["reverted"]) == (pytest.approx(1.5), pytest.approx(2.0), ())
+    assert record["dense_ms"] == pytest.approx(2.0) and record["speedup"] == pytest.approx(2.0 / 1.5)
     check_plan = comparator.check_plan
     monkeypatch.setattr(bench, "check_plan", lambda *args: check_plan(*args, margin=-1.0))
     record = bench.bench_end_to_end_sparse(bench.sparsify(model()), (3, 12, 10), 2, torch.device("cpu"), 3, Plan())
-    assert len(record["layers"]) == 2 and all(layer["planned"] == "dense_cpu" for layer in record["layers"])
-    assert all(layer["best"] in layer["best_ms"] for layer in record["layers"])
+    assert [(layer["best"], layer["planned"]) for layer in record["layers"]] == [("im2col_cublas", "dense_cpu")] * 2
+    assert record["plan_check"]["reverted"] == (record["layers"][1]["key"],)  # the first was on the default already
+    assert record["speedup"] == pytest.approx(1.0)
 
 
 def test_a_sparse_model_is_timed_on_its_dense_default_and_on_its_plan_one_after_the_other(
