@@ -10,17 +10,19 @@ Layout:
 
 Loading treats the file as untrusted: the path is opened once, and only a regular file is read (through that
 descriptor, never the path again), a safetensors header with duplicate keys at any level (or of more than
-:data:`HEADER_MAX_BYTES`) is refused before safetensors reads it, and at first only its header is read (JSON
-metadata of at most :data:`METADATA_MAX_CHARACTERS`, without duplicate keys). The architecture
+:data:`HEADER_MAX_BYTES`) is refused, the header is checked here as safetensors' reader checks it (dtypes, shapes,
+offsets that tile the data section), and at first only the header is read (JSON metadata of at most
+:data:`METADATA_MAX_CHARACTERS`, without duplicate keys). The architecture
 is built on the ``meta`` device (no memory), with each convolution replaced by a shape-only :class:`SparseConv` of
 the file's row length, and every tensor's declared key, shape, dtype and codec (a quantization codec only on a
 sparse layer's ``values``) is checked against its state dict, and every stored part's size against what its tensor
 can need (at most :data:`MAX_PARTS` parts), before any tensor is read or decoded, so that a file cannot make the
-loader allocate much more than its architecture holds. Tensors are read with ordinary reads into memory the loader
-owns, once each (one allocation per stored tensor: a few MB for the small models, some hundreds for VGG-16's
-dense classifier), not through safetensors' memory map, where a file cut short while open (rewritten in place by
-another process) kills the process with SIGBUS (safetensors still parses the header in its map: a file cut in those
-microseconds can still do so). Then values (finite, BatchNorm variances not negative), index
+loader allocate much more than its architecture holds. Every byte, the header's included, is read with ordinary
+reads into memory the loader owns, each tensor once (one allocation per stored tensor: a few MB for the small
+models, some hundreds for VGG-16's dense classifier); safetensors' reader is not used: it memory-maps the file, and
+a mapped file cut short while open (rewritten in place by another process) kills the process with SIGBUS, where a
+short read is refused. A file whose size or modification time changed while it was read is refused too (its
+tensors could come from two versions). Then values (finite, BatchNorm variances not negative), index
 ranges and row lengths (each layer's largest row nnz, UnSparse-Opt §5) are checked, and only then are real tensors
 assigned. Every problem raises :class:`SparseFileError` (a ``ValueError``) naming the field.
 """
@@ -30,6 +32,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import reprlib
 import stat
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -38,7 +41,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as safetensors_save
 from torch import nn
 
@@ -83,6 +85,8 @@ POSIX systems: ``/dev/fd``), whatever its path names by now."""
 TOP_LEVEL_KEYS = {"format_version", "model", "layers", "tensors", "quantization", "extra"}
 LAYER_KEYS = {"weight_shape", "geometry", "row_length", "nnz", "sparsity"}
 TENSOR_KEYS = {"shape", "dtype", "codec"}
+STORED_KEYS = {"dtype", "shape", "data_offsets"}
+"""The keys of a tensor's entry in the safetensors header."""
 
 
 class SparseFileError(SparseFormatError):
@@ -193,12 +197,12 @@ def _require(condition: bool, field: str, message: str) -> None:
 
 def _check_header(file: BinaryIO, size: int, path: Path) -> tuple[int, Any]:
     """The safetensors header of ``file`` (an open file of ``size`` bytes: an 8-byte little-endian length, then that
-    many bytes of JSON), parsed before safetensors reads it, which keeps the last of duplicate keys: a second
-    ``"unsparse"`` entry in ``__metadata__``, or a second entry of a tensor, would silently replace the first.
+    many bytes of JSON), parsed without duplicate keys (JSON readers, safetensors' included, keep the last of them: a
+    second ``"unsparse"`` entry in ``__metadata__``, or a second entry of a tensor, would silently replace the first).
 
     Returns:
         ``(length, header)``: the header's length in bytes (the data section starts at byte ``8 + length``) and its
-        parsed JSON (a dict where safetensors accepts it), whose ``data_offsets`` :meth:`_OpenFile.tensor` reads.
+        parsed JSON, which :func:`_layout` checks.
 
     Raises:
         SparseFileError: fewer than 8 bytes or a header beyond the file (``file``), a header of more than
@@ -221,64 +225,111 @@ def _check_header(file: BinaryIO, size: int, path: Path) -> tuple[int, Any]:
 
 
 @dataclass(frozen=True)
-class _OpenFile:
-    """A safetensors file open for loading: ``handle``, safetensors' view of its header (metadata, keys, dtypes and
-    shapes, validated), and ``file``, the same open file for ordinary reads, with ``header``, the header
-    :func:`_check_header` parsed from it (``data_offsets``), whose data section starts at byte ``data_start``."""
+class _Stored:
+    """One tensor of a safetensors file as its header describes it: ``dtype`` and ``shape``, and its ``size`` bytes,
+    from byte ``start`` of the data section."""
 
-    handle: Any
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    size: int
+
+
+def _layout(header: Any, data_bytes: int, path: Path) -> tuple[dict[str, str], dict[str, _Stored]]:
+    """The metadata block and the stored tensors of a safetensors header (parsed by :func:`_check_header`), checked as
+    safetensors' reader checks them (that reader memory-maps the file: :func:`_open_file`): a JSON object whose
+    ``__metadata__`` (optional, or null) maps strings to strings, and whose every other entry holds exactly
+    ``dtype`` (one of :data:`STORED_DTYPES`), ``shape`` (integers in ``[0, 2^63)``) and ``data_offsets``
+    (``[start, end]``, ``0 <= start <= end``, spanning the tensor's bytes); in offset order, the tensors tile the
+    ``data_bytes`` of the data section, without gaps or overlaps.
+
+    Raises:
+        SparseFileError: naming the stored key, ``header.__metadata__``, or ``file`` (a header that is no object,
+            tensors that end before the data section does).
+    """
+    _require(isinstance(header, dict), "file", f"{path} is not a valid safetensors file (its header is a "
+             f"{type(header).__name__}, not an object)")
+    metadata = header.get("__metadata__")
+    metadata = {} if metadata is None else metadata
+    _require(isinstance(metadata, dict) and all(isinstance(value, str) for value in metadata.values()),
+             "header.__metadata__", f"{reprlib.repr(metadata)}: expected an object of strings")
+    stored = {}
+    for key, entry in header.items():
+        if key == "__metadata__":
+            continue
+        _require(isinstance(entry, dict) and set(entry) == STORED_KEYS, key,
+                 f"header entry {reprlib.repr(entry)}: expected the keys {sorted(STORED_KEYS)}")
+        name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        _require(isinstance(name, str) and name in STORED_DTYPES, key,
+                 f"stored dtype {reprlib.repr(name)}, expected one of {sorted(STORED_DTYPES)}")
+        _require(isinstance(shape, list) and all(type(size) is int and 0 <= size < 2**63 for size in shape), key,
+                 f"shape {reprlib.repr(shape)}: expected a list of integers in [0, 2^63)")
+        _require(isinstance(offsets, list) and len(offsets) == 2 and all(type(at) is int for at in offsets)
+                 and 0 <= offsets[0] <= offsets[1], key,
+                 f"data_offsets {reprlib.repr(offsets)}: expected [start, end], integers, 0 <= start <= end")
+        dtype = STORED_DTYPES[name]
+        size = math.prod(shape) * dtype.itemsize
+        _require(offsets[1] - offsets[0] == size, key, f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
+                 f"a {name} tensor of shape {shape} {size}")
+        stored[key] = _Stored(dtype, tuple(shape), offsets[0], size)
+    end = 0
+    for key, tensor in sorted(stored.items(), key=lambda item: (item[1].start, item[1].size)):
+        _require(tensor.start == end, key, f"data_offsets start at {tensor.start}, where the tensors before it (in "
+                 f"offset order) end at {end}: the tensors must tile the data section")
+        end += tensor.size
+    _require(end == data_bytes, "file", f"{path} is not a valid safetensors file (its tensors end at byte {end} of a "
+             f"data section of {data_bytes})")
+    return metadata, stored
+
+
+@dataclass(frozen=True)
+class _OpenFile:
+    """A safetensors file open for loading: ``file``, the open file, whose data section starts at byte
+    ``data_start``, and its header's ``metadata`` block and ``stored`` tensors (:func:`_layout`)."""
+
     file: BinaryIO
-    header: dict[str, Any]
+    metadata: dict[str, str]
+    stored: dict[str, _Stored]
     data_start: int
     path: Path
 
     def tensor(self, stored_key: str) -> torch.Tensor:
-        """The stored tensor ``stored_key`` (of the dtype and shape safetensors read for it), read with ordinary reads
-        into memory the loader owns. safetensors' own ``get_tensor`` reads through its memory map of the file, and
-        a file cut short meanwhile (rewritten in place by another process) kills the process with SIGBUS at the
-        first page past its new end; a read returns fewer bytes instead. The tensor is a fresh allocation, as big as
-        its stored bytes (decoding a quantized tensor then makes its own temporaries).
+        """The stored tensor ``stored_key``, read with ordinary reads into memory the loader owns: a fresh allocation,
+        as big as its stored bytes (decoding a quantized tensor then makes its own temporaries).
 
         Raises:
-            SparseFileError: an entry of :attr:`header` that is not the one safetensors read (the file changed while
-                being opened) or whose offsets do not span the tensor's bytes (naming the key), or a file that ends
-                before them (``file``).
+            SparseFileError: a file that ends before the tensor's bytes (``file``: cut short while open).
         """
-        stored = self.handle.get_slice(stored_key)
-        name, shape = stored.get_dtype(), stored.get_shape()
-        dtype = STORED_DTYPES[name]
-        size = math.prod(shape) * dtype.itemsize
-        entry = self.header.get(stored_key)
-        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
-        _require(isinstance(entry, dict) and entry.get("dtype") == name and entry.get("shape") == shape
-                 and isinstance(offsets, list) and len(offsets) == 2 and all(type(at) is int for at in offsets)
-                 and offsets[0] >= 0 and offsets[1] - offsets[0] == size, stored_key,
-                 f"header entry {entry!r} is not the {name} {shape} safetensors read (the file changed while open)")
-        data = torch.empty(size, dtype=torch.uint8)
+        stored = self.stored[stored_key]
+        data = torch.empty(stored.size, dtype=torch.uint8)
         try:
-            self.file.seek(self.data_start + offsets[0])
+            self.file.seek(self.data_start + stored.start)
             read = self.file.readinto(memoryview(data.numpy()))
         except OSError as error:
             raise SparseFileError(f"file: cannot read {self.path}: {error}") from error
-        _require(read == size, "file", f"{self.path} ended before {stored_key}'s {size} bytes (cut short while open)")
-        return data.view(dtype).reshape(shape)
+        _require(read == stored.size, "file", f"{self.path} ended before {stored_key}'s {stored.size} bytes (cut short "
+                 "while open)")
+        return data.view(stored.dtype).reshape(stored.shape)
 
 
 @contextmanager
 def _open_file(path: Path) -> Iterator[_OpenFile]:
     """The safetensors file at ``path``, opened for reading: a regular file only, so that a FIFO cannot block the
-    loader and a device (a link to ``/dev/zero``) cannot be read without end, and with a header
-    :func:`_check_header` accepts (no duplicate keys), which safetensors then checks (length, JSON, dtypes, offsets).
+    loader and a device (a link to ``/dev/zero``) cannot be read without end, with a header :func:`_check_header`
+    and :func:`_layout` accept.
 
-    The path is opened once (:data:`_OPEN_FLAGS`), that open file is checked (``os.fstat``), and the header check,
-    safetensors and the tensor reads (:meth:`_OpenFile.tensor`) read it through the descriptor
-    (:data:`_DESCRIPTORS`), not through the path: a file that takes the path after the check is not the one read.
-    safetensors memory-maps the file and parses its header there; no tensor is read through that map.
+    The path is opened once (:data:`_OPEN_FLAGS`), that open file is checked (``os.fstat``), and the header and the
+    tensors (:meth:`_OpenFile.tensor`) are read through the descriptor (:data:`_DESCRIPTORS`), not through the path:
+    a file that takes the path after the check is not the one read. Every byte is read with ordinary reads, none
+    through a memory map (safetensors' ``safe_open`` maps the file: one cut short by another process while mapped
+    kills the reader with SIGBUS at its first access past the new end, where a read returns fewer bytes, refused).
+    A file whose size or modification time changed by the end of the ``with`` block (rewritten in place while it
+    was read: the tensors read could mix two files) is refused; a rewrite that keeps the size within the file
+    system's timestamp granularity (a clock tick, some ms) of the open is not seen.
 
     Raises:
-        SparseFileError: unreadable, not a regular file, a header :func:`_check_header` refuses, not a
-            safetensors file, or one whose header safetensors read otherwise than :func:`_check_header` did (changed
-            in between).
+        SparseFileError: unreadable, not a regular file, a header :func:`_check_header` or :func:`_layout` refuses,
+            or a file that changed while it was read (on leaving the ``with`` block without an error).
     """
     try:
         descriptor = os.open(path, _OPEN_FLAGS)
@@ -288,26 +339,22 @@ def _open_file(path: Path) -> Iterator[_OpenFile]:
         stack.callback(os.close, descriptor)
         info = os.fstat(descriptor)
         _require(stat.S_ISREG(info.st_mode), "file", f"{path} is not a regular file")
-        opened = f"{_DESCRIPTORS}/{descriptor}"
         try:
-            file = stack.enter_context(open(opened, "rb"))
+            file = stack.enter_context(open(f"{_DESCRIPTORS}/{descriptor}", "rb"))
             length, header = _check_header(file, info.st_size, path)
         except OSError as error:
             raise SparseFileError(f"file: cannot read {path}: {error}") from error
-        try:
-            handle = stack.enter_context(safe_open(opened, framework="pt"))
-        except (SafetensorError, OSError, ValueError) as error:
-            raise SparseFileError(f"file: {path} is not a valid safetensors file ({error!r})") from error
-        _require(isinstance(header, dict) and set(handle.keys()) == set(header) - {"__metadata__"}
-                 and (handle.metadata() or {}) == (header.get("__metadata__") or {}), "file",
-                 f"{path} changed while it was opened (safetensors read another header)")
-        yield _OpenFile(handle, file, header, 8 + length, path)
+        metadata, stored = _layout(header, info.st_size - 8 - length, path)
+        yield _OpenFile(file, metadata, stored, 8 + length, path)
+        after = os.fstat(descriptor)
+        _require((after.st_size, after.st_mtime_ns) == (info.st_size, info.st_mtime_ns), "file",
+                 f"{path} changed while it was read (its size or modification time moved: rewritten in place?)")
 
 
-def _read_metadata(handle: Any) -> dict[str, Any]:
+def _read_metadata(opened: _OpenFile) -> dict[str, Any]:
     """The ``"unsparse"`` metadata block of an open file (at most :data:`METADATA_MAX_CHARACTERS`), parsed without
     duplicate keys and checked at the top level."""
-    raw = (handle.metadata() or {}).get(METADATA_KEY)
+    raw = opened.metadata.get(METADATA_KEY)
     _require(isinstance(raw, str), "metadata", f"no {METADATA_KEY!r} string; not an UnSparse file")
     _require(len(raw) <= METADATA_MAX_CHARACTERS, "metadata",
              f"{len(raw)} characters, more than {METADATA_MAX_CHARACTERS}")
@@ -326,22 +373,6 @@ def _read_metadata(handle: Any) -> dict[str, Any]:
     return metadata
 
 
-def _stored_layout(handle: Any) -> dict[str, tuple[torch.dtype, int]]:
-    """``{stored key: (dtype, bytes)}`` of an open file, from its header (no tensor is read).
-
-    Raises:
-        SparseFileError: a stored dtype outside :data:`STORED_DTYPES`, naming the key.
-    """
-    layout = {}
-    for stored_key in handle.keys():  # noqa: SIM118 (safe_open is not iterable)
-        stored = handle.get_slice(stored_key)
-        dtype = STORED_DTYPES.get(stored.get_dtype())
-        _require(dtype is not None, stored_key, f"stored dtype {stored.get_dtype()}, expected one of "
-                 f"{sorted(STORED_DTYPES)}")
-        layout[stored_key] = (dtype, math.prod(stored.get_shape()) * dtype.itemsize)
-    return layout
-
-
 def _read_parts(opened: _OpenFile, entries: dict[str, dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]:
     """The stored tensors of an open file, grouped by the state-dict key they encode (``<key>::<part>``, or the
     plain key as part ``""``), read (:meth:`_OpenFile.tensor`) only once every one belongs to a declared tensor
@@ -353,7 +384,7 @@ def _read_parts(opened: _OpenFile, entries: dict[str, dict[str, Any]]) -> dict[s
         SparseFileError: naming the stored key or tensor.
     """
     parts_of: dict[str, list[str]] = {}
-    for stored_key in opened.handle.keys():  # noqa: SIM118 (safe_open is not iterable)
+    for stored_key in opened.stored:
         key, separator, part = stored_key.partition(PART_SEPARATOR)
         # "k::" would be part "" of k, as "k" is: one silently replacing the other
         _require(not separator or part != "", stored_key, "empty part name")
@@ -362,9 +393,8 @@ def _read_parts(opened: _OpenFile, entries: dict[str, dict[str, Any]]) -> dict[s
         _require(len(parts_of[key]) <= MAX_PARTS, key, f"more than {MAX_PARTS} stored parts")
     missing = sorted(set(entries) - set(parts_of))
     _require(not missing, "tensors", f"declared but not stored: {missing}")
-    layout = _stored_layout(opened.handle)
     for key, parts in parts_of.items():
-        stored_bytes = sum(layout[f"{key}{PART_SEPARATOR}{part}" if part else key][1] for part in parts)
+        stored_bytes = sum(opened.stored[f"{key}{PART_SEPARATOR}{part}" if part else key].size for part in parts)
         limit = PART_BYTES_PER_ELEMENT * math.prod(entries[key]["shape"]) + PART_BYTES_EXTRA
         _require(stored_bytes <= limit, key, f"{stored_bytes} stored bytes; a tensor of shape {entries[key]['shape']} "
                  f"needs at most {limit}")
@@ -548,17 +578,17 @@ def _restore_codecs(model: nn.Module, entries: dict[str, dict[str, Any]]) -> Non
 
 def file_tensor_bytes(path: str | Path) -> dict[str, int]:
     """Bytes each stored tensor (or codec part) occupies in a safetensors file, read from its header only
-    (safetensors checks that the header's offsets are integers that tile the data section exactly).
+    (checked as :func:`_layout` checks it: offsets that are integers and tile the data section exactly).
 
     Returns:
         ``{stored key: bytes}``; keys of codec parts keep their ``::part`` suffix.
 
     Raises:
-        SparseFileError: unreadable file, not a regular file, a malformed header (duplicate keys included), or a
-            stored dtype outside :data:`STORED_DTYPES`.
+        SparseFileError: unreadable file, not a regular file, a malformed header (duplicate keys included), a
+            stored dtype outside :data:`STORED_DTYPES`, or a file that changed while its header was read.
     """
     with _open_file(Path(path)) as opened:
-        return {key: size for key, (_, size) in _stored_layout(opened.handle).items()}
+        return {key: stored.size for key, stored in opened.stored.items()}
 
 
 def layer_names(model: nn.Module) -> dict[str, list[str]]:
@@ -630,8 +660,10 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
     Raises:
         KeyError: an unknown ``backend`` name, listing the known ones.
         ValueError: a ``device`` torch cannot parse, or a CUDA device on a machine without one (checked first).
-        SparseFileError: (a ``ValueError``) unreadable, non-regular or non-safetensors file, a safetensors header
-            of more than :data:`HEADER_MAX_BYTES` or with duplicate keys at any level, missing metadata,
+        SparseFileError: (a ``ValueError``) unreadable, non-regular or non-safetensors file (a header entry
+            without exactly a dtype of :data:`STORED_DTYPES`, a shape and offsets that tile the data section: named
+            by its key), a file that changed (size or modification time) or ended while it was read, a safetensors
+            header of more than :data:`HEADER_MAX_BYTES` or with duplicate keys at any level, missing metadata,
             metadata longer than :data:`METADATA_MAX_CHARACTERS`, with duplicate keys, or holding keys the format
             does not define, unknown format version or model name, a tensor stored in more than :data:`MAX_PARTS`
             parts, missing/extra/misshapen tensors (checked against the
@@ -652,7 +684,7 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
     get_backend(backend)  # an unknown name fails before the file is read, not at the first forward
     device = _target_device(device)
     with _open_file(Path(path)) as opened:
-        metadata = _read_metadata(opened.handle)
+        metadata = _read_metadata(opened)
         model = _shell_model(metadata)
         parts_by_key = _read_parts(opened, metadata["tensors"])
     decoded = _decode_tensors(metadata["tensors"], parts_by_key)
