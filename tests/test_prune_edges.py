@@ -4,14 +4,20 @@ write."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
+from torch.utils.data import DataLoader, TensorDataset
 
-from unsparse.prune import MagnitudePruner, attach_masks, masks_of, remove_masks
-from unsparse.prune.masks import WeightMask
+from unsparse.prune import MagnitudePruner, attach_masks, layer_sparsity, masks_of, remove_masks
+from unsparse.prune.evolutionary import EvolutionaryPruner
+from unsparse.prune.gradual import GradualMagnitudePruner
+from unsparse.prune.masks import WeightMask, prunable_layers
+from unsparse.train import Trainer
 
 
 def tiny_model(seed: int = 0) -> nn.Module:
@@ -88,3 +94,89 @@ def test_a_mask_other_parametrizations_cannot_hold_is_refused_naming_the_layer_a
     assert set(masks_of(model)) == {"0", "2", "5"}
     assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())
     assert isinstance(model[2].parametrizations.weight[1], WeightMask)
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: MagnitudePruner(0.999999), r"^target: 0.999999 prunes 708 of the 708 weights of the 3 masked layer\(s\), "
+                                        r"but each keeps one.*at most 0.99576"),
+    (lambda: MagnitudePruner(0.999999, scope="layer"), r"^target: 0.999999 prunes 708 of the 708 weights"),
+    (lambda: GradualMagnitudePruner(0.999, layers=["0", "2"]),
+     r"^target: 0.999 prunes 324 of the 324 weights of the 2 masked layer\(s\).*at most 0.993827"),
+    (lambda: EvolutionaryPruner(0.999999), r"^target: 0.999999 needs 708 of the 708 masked weights pruned, but "
+                                           r"max_layer_sparsity 0.99 lets the layers lose at most 700"),
+])
+def test_a_target_that_leaves_a_layer_no_weight_is_refused_before_any_work(make, message):
+    """Target 0.999999 pruned every weight of every layer (a model that passes only biases), and the evolutionary
+    pruner ran its whole budget towards a target its max_layer_sparsity forbids, both without a word."""
+    model = tiny_model()
+    pruner = make()
+    with pytest.raises(ValueError, match=message):
+        pruner.check_layers(model)
+    with pytest.raises(ValueError, match=message):
+        pruner.prepare(model)
+    assert not masks_of(model)
+
+
+def test_a_layer_may_not_lose_every_weight_under_the_evolutionary_pruner():
+    with pytest.raises(ValueError, match=r"^max_layer_sparsity: expected a number in \[0, 1\)"):
+        EvolutionaryPruner(0.9, max_layer_sparsity=1.0)
+
+
+def test_one_global_threshold_leaves_every_layer_its_largest_weight_and_the_count_exact():
+    """At 0.9 one threshold over the tiny model pruned all 384 weights of its Linear layer (smaller at
+    initialisation than the convolutions'); the floor keeps that layer's largest and takes the next weight in line.
+    A step asked for more than the floor allows leaves each layer its largest weight alone."""
+    model = tiny_model()
+    largest = {name: layer.weight.abs().argmax() for name, layer in prunable_layers(model).items()}
+    pruner = MagnitudePruner(0.9)
+    pruner.prepare(model)
+    pruner.step()
+    assert pruner.result([], 0.0).masked_weighted_sparsity == math.ceil(0.9 * 708) / 708
+    assert all(masks_of(model)[name].mask.reshape(-1)[index] == 1 for name, index in largest.items())
+    assert layer_sparsity(model)["5"] == 383 / 384
+    pruner.step(1.0)
+    assert all(int(mask.mask.sum()) == 1 and mask.mask.reshape(-1)[largest[name]] == 1
+               for name, mask in masks_of(model).items())
+
+
+def test_a_layer_whose_own_sparsity_would_empty_it_keeps_its_largest_weight():
+    """Per layer, 0.99 of layer 0's 36 weights is all of them: the layer kept none, and the model passed only
+    biases; now it stops one weight short."""
+    model = tiny_model()
+    largest = model[0].weight.abs().argmax()
+    pruner = GradualMagnitudePruner(0.5, scope="layer", layer_targets={"0": 0.99})
+    pruner.prepare(model)
+    pruner.step(0.5)
+    assert layer_sparsity(model) == {"0": 35 / 36, "2": 144 / 288, "5": 192 / 384}
+    assert masks_of(model)["0"].mask.reshape(-1)[largest] == 1
+
+
+def tiny_trainer() -> Trainer:
+    data = torch.Generator().manual_seed(1)
+    images, labels = torch.randn(64, 1, 8, 8, generator=data), torch.randint(0, 3, (64,), generator=data)
+    loaders = {split: DataLoader(TensorDataset(images, labels), batch_size=32) for split in ("train", "val", "test")}
+    return Trainer(loaders, lr=0.05, progress=False)
+
+
+@pytest.mark.parametrize("mask_application", ["forward", "after_step"])
+@pytest.mark.parametrize("earlier", [0.25, 0.75])
+def test_an_evolutionary_run_on_masked_layers_starts_from_their_masks_at_initial_sparsity_or_above(
+        earlier, mask_application, tmp_path):
+    """Masks already on the model (another pruner's, or an earlier run's: prepare keeps them) got initial_sparsity
+    added on top: layers at 0.25 began at 0.75 instead of 0.5, and layers at 0.75 at 0.99. Their pruned weights stay
+    pruned, though the dense weights under the masks grew large (as momentum moves them)."""
+    model = tiny_model()
+    earlier_pruner = MagnitudePruner(earlier, scope="layer")
+    earlier_pruner.prepare(model)
+    earlier_pruner.step()
+    kept = {name: mask.mask.clone() for name, mask in masks_of(model).items()}
+    with torch.no_grad():
+        for name, layer in prunable_layers(model).items():
+            layer.parametrizations.weight.original[kept[name] == 0] = 10.0
+    pruner = EvolutionaryPruner(0.9, iterations=0, initial_sparsity=0.5, fine_tune_epochs=0,
+                                mask_application=mask_application)
+    begun = pruner.run(model, tiny_trainer(), tmp_path).history[0]["layer_sparsity"]
+    sizes = {name: mask.mask.numel() for name, mask in masks_of(model).items()}
+    assert begun == {name: max(math.ceil(0.5 * size), math.ceil(earlier * size)) / size
+                     for name, size in sizes.items()}
+    assert all(bool((mask.mask <= kept[name]).all()) for name, mask in masks_of(model).items())

@@ -311,7 +311,7 @@ class EvolutionaryPruner(Pruner):
         mutation_threshold: probability of mutation rather than crossover on a stall.
         initial_sparsity: per-layer sparsity of the first masks (by magnitude; a deviation, see the module
             docstring).
-        max_layer_sparsity: no layer is pruned beyond this.
+        max_layer_sparsity: no layer is pruned beyond this (below 1: every layer keeps a weight).
         deadline: fraction of ``iterations`` by which the step floor reaches ``target`` (in ``(0, 1]``; None:
             no floor, the paper). See the module docstring.
         crossover_max_regress: how far (weighted sparsity, eq. 7-8) below the current masks a crossover donor
@@ -353,7 +353,8 @@ class EvolutionaryPruner(Pruner):
         super().__init__(target, layers)
         check_number(min_step, "min_step", lambda value: 0.0 < value <= 1.0, "in (0, 1]")
         check_number(max_step, "max_step", lambda value: min_step <= value <= 1.0, f"in [min_step = {min_step}, 1]")
-        check_number(max_layer_sparsity, "max_layer_sparsity", lambda value: 0.0 <= value <= 1.0, "in [0, 1]")
+        check_number(max_layer_sparsity, "max_layer_sparsity", lambda value: 0.0 <= value < 1.0,
+                     "in [0, 1) (at 1 a layer could lose every weight and pass only its bias)")
         check_number(initial_sparsity, "initial_sparsity", lambda value: 0.0 <= value <= max_layer_sparsity,
                      f"in [0, max_layer_sparsity = {max_layer_sparsity}]")
         check_integer(iterations, "iterations", low=0)
@@ -399,14 +400,23 @@ class EvolutionaryPruner(Pruner):
         """:meth:`Pruner.check_layers`; a masked layer's weight must carry no parametrization but the pruner's mask
         (the importance and ``G``, eq. 10 and 12, read the dense weight and its gradient, which e.g. a
         ``weight_norm`` layer keeps as two other tensors); a ``unit_step`` mapping must name prunable layers and give
-        every masked layer a step (checked before training in the main job, as :meth:`prepare` needs it).
+        every masked layer a step (checked before training in the main job, as :meth:`prepare` needs it); ``target``
+        must be within what ``max_layer_sparsity`` lets the masked layers lose (else the run would spend its whole
+        budget and stop below it).
 
         Raises:
-            ValueError: naming ``layers`` and the layers with another parametrization, or ``unit_step`` and the
-                layers.
+            ValueError: naming ``layers`` and the layers with another parametrization, ``unit_step`` and the
+                layers, or ``target`` and ``max_layer_sparsity``.
         """
         super().check_layers(model)
         layers = prunable_layers(model)
+        sizes = [layers[name].weight.numel() for name in self.layer_names or layers]
+        needed, allowed = pruned_count(self.target, sum(sizes)), sum(self.max_zeros(size) for size in sizes)
+        if needed > allowed:
+            raise ValueError(f"target: {self.target} needs {needed} of the {sum(sizes)} masked weights pruned, but "
+                             f"max_layer_sparsity {self.max_layer_sparsity} lets the layers lose at most {allowed} "
+                             f"(weighted sparsity {allowed / sum(sizes):.6g}); lower target or raise "
+                             "max_layer_sparsity")
         foreign = [name for name in (self.layer_names if self.layer_names is not None else layers)
                    if parametrize.is_parametrized(layers[name], "weight")
                    and not all(isinstance(step, WeightMask) for step in layers[name].parametrizations.weight)]
@@ -442,6 +452,11 @@ class EvolutionaryPruner(Pruner):
         self.generator.manual_seed(self.seed)
         self.ranked.solutions = []
         self.chosen, self.pending, self.iteration, self.score = [], [], 0, -math.inf
+
+    def max_zeros(self, size: int) -> int:
+        """Most mask zeros a layer of ``size`` weights may have: ``floor(max_layer_sparsity * size)``, below
+        ``size``."""
+        return math.floor(self.max_layer_sparsity * size)
 
     def zero_counts(self) -> dict[str, int]:
         """Number of pruned (mask 0) entries per masked layer."""
@@ -495,12 +510,14 @@ class EvolutionaryPruner(Pruner):
         unknown = [name for name in self.chosen if name not in self.masks]
         if unknown:
             raise ValueError(f"chosen: {unknown} are not masked layers; the pruner masks {', '.join(self.masks)}")
-        self._grow({name: self.delta[name] for name in self.chosen}, self.floor_zeros())
+        sizes = self.layer_sizes()
+        self._grow({name: pruned_count(self.delta[name], sizes[name]) for name in self.chosen}, self.floor_zeros())
 
-    def _grow(self, fractions: Mapping[str, float], floor: int) -> None:
-        """Add the fewest mask zeros that take each named layer from ``s_l`` to ``s_l + fractions[l]`` (eq. 13:
-        ``ceil(fractions[l] * size_l)``, as :func:`~unsparse.prune.masks.pruned_count` counts), at least ``floor``
-        in total. Rounding to nearest instead never pruned a layer whose step was below half a weight.
+    def _grow(self, counts: Mapping[str, int], floor: int) -> None:
+        """Add ``counts[l]`` mask zeros to each named layer, at least ``floor`` in total. A step from ``s_l`` to
+        ``s_l + Δ_l`` adds the fewest that reach it (eq. 13: ``ceil(Δ_l * size_l)``, as
+        :func:`~unsparse.prune.masks.pruned_count` counts); rounding to nearest instead never pruned a layer whose
+        step was below half a weight.
 
         Increments are capped by ``max_layer_sparsity``; a shortfall below ``floor`` is shared in proportion to
         the increments, then over every masked layer in proportion to its remaining room (:func:`share`), no
@@ -510,8 +527,8 @@ class EvolutionaryPruner(Pruner):
         the masks by importance (eq. 12-14).
         """
         sizes, zeros = self.layer_sizes(), self.zero_counts()
-        room = {name: max(math.floor(self.max_layer_sparsity * sizes[name]) - zeros[name], 0) for name in self.masks}
-        extra = {name: min(pruned_count(fraction, sizes[name]), room[name]) for name, fraction in fractions.items()}
+        room = {name: max(self.max_zeros(sizes[name]) - zeros[name], 0) for name in self.masks}
+        extra = {name: min(count, room[name]) for name, count in counts.items()}
         needed = max(self.target_zeros() - sum(zeros.values()), 0)
         shortfall = min(floor, needed) - sum(extra.values())
         if shortfall > 0:
@@ -613,14 +630,22 @@ class EvolutionaryPruner(Pruner):
         return self.result(history, elapsed + fit_seconds(tuned))
 
     def _continues(self) -> bool:
-        eligible = any(zeros < math.floor(self.max_layer_sparsity * size)
+        eligible = any(zeros < self.max_zeros(size)
                        for zeros, size in zip(self.zero_counts().values(), self.layer_sizes().values(), strict=True))
         return (self.iteration < self.iterations and sum(self.zero_counts().values()) < self.target_zeros()
                 and eligible)
 
     def _begin(self, trainer: Trainer) -> dict[str, Any]:
-        """Initial masks by magnitude at ``initial_sparsity``; evaluate; seed the ranked list (lines 1-7)."""
-        self._grow(dict.fromkeys(self.masks, self.initial_sparsity), 0)
+        """Initial masks by magnitude at ``initial_sparsity``; evaluate; seed the ranked list (lines 1-7).
+
+        A layer whose mask :meth:`prepare` found already on it (another pruner's, or an earlier run's) keeps its
+        zeros and is pruned further only up to ``initial_sparsity``, not by it (under ``"after_step"`` its dense
+        weights under the zeros are set to 0 first, so no threshold revives them).
+        """
+        self._zero_pruned()
+        sizes, zeros = self.layer_sizes(), self.zero_counts()
+        counts = {name: pruned_count(self.initial_sparsity, sizes[name]) - zeros[name] for name in self.masks}
+        self._grow({name: count for name, count in counts.items() if count > 0}, 0)
         self._zero_pruned()
         metrics = trainer.evaluate(self._prepared(), "val")
         self.score = metric_score(metrics)
@@ -677,7 +702,7 @@ class EvolutionaryPruner(Pruner):
         """Draw ``C_t`` without replacement, weights ``size_l * (max_layer_sparsity - s_l)`` (line 10)."""
         sizes, zeros = self.layer_sizes(), self.zero_counts()
         names = list(self.masks)
-        weights = torch.tensor([max(math.floor(self.max_layer_sparsity * sizes[n]) - zeros[n], 0) for n in names],
+        weights = torch.tensor([max(self.max_zeros(sizes[n]) - zeros[n], 0) for n in names],
                                dtype=torch.float64)
         count = min(self.layers_per_iteration, int((weights > 0).sum()))
         picked = torch.multinomial(weights, count, replacement=False, generator=self.generator)

@@ -9,6 +9,8 @@ or to its own entry of ``layer_targets`` (a per-layer allocation, e.g. the one a
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,13 +19,16 @@ import torch
 from torch import nn
 
 from unsparse.prune.base import Pruner, PruneResult, fine_tune_history, layer_mapping, optional_rate
-from unsparse.prune.masks import prunable_layers, threshold_mask
+from unsparse.prune.masks import lowest_mask, prunable_layers, pruned_count
 from unsparse.settings import check_choice, check_integer
 from unsparse.train import Trainer, fit_seconds
 
 
 class MagnitudePruner(Pruner):
     """Prune to ``target`` by ``|w|`` in one step, then fine-tune ``fine_tune_epochs`` epochs with masks on.
+
+    Every masked layer keeps at least one weight, its largest ``|w|`` (:meth:`step`), so a layer (or a
+    ``layer_targets`` entry) whose sparsity would empty it stops one weight short of it.
 
     Args:
         target: weighted sparsity to reach.
@@ -40,7 +45,8 @@ class MagnitudePruner(Pruner):
         ValueError: bad ``scope``; ``layer_targets`` with ``scope="global"``, with ``target`` 0, or with a value
             outside ``[0, 1)`` (its keys are read as strings: Hydra reads ``7.0`` as a number); a
             ``fine_tune_epochs`` that is no integer >= 0; an ``lr`` that is neither None nor > 0; as
-            :class:`~unsparse.prune.base.Pruner`.
+            :class:`~unsparse.prune.base.Pruner`. (A ``target`` that cannot leave every masked layer a weight is
+            refused by :meth:`check_layers`, which knows the layers' sizes.)
     """
 
     name = "magnitude"
@@ -62,13 +68,35 @@ class MagnitudePruner(Pruner):
         """``layers`` and the names of ``layer_targets``."""
         return {**super().named_layers(), "layer_targets": list(self.layer_targets)}
 
+    def check_layers(self, model: nn.Module) -> None:
+        """:meth:`Pruner.check_layers`; and ``target`` must leave at least one weight per masked layer, which
+        :meth:`step` keeps (a layer without weights would pass only its bias): at most ``(total - n) / total`` for
+        ``n`` masked layers of ``total`` weights.
+
+        Raises:
+            ValueError: as :meth:`Pruner.check_layers`; naming ``target`` and the most that keeps a weight in each
+                masked layer.
+        """
+        super().check_layers(model)
+        layers = prunable_layers(model)
+        sizes = [layers[name].weight.numel() for name in self.layer_names or layers]
+        total, count = sum(sizes), pruned_count(self.target, sum(sizes))
+        if count > total - len(sizes):
+            raise ValueError(f"target: {self.target} prunes {count} of the {total} weights of the {len(sizes)} masked "
+                             "layer(s), but each keeps one (a layer without weights would pass only its bias); at most "
+                             f"{(total - len(sizes)) / total:.6g}")
+
     @torch.no_grad()
     def step(self, sparsity: float | None = None) -> None:
         """Set every mask so the masked layers reach ``sparsity`` (default ``target``) by magnitude; with
         ``layer_targets``, layer ``l`` reaches ``layer_targets[l] * sparsity / target`` (at most 1).
 
         Ranks the effective (masked) weights, so weights already pruned rank lowest and stay pruned while the
-        sparsity grows (Zhu & Gupta 2017); ties are broken by position.
+        sparsity grows (Zhu & Gupta 2017); ties are broken by position. Every masked layer keeps at least its
+        largest ``|w|`` (a layer without weights would pass only its bias): with ``scope="layer"`` a layer's zeros
+        are at most its size less one, with ``scope="global"`` each layer's largest ``|w|`` ranks above every other
+        weight and the zeros are at most the masked weights less one per layer; below those floors the count of
+        zeros is exact, ``ceil(sparsity * size)``.
 
         Raises:
             ValueError: a ``sparsity`` outside ``[0, 1]``.
@@ -84,10 +112,14 @@ class MagnitudePruner(Pruner):
             for name, magnitude in magnitudes.items():
                 # layer_targets imply target > 0 (checked in __init__); a layer without one follows the step
                 share = self.layer_targets[name] / self.target if name in self.layer_targets else 1.0
-                self.masks[name].set(threshold_mask(magnitude, min(sparsity * share, 1.0)))
+                pruned = pruned_count(min(sparsity * share, 1.0), magnitude.numel())
+                self.masks[name].set(lowest_mask(magnitude, min(pruned, magnitude.numel() - 1)))
             return
         flat = torch.cat([m.reshape(-1).float().cpu() for m in magnitudes.values()])
-        keep = threshold_mask(flat, sparsity)
+        tops = torch.tensor([int(m.argmax()) for m in magnitudes.values()]) + torch.tensor(
+            [0, *itertools.accumulate(m.numel() for m in magnitudes.values())][:-1])
+        flat[tops] = math.inf  # each layer's largest weight goes last
+        keep = lowest_mask(flat, min(pruned_count(sparsity, flat.numel()), flat.numel() - len(magnitudes)))
         start = 0
         for name, magnitude in magnitudes.items():
             stop = start + magnitude.numel()
