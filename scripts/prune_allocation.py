@@ -54,6 +54,8 @@ ARMS = ("evolutionary", "gradual_global", "gradual_allocation")
 """The allocation ablation's arms (the default of ``--arms``)."""
 MASK_ARMS = {"evolutionary_masks": "evolutionary", "allocation_masks": "gradual_allocation"}
 """Mask-swap arms and the arm whose final masks each fixes on a fresh dense copy."""
+RUN_META = ("model", "budget_name", "overrides", "fine_tune_lr", "seed", "commit", "device_name")
+"""The ``meta`` fields of an ``--out`` JSON that :func:`markdown` reads."""
 
 
 def _script(name: str):
@@ -207,7 +209,11 @@ def main() -> None:
     SELECT.add_run_options(parser, "outputs/prune_allocation")
     args = parser.parse_args()
     if args.render:
-        atomic_write_text(args.out, markdown(TABLE.read_results(parser, "--render", args.render)))
+        runs = SELECT.read_written(parser, args.render, "arms", RUN_META)
+        models = sorted({run["meta"]["model"] for run in runs})
+        if len(models) > 1:  # the per-layer table follows the first file's layers
+            parser.error(f"--render: the files are of several models ({', '.join(models)}); give one model's seeds")
+        atomic_write_text(args.out, markdown(runs))
         return
     overrides = TABLE.settings_option(parser, "--evolutionary", args.evolutionary)
     TABLE.check_evolutionary(parser, "--evolutionary", [overrides], args.seed)

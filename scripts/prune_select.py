@@ -153,6 +153,31 @@ def select(name: str, budget: dict[str, Any], grid: dict[str, list[Any]], learni
     return candidates
 
 
+SELECTION_META = ("budget_name", "budget", "seed", "commit", "device_name", "grid")
+"""The ``meta`` fields of an ``--out`` JSON that :func:`markdown` reads."""
+
+
+def read_written(parser: argparse.ArgumentParser, paths: list[Path], body: str,
+                 meta_keys: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The ``--render`` files (``prune_table.read_results``), each checked to be what a run of the script wrote: a
+    JSON object holding a ``meta`` object with ``meta_keys`` and a ``body`` object (``prune_allocation.py`` reads
+    its own files with this too).
+
+    ``parser.error`` naming ``--render``, the file and what it lacks otherwise: a JSON of another script, or a
+    hand-cut one, ended in a KeyError or TypeError traceback.
+    """
+    results = TABLE.read_results(parser, "--render", paths)
+    for path, result in zip(paths, results, strict=True):
+        if not (isinstance(result, dict) and isinstance(result.get("meta"), dict)
+                and isinstance(result.get(body), dict)):
+            parser.error(f"--render: {path} is no JSON this script wrote: it needs an object with 'meta' and "
+                         f"'{body}' objects")
+        missing = [key for key in meta_keys if key not in result["meta"]]
+        if missing:
+            parser.error(f"--render: {path}: meta lacks {', '.join(missing)}")
+    return results
+
+
 def merge(selections: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Selections of one budget, seed, commit and device joined into one (e.g. the per-candidate jobs of
     ``scripts/prune_select_gpu.sh``): candidates concatenated per model in the order given, grids united per
@@ -216,10 +241,12 @@ def main() -> None:
                         help="write the page for these --out files (.json or .json.xz) to --out and run nothing")
     add_run_options(parser, "outputs/prune_select")
     args = parser.parse_args()
+    if args.out is None and args.render:
+        parser.error("--out is required with --render")
     if args.out is None and not args.dense_only:
         parser.error("--out is required unless --dense-only")
     if args.render:
-        atomic_write_text(args.out, markdown(TABLE.read_results(parser, "--render", args.render)))
+        atomic_write_text(args.out, markdown(read_written(parser, args.render, "candidates", SELECTION_META)))
         return
     grid = grid_option(parser, args.grid)
     TABLE.check_evolutionary(parser, "--grid", [dict(zip(grid, values, strict=True))

@@ -108,3 +108,26 @@ def test_render_reads_committed_xz_files(ablation, run_script, tmp_path):
         json.dump({"meta": meta, "arms": {"evolutionary": row}}, handle)
     code, _ = run_script(ablation, ["--render", str(tmp_path / "s0.json.xz"), "--out", str(tmp_path / "page.md")])
     assert code == 0 and "| 0 | abc1234 | cpu | evolutionary | 90.00 | 89.50 |" in (tmp_path / "page.md").read_text()
+
+
+def test_render_names_a_file_of_another_script_or_of_another_model(ablation, run_script, tmp_path):
+    """A prune_select.py JSON ended in KeyError: 'model', and seeds of two models in a KeyError on the second
+    model's layer names, both as tracebacks."""
+    row = {"val_top1": 90.0, "test_top1": 89.5, "weighted_sparsity": 0.92, "layer_sparsity": {"0": 0.5},
+           "wall_time_s": 1.0}
+    meta = {"model": "vgg_small", "budget_name": "quick", "overrides": {}, "fine_tune_lr": 0.05, "seed": 0,
+            "commit": "abc1234", "device_name": "cpu"}
+    files = {"select.json": {"meta": {**meta, "grid": {}}, "candidates": {}},
+             "vgg.json": {"meta": meta, "arms": {"evolutionary": row}},
+             "resnet.json": {"meta": {**meta, "model": "resnet_small"},
+                             "arms": {"evolutionary": {**row, "layer_sparsity": {"1.body.0.0": 0.5}}}}}
+    for name, content in files.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    page = str(tmp_path / "page.md")
+    code, output = run_script(ablation, ["--render", str(tmp_path / "select.json"), "--out", page])
+    assert code == 2 and f"--render: {tmp_path / 'select.json'}" in output and "'arms'" in output
+    code, output = run_script(ablation, ["--render", str(tmp_path / "vgg.json"), str(tmp_path / "resnet.json"),
+                                         "--out", page])
+    assert code == 2 and "--render: the files are of several models (resnet_small, vgg_small)" in output
+    code, output = run_script(ablation, ["--render", str(tmp_path / "vgg.json"), "--out", page])
+    assert code == 0

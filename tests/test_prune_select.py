@@ -141,3 +141,21 @@ def test_help_states_defaults_and_the_long_default_budget(selector, run_script):
     assert code == 0
     assert "(default gpu_w32: all 55,000 training images" in output and "many hours on a CPU" in output
     assert "(default auto)" in output and "(default 0.01 0.05)" in output
+
+
+@pytest.mark.parametrize(("content", "lacks"), [
+    ({"meta": {"model": "resnet_small"}, "arms": {}}, "'candidates'"),  # a prune_allocation.py JSON
+    ({"meta": {"budget_name": "quick", "seed": 0}, "candidates": {}}, "meta lacks budget, commit, device_name, grid"),
+])
+def test_render_names_a_file_this_script_did_not_write(selector, run_script, tmp_path, content, lacks):
+    """A JSON of another script (or a hand-cut one) ended in a KeyError traceback."""
+    (tmp_path / "other.json").write_text(json.dumps(content))
+    code, output = run_script(selector, ["--render", str(tmp_path / "other.json"), "--out", str(tmp_path / "page.md")])
+    assert code == 2 and f"--render: {tmp_path / 'other.json'}" in output and lacks in output
+    assert not (tmp_path / "page.md").exists()
+
+
+def test_render_needs_out_with_dense_only_too(selector, run_script, tmp_path):
+    """--dense-only waived --out, and --render then wrote to None: a TypeError traceback."""
+    code, output = run_script(selector, ["--dense-only", "--render", str(tmp_path / "select.json")])
+    assert code == 2 and "--out is required with --render" in output
