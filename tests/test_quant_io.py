@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -520,3 +521,14 @@ def test_a_model_edited_after_quantizing_beyond_its_description_is_not_saved(tmp
     with pytest.raises(ValueError, match=r"model: load_sparse would refuse its file \(6\.0\.values"):
         save_sparse(model, tmp_path / "m.safetensors")
     assert not list(tmp_path.iterdir())
+
+
+def test_a_value_edited_off_its_grid_after_quantization_is_refused_naming_its_layer(tmp_path):
+    model = SCHEMES["linear8"]().quantize(pruned_sparse_model(), calibration())
+    name = list(sparse_layers(model))[1]
+    values = sparse_layers(model)[name].values.view(-1)
+    with torch.no_grad():
+        values[values.nonzero()[0]] += 1e-4
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}\.values: fixed_point codec: .*not on the 8-bit grid"):
+        save_sparse(model, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()

@@ -123,7 +123,9 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
             no JSON (a numpy value, nesting deeper than the encoder goes) or whose JSON the loader refuses (keys that
             become one, such as ``1`` and ``"1"``; nesting deeper than the parser reads; more than
             :data:`METADATA_MAX_CHARACTERS` in all), or a safetensors header of more than :data:`HEADER_MAX_BYTES`:
-            :func:`load_sparse` would refuse the file, and the same checks run before it is written.
+            :func:`load_sparse` would refuse the file, and the same checks run before it is written; a tensor its
+            codec cannot encode (values off a fixed-point grid, e.g. edited after quantization), naming the tensor's
+            key (``<layer>.values: ...``).
     """
     from unsparse.quant.state import check_values_codecs, describe_quantization
 
@@ -141,7 +143,11 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
     storages: set[int] = set()  # a layer under several names has its tensors under each: safetensors stores each once
     for key, tensor in model.state_dict().items():
         codec = _codec_spec(model, key)
-        for part, data in get_codec(codec["name"], key).encode(tensor.detach(), codec).items():
+        try:
+            parts = get_codec(codec["name"], key).encode(tensor.detach(), codec)
+        except ValueError as error:
+            raise ValueError(f"{key}: {error}") from error
+        for part, data in parts.items():
             data = data.detach().cpu().contiguous()
             storage = data.untyped_storage().data_ptr()
             tensors[f"{key}{PART_SEPARATOR}{part}" if part else key] = data.clone() if storage in storages else data
