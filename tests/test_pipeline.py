@@ -283,6 +283,16 @@ def test_the_report_names_the_commit_the_job_started_from(tmp_path, monkeypatch)
     assert report["run"]["commit"] == "started"
 
 
+class EmptyingPruner(MagnitudePruner):
+    """Zeroes every mask after its step: the magnitude pruners keep each layer's largest weight, and a user's own
+    pruner (or a layer whose weights are all zero) can still leave a layer without weights."""
+
+    def step(self, sparsity: float | None = None) -> None:
+        super().step(sparsity)
+        for mask in self.masks.values():
+            mask.set(torch.zeros_like(mask.mask))
+
+
 def test_a_time_series_trains_an_autoencoder_and_reports_its_mse(tmp_path, caplog):
     """Windows without labels train with MSE and the report gives reconstruction MSE per stage next to predicting
     each window's mean (cross-entropy against a one-channel output was always 0: nothing trained, top-1 0 was
@@ -294,7 +304,7 @@ def test_a_time_series_trains_an_autoencoder_and_reports_its_mse(tmp_path, caplo
     first = next(name for name, layer in model.named_modules() if isinstance(layer, torch.nn.Conv1d))
     untrained = {key: value.clone() for key, value in model.state_dict().items()}
     with caplog.at_level("WARNING"):
-        report = run_pipeline(windows(count=48), model, MagnitudePruner(0.9999, layers=[first], fine_tune_epochs=0),
+        report = run_pipeline(windows(count=48), model, EmptyingPruner(0.9, layers=[first], fine_tune_epochs=0),
                               lambda model, loader: model, tmp_path, TrainSettings(epochs=2, batch_size=8),
                               TimingSettings(batch_size=4, repeats=2, warmup=0, backends=["dense_cpu"]), progress=False)
     assert report["run"]["metric"] == "mse" and report["run"]["weights"].startswith("trained on the data set, 2 epochs")
@@ -386,7 +396,7 @@ def test_a_float_key_that_could_name_several_layers_is_refused():
     1.10 the setting went to 1.1 unasked, and with 1.10 alone it was refused as naming no layer (a helper's find).
     A float key that reads as one layer only keeps working, and a quoted name is taken as written."""
     def conv() -> torch.nn.Module:
-        return torch.nn.Conv2d(1, 1, 1)
+        return torch.nn.Conv2d(1, 2, 3)
 
     both = torch.nn.Sequential(conv(), torch.nn.Sequential(*(conv() for _ in range(11))))  # 1.0 ... 1.10
     longer_only = torch.nn.Sequential(conv(), torch.nn.Sequential(conv(), torch.nn.ReLU(), *(conv() for _ in range(9))))
