@@ -49,15 +49,14 @@ def test_from_module_refuses_groups_that_do_not_divide_the_channels(attribute, c
 @pytest.mark.parametrize("dims", [1, 2])
 def test_a_convolution_with_groups_that_do_not_divide_the_output_channels_is_refused(backend, dims):
     """A weight of 8 output channels under groups=3 (a hand-made geometry) reached torch's RuntimeError ('expected
-    weight to be divisible by 3 at dimension 0') on every backend."""
+    weight to be divisible by 3 at dimension 0') on every backend; a layer built so is refused when it is built."""
     csr = UniformCSR.from_dense(torch.randn(8, 2, *(3,) * dims))
     x = torch.randn(1, 6, *(7,) * dims)
     convolve = sparse_conv2d if dims == 2 else sparse_conv1d
     with pytest.raises(SparseFormatError, match=r"^groups: 3 does not divide the out_channels \(8\)"):
         convolve(x, csr, groups=3, backend=backend)
-    layer = SparseConv(csr, None, ConvGeometry.of(groups=3, spatial_dims=dims), backend)
     with pytest.raises(SparseFormatError, match=r"^groups: 3 does not divide the out_channels \(8\)"):
-        layer(x)
+        SparseConv(csr, None, ConvGeometry.of(groups=3, spatial_dims=dims), backend)
 
 
 def test_a_grouped_convolution_whose_groups_divide_the_channels_runs_as_torch_does():

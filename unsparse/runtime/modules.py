@@ -37,7 +37,8 @@ class SparseConv(nn.Module):
 
     Raises:
         SparseFormatError: (a ``ValueError``) a weight whose rank is not ``geometry.spatial_dims + 2`` (a Conv1d
-            weight under a 2-D geometry ran as a 1 x S kernel over an image, with no error).
+            weight under a 2-D geometry ran as a 1 x S kernel over an image, with no error), or ``groups`` that
+            does not divide the weight's output channels (:meth:`ConvGeometry.check_channels`).
     """
 
     def __init__(self, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
@@ -46,6 +47,7 @@ class SparseConv(nn.Module):
         if len(csr.weight_shape) != geometry.spatial_dims + 2:
             raise SparseFormatError(f"weight_shape: {csr.weight_shape} has {len(csr.weight_shape)} dimensions, a "
                                     f"{geometry.spatial_dims}-D convolution's weight has {geometry.spatial_dims + 2}")
+        geometry.check_channels(csr.in_channels_per_group * geometry.groups, csr.out_channels)
         self.register_buffer("values", csr.values.detach().clone())
         self.register_buffer("col_idx", csr.col_idx.detach().clone())
         self.weight_shape = csr.weight_shape
