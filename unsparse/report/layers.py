@@ -18,7 +18,8 @@ def layer_rows(model: nn.Module, path: str | Path) -> list[dict[str, Any]]:
     ``dilation`` (one entry per spatial dimension: a Conv1d's length only), ``groups``, ``sparsity`` (fraction of
     zero weights), ``nnz``, ``row_length`` (L, UnSparse-Opt §5), ``padding_entries`` (stored zeros that pad rows
     to L), ``file_bytes`` (all of the layer's tensors in the file: values or their codec parts, col_idx, bias and a
-    fixed-point activation quantizer's saturation; :func:`~unsparse.sparse.io.layer_file_bytes`) and
+    fixed-point activation quantizer's saturation; a layer shared under several names has one row, under its first
+    name, counting its copy under every name: :func:`~unsparse.sparse.io.layer_file_bytes`) and
     ``dense_fp32_bytes`` (dense weight + bias at 4 bytes per element).
     """
     stored = layer_file_bytes(model, path)
