@@ -103,20 +103,21 @@ def test_atomic_writes_keep_the_usual_permissions(tmp_path):
         os.umask(umask)
 
 
-def test_atomic_json_is_strict_json_with_null_for_nan_and_infinities(tmp_path):
+def test_atomic_json_is_strict_json_with_null_for_nan_and_a_number_for_infinities(tmp_path):
     """Python's json wrote NaN and -Infinity (a diverged stage's metric, a pruning history's change), which
-    loads_strict and other strict readers refuse; tuples still read as lists, finite values are kept."""
+    loads_strict and other strict readers refuse; infinities were then written as null and read back as "not
+    measured" (an infinite MSE); tuples still read as lists, finite values are kept."""
     from unsparse.atomic import atomic_write_json
     from unsparse.strict_json import loads_strict
 
     data = {"nan": math.nan, "values": [1.5, math.inf, -math.inf], "nested": {"pair": (2, math.nan)}, "flag": None}
     path = atomic_write_json(tmp_path / "report.json", data)
-    assert loads_strict(path.read_text()) == {"nan": None, "values": [1.5, None, None], "nested": {"pair": [2, None]},
-                                              "flag": None}
+    assert loads_strict(path.read_text()) == {"nan": None, "values": [1.5, math.inf, -math.inf],
+                                              "nested": {"pair": [2, None]}, "flag": None}
     assert math.isnan(data["nan"]) and isinstance(data["nested"]["pair"], tuple)  # the input is not modified
     with pytest.raises(TypeError):
         atomic_write_json(path, {"set": {1}})
-    assert loads_strict(path.read_text())["values"] == [1.5, None, None]  # a refused write leaves the file
+    assert loads_strict(path.read_text())["values"] == [1.5, math.inf, -math.inf]  # a refused write leaves the file
 
 
 def test_atomic_json_refuses_a_circular_reference_with_a_value_error(tmp_path):

@@ -141,12 +141,13 @@ def write_record(folder: str | Path, record: Mapping[str, str] | None) -> None:
 
 
 def atomic_write_json(path: str | Path, data: Any) -> Path:
-    """Atomically replace ``path`` with ``data`` as indented strict JSON: NaN and infinities are written as ``null``
-    (:func:`~unsparse.strict_json.dumps_strict`; Python's ``json`` writes ``NaN`` and ``Infinity``, which strict
-    readers refuse).
+    """Atomically replace ``path`` with ``data`` as indented strict JSON: NaN is written as ``null`` and an infinity
+    as the number ``1e999`` (``-1e999``), which :func:`~unsparse.strict_json.loads_strict` reads back as that
+    infinity (:func:`~unsparse.strict_json.dumps_strict` with ``infinities``; Python's ``json`` writes ``NaN`` and
+    ``Infinity``, which strict readers refuse, and ``null`` would read back as "not measured").
 
     Raises:
         TypeError, ValueError: from :func:`~unsparse.strict_json.dumps_strict`, before ``path`` is touched.
         OSError: as :func:`atomic_write`.
     """
-    return atomic_write_text(path, dumps_strict(data, indent=2, sort_keys=False) + "\n")
+    return atomic_write_text(path, dumps_strict(data, infinities=True, indent=2, sort_keys=False) + "\n")

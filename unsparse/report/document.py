@@ -10,9 +10,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from unsparse.atomic import atomic_write_text
+from unsparse.atomic import atomic_write_json, atomic_write_text
 from unsparse.runtime.baseline import NAME as BASELINE
-from unsparse.strict_json import dumps_strict
 
 SMOKE_RUN = ("**Smoke run (budget `quick`): figures are not results.** A few training batches on a subset of the "
              "data, to check that the script runs from end to end.")
@@ -301,7 +300,6 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
     if report.get("plan_check"):
         sections += ["## Whole model", plan_check_text(report["plan_check"])]
     sections += [f"## {title}\n\n![{title}]({path.relative_to(outdir)})" for title, path in figures.items()]
-    paths = {"json": atomic_write_text(outdir / "report.json",
-                                       dumps_strict(report, infinities=True, indent=2, sort_keys=False) + "\n"),
+    paths = {"json": atomic_write_json(outdir / "report.json", report),
              "markdown": atomic_write_text(outdir / "report.md", "\n\n".join(sections) + "\n")}
     return paths
