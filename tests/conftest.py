@@ -2,8 +2,9 @@
 ``load_script`` (a ``scripts/*.py`` file as a module), ``run_script`` (a script's ``main()`` run in-process on a
 command line), ``interrupt_at_epoch`` (a trainer that raises Ctrl-C's
 ``KeyboardInterrupt`` as an epoch starts), ``crash_at_save`` (a module's ``save_checkpoint`` raising it at its n-th
-call) and ``tuned_kernel_names`` (the kernel instantiations the direct backend's
-tuning spaces name for a few representative layers)."""
+call), ``tuned_kernel_names`` (the kernel instantiations the direct backend's
+tuning spaces name for a few representative layers) and ``virtual_clock`` (CPU timings on a clock that only charged
+backend calls advance)."""
 
 from __future__ import annotations
 
@@ -121,6 +122,53 @@ def tuned_kernel_names() -> list[str]:
             if dtype == torch.float16:
                 names.update(half2.kernel_names(x, csr, geometry))
     return sorted(names)
+
+
+class VirtualClock:
+    """The clock of CPU timings (``time_fn`` and ``host_enqueue_ms`` of :mod:`unsparse.runtime.timing`) while the
+    ``virtual_clock`` fixture is active: it stands still unless a test advances it, directly (:meth:`advance`) or by
+    a backend call it charges (:meth:`charge`), so every median and mean is exact whatever else the machine runs.
+
+    Attributes:
+        ms: the time it reads, in milliseconds (starts at 0).
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ms = 0.0
+        self._monkeypatch = monkeypatch
+
+    def perf_counter(self) -> float:
+        """What ``time.perf_counter`` reads in :mod:`unsparse.runtime.timing`: :attr:`ms` in seconds."""
+        return self.ms / 1e3
+
+    def advance(self, ms: float) -> None:
+        """Move the clock on by ``ms`` milliseconds."""
+        self.ms += ms
+
+    def charge(self, cost: Callable[[str, Any, dict[str, Any]], float], *backends: type) -> None:
+        """Make each call of ``conv`` of the given backend classes (and of their subclasses that inherit it) advance
+        the clock by ``cost(backend name, csr, params)`` ms before it computes; ``run``, the comparator's and a
+        model's timed call, goes through ``conv``, and so does ``auto`` through its planned backend. Backends not
+        charged cost nothing."""
+        for cls in backends:
+            def costed(backend: Any, x: Any, csr: Any, *args: Any, conv: Callable[..., Any] = cls.conv,
+                       **params: Any) -> Any:
+                self.advance(cost(backend.name, csr, params))
+                return conv(backend, x, csr, *args, **params)
+            self._monkeypatch.setattr(cls, "conv", costed)
+
+
+@pytest.fixture
+def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> VirtualClock:
+    """A :class:`VirtualClock` that the CPU timings of :mod:`unsparse.runtime.timing` read instead of
+    ``time.perf_counter`` until the test ends (the charged backends are put back then too)."""
+    from types import SimpleNamespace
+
+    from unsparse.runtime import timing
+
+    clock = VirtualClock(monkeypatch)
+    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    return clock
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 from torch import nn
 
 from unsparse.runtime import bench, comparator
+from unsparse.runtime.backends.dense import DenseBackend
+from unsparse.runtime.backends.lowering import LoweringBackend
 from unsparse.runtime.plan import Plan, PlanEntry
+
+if TYPE_CHECKING:
+    from conftest import VirtualClock
 
 
 def model() -> nn.Module:
@@ -94,35 +101,17 @@ def test_a_one_channel_model_is_not_planned_in_channels_last() -> None:
 
 COSTS_MS = {("dense_cpu", 8): 1.0, ("im2col_cublas", 8): 0.99, ("im2col_cusparse", 8): 2.0,
             ("dense_cpu", 4): 1.0, ("im2col_cublas", 4): 0.5, ("im2col_cusparse", 4): 2.0}
-"""What a call of each CPU backend costs on the virtual clock of :func:`virtual_clock`, per backend and layer (its
-output channels: 8, then 4, in :func:`model`)."""
+"""What a call of each CPU backend costs on the virtual clock (``virtual_clock``), per backend and layer (its output
+channels: 8, then 4, in :func:`model`)."""
 
 
-@pytest.fixture
-def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> None:
-    """CPU timings read a clock that only the backends' calls advance, each by its :data:`COSTS_MS`: every median is
-    exact, whatever else the machine runs."""
-    from types import SimpleNamespace
-
-    from unsparse.runtime import timing
-    from unsparse.runtime.backends.dense import DenseBackend
-    from unsparse.runtime.backends.lowering import LoweringBackend
-
-    clock = [0.0]
-    monkeypatch.setattr(timing, "time", SimpleNamespace(perf_counter=lambda: clock[0] / 1e3))
-    for cls in (DenseBackend, LoweringBackend):
-        def costed(self, x, csr, *args, conv=cls.conv, **params):
-            clock[0] += COSTS_MS[self.name, csr.out_channels]
-            return conv(self, x, csr, *args, **params)
-        monkeypatch.setattr(cls, "conv", costed)
-
-
-def test_a_sparse_model_records_the_backend_its_plan_kept_per_layer(virtual_clock: None,
+def test_a_sparse_model_records_the_backend_its_plan_kept_per_layer(virtual_clock: VirtualClock,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A trained model's layer records named only the fastest backend; the plan keeps the dense default for a win
     within the margin (the first layer: 1 % faster), leaves it for a larger one (the second: 2x), and every key goes
     back to the default where the end-to-end check sets the plan back (forced here: margin -1). The test once timed
     the backends for real and could only check the record against the plan, whichever backend won."""
+    virtual_clock.charge(lambda name, csr, params: COSTS_MS[name, csr.out_channels], DenseBackend, LoweringBackend)
     plan = Plan()
     record = bench.bench_end_to_end_sparse(bench.sparsify(model()), (3, 12, 10), 2, torch.device("cpu"), 3, plan)
     assert [(layer["best"], layer["planned"]) for layer in record["layers"]] == [("im2col_cublas", "dense_cpu"),
