@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import math
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ from torch import nn
 from unsparse.runtime import sparse_layers, sparsify
 from unsparse.runtime.backends import base, get_backend
 from unsparse.runtime.backends.base import ConvBackend
+from unsparse.runtime.backends.dense import DenseBackend
+from unsparse.runtime.backends.lowering import LoweringBackend
+from unsparse.runtime.backends.reference import ReferenceBackend
 from unsparse.runtime.comparator import (
     LayerComparison,
     Measurement,
@@ -29,6 +33,9 @@ from unsparse.runtime.layout import layout_of
 from unsparse.runtime.plan import Plan, PlanEntry, PlanError, layer_key, precision_tag, use_plan
 from unsparse.runtime.timing import Timing, host_enqueue_ms, host_profile, rotation_count, time_backend, time_fn
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
+
+if TYPE_CHECKING:
+    from conftest import VirtualClock
 
 
 def small_layer(seed: int = 0, batch: int = 3):
@@ -49,15 +56,24 @@ class Broken(ConvBackend):
 
 
 class Slow(ConvBackend):
+    """Correct settings whose calls cost their ``cost_ms`` where a test charges them to the ``virtual_clock``
+    (:func:`costs`), most of them far more than the dense backend."""
+
     name = "test_slow"
     device_types = frozenset({"cpu"})
 
     def tuning_space(self, x, csr, geometry) -> list[dict[str, Any]]:
-        return [{"delay": d} for d in (0.08, 0.001, 0.1, 0.002, 0.06)]
+        return [{"cost_ms": ms} for ms in (80.0, 1.0, 100.0, 2.0, 60.0)]
 
-    def conv(self, x, csr, bias, geometry, delay: float = 0.0, **params: Any) -> torch.Tensor:
-        time.sleep(delay)
-        return get_backend("dense_cpu").conv(x, csr, bias, geometry)
+    def conv(self, x, csr, bias, geometry, cost_ms: float = 0.0, **params: Any) -> torch.Tensor:
+        """``F.conv2d``, not a registered backend, whose calls would be charged too."""
+        return torch.nn.functional.conv2d(x, csr.to_conv2d_weight(), bias, geometry.stride, geometry.padding,
+                                          geometry.dilation, geometry.groups)
+
+
+def costs(**ms: float) -> Callable[[str, UniformCSR, dict[str, Any]], float]:
+    """A ``virtual_clock`` cost: ``ms[backend name]`` per call, a :class:`Slow` setting its ``cost_ms``."""
+    return lambda name, csr, params: params["cost_ms"] if name == Slow.name else ms[name]
 
 
 @pytest.fixture
@@ -66,12 +82,19 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setitem(base._REGISTRY, cls.name, cls)
 
 
-def test_time_fn_counts_runs_and_reports_milliseconds() -> None:
+def test_time_fn_counts_runs_and_reports_milliseconds(virtual_clock: VirtualClock) -> None:
+    """Run ``i`` takes ``(i + 1) ** 2`` ms on the virtual clock (median 110.5, mean 143.5), each warm-up call 1000 ms
+    (not timed)."""
     calls = []
-    timing = time_fn(lambda i: (calls.append(i), time.sleep(0.002)), "cpu", runs=20, warmup=2, rotation=3)
+
+    def fn(i: int) -> None:
+        calls.append(i)
+        virtual_clock.advance(1000.0 if len(calls) <= 2 else (i + 1.0) ** 2)
+
+    timing = time_fn(fn, "cpu", runs=20, warmup=2, rotation=3)
     assert calls == [0, 1, *range(20)]
     assert timing.runs == 20 and timing.rotation == 3
-    assert 2.0 <= timing.min_ms <= timing.median_ms <= timing.max_ms < 1000
+    assert (timing.min_ms, timing.median_ms, timing.max_ms) == pytest.approx((1.0, 110.5, 400.0))
     with pytest.raises(ValueError, match="runs"):
         time_fn(lambda i: None, "cpu", runs=0)
 
@@ -85,10 +108,11 @@ def test_rotation_count_exceeds_twice_the_cache() -> None:
         rotation_count(-1, 0)
 
 
-def test_time_backend_on_cpu() -> None:
+def test_time_backend_on_cpu(virtual_clock: VirtualClock) -> None:
+    virtual_clock.charge(costs(dense_cpu=1.5), DenseBackend)
     x, csr, bias = small_layer()
     timing = time_backend("dense_cpu", x, csr, bias, ConvGeometry.of(1, 1), runs=20)
-    assert timing.runs == 20 and timing.median_ms > 0
+    assert timing.runs == 20 and timing.rotation == 1 and timing.median_ms == pytest.approx(1.5)
 
 
 def test_every_cpu_backend_refuses_a_bias_that_is_not_one_per_output_channel() -> None:
@@ -101,19 +125,22 @@ def test_every_cpu_backend_refuses_a_bias_that_is_not_one_per_output_channel() -
                 get_backend(name).run(x, csr, bad, ConvGeometry.of(1, 1))
 
 
-def test_compare_layer_rejects_wrong_backend_and_picks_fastest(fakes: None) -> None:
+def test_compare_layer_rejects_wrong_backend_and_picks_fastest(fakes: None, virtual_clock: VirtualClock) -> None:
+    """Five settings of ``test_slow`` are screened and its two fastest (1 and 2 ms) fully timed; the fastest correct
+    setting is the 1 ms one, not im2col_cublas (1.5 ms); the wrong backend is never timed."""
+    virtual_clock.charge(costs(im2col_cublas=1.5), Slow, LoweringBackend)
     x, csr, bias = small_layer(batch=5)
     result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["test_broken", "test_slow", "im2col_cublas"],
                            runs=20, screen_runs=2, keep=2)
     broken = [m for m in result.measurements if m.backend == "test_broken"]
     assert [m.status for m in broken] == ["wrong"] and broken[0].timing is None
     slow = [m for m in result.measurements if m.backend == "test_slow"]
-    assert all(m.screen is not None for m in slow)
-    fully_timed = sorted(m.params["delay"] for m in slow if m.timing is not None)
-    assert fully_timed == [0.001, 0.002]
-    assert result.best.backend != "test_broken"
-    assert result.best.timing.median_ms == min(m.timing.median_ms for m in result.measurements if m.timing)
-    assert json.loads(json.dumps(result.to_dict()))["best"]["backend"] == result.best.backend
+    assert [m.screen.median_ms for m in slow] == pytest.approx([m.params["cost_ms"] for m in slow])
+    assert sorted(m.timing.median_ms for m in slow if m.timing is not None) == pytest.approx([1.0, 2.0])
+    assert (result.best.backend, result.best.params) == ("test_slow", {"cost_ms": 1.0})
+    assert result.best.median_ms == pytest.approx(1.0)
+    assert result.fastest("im2col_cublas").median_ms == pytest.approx(1.5)
+    assert json.loads(json.dumps(result.to_dict()))["best"]["backend"] == "test_slow"
 
 
 def test_compare_layer_graph_timing_needs_cuda_and_a_known_mode() -> None:
@@ -356,15 +383,16 @@ def test_plan_leaves_the_dense_default_only_for_a_gain_beyond_the_margin() -> No
     assert no_default.plan_entry().backend == "direct"
 
 
-def test_host_enqueue_time_is_the_mean_wall_clock_per_call() -> None:
+def test_host_enqueue_time_is_the_mean_wall_clock_per_call(virtual_clock: VirtualClock) -> None:
+    """Calls of 1, 2, 3, 4 and 5 ms on the virtual clock: 3 ms each on average."""
     calls = []
 
     def forward() -> None:
         calls.append(1)
-        time.sleep(0.002)
+        virtual_clock.advance(float(len(calls)))
 
     ms = host_enqueue_ms(forward, "cpu", runs=5)
-    assert len(calls) == 5 and 2.0 <= ms < 50.0
+    assert len(calls) == 5 and ms == pytest.approx(3.0)
 
 
 def test_host_profile_lists_the_function_that_takes_the_time() -> None:
@@ -383,7 +411,7 @@ def fake_comparison(key: str, default_ms: float, fast_ms: float) -> LayerCompari
     """The dense default measured at ``default_ms`` and a 60 ms-per-call setting of ``test_slow`` at ``fast_ms``."""
     return LayerComparison(key, [
         Measurement("dense_cpu", {}, "ok", 0.0, timing=Timing(default_ms, default_ms, default_ms, 20, 1)),
-        Measurement("test_slow", {"delay": 0.06}, "ok", 0.0, timing=Timing(fast_ms, fast_ms, fast_ms, 20, 1))])
+        Measurement("test_slow", {"cost_ms": 60.0}, "ok", 0.0, timing=Timing(fast_ms, fast_ms, fast_ms, 20, 1))])
 
 
 def one_layer_model() -> tuple[nn.Module, torch.Tensor]:
@@ -394,9 +422,11 @@ def one_layer_model() -> tuple[nn.Module, torch.Tensor]:
     return sparsify(nn.Sequential(conv)), torch.randn(2, 4, 9, 8)
 
 
-def test_check_plan_sets_a_slower_plan_back_to_the_dense_default(fakes) -> None:
+def test_check_plan_sets_a_slower_plan_back_to_the_dense_default(fakes, virtual_clock: VirtualClock) -> None:
     """A layer whose comparison said the slow backend was fast (a per-layer time that the model does not see):
-    the planned model is slower than its dense default, so the entry goes back to the default."""
+    the planned model (60 ms on the virtual clock) is slower than its dense default (1 ms), so the entry goes back
+    to the default."""
+    virtual_clock.charge(costs(dense_cpu=1.0), Slow, DenseBackend)
     sparse, x = one_layer_model()
     plan, _ = plan_model(sparse, x, backends=["dense_cpu"], runs=3)
     (layer,) = sparse_layers(sparse).values()
@@ -405,7 +435,7 @@ def test_check_plan_sets_a_slower_plan_back_to_the_dense_default(fakes) -> None:
     use_plan(plan)
     assert get_backend("auto").resolve(x, layer.csr, layer.geometry)[0] == "test_slow"
     check = check_plan(sparse, x, plan, [comparison], runs=3, warmup=1)
-    assert check.planned_ms > 50 > check.default_ms and check.reverted == (layer.plan_key,)
+    assert (check.planned_ms, check.default_ms) == pytest.approx((60.0, 1.0)) and check.reverted == (layer.plan_key,)
     assert check.timing == "eager"  # no CUDA graphs on the CPU
     entry = plan.get(layer.plan_key)
     assert (entry.backend, entry.params, entry.median_ms, entry.runner_up) == ("dense_cpu", {}, 1.0, "test_slow")
@@ -416,31 +446,35 @@ def test_check_plan_sets_a_slower_plan_back_to_the_dense_default(fakes) -> None:
         assert relative_error(sparse(x).double(), ref) < 1e-5
 
 
-def test_check_plan_sets_back_to_the_dense_default_also_when_it_was_not_compared(fakes) -> None:
-    """A plan made from other backends only: the slower model still goes back to the dense default, which the
-    comparison did not time (median NaN)."""
+def test_check_plan_sets_back_to_the_dense_default_also_when_it_was_not_compared(
+        fakes, virtual_clock: VirtualClock) -> None:
+    """A plan made from other backends only (``test_slow``'s fastest setting, 1 ms on the virtual clock): the
+    slower model still goes back to the dense default (0.5 ms), which the comparison did not time (median NaN)."""
+    virtual_clock.charge(costs(dense_cpu=0.5), Slow, DenseBackend)
     sparse, x = one_layer_model()
     plan, comparisons = plan_model(sparse, x, backends=["test_slow"], runs=3, screen_runs=1, keep=1)
     (layer,) = sparse_layers(sparse).values()
-    assert plan.get(layer.plan_key).backend == "test_slow"
+    assert (plan.get(layer.plan_key).backend, plan.get(layer.plan_key).params) == ("test_slow", {"cost_ms": 1.0})
     check = check_plan(sparse, x, plan, comparisons, runs=3, warmup=1)
     entry = plan.get(layer.plan_key)
+    assert (check.planned_ms, check.default_ms) == pytest.approx((1.0, 0.5))
     assert check.reverted == (layer.plan_key,) and (entry.backend, entry.params) == ("dense_cpu", {})
     assert math.isnan(entry.median_ms) and entry.runner_up == "test_slow"
 
 
-def test_check_plan_keeps_a_plan_that_is_not_slower_by_more_than_the_margin() -> None:
-    """A layer planned off the dense default (``reference``, slower on the CPU) stays planned when the model's slowdown
-    is within the margin; the check reports the margin it used."""
+def test_check_plan_keeps_a_plan_that_is_not_slower_by_more_than_the_margin(virtual_clock: VirtualClock) -> None:
+    """A layer planned off the dense default (``reference``, 2 ms on the virtual clock against 1 ms) stays planned
+    when the model's slowdown is within the margin (150 %); the check reports the margin it used."""
+    virtual_clock.charge(costs(dense_cpu=1.0, reference=2.0), DenseBackend, ReferenceBackend)
     sparse, x = one_layer_model()
     plan, comparisons = plan_model(sparse, x, backends=["dense_cpu", "reference"], runs=3)
     (layer,) = sparse_layers(sparse).values()
     plan.entries[layer.plan_key] = PlanEntry("reference", {}, 1.0, "dense_cpu")
     use_plan(plan)
     before = dict(plan.entries)
-    check = check_plan(sparse, x, plan, comparisons, runs=3, warmup=1, margin=1000.0)
-    assert check.reverted == () and plan.entries == before and check.margin == 1000.0
-    assert check.planned_ms > 0 and check.default_ms > 0
+    check = check_plan(sparse, x, plan, comparisons, runs=3, warmup=1, margin=1.5)
+    assert check.reverted == () and plan.entries == before and check.margin == 1.5
+    assert (check.planned_ms, check.default_ms) == pytest.approx((2.0, 1.0))
     assert get_backend("auto").resolve(x, layer.csr, layer.geometry)[0] == "reference"
 
 
@@ -478,15 +512,15 @@ def test_a_full_timing_far_slower_than_its_screening_is_repeated_once(monkeypatc
     stem: 0.543 ms against a screening of 0.241); that timing is now repeated once and kept on the record."""
     from unsparse.runtime import comparator
 
-    # per Slow setting (its delay), the medians its successive timings report: screening, full, repeat
-    scripted = {0.001: [0.0010, 0.0050, 0.0011], 0.002: [0.0020, 0.0021]}
+    # per Slow setting (its cost_ms), the medians its successive timings report: screening, full, repeat
+    scripted = {1.0: [0.0010, 0.0050, 0.0011], 2.0: [0.0020, 0.0021]}
     ran: list[float] = []
 
     class Recording(Slow):
         name = "test_recording"
 
-        def conv(self, x, csr, bias, geometry, delay: float = 0.0, **params: Any) -> torch.Tensor:
-            ran.append(delay)
+        def conv(self, x, csr, bias, geometry, cost_ms: float = 0.0, **params: Any) -> torch.Tensor:
+            ran.append(cost_ms)
             return get_backend("dense_cpu").conv(x, csr, bias, geometry)
 
     def fake_time_fn(fn, device, runs, warmup, rotation):
@@ -503,7 +537,7 @@ def test_a_full_timing_far_slower_than_its_screening_is_repeated_once(monkeypatc
     x, csr, bias = small_layer(batch=3)
     result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), [Recording.name], runs=20, keep=2)
     fastest = result.best
-    assert fastest.params == {"delay": 0.001} and fastest.median_ms == pytest.approx(0.0011)
+    assert fastest.params == {"cost_ms": 1.0} and fastest.median_ms == pytest.approx(0.0011)
     assert fastest.disturbed.median_ms == pytest.approx(0.0050)
-    other = next(m for m in result.measurements if m.params == {"delay": 0.002})
-    assert other.disturbed is None and timed.count(0.001) == 3 and timed.count(0.002) == 2
+    other = next(m for m in result.measurements if m.params == {"cost_ms": 2.0})
+    assert other.disturbed is None and timed.count(1.0) == 3 and timed.count(2.0) == 2
