@@ -316,6 +316,18 @@ def test_fp16_activations_beyond_float16s_range_saturate_with_a_warning(caplog):
     assert "4 values" in messages[0]  # 65519 rounds to 65504 anyway: not beyond the range
 
 
+
+def test_fp16_activations_off_the_cpu_saturate_without_reading_the_values_back():
+    """Counting the saturated values read a number back to the host at every layer: on CUDA that synchronised each
+    forward, and a CUDA-graph capture of an FP16-quantized model failed (cudaErrorStreamCaptureInvalidated; the
+    plan check's graph timing then fell back to eager, and the failed capture left torch's CUDA generator
+    unusable). A ``meta`` tensor stands in for such a device here: its values cannot be read at all."""
+    model = nn.Sequential(sparse_from_conv(nn.Conv2d(1, 2, 1)))
+    quantizer = attach_activation_quantizers(model, ActivationSpec(format="fp16"))["0"]
+    out = quantizer(torch.full((2, 1, 3, 3), 70000.0, device="meta"))
+    assert out.device.type == "meta" and out.shape == (2, 1, 3, 3) and out.dtype == torch.float32
+
+
 @pytest.mark.parametrize("power_of_two", [False, True])
 @pytest.mark.parametrize("bits", [2, 8, 16])
 def test_a_step_below_float32s_normal_range_keeps_the_saturation_level_on_the_grid(bits, power_of_two):

@@ -7,8 +7,10 @@ arithmetic stays float32 (on the CPU; FP16/INT kernels belong to the GPU runtime
 - ``fp16``: round to the nearest float16 (the 16b activations of the paper's 16b/16b configuration), once from any
   float dtype (:func:`~unsparse.quant.float16.to_float16`). Magnitudes beyond float16's range (``|x| >= 65520``,
   infinities included) saturate to ``±65504``, its largest value, as the ``fixed`` format saturates at its level,
-  instead of overflowing to infinity, which would turn the rest of the network into infinities and NaN; a
-  warning names the layer and the count, once per layer. (A float16 GPU run would overflow there.)
+  instead of overflowing to infinity, which would turn the rest of the network into infinities and NaN; for an
+  input on the CPU, a warning names the layer and the count, once per layer (on another device counting would
+  read a number back to the host at every layer: each forward would wait for the GPU, and a CUDA-graph capture
+  of the model would fail, so there the values saturate unreported). (A float16 GPU run would overflow there.)
 - ``fixed``: signed ``bits``-bit fixed point (eq. 19-21, :mod:`unsparse.quant.fixed_point`) with the
   saturation level chosen by histogram analysis of calibration data (:mod:`unsparse.quant.histogram`),
   stored per layer as the buffer ``input_quantizer.saturation`` (float32 scalar, same unit as activations).
@@ -110,8 +112,8 @@ class ActivationQuantizer(nn.Module):
     """Fake-quantizes a tensor to ``spec``'s format; output has the input's shape and dtype.
 
     ``fixed`` needs :attr:`saturation` (``()`` float32 buffer, > 0) set by :func:`calibrate`. ``name`` (e.g.
-    ``features.3.input_quantizer``) names the quantizer in the warning about fp16 saturation (see the module
-    docstring).
+    ``features.3.input_quantizer``) names the quantizer in the warning about fp16 saturation, given for inputs on
+    the CPU (see the module docstring).
     """
 
     def __init__(self, spec: ActivationSpec, name: str = "input_quantizer") -> None:
@@ -123,7 +125,7 @@ class ActivationQuantizer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.spec.format == "fp16":
-            if not self.saturation_logged:
+            if not self.saturation_logged and x.device.type == "cpu":  # elsewhere: no read-back (module docstring)
                 beyond = int((x.abs() >= FLOAT16_OVERFLOW).sum())
                 if beyond:
                     log.warning("%s: %d values beyond float16's range saturated to ±%s (further batches of this "
