@@ -180,3 +180,23 @@ def test_an_evolutionary_run_on_masked_layers_starts_from_their_masks_at_initial
     assert begun == {name: max(math.ceil(0.5 * size), math.ceil(earlier * size)) / size
                      for name, size in sizes.items()}
     assert all(bool((mask.mask <= kept[name]).all()) for name, mask in masks_of(model).items())
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+@pytest.mark.parametrize("scope", ["layer", "global"])
+def test_a_layer_without_weights_is_left_as_it_is_and_the_others_keep_their_floor(scope):
+    """A prunable layer of no weights (``nn.Linear(0, 3)``) has none to keep: the floor of one weight per layer asked
+    it for ``-1`` zeros (layer scope: ValueError from lowest_mask) or its largest weight (global: torch's
+    IndexError from argmax of an empty tensor), and check_layers counted a weight it cannot keep."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.Flatten(), nn.Linear(0, 3), nn.Linear(6, 2))
+    pruner = MagnitudePruner(0.9, scope=scope)
+    pruner.prepare(model)
+    pruner.step()
+    assert {name: int((mask.mask == 0).sum()) for name, mask in masks_of(model).items()} == (
+        {"0": 33, "2": 0, "3": 11} if scope == "layer" else {"0": 34, "2": 0, "3": 10})  # 44 = ceil(0.9 * 48)
+    pruner.step(1.0)
+    assert {name: int(mask.mask.sum()) for name, mask in masks_of(model).items()} == {"0": 1, "2": 0, "3": 1}
+    MagnitudePruner(46 / 48, scope=scope).check_layers(model)  # 46 of 48 weights: one kept in each of 2 layers
+    with pytest.raises(ValueError, match=r"^target: 0\.9[0-9]* prunes 47 of the 48 weights"):
+        MagnitudePruner(46.5 / 48, scope=scope).check_layers(model)

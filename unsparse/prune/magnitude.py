@@ -71,7 +71,7 @@ class MagnitudePruner(Pruner):
     def check_layers(self, model: nn.Module) -> None:
         """:meth:`Pruner.check_layers`; and ``target`` must leave at least one weight per masked layer, which
         :meth:`step` keeps (a layer without weights would pass only its bias): at most ``(total - n) / total`` for
-        ``n`` masked layers of ``total`` weights.
+        ``n`` masked layers of ``total`` weights (a layer of no weights, which has none to keep, not counted in ``n``).
 
         Raises:
             ValueError: as :meth:`Pruner.check_layers`; naming ``target`` and the most that keeps a weight in each
@@ -80,11 +80,11 @@ class MagnitudePruner(Pruner):
         super().check_layers(model)
         layers = prunable_layers(model)
         sizes = [layers[name].weight.numel() for name in self.layer_names or layers]
-        total, count = sum(sizes), pruned_count(self.target, sum(sizes))
-        if count > total - len(sizes):
-            raise ValueError(f"target: {self.target} prunes {count} of the {total} weights of the {len(sizes)} masked "
+        total, count, kept = sum(sizes), pruned_count(self.target, sum(sizes)), sum(1 for size in sizes if size)
+        if count > total - kept:
+            raise ValueError(f"target: {self.target} prunes {count} of the {total} weights of the {kept} masked "
                              "layer(s), but each keeps one (a layer without weights would pass only its bias); at most "
-                             f"{(total - len(sizes)) / total:.6g}")
+                             f"{(total - kept) / total:.6g}")
 
     @torch.no_grad()
     def step(self, sparsity: float | None = None) -> None:
@@ -93,10 +93,10 @@ class MagnitudePruner(Pruner):
 
         Ranks the effective (masked) weights, so weights already pruned rank lowest and stay pruned while the
         sparsity grows (Zhu & Gupta 2017); ties are broken by position. Every masked layer keeps at least its
-        largest ``|w|`` (a layer without weights would pass only its bias): with ``scope="layer"`` a layer's zeros
-        are at most its size less one, with ``scope="global"`` each layer's largest ``|w|`` ranks above every other
-        weight and the zeros are at most the masked weights less one per layer; below those floors the count of
-        zeros is exact, ``ceil(sparsity * size)``.
+        largest ``|w|`` (a layer without weights would pass only its bias; a layer of no weights is left as it is):
+        with ``scope="layer"`` a layer's zeros are at most its size less one, with ``scope="global"`` each layer's
+        largest ``|w|`` ranks above every other weight and the zeros are at most the masked weights less one per
+        layer; below those floors the count of zeros is exact, ``ceil(sparsity * size)``.
 
         Raises:
             ValueError: a ``sparsity`` outside ``[0, 1]``.
@@ -113,13 +113,14 @@ class MagnitudePruner(Pruner):
                 # layer_targets imply target > 0 (checked in __init__); a layer without one follows the step
                 share = self.layer_targets[name] / self.target if name in self.layer_targets else 1.0
                 pruned = pruned_count(min(sparsity * share, 1.0), magnitude.numel())
-                self.masks[name].set(lowest_mask(magnitude, min(pruned, magnitude.numel() - 1)))
+                self.masks[name].set(lowest_mask(magnitude, min(pruned, max(magnitude.numel() - 1, 0))))
             return
         flat = torch.cat([m.reshape(-1).float().cpu() for m in magnitudes.values()])
-        tops = torch.tensor([int(m.argmax()) for m in magnitudes.values()]) + torch.tensor(
-            [0, *itertools.accumulate(m.numel() for m in magnitudes.values())][:-1])
+        starts = [0, *itertools.accumulate(m.numel() for m in magnitudes.values())][:-1]
+        tops = torch.tensor([start + int(m.argmax()) for start, m in zip(starts, magnitudes.values(), strict=True)
+                             if m.numel()], dtype=torch.int64)
         flat[tops] = math.inf  # each layer's largest weight goes last
-        keep = lowest_mask(flat, min(pruned_count(sparsity, flat.numel()), flat.numel() - len(magnitudes)))
+        keep = lowest_mask(flat, min(pruned_count(sparsity, flat.numel()), flat.numel() - len(tops)))
         start = 0
         for name, magnitude in magnitudes.items():
             stop = start + magnitude.numel()
