@@ -532,3 +532,14 @@ def test_a_value_edited_off_its_grid_after_quantization_is_refused_naming_its_la
     with pytest.raises(ValueError, match=rf"^{re.escape(name)}\.values: fixed_point codec: .*not on the 8-bit grid"):
         save_sparse(model, tmp_path / "m.safetensors")
     assert not (tmp_path / "m.safetensors").exists()
+
+
+def test_a_tensor_whose_codec_is_unknown_is_named_once(tmp_path):
+    """The codec registry names the key itself; save_sparse prefixed it again ("0.5.0.bias: 0.5.0.bias: unknown
+    codec") since it wrapped the codec's lookup along with its encoding."""
+    model = sparsify(create_model("autoencoder1d", width=4))
+    name, layer = next((name, layer) for name, layer in sparse_layers(model).items() if layer.bias is not None)
+    layer.unsparse_codecs = {"bias": {"name": "bogus"}}
+    with pytest.raises(ValueError, match=rf"^{re.escape(name)}\.bias: unknown codec 'bogus'; known: "):
+        save_sparse(model, tmp_path / "m.safetensors")
+    assert not list(tmp_path.iterdir())

@@ -124,8 +124,8 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
             become one, such as ``1`` and ``"1"``; nesting deeper than the parser reads; more than
             :data:`METADATA_MAX_CHARACTERS` in all), or a safetensors header of more than :data:`HEADER_MAX_BYTES`:
             :func:`load_sparse` would refuse the file, and the same checks run before it is written; a tensor its
-            codec cannot encode (values off a fixed-point grid, e.g. edited after quantization), naming the tensor's
-            key (``<layer>.values: ...``).
+            codec cannot encode (values off a fixed-point grid, e.g. edited after quantization) or whose codec is
+            unknown, naming the tensor's key (``<layer>.values: ...``).
     """
     from unsparse.quant.state import check_values_codecs, describe_quantization
 
@@ -143,8 +143,9 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
     storages: set[int] = set()  # a layer under several names has its tensors under each: safetensors stores each once
     for key, tensor in model.state_dict().items():
         codec = _codec_spec(model, key)
+        encoder = get_codec(codec["name"], key)  # names the key itself
         try:
-            parts = get_codec(codec["name"], key).encode(tensor.detach(), codec)
+            parts = encoder.encode(tensor.detach(), codec)
         except ValueError as error:
             raise ValueError(f"{key}: {error}") from error
         for part, data in parts.items():
