@@ -85,7 +85,7 @@ def test_pooled_runs_count_every_file_even_of_one_seed(seeds) -> None:
 def test_a_history_holding_minus_infinity_is_read(seeds, tmp_path) -> None:
     """A diverged evolutionary iteration records its change as -inf: files written before the JSON writer wrote
     null for it hold -Infinity (Python's JSON), which the summary reads (the strict reader of benchmark results
-    refused them), as it reads the null written now."""
+    refused them), as it reads the null of files written since then and the -1e999 written now."""
     from unsparse.atomic import atomic_write_json
 
     result = run(0, 93.0, 92.6, 92.0)
@@ -96,9 +96,12 @@ def test_a_history_holding_minus_infinity_is_read(seeds, tmp_path) -> None:
     seeds.main([str(older), "--out", str(tmp_path / "seeds.md")])
     assert "| evolutionary | 92.60" in (tmp_path / "seeds.md").read_text()
     now = atomic_write_json(tmp_path / "seed0_now.json", result)
-    assert "Infinity" not in now.read_text() and '"relative_change": null' in now.read_text()
-    seeds.main([str(now), "--out", str(tmp_path / "seeds_now.md")])
-    assert "| evolutionary | 92.60" in (tmp_path / "seeds_now.md").read_text()
+    assert "Infinity" not in now.read_text() and '"relative_change": -1e999' in now.read_text()
+    between = tmp_path / "seed0_null.json"
+    between.write_text(now.read_text().replace("-1e999", "null"))
+    for written in (now, between):
+        seeds.main([str(written), "--out", str(tmp_path / f"{written.stem}.md")])
+        assert "| evolutionary | 92.60" in (tmp_path / f"{written.stem}.md").read_text()
 
 
 def test_a_null_test_metric_reads_as_nan(seeds, tmp_path) -> None:
