@@ -91,6 +91,27 @@ def test_fake_quantize_keeps_nan_and_saturates_infinities():
     assert math.isnan(quantizer(torch.tensor([float("nan")])))
 
 
+def test_a_fixed_quantizer_follows_every_change_of_its_saturation_level():
+    """The step is read from the level once per value it holds: a later calibration (in place), a loaded state,
+    a cast to another dtype and a new buffer tensor must each give the new level's grid, not the first one's."""
+    quantizer = ActivationQuantizer(ActivationSpec(format="fixed", bits=4))
+    x = torch.linspace(-3, 3, 101)
+    with pytest.raises(ValueError, match="saturation"):  # uncalibrated: level 0
+        quantizer(x)
+    for level in (1.0, 2.0, 0.5):
+        quantizer.saturation.fill_(level)
+        assert torch.equal(quantizer(x), fake_quantize(x, fixed_point_step(level, 4), 4))
+    other = ActivationQuantizer(ActivationSpec(format="fixed", bits=4))
+    other.saturation.fill_(3.0)
+    quantizer.load_state_dict(other.state_dict())
+    assert torch.equal(quantizer(x), fake_quantize(x, fixed_point_step(3.0, 4), 4))
+    quantizer.double()  # a new buffer tensor holding the level in float64
+    assert torch.equal(quantizer(x.double()), fake_quantize(x, fixed_point_step(3.0, 4), 4).double())
+    for level in (1.5, 2.5):  # new tensors, both never written in place
+        quantizer.saturation = torch.tensor(level)
+        assert torch.equal(quantizer(x), fake_quantize(x, fixed_point_step(level, 4), 4))
+
+
 @pytest.mark.parametrize("power_of_two", [False, True])
 @pytest.mark.parametrize("bits", range(2, 17))
 def test_a_step_for_float32s_largest_value_keeps_every_code_finite(bits, power_of_two):

@@ -13,7 +13,10 @@ arithmetic stays float32 (on the CPU; FP16/INT kernels belong to the GPU runtime
   of the model would fail, so there the values saturate unreported). (A float16 GPU run would overflow there.)
 - ``fixed``: signed ``bits``-bit fixed point (eq. 19-21, :mod:`unsparse.quant.fixed_point`) with the
   saturation level chosen by histogram analysis of calibration data (:mod:`unsparse.quant.histogram`),
-  stored per layer as the buffer ``input_quantizer.saturation`` (float32 scalar, same unit as activations).
+  stored per layer as the buffer ``input_quantizer.saturation`` (float32 scalar, same unit as activations). The
+  step is read from the buffer once per value it holds (at the first forward after calibration, a load or a move
+  to another device), not at every forward: on a GPU each read waits for the device, and a CUDA-graph capture of
+  the model fails on it; a capture after one eager forward holds no read.
 
 On load, :meth:`unsparse.quant.layerwise.LayerwiseQuantizer.restore` rebuilds the structure from
 :meth:`ActivationSpec.to_dict` (the restorer mechanism of :mod:`unsparse.quant.state`).
@@ -120,6 +123,7 @@ class ActivationQuantizer(nn.Module):
         super().__init__()
         self.spec, self.name = spec, name
         self.saturation_logged = False
+        self._step_of: tuple[torch.Tensor, int, float] | None = None
         if spec.format == "fixed":
             self.register_buffer("saturation", torch.zeros((), dtype=torch.float32))
 
@@ -133,9 +137,22 @@ class ActivationQuantizer(nn.Module):
                     self.saturation_logged = True
             return to_float16(x.clamp(-FLOAT16_MAX, FLOAT16_MAX)).to(x.dtype)
         if self.spec.format == "fixed":
-            step = fixed_point_step(float(self.saturation), self.spec.bits, self.spec.power_of_two)
-            return fake_quantize(x, step, self.spec.bits).to(x.dtype)
+            return fake_quantize(x, self.step(), self.spec.bits).to(x.dtype)
         return x
+
+    def step(self) -> float:
+        """The ``fixed`` format's step ``Δ`` (eq. 20-21, :func:`fixed_point_step`) for the level :attr:`saturation`
+        holds now, read back from its device only when the buffer is another tensor (moved, replaced) or was
+        written in place (calibration, ``load_state_dict``) since the last call (module docstring).
+
+        Raises:
+            ValueError: from :func:`fixed_point_step` (e.g. an uncalibrated level of 0).
+        """
+        version = self.saturation._version
+        if self._step_of is None or self._step_of[0] is not self.saturation or self._step_of[1] != version:
+            step = fixed_point_step(float(self.saturation), self.spec.bits, self.spec.power_of_two)
+            self._step_of = (self.saturation, version, step)
+        return self._step_of[2]
 
     def check_loaded_state(self, name: str) -> None:
         """Called by file loading (:func:`~unsparse.sparse.io.load_sparse`) once the buffers hold the file's values:
@@ -146,7 +163,7 @@ class ActivationQuantizer(nn.Module):
         """
         if self.spec.format == "fixed":
             try:
-                fixed_point_step(float(self.saturation), self.spec.bits, self.spec.power_of_two)
+                self.step()
             except ValueError as error:
                 raise SparseFormatError(f"{name}.saturation: {error}") from error
 
