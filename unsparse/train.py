@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -314,7 +315,8 @@ class Trainer:
 
         Returns:
             ``{"top1": %, "loss": mean cross-entropy per sample}`` or ``{"mse", "loss"}`` (both the mean squared
-            error per target element).
+            error per target element). ``top1`` is NaN, as the loss is then, where an output is NaN (a diverged
+            model: argmax of NaN logits names a class that is no prediction).
 
         Raises:
             ValueError: naming ``split``, where it has no samples.
@@ -323,7 +325,7 @@ class Trainer:
         model.eval()
         try:
             loss_fn = LOSSES[self.loss]
-            correct, total_loss, count, elements = 0, 0.0, 0, 0
+            correct, total_loss, count, elements, diverged = 0, 0.0, 0, 0, False
             for inputs, targets in tqdm(self.loaders[split], desc=desc or f"eval {split}", leave=False,
                                         disable=not self.progress):
                 inputs, targets = inputs.to(self.device), targets.to(self.device)
@@ -333,17 +335,19 @@ class Trainer:
                 elements += targets.numel()
                 if self.loss == "cross_entropy":
                     correct += int((outputs.argmax(dim=1) == targets).sum())
+                    diverged = diverged or bool(outputs.isnan().any())
         finally:
             for module, training in modes:
                 module.training = training
         if count == 0:
             raise ValueError(f"evaluate: split {split!r} has no samples")
         if self.loss == "cross_entropy":
-            return {"top1": 100.0 * correct / count, "loss": total_loss / count}
+            return {"top1": math.nan if diverged else 100.0 * correct / count, "loss": total_loss / count}
         return {"mse": total_loss / elements, "loss": total_loss / elements}
 
     def score(self, model: nn.Module, split: str = "val") -> float:
-        """Higher-is-better scalar: top-1 % for classification, ``-mse`` for reconstruction."""
+        """Higher-is-better scalar: top-1 % for classification, ``-mse`` for reconstruction; NaN for a diverged model
+        (:meth:`evaluate`)."""
         metrics = self.evaluate(model, split)
         return metrics["top1"] if self.loss == "cross_entropy" else -metrics["mse"]
 
