@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from unsparse.data import Splits
 from unsparse.prune.base import metric_score
+from unsparse.task import check_model_fits
 from unsparse.train import Trainer
 
 
@@ -24,3 +27,13 @@ def test_a_diverged_classifier_scores_nan_not_the_share_of_class_0():
     metrics = Trainer({"val": data}, progress=False).evaluate(net)
     assert math.isnan(metrics["top1"]) and math.isnan(metrics["loss"])
     assert metric_score(metrics) == -math.inf
+
+
+def test_the_model_check_takes_a_model_without_parameters():
+    """``next(model.parameters())`` raised StopIteration for a model without parameters (one of pooling and
+    reshaping only), instead of checking it on the CPU."""
+    labelled = (torch.randn(4, 1, 28, 28), torch.zeros(4, dtype=torch.long))
+    check_model_fits(nn.Sequential(nn.AvgPool2d(28), nn.Flatten()), Splits(labelled, labelled, labelled, 1, "toy"))
+    with pytest.raises(ValueError, match=r"outputs of shape \(2, 1\) on data 'toy', which needs \(2, 3\)"):
+        check_model_fits(nn.Sequential(nn.AvgPool2d(28), nn.Flatten()), Splits(labelled, labelled, labelled, 3, "toy"))
+

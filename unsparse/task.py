@@ -7,6 +7,7 @@ paper 004 §6.1 reconstructs. The main job trains, prunes and reports each with 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -55,7 +56,8 @@ def trivial_score(splits: Splits) -> float:
 
 @torch.no_grad()
 def check_model_fits(model: nn.Module, splits: Splits) -> None:
-    """Run two training inputs through ``model`` (eval mode, restored after) and check its output against the task:
+    """Run two training inputs through ``model`` (eval mode, restored after), on the device of its
+    first parameter or buffer (the CPU for a model without either), and check its output against the task:
     ``(2, num_classes)`` logits for classification, the targets' shape for reconstruction. Catches a model of one
     task paired with the data of another before any training (e.g. a classifier on time-series windows, whose
     cross-entropy against its own one-channel output is always 0, so nothing would train).
@@ -63,7 +65,7 @@ def check_model_fits(model: nn.Module, splits: Splits) -> None:
     Raises:
         ValueError: naming the model and the data, when the forward fails or its output has the wrong shape.
     """
-    device = next(model.parameters()).device
+    device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
     inputs, targets = splits.train[0][:2].to(device), splits.train[1][:2]
     spec = getattr(model, "unsparse_spec", {"name": type(model).__name__})
     expected = (len(inputs), splits.num_classes) if splits.num_classes else tuple(targets.shape)
