@@ -37,3 +37,14 @@ def test_the_model_check_takes_a_model_without_parameters():
     with pytest.raises(ValueError, match=r"outputs of shape \(2, 1\) on data 'toy', which needs \(2, 3\)"):
         check_model_fits(nn.Sequential(nn.AvgPool2d(28), nn.Flatten()), Splits(labelled, labelled, labelled, 3, "toy"))
 
+
+def test_the_model_check_puts_every_module_back_in_its_mode():
+    """``model.train(was_training)`` put every submodule into the model's mode: a batch norm frozen in eval mode
+    inside a training model (or a dropout left training inside an eval one) came out of the check changed."""
+    labelled = (torch.randn(4, 1, 28, 28), torch.zeros(4, dtype=torch.long))
+    net = nn.Sequential(nn.Flatten(), nn.Linear(784, 3), nn.BatchNorm1d(3), nn.Dropout(0.5))
+    net.train()
+    net[2].eval()
+    before = [module.training for module in net.modules()]
+    check_model_fits(net, Splits(labelled, labelled, labelled, 3, "toy"))
+    assert [module.training for module in net.modules()] == before

@@ -56,7 +56,7 @@ def trivial_score(splits: Splits) -> float:
 
 @torch.no_grad()
 def check_model_fits(model: nn.Module, splits: Splits) -> None:
-    """Run two training inputs through ``model`` (eval mode, restored after), on the device of its
+    """Run two training inputs through ``model`` (eval mode; every module's mode restored after), on the device of its
     first parameter or buffer (the CPU for a model without either), and check its output against the task:
     ``(2, num_classes)`` logits for classification, the targets' shape for reconstruction. Catches a model of one
     task paired with the data of another before any training (e.g. a classifier on time-series windows, whose
@@ -69,7 +69,7 @@ def check_model_fits(model: nn.Module, splits: Splits) -> None:
     inputs, targets = splits.train[0][:2].to(device), splits.train[1][:2]
     spec = getattr(model, "unsparse_spec", {"name": type(model).__name__})
     expected = (len(inputs), splits.num_classes) if splits.num_classes else tuple(targets.shape)
-    was_training = model.training
+    modes = [(module, module.training) for module in model.modules()]
     model.eval()
     try:
         output = model(inputs)
@@ -77,7 +77,8 @@ def check_model_fits(model: nn.Module, splits: Splits) -> None:
         raise ValueError(f"model {spec['name']!r} cannot take the inputs of data {splits.name!r} "
                          f"({tuple(inputs.shape[1:])} per sample): {error}") from error
     finally:
-        model.train(was_training)
+        for module, training in modes:
+            module.training = training
     if tuple(output.shape) != expected:
         raise ValueError(f"model {spec['name']!r} gives outputs of shape {tuple(output.shape)} on data "
                          f"{splits.name!r}, which needs {expected} ({task_of(splits).label})")
