@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from unsparse.data import Splits
 from unsparse.prune.base import metric_score
 from unsparse.task import check_model_fits
+from unsparse.timeseries import read_series
 from unsparse.train import Trainer
 
 
@@ -48,3 +49,12 @@ def test_the_model_check_puts_every_module_back_in_its_mode():
     before = [module.training for module in net.modules()]
     check_model_fits(net, Splits(labelled, labelled, labelled, 3, "toy"))
     assert [module.training for module in net.modules()] == before
+
+
+def test_a_series_file_that_is_not_text_is_named(tmp_path):
+    """A binary file (e.g. a ``.npy`` given as ``source``) raised the codec's UnicodeDecodeError, which names no
+    file."""
+    path = tmp_path / "series.npy"
+    path.write_bytes(b"\x93NUMPY\x01\x00" + bytes(range(128, 256)))
+    with pytest.raises(ValueError, match=rf"{path}: not a series of numbers"):
+        read_series(path)

@@ -64,12 +64,12 @@ def read_series(path: str | Path) -> torch.Tensor:
 
     Raises:
         FileNotFoundError: the file is missing.
-        ValueError: a line is not a number, or a value is not finite in float32 (beyond about 3.4e38).
+        ValueError: naming ``path``, where it is not UTF-8 text, a line is not a number, or a value is not finite in
+            float32 (beyond about 3.4e38).
     """
-    words = Path(path).read_text(encoding="utf-8").split()
     try:
-        values = np.array([float(word) for word in words], dtype=np.float64)
-    except ValueError as error:
+        values = np.array([float(word) for word in Path(path).read_text(encoding="utf-8").split()], dtype=np.float64)
+    except ValueError as error:  # UnicodeDecodeError is one
         raise ValueError(f"{path}: not a series of numbers ({error})") from error
     series = torch.tensor(values, dtype=torch.float32)
     if not torch.isfinite(series).all():
