@@ -80,12 +80,13 @@ def _cache_dir() -> Path:
 def check_idx(data: bytes, name: str, ndim: int | None = None) -> bytes:
     """``data`` if it is a complete idx file of unsigned bytes (the MNIST format: magic ``0x0000 08 nd``, ``nd``
     big-endian int32 dimensions, then their product in bytes), of ``ndim`` dimensions where given (3 for images,
-    1 for labels).
+    1 for labels), holding at least one value.
 
     Raises:
         ValueError: naming ``name``, for another magic number, another number of dimensions (a labels file in an
-            images file's place), or a length that disagrees with the dimensions (a truncated or corrupt file,
-            which torchvision would report as a tensor shape error).
+            images file's place), a length that disagrees with the dimensions (a truncated or corrupt file,
+            which torchvision would report as a tensor shape error), or a dimension of 0 (no images or labels,
+            which torchvision fails to read with an error naming no file).
     """
     if len(data) < 4 or data[:3] != b"\x00\x00\x08" or not 1 <= data[3] <= 4:
         raise ValueError(f"{name}: not an idx file of unsigned bytes (header {data[:4].hex()})")
@@ -96,6 +97,8 @@ def check_idx(data: bytes, name: str, ndim: int | None = None) -> bytes:
     expected = 4 + 4 * stored + math.prod(dims) if dims else None
     if expected != len(data):
         raise ValueError(f"{name}: {len(data)} bytes, but its header {dims} needs {expected} (truncated or corrupt)")
+    if 0 in dims:
+        raise ValueError(f"{name}: its header {dims} holds no values (no images or labels)")
     return data
 
 
