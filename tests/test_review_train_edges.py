@@ -58,3 +58,13 @@ def test_a_series_file_that_is_not_text_is_named(tmp_path):
     path.write_bytes(b"\x93NUMPY\x01\x00" + bytes(range(128, 256)))
     with pytest.raises(ValueError, match=rf"{path}: not a series of numbers"):
         read_series(path)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_training_a_model_without_trainable_parameters_is_refused_by_name(tmp_path, frozen):
+    """torch's "optimizer got an empty parameter list" named neither the model nor why; nothing was written."""
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.zeros(8, dtype=torch.long)), batch_size=4)
+    net = nn.Linear(4, 3).requires_grad_(False) if frozen else nn.Sequential(nn.Flatten())
+    with pytest.raises(ValueError, match=r"Trainer: the model \((Linear|Sequential)\) has no trainable parameters"):
+        Trainer({"train": data, "val": data}, progress=False).fit(net, 1, tmp_path / "fit.pt")
+    assert not (tmp_path / "fit.pt").exists()

@@ -270,8 +270,15 @@ class Trainer:
             raise ValueError(f"Trainer: unknown loss {self.loss!r}; known losses: {', '.join(LOSSES)}")
 
     def optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
-        """SGD with Nesterov momentum over ``model``'s trainable parameters."""
+        """SGD with Nesterov momentum over ``model``'s trainable parameters.
+
+        Raises:
+            ValueError: naming the model's class, where it has no trainable parameter (none, or all frozen).
+        """
         params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError(f"Trainer: the model ({type(model).__name__}) has no trainable parameters (none, or every "
+                             "one frozen with requires_grad=False); there is nothing to train")
         return torch.optim.SGD(params, lr=self.lr if lr is None else lr, momentum=self.momentum,
                                weight_decay=self.weight_decay, nesterov=self.momentum > 0)
 
@@ -371,10 +378,11 @@ class Trainer:
             writes before it, summed over every process that ran the epochs (:func:`fit_seconds`).
 
         Raises:
-            ValueError: naming the checkpoint: one written with another ``identity``, other settings or another
-                kind of loader generator, holding more than ``epochs`` epochs, written for another model (nothing is
-                loaded then), one of an older version that records no settings, no identity (where this run has
-                one) or no ``elapsed_s``, or not a readable, complete checkpoint (:func:`load_checkpoint`).
+            ValueError: for a model without trainable parameters (:meth:`optimizer`); naming the checkpoint: one
+                written with another ``identity``, other settings or another kind of loader generator, holding more
+                than ``epochs`` epochs, written for another model (nothing is loaded then), one of an older version
+                that records no settings, no identity (where this run has one) or no ``elapsed_s``, or not a
+                readable, complete checkpoint (:func:`load_checkpoint`).
         """
         model.to(self.device)
         optimizer = self.optimizer(model, lr)
