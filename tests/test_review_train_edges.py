@@ -68,3 +68,17 @@ def test_training_a_model_without_trainable_parameters_is_refused_by_name(tmp_pa
     with pytest.raises(ValueError, match=r"Trainer: the model \((Linear|Sequential)\) has no trainable parameters"):
         Trainer({"train": data, "val": data}, progress=False).fit(net, 1, tmp_path / "fit.pt")
     assert not (tmp_path / "fit.pt").exists()
+
+
+@pytest.mark.filterwarnings("error::UserWarning")
+def test_mse_against_targets_of_another_shape_is_refused_not_broadcast(tmp_path):
+    """Outputs ``(N, 1, T)`` against targets ``(N, T)``: mse_loss broadcast them to ``(N, N, T)`` with only a warning
+    and trained on, and reported, the mean over every pair of samples."""
+    inputs = torch.randn(6, 1, 5)
+    data = DataLoader(TensorDataset(inputs, inputs.squeeze(1)), batch_size=3)
+    trainer = Trainer({"train": data, "val": data}, loss="mse", progress=False)
+    with pytest.raises(ValueError, match=r"mse: outputs of shape \(3, 1, 5\) against targets of shape \(3, 5\)"):
+        trainer.evaluate(nn.Conv1d(1, 1, 1))
+    with pytest.raises(ValueError, match=r"mse: outputs of shape \(3, 1, 5\) against targets of shape \(3, 5\)"):
+        trainer.fit(nn.Conv1d(1, 1, 1), 1, tmp_path / "fit.pt")
+    assert not (tmp_path / "fit.pt").exists()

@@ -269,6 +269,14 @@ class Trainer:
         if self.loss not in LOSSES:
             raise ValueError(f"Trainer: unknown loss {self.loss!r}; known losses: {', '.join(LOSSES)}")
 
+    def _check_shapes(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Raise ValueError, naming the loss and both shapes, where an ``"mse"`` batch's outputs and targets differ in
+        shape: ``mse_loss`` would broadcast them (e.g. ``(N, 1, T)`` against ``(N, T)`` to ``(N, N, T)``) with only a
+        warning, into a mean over every pair of samples."""
+        if self.loss == "mse" and outputs.shape != targets.shape:
+            raise ValueError(f"Trainer: mse: outputs of shape {tuple(outputs.shape)} against targets of shape "
+                             f"{tuple(targets.shape)}; the model's output must have its targets' shape")
+
     def optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
         """SGD with Nesterov momentum over ``model``'s trainable parameters.
 
@@ -294,7 +302,8 @@ class Trainer:
 
         Raises:
             ValueError: where the training loader yields no batch (an empty split, or ``drop_last`` with fewer
-                samples than one batch); nothing is changed then.
+                samples than one batch); nothing is changed then. For ``"mse"``, where a batch's outputs and targets
+                differ in shape, before that batch's step.
         """
         was_training = model.training
         model.train()
@@ -303,7 +312,9 @@ class Trainer:
         for inputs, targets in tqdm(self.loaders["train"], desc=desc, leave=False, disable=not self.progress):
             inputs, targets = inputs.to(self.device), targets.to(self.device)
             optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(inputs), targets)
+            outputs = model(inputs)
+            self._check_shapes(outputs, targets)
+            loss = loss_fn(outputs, targets)
             loss.backward()
             optimizer.step()
             if after_step is not None:
@@ -326,7 +337,8 @@ class Trainer:
             model: argmax of NaN logits names a class that is no prediction).
 
         Raises:
-            ValueError: naming ``split``, where it has no samples.
+            ValueError: naming ``split``, where it has no samples; for ``"mse"``, where a batch's outputs and targets
+                differ in shape.
         """
         modes = [(module, module.training) for module in model.modules()]
         model.eval()
@@ -337,6 +349,7 @@ class Trainer:
                                         disable=not self.progress):
                 inputs, targets = inputs.to(self.device), targets.to(self.device)
                 outputs = model(inputs)
+                self._check_shapes(outputs, targets)
                 total_loss += float(loss_fn(outputs.float(), targets, reduction="sum"))
                 count += len(inputs)
                 elements += targets.numel()
