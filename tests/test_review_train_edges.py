@@ -82,3 +82,12 @@ def test_mse_against_targets_of_another_shape_is_refused_not_broadcast(tmp_path)
     with pytest.raises(ValueError, match=r"mse: outputs of shape \(3, 1, 5\) against targets of shape \(3, 5\)"):
         trainer.fit(nn.Conv1d(1, 1, 1), 1, tmp_path / "fit.pt")
     assert not (tmp_path / "fit.pt").exists()
+
+
+@pytest.mark.parametrize("epochs", [-1, 2.0, True])
+def test_fit_names_an_epoch_count_that_is_no_count(tmp_path, epochs):
+    """A negative count trained nothing and returned an empty history as if done; 2.0 failed in range() with a
+    TypeError; True trained one epoch."""
+    data = DataLoader(TensorDataset(torch.randn(8, 4), torch.zeros(8, dtype=torch.long)), batch_size=4)
+    with pytest.raises(ValueError, match=rf"epochs: expected an integer >= 0, got {epochs!r}"):
+        Trainer({"train": data, "val": data}, progress=False).fit(nn.Linear(4, 3), epochs, tmp_path / "fit.pt")

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from unsparse.atomic import atomic_write
+from unsparse.settings import check_integer
 
 log = logging.getLogger(__name__)
 
@@ -391,12 +392,14 @@ class Trainer:
             writes before it, summed over every process that ran the epochs (:func:`fit_seconds`).
 
         Raises:
-            ValueError: for a model without trainable parameters (:meth:`optimizer`); naming the checkpoint: one
+            ValueError: naming ``epochs``, where it is no integer >= 0; for a model without trainable parameters
+                (:meth:`optimizer`); naming the checkpoint: one
                 written with another ``identity``, other settings or another kind of loader generator, holding more
                 than ``epochs`` epochs, written for another model (nothing is loaded then), one of an older version
                 that records no settings, no identity (where this run has one) or no ``elapsed_s``, or not a
                 readable, complete checkpoint (:func:`load_checkpoint`).
         """
+        check_integer(epochs, "epochs", low=0)
         model.to(self.device)
         optimizer = self.optimizer(model, lr)
         schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=max(epochs, 1))
