@@ -151,6 +151,12 @@ def _fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _error_text(error: float | None) -> str:
+    """An end-to-end record's relative error for its table cell: ``1.23e-04``, or ``not finite`` for null (a NaN or
+    infinite error, which ``bench.json`` holds as null: :func:`~unsparse.runtime.bench.for_json`)."""
+    return "not finite" if error is None else f"{error:.2e}"
+
+
 def weights_text(result: dict[str, Any]) -> str:
     """What the weights of a result's records are: ``result["weights"]`` (how the synthetic ones were made) where any
     per-layer or end-to-end record is synthetic, and the files of trained end-to-end records."""
@@ -336,7 +342,7 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
                      f"{_fmt(r['speedup'], 2)} | {_fmt(best, 2)} | {_fmt(r.get('dense_graph_ms'))} | "
                      f"{_fmt(r.get('planned_graph_ms'))} | {_fmt(r.get('graph_speedup'), 2)} | "
                      f"{_fmt(r.get('dense_nhwc_graph_ms'))} | {_fmt(r.get('planned_nhwc_graph_ms'))} | "
-                     f"{r['rel_error']:.2e} | {r.get('backend_counts', '')}{_off_cudnn(r)} | "
+                     f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)} | "
                      f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')} |")
     trained = [(r, layer) for r in result["end_to_end"] for layer in r.get("layers", [])]
     if trained:
