@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -151,6 +152,18 @@ def _fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _no_speedup(records: Sequence[dict[str, Any]], key: str, base: str) -> str:
+    """Why per-layer ``records`` lack the speedup ``key``: ``no direct time on 2, no cuDNN alone time on 1`` (the
+    sparse backend, else the baseline ``base``, had no correct timed setting, or was not run), ``""`` where none
+    lacks it."""
+    missing = [r for r in records if r.get(key) is None]
+    sparse = Counter(backend for r in missing
+                     if r["best_ms"].get(backend := r.get("sparse_backend", "direct")) is None)
+    parts = [f"no {backend} time on {count}" for backend, count in sparse.items()]
+    parts += [f"no {base} time on {len(missing) - sparse.total()}"] if len(missing) > sparse.total() else []
+    return ", ".join(parts)
+
+
 def _error_text(error: float | None) -> str:
     """An end-to-end record's relative error for its table cell: ``1.23e-04``, or ``not finite`` for null (a NaN or
     infinite error, which ``bench.json`` holds as null: :func:`~unsparse.runtime.bench.for_json`)."""
@@ -288,16 +301,25 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
         lines += [f"- FAILED: {f['what']}: {f['error']}" for f in result.get("failed", [])]
     lines += ["", "## Where sparse is slower", ""]
     for precision in PRECISIONS:
-        for key, against in (("speedup_vs_cudnn", "cuDNN (alone, best layout)"),
-                             ("speedup_vs_cudnn_call", "the cuDNN call (records before the baseline)")):
-            speedups = [r[key] for r in result["layers"] if r["precision"] == precision and r.get(key) is not None]
+        records = [r for r in result["layers"] if r["precision"] == precision]
+        for key, against, base in (("speedup_vs_cudnn", "cuDNN (alone, best layout)", "cuDNN alone"),
+                                   ("speedup_vs_cudnn_call", "the cuDNN call (records before the baseline)",
+                                    "cuDNN call")):
+            speedups = [r[key] for r in records if r.get(key) is not None]
             if speedups:
                 slower = sum(value < 1 for value in speedups)
+                missing = _no_speedup(records, key, base)
                 lines.append(f"- {precision}: {PRECISIONS[precision].sparse} is SLOWER than {against} on {slower} of "
                              f"{len(speedups)} layer settings (geomean direct/cuDNN speedup "
                              f"{_fmt(geomean(speedups), 2)}x, best {_fmt(max(speedups), 2)}x, worst "
-                             f"{_fmt(min(speedups), 2)}x).")
+                             f"{_fmt(min(speedups), 2)}x)"
+                             + (f"; no speedup on {len(records) - len(speedups)} more: {missing}." if missing else
+                                "."))
                 break
+        else:
+            if records:
+                lines.append(f"- {precision}: no speedup on any of its {len(records)} layer settings: "
+                             f"{_no_speedup(records, 'speedup_vs_cudnn', 'cuDNN alone')}.")
     lines += _slower_end_to_end(result["end_to_end"])
     if plots:
         lines += ["", "## Plots", ""]
