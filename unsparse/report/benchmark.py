@@ -394,7 +394,8 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
 
     A plot with nothing to show is not written: no speedup over cuDNN alone at the largest batch (records from
     before that baseline have none), no FP32 layer time at sparsity 0.9 there (an FP16-only run: the chart was
-    empty axes), no end-to-end run. A model or precision without data gets no panel or bar group.
+    empty axes), no end-to-end run. A model or precision without data gets no panel or bar group, and a backend not
+    timed on every layer of a model no bar there (a sum over the layers it was timed on is no model's time).
 
     Returns:
         The paths written, in :data:`PLOTS`' order: what the page links (:func:`markdown_report`'s ``plots``).
@@ -432,8 +433,9 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
     backends = {"cuDNN alone": lambda r: (r.get("baseline") or {}).get("median_ms"),
                 **{name: lambda r, name=name: r["best_ms"].get(name)
                    for name in ("direct", "im2col_cublas", "im2col_cusparse")}}
-    totals = {backend: {m: sum(ms(r) * r["count"] for r in layers if r["model"] == m and ms(r) is not None)
-                        for m in sorted({r["model"] for r in layers})} for backend, ms in backends.items()}
+    per_model = {m: [r for r in layers if r["model"] == m] for m in sorted({r["model"] for r in layers})}
+    totals = {backend: {m: sum(ms(r) * r["count"] for r in rs) if all(ms(r) is not None for r in rs) else 0
+                        for m, rs in per_model.items()} for backend, ms in backends.items()}
     models = sorted({m for by_model in totals.values() for m, total in by_model.items() if total > 0})
     if models:
         fig, ax = plt.subplots(figsize=(8, 4))
