@@ -393,11 +393,10 @@ class Trainer:
 
         Raises:
             ValueError: naming ``epochs``, where it is no integer >= 0; for a model without trainable parameters
-                (:meth:`optimizer`); naming the checkpoint: one
-                written with another ``identity``, other settings or another kind of loader generator, holding more
-                than ``epochs`` epochs, written for another model (nothing is loaded then), one of an older version
-                that records no settings, no identity (where this run has one) or no ``elapsed_s``, or not a
-                readable, complete checkpoint (:func:`load_checkpoint`).
+                (:meth:`optimizer`); naming the checkpoint: one written with another ``identity``, other settings or
+                another kind of loader generator, holding more than ``epochs`` epochs, written for another model
+                (nothing is loaded then), one of an older version that records no settings, no identity (where this
+                run has one) or no ``elapsed_s``, or not a readable, complete checkpoint (:func:`load_checkpoint`).
         """
         check_integer(epochs, "epochs", low=0)
         model.to(self.device)
