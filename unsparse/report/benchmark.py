@@ -24,6 +24,11 @@ ESCOIN_MODELS = ("alexnet", "googlenet", "resnet50")
 ESCOIN_TARGETS = {"im2col_cublas": 2.63, "im2col_cusparse": 3.07}
 """Escoin's P100 geometric-mean speedups of direct sparse convolution (paper 000 §4), issue 5 targets."""
 
+CUDNN_MODES = {"fp32": "cuDNN FP32 (TF32 off)", "tf32": "cuDNN TF32", "fp16": "cuDNN FP16", "fp16_half2": "cuDNN FP16"}
+"""The cuDNN mode each precision of :data:`~unsparse.runtime.precision.PRECISIONS` is timed in, what its speedups
+are over (``fp16_half2``: cuDNN FP16, against the half2-product direct kernel), for the speedup plot's axes."""
+
+
 def _off_cudnn(record: dict[str, Any], suffix: str = "") -> str:
     """``; not on cuDNN: NAME (BACKEND), ...`` for an end-to-end record's layers planned off cuDNN (the NCHW plan's,
     or with ``suffix="_nhwc"`` the channels-last plan's), else ``""``."""
@@ -425,7 +430,7 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
                     ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=layer)
                 ax.axhline(1.0, color="gray", linestyle="--")
                 ax.set(title=f"{name} {precision} b{largest} (synthetic weights)", xlabel="sparsity",
-                       ylabel=f"speedup over cuDNN {precision}")
+                       ylabel=f"speedup over {CUDNN_MODES[precision]}")
                 if 0 < len(by_layer) <= 16:
                     ax.legend(fontsize=6)
         paths.append(save_figure(fig, out_dir / f"{prefix}speedup.png", dpi=100))
