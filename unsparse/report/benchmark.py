@@ -251,10 +251,11 @@ def plot_kind(name: str) -> str:
 
 def linked_plots(page: Path, name: str) -> list[str]:
     """The plot files ``<name>_<kind>.png`` (:data:`PLOTS` order) that the Markdown ``page`` links and that exist
-    beside it: what a re-render without new plots keeps linking (none for a page not written yet)."""
+    beside it: what a re-render without new plots keeps linking (none for a page not written yet). A link is looked
+    for as :func:`markdown_report` writes it, percent-encoded (``run%201_speedup.png`` for ``run 1``)."""
     text = page.read_text(encoding="utf-8") if page.is_file() else ""
     return [f"{name}_{kind}.png" for kind in PLOTS
-            if f"]({name}_{kind}.png)" in text and (page.parent / f"{name}_{kind}.png").is_file()]
+            if f"]({quote(f'{name}_{kind}.png')})" in text and (page.parent / f"{name}_{kind}.png").is_file()]
 
 
 def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) -> str:
