@@ -1,6 +1,6 @@
 """Edges of the pruners: other parametrizations under the masks, targets that would leave a layer without a weight,
-an evolutionary run on a model that is already masked, and the pruning scripts' ``--render`` on files they did not
-write."""
+an evolutionary run on a model that is already masked, layers of no weights, and the pruning scripts' ``--render`` on
+files they did not write."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 from torch.utils.data import DataLoader, TensorDataset
 
-from unsparse.prune import MagnitudePruner, attach_masks, layer_sparsity, masks_of, remove_masks
+from unsparse.prune import MagnitudePruner, attach_masks, base, layer_sparsity, masks, masks_of, remove_masks
+from unsparse.prune import evolutionary as evo
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
 from unsparse.prune.masks import WeightMask, prunable_layers
@@ -200,3 +201,78 @@ def test_a_layer_without_weights_is_left_as_it_is_and_the_others_keep_their_floo
     MagnitudePruner(46 / 48, scope=scope).check_layers(model)  # 46 of 48 weights: one kept in each of 2 layers
     with pytest.raises(ValueError, match=r"^target: 0\.9[0-9]* prunes 47 of the 48 weights"):
         MagnitudePruner(46.5 / 48, scope=scope).check_layers(model)
+
+
+class WithoutWeights(nn.Module):
+    """A classifier of 8x8 images with a prunable layer of no weights, ``nn.Linear(0, 3)``, whose output is its
+    bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv, self.empty, self.fc = nn.Conv2d(1, 4, 3), nn.Linear(0, 3), nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.relu(self.conv(inputs)).flatten(1)) + self.empty(inputs.flatten(1)[:, :0])
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_an_evolutionary_step_leaves_a_layer_without_weights_as_it_is():
+    """A masked layer of no weights made mask_sparsity divide by its 0 weights (ZeroDivisionError). It has none to
+    lose: reported at sparsity 0.0, a step or a mutation leaves its empty mask as it is, it counts nothing in the
+    weighted sparsity or in check_layers' bound from max_layer_sparsity, and masked layers that all have no weights
+    are refused, as a model with nothing to prune is."""
+    model = WithoutWeights()
+    pruner = EvolutionaryPruner(0.5, unit_step=0.5, max_step=0.5)
+    pruner.prepare(model)
+    assert pruner.layer_sizes() == {"conv": 36, "empty": 0, "fc": 432}
+    assert pruner.mask_sparsity() == {"conv": 0.0, "empty": 0.0, "fc": 0.0}
+    pruner.chosen = ["conv", "empty", "fc"]
+    pruner.step()
+    assert pruner.zero_counts() == {"conv": 18, "empty": 0, "fc": 216}
+    assert pruner.mask_sparsity() == {"conv": 0.5, "empty": 0.0, "fc": 0.5}
+    assert pruner.mask_weighted_sparsity() == 234 / 468
+    pruner.pending = ["conv", "empty", "fc"]
+    pruner.mutate()
+    assert pruner.zero_counts()["empty"] == 0 and pruner.mask_sparsity()["empty"] == 0.0
+    assert masks_of(model)["empty"].mask.shape == (3, 0)
+    EvolutionaryPruner(462 / 468).check_layers(model)  # 0.99 of 36 and of 432 weights: 35 + 427
+    with pytest.raises(ValueError, match=r"^target: 0\.98[0-9]* needs 463 of the 468 masked weights pruned, but "
+                                         r"max_layer_sparsity 0\.99 lets the layers lose at most 462"):
+        EvolutionaryPruner(462.5 / 468).check_layers(model)
+    with pytest.raises(ValueError, match=r"^layers: the masked layers \['empty'\] hold no weights"):
+        EvolutionaryPruner(0.5, layers=["empty"]).check_layers(model)
+
+
+def zero_safe_layer_sparsity(model: nn.Module) -> dict[str, float]:
+    """:func:`~unsparse.prune.masks.layer_sparsity` with a layer of no weights at 0.0 (that function, outside the
+    evolutionary pruner, still divides by its 0 weights)."""
+    return {name: float((layer.weight == 0).sum()) / max(layer.weight.numel(), 1)
+            for name, layer in prunable_layers(model).items()}
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+@pytest.mark.parametrize("mask_application", ["forward", "after_step"])
+def test_an_evolutionary_run_leaves_a_layer_without_weights_as_it_is_and_resumes(mask_application, tmp_path,
+                                                                                 crash_at_save, monkeypatch):
+    """The run crashed in its first log entry (mask_sparsity: ZeroDivisionError). The layer of no weights is never
+    chosen, so its step never changes (eq. 11 moves the others'), and its logged sparsity is 0.0; a crashed run
+    resumes to the same history. The PruneResult's per-layer figures come from masks.layer_sparsity, which still
+    divides by the 0 weights; it is replaced here, so the test covers the pruner alone."""
+    monkeypatch.setattr(base, "layer_sparsity", zero_safe_layer_sparsity)
+    monkeypatch.setattr(masks, "layer_sparsity", zero_safe_layer_sparsity)
+    settings = {"iterations": 6, "unit_step": 0.3, "layers_per_iteration": 3, "epsilon": 0.0,
+                "fine_tune_epochs": 1, "mask_application": mask_application}
+    model = WithoutWeights()
+    result = EvolutionaryPruner(0.5, **settings).run(model, tiny_trainer(), tmp_path / "a")
+    iterations = [entry for entry in result.history if entry["phase"] == "prune"]
+    assert len(iterations) > 2 and any(entry["chosen"] for entry in iterations)
+    assert all(entry["layer_sparsity"]["empty"] == 0.0 and "empty" not in entry["chosen"]
+               and entry["delta"]["empty"] == 0.2 for entry in iterations)  # unit_step 0.3, at most max_step
+    assert any(entry["delta"]["conv"] != 0.2 for entry in iterations)
+    assert result.layer_sparsity["empty"] == 0.0 and result.masked_weighted_sparsity > 0.0
+    assert masks_of(model)["empty"].mask.shape == (3, 0)
+    with crash_at_save(evo, 3):
+        EvolutionaryPruner(0.5, **settings).run(WithoutWeights(), tiny_trainer(), tmp_path / "b")
+    resumed = EvolutionaryPruner(0.5, **settings).run(WithoutWeights(), tiny_trainer(), tmp_path / "b")
+    assert resumed.history == result.history

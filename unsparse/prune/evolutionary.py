@@ -402,23 +402,28 @@ class EvolutionaryPruner(Pruner):
         ``weight_norm`` layer keeps as two other tensors); a ``unit_step`` mapping must name prunable layers and give
         every masked layer a step (checked before training in the main job, as :meth:`prepare` needs it); ``target``
         must be within what ``max_layer_sparsity`` lets the masked layers lose (else the run would spend its whole
-        budget and stop below it).
+        budget and stop below it; a layer of no weights, e.g. ``nn.Linear(0, 3)``, has none to lose and counts
+        nothing); and the masked layers must hold a weight between them (else there is nothing to prune, and no
+        weighted sparsity, eq. 7-8).
 
         Raises:
-            ValueError: naming ``layers`` and the layers with another parametrization, ``unit_step`` and the
-                layers, or ``target`` and ``max_layer_sparsity``.
+            ValueError: naming ``layers`` and the layers with another parametrization or the masked layers when none
+                holds a weight, ``unit_step`` and the layers, or ``target`` and ``max_layer_sparsity``.
         """
         super().check_layers(model)
         layers = prunable_layers(model)
-        sizes = [layers[name].weight.numel() for name in self.layer_names or layers]
+        names = self.layer_names if self.layer_names is not None else list(layers)
+        sizes = [layers[name].weight.numel() for name in names]
+        if not sum(sizes):
+            raise ValueError(f"layers: the masked layers {names} hold no weights (0 inputs or outputs); nothing to "
+                             "prune")
         needed, allowed = pruned_count(self.target, sum(sizes)), sum(self.max_zeros(size) for size in sizes)
         if needed > allowed:
             raise ValueError(f"target: {self.target} needs {needed} of the {sum(sizes)} masked weights pruned, but "
                              f"max_layer_sparsity {self.max_layer_sparsity} lets the layers lose at most {allowed} "
                              f"(weighted sparsity {allowed / sum(sizes):.6g}); lower target or raise "
                              "max_layer_sparsity")
-        foreign = [name for name in (self.layer_names if self.layer_names is not None else layers)
-                   if parametrize.is_parametrized(layers[name], "weight")
+        foreign = [name for name in names if parametrize.is_parametrized(layers[name], "weight")
                    and not all(isinstance(step, WeightMask) for step in layers[name].parametrizations.weight)]
         if foreign:
             raise ValueError(f"layers: the weights of {foreign} carry a parametrization other than the pruner's mask "
@@ -463,12 +468,13 @@ class EvolutionaryPruner(Pruner):
         return {name: int((mask.mask == 0).sum()) for name, mask in self.masks.items()}
 
     def mask_sparsity(self) -> dict[str, float]:
-        """Per-layer fraction of mask zeros (paper 004 eq. 6)."""
+        """Per-layer fraction of mask zeros (paper 004 eq. 6); 0.0 for a layer of no weights (its mask is empty)."""
         sizes = self.layer_sizes()
-        return {name: count / sizes[name] for name, count in self.zero_counts().items()}
+        return {name: count / sizes[name] if sizes[name] else 0.0 for name, count in self.zero_counts().items()}
 
     def mask_weighted_sparsity(self) -> float:
-        """Weighted sparsity of the masks (eq. 7-8): total mask zeros over total masked weights."""
+        """Weighted sparsity of the masks (eq. 7-8): total mask zeros over total masked weights (a layer of no weights
+        adds nothing to either; :meth:`check_layers` refuses masked layers that all have none)."""
         return sum(self.zero_counts().values()) / sum(self.layer_sizes().values())
 
     def target_zeros(self) -> int:
@@ -494,7 +500,8 @@ class EvolutionaryPruner(Pruner):
         iteration of Algorithm 2, whose layers ``C_t`` (``chosen``), ``G`` and ``Δ_l`` :meth:`run` draws and
         measures by training and validating (an iteration that stalls prunes nothing and does not call it).
         The total increment is raised to :meth:`floor_zeros` if below it. Mutates the masks; the dense weights
-        keep their values.
+        keep their values. A layer of no weights is left as it is (its step prunes none of its 0 weights, and it has
+        no room for the floor).
 
         Raises:
             RuntimeError: before :meth:`prepare`, after :meth:`squash_mask`, with the masks removed from the model
@@ -699,7 +706,8 @@ class EvolutionaryPruner(Pruner):
                 "events": events, "revived": revived, "train_loss": train_loss, **val_metrics(metrics)}
 
     def _choose(self) -> list[str]:
-        """Draw ``C_t`` without replacement, weights ``size_l * (max_layer_sparsity - s_l)`` (line 10)."""
+        """Draw ``C_t`` without replacement, weights ``size_l * (max_layer_sparsity - s_l)`` (line 10): a layer with
+        no room left, such as a layer of no weights, is never drawn."""
         sizes, zeros = self.layer_sizes(), self.zero_counts()
         names = list(self.masks)
         weights = torch.tensor([max(self.max_zeros(sizes[n]) - zeros[n], 0) for n in names],
