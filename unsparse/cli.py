@@ -17,6 +17,7 @@ from typing import Any
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
@@ -121,16 +122,24 @@ def run(cfg: DictConfig) -> None:
 @hydra.main(version_base=None, config_path=CONFIG_DIR, config_name="bench")
 def bench(cfg: DictConfig) -> None:
     """``unsparse bench``: the GPU per-layer comparison (needs CUDA); outputs in Hydra's output directory, with the
-    job's record (:func:`job_record`) once ``run_bench`` accepts the settings. Settings that ``run_bench``
-    refuses, and a machine without CUDA, print one line to stderr, write nothing and exit with status 2."""
+    job's record (:func:`job_record`) once ``run_bench`` accepts the settings. ``quick=true`` sets the settings of
+    :data:`~unsparse.runtime.bench.QUICK` that the command line does not (``quick=true models=[alexnet]`` times
+    AlexNet only). A ``quick`` that is no bool, settings that ``run_bench`` refuses, and a machine without CUDA,
+    print one line to stderr, write nothing and exit with status 2."""
     from unsparse.pipeline import git_commit
     from unsparse.runtime.bench import QUICK, BenchRefusedError, run_bench
 
     settings = OmegaConf.to_container(cfg, resolve=True)
     settings.pop("hydra", None)
-    if settings.pop("quick"):
-        settings.update(QUICK)
     try:
+        try:
+            quick = check_flag(settings.pop("quick"), "quick")  # a string such as "maybe" would be true to if
+        except ValueError as error:
+            raise BenchRefusedError(str(error)) from None
+        if quick:
+            given = {override.key_or_group for override in
+                     OverridesParser.create().parse_overrides(list(HydraConfig.get().overrides.task))}
+            settings.update({key: value for key, value in QUICK.items() if key not in given})
         run_bench(HydraConfig.get().runtime.output_dir, commit=git_commit(), record=job_record(cfg), **settings)
     except BenchRefusedError as error:  # one line, not Hydra's traceback: nothing ran
         print(f"unsparse bench: refused: {error}", file=sys.stderr)
