@@ -11,8 +11,10 @@ import logging
 import re
 import shlex
 import sys
+from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import hydra
 import torch
@@ -29,6 +31,23 @@ from unsparse.settings import check_flag, check_seed
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("unsparse")
+T = TypeVar("T")
+
+
+def settings_block(kind: type[T], block: Any, field: str) -> T:
+    """``kind(**block)``, a settings dataclass from its config block ``field`` (``train``, ``runtime.timing``).
+
+    Raises:
+        ValueError: naming ``field``, for a block that is no mapping (``train=null``) or holds a key that ``kind``
+            lacks (``+train.epoch=5``, which was a ``TypeError`` naming no setting); and the dataclass's own.
+    """
+    if not isinstance(block, Mapping):
+        raise ValueError(f"{field}: expected a mapping of settings, got {block!r}")
+    known = [setting.name for setting in fields(kind)]
+    unknown = sorted(set(block) - set(known), key=str)
+    if unknown:
+        raise ValueError(f"{field}: unknown setting(s) {unknown}; known: {', '.join(known)}")
+    return kind(**block)
 
 
 def build_job(cfg: DictConfig) -> dict[str, Any]:
@@ -40,16 +59,17 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
 
     Raises:
         JobRefusedError: (a ``ValueError``) from :func:`resolve_device`, a ``progress`` that is no bool,
-            :class:`TrainSettings`, :class:`TimingSettings`, a ``seed`` that is no integer torch takes
-            (``[-2^63, 2^64)``), or a factory that refuses its settings (its ``ValueError`` or ``TypeError``, which
-            Hydra wraps, is the message; so is a data set's :class:`~unsparse.data.DatasetUnavailableError`, a
-            ``data.root`` without its files).
+            :class:`TrainSettings`, :class:`TimingSettings` (or their config blocks: :func:`settings_block`), a
+            ``seed`` that is no integer torch takes (``[-2^63, 2^64)``), or a factory that refuses its settings (its
+            ``ValueError`` or ``TypeError``, which Hydra wraps, is the message; so is a data set's
+            :class:`~unsparse.data.DatasetUnavailableError`, a ``data.root`` without its files).
     """
     try:
         with refusing():
             device = resolve_device(cfg.device)
             progress = check_flag(cfg.progress, "progress")  # a string such as "maybe" would be true to bool()
-            train, timing = TrainSettings(**cfg.train), TimingSettings(**cfg.runtime.timing)
+            train = settings_block(TrainSettings, cfg.train, "train")
+            timing = settings_block(TimingSettings, cfg.runtime.timing, "runtime.timing")
             torch.manual_seed(check_seed(cfg.seed))
             return {"splits": instantiate(cfg.data), "model": instantiate(cfg.model), "pruner": instantiate(cfg.prune),
                     "quantizer": instantiate(cfg.quant).quantize, "train": train, "timing": timing,
