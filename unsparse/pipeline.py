@@ -79,9 +79,9 @@ class TimingSettings:
     ``direct_half2`` takes float16 inputs only, so the main job's float32 models record it as unsupported).
 
     Raises:
-        ValueError: naming ``backends``, for a name that is not a registered backend, or backends that are no list
-            of names; naming the field, for a ``batch_size`` or ``repeats`` that is no integer >= 1 or a ``warmup``
-            that is no integer >= 0.
+        ValueError: naming ``runtime.timing.backends``, for a name that is not a registered backend, ``"auto"``
+            (the plan itself), or backends that are no list of names; naming the field, for a ``batch_size`` or
+            ``repeats`` that is no integer >= 1 or a ``warmup`` that is no integer >= 0.
     """
 
     batch_size: int = 64
@@ -97,9 +97,13 @@ class TimingSettings:
             if isinstance(self.backends, str) or not all(isinstance(name, str) for name in self.backends):
                 raise ValueError(f"runtime.timing.backends: expected a list of backend names, got {self.backends!r}")
             self.backends = list(self.backends)
-            unknown = sorted(set(self.backends) - set(backend_names()))
+            if "auto" in self.backends:  # planning would time the plan it makes, without end (RecursionError)
+                raise ValueError("runtime.timing.backends: 'auto' is the plan, not a backend to time; name the "
+                                 "backends it chooses from, or null for every available one")
+            known = [name for name in backend_names() if name != "auto"]
+            unknown = sorted(set(self.backends) - set(known))
             if unknown:
-                raise ValueError(f"backends: unknown {unknown}; known: {backend_names()}")
+                raise ValueError(f"runtime.timing.backends: unknown {unknown}; known: {known}")
 
 
 JOB_FILE = "job.json"
