@@ -49,7 +49,8 @@ class TrainSettings:
     Raises:
         ValueError: naming the ``train.`` field: ``epochs`` that is no integer >= 0, batch sizes that are no integers
             >= 1, a learning rate that is not positive, momentum outside ``[0, 1)``, negative weight decay (numbers,
-            not bools), or a ``deterministic`` that is no bool (checked before any work starts).
+            not bools; an infinite learning rate or weight decay, which trained NaN weights, too), or a
+            ``deterministic`` that is no bool (checked before any work starts).
     """
 
     epochs: int = 3
@@ -64,6 +65,8 @@ class TrainSettings:
         check_integer(self.epochs, "train.epochs", low=0)
         check_integer(self.batch_size, "train.batch_size")
         check_integer(self.eval_batch_size, "train.eval_batch_size")
+        for field in ("lr", "weight_decay"):
+            check_number(getattr(self, field), f"train.{field}", math.isfinite, "(finite)")
         check_number(self.lr, "train.lr", lambda value: value > 0, "> 0")
         check_number(self.momentum, "train.momentum", lambda value: 0 <= value < 1, "in [0, 1)")
         check_number(self.weight_decay, "train.weight_decay", lambda value: value >= 0, ">= 0")
