@@ -417,7 +417,6 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
             data (:func:`~unsparse.task.check_model_fits`), or ``backend`` is neither ``"auto"`` nor a registered
             backend that runs on
             ``device`` (checked before any training: a CUDA backend on the CPU would run every layer dense), or
-            ``timing.backends`` names one that does not run on ``device`` (it would time none of the layers), or
             the pruner's settings name layers the model does not have (:meth:`Pruner.check_layers`, also before
             training: the folder would otherwise be bound to the typo by then).
     """
@@ -430,10 +429,6 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         if device_type not in device_types:
             raise ValueError(f"runtime.backend: {backend!r} runs on {sorted(device_types)}, the job on "
                              f"{device_type}; choose a backend of that device, or auto")
-        foreign = [name for name in timing.backends or () if device_type not in get_backend(name).device_types]
-        if foreign:  # each layer would record them as unsupported: the report would time none of them
-            raise ValueError(f"runtime.timing.backends: {foreign} do not run on {device_type}, the job's device; "
-                             "name backends of that device, or null for every available one")
         task = task_of(splits)
         check_model_fits(model, splits)
         pruner.check_layers(model)
