@@ -83,24 +83,25 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
 def resume_command(task_overrides: list[str], outdir: Path, program: str = "unsparse",
                    folder_key: str = "hydra.run.dir") -> str:
     """The shell command that resumes a job in ``outdir``: ``program`` (the command that started it where that was
-    the ``unsparse`` script, e.g. ``.venv/bin/unsparse``, which may not be on the PATH), the job's overrides as
-    Hydra recorded them, and ``folder_key`` (``hydra.run.dir``; ``hydra.sweep.dir`` for a sweep, whose overrides
-    then are its command line's words) set to ``outdir`` as a single-quoted Hydra value (quotes escaped, and
+    the ``unsparse`` script, e.g. ``.venv/bin/unsparse``, which may not be on the PATH), ``task_overrides`` (the
+    command line's words but the folder's: :func:`interrupted_command`), and ``folder_key`` (``hydra.run.dir``;
+    ``hydra.sweep.dir`` for a sweep) set to ``outdir`` as a single-quoted Hydra value (quotes escaped, and
     backslashes before a quote or at the end doubled, as Hydra's override grammar reads them), each shell-quoted."""
     folder = re.sub(r"(\\*)('|$)", lambda match: match.group(1) * 2 + ("\\'" if match.group(2) else ""), str(outdir))
     return " ".join(map(shlex.quote, [program, *task_overrides, f"{folder_key}='{folder}'"]))
 
 
 def interrupted_command(program: str) -> str:
-    """What an interrupted job prints to be run again (inside a Hydra job): in a single run, the job's resume
-    command (:func:`resume_command`); in a sweep (``-m``), the whole sweep's command line with its
-    ``hydra.sweep.dir``, which runs every job again, each resuming from its folder's checkpoints (a job's own
-    command would resume that job only and drop the jobs not yet started)."""
+    """What an interrupted job prints to be run again (inside a Hydra job): its command line's words
+    (:func:`resume_command`), with the folder set: in a single run ``hydra.run.dir``, the job's output folder; in a
+    sweep (``-m``) ``hydra.sweep.dir``, which runs every job again, each resuming from its folder's checkpoints (a
+    job's own command would resume that job only and drop the jobs not yet started). The words, not the overrides
+    Hydra records, so that flags such as ``--config-dir`` (where an ``experiment=`` may come from) stay."""
     hydra_config = HydraConfig.get()
-    if hydra_config.mode == RunMode.MULTIRUN:
-        words = [word for word in sys.argv[1:] if not word.lstrip("+~").startswith("hydra.sweep.dir=")]
-        return resume_command(words, Path(hydra_config.sweep.dir), program, "hydra.sweep.dir")
-    return resume_command(list(hydra_config.overrides.task), Path(hydra_config.runtime.output_dir), program)
+    folder_key, folder = (("hydra.sweep.dir", hydra_config.sweep.dir) if hydra_config.mode == RunMode.MULTIRUN
+                          else ("hydra.run.dir", hydra_config.runtime.output_dir))
+    words = [word for word in sys.argv[1:] if not word.lstrip("+~").startswith(f"{folder_key}=")]
+    return resume_command(words, Path(folder), program, folder_key)
 
 
 def job_record(cfg: DictConfig) -> dict[str, str]:
