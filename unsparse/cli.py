@@ -20,7 +20,7 @@ import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.errors import InstantiationException
+from hydra.errors import CompactHydraException, InstantiationException
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
@@ -32,6 +32,11 @@ from unsparse.settings import check_flag, check_seed
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("unsparse")
 T = TypeVar("T")
+
+
+class SweepJobRefusedError(CompactHydraException):
+    """A job of a sweep refused before any work (its line already printed): raised to Hydra's launcher, which runs
+    the sweep's other jobs and then prints this one line (no traceback) and exits with status 1."""
 
 
 def settings_block(kind: type[T], block: Any, field: str) -> T:
@@ -120,13 +125,17 @@ def run(cfg: DictConfig) -> None:
     folder accepts the job, so a refused resume leaves the folder's record of its own job (Hydra's own copy,
     written before the job starts, is turned off: ``hydra.output_subdir: null``); the job logs them then too, so a
     refused job's config does not land in the running job's ``cli.log``. A job refused before any work
-    (:class:`~unsparse.pipeline.JobRefusedError`) prints one line to stderr and exits with status 2. Ctrl-C ends
-    the job with exit status 130 and says how to resume (the checkpoints written so far stay)."""
+    (:class:`~unsparse.pipeline.JobRefusedError`) prints one line to stderr and exits with status 2; in a sweep
+    (``-m``) the sweep's other jobs run first, and Hydra then ends it with status 1, repeating the first refusal
+    (:class:`SweepJobRefusedError`). Ctrl-C ends the job (and a sweep) with exit status 130 and says how to resume
+    (the checkpoints written so far stay)."""
     outdir = Path(HydraConfig.get().runtime.output_dir)
     try:
         report = run_pipeline(outdir=outdir, record=job_record(cfg), **build_job(cfg))
     except JobRefusedError as error:  # one line, not Hydra's traceback: nothing ran
         print(f"unsparse: refused: {error}", file=sys.stderr)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # Hydra's launcher would not catch SystemExit: sweep ended
+            raise SweepJobRefusedError(f"unsparse: a job of the sweep was refused: {error}") from None
         raise SystemExit(2) from None
     except KeyboardInterrupt:
         program = sys.argv[0] if Path(sys.argv[0]).name == "unsparse" else "unsparse"
