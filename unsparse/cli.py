@@ -155,7 +155,7 @@ def bench(cfg: DictConfig) -> None:
     job's record (:func:`job_record`) once ``run_bench`` accepts the settings. ``quick=true`` sets the settings of
     :data:`~unsparse.runtime.bench.QUICK` that the command line does not (``quick=true models=[alexnet]`` times
     AlexNet only). A ``quick`` that is no bool, settings that ``run_bench`` refuses, and a machine without CUDA,
-    print one line to stderr, write nothing and exit with status 2."""
+    print one line to stderr, write nothing and exit with status 2 (in a sweep, as :func:`run` says)."""
     from unsparse.pipeline import git_commit
     from unsparse.runtime.bench import QUICK, BenchRefusedError, run_bench
 
@@ -173,6 +173,8 @@ def bench(cfg: DictConfig) -> None:
         run_bench(HydraConfig.get().runtime.output_dir, commit=git_commit(), record=job_record(cfg), **settings)
     except BenchRefusedError as error:  # one line, not Hydra's traceback: nothing ran
         print(f"unsparse bench: refused: {error}", file=sys.stderr)
+        if HydraConfig.get().mode == RunMode.MULTIRUN:  # as in run: the sweep's other jobs still run
+            raise SweepJobRefusedError(f"unsparse bench: a job of the sweep was refused: {error}") from None
         raise SystemExit(2) from None
 
 
