@@ -36,7 +36,8 @@ T = TypeVar("T")
 
 class SweepJobRefusedError(CompactHydraException):
     """A job of a sweep refused before any work (its line already printed): raised to Hydra's launcher, which runs
-    the sweep's other jobs and then prints this one line (no traceback) and exits with status 1."""
+    the sweep's other jobs, then names the first refused job's overrides, prints this message (no traceback) and
+    exits with status 1."""
 
 
 def settings_block(kind: type[T], block: Any, field: str) -> T:
