@@ -13,7 +13,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 from torch.utils.data import DataLoader, TensorDataset
 
-from unsparse.prune import MagnitudePruner, attach_masks, base, layer_sparsity, masks, masks_of, remove_masks
+from unsparse.prune import MagnitudePruner, attach_masks, layer_sparsity, masks_of, remove_masks
 from unsparse.prune import evolutionary as evo
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
@@ -244,23 +244,14 @@ def test_an_evolutionary_step_leaves_a_layer_without_weights_as_it_is():
         EvolutionaryPruner(0.5, layers=["empty"]).check_layers(model)
 
 
-def zero_safe_layer_sparsity(model: nn.Module) -> dict[str, float]:
-    """:func:`~unsparse.prune.masks.layer_sparsity` with a layer of no weights at 0.0 (that function, outside the
-    evolutionary pruner, still divides by its 0 weights)."""
-    return {name: float((layer.weight == 0).sum()) / max(layer.weight.numel(), 1)
-            for name, layer in prunable_layers(model).items()}
-
-
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
 @pytest.mark.parametrize("mask_application", ["forward", "after_step"])
 def test_an_evolutionary_run_leaves_a_layer_without_weights_as_it_is_and_resumes(mask_application, tmp_path,
-                                                                                 crash_at_save, monkeypatch):
+                                                                                 crash_at_save):
     """The run crashed in its first log entry (mask_sparsity: ZeroDivisionError). The layer of no weights is never
     chosen, so its step never changes (eq. 11 moves the others'), and its logged sparsity is 0.0; a crashed run
-    resumes to the same history. The PruneResult's per-layer figures come from masks.layer_sparsity, which still
-    divides by the 0 weights; it is replaced here, so the test covers the pruner alone."""
-    monkeypatch.setattr(base, "layer_sparsity", zero_safe_layer_sparsity)
-    monkeypatch.setattr(masks, "layer_sparsity", zero_safe_layer_sparsity)
+    resumes to the same history. The PruneResult's per-layer figures (masks.layer_sparsity, which divided by the 0
+    weights at the run's end) read 0.0 for it too."""
     settings = {"iterations": 6, "unit_step": 0.3, "layers_per_iteration": 3, "epsilon": 0.0,
                 "fine_tune_epochs": 1, "mask_application": mask_application}
     model = WithoutWeights()
@@ -276,3 +267,16 @@ def test_an_evolutionary_run_leaves_a_layer_without_weights_as_it_is_and_resumes
         EvolutionaryPruner(0.5, **settings).run(WithoutWeights(), tiny_trainer(), tmp_path / "b")
     resumed = EvolutionaryPruner(0.5, **settings).run(WithoutWeights(), tiny_trainer(), tmp_path / "b")
     assert resumed.history == result.history
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+@pytest.mark.parametrize("pruner", [MagnitudePruner(0.5, scope="layer", fine_tune_epochs=1),
+                                    GradualMagnitudePruner(0.5, pruning_steps=2, scope="layer", fine_tune_epochs=0)],
+                         ids=["magnitude", "gradual"])
+def test_a_magnitude_run_reports_a_layer_without_weights_at_sparsity_zero(pruner, tmp_path):
+    """Every run ended in masks.layer_sparsity, which divided by the 0 weights of such a layer (ZeroDivisionError
+    after all pruning and fine-tuning); it reads 0.0 and weighs nothing in the weighted sparsity."""
+    result = pruner.run(WithoutWeights(), tiny_trainer(), tmp_path)
+    assert result.layer_sparsity["empty"] == 0.0
+    assert result.layer_sparsity["conv"] == 0.5 and result.layer_sparsity["fc"] == 0.5
+    assert result.masked_weighted_sparsity == 0.5

@@ -234,8 +234,12 @@ def squashed_copy(model: nn.Module) -> nn.Module:
 
 @torch.no_grad()
 def layer_sparsity(model: nn.Module) -> dict[str, float]:
-    """Fraction of zero entries in each prunable layer's effective weight (paper 004 eq. 6)."""
-    return {name: float((layer.weight == 0).sum()) / layer.weight.numel()
+    """Fraction of zero entries in each prunable layer's effective weight (paper 004 eq. 6).
+
+    A layer of no weights (e.g. ``nn.Linear(0, n)``) has nothing to prune and reads 0.0; it weighs nothing in
+    :func:`weighted_sparsity`.
+    """
+    return {name: float((layer.weight == 0).sum()) / max(layer.weight.numel(), 1)
             for name, layer in prunable_layers(model).items()}
 
 
