@@ -14,7 +14,7 @@ def test_a_refused_job_leaves_the_sweeps_other_jobs_to_run(tmp_path):
                "device=cpu", "progress=false", "prune.target=1.0,0.8", "runtime.timing.repeats=1",
                "runtime.timing.warmup=0", f"hydra.sweep.dir={tmp_path}"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "unsparse: refused: target: expected a number in [0, 1) (a sparsity), got 1.0" in done.stderr
     assert not (tmp_path / "0" / "report.json").exists() and (tmp_path / "1" / "report.json").exists()
 
@@ -26,6 +26,6 @@ def test_a_refused_bench_job_leaves_the_sweeps_other_jobs_to_run(tmp_path):
                "models=[alexnet]", "batches=[1]", "precisions=[fp32]", "end_to_end=[]", "runs=1",
                f"hydra.sweep.dir={tmp_path}"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert done.returncode == 1 and "Traceback" not in done.stderr
     assert "unsparse bench: refused: sparsities: expected a number in [0, 1) (a sparsity), got 1.0" in done.stderr
     assert "#1 : sparsities=[0.9]" in done.stdout
