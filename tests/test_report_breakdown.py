@@ -14,12 +14,14 @@ def test_a_backend_not_timed_on_every_layer_of_a_model_gets_no_bar(tmp_path, mon
     fail a layer's check; their sums over the other layers were drawn as the model's total."""
     bars = {}
 
-    def capture(figure, path, dpi=110):
+    write = unsparse.report.plots.save_figure
+
+    def capture(figure, path, dpi=110):  # reads the figure, then writes and closes it
         if path.name == "breakdown.png":
             (axis,) = figure.axes
             bars.update({container.get_label(): [bar.get_height() for bar in container]
                          for container in axis.containers})
-        return path
+        return write(figure, path, dpi)
 
     monkeypatch.setattr(unsparse.report.plots, "save_figure", capture)
     big = layer("alexnet", "features.0", [3, 224, 224], 11, 10.0, 5.0, None, None)  # lowering skipped

@@ -13,10 +13,12 @@ def test_each_panel_names_the_cudnn_mode_it_is_against(tmp_path, monkeypatch) ->
     """The label read "speedup over cuDNN fp16_half2", a cuDNN mode that does not exist."""
     labels = {}
 
-    def capture(figure, path, dpi=110):
+    write = unsparse.report.plots.save_figure
+
+    def capture(figure, path, dpi=110):  # reads the figure, then writes and closes it
         if path.name == "speedup.png":
             labels.update({axis.get_title(): axis.get_ylabel() for axis in figure.axes})
-        return path
+        return write(figure, path, dpi)
 
     monkeypatch.setattr(unsparse.report.plots, "save_figure", capture)
     records = [layer("vgg16", "features.2", [64, 224, 224], 3, 10.0, 4.0, precision=precision)
