@@ -242,16 +242,11 @@ def test_the_printed_resume_command_reads_back_as_the_same_overrides(folder):
     assert parsed[-1].key_or_group == "hydra.run.dir" and parsed[-1].value() == folder
 
 
-def test_an_interrupted_sweep_prints_the_sweeps_command(tmp_path):
-    """Ctrl-C in a sweep's first job printed that job's own command, which drops the jobs not yet started; the
-    printed command is the sweep's, with its folder, and runs every job again."""
-    import shlex
+def interrupted_resume_command(words: list[str]) -> list[str]:
+    """Run ``unsparse *words``, send Ctrl-C once its first job trains, and return the resume command it printed."""
     import signal
 
-    sweep = ["-m", "experiment=smoke", "data=digits", "prune=magnitude,gradual", "progress=false",
-             "train.epochs=50"]
-    command = [sys.executable, "-c", "from unsparse.cli import main; main()", *sweep,
-               f"hydra.sweep.dir={tmp_path / 'sweep'}"]
+    command = [sys.executable, "-c", "from unsparse.cli import main; main()", *words]
     # Unbuffered, so that the "epoch 1:" line arrives while the first job trains. Twice in full-suite runs the sweep
     # ran to its end and exited 0, as if the signal came too late; a late line is the suspected cause, not a proven one.
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -263,5 +258,25 @@ def test_an_interrupted_sweep_prints_the_sweeps_command(tmp_path):
                 break
         output = job.communicate(timeout=120)[0]
     assert job.returncode == 130, output[-3000:]
-    printed = output.split("written so far run: ")[1].splitlines()[0]
-    assert shlex.split(printed) == ["unsparse", *sweep, f"hydra.sweep.dir='{tmp_path / 'sweep'}'"]
+    return shlex.split(output.split("written so far run: ")[1].splitlines()[0])
+
+
+def test_an_interrupted_sweep_prints_the_sweeps_command(tmp_path):
+    """Ctrl-C in a sweep's first job printed that job's own command, which drops the jobs not yet started; the
+    printed command is the sweep's, with its folder, and runs every job again."""
+    sweep = ["-m", "experiment=smoke", "data=digits", "prune=magnitude,gradual", "progress=false",
+             "train.epochs=50"]
+    printed = interrupted_resume_command([*sweep, f"hydra.sweep.dir={tmp_path / 'sweep'}"])
+    assert printed == ["unsparse", *sweep, f"hydra.sweep.dir='{tmp_path / 'sweep'}'"]
+
+
+def test_an_interrupted_job_prints_its_config_dir(tmp_path):
+    """With an experiment from ``--config-dir``, the printed command dropped the flag: Hydra then found no such
+    experiment, and the job could not be resumed as printed."""
+    extra = tmp_path / "extra"
+    (extra / "experiment").mkdir(parents=True)
+    (extra / "experiment" / "long.yaml").write_text("# @package _global_\ntrain:\n  epochs: 50\n")
+    words = ["--config-dir", str(extra), "data=digits", "device=cpu", "progress=false", "experiment=long",
+             "data.limit_train=300"]
+    printed = interrupted_resume_command([*words, f"hydra.run.dir={tmp_path / 'job'}"])
+    assert printed == ["unsparse", *words, f"hydra.run.dir='{tmp_path / 'job'}'"]
