@@ -247,8 +247,9 @@ def interrupted_resume_command(words: list[str]) -> list[str]:
     import signal
 
     command = [sys.executable, "-c", "from unsparse.cli import main; main()", *words]
-    # Unbuffered, so that the "epoch 1:" line arrives while the first job trains. Twice in full-suite runs the sweep
-    # ran to its end and exited 0, as if the signal came too late; a late line is the suspected cause, not a proven one.
+    # Unbuffered, so that the "epoch 1:" line arrives while the first job trains. A signal that arrived while the
+    # epoch's checkpoint was written ran the sweep on to its end (torch.save's cleanup error hid the interruption),
+    # until atomic_write passed the interruption on.
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=environment) as job:

@@ -103,6 +103,41 @@ def test_atomic_writes_keep_the_usual_permissions(tmp_path):
         os.umask(umask)
 
 
+@pytest.mark.parametrize("interrupted_at", [1, 3])
+def test_ctrl_c_during_a_checkpoint_write_stays_an_interruption(tmp_path, interrupted_at):
+    """Ctrl-C inside ``torch.save`` made its zip writer's cleanup raise RuntimeError ("unexpected pos"), which
+    replaced the KeyboardInterrupt: the interrupted job read as failed and a Hydra sweep went on with its next job.
+    The interruption comes through, and the previous file is kept."""
+    import io
+
+    from unsparse.atomic import atomic_write
+
+    class Interrupting(io.RawIOBase):
+        """A file whose ``interrupted_at``-th write raises KeyboardInterrupt, as Ctrl-C there would."""
+
+        def __init__(self, file) -> None:
+            super().__init__()
+            self.file, self.calls = file, 0
+
+        def writable(self) -> bool:
+            return True
+
+        def write(self, data) -> int:
+            self.calls += 1
+            if self.calls == interrupted_at:
+                raise KeyboardInterrupt
+            return self.file.write(data)
+
+    path = atomic_write(tmp_path / "dense.pt", lambda file: torch.save({"step": 1}, file))
+    before = path.read_bytes()
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(path, lambda file: torch.save({"weight": torch.randn(1000)}, Interrupting(file)))
+    assert path.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == ["dense.pt"]
+    with pytest.raises(BaseException) as raised:  # what torch itself raises: the case atomic_write undoes
+        torch.save({"weight": torch.randn(1000)}, Interrupting(io.BytesIO()))
+    assert raised.type is (KeyboardInterrupt if interrupted_at == 1 else RuntimeError)
+
+
 def test_atomic_json_is_strict_json_with_null_for_nan_and_a_number_for_infinities(tmp_path):
     """Python's json wrote NaN and -Infinity (a diverged stage's metric, a pruning history's change), which
     loads_strict and other strict readers refuse; infinities were then written as null and read back as "not

@@ -37,6 +37,9 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
 
     Raises:
         OSError: from the file system, e.g. where ``path`` is a folder or its folder cannot be created.
+        KeyboardInterrupt: where Ctrl-C arrived during ``write``, also when ``write`` then failed while unwinding
+            (``torch.save`` interrupted mid-record raised RuntimeError "unexpected pos" from its zip writer's
+            cleanup, so the interruption read as a failed job: a Hydra sweep went on with its next job).
     """
     path = Path(path)
     target = Path(os.path.realpath(path)) if path.is_symlink() else path
@@ -49,10 +52,26 @@ def atomic_write(path: str | Path, write: Callable[[BinaryIO], None]) -> Path:
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, target)
-    except BaseException:
+    except BaseException as error:
         Path(temporary).unlink(missing_ok=True)
+        interrupt = interruption(error)
+        if interrupt is not None and interrupt is not error:
+            raise interrupt from None
         raise
     return path
+
+
+def interruption(error: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt that ``error`` is, or that it was raised while handling (its ``__context__`` chain),
+    else None."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        if isinstance(current, KeyboardInterrupt):
+            return current
+        seen.add(id(current))
+        current = current.__context__
+    return None
 
 
 _TEMPORARY_NAME = re.compile(r"\.(.+)\.[a-z0-9_]{8}\.tmp")
