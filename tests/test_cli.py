@@ -167,8 +167,8 @@ def test_a_job_refused_by_the_folder_lock_leaves_the_running_jobs_log_alone(tmp_
 
 @pytest.mark.parametrize(("override", "line"), [
     ("train.epochs=-1", "unsparse: refused: train.epochs: expected an integer >= 0, got -1"),
-    ("prune.lr=-1", "unsparse: refused: lr: expected a number > 0 (or null), got -1 (the pruner's learning rate: "
-                    "prune.lr in the job's config, not train.lr)"),  # inside Hydra's instantiate
+    ("prune.lr=-1", "unsparse: refused: lr: expected a number > 0 and finite (or null), got -1 (the pruner's "
+                    "learning rate: prune.lr in the job's config, not train.lr)"),  # inside Hydra's instantiate
     ("runtime.backend=direct", "unsparse: refused: runtime.backend: 'direct' runs on ['cuda'], the job on cpu"),
 ])
 def test_a_refused_setting_is_one_line_and_exit_status_2(tmp_path, override, line):

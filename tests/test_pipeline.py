@@ -343,7 +343,11 @@ def test_a_time_series_trains_an_autoencoder_and_reports_its_mse(tmp_path, caplo
     (lambda: TimingSettings(warmup=-1), "runtime.timing.warmup: expected an integer >= 0, got -1"),
     (lambda: TimingSettings(backends="dense_cpu"), "runtime.timing.backends: expected a list of backend names"),
     # pruner settings torch refused only after dense training, or took without a word (a helper's finds)
-    (lambda: MagnitudePruner(lr=-1), r"lr: expected a number > 0 \(or null\), got -1"),
+    (lambda: MagnitudePruner(lr=-1), r"lr: expected a number > 0 and finite \(or null\), got -1"),
+    # inf passed and pruned NaN weights (lr), or made every importance inf and its ranking arbitrary (alpha)
+    (lambda: MagnitudePruner(lr=float("inf")), r"lr: expected a number > 0 and finite \(or null\), got inf"),
+    (lambda: EvolutionaryPruner(alpha=float("inf")), "alpha: expected a number >= 0 and finite, got inf"),
+    (lambda: EvolutionaryPruner(beta=float("inf")), "beta: expected a number >= 0 and finite, got inf"),
     (lambda: MagnitudePruner(lr=0), "lr: expected a number > 0"),
     (lambda: MagnitudePruner(fine_tune_epochs=-1), "fine_tune_epochs: expected an integer >= 0, got -1"),
     (lambda: MagnitudePruner(fine_tune_epochs=1.5), "fine_tune_epochs: expected an integer >= 0, got 1.5"),

@@ -84,7 +84,7 @@ def test_mask_swap_arms_retrain_their_source_masks_and_the_page_splits_the_short
     (["--fine-tune-lr", "0"], "argument --fine-tune-lr: expected a learning rate"),
     (["--evolutionary", "nonsense=1"], "--evolutionary: nonsense not in evolutionary.yaml"),
     (["--evolutionary", "fine_tune_lr=0.1"], "--evolutionary: fine_tune_lr is set by the budget"),
-    (["--evolutionary", "alpha=-1"], "--evolutionary: alpha: expected a number >= 0, got -1"),
+    (["--evolutionary", "alpha=-1"], "--evolutionary: alpha: expected a number >= 0 and finite, got -1"),
     (["--evolutionary", "epsilon=0.01", "--evolutionary", "epsilon=0.02"], "--evolutionary: epsilon given more"),
     (["--data-root", "/nonexistent/fashion"],
      "--data-root: Fashion-MNIST file /nonexistent/fashion/train-images-idx3-ubyte.gz not found"),

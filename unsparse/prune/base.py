@@ -137,7 +137,7 @@ def layer_mapping(mapping: Mapping[Any, float], field: str, valid: Callable[[flo
 
 
 def optional_rate(rate: float | None, field: str) -> float | None:
-    """A pruner's learning rate that may be None (the trainer's): else a number > 0.
+    """A pruner's learning rate that may be None (the trainer's): else a finite number > 0.
 
     Raises:
         ValueError: naming ``field`` otherwise, and ``prune.<field>``, its key in the main job's config (where
@@ -145,7 +145,7 @@ def optional_rate(rate: float | None, field: str) -> float | None:
     """
     if rate is not None:
         try:
-            check_number(rate, field, lambda value: value > 0, "> 0 (or null)")
+            check_number(rate, field, lambda value: 0 < value < math.inf, "> 0 and finite (or null)")
         except ValueError as error:
             raise ValueError(f"{error} (the pruner's learning rate: prune.{field} in the job's config, not "
                              "train.lr)") from None

@@ -366,8 +366,8 @@ class EvolutionaryPruner(Pruner):
         check_number(crossover_max_regress, "crossover_max_regress", lambda value: value >= 0.0, ">= 0")
         check_number(mutation_threshold, "mutation_threshold", lambda value: 0.0 <= value <= 1.0,
                      "in [0, 1] (a probability)")
-        for name, value in (("alpha", alpha), ("beta", beta)):
-            check_number(value, name, lambda number: number >= 0.0, ">= 0")
+        for name, value in (("alpha", alpha), ("beta", beta)):  # inf made every importance or score inf or NaN
+            check_number(value, name, lambda number: 0.0 <= number < math.inf, ">= 0 and finite")
         # a negative epsilon asks every iteration to improve the score by at least |epsilon| (-inf: every one stalls)
         check_number(epsilon, "epsilon", lambda number: not math.isnan(number), "(not NaN)")
         check_flag(rewind, "rewind")
