@@ -188,6 +188,8 @@ def test_a_refused_setting_is_one_line_and_exit_status_2(tmp_path, override, lin
     ("batches=128", "unsparse bench: refused: batches: expected a list, e.g. [128], got 128"),
     ("layer_filter=5", "unsparse bench: refused: layer_filter: expected a regular expression (a string), got 5"),
     ("batches=[0]", "unsparse bench: refused: batches: expected an integer >= 1, got 0"),
+    ("seed=1.5", "unsparse bench: refused: seed: expected an integer in [-9223372036854775808, "
+                 "18446744073709551615], got 1.5"),  # torch.manual_seed took it as 1
 ])
 def test_a_refused_bench_setting_is_one_line_and_exit_status_2(tmp_path, override, line):
     """``unsparse bench`` checks its settings before any GPU work (this machine has none, so a setting that passed

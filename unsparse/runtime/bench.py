@@ -44,7 +44,7 @@ from unsparse.runtime.modules import set_backend, sparse_layers, sparsify, tempo
 from unsparse.runtime.plan import Plan, PlanError, device_name
 from unsparse.runtime.precision import PRECISIONS, precision_mode
 from unsparse.runtime.timing import MIN_RUNS, Timing, time_fn, time_graph
-from unsparse.settings import check_integer, check_number
+from unsparse.settings import check_integer, check_number, check_seed
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
@@ -108,14 +108,15 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
                    precisions: Sequence[str], lowering_models: Sequence[str], end_to_end: Sequence[str],
                    end_to_end_sparsity: float, end_to_end_batch: int, runs: int, sparse_file: str | Path | None,
                    sparse_input_shape: Sequence[int] | None, layer_filter: str | None, time_budget_s: float | None,
-                   timing: str) -> None:
+                   timing: str, seed: int) -> None:
     """Check :func:`run_bench`'s settings (same meanings) before any GPU work, so that a typo does not surface
     after minutes of timings or as a traceback deep inside them: model names from :data:`MODELS`, precisions from
     :data:`~unsparse.runtime.precision.PRECISIONS`, sparsities in ``[0, 1)`` (the range of
     :func:`magnitude_prune_`), batch sizes and ``runs`` integers >= 1, every sequence a list or tuple (not a string
     or a lone number), ``sparse_file`` an existing file with a non-empty ``sparse_input_shape`` (positive
     integers), ``layer_filter`` a regular expression, ``time_budget_s`` > 0, ``timing`` one of
-    :data:`~unsparse.runtime.comparator.TIMINGS`.
+    :data:`~unsparse.runtime.comparator.TIMINGS`, ``seed`` an integer torch's generator takes
+    (:func:`~unsparse.settings.check_seed`; ``seed=1.5`` reached ``torch.manual_seed``, which took it as 1).
 
     Raises:
         BenchRefusedError: (a ``ValueError``) naming the setting and the value.
@@ -148,6 +149,7 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
                 raise ValueError("sparse_input_shape: empty; expected the per-sample input shape, e.g. [1, 28, 28]")
             for value in sparse_input_shape:
                 check_integer(value, "sparse_input_shape")
+        check_seed(seed)
         if time_budget_s is not None:
             check_number(time_budget_s, "time_budget_s", lambda number: number > 0, "> 0 (or null)")
         if layer_filter is not None:
@@ -494,7 +496,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             for a plan file that cannot be read or is no valid plan (the message names the file and the field).
     """
     check_settings(models, sparsities, batches, precisions, lowering_models, end_to_end, end_to_end_sparsity,
-                   end_to_end_batch, runs, sparse_file, sparse_input_shape, layer_filter, time_budget_s, timing)
+                   end_to_end_batch, runs, sparse_file, sparse_input_shape, layer_filter, time_budget_s, timing, seed)
     if not torch.cuda.is_available():
         raise BenchRefusedError("run_bench needs a CUDA GPU, and torch sees none here")
     out_dir = Path(out_dir)
