@@ -342,6 +342,7 @@ def test_a_time_series_trains_an_autoencoder_and_reports_its_mse(tmp_path, caplo
     (lambda: TimingSettings(batch_size=0), "runtime.timing.batch_size"),
     (lambda: TimingSettings(warmup=-1), "runtime.timing.warmup: expected an integer >= 0, got -1"),
     (lambda: TimingSettings(backends="dense_cpu"), "runtime.timing.backends: expected a list of backend names"),
+    (lambda: TimingSettings(backends=[]), "runtime.timing.backends: empty; name the backends to time, or null"),
     # pruner settings torch refused only after dense training, or took without a word (a helper's finds)
     (lambda: MagnitudePruner(lr=-1), r"lr: expected a number > 0 and finite \(or null\), got -1"),
     # inf passed and pruned NaN weights (lr), or made every importance inf and its ranking arbitrary (alpha)

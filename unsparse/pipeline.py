@@ -83,8 +83,8 @@ class TimingSettings:
 
     Raises:
         ValueError: naming ``runtime.timing.backends``, for a name that is not a registered backend, ``"auto"``
-            (the plan itself), or backends that are no list of names; naming the field, for a ``batch_size`` or
-            ``repeats`` that is no integer >= 1 or a ``warmup`` that is no integer >= 0.
+            (the plan itself), or backends that are no list of names or an empty one; naming the field, for a
+            ``batch_size`` or ``repeats`` that is no integer >= 1 or a ``warmup`` that is no integer >= 0.
     """
 
     batch_size: int = 64
@@ -100,6 +100,9 @@ class TimingSettings:
             if isinstance(self.backends, str) or not all(isinstance(name, str) for name in self.backends):
                 raise ValueError(f"runtime.timing.backends: expected a list of backend names, got {self.backends!r}")
             self.backends = list(self.backends)
+            if not self.backends:  # nothing timed: every layer planned on the dense default, the report empty
+                raise ValueError("runtime.timing.backends: empty; name the backends to time, or null for every "
+                                 "available one")
             if "auto" in self.backends:  # planning would time the plan it makes, without end (RecursionError)
                 raise ValueError("runtime.timing.backends: 'auto' is the plan, not a backend to time; name the "
                                  "backends it chooses from, or null for every available one")
