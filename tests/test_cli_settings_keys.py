@@ -1,5 +1,6 @@
 """The main job's ``train:`` and ``runtime.timing:`` blocks: a key they do not have, or no block at all, is refused
-naming it (it was a ``TypeError`` from the settings' dataclass, printed as Hydra's traceback)."""
+naming it (it was a ``TypeError`` from the settings' dataclass, printed as Hydra's traceback); so is a config group
+left without an option."""
 
 from __future__ import annotations
 
@@ -25,6 +26,22 @@ def composed(*overrides: str):
     ("train=null", r"^train: expected a mapping of settings, got None$"),
 ])
 def test_an_unknown_or_missing_settings_block_is_refused_naming_it(override, message):
+    with pytest.raises(JobRefusedError, match=message):
+        build_job(composed(override))
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("~quant", r"^quant: no option chosen \(the config holds no such block\); choose one with quant=<name>, one of "
+               r"fp16, kmeans, linear, none$"),
+    ("~data", r"^data: no option chosen \(the config holds only \{'limit_train': 3000, 'limit_test': 1000\}\)"),
+    ("~runtime", r"^runtime: no option chosen \(the config holds only \{'timing': \{'batch_size': 16, "),
+    # the experiment's model.width stayed, and instantiate returned it as a plain mapping instead of a model
+    ("~model", r"^model: no option chosen \(the config holds only \{'width': 8\}\); choose one with model=<name>, "
+               r"one of autoencoder1d, resnet_small, vgg_small$"),
+])
+def test_a_config_group_without_an_option_is_refused_naming_its_options(override, message):
+    """``~quant`` ended in omegaconf's ConfigAttributeError (a traceback); ``~model`` built a job whose model was a
+    mapping."""
     with pytest.raises(JobRefusedError, match=message):
         build_job(composed(override))
 

@@ -56,6 +56,25 @@ def settings_block(kind: type[T], block: Any, field: str) -> T:
     return kind(**block)
 
 
+def chosen_block(cfg: DictConfig, group: str) -> DictConfig:
+    """The composed block of config group ``group`` (``data``, ``model``, ``prune``, ``quant``: one that
+    :func:`~hydra.utils.instantiate` builds, with a ``_target_``; ``runtime``: one with a ``backend``).
+
+    Raises:
+        ValueError: naming ``group`` and its options in ``configs/<group>/``, where no option is chosen: ``~quant``
+            removed the block (an AttributeError from the config), and ``~model`` with ``experiment=smoke`` left
+            only the experiment's ``model.width``, which instantiate returned as a plain mapping instead of a model.
+    """
+    block = cfg.get(group)
+    if not isinstance(block, Mapping) or ("backend" if group == "runtime" else "_target_") not in block:
+        options = sorted(path.stem for path in (Path(CONFIG_DIR) / group).glob("*.yaml"))
+        held = ("no such block" if block is None else
+                f"only {OmegaConf.to_container(block) if isinstance(block, DictConfig) else block!r}")
+        raise ValueError(f"{group}: no option chosen (the config holds {held}); choose one with {group}=<name>, one "
+                         f"of {', '.join(options)}")
+    return block
+
+
 def build_job(cfg: DictConfig) -> dict[str, Any]:
     """:func:`~unsparse.pipeline.run_pipeline`'s arguments (all but ``outdir``) from the composed config.
 
@@ -64,22 +83,25 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
     train the same dense model (with ``train.deterministic`` on CUDA too).
 
     Raises:
-        JobRefusedError: (a ``ValueError``) from :func:`resolve_device`, a ``progress`` that is no bool,
-            :class:`TrainSettings`, :class:`TimingSettings` (or their config blocks: :func:`settings_block`), a
-            ``seed`` that is no integer torch takes (``[-2^63, 2^64)``), or a factory that refuses its settings (its
-            ``ValueError`` or ``TypeError``, which Hydra wraps, is the message; so is a data set's
-            :class:`~unsparse.data.DatasetUnavailableError`, a ``data.root`` without its files).
+        JobRefusedError: (a ``ValueError``) from :func:`resolve_device`, a ``progress`` that is no bool, a config
+            group left without an option (:func:`chosen_block`), :class:`TrainSettings`, :class:`TimingSettings`
+            (or their config blocks: :func:`settings_block`), a ``seed`` that is no integer torch takes
+            (``[-2^63, 2^64)``), or a factory that refuses its settings (its ``ValueError`` or ``TypeError``, which
+            Hydra wraps, is the message; so is a data set's :class:`~unsparse.data.DatasetUnavailableError`, a
+            ``data.root`` without its files).
     """
     try:
         with refusing():
             device = resolve_device(cfg.device)
             progress = check_flag(cfg.progress, "progress")  # a string such as "maybe" would be true to bool()
+            blocks = {group: chosen_block(cfg, group) for group in ("data", "model", "prune", "quant", "runtime")}
             train = settings_block(TrainSettings, cfg.train, "train")
-            timing = settings_block(TimingSettings, cfg.runtime.timing, "runtime.timing")
+            timing = settings_block(TimingSettings, blocks["runtime"].timing, "runtime.timing")
             torch.manual_seed(check_seed(cfg.seed))
-            return {"splits": instantiate(cfg.data), "model": instantiate(cfg.model), "pruner": instantiate(cfg.prune),
-                    "quantizer": instantiate(cfg.quant).quantize, "train": train, "timing": timing,
-                    "backend": cfg.runtime.backend, "device": device, "progress": progress, "seed": cfg.seed}
+            return {"splits": instantiate(blocks["data"]), "model": instantiate(blocks["model"]),
+                    "pruner": instantiate(blocks["prune"]), "quantizer": instantiate(blocks["quant"]).quantize,
+                    "train": train, "timing": timing, "backend": blocks["runtime"].backend, "device": device,
+                    "progress": progress, "seed": cfg.seed}
     except InstantiationException as error:
         cause = error.__cause__
         refusal = isinstance(cause, ValueError | TypeError | DatasetUnavailableError)
