@@ -13,6 +13,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from omegaconf import OmegaConf
 
 from unsparse.cli import CONFIG_DIR
 from unsparse.prune.base import Pruner
@@ -42,6 +43,19 @@ def test_every_prune_config_takes_layers_without_a_plus(option):
 @pytest.mark.parametrize("option", GROUPS["quant"])
 def test_every_quant_config_builds_a_quantizer(option):
     assert isinstance(instantiate(composed(f"quant={option}").quant), Quantizer)
+
+
+@pytest.mark.parametrize(("group", "option"), [(group, option) for group in ("data", "prune", "quant")
+                                                for option in GROUPS[group]])
+def test_every_config_spells_out_each_setting_of_what_it_builds(group, option):
+    """A setting the file lacks cannot be overridden (Hydra: "Could not override ... Key is not in struct") and runs
+    on the factory's hidden default: data=co2 lacked val_fraction, test_fraction and source."""
+    import importlib
+    import inspect
+
+    block = OmegaConf.to_container(composed(f"{group}={option}")[group])
+    module, name = block.pop("_target_").rsplit(".", 1)
+    assert set(block) == set(inspect.signature(getattr(importlib.import_module(module), name)).parameters)
 
 
 @pytest.mark.parametrize("option", GROUPS["model"])
@@ -214,8 +228,6 @@ def test_bench_without_cuda_is_one_line_and_exit_status_2(tmp_path):
 
 def test_every_bench_option_is_a_run_bench_argument():
     import inspect
-
-    from omegaconf import OmegaConf
 
     from unsparse.runtime.bench import run_bench
 
