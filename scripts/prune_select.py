@@ -24,6 +24,7 @@ import argparse
 import copy
 import importlib.util
 import itertools
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -53,8 +54,11 @@ TABLE = _prune_table()
 
 
 def best(candidates: list[dict[str, Any]]) -> dict[str, Any]:
-    """The candidate with the highest validation top-1 (the first of equals, i.e. the earlier in the grid)."""
-    return max(candidates, key=lambda candidate: candidate["val_top1"])
+    """The candidate with the highest validation top-1 (the first of equals, i.e. the earlier in the grid). A NaN
+    top-1 (a diverged model: :meth:`~unsparse.train.Trainer.evaluate`) ranks below every number; as the first
+    candidate it had won, since no number compares greater than NaN."""
+    return max(candidates, key=lambda candidate: -math.inf if math.isnan(candidate["val_top1"])
+               else candidate["val_top1"])
 
 
 def train_dense(name: str, budget: dict[str, Any], trainer: Trainer, workdir: Path, seed: int) -> torch.nn.Module:

@@ -159,3 +159,10 @@ def test_render_needs_out_with_dense_only_too(selector, run_script, tmp_path):
     """--dense-only waived --out, and --render then wrote to None: a TypeError traceback."""
     code, output = run_script(selector, ["--dense-only", "--render", str(tmp_path / "select.json")])
     assert code == 2 and "--out is required with --render" in output
+
+
+def test_best_ranks_a_diverged_candidate_last(selector):
+    """A NaN top-1 first in the grid won: max() keeps it, as no number compares greater than NaN."""
+    nan = float("nan")
+    assert selector.best([{"val_top1": nan, "id": 0}, {"val_top1": 20.0, "id": 1}, {"val_top1": 30.0, "id": 2},
+                          {"val_top1": 30.0, "id": 3}])["id"] == 2
