@@ -16,7 +16,8 @@ from unsparse.prune import MagnitudePruner
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
 from unsparse.report import write_report
-from unsparse.runtime import SparseConv, sparse_layers
+from unsparse.runtime import Plan, SparseConv, sparse_layers
+from unsparse.runtime.comparator import plan_model
 from unsparse.strict_json import loads_strict
 
 
@@ -234,6 +235,12 @@ def test_test_images_outside_the_plans_batch_size_are_reported_as_run_dense(tmp_
                           TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]), backend="auto",
                           progress=False)
     assert report["plan_check"]["unplanned_images"] == 10
+    plan = Plan.load(tmp_path / "plan.json")  # the checked plan, to run the exported model on auto elsewhere
+    loaded = load_sparse(tmp_path / "model.safetensors").eval()
+    again, _ = plan_model(loaded, digits(limit_train=200, limit_test=60).test[0][:25], backends=["dense_cpu"], runs=1,
+                          warmup=0)
+    assert set(plan.entries) == set(again.entries)  # the keys the exported model looks up for the test batches
+    assert {entry.backend for entry in plan.entries.values()} == {"dense_cpu"}
     assert ("**10 test images ran on the dense default instead**: they came in a batch of another size than the "
             "plan's 25 images") in (tmp_path / "report.md").read_text()
 

@@ -112,6 +112,10 @@ class TimingSettings:
                 raise ValueError(f"runtime.timing.backends: unknown {unknown}; known: {known}")
 
 
+PLAN_FILE = "plan.json"
+"""The checked plan the job's comparator made (:class:`~unsparse.runtime.plan.Plan`, strict JSON), which
+``Plan.load`` reads back to run the exported model on ``auto`` elsewhere on the same GPU and batch size."""
+
 JOB_FILE = "job.json"
 """What the run in an output folder is (:func:`job_identity`); each run writes it until the folder holds
 checkpoints, and from then on it is compared (:func:`claim_output_folder`)."""
@@ -494,6 +498,7 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
     rows = layer_rows(loaded, path)
     example = splits.test[0][: train.eval_batch_size if backend == "auto" else timing.batch_size].to(device)
     timings, check, backends = compare_layers(loaded, example, timing, backend)
+    active_plan().save(outdir / PLAN_FILE)
     runs_on = {"model_runs_on": backend, "layer_backends": backends}
     if backend == "auto":
         runs_on["unplanned_images"] = unplanned_images(len(splits.test[0]), train.eval_batch_size, len(example))
