@@ -68,11 +68,15 @@ def break_even(curve: Curve) -> tuple[str, float | None]:
 
 
 def describe(result: tuple[str, float | None]) -> str:
-    """``break_even``'s result as table text: ``0.812``, ``<= 0.50``, ``> 0.98`` or ``n/a``."""
+    """``break_even``'s result as table text: ``0.812``, ``<= 0.50``, ``> 0.98`` or ``n/a``. A bound is the measured
+    sparsity itself, with two decimals only where they are exact (``> 0.999``, not ``> 1.00``)."""
     kind, value = result
     if value is None:
         return "n/a"
-    return {"at": f"{value:.3f}", "below": f"<= {value:.2f}", "above": f"> {value:.2f}"}[kind]
+    if kind == "at":
+        return f"{value:.3f}"
+    bound = f"{value:.2f}" if abs(float(f"{value:.2f}") - value) <= 1e-12 else f"{value:g}"
+    return {"below": f"<= {bound}", "above": f"> {bound}"}[kind]
 
 
 def meets(result: tuple[str, float | None], goal: float) -> bool:
