@@ -246,7 +246,8 @@ def _layout(header: Any, data_bytes: int, path: Path) -> tuple[dict[str, str], d
     """The metadata block and the stored tensors of a safetensors header (parsed by :func:`_check_header`), checked as
     safetensors' reader checks them (that reader memory-maps the file: :func:`_open_file`): a JSON object whose
     ``__metadata__`` (optional, or null) maps strings to strings, and whose every other entry holds exactly
-    ``dtype`` (one of :data:`STORED_DTYPES`), ``shape`` (integers in ``[0, 2^63)``) and ``data_offsets``
+    ``dtype`` (one of :data:`STORED_DTYPES`), ``shape`` (integers in ``[0, 2^63)``, their product with each 0 read as
+    1 below 2^63, so that torch can shape even an empty tensor so) and ``data_offsets``
     (``[start, end]``, ``0 <= start <= end``, spanning the tensor's bytes); in offset order, the tensors tile the
     ``data_bytes`` of the data section, without gaps or overlaps.
 
@@ -269,8 +270,12 @@ def _layout(header: Any, data_bytes: int, path: Path) -> tuple[dict[str, str], d
         name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         _require(isinstance(name, str) and name in STORED_DTYPES, key,
                  f"stored dtype {reprlib.repr(name)}, expected one of {sorted(STORED_DTYPES)}")
-        _require(isinstance(shape, list) and all(type(size) is int and 0 <= size < 2**63 for size in shape), key,
-                 f"shape {reprlib.repr(shape)}: expected a list of integers in [0, 2^63)")
+        # every size, and their product with zero sizes read as 1 (which bounds torch's numel and strides: an empty
+        # [2^62, 2^62, 0] overflowed int64 in torch's reshape, a RuntimeError), below 2^63
+        _require(isinstance(shape, list) and all(type(size) is int and 0 <= size < 2**63 for size in shape)
+                 and math.prod(max(size, 1) for size in shape) < 2**63, key,
+                 f"shape {reprlib.repr(shape)}: expected a list of integers in [0, 2^63) whose product (a 0 read as "
+                 "1) is below 2^63")
         _require(isinstance(offsets, list) and len(offsets) == 2 and all(type(at) is int for at in offsets)
                  and 0 <= offsets[0] <= offsets[1], key,
                  f"data_offsets {reprlib.repr(offsets)}: expected [start, end], integers, 0 <= start <= end")
