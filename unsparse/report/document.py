@@ -176,13 +176,15 @@ def _trivial_text(run: dict[str, Any], accuracy: dict[str, float | None]) -> str
     return text
 
 
-def not_timed_text(not_timed: Sequence[dict[str, Any]]) -> str:
+def not_timed_text(not_timed: Sequence[dict[str, Any]], timed: Sequence[dict[str, Any]] = ()) -> str:
     """One line naming the backends that could not be timed, grouped by backend, status and reason with their
     layers; rows of status ``"ok"`` without a time (settings the comparator's screening left out of a backend it
-    timed) are not named. Empty when there is nothing to name."""
+    timed) are not named, nor a backend on a layer where one of ``timed`` (rows with a time) gives it a time there
+    (one of its settings failed, another ran). Empty when there is nothing to name."""
+    ran = {(entry["backend"], entry["layer"]) for entry in timed}
     layers: dict[tuple[str, str, str], list[str]] = {}
     for entry in not_timed:
-        if entry["status"] != "ok":
+        if entry["status"] != "ok" and (entry["backend"], entry["layer"]) not in ran:
             names = layers.setdefault((entry["backend"], entry["status"], entry.get("reason") or ""), [])
             names += [entry["layer"]] * (entry["layer"] not in names)
     return "" if not layers else "Not timed: " + "; ".join(
@@ -294,7 +296,7 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
                        [[v["layer"], v["baseline_ms"], v["fastest"], v["best_sparse"], v["sparse_speedup"],
                          v["verdict"]] for v in report["timing_verdicts"]]),
     ]
-    not_timed = not_timed_text(report.get("not_timed", []))
+    not_timed = not_timed_text(report.get("not_timed", []), report["timings"])
     if not_timed:
         sections.append(not_timed)
     if report.get("plan_check"):
