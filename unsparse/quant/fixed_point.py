@@ -83,9 +83,14 @@ def fixed_point_step(saturation: float, bits: int, power_of_two: bool = False) -
 
 
 def _rounded_codes(x: torch.Tensor, step: float, bits: int) -> torch.Tensor:
-    """``clip(round(x / Δ), -q_max, q_max)`` (eq. 19) in float32, shape of ``x``; NaN stays NaN, ±inf clip."""
+    """``clip(round(x / Δ), -q_max, q_max)`` (eq. 19) as float32, shape of ``x``; NaN stays NaN, ±inf clip.
+
+    The quotient is taken in float64: for a float32 (or narrower) ``x`` and a float32 ``Δ`` it then lies on the
+    same side of every tie as the exact one (a float32 quotient rounded values within an ulp of a tie to the
+    farther code), and a float64 ``x`` is rounded once, not first to float32.
+    """
     q_max = max_code(bits)
-    return torch.round(x.to(torch.float32) / torch.tensor(step, dtype=torch.float32)).clamp(-q_max, q_max)
+    return torch.round(x.to(torch.float64) / step).clamp(-q_max, q_max).to(torch.float32)
 
 
 def to_codes(x: torch.Tensor, step: float, bits: int) -> torch.Tensor:
@@ -108,7 +113,8 @@ def from_codes(codes: torch.Tensor, step: float) -> torch.Tensor:
 def fake_quantize(x: torch.Tensor, step: float, bits: int) -> torch.Tensor:
     """``Q(x)`` of eq. 19 as float32, shape of ``x`` (any float dtype), computed in floating point.
 
-    ``|Q(x) - x| <= Δ/2`` for ``|x| <= q_max·Δ``; larger ``|x|`` saturate, ±inf included, and NaN stays NaN
+    The code is the nearest one (ties to even), so ``|code·Δ - x| <= Δ/2`` for ``|x| <= q_max·Δ`` (the float32
+    product ``code·Δ`` adds at most half an ulp); larger ``|x|`` saturate, ±inf included, and NaN stays NaN
     (an integer code has no NaN). For finite ``x`` the result is bitwise ``from_codes(to_codes(x, Δ, b), Δ)``.
     """
     # + 0.0 turns the -0.0 that round() gives a small negative value into the +0.0 of the integer code 0
