@@ -135,7 +135,8 @@ class ActivationQuantizer(nn.Module):
                     log.warning("%s: %d values beyond float16's range saturated to ±%s (further batches of this "
                                 "layer are not reported)", self.name, beyond, FLOAT16_MAX)
                     self.saturation_logged = True
-            return to_float16(x.clamp(-FLOAT16_MAX, FLOAT16_MAX)).to(x.dtype)
+            # clamped in float16, after rounding: in x's dtype the bound need not exist (bfloat16 rounds it to 65536)
+            return to_float16(x).clamp(-FLOAT16_MAX, FLOAT16_MAX).to(x.dtype)
         if self.spec.format == "fixed":
             return fake_quantize(x, self.step(), self.spec.bits).to(x.dtype)
         return x
