@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from unsparse import create_model, load_sparse, save_sparse, sparsify
+from unsparse.quant import LinearQuantizer
 from unsparse.quant.activations import ActivationQuantizer, ActivationSpec
 from unsparse.quant.float16 import FLOAT16_MAX
 
@@ -18,3 +20,19 @@ def test_fp16_activations_beyond_float16s_range_saturate_to_a_finite_value_in_ev
     assert out.dtype == dtype and bool(torch.isfinite(out).all())
     expected = torch.tensor([FLOAT16_MAX, -FLOAT16_MAX, FLOAT16_MAX, -FLOAT16_MAX, 1.0, -0.5]).to(dtype)
     assert torch.equal(out, expected)
+
+
+def test_a_fraction_of_a_subnormal_maximum_is_a_usable_level(tmp_path):
+    """With rule fraction_of_max, 0.4 x max |x| for inputs at float32's smallest value (2^-149) rounded to 0 in the
+    float32 saturation buffer: quantization succeeded, then the first forward pass failed and the file it wrote was
+    refused on load. The level is now at least 2^-149, which quantizes such inputs exactly."""
+    torch.manual_seed(0)
+    model = sparsify(create_model("vgg_small", width=4).eval())
+    images = torch.full((2, 1, 28, 28), 2.0**-149)
+    spec = ActivationSpec(format="fixed", rule="fraction_of_max", quantile=0.4, calibration_batches=1)
+    LinearQuantizer(activations=spec, progress=False).quantize(model, [(images, torch.zeros(2))])
+    quantizer = model.get_submodule("0.0").input_quantizer
+    assert float(quantizer.saturation) > 0 and torch.equal(quantizer(images), images)
+    model(images)
+    loaded = load_sparse(save_sparse(model, tmp_path / "m.safetensors"))
+    assert torch.equal(loaded.get_submodule("0.0").input_quantizer.saturation, quantizer.saturation)

@@ -34,7 +34,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from unsparse.quant.fixed_point import check_bits, fake_quantize, fixed_point_step
+from unsparse.quant.fixed_point import SMALLEST_STEP, check_bits, fake_quantize, fixed_point_step
 from unsparse.quant.float16 import FLOAT16_MAX, FLOAT16_OVERFLOW, to_float16
 from unsparse.quant.histogram import MagnitudeHistogram, check_bins
 from unsparse.runtime.modules import sparse_layers
@@ -214,10 +214,10 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
 
     Passes over the first ``spec.calibration_batches`` batches (model in eval mode, float32 activations; call it
     before :func:`attach_activation_quantizers`): the first finds ``max |x|`` per layer; with ``spec.rule``
-    ``"fraction_of_max"`` the level is ``spec.quantile * max |x|``, and with ``"quantile"`` a second pass fills a
-    :class:`MagnitudeHistogram` over ``[0, max]`` and takes its ``spec.quantile`` level. Exact zeros (e.g. after a
-    ReLU) are not counted: the quantile is over the nonzero magnitudes, so the level does not depend on the share
-    of zeros (see :mod:`unsparse.quant.histogram`).
+    ``"fraction_of_max"`` the level is ``spec.quantile * max |x|`` (at least ``2^-149``, float32's smallest
+    value), and with ``"quantile"`` a second pass fills a :class:`MagnitudeHistogram` over ``[0, max]`` and takes
+    its ``spec.quantile`` level. Exact zeros (e.g. after a ReLU) are not counted: the quantile is over the nonzero
+    magnitudes, so the level does not depend on the share of zeros (see :mod:`unsparse.quant.histogram`).
 
     Args:
         model: CPU model with SparseConv layers.
@@ -257,7 +257,9 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
                         "level is set to %s, under which zeros stay exactly zero", ", ".join(silent), SILENT_LEVEL)
         levels = dict.fromkeys(silent, SILENT_LEVEL)
         if spec.rule == "fraction_of_max":
-            return {**levels, **{name: spec.quantile * upper for name, upper in maxima.items() if upper > 0}}
+            # at least float32's smallest value: the float32 buffer rounds a fraction of a subnormal max to 0
+            return {**levels, **{name: max(spec.quantile * upper, SMALLEST_STEP) for name, upper in maxima.items()
+                                 if upper > 0}}
         histograms = {name: MagnitudeHistogram(upper, spec.bins) for name, upper in maxima.items() if upper > 0}
 
         def record_histogram(name: str, x: torch.Tensor) -> None:
