@@ -292,6 +292,34 @@ def test_rows_padded_beyond_the_largest_rows_nnz_are_refused(tmp_path, exported)
         load_sparse(write(tmp_path / "padded.safetensors", tensors, metadata))
 
 
+@pytest.mark.parametrize("value", [None, 3e38])
+def test_a_row_naming_a_column_twice_is_refused(tmp_path, exported, value):
+    """A row never names a column twice (format.py; from_dense and save_sparse never write one), but a file whose row
+    named one twice loaded, each entry summed into the weight: with two finite entries of 3e38 the layer's weight was
+    infinite (past the non-finite check, which reads the stored entries), and with its own values the recorded nnz,
+    sparsity and row length counted an entry the dense weight does not have."""
+    tensors, metadata = read(exported[1])
+    name = first_layer(exported)
+    values, col_idx = tensors[f"{name}.values"], tensors[f"{name}.col_idx"]
+    row = int(((values != 0).sum(dim=1) >= 2).nonzero()[0])
+    col_idx[row, 1] = col_idx[row, 0]
+    if value is not None:
+        values[row, :2] = value
+    with pytest.raises(SparseFileError, match=rf"^{name}\.col_idx: row {row} names column {int(col_idx[row, 0])} "
+                       "more than once"):
+        load_sparse(write(tmp_path / "repeated.safetensors", tensors, metadata))
+
+
+def test_save_refuses_a_row_naming_a_column_twice(tmp_path):
+    """save_sparse runs the loader's checks: a hand-made layer that repeats a column (which the backends accept in
+    memory, summing the entries) would be written into a file load_sparse refuses."""
+    model = pruned_sparse_model(width=8)
+    model[0][0].col_idx[0, 1] = model[0][0].col_idx[0, 0]
+    with pytest.raises(ValueError, match=r"model: load_sparse would refuse its file \(0\.0\.col_idx: row 0 names"):
+        save_sparse(model, tmp_path / "m.safetensors")
+    assert not (tmp_path / "m.safetensors").exists()
+
+
 def test_metadata_nested_beyond_the_parser_raises_a_file_error(tmp_path, exported):
     tensors, _ = read(exported[1])
     path = tmp_path / "deep.safetensors"

@@ -23,8 +23,9 @@ models, some hundreds for VGG-16's dense classifier); safetensors' reader is not
 a mapped file cut short while open (rewritten in place by another process) kills the process with SIGBUS, where a
 short read is refused. A file whose size or modification time changed while it was read is refused too (its
 tensors could come from two versions). Then values (finite, BatchNorm variances not negative), index
-ranges and row lengths (each layer's largest row nnz, UnSparse-Opt §5) are checked, and only then are real tensors
-assigned. Every problem raises :class:`SparseFileError` (a ``ValueError``) naming the field.
+ranges, distinct columns within each row, and row lengths (each layer's largest row nnz, UnSparse-Opt §5) are
+checked, and only then are real tensors assigned. Every problem raises :class:`SparseFileError` (a ``ValueError``)
+naming the field.
 """
 
 from __future__ import annotations
@@ -118,8 +119,9 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
             of the architecture as a sparse one, so such a file could not be read back), or layers or tensors that
             differ from the architecture ``unsparse_spec`` names (e.g. a replaced classifier), or values the loader
             refuses (NaN or infinite, a negative BatchNorm variance, a layer whose row length is more than its
-            largest row's nnz, e.g. after values were zeroed in place, quantized values that contradict the model's
-            quantization description: :func:`~unsparse.quant.state.check_values_codecs`), or an ``extra`` that is
+            largest row's nnz, e.g. after values were zeroed in place, a row naming a column twice, quantized values
+            that contradict the model's quantization description: :func:`~unsparse.quant.state.check_values_codecs`),
+            or an ``extra`` that is
             no JSON (a numpy value, nesting deeper than the encoder goes) or whose JSON the loader refuses (keys that
             become one, such as ``1`` and ``"1"``; nesting deeper than the parser reads; more than
             :data:`METADATA_MAX_CHARACTERS` in all), or a safetensors header of more than :data:`HEADER_MAX_BYTES`:
@@ -160,6 +162,7 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
     try:
         _check_values(_shell_model(metadata), model.state_dict())
         for name, layer in sparse_layers(model).items():
+            _check_distinct_columns(name, layer.csr)
             _check_row_length(name, layer.csr)
         check_values_codecs(model)
     except SparseFormatError as error:
@@ -549,6 +552,26 @@ def _check_row_length(name: str, csr: UniformCSR) -> None:
              f"{widest} nonzeros: rows are padded to the largest row's nnz and no further (UnSparse-Opt §5)")
 
 
+def _check_distinct_columns(name: str, csr: UniformCSR) -> None:
+    """No row of the layer names a column twice (format.py: padding takes columns its row does not use, so
+    :meth:`UniformCSR.to_dense` inverts :meth:`UniformCSR.from_dense`). A row that repeats one sums its entries into
+    one weight, so two finite entries can make an infinite weight that the check of the stored values does not see,
+    and the recorded nnz, sparsity and row length count entries the dense weight does not have.
+
+    Raises:
+        SparseFileError: naming ``<name>.col_idx``, the first such row and its repeated column.
+    """
+    if csr.row_length < 2:
+        return
+    ordered = torch.sort(csr.col_idx, dim=1).values
+    repeated = ordered[:, 1:] == ordered[:, :-1]
+    if bool(repeated.any()):
+        row = int(repeated.any(dim=1).nonzero()[0])
+        column = int(ordered[row, 1:][repeated[row]][0])
+        raise SparseFileError(f"{name}.col_idx: row {row} names column {column} more than once (a row's entries, "
+                              "padding included, take distinct columns)")
+
+
 def _decode_tensors(entries: dict[str, dict[str, Any]],
                     parts_by_key: dict[str, dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Every tensor of the file from its stored parts (:func:`_read_parts`; entries already checked by
@@ -682,8 +705,9 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
             architecture before any is read), a codec other than raw on a tensor that is no sparse layer's
             values, stored parts larger than their tensor can need, wrong dtypes or floating tensors of several
             dtypes, column indices outside
-            ``[0, K)``, geometry or shape disagreeing with the architecture, a layer's recorded ``nnz`` or
-            ``sparsity`` disagreeing with its values, a row length other than the largest row's nnz (rows padded
+            ``[0, K)`` or named twice in a row, geometry or shape disagreeing with the architecture, a layer's
+            recorded ``nnz`` or ``sparsity`` disagreeing with its values, a row length other than the largest row's
+            nnz (rows padded
             further than UnSparse-Opt §5 pads them), non-finite values, negative
             BatchNorm variances, a layer's ``values`` codec, codec parameters or values that contradict the
             quantization description (:func:`~unsparse.quant.state.check_values_codecs`: e.g. a step that is no power
@@ -706,6 +730,7 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
             csr = UniformCSR(decoded[f"{name}.values"], decoded[f"{name}.col_idx"], layer.weight_shape)
         except SparseFormatError as error:
             raise SparseFileError(f"{name}.{error}") from error
+        _check_distinct_columns(name, csr)
         _check_counts(name, metadata["layers"][name], csr)
         _check_row_length(name, csr)
     model.load_state_dict(decoded, strict=True, assign=True)
