@@ -232,9 +232,10 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
         "reached." if pruning["target_reached"] else "**NOT reached**: the run stopped below it (its iteration "
         "budget ran out, or no layer could be pruned further).")
     modified = " (working tree modified: the code that ran is not that commit's)" if run.get("tree_modified") else ""
+    commit = run.get("commit") or "unknown (not run from a git checkout)"
     sections = [
         f"# UnSparse report: {run['model']['name']} on {run['data']}",
-        f"Device: {run['device']}; torch {run['torch']}; weights: {run['weights']}; commit {run.get('commit')}"
+        f"Device: {run['device']}; torch {run['torch']}; weights: {run['weights']}; commit {commit}"
         f"{modified}.",
         "## Test metric",
         "On the test split: `dense` after dense training, `pruned` after pruning and fine-tuning (masks on, before "
