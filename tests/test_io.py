@@ -417,6 +417,22 @@ def test_malformed_safetensors_headers_raise_naming_the_field(tmp_path, exported
         load_sparse(path)
 
 
+def test_a_shape_of_many_huge_sizes_is_refused_without_multiplying_them_out(tmp_path, exported):
+    """The header's shapes were multiplied out in full (Python integers, a multiplication per size, each as long as
+    the product so far): a 1 MB header with one shape of 50,000 sizes of 2^62 took 9 s, and the 12 MiB a header may
+    hold about 20 minutes. The product stops once it passes 2^63."""
+    import time
+
+    path = tmp_path / "long.safetensors"
+    shape = [2**62] * 50_000 + [0]
+    path.write_bytes(with_header(exported[1].read_bytes(), lambda h: h.update(
+        {"0.1.running_mean::x": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}})))
+    start = time.perf_counter()
+    with pytest.raises(SparseFileError, match=r"^0\.1\.running_mean::x: shape \[4611686018427387904, "):
+        load_sparse(path)
+    assert time.perf_counter() - start < 2.0
+
+
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
 def test_an_architecture_with_empty_layers_is_refused(tmp_path, exported):
     """Found by fuzzing: a zero width built a model whose layers have no channels, which loaded and then failed in

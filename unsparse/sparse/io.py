@@ -245,6 +245,18 @@ class _Stored:
     size: int
 
 
+def _bounded_product(sizes: list[int]) -> int:
+    """The product of ``sizes`` (non-negative integers, each 0 read as 1), or the first partial product of 2^63 or
+    more: multiplied out in full, a shape of many huge sizes (a header may hold hundreds of thousands) takes time
+    quadratic in their count, as each product is as long as all the sizes before it."""
+    product = 1
+    for size in sizes:
+        product *= max(size, 1)
+        if product >= 2**63:
+            break
+    return product
+
+
 def _layout(header: Any, data_bytes: int, path: Path) -> tuple[dict[str, str], dict[str, _Stored]]:
     """The metadata block and the stored tensors of a safetensors header (parsed by :func:`_check_header`), checked as
     safetensors' reader checks them (that reader memory-maps the file: :func:`_open_file`): a JSON object whose
@@ -276,7 +288,7 @@ def _layout(header: Any, data_bytes: int, path: Path) -> tuple[dict[str, str], d
         # every size, and their product with zero sizes read as 1 (which bounds torch's numel and strides: an empty
         # [2^62, 2^62, 0] overflowed int64 in torch's reshape, a RuntimeError), below 2^63
         _require(isinstance(shape, list) and all(type(size) is int and 0 <= size < 2**63 for size in shape)
-                 and math.prod(max(size, 1) for size in shape) < 2**63, key,
+                 and _bounded_product(shape) < 2**63, key,
                  f"shape {reprlib.repr(shape)}: expected a list of integers in [0, 2^63) whose product (a 0 read as "
                  "1) is below 2^63")
         _require(isinstance(offsets, list) and len(offsets) == 2 and all(type(at) is int for at in offsets)
