@@ -104,5 +104,8 @@ def plot_history(history: Sequence[dict[str, Any]], path: Path, metric: str, tit
         lines += top.plot(steps, [100 * entry.get("weighted_sparsity", float("nan")) for entry in history],
                           marker="s", color="tab:red", label="weighted sparsity (%)")
         top.set_ylabel("weighted sparsity (%)", color="tab:red")
-    top.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="best", framealpha=0.9)
+        axis.set_zorder(top.get_zorder() + 1)  # the metric over the sparsity: one entry put both on one pixel
+        axis.patch.set_visible(False)  # (the twin axis drawn later hid it)
+    axis.legend(lines, [line.get_label() for line in lines], fontsize=8, loc="upper center",
+                bbox_to_anchor=(0.5, -0.15), ncol=2)  # below the axes: "best" avoided one axis' points only
     return save_figure(figure, path)
