@@ -200,8 +200,12 @@ class ConvGeometry:
         """``(E, F)``, the ofmap size (Escoin eq. 1 generalised to stride, padding and dilation).
 
         Raises:
-            SparseFormatError: if the dilated kernel is larger than the padded input.
+            SparseFormatError: if the kernel has an empty axis (``R`` or ``S`` is 0: no output size; torch refuses
+                such a weight), or the dilated kernel is larger than the padded input.
         """
+        if min(kernel_size) < 1:
+            raise SparseFormatError(f"kernel_size: {tuple(kernel_size)} has an empty axis; a convolution needs at "
+                                    "least one tap along each")
         hp, wp = self.padded_size(height, width)
         sizes = []
         for padded, k, d, s in zip((hp, wp), kernel_size, self.dilation, self.stride, strict=True):
