@@ -65,6 +65,24 @@ def test_plan_check_text_says_whether_the_plan_is_slower_and_what_was_set_back()
         default_everywhere
 
 
+def test_a_plan_of_dense_defaults_only_is_not_called_faster_or_slower() -> None:
+    """A CPU run whose plan kept every layer on dense_cpu read "12.56x the default's speed" (8.4 against 105.8 ms,
+    timed eagerly on a loaded machine): both forwards ran the same layers, so the gap can only be noise or dispatch."""
+    from unsparse.report.document import plan_check_text
+
+    check = {"planned_ms": 8.4, "default_ms": 105.8, "reverted": [], "timing": "eager", "margin": 0.03, "images": 8,
+             "model_runs_on": "auto", "layer_backends": {"0": "dense_cpu", "1": "dense default (not planned)"}}
+    for planned_ms in (8.4, 150.0):
+        text = plan_check_text({**check, "planned_ms": planned_ms})
+        assert "but every layer of the plan runs its dense default, so both forwards ran the same layers" in text
+        assert "SLOWER" not in text and "set back" not in text
+    assert "12.60x the default's speed, but" in plan_check_text(check)
+    mixed = plan_check_text({**check, "layer_backends": {"0": "dense_cpu", "1": "direct"}})
+    assert "12.60x the default's speed." in mixed and "same layers" not in mixed
+    converted = plan_check_text({**check, "layer_backends": {"0": "cudnn, converted to nhwc"}})
+    assert "same layers" not in converted
+
+
 def test_stages_no_better_than_a_model_that_learned_nothing_are_named_per_task() -> None:
     """A smoke run on digits reported pruned 10 and sparse_run 10 next to a trivial score of 10 without a word, and
     the sentence named both tasks' trivial models at once."""

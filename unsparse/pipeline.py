@@ -26,6 +26,7 @@ from unsparse.data import Splits
 from unsparse.prune.base import Pruner
 from unsparse.prune.masks import weighted_sparsity
 from unsparse.report import layer_rows, timing_verdicts, write_report
+from unsparse.report.document import NOT_PLANNED
 from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
 from unsparse.runtime.baseline import NAME as BASELINE
@@ -362,7 +363,7 @@ def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettin
     check = check_plan(model, example, plan, comparisons, runs=timing.repeats, warmup=timing.warmup)
     if chosen is None:
         planned = planned_backends(model, active_plan())
-        backends = {name: planned.get(name, "dense default (not planned)") for name in backends}
+        backends = {name: planned.get(name, NOT_PLANNED) for name in backends}
     by_key = {comparison.key: comparison for comparison in comparisons}
     rows = []
     for name, layer in sparse_layers(model).items():

@@ -107,6 +107,15 @@ def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[di
     return verdicts
 
 
+NOT_PLANNED = "dense default (not planned)"
+"""A layer's backend under ``auto`` where the plan has no entry for it (``plan_check["layer_backends"]``)."""
+
+DENSE_LABELS = frozenset({"cudnn", "dense_cpu", NOT_PLANNED})
+"""``layer_backends`` labels of a layer on its device's dense default
+(:func:`~unsparse.sparse.functional.dense_fallback_backend`; cuDNN in the other layout reads ``"cudnn, converted
+to ..."``)."""
+
+
 def plan_check_text(check: dict[str, Any]) -> str:
     """One paragraph on the whole planned model against its dense default (the report's ``plan_check``: the fields
     of :class:`~unsparse.runtime.comparator.PlanCheck`, its ``margin`` a fraction, plus ``images`` per
@@ -117,11 +126,18 @@ def plan_check_text(check: dict[str, Any]) -> str:
     it is that default). Says whether the plan is faster,
     slower within the margin (run-to-run noise) or SLOWER, that slower plans were set back, and what the test set
     ran on: the plan's backend per layer, or another backend's whole-model time against the dense default (slower
-    within the margin or SLOWER, the same way)."""
+    within the margin or SLOWER, the same way). Where the plan keeps every layer on its dense default
+    (:data:`DENSE_LABELS`), both forwards ran the same layers, and a gap either way is said to be noise, not a
+    speedup."""
     how = "as CUDA-graph replays (GPU time)" if check["timing"] == "graph" else "eagerly (host clock included)"
     planned, default = check["planned_ms"], check["default_ms"]
     speed = default / planned
-    if speed >= 1:
+    labels = set(check.get("layer_backends", {}).values())
+    same_layers = check["model_runs_on"] == "auto" and bool(labels) and labels <= DENSE_LABELS
+    if same_layers and not check["reverted"]:
+        verdict = (f"{speed:.2f}x the default's speed, but every layer of the plan runs its dense default, so both "
+                   "forwards ran the same layers: the gap is the plan's per-layer dispatch (host time) or noise")
+    elif speed >= 1:
         verdict = f"{speed:.2f}x the default's speed"
     elif within_noise(planned, default, check["margin"]):
         verdict = f"{speed:.2f}x the default's speed: slower, {noise_text(check['margin'])}"
@@ -132,7 +148,7 @@ def plan_check_text(check: dict[str, Any]) -> str:
     if check["reverted"]:
         text += (f" Being slower by more than the planning margin, the plan's {len(check['reverted'])} new layer "
                  "entries were set back to the dense default.")
-    elif planned > (1 + check["margin"]) * default:
+    elif planned > (1 + check["margin"]) * default and not same_layers:
         text += (" Every layer of the plan already runs its dense default, so nothing was set back: the gap is the "
                  "plan's per-layer dispatch (host time) or noise.")
     if check["model_runs_on"] != "auto":
