@@ -224,7 +224,7 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
             ``metric_trivial``, ``timing_runs``, ``timing_warmup`` and ``tree_modified``), ``accuracy`` (the test
             metric per stage; a NaN or None, or one no better than ``metric_trivial``, is named), ``pruning`` (its
             ``target`` and ``target_reached`` stated when present, ``fully_pruned_layers`` warned about),
-            ``quantization`` (with optional ``conv_nonzeros``: ``pruned`` and ``exported`` nonzero conv weights,
+            ``quantization``, optionally ``conv_nonzeros`` (``pruned`` and ``exported`` nonzero conv weights,
             whose difference quantization rounded to zero), ``layers`` (rows of
             :func:`unsparse.report.layers.layer_rows`), ``timings``,
             ``timing_baseline``, ``timing_verdicts`` (from :func:`timing_verdicts`), ``file`` (with optional
