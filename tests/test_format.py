@@ -76,8 +76,12 @@ def test_torch_csr_matches_dense():
     (lambda v, c, s: (v, c, None), "weight_shape"),
     (lambda v, c, s: (v, c, (4, 2**62, 8, 3)), "weight_shape"),
     (lambda v, c, s: (v.to_sparse(), c, s), "values"),
+    # a nested tensor reports the strided layout: it passed the layout check and ended in torch's RuntimeError
+    (lambda v, c, s: (torch.nested.nested_tensor(list(v)), c, s), "values: expected a dense"),
+    (lambda v, c, s: (v, torch.nested.nested_tensor(list(c)), s), "col_idx: expected a dense"),
     (lambda v, c, s: (v, c.tolist(), s), "col_idx"),
 ])
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 def test_validation_names_the_field(change, field):
     csr = UniformCSR.from_dense(random_sparse_weight((4, 3, 3, 3), 0.5, torch.Generator().manual_seed(2)))
     values, col_idx, shape = change(csr.values, csr.col_idx, csr.weight_shape)
@@ -98,6 +102,7 @@ def test_sizes_beyond_the_int32_indices_are_refused():
     UniformCSR(torch.zeros(2, 3), torch.zeros(2, 3, dtype=torch.int32), (2, 2**31, 1, 1))  # K at the bound
 
 
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
 def test_from_dense_rejects_bad_weights():
     with pytest.raises(SparseFormatError, match="weight"):
         UniformCSR.from_dense(torch.ones(3, 3))
@@ -107,3 +112,5 @@ def test_from_dense_rejects_bad_weights():
         UniformCSR.from_dense([[[[1.0]]]])
     with pytest.raises(SparseFormatError, match="weight: expected a dense"):
         UniformCSR.from_dense(torch.ones(2, 2, 2, 2).to_sparse())
+    with pytest.raises(SparseFormatError, match="weight: expected a dense"):
+        UniformCSR.from_dense(torch.nested.nested_tensor([torch.ones(2, 2, 2)] * 2))

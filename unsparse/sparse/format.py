@@ -34,8 +34,10 @@ class SparseFormatError(ValueError):
 
 
 def _require_strided(tensor: object, name: str) -> None:
-    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
-        kind = f"a tensor of layout {tensor.layout}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+    # a nested tensor of torch's first kind reports the strided layout, and has no sizes to check
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided or tensor.is_nested:
+        kind = (("a nested tensor" if tensor.is_nested else f"a tensor of layout {tensor.layout}")
+                if isinstance(tensor, torch.Tensor) else type(tensor).__name__)
         raise SparseFormatError(f"{name}: expected a dense (strided) torch.Tensor, got {kind}")
 
 
