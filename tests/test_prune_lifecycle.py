@@ -63,7 +63,8 @@ def test_nothing_to_prune_is_refused_by_check_layers_naming_the_setting(cls, den
                                             (EvolutionaryPruner, "lr"), (EvolutionaryPruner, "fine_tune_lr")])
 def test_a_bad_learning_rate_is_refused_naming_the_pruners_setting(cls, field):
     """The refusal of prune.lr=-1 named 'lr' alone, and the job's config has a train.lr too."""
-    with pytest.raises(ValueError, match=rf"^{field}: expected a number > 0 \(or null\), got -1 \(.*prune\.{field}"):
+    with pytest.raises(ValueError,
+                       match=rf"^{field}: expected a number > 0 and finite \(or null\), got -1 \(.*prune\.{field}"):
         cls(0.5, **{field: -1})
 
 

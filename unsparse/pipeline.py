@@ -302,8 +302,8 @@ def time_model_on(model: nn.Module, example: torch.Tensor, backend: str, timing_
     return {"model_runs_on_ms": runs_on_ms, "model_runs_on_default_ms": default_ms, "model_runs_on_timing": mode}
 
 
-def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettings,
-                   runs_on: str = "auto") -> tuple[list[dict[str, Any]], PlanCheck, dict[str, str]]:
+def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettings, runs_on: str = "auto",
+                   plan_path: Path | None = None) -> tuple[list[dict[str, Any]], PlanCheck, dict[str, str]]:
     """Plan ``model`` on ``example`` with the comparator, check the plan end to end, flatten the comparisons
     into report rows and name the backend each layer runs on under ``runs_on``.
 
@@ -320,6 +320,9 @@ def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettin
         example: a model input batch.
         timing: timed runs and warm-up runs per setting, backends to time.
         runs_on: the backend the model will run on: ``"auto"`` or a registered name.
+        plan_path: where to write the checked plan (:meth:`~unsparse.runtime.plan.Plan.save`): this model's
+            entries only, while the active plan that ``"auto"`` reads holds every plan the process made (a sweep's
+            earlier jobs too).
 
     Returns:
         The rows, the plan check and the layers' backends. Rows with ``layer``, ``backend``, ``sparse``,
@@ -361,6 +364,8 @@ def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettin
         for hook in hooks:
             hook.remove()
     check = check_plan(model, example, plan, comparisons, runs=timing.repeats, warmup=timing.warmup)
+    if plan_path is not None:
+        plan.save(plan_path)
     if chosen is None:
         planned = planned_backends(model, active_plan())
         backends = {name: planned.get(name, NOT_PLANNED) for name in backends}
@@ -498,8 +503,7 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
 
     rows = layer_rows(loaded, path)
     example = splits.test[0][: train.eval_batch_size if backend == "auto" else timing.batch_size].to(device)
-    timings, check, backends = compare_layers(loaded, example, timing, backend)
-    active_plan().save(outdir / PLAN_FILE)
+    timings, check, backends = compare_layers(loaded, example, timing, backend, outdir / PLAN_FILE)
     runs_on = {"model_runs_on": backend, "layer_backends": backends}
     if backend == "auto":
         runs_on["unplanned_images"] = unplanned_images(len(splits.test[0]), train.eval_batch_size, len(example))
