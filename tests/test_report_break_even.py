@@ -35,7 +35,9 @@ def test_markdown_says_missed_and_not_measured(tmp_path) -> None:
                record("a", 0.9, "fp16_half2", 1.2)]
     text = break_even_markdown(records, 128, lambda r: {"fp32": 0.7, "fp16": 0.95, "fp16_half2": 0.95})
     assert "| cuDNN FP32 (TF32 off) | 0.80 | 1.60 | 0.825 | <= 0.7: MISSED |" in text
-    assert "| cuDNN FP16 (best layout) | not measured | 0.40 | > 0.90 | <= 0.95: MISSED |" in text
+    # no break-even up to 0.9 leaves 0.9-0.95 open: it was called MISSED
+    assert ("| cuDNN FP16 (best layout) | not measured | 0.40 | > 0.90 | <= 0.95: not shown: not measured between "
+            "0.9 and 0.95 |") in text
     half2 = "| cuDNN FP16 (best layout), direct with half2 products | not measured | 1.20 | <= 0.90 | <= 0.95: met |"
     assert half2 in text
     path = plot_break_even(records, 128, tmp_path / "b.png")
@@ -77,3 +79,12 @@ def test_break_even_script_names_a_bad_file_in_one_line(tmp_path, load_script, c
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert stopped.value.code == 2 and f"error: result {path}: {says}" in line
     assert not (tmp_path / "page.md").exists() and not (tmp_path / "page.png").exists()
+
+
+def test_a_goal_the_measured_sparsities_leave_open_is_neither_met_nor_missed() -> None:
+    from unsparse.report.break_even import goal_verdict
+
+    assert goal_verdict(("above", 0.9), 0.95) == "not shown: not measured between 0.9 and 0.95"
+    assert goal_verdict(("above", 0.95), 0.95) == "MISSED" and goal_verdict(("above", 0.98), 0.9) == "MISSED"
+    assert goal_verdict(("below", 0.8), 0.7) == "not shown: not measured below 0.8"
+    assert goal_verdict(("below", 0.7), 0.7) == "met" and goal_verdict(("at", 0.71), 0.7) == "MISSED"

@@ -85,11 +85,26 @@ def meets(result: tuple[str, float | None], goal: float) -> bool:
     return value is not None and kind in ("at", "below") and value <= goal + 1e-9
 
 
+def goal_verdict(result: tuple[str, float | None], goal: float) -> str:
+    """A break-even result against the sparsity ``goal``: ``met``, ``MISSED``, or ``not shown: ...`` where the
+    measured sparsities leave it open: no break-even up to a sparsity below the goal (``> 0.9`` against 0.95: it
+    may lie between), or a break-even already at the lowest sparsity measured, which is above the goal (``<= 0.8``
+    against 0.7)."""
+    kind, value = result
+    if meets(result, goal):
+        return "met"
+    if kind == "above" and value is not None and value < goal - 1e-9:
+        return f"not shown: not measured between {value:g} and {goal:g}"
+    if kind == "below" and value is not None:
+        return f"not shown: not measured below {value:g}"
+    return "MISSED"
+
+
 def break_even_markdown(records: Sequence[dict[str, Any]], batch: int,
                         goals: Callable[[dict[str, Any]], dict[str, float]] | None = None) -> str:
     """Markdown tables: per layer, the measured speedups against sparsity and the break-even sparsity for each
     cuDNN mode; with ``goals`` (a layer record -> {precision: sparsity}), whether each break-even meets its
-    goal."""
+    goal (:func:`goal_verdict`)."""
     lines = []
     by_layer = curves(records, batch)
     for (model, layer), per_precision in by_layer.items():
@@ -110,7 +125,7 @@ def break_even_markdown(records: Sequence[dict[str, Any]], batch: int,
             row = [mode, *[f"{curve[s]:.2f}" if s in curve else "not measured" for s in sparsities], describe(result)]
             if precision in layer_goals:
                 goal = layer_goals[precision]
-                row.append(f"<= {goal:g}: {'met' if meets(result, goal) else 'MISSED'}")
+                row.append(f"<= {goal:g}: {goal_verdict(result, goal)}")
             elif goals:
                 row.append("")
             lines.append("| " + " | ".join(row) + " |")
