@@ -161,7 +161,7 @@ def test_a_pruner_that_stops_below_its_target_says_so(tmp_path, caplog):
                               progress=False)
     assert report["pruning"]["target"] == 0.9 and not report["pruning"]["target_reached"]
     assert report["pruning"]["weighted_sparsity"] == pytest.approx(0.5, abs=0.01)
-    assert "**NOT reached**" in (tmp_path / "report.md").read_text()
+    assert "**NOT reached**: the run stopped below it, at " in (tmp_path / "report.md").read_text()
     messages = " ".join(record.getMessage() for record in caplog.records)
     assert "below its target 0.9000" in messages and "train.epochs = 0" in messages
 

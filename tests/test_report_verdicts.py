@@ -116,3 +116,11 @@ def test_not_timed_names_backends_that_could_not_run_not_settings_the_screening_
 def test_a_sparsity_reads_as_complete_only_when_it_is(fraction, text) -> None:
     """With 4 significant digits a layer of 2.4M weights with 94 left printed as 100 % sparse."""
     assert sparsity_percent(fraction) == text
+
+
+def test_a_target_missed_by_a_hair_reads_below_it() -> None:
+    """A run stopped at 89.997 % printed its target as 90.00 % beside "NOT reached" and no figure below it."""
+    from unsparse.report.document import short_of
+
+    assert short_of(0.89997, 0.9) == "89.997" and short_of(0.85, 0.9) == "85.00"
+    assert short_of(0.8999999, 0.9) == "89.99999"

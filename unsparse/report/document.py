@@ -54,6 +54,16 @@ def sparsity_percent(fraction: float) -> str:
     return text
 
 
+def short_of(fraction: float, target: float) -> str:
+    """A sparsity below ``target`` as a percentage with the fewest decimals (at least two) that tell the two apart:
+    ``89.997`` for 0.89997 against 0.9, where two decimals read ``90.00`` beside "NOT reached"."""
+    for digits in range(2, 10):
+        text = f"{100 * fraction:.{digits}f}"
+        if text != f"{100 * target:.{digits}f}":
+            return text
+    return f"{100 * fraction:.10f}"
+
+
 def within_noise(ms: float, base_ms: float, margin: float) -> bool:
     """Whether ``ms`` is slower than ``base_ms`` by no more than ``margin`` (a fraction of ``base_ms``): slower all
     the same, which a page says (:func:`noise_text`), while decisions such as a plan's revert treat it as noise."""
@@ -245,8 +255,9 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
     outdir = Path(outdir)
     run, accuracy, pruning = report["run"], report["accuracy"], report["pruning"]
     target = "" if "target" not in pruning else f" Target {100 * pruning['target']:.2f}%: " + (
-        "reached." if pruning["target_reached"] else "**NOT reached**: the run stopped below it (its iteration "
-        "budget ran out, or no layer could be pruned further).")
+        "reached." if pruning["target_reached"] else "**NOT reached**: the run stopped below it, at "
+        f"{short_of(pruning.get('masked_weighted_sparsity', pruning['weighted_sparsity']), pruning['target'])}% "
+        "(its iteration budget ran out, or no layer could be pruned further).")
     modified = " (working tree modified: the code that ran is not that commit's)" if run.get("tree_modified") else ""
     commit = run.get("commit") or "unknown (not run from a git checkout)"
     sections = [
