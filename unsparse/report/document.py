@@ -10,8 +10,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from unsparse.atomic import atomic_write_json, atomic_write_text
 from unsparse.runtime.baseline import NAME as BASELINE
+from unsparse.sparse.functional import dense_fallback_backend
 
 SMOKE_RUN = ("**Smoke run (budget `quick`): figures are not results.** A few training batches on a subset of the "
              "data, to check that the script runs from end to end.")
@@ -120,7 +123,7 @@ def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[di
 NOT_PLANNED = "dense default (not planned)"
 """A layer's backend under ``auto`` where the plan has no entry for it (``plan_check["layer_backends"]``)."""
 
-DENSE_LABELS = frozenset({"cudnn", "dense_cpu", NOT_PLANNED})
+DENSE_LABELS = frozenset({*(dense_fallback_backend(torch.device(kind)) for kind in ("cpu", "cuda")), NOT_PLANNED})
 """``layer_backends`` labels of a layer on its device's dense default
 (:func:`~unsparse.sparse.functional.dense_fallback_backend`; cuDNN in the other layout reads ``"cudnn, converted
 to ..."``)."""
