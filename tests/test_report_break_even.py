@@ -88,3 +88,27 @@ def test_a_goal_the_measured_sparsities_leave_open_is_neither_met_nor_missed() -
     assert goal_verdict(("above", 0.95), 0.95) == "MISSED" and goal_verdict(("above", 0.98), 0.9) == "MISSED"
     assert goal_verdict(("below", 0.8), 0.7) == "not shown: not measured below 0.8"
     assert goal_verdict(("below", 0.7), 0.7) == "met" and goal_verdict(("at", 0.71), 0.7) == "MISSED"
+
+
+def test_a_missed_break_even_beside_its_goal_reads_above_it() -> None:
+    """The crossing at 0.7004 read "0.700" beside "<= 0.7: MISSED", a value on the goal called a miss."""
+    records = [record("a", 0.7, "fp32", 0.999), record("a", 0.8, "fp32", 1.249)]
+    assert describe(break_even([(0.7, 0.999), (0.8, 1.249)])) == "0.700"  # without a goal: three decimals
+    text = break_even_markdown(records, 128, lambda r: {"fp32": 0.7})
+    assert "| 1.00 | 1.25 | 0.7004 | <= 0.7: MISSED |" in text
+
+
+@pytest.mark.parametrize(("result", "goal", "text"), [
+    (("at", 0.7004), 0.7, "0.7004"),
+    (("at", 0.70000004), 0.7, "0.70000004"),
+    (("at", 0.7 + 5e-10), 0.7, "0.700"),  # met within the tolerance of meets
+    (("at", 0.6995), 0.6995, "0.6995"),  # met: three decimals read 0.700, above the goal
+    (("at", 0.69951), 0.6995, "0.700"),  # missed, and three decimals already read above the goal
+    (("at", 0.6996), 0.7, "0.700"),  # met: on the goal is still met
+    (("at", 0.812), 0.7, "0.812"),
+    (("above", 0.9), 0.95, "> 0.90"),
+])
+def test_describe_against_a_goal_never_rounds_onto_or_across_it(result, goal, text) -> None:
+    assert describe(result, goal) == text
+    if result[0] == "at":
+        assert (float(text) <= goal + 1e-9) == meets(result, goal)

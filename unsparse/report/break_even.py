@@ -67,14 +67,31 @@ def break_even(curve: Curve) -> tuple[str, float | None]:
     return "at", s0 + (1.0 - v0) * (s1 - s0) / (v1 - v0)
 
 
-def describe(result: tuple[str, float | None]) -> str:
-    """``break_even``'s result as table text: ``0.812``, ``<= 0.50``, ``> 0.98`` or ``n/a``. A bound is the measured
-    sparsity itself, with two decimals only where they are exact (``> 0.999``, not ``> 1.00``)."""
+def describe(result: tuple[str, float | None], goal: float | None = None) -> str:
+    """``break_even``'s result as table text: ``0.812``, ``<= 0.50``, ``> 0.98`` or ``n/a``.
+
+    A crossing (``"at"``) has three decimals, and with a ``goal`` (a sparsity, the fraction of zero weights) as many
+    more as it takes for the printed value to stand on the side of the goal that :func:`goal_verdict` judges it:
+    at or below a goal it meets, above one it misses (``0.7004`` against 0.7, where three decimals read ``0.700``
+    beside MISSED; ``0.6995`` against 0.6995, where they read ``0.700`` beside met). A bound is the measured
+    sparsity itself, with two decimals only where they are exact (``> 0.999``, not ``> 1.00``).
+
+    Args:
+        result: ``(kind, sparsity)`` from :func:`break_even`.
+        goal: the sparsity the result is judged against where the text stands beside that verdict, else None.
+
+    Returns:
+        The text (no errors are raised for a result of :func:`break_even`).
+    """
     kind, value = result
     if value is None:
         return "n/a"
     if kind == "at":
-        return f"{value:.3f}"
+        for digits in range(3, 13):  # meets allows 1e-9 above the goal: twelve decimals tell a miss from it
+            text = f"{value:.{digits}f}"
+            if goal is None or (float(text) <= goal + 1e-9) == meets(result, goal):
+                break
+        return text
     bound = f"{value:.2f}" if abs(float(f"{value:.2f}") - value) <= 1e-12 else f"{value:g}"
     return {"below": f"<= {bound}", "above": f"> {bound}"}[kind]
 
@@ -104,7 +121,8 @@ def break_even_markdown(records: Sequence[dict[str, Any]], batch: int,
                         goals: Callable[[dict[str, Any]], dict[str, float]] | None = None) -> str:
     """Markdown tables: per layer, the measured speedups against sparsity and the break-even sparsity for each
     cuDNN mode; with ``goals`` (a layer record -> {precision: sparsity}), whether each break-even meets its
-    goal (:func:`goal_verdict`)."""
+    goal (:func:`goal_verdict`), the break-even printed on the side of the goal its verdict says
+    (:func:`describe`)."""
     lines = []
     by_layer = curves(records, batch)
     for (model, layer), per_precision in by_layer.items():
@@ -122,7 +140,8 @@ def break_even_markdown(records: Sequence[dict[str, Any]], batch: int,
             if not curve:
                 continue
             result = break_even(sorted(curve.items()))
-            row = [mode, *[f"{curve[s]:.2f}" if s in curve else "not measured" for s in sparsities], describe(result)]
+            row = [mode, *[f"{curve[s]:.2f}" if s in curve else "not measured" for s in sparsities],
+                   describe(result, layer_goals.get(precision))]
             if precision in layer_goals:
                 goal = layer_goals[precision]
                 row.append(f"<= {goal:g}: {goal_verdict(result, goal)}")
