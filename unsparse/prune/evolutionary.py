@@ -334,8 +334,9 @@ class EvolutionaryPruner(Pruner):
 
     Raises:
         ValueError: naming the constant that is out of range or not a number of its kind (an integer for counts
-            and ``seed``, a bool for ``rewind``; learning rates None or > 0; ``unit_step`` a number > 0 or a mapping
-            of layer names, read as strings, to such numbers); as :class:`~unsparse.prune.base.Pruner`.
+            and ``seed``, a bool for ``rewind``; learning rates None or > 0 and finite; ``alpha``, ``beta`` and
+            ``crossover_max_regress`` >= 0 and finite; ``unit_step`` a finite number > 0 or a mapping of layer names,
+            read as strings, to such numbers); as :class:`~unsparse.prune.base.Pruner`.
     """
 
     name = "evolutionary"
@@ -363,7 +364,8 @@ class EvolutionaryPruner(Pruner):
             check_integer(batches_per_iteration, "batches_per_iteration")
         if deadline is not None:
             check_number(deadline, "deadline", lambda value: 0.0 < value <= 1.0, "in (0, 1] (or null)")
-        check_number(crossover_max_regress, "crossover_max_regress", lambda value: value >= 0.0, ">= 0")
+        check_number(crossover_max_regress, "crossover_max_regress", lambda value: 0.0 <= value < math.inf,
+                     ">= 0 and finite (1.0 already admits any donor)")
         check_number(mutation_threshold, "mutation_threshold", lambda value: 0.0 <= value <= 1.0,
                      "in [0, 1] (a probability)")
         for name, value in (("alpha", alpha), ("beta", beta)):  # inf made every importance or score inf or NaN
@@ -375,10 +377,11 @@ class EvolutionaryPruner(Pruner):
         self.iterations, self.batches_per_iteration = iterations, batches_per_iteration
         self.alpha, self.beta, self.epsilon = alpha, beta, epsilon
         self.ranked, self.ranked_list_length = RankedList(ranked_list_length), ranked_list_length
+        # finite like alpha and beta: inf was clipped to max_step unseen and entered the identity as JSON's Infinity
         if isinstance(unit_step, Mapping):
-            unit_step = layer_mapping(unit_step, "unit_step", lambda value: value > 0.0, "> 0")
+            unit_step = layer_mapping(unit_step, "unit_step", lambda value: 0.0 < value < math.inf, "> 0 and finite")
         else:
-            check_number(unit_step, "unit_step", lambda value: value > 0.0, "> 0 (or a mapping)")
+            check_number(unit_step, "unit_step", lambda value: 0.0 < value < math.inf, "> 0 and finite (or a mapping)")
         self.unit_step = unit_step
         self.min_step, self.max_step = min_step, max_step
         self.layers_per_iteration, self.mutation_threshold = layers_per_iteration, mutation_threshold
