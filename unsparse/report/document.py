@@ -79,6 +79,11 @@ def noise_text(margin: float) -> str:
     return f"within the {100 * margin:.0f} % noise margin"
 
 
+MARGIN_NOT_RECORDED = "the noise margin it was checked against was not recorded"
+"""What a page says of a slower time where ``report.json`` has no plan-check ``margin`` (jobs before the check
+recorded one): whether it was within the margin or beyond it is not said."""
+
+
 def timing_verdicts(timings: Sequence[dict[str, Any]], baseline: str) -> list[dict[str, Any]]:
     """Per layer: baseline time, fastest backend, its speedup over the baseline and a plain verdict.
 
@@ -141,9 +146,17 @@ def plan_check_text(check: dict[str, Any]) -> str:
     ran on: the plan's backend per layer, or another backend's whole-model time against the dense default (slower
     within the margin or SLOWER, the same way). Where the plan keeps every layer on its dense default
     (:data:`DENSE_LABELS`), both forwards ran the same layers, and a gap either way is said to be noise, not a
-    speedup."""
+    speedup.
+
+    A check without ``margin`` (``report.json`` of a job before it was recorded) calls a slower time slower with
+    :data:`MARGIN_NOT_RECORDED`, neither within the margin nor SLOWER, except a plan that was set back, which was
+    beyond it.
+
+    Raises:
+        KeyError: naming another missing field.
+    """
     how = "as CUDA-graph replays (GPU time)" if check["timing"] == "graph" else "eagerly (host clock included)"
-    planned, default = check["planned_ms"], check["default_ms"]
+    planned, default, margin = check["planned_ms"], check["default_ms"], check.get("margin")
     speed = default / planned
     labels = set(check.get("layer_backends", {}).values())
     same_layers = check["model_runs_on"] == "auto" and bool(labels) and labels <= DENSE_LABELS
@@ -152,8 +165,10 @@ def plan_check_text(check: dict[str, Any]) -> str:
                    "forwards ran the same layers: the gap is the plan's per-layer dispatch (host time) or noise")
     elif speed >= 1:
         verdict = f"{speed:.2f}x the default's speed"
-    elif within_noise(planned, default, check["margin"]):
-        verdict = f"{speed:.2f}x the default's speed: slower, {noise_text(check['margin'])}"
+    elif margin is not None and within_noise(planned, default, margin):
+        verdict = f"{speed:.2f}x the default's speed: slower, {noise_text(margin)}"
+    elif margin is None and not check["reverted"]:
+        verdict = f"{speed:.2f}x the default's speed: slower ({MARGIN_NOT_RECORDED})"
     else:
         verdict = f"{speed:.2f}x the default's speed, so the plan is SLOWER"
     text = (f"The planned model took {planned:.4g} ms per forward of {check['images']} images, against "
@@ -161,7 +176,7 @@ def plan_check_text(check: dict[str, Any]) -> str:
     if check["reverted"]:
         text += (f" Being slower by more than the planning margin, the plan's {len(check['reverted'])} new layer "
                  "entries were set back to the dense default.")
-    elif planned > (1 + check["margin"]) * default and not same_layers:
+    elif margin is not None and planned > (1 + margin) * default and not same_layers:
         text += (" Every layer of the plan already runs its dense default, so nothing was set back: the gap is the "
                  "plan's per-layer dispatch (host time) or noise.")
     if check["model_runs_on"] != "auto":
@@ -175,9 +190,9 @@ def plan_check_text(check: dict[str, Any]) -> str:
         elif check.get("model_runs_on_ms") is not None:
             runs_on, runs_on_default = check["model_runs_on_ms"], check["model_runs_on_default_ms"]
             how_runs_on = "as CUDA-graph replays" if check["model_runs_on_timing"] == "graph" else "eagerly"
-            slower = (" (SLOWER)" if runs_on > (1 + check["margin"]) * runs_on_default
-                      else f" (slower, {noise_text(check['margin'])})"
-                      if within_noise(runs_on, runs_on_default, check["margin"]) else "")
+            slower = ("" if runs_on <= runs_on_default else f" (slower; {MARGIN_NOT_RECORDED})" if margin is None
+                      else f" (slower, {noise_text(margin)})" if within_noise(runs_on, runs_on_default, margin)
+                      else " (SLOWER)")
             text += (f": {runs_on:.4g} ms per forward against {runs_on_default:.4g} ms on the dense default, both "
                      f"timed {how_runs_on}, {runs_on_default / runs_on:.2f}x its speed{slower}")
         text += "."
@@ -221,6 +236,11 @@ def not_timed_text(not_timed: Sequence[dict[str, Any]], timed: Sequence[dict[str
         for (backend, status, reason), names in layers.items()) + "."
 
 
+def _count(number: int | None, what: str) -> str:
+    """``20 timed calls``, or ``timed calls (how many: not recorded)`` for a count that ``report.json`` lacks."""
+    return f"{what} (how many: not recorded)" if number is None else f"{number} {what}"
+
+
 def _masked_sparsity(pruning: dict[str, Any]) -> str:
     """The clause naming the weighted sparsity over the pruned layers, where it differs from the model's."""
     masked = pruning.get("masked_weighted_sparsity", pruning["weighted_sparsity"])
@@ -234,7 +254,8 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
 
     Args:
         report: JSON-ready dict with keys ``run`` (with ``metric`` (``"top1"`` or ``"mse"``), ``metric_label``,
-            ``metric_trivial``, ``timing_runs``, ``timing_warmup`` and ``tree_modified``), ``accuracy`` (the test
+            ``metric_trivial``, ``timing_runs`` and ``timing_warmup`` (the page says "not recorded" for either
+            missing or null: ``report.json`` of older jobs lacks them) and ``tree_modified``), ``accuracy`` (the test
             metric per stage; a NaN or None, or one no better than ``metric_trivial``, is named), ``pruning`` (its
             ``target`` and ``target_reached`` stated when present, ``fully_pruned_layers`` warned about),
             ``quantization``, optionally ``conv_nonzeros`` (``pruned`` and ``exported`` nonzero conv weights,
@@ -244,7 +265,7 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
             ``weighted_sparsity``: the weights as stored, after quantization), optionally
             ``not_timed`` (rows without a time; those whose status is not ``"ok"`` are listed) and optionally
             ``plan_check`` (the fields of :class:`~unsparse.runtime.comparator.PlanCheck` with the keys
-            :func:`plan_check_text` names).
+            :func:`plan_check_text` names; its ``margin`` may be missing).
         figures: title -> PNG path (relative links are written into the Markdown).
 
     ``report.json`` is strict JSON, indented: NaN as null, infinities (a diverged model's MSE, a pruning history's
@@ -254,6 +275,10 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
 
     Returns:
         ``{"json": path, "markdown": path}``.
+
+    Raises:
+        KeyError: naming a missing field that is not said above to be optional or to be missing from older jobs'
+            ``report.json``; nothing is written then.
     """
     outdir = Path(outdir)
     run, accuracy, pruning = report["run"], report["accuracy"], report["pruning"]
@@ -313,7 +338,8 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
                          sparsity_percent(r["sparsity"]), r["nnz"], r["row_length"], r["padding_entries"],
                          r["file_bytes"], r["dense_fp32_bytes"]] for r in report["layers"]]),
         "## Per-layer time",
-        f"Median of {run['timing_runs']} timed calls after {run['timing_warmup']} warm-up calls on {run['device']} "
+        f"Median of {_count(run.get('timing_runs'), 'timed calls')} after "
+        f"{_count(run.get('timing_warmup'), 'warm-up calls')} on {run['device']} "
         f"(see `timings` in report.json for every measurement). Speedups are relative to "
         f"`{report['timing_baseline']}`, measured in the same run"
         + (": the dense convolution alone (no bias) in its faster layout, NCHW or NHWC, with the input already in it "
