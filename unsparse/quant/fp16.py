@@ -8,7 +8,7 @@ import torch
 
 from unsparse.quant.activations import ActivationSpec
 from unsparse.quant.float16 import to_float16
-from unsparse.quant.layerwise import LayerwiseQuantizer
+from unsparse.quant.layerwise import LayerwiseQuantizer, check_finite_weights
 
 
 class FP16Quantizer(LayerwiseQuantizer):
@@ -27,12 +27,22 @@ class FP16Quantizer(LayerwiseQuantizer):
         beyond that are refused rather than saturated, as activations are (:mod:`unsparse.quant.activations`): they
         are known when quantizing, and a weight clipped by orders of magnitude would change the model unseen.
 
+        Args:
+            values: weights of any shape and float dtype (a layer's UniformCSR values ``(M, L)``).
+
+        Returns:
+            ``(quantized float32 of the shape of values, {})``: FP16 has no per-layer codec params.
+
         Raises:
-            ValueError: a weight that rounds beyond float16's range (``|w| >= 65520``).
+            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.layerwise.check_finite_weights`);
+                a finite weight that rounds beyond float16's range (``|w| >= 65520``).
         """
+        check_finite_weights(values)
         quantized = to_float16(values).to(torch.float32)
         if not bool(torch.isfinite(quantized).all()):
-            raise ValueError("weights exceed float16's range (|w| >= 65520 rounds to infinity)")
+            beyond = int(torch.isinf(quantized).sum())
+            raise ValueError(f"weights exceed float16's range ({beyond} of {values.numel()} with |w| >= 65520, which "
+                             "rounds to infinity)")
         return quantized, {}
 
     def values_codec(self) -> dict[str, Any]:

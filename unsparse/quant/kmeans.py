@@ -21,7 +21,7 @@ import torch
 
 from unsparse.quant.activations import ActivationSpec
 from unsparse.quant.fixed_point import check_bits, fixed_point_step, from_codes, to_codes
-from unsparse.quant.layerwise import LayerwiseQuantizer
+from unsparse.quant.layerwise import LayerwiseQuantizer, check_finite_weights
 from unsparse.settings import check_choice, check_integer
 from unsparse.sparse.format import SparseFormatError
 
@@ -89,7 +89,18 @@ class KMeansQuantizer(LayerwiseQuantizer):
         of ``values`` (as the other schemes return).
 
         A centroid smaller than half a centroid step rounds to 0: its weights become zeros.
+
+        Args:
+            values: weights of any shape and float dtype (a layer's UniformCSR values ``(M, L)``).
+
+        Returns:
+            ``(quantized float32 of the shape of values, {"step": Δ})``, ``Δ`` the centroids' float32 step in the
+            weights' unit (Alg. 3 lines 8-10).
+
+        Raises:
+            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.layerwise.check_finite_weights`).
         """
+        check_finite_weights(values)
         nonzero = values != 0
         quantized = torch.zeros_like(values, dtype=torch.float32)
         if not bool(nonzero.any()):

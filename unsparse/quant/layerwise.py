@@ -25,6 +25,27 @@ from unsparse.runtime.modules import SparseConv, sparse_layers
 from unsparse.sparse.format import SparseFormatError, UniformCSR
 
 
+def check_finite_weights(values: torch.Tensor) -> None:
+    """Refuse weights that are not all finite, counting each kind: the one message every scheme gives for them.
+
+    Without it each scheme failed further on with a message about something else: FP16 called a NaN a weight
+    beyond float16's range, linear fixed point named a histogram argument ``x``, and k-means reported a NaN
+    saturation level (or scikit-learn's own message).
+
+    Args:
+        values: weights of any shape and float dtype.
+
+    Raises:
+        ValueError: ``non-finite weights (<n> NaN, <m> infinite, of <total>); quantization needs finite ones``,
+            each count given where it is nonzero.
+    """
+    nan = int(torch.isnan(values).sum())
+    infinite = int(torch.isinf(values).sum())
+    if nan or infinite:
+        counts = ", ".join(f"{count} {kind}" for count, kind in ((nan, "NaN"), (infinite, "infinite")) if count)
+        raise ValueError(f"non-finite weights ({counts}, of {values.numel()}); quantization needs finite ones")
+
+
 class LayerwiseQuantizer(Quantizer):
     """Quantize each SparseConv's ``values`` with :meth:`quantize_values`, then its input activations.
 
@@ -59,15 +80,16 @@ class LayerwiseQuantizer(Quantizer):
         """Quantize one layer's weights.
 
         Args:
-            values: UniformCSR values ``(M, L)`` float32 on the CPU, finite: each row's stored weights first,
-                then exact-zero padding.
+            values: UniformCSR values ``(M, L)`` float32 on the CPU: each row's stored weights first, then
+                exact-zero padding.
 
         Returns:
             ``(quantized (M, L) float32, the layer's own codec params)``: zeros stay exactly zero, and the codec
             ``{**values_codec(), **params}`` stores the quantized tensor exactly (:mod:`unsparse.quant.codecs`).
 
         Raises:
-            ValueError: weights the scheme cannot quantize (the caller adds the layer's name).
+            ValueError: NaN or infinite weights, counted (:func:`check_finite_weights`, checked first by every
+                scheme), or other weights the scheme cannot quantize (the caller adds the layer's name).
         """
 
     @abstractmethod
@@ -202,8 +224,10 @@ class LayerwiseQuantizer(Quantizer):
         for name, layer in layers.items():
             if layer.values.dtype != torch.float32:
                 raise ValueError(f"{name}.values: quantization expects float32 weights, got {layer.values.dtype}")
-            if not bool(torch.isfinite(layer.values).all()):
-                raise ValueError(f"{name}.values: non-finite weights (NaN or inf); quantization needs finite ones")
+            try:
+                check_finite_weights(layer.values)
+            except ValueError as error:
+                raise ValueError(f"{name}.values: {error}") from error
         levels = calibrate(model, calibration, self.activations, self.progress) \
             if self.activations.format == "fixed" else {}
         quantized = {name: self.quantize_layer(name, layer) for name, layer in layers.items()}

@@ -10,7 +10,7 @@ import torch
 from unsparse.quant.activations import ActivationSpec
 from unsparse.quant.fixed_point import check_bits, fake_quantize, fixed_point_step
 from unsparse.quant.histogram import check_bins, saturation_level
-from unsparse.quant.layerwise import LayerwiseQuantizer
+from unsparse.quant.layerwise import LayerwiseQuantizer, check_finite_weights
 from unsparse.settings import check_flag, check_quantile
 from unsparse.sparse.format import SparseFormatError
 
@@ -51,7 +51,18 @@ class LinearQuantizer(LayerwiseQuantizer):
         self.bins, self.power_of_two = check_bins(bins), check_flag(power_of_two, "power_of_two")
 
     def quantize_values(self, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
-        """``Q(values)`` (eq. 19) with the layer's step; a layer without nonzero weights stays all zero."""
+        """``Q(values)`` (eq. 19) with the layer's step (eq. 20 or 21); a layer without nonzero weights stays all zero.
+
+        Args:
+            values: weights of any shape and float dtype (a layer's UniformCSR values ``(M, L)``).
+
+        Returns:
+            ``(quantized float32 of the shape of values, {"step": Δ})``, ``Δ`` a float32 value in the weights' unit.
+
+        Raises:
+            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.layerwise.check_finite_weights`).
+        """
+        check_finite_weights(values)
         if not bool(values.any()):
             step = EMPTY_LAYER_STEP
         else:
