@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from unsparse.report.plots import plot_history, save_figure
+from unsparse.report.plots import plot_backend_times, plot_history, plot_layers, save_figure
 
 
 @pytest.mark.parametrize("history", [
@@ -70,3 +70,21 @@ def test_the_suffix_names_the_format_in_any_case(tmp_path, name, start):
 
     figure, _ = plt.subplots()
     assert save_figure(figure, tmp_path / name).read_bytes().startswith(start)
+
+
+@pytest.mark.parametrize(("plot", "error"), [
+    (lambda path: plot_layers([{"layer": "conv", "row_length": 3}], path), KeyError),  # no sparsity
+    (lambda path: plot_backend_times([{"layer": "conv", "backend": "direct"}], path), KeyError),  # no time_ms
+    (lambda path: plot_history([{"iteration": 1, "top1": 0.5, "weighted_sparsity": None}], path, "top1", "t", "l"),
+     TypeError),
+])
+def test_a_plot_of_malformed_rows_raises_and_closes_its_figure(tmp_path, plot, error):
+    """A row missing a field raised after the figure was made, which stayed open in pyplot (a long job that
+    caught the error kept every such figure in memory)."""
+    import matplotlib.pyplot as plt
+
+    open_before = len(plt.get_fignums())
+    with pytest.raises(error):
+        plot(tmp_path / "plot.png")
+    assert len(plt.get_fignums()) == open_before
+    assert not (tmp_path / "plot.png").exists()
