@@ -85,10 +85,10 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
     Raises:
         JobRefusedError: (a ``ValueError``) from :func:`resolve_device`, a ``progress`` that is no bool, a config
             group left without an option (:func:`chosen_block`), :class:`TrainSettings`, :class:`TimingSettings`
-            (or their config blocks: :func:`settings_block`), a ``seed`` that is no integer torch takes
-            (``[-2^63, 2^64)``), or a factory that refuses its settings (its ``ValueError`` or ``TypeError``, which
-            Hydra wraps, is the message; so is a data set's :class:`~unsparse.data.DatasetUnavailableError`, a
-            ``data.root`` without its files).
+            (or their config blocks: :func:`settings_block`), a ``seed`` that is no integer in ``[0, 2^32)``, the
+            seeds torch's CPU generator tells apart (:func:`~unsparse.settings.check_seed`), or a factory that
+            refuses its settings (its ``ValueError`` or ``TypeError``, which Hydra wraps, is the message; so is a data
+            set's :class:`~unsparse.data.DatasetUnavailableError`, a ``data.root`` without its files).
     """
     try:
         with refusing():

@@ -52,14 +52,31 @@ def check_integer(value: int, field: str, low: int | None = 1, high: int | None 
     return value
 
 
+SEED_MAX = 2**32 - 1
+"""Largest seed :func:`check_seed` takes: seeds in ``[0, SEED_MAX]`` give torch's CPU generator distinct states."""
+
+
 def check_seed(value: int) -> int:
-    """``value`` if it is an integer that torch's generators take, in ``[-2^63, 2^64)`` (torch's own refusal is a
-    ``RuntimeError``, "manual_seed expected a long", that names no setting).
+    """``value`` if it is an integer in ``[0, 2^32)``: the seeds that torch's CPU generator tells apart.
+
+    ``torch.manual_seed`` takes ``[-2^63, 2^64)`` (its own refusal is a ``RuntimeError``, "manual_seed expected a
+    long", that names no setting), but reads a negative seed as its 64-bit two's complement (``-1`` as ``2^64 - 1``),
+    and its CPU generator (mt19937) keeps only the low 32 bits of the seed (``2^32 + 5`` draws what ``5`` draws). The
+    model's initial weights, the data's validation split, the training order and the evolutionary pruner's choices
+    all draw from CPU generators, so a seed outside this range would name a job (its identity, which a resume must
+    match) of its own whose run repeats another seed's.
 
     Raises:
-        ValueError: naming ``seed`` otherwise.
+        ValueError: naming ``seed``: a value that is no integer (a bool, a float, a string), or one outside
+            ``[0, 2^32)``, with the seed in range it would alias.
     """
-    return check_integer(value, "seed", low=-2**63, high=2**64 - 1)
+    try:
+        return check_integer(value, "seed", low=0, high=SEED_MAX)
+    except ValueError as error:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise
+        raise ValueError(f"{error}: torch's CPU generator keeps a seed's low 32 bits (a negative seed read modulo "
+                         f"2^64), so it would draw what seed {value % 2**32} draws") from None
 
 
 def check_flag(value: bool, field: str) -> bool:
