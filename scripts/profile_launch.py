@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 from unsparse.pipeline import git_commit
 from unsparse.runtime import set_backend, sparsify
-from unsparse.runtime.backends.direct import POINTWISE_SPLITS, DirectBackend
+from unsparse.runtime.backends.direct import DirectBackend
+from unsparse.runtime.backends.direct_space import POINTWISE_SPLITS
 from unsparse.runtime.bench import environment, require_cuda
 from unsparse.runtime.comparator import plan_model
 from unsparse.runtime.timing import host_enqueue_ms, host_profile, time_fn, time_graph

@@ -18,26 +18,30 @@ import torch.nn.functional as F
 
 from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime.backends.direct import (
-    POINTWISE_SPLITS,
-    TILE_TILINGS,
     DirectBackend,
     DirectHalf2Backend,
-    TileArrays,
     aligned_copy,
     bind_phase_pairing,
-    check_capacity,
     is_pointwise,
-    longest_list,
     pair_images,
-    pointwise_space,
+    stride_one_reason,
+)
+from unsparse.runtime.backends.direct_arrays import (
+    TileArrays,
+    check_capacity,
+    longest_list,
     prepare_rows,
     prepare_tile,
-    rows_space,
-    stride_one_reason,
-    tile_space,
-    tiling_of,
     validate_rows,
     validate_tile,
+)
+from unsparse.runtime.backends.direct_space import (
+    POINTWISE_SPLITS,
+    TILE_TILINGS,
+    pointwise_space,
+    rows_space,
+    tile_space,
+    tiling_of,
 )
 from unsparse.sparse import ConvGeometry, UniformCSR
 from unsparse.sparse.phases import PhaseSplit, phase_split

@@ -9,15 +9,9 @@ from torch import nn
 
 from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime import get_backend, set_backend, sparsify
-from unsparse.runtime.backends.direct import (
-    is_pointwise,
-    longest_list,
-    pair_images,
-    pair_images_on_device,
-    pointwise_space,
-    rows_space,
-    tile_space,
-)
+from unsparse.runtime.backends.direct import is_pointwise, pair_images, pair_images_on_device
+from unsparse.runtime.backends.direct_arrays import longest_list
+from unsparse.runtime.backends.direct_space import pointwise_space, rows_space, tile_space
 from unsparse.runtime.comparator import plan_model, relative_error, tolerance
 from unsparse.runtime.plan import Plan
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv

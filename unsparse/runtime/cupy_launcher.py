@@ -436,7 +436,7 @@ def pointwise_unit(dtype: torch.dtype, vector: bool) -> int:
 def pointwise_layout(dtype: torch.dtype, tiling: PointwiseTiling, vector: bool) -> TileLayout:
     """The staged chunk of ``direct_pointwise`` as a :class:`TileLayout`: ``CC`` rows of ``TJ`` elements of
     the storage dtype (a 1x1 "tile" whose padded width is TJ), two buffers; so input channel ``cc`` of a chunk
-    starts at element ``cc * TJ`` and :func:`~unsparse.runtime.backends.direct.prepare_tile` builds its
+    starts at element ``cc * TJ`` and :func:`~unsparse.runtime.backends.direct_arrays.prepare_tile` builds its
     offsets.
 
     Raises:

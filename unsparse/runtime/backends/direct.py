@@ -20,14 +20,14 @@ products (``"accumulate": "half2"``: ``HFMA2`` runs of at most
 :data:`~unsparse.runtime.cupy_launcher.HALF2_RUN` products, summed in float32). It changes the numerics, so the
 comparator leaves it out unless it is named.
 
-Everything a kernel reads through an index is built and checked here at plan time (:func:`prepare_rows`,
-:func:`prepare_tile`, which also serves ``pointwise``) and cached per UniformCSR object and input size, so
-no kernel sees an unchecked index.
+The settings each variant is tuned over are listed in :mod:`unsparse.runtime.backends.direct_space`. Everything a
+kernel reads through an index is built and checked at plan time (:mod:`unsparse.runtime.backends.direct_arrays`:
+``prepare_rows``, ``prepare_tile``, which also serves ``pointwise``) and cached here per UniformCSR object and input
+size, so no kernel sees an unchecked index.
 """
 
 from __future__ import annotations
 
-import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,219 +37,20 @@ import torch
 
 from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime.backends.base import ConvBackend, T, WeightCache, check_bias, register_backend
+from unsparse.runtime.backends.direct_arrays import check_capacity, longest_list, prepare_rows, prepare_tile
+from unsparse.runtime.backends.direct_space import (
+    ROWS_CHANNELS,
+    half_run_of,
+    pointwise_space,
+    pointwise_tiling_of,
+    reads_pairs,
+    rows_space,
+    tile_space,
+    tiling_of,
+)
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 from unsparse.sparse.phases import PhaseSplit, phase_split
-
-ROWS_THREADS = (64, 128, 256)
-ROWS_PIXELS = (1, 2)
-ROWS_SUB_BATCH = (1, 2, 4, 8)
-ROWS_CHANNELS = 8
-
-TILE_TILINGS = (
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=8),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=8, warps=8, cc=8),
-    cl.TileTiling(wx=32, py=8, nb=2, mw=4, warps=8, cc=8),
-    cl.TileTiling(wx=32, py=4, nb=4, mw=4, warps=8, cc=8),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=8),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=8),
-    cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=16, cc=4),
-    cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4),
-    cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=8, cc=8),
-    cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=8, cc=4),
-    cl.TileTiling(wx=8, py=2, nb=4, mw=4, warps=8, cc=2),
-    cl.TileTiling(wx=8, py=2, nb=2, mw=8, warps=4, cc=4),
-    cl.TileTiling(wx=32, py=8, nb=1, mw=8, warps=8, cc=8),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=16),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=16),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=16),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=32),
-    cl.TileTiling(wx=32, py=8, nb=2, mw=3, warps=8, cc=8, union=3),
-    cl.TileTiling(wx=32, py=7, nb=4, mw=3, warps=8, cc=8, union=3, paired=True),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=8, stage_entries=True, min_blocks=4),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=16, stage_entries=True, min_blocks=2),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32, stage_entries=True, min_blocks=2),
-)
-"""``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM within the
-register file; the paired union tiling's 84 are held to 128 registers, also two blocks), warp tiles 4x32 to 8x8 for
-planes from 224x224 down to 7x7, 32 to 128 output channels per block (more channels share each staged chunk); NB = 1
-for batch 1 in float32 (float16 pairs images, NB even). CC = 16 halves the barriers per nonzero where a chunk holds
-little work (the 2x2 filters of a 3x3 stride-2 layer's phase split, 1x1 layers, and 3x3 layers at high sparsity);
-staged chunks beyond 48 KB take dynamic shared memory up to
-:data:`~unsparse.runtime.cupy_launcher.TILE_SHARED_LIMIT_BYTES`. At 0.95-0.98 sparsity a cost that does not shrink
-with sparsity is about half the time (VGG16 features.5 FP16: about 0.83 ms of 1.60 ms at 0.95 before these), so the
-last three per-channel tilings share each chunk among 128 output channels, or stage 32 channels per barrier pair
-(fewer barriers and loop set-ups per nonzero), or both; CC = 32 in float16 only, a float32 3x3 chunk of 32 channels
-does not fit. Kernel notes v14 and v16 give what each gained. The first union tiling (``union=3``, float32 only,
-kernel notes v21) walks union entries of three channels: one staged load feeds three FMAs, which pays where three
-rows share many taps. On the H100, in float32 at 0.7, it ran VGG16 features.2-12 (64 to 256 input channels)
-1.03-1.12x as fast as the best per-channel tiling, and at 0.9 0.78-0.86x; of the four union tilings first timed, it
-was the fastest on every layer. The second, ``paired``, reads the float32 input as image pairs (one 8-byte shared
-load per two images, the pairing copy timed with the kernel) and puts 28 staged elements behind each 16-byte entry
-(kernel notes v22): on the H100 at 0.7 it ran VGG16 features.10 and .12 1.02x as fast as the union tiling above and
-lost on features.0-7 (0.90-0.99x) and at 0.9; a paired PY = 8, NB = 2 tiling (two blocks per SM) lost everywhere.
-The last three are earlier winners with ``stage_entries`` (kernel notes v25): each warp copies its entries of the
-next chunk into shared memory, so an entry costs one broadcast shared load instead of a global load through L1; their
-slots take shared memory in proportion to the weight's longest entry list, so a dense weight may leave them out. Each
-names the blocks per SM its unstaged tiling reaches (``min_blocks``, 64 registers), since the staging code otherwise
-costs ptxas up to 16 more registers and a block per SM. On the H100 (b128) the 8-warp CC = 8 one ran VGG16
-features.0-10 in float32 at 0.8 1.00-1.03x as fast as the best unstaged setting (1.08-1.12x its own unstaged
-tiling), the 16-warp CC = 16 one features.2-12 at 0.9 1.03-1.06x, the CC = 32 one half2 products at 0.95 1.02-1.05x;
-they lose in float16 at 0.9. The union tiling staged ran 0.97-1.01x as fast as unstaged and is not built."""
-
-
-POINTWISE_TILINGS = (
-    cl.PointwiseTiling(pv=1, mw=8, warps=8, cc=32),
-    cl.PointwiseTiling(pv=1, mw=8, warps=16, cc=32),
-    cl.PointwiseTiling(pv=1, mw=8, warps=16, cc=16),
-    cl.PointwiseTiling(pv=1, mw=16, warps=8, cc=32),
-    cl.PointwiseTiling(pv=1, mw=8, warps=32, cc=32),
-    cl.PointwiseTiling(pv=2, mw=4, warps=16, cc=16),
-    cl.PointwiseTiling(pv=2, mw=8, warps=8, cc=16),
-)
-"""``direct_pointwise`` candidates: 16 to 64 accumulators per thread, 64 to 256 output channels per block
-(every channel of a block reuses each staged element, so more channels cut the staging per FMA and the L2
-re-reads of the input), 128 or 256 columns, chunks of 16 or 32 input channels (16 to 32 KB in two float32
-buffers)."""
-
-
-def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str, Any]]:
-    """``direct_rows`` settings: sub-batch x threads x pixels per thread (UnSparse-Opt §5, eq. 23).
-
-    With ``prune``, blocks whose pixel tile (threads x pixels) exceeds twice the output plane are left
-    out, except the smallest, so a 7x7 plane is not timed with 512-pixel tiles.
-    """
-    space = []
-    for sub_batch, threads, pixels in itertools.product(ROWS_SUB_BATCH, ROWS_THREADS, ROWS_PIXELS):
-        if sub_batch > batch and sub_batch != 1:
-            continue
-        if prune and threads * pixels > max(2 * out_pixels, ROWS_THREADS[0] * ROWS_PIXELS[0]):
-            continue
-        space.append({"variant": "rows", "sub_batch": sub_batch, "threads": threads, "pixels": pixels,
-                      "channels": ROWS_CHANNELS})
-    return space
-
-
-def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int], dtype: torch.dtype,
-               prune: bool = True, vector_pad: int | None = None, shared_limit: int = cl.TILE_SHARED_LIMIT_BYTES,
-               entry_capacity: Callable[[int, int], int] | None = None) -> list[dict[str, Any]]:
-    """``direct_tile`` settings: the :data:`TILE_TILINGS` valid for ``dtype`` and whose shared memory
-    (:func:`~unsparse.runtime.cupy_launcher.tile_shared_bytes`) fits in ``shared_limit`` bytes
-    (:func:`~unsparse.runtime.cupy_launcher.tile_shared_limit` of the GPU); with ``vector_pad`` (the layer's
-    ``pad_w``, where :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason` allows it) also each tiling that
-    can stage 16-byte vectors, as ``"stage": "vector"``. ``entry_capacity(chunk, union)``: the weight's longest
-    entry list (:func:`longest_list`), which sizes the ``stage_entries`` tilings' slots (``"entries": "shared"``);
-    None leaves those tilings out.
-
-    With ``prune``, tilings whose output tile is more than twice the plane in either direction, or whose
-    NB exceeds the batch (beyond the images per element), are left out.
-    """
-    E, F_ = out_hw
-    space = []
-    for tiling, pad in itertools.product(TILE_TILINGS, [None] if vector_pad is None else [None, vector_pad]):
-        if tiling.stage_entries and entry_capacity is None:
-            continue
-        try:
-            layout = cl.tile_layout(dtype, kernel_size, tiling, pad)
-        except ValueError:
-            continue
-        capacity = entry_capacity(tiling.cc, tiling.union) if tiling.stage_entries else 0
-        if cl.tile_shared_bytes(layout, tiling, capacity) > shared_limit:
-            continue
-        te, tf = tiling.tile_hw
-        if prune and (te > 2 * E or tf > 2 * F_ or tiling.nb > max(batch, cl.images_per_element(dtype))):
-            continue
-        space.append({"variant": "tile", "wx": tiling.wx, "py": tiling.py, "nb": tiling.nb, "mw": tiling.mw,
-                      "warps": tiling.warps, "cc": tiling.cc, **({} if pad is None else {"stage": "vector"}),
-                      **({} if tiling.union == 1 else {"union": tiling.union}),
-                      **({"paired": True} if tiling.paired else {}),
-                      **({"entries": "shared"} if tiling.stage_entries else {}),
-                      **({"min_blocks": tiling.min_blocks} if tiling.min_blocks else {})})
-    return space
-
-
-POINTWISE_SPLITS = (4, 16)
-"""Split-K choices of ``direct_pointwise`` (setting ``"splits"``) for grids below :data:`SPLIT_BELOW_BLOCKS`."""
-SPLIT_BELOW_BLOCKS = 128
-"""Blocks under which a ``direct_pointwise`` grid leaves most of a GPU idle (an H100 has 132 SMs): at batch 1 a
-1024 -> 256 layer at 14x14 is 8 blocks, each walking 32 chunks in turn (~0.1 ms on the H100)."""
-
-
-def pointwise_space(batch: int, out_channels: int, pixels: int, dtype: torch.dtype, prune: bool = True,
-                    vector: bool = False, in_channels: int | None = None) -> list[dict[str, Any]]:
-    """``direct_pointwise`` settings: the :data:`POINTWISE_TILINGS` whose staged chunks fit, each with
-    element-wise staging and, with ``vector`` (the plane passes
-    :func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`), also as ``"stage": "vector"``. With
-    ``in_channels``, a setting whose grid has fewer than :data:`SPLIT_BELOW_BLOCKS` blocks also comes with each
-    split-K choice of :data:`POINTWISE_SPLITS` below its chunk count (``"splits": s``).
-
-    With ``prune``, tilings with more than twice the output channels (beyond 64) or more than twice the
-    ``batch * pixels`` columns (beyond 128) are left out.
-    """
-    space = []
-    stages = ["scalar", "vector"] if vector else ["scalar"]
-    for tiling, stage in itertools.product(POINTWISE_TILINGS, stages):
-        try:
-            layout = cl.pointwise_layout(dtype, tiling, stage == "vector")
-        except ValueError:
-            continue
-        if layout.shared_bytes() > cl.SHARED_LIMIT_BYTES:
-            continue
-        if prune and (tiling.channels > max(2 * out_channels, 64) or tiling.columns > max(2 * batch * pixels, 128)):
-            continue
-        setting = {"variant": "pointwise", "pv": tiling.pv, "mw": tiling.mw, "warps": tiling.warps,
-                   "cc": tiling.cc, **({"stage": "vector"} if stage == "vector" else {})}
-        space.append(setting)
-        blocks = math.ceil(out_channels / tiling.channels) * math.ceil(batch * pixels / tiling.columns)
-        if in_channels is not None and blocks < SPLIT_BELOW_BLOCKS:
-            space += [{**setting, "splits": s} for s in POINTWISE_SPLITS if s < math.ceil(in_channels / tiling.cc)]
-    return space
-
-
-def setting_sizes(params: dict[str, Any], names: tuple[str, ...], variant: str) -> list[Any]:
-    """``params``' values of ``names`` in order.
-
-    Raises:
-        ValueError: naming the sizes a ``variant`` setting lacks.
-    """
-    missing = [name for name in names if name not in params]
-    if missing:
-        raise ValueError(f"params: a {variant} setting needs {missing}")
-    return [params[name] for name in names]
-
-
-def pointwise_tiling_of(params: dict[str, Any]) -> cl.PointwiseTiling:
-    """The :class:`~unsparse.runtime.cupy_launcher.PointwiseTiling` of a ``pointwise`` setting.
-
-    Raises:
-        ValueError: a missing or invalid size.
-    """
-    return cl.PointwiseTiling(*setting_sizes(params, ("pv", "mw", "warps", "cc"), "pointwise"))
-
-
-ACCUMULATE = ("float32", "half2")
-"""Values of a setting's ``"accumulate"``: float32 products and sums (every variant, the default), or half2
-products summed in float16 runs (``tile`` on float16, backend ``direct_half2``)."""
-
-
-def half_run_of(params: dict[str, Any], dtype: torch.dtype) -> int:
-    """The ``HALF_RUN`` template argument of a setting: :data:`~unsparse.runtime.cupy_launcher.HALF2_RUN` for
-    ``"accumulate": "half2"``, else 0.
-
-    Raises:
-        ValueError: for an ``accumulate`` outside :data:`ACCUMULATE`, or ``half2`` on a variant other than
-            ``tile`` or a dtype other than float16.
-    """
-    accumulate = params.get("accumulate", "float32")
-    if accumulate not in ACCUMULATE:
-        raise ValueError(f"accumulate: unknown {accumulate!r}, expected one of {ACCUMULATE}")
-    if accumulate == "float32":
-        return 0
-    if params.get("variant") != "tile" or dtype != torch.float16:
-        raise ValueError(f"accumulate: half2 needs the tile variant on float16, got {params.get('variant')!r} "
-                         f"on {dtype}")
-    return cl.HALF2_RUN
 
 
 def pair_images(x: torch.Tensor) -> torch.Tensor:
@@ -318,231 +119,6 @@ def is_pointwise(csr: UniformCSR, geometry: ConvGeometry) -> bool:
     """Whether a layer is a 1x1, stride 1, dilation 1, unpadded Conv2d (the ``pointwise`` variant's domain)."""
     return (geometry.spatial_dims == 2 and csr.kernel_size == (1, 1) and geometry.stride == (1, 1)
             and geometry.dilation == (1, 1) and geometry.padding == (0, 0))
-
-
-def reads_pairs(params: dict[str, Any], dtype: torch.dtype) -> bool:
-    """Whether a ``tile`` setting's kernel reads its input as image pairs: float16 always, float32 where the setting
-    is ``"paired"`` (:func:`~unsparse.runtime.cupy_launcher.images_per_element`)."""
-    return cl.images_per_element(dtype, bool(params.get("paired", False))) == 2
-
-
-def tiling_of(params: dict[str, Any]) -> cl.TileTiling:
-    """The :class:`~unsparse.runtime.cupy_launcher.TileTiling` of a ``tile`` setting (``"union"`` 1, ``"paired"``
-    false, ``"entries"`` ``"global"`` and ``"min_blocks"`` 0 where absent; ``"entries": "shared"`` is
-    ``stage_entries``).
-
-    Raises:
-        ValueError: a missing or invalid size or ``"min_blocks"``, a ``"paired"`` that is not a bool, or an
-            ``"entries"`` other than ``"global"`` and ``"shared"``.
-    """
-    entries = params.get("entries", "global")
-    if entries not in ("global", "shared"):
-        raise ValueError(f"entries: unknown {entries!r}, expected 'global' or 'shared'")
-    return cl.TileTiling(*setting_sizes(params, ("wx", "py", "nb", "mw", "warps", "cc"), "tile"),
-                         params.get("union", 1), params.get("paired", False), entries == "shared",
-                         params.get("min_blocks", 0))
-
-
-@dataclass(frozen=True)
-class RowArrays:
-    """Plan-time arrays of ``direct_rows`` for one weight and input size.
-
-    Attributes:
-        offsets: ``(M, L)`` int32, ``c*H*W + r*dil_h*W + s*dil_w`` (Escoin §3.1 stretching, unpadded input).
-        taps: ``(M, L)`` int32, ``(r*dil_h) << 16 | (s*dil_w)`` for the in-kernel bounds check.
-    """
-
-    offsets: torch.Tensor
-    taps: torch.Tensor
-
-
-@dataclass(frozen=True)
-class TileArrays:
-    """Plan-time arrays of ``direct_tile`` (and ``direct_pointwise``): entries grouped per (group g of U output
-    channels ``g*U .. g*U + U - 1``, staged chunk k); U = 1: the nonzeros of one channel.
-
-    Attributes:
-        chunk_ptr: ``(G*K + 1,)`` int32, G = ceil(M / U), K = ceil(C / CC); entries of (g, k) are
-            ``[chunk_ptr[g*K+k], chunk_ptr[g*K+k+1])``.
-        entries: ``(n, 1 + U)`` int32: the tap's element offset in the staged chunk,
-            ``(c - k*CC) * channel_stride + r * padded_width + s``, then per channel of the group the weight's bits
-            (zero where the channel lacks the tap): float32, or for half2 products a ``__half2`` holding the
-            float16 weight twice. U = 1: n = nnz; U = 3: n = the taps of the union of each group's channels.
-    """
-
-    chunk_ptr: torch.Tensor
-    entries: torch.Tensor
-
-
-def prepare_rows(csr: UniformCSR, geometry: ConvGeometry, in_hw: tuple[int, int]) -> RowArrays:
-    """Stretch and pack the column indices of ``csr`` for an unpadded ``in_hw`` input, then validate them."""
-    H, W = in_hw
-    R, S = csr.kernel_size
-    k = csr.col_idx.long()
-    r, s = (k % (R * S)) // S, k % S
-    dy, dx = r * geometry.dilation[0], s * geometry.dilation[1]
-    offsets = geometry.stretched_offsets(csr.col_idx, csr.kernel_size, (H, W))
-    taps = (dy << cl.TAP_SHIFT_BITS) | dx
-    validate_rows(offsets, taps, csr.in_channels_per_group, in_hw)
-    return RowArrays(offsets.to(torch.int32).contiguous(), taps.to(torch.int32).contiguous())
-
-
-def validate_rows(offsets: torch.Tensor, taps: torch.Tensor, channels: int, in_hw: tuple[int, int]) -> None:
-    """Check that every address ``direct_rows`` can form lies inside one ``(C, H, W)`` image.
-
-    The kernel loads ``x_image[offset + iy0*W + ix0]`` for an output pixel whose window starts at
-    ``(iy0, ix0)`` only when ``0 <= iy0 + dy < H`` and ``0 <= ix0 + dx < W``. That address equals
-    ``c*H*W + (iy0+dy)*W + (ix0+dx)``, inside the image, exactly when ``offset - dy*W - dx = c*H*W`` with
-    ``0 <= c < C``.
-
-    Args:
-        offsets: ``(M, L)`` int64 stretched offsets. taps: ``(M, L)`` int64 packed ``dy << 16 | dx``.
-
-    Raises:
-        ValueError: naming ``offsets`` or ``taps`` when a shift does not fit 15 bits, an offset does not
-            decompose into a channel start plus its shift, or the image exceeds int32 addressing.
-    """
-    H, W = in_hw
-    if channels * H * W >= 2**31:
-        raise ValueError(f"offsets: image of {channels}x{H}x{W} elements exceeds int32 addressing")
-    if offsets.shape != taps.shape:
-        raise ValueError(f"taps: shape {tuple(taps.shape)} differs from offsets {tuple(offsets.shape)}")
-    if offsets.numel() == 0:
-        return
-    dy, dx = taps >> cl.TAP_SHIFT_BITS, taps & ((1 << cl.TAP_SHIFT_BITS) - 1)
-    if int(taps.min()) < 0 or int(dy.max()) >= 2**15 or int(dx.max()) >= 2**15:
-        raise ValueError("taps: a shift is negative or does not fit 15 bits")
-    start = offsets - dy * W - dx
-    channel = torch.div(start, H * W, rounding_mode="floor")
-    if bool((start != channel * H * W).any()) or int(channel.min()) < 0 or int(channel.max()) >= channels:
-        raise ValueError(f"offsets: entries outside [0, {channels}*{H}*{W}) or inconsistent with taps")
-
-
-def prepare_tile(csr: UniformCSR, layout: cl.TileLayout, half2: bool = False, union: int = 1) -> TileArrays:
-    """Group the nonzeros of ``csr`` per (group of ``union`` output channels, chunk of ``layout.chunk`` input
-    channels) as offsets into the staged chunk (Escoin §3.1 weight stretching, here against the shared-memory tile),
-    then validate them. ``half2``: weights as ``__half2`` pairs ``(w, w)`` of float16 (the values are rounded to
-    float16; the half2 products of ``direct_half2``, which the kernel runs with ``union`` 1 only), else as float32.
-    ``union`` > 1: one entry per tap of the union
-    of the group's nonzero taps, holding each channel's weight (0 where the channel lacks the tap; kernels/NOTES.md
-    v21); channels past ``M`` in the last group hold zeros.
-
-    Stored padding entries (value 0, UnSparse-Opt uniform nnz) are dropped: the loop bound of this variant
-    is the per-(group, chunk) entry count. Within a group entries are sorted by offset.
-    """
-    M, C = csr.out_channels, csr.in_channels_per_group
-    R, S = csr.kernel_size
-    K = math.ceil(C / layout.chunk)
-    G = math.ceil(M / union)
-    device = csr.values.device
-    rows = torch.arange(M, device=device)[:, None].expand_as(csr.col_idx)
-    keep = csr.values != 0
-    m, k = rows[keep], csr.col_idx.long()[keep]
-    c, r, s = k // (R * S), (k // S) % R, k % S
-    chunk = c // layout.chunk
-    offsets = (c - chunk * layout.chunk) * layout.channel_stride + r * layout.padded_width + s
-    key = ((m // union) * K + chunk) * layout.elements() + offsets
-    if union == 1:  # one entry per nonzero, also where a row names a column twice
-        taps, order = torch.sort(key, stable=True)
-        entry = torch.empty_like(order)
-        entry[order] = torch.arange(order.numel(), device=device)
-    else:  # one entry per tap of the union; a column named twice in a row adds up
-        taps, entry = torch.unique(key, sorted=True, return_inverse=True)
-    counts = torch.bincount(torch.div(taps, layout.elements(), rounding_mode="floor"), minlength=G * K)
-    chunk_ptr = torch.zeros(G * K + 1, dtype=torch.int64, device=device)
-    chunk_ptr[1:] = torch.cumsum(counts, 0)
-    weights = torch.zeros(taps.numel(), union, dtype=torch.float64, device=device)
-    weights.index_put_((entry, m % union), csr.values[keep].double(), accumulate=True)
-    if half2:
-        halves = weights.half().view(torch.int16)
-        bits = torch.stack([halves, halves], dim=2).view(torch.int32)[..., 0]
-    else:
-        bits = weights.float().view(torch.int32)
-    entries = torch.cat([(taps % layout.elements()).to(torch.int32)[:, None], bits], dim=1).contiguous()
-    arrays = TileArrays(chunk_ptr.to(torch.int32), entries)
-    validate_tile(arrays, M, C, (R, S), layout, union)
-    return arrays
-
-
-def longest_list(csr: UniformCSR, chunk: int, union: int = 1) -> int:
-    """Entries of the longest (group, chunk) list :func:`prepare_tile` builds from ``csr`` for ``chunk`` input
-    channels per staged chunk and ``union`` output channels per group (0 for an all-zero weight): one entry per stored
-    nonzero for ``union`` 1, one per distinct tap of the group's nonzeros otherwise. It sizes the shared-memory slots
-    of a ``stage_entries`` tiling (:func:`~unsparse.runtime.cupy_launcher.tile_shared_bytes`); :func:`check_capacity`
-    holds the built arrays to it.
-
-    Raises:
-        ValueError: for a ``chunk`` below 1 or a ``union`` that is not one of the kernel's.
-    """
-    if union not in cl.TILE_UNIONS or type(chunk) is not int or chunk < 1:
-        raise ValueError(f"longest_list: chunk {chunk!r} must be a positive integer and union {union} one of "
-                         f"{cl.TILE_UNIONS}")
-    M, taps_per_channel = csr.out_channels, math.prod(csr.kernel_size)
-    taps = csr.in_channels_per_group * taps_per_channel
-    rows = torch.arange(M, device=csr.values.device)[:, None].expand_as(csr.col_idx)
-    keep = csr.values != 0
-    key = rows[keep] // union * taps + csr.col_idx.long()[keep]
-    if union > 1:
-        key = torch.unique(key)
-    if key.numel() == 0:
-        return 0
-    lists = key // taps * math.ceil(csr.in_channels_per_group / chunk) + key % taps // taps_per_channel // chunk
-    return int(torch.bincount(lists).max())
-
-
-def check_capacity(arrays: TileArrays, capacity: int) -> None:
-    """Check that no (group, chunk) list of ``arrays`` holds more than ``capacity`` entries, the slot a
-    ``stage_entries`` kernel copies each list into: a longer list would overwrite another warp's slots.
-
-    Raises:
-        ValueError: naming ``chunk_ptr`` and the longest list.
-    """
-    ptr = arrays.chunk_ptr.long()
-    longest = int((ptr[1:] - ptr[:-1]).max()) if ptr.numel() > 1 else 0
-    if longest > capacity:
-        raise ValueError(f"chunk_ptr: a list of {longest} entries exceeds the {capacity} entries of its slot")
-
-
-def validate_tile(arrays: TileArrays, out_channels: int, channels: int, kernel_size: tuple[int, int],
-                  layout: cl.TileLayout, union: int = 1) -> None:
-    """Check the grouped arrays before ``direct_tile`` reads through them.
-
-    The kernel reads ``tile[offset + (ly + py*WY) * padded_width + left + lx + ie * plane]`` for output rows
-    ``ly + py*WY < tile_h - R + 1`` and columns ``lx < tile_w - S + 1``. That index lies inside the staged
-    chunk, and in the right input channel, exactly when ``offset = cc * channel_stride + r * padded_width + s``
-    with ``r < R``, ``s < S`` and ``cc < CC`` such that ``k * CC + cc < C`` for the entry's chunk k. It reads
-    ``1 + union`` ints per entry (weights are only multiplied, so any bits are safe).
-
-    Raises:
-        ValueError: naming ``union`` (not one of the kernel's), ``chunk_ptr`` (wrong length, not from 0 to the
-            entry count, decreasing) or ``entries`` (shape, or an offset that does not decompose as above).
-    """
-    R, S = kernel_size
-    if union not in cl.TILE_UNIONS:
-        raise ValueError(f"union: {union} is not one of {cl.TILE_UNIONS}")
-    K = math.ceil(channels / layout.chunk)
-    lists = math.ceil(out_channels / union) * K
-    ptr, entries = arrays.chunk_ptr.long(), arrays.entries
-    if entries.dim() != 2 or entries.shape[1] != 1 + union:
-        raise ValueError(f"entries: expected shape (n, {1 + union}), got {tuple(entries.shape)}")
-    n = entries.shape[0]
-    if ptr.numel() != lists + 1 or int(ptr[0]) != 0 or int(ptr[-1]) != n:
-        raise ValueError(f"chunk_ptr: expected {lists + 1} entries from 0 to n={n}")
-    if bool((ptr[1:] < ptr[:-1]).any()):
-        raise ValueError("chunk_ptr: not non-decreasing")
-    if layout.tile_h < R or layout.tile_w < S or layout.padded_width < layout.left + layout.tile_w:
-        raise ValueError(f"entries: layout {layout} does not hold a {R}x{S} halo")
-    if n == 0:
-        return
-    offsets = entries[:, 0].long()
-    chunk = torch.repeat_interleave(torch.arange(lists, device=ptr.device) % K, ptr[1:] - ptr[:-1])
-    cc = torch.div(offsets, layout.channel_stride, rounding_mode="floor")
-    rest = offsets - cc * layout.channel_stride
-    r = torch.div(rest, layout.padded_width, rounding_mode="floor")
-    s = rest - r * layout.padded_width
-    bad = (offsets < 0) | (cc >= layout.chunk) | (chunk * layout.chunk + cc >= channels) | (r >= R) | (s >= S)
-    if bool(bad.any()):
-        raise ValueError(f"entries: offsets outside the staged chunk of {layout} or its channel range")
 
 
 @dataclass(frozen=True)
@@ -723,7 +299,8 @@ class DirectBackend(ConvBackend):
         return space + self._tile_space(x, csr, geometry)
 
     def _tile_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
-        """The ``tile`` settings of an undilated Conv2d (:func:`tile_space` of its stride-1 view)."""
+        """The ``tile`` settings of an undilated Conv2d
+        (:func:`~unsparse.runtime.backends.direct_space.tile_space` of its stride-1 view)."""
         csr1, geometry1, _, in_hw = self._stride_one(x, csr, geometry)
         vector = cl.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding) is None
         return tile_space(x.shape[0], self._out_hw(x, csr, geometry), csr1.kernel_size, x.dtype,
@@ -732,7 +309,8 @@ class DirectBackend(ConvBackend):
                           entry_capacity=lambda chunk, union: self._longest_list(csr1, chunk, union))
 
     def _longest_list(self, csr: UniformCSR, chunk: int, union: int) -> int:
-        """:func:`longest_list` of a stride-1 layer's weight, cached with it."""
+        """:func:`~unsparse.runtime.backends.direct_arrays.longest_list` of a stride-1 layer's weight, cached with
+        it."""
         return self._arrays(csr, ("longest", chunk, union), lambda: longest_list(csr, chunk, union))
 
     def _entry_capacity(self, csr: UniformCSR, tiling: cl.TileTiling) -> int:
@@ -763,7 +341,8 @@ class DirectBackend(ConvBackend):
         """The launch of a setting on input ``x``, with its :class:`KernelView` (None for ``rows``).
 
         Raises:
-            ValueError: for an unknown variant, or from :func:`half_run_of` and :meth:`_view`.
+            ValueError: for an unknown variant, or from
+                :func:`~unsparse.runtime.backends.direct_space.half_run_of` and :meth:`_view`.
         """
         N = x.shape[0]
         variant = params.get("variant", "rows")
