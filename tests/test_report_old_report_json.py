@@ -75,3 +75,15 @@ def test_a_backend_timed_against_its_default_without_the_margin_is_called_slower
     assert ("1.2 ms per forward against 1 ms on the dense default, both timed as CUDA-graph replays, 0.83x its speed "
             "(slower; the noise margin it was checked against was not recorded).") in page
     assert "SLOWER" not in page
+
+
+def test_a_report_json_from_before_the_metric_was_recorded_renders(tmp_path) -> None:
+    """Jobs before 6152685 wrote no ``metric``, ``metric_label`` or ``metric_trivial`` either (nor the timing counts,
+    added with them): their report.json raised KeyError on the metric before reaching the timing line."""
+    report = old_report({**CHECK, "margin": 0.03})
+    for field in ("metric", "metric_label", "metric_trivial", "timing_runs", "timing_warmup"):
+        del report["run"][field]
+    page = render(tmp_path, report)
+    assert "| stage | test metric (which: not recorded) |" in page and "| dense | 0.9 |" in page
+    assert "What a model that learned nothing scores here was not recorded." in page and "No better" not in page
+    assert "Median of timed calls (how many: not recorded) after warm-up calls (how many: not recorded)" in page

@@ -208,9 +208,12 @@ def plan_check_text(check: dict[str, Any]) -> str:
 
 def _trivial_text(run: dict[str, Any], accuracy: dict[str, float | None]) -> str:
     """What a model that learned nothing scores (``run["metric_trivial"]``), and the stages that do no better (a
-    diverged stage's NaN, null in ``report.json``, counts as no better)."""
+    diverged stage's NaN, null in ``report.json``, counts as no better); that it was not recorded where
+    ``report.json`` lacks it or ``run["metric"]`` (jobs before both were recorded)."""
+    trivial = run.get("metric_trivial")
+    if trivial is None or run.get("metric") is None:
+        return "What a model that learned nothing scores here was not recorded."
     top1 = run["metric"] == "top1"
-    trivial = run["metric_trivial"]
     text = (f"A model that learned nothing scores {trivial:.4g} here ("
             + ("always the most frequent training label" if top1 else "each window predicted by its own mean") + ").")
     no_better = [stage for stage, value in accuracy.items()
@@ -254,14 +257,14 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
 
     Args:
         report: JSON-ready dict with keys ``run`` (with ``metric`` (``"top1"`` or ``"mse"``), ``metric_label``,
-            ``metric_trivial``, ``timing_runs`` and ``timing_warmup`` (the page says "not recorded" for either
-            missing or null: ``report.json`` of older jobs lacks them) and ``tree_modified``), ``accuracy`` (the test
-            metric per stage; a NaN or None, or one no better than ``metric_trivial``, is named), ``pruning`` (its
-            ``target`` and ``target_reached`` stated when present, ``fully_pruned_layers`` warned about),
-            ``quantization``, optionally ``conv_nonzeros`` (``pruned`` and ``exported`` nonzero conv weights,
-            whose difference quantization rounded to zero), ``layers`` (rows of
-            :func:`unsparse.report.layers.layer_rows`), ``timings``,
-            ``timing_baseline``, ``timing_verdicts`` (from :func:`timing_verdicts`), ``file`` (with optional
+            ``metric_trivial``, ``timing_runs`` and ``timing_warmup``, for each of which the page says "not
+            recorded" where it is missing, as from ``report.json`` of older jobs, and ``tree_modified``),
+            ``accuracy`` (the test metric per stage; a NaN or None, or one no better than ``metric_trivial``, is
+            named), ``pruning`` (its ``target`` and ``target_reached`` stated when present,
+            ``fully_pruned_layers`` warned about), ``quantization``, optionally ``conv_nonzeros`` (``pruned``
+            and ``exported`` nonzero conv weights, whose difference quantization rounded to zero), ``layers``
+            (rows of :func:`unsparse.report.layers.layer_rows`), ``timings``, ``timing_baseline``,
+            ``timing_verdicts`` (from :func:`timing_verdicts`), ``file`` (with optional
             ``weighted_sparsity``: the weights as stored, after quantization), optionally
             ``not_timed`` (rows without a time; those whose status is not ``"ok"`` are listed) and optionally
             ``plan_check`` (the fields of :class:`~unsparse.runtime.comparator.PlanCheck` with the keys
@@ -296,7 +299,8 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
         "On the test split: `dense` after dense training, `pruned` after pruning and fine-tuning (masks on, before "
         "quantization), `sparse_run` the exported file reloaded (quantized, if a scheme was chosen) and run on the "
         "backend named under Whole model.",
-        markdown_table(["stage", run["metric_label"]], [[key, value] for key, value in accuracy.items()]),
+        markdown_table(["stage", run.get("metric_label", "test metric (which: not recorded)")],
+                       [[key, value] for key, value in accuracy.items()]),
         _trivial_text(run, accuracy),
         "## Pruning",
         f"Method **{pruning['method']}**, weighted sparsity **{sparsity_percent(pruning['weighted_sparsity'])}%** "
