@@ -271,12 +271,23 @@ class Trainer:
             raise ValueError(f"Trainer: unknown loss {self.loss!r}; known losses: {', '.join(LOSSES)}")
 
     def _check_shapes(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """Raise ValueError, naming the loss and both shapes, where an ``"mse"`` batch's outputs and targets differ in
-        shape: ``mse_loss`` would broadcast them (e.g. ``(N, 1, T)`` against ``(N, T)`` to ``(N, N, T)``) with only a
-        warning, into a mean over every pair of samples."""
+        """Raise ValueError, naming the loss and both shapes, where a batch's outputs do not fit its targets.
+
+        ``"mse"``: outputs and targets must have one shape; ``mse_loss`` would broadcast them (e.g. ``(N, 1, T)``
+        against ``(N, T)`` to ``(N, N, T)``) with only a warning, into a mean over every pair of samples.
+        ``"cross_entropy"``: outputs must be ``(N, num_classes)`` logits for ``(N,)`` class indices; ``cross_entropy``
+        reads ``(N, C, d1, ...)`` as logits per position, which against ``(N,)`` labels failed inside torch naming
+        neither shape's source, and against labels of shape ``(N, d1, ...)`` trained and scored every position as a
+        sample of its own.
+        """
         if self.loss == "mse" and outputs.shape != targets.shape:
             raise ValueError(f"Trainer: mse: outputs of shape {tuple(outputs.shape)} against targets of shape "
                              f"{tuple(targets.shape)}; the model's output must have its targets' shape")
+        if self.loss == "cross_entropy" and (outputs.dim() != 2 or targets.dim() != 1
+                                             or outputs.shape[0] != targets.shape[0]):
+            raise ValueError(f"Trainer: cross_entropy: logits of shape {tuple(outputs.shape)} for targets of shape "
+                             f"{tuple(targets.shape)}; a classifier's output must be (N, num_classes) logits for N "
+                             "class indices")
 
     def optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
         """SGD with Nesterov momentum over ``model``'s trainable parameters.
@@ -303,8 +314,9 @@ class Trainer:
 
         Raises:
             ValueError: where the training loader yields no batch (an empty split, or ``drop_last`` with fewer
-                samples than one batch); nothing is changed then. For ``"mse"``, where a batch's outputs and targets
-                differ in shape, before that batch's step.
+                samples than one batch); nothing is changed then. Where a batch's outputs do not fit its targets,
+                before that batch's step: for ``"mse"`` shapes that differ, for ``"cross_entropy"`` logits that are
+                not ``(N, num_classes)`` for ``(N,)`` targets (:meth:`_check_shapes`).
         """
         was_training = model.training
         model.train()
@@ -334,12 +346,15 @@ class Trainer:
 
         Returns:
             ``{"top1": %, "loss": mean cross-entropy per sample}`` or ``{"mse", "loss"}`` (both the mean squared
-            error per target element). ``top1`` is NaN, as the loss is then, where an output is NaN (a diverged
-            model: argmax of NaN logits names a class that is no prediction).
+            error per target element). ``top1`` is NaN where a logit is not finite (a diverged model: argmax of NaN
+            logits names a class that is no prediction, and a logit that overflowed to ``inf`` wins every argmax
+            while the loss turns NaN or infinite); the pruners score NaN as the worst outcome
+            (:func:`~unsparse.prune.base.metric_score`), so a diverged model is told apart, not refused.
 
         Raises:
-            ValueError: naming ``split``, where it has no samples; for ``"mse"``, where a batch's outputs and targets
-                differ in shape.
+            ValueError: naming ``split``, where it has no samples; naming the shapes, where a batch's outputs do not
+                fit its targets (:meth:`_check_shapes`: for ``"cross_entropy"`` logits that are not
+                ``(N, num_classes)``), before any metric is returned.
         """
         modes = [(module, module.training) for module in model.modules()]
         model.eval()
@@ -356,7 +371,7 @@ class Trainer:
                 elements += targets.numel()
                 if self.loss == "cross_entropy":
                     correct += int((outputs.argmax(dim=1) == targets).sum())
-                    diverged = diverged or bool(outputs.isnan().any())
+                    diverged = diverged or not bool(outputs.isfinite().all())
         finally:
             for module, training in modes:
                 module.training = training
@@ -367,8 +382,8 @@ class Trainer:
         return {"mse": total_loss / elements, "loss": total_loss / elements}
 
     def score(self, model: nn.Module, split: str = "val") -> float:
-        """Higher-is-better scalar: top-1 % for classification, ``-mse`` for reconstruction; NaN for a diverged model
-        (:meth:`evaluate`)."""
+        """Higher-is-better scalar: top-1 % for classification, ``-mse`` for reconstruction; NaN for a diverged
+        classifier, whose logits are not all finite (:meth:`evaluate`)."""
         metrics = self.evaluate(model, split)
         return metrics["top1"] if self.loss == "cross_entropy" else -metrics["mse"]
 
