@@ -88,3 +88,33 @@ def test_a_plot_of_malformed_rows_raises_and_closes_its_figure(tmp_path, plot, e
         plot(tmp_path / "plot.png")
     assert len(plt.get_fignums()) == open_before
     assert not (tmp_path / "plot.png").exists()
+
+
+@pytest.mark.parametrize("draw", ["benchmark", "break_even"])
+def test_a_benchmark_plot_that_fails_while_drawing_closes_its_figure(tmp_path, monkeypatch, draw):
+    """``plot_results`` and ``plot_break_even`` made their figures with ``plt.subplots`` and closed them only in
+    ``save_figure``: an error while drawing left each one open in pyplot."""
+    import matplotlib.pyplot as plt
+    from matplotlib.axes import Axes
+
+    from unsparse.report.benchmark import plot_results
+    from unsparse.report.break_even import plot_break_even
+
+    record = {"model": "vgg16", "layer": "features.0", "batch": 8, "precision": "fp32", "count": 1,
+              "target_sparsity": 0.9, "speedup_vs_cudnn": 1.5, "direct_ms": 1.0, "cudnn_ms": 1.5,
+              "baseline": {"median_ms": 1.5}, "best_ms": {"direct": 1.0}}
+    run = {"model": "vgg16", "precision": "fp32", "batch": 8, "dense_ms": 2.0, "planned_ms": 1.0}
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("drawing failed")
+
+    monkeypatch.setattr(Axes, "axhline", broken)
+    monkeypatch.setattr(Axes, "bar", broken)
+    open_before = len(plt.get_fignums())
+    with pytest.raises(RuntimeError, match="drawing failed"):
+        if draw == "benchmark":
+            plot_results({"layers": [record], "end_to_end": [run]}, tmp_path)
+        else:
+            plot_break_even([record], 8, tmp_path / "break_even.png")
+    assert len(plt.get_fignums()) == open_before
+    assert list(tmp_path.iterdir()) == []

@@ -446,9 +446,8 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
     Returns:
         The paths written, in :data:`PLOTS`' order: what the page links (:func:`markdown_report`'s ``plots``).
     """
-    import matplotlib.pyplot as plt
 
-    from unsparse.report.plots import save_figure
+    from unsparse.report.plots import new_figure, save_figure
 
     paths = []
     largest = largest_batch(result)
@@ -461,20 +460,20 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
     models = sorted({model for _, model in curves})
     precisions = [p for p in PRECISIONS if any(precision == p for precision, _ in curves)]
     if curves:
-        fig, axes = plt.subplots(len(precisions), len(models), figsize=(5 * len(models), 4 * len(precisions)),
-                                 squeeze=False)
-        for row, precision in zip(axes, precisions, strict=True):
-            for ax, name in zip(row, models, strict=True):
-                by_layer = curves.get((precision, name), {})
-                for layer, points in by_layer.items():
-                    points.sort()
-                    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=layer)
-                ax.axhline(1.0, color="gray", linestyle="--")
-                ax.set(title=f"{name} {precision} b{largest} (synthetic weights)", xlabel="sparsity",
-                       ylabel=f"speedup over {CUDNN_MODES[precision]}")
-                if 0 < len(by_layer) <= 16:
-                    ax.legend(fontsize=6)
-        paths.append(save_figure(fig, out_dir / f"{prefix}speedup.png", dpi=100))
+        with new_figure(nrows=len(precisions), ncols=len(models), figsize=(5 * len(models), 4 * len(precisions)),
+                        squeeze=False) as (fig, axes):
+            for row, precision in zip(axes, precisions, strict=True):
+                for ax, name in zip(row, models, strict=True):
+                    by_layer = curves.get((precision, name), {})
+                    for layer, points in by_layer.items():
+                        points.sort()
+                        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=layer)
+                    ax.axhline(1.0, color="gray", linestyle="--")
+                    ax.set(title=f"{name} {precision} b{largest} (synthetic weights)", xlabel="sparsity",
+                           ylabel=f"speedup over {CUDNN_MODES[precision]}")
+                    if 0 < len(by_layer) <= 16:
+                        ax.legend(fontsize=6)
+            paths.append(save_figure(fig, out_dir / f"{prefix}speedup.png", dpi=100))
     layers = [r for r in records if r["precision"] == "fp32" and abs(r["target_sparsity"] - 0.9) < 1e-9]
     backends = {"cuDNN alone": lambda r: (r.get("baseline") or {}).get("median_ms"),
                 **{name: lambda r, name=name: r["best_ms"].get(name)
@@ -484,25 +483,25 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
                         for m, rs in per_model.items()} for backend, ms in backends.items()}
     models = sorted({m for by_model in totals.values() for m, total in by_model.items() if total > 0})
     if models:
-        fig, ax = plt.subplots(figsize=(8, 4))
-        width = 0.8 / len(backends)
-        for i, (backend, by_model) in enumerate(totals.items()):
-            ax.bar([j + i * width for j in range(len(models))], [by_model[m] for m in models], width, label=backend)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
-        ax.set(ylabel="sum of conv layer times (ms), sparsity 0.9", yscale="log")
-        ax.legend()
-        paths.append(save_figure(fig, out_dir / f"{prefix}breakdown.png", dpi=100))
+        with new_figure(figsize=(8, 4)) as (fig, ax):
+            width = 0.8 / len(backends)
+            for i, (backend, by_model) in enumerate(totals.items()):
+                ax.bar([j + i * width for j in range(len(models))], [by_model[m] for m in models], width, label=backend)
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(models))], models)
+            ax.set(ylabel="sum of conv layer times (ms), sparsity 0.9", yscale="log")
+            ax.legend()
+            paths.append(save_figure(fig, out_dir / f"{prefix}breakdown.png", dpi=100))
     if result["end_to_end"]:
-        fig, ax = plt.subplots(figsize=(8, 4))
-        labels = [f"{r['model'].split('/')[-1]}\n{r['precision']} b{r['batch']}" for r in result["end_to_end"]]
-        xs = range(len(labels))
-        runs = result["end_to_end"]
-        bars = {"dense (cuDNN, NCHW)": "dense_ms", "dense (cuDNN, NHWC)": "dense_nhwc_ms",
-                "planned (NCHW)": "planned_ms", "planned (NHWC)": "planned_nhwc_ms"}
-        for i, (label, field_name) in enumerate(bars.items()):
-            ax.bar([x + (i - 1.5) * 0.2 for x in xs], [r.get(field_name) or 0 for r in runs], 0.2, label=label)
-        ax.set_xticks(list(xs), labels, fontsize=7)
-        ax.set(ylabel="model time (ms)")
-        ax.legend()
-        paths.append(save_figure(fig, out_dir / f"{prefix}end_to_end.png", dpi=100))
+        with new_figure(figsize=(8, 4)) as (fig, ax):
+            labels = [f"{r['model'].split('/')[-1]}\n{r['precision']} b{r['batch']}" for r in result["end_to_end"]]
+            xs = range(len(labels))
+            runs = result["end_to_end"]
+            bars = {"dense (cuDNN, NCHW)": "dense_ms", "dense (cuDNN, NHWC)": "dense_nhwc_ms",
+                    "planned (NCHW)": "planned_ms", "planned (NHWC)": "planned_nhwc_ms"}
+            for i, (label, field_name) in enumerate(bars.items()):
+                ax.bar([x + (i - 1.5) * 0.2 for x in xs], [r.get(field_name) or 0 for r in runs], 0.2, label=label)
+            ax.set_xticks(list(xs), labels, fontsize=7)
+            ax.set(ylabel="model time (ms)")
+            ax.legend()
+            paths.append(save_figure(fig, out_dir / f"{prefix}end_to_end.png", dpi=100))
     return paths

@@ -155,23 +155,21 @@ def break_even_markdown(records: Sequence[dict[str, Any]], batch: int,
 def plot_break_even(records: Sequence[dict[str, Any]], batch: int, path: str | Path) -> Path:
     """``path`` (PNG): one panel per layer, speedup of the direct kernel over each cuDNN mode against sparsity
     (log scale; the dashed line is break-even)."""
-    import matplotlib.pyplot as plt
-
-    from unsparse.report.plots import save_figure
+    from unsparse.report.plots import new_figure, save_figure
 
     by_layer = curves(records, batch)
     columns = min(3, max(1, len(by_layer)))
     rows = -(-len(by_layer) // columns) or 1
-    fig, axes = plt.subplots(rows, columns, figsize=(4.5 * columns, 3.4 * rows), squeeze=False)
-    for ax, ((model, layer), per_precision) in zip(axes.flat, by_layer.items(), strict=False):
-        for precision, mode in MODES.items():
-            curve = per_precision.get(precision)
-            if curve:
-                ax.plot([s for s, _ in curve], [v for _, v in curve], marker="o", label=f"over {mode}")
-        ax.axhline(1.0, color="gray", linestyle="--")
-        ax.set(title=f"{model} {layer}", xlabel="sparsity", ylabel="speedup (cuDNN ms / direct ms)", yscale="log")
-        ax.legend(fontsize=6)
-    for ax in list(axes.flat)[len(by_layer):]:
-        ax.set_visible(False)
-    fig.suptitle(f"Direct sparse kernels against cuDNN, batch {batch} (synthetic weights)")
-    return save_figure(fig, path, dpi=90)
+    with new_figure(nrows=rows, ncols=columns, figsize=(4.5 * columns, 3.4 * rows), squeeze=False) as (fig, axes):
+        for ax, ((model, layer), per_precision) in zip(axes.flat, by_layer.items(), strict=False):
+            for precision, mode in MODES.items():
+                curve = per_precision.get(precision)
+                if curve:
+                    ax.plot([s for s, _ in curve], [v for _, v in curve], marker="o", label=f"over {mode}")
+            ax.axhline(1.0, color="gray", linestyle="--")
+            ax.set(title=f"{model} {layer}", xlabel="sparsity", ylabel="speedup (cuDNN ms / direct ms)", yscale="log")
+            ax.legend(fontsize=6)
+        for ax in list(axes.flat)[len(by_layer):]:
+            ax.set_visible(False)
+        fig.suptitle(f"Direct sparse kernels against cuDNN, batch {batch} (synthetic weights)")
+        return save_figure(fig, path, dpi=90)
