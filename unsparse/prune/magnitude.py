@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 import time
 from collections.abc import Mapping
@@ -23,12 +24,14 @@ from unsparse.prune.masks import lowest_mask, prunable_layers, pruned_count
 from unsparse.settings import check_choice, check_integer
 from unsparse.train import Trainer, fit_seconds
 
+log = logging.getLogger(__name__)
+
 
 class MagnitudePruner(Pruner):
     """Prune to ``target`` by ``|w|`` in one step, then fine-tune ``fine_tune_epochs`` epochs with masks on.
 
     Every masked layer keeps at least one weight, its largest ``|w|`` (:meth:`step`), so a layer (or a
-    ``layer_targets`` entry) whose sparsity would empty it stops one weight short of it.
+    ``layer_targets`` entry) whose sparsity would empty it stops one weight short of it, with a warning.
 
     Args:
         target: weighted sparsity to reach.
@@ -96,7 +99,10 @@ class MagnitudePruner(Pruner):
         largest ``|w|`` (a layer without weights would pass only its bias; a layer of no weights is left as it is):
         with ``scope="layer"`` a layer's zeros are at most its size less one, with ``scope="global"`` each layer's
         largest ``|w|`` ranks above every other weight and the zeros are at most the masked weights less one per
-        layer; below those floors the count of zeros is exact, ``ceil(sparsity * size)``.
+        layer; below those floors the count of zeros is exact, ``ceil(sparsity * size)`` (paper 004 eq. 6). A layer
+        held one weight short of its sparsity with ``scope="layer"`` (e.g. a ``layer_targets`` entry of 0.99 on a
+        layer of 36 weights) is logged as a warning on this module's logger, naming the layer, the sparsity asked
+        for and the one reached.
 
         Raises:
             ValueError: a ``sparsity`` outside ``[0, 1]``.
@@ -112,8 +118,14 @@ class MagnitudePruner(Pruner):
             for name, magnitude in magnitudes.items():
                 # layer_targets imply target > 0 (checked in __init__); a layer without one follows the step
                 share = self.layer_targets[name] / self.target if name in self.layer_targets else 1.0
-                pruned = pruned_count(min(sparsity * share, 1.0), magnitude.numel())
-                self.masks[name].set(lowest_mask(magnitude, min(pruned, max(magnitude.numel() - 1, 0))))
+                asked = min(sparsity * share, 1.0)
+                pruned = pruned_count(asked, magnitude.numel())
+                held = min(pruned, max(magnitude.numel() - 1, 0))
+                if held < pruned:
+                    log.warning("%s: layer %s held at sparsity %.6g (%d of its %d weights pruned), not the %.6g asked "
+                                "for, which would prune every weight: each masked layer keeps its largest |w|",
+                                self.name, name, held / magnitude.numel(), held, magnitude.numel(), asked)
+                self.masks[name].set(lowest_mask(magnitude, held))
             return
         flat = torch.cat([m.reshape(-1).float().cpu() for m in magnitudes.values()])
         starts = [0, *itertools.accumulate(m.numel() for m in magnitudes.values())][:-1]
