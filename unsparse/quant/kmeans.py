@@ -10,6 +10,12 @@ plus the codebook (codec ``codebook``, :mod:`unsparse.quant.codecs`): each disti
 most ``clusters`` nonzero codes (a file whose layer holds more is refused, :meth:`KMeansQuantizer.check_layer`).
 A zero code is no cluster: the quantizers store no zero, but a stored zero before a row's padding (a zero weight
 the codec keeps in place) takes one and loads.
+
+The file's quantization description records how the codebooks were made: ``clusters`` and the ``KMeans`` fit settings
+(:data:`FIT_SETTINGS`: ``n_init``, ``max_iter``, ``tol``, ``init``, ``algorithm``, ``random_state``), validated on
+load like the other settings. Every layer's nonzero weights are fitted, none sampled, so there is no sample size.
+Files written before the fit settings were recorded lack all of them and load; :func:`recorded_fit` reads them as
+not recorded (None).
 """
 
 from __future__ import annotations
@@ -32,6 +38,14 @@ INITS = ("k-means++", "random")
 """``init`` methods of ``sklearn.cluster.KMeans`` that take no data of their own."""
 MAX_SEED = (1 << 32) - 1
 """Largest ``random_state`` seed scikit-learn accepts."""
+TOL = 1e-4
+"""``tol`` passed to ``sklearn.cluster.KMeans`` (its default, made explicit so that a change of scikit-learn's default
+cannot change the codebooks unseen): convergence tolerance, relative to the weights' variance."""
+ALGORITHM = "lloyd"
+"""``algorithm`` passed to ``sklearn.cluster.KMeans`` (its default, made explicit as :data:`TOL` is)."""
+FIT_SETTINGS = ("n_init", "max_iter", "tol", "init", "algorithm", "random_state")
+"""The ``sklearn.cluster.KMeans`` settings recorded in the description's ``weights`` beside ``clusters``
+(``n_clusters``); a description written before they were recorded holds none of them."""
 
 
 class KMeansQuantizer(LayerwiseQuantizer):
@@ -46,8 +60,9 @@ class KMeansQuantizer(LayerwiseQuantizer):
         n_init: k-means runs per layer, the best kept (an integer >= 1).
         max_iter: iterations per run (an integer >= 1).
         init: ``"k-means++"`` or ``"random"``.
-        random_state: seed, an integer in ``[0, 2^32 - 1]`` (fixed: repeatable). These four are passed to
-            ``sklearn.cluster.KMeans``.
+        random_state: seed, an integer in ``[0, 2^32 - 1]`` (fixed: repeatable). These four, :data:`TOL` and
+            :data:`ALGORITHM` (the :data:`FIT_SETTINGS`) are passed to ``sklearn.cluster.KMeans`` and recorded in
+            the description.
         activations: default float16 (the paper's 4b/16b row reads as 4-bit weights, 16-bit activations).
         progress: tqdm bars during calibration.
 
@@ -58,6 +73,9 @@ class KMeansQuantizer(LayerwiseQuantizer):
 
     scheme = "kmeans"
     default_activations = ActivationSpec(format="fp16")
+    optional_settings = frozenset(FIT_SETTINGS)
+    tol = TOL
+    algorithm = ALGORITHM
 
     def __init__(self, clusters: int = 16, centroid_bits: int = 8, n_init: int = 4, max_iter: int = 300,
                  init: str = "k-means++", random_state: int = 0, activations: ActivationSpec | None = None,
@@ -80,8 +98,7 @@ class KMeansQuantizer(LayerwiseQuantizer):
             return distinct, inverse
         from sklearn.cluster import KMeans
 
-        kmeans = KMeans(n_clusters=self.clusters, init=self.init, n_init=self.n_init, max_iter=self.max_iter,
-                        random_state=self.random_state).fit(weights.reshape(-1, 1).numpy())
+        kmeans = KMeans(n_clusters=self.clusters, **self.fit_settings()).fit(weights.reshape(-1, 1).numpy())
         return torch.from_numpy(kmeans.cluster_centers_[:, 0]), torch.from_numpy(kmeans.labels_).to(torch.int64)
 
     def quantize_values(self, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -125,9 +142,49 @@ class KMeansQuantizer(LayerwiseQuantizer):
             raise SparseFormatError(f"{name}.values::centroids: {centroids} nonzero centroids, "
                                     f"quantization.weights.clusters allows at most {self.clusters}")
 
+    def fit_settings(self) -> dict[str, Any]:
+        """The ``sklearn.cluster.KMeans`` arguments besides ``n_clusters``, named as in :data:`FIT_SETTINGS`
+        (JSON-ready)."""
+        return {key: getattr(self, key) for key in FIT_SETTINGS}
+
     def settings(self) -> dict[str, Any]:
-        return {"clusters": self.clusters, "index_bits": self.index_bits, "centroid_bits": self.centroid_bits}
+        return {"clusters": self.clusters, "index_bits": self.index_bits, "centroid_bits": self.centroid_bits,
+                **self.fit_settings()}
 
     @classmethod
     def from_settings(cls, weights: dict[str, Any]) -> KMeansQuantizer:
-        return cls(clusters=weights["clusters"], centroid_bits=weights["centroid_bits"], progress=False)
+        """The quantizer ``weights`` describes; the :data:`FIT_SETTINGS` it lacks take their defaults (a description
+        that lacks only some of them is refused by :meth:`described`, as is one whose ``tol`` or ``algorithm`` is
+        not :data:`TOL` or :data:`ALGORITHM`: this code made no such codebook).
+
+        Raises:
+            KeyError: ``clusters`` or ``centroid_bits`` missing.
+            ValueError: a setting out of range or of the wrong type, naming it.
+        """
+        fit = {key: weights[key] for key in ("n_init", "max_iter", "init", "random_state") if key in weights}
+        return cls(clusters=weights["clusters"], centroid_bits=weights["centroid_bits"], progress=False, **fit)
+
+
+def recorded_fit(description: dict[str, Any]) -> dict[str, Any]:
+    """How a k-means description's codebooks were made (paper 004 §4, Alg. 3 line 4): ``clusters`` and each of
+    :data:`FIT_SETTINGS` as recorded, or None for each fit setting where the description (a file written before they
+    were recorded) records none of them.
+
+    Args:
+        description: a model's quantization description (``unsparse_quantization``, the file's ``quantization``).
+
+    Returns:
+        ``{"clusters": int, "n_init": int | None, "max_iter": int | None, "tol": float | None, "init": str | None,
+        "algorithm": str | None, "random_state": int | None}``.
+
+    Raises:
+        SparseFormatError: the description is not a valid k-means one (naming the field, as on load).
+    """
+    if not isinstance(description, dict):
+        raise SparseFormatError(f"quantization: expected an object, got {type(description).__name__}")
+    if description.get("scheme") != KMeansQuantizer.scheme:
+        raise SparseFormatError(f"quantization.scheme: expected 'kmeans', got {description.get('scheme')!r}")
+    quantizer = KMeansQuantizer.described(description)
+    recorded = set(description["weights"])
+    return {"clusters": quantizer.clusters,
+            **{key: value if key in recorded else None for key, value in quantizer.fit_settings().items()}}

@@ -63,6 +63,10 @@ class LayerwiseQuantizer(Quantizer):
 
     scheme: ClassVar[str]
     default_activations: ClassVar[ActivationSpec]
+    optional_settings: ClassVar[frozenset[str]] = frozenset()
+    """Settings that descriptions written before the scheme recorded them lack, all of them together (e.g. k-means'
+    fit settings): such a description is read as not recording them (:meth:`from_settings` uses its defaults), one
+    that holds some of them but not all is refused."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -122,7 +126,8 @@ class LayerwiseQuantizer(Quantizer):
     def described(cls, description: dict[str, Any]) -> LayerwiseQuantizer:
         """The quantizer that a file's quantization description records: its ``weights`` must hold exactly the
         scheme's :meth:`settings`, each valid and of the type the scheme writes (e.g. ``index_bits`` the one that
-        ``clusters`` gives).
+        ``clusters`` gives), less the :attr:`optional_settings` where it holds none of them (a file written before
+        they were recorded).
 
         Raises:
             SparseFormatError: naming ``quantization`` (keys other than ``scheme``, ``weights`` and
@@ -141,10 +146,12 @@ class LayerwiseQuantizer(Quantizer):
         except ValueError as error:
             raise SparseFormatError(f"quantization.weights.{error}") from error
         settings = quantizer.settings()
+        if not cls.optional_settings & set(weights):
+            settings = {key: value for key, value in settings.items() if key not in cls.optional_settings}
         unexpected = sorted(set(weights) - set(settings))
         if unexpected:
             raise SparseFormatError(f"quantization.weights: unexpected {unexpected}, expected {sorted(settings)}")
-        missing = sorted(set(settings) - set(weights))  # settings that from_settings does not read (index_bits)
+        missing = sorted(set(settings) - set(weights))  # not read by from_settings (index_bits), or optional ones
         if missing:
             raise SparseFormatError(f"quantization.weights.{missing[0]}: missing")
         for key, value in settings.items():
