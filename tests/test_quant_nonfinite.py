@@ -44,6 +44,15 @@ def test_non_finite_weights_are_refused_as_such_and_counted(scheme, weights, cou
         SCHEMES[scheme]().quantize_values(values)
 
 
+@pytest.mark.parametrize(("weights", "counts"), [([NAN, *FEW], "1 NaN, of 4"),
+                                                  ([INF, NAN, *MANY], "1 NaN, 1 infinite, of 14")])
+def test_kmeans_clustering_called_directly_refuses_non_finite_weights_alike(weights, counts):
+    """``cluster`` returned a NaN centroid for few distinct weights and gave scikit-learn's message for many."""
+    with pytest.raises(ValueError, match=rf"^non-finite weights \({re.escape(counts)}\); quantization needs finite "
+                                         "ones$"):
+        SCHEMES["kmeans"]().cluster(torch.tensor(weights, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("weight", [70000.0, -65520.0])
 def test_fp16_still_refuses_finite_weights_beyond_its_range_as_such(weight):
     values = torch.tensor([[weight, 1.0, 0.0]])

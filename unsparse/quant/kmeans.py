@@ -91,8 +91,12 @@ class KMeansQuantizer(LayerwiseQuantizer):
     def cluster(self, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Centroids ``(k,)`` float64 and each weight's centroid index ``(n,)`` int64 for ``weights`` ``(n,)``.
 
-        ``k <= clusters``; with at most ``clusters`` distinct weights the centroids are those weights.
+        ``k <= clusters``; with at most ``clusters`` distinct weights the centroids are those weights (Alg. 3 line 4).
+
+        Raises:
+            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.layerwise.check_finite_weights`).
         """
+        check_finite_weights(weights)
         distinct, inverse = torch.unique(weights, return_inverse=True)
         if distinct.numel() <= self.clusters:
             return distinct, inverse
