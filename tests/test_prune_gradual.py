@@ -120,19 +120,27 @@ def test_a_gradual_checkpoint_that_records_no_identity_is_refused(tmp_path):
 
 @pytest.mark.parametrize("method", ["magnitude", "gradual"])
 def test_wall_time_after_a_resume_counts_the_epochs_of_the_interrupted_process(tmp_path, interrupt_at_epoch,
-                                                                                method):
+                                                                                method, monkeypatch):
     """A resumed run reported only its own process's seconds (0.04 s against 1.0 s uninterrupted, in a user test);
-    the evolutionary pruner already summed its iterations over processes."""
-    import time
+    the evolutionary pruner already summed its iterations over processes. On a clock that only training epochs move
+    (0.2 s each), the resumed run's figure is exactly its three epochs: two before the interruption, one after."""
+    from types import SimpleNamespace
 
+    import unsparse.prune.gradual
+    import unsparse.prune.magnitude
+    import unsparse.train
     from unsparse.prune.magnitude import MagnitudePruner
+
+    clock = SimpleNamespace(seconds=0.0)
+    for module in (unsparse.train, unsparse.prune.gradual, unsparse.prune.magnitude):  # each reads perf_counter
+        monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=lambda: clock.seconds))
 
     def slow_trainer() -> Trainer:
         trainer = tiny_trainer()
         train_epoch = trainer.train_epoch
 
         def slow(*args, **kwargs):
-            time.sleep(0.2)
+            clock.seconds += 0.2
             return train_epoch(*args, **kwargs)
         trainer.train_epoch = slow
         return trainer
@@ -146,8 +154,10 @@ def test_wall_time_after_a_resume_counts_the_epochs_of_the_interrupted_process(t
     interrupt_at_epoch(trainer, 3)
     with pytest.raises(KeyboardInterrupt):
         pruner().run(tiny_model(), trainer, tmp_path)
+    resumed_at = clock.seconds
     resumed = pruner().run(tiny_model(), slow_trainer(), tmp_path)
-    assert resumed.wall_time_s >= 3 * 0.2
+    assert clock.seconds - resumed_at == pytest.approx(0.2)  # the resumed process trained one epoch
+    assert resumed.wall_time_s == pytest.approx(3 * 0.2)
 
 
 def test_checking_the_settings_keeps_the_values_a_checkpoint_records():

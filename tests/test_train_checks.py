@@ -349,21 +349,25 @@ def test_a_write_killed_before_its_rename_leaves_a_temporary_file_that_remove_st
 
 def test_fit_seconds_count_the_checkpoint_writes(tmp_path, monkeypatch):
     """Pruning wall time comes from fit's elapsed_s; it counted training and evaluation only, so slow checkpoint
-    writes (fsync of a large model) went missing from it."""
-    import time
+    writes (fsync of a large model) went missing from it. On a clock that only the writes move (0.2 s each), the
+    figures are exact."""
+    from types import SimpleNamespace
 
     import unsparse.train as train_module
     from unsparse.train import fit_seconds
 
+    clock = SimpleNamespace(seconds=0.0)
+    monkeypatch.setattr(train_module, "time", SimpleNamespace(perf_counter=lambda: clock.seconds))
     original = train_module.save_checkpoint
 
     def slow(path, state):
-        time.sleep(0.2)
+        clock.seconds += 0.2
         original(path, state)
 
     monkeypatch.setattr(train_module, "save_checkpoint", slow)
     history = trainer().fit(model(), 3, tmp_path / "fit.pt")
-    assert fit_seconds(history) >= 2 * 0.2  # the writes after epochs 1 and 2; the last one follows its entry
+    assert [entry["elapsed_s"] for entry in history] == pytest.approx([0.0, 0.2, 0.4])
+    assert fit_seconds(history) == pytest.approx(2 * 0.2)  # the writes after epochs 1 and 2; the last follows its entry
 
 
 def test_a_resume_removes_a_temporary_whatever_its_time(tmp_path):
