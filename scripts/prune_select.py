@@ -96,7 +96,7 @@ def add_run_options(parser: argparse.ArgumentParser, workdir: str) -> None:
                              "%(default)s)")
     parser.add_argument("--data-root", type=Path, default=FASHION_MNIST_DIR,
                         help="folder with the four Fashion-MNIST idx files (default %(default)s)")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=TABLE.seed_option, default=0,
                         help="seed of the initial weights, the training order and the pruner (default %(default)s)")
     parser.add_argument("--workdir", type=Path, default=Path(workdir),
                         help="checkpoints; a rerun resumes from them (default %(default)s)")

@@ -49,6 +49,7 @@ from unsparse.prune.gradual import GradualMagnitudePruner
 from unsparse.prune.magnitude import MagnitudePruner
 from unsparse.report.document import smoke_run_notice
 from unsparse.report.results import beside, load_result
+from unsparse.settings import check_seed
 from unsparse.strict_json import nan_if_none
 from unsparse.task import trivial_score
 from unsparse.timeseries import timeseries
@@ -372,6 +373,20 @@ def device_option(text: str) -> torch.device:
         raise argparse.ArgumentTypeError(str(error)) from error
 
 
+def seed_option(text: str) -> int:
+    """A ``--seed`` option's value: an integer that :func:`~unsparse.settings.check_seed` takes (``[0, 2^32)``).
+
+    Raises:
+        argparse.ArgumentTypeError: otherwise, with ``check_seed``'s reason (a seed outside the range repeats
+            another seed's run under another name).
+    """
+    try:
+        return check_seed(int(text))
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error) if text.strip().lstrip("+-").isdigit()
+                                         else f"expected an integer seed, got {text!r}") from None
+
+
 def learning_rate(text: str) -> float:
     """A learning-rate option's value: a finite number > 0.
 
@@ -473,7 +488,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="markdown path, or a folder for pruning_results.md/.json (default "
                              "docs/pruning_results.md; quick: under --workdir)")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=seed_option, default=0,
                         help="seed of the initial weights, the training order and the evolutionary pruner (the "
                              "validation and test splits stay fixed; default %(default)s)")
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS),

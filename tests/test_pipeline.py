@@ -435,7 +435,7 @@ def test_a_float_key_that_could_name_several_layers_is_refused():
         MagnitudePruner(scope="layer", layer_targets={1.1: 0.5, "1.1": 0.4})
 
 
-def test_numpy_scalars_are_refused_by_name_and_seeds_are_what_torch_takes():
+def test_numpy_scalars_are_refused_by_name_and_seeds_are_those_torch_tells_apart():
     """Settings go into JSON records: a numpy integer accepted here failed only when the file was saved, after the
     training (a reread's find); numpy's float64 is a Python float."""
     import numpy as np
@@ -445,9 +445,9 @@ def test_numpy_scalars_are_refused_by_name_and_seeds_are_what_torch_takes():
     with pytest.raises(ValueError, match="fine_tune_epochs: expected an integer"):
         MagnitudePruner(0.9, fine_tune_epochs=np.int64(1))
     assert TrainSettings(lr=np.float64(0.05)).lr == 0.05
-    assert EvolutionaryPruner(seed=-1).seed == -1  # torch.manual_seed takes [-2^63, 2^64)
-    with pytest.raises(ValueError, match=r"seed: expected an integer in \[-9223372036854775808, "):
-        EvolutionaryPruner(seed=-2**63 - 1)
+    assert EvolutionaryPruner(seed=2**32 - 1).seed == 2**32 - 1
+    with pytest.raises(ValueError, match=r"seed: expected an integer in \[0, 4294967295\], got -1"):
+        EvolutionaryPruner(seed=-1)
 
 
 def test_devices_and_backends_are_checked_before_any_work(tmp_path):
@@ -466,6 +466,8 @@ def test_devices_and_backends_are_checked_before_any_work(tmp_path):
         with pytest.raises(ValueError, match=rf"runtime\.backend: '{backend}' runs on \['cuda'\], the job on cpu"):
             run_pipeline(None, None, None, None, tmp_path, TrainSettings(), TimingSettings(), backend=backend,
                          device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"seed: expected an integer in \[0, 4294967295\], got -1"):
+        run_pipeline(None, None, None, None, tmp_path, TrainSettings(), TimingSettings(), seed=-1)
     assert not any(tmp_path.iterdir())  # refused before the folder was claimed
 
 

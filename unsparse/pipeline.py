@@ -33,7 +33,7 @@ from unsparse.runtime.baseline import NAME as BASELINE
 from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model, planned_backends, time_against_default
 from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, sparsify
 from unsparse.runtime.plan import active_plan
-from unsparse.settings import check_flag, check_integer, check_number
+from unsparse.settings import check_flag, check_integer, check_number, check_seed
 from unsparse.sparse.functional import dense_fallback_backend
 from unsparse.sparse.io import load_sparse, save_sparse
 from unsparse.task import Task, check_model_fits, task_of, trivial_score
@@ -431,7 +431,8 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
             backend that runs on
             ``device`` (checked before any training: a CUDA backend on the CPU would run every layer dense), or
             the pruner's settings name layers the model does not have (:meth:`Pruner.check_layers`, also before
-            training: the folder would otherwise be bound to the typo by then).
+            training: the folder would otherwise be bound to the typo by then), or ``seed`` is outside ``[0, 2^32)``
+            (:func:`~unsparse.settings.check_seed`: it would repeat another seed's run under another job identity).
     """
     from unsparse.runtime.backends import get_backend
 
@@ -442,6 +443,7 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
         if device_type not in device_types:
             raise ValueError(f"runtime.backend: {backend!r} runs on {sorted(device_types)}, the job on "
                              f"{device_type}; choose a backend of that device, or auto")
+        check_seed(seed)
         task = task_of(splits)
         check_model_fits(model, splits)
         pruner.check_layers(model)
