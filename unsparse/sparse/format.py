@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import operator
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -25,12 +26,45 @@ INDEX_LIMIT = 2**31
 """Bound of the int32 indices: column indices lie in ``[0, K)`` with ``K <= INDEX_LIMIT``, and the implicit row
 pointer's last entry ``M * L`` stays below it."""
 
+SIZE_LIMIT = 2**63
+"""Bound of every size, element count and offset: torch indexes tensors with int64, so each lies in
+``[0, SIZE_LIMIT)``. The file reader holds every stored shape to it (each size, and their product with a 0 read as 1:
+:func:`bounded_product`), :class:`UniformCSR` its ``weight_shape``, and :class:`~unsparse.sparse.geometry.ConvGeometry`
+its strides, paddings and dilations and the padded sizes and offsets derived from them."""
+QUOTE_MAX_CHARACTERS = 200
+"""Characters of an untrusted value (a file's metadata holds up to 4 MiB) that an error message quotes
+(:func:`shorten`)."""
+
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """Value dtypes a UniformCSR may hold."""
 
 
 class SparseFormatError(ValueError):
     """A UniformCSR (or a file holding one) is malformed; the message names the offending field."""
+
+
+def bounded_product(sizes: Iterable[int]) -> int:
+    """The product of ``sizes`` (non-negative integers, each 0 read as 1), or the first partial product of
+    :data:`SIZE_LIMIT` or more: multiplied out in full, a shape of many huge sizes (a file's header may hold hundreds
+    of thousands) takes time quadratic in their count, as each product is as long as all the sizes before it. A 0 is
+    read as 1 because torch computes an empty tensor's strides from the other sizes, which must fit int64 too."""
+    product = 1
+    for size in sizes:
+        product *= max(size, 1)
+        if product >= SIZE_LIMIT:
+            break
+    return product
+
+
+def shorten(text: str, limit: int = QUOTE_MAX_CHARACTERS) -> str:
+    """``text`` for an error message: as it is up to ``limit`` characters, else its first ``limit`` characters, an
+    ellipsis and its length (``'abc...' (5000 characters)``), so that a message quoting untrusted input stays short."""
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def quote(value: object, limit: int = QUOTE_MAX_CHARACTERS) -> str:
+    """``repr(value)`` cut by :func:`shorten`: how error messages quote an untrusted value."""
+    return shorten(repr(value), limit)
 
 
 def _require_strided(tensor: object, name: str) -> None:
@@ -90,9 +124,13 @@ class UniformCSR:
             A UniformCSR on ``weight``'s device with ``L = max_m nnz(row m)`` entries per row.
 
         Raises:
-            SparseFormatError: if ``weight`` is not a strided tensor, not 3-D/4-D or not a float dtype.
+            SparseFormatError: if ``weight`` is not a strided tensor, is on the ``meta`` device (shapes only: no
+                values to export), not 3-D/4-D or not a float dtype.
         """
         _require_strided(weight, "weight")
+        if weight.is_meta:
+            raise SparseFormatError(f"weight: a meta tensor (shape {tuple(weight.shape)}) has no values to export; "
+                                    "move the model to a real device (or load its weights) first")
         if weight.dim() not in (3, 4):
             raise SparseFormatError(f"weight: expected 3-D (Conv1d) or 4-D (Conv2d), got shape {tuple(weight.shape)}")
         if weight.dtype not in FLOAT_DTYPES:
@@ -131,17 +169,20 @@ class UniformCSR:
 
         Raises:
             SparseFormatError: naming the field: non-tensor fields, wrong rank, wrong dtype, mismatched
-                shapes or devices, sizes the int32 indices cannot address (``K`` above :data:`INDEX_LIMIT`, or
-                ``M * L`` at or above it), or a column index outside ``[0, K)`` (not checked on the ``meta``
-                device, whose tensors hold no data: file loading shapes a model there before reading its tensors).
+                shapes or devices, a ``weight_shape`` whose sizes multiply (a 0 read as 1) to :data:`SIZE_LIMIT` or
+                more (as the file reader bounds a stored shape), sizes the int32 indices cannot address (``K`` above
+                :data:`INDEX_LIMIT`, or ``M * L`` at or above it), or a column index outside ``[0, K)`` (not checked
+                on the ``meta`` device, whose tensors hold no data: file loading shapes a model there before reading its
+                tensors).
         """
         if len(self.weight_shape) not in (3, 4) or any(d < 0 for d in self.weight_shape):
             raise SparseFormatError(f"weight_shape: expected 3 or 4 non-negative dims, got {self.weight_shape}")
-        if math.prod(self.weight_shape) >= 2**63:
-            raise SparseFormatError(f"weight_shape: {self.weight_shape} has more entries than a tensor can hold")
         if self.columns > INDEX_LIMIT:  # checked on its own: a weight of 0 output channels has no entries at all
             raise SparseFormatError(f"weight_shape: K = {self.columns} columns per row, more than int32 column "
                                     f"indices address ({INDEX_LIMIT})")
+        if bounded_product(self.weight_shape) >= SIZE_LIMIT:  # bounds each size too: an empty axis reads as 1
+            raise SparseFormatError(f"weight_shape: {self.weight_shape} has sizes whose product (a 0 read as 1) is "
+                                    f"2^63 or more: torch cannot shape a tensor so, even an empty one")
         for name in ("values", "col_idx"):
             _require_strided(getattr(self, name), name)
         if self.values.dtype not in FLOAT_DTYPES:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from unsparse.sparse.format import SparseFormatError
+from unsparse.sparse.format import SIZE_LIMIT, SparseFormatError, quote
 
 
 def _integers(value: object) -> tuple[int, ...]:
@@ -36,7 +36,7 @@ def _integer(value: object, name: str) -> int:
     """``value`` as a Python int (a numpy or torch integer converted), or ``SparseFormatError`` naming ``name``."""
     values = _integers(value)
     if isinstance(value, tuple | list) or len(values) != 1:
-        raise SparseFormatError(f"{name}: expected an integer, got {value!r}")
+        raise SparseFormatError(f"{name}: expected an integer, got {quote(value)}")
     return values[0]
 
 
@@ -47,7 +47,7 @@ def _per_dimension(value: int | tuple[int, ...] | list[int], name: str, dims: in
     values = values * dims if len(values) == 1 else values
     if len(values) != dims:
         raise SparseFormatError(f"{name}: expected an integer, or {'one' if dims == 1 else f'one or {dims}'} of "
-                                f"them, got {value!r}")
+                                f"them, got {quote(value)}")
     return values
 
 
@@ -83,8 +83,9 @@ class ConvGeometry:
 
     Raises:
         SparseFormatError: on values that are no integers (floats, strings, booleans; numpy and torch integers are
-            converted), a non-positive stride/dilation/groups, negative padding, ``spatial_dims`` other than 1
-            or 2, or a Conv1d geometry other than 1/0/1 along H (its output would gain a height).
+            converted), a non-positive stride/dilation/groups, negative padding, a stride, padding, dilation or
+            groups of :data:`~unsparse.sparse.format.SIZE_LIMIT` (2^63) or more (naming it), ``spatial_dims`` other
+            than 1 or 2, or a Conv1d geometry other than 1/0/1 along H (its output would gain a height).
     """
 
     stride: tuple[int, int] = (1, 1)
@@ -99,9 +100,14 @@ class ConvGeometry:
         object.__setattr__(self, "groups", _integer(self.groups, "groups"))
         object.__setattr__(self, "spatial_dims", _integer(self.spatial_dims, "spatial_dims"))
         if self.spatial_dims not in (1, 2):
-            raise SparseFormatError(f"spatial_dims: expected 1 or 2, got {self.spatial_dims}")
+            raise SparseFormatError(f"spatial_dims: expected 1 or 2, got {quote(self.spatial_dims)}")
         if min(self.stride) < 1 or min(self.dilation) < 1 or min(self.padding) < 0 or self.groups < 1:
-            raise SparseFormatError(f"geometry: invalid {self}")
+            raise SparseFormatError(f"geometry: invalid {quote(self)}")
+        for name in ("stride", "padding", "dilation", "groups"):
+            value = getattr(self, name)
+            if max(value if isinstance(value, tuple) else (value,)) >= SIZE_LIMIT:
+                raise SparseFormatError(f"{name}: {quote(value)} is 2^63 or more, beyond the int64 sizes and offsets "
+                                        "torch indexes with (SIZE_LIMIT, as the file reader bounds every size)")
         if self.spatial_dims == 1 and (self.stride[0], self.padding[0], self.dilation[0]) != (1, 0, 1):
             raise SparseFormatError(f"geometry: a Conv1d (spatial_dims 1) runs over a height of 1, so stride, padding "
                                     f"and dilation along H must be 1, 0 and 1; got {self}")
@@ -176,32 +182,42 @@ class ConvGeometry:
         """
         expected = {"stride", "padding", "dilation", "groups", "spatial_dims"}
         if not isinstance(data, dict) or set(data) != expected:
-            raise SparseFormatError(f"geometry: expected keys {sorted(expected)}, got {data!r}")
+            raise SparseFormatError(f"geometry: expected keys {sorted(expected)}, got {quote(data)}")
         def integer(value: object, name: str) -> int:
             # no coercion: int("1") or int(1.7) would read a different number than the file wrote
             if type(value) is not int:
-                raise SparseFormatError(f"geometry: {name} must be an integer, got {value!r}")
+                raise SparseFormatError(f"geometry: {name} must be an integer, got {quote(value)}")
             return value
 
         def pair(name: str) -> tuple[int, int]:
             value = data[name]
             if not isinstance(value, list) or len(value) != 2:
-                raise SparseFormatError(f"geometry: {name} must be a list of two integers, got {value!r}")
+                raise SparseFormatError(f"geometry: {name} must be a list of two integers, got {quote(value)}")
             return integer(value[0], name), integer(value[1], name)
 
         return cls(pair("stride"), pair("padding"), pair("dilation"), integer(data["groups"], "groups"),
                    integer(data["spatial_dims"], "spatial_dims"))
 
     def padded_size(self, height: int, width: int) -> tuple[int, int]:
-        """``(Hp, Wp)``: the input size after zero padding."""
-        return height + 2 * self.padding[0], width + 2 * self.padding[1]
+        """``(Hp, Wp)``: the input size after zero padding, in elements.
+
+        Raises:
+            SparseFormatError: naming ``padding``, if either padded size is :data:`~unsparse.sparse.format.SIZE_LIMIT`
+                (2^63) or more (no tensor has such a size).
+        """
+        padded = height + 2 * self.padding[0], width + 2 * self.padding[1]
+        if max(padded) >= SIZE_LIMIT:
+            raise SparseFormatError(f"padding: {quote(self.padding)} pads an input of {(height, width)} to a size "
+                                    "of 2^63 or more, beyond the int64 sizes torch indexes with")
+        return padded
 
     def output_size(self, height: int, width: int, kernel_size: tuple[int, int]) -> tuple[int, int]:
         """``(E, F)``, the ofmap size (Escoin eq. 1 generalised to stride, padding and dilation).
 
         Raises:
             SparseFormatError: if the kernel has an empty axis (``R`` or ``S`` is 0: no output size; torch refuses
-                such a weight), or the dilated kernel is larger than the padded input.
+                such a weight), the dilated kernel is larger than the padded input, or a padded size is 2^63 or more
+                (:meth:`padded_size`).
         """
         if min(kernel_size) < 1:
             raise SparseFormatError(f"kernel_size: {tuple(kernel_size)} has an empty axis; a convolution needs at "
@@ -230,10 +246,25 @@ class ConvGeometry:
 
         Returns:
             ``(M, L)`` int64 tensor on ``col_idx``'s device.
+
+        Raises:
+            SparseFormatError: naming ``padded_hw``, if a padded size is 2^63 or more, or an offset would be (an
+                image of ``c_max + 1`` padded channels, ``c_max`` the largest channel ``col_idx`` names, beyond the
+                int64 offsets torch indexes with; not checked for a ``meta`` tensor, which holds no indices).
         """
         R, S = kernel_size
         hp, wp = padded_hw
+        dh, dw = self.dilation
+        if max(hp, wp) >= SIZE_LIMIT:
+            raise SparseFormatError(f"padded_hw: {tuple(padded_hw)} holds a size of 2^63 or more")
         k = col_idx.long()
+        if k.numel() and not k.is_meta:
+            largest = (int(k.max()) // (R * S) * hp + (R - 1) * dh) * max(wp, 1) + (S - 1) * dw
+            if largest >= SIZE_LIMIT:
+                raise SparseFormatError(f"padded_hw: {tuple(padded_hw)} with kernel {tuple(kernel_size)} and "
+                                        f"dilation {self.dilation} gives offsets up to {largest}, 2^63 or more, "
+                                        "beyond the int64 offsets torch indexes with")
         c, rs = k // (R * S), k % (R * S)
         r, s = rs // S, rs % S
-        return c * (hp * wp) + r * (self.dilation[0] * wp) + s * self.dilation[1]
+        # row by row, so that no partial product exceeds the largest offset (hp * wp alone may reach 2^63)
+        return (c * hp + r * dh) * wp + s * dw

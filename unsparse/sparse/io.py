@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import reprlib
 import stat
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -48,7 +47,15 @@ from torch import nn
 from unsparse.atomic import atomic_write_bytes
 from unsparse.runtime.modules import SparseConv, replace_shared, sparse_layers
 from unsparse.sparse.codecs import PART_SEPARATOR, get_codec
-from unsparse.sparse.format import INDEX_DTYPE, SparseFormatError, UniformCSR
+from unsparse.sparse.format import (
+    INDEX_DTYPE,
+    SIZE_LIMIT,
+    SparseFormatError,
+    UniformCSR,
+    bounded_product,
+    quote,
+    shorten,
+)
 from unsparse.sparse.geometry import ConvGeometry
 from unsparse.strict_json import loads_strict
 
@@ -77,6 +84,9 @@ HEADER_MAX_BYTES = 3 * METADATA_MAX_CHARACTERS
 hold; it is parsed in Python before safetensors reads it. The metadata block takes at most two bytes a character
 there (the encoder writes ASCII JSON, whose quotes and backslashes the header escapes), which leaves at least
 4 MiB for the tensor entries, about 100 bytes each."""
+FOREIGN_MESSAGE_MAX_CHARACTERS = 1000
+"""Characters kept of an error message that another module raised on the file's values (:func:`_foreign`); the
+values this module quotes are cut to :data:`~unsparse.sparse.format.QUOTE_MAX_CHARACTERS` each."""
 _OPEN_FLAGS = getattr(os, "O_PATH", os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
 """How a file to load is opened before it is checked: on Linux ``O_PATH`` (opens no device, blocks on no FIFO, reads
 nothing), elsewhere read-only without blocking on a FIFO or taking a terminal."""
@@ -201,8 +211,17 @@ def save_sparse(model: nn.Module, path: str | Path, extra: dict[str, Any] | None
 
 
 def _require(condition: bool, field: str, message: str) -> None:
+    """Raise :class:`SparseFileError` ``"<field>: <message>"`` unless ``condition``; ``field`` may be a key the file
+    named (a stored tensor's), so it is cut by :func:`~unsparse.sparse.format.shorten`; values ``message`` quotes from
+    the file are cut where it is written (:func:`~unsparse.sparse.format.quote`)."""
     if not condition:
-        raise SparseFileError(f"{field}: {message}")
+        raise SparseFileError(f"{shorten(field)}: {message}")
+
+
+def _foreign(error: Exception) -> str:
+    """The message of an error another module raised on the file's values (codecs, quantization state, a module's
+    check of its loaded state, JSON parsing), which may quote them: cut to :data:`FOREIGN_MESSAGE_MAX_CHARACTERS`."""
+    return shorten(str(error), FOREIGN_MESSAGE_MAX_CHARACTERS)
 
 
 def _check_header(file: BinaryIO, size: int, path: Path) -> tuple[int, Any]:
@@ -229,9 +248,9 @@ def _check_header(file: BinaryIO, size: int, path: Path) -> tuple[int, Any]:
     try:
         return length, loads_strict(file.read(length).decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
-        raise SparseFileError(f"file: {path} is not a valid safetensors file (header: {error})") from error
+        raise SparseFileError(f"file: {path} is not a valid safetensors file (header: {_foreign(error)})") from error
     except ValueError as error:  # duplicate keys, NaN or Infinity, an integer beyond Python's digit limit
-        raise SparseFileError(f"header: {error}") from error
+        raise SparseFileError(f"header: {_foreign(error)}") from error
 
 
 @dataclass(frozen=True)
@@ -243,18 +262,6 @@ class _Stored:
     shape: tuple[int, ...]
     start: int
     size: int
-
-
-def _bounded_product(sizes: list[int]) -> int:
-    """The product of ``sizes`` (non-negative integers, each 0 read as 1), or the first partial product of 2^63 or
-    more: multiplied out in full, a shape of many huge sizes (a header may hold hundreds of thousands) takes time
-    quadratic in their count, as each product is as long as all the sizes before it."""
-    product = 1
-    for size in sizes:
-        product *= max(size, 1)
-        if product >= 2**63:
-            break
-    return product
 
 
 def _layout(header: Any, data_bytes: int, path: Path) -> tuple[dict[str, str], dict[str, _Stored]]:
@@ -275,29 +282,29 @@ def _layout(header: Any, data_bytes: int, path: Path) -> tuple[dict[str, str], d
     metadata = header.get("__metadata__")
     metadata = {} if metadata is None else metadata
     _require(isinstance(metadata, dict) and all(isinstance(value, str) for value in metadata.values()),
-             "header.__metadata__", f"{reprlib.repr(metadata)}: expected an object of strings")
+             "header.__metadata__", f"{quote(metadata)}: expected an object of strings")
     stored = {}
     for key, entry in header.items():
         if key == "__metadata__":
             continue
         _require(isinstance(entry, dict) and set(entry) == STORED_KEYS, key,
-                 f"header entry {reprlib.repr(entry)}: expected the keys {sorted(STORED_KEYS)}")
+                 f"header entry {quote(entry)}: expected the keys {sorted(STORED_KEYS)}")
         name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         _require(isinstance(name, str) and name in STORED_DTYPES, key,
-                 f"stored dtype {reprlib.repr(name)}, expected one of {sorted(STORED_DTYPES)}")
+                 f"stored dtype {quote(name)}, expected one of {sorted(STORED_DTYPES)}")
         # every size, and their product with zero sizes read as 1 (which bounds torch's numel and strides: an empty
         # [2^62, 2^62, 0] overflowed int64 in torch's reshape, a RuntimeError), below 2^63
-        _require(isinstance(shape, list) and all(type(size) is int and 0 <= size < 2**63 for size in shape)
-                 and _bounded_product(shape) < 2**63, key,
-                 f"shape {reprlib.repr(shape)}: expected a list of integers in [0, 2^63) whose product (a 0 read as "
+        _require(isinstance(shape, list) and all(type(size) is int and 0 <= size < SIZE_LIMIT for size in shape)
+                 and bounded_product(shape) < SIZE_LIMIT, key,
+                 f"shape {quote(shape)}: expected a list of integers in [0, 2^63) whose product (a 0 read as "
                  "1) is below 2^63")
         _require(isinstance(offsets, list) and len(offsets) == 2 and all(type(at) is int for at in offsets)
                  and 0 <= offsets[0] <= offsets[1], key,
-                 f"data_offsets {reprlib.repr(offsets)}: expected [start, end], integers, 0 <= start <= end")
+                 f"data_offsets {quote(offsets)}: expected [start, end], integers, 0 <= start <= end")
         dtype = STORED_DTYPES[name]
         size = math.prod(shape) * dtype.itemsize
         _require(offsets[1] - offsets[0] == size, key, f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
-                 f"a {name} tensor of shape {shape} {size}")
+                 f"a {name} tensor of shape {quote(shape)} {size}")
         stored[key] = _Stored(dtype, tuple(shape), offsets[0], size)
     end = 0
     for key, tensor in sorted(stored.items(), key=lambda item: (item[1].start, item[1].size)):
@@ -388,15 +395,16 @@ def _read_metadata(opened: _OpenFile) -> dict[str, Any]:
     try:  # NaN allowed: a run's metric in extra may be NaN; every checked field refuses it by type or range
         metadata = loads_strict(raw, constants=True)
     except (ValueError, RecursionError) as error:  # ValueError: also an integer beyond Python's digit limit
-        raise SparseFileError(f"metadata: invalid JSON ({error})") from error
+        raise SparseFileError(f"metadata: invalid JSON ({_foreign(error)})") from error
     _require(isinstance(metadata, dict), "metadata", "expected a JSON object")
     version = metadata.get("format_version")
     _require(type(version) is int and version == FORMAT_VERSION, "format_version",
-             f"unsupported version {version!r}, expected the integer {FORMAT_VERSION}")
+             f"unsupported version {quote(version)}, expected the integer {FORMAT_VERSION}")
     for key, kind in (("model", dict), ("layers", dict), ("tensors", dict), ("extra", dict)):
         _require(isinstance(metadata.get(key), kind), key, f"missing or not a {kind.__name__}")
     _require("quantization" in metadata, "quantization", "missing (null for an unquantized model)")
-    _require(set(metadata) == TOP_LEVEL_KEYS, "metadata", f"unexpected keys {sorted(set(metadata) - TOP_LEVEL_KEYS)}")
+    _require(set(metadata) == TOP_LEVEL_KEYS, "metadata",
+             f"unexpected keys {quote(sorted(set(metadata) - TOP_LEVEL_KEYS))}")
     return metadata
 
 
@@ -434,12 +442,12 @@ def _build_architecture(spec: dict[str, Any]) -> nn.Module:
 
     name, kwargs = spec.get("name"), spec.get("kwargs")
     _require(set(spec) == {"name", "kwargs"} and isinstance(name, str) and isinstance(kwargs, dict), "model",
-             f"bad model spec {spec!r}: expected a name and kwargs")
+             f"bad model spec {quote(spec)}: expected a name and kwargs")
     try:
         with torch.device("meta"):
             model = create_model(name, **kwargs)
     except (TypeError, ValueError, RuntimeError, OverflowError) as error:  # e.g. a negative, zero or huge width
-        raise SparseFileError(f"model: cannot build {name!r} with {kwargs}: {error}") from error
+        raise SparseFileError(f"model: cannot build {quote(name)} with {quote(kwargs)}: {_foreign(error)}") from error
     return model
 
 
@@ -461,11 +469,11 @@ def _shell_model(metadata: dict[str, Any]) -> nn.Module:
                    lambda name, conv: _sparse_shell(name, conv, metadata["layers"].get(name)))
     _require(set(metadata["layers"]) == set(sparse_layers(model)), "layers",
              f"names differ from the architecture's convolutions: "
-             f"{sorted(set(metadata['layers']) ^ set(sparse_layers(model)))}")
+             f"{quote(sorted(set(metadata['layers']) ^ set(sparse_layers(model))))}")
     try:
         restore_quantization(model, metadata.get("quantization"))
     except SparseFormatError as error:
-        raise SparseFileError(str(error)) from error
+        raise SparseFileError(_foreign(error)) from error
     # a shared layer's values are stored under each of its names
     coded = {f"{alias}.values" for aliases in layer_names(model).values() for alias in aliases}
     _check_entries(metadata["tensors"], model.state_dict(), coded)
@@ -479,11 +487,11 @@ def _sparse_shell(name: str, conv: nn.Module, layer_meta: Any) -> SparseConv:
     its exact shape, before any of them is decoded."""
     field = f"layers.{name}"
     _require(isinstance(layer_meta, dict), field, "missing from the file")
-    _require(set(layer_meta) == LAYER_KEYS, field, f"keys {sorted(layer_meta)}, expected {sorted(LAYER_KEYS)}")
+    _require(set(layer_meta) == LAYER_KEYS, field, f"keys {quote(sorted(layer_meta))}, expected {sorted(LAYER_KEYS)}")
     try:
         geometry = ConvGeometry.from_dict(layer_meta.get("geometry"))
     except SparseFormatError as error:
-        raise SparseFileError(f"{field}.{error}") from error
+        raise SparseFileError(f"{field}.{_foreign(error)}") from error
     try:  # the architecture's own conv: torch checked its groups when it was built, not if an attribute changed since
         architecture = ConvGeometry.from_module(conv)
     except SparseFormatError as error:
@@ -494,10 +502,10 @@ def _sparse_shell(name: str, conv: nn.Module, layer_meta: Any) -> SparseConv:
     recorded = layer_meta["weight_shape"]
     _require(isinstance(recorded, list) and all(type(size) is int for size in recorded)
              and recorded == list(weight_shape), f"{field}.weight_shape",
-             f"{layer_meta.get('weight_shape')} differs from the architecture's {list(weight_shape)}")
+             f"{quote(layer_meta.get('weight_shape'))} differs from the architecture's {list(weight_shape)}")
     columns, row_length = math.prod(weight_shape[1:]), layer_meta.get("row_length")
     _require(isinstance(row_length, int) and not isinstance(row_length, bool) and 0 <= row_length <= columns,
-             f"{field}.row_length", f"expected an integer in [0, K = {columns}], got {row_length!r}")
+             f"{field}.row_length", f"expected an integer in [0, K = {columns}], got {quote(row_length)}")
     shape = (weight_shape[0], row_length)
     csr = UniformCSR(torch.empty(shape, dtype=conv.weight.dtype, device="meta"),
                      torch.empty(shape, dtype=INDEX_DTYPE, device="meta"), weight_shape)
@@ -513,27 +521,27 @@ def _check_entries(entries: dict[str, Any], expected: dict[str, torch.Tensor], c
     ``values``, which the quantizers encode: a codec's decoder makes temporaries several times its tensor's size,
     and a quantized classifier would load as a model that misdescribes itself)."""
     missing, unexpected = sorted(set(expected) - set(entries)), sorted(set(entries) - set(expected))
-    _require(not missing and not unexpected, "tensors", f"missing {missing}, unexpected {unexpected}")
+    _require(not missing and not unexpected, "tensors", f"missing {missing}, unexpected {quote(unexpected)}")
     floating = set()
     for key, reference in expected.items():
         entry = entries[key]
         _require(isinstance(entry, dict) and set(entry) == TENSOR_KEYS and isinstance(entry["shape"], list)
                  and all(type(size) is int for size in entry["shape"]), key,
-                 f"bad entry {entry!r}: expected {sorted(TENSOR_KEYS)}, the shape a list of integers")
+                 f"bad entry {quote(entry)}: expected {sorted(TENSOR_KEYS)}, the shape a list of integers")
         _require(entry["shape"] == list(reference.shape), key,
-                 f"shape {entry['shape']}, architecture needs {list(reference.shape)}")
+                 f"shape {quote(entry['shape'])}, architecture needs {list(reference.shape)}")
         name = entry["dtype"]
         dtype = DTYPES.get(name) if isinstance(name, str) else None
-        _require(dtype is not None, key, f"unknown dtype {name!r}")
+        _require(dtype is not None, key, f"unknown dtype {quote(name)}")
         if reference.dtype.is_floating_point:
             _require(dtype.is_floating_point, key, f"dtype {dtype}, architecture needs a floating dtype")
             floating.add(dtype)
         else:
             _require(dtype == reference.dtype, key, f"dtype {dtype}, architecture needs {reference.dtype}")
         codec = entry["codec"]
-        _require(isinstance(codec, dict) and isinstance(codec.get("name"), str), key, f"bad codec {codec!r}")
+        _require(isinstance(codec, dict) and isinstance(codec.get("name"), str), key, f"bad codec {quote(codec)}")
         _require(codec["name"] == "raw" or key in coded, key,
-                 f"codec {codec['name']!r}; only a sparse layer's values may carry a codec other than raw")
+                 f"codec {quote(codec['name'])}; only a sparse layer's values may carry a codec other than raw")
     _require(len(floating) <= 1, "tensors", f"floating tensors in several dtypes {sorted(map(str, floating))}")
 
 
@@ -546,9 +554,9 @@ def _check_counts(name: str, layer_meta: dict[str, Any], csr: UniformCSR) -> Non
     nnz, sparsity = layer_meta.get("nnz"), layer_meta.get("sparsity")
     counted, fraction = csr.nnz, csr.sparsity  # each a pass over the values: once, not again for the messages
     _require(type(nnz) is int and nnz == counted, f"{field}.nnz",
-             f"recorded {nnz!r}, the values hold {counted} nonzeros")
+             f"recorded {quote(nnz)}, the values hold {counted} nonzeros")
     _require(type(sparsity) is float and math.isclose(sparsity, fraction, rel_tol=0.0, abs_tol=1e-12),
-             f"{field}.sparsity", f"recorded {sparsity!r}, the values give {fraction!r}")
+             f"{field}.sparsity", f"recorded {quote(sparsity)}, the values give {fraction!r}")
 
 
 def _check_row_length(name: str, csr: UniformCSR) -> None:
@@ -594,7 +602,7 @@ def _decode_tensors(entries: dict[str, dict[str, Any]],
         try:
             tensor = get_codec(codec["name"], key).decode(parts_by_key[key], codec, tuple(entry["shape"]), key)
         except SparseFormatError as error:
-            raise SparseFileError(str(error)) from error
+            raise SparseFileError(_foreign(error)) from error
         _require(tensor.dtype == DTYPES[entry["dtype"]], key,
                  f"dtype {tensor.dtype} differs from metadata {entry['dtype']}")
         decoded[key] = tensor
@@ -752,14 +760,14 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
     try:
         check_values_codecs(model)
     except SparseFormatError as error:
-        raise SparseFileError(str(error)) from error
+        raise SparseFileError(_foreign(error)) from error
     for name, module in model.named_modules():
         check = getattr(module, "check_loaded_state", None)
         if callable(check):
             try:
                 check(name)
             except SparseFormatError as error:
-                raise SparseFileError(str(error)) from error
+                raise SparseFileError(_foreign(error)) from error
     for layer in sparse_layers(model).values():
         layer.backend = backend
     model.unsparse_spec = metadata["model"]

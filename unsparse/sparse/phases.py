@@ -20,7 +20,6 @@ to specialise kernels on).
 from __future__ import annotations
 
 import itertools
-import math
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +31,12 @@ from unsparse.sparse.geometry import ConvGeometry
 
 def _split_taps(tap: torch.Tensor, padding: int, stride: int,
                 phases: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per filter tap (row or column index, int64): the position of its phase in ``phases`` and its offset
+    """Per filter tap (row or column index, int64): the position of its phase in ``phases`` (which holds every tap's
+    phase, ascending: a search, not a table of ``stride`` entries, so a huge stride allocates nothing) and its offset
     ``floor((tap - padding) / stride)`` from the output row or column."""
     phase = (tap - padding) % stride
-    position = torch.full((stride,), -1, dtype=torch.long, device=tap.device)
-    position[list(phases)] = torch.arange(len(phases), device=tap.device)
-    return position[phase], torch.div(tap - padding - phase, stride, rounding_mode="floor")
+    position = torch.searchsorted(torch.tensor(phases, dtype=torch.long, device=tap.device), phase)
+    return position, torch.div(tap - padding - phase, stride, rounding_mode="floor")
 
 
 def _axis(kernel: int, padding: int, stride: int) -> tuple[tuple[int, ...], int, int]:
@@ -82,7 +81,7 @@ class PhaseSplit:
 
     def input_size(self, height: int, width: int) -> tuple[int, int]:
         """``(ceil(H / s_h), ceil(W / s_w))``: the size of each phase image of an ``H x W`` input."""
-        return math.ceil(height / self.stride[0]), math.ceil(width / self.stride[1])
+        return -(-height // self.stride[0]), -(-width // self.stride[1])  # in integers: a float rounds past 2^53
 
     def input(self, x: torch.Tensor) -> torch.Tensor:
         """The phase images of ``x``: one strided copy when the phases along each axis are consecutive (always
