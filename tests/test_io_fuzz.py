@@ -26,6 +26,7 @@ from unsparse import SparseFileError, create_model, load_sparse, save_sparse, sp
 from unsparse.models import registry
 from unsparse.prune import MagnitudePruner
 from unsparse.quant import ActivationSpec, FP16Quantizer, KMeansQuantizer, LinearQuantizer
+from unsparse.quant.kmeans import FIT_SETTINGS
 from unsparse.runtime import sparse_layers
 from unsparse.sparse.io import HEADER_MAX_BYTES
 
@@ -169,12 +170,16 @@ differ, as the notes are (``rule`` may be absent: files older than the field).""
 
 
 def described(metadata: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``metadata`` less the notes, calibration records and codec steps, and the steps by tensor key: a step is
-    the weights' scale, data as much as the stored codes are, so a file whose step changed loads another model."""
+    """``metadata`` less the notes, calibration records, k-means fit settings (how the codebooks were made, not what
+    they hold) and codec steps, and the steps by tensor key: a step is the weights' scale, data as much as the stored
+    codes are, so a file whose step changed loads another model."""
     metadata = copy.deepcopy({key: value for key, value in metadata.items() if key != "extra"})
-    activations = (metadata["quantization"] or {}).get("activations")
+    quantization = metadata["quantization"] or {}
+    activations, weights = quantization.get("activations"), quantization.get("weights")
     for key in CALIBRATION if isinstance(activations, dict) else ():
         activations.pop(key, None)
+    for key in FIT_SETTINGS if quantization.get("scheme") == "kmeans" and isinstance(weights, dict) else ():
+        weights.pop(key, None)
     return metadata, {key: entry["codec"].pop("step", None) for key, entry in metadata["tensors"].items()}
 
 
