@@ -60,8 +60,16 @@ def _float32(tensor: torch.Tensor, codec: str) -> torch.Tensor:
 
 
 def _grid_codes(tensor: torch.Tensor, step: float, bits: int, codec: str) -> torch.Tensor:
-    """Codes of a tensor that must already lie on the ``bits``-bit grid of ``step`` (else ValueError)."""
-    codes = to_codes(tensor, step, bits)
+    """Codes of a tensor that must already lie on the ``bits``-bit grid of ``step``.
+
+    Raises:
+        ValueError: ``<codec> codec: `` and the counted message of :func:`~unsparse.quant.fixed_point.to_codes` for
+            NaN or infinite values, else the tensor is off the grid.
+    """
+    try:
+        codes = to_codes(tensor, step, bits)
+    except ValueError as error:
+        raise ValueError(f"{codec} codec: {error}") from error
     if not torch.equal(from_codes(codes, step), tensor):
         raise ValueError(f"{codec} codec: the tensor is not on the {bits}-bit grid of step {step!r}; "
                          "quantize it first (its quantizer sets the codec)")

@@ -22,6 +22,8 @@ import math
 
 import torch
 
+from unsparse.quant.finite import check_finite
+
 MIN_BITS = 2
 """Fewest bits of a signed symmetric code (``q_max = 1``: codes -1, 0, 1)."""
 MAX_BITS = 16
@@ -96,9 +98,15 @@ def _rounded_codes(x: torch.Tensor, step: float, bits: int) -> torch.Tensor:
 def to_codes(x: torch.Tensor, step: float, bits: int) -> torch.Tensor:
     """Integer codes ``clip(round(x / Δ), -q_max, q_max)`` (eq. 19), int64, shape of ``x``.
 
-    ``round`` is round-half-to-even; ``x`` may be any float dtype and must be free of NaN (an int64 has no NaN;
-    ±inf give ``±q_max``).
+    ``round`` is round-half-to-even; ``x`` may be any float dtype. An int64 has no NaN (casting one gave a huge
+    code, which a codec then called off the grid), and a code of ±inf would say a saturated value was finite, so
+    both are refused; :func:`fake_quantize` keeps NaN and saturates infinities instead.
+
+    Raises:
+        ValueError: NaN or infinite values in ``x``, counted (:func:`~unsparse.quant.finite.check_finite`), or
+            ``bits`` out of range.
     """
+    check_finite(x, "values", "integer codes need")
     return _rounded_codes(x, step, bits).to(torch.int64)
 
 

@@ -7,8 +7,9 @@ from typing import Any
 import torch
 
 from unsparse.quant.activations import ActivationSpec
+from unsparse.quant.finite import check_finite_weights
 from unsparse.quant.float16 import to_float16
-from unsparse.quant.layerwise import LayerwiseQuantizer, check_finite_weights
+from unsparse.quant.layerwise import LayerwiseQuantizer
 
 
 class FP16Quantizer(LayerwiseQuantizer):
@@ -34,7 +35,7 @@ class FP16Quantizer(LayerwiseQuantizer):
             ``(quantized float32 of the shape of values, {})``: FP16 has no per-layer codec params.
 
         Raises:
-            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.layerwise.check_finite_weights`);
+            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.finite.check_finite_weights`);
                 a finite weight that rounds beyond float16's range (``|w| >= 65520``).
         """
         check_finite_weights(values)

@@ -26,8 +26,9 @@ from typing import Any
 import torch
 
 from unsparse.quant.activations import ActivationSpec
+from unsparse.quant.finite import check_finite_weights
 from unsparse.quant.fixed_point import check_bits, fixed_point_step, from_codes, to_codes
-from unsparse.quant.layerwise import LayerwiseQuantizer, check_finite_weights
+from unsparse.quant.layerwise import LayerwiseQuantizer
 from unsparse.settings import check_choice, check_integer
 from unsparse.sparse.format import SparseFormatError
 
@@ -94,7 +95,7 @@ class KMeansQuantizer(LayerwiseQuantizer):
         ``k <= clusters``; with at most ``clusters`` distinct weights the centroids are those weights (Alg. 3 line 4).
 
         Raises:
-            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.layerwise.check_finite_weights`).
+            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.finite.check_finite_weights`).
         """
         check_finite_weights(weights)
         distinct, inverse = torch.unique(weights, return_inverse=True)
@@ -119,7 +120,7 @@ class KMeansQuantizer(LayerwiseQuantizer):
             weights' unit (Alg. 3 lines 8-10).
 
         Raises:
-            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.layerwise.check_finite_weights`).
+            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.finite.check_finite_weights`).
         """
         check_finite_weights(values)
         nonzero = values != 0

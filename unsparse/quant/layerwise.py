@@ -20,30 +20,10 @@ from torch import nn
 
 from unsparse.quant.activations import ActivationSpec, attach_activation_quantizers, calibrate
 from unsparse.quant.base import Quantizer
+from unsparse.quant.finite import check_finite_weights
 from unsparse.quant.state import describe_quantization, register_scheme
 from unsparse.runtime.modules import SparseConv, sparse_layers
 from unsparse.sparse.format import SparseFormatError, UniformCSR
-
-
-def check_finite_weights(values: torch.Tensor) -> None:
-    """Refuse weights that are not all finite, counting each kind: the one message every scheme gives for them.
-
-    Without it each scheme failed further on with a message about something else: FP16 called a NaN a weight
-    beyond float16's range, linear fixed point named a histogram argument ``x``, and k-means reported a NaN
-    saturation level (or scikit-learn's own message).
-
-    Args:
-        values: weights of any shape and float dtype.
-
-    Raises:
-        ValueError: ``non-finite weights (<n> NaN, <m> infinite, of <total>); quantization needs finite ones``,
-            each count given where it is nonzero.
-    """
-    nan = int(torch.isnan(values).sum())
-    infinite = int(torch.isinf(values).sum())
-    if nan or infinite:
-        counts = ", ".join(f"{count} {kind}" for count, kind in ((nan, "NaN"), (infinite, "infinite")) if count)
-        raise ValueError(f"non-finite weights ({counts}, of {values.numel()}); quantization needs finite ones")
 
 
 class LayerwiseQuantizer(Quantizer):
@@ -92,8 +72,9 @@ class LayerwiseQuantizer(Quantizer):
             ``{**values_codec(), **params}`` stores the quantized tensor exactly (:mod:`unsparse.quant.codecs`).
 
         Raises:
-            ValueError: NaN or infinite weights, counted (:func:`check_finite_weights`, checked first by every
-                scheme), or other weights the scheme cannot quantize (the caller adds the layer's name).
+            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.finite.check_finite_weights`,
+                checked first by every scheme), or other weights the scheme cannot quantize (the caller adds the
+                layer's name).
         """
 
     @abstractmethod

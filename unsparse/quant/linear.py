@@ -8,9 +8,10 @@ from typing import Any
 import torch
 
 from unsparse.quant.activations import ActivationSpec
+from unsparse.quant.finite import check_finite_weights
 from unsparse.quant.fixed_point import check_bits, fake_quantize, fixed_point_step
 from unsparse.quant.histogram import check_bins, saturation_level
-from unsparse.quant.layerwise import LayerwiseQuantizer, check_finite_weights
+from unsparse.quant.layerwise import LayerwiseQuantizer
 from unsparse.settings import check_flag, check_quantile
 from unsparse.sparse.format import SparseFormatError
 
@@ -60,7 +61,7 @@ class LinearQuantizer(LayerwiseQuantizer):
             ``(quantized float32 of the shape of values, {"step": Δ})``, ``Δ`` a float32 value in the weights' unit.
 
         Raises:
-            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.layerwise.check_finite_weights`).
+            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.finite.check_finite_weights`).
         """
         check_finite_weights(values)
         if not bool(values.any()):
