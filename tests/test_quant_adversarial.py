@@ -129,15 +129,17 @@ def test_power_of_two_steps_top_out_just_below_the_next_power_of_two(bits, large
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf")])
-def test_histograms_refuse_magnitudes_that_are_not_finite_naming_x(value):
+def test_histograms_refuse_magnitudes_that_are_not_finite_counting_them(value):
     """``saturation_level`` said 'upper: ... got nan (all values zero?)' for a NaN, naming an argument the caller
     never gave and guessing wrong; ``MagnitudeHistogram.add`` dropped a NaN silently and counted an infinity as
-    ``upper``, so the level came from other data than the caller's."""
+    ``upper``, so the level came from other data than the caller's. The refusal said 'x: NaN or infinite values' at
+    first, again naming an argument the caller never sees; it now counts them, as the quantizers do."""
     x = torch.tensor([0.5, value, 0.0, -0.25])
-    with pytest.raises(ValueError, match="x: NaN or infinite values"):
+    message = rf"^non-finite values \(1 {'NaN' if math.isnan(value) else 'infinite'}, of 4\); a saturation level needs"
+    with pytest.raises(ValueError, match=message):
         saturation_level(x, 0.99, 16)
     histogram = MagnitudeHistogram(1.0, 4)
-    with pytest.raises(ValueError, match="x: NaN or infinite values"):
+    with pytest.raises(ValueError, match=message):
         histogram.add(x)
     assert not bool(histogram.counts.any())
 

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from unsparse.quant.finite import check_finite
 from unsparse.settings import check_integer, check_quantile
 
 MAX_BINS = 1 << 16
@@ -38,8 +39,8 @@ def check_bins(bins: int, field: str = "bins") -> int:
 
 
 def _check_finite(x: torch.Tensor) -> None:
-    if not bool(torch.isfinite(x).all()):
-        raise ValueError("x: NaN or infinite values; a saturation level needs finite ones")
+    """Refuse magnitudes that are not all finite: the counted message of :func:`~unsparse.quant.finite.check_finite`."""
+    check_finite(x, "values", "a saturation level needs")
 
 
 class MagnitudeHistogram:
@@ -66,7 +67,8 @@ class MagnitudeHistogram:
         """Count the nonzero magnitudes of ``x`` (any shape, float dtype); exact zeros are not counted.
 
         Raises:
-            ValueError: NaN or infinite values in ``x`` (nothing is counted).
+            ValueError: NaN or infinite values in ``x``, counted (``non-finite values (1 NaN, of 4); a saturation
+                level needs finite ones``); nothing is counted into the histogram.
         """
         _check_finite(x)
         magnitudes = x.detach().abs().to(torch.float64).reshape(-1)
@@ -95,8 +97,8 @@ def saturation_level(x: torch.Tensor, quantile: float, bins: int) -> float:
     """The histogram saturation level of one tensor's nonzero magnitudes (see :class:`MagnitudeHistogram`).
 
     Raises:
-        ValueError: empty or all-zero ``x``, non-finite values, bad ``quantile`` or ``bins`` (see
-            :class:`MagnitudeHistogram`).
+        ValueError: empty or all-zero ``x``, NaN or infinite values (counted, as :meth:`MagnitudeHistogram.add`
+            says), bad ``quantile`` or ``bins`` (see :class:`MagnitudeHistogram`).
     """
     if x.numel() == 0:
         raise ValueError("saturation_level: no values")
