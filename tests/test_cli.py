@@ -116,7 +116,7 @@ def test_command_line_values_are_read_or_refused_by_name(override, message):
 def test_a_data_root_without_the_files_is_refused_in_one_line(tmp_path):
     """Hydra's wrapping of the missing data set's error printed three lines ("Error in call to target ...")."""
     from unsparse.cli import build_job
-    from unsparse.pipeline import JobRefusedError
+    from unsparse.job import JobRefusedError
 
     with pytest.raises(JobRefusedError, match=r"^Fashion-MNIST file .* not found") as refusal:
         build_job(composed("experiment=smoke", "device=cpu", f"data.root={tmp_path}"))
@@ -168,7 +168,7 @@ def test_multirun_sweeps_pruners_and_targets(tmp_path):
 
 
 def test_a_job_refused_by_the_folder_lock_leaves_the_running_jobs_log_alone(tmp_path):
-    from unsparse.pipeline import only_job_in
+    from unsparse.job import only_job_in
 
     (tmp_path / "cli.log").write_text("running job\n")
     command = [sys.executable, "-c", "from unsparse.cli import main; main()", "experiment=smoke", "data=digits",

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_dir
 
 from unsparse.cli import CONFIG_DIR, build_job
 from unsparse.data import digits
-from unsparse.pipeline import JobRefusedError
+from unsparse.job import JobRefusedError
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.settings import SEED_MAX, check_seed
 

@@ -11,7 +11,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 
 from unsparse.cli import CONFIG_DIR, build_job
-from unsparse.pipeline import JobRefusedError
+from unsparse.job import JobRefusedError
 
 
 def composed(*overrides: str):

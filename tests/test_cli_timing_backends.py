@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from unsparse.cli import build_job
-from unsparse.pipeline import JobRefusedError, TimingSettings, compare_layers
+from unsparse.job import JobRefusedError
+from unsparse.pipeline import TimingSettings, compare_layers
 
 
 def test_auto_is_no_backend_to_time():

@@ -101,7 +101,7 @@ def test_an_output_folder_binds_to_its_job_only_once_it_holds_checkpoints(tmp_pa
     read; checkpoints without the file (an older version's folder) are resumed with a warning."""
     import logging
 
-    from unsparse.pipeline import JOB_FILE, claim_output_folder, job_identity
+    from unsparse.job import JOB_FILE, claim_output_folder, job_identity
 
     splits = digits()
 
@@ -121,7 +121,7 @@ def test_an_output_folder_binds_to_its_job_only_once_it_holds_checkpoints(tmp_pa
                                          r"there, 32 here\)"):
         claim_output_folder(tmp_path, identity(batch_size=32))
     (tmp_path / JOB_FILE).unlink()
-    with caplog.at_level(logging.WARNING, logger="unsparse.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="unsparse.job"):
         claim_output_folder(tmp_path, identity())
     assert "no job.json" in caplog.text and (tmp_path / JOB_FILE).exists()
 
@@ -133,7 +133,7 @@ def test_a_digits_folder_with_limit_test_resumes_and_one_of_the_old_validation_s
     that other validation split, so the refusal, naming data.val, is right."""
     import dataclasses
 
-    from unsparse.pipeline import JOB_FILE, claim_output_folder, job_identity
+    from unsparse.job import JOB_FILE, claim_output_folder, job_identity
 
     def identity(splits) -> str:
         return job_identity(splits, create_model("vgg_small", width=4), MagnitudePruner(0.9), TrainSettings(), 0)
@@ -186,7 +186,7 @@ def test_a_resumed_job_removes_the_temporary_files_of_killed_writes_and_says_so(
 def test_a_folder_takes_one_running_job_at_a_time(tmp_path):
     """A second start of a job in a folder where it is running (e.g. a resume typed while the first one still runs)
     is refused before it touches anything: it would have written over the running job's checkpoints."""
-    from unsparse.pipeline import JOB_FILE, only_job_in
+    from unsparse.job import JOB_FILE, only_job_in
 
     with only_job_in(tmp_path):  # the running job
         with pytest.raises(ValueError, match="another running job holds this folder"):
@@ -274,7 +274,7 @@ def test_the_report_names_the_commit_the_job_started_from(tmp_path, monkeypatch)
     import unsparse.pipeline as pipeline
 
     head = {"commit": "started"}
-    monkeypatch.setattr(pipeline, "git_commit", lambda: head["commit"])
+    monkeypatch.setattr(pipeline, "git_commit", lambda: head["commit"])  # where run_pipeline looks it up
 
     class CommittingWhilePruning(MagnitudePruner):
         def run(self, *args, **kwargs):
@@ -451,7 +451,7 @@ def test_numpy_scalars_are_refused_by_name_and_seeds_are_those_torch_tells_apart
 
 
 def test_devices_and_backends_are_checked_before_any_work(tmp_path):
-    from unsparse.pipeline import resolve_device
+    from unsparse.job import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="device: 'gpu' is not a device"):
@@ -536,7 +536,7 @@ def test_deterministic_algorithms_are_scoped(monkeypatch):
 
 
 def test_git_commit_prefers_the_environment(monkeypatch):
-    from unsparse.pipeline import git_commit
+    from unsparse.job import git_commit
 
     monkeypatch.setenv("UNSPARSE_COMMIT", " 0123456789abcdef ")
     assert git_commit() == "0123456789abcdef"
@@ -544,13 +544,20 @@ def test_git_commit_prefers_the_environment(monkeypatch):
     assert git_commit() != "0123456789abcdef"
 
 
+def test_the_scripts_still_import_the_device_and_commit_from_the_pipeline():
+    """The scripts import git_commit and resolve_device from unsparse.pipeline; both moved to unsparse.job."""
+    from unsparse import job, pipeline
+
+    assert pipeline.git_commit is job.git_commit and pipeline.resolve_device is job.resolve_device
+
+
 def test_the_folder_lock_holds_across_processes_and_ends_with_a_killed_one(tmp_path):
     import subprocess
     import sys
 
-    from unsparse.pipeline import only_job_in
+    from unsparse.job import only_job_in
 
-    code = ("import sys, time; from pathlib import Path; from unsparse.pipeline import only_job_in\n"
+    code = ("import sys, time; from pathlib import Path; from unsparse.job import only_job_in\n"
             "with only_job_in(Path(sys.argv[1])):\n    print('locked', flush=True); time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:

@@ -26,7 +26,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from unsparse.data import DatasetUnavailableError
-from unsparse.pipeline import JobRefusedError, TimingSettings, TrainSettings, refusing, resolve_device, run_pipeline
+from unsparse.job import JobRefusedError, git_commit, refusing, resolve_device
+from unsparse.pipeline import TimingSettings, TrainSettings, run_pipeline
 from unsparse.settings import check_flag, check_seed
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
@@ -83,12 +84,13 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
     train the same dense model (with ``train.deterministic`` on CUDA too).
 
     Raises:
-        JobRefusedError: (a ``ValueError``) from :func:`resolve_device`, a ``progress`` that is no bool, a config
-            group left without an option (:func:`chosen_block`), :class:`TrainSettings`, :class:`TimingSettings`
-            (or their config blocks: :func:`settings_block`), a ``seed`` that is no integer in ``[0, 2^32)``, the
-            seeds torch's CPU generator tells apart (:func:`~unsparse.settings.check_seed`), or a factory that
-            refuses its settings (its ``ValueError`` or ``TypeError``, which Hydra wraps, is the message; so is a data
-            set's :class:`~unsparse.data.DatasetUnavailableError`, a ``data.root`` without its files).
+        JobRefusedError: (a ``ValueError``) from :func:`~unsparse.job.resolve_device`, a ``progress`` that is no
+            bool, a config group left without an option (:func:`chosen_block`), :class:`TrainSettings`,
+            :class:`TimingSettings` (or their config blocks: :func:`settings_block`), a ``seed`` that is no integer
+            in ``[0, 2^32)``, the seeds torch's CPU generator tells apart (:func:`~unsparse.settings.check_seed`),
+            or a factory that refuses its settings (its ``ValueError`` or ``TypeError``, which Hydra wraps, is the
+            message; so is a data set's :class:`~unsparse.data.DatasetUnavailableError`, a ``data.root`` without
+            its files).
     """
     try:
         with refusing():
@@ -148,7 +150,7 @@ def run(cfg: DictConfig) -> None:
     folder accepts the job, so a refused resume leaves the folder's record of its own job (Hydra's own copy,
     written before the job starts, is turned off: ``hydra.output_subdir: null``); the job logs them then too, so a
     refused job's config does not land in the running job's ``cli.log``. A job refused before any work
-    (:class:`~unsparse.pipeline.JobRefusedError`) prints one line to stderr and exits with status 2; in a sweep
+    (:class:`~unsparse.job.JobRefusedError`) prints one line to stderr and exits with status 2; in a sweep
     (``-m``) the sweep's other jobs run first, and Hydra then ends it with status 1, repeating the first refusal
     (:class:`SweepJobRefusedError`). Ctrl-C ends the job (and a sweep) with exit status 130 and says how to resume
     (the checkpoints written so far stay)."""
@@ -179,7 +181,6 @@ def bench(cfg: DictConfig) -> None:
     :data:`~unsparse.runtime.bench.QUICK` that the command line does not (``quick=true models=[alexnet]`` times
     AlexNet only). A ``quick`` that is no bool, settings that ``run_bench`` refuses, and a machine without CUDA,
     print one line to stderr, write nothing and exit with status 2 (in a sweep, as :func:`run` says)."""
-    from unsparse.pipeline import git_commit
     from unsparse.runtime.bench import QUICK, BenchRefusedError, run_bench
 
     settings = OmegaConf.to_container(cfg, resolve=True)
