@@ -34,16 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from unsparse.atomic import atomic_write_text
 from unsparse.pipeline import git_commit
 from unsparse.runtime.baseline import time_baseline
-from unsparse.runtime.bench import (
-    MODELS,
-    ConvLayer,
-    build_model,
-    conv_layers,
-    dense_channels_last,
-    environment,
-    require_cuda,
-)
+from unsparse.runtime.bench import MODELS, ConvLayer, build_model, conv_layers, environment, require_cuda
 from unsparse.runtime.comparator import relative_error, tolerance
+from unsparse.runtime.end_to_end import dense_channels_last
 from unsparse.runtime.layout import LAYOUTS as BASELINE_LAYOUTS
 from unsparse.runtime.precision import PRECISIONS, precision_mode
 from unsparse.runtime.timing import cache_bytes, rotated_inputs, rotation_count, time_fn
@@ -100,7 +93,7 @@ def time_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devic
 
 def time_model(name: str, batch: int, precision: str, device: torch.device, runs: int) -> dict[str, Any]:
     """Eager dense forward of ``name`` (224x224 inputs) in NCHW and in channels-last
-    (:func:`~unsparse.runtime.bench.dense_channels_last`): medians in ms, their ratio (``nhwc_speedup`` = NCHW
+    (:func:`~unsparse.runtime.end_to_end.dense_channels_last`): medians in ms, their ratio (``nhwc_speedup`` = NCHW
     over channels-last) and the relative error between the two outputs."""
     mode = PRECISIONS[precision]
     with precision_mode(mode.tf32), torch.no_grad():

@@ -1,4 +1,4 @@
-"""``bench_end_to_end`` on the CPU: the planned model against the dense one in NCHW and in channels-last."""
+"""``unsparse.runtime.end_to_end`` on the CPU: the planned model against the dense one in NCHW and in channels-last."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from unsparse.runtime import bench, comparator
+from unsparse.runtime import bench, comparator, end_to_end
 from unsparse.runtime.backends.dense import DenseBackend
 from unsparse.runtime.backends.lowering import LoweringBackend
 from unsparse.runtime.plan import Plan, PlanEntry
@@ -25,7 +25,7 @@ def model() -> nn.Module:
 
 def test_end_to_end_compares_both_planned_layouts_with_both_dense_layouts() -> None:
     plan = Plan()
-    record = bench.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, plan,
+    record = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, plan,
                                     ["dense_cpu", "im2col_cublas"])
     assert record["dense_nhwc_ms"] > 0 and record["dense_nhwc_rel_error"] < 1e-5
     assert record["planned_nhwc_ms"] > 0 and record["planned_nhwc_rel_error"] < 1e-5
@@ -47,22 +47,23 @@ def test_end_to_end_compares_both_planned_layouts_with_both_dense_layouts() -> N
 
 def test_a_channels_last_model_that_disagrees_is_not_a_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
     """If the channels-last run's output is off, its (here very short) time is not used."""
-    monkeypatch.setattr(bench, "channels_last_copy", lambda dense: lambda x: torch.zeros(()))
-    record = bench.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
+    monkeypatch.setattr(end_to_end, "channels_last_copy", lambda dense: lambda x: torch.zeros(()))
+    record = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
     assert record["dense_nhwc_ms"] is None and record["dense_nhwc_rel_error"] == float("inf")
     assert record["best_dense_layout"] == "nchw"
     assert record["speedup_vs_best_dense"] == pytest.approx(record["speedup"])
 
 
 def test_planned_backends_name_cudnn_layers_that_compute_in_the_other_layout() -> None:
-    sparse = bench.sparsify(model())
+    sparse = end_to_end.sparsify(model())
     x = torch.randn(2, 3, 12, 10)
-    plan, _ = bench.plan_model(sparse, x.contiguous(memory_format=torch.channels_last), Plan(), ["dense_cpu"], runs=3)
-    first, second = bench.sparse_layers(sparse).values()
+    plan, _ = end_to_end.plan_model(sparse, x.contiguous(memory_format=torch.channels_last), Plan(), ["dense_cpu"],
+                                    runs=3)
+    first, second = end_to_end.sparse_layers(sparse).values()
     plan.entries[first.plan_key] = PlanEntry("cudnn", {"memory_format": "contiguous"})
     plan.entries[second.plan_key] = PlanEntry("cudnn", {"memory_format": "channels_last"})
     assert list(comparator.planned_backends(sparse, plan).values()) == ["cudnn, converted to nchw", "cudnn"]
-    bench.plan_model(sparse, x, plan, ["dense_cpu"], runs=3)  # the same layers' NCHW keys
+    end_to_end.plan_model(sparse, x, plan, ["dense_cpu"], runs=3)  # the same layers' NCHW keys
     plan.entries[first.plan_key] = PlanEntry("cudnn", {"memory_format": "channels_last"})
     plan.entries[second.plan_key] = PlanEntry("direct", {})
     assert list(comparator.planned_backends(sparse, plan).values()) == ["cudnn, converted to nhwc", "direct"]
@@ -70,7 +71,7 @@ def test_planned_backends_name_cudnn_layers_that_compute_in_the_other_layout() -
 
 def test_a_channels_last_planned_model_that_disagrees_is_not_counted(monkeypatch: pytest.MonkeyPatch) -> None:
     """The second sparse copy (the one planned on the NHWC input) computes a wrong output: its time is not used."""
-    copies, original = [], bench.sparsify
+    copies, original = [], end_to_end.sparsify
 
     class Off(nn.Module):
         def __init__(self, inner: nn.Module) -> None:
@@ -84,8 +85,8 @@ def test_a_channels_last_planned_model_that_disagrees_is_not_counted(monkeypatch
         copies.append(original(dense))
         return copies[-1] if len(copies) == 1 else Off(copies[-1])
 
-    monkeypatch.setattr(bench, "sparsify", sparsify)
-    record = bench.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
+    monkeypatch.setattr(end_to_end, "sparsify", sparsify)
+    record = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
     assert record["planned_nhwc_rel_error"] > 1e-3 and record["planned_nhwc_ms"] is None
     assert record["best_planned_layout"] == "nchw"
 
@@ -93,7 +94,8 @@ def test_a_channels_last_planned_model_that_disagrees_is_not_counted(monkeypatch
 def test_a_one_channel_model_is_not_planned_in_channels_last() -> None:
     torch.manual_seed(0)
     one_channel = bench.magnitude_prune_(nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3)).eval(), 0.5)
-    record = bench.bench_end_to_end(one_channel, (1, 9, 8), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
+    record = end_to_end.bench_end_to_end(one_channel, (1, 9, 8), 2, "fp32", torch.device("cpu"), 3, Plan(),
+                                         ["dense_cpu"])
     assert record["planned_nhwc_ms"] is None and record["planned_nhwc_rel_error"] is None
     assert record["plan_check_nhwc"] is None
     assert record["layers_planned_now"] == 2 and record["best_planned_layout"] == "nchw"
@@ -113,7 +115,8 @@ def test_a_sparse_model_records_the_backend_its_plan_kept_per_layer(virtual_cloc
     the backends for real and could only check the record against the plan, whichever backend won."""
     virtual_clock.charge(lambda name, csr, params: COSTS_MS[name, csr.out_channels], DenseBackend, LoweringBackend)
     plan = Plan()
-    record = bench.bench_end_to_end_sparse(bench.sparsify(model()), (3, 12, 10), 2, torch.device("cpu"), 3, plan)
+    sparse = end_to_end.sparsify(model())
+    record = end_to_end.bench_end_to_end_sparse(sparse, (3, 12, 10), 2, torch.device("cpu"), 3, plan)
     assert [(layer["best"], layer["planned"]) for layer in record["layers"]] == [("im2col_cublas", "dense_cpu"),
                                                                                  ("im2col_cublas", "im2col_cublas")]
     assert [layer["planned"] for layer in record["layers"]] == [plan.entries[layer["key"]].backend
@@ -124,8 +127,9 @@ def test_a_sparse_model_records_the_backend_its_plan_kept_per_layer(virtual_cloc
     assert (check["planned_ms"], check["default_ms"], check["reverted"]) == (pytest.approx(1.5), pytest.approx(2.0), ())
     assert record["dense_ms"] == pytest.approx(2.0) and record["speedup"] == pytest.approx(2.0 / 1.5)
     check_plan = comparator.check_plan
-    monkeypatch.setattr(bench, "check_plan", lambda *args: check_plan(*args, margin=-1.0))
-    record = bench.bench_end_to_end_sparse(bench.sparsify(model()), (3, 12, 10), 2, torch.device("cpu"), 3, Plan())
+    monkeypatch.setattr(end_to_end, "check_plan", lambda *args: check_plan(*args, margin=-1.0))
+    sparse = end_to_end.sparsify(model())
+    record = end_to_end.bench_end_to_end_sparse(sparse, (3, 12, 10), 2, torch.device("cpu"), 3, Plan())
     assert [(layer["best"], layer["planned"]) for layer in record["layers"]] == [("im2col_cublas", "dense_cpu")] * 2
     assert record["plan_check"]["reverted"] == (record["layers"][1]["key"],)  # the first was on the default already
     assert record["speedup"] == pytest.approx(1.0)
@@ -137,15 +141,15 @@ def test_a_sparse_model_is_timed_on_its_dense_default_and_on_its_plan_one_after_
     twenty-fourth session's H200 run: 0.557 against 2.154 ms eagerly, 0.137 against 0.128 ms as CUDA graphs; the
     dense model alone took 0.50, then 1.03 ms in one process); and its record had no graph times to tell host time
     from kernels. Both are now timed after planning, and as graphs too."""
-    sparse, seen, time_fn = bench.sparsify(model()), [], bench.time_fn
+    sparse, seen, time_fn = end_to_end.sparsify(model()), [], end_to_end.time_fn
 
     def spy(*args, **kwargs):
-        layers = bench.sparse_layers(sparse).values()
+        layers = end_to_end.sparse_layers(sparse).values()
         seen.append(({layer.backend for layer in layers}, all(hasattr(layer, "plan_key") for layer in layers)))
         return time_fn(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "time_fn", spy)
-    record = bench.bench_end_to_end_sparse(sparse, (3, 12, 10), 2, torch.device("cpu"), 3, Plan())
+    monkeypatch.setattr(end_to_end, "time_fn", spy)
+    record = end_to_end.bench_end_to_end_sparse(sparse, (3, 12, 10), 2, torch.device("cpu"), 3, Plan())
     assert seen == [({"cudnn"}, True), ({"auto"}, True)]
     assert record["graph_error"] == "no CUDA graphs on cpu" and record["dense_graph_ms"] is None
-    assert {layer.backend for layer in bench.sparse_layers(sparse).values()} == {"auto"}
+    assert {layer.backend for layer in end_to_end.sparse_layers(sparse).values()} == {"auto"}

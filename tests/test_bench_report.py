@@ -132,7 +132,7 @@ def test_the_trained_layer_table_tells_the_fastest_backend_from_the_planned_one(
 def test_graph_timings_say_why_they_are_missing_on_the_cpu() -> None:
     import torch
 
-    from unsparse.runtime.bench import graph_timings
+    from unsparse.runtime.end_to_end import graph_timings
 
     record = graph_timings(lambda: None, lambda: None, torch.device("cpu"), runs=3)
     assert record == {"dense_graph_ms": None, "planned_graph_ms": None, "graph_speedup": None,

@@ -491,7 +491,7 @@ def test_a_model_from_a_file_is_benchmarked_with_its_plan_checked(tmp_path) -> N
     """The benchmark's trained-model path (``--sparse-file``) checks its plan end to end like the synthetic one."""
     from unsparse.models import create_model
     from unsparse.prune import MagnitudePruner
-    from unsparse.runtime.bench import bench_end_to_end_sparse
+    from unsparse.runtime.end_to_end import bench_end_to_end_sparse
     from unsparse.sparse.io import load_sparse, save_sparse
 
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -407,6 +408,12 @@ class PlanCheck:
     reverted: tuple[str, ...]
     timing: str
     margin: float
+
+
+def best_times(comparison: LayerComparison, names: Sequence[str]) -> dict[str, float | None]:
+    """Median ms of each backend's fastest parameter set on a layer (None: not timed or failed)."""
+    fastest = {name: comparison.fastest(name) for name in names}
+    return {name: None if m is None else m.timing.median_ms for name, m in fastest.items()}
 
 
 def time_forward(model: nn.Module, example: torch.Tensor, timing: str, runs: int = MIN_RUNS, warmup: int = 3) -> float:

@@ -1,0 +1,204 @@
+"""Whole-model timing for ``unsparse bench``: a dense model on cuDNN against its sparse copy running the plan.
+
+:func:`bench_end_to_end` takes a torchvision model with synthetic pruned weights and times it in NCHW and in
+channels-last from end to end; :func:`bench_end_to_end_sparse` takes a model loaded from a sparse file. Both check
+each plan against its dense default (:func:`~unsparse.runtime.comparator.check_plan`) before timing, time both sides
+eagerly (CUDA events after warm-up, medians: :func:`~unsparse.runtime.timing.time_fn`) and as CUDA-graph replays
+(:func:`graph_timings`), since eager times of a host-bound model measure the host, not the kernels.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+import torch
+from torch import nn
+
+from unsparse.runtime.comparator import (
+    best_times,
+    check_plan,
+    plan_model,
+    planned_backends,
+    relative_error,
+    tolerance,
+)
+from unsparse.runtime.layout import layout_of
+from unsparse.runtime.modules import set_backend, sparse_layers, sparsify, temporary_backend
+from unsparse.runtime.plan import Plan
+from unsparse.runtime.precision import PRECISIONS, precision_mode
+from unsparse.runtime.timing import Timing, time_fn, time_graph
+
+
+def graph_timings(dense: Callable[[], Any], planned: Callable[[], Any], device: torch.device,
+                  runs: int, layout: str = "nchw") -> dict[str, Any]:
+    """CUDA-graph medians (ms) of the dense and the planned forward, as ``dense_graph_ms`` and
+    ``planned_graph_ms``, plus ``graph_speedup`` (dense over planned) and ``graph_error`` (why there are none:
+    not CUDA, or a capture that failed); for ``layout="nhwc"`` the keys read ``dense_nhwc_graph_ms``,
+    ``planned_nhwc_graph_ms``, ``graph_nhwc_speedup`` and ``graph_nhwc_error``. Eager times include the host's
+    per-layer work; where a model is host-bound these tell how much of a gap is kernels."""
+    tag = "" if layout == "nchw" else f"_{layout}"
+    dense_key, planned_key, speedup_key, error_key = (f"dense{tag}_graph_ms", f"planned{tag}_graph_ms",
+                                                      f"graph{tag}_speedup", f"graph{tag}_error")
+    record: dict[str, Any] = dict.fromkeys((dense_key, planned_key, speedup_key, error_key))
+    if device.type != "cuda":
+        record[error_key] = f"no CUDA graphs on {device.type}"
+        return record
+    try:
+        record[dense_key] = time_graph(dense, device, runs).median_ms
+        record[planned_key] = time_graph(planned, device, runs).median_ms
+    except RuntimeError as error:
+        record[error_key] = f"capture failed: {error}"
+        return record
+    record[speedup_key] = record[dense_key] / record[planned_key]
+    return record
+
+
+def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, precision: str,
+                     device: torch.device, runs: int, plan: Plan, backends: list[str] | None) -> dict[str, Any]:
+    """Time the dense model (cuDNN) against its sparsified copy running the plan ("auto"), same precision, each
+    in NCHW and in channels-last from end to end.
+
+    The sparse copy is planned with :func:`~unsparse.runtime.comparator.plan_model` (entries already in ``plan`` are
+    reused) once on an NCHW input and once on the same input in channels-last (a second copy; its layers receive and
+    return NHWC, and each direct layer's conversions are part of its measured time). Outputs are compared with the dense
+    NCHW model's within 10x the dtype's tolerance (TF32-aware).
+
+    Record fields, times in ms (eager medians): ``dense_ms`` / ``planned_ms`` and ``speedup`` (NCHW, as before layouts
+    were planned); ``dense_nhwc_ms`` (:func:`channels_last_copy`) and ``planned_nhwc_ms``, each None if its output
+    disagrees (errors recorded either way; a one-channel input cannot carry the layout, so the sparse model is then not
+    planned in it: ``planned_nhwc_ms`` and its error None); ``speedup_vs_best_dense``: the NCHW planned model against
+    the faster dense layout; ``best_planned_layout`` and ``best_speedup``: the faster planned layout against the faster
+    dense layout, what a user who runs the planner's better model gets. ``backend_counts`` / ``off_cudnn`` name the
+    planned backends per layer (NCHW), ``backend_counts_nhwc`` / ``off_cudnn_nhwc`` the channels-last plan's. CUDA-graph
+    times (:func:`graph_timings`) of both layouts tell host-bound gaps apart. Each plan is checked end to end against
+    its dense default right after planning (:func:`~unsparse.runtime.comparator.check_plan`; ``plan_check``,
+    ``plan_check_nhwc``: both medians and the keys set back to the default), so the planned times are of the plans that
+    survived that check.
+    """
+    dtype, tf32 = PRECISIONS[precision].dtype, PRECISIONS[precision].tf32
+    bound = 10 * tolerance(dtype, tf32)
+    with precision_mode(tf32):
+        dense = model.to(device, dtype).eval()
+        sparse, sparse_nhwc = sparsify(dense), sparsify(dense)
+        x = torch.randn(batch, *input_shape, device=device, dtype=dtype)
+        x_nhwc = x.contiguous(memory_format=torch.channels_last)
+        nhwc_planned = layout_of(x_nhwc) == "nhwc"  # one channel: the same bytes, so the layers would run NCHW
+        reused_before = len(plan.entries)
+        plan, comparisons = plan_model(sparse, x, plan, backends)
+        check = check_plan(sparse, x, plan, comparisons, runs)
+        plan, comparisons_nhwc = plan_model(sparse_nhwc, x_nhwc, plan, backends) if nhwc_planned else (plan, [])
+        check_nhwc = check_plan(sparse_nhwc, x_nhwc, plan, comparisons_nhwc, runs) if nhwc_planned else None
+        with torch.no_grad():
+            dense_out, sparse_out = dense(x), sparse(x)
+            dense_t = time_fn(lambda i: dense(x), device, runs=runs)
+            sparse_t = time_fn(lambda i: sparse(x), device, runs=runs)
+            graphs = graph_timings(lambda: dense(x), lambda: sparse(x), device, runs)
+            dense_nhwc, nhwc_t, nhwc_error = dense_channels_last(dense, x, dense_out, runs)
+            planned_nhwc_error, planned_nhwc_t = math.inf, None
+            if nhwc_planned:
+                planned_nhwc_error = relative_error(sparse_nhwc(x_nhwc).double(), dense_out.double())
+                planned_nhwc_t = time_fn(lambda i: sparse_nhwc(x_nhwc), device, runs=runs)
+                graphs |= graph_timings(lambda: dense_nhwc(x_nhwc), lambda: sparse_nhwc(x_nhwc), device, runs,
+                                        "nhwc")
+        error = relative_error(sparse_out.double(), dense_out.double())
+    dense_times = {"nchw": dense_t.median_ms, "nhwc": nhwc_t.median_ms if nhwc_error <= bound else math.inf}
+    planned_times = {"nchw": sparse_t.median_ms,
+                     "nhwc": planned_nhwc_t.median_ms if planned_nhwc_error <= bound else math.inf}
+    best_dense, best_planned = min(dense_times, key=dense_times.get), min(planned_times, key=planned_times.get)
+    by_layer = planned_backends(sparse, plan)
+    by_layer_nhwc = planned_backends(sparse_nhwc, plan) if nhwc_planned else {}
+    return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
+            "speedup": dense_t.median_ms / sparse_t.median_ms, "rel_error": error,
+            "dense_nhwc_ms": _finite(dense_times["nhwc"]), "dense_nhwc_rel_error": nhwc_error,
+            "best_dense_layout": best_dense, "speedup_vs_best_dense": dense_times[best_dense] / sparse_t.median_ms,
+            "planned_nhwc_ms": _finite(planned_times["nhwc"]),
+            "planned_nhwc_rel_error": planned_nhwc_error if nhwc_planned else None,
+            "best_planned_layout": best_planned,
+            "best_speedup": dense_times[best_dense] / planned_times[best_planned],
+            "plan_check": asdict(check), "plan_check_nhwc": None if check_nhwc is None else asdict(check_nhwc),
+            "tolerance": bound, "layers_planned_now": len(comparisons) + len(comparisons_nhwc),
+            "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
+            "planned_timing": sparse_t.to_dict(),
+            "planned_nhwc_timing": None if planned_nhwc_t is None else planned_nhwc_t.to_dict(),
+            "backend_counts": dict(Counter(by_layer.values())),
+            "off_cudnn": {name: backend for name, backend in by_layer.items() if backend != "cudnn"},
+            "backend_counts_nhwc": dict(Counter(by_layer_nhwc.values())),
+            "off_cudnn_nhwc": {name: backend for name, backend in by_layer_nhwc.items() if backend != "cudnn"}}
+
+
+def _finite(value: float) -> float | None:
+    return value if math.isfinite(value) else None
+
+
+def channels_last_copy(dense: nn.Module) -> nn.Module:
+    """A copy of ``dense`` with its 4-D parameters in channels-last (``Module.to(memory_format=...)``); fed an NHWC
+    input, every activation stays NHWC from end to end. ``dense`` is not modified."""
+    return copy.deepcopy(dense).to(memory_format=torch.channels_last)
+
+
+def dense_channels_last(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tensor,
+                        runs: int) -> tuple[nn.Module, Timing, float]:
+    """:func:`channels_last_copy` of ``dense``, its eager timing (ms) on ``x`` in channels-last, and the relative
+    error of its output against ``dense_out`` (NCHW run)."""
+    model = channels_last_copy(dense)
+    x = x.contiguous(memory_format=torch.channels_last)
+    error = relative_error(model(x).double(), dense_out.double())
+    return model, time_fn(lambda i: model(x), x.device, runs=runs), error
+
+
+def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch: int, device: torch.device,
+                            runs: int, plan: Plan) -> dict[str, Any]:
+    """A model that is already sparse (loaded from a file): its dense fallback (cuDNN, NCHW) vs its plan. Each layer
+    planned now also records cuDNN's convolution alone in its faster layout (``baseline``); the whole model runs in NCHW
+    only: the trained models take one-channel images, which cannot carry the channels-last layout
+    (:func:`~unsparse.runtime.layout.layout_of`). The plan is checked end to end against the dense default right after
+    planning (:func:`~unsparse.runtime.comparator.check_plan`, ``plan_check``), as in :func:`bench_end_to_end`. Then
+    both are timed one after the other, eagerly (``dense_ms``, ``planned_ms``) and as CUDA graphs
+    (:func:`graph_timings`): a small trained model is host-bound eagerly (the H200 run of the twenty-fourth session:
+    0.13 ms of GPU time per forward against 0.5-1.2 ms of host time), so only the graph times tell its kernels apart.
+
+    ``layers``: one record per layer key planned now: ``key``, ``best`` (the backend of the fastest correct time),
+    ``planned`` (the backend the plan kept for the key after the check: the dense default where the fastest did not
+    beat it by :data:`~unsparse.runtime.comparator.PLAN_MARGIN`, or where the check set the plan back), ``best_ms``
+    (each backend's fastest median, ms) and ``baseline``.
+    """
+    layers = sparse_layers(model)
+    dtype = next(iter(layers.values())).values.dtype if layers else torch.float32
+    precision = "fp16" if dtype == torch.float16 else "fp32"
+    with precision_mode(False):
+        x = torch.randn(batch, *input_shape, device=device, dtype=dtype)
+        set_backend(model, "cudnn")
+        with torch.no_grad():
+            dense_out = model(x)
+        reused_before = len(plan.entries)
+        plan, comparisons = plan_model(model, x, plan, baseline=True)
+        check = check_plan(model, x, plan, comparisons, runs)
+
+        def dense_forward() -> torch.Tensor:
+            with temporary_backend(model, "cudnn"):
+                return model(x)
+
+        with torch.no_grad():
+            sparse_out = model(x)
+            with temporary_backend(model, "cudnn"):  # set once: per call it would add host time to the dense side
+                dense_t = time_fn(lambda i: model(x), device, runs=runs)
+            sparse_t = time_fn(lambda i: model(x), device, runs=runs)
+            graphs = graph_timings(dense_forward, lambda: model(x), device, runs)
+    layer_records = []
+    for comparison in comparisons:
+        best = comparison.best
+        layer_records.append({"key": comparison.key, "best": None if best is None else best.backend,
+                              "planned": plan.entries[comparison.key].backend,
+                              "best_ms": best_times(comparison, sorted({m.backend for m in comparison.measurements})),
+                              "baseline": comparison.baseline.to_dict()})
+    return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
+            "speedup": dense_t.median_ms / sparse_t.median_ms, "layers": layer_records,
+            "rel_error": relative_error(sparse_out.double(), dense_out.double()),
+            "tolerance": 10 * tolerance(dtype), "layers_planned_now": len(comparisons),
+            "plan_entries_reused": reused_before, "plan_check": asdict(check), "dense_timing": dense_t.to_dict(),
+            "planned_timing": sparse_t.to_dict(), **graphs}
