@@ -494,12 +494,12 @@ def test_the_file_checked_is_the_file_read(tmp_path, monkeypatch, exported):
     valid one with other notes; a FIFO or a device would block it or read without end) was read unchecked."""
     import os
 
-    from unsparse.sparse import io
+    from unsparse.sparse import safetensors_file
 
     checked, other = tmp_path / "checked.safetensors", tmp_path / "other.safetensors"
     checked.write_bytes(exported[1].read_bytes())
     save_sparse(exported[0], other, extra={"note": "other"})
-    real_check_header = io._check_header
+    real_check_header = safetensors_file._check_header
 
     def check_then_swap(*args, **kwargs):  # after the open file's checks, before its tensors are read
         checked_header = real_check_header(*args, **kwargs)
@@ -507,7 +507,7 @@ def test_the_file_checked_is_the_file_read(tmp_path, monkeypatch, exported):
             os.replace(other, checked)
         return checked_header
 
-    monkeypatch.setattr(io, "_check_header", check_then_swap)
+    monkeypatch.setattr(safetensors_file, "_check_header", check_then_swap)
     assert load_sparse(checked).unsparse_metadata["extra"] == {"note": "test"}
     assert load_sparse(checked).unsparse_metadata["extra"] == {"note": "other"}  # the path names the other file now
 
@@ -515,16 +515,16 @@ def test_the_file_checked_is_the_file_read(tmp_path, monkeypatch, exported):
 TRUNCATED_WHILE_OPEN = """
 import os, sys
 from unsparse import SparseFileError, load_sparse
-from unsparse.sparse import io
+from unsparse.sparse import safetensors_file
 path, cut = sys.argv[1], int(sys.argv[2])
-real_check_header = io._check_header
+real_check_header = safetensors_file._check_header
 
 def check_then_truncate(*args, **kwargs):  # after the header's checks, before any tensor is read
     checked_header = real_check_header(*args, **kwargs)
     os.truncate(path, cut)
     return checked_header
 
-io._check_header = check_then_truncate
+safetensors_file._check_header = check_then_truncate
 try:
     load_sparse(path)
 except SparseFileError as error:
@@ -558,7 +558,7 @@ def test_a_file_rewritten_in_place_while_it_is_read_is_refused(tmp_path, monkeyp
     import copy
     import os
 
-    from unsparse.sparse import io
+    from unsparse.sparse import safetensors_file
 
     model, source = exported
     path, other = tmp_path / "read.safetensors", tmp_path / "other.safetensors"
@@ -570,7 +570,7 @@ def test_a_file_rewritten_in_place_while_it_is_read_is_refused(tmp_path, monkeyp
     data, rewritten = path.read_bytes(), other.read_bytes()
     data_start = 8 + int.from_bytes(data[:8], "little")
     assert rewritten[:data_start] == data[:data_start] and rewritten != data
-    real_tensor = io._OpenFile.tensor
+    real_tensor = safetensors_file.OpenFile.tensor
 
     def read_then_rewrite(self, stored_key):
         tensor = real_tensor(self, stored_key)
@@ -582,7 +582,7 @@ def test_a_file_rewritten_in_place_while_it_is_read_is_refused(tmp_path, monkeyp
             os.utime(path, ns=(modified, modified))
         return tensor
 
-    monkeypatch.setattr(io._OpenFile, "tensor", read_then_rewrite)
+    monkeypatch.setattr(safetensors_file.OpenFile, "tensor", read_then_rewrite)
     with pytest.raises(SparseFileError, match=r"^file: .* changed while it was read"):
         load_sparse(path)
 
@@ -594,18 +594,18 @@ def test_no_byte_of_the_file_is_read_through_a_memory_map(tmp_path, monkeypatch,
     parsed its header in the map (up to 12 MB of JSON: time enough for a rewrite to land); a process rewriting a
     file of a 3 MB header in place in a loop killed a loop of load_sparse (exit status -7, in safe_open) within a few
     hundred loads. So the file is not mapped while it is open for loading."""
-    from unsparse.sparse import io
+    from unsparse.sparse import load
 
     path = tmp_path / "m.safetensors"
     path.write_bytes(exported[1].read_bytes())
     maps = []
-    real_read_parts = io._read_parts
+    real_read_parts = load._read_parts
 
     def read_parts_seeing_the_maps(*args, **kwargs):  # the file open, its header parsed, its tensors to be read
         maps.append(Path("/proc/self/maps").read_text())
         return real_read_parts(*args, **kwargs)
 
-    monkeypatch.setattr(io, "_read_parts", read_parts_seeing_the_maps)
+    monkeypatch.setattr(load, "_read_parts", read_parts_seeing_the_maps)
     load_sparse(path)
     assert len(maps) == 1 and str(path.resolve()) not in maps[0]
 
@@ -651,10 +651,11 @@ def test_a_safetensors_header_with_duplicate_keys_is_refused(tmp_path, exported,
 
 
 def test_a_header_longer_than_the_loader_parses_is_refused_on_load_and_on_save(tmp_path, monkeypatch, exported):
-    from unsparse.sparse import io
+    from unsparse.sparse import safetensors_file, save
 
     length = int.from_bytes(exported[1].read_bytes()[:8], "little")
-    monkeypatch.setattr(io, "HEADER_MAX_BYTES", length - 1)
+    for module in (safetensors_file, save):  # the reader's bound and the writer's, one constant of the schema
+        monkeypatch.setattr(module, "HEADER_MAX_BYTES", length - 1)
     with pytest.raises(SparseFileError, match=rf"header: {length} bytes, more than {length - 1}"):
         load_sparse(exported[1])
     with pytest.raises(ValueError, match=rf"model: a safetensors header of {length} bytes .* more than the "
