@@ -22,6 +22,10 @@ CASES = [
     (1, 2, 7, 12, 3, 2, 4, (3, 1), (2, 1)),  # padding beyond the stride, stride 1 along W
     (2, 3, 6, 6, 3, 3, 3, (1, 1), (1, 1)),  # stride 1: the identity rewrite
     (2, 3, 14, 13, 4, 2, 2, (4, 3), (1, 2)),  # filter smaller than the stride: row phases (0, 3) wrap around
+    (2, 2, 1, 1, 3, 3, 3, (2, 2), (1, 1)),  # every phase read, input smaller than the stride
+    (2, 3, 3, 2, 4, 3, 3, (5, 4), (1, 1)),  # input smaller than the stride: the last phases read only zeros
+    # stride far beyond the input: the input was padded up to the stride, 2^80 pixels (torch's RuntimeError)
+    (1, 2, 224, 224, 3, 3, 3, (2**40, 2**40), (1, 1)),
 ]
 
 

@@ -19,6 +19,7 @@ to specialise kernels on).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 from dataclasses import dataclass
 
@@ -87,8 +88,10 @@ class PhaseSplit:
         """The phase images of ``x``: one strided copy when the phases along each axis are consecutive (always
         in practice; a filter smaller than the stride whose phases wrap around takes one copy per run of
         consecutive phases; where every phase is read, the copy is one ``clone``, the fewest torch calls), plus
-        a zero pad when ``H`` or ``W`` is not a multiple of the stride. No host to
-        device transfer, so it can be captured in a CUDA graph.
+        a zero pad when ``H`` or ``W`` is larger than its stride and not a multiple of it. Along an axis no longer
+        than its stride the phase images are one pixel long (``ceil(H / s_h) = 1``): phase ``phi`` is row ``phi``
+        of ``x`` where ``phi < H`` and zero elsewhere, so ``x`` is not padded up to the stride (a stride of
+        ``2**40`` would ask for terabytes). No host to device transfer, so it can be captured in a CUDA graph.
 
         Args:
             x: ``(N, C, H, W)`` NCHW input of the original layer, any dtype and device.
@@ -99,16 +102,27 @@ class PhaseSplit:
             (zero beyond ``x``); ``x`` is not modified.
         """
         N, C, H, W = x.shape
-        (sh, sw), (hq, wq) = self.stride, self.input_size(H, W)
-        if (hq * sh, wq * sw) != (H, W):
-            x = F.pad(x, (0, wq * sw - W, 0, hq * sh - H))
-        grid = x.reshape(N, C, hq, sh, wq, sw).permute(0, 1, 3, 5, 2, 4)  # (N, C, s_h, s_w, hq, wq), a view
-        if self.every_phase:  # in order: one copy of the grid
+        hq, wq = self.input_size(H, W)
+        # rows and columns per step of the grid: the stride, or the whole axis where it is no larger (one step)
+        gh, gw = min(H, self.stride[0]), min(W, self.stride[1])
+        if (hq * gh, wq * gw) != (H, W):
+            x = F.pad(x, (0, wq * gw - W, 0, hq * gh - H))
+        grid = x.reshape(N, C, hq, gh, wq, gw).permute(0, 1, 3, 5, 2, 4)  # (N, C, gh, gw, hq, wq), a view
+        if self.every_phase and (gh, gw) == self.stride:  # in order: one copy of the grid
             return grid.clone(memory_format=torch.contiguous_format).view(N, -1, hq, wq)
-        phases = x.new_empty(N, C, len(self.phases_h), len(self.phases_w), hq, wq)
-        for (i, first_h, rows), (j, first_w, cols) in itertools.product(_runs(self.phases_h), _runs(self.phases_w)):
+        in_h, in_w = _below(self.phases_h, gh), _below(self.phases_w, gw)  # the images of the others stay zero
+        shape = (N, C, len(self.phases_h), len(self.phases_w), hq, wq)
+        whole = (len(in_h), len(in_w)) == shape[2:4]
+        phases = x.new_empty(shape) if whole else x.new_zeros(shape)
+        for (i, first_h, rows), (j, first_w, cols) in itertools.product(_runs(in_h), _runs(in_w)):
             phases[:, :, i:i + rows, j:j + cols] = grid[:, :, first_h:first_h + rows, first_w:first_w + cols]
         return phases.view(N, -1, hq, wq)
+
+
+def _below(phases: tuple[int, ...], limit: int) -> tuple[int, ...]:
+    """The phases below ``limit``, those inside a grid of ``limit`` rows (or columns) per step: a prefix of the
+    ascending ``phases``, so that each keeps its position."""
+    return phases[:bisect.bisect_left(phases, limit)]
 
 
 def _runs(phases: tuple[int, ...]) -> list[tuple[int, int, int]]:
