@@ -39,7 +39,7 @@ from unsparse.quant.float16 import FLOAT16_MAX, FLOAT16_OVERFLOW, to_float16
 from unsparse.quant.histogram import MagnitudeHistogram, check_bins
 from unsparse.runtime.modules import sparse_layers
 from unsparse.settings import check_choice, check_flag, check_integer, check_quantile
-from unsparse.sparse.format import SparseFormatError
+from unsparse.sparse.format import SparseFormatError, quote
 
 FORMATS = ("none", "fp16", "fixed")
 SATURATION_RULES = ("quantile", "fraction_of_max")
@@ -99,10 +99,21 @@ class ActivationSpec:
     def from_dict(cls, data: Any) -> ActivationSpec:
         """Inverse of :meth:`to_dict`: ``format`` must be there, and for ``fixed`` every field but ``rule`` (a
         description that lost one would otherwise fall back to a default and quantize differently; files written
-        before ``rule`` existed used the quantile rule, its default). Raises ``ValueError`` (or
-        ``TypeError`` for unknown keys) on bad data."""
+        before ``rule`` existed used the quantile rule, its default).
+
+        Raises:
+            ValueError: ``data`` not an object (quoted, cut to 200 characters by
+                :func:`~unsparse.sparse.format.quote`: it may come from a file), a field missing, or one out of range
+                (naming it).
+            TypeError: keys that are no field, quoted the same way (the constructor's own message quoted a key in
+                full).
+        """
         if not isinstance(data, dict):
-            raise ValueError(f"activations: expected an object, got {data!r}")
+            raise ValueError(f"activations: expected an object, got {quote(data)}")
+        names = sorted(f.name for f in fields(cls))
+        unknown = sorted(map(str, set(data) - set(names)))
+        if unknown:
+            raise TypeError(f"activations: unexpected {quote(unknown)}, expected fields of {names}")
         # a description without "rule" was written before the field existed, by the quantile rule (the default)
         required = {f.name for f in fields(cls)} - {"rule"} if data.get("format") == "fixed" else {"format"}
         missing = sorted(required - set(data))

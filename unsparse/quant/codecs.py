@@ -29,7 +29,7 @@ import torch
 from unsparse.quant.fixed_point import check_bits, from_codes, max_code, to_codes
 from unsparse.quant.packing import pack_bits, unpack_bits
 from unsparse.sparse.codecs import TensorCodec, expect_params, expect_parts, register_codec
-from unsparse.sparse.format import SparseFormatError
+from unsparse.sparse.format import SparseFormatError, quote
 
 
 def _bits(params: dict[str, Any], key: str, low: int, field: str) -> int:
@@ -49,7 +49,7 @@ def _step(params: dict[str, Any], field: str) -> float:
     except OverflowError:
         valid = False
     if not valid:
-        raise SparseFormatError(f"{field}: step must be a float32 value > 0, got {step!r}")
+        raise SparseFormatError(f"{field}: step must be a float32 value > 0, got {quote(step)}")
     return float(step)
 
 
@@ -200,7 +200,7 @@ class CodebookCodec(TensorCodec):
         step = _step(params, field)
         expect_parts(parts, {"indices", "centroids", "row_nnz"}, field)
         if len(shape) != 2:
-            raise SparseFormatError(f"{field}: codebook tensors are (M, L), metadata says {tuple(shape)}")
+            raise SparseFormatError(f"{field}: codebook tensors are (M, L), metadata says {quote(tuple(shape))}")
         M, L = shape
         centroids = _centroid_codes(parts["centroids"], index_bits, centroid_bits, f"{field}::centroids")
         row_nnz = unpack_bits(parts["row_nnz"], row_count_bits(L), M, f"{field}::row_nnz")

@@ -30,7 +30,7 @@ from unsparse.quant.finite import check_finite_weights
 from unsparse.quant.fixed_point import check_bits, fixed_point_step, from_codes, to_codes
 from unsparse.quant.layerwise import LayerwiseQuantizer
 from unsparse.settings import check_choice, check_integer
-from unsparse.sparse.format import SparseFormatError
+from unsparse.sparse.format import SparseFormatError, quote
 
 EMPTY_LAYER_STEP = 1.0
 """Step recorded for a layer without nonzero weights (it has no centroid, so the step is never used)."""
@@ -188,7 +188,7 @@ def recorded_fit(description: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(description, dict):
         raise SparseFormatError(f"quantization: expected an object, got {type(description).__name__}")
     if description.get("scheme") != KMeansQuantizer.scheme:
-        raise SparseFormatError(f"quantization.scheme: expected 'kmeans', got {description.get('scheme')!r}")
+        raise SparseFormatError(f"quantization.scheme: expected 'kmeans', got {quote(description.get('scheme'))}")
     quantizer = KMeansQuantizer.described(description)
     recorded = set(description["weights"])
     return {"clusters": quantizer.clusters,

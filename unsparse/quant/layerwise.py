@@ -23,7 +23,7 @@ from unsparse.quant.base import Quantizer
 from unsparse.quant.finite import check_finite_weights
 from unsparse.quant.state import describe_quantization, register_scheme
 from unsparse.runtime.modules import SparseConv, sparse_layers
-from unsparse.sparse.format import SparseFormatError, UniformCSR
+from unsparse.sparse.format import SparseFormatError, UniformCSR, quote
 
 
 class LayerwiseQuantizer(Quantizer):
@@ -116,10 +116,11 @@ class LayerwiseQuantizer(Quantizer):
         """
         unexpected = sorted(set(description) - {"scheme", "weights", "activations"})
         if unexpected:
-            raise SparseFormatError(f"quantization: unexpected {unexpected}, expected scheme, weights and activations")
+            raise SparseFormatError(f"quantization: unexpected {quote(unexpected)}, expected scheme, weights and "
+                                    "activations")
         weights = description.get("weights")
         if not isinstance(weights, dict):
-            raise SparseFormatError(f"quantization.weights: expected an object, got {weights!r}")
+            raise SparseFormatError(f"quantization.weights: expected an object, got {quote(weights)}")
         try:
             quantizer = cls.from_settings(weights)
         except KeyError as error:
@@ -131,13 +132,14 @@ class LayerwiseQuantizer(Quantizer):
             settings = {key: value for key, value in settings.items() if key not in cls.optional_settings}
         unexpected = sorted(set(weights) - set(settings))
         if unexpected:
-            raise SparseFormatError(f"quantization.weights: unexpected {unexpected}, expected {sorted(settings)}")
+            raise SparseFormatError(f"quantization.weights: unexpected {quote(unexpected)}, expected "
+                                    f"{sorted(settings)}")
         missing = sorted(set(settings) - set(weights))  # not read by from_settings (index_bits), or optional ones
         if missing:
             raise SparseFormatError(f"quantization.weights.{missing[0]}: missing")
         for key, value in settings.items():
             if type(weights[key]) is not type(value) or weights[key] != value:
-                raise SparseFormatError(f"quantization.weights.{key}: recorded {weights[key]!r}, the scheme's "
+                raise SparseFormatError(f"quantization.weights.{key}: recorded {quote(weights[key])}, the scheme's "
                                         f"settings give {value!r}")
         return quantizer
 

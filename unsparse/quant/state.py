@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from unsparse.runtime.modules import sparse_layers
-from unsparse.sparse.format import SparseFormatError
+from unsparse.sparse.format import SparseFormatError, quote
 
 Restorer = Callable[[nn.Module, dict[str, Any]], None]
 """``restore(model, description)``: rebuild a scheme's structure on a ``meta`` model; raises SparseFormatError."""
@@ -63,7 +63,7 @@ def _scheme(description: Any) -> tuple[Restorer, ValuesCodec, LayerCheck]:
         raise SparseFormatError(f"quantization: expected an object with a 'scheme', got {type(description).__name__}")
     scheme = description.get("scheme")
     if not isinstance(scheme, str) or scheme not in _SCHEMES:
-        raise SparseFormatError(f"quantization: unknown scheme {scheme!r}; known: {sorted(_SCHEMES)}")
+        raise SparseFormatError(f"quantization: unknown scheme {quote(scheme)}; known: {sorted(_SCHEMES)}")
     return _SCHEMES[scheme]
 
 
@@ -94,8 +94,8 @@ def check_values_codecs(model: nn.Module) -> None:
         if any(key not in codec or type(codec[key]) is not type(value) or codec[key] != value
                for key, value in expected.items()):
             scheme = "none" if description is None else description["scheme"]
-            raise SparseFormatError(f"{name}.values: codec {codec} contradicts the quantization description (scheme "
-                                    f"{scheme!r}), which gives {expected}")
+            raise SparseFormatError(f"{name}.values: codec {quote(codec)} contradicts the quantization description "
+                                    f"(scheme {scheme!r}), which gives {expected}")
         check_layer(description, name, layer.values, codec)
 
 
