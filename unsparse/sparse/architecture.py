@@ -25,7 +25,7 @@ def _build_architecture(spec: dict[str, Any]) -> nn.Module:
 
     name, kwargs = spec.get("name"), spec.get("kwargs")
     require(set(spec) == {"name", "kwargs"} and isinstance(name, str) and isinstance(kwargs, dict), "model",
-             f"bad model spec {quote(spec)}: expected a name and kwargs")
+            f"bad model spec {quote(spec)}: expected a name and kwargs")
     try:
         with torch.device("meta"):
             model = create_model(name, **kwargs)
@@ -51,8 +51,8 @@ def shell_model(metadata: dict[str, Any]) -> nn.Module:
     replace_shared(model, (nn.Conv1d, nn.Conv2d),
                    lambda name, conv: _sparse_shell(name, conv, metadata["layers"].get(name)))
     require(set(metadata["layers"]) == set(sparse_layers(model)), "layers",
-             f"names differ from the architecture's convolutions: "
-             f"{quote(sorted(set(metadata['layers']) ^ set(sparse_layers(model))))}")
+            f"names differ from the architecture's convolutions: "
+            f"{quote(sorted(set(metadata['layers']) ^ set(sparse_layers(model))))}")
     try:
         restore_quantization(model, metadata.get("quantization"))
     except SparseFormatError as error:
@@ -80,19 +80,30 @@ def _sparse_shell(name: str, conv: nn.Module, layer_meta: Any) -> SparseConv:
     except SparseFormatError as error:
         raise SparseFileError(f"{field}: the architecture's convolution: {error}") from error
     require(geometry == architecture, f"{field}.geometry",
-             f"{geometry} differs from the architecture's {architecture}")
+            f"{geometry} differs from the architecture's {architecture}")
     weight_shape = tuple(conv.weight.shape)
     recorded = layer_meta["weight_shape"]
     require(isinstance(recorded, list) and all(type(size) is int for size in recorded)
-             and recorded == list(weight_shape), f"{field}.weight_shape",
-             f"{quote(layer_meta.get('weight_shape'))} differs from the architecture's {list(weight_shape)}")
+            and recorded == list(weight_shape), f"{field}.weight_shape",
+            f"{quote(layer_meta.get('weight_shape'))} differs from the architecture's {list(weight_shape)}")
     columns, row_length = math.prod(weight_shape[1:]), layer_meta.get("row_length")
     require(isinstance(row_length, int) and not isinstance(row_length, bool) and 0 <= row_length <= columns,
-             f"{field}.row_length", f"expected an integer in [0, K = {columns}], got {quote(row_length)}")
+            f"{field}.row_length", f"expected an integer in [0, K = {columns}], got {quote(row_length)}")
     shape = (weight_shape[0], row_length)
     csr = UniformCSR(torch.empty(shape, dtype=conv.weight.dtype, device="meta"),
                      torch.empty(shape, dtype=INDEX_DTYPE, device="meta"), weight_shape)
     return SparseConv(csr, conv.bias, geometry)
+
+
+def tensor_owner(model: nn.Module, key: str) -> tuple[nn.Module, str]:
+    """The module of ``model`` that holds state-dict entry ``key``, and the entry's name there (``"conv.values"``:
+    ``model.conv`` and ``"values"``).
+
+    Raises:
+        AttributeError: ``key`` names no submodule of ``model``.
+    """
+    module_name, _, tensor_name = key.rpartition(".")
+    return (model.get_submodule(module_name) if module_name else model), tensor_name
 
 
 def restore_codecs(model: nn.Module, entries: dict[str, dict[str, Any]]) -> None:
@@ -100,8 +111,7 @@ def restore_codecs(model: nn.Module, entries: dict[str, dict[str, Any]]) -> None
     for key, entry in entries.items():
         codec = entry["codec"]
         if codec["name"] != "raw":
-            module_name, _, tensor_name = key.rpartition(".")
-            module = model.get_submodule(module_name) if module_name else model
+            module, tensor_name = tensor_owner(model, key)
             module.unsparse_codecs = {**getattr(module, "unsparse_codecs", {}), tensor_name: dict(codec)}
 
 

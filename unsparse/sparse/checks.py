@@ -31,10 +31,10 @@ def check_entries(entries: dict[str, Any], expected: dict[str, torch.Tensor], co
     for key, reference in expected.items():
         entry = entries[key]
         require(isinstance(entry, dict) and set(entry) == TENSOR_KEYS and isinstance(entry["shape"], list)
-                 and all(type(size) is int for size in entry["shape"]), key,
-                 f"bad entry {quote(entry)}: expected {sorted(TENSOR_KEYS)}, the shape a list of integers")
+                and all(type(size) is int for size in entry["shape"]), key,
+                f"bad entry {quote(entry)}: expected {sorted(TENSOR_KEYS)}, the shape a list of integers")
         require(entry["shape"] == list(reference.shape), key,
-                 f"shape {quote(entry['shape'])}, architecture needs {list(reference.shape)}")
+                f"shape {quote(entry['shape'])}, architecture needs {list(reference.shape)}")
         name = entry["dtype"]
         dtype = DTYPES.get(name) if isinstance(name, str) else None
         require(dtype is not None, key, f"unknown dtype {quote(name)}")
@@ -46,7 +46,7 @@ def check_entries(entries: dict[str, Any], expected: dict[str, torch.Tensor], co
         codec = entry["codec"]
         require(isinstance(codec, dict) and isinstance(codec.get("name"), str), key, f"bad codec {quote(codec)}")
         require(codec["name"] == "raw" or key in coded, key,
-                 f"codec {quote(codec['name'])}; only a sparse layer's values may carry a codec other than raw")
+                f"codec {quote(codec['name'])}; only a sparse layer's values may carry a codec other than raw")
     require(len(floating) <= 1, "tensors", f"floating tensors in several dtypes {sorted(map(str, floating))}")
 
 
@@ -59,9 +59,9 @@ def check_counts(name: str, layer_meta: dict[str, Any], csr: UniformCSR) -> None
     nnz, sparsity = layer_meta.get("nnz"), layer_meta.get("sparsity")
     counted, fraction = csr.nnz, csr.sparsity  # each a pass over the values: once, not again for the messages
     require(type(nnz) is int and nnz == counted, f"{field}.nnz",
-             f"recorded {quote(nnz)}, the values hold {counted} nonzeros")
+            f"recorded {quote(nnz)}, the values hold {counted} nonzeros")
     require(type(sparsity) is float and math.isclose(sparsity, fraction, rel_tol=0.0, abs_tol=1e-12),
-             f"{field}.sparsity", f"recorded {quote(sparsity)}, the values give {fraction!r}")
+            f"{field}.sparsity", f"recorded {quote(sparsity)}, the values give {fraction!r}")
 
 
 def check_row_length(name: str, csr: UniformCSR) -> None:
@@ -74,7 +74,7 @@ def check_row_length(name: str, csr: UniformCSR) -> None:
     """
     widest = int((csr.values != 0).sum(dim=1).max()) if csr.out_channels else 0
     require(csr.row_length == widest, f"layers.{name}.row_length", f"{csr.row_length}, but the fullest row holds "
-             f"{widest} nonzeros: rows are padded to the largest row's nnz and no further (UnSparse-Opt §5)")
+            f"{widest} nonzeros: rows are padded to the largest row's nnz and no further (UnSparse-Opt §5)")
 
 
 def check_distinct_columns(name: str, csr: UniformCSR) -> None:

@@ -18,6 +18,12 @@ from unsparse.sparse.format import SparseFormatError
 PART_SEPARATOR = "::"
 
 
+def stored_name(key: str, part: str) -> str:
+    """The name a file stores part ``part`` of state-dict tensor ``key`` under: ``<key>::<part>``, or ``key`` itself
+    for the unnamed part ``""`` (a raw tensor's only one)."""
+    return f"{key}{PART_SEPARATOR}{part}" if part else key
+
+
 class TensorCodec(ABC):
     """Encodes a tensor into named parts and decodes them back exactly.
 

@@ -27,7 +27,7 @@ from torch import nn
 from unsparse.runtime.modules import sparse_layers
 from unsparse.sparse.architecture import restore_codecs, shell_model
 from unsparse.sparse.checks import check_counts, check_distinct_columns, check_row_length, check_values
-from unsparse.sparse.codecs import PART_SEPARATOR, get_codec
+from unsparse.sparse.codecs import PART_SEPARATOR, get_codec, stored_name
 from unsparse.sparse.format import SparseFormatError, UniformCSR, quote
 from unsparse.sparse.safetensors_file import OpenFile, open_file
 from unsparse.sparse.schema import (
@@ -53,7 +53,7 @@ def _read_metadata(opened: OpenFile) -> dict[str, Any]:
     raw = opened.metadata.get(METADATA_KEY)
     require(isinstance(raw, str), "metadata", f"no {METADATA_KEY!r} string; not an UnSparse file")
     require(len(raw) <= METADATA_MAX_CHARACTERS, "metadata",
-             f"{len(raw)} characters, more than {METADATA_MAX_CHARACTERS}")
+            f"{len(raw)} characters, more than {METADATA_MAX_CHARACTERS}")
     try:  # NaN allowed: a run's metric in extra may be NaN; every checked field refuses it by type or range
         metadata = loads_strict(raw, constants=True)
     except (ValueError, RecursionError) as error:  # ValueError: also an integer beyond Python's digit limit
@@ -61,12 +61,12 @@ def _read_metadata(opened: OpenFile) -> dict[str, Any]:
     require(isinstance(metadata, dict), "metadata", "expected a JSON object")
     version = metadata.get("format_version")
     require(type(version) is int and version == FORMAT_VERSION, "format_version",
-             f"unsupported version {quote(version)}, expected the integer {FORMAT_VERSION}")
+            f"unsupported version {quote(version)}, expected the integer {FORMAT_VERSION}")
     for key, kind in (("model", dict), ("layers", dict), ("tensors", dict), ("extra", dict)):
         require(isinstance(metadata.get(key), kind), key, f"missing or not a {kind.__name__}")
     require("quantization" in metadata, "quantization", "missing (null for an unquantized model)")
     require(set(metadata) == TOP_LEVEL_KEYS, "metadata",
-             f"unexpected keys {quote(sorted(set(metadata) - TOP_LEVEL_KEYS))}")
+            f"unexpected keys {quote(sorted(set(metadata) - TOP_LEVEL_KEYS))}")
     return metadata
 
 
@@ -93,11 +93,11 @@ def _read_parts(opened: OpenFile, entries: dict[str, dict[str, Any]]) -> dict[st
     missing = sorted(set(entries) - set(parts_of))
     require(not missing, "tensors", f"declared but not stored: {missing}")
     for key, parts in parts_of.items():
-        stored_bytes = sum(opened.stored[f"{key}{PART_SEPARATOR}{part}" if part else key].size for part in parts)
+        stored_bytes = sum(opened.stored[stored_name(key, part)].size for part in parts)
         limit = PART_BYTES_PER_ELEMENT * math.prod(entries[key]["shape"]) + PART_BYTES_EXTRA
         require(stored_bytes <= limit, key, f"{stored_bytes} stored bytes; a tensor of shape {entries[key]['shape']} "
-                 f"needs at most {limit}")
-    return {key: {part: opened.tensor(f"{key}{PART_SEPARATOR}{part}" if part else key) for part in parts}
+                f"needs at most {limit}")
+    return {key: {part: opened.tensor(stored_name(key, part)) for part in parts}
             for key, parts in parts_of.items()}
 
 
@@ -113,7 +113,7 @@ def _decode_tensors(entries: dict[str, dict[str, Any]],
         except SparseFormatError as error:
             raise SparseFileError(foreign(error)) from error
         require(tensor.dtype == DTYPES[entry["dtype"]], key,
-                 f"dtype {tensor.dtype} differs from metadata {entry['dtype']}")
+                f"dtype {tensor.dtype} differs from metadata {entry['dtype']}")
         decoded[key] = tensor
     return decoded
 
@@ -183,7 +183,7 @@ def load_sparse(path: str | Path, device: torch.device | str = "cpu", backend: s
     model.load_state_dict(decoded, strict=True, assign=True)
     restore_codecs(model, metadata["tensors"])
     require(not any(t.is_meta for t in [*model.parameters(), *model.buffers()]), "tensors",
-             "the architecture has tensors the file does not provide")
+            "the architecture has tensors the file does not provide")
     try:
         check_values_codecs(model)
     except SparseFormatError as error:

@@ -58,10 +58,10 @@ def _check_header(file: BinaryIO, size: int, path: Path) -> tuple[int, Any]:
     """
     prefix = file.read(8)
     require(len(prefix) == 8, "file", f"{path} is not a valid safetensors file ({size} bytes, fewer than the 8 of "
-             "the header length)")
+            "the header length)")
     length = int.from_bytes(prefix, "little")
     require(length <= size - 8, "file", f"{path} is not a valid safetensors file (a header of {length} bytes in a "
-             f"file of {size})")
+            f"file of {size})")
     require(length <= HEADER_MAX_BYTES, "header", f"{length} bytes, more than {HEADER_MAX_BYTES}")
     try:
         return length, loads_strict(file.read(length).decode("utf-8"))
@@ -96,41 +96,41 @@ def _layout(header: Any, data_bytes: int, path: Path) -> tuple[dict[str, str], d
             tensors that end before the data section does).
     """
     require(isinstance(header, dict), "file", f"{path} is not a valid safetensors file (its header is a "
-             f"{type(header).__name__}, not an object)")
+            f"{type(header).__name__}, not an object)")
     metadata = header.get("__metadata__")
     metadata = {} if metadata is None else metadata
     require(isinstance(metadata, dict) and all(isinstance(value, str) for value in metadata.values()),
-             "header.__metadata__", f"{quote(metadata)}: expected an object of strings")
+            "header.__metadata__", f"{quote(metadata)}: expected an object of strings")
     stored = {}
     for key, entry in header.items():
         if key == "__metadata__":
             continue
         require(isinstance(entry, dict) and set(entry) == STORED_KEYS, key,
-                 f"header entry {quote(entry)}: expected the keys {sorted(STORED_KEYS)}")
+                f"header entry {quote(entry)}: expected the keys {sorted(STORED_KEYS)}")
         name, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         require(isinstance(name, str) and name in STORED_DTYPES, key,
-                 f"stored dtype {quote(name)}, expected one of {sorted(STORED_DTYPES)}")
+                f"stored dtype {quote(name)}, expected one of {sorted(STORED_DTYPES)}")
         # every size, and their product with zero sizes read as 1 (which bounds torch's numel and strides: an empty
         # [2^62, 2^62, 0] overflowed int64 in torch's reshape, a RuntimeError), below 2^63
         require(isinstance(shape, list) and all(type(size) is int and 0 <= size < SIZE_LIMIT for size in shape)
-                 and bounded_product(shape) < SIZE_LIMIT, key,
-                 f"shape {quote(shape)}: expected a list of integers in [0, 2^63) whose product (a 0 read as "
-                 "1) is below 2^63")
+                and bounded_product(shape) < SIZE_LIMIT, key,
+                f"shape {quote(shape)}: expected a list of integers in [0, 2^63) whose product (a 0 read as "
+                "1) is below 2^63")
         require(isinstance(offsets, list) and len(offsets) == 2 and all(type(at) is int for at in offsets)
-                 and 0 <= offsets[0] <= offsets[1], key,
-                 f"data_offsets {quote(offsets)}: expected [start, end], integers, 0 <= start <= end")
+                and 0 <= offsets[0] <= offsets[1], key,
+                f"data_offsets {quote(offsets)}: expected [start, end], integers, 0 <= start <= end")
         dtype = STORED_DTYPES[name]
         size = math.prod(shape) * dtype.itemsize
         require(offsets[1] - offsets[0] == size, key, f"data_offsets {offsets} hold {offsets[1] - offsets[0]} bytes, "
-                 f"a {name} tensor of shape {quote(shape)} {size}")
+                f"a {name} tensor of shape {quote(shape)} {size}")
         stored[key] = _Stored(dtype, tuple(shape), offsets[0], size)
     end = 0
     for key, tensor in sorted(stored.items(), key=lambda item: (item[1].start, item[1].size)):
         require(tensor.start == end, key, f"data_offsets start at {tensor.start}, where the tensors before it (in "
-                 f"offset order) end at {end}: the tensors must tile the data section")
+                f"offset order) end at {end}: the tensors must tile the data section")
         end += tensor.size
     require(end == data_bytes, "file", f"{path} is not a valid safetensors file (its tensors end at byte {end} of a "
-             f"data section of {data_bytes})")
+            f"data section of {data_bytes})")
     return metadata, stored
 
 
@@ -160,7 +160,7 @@ class OpenFile:
         except OSError as error:
             raise SparseFileError(f"file: cannot read {self.path}: {error}") from error
         require(read == stored.size, "file", f"{self.path} ended before {stored_key}'s {stored.size} bytes (cut short "
-                 "while open)")
+                "while open)")
         return data.view(stored.dtype).reshape(stored.shape)
 
 
@@ -200,4 +200,4 @@ def open_file(path: Path) -> Iterator[OpenFile]:
         yield OpenFile(file, metadata, stored, 8 + length, path)
         after = os.fstat(descriptor)
         require((after.st_size, after.st_mtime_ns) == (info.st_size, info.st_mtime_ns), "file",
-                 f"{path} changed while it was read (its size or modification time moved: rewritten in place?)")
+                f"{path} changed while it was read (its size or modification time moved: rewritten in place?)")

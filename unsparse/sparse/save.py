@@ -15,17 +15,16 @@ from torch import nn
 
 from unsparse.atomic import atomic_write_bytes
 from unsparse.runtime.modules import sparse_layers
-from unsparse.sparse.architecture import shell_model
+from unsparse.sparse.architecture import shell_model, tensor_owner
 from unsparse.sparse.checks import check_distinct_columns, check_row_length, check_values
-from unsparse.sparse.codecs import PART_SEPARATOR, get_codec
+from unsparse.sparse.codecs import get_codec, stored_name
 from unsparse.sparse.format import SparseFormatError
 from unsparse.sparse.schema import FORMAT_VERSION, HEADER_MAX_BYTES, METADATA_KEY, METADATA_MAX_CHARACTERS, require
 from unsparse.strict_json import loads_strict
 
 
 def _codec_spec(model: nn.Module, key: str) -> dict[str, Any]:
-    module_name, _, tensor_name = key.rpartition(".")
-    module = model.get_submodule(module_name) if module_name else model
+    module, tensor_name = tensor_owner(model, key)
     return dict(getattr(module, "unsparse_codecs", {}).get(tensor_name, {"name": "raw"}))
 
 
@@ -82,7 +81,7 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
         for part, data in parts.items():
             data = data.detach().cpu().contiguous()
             storage = data.untyped_storage().data_ptr()
-            tensors[f"{key}{PART_SEPARATOR}{part}" if part else key] = data.clone() if storage in storages else data
+            tensors[stored_name(key, part)] = data.clone() if storage in storages else data
             storages.add(storage)
         entries[key] = {"shape": list(tensor.shape), "dtype": str(tensor.dtype).removeprefix("torch."),
                         "codec": codec}
@@ -102,7 +101,7 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
     except (TypeError, ValueError, RecursionError) as error:
         raise ValueError(f"extra: not JSON ({error})") from error
     require(len(text) <= METADATA_MAX_CHARACTERS, "extra", f"metadata of {len(text)} characters, more than "
-             f"{METADATA_MAX_CHARACTERS}")
+            f"{METADATA_MAX_CHARACTERS}")
     try:  # int and str keys of extra can become one JSON key ({1: .., "1": ..}), which the loader refuses
         loads_strict(text, constants=True)
     except (ValueError, RecursionError) as error:  # RecursionError: nested deeper than the parser reads
