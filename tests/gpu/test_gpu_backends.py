@@ -68,6 +68,9 @@ CASES = {
     "stride2_vector": (3, 9, 16, 32, 20, 3, 3, 2, 1, 1, 0.8, 1, 1),
     "stride2_1x1": (3, 40, 24, 24, 70, 1, 1, 2, 0, 1, 0.9, 1, 1),
     "stride2_1x1_odd": (2, 100, 13, 13, 33, 1, 1, 2, 0, 1, 0.9, 1, 0),
+    # A stride beyond the padded input's size along both axes (one phase pixel per phase image, phases past the
+    # input zero: ad6deff's PhaseSplit.input).
+    "stride_beyond_input": (3, 4, 3, 2, 8, 5, 5, 5, 2, 1, 0.5, 1, 1),
 }
 
 
@@ -198,11 +201,12 @@ def test_pairing_kernel_matches_torchs_pair_images(batch: int, chw: tuple[int, i
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(("shape", "kernel", "stride", "padding"), [
     ((3, 2, 9, 7), (3, 3), 2, 1), ((128, 3, 224, 224), (11, 11), 4, 2), ((5, 3, 230, 229), (7, 7), 2, 3),
-    ((4, 5, 6, 5), (3, 1), (2, 1), (1, 0))])
+    ((4, 5, 6, 5), (3, 1), (2, 1), (1, 0)), ((3, 2, 3, 2), (5, 5), (5, 4), (2, 2))])
 def test_phase_pairing_kernel_matches_the_phase_split_then_pairing(shape, kernel, stride, padding, dtype) -> None:
     """``phase_pair_images`` against torch's two passes (:meth:`PhaseSplit.input`, then :func:`pair_images`), bit
     for bit: odd batches, sizes that are not multiples of the stride (zero phase rows and columns), AlexNet's stem
-    at batch 128, ResNet-50's 7x7 stride-2 stem on odd sizes, and a stride along rows only. The output is poisoned
+    at batch 128, ResNet-50's 7x7 stride-2 stem on odd sizes, a stride along rows only, and strides beyond the
+    input's size (phases past the input are zero). The output is poisoned
     first, so an element the kernel skips fails."""
     from unsparse.runtime.backends.direct import bind_phase_pairing
 
