@@ -1,10 +1,11 @@
-"""k-means codebooks record how they were made: ``clusters`` and scikit-learn's fit settings travel in the file's
-quantization description, are validated on load like the other settings, and older files without them still load,
-reading them as not recorded."""
+"""k-means codebooks record how they were made: ``clusters``, scikit-learn's fit settings and its version travel in
+the file's quantization description, are validated on load like the other settings, and older files without them
+still load, reading them as not recorded."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -14,15 +15,16 @@ from safetensors.torch import save
 from unsparse import create_model, load_sparse, save_sparse, sparsify
 from unsparse.prune import MagnitudePruner
 from unsparse.quant import ActivationSpec, KMeansQuantizer, LinearQuantizer
-from unsparse.quant.kmeans import FIT_SETTINGS, recorded_fit
+from unsparse.quant.kmeans import FIT_SETTINGS, KMEANS_ARGUMENTS, installed_sklearn_version, recorded_fit
 from unsparse.runtime import sparse_layers
 from unsparse.sparse.format import SparseFormatError
 
 FIT = {"n_init": 2, "max_iter": 50, "init": "random", "random_state": 7}
 """Fit settings other than the defaults, so that a record of the defaults cannot pass for them."""
-FIXED = {"tol": 1e-4, "algorithm": "lloyd"}
-"""The fit settings the quantizer does not take: scikit-learn's defaults, recorded as well."""
-DEFAULT_FIT = {"n_init": 4, "max_iter": 300, "tol": 1e-4, "init": "k-means++", "algorithm": "lloyd", "random_state": 0}
+FIXED = {"tol": 1e-4, "algorithm": "lloyd", "sklearn_version": installed_sklearn_version()}
+"""The fit settings the quantizer does not take: scikit-learn's defaults and its version, recorded as well."""
+DEFAULT_FIT = {"n_init": 4, "max_iter": 300, "tol": 1e-4, "init": "k-means++", "algorithm": "lloyd", "random_state": 0,
+               "sklearn_version": installed_sklearn_version()}
 NO_ACTIVATIONS = ActivationSpec(format="none")
 
 
@@ -77,7 +79,7 @@ def test_the_record_remakes_the_codebooks(saved):
     model, path = saved
     record = recorded_fit(load_sparse(path).unsparse_quantization)
     clusters = record.pop("clusters")
-    assert {key: record.pop(key) for key in FIXED} == FIXED
+    assert {key: record.pop(key) for key in FIXED} == FIXED  # the version is the installed one: it made them
     again = KMeansQuantizer(clusters=clusters, centroid_bits=8, activations=NO_ACTIVATIONS, progress=False,
                             **record).quantize(pruned_sparse_model())
     for name, layer in sparse_layers(model).items():
@@ -95,7 +97,27 @@ def test_a_file_written_before_the_fit_settings_were_recorded_loads_reading_them
         assert torch.equal(loaded(inputs), model(inputs))
 
 
-@pytest.mark.parametrize("key", FIT_SETTINGS)
+def test_a_file_written_before_the_sklearn_version_was_recorded_loads_reading_it_as_not_recorded(saved, tmp_path):
+    """The version is recorded since after the ``KMeans`` arguments (7b62af3): such files hold them without it."""
+    model, path = saved
+    loaded = load_sparse(rewritten(path, tmp_path, lambda weights: weights.pop("sklearn_version")))
+    assert recorded_fit(loaded.unsparse_quantization) == {"clusters": 8, **FIT, **FIXED, "sklearn_version": None}
+    inputs = torch.randn(3, 1, 28, 28, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded(inputs), model(inputs))
+
+
+def test_a_file_of_another_sklearn_version_loads_and_says_which(saved, tmp_path):
+    loaded = load_sparse(rewritten(saved[1], tmp_path, lambda weights: weights.update(sklearn_version="0.24.2")))
+    assert recorded_fit(loaded.unsparse_quantization)["sklearn_version"] == "0.24.2"
+    again = KMeansQuantizer.described(loaded.unsparse_quantization)
+    assert again.settings()["sklearn_version"] == "0.24.2"
+    with pytest.raises(ValueError, match=rf"^sklearn_version: this quantizer records codebooks of scikit-learn "
+                                         rf"0\.24\.2, but {re.escape(installed_sklearn_version())} is installed"):
+        again.quantize_values(torch.linspace(-1, 1, 20).reshape(2, 10))
+
+
+@pytest.mark.parametrize("key", KMEANS_ARGUMENTS)
 def test_a_description_that_records_some_fit_settings_but_not_all_is_refused(saved, tmp_path, key):
     damaged = rewritten(saved[1], tmp_path, lambda weights: weights.pop(key))
     with pytest.raises(ValueError, match=rf"^quantization\.weights\.{key}: missing"):
@@ -109,6 +131,8 @@ def test_a_description_that_records_some_fit_settings_but_not_all_is_refused(sav
     ("init", "kmeans"), ("init", 1), ("init", None),
     ("algorithm", "elkan"), ("algorithm", "auto"), ("algorithm", ["lloyd"]), ("algorithm", None),
     ("random_state", -1), ("random_state", 2**32), ("random_state", 7.0), ("random_state", None),
+    ("sklearn_version", ""), ("sklearn_version", 1.5), ("sklearn_version", None), ("sklearn_version", ["1.5.2"]),
+    ("sklearn_version", "v1.5"), ("sklearn_version", "1.5 2"), ("sklearn_version", "1." + "9" * 64),
 ])
 def test_a_malformed_fit_setting_is_refused_naming_it(saved, tmp_path, key, value):
     damaged = rewritten(saved[1], tmp_path, lambda weights: weights.update({key: value}))

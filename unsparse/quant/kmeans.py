@@ -11,16 +11,20 @@ most ``clusters`` nonzero codes (a file whose layer holds more is refused, :meth
 A zero code is no cluster: the quantizers store no zero, but a stored zero before a row's padding (a zero weight
 the codec keeps in place) takes one and loads.
 
-The file's quantization description records how the codebooks were made: ``clusters`` and the ``KMeans`` fit settings
-(:data:`FIT_SETTINGS`: ``n_init``, ``max_iter``, ``tol``, ``init``, ``algorithm``, ``random_state``), validated on
-load like the other settings. Every layer's nonzero weights are fitted, none sampled, so there is no sample size.
-Files written before the fit settings were recorded lack all of them and load; :func:`recorded_fit` reads them as
+The file's quantization description records how the codebooks were made: ``clusters`` and the fit settings
+(:data:`FIT_SETTINGS`: the ``KMeans`` arguments ``n_init``, ``max_iter``, ``tol``, ``init``, ``algorithm``,
+``random_state``, and ``sklearn_version``, since k-means++ seeding and the iterations may change between
+scikit-learn versions), validated on load like the other settings. Every layer's nonzero weights are fitted, none
+sampled, so there is no sample size. Files written before the ``KMeans`` arguments were recorded lack all of them,
+files written before the version was recorded lack it; both load, and :func:`recorded_fit` reads what they lack as
 not recorded (None).
 """
 
 from __future__ import annotations
 
 import math
+import re
+from importlib.metadata import version
 from typing import Any
 
 import torch
@@ -44,9 +48,37 @@ TOL = 1e-4
 cannot change the codebooks unseen): convergence tolerance, relative to the weights' variance."""
 ALGORITHM = "lloyd"
 """``algorithm`` passed to ``sklearn.cluster.KMeans`` (its default, made explicit as :data:`TOL` is)."""
-FIT_SETTINGS = ("n_init", "max_iter", "tol", "init", "algorithm", "random_state")
-"""The ``sklearn.cluster.KMeans`` settings recorded in the description's ``weights`` beside ``clusters``
-(``n_clusters``); a description written before they were recorded holds none of them."""
+KMEANS_ARGUMENTS = ("n_init", "max_iter", "tol", "init", "algorithm", "random_state")
+"""The ``sklearn.cluster.KMeans`` arguments besides ``n_clusters`` (``clusters``) recorded in the description's
+``weights``; a description written before they were recorded holds none of them."""
+FIT_SETTINGS = (*KMEANS_ARGUMENTS, "sklearn_version")
+"""Everything recorded of how the codebooks were fitted besides ``clusters``: :data:`KMEANS_ARGUMENTS` and the
+scikit-learn version that ran them (``sklearn_version``, recorded since after the arguments: a description may hold
+the arguments without it)."""
+VERSION = re.compile(r"[0-9][0-9A-Za-z.+!_-]{0,63}")
+"""A recorded ``sklearn_version``: a version string (``1.5.2``, ``1.6.dev0``, ``1.5.2+local``), at most 64
+characters."""
+
+
+def installed_sklearn_version() -> str:
+    """The version of the installed scikit-learn (``importlib.metadata``, without importing it).
+
+    Raises:
+        importlib.metadata.PackageNotFoundError: scikit-learn is not installed.
+    """
+    return version("scikit-learn")
+
+
+def check_sklearn_version(value: Any) -> str:
+    """``value`` if it is a version string (:data:`VERSION`).
+
+    Raises:
+        ValueError: ``sklearn_version: ...`` quoting ``value`` (cut to 200 characters) otherwise.
+    """
+    if not isinstance(value, str) or not VERSION.fullmatch(value):
+        raise ValueError(f"sklearn_version: expected a version string such as '1.5.2' (at most 64 characters), got "
+                         f"{quote(value)}")
+    return value
 
 
 class KMeansQuantizer(LayerwiseQuantizer):
@@ -62,8 +94,8 @@ class KMeansQuantizer(LayerwiseQuantizer):
         max_iter: iterations per run (an integer >= 1).
         init: ``"k-means++"`` or ``"random"``.
         random_state: seed, an integer in ``[0, 2^32 - 1]`` (fixed: repeatable). These four, :data:`TOL` and
-            :data:`ALGORITHM` (the :data:`FIT_SETTINGS`) are passed to ``sklearn.cluster.KMeans`` and recorded in
-            the description.
+            :data:`ALGORITHM` (the :data:`KMEANS_ARGUMENTS`) are passed to ``sklearn.cluster.KMeans`` and recorded in
+            the description, with the installed scikit-learn's version (``sklearn_version``).
         activations: default float16 (the paper's 4b/16b row reads as 4-bit weights, 16-bit activations).
         progress: tqdm bars during calibration.
 
@@ -74,7 +106,7 @@ class KMeansQuantizer(LayerwiseQuantizer):
 
     scheme = "kmeans"
     default_activations = ActivationSpec(format="fp16")
-    optional_settings = frozenset(FIT_SETTINGS)
+    optional_settings = (frozenset(KMEANS_ARGUMENTS), frozenset({"sklearn_version"}))
     tol = TOL
     algorithm = ALGORITHM
 
@@ -88,6 +120,7 @@ class KMeansQuantizer(LayerwiseQuantizer):
         self.n_init, self.max_iter = check_integer(n_init, "n_init"), check_integer(max_iter, "max_iter")
         self.init = check_choice(init, INITS, "init")
         self.random_state = check_integer(random_state, "random_state", 0, MAX_SEED)
+        self.sklearn_version = installed_sklearn_version()
 
     def cluster(self, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Centroids ``(k,)`` float64 and each weight's centroid index ``(n,)`` int64 for ``weights`` ``(n,)``.
@@ -95,15 +128,22 @@ class KMeansQuantizer(LayerwiseQuantizer):
         ``k <= clusters``; with at most ``clusters`` distinct weights the centroids are those weights (Alg. 3 line 4).
 
         Raises:
-            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.finite.check_finite_weights`).
+            ValueError: NaN or infinite weights, counted (:func:`~unsparse.quant.finite.check_finite_weights`), or
+                k-means to run under another scikit-learn than the :attr:`sklearn_version` this quantizer records
+                (one :meth:`from_settings` made from a file of another version): its description would name a
+                version that did not make the codebooks.
         """
         check_finite_weights(weights)
         distinct, inverse = torch.unique(weights, return_inverse=True)
         if distinct.numel() <= self.clusters:
             return distinct, inverse
+        if self.sklearn_version != installed_sklearn_version():
+            raise ValueError(f"sklearn_version: this quantizer records codebooks of scikit-learn {self.sklearn_version}"
+                             f", but {installed_sklearn_version()} is installed; a new KMeansQuantizer records it")
         from sklearn.cluster import KMeans
 
-        kmeans = KMeans(n_clusters=self.clusters, **self.fit_settings()).fit(weights.reshape(-1, 1).numpy())
+        arguments = {key: getattr(self, key) for key in KMEANS_ARGUMENTS}
+        kmeans = KMeans(n_clusters=self.clusters, **arguments).fit(weights.reshape(-1, 1).numpy())
         return torch.from_numpy(kmeans.cluster_centers_[:, 0]), torch.from_numpy(kmeans.labels_).to(torch.int64)
 
     def quantize_values(self, values: torch.Tensor) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -148,8 +188,8 @@ class KMeansQuantizer(LayerwiseQuantizer):
                                     f"quantization.weights.clusters allows at most {self.clusters}")
 
     def fit_settings(self) -> dict[str, Any]:
-        """The ``sklearn.cluster.KMeans`` arguments besides ``n_clusters``, named as in :data:`FIT_SETTINGS`
-        (JSON-ready)."""
+        """The :data:`FIT_SETTINGS` (JSON-ready): the ``sklearn.cluster.KMeans`` arguments besides ``n_clusters`` and
+        the scikit-learn version."""
         return {key: getattr(self, key) for key in FIT_SETTINGS}
 
     def settings(self) -> dict[str, Any]:
@@ -158,29 +198,34 @@ class KMeansQuantizer(LayerwiseQuantizer):
 
     @classmethod
     def from_settings(cls, weights: dict[str, Any]) -> KMeansQuantizer:
-        """The quantizer ``weights`` describes; the :data:`FIT_SETTINGS` it lacks take their defaults (a description
-        that lacks only some of them is refused by :meth:`described`, as is one whose ``tol`` or ``algorithm`` is
-        not :data:`TOL` or :data:`ALGORITHM`: this code made no such codebook).
+        """The quantizer ``weights`` describes; the :data:`KMEANS_ARGUMENTS` it lacks take their defaults (a
+        description that lacks only some of them is refused by :meth:`described`, as is one whose ``tol`` or
+        ``algorithm`` is not :data:`TOL` or :data:`ALGORITHM`: this code made no such codebook), and its
+        ``sklearn_version`` is the recorded one where there is one, else the installed one.
 
         Raises:
             KeyError: ``clusters`` or ``centroid_bits`` missing.
-            ValueError: a setting out of range or of the wrong type, naming it.
+            ValueError: a setting out of range or of the wrong type, naming it (``sklearn_version`` not a version
+                string: :func:`check_sklearn_version`).
         """
         fit = {key: weights[key] for key in ("n_init", "max_iter", "init", "random_state") if key in weights}
-        return cls(clusters=weights["clusters"], centroid_bits=weights["centroid_bits"], progress=False, **fit)
+        quantizer = cls(clusters=weights["clusters"], centroid_bits=weights["centroid_bits"], progress=False, **fit)
+        if "sklearn_version" in weights:
+            quantizer.sklearn_version = check_sklearn_version(weights["sklearn_version"])
+        return quantizer
 
 
 def recorded_fit(description: dict[str, Any]) -> dict[str, Any]:
     """How a k-means description's codebooks were made (paper 004 §4, Alg. 3 line 4): ``clusters`` and each of
-    :data:`FIT_SETTINGS` as recorded, or None for each fit setting where the description (a file written before they
-    were recorded) records none of them.
+    :data:`FIT_SETTINGS` as recorded, or None for each one the description does not record (a file written before
+    the ``KMeans`` arguments, or before ``sklearn_version``, was recorded).
 
     Args:
         description: a model's quantization description (``unsparse_quantization``, the file's ``quantization``).
 
     Returns:
         ``{"clusters": int, "n_init": int | None, "max_iter": int | None, "tol": float | None, "init": str | None,
-        "algorithm": str | None, "random_state": int | None}``.
+        "algorithm": str | None, "random_state": int | None, "sklearn_version": str | None}``.
 
     Raises:
         SparseFormatError: the description is not a valid k-means one (naming the field, as on load).

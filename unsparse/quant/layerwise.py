@@ -43,10 +43,11 @@ class LayerwiseQuantizer(Quantizer):
 
     scheme: ClassVar[str]
     default_activations: ClassVar[ActivationSpec]
-    optional_settings: ClassVar[frozenset[str]] = frozenset()
-    """Settings that descriptions written before the scheme recorded them lack, all of them together (e.g. k-means'
-    fit settings): such a description is read as not recording them (:meth:`from_settings` uses its defaults), one
-    that holds some of them but not all is refused."""
+    optional_settings: ClassVar[tuple[frozenset[str], ...]] = ()
+    """Groups of settings that descriptions written before the scheme recorded them lack, each group all together
+    (e.g. k-means' ``KMeans`` arguments, and later its ``sklearn_version``): a description that holds none of a
+    group is read as not recording it (:meth:`from_settings` uses its defaults), one that holds some of a group but
+    not all is refused."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -107,8 +108,8 @@ class LayerwiseQuantizer(Quantizer):
     def described(cls, description: dict[str, Any]) -> LayerwiseQuantizer:
         """The quantizer that a file's quantization description records: its ``weights`` must hold exactly the
         scheme's :meth:`settings`, each valid and of the type the scheme writes (e.g. ``index_bits`` the one that
-        ``clusters`` gives), less the :attr:`optional_settings` where it holds none of them (a file written before
-        they were recorded).
+        ``clusters`` gives), less each group of :attr:`optional_settings` of which it holds none (a file written
+        before the group was recorded).
 
         Raises:
             SparseFormatError: naming ``quantization`` (keys other than ``scheme``, ``weights`` and
@@ -128,8 +129,8 @@ class LayerwiseQuantizer(Quantizer):
         except ValueError as error:
             raise SparseFormatError(f"quantization.weights.{error}") from error
         settings = quantizer.settings()
-        if not cls.optional_settings & set(weights):
-            settings = {key: value for key, value in settings.items() if key not in cls.optional_settings}
+        unrecorded = {key for group in cls.optional_settings if not group & set(weights) for key in group}
+        settings = {key: value for key, value in settings.items() if key not in unrecorded}
         unexpected = sorted(set(weights) - set(settings))
         if unexpected:
             raise SparseFormatError(f"quantization.weights: unexpected {quote(unexpected)}, expected "
