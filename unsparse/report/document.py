@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from unsparse.atomic import atomic_write_json, atomic_write_text
+from unsparse.quant.kmeans import FIT_SETTINGS, recorded_fit
 from unsparse.runtime.baseline import NAME as BASELINE
 from unsparse.sparse.functional import dense_fallback_backend
 
@@ -77,6 +78,35 @@ def noise_text(margin: float) -> str:
     """``within the 3 % noise margin`` for ``margin`` 0.03: what a page adds to a slower time that
     :func:`within_noise` holds."""
     return f"within the {100 * margin:.0f} % noise margin"
+
+
+NOT_RECORDED = "not recorded"
+"""What a page says of a setting that ``report.json`` (or the file it describes) lacks, written before it was
+recorded."""
+
+
+def quantization_rows(description: dict[str, Any]) -> list[list[Any]]:
+    """The ``key | value`` rows of ``report.md``'s quantization table for a model's quantization description
+    (``scheme``, ``weights``, ``activations``), each as it is, except that a k-means description's fit settings
+    (:data:`~unsparse.quant.kmeans.FIT_SETTINGS`: how its codebooks were made, paper 004 §4, Alg. 3 line 4) get a
+    row of their own after ``weights``, read by :func:`~unsparse.quant.kmeans.recorded_fit`, each one
+    :data:`NOT_RECORDED` where the description lacks it (a file written before it was recorded).
+
+    Raises:
+        SparseFormatError: a k-means description that is not valid, naming the field (as on load).
+    """
+    if description.get("scheme") != "kmeans":
+        return [[key, value] for key, value in description.items()]
+    fit = recorded_fit(description)
+    settings = ", ".join(f"{key}={NOT_RECORDED if fit[key] is None else fit[key]}" for key in FIT_SETTINGS)
+    rows = []
+    for key, value in description.items():
+        if key == "weights":
+            rows += [[key, {name: setting for name, setting in value.items() if name not in FIT_SETTINGS}],
+                     ["k-means fit settings", settings]]
+        else:
+            rows.append([key, value])
+    return rows
 
 
 MARGIN_NOT_RECORDED = "the noise margin it was checked against was not recorded"
@@ -261,7 +291,8 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
             recorded" where it is missing, as from ``report.json`` of older jobs, and ``tree_modified``),
             ``accuracy`` (the test metric per stage; a NaN or None, or one no better than ``metric_trivial``, is
             named), ``pruning`` (its ``target`` and ``target_reached`` stated when present,
-            ``fully_pruned_layers`` warned about), ``quantization``, optionally ``conv_nonzeros`` (``pruned``
+            ``fully_pruned_layers`` warned about), ``quantization`` (the model's description; a k-means one's fit
+            settings are read by :func:`quantization_rows`), optionally ``conv_nonzeros`` (``pruned``
             and ``exported`` nonzero conv weights, whose difference quantization rounded to zero), ``layers``
             (rows of :func:`unsparse.report.layers.layer_rows`), ``timings``, ``timing_baseline``,
             ``timing_verdicts`` (from :func:`timing_verdicts`), ``file`` (with optional
@@ -282,6 +313,8 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
     Raises:
         KeyError: naming a missing field that is not said above to be optional or to be missing from older jobs'
             ``report.json``; nothing is written then.
+        SparseFormatError: a malformed k-means ``quantization`` description (:func:`quantization_rows`); nothing
+            is written then.
     """
     outdir = Path(outdir)
     run, accuracy, pruning = report["run"], report["accuracy"], report["pruning"]
@@ -316,7 +349,7 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
                         "weights.")
     if report.get("quantization"):
         quant = report["quantization"]
-        sections += ["## Quantization", markdown_table(["key", "value"], [[k, v] for k, v in quant.items()])]
+        sections += ["## Quantization", markdown_table(["key", "value"], quantization_rows(quant))]
         counts = report.get("conv_nonzeros")
         if counts:
             lost = counts["pruned"] - counts["exported"]
