@@ -222,7 +222,8 @@ def test_a_plan_slower_within_the_noise_margin_is_said_to_be_slower(result) -> N
         {"model": "resnet50", "weights": "synthetic", "batch": 128, "precision": "fp16", "dense_ms": 10.0,
          "planned_ms": 9.0, "speedup": 10 / 9, "rel_error": 1e-3, "dense_nhwc_ms": 8.0, "planned_nhwc_ms": 8.1,
          "plan_check": {"planned_ms": 9.2, "default_ms": 9.0, "reverted": [], "timing": "graph", "margin": 0.03},
-         "plan_check_nhwc": {"planned_ms": 8.5, "default_ms": 8.0, "reverted": [], "timing": "graph"}},
+         "plan_check_nhwc": {"planned_ms": 8.5, "default_ms": 8.0, "reverted": [], "timing": "graph",
+                             "margin": 0.03}},
         {"model": "alexnet", "weights": "synthetic", "batch": 128, "precision": "fp16", "dense_ms": 2.0,
          "planned_ms": 2.04, "speedup": 2 / 2.04, "rel_error": 1e-3, "dense_nhwc_ms": 2.2, "planned_nhwc_ms": 2.1}]
     result["targets"] = evaluate_targets(result)
@@ -249,6 +250,38 @@ def test_a_plan_slower_within_the_noise_margin_is_said_to_be_slower(result) -> N
     assert ("end to end alexnet fp16 b128: the planned model (2.040 ms in NCHW, its faster layout) is slower than "
             "the dense model in channels-last (2.000 ms), within the 3 % noise margin.") in text
     assert "SLOWER eagerly" not in text and "run that one instead" not in text
+
+
+@pytest.mark.parametrize(("planned_ms", "said"), [
+    (8.1, "the channels-last plan (8.100 ms) was slower than its dense default (8.000 ms, timed graph) and kept (the "
+          "noise margin it was checked against was not recorded)."),
+    (8.5, "the channels-last plan (8.500 ms) was slower than its dense default (8.000 ms, timed graph) and kept (the "
+          "noise margin it was checked against was not recorded)."),
+    (7.9, None),  # not slower: no line, whatever the margin
+])
+def test_a_plan_check_without_its_margin_says_it_was_not_recorded(result, planned_ms, said) -> None:
+    """A check that recorded no ``margin`` (results before it did) was judged against today's PLAN_MARGIN, so the
+    page called 1 % 'within the 3 % noise margin' and 6 % 'SLOWER ... nothing to set back', neither of which the
+    result says; the job report says 'not recorded' there (13af186), and so does this page now."""
+    result["end_to_end"] = [
+        {"model": "resnet50", "weights": "synthetic", "batch": 128, "precision": "fp16", "dense_ms": 10.0,
+         "planned_ms": 9.0, "speedup": 10 / 9, "rel_error": 1e-3, "dense_nhwc_ms": 8.0, "planned_nhwc_ms": 7.9,
+         "plan_check_nhwc": {"planned_ms": planned_ms, "default_ms": 8.0, "reverted": [], "timing": "graph"}}]
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    lines = [line for line in text.splitlines() if "the channels-last plan (" in line]
+    assert lines == ([] if said is None else [f"- end to end resnet50 fp16 b128: {said}"])
+    assert "within the 3 % noise margin, so it was kept" not in text and "no layer key planned" not in text
+
+
+def test_a_plan_set_back_without_its_margin_is_still_called_slower(result) -> None:
+    """Set back means beyond the margin the check used, whatever it was: SLOWER needs no recorded margin."""
+    result["end_to_end"] = [
+        {"model": "resnet50", "weights": "synthetic", "batch": 128, "precision": "fp16", "dense_ms": 10.0,
+         "planned_ms": 9.0, "speedup": 10 / 9, "rel_error": 1e-3, "dense_nhwc_ms": 8.0, "planned_nhwc_ms": 7.9,
+         "plan_check_nhwc": {"planned_ms": 8.5, "default_ms": 8.0, "reverted": ["k1"], "timing": "graph"}}]
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("the channels-last plan (8.500 ms) was SLOWER than its dense default (8.000 ms, timed graph); 1 layer "
+            "keys were set back") in text and "margin it was checked against" not in text
 
 
 def test_the_page_says_how_each_kind_of_record_rotated_its_inputs(result) -> None:
