@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from unsparse.pipeline import git_commit
+from unsparse.job import git_commit
 from unsparse.runtime import bench
 from unsparse.runtime.precision import PRECISIONS
 from unsparse.settings import sparsity_argument

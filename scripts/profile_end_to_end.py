@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from unsparse.pipeline import git_commit
+from unsparse.job import git_commit
 from unsparse.runtime.bench import build_model, environment, magnitude_prune_, require_cuda
 from unsparse.runtime.comparator import plan_model
 from unsparse.runtime.modules import set_backend, sparsify

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from unsparse.pipeline import git_commit
+from unsparse.job import git_commit
 from unsparse.runtime import set_backend, sparsify
 from unsparse.runtime.backends.direct import DirectBackend
 from unsparse.runtime.backends.direct_space import POINTWISE_SPLITS

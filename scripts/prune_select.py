@@ -34,8 +34,8 @@ import torch
 
 from unsparse.atomic import atomic_write_json, atomic_write_text
 from unsparse.data import FASHION_MNIST_DIR, Splits, fashion_mnist
+from unsparse.job import git_commit
 from unsparse.models import create_model
-from unsparse.pipeline import git_commit
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.report.document import smoke_run_notice
 from unsparse.settings import output_file

@@ -42,8 +42,8 @@ import torch
 
 from unsparse.atomic import atomic_write_json, atomic_write_text
 from unsparse.data import FASHION_MNIST_DIR, DatasetUnavailableError, Splits, fashion_mnist, fashion_mnist_sources
+from unsparse.job import git_commit, resolve_device
 from unsparse.models import create_model
-from unsparse.pipeline import git_commit, resolve_device
 from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.gradual import GradualMagnitudePruner
 from unsparse.prune.magnitude import MagnitudePruner
@@ -362,7 +362,7 @@ def setting(text: str) -> tuple[str, Any]:
 
 def device_option(text: str) -> torch.device:
     """A ``--device`` value of the pruning scripts: ``auto`` (CUDA if available, else CPU), ``cpu``, ``cuda`` or
-    ``cuda:N`` (:func:`unsparse.pipeline.resolve_device`), checked as the command line is read, before any training.
+    ``cuda:N`` (:func:`unsparse.job.resolve_device`), checked as the command line is read, before any training.
 
     Raises:
         argparse.ArgumentTypeError: for another name, or CUDA where torch sees no such device.

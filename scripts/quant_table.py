@@ -32,8 +32,8 @@ from tqdm.auto import tqdm
 
 from unsparse.atomic import atomic_write_bytes, atomic_write_json, atomic_write_text
 from unsparse.data import Splits, fashion_mnist
+from unsparse.job import git_commit
 from unsparse.models import create_model
-from unsparse.pipeline import git_commit
 from unsparse.prune.magnitude import MagnitudePruner
 from unsparse.quant import ActivationSpec, FP16Quantizer, KMeansQuantizer, LinearQuantizer, NoQuantization
 from unsparse.quant.base import Quantizer

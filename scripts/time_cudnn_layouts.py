@@ -32,7 +32,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from unsparse.atomic import atomic_write_text
-from unsparse.pipeline import git_commit
+from unsparse.job import git_commit
 from unsparse.runtime.baseline import time_baseline
 from unsparse.runtime.bench import MODELS, ConvLayer, build_model, conv_layers, environment, require_cuda
 from unsparse.runtime.comparator import relative_error, tolerance

@@ -33,7 +33,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
 
-    from unsparse.pipeline import git_commit
+    from unsparse.job import git_commit
     from unsparse.runtime.backends.direct import pair_images, pair_images_on_device
     from unsparse.runtime.bench import environment, require_cuda
     from unsparse.runtime.timing import time_fn

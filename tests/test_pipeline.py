@@ -544,13 +544,6 @@ def test_git_commit_prefers_the_environment(monkeypatch):
     assert git_commit() != "0123456789abcdef"
 
 
-def test_the_scripts_still_import_the_device_and_commit_from_the_pipeline():
-    """The scripts import git_commit and resolve_device from unsparse.pipeline; both moved to unsparse.job."""
-    from unsparse import job, pipeline
-
-    assert pipeline.git_commit is job.git_commit and pipeline.resolve_device is job.resolve_device
-
-
 def test_the_folder_lock_holds_across_processes_and_ends_with_a_killed_one(tmp_path):
     import subprocess
     import sys

@@ -27,7 +27,6 @@ from unsparse.job import (
     only_job_in,
     refusing,
 )
-from unsparse.job import resolve_device as resolve_device  # re-exported: scripts import it (and git_commit) from here
 from unsparse.prune.base import Pruner
 from unsparse.prune.masks import weighted_sparsity
 from unsparse.report import layer_rows, timing_verdicts, write_report
