@@ -1,5 +1,5 @@
 """Quantization's checks of a file's description and codecs quote the values they read from it cut to 200
-characters plus their length (:func:`unsparse.sparse.format.quote`): a megabyte metadata string or list came back
+characters plus their length (:func:`unsparse.messages.quote`): a megabyte metadata string or list came back
 whole in the error message."""
 
 from __future__ import annotations

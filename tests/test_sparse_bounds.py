@@ -13,8 +13,8 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 from unsparse import SparseFileError, create_model, load_sparse, save_sparse, sparsify
+from unsparse.messages import QUOTE_MAX_CHARACTERS, quote, shorten
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv2d
-from unsparse.sparse.format import QUOTE_MAX_CHARACTERS, quote, shorten
 from unsparse.sparse.phases import phase_split
 from unsparse.sparse.reference import output_pixel_offsets, reference_sparse_conv
 

@@ -14,6 +14,8 @@ from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
+from unsparse.messages import quote
+
 
 def check_quantile(quantile: float, field: str) -> float:
     """``quantile`` as a float if it is a number in ``(0, 1]``.
@@ -22,7 +24,7 @@ def check_quantile(quantile: float, field: str) -> float:
         ValueError: naming ``field`` otherwise.
     """
     if isinstance(quantile, bool) or not isinstance(quantile, int | float) or not 0 < quantile <= 1:
-        raise ValueError(f"{field}: expected a number in (0, 1], got {quantile!r}")
+        raise ValueError(f"{field}: expected a number in (0, 1], got {quote(quantile)}")
     return float(quantile)
 
 
@@ -34,7 +36,7 @@ def check_number(value: float, field: str, valid: Callable[[float], bool], expec
         ValueError: naming ``field`` otherwise.
     """
     if isinstance(value, bool) or not isinstance(value, int | float) or not valid(value):
-        raise ValueError(f"{field}: expected a number {expected}, got {value!r}")
+        raise ValueError(f"{field}: expected a number {expected}, got {quote(value)}")
     return float(value)
 
 
@@ -48,7 +50,7 @@ def check_integer(value: int, field: str, low: int | None = 1, high: int | None 
             or (high is not None and value > high)):
         bounds = (f" in [{low}, {high}]" if low is not None and high is not None else f" >= {low}" if low is not None
                   else f" <= {high}" if high is not None else "")
-        raise ValueError(f"{field}: expected an integer{bounds}, got {value!r}")
+        raise ValueError(f"{field}: expected an integer{bounds}, got {quote(value)}")
     return value
 
 
@@ -86,7 +88,7 @@ def check_flag(value: bool, field: str) -> bool:
         ValueError: naming ``field`` otherwise.
     """
     if not isinstance(value, bool):
-        raise ValueError(f"{field}: expected a bool, got {value!r}")
+        raise ValueError(f"{field}: expected a bool, got {quote(value)}")
     return value
 
 
@@ -97,7 +99,7 @@ def check_choice(value: Any, choices: Collection[str], field: str) -> str:
         ValueError: naming ``field`` otherwise.
     """
     if not isinstance(value, str) or value not in choices:
-        raise ValueError(f"{field}: expected one of {tuple(choices)}, got {value!r}")
+        raise ValueError(f"{field}: expected one of {tuple(choices)}, got {quote(value)}")
     return value
 
 

@@ -34,12 +34,13 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from unsparse.messages import quote
 from unsparse.quant.fixed_point import SMALLEST_STEP, check_bits, fake_quantize, fixed_point_step
 from unsparse.quant.float16 import FLOAT16_MAX, FLOAT16_OVERFLOW, to_float16
 from unsparse.quant.histogram import MagnitudeHistogram, check_bins
 from unsparse.runtime.modules import sparse_layers
 from unsparse.settings import check_choice, check_flag, check_integer, check_quantile
-from unsparse.sparse.format import SparseFormatError, quote
+from unsparse.sparse.format import SparseFormatError
 
 FORMATS = ("none", "fp16", "fixed")
 SATURATION_RULES = ("quantile", "fraction_of_max")
@@ -103,7 +104,7 @@ class ActivationSpec:
 
         Raises:
             ValueError: ``data`` not an object (quoted, cut to 200 characters by
-                :func:`~unsparse.sparse.format.quote`: it may come from a file), a field missing, or one out of range
+                :func:`~unsparse.messages.quote`: it may come from a file), a field missing, or one out of range
                 (naming it).
             TypeError: keys that are no field, quoted the same way (the constructor's own message quoted a key in
                 full).

@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
+from unsparse.messages import quote
 from unsparse.quant.fixed_point import check_bits, from_codes, max_code, to_codes
 from unsparse.quant.packing import pack_bits, unpack_bits
 from unsparse.sparse.codecs import TensorCodec, expect_params, expect_parts, register_codec
-from unsparse.sparse.format import SparseFormatError, quote
+from unsparse.sparse.format import SparseFormatError
 
 
 def _bits(params: dict[str, Any], key: str, low: int, field: str) -> int:

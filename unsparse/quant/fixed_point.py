@@ -22,8 +22,8 @@ import math
 
 import torch
 
+from unsparse.messages import quote
 from unsparse.quant.finite import check_finite
-from unsparse.sparse.format import quote
 
 MIN_BITS = 2
 """Fewest bits of a signed symmetric code (``q_max = 1``: codes -1, 0, 1)."""
@@ -40,7 +40,7 @@ def check_bits(bits: int, field: str = "bits", low: int = MIN_BITS, high: int = 
 
     Raises:
         ValueError: naming ``field`` otherwise (bools are refused), quoting ``bits`` cut to 200 characters
-            (:func:`~unsparse.sparse.format.quote`: it may come from a file).
+            (:func:`~unsparse.messages.quote`: it may come from a file).
     """
     if isinstance(bits, bool) or not isinstance(bits, int) or not low <= bits <= high:
         raise ValueError(f"{field}: expected an integer number of bits in [{low}, {high}], got {quote(bits)}")

@@ -29,12 +29,13 @@ from typing import Any
 
 import torch
 
+from unsparse.messages import quote
 from unsparse.quant.activations import ActivationSpec
 from unsparse.quant.finite import check_finite_weights
 from unsparse.quant.fixed_point import check_bits, fixed_point_step, from_codes, to_codes
 from unsparse.quant.layerwise import LayerwiseQuantizer
 from unsparse.settings import check_choice, check_integer
-from unsparse.sparse.format import SparseFormatError, quote
+from unsparse.sparse.format import SparseFormatError
 
 EMPTY_LAYER_STEP = 1.0
 """Step recorded for a layer without nonzero weights (it has no centroid, so the step is never used)."""

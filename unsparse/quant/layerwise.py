@@ -18,12 +18,13 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from unsparse.messages import quote
 from unsparse.quant.activations import ActivationSpec, attach_activation_quantizers, calibrate
 from unsparse.quant.base import Quantizer
 from unsparse.quant.finite import check_finite_weights
 from unsparse.quant.state import describe_quantization, register_scheme
 from unsparse.runtime.modules import SparseConv, sparse_layers
-from unsparse.sparse.format import SparseFormatError, UniformCSR, quote
+from unsparse.sparse.format import SparseFormatError, UniformCSR
 
 
 class LayerwiseQuantizer(Quantizer):

@@ -19,8 +19,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from unsparse.messages import quote
 from unsparse.runtime.modules import sparse_layers
-from unsparse.sparse.format import SparseFormatError, quote
+from unsparse.sparse.format import SparseFormatError
 
 Restorer = Callable[[nn.Module, dict[str, Any]], None]
 """``restore(model, description)``: rebuild a scheme's structure on a ``meta`` model; raises SparseFormatError."""

@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from unsparse.messages import quote
 from unsparse.runtime.modules import SparseConv, replace_shared, sparse_layers
 from unsparse.sparse.checks import check_entries
-from unsparse.sparse.format import INDEX_DTYPE, SparseFormatError, UniformCSR, quote
+from unsparse.sparse.format import INDEX_DTYPE, SparseFormatError, UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 from unsparse.sparse.schema import LAYER_KEYS, SparseFileError, foreign, require
 

@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from unsparse.sparse.format import UniformCSR, quote
+from unsparse.messages import quote
+from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.schema import DTYPES, TENSOR_KEYS, SparseFileError, require
 
 

@@ -31,9 +31,6 @@ SIZE_LIMIT = 2**63
 ``[0, SIZE_LIMIT)``. The file reader holds every stored shape to it (each size, and their product with a 0 read as 1:
 :func:`bounded_product`), :class:`UniformCSR` its ``weight_shape``, and :class:`~unsparse.sparse.geometry.ConvGeometry`
 its strides, paddings and dilations and the padded sizes and offsets derived from them."""
-QUOTE_MAX_CHARACTERS = 200
-"""Characters of an untrusted value (a file's metadata holds up to 4 MiB) that an error message quotes
-(:func:`shorten`)."""
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 """Value dtypes a UniformCSR may hold."""
@@ -54,17 +51,6 @@ def bounded_product(sizes: Iterable[int]) -> int:
         if product >= SIZE_LIMIT:
             break
     return product
-
-
-def shorten(text: str, limit: int = QUOTE_MAX_CHARACTERS) -> str:
-    """``text`` for an error message: as it is up to ``limit`` characters, else its first ``limit`` characters, an
-    ellipsis and its length (``'abc...' (5000 characters)``), so that a message quoting untrusted input stays short."""
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def quote(value: object, limit: int = QUOTE_MAX_CHARACTERS) -> str:
-    """``repr(value)`` cut by :func:`shorten`: how error messages quote an untrusted value."""
-    return shorten(repr(value), limit)
 
 
 def _require_strided(tensor: object, name: str) -> None:

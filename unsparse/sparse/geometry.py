@@ -11,7 +11,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
-from unsparse.sparse.format import SIZE_LIMIT, SparseFormatError, quote
+from unsparse.messages import quote
+from unsparse.sparse.format import SIZE_LIMIT, SparseFormatError
 
 
 def _integers(value: object) -> tuple[int, ...]:

@@ -24,11 +24,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from unsparse.messages import quote
 from unsparse.runtime.modules import sparse_layers
 from unsparse.sparse.architecture import restore_codecs, shell_model
 from unsparse.sparse.checks import check_counts, check_distinct_columns, check_row_length, check_values
 from unsparse.sparse.codecs import PART_SEPARATOR, get_codec, stored_name
-from unsparse.sparse.format import SparseFormatError, UniformCSR, quote
+from unsparse.sparse.format import SparseFormatError, UniformCSR
 from unsparse.sparse.safetensors_file import OpenFile, open_file
 from unsparse.sparse.schema import (
     DTYPES,

@@ -24,7 +24,8 @@ from typing import Any, BinaryIO
 
 import torch
 
-from unsparse.sparse.format import SIZE_LIMIT, bounded_product, quote
+from unsparse.messages import quote
+from unsparse.sparse.format import SIZE_LIMIT, bounded_product
 from unsparse.sparse.schema import HEADER_MAX_BYTES, STORED_DTYPES, SparseFileError, foreign, require
 from unsparse.strict_json import loads_strict
 

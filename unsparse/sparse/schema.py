@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import torch
 
-from unsparse.sparse.format import SparseFormatError, shorten
+from unsparse.messages import shorten
+from unsparse.sparse.format import SparseFormatError
 
 FORMAT_VERSION = 1
 
@@ -64,7 +65,7 @@ there (the encoder writes ASCII JSON, whose quotes and backslashes the header es
 
 FOREIGN_MESSAGE_MAX_CHARACTERS = 1000
 """Characters kept of an error message that another module raised on the file's values (:func:`foreign`); the
-values this module quotes are cut to :data:`~unsparse.sparse.format.QUOTE_MAX_CHARACTERS` each."""
+values this module quotes are cut to :data:`~unsparse.messages.QUOTE_MAX_CHARACTERS` each."""
 
 
 TOP_LEVEL_KEYS = {"format_version", "model", "layers", "tensors", "quantization", "extra"}
@@ -82,8 +83,8 @@ class SparseFileError(SparseFormatError):
 
 def require(condition: bool, field: str, message: str) -> None:
     """Raise :class:`SparseFileError` ``"<field>: <message>"`` unless ``condition``; ``field`` may be a key the file
-    named (a stored tensor's), so it is cut by :func:`~unsparse.sparse.format.shorten`; values ``message`` quotes from
-    the file are cut where it is written (:func:`~unsparse.sparse.format.quote`)."""
+    named (a stored tensor's), so it is cut by :func:`~unsparse.messages.shorten`; values ``message`` quotes from
+    the file are cut where it is written (:func:`~unsparse.messages.quote`)."""
     if not condition:
         raise SparseFileError(f"{shorten(field)}: {message}")
 
