@@ -395,9 +395,10 @@ class Trainer:
 
         Returns:
             ``{"top1": %, "loss": mean cross-entropy per sample}`` or ``{"mse", "loss"}`` (both the mean squared
-            error per target element). ``top1`` is NaN where a logit is not finite (a diverged model: argmax of NaN
-            logits names a class that is no prediction, and a logit that overflowed to ``inf`` wins every argmax
-            while the loss turns NaN or infinite); the pruners score NaN as the worst outcome
+            error per target element). ``top1`` is NaN where a logit is NaN or ``+inf`` (a diverged model: argmax of
+            NaN logits names a class that is no prediction, and a logit that overflowed to ``+inf`` wins every argmax
+            while the loss turns NaN or infinite); a ``-inf`` logit never wins an argmax, so its top-1 stands (its
+            loss is infinite only where a sample's own class has it); the pruners score NaN as the worst outcome
             (:func:`~unsparse.prune.base.metric_score`), so a diverged model is told apart, not refused.
 
         Raises:
@@ -421,7 +422,7 @@ class Trainer:
                 elements += targets.numel()
                 if self.loss == "cross_entropy":
                     correct += int((outputs.argmax(dim=1) == targets).sum())
-                    diverged = diverged or not bool(outputs.isfinite().all())
+                    diverged = diverged or bool((outputs.isnan() | outputs.isposinf()).any())
         finally:
             for module, training in modes:
                 module.training = training
