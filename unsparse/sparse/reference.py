@@ -26,6 +26,11 @@ BLOCK_PIXELS = 1024
 """Output pixels per block, at least (whole output rows, or the whole ofmap where it has fewer): the unit of
 :func:`reference_sparse_conv`'s products, fixed by the layer's output size alone, so the gather budget and
 ``images_per_step`` change how many blocks are gathered at once but never a result bit."""
+PRODUCT_IMAGES = 8
+"""Images per batched product (``torch.bmm`` of the combined weights with their gathered windows), in fixed groups
+from image 0: a batched product's rounding depends on how many images it holds (MKL picks its path by size), so the
+groups, not the gathers, decide it, and a per-image product costs up to 2.6x on small layers (a review's
+measurement of 06108e3)."""
 
 
 def output_pixel_offsets(geometry: ConvGeometry, out_hw: tuple[int, int], padded_hw: tuple[int, int],
@@ -55,9 +60,10 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
     """Direct sparse convolution, ``groups == 1``.
 
     The output pixels are cut into blocks of whole output rows, at least :data:`BLOCK_PIXELS` pixels each (the
-    whole ofmap where it has fewer); for each block, the windows of up to ``images_per_step`` images are gathered
-    at once, as many as fit ``gather_budget_bytes``. The blocks depend on the output size only, so the result is
-    bit-identical whatever the budget and ``images_per_step``.
+    whole ofmap where it has fewer); for each block, the windows of whole groups of :data:`PRODUCT_IMAGES` images are
+    gathered at once, as many groups as fit ``images_per_step`` and ``gather_budget_bytes`` (at least one), and
+    multiplied one group at a time. The blocks depend on the output size only and the groups on the image index
+    only, so the result is bit-identical whatever the budget and ``images_per_step``.
 
     Args:
         x: ``(N, C, H, W)`` float tensor in any memory layout (a Conv1d input is ``(N, C, 1, L)``), same device as
@@ -65,10 +71,11 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
         csr: weight with ``C`` input channels and kernel ``(R, S)``.
         bias: ``(M,)`` or None.
         geometry: stride, padding, dilation (``groups`` must be 1).
-        images_per_step: images gathered at most at once.
+        images_per_step: images gathered at most at once, rounded down to whole groups of :data:`PRODUCT_IMAGES`
+            (at least one group).
         gather_budget_bytes: bound of the gathered windows in bytes (``images * U * block pixels`` elements of the
             accumulation dtype, ``U`` the distinct filter positions the weight stores), exceeded only by a single
-            image's block where that alone is larger. Besides them, a block's int64 gather index
+            group's block where that alone is larger. Besides them, a block's int64 gather index
             (``U * block pixels * 8`` bytes), the padded input and the output are held.
 
     Returns:
@@ -107,16 +114,18 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
     combine.index_put_((rows, slot), csr.values.to(accumulate), accumulate=True)  # (M, U)
     pixels = output_pixel_offsets(geometry, (E, F_), padded_hw, x.device)  # (E*F,)
     block = min(E, -(-BLOCK_PIXELS // max(F_, 1))) * F_  # whole output rows
-    images = min(images_per_step, max(1, gather_budget_bytes // max(len(distinct) * block * padded.itemsize, 1)))
+    per_image = max(len(distinct) * block * padded.itemsize, 1)  # bytes of one image's gathered block
+    groups = max(1, min(images_per_step, gather_budget_bytes // per_image) // PRODUCT_IMAGES)
+    images = groups * PRODUCT_IMAGES  # gathered at once: whole product groups
     out = torch.empty(N, csr.out_channels, E * F_, dtype=accumulate, device=x.device)
     for first in range(0, E * F_, block):
         index = distinct[:, None] + pixels[None, first:first + block]  # (U, pixels of the block)
         for start in range(0, N, images):
             windows = flat[start:start + images, index]  # (images, U, pixels of the block)
-            for image, window in enumerate(windows, start):
-                # one (M, U) x (U, block) mm per image, the same call however the images are grouped (a batched
-                # matmul takes another BLAS path for a group than for one image, which changes low bits)
-                out[image, :, first:first + block] = combine @ window
+            for group in range(0, len(windows), PRODUCT_IMAGES):  # groups start at multiples of PRODUCT_IMAGES
+                chunk = windows[group:group + PRODUCT_IMAGES]
+                out[start + group:start + group + len(chunk), :, first:first + block] = torch.bmm(
+                    combine.expand(len(chunk), *combine.shape), chunk)
     if bias is not None:
         out += bias.to(accumulate)[None, :, None]
     return out.reshape(N, csr.out_channels, E, F_).to(x.dtype)
