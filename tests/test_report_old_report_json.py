@@ -87,3 +87,21 @@ def test_a_report_json_from_before_the_metric_was_recorded_renders(tmp_path) -> 
     assert "| stage | test metric (which: not recorded) |" in page and "| dense | 0.9 |" in page
     assert "What a model that learned nothing scores here was not recorded." in page and "No better" not in page
     assert "Median of timed calls (how many: not recorded) after warm-up calls (how many: not recorded)" in page
+
+
+def test_a_backend_timed_without_its_default_states_its_time_alone(tmp_path) -> None:
+    """Jobs from 6152685 up to 4b0071b on a backend other than auto timed the model on it but not on the dense
+    default: their report.json has ``model_runs_on_ms`` without ``model_runs_on_default_ms`` or
+    ``model_runs_on_timing`` (a review's find: KeyError)."""
+    check = {**CHECK, "margin": 0.03, "model_runs_on": "reference", "layer_backends": {"conv": "reference"},
+             "model_runs_on_ms": 1.2}
+    page = render(tmp_path, old_report(check))
+    assert ("The test set ran on `reference`, not on the plan: 1.2 ms per forward (its time on the dense default was "
+            "not recorded).") in page
+
+
+def test_a_backend_timed_against_its_default_without_how_says_so(tmp_path) -> None:
+    check = {**CHECK, "margin": 0.03, "model_runs_on": "direct", "layer_backends": {"conv": "direct"},
+             "model_runs_on_ms": 0.5, "model_runs_on_default_ms": 1.0}
+    assert "0.5 ms per forward against 1 ms on the dense default, both timed (how: not recorded), 2.00x its speed." \
+        in render(tmp_path, old_report(check))

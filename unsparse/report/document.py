@@ -180,7 +180,8 @@ def plan_check_text(check: dict[str, Any]) -> str:
 
     A check without ``margin`` (``report.json`` of a job before it was recorded) calls a slower time slower with
     :data:`MARGIN_NOT_RECORDED`, neither within the margin nor SLOWER, except a plan that was set back, which was
-    beyond it.
+    beyond it. A ``model_runs_on_ms`` without ``model_runs_on_default_ms`` (jobs before both sides were timed) is
+    given alone, and a missing ``model_runs_on_timing`` reads "not recorded".
 
     Raises:
         KeyError: naming another missing field.
@@ -217,9 +218,13 @@ def plan_check_text(check: dict[str, Any]) -> str:
             + "; ".join(f"`{layer}` on {backend}" for layer, backend in declined.items()) + ")" if declined else "")
         if check.get("model_runs_on_is_default"):
             text += ", which is the dense default itself (not timed against itself)"
+        elif check.get("model_runs_on_ms") is not None and check.get("model_runs_on_default_ms") is None:
+            text += (f": {check['model_runs_on_ms']:.4g} ms per forward (its time on the dense default was not "
+                     "recorded)")
         elif check.get("model_runs_on_ms") is not None:
             runs_on, runs_on_default = check["model_runs_on_ms"], check["model_runs_on_default_ms"]
-            how_runs_on = "as CUDA-graph replays" if check["model_runs_on_timing"] == "graph" else "eagerly"
+            how_runs_on = {"graph": "as CUDA-graph replays", "eager": "eagerly"}.get(
+                check.get("model_runs_on_timing"), "(how: not recorded)")
             slower = ("" if runs_on <= runs_on_default else f" (slower; {MARGIN_NOT_RECORDED})" if margin is None
                       else f" (slower, {noise_text(margin)})" if within_noise(runs_on, runs_on_default, margin)
                       else " (SLOWER)")
