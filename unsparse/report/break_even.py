@@ -73,7 +73,8 @@ def describe(result: tuple[str, float | None], goal: float | None = None) -> str
     A crossing (``"at"``) has three decimals, and with a ``goal`` (a sparsity, the fraction of zero weights) as many
     more as it takes for the printed value to stand on the side of the goal that :func:`goal_verdict` judges it:
     at or below a goal it meets, above one it misses (``0.7004`` against 0.7, where three decimals read ``0.700``
-    beside MISSED; ``0.6995`` against 0.6995, where they read ``0.700`` beside met). A bound is the measured
+    beside MISSED; ``0.6995`` against 0.6995, where they read ``0.700`` beside met), and every digit (``repr``)
+    where twelve decimals do not tell it (within about 1e-12 of the goal's 1e-9 tolerance). A bound is the measured
     sparsity itself, with two decimals only where they are exact (``> 0.999``, not ``> 1.00``).
 
     Args:
@@ -90,8 +91,8 @@ def describe(result: tuple[str, float | None], goal: float | None = None) -> str
         for digits in range(3, 13):  # meets allows 1e-9 above the goal: twelve decimals tell a miss from it
             text = f"{value:.{digits}f}"
             if goal is None or (float(text) <= goal + 1e-9) == meets(result, goal):
-                break
-        return text
+                return text
+        return repr(value)  # within about 1e-12 of goal + 1e-9: every digit
     bound = f"{value:.2f}" if abs(float(f"{value:.2f}") - value) <= 1e-12 else f"{value:g}"
     return {"below": f"<= {bound}", "above": f"> {bound}"}[kind]
 
