@@ -256,7 +256,7 @@ def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, li
     Raises:
         DatasetUnavailableError: files missing (the message names the Debian package).
         ValueError: a limit that is no integer or below 1, a ``val_size`` outside ``[1, 59999]``, or a ``seed`` that
-            is no integer (:func:`~unsparse.settings.check_seed`), naming it;
+            is no integer in ``[0, 2^32)`` (:func:`~unsparse.settings.check_seed`), naming it;
             files that are corrupt, or disagree with each other (:func:`labelled_images`), or constant images,
             naming them.
     """
@@ -285,7 +285,7 @@ def digits(test_size: int = 360, val_size: int = 180, seed: int = 0, limit_train
 
     Raises:
         ValueError: a limit below 1, a split size that leaves a split empty, or a ``seed`` that is no integer
-            (:func:`~unsparse.settings.check_seed`), naming it.
+            in ``[0, 2^32)`` (:func:`~unsparse.settings.check_seed`), naming it.
     """
     from sklearn.datasets import load_digits
 

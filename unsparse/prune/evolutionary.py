@@ -333,10 +333,11 @@ class EvolutionaryPruner(Pruner):
         layers: layers to prune (default all prunable).
 
     Raises:
-        ValueError: naming the constant that is out of range or not a number of its kind (an integer for counts
-            and ``seed``, a bool for ``rewind``; learning rates None or > 0 and finite; ``alpha``, ``beta`` and
-            ``crossover_max_regress`` >= 0 and finite; ``unit_step`` a finite number > 0 or a mapping of layer names,
-            read as strings, to such numbers); as :class:`~unsparse.prune.base.Pruner`.
+        ValueError: naming the constant that is out of range or not a number of its kind (an integer for counts, one in
+            ``[0, 2^32)`` for ``seed`` (:func:`~unsparse.settings.check_seed`), a bool for ``rewind``; learning rates
+            None or > 0 and finite; ``alpha``, ``beta`` and ``crossover_max_regress`` >= 0 and finite; ``unit_step`` a
+            finite number > 0 or a mapping of layer names, read as strings, to such numbers); as
+            :class:`~unsparse.prune.base.Pruner`.
     """
 
     name = "evolutionary"

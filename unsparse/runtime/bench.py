@@ -100,12 +100,12 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
                    timing: str, seed: int) -> None:
     """Check :func:`run_bench`'s settings (same meanings) before any GPU work, so that a typo does not surface
     after minutes of timings or as a traceback deep inside them: model names from :data:`MODELS`, precisions from
-    :data:`~unsparse.runtime.precision.PRECISIONS`, sparsities in ``[0, 1)`` (the range of
-    :func:`magnitude_prune_`), batch sizes and ``runs`` integers >= 1, every sequence a list or tuple (not a string
-    or a lone number), ``sparse_file`` an existing file with a non-empty ``sparse_input_shape`` (positive
-    integers), ``layer_filter`` a regular expression, ``time_budget_s`` > 0, ``timing`` one of
-    :data:`~unsparse.runtime.comparator.TIMINGS`, ``seed`` an integer torch's generator takes
-    (:func:`~unsparse.settings.check_seed`; ``seed=1.5`` reached ``torch.manual_seed``, which took it as 1).
+    :data:`~unsparse.runtime.precision.PRECISIONS`, sparsities in ``[0, 1)`` (the range of :func:`magnitude_prune_`),
+    batch sizes and ``runs`` integers >= 1, every sequence a list or tuple (not a string or a lone number),
+    ``sparse_file`` an existing file with a non-empty ``sparse_input_shape`` (positive integers), ``layer_filter`` a
+    regular expression, ``time_budget_s`` > 0, ``timing`` one of :data:`~unsparse.runtime.comparator.TIMINGS`, ``seed``
+    an integer in ``[0, 2^32)``, the seeds torch's CPU generator tells apart (:func:`~unsparse.settings.check_seed`;
+    ``seed=1.5`` reached ``torch.manual_seed``, which took it as 1).
 
     Raises:
         BenchRefusedError: (a ``ValueError``) naming the setting and the value.
