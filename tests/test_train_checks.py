@@ -277,6 +277,36 @@ def test_evaluate_puts_every_module_back_in_its_mode():
     assert not any(module.training for module in net.modules())
 
 
+def interrupt() -> None:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(("labels", "loss", "after_step", "raised"), [
+    ([0, 1, 2, 1, 0, 7, 2, 1], "cross_entropy", None, ValueError),  # the second batch's label: after one step
+    ([0, 1, 2, 1, 0, 1, 2, 1], "mse", None, ValueError),  # (N, 3) outputs against (N,) targets
+    ([], "cross_entropy", None, ValueError),  # no batch
+    ([0, 1, 2, 1, 0, 1, 2, 1], "cross_entropy", interrupt, KeyboardInterrupt),  # Ctrl-C after the first step
+])
+@pytest.mark.parametrize("mixed", [True, False])
+def test_an_epoch_that_raises_puts_every_module_back_in_its_mode(labels, loss, after_step, raised, mixed):
+    """train_epoch left the whole model in train mode where it raised partway: a caller that caught the error and
+    went on evaluating an eval-mode model got batch statistics and dropout. The modes come back as evaluate's do."""
+    net = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 3))
+    net.train()
+    net[1].eval()  # e.g. frozen batch-norm statistics
+    if not mixed:
+        net.eval()
+    before = [module.training for module in net.modules()]
+    targets = torch.tensor(labels, dtype=torch.long)
+    data = DataLoader(TensorDataset(torch.randn(len(targets), 4), targets), batch_size=4)
+    with pytest.raises(raised):
+        Trainer({"train": data}, loss=loss, progress=False).train_epoch(
+            net, torch.optim.SGD(net.parameters(), lr=0.1), after_step)
+    assert [module.training for module in net.modules()] == before
+    trainer().train_epoch(net, torch.optim.SGD(net.parameters(), lr=0.1))  # a whole epoch ends in train mode
+    assert all(module.training for module in net.modules())
+
+
 def test_evaluate_mse_is_per_target_element_with_uneven_batches():
     inputs = torch.randn(13, 4)
     targets = torch.randn(13, 3)

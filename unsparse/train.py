@@ -273,6 +273,19 @@ def check_class_labels(labels: torch.Tensor, num_classes: int) -> None:
                      f"logits have C = {num_classes} classes (their second dimension), so labels must lie in [0, C)")
 
 
+def module_modes(model: nn.Module) -> list[tuple[nn.Module, bool]]:
+    """Every module of ``model`` (itself included) with its ``training`` flag, for :func:`restore_modes`: a model's
+    modules can be in different modes (e.g. a frozen batch norm in eval mode inside a training model), which
+    ``model.train(flag)`` would overwrite with one flag."""
+    return [(module, module.training) for module in model.modules()]
+
+
+def restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
+    """Put back each module's ``training`` flag that :func:`module_modes` recorded (the module's own flag only)."""
+    for module, training in modes:
+        module.training = training
+
+
 def fit_seconds(history: list[dict[str, float]]) -> float:
     """Seconds the epochs of a :meth:`Trainer.fit` history took, summed over every process that ran them: its last
     entry's ``elapsed_s`` (fit refuses a checkpoint without it), 0 for no epoch."""
@@ -365,28 +378,37 @@ class Trainer:
                 samples than one batch); nothing is changed then. Where a batch's outputs do not fit its targets,
                 before that batch's step: for ``"mse"`` shapes that differ, for ``"cross_entropy"`` logits that are
                 not ``(N, num_classes)`` for ``(N,)`` targets, or labels that are not int64 (or uint8) or lie outside
-                ``[0, num_classes)``, named with ``num_classes`` (:meth:`_check_batch`).
+                ``[0, num_classes)``, named with ``num_classes`` (:meth:`_check_batch`); the steps of the batches
+                before it stand.
+
+        The model trains in train mode and stays in it on return. Where the epoch raises (the errors above, or
+        whatever a forward, ``after_step`` or Ctrl-C raises), every module is back in the mode it was in first, as
+        after :meth:`evaluate`: a caller that catches the error and goes on with an eval-mode model would otherwise
+        get batch statistics and dropout in its inference.
         """
-        was_training = model.training
+        modes = module_modes(model)
         model.train()
-        loss_fn = LOSSES[self.loss]
-        total, count = 0.0, 0
-        for inputs, loaded in tqdm(self.loaders["train"], desc=desc, leave=False, disable=not self.progress):
-            inputs, targets = inputs.to(self.device), loaded.to(self.device)
-            optimizer.zero_grad(set_to_none=True)
-            outputs = model(inputs)
-            self._check_batch(outputs, loaded)
-            loss = loss_fn(outputs, targets)
-            loss.backward()
-            optimizer.step()
-            if after_step is not None:
-                after_step()
-            total += float(loss.detach()) * len(inputs)
-            count += len(inputs)
-        if count == 0:
-            model.train(was_training)
-            raise ValueError("train_epoch: the 'train' loader yielded no batch (an empty split, or drop_last with "
-                             "fewer samples than one batch)")
+        try:
+            loss_fn = LOSSES[self.loss]
+            total, count = 0.0, 0
+            for inputs, loaded in tqdm(self.loaders["train"], desc=desc, leave=False, disable=not self.progress):
+                inputs, targets = inputs.to(self.device), loaded.to(self.device)
+                optimizer.zero_grad(set_to_none=True)
+                outputs = model(inputs)
+                self._check_batch(outputs, loaded)
+                loss = loss_fn(outputs, targets)
+                loss.backward()
+                optimizer.step()
+                if after_step is not None:
+                    after_step()
+                total += float(loss.detach()) * len(inputs)
+                count += len(inputs)
+            if count == 0:
+                raise ValueError("train_epoch: the 'train' loader yielded no batch (an empty split, or drop_last with "
+                                 "fewer samples than one batch)")
+        except BaseException:
+            restore_modes(modes)
+            raise
         return total / count
 
     @torch.no_grad()
@@ -407,7 +429,7 @@ class Trainer:
                 ``(N, num_classes)``), or naming the labels and ``num_classes``, where they are not int64 (or uint8)
                 class indices in ``[0, num_classes)``; before any metric is returned.
         """
-        modes = [(module, module.training) for module in model.modules()]
+        modes = module_modes(model)
         model.eval()
         try:
             loss_fn = LOSSES[self.loss]
@@ -424,8 +446,7 @@ class Trainer:
                     correct += int((outputs.argmax(dim=1) == targets).sum())
                     diverged = diverged or bool((outputs.isnan() | outputs.isposinf()).any())
         finally:
-            for module, training in modes:
-                module.training = training
+            restore_modes(modes)
         if count == 0:
             raise ValueError(f"evaluate: split {split!r} has no samples")
         if self.loss == "cross_entropy":
