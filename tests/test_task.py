@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -52,6 +54,41 @@ def test_a_model_whose_output_does_not_fit_the_targets_is_refused():
     model.train()
     check_model_fits(model, windows())
     assert model.training  # the check restores the mode
+
+
+@pytest.mark.parametrize("split", ["train", "val", "test"])
+def test_a_label_equal_to_the_number_of_classes_is_refused_before_any_training(tmp_path, monkeypatch, split):
+    """The trainer refused such a label only when its batch reached the loss, after the epochs before it (or, in the
+    test split, after training and pruning); the main job's model check now refuses it up front, naming it and C."""
+    from unsparse.job import JobRefusedError
+    from unsparse.pipeline import TimingSettings, TrainSettings, run_pipeline
+    from unsparse.prune import MagnitudePruner
+    from unsparse.train import Trainer
+
+    splits = digits(limit_train=50, limit_test=20)
+    images, labels = getattr(splits, split)
+    bad = dataclasses.replace(splits, **{split: (images, torch.cat([labels[:-1], torch.tensor([10])]))})
+    message = rf"model 'vgg_small' on data 'digits', split {split}: labels \[10\] outside \[0, 10\): .* C = 10 classes"
+    with pytest.raises(ValueError, match=message):
+        check_model_fits(create_model("vgg_small", width=4), bad)
+
+    def trains(*args, **kwargs):
+        raise AssertionError("trained despite the label")
+
+    monkeypatch.setattr(Trainer, "train_epoch", trains)
+    with pytest.raises(JobRefusedError, match=message):
+        run_pipeline(bad, create_model("vgg_small", width=4), MagnitudePruner(0.5, fine_tune_epochs=0),
+                     lambda model, loader: model, tmp_path, TrainSettings(epochs=1, batch_size=64), TimingSettings(),
+                     progress=False)
+    assert not any(tmp_path.iterdir())  # refused before the folder was claimed
+    check_model_fits(create_model("vgg_small", width=4), splits)  # labels 0 ... 9 pass
+
+
+def test_labels_the_loss_cannot_take_are_refused_up_front_naming_their_dtype():
+    labelled = (torch.randn(4, 1, 28, 28), torch.tensor([0.0, 1.0, 2.0, 1.0]))
+    with pytest.raises(ValueError, match=r"data 'toy', split train: labels of dtype torch.float32; class indices"):
+        check_model_fits(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 3)),
+                         Splits(labelled, labelled, labelled, 3, "toy"))
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")

@@ -242,7 +242,7 @@ SHOWN_LABELS = 10
 """At most this many distinct out-of-range labels are named in :func:`check_class_labels`' error."""
 
 
-def check_class_labels(labels: torch.Tensor, num_classes: int) -> None:
+def check_class_labels(labels: torch.Tensor, num_classes: int, source: str = "Trainer: cross_entropy") -> None:
     """Refuse class indices that ``F.cross_entropy`` cannot take, before it is called: out of ``[0, num_classes)``
     it raises "Target k is out of bounds" on the CPU, naming no data set, and on CUDA it trips a device-side assert,
     after which the process's CUDA context is unusable.
@@ -254,14 +254,16 @@ def check_class_labels(labels: torch.Tensor, num_classes: int) -> None:
     Args:
         labels: ``(N,)`` class indices, any device.
         num_classes: C, the second dimension of the ``(N, C)`` logits they are scored against.
+        source: what checks the labels, the message's first words (the trainer's loss for a batch,
+            :func:`~unsparse.task.check_model_fits` names the model, data set and split).
 
     Raises:
         ValueError: naming the dtype, where it is not one of :data:`LABEL_DTYPES`; naming C and the labels outside
             ``[0, C)`` (distinct, ascending, the first :data:`SHOWN_LABELS`, and how many more there are).
     """
     if labels.dtype not in LABEL_DTYPES:
-        raise ValueError(f"Trainer: cross_entropy: labels of dtype {labels.dtype}; class indices must be torch.int64 "
-                         "(or torch.uint8): cast them with .long()")
+        raise ValueError(f"{source}: labels of dtype {labels.dtype}; class indices must be torch.int64 (or "
+                         "torch.uint8): cast them with .long()")
     if labels.numel() == 0:
         return
     low, high = torch.stack(torch.aminmax(labels)).tolist()
@@ -269,8 +271,8 @@ def check_class_labels(labels: torch.Tensor, num_classes: int) -> None:
         return
     outside = labels[(labels < 0) | (labels >= num_classes)].unique().tolist()
     more = f" and {len(outside) - SHOWN_LABELS} more" if len(outside) > SHOWN_LABELS else ""
-    raise ValueError(f"Trainer: cross_entropy: labels {outside[:SHOWN_LABELS]}{more} outside [0, {num_classes}): the "
-                     f"logits have C = {num_classes} classes (their second dimension), so labels must lie in [0, C)")
+    raise ValueError(f"{source}: labels {outside[:SHOWN_LABELS]}{more} outside [0, {num_classes}): the logits have "
+                     f"C = {num_classes} classes (their second dimension), so labels must lie in [0, C)")
 
 
 def module_modes(model: nn.Module) -> list[tuple[nn.Module, bool]]:
