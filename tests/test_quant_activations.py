@@ -36,3 +36,19 @@ def test_a_fraction_of_a_subnormal_maximum_is_a_usable_level(tmp_path):
     model(images)
     loaded = load_sparse(save_sparse(model, tmp_path / "m.safetensors"))
     assert torch.equal(loaded.get_submodule("0.0").input_quantizer.saturation, quantizer.saturation)
+
+
+@pytest.mark.parametrize("rule", ["fraction_of_max", "quantile"])
+def test_calibration_puts_back_each_modules_own_mode(rule):
+    """Calibration ran the model in eval mode, then called ``model.train(was_training)``, which set the model's one
+    flag on every module: a frozen batch norm (eval mode inside a training model) came back training."""
+    from unsparse.quant.activations import calibrate
+
+    torch.manual_seed(0)
+    model = sparsify(create_model("vgg_small", width=4)).train()
+    frozen = next(module for module in model.modules() if isinstance(module, torch.nn.BatchNorm2d))
+    frozen.eval()
+    modes = [module.training for module in model.modules()]
+    spec = ActivationSpec(format="fixed", rule=rule, calibration_batches=1)
+    calibrate(model, [(torch.randn(2, 1, 28, 28), torch.zeros(2))], spec, progress=False)
+    assert [module.training for module in model.modules()] == modes and not frozen.training

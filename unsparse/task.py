@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from unsparse.data import Splits
-from unsparse.train import check_class_labels, module_modes, restore_modes
+from unsparse.modes import module_modes, restore_modes
+from unsparse.train import check_class_labels
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from unsparse.atomic import atomic_write
+from unsparse.modes import module_modes, restore_modes
 from unsparse.settings import check_integer
 
 log = logging.getLogger(__name__)
@@ -273,19 +274,6 @@ def check_class_labels(labels: torch.Tensor, num_classes: int, source: str = "Tr
     more = f" and {len(outside) - SHOWN_LABELS} more" if len(outside) > SHOWN_LABELS else ""
     raise ValueError(f"{source}: labels {outside[:SHOWN_LABELS]}{more} outside [0, {num_classes}): the logits have "
                      f"C = {num_classes} classes (their second dimension), so labels must lie in [0, C)")
-
-
-def module_modes(model: nn.Module) -> list[tuple[nn.Module, bool]]:
-    """Every module of ``model`` (itself included) with its ``training`` flag, for :func:`restore_modes`: a model's
-    modules can be in different modes (e.g. a frozen batch norm in eval mode inside a training model), which
-    ``model.train(flag)`` would overwrite with one flag."""
-    return [(module, module.training) for module in model.modules()]
-
-
-def restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
-    """Put back each module's ``training`` flag that :func:`module_modes` recorded (the module's own flag only)."""
-    for module, training in modes:
-        module.training = training
 
 
 def fit_seconds(history: list[dict[str, float]]) -> float:

@@ -35,6 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from unsparse.messages import quote
+from unsparse.modes import module_modes, restore_modes
 from unsparse.quant.fixed_point import SMALLEST_STEP, check_bits, fake_quantize, fixed_point_step
 from unsparse.quant.float16 import FLOAT16_MAX, FLOAT16_OVERFLOW, to_float16
 from unsparse.quant.histogram import MagnitudeHistogram, check_bins
@@ -224,12 +225,12 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
               spec: ActivationSpec, progress: bool = True) -> dict[str, float]:
     """Saturation level of each SparseConv's input: the histogram analysis of paper 004 §4.
 
-    Passes over the first ``spec.calibration_batches`` batches (model in eval mode, float32 activations; call it
-    before :func:`attach_activation_quantizers`): the first finds ``max |x|`` per layer; with ``spec.rule``
-    ``"fraction_of_max"`` the level is ``spec.quantile * max |x|`` (at least ``2^-149``, float32's smallest
-    value), and with ``"quantile"`` a second pass fills a :class:`MagnitudeHistogram` over ``[0, max]`` and takes
-    its ``spec.quantile`` level. Exact zeros (e.g. after a ReLU) are not counted: the quantile is over the nonzero
-    magnitudes, so the level does not depend on the share of zeros (see :mod:`unsparse.quant.histogram`).
+    Passes over the first ``spec.calibration_batches`` batches (model in eval mode, float32 activations; each module's
+    own mode is put back afterwards; call it before :func:`attach_activation_quantizers`): the first finds ``max |x|``
+    per layer; with ``spec.rule`` ``"fraction_of_max"`` the level is ``spec.quantile * max |x|`` (at least ``2^-149``,
+    float32's smallest value), and with ``"quantile"`` a second pass fills a :class:`MagnitudeHistogram` over ``[0,
+    max]`` and takes its ``spec.quantile`` level. Exact zeros (e.g. after a ReLU) are not counted: the quantile is over
+    the nonzero magnitudes, so the level does not depend on the share of zeros (see :mod:`unsparse.quant.histogram`).
 
     Args:
         model: CPU model with SparseConv layers.
@@ -259,7 +260,7 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
                              "need finite activations")
         maxima[name] = max(maxima[name], float(x.abs().max()))
 
-    was_training = model.training
+    modes = module_modes(model)
     model.eval()
     try:
         _observe_inputs(model, batches, record_max, "calibration: max |x|", progress)
@@ -280,5 +281,5 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
 
         _observe_inputs(model, batches, record_histogram, "calibration: histogram", progress)
     finally:
-        model.train(was_training)
+        restore_modes(modes)
     return {**levels, **{name: histogram.level(spec.quantile) for name, histogram in histograms.items()}}
