@@ -291,13 +291,13 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     Raises:
         ~unsparse.job.JobRefusedError: (a ``ValueError``, before any training) ``outdir`` holds the checkpoints of
             another job (:func:`~unsparse.job.claim_output_folder`) or another running job
-            (:func:`~unsparse.job.only_job_in`), the model cannot take the data
-            (:func:`~unsparse.task.check_model_fits`), or ``backend`` is neither ``"auto"`` nor a registered
-            backend that runs on ``device`` (checked before any training: a CUDA backend on the CPU would run every
-            layer dense), or the pruner's settings name layers the model does not have (:meth:`Pruner.check_layers`,
-            also before training: the folder would otherwise be bound to the typo by then), or ``seed`` is outside
-            ``[0, 2^32)`` (:func:`~unsparse.settings.check_seed`: it would repeat another seed's run under another
-            job identity).
+            (:func:`~unsparse.job.only_job_in`), the model cannot take the data, or a split's labels are not class
+            indices of its outputs (:func:`~unsparse.task.check_model_fits`), or ``backend`` is neither ``"auto"`` nor a
+            registered backend that runs on ``device`` (checked before any training: a CUDA backend on the CPU would run
+            every layer dense), or the pruner's settings name layers the model does not have
+            (:meth:`Pruner.check_layers`, also before training: the folder would otherwise be bound to the typo by
+            then), or ``seed`` is outside ``[0, 2^32)`` (:func:`~unsparse.settings.check_seed`: it would repeat another
+            seed's run under another job identity).
     """
     from unsparse.runtime.backends import get_backend
 
