@@ -124,6 +124,14 @@ def test_a_description_that_records_some_fit_settings_but_not_all_is_refused(sav
         load_sparse(damaged)
 
 
+def test_a_version_without_the_kmeans_arguments_is_refused(saved, tmp_path):
+    """The version is recorded since after the arguments, so no file holds it without them (a review's find: such a
+    description loaded, the arguments read as not recorded)."""
+    damaged = rewritten(saved[1], tmp_path, lambda weights: [weights.pop(key) for key in KMEANS_ARGUMENTS])
+    with pytest.raises(ValueError, match=r"^quantization\.weights\.algorithm: missing beside \['sklearn_version'\]"):
+        load_sparse(damaged)
+
+
 @pytest.mark.parametrize(("key", "value"), [
     ("n_init", 0), ("n_init", "2"), ("n_init", 2.0), ("n_init", True), ("n_init", None),
     ("max_iter", -1), ("max_iter", 50.5), ("max_iter", [50]),

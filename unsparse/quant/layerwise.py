@@ -45,10 +45,10 @@ class LayerwiseQuantizer(Quantizer):
     scheme: ClassVar[str]
     default_activations: ClassVar[ActivationSpec]
     optional_settings: ClassVar[tuple[frozenset[str], ...]] = ()
-    """Groups of settings that descriptions written before the scheme recorded them lack, each group all together
-    (e.g. k-means' ``KMeans`` arguments, and later its ``sklearn_version``): a description that holds none of a
-    group is read as not recording it (:meth:`from_settings` uses its defaults), one that holds some of a group but
-    not all is refused."""
+    """Groups of settings that descriptions written before the scheme recorded them lack, each group all together,
+    in the order the scheme began to record them (e.g. k-means' ``KMeans`` arguments, then its ``sklearn_version``):
+    a description that holds none of a group is read as not recording it (:meth:`from_settings` uses its defaults);
+    one that holds some of a group but not all, or a group without an earlier one, is refused."""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -130,7 +130,13 @@ class LayerwiseQuantizer(Quantizer):
         except ValueError as error:
             raise SparseFormatError(f"quantization.weights.{error}") from error
         settings = quantizer.settings()
-        unrecorded = {key for group in cls.optional_settings if not group & set(weights) for key in group}
+        unrecorded: set[str] = set()
+        for group in cls.optional_settings:  # recorded in this order: a later group only beside the earlier ones
+            if not group & set(weights):
+                unrecorded |= group
+            elif unrecorded:
+                raise SparseFormatError(f"quantization.weights.{min(unrecorded)}: missing beside {sorted(group)}, "
+                                        "which no version recorded without it")
         settings = {key: value for key, value in settings.items() if key not in unrecorded}
         unexpected = sorted(set(weights) - set(settings))
         if unexpected:
