@@ -71,3 +71,14 @@ def test_a_minus_inf_logit_is_scored_as_it_is():
         model.linear.bias.copy_(torch.tensor([1.0, 0.0, -math.inf]))  # class 0 wins, class 2 never does
     metrics = trainer(torch.tensor([0, 0, 0, 1, 0, 1, 0, 0])).evaluate(model)
     assert metrics["top1"] == 75.0 and math.isfinite(metrics["loss"])
+
+
+def test_a_row_of_minus_inf_logits_scores_as_a_diverged_model():
+    """argmax names class 0 for a row of ``-inf``, and the loss is NaN: 67f6165 scored it 100 % beside that loss (a
+    review's find)."""
+    model = Shaped()
+    with torch.no_grad():
+        model.linear.weight.zero_()
+        model.linear.bias.fill_(-math.inf)
+    metrics = trainer(torch.zeros(8, dtype=torch.long)).evaluate(model)
+    assert math.isnan(metrics["top1"]) and metric_score(metrics) == -math.inf

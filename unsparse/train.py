@@ -407,10 +407,11 @@ class Trainer:
 
         Returns:
             ``{"top1": %, "loss": mean cross-entropy per sample}`` or ``{"mse", "loss"}`` (both the mean squared
-            error per target element). ``top1`` is NaN where a logit is NaN or ``+inf`` (a diverged model: argmax of
-            NaN logits names a class that is no prediction, and a logit that overflowed to ``+inf`` wins every argmax
-            while the loss turns NaN or infinite); a ``-inf`` logit never wins an argmax, so its top-1 stands (its
-            loss is infinite only where a sample's own class has it); the pruners score NaN as the worst outcome
+            error per target element). ``top1`` is NaN where a sample's largest logit is not finite (a diverged model:
+            argmax of NaN logits names a class that is no prediction, a logit that overflowed to ``+inf`` wins every
+            argmax, and a row of ``-inf`` names class 0, each beside a NaN or infinite loss); a ``-inf`` logit beside
+            finite ones never wins an argmax, so its top-1 stands (its loss is infinite only where a sample's own class
+            has it); the pruners score NaN as the worst outcome
             (:func:`~unsparse.prune.base.metric_score`), so a diverged model is told apart, not refused.
 
         Raises:
@@ -434,7 +435,7 @@ class Trainer:
                 elements += targets.numel()
                 if self.loss == "cross_entropy":
                     correct += int((outputs.argmax(dim=1) == targets).sum())
-                    diverged = diverged or bool((outputs.isnan() | outputs.isposinf()).any())
+                    diverged = diverged or not bool(outputs.amax(dim=1).isfinite().all())
         finally:
             restore_modes(modes)
         if count == 0:
