@@ -68,8 +68,8 @@ CASES = {
     "stride2_vector": (3, 9, 16, 32, 20, 3, 3, 2, 1, 1, 0.8, 1, 1),
     "stride2_1x1": (3, 40, 24, 24, 70, 1, 1, 2, 0, 1, 0.9, 1, 1),
     "stride2_1x1_odd": (2, 100, 13, 13, 33, 1, 1, 2, 0, 1, 0.9, 1, 0),
-    # A stride beyond the padded input's size along both axes (one phase pixel per phase image, phases past the
-    # input zero: ad6deff's PhaseSplit.input).
+    # A stride beyond the (unpadded) input's size along both axes (one phase pixel per phase image, phases past
+    # the input zero: ad6deff's PhaseSplit.input).
     "stride_beyond_input": (3, 4, 3, 2, 8, 5, 5, 5, 2, 1, 0.5, 1, 1),
 }
 

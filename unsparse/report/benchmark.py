@@ -242,7 +242,7 @@ def rotation_text(result: dict[str, Any]) -> str:
     (:func:`~unsparse.runtime.timing.rotation_count`: enough to exceed twice the L2 cache, at most 16), so their
     inputs come from beyond L2 except where 16 sets of a small input fit in it: counted from each record's rotation
     and input size against the GPU's recorded ``l2_bytes`` (not counted where that is missing). End-to-end records
-    call the model on one input every time (:func:`~unsparse.runtime.bench.bench_end_to_end`: its timings' rotation
+    call the model on one input every time (:func:`~unsparse.runtime.end_to_end.bench_end_to_end`: its timings' rotation
     is 1). A result of per-layer records only, all from beyond L2, reads ``inputs rotated beyond L2``, as before
     end-to-end inputs were told apart."""
     l2 = result["environment"].get("l2_bytes")
