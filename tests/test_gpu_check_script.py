@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -107,3 +108,12 @@ def test_a_bad_benchmark_setting_stops_before_the_gpu_tests(load_script: Callabl
         load_script("gpu_check").main(["--out", str(out), *options])
     assert stopped.value.code == 2 and not out.exists()
     assert message in capsys.readouterr().err
+
+
+def test_every_gpu_test_lives_where_gpu_check_collects() -> None:
+    """``gpu_check.py`` runs ``pytest -m gpu tests/gpu`` (the other test files import Hydra, which the GPU machine
+    lacks): a ``gpu``-marked test elsewhere never runs there, as the trainer's CUDA label test did not at 3c13ea7."""
+    tests = Path(__file__).resolve().parent
+    decorator = re.compile(r"^\s*@pytest\.mark\.gpu\b|^pytestmark = pytest\.mark\.gpu\b", re.MULTILINE)
+    outside = [path.name for path in tests.glob("*.py") if decorator.search(path.read_text())]
+    assert outside == []
