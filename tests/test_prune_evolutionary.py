@@ -12,15 +12,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from unsparse.prune import evolutionary as evo
 from unsparse.prune.base import metric_score
-from unsparse.prune.evolutionary import (
-    EvolutionaryPruner,
-    RankedList,
-    Solution,
-    crossover_masks,
-    importance,
-    resize_mask,
-    share,
-)
+from unsparse.prune.evolution import crossover_masks, importance, resize_mask, share
+from unsparse.prune.evolutionary import EvolutionaryPruner
 from unsparse.prune.masks import (
     WeightMask,
     dense_weight,
@@ -30,6 +23,7 @@ from unsparse.prune.masks import (
     threshold_mask,
     weighted_sparsity,
 )
+from unsparse.prune.ranked_list import RankedList, Solution
 from unsparse.train import Trainer
 
 

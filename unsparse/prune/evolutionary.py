@@ -12,8 +12,8 @@ The paper's text lacks its equations; this follows the reading in ``DESIGN.md``.
    the iteration (lines 13-14). The change answers the mask update of the previous iteration, so it goes to
    the layers chosen then (``pending``), whose step follows eq. 11 (lines 16-17):
    ``Δ_l <- clip(Δ_l * (1 + β * sensitivity), min_step, max_step)`` (a negative sensitivity shrinks ``Δ_l``);
-5. the evaluated solution (masks and score, :class:`Solution`) enters the ranked list of the best ``L``
-   (lines 18-22);
+5. the evaluated solution (masks and score, :class:`~unsparse.prune.ranked_list.Solution`) enters the ranked list
+   of the best ``L`` (lines 18-22);
 6. masks of ``C_t`` from importance ``I = |w| + α |G|`` (eq. 12) thresholded to ``s_l + Δ_l`` (eq. 13-14,
    line 24); the last step is scaled so the weighted sparsity (eq. 7-8) lands exactly on the target;
 7. if the sensitivity is below ``-epsilon`` (progress not satisfactory, line 25), the previously chosen
@@ -70,8 +70,8 @@ because the published runs used them:
   their old values rather than at 0. ``mask_application="after_step"`` (twenty-second session) is DESIGN.md's
   wording: dense gradients, pruned weights zeroed after each step, ``G`` at every entry, and thresholds over
   every entry, so pruned weights can come back (at 0) by their ``α |G|``.
-- A :class:`Solution` keeps masks and score, not weights, optimizer state or ``G``: a crossover puts the donor's
-  masks on the current weights.
+- A :class:`~unsparse.prune.ranked_list.Solution` keeps masks and score, not weights, optimizer state or ``G``: a
+  crossover puts the donor's masks on the current weights.
 - The ranked list starts with the initial solution once, not ``L`` copies of it (line 4), so while it holds fewer
   than ``L`` solutions every finite score enters it (crossover donors are still bounded by
   ``crossover_max_regress``). Entering the list is not gated by ``epsilon`` (line 18); ``epsilon`` decides only the
@@ -88,7 +88,6 @@ import logging
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -108,17 +107,16 @@ from unsparse.prune.base import (
     optional_rate,
     val_metrics,
 )
+from unsparse.prune.evolution import crossover_masks, importance, relative_change, resize_mask, share
 from unsparse.prune.masks import (
     WeightMask,
     dense_weight,
-    lowest_mask,
-    pack_mask,
     prunable_layers,
     pruned_count,
     straight_through,
-    unpack_mask,
     zero_pruned_weights,
 )
+from unsparse.prune.ranked_list import RankedList, Solution
 from unsparse.settings import check_choice, check_flag, check_integer, check_number, check_seed
 from unsparse.train import (
     Trainer,
@@ -138,160 +136,6 @@ LOG = "prune_log.jsonl"
 FINE_TUNE_CHECKPOINT = "evolutionary_finetune.pt"
 MASK_APPLICATIONS = ("forward", "after_step")
 """Readings of eq. 9 while the iterations train (``EvolutionaryPruner``'s ``mask_application``)."""
-
-
-def importance(weight: torch.Tensor, grad_stat: torch.Tensor, alpha: float) -> torch.Tensor:
-    """Weight importance ``|w| + alpha * |G|`` (paper 004 eq. 12), same shape and dtype as ``weight``."""
-    return weight.abs() + alpha * grad_stat.abs()
-
-
-def resize_mask(keep: torch.Tensor, score: torch.Tensor, pruned: int, regrow: bool = False) -> torch.Tensor:
-    """Boolean keep-mask with exactly ``pruned`` zeros by thresholding ``score`` (paper 004 eq. 13-14).
-
-    Without ``regrow``, growing the sparsity prunes the lowest-``score`` kept entries and leaves the pruned ones
-    pruned; lowering it (mutation, eq. 15-16) revives the highest-``score`` pruned entries and leaves the kept ones
-    kept. With ``regrow``, the threshold of eq. 13-14 runs over every entry, so in either direction a pruned entry
-    whose score beats a kept one's comes back (for scores of pruned entries that mean something: the
-    ``after_step`` reading of eq. 9, where a pruned weight is 0 and ranks by ``α |G|``).
-
-    Args:
-        keep: current boolean mask (any shape).
-        score: importance of the same shape (e.g. :func:`importance`).
-        pruned: number of zeros wanted, in ``[0, keep.numel()]``.
-        regrow: threshold over all entries instead of moving only one side's.
-
-    Raises:
-        ValueError: if ``pruned`` is outside ``[0, keep.numel()]``.
-    """
-    if not 0 <= pruned <= keep.numel():
-        raise ValueError(f"pruned: {pruned} outside [0, {keep.numel()}]")
-    if regrow:
-        return lowest_mask(score.float(), pruned)
-    growing = pruned >= int((~keep).sum())
-    ranked = score.float().masked_fill(~keep if growing else keep, -math.inf if growing else math.inf)
-    return lowest_mask(ranked, pruned)
-
-
-def crossover_masks(current: Mapping[str, torch.Tensor], donor: Mapping[str, torch.Tensor],
-                    layers: list[str]) -> dict[str, torch.Tensor]:
-    """``current`` with the masks of ``layers`` taken from ``donor`` (crossover, paper 004 eq. 17-18).
-
-    Returns a new dict; donor tensors are cloned onto each current mask's device.
-
-    Raises:
-        KeyError: a named layer is missing from either side.
-        ValueError: a donor mask's shape differs from the current one.
-    """
-    crossed = dict(current)
-    for name in layers:
-        if donor[name].shape != current[name].shape:
-            raise ValueError(f"crossover: {name} mask shape {tuple(donor[name].shape)} differs from "
-                             f"{tuple(current[name].shape)}")
-        crossed[name] = donor[name].to(device=current[name].device, dtype=torch.bool, copy=True)
-    return crossed
-
-
-@dataclass
-class Solution:
-    """One entry of the ranked list (paper 004 Alg. 2 lines 19-21), held on the CPU.
-
-    The paper writes the weights into the list too; no step of Algorithm 2 reads them back (crossover,
-    eq. 17-18, takes masks only), so they are not kept: 16 copies of a torchvision model's weights would take
-    gigabytes and be rewritten to every checkpoint. Masks are kept bit-packed (:func:`pack_mask`).
-
-    Attributes:
-        score: validation score, higher is better (top-1 %, or ``-MSE``).
-        iteration: the iteration that produced it.
-        weighted_sparsity: eq. 7-8 of its masks.
-        packed_masks: per layer, the keep-mask as :func:`pack_mask` bits (``uint8``).
-        shapes: per layer, the mask's (the weight's) shape.
-    """
-
-    score: float
-    iteration: int
-    weighted_sparsity: float
-    packed_masks: dict[str, torch.Tensor]
-    shapes: dict[str, list[int]]
-
-    @classmethod
-    def from_masks(cls, score: float, iteration: int, weighted_sparsity: float,
-                   masks: Mapping[str, torch.Tensor]) -> Solution:
-        """A solution holding ``masks`` (bool or 0/1 tensors of the weights' shapes, any device) packed."""
-        return cls(score, iteration, weighted_sparsity, {name: pack_mask(keep) for name, keep in masks.items()},
-                   {name: list(keep.shape) for name, keep in masks.items()})
-
-    def masks(self) -> dict[str, torch.Tensor]:
-        """The keep-masks, unpacked: bool tensors of the weights' shapes, on the CPU."""
-        return {name: unpack_mask(bits, self.shapes[name]) for name, bits in self.packed_masks.items()}
-
-
-class RankedList:
-    """The best ``length`` solutions by score, best first (paper 004 Alg. 2 lines 18-22).
-
-    Ties keep the earlier solution ahead. Mutated by :meth:`offer` and :meth:`load_state`.
-    """
-
-    def __init__(self, length: int) -> None:
-        self.length = check_integer(length, "ranked_list_length")
-        self.solutions: list[Solution] = []
-
-    def __len__(self) -> int:
-        return len(self.solutions)
-
-    def accepts(self, score: float) -> bool:
-        """Whether a solution of ``score`` would enter: a finite score (NaN compares false with everything and
-        would stay last forever, blocking every later entry) and the list not full, or better than the worst."""
-        return math.isfinite(score) and (len(self.solutions) < self.length or score > self.solutions[-1].score)
-
-    def offer(self, solution: Solution) -> bool:
-        """Insert ``solution`` if :meth:`accepts`; drop the worst beyond ``length``. Returns whether it entered."""
-        if not self.accepts(solution.score):
-            return False
-        position = next((i for i, kept in enumerate(self.solutions) if solution.score > kept.score),
-                        len(self.solutions))
-        self.solutions.insert(position, solution)
-        del self.solutions[self.length:]
-        return True
-
-    def candidates(self, min_sparsity: float = 0.0, before_iteration: int | None = None) -> list[Solution]:
-        """Solutions whose weighted sparsity is at least ``min_sparsity`` (and, if given, evaluated in an
-        iteration before ``before_iteration``), best first."""
-        return [solution for solution in self.solutions if solution.weighted_sparsity >= min_sparsity
-                and (before_iteration is None or solution.iteration < before_iteration)]
-
-    def sample(self, generator: torch.Generator, min_sparsity: float = 0.0,
-               before_iteration: int | None = None) -> Solution:
-        """A uniformly random solution among :meth:`candidates` (crossover partner).
-
-        Raises:
-            IndexError: when no solution qualifies.
-        """
-        pool = self.candidates(min_sparsity, before_iteration)
-        if not pool:
-            raise IndexError(f"no ranked solution with weighted sparsity >= {min_sparsity} before iteration "
-                             f"{before_iteration}")
-        return pool[int(torch.randint(len(pool), (), generator=generator))]
-
-    def state(self) -> list[dict[str, Any]]:
-        """Plain containers of tensors for a checkpoint; the tensors are the solutions' own (not copied: a
-        solution is never changed after :meth:`offer`, and ``dataclasses.asdict`` would deep-copy every one of
-        them at every checkpoint)."""
-        return [{field.name: getattr(solution, field.name) for field in dataclasses.fields(solution)}
-                for solution in self.solutions]
-
-    def load_state(self, state: list[dict[str, Any]]) -> None:
-        """Replace the contents with a :meth:`state`.
-
-        Raises:
-            ValueError: an entry's fields are not :class:`Solution`'s (a checkpoint written before the ranked list
-                kept bit-packed masks instead of model states); the message names them.
-        """
-        expected = {field.name for field in dataclasses.fields(Solution)}
-        for entry in state:
-            if set(entry) != expected:
-                raise ValueError(f"ranked: checkpoint entry has fields {sorted(entry)}, expected {sorted(expected)} "
-                                 "(written by an older version; start the run in a new working directory)")
-        self.solutions = [Solution(**entry) for entry in state]
 
 
 class EvolutionaryPruner(Pruner):
@@ -324,8 +168,8 @@ class EvolutionaryPruner(Pruner):
             paper's "set to zero ... after each batch"): the gradient reaches pruned weights too
             (:func:`~unsparse.prune.masks.straight_through`), they are set to 0 after every optimizer step and
             every mask change (:func:`~unsparse.prune.masks.zero_pruned_weights`), ``G`` covers them, and eq. 13-16
-            threshold every entry (:func:`resize_mask` with ``regrow``), so a pruned weight with a large ``α |G|``
-            comes back, at 0.
+            threshold every entry (:func:`~unsparse.prune.evolution.resize_mask` with ``regrow``), so a pruned
+            weight with a large ``α |G|`` comes back, at 0.
         lr: learning rate of the iterations (None: the trainer's).
         fine_tune_epochs: masked fine-tuning epochs after the iterations.
         fine_tune_lr: their learning rate (None: the trainer's).
@@ -530,12 +374,12 @@ class EvolutionaryPruner(Pruner):
         :func:`~unsparse.prune.masks.pruned_count` counts); rounding to nearest instead never pruned a layer whose
         step was below half a weight.
 
-        Increments are capped by ``max_layer_sparsity``; a shortfall below ``floor`` is shared in proportion to
-        the increments, then over every masked layer in proportion to its remaining room (:func:`share`), no
-        layer growing by more than ``max_step`` of its size in one step (the bound of ``Δ_l``; without it a
-        late floor pushed the autoencoder's 48-weight first layer to 98 % in one step, and it never
-        recovered); the total is then scaled down so the mask zeros do not pass :meth:`target_zeros`. Mutates
-        the masks by importance (eq. 12-14).
+        Increments are capped by ``max_layer_sparsity``; a shortfall below ``floor`` is shared in proportion to the
+        increments, then over every masked layer in proportion to its remaining room
+        (:func:`~unsparse.prune.evolution.share`), no layer growing by more than ``max_step`` of its size in one step
+        (the bound of ``Δ_l``; without it a late floor pushed the autoencoder's 48-weight first layer to 98 % in one
+        step, and it never recovered); the total is then scaled down so the mask zeros do not pass :meth:`target_zeros`.
+        Mutates the masks by importance (eq. 12-14).
         """
         sizes, zeros = self.layer_sizes(), self.zero_counts()
         room = {name: max(self.max_zeros(sizes[name]) - zeros[name], 0) for name in self.masks}
@@ -844,45 +688,3 @@ def _log_iteration(name: str, entry: Mapping[str, Any]) -> None:
     log.info("%s iteration %d: weighted sparsity %.4f (next %.4f), val score %.4g, events %s", name,
              entry["iteration"], entry["weighted_sparsity"], entry["next_weighted_sparsity"], entry["val_score"],
              ", ".join(entry["events"]) or "none")
-
-
-def share(total: int, weights: Mapping[str, float], caps: Mapping[str, int]) -> dict[str, int]:
-    """Split ``total`` units over the names of ``caps``, none beyond its cap (water-filling).
-
-    Units go in proportion to ``weights`` (non-negative) among the names not yet at their cap; once every name
-    of positive weight is capped, the rest goes in proportion to the remaining room ``caps - given``. Fewer
-    than ``total`` units are given only when every cap is reached.
-
-    Returns:
-        Units per name, integers in ``[0, caps[name]]``.
-
-    Raises:
-        ValueError: on a negative ``total``, weight or cap.
-    """
-    if total < 0 or any(value < 0 for value in (*weights.values(), *caps.values())):
-        raise ValueError("share: total, weights and caps must be non-negative")
-    given = dict.fromkeys(caps, 0)
-    for by_room in (False, True):
-        while (left := total - sum(given.values())) > 0:
-            open_ = {name: float(caps[name] - given[name]) if by_room else float(weights.get(name, 0.0))
-                     for name in caps if given[name] < caps[name]}
-            open_ = {name: weight for name, weight in open_.items() if weight > 0}
-            if not open_:
-                break
-            norm = sum(open_.values())
-            for name, weight in open_.items():
-                units = min(caps[name] - given[name], max(math.floor(left * weight / norm), 1),
-                            total - sum(given.values()))
-                given[name] += units
-    return given
-
-
-def relative_change(score: float, previous: float) -> float:
-    """Sensitivity of lines 13-14: ``(score - previous) / |previous|`` (``|previous|`` at least 1e-12); ``-inf``
-    when ``score`` is not finite (a diverged model is the worst outcome), 0 when only ``previous`` is not (no
-    measure to compare with)."""
-    if not math.isfinite(score):
-        return -math.inf
-    if not math.isfinite(previous):
-        return 0.0
-    return (score - previous) / max(abs(previous), 1e-12)
