@@ -180,17 +180,3 @@ def test_the_budget_must_be_a_positive_integer():
     for budget in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="gather_budget_bytes"):
             reference_sparse_conv(x, csr_3x3(), None, ConvGeometry(), gather_budget_bytes=budget)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_an_images_result_does_not_depend_on_its_batch(dtype):
-    """A last, smaller product group rounded differently than a whole one (a review found images 0-7 of a batch of
-    9 off by up to 9.5e-7 from the same images alone in float32); every product now holds PRODUCT_IMAGES images."""
-    generator = torch.Generator().manual_seed(3)
-    x = torch.randn(9, 7, 34, 4, generator=generator).to(dtype)
-    weight = torch.randn(7, 7, 3, 3, generator=generator).to(dtype)
-    weight[torch.rand(weight.shape, generator=generator) < 0.5] = 0
-    csr, geometry = UniformCSR.from_dense(weight), ConvGeometry.of(2, 2)
-    batch = reference_sparse_conv(x, csr, None, geometry)
-    for image in range(len(x)):
-        assert torch.equal(reference_sparse_conv(x[image:image + 1], csr, None, geometry), batch[image:image + 1])

@@ -28,10 +28,9 @@ BLOCK_PIXELS = 1024
 ``images_per_step`` change how many blocks are gathered at once but never a result bit."""
 PRODUCT_IMAGES = 8
 """Images per batched product (``torch.bmm`` of the combined weights with their gathered windows), in fixed groups
-from image 0, the last one filled up with zero images: a batched product's rounding depends on how many images it
-holds (MKL picks its path by size), so every product holds this many, and an image's result depends neither on the
-gathers nor on the batch around it; a per-image product cost up to 2.6x on small layers (a review's measurement of
-06108e3)."""
+from image 0: a batched product's rounding depends on how many images it holds (MKL picks its path by size), so the
+groups, not the gathers, decide it, and a per-image product costs up to 2.6x on small layers (a review's
+measurement of 06108e3)."""
 
 
 def output_pixel_offsets(geometry: ConvGeometry, out_hw: tuple[int, int], padded_hw: tuple[int, int],
@@ -63,9 +62,8 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
     The output pixels are cut into blocks of whole output rows, at least :data:`BLOCK_PIXELS` pixels each (the
     whole ofmap where it has fewer); for each block, the windows of whole groups of :data:`PRODUCT_IMAGES` images are
     gathered at once, as many groups as fit ``images_per_step`` and ``gather_budget_bytes`` (at least one), and
-    multiplied one group at a time. The blocks depend on the output size only and every product holds
-    :data:`PRODUCT_IMAGES` images, so the result is bit-identical whatever the budget, ``images_per_step`` and the
-    batch an image comes in.
+    multiplied one group at a time. The blocks depend on the output size only and the groups on the image index
+    only, so the result is bit-identical whatever the budget and ``images_per_step``.
 
     Args:
         x: ``(N, C, H, W)`` float tensor in any memory layout (a Conv1d input is ``(N, C, 1, L)``), same device as
@@ -126,11 +124,8 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
             windows = flat[start:start + images, index]  # (images, U, pixels of the block)
             for group in range(0, len(windows), PRODUCT_IMAGES):  # groups start at multiples of PRODUCT_IMAGES
                 chunk = windows[group:group + PRODUCT_IMAGES]
-                count = len(chunk)
-                if count < PRODUCT_IMAGES:  # a last group of N: zero images make it whole, so its size never varies
-                    chunk = torch.cat([chunk, chunk.new_zeros(PRODUCT_IMAGES - count, *chunk.shape[1:])])
-                out[start + group:start + group + count, :, first:first + block] = torch.bmm(
-                    combine.expand(PRODUCT_IMAGES, *combine.shape), chunk)[:count]
+                out[start + group:start + group + len(chunk), :, first:first + block] = torch.bmm(
+                    combine.expand(len(chunk), *combine.shape), chunk)
     if bias is not None:
         out += bias.to(accumulate)[None, :, None]
     return out.reshape(N, csr.out_channels, E, F_).to(x.dtype)
