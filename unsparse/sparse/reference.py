@@ -28,9 +28,10 @@ BLOCK_PIXELS = 1024
 ``images_per_step`` change how many blocks are gathered at once but never a result bit."""
 PRODUCT_IMAGES = 8
 """Images per batched product (``torch.bmm`` of the combined weights with their gathered windows), in fixed groups
-from image 0: a batched product's rounding depends on how many images it holds (MKL picks its path by size), so the
-groups, not the gathers, decide it, and a per-image product costs up to 2.6x on small layers (a review's
-measurement of 06108e3)."""
+from image 0: a batched product's rounding depends on how many images it holds and where each starts in memory
+(MKL picks its path by size and 16-byte alignment), so the groups, not the gathers, decide it. An image's low bits
+can therefore depend on the batch it comes in, as with ``F.conv2d``; one product per image (06108e3) ran 2.5x as
+long on the smallest layer timed (256 images, 1 -> 8 channels, 28x28) and depends on alignment too."""
 
 
 def output_pixel_offsets(geometry: ConvGeometry, out_hw: tuple[int, int], padded_hw: tuple[int, int],
@@ -63,7 +64,8 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
     whole ofmap where it has fewer); for each block, the windows of whole groups of :data:`PRODUCT_IMAGES` images are
     gathered at once, as many groups as fit ``images_per_step`` and ``gather_budget_bytes`` (at least one), and
     multiplied one group at a time. The blocks depend on the output size only and the groups on the image index
-    only, so the result is bit-identical whatever the budget and ``images_per_step``.
+    only, so the result is bit-identical whatever the budget and ``images_per_step`` (but not whatever the batch:
+    :data:`PRODUCT_IMAGES`).
 
     Args:
         x: ``(N, C, H, W)`` float tensor in any memory layout (a Conv1d input is ``(N, C, 1, L)``), same device as
