@@ -91,6 +91,18 @@ def test_labels_the_loss_cannot_take_are_refused_up_front_naming_their_dtype():
                          Splits(labelled, labelled, labelled, 3, "toy"))
 
 
+@pytest.mark.parametrize("labels", [torch.tensor([[0], [1], [2], [1]]), torch.tensor([0, 1, 2])])
+def test_labels_that_are_not_one_per_image_are_refused_up_front(labels):
+    """``(N, 1)`` test labels passed the up-front check and were refused only by the evaluation after training and
+    pruning; one label short ended in the loader's AssertionError (a review's finds)."""
+    images = torch.randn(4, 1, 28, 28)
+    good = (images, torch.tensor([0, 1, 2, 1]))
+    with pytest.raises(ValueError, match=rf"data 'toy', split test: labels of shape \({len(labels)}, ?(1)?\) for 4 "
+                                         r"images; expected \(4,\)"):
+        check_model_fits(torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(784, 3)),
+                         Splits(good, good, (images, labels), 3, "toy"))
+
+
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
 def test_create_model_names_a_bad_argument_and_a_layer_built_empty(monkeypatch):
     """A misspelt keyword, a negative or fractional width (torch's TypeError or RuntimeError, or a misleading groups

@@ -64,16 +64,17 @@ def check_model_fits(model: nn.Module, splits: Splits) -> None:
     task paired with the data of another before any training (e.g. a classifier on time-series windows, whose
     cross-entropy against its own one-channel output is always 0, so nothing would train).
 
-    For classification, every split's labels must then be int64 (or uint8) class indices in ``[0, num_classes)``
-    (:func:`~unsparse.train.check_class_labels`, which the trainer applies to every batch): a label outside would
-    otherwise be refused only when its batch reaches the loss, after the epochs before it. One ``aminmax`` over each
-    split's ``(N,)`` label tensor, where the splits hold them, once per job: for Fashion-MNIST's 70000 CPU labels
-    0.04 ms on one free thread (11 ms measured with two threads on a loaded two-core machine).
+    For classification, every split's labels must then be one per image, ``(N,)``, and int64 (or uint8) class indices in
+    ``[0, num_classes)`` (:func:`~unsparse.train.check_class_labels`, which the trainer applies to every batch): a label
+    outside would otherwise be refused only when its batch reaches the loss, after the epochs before it. One ``aminmax``
+    over each split's ``(N,)`` label tensor, where the splits hold them, once per job: for Fashion-MNIST's 70000 CPU
+    labels 0.04 ms on one free thread (11 ms measured with two threads on a loaded two-core machine).
 
     Raises:
         ValueError: naming the model and the data, when the forward fails or its output has the wrong shape; naming
-            the model, the data, the split, its labels outside ``[0, num_classes)`` and ``num_classes`` (or the
-            labels' dtype).
+            the data and the split, when its labels are not one per image (their shape and the image count); naming the
+            model, the data, the split, its labels outside ``[0, num_classes)`` and ``num_classes`` (or the labels'
+            dtype).
     """
     device = next(itertools.chain(model.parameters(), model.buffers()), torch.empty(0)).device
     inputs, targets = splits.train[0][:2].to(device), splits.train[1][:2]
@@ -93,5 +94,9 @@ def check_model_fits(model: nn.Module, splits: Splits) -> None:
                          f"{splits.name!r}, which needs {expected} ({task_of(splits).label})")
     if splits.num_classes:
         for split in ("train", "val", "test"):
-            check_class_labels(getattr(splits, split)[1], splits.num_classes,
+            images, labels = getattr(splits, split)
+            if labels.dim() != 1 or len(labels) != len(images):
+                raise ValueError(f"data {splits.name!r}, split {split}: labels of shape {tuple(labels.shape)} for "
+                                 f"{len(images)} images; expected ({len(images)},), one class index per image")
+            check_class_labels(labels, splits.num_classes,
                                f"model {spec['name']!r} on data {splits.name!r}, split {split}")

@@ -446,7 +446,7 @@ class Trainer:
 
     def score(self, model: nn.Module, split: str = "val") -> float:
         """Higher-is-better scalar: top-1 % for classification, ``-mse`` for reconstruction; NaN for a diverged
-        classifier, whose logits are not all finite (:meth:`evaluate`)."""
+        classifier, one with a sample whose largest logit is not finite (:meth:`evaluate`)."""
         metrics = self.evaluate(model, split)
         return metrics["top1"] if self.loss == "cross_entropy" else -metrics["mse"]
 

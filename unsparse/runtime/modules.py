@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.lazy import LazyModuleMixin
 
+from unsparse.modes import module_modes, restore_modes
 from unsparse.prune.masks import squashed_copy
 from unsparse.sparse.format import SparseFormatError, UniformCSR
 from unsparse.sparse.functional import conv2d_input, dense_fallback_backend, sparse_conv_nd
@@ -192,14 +193,13 @@ def replace_shared(model: nn.Module, kind: type | tuple[type, ...],
 def _eval_mode(model: nn.Module) -> Iterator[None]:
     """Every module of ``model`` with ``training`` off inside the block and as it was afterwards (the flags alone:
     a module's own ``train()`` is not called)."""
-    modes = [(module, module.training) for module in model.modules()]
+    modes = module_modes(model)
     for module, _ in modes:
         module.training = False
     try:
         yield
     finally:
-        for module, training in modes:
-            module.training = training
+        restore_modes(modes)
 
 
 def _sparse_or_dense(conv: _ConvNd, name: str, backend: str) -> nn.Module:
