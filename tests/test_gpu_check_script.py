@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import re
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -112,8 +113,10 @@ def test_a_bad_benchmark_setting_stops_before_the_gpu_tests(load_script: Callabl
 
 def test_every_gpu_test_lives_where_gpu_check_collects() -> None:
     """``gpu_check.py`` runs ``pytest -m gpu tests/gpu`` (the other test files import Hydra, which the GPU machine
-    lacks): a ``gpu``-marked test elsewhere never runs there, as the trainer's CUDA label test did not at 3c13ea7."""
+    lacks): a ``gpu``-marked test elsewhere never runs there, as the trainer's CUDA label test did not at 3c13ea7.
+    pytest itself selects them, so every way of marking (decorator, ``pytestmark``, ``pytest.param``) counts."""
     tests = Path(__file__).resolve().parent
-    decorator = re.compile(r"^\s*@pytest\.mark\.gpu\b|^pytestmark = pytest\.mark\.gpu\b", re.MULTILINE)
-    outside = [path.name for path in tests.glob("*.py") if decorator.search(path.read_text())]
-    assert outside == []
+    collected = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p",
+                                "no:cacheprovider", f"--ignore={tests / 'gpu'}", str(tests)],
+                               capture_output=True, text=True, cwd=tests.parent)
+    assert collected.returncode == 5, collected.stdout[-2000:] + collected.stderr[-2000:]  # 5: nothing selected
