@@ -381,10 +381,13 @@ def seed_option(text: str) -> int:
             another seed's run under another name).
     """
     try:
-        return check_seed(int(text))
+        seed = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    try:
+        return check_seed(seed)
     except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error) if text.strip().lstrip("+-").isdigit()
-                                         else f"expected an integer seed, got {text!r}") from None
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def learning_rate(text: str) -> float:

@@ -332,12 +332,11 @@ class Trainer:
         if self.loss == "mse" and outputs.shape != targets.shape:
             raise ValueError(f"Trainer: mse: outputs of shape {tuple(outputs.shape)} against targets of shape "
                              f"{tuple(targets.shape)}; the model's output must have its targets' shape")
-        if self.loss == "cross_entropy" and (outputs.dim() != 2 or targets.dim() != 1
-                                             or outputs.shape[0] != targets.shape[0]):
-            raise ValueError(f"Trainer: cross_entropy: logits of shape {tuple(outputs.shape)} for targets of shape "
-                             f"{tuple(targets.shape)}; a classifier's output must be (N, num_classes) logits for N "
-                             "class indices")
         if self.loss == "cross_entropy":
+            if outputs.dim() != 2 or targets.dim() != 1 or outputs.shape[0] != targets.shape[0]:
+                raise ValueError(f"Trainer: cross_entropy: logits of shape {tuple(outputs.shape)} for targets of "
+                                 f"shape {tuple(targets.shape)}; a classifier's output must be (N, num_classes) "
+                                 "logits for N class indices")
             check_class_labels(targets, outputs.shape[1])
 
     def optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:

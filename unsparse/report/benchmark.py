@@ -454,7 +454,6 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
     Returns:
         The paths written, in :data:`PLOTS`' order: what the page links (:func:`markdown_report`'s ``plots``).
     """
-
     from unsparse.report.plots import new_figure, save_figure
 
     paths = []

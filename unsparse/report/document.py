@@ -224,7 +224,7 @@ def plan_check_text(check: dict[str, Any]) -> str:
         elif check.get("model_runs_on_ms") is not None:
             runs_on, runs_on_default = check["model_runs_on_ms"], check["model_runs_on_default_ms"]
             how_runs_on = {"graph": "as CUDA-graph replays", "eager": "eagerly"}.get(
-                check.get("model_runs_on_timing"), "(how: not recorded)")
+                check.get("model_runs_on_timing"), f"(how: {NOT_RECORDED})")
             slower = ("" if runs_on <= runs_on_default else f" (slower; {MARGIN_NOT_RECORDED})" if margin is None
                       else f" (slower, {noise_text(margin)})" if within_noise(runs_on, runs_on_default, margin)
                       else " (SLOWER)")
@@ -276,7 +276,7 @@ def not_timed_text(not_timed: Sequence[dict[str, Any]], timed: Sequence[dict[str
 
 def _count(number: int | None, what: str) -> str:
     """``20 timed calls``, or ``timed calls (how many: not recorded)`` for a count that ``report.json`` lacks."""
-    return f"{what} (how many: not recorded)" if number is None else f"{number} {what}"
+    return f"{what} (how many: {NOT_RECORDED})" if number is None else f"{number} {what}"
 
 
 def _masked_sparsity(pruning: dict[str, Any]) -> str:
@@ -337,7 +337,7 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
         "On the test split: `dense` after dense training, `pruned` after pruning and fine-tuning (masks on, before "
         "quantization), `sparse_run` the exported file reloaded (quantized, if a scheme was chosen) and run on the "
         "backend named under Whole model.",
-        markdown_table(["stage", run.get("metric_label", "test metric (which: not recorded)")],
+        markdown_table(["stage", run.get("metric_label", f"test metric (which: {NOT_RECORDED})")],
                        [[key, value] for key, value in accuracy.items()]),
         _trivial_text(run, accuracy),
         "## Pruning",
