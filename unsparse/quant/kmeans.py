@@ -34,7 +34,7 @@ from unsparse.quant.activations import ActivationSpec
 from unsparse.quant.finite import check_finite_weights
 from unsparse.quant.fixed_point import check_bits, fixed_point_step, from_codes, to_codes
 from unsparse.quant.layerwise import LayerwiseQuantizer
-from unsparse.settings import check_choice, check_integer
+from unsparse.settings import SEED_MAX, check_choice, check_integer
 from unsparse.sparse.format import SparseFormatError
 
 EMPTY_LAYER_STEP = 1.0
@@ -42,8 +42,6 @@ EMPTY_LAYER_STEP = 1.0
 MAX_CLUSTERS = 1 << 16
 INITS = ("k-means++", "random")
 """``init`` methods of ``sklearn.cluster.KMeans`` that take no data of their own."""
-MAX_SEED = (1 << 32) - 1
-"""Largest ``random_state`` seed scikit-learn accepts."""
 TOL = 1e-4
 """``tol`` passed to ``sklearn.cluster.KMeans`` (its default, made explicit so that a change of scikit-learn's default
 cannot change the codebooks unseen): convergence tolerance, relative to the weights' variance."""
@@ -94,7 +92,8 @@ class KMeansQuantizer(LayerwiseQuantizer):
         n_init: k-means runs per layer, the best kept (an integer >= 1).
         max_iter: iterations per run (an integer >= 1).
         init: ``"k-means++"`` or ``"random"``.
-        random_state: seed, an integer in ``[0, 2^32 - 1]`` (fixed: repeatable). These four, :data:`TOL` and
+        random_state: seed, an integer in ``[0, 2^32 - 1]`` (:data:`~unsparse.settings.SEED_MAX`, also the largest
+            seed scikit-learn takes; fixed: repeatable). These four, :data:`TOL` and
             :data:`ALGORITHM` (the :data:`KMEANS_ARGUMENTS`) are passed to ``sklearn.cluster.KMeans`` and recorded in
             the description, with the installed scikit-learn's version (``sklearn_version``).
         activations: default float16 (the paper's 4b/16b row reads as 4-bit weights, 16-bit activations).
@@ -120,7 +119,7 @@ class KMeansQuantizer(LayerwiseQuantizer):
         self.index_bits = math.ceil(math.log2(clusters))
         self.n_init, self.max_iter = check_integer(n_init, "n_init"), check_integer(max_iter, "max_iter")
         self.init = check_choice(init, INITS, "init")
-        self.random_state = check_integer(random_state, "random_state", 0, MAX_SEED)
+        self.random_state = check_integer(random_state, "random_state", 0, SEED_MAX)
         self.sklearn_version = installed_sklearn_version()
 
     def cluster(self, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
