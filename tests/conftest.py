@@ -104,7 +104,7 @@ def tuned_kernel_names() -> list[str]:
     whose small grids add split-K settings), 5x5 (28x28) and 3x3 stride-2 (56x56, whose phase split is a 2x2
     layer) layers in each supported dtype, and those of the half2 backend in float16, as the kernel compile tests
     build them."""
-    from unsparse.runtime import cupy_launcher as cl
+    from unsparse.runtime import launch_geometry as lg
     from unsparse.runtime.backends.direct import DirectBackend, DirectHalf2Backend
     from unsparse.sparse import ConvGeometry, UniformCSR
 
@@ -115,7 +115,7 @@ def tuned_kernel_names() -> list[str]:
                                     ((1, 256, 14, 14), (1, 1), ConvGeometry.of(1, 0)),
                                     ((32, 48, 28, 28), (5, 5), ConvGeometry.of(1, 2)),
                                     ((128, 128, 56, 56), (3, 3), ConvGeometry.of(2, 1))]:
-        for dtype in cl.supported_dtypes():
+        for dtype in lg.supported_dtypes():
             x = torch.zeros(shape, dtype=dtype)
             csr = UniformCSR.from_dense(torch.randn(16, shape[1], *kernel, dtype=dtype))
             names.update(backend.kernel_names(x, csr, geometry))

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from unsparse.runtime import cupy_launcher as cl
+from unsparse.runtime import launch_geometry as lg
 
 
 def nvrtc_library() -> Path | None:
@@ -51,12 +52,12 @@ def compile_with_nvrtc(library: Path, source: str, names: list[str], options: li
 def test_every_tuned_instantiation_compiles_under_nvrtc(tuned_kernel_names) -> None:
     library = nvrtc_library()
     assert any(",1,0,1," in name for name in tuned_kernel_names)  # the 16-byte staging is among them
-    assert any(name.endswith(f",1,{cl.HALF2_RUN},1,2,0,0>") for name in tuned_kernel_names)  # and the half2 products
+    assert any(name.endswith(f",1,{lg.HALF2_RUN},1,2,0,0>") for name in tuned_kernel_names)  # and the half2 products
     assert any(name.startswith("direct_tile<float") and name.endswith(",1,0,3,1,0,0>")  # union entries
                for name in tuned_kernel_names)
     assert any(name.startswith("direct_tile<float") and name.endswith(",1,0,3,2,0,0>")  # on paired float32 images
                for name in tuned_kernel_names)
-    for ending in (",1,0,1,1,1,4>", ",1,0,1,2,1,4>", f",1,{cl.HALF2_RUN},1,2,1,4>"):  # staged entries
+    for ending in (",1,0,1,1,1,4>", ",1,0,1,2,1,4>", f",1,{lg.HALF2_RUN},1,2,1,4>"):  # staged entries
         assert any(name.startswith("direct_tile<") and name.endswith(ending) for name in tuned_kernel_names), ending
     assert any(name.startswith("direct_pointwise<__half") and name.endswith(",float>")  # split-K partial sums
                for name in tuned_kernel_names)
@@ -74,12 +75,12 @@ def test_the_wide_tiling_check_is_the_kernels_static_assert() -> None:
     library = nvrtc_library()
     include = library.parent.parent / "include"
     options = [*cl.COMPILE_OPTIONS, "-arch=compute_90", f"-I{include}"]
-    launch = cl.tile_launch(torch.float32, 8, 64, (16, 16), (3, 3),
-                            cl.TileTiling(32, 8, 2, 8, cl.TILE_WIDE_WARPS, 1))
+    launch = lg.tile_launch(torch.float32, 8, 64, (16, 16), (3, 3),
+                            lg.TileTiling(32, 8, 2, 8, lg.TILE_WIDE_WARPS, 1))
     status, log = compile_with_nvrtc(library, cl.KERNEL_FILE.read_text(), [launch.name], options)
     assert status == 0, log
-    refused = launch.name.replace(f",8,{cl.TILE_WIDE_WARPS},1,", f",8,{cl.TILE_WIDE_WARPS + 1},1,")
+    refused = launch.name.replace(f",8,{lg.TILE_WIDE_WARPS},1,", f",8,{lg.TILE_WIDE_WARPS + 1},1,")
     status, log = compile_with_nvrtc(library, cl.KERNEL_FILE.read_text(), [refused], options)
     assert status != 0 and "wide tiling" in log
-    with pytest.raises(ValueError, match=f"at most {cl.TILE_WIDE_WARPS} warps, got {cl.TILE_WIDE_WARPS + 1}"):
-        cl.tile_launch(torch.float32, 8, 64, (16, 16), (3, 3), cl.TileTiling(32, 8, 2, 8, cl.TILE_WIDE_WARPS + 1, 1))
+    with pytest.raises(ValueError, match=f"at most {lg.TILE_WIDE_WARPS} warps, got {lg.TILE_WIDE_WARPS + 1}"):
+        lg.tile_launch(torch.float32, 8, 64, (16, 16), (3, 3), lg.TileTiling(32, 8, 2, 8, lg.TILE_WIDE_WARPS + 1, 1))

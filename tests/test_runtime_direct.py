@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from unsparse.runtime import cupy_launcher as cl
+from unsparse.runtime import launch_geometry as lg
 from unsparse.runtime.backends.direct import (
     DirectBackend,
     DirectHalf2Backend,
@@ -70,7 +71,7 @@ def emulate_rows(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, threa
     """``direct_rows`` in Python: same grid, thread-to-pixel map, bounds check and addresses."""
     N, C, H, W = x.shape
     E, F_ = geometry.output_size(H, W, csr.kernel_size)
-    spec = cl.rows_launch(torch.float32, N, csr.out_channels, E * F_, threads, pixels, sub_batch, channels)
+    spec = lg.rows_launch(torch.float32, N, csr.out_channels, E * F_, threads, pixels, sub_batch, channels)
     arrays = prepare_rows(csr, geometry, (H, W))
     flat = x.reshape(N, -1)
     out = torch.full((N, csr.out_channels, E * F_), float("nan"), dtype=x.dtype)
@@ -87,7 +88,7 @@ def emulate_rows(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, threa
             acc = torch.zeros(images, *p.shape, dtype=x.dtype)
             for j in range(csr.row_length):
                 off, tap, w = int(arrays.offsets[m, j]), int(arrays.taps[m, j]), csr.values[m, j]
-                dy, dx = tap >> cl.TAP_SHIFT_BITS, tap & ((1 << cl.TAP_SHIFT_BITS) - 1)
+                dy, dx = tap >> lg.TAP_SHIFT_BITS, tap & ((1 << lg.TAP_SHIFT_BITS) - 1)
                 inside = live & (iy0 + dy >= 0) & (iy0 + dy < H) & (ix0 + dx >= 0) & (ix0 + dx < W)
                 address = torch.where(inside, off + iy0 * W + ix0, 0)
                 assert int(address.max()) < C * H * W and int(address.min()) >= 0
@@ -97,7 +98,7 @@ def emulate_rows(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, threa
     return out.reshape(N, csr.out_channels, E, F_)
 
 
-def staged_columns(layout: cl.TileLayout, tiling: cl.TileTiling, pad_w: int) -> list[list[int]]:
+def staged_columns(layout: lg.TileLayout, tiling: lg.TileTiling, pad_w: int) -> list[list[int]]:
     """The columns ``xx`` each copy of one staged row writes, in the kernel's order: scalar staging one column
     per copy; 16-byte staging (``layout.vector``) the WX / v interior vectors of v columns (v = 4 elements of 4
     bytes, 2 of 8), then the halo."""
@@ -108,7 +109,7 @@ def staged_columns(layout: cl.TileLayout, tiling: cl.TileTiling, pad_w: int) -> 
             + [[h if h < pad_w else h + tiling.wx] for h in range(halo)])
 
 
-def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tiling: cl.TileTiling,
+def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tiling: lg.TileTiling,
                  dtype: torch.dtype = torch.float32, vector: bool = False,
                  out_hw: tuple[int, int] | None = None, half_run: int = 0) -> torch.Tensor:
     """``direct_tile`` in Python: grid decode, staged chunk in the kernel's flat layout (zero halo, images
@@ -125,15 +126,15 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
     R, S = csr.kernel_size
     E, F_ = out_hw or geometry.output_size(H, W, csr.kernel_size)
     pad = geometry.padding[1] if vector else None
-    layout = cl.tile_layout(dtype, (R, S), tiling, pad)
+    layout = lg.tile_layout(dtype, (R, S), tiling, pad)
     union = tiling.union
     capacity = longest_list(csr, tiling.cc, union) if tiling.stage_entries else 0
-    spec = cl.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling, pad, half_run, entry_capacity=capacity)
+    spec = lg.tile_launch(dtype, N, csr.out_channels, (E, F_), (R, S), tiling, pad, half_run, entry_capacity=capacity)
     arrays = prepare_tile(csr, layout, half2=half_run > 0, union=union)
     if tiling.stage_entries:  # the slots start at the first 16-byte boundary after the two chunks
-        slot_bytes = 2 * tiling.entry_lists() * capacity * cl.entry_bytes(union)
+        slot_bytes = 2 * tiling.entry_lists() * capacity * lg.entry_bytes(union)
         assert spec.shared_bytes == -(-layout.shared_bytes() // 16) * 16 + slot_bytes
-    ipe = cl.images_per_element(dtype, tiling.paired)
+    ipe = lg.images_per_element(dtype, tiling.paired)
     (te, tf), wy = tiling.tile_hw, tiling.wy
     tiles_f, groups, K = math.ceil(F_ / tf), math.ceil(csr.out_channels / tiling.channels), math.ceil(C / tiling.cc)
     ph, pw = geometry.padding
@@ -211,7 +212,7 @@ def emulate_tile(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, tilin
     return out
 
 
-def emulate_pointwise(x: torch.Tensor, csr: UniformCSR, tiling: cl.PointwiseTiling,
+def emulate_pointwise(x: torch.Tensor, csr: UniformCSR, tiling: lg.PointwiseTiling,
                       dtype: torch.dtype = torch.float32, vector: bool = False, splits: int = 1) -> torch.Tensor:
     """``direct_pointwise`` in Python: grid decode over the flattened ``n * P + p`` columns, each thread's
     fixed staging unit and its rows of every chunk (a 16-byte copy wholly inside one image and aligned in
@@ -221,11 +222,11 @@ def emulate_pointwise(x: torch.Tensor, csr: UniformCSR, tiling: cl.PointwiseTili
     N, C, H, W = x.shape
     P, M = H * W, csr.out_channels
     J = N * P
-    layout = cl.pointwise_layout(dtype, tiling, vector)
-    per_split, launched = cl.split_chunks(C, tiling.cc, splits)
-    spec = cl.pointwise_launch(dtype, N, M, P, tiling, vector, launched)
+    layout = lg.pointwise_layout(dtype, tiling, vector)
+    per_split, launched = lg.split_chunks(C, tiling.cc, splits)
+    spec = lg.pointwise_launch(dtype, N, M, P, tiling, vector, launched)
     arrays = prepare_tile(csr, layout)
-    unit, tj, threads = cl.pointwise_unit(dtype, vector), tiling.columns, spec.block[0]
+    unit, tj, threads = lg.pointwise_unit(dtype, vector), tiling.columns, spec.block[0]
     copies_per_row = tj // unit
     groups, K = math.ceil(M / tiling.channels), math.ceil(C / tiling.cc)
     flat = x.reshape(N, C, P)
@@ -269,16 +270,16 @@ def emulate_pointwise(x: torch.Tensor, csr: UniformCSR, tiling: cl.PointwiseTili
 
 # (N, C, H, W, M): several column tiles with a partial last one, partial chunks and channel groups
 POINTWISE_CASES = [(3, 5, 10, 10, 7), (2, 7, 7, 7, 9), (1, 3, 4, 8, 2), (2, 3, 8, 9, 5)]
-POINTWISE_SETTINGS = [(cl.PointwiseTiling(pv=1, mw=2, warps=2, cc=2), torch.float32, True),
-                      (cl.PointwiseTiling(pv=2, mw=3, warps=1, cc=3), torch.float16, True),
-                      (cl.PointwiseTiling(pv=1, mw=2, warps=4, cc=2), torch.float32, False),
-                      (cl.PointwiseTiling(pv=2, mw=1, warps=8, cc=4), torch.float16, False)]
+POINTWISE_SETTINGS = [(lg.PointwiseTiling(pv=1, mw=2, warps=2, cc=2), torch.float32, True),
+                      (lg.PointwiseTiling(pv=2, mw=3, warps=1, cc=3), torch.float16, True),
+                      (lg.PointwiseTiling(pv=1, mw=2, warps=4, cc=2), torch.float32, False),
+                      (lg.PointwiseTiling(pv=2, mw=1, warps=8, cc=4), torch.float16, False)]
 
 
 @pytest.mark.parametrize(("case", "tiling", "dtype", "vector"), [
     (case, *setting) for case in POINTWISE_CASES for setting in POINTWISE_SETTINGS
-    if not setting[2] or cl.pointwise_vector_reason(setting[1], case[2] * case[3]) is None])
-def test_pointwise_emulation_matches_conv2d(case: tuple, tiling: cl.PointwiseTiling, dtype: torch.dtype,
+    if not setting[2] or lg.pointwise_vector_reason(setting[1], case[2] * case[3]) is None])
+def test_pointwise_emulation_matches_conv2d(case: tuple, tiling: lg.PointwiseTiling, dtype: torch.dtype,
                                             vector: bool) -> None:
     N, C, H, W, M = case
     x, csr, _, ref = layer((N, C, H, W, M, 1, 1, 1, 0, 1), sparsity=0.6, seed=sum(case))
@@ -289,19 +290,19 @@ def test_pointwise_emulation_matches_conv2d(case: tuple, tiling: cl.PointwiseTil
 @pytest.mark.parametrize("splits", [2, 3, 4, 16])
 def test_pointwise_split_k_emulation_matches_conv2d(splits: int) -> None:
     x, csr, _, ref = layer((1, 21, 4, 6, 7, 1, 1, 1, 0, 1), sparsity=0.5, seed=splits)
-    tiling = cl.PointwiseTiling(pv=1, mw=2, warps=4, cc=2)  # K = 11 chunks
+    tiling = lg.PointwiseTiling(pv=1, mw=2, warps=4, cc=2)  # K = 11 chunks
     out = emulate_pointwise(x, csr, tiling, splits=splits)
     assert torch.allclose(out, ref, atol=1e-5)
 
 
 def test_split_chunks_cover_every_chunk_once() -> None:
-    assert cl.split_chunks(1024, 32, 16) == (2, 16)
-    assert cl.split_chunks(96, 32, 16) == (1, 3)  # no more splits than chunks
-    assert cl.split_chunks(100, 16, 4) == (2, 4)  # 7 chunks: 2 + 2 + 2 + 1
-    assert cl.split_chunks(64, 16, 3) == (2, 2)  # 4 chunks in splits of 2: two launched
+    assert lg.split_chunks(1024, 32, 16) == (2, 16)
+    assert lg.split_chunks(96, 32, 16) == (1, 3)  # no more splits than chunks
+    assert lg.split_chunks(100, 16, 4) == (2, 4)  # 7 chunks: 2 + 2 + 2 + 1
+    assert lg.split_chunks(64, 16, 3) == (2, 2)  # 4 chunks in splits of 2: two launched
     with pytest.raises(ValueError, match="splits"):
-        cl.split_chunks(64, 16, 0)
-    spec = cl.pointwise_launch(torch.float16, 1, 256, 196, cl.PointwiseTiling(1, 8, 8, 32), True, 16)
+        lg.split_chunks(64, 16, 0)
+    spec = lg.pointwise_launch(torch.float16, 1, 256, 196, lg.PointwiseTiling(1, 8, 8, 32), True, 16)
     assert spec.grid == (4 * 2, 16, 1) and spec.name == "direct_pointwise<__half,1,8,8,32,1,float>"
     space = pointwise_space(1, 256, 196, torch.float32, vector=True, in_channels=1024)
     assert {p.get("splits", 1) for p in space} == {1, *POINTWISE_SPLITS}
@@ -309,15 +310,15 @@ def test_split_chunks_cover_every_chunk_once() -> None:
 
 
 def test_pointwise_eligibility_and_launch() -> None:
-    assert cl.pointwise_vector_reason(torch.float32, 196) is None
-    assert "multiple of 8" in cl.pointwise_vector_reason(torch.float16, 196)
-    assert "multiple of 4" in cl.pointwise_vector_reason(torch.float32, 49)
+    assert lg.pointwise_vector_reason(torch.float32, 196) is None
+    assert "multiple of 8" in lg.pointwise_vector_reason(torch.float16, 196)
+    assert "multiple of 4" in lg.pointwise_vector_reason(torch.float32, 49)
     with pytest.raises(ValueError, match="threads"):
-        cl.pointwise_layout(torch.float32, cl.PointwiseTiling(pv=1, mw=8, warps=2, cc=32), vector=False)
-    spec = cl.pointwise_launch(torch.float32, 128, 256, 196, cl.PointwiseTiling(1, 8, 16, 32), vector=True)
+        lg.pointwise_layout(torch.float32, lg.PointwiseTiling(pv=1, mw=8, warps=2, cc=32), vector=False)
+    spec = lg.pointwise_launch(torch.float32, 128, 256, 196, lg.PointwiseTiling(1, 8, 16, 32), vector=True)
     assert spec.grid == (2 * 196, 1, 1) and spec.block == (512, 1, 1)
     assert spec.name == "direct_pointwise<float,1,8,16,32,1,float>"
-    layout = cl.pointwise_layout(torch.float16, cl.PointwiseTiling(2, 4, 16, 16), vector=True)
+    layout = lg.pointwise_layout(torch.float16, lg.PointwiseTiling(2, 4, 16, 16), vector=True)
     assert (layout.channel_stride, layout.shared_bytes()) == (256, 2 * 16 * 256 * 2)
     backend = DirectBackend()
     csr = UniformCSR.from_dense(torch.randn(8, 4, 1, 1))
@@ -346,17 +347,17 @@ def test_rows_emulation_matches_conv2d(case: tuple, threads: int, pixels: int, s
     assert torch.allclose(out, ref, atol=1e-10)
 
 
-SMALL_TILINGS = [cl.TileTiling(wx=8, py=2, nb=2, mw=2, warps=2, cc=2),
-                 cl.TileTiling(wx=4, py=3, nb=1, mw=3, warps=1, cc=3),
-                 cl.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3),
-                 cl.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3, paired=True),
-                 cl.TileTiling(wx=8, py=2, nb=2, mw=2, warps=2, cc=3, stage_entries=True, min_blocks=4),
-                 cl.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3, stage_entries=True)]
+SMALL_TILINGS = [lg.TileTiling(wx=8, py=2, nb=2, mw=2, warps=2, cc=2),
+                 lg.TileTiling(wx=4, py=3, nb=1, mw=3, warps=1, cc=3),
+                 lg.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3),
+                 lg.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3, paired=True),
+                 lg.TileTiling(wx=8, py=2, nb=2, mw=2, warps=2, cc=3, stage_entries=True, min_blocks=4),
+                 lg.TileTiling(wx=8, py=2, nb=2, mw=3, warps=2, cc=2, union=3, stage_entries=True)]
 
 
 @pytest.mark.parametrize("case", [g for g in GEOMETRIES if g[7] == 1 and g[9] == 1 and g[2] > 1])
 @pytest.mark.parametrize("tiling", SMALL_TILINGS)
-def test_tile_emulation_matches_conv2d(case: tuple, tiling: cl.TileTiling) -> None:
+def test_tile_emulation_matches_conv2d(case: tuple, tiling: lg.TileTiling) -> None:
     x, csr, geometry, ref = layer(case, seed=3)
     out = emulate_tile(x, csr, geometry, tiling)
     assert torch.allclose(out, ref, atol=1e-5)  # the entries hold float32 weights
@@ -366,7 +367,7 @@ def test_tile_emulation_matches_conv2d(case: tuple, tiling: cl.TileTiling) -> No
                                   (2, 3, 7, 16, 4, 5, 5, 1, 2, 1), (2, 5, 3, 8, 6, 1, 1, 1, 0, 1)])
 def test_tile_emulation_of_16_byte_staging_matches_conv2d(case: tuple) -> None:
     x, csr, geometry, ref = layer(case, seed=5)
-    tiling = cl.TileTiling(wx=32, py=2, nb=2, mw=2, warps=2, cc=2)
+    tiling = lg.TileTiling(wx=32, py=2, nb=2, mw=2, warps=2, cc=2)
     out = emulate_tile(x, csr, geometry, tiling, vector=True)
     assert torch.allclose(out, ref, atol=1e-5)
 
@@ -383,12 +384,12 @@ def test_union_entries_emulate_zero_dense_and_partial_groups() -> None:
     x = torch.randn(N, C, H, W, generator=gen, dtype=torch.float64)
     geometry = ConvGeometry.of(1, 1)
     expected = F.conv2d(x, weight, None, 1, 1)
-    tiling = cl.TileTiling(wx=32, py=2, nb=2, mw=3, warps=2, cc=2, union=3)
+    tiling = lg.TileTiling(wx=32, py=2, nb=2, mw=3, warps=2, cc=2, union=3)
     for paired, vector in itertools.product((False, True), (False, True)):
         out = emulate_tile(x, UniformCSR.from_dense(weight), geometry, replace(tiling, paired=paired), vector=vector)
         assert torch.allclose(out, expected, atol=1e-5), (paired, vector)  # the entries hold float32 weights
     with pytest.raises(ValueError, match="union"):  # float32 only
-        cl.tile_layout(torch.float16, (3, 3), tiling)
+        lg.tile_layout(torch.float16, (3, 3), tiling)
     assert not any("union" in p for p in tile_space(128, (56, 56), (3, 3), torch.float16, vector_pad=1))
     assert any("union" in p for p in tile_space(128, (56, 56), (3, 3), torch.float32, vector_pad=1))
 
@@ -397,19 +398,19 @@ def test_paired_float32_tiles_stage_two_images_per_element() -> None:
     """A ``paired`` float32 tiling (kernel notes v22): 8-byte elements of two images, 16-byte staging vectors of
     two columns (rows aligned with ``left = -pad_w mod 2``), half the image elements, twice the element bytes, its
     own instantiation; odd batches pad a zero image; float16, which always pairs, refuses the flag."""
-    tiling = cl.TileTiling(wx=32, py=7, nb=4, mw=3, warps=8, cc=8, union=3, paired=True)
-    layout = cl.tile_layout(torch.float32, (3, 3), tiling, vector_pad=1)
+    tiling = lg.TileTiling(wx=32, py=7, nb=4, mw=3, warps=8, cc=8, union=3, paired=True)
+    layout = lg.tile_layout(torch.float32, (3, 3), tiling, vector_pad=1)
     assert (layout.element_bytes, layout.vector_elements, layout.image_elements) == (8, 2, 2)
     assert (layout.left, layout.padded_width) == (1, 36)  # column 0 of the interior at element 2: byte 16
-    spec = cl.tile_launch(torch.float32, 5, 64, (56, 56), (3, 3), tiling, vector_pad=1)
+    spec = lg.tile_launch(torch.float32, 5, 64, (56, 56), (3, 3), tiling, vector_pad=1)
     assert spec.name == "direct_tile<float,3,3,32,7,4,3,8,8,36,1,1,0,3,2,0,0>"
     assert spec.shared_bytes == 2 * 8 * 2 * 9 * 36 * 8 and spec.grid == (3 * 8 * 2, 2, 1)
     with pytest.raises(ValueError, match="paired"):
-        cl.tile_layout(torch.float16, (3, 3), replace(tiling, union=1))
+        lg.tile_layout(torch.float16, (3, 3), replace(tiling, union=1))
     with pytest.raises(ValueError, match="NB"):
-        cl.tile_layout(torch.float32, (3, 3), replace(tiling, nb=3))
+        lg.tile_layout(torch.float32, (3, 3), replace(tiling, nb=3))
     x, csr, geometry, ref = layer((5, 6, 9, 16, 7, 3, 3, 1, 1, 1), seed=13)
-    small = cl.TileTiling(wx=32, py=3, nb=4, mw=3, warps=2, cc=4, union=3, paired=True)
+    small = lg.TileTiling(wx=32, py=3, nb=4, mw=3, warps=2, cc=4, union=3, paired=True)
     assert torch.allclose(emulate_tile(x, csr, geometry, small, vector=True), ref, atol=1e-5)
     paired = [p for p in tile_space(128, (56, 56), (3, 3), torch.float32, vector_pad=1) if p.get("paired")]
     assert paired and all(tiling_of(p).paired and p["nb"] % 2 == 0 for p in paired)
@@ -431,7 +432,7 @@ def test_rows_naming_a_column_twice_count_every_entry() -> None:
         out = emulate_tile(x, csr, ConvGeometry.of(1, 1), tiling)
         assert torch.allclose(out, expected, atol=1e-5)  # the entries hold float32 weights
     pointwise = UniformCSR(csr.values[:, :C].contiguous(), col_idx[:, :C].contiguous(), (M, C, 1, 1))
-    out = emulate_pointwise(x, pointwise, cl.PointwiseTiling(pv=1, mw=2, warps=4, cc=2))
+    out = emulate_pointwise(x, pointwise, lg.PointwiseTiling(pv=1, mw=2, warps=4, cc=2))
     assert torch.allclose(out, F.conv2d(x, pointwise.to_dense()), atol=1e-5)
 
 
@@ -448,7 +449,7 @@ def test_longest_list_sizes_the_staged_entry_slots() -> None:
     repeated = UniformCSR(values, col_idx, (M, C, 3, 3))
     dense = UniformCSR.from_dense(torch.randn(M, C, 3, 3, generator=gen, dtype=torch.float64))
     for csr, chunk, union in itertools.product((repeated, dense), (1, 2, 4), (1, 3)):
-        layout = cl.tile_layout(torch.float32, (3, 3), cl.TileTiling(8, 2, 2, 3, 2, chunk, union=union))
+        layout = lg.tile_layout(torch.float32, (3, 3), lg.TileTiling(8, 2, 2, 3, 2, chunk, union=union))
         arrays = prepare_tile(csr, layout, union=union)
         longest = int((arrays.chunk_ptr[1:] - arrays.chunk_ptr[:-1]).max())
         assert longest_list(csr, chunk, union) == longest > 0
@@ -467,25 +468,25 @@ def test_staged_entry_settings_fit_their_slots() -> None:
     fit the shared-memory limit (a dense 3x3 weight leaves the 16- and 32-channel chunks out), as ``"entries":
     "shared"`` with their ``min_blocks``, in their own instantiations; the launch refuses a capacity without them
     and ``tiling_of`` an unknown entry source."""
-    tiling = cl.TileTiling(32, 8, 2, 3, 8, 8, union=3, stage_entries=True, min_blocks=3)
-    layout = cl.tile_layout(torch.float32, (3, 3), tiling, vector_pad=1)
-    spec = cl.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), tiling, 1, entry_capacity=50)
+    tiling = lg.TileTiling(32, 8, 2, 3, 8, 8, union=3, stage_entries=True, min_blocks=3)
+    layout = lg.tile_layout(torch.float32, (3, 3), tiling, vector_pad=1)
+    spec = lg.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), tiling, 1, entry_capacity=50)
     assert spec.name.endswith(",0,3,1,1,3>")
-    assert spec.shared_bytes == cl.tile_shared_bytes(layout, tiling, 50) == layout.shared_bytes() + 2 * 8 * 50 * 16
+    assert spec.shared_bytes == lg.tile_shared_bytes(layout, tiling, 50) == layout.shared_bytes() + 2 * 8 * 50 * 16
     unstaged = replace(tiling, stage_entries=False, min_blocks=0)
-    assert cl.tile_shared_bytes(layout, unstaged, 0) == layout.shared_bytes()
+    assert lg.tile_shared_bytes(layout, unstaged, 0) == layout.shared_bytes()
     with pytest.raises(ValueError, match="exceed"):
-        cl.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), tiling, 1, entry_capacity=400)
+        lg.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), tiling, 1, entry_capacity=400)
     for capacity, staged in ((3, unstaged), (-1, tiling), (2.0, tiling)):
         with pytest.raises(ValueError, match="entry_capacity"):
-            cl.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), staged, 1, entry_capacity=capacity)
+            lg.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), staged, 1, entry_capacity=capacity)
     for min_blocks in (-1, 1.0):
         with pytest.raises(ValueError, match="min_blocks"):
-            cl.TileTiling(32, 8, 2, 3, 8, 8, union=3, min_blocks=min_blocks)
+            lg.TileTiling(32, 8, 2, 3, 8, 8, union=3, min_blocks=min_blocks)
     with pytest.raises(ValueError, match="min_blocks"):  # a wide tiling is fixed at two blocks
-        cl.TileTiling(32, 7, 4, 3, 8, 8, union=3, paired=True, min_blocks=2)
+        lg.TileTiling(32, 7, 4, 3, 8, 8, union=3, paired=True, min_blocks=2)
     with pytest.raises(ValueError, match="stage_entries"):
-        cl.TileTiling(32, 8, 2, 3, 8, 8, stage_entries=1)
+        lg.TileTiling(32, 8, 2, 3, 8, 8, stage_entries=1)
     assert not any("entries" in p for p in tile_space(128, (56, 56), (3, 3), torch.float32, vector_pad=1))
     sparse = tile_space(128, (56, 56), (3, 3), torch.float16, vector_pad=1, entry_capacity=lambda cc, u: 4)
     staged = [p for p in sparse if p.get("entries") == "shared"]
@@ -502,13 +503,13 @@ def test_staged_entry_settings_fit_their_slots() -> None:
 
 
 def test_vector_staging_eligibility() -> None:
-    assert cl.vector_staging_reason(56, (3, 3), (1, 1)) is None
-    assert "multiple of 4" in cl.vector_staging_reason(14, (3, 3), (1, 1))
-    assert "pad_w" in cl.vector_staging_reason(56, (3, 3), (0, 3))
-    layout = cl.tile_layout(torch.float32, (3, 3), cl.TileTiling(32, 4, 2, 4, 16, 8), vector_pad=1)
+    assert lg.vector_staging_reason(56, (3, 3), (1, 1)) is None
+    assert "multiple of 4" in lg.vector_staging_reason(14, (3, 3), (1, 1))
+    assert "pad_w" in lg.vector_staging_reason(56, (3, 3), (0, 3))
+    layout = lg.tile_layout(torch.float32, (3, 3), lg.TileTiling(32, 4, 2, 4, 16, 8), vector_pad=1)
     assert (layout.left, layout.padded_width, layout.vector) == (3, 40, True)
     with pytest.raises(ValueError, match="16-byte"):
-        cl.tile_layout(torch.float32, (3, 3), cl.TileTiling(16, 4, 2, 4, 16, 8), vector_pad=1)
+        lg.tile_layout(torch.float32, (3, 3), lg.TileTiling(16, 4, 2, 4, 16, 8), vector_pad=1)
     vector = [p for p in tile_space(128, (56, 56), (3, 3), torch.float32, vector_pad=1) if "stage" in p]
     assert vector and all(p["wx"] == 32 and p["stage"] == "vector" for p in vector)
     backend = DirectBackend()
@@ -535,7 +536,7 @@ def test_strided_layers_emulate_through_their_phase_split(case: tuple) -> None:
         out = emulate_tile(phases, view.csr, view.geometry, tiling, out_hw=view.out_hw)
         assert torch.allclose(out, expected, atol=1e-5)  # the entries hold float32 weights
     if is_pointwise(view.csr, view.geometry):
-        out = emulate_pointwise(phases, view.csr, cl.PointwiseTiling(pv=1, mw=2, warps=4, cc=2))
+        out = emulate_pointwise(phases, view.csr, lg.PointwiseTiling(pv=1, mw=2, warps=4, cc=2))
         assert torch.allclose(out, expected, atol=1e-5)
 
 
@@ -544,7 +545,7 @@ def test_tile_emulation_float16_layout_pairs_images() -> None:
     out = emulate_tile(x, csr, geometry, SMALL_TILINGS[0], dtype=torch.float16)
     assert torch.allclose(out, ref, atol=1e-5)
     x, csr, geometry, ref = layer((3, 3, 5, 36, 5, 3, 3, 1, 1, 1), seed=6)
-    out = emulate_tile(x, csr, geometry, cl.TileTiling(wx=32, py=2, nb=2, mw=2, warps=2, cc=2), dtype=torch.float16,
+    out = emulate_tile(x, csr, geometry, lg.TileTiling(wx=32, py=2, nb=2, mw=2, warps=2, cc=2), dtype=torch.float16,
                        vector=True)
     assert torch.allclose(out, ref, atol=1e-5)
 
@@ -559,14 +560,14 @@ def test_tile_emulation_of_half2_runs_matches_conv2d() -> None:
     csr = UniformCSR.from_dense(csr.to_dense().half().double())
     weight = csr.to_dense().reshape(4, 16, 3, 3)
     ref = F.conv2d(x, weight, None, geometry.stride, geometry.padding)
-    tiling = cl.TileTiling(wx=32, py=2, nb=2, mw=2, warps=2, cc=16)
-    runs = emulate_tile(x, csr, geometry, tiling, torch.float16, vector=True, half_run=cl.HALF2_RUN)
+    tiling = lg.TileTiling(wx=32, py=2, nb=2, mw=2, warps=2, cc=16)
+    runs = emulate_tile(x, csr, geometry, tiling, torch.float16, vector=True, half_run=lg.HALF2_RUN)
     error = float((runs - ref).norm() / ref.norm())
     assert 1e-5 < error < 2e-3  # the float16 roundings show, and stay within the bound
     whole = emulate_tile(x, csr, geometry, tiling, torch.float16, vector=True, half_run=144)  # one run per chunk
     assert float((whole - ref).norm() / ref.norm()) > error
     staged = replace(tiling, stage_entries=True)  # the same runs, each entry read from its slot
-    assert torch.equal(emulate_tile(x, csr, geometry, staged, torch.float16, vector=True, half_run=cl.HALF2_RUN), runs)
+    assert torch.equal(emulate_tile(x, csr, geometry, staged, torch.float16, vector=True, half_run=lg.HALF2_RUN), runs)
 
 
 @pytest.mark.parametrize("batch", [1, 4, 5])
@@ -580,10 +581,10 @@ def test_pair_images_interleaves_image_pairs(batch: int) -> None:
 
 
 def emulate_pairing(x: torch.Tensor) -> torch.Tensor:
-    """The ``pair_images`` kernel in Python: its grid (:func:`~unsparse.runtime.cupy_launcher.pairing_launch`),
+    """The ``pair_images`` kernel in Python: its grid (:func:`~unsparse.runtime.launch_geometry.pairing_launch`),
     each thread's run of ``unit`` elements of both images (the second a zero image past an odd N), interleaved."""
     N, P = x.shape[0], x[0].numel()
-    spec = cl.pairing_launch(x.dtype, N, P, vector=False)
+    spec = lg.pairing_launch(x.dtype, N, P, vector=False)
     unit, flat = 16 // x.element_size(), x.reshape(N, P)
     out = torch.full((spec.grid[1], P, 2), float("nan"), dtype=x.dtype)
     for bx, i, t in itertools.product(range(spec.grid[0]), range(spec.grid[1]), range(spec.block[0])):
@@ -602,23 +603,23 @@ def test_pairing_kernel_emulation_matches_pair_images(batch: int, chw: tuple[int
     16-byte vector condition and the size check. The vector path's byte shuffles are checked on the GPU."""
     x = torch.randn(batch, *chw).to(dtype)
     assert torch.equal(emulate_pairing(x), pair_images(x))
-    spec = cl.pairing_launch(dtype, 128, 256 * 56 * 56, vector=True)
-    assert spec.name == f"pair_images<{cl.cuda_type(dtype)},1>" and spec.block == (256, 1, 1)
+    spec = lg.pairing_launch(dtype, 128, 256 * 56 * 56, vector=True)
+    assert spec.name == f"pair_images<{lg.cuda_type(dtype)},1>" and spec.block == (256, 1, 1)
     assert spec.grid == (math.ceil(256 * 56 * 56 / (16 // dtype.itemsize * 256)), 64, 1)
-    assert cl.pairing_vector(64, aligned=True) and not cl.pairing_vector(36, aligned=True)
-    assert not cl.pairing_vector(64, aligned=False)
-    assert not cl.vector_aligned(torch.zeros(9)[1:].view(2, 4))  # 4 bytes past a 16-byte boundary
+    assert lg.pairing_vector(64, aligned=True) and not lg.pairing_vector(36, aligned=True)
+    assert not lg.pairing_vector(64, aligned=False)
+    assert not lg.vector_aligned(torch.zeros(9)[1:].view(2, 4))  # 4 bytes past a 16-byte boundary
     with pytest.raises(ValueError, match="positive"):
-        cl.pairing_launch(dtype, 0, 10, vector=False)
+        lg.pairing_launch(dtype, 0, 10, vector=False)
 
 
 def emulate_phase_pairing(x: torch.Tensor, split: PhaseSplit) -> torch.Tensor:
     """The ``phase_pair_images`` kernel in Python, line by line and vectorised over each block's threads: its grid
-    (:func:`~unsparse.runtime.cupy_launcher.phase_pairing_launch`), each thread's (channel, row, phase column), its
+    (:func:`~unsparse.runtime.launch_geometry.phase_pairing_launch`), each thread's (channel, row, phase column), its
     ``s_w`` input columns (zero outside the image or past an odd N) and their target pairs, one per phase plane."""
     N, C, H, W = x.shape
     (HQ, WQ), (SH, SW) = split.input_size(H, W), split.stride
-    spec = cl.phase_pairing_launch(x.dtype, N, C, (HQ, WQ), split.stride)
+    spec = lg.phase_pairing_launch(x.dtype, N, C, (HQ, WQ), split.stride)
     rows, flat = HQ * SH, x.reshape(-1)
     out = torch.full((spec.grid[1] * C * SH * SW * HQ * WQ, 2), float("nan"), dtype=x.dtype)
     plane, image = H * W, H * W * C
@@ -657,13 +658,13 @@ def test_phase_pairing_kernel_emulation_matches_the_phase_split_then_pairing(sha
             bind_phase_pairing(shape, x.dtype, torch.device("cpu"), split)
         return
     assert torch.equal(emulate_phase_pairing(x, split), pair_images(split.input(x)))
-    spec = cl.phase_pairing_launch(torch.float32, 128, 3, (57, 57), (4, 4))
+    spec = lg.phase_pairing_launch(torch.float32, 128, 3, (57, 57), (4, 4))
     assert spec.name == "phase_pair_images<float>" and spec.block == (256, 1, 1)
     assert spec.grid == (math.ceil(3 * 228 * 57 / 256), 64, 1)
     with pytest.raises(ValueError, match="positive"):
-        cl.phase_pairing_launch(torch.float16, 0, 3, (5, 5), (2, 2))
+        lg.phase_pairing_launch(torch.float16, 0, 3, (5, 5), (2, 2))
     with pytest.raises(ValueError, match="int32"):
-        cl.phase_pairing_launch(torch.float16, 2, 2**16, (128, 128), (2, 2))
+        lg.phase_pairing_launch(torch.float16, 2, 2**16, (128, 128), (2, 2))
 
 
 def test_tile_arrays_drop_padding_and_group_by_chunk() -> None:
@@ -671,8 +672,8 @@ def test_tile_arrays_drop_padding_and_group_by_chunk() -> None:
     weight[0, 2, 1, 2], weight[1, 0, 0, 0], weight[1, 1, 2, 1] = 1.0, 2.0, 3.0
     csr = UniformCSR.from_dense(weight)
     assert csr.row_length == 2  # row 0 carries one padding entry
-    tiling = cl.TileTiling(wx=32, py=2, nb=2, mw=1, warps=1, cc=2)
-    layout = cl.tile_layout(torch.float32, (3, 3), tiling)
+    tiling = lg.TileTiling(wx=32, py=2, nb=2, mw=1, warps=1, cc=2)
+    layout = lg.tile_layout(torch.float32, (3, 3), tiling)
     assert (layout.tile_h, layout.tile_w, layout.padded_width, layout.channel_stride) == (4, 34, 34, 272)
     arrays = prepare_tile(csr, layout)
     assert arrays.chunk_ptr.tolist() == [0, 0, 1, 3, 3]  # (m0,k0) (m0,k1) (m1,k0) (m1,k1); CC = 2
@@ -691,8 +692,8 @@ def test_union_arrays_merge_the_taps_of_three_channels() -> None:
     weight = torch.zeros(4, 3, 3, 3)
     weight[0, 0, 0, 0], weight[2, 0, 0, 0], weight[1, 2, 1, 2] = 1.0, 2.0, 3.0
     weight[3, 1, 2, 1] = 4.0
-    tiling = cl.TileTiling(wx=32, py=2, nb=2, mw=3, warps=1, cc=2, union=3)
-    layout = cl.tile_layout(torch.float32, (3, 3), tiling)
+    tiling = lg.TileTiling(wx=32, py=2, nb=2, mw=3, warps=1, cc=2, union=3)
+    layout = lg.tile_layout(torch.float32, (3, 3), tiling)
     arrays = prepare_tile(UniformCSR.from_dense(weight), layout, union=3)
     assert arrays.chunk_ptr.tolist() == [0, 1, 2, 3, 3]  # (g0,k0) (g0,k1) (g1,k0) (g1,k1)
     assert arrays.entries[:, 0].tolist() == [0, 1 * 34 + 2, 272 + 2 * 34 + 1]
@@ -705,7 +706,7 @@ def test_union_arrays_merge_the_taps_of_three_channels() -> None:
     with pytest.raises(ValueError, match="chunk_ptr"):  # read as 12 channels, the lists are too few
         validate_tile(arrays, 12, 3, (3, 3), layout, union=3)
     with pytest.raises(ValueError, match="union"):
-        cl.tile_layout(torch.float32, (3, 3), cl.TileTiling(wx=32, py=2, nb=2, mw=4, warps=1, cc=2, union=3))
+        lg.tile_layout(torch.float32, (3, 3), lg.TileTiling(wx=32, py=2, nb=2, mw=4, warps=1, cc=2, union=3))
 
 
 def test_half2_backend_offers_tile_settings_on_float16_only() -> None:
@@ -716,7 +717,7 @@ def test_half2_backend_offers_tile_settings_on_float16_only() -> None:
     assert space == [{**p, "accumulate": "half2"} for p in direct.tuning_space(x, csr, ConvGeometry.of(2, 1))
                      if p["variant"] == "tile"]
     names = backend.kernel_names(x, csr, ConvGeometry.of(2, 1))
-    assert all(f",{cl.HALF2_RUN}," in name for name in names if name.startswith("direct_tile"))
+    assert all(f",{lg.HALF2_RUN}," in name for name in names if name.startswith("direct_tile"))
     assert {name for name in names if not name.startswith("direct_tile")} == {
         "pair_images<__half,0>", "pair_images<__half,1>", "phase_pair_images<__half>"}
     one_phase = UniformCSR.from_dense(torch.randn(8, 4, 1, 1).half())  # a 1x1 stride-2 split reads one phase
@@ -739,7 +740,7 @@ def test_half2_backend_offers_tile_settings_on_float16_only() -> None:
 def test_tile_layout_is_bank_conflict_free() -> None:
     for tiling in [*TILE_TILINGS, *SMALL_TILINGS]:
         for kernel in [(1, 1), (3, 3), (5, 5)]:
-            layout = cl.tile_layout(torch.float32, kernel, tiling)
+            layout = lg.tile_layout(torch.float32, kernel, tiling)
             assert layout.padded_width >= tiling.wx + kernel[1] - 1
             if tiling.wx < 32 and 32 % tiling.wx == 0 and tiling.wx > 1:
                 lanes = torch.arange(32)
@@ -748,12 +749,12 @@ def test_tile_layout_is_bank_conflict_free() -> None:
                 for part in element.view(words, 32 // words):
                     banks = (part[:, None] * words + torch.arange(words)) % 32
                     assert banks.unique().numel() == 32, (tiling, kernel)
-    half = cl.tile_layout(torch.float16, (3, 3), TILE_TILINGS[0])
+    half = lg.tile_layout(torch.float16, (3, 3), TILE_TILINGS[0])
     assert half.image_elements == TILE_TILINGS[0].nb // 2
     with pytest.raises(ValueError, match="NB"):
-        cl.tile_layout(torch.float16, (3, 3), cl.TileTiling(wx=32, py=4, nb=1, mw=4, warps=8, cc=8))
+        lg.tile_layout(torch.float16, (3, 3), lg.TileTiling(wx=32, py=4, nb=1, mw=4, warps=8, cc=8))
     with pytest.raises(ValueError, match="WX"):
-        cl.tile_layout(torch.float32, (3, 3), cl.TileTiling(wx=12, py=4, nb=1, mw=4, warps=8, cc=8))
+        lg.tile_layout(torch.float32, (3, 3), lg.TileTiling(wx=12, py=4, nb=1, mw=4, warps=8, cc=8))
 
 
 @pytest.mark.parametrize("dilation", [(1, 2), (2, 1)])
@@ -796,8 +797,8 @@ def test_validation_rejects_out_of_range_offsets_and_taps() -> None:
 
 def test_validation_rejects_bad_tile_arrays() -> None:
     _, csr, _, _ = layer(GEOMETRIES[0])  # C = 3, 3x3
-    tiling = cl.TileTiling(wx=8, py=2, nb=2, mw=2, warps=2, cc=2)
-    layout = cl.tile_layout(torch.float32, (3, 3), tiling)
+    tiling = lg.TileTiling(wx=8, py=2, nb=2, mw=2, warps=2, cc=2)
+    layout = lg.tile_layout(torch.float32, (3, 3), tiling)
     good = prepare_tile(csr, layout)
     M = csr.out_channels
 
@@ -830,44 +831,44 @@ def test_validation_rejects_bad_tile_arrays() -> None:
 
 
 def test_launch_geometry() -> None:
-    spec = cl.rows_launch(torch.float16, 130, 64, 56 * 56, 128, 2, 4, 8)
+    spec = lg.rows_launch(torch.float16, 130, 64, 56 * 56, 128, 2, 4, 8)
     assert spec.grid == (math.ceil(3136 / 256), 8, 33) and spec.block == (128, 1, 1)
-    assert spec.name == f"direct_rows<__half,2,4,{cl.ROWS_CHUNK}>"
-    tiling = cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4)
-    spec = cl.tile_launch(torch.float32, 127, 200, (28, 28), (3, 3), tiling)
+    assert spec.name == f"direct_rows<__half,2,4,{lg.ROWS_CHUNK}>"
+    tiling = lg.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4)
+    spec = lg.tile_launch(torch.float32, 127, 200, (28, 28), (3, 3), tiling)
     assert spec.grid == (4 * 4 * 2, 64, 1) and spec.block == (256, 1, 1)
     assert spec.name == "direct_tile<float,3,3,16,4,2,8,8,4,48,0,0,0,1,1,0,0>"
-    spec = cl.tile_launch(torch.float32, 127, 200, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 4, 16, 8), 1)
+    spec = lg.tile_launch(torch.float32, 127, 200, (56, 56), (3, 3), lg.TileTiling(32, 4, 2, 4, 16, 8), 1)
     assert spec.name == "direct_tile<float,3,3,32,4,2,4,16,8,40,3,1,0,1,1,0,0>"
     assert spec.shared_bytes == 2 * 8 * 6 * 40 * 2 * 4  # two chunks of CC x (NB images x 6 rows x 40 columns)
-    wide = cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))
-    assert wide.shared_bytes == 2 * 8 * 2 * 10 * 48 * 4 > cl.SHARED_LIMIT_BYTES  # 60 KB: dynamic, opted in
-    paired = cl.tile_launch(torch.float16, 2, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8))
+    wide = lg.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), lg.TileTiling(16, 4, 2, 8, 8, 8))
+    assert wide.shared_bytes == 2 * 8 * 2 * 10 * 48 * 4 > lg.SHARED_LIMIT_BYTES  # 60 KB: dynamic, opted in
+    paired = lg.tile_launch(torch.float16, 2, 1, (8, 8), (3, 3), lg.TileTiling(16, 4, 2, 8, 8, 8))
     assert paired.shared_bytes == wide.shared_bytes // 2  # a __half2 element holds two images
     with pytest.raises(ValueError, match="exceed"):  # two float32 buffers of 105 KB
-        cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 28))
+        lg.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), lg.TileTiling(16, 4, 2, 8, 8, 28))
     with pytest.raises(ValueError, match="exceed the 65536 bytes"):  # 60 KB on a GPU that allows 64 KB: fits
-        cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 9), shared_limit=65536)
-    assert cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(16, 4, 2, 8, 8, 8),
+        lg.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), lg.TileTiling(16, 4, 2, 8, 8, 9), shared_limit=65536)
+    assert lg.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), lg.TileTiling(16, 4, 2, 8, 8, 8),
                           shared_limit=65536).shared_bytes == wide.shared_bytes
-    spec = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8))
+    spec = lg.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), lg.TileTiling(32, 4, 2, 4, 8, 8))
     assert spec.grid == (2, 2, 1) and spec.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,0,1,2,0,0>"
-    half2 = cl.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8), half_run=16)
+    half2 = lg.tile_launch(torch.float16, 3, 5, (7, 7), (1, 1), lg.TileTiling(32, 4, 2, 4, 8, 8), half_run=16)
     assert half2.name == "direct_tile<__half,1,1,32,4,2,4,8,8,32,0,0,16,1,2,0,0>" and half2.grid == spec.grid
-    union = cl.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), cl.TileTiling(32, 4, 2, 6, 8, 8, union=3))
+    union = lg.tile_launch(torch.float32, 128, 256, (56, 56), (3, 3), lg.TileTiling(32, 4, 2, 6, 8, 8, union=3))
     assert union.name.endswith(",0,3,1,0,0>") and union.grid == (6 * 14 * 2, 64, 1)  # 48 channels per block
     with pytest.raises(ValueError, match="half_run"):
-        cl.tile_launch(torch.float32, 3, 5, (7, 7), (1, 1), cl.TileTiling(32, 4, 2, 4, 8, 8), half_run=16)
+        lg.tile_launch(torch.float32, 3, 5, (7, 7), (1, 1), lg.TileTiling(32, 4, 2, 4, 8, 8), half_run=16)
     with pytest.raises(ValueError, match="threads"):
-        cl.rows_launch(torch.float32, 1, 1, 1, 100, 1, 1, 1)
+        lg.rows_launch(torch.float32, 1, 1, 1, 100, 1, 1, 1)
     with pytest.raises(ValueError, match="grid"):
-        cl.rows_launch(torch.float32, 2**17, 1, 1, 64, 1, 1, 1)
+        lg.rows_launch(torch.float32, 2**17, 1, 1, 64, 1, 1, 1)
     with pytest.raises(ValueError, match="tiling"):
-        cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(32, 4, 2, 4, 64, 8))
+        lg.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), lg.TileTiling(32, 4, 2, 4, 64, 8))
     with pytest.raises(ValueError, match="tiling"):
-        cl.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), cl.TileTiling(32, 8, 4, 4, 8, 16))
+        lg.tile_launch(torch.float32, 1, 1, (8, 8), (3, 3), lg.TileTiling(32, 8, 4, 4, 8, 16))
     with pytest.raises(ValueError, match="dtype"):
-        cl.cuda_type(torch.bfloat16)
+        lg.cuda_type(torch.bfloat16)
 
 
 def test_kernel_parameters_are_checked_device_pointers_and_int32() -> None:
@@ -944,9 +945,9 @@ def test_tuning_spaces() -> None:
                                                      entry_capacity=lambda cc, union: 20)} == {
         t for t in TILE_TILINGS if t.nb == 1 or t.union > 1}
     assert len(tile_space(128, (56, 56), (5, 5), torch.float32)) < len(big)
-    small = tile_space(128, (56, 56), (3, 3), torch.float32, shared_limit=cl.SHARED_LIMIT_BYTES)
+    small = tile_space(128, (56, 56), (3, 3), torch.float32, shared_limit=lg.SHARED_LIMIT_BYTES)
     assert 0 < len(small) < len(big) and all(
-        cl.tile_layout(torch.float32, (3, 3), tiling_of(p)).shared_bytes() <= cl.SHARED_LIMIT_BYTES for p in small)
+        lg.tile_layout(torch.float32, (3, 3), tiling_of(p)).shared_bytes() <= lg.SHARED_LIMIT_BYTES for p in small)
     assert all(p["nb"] % 2 == 0 for p in tile_space(128, (56, 56), (3, 3), torch.float16))
     assert all(p["nb"] <= 2 for p in tile_space(1, (56, 56), (3, 3), torch.float16))
     single = tile_space(1, (56, 56), (3, 3), torch.float32)
@@ -999,7 +1000,7 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     signatures = kernel_signatures()
 
 
-    def record(spec: cl.Launch, args: tuple, device: torch.device) -> None:
+    def record(spec: lg.Launch, args: tuple, device: torch.device) -> None:
         pointers = signatures[spec.name.partition("<")[0]]  # the kernel's declared parameters, in order
         assert [arg is None or isinstance(arg, torch.Tensor) for arg in args] == pointers, spec.name
         for position, arg in enumerate(args):  # every argument a kernel can take
@@ -1014,7 +1015,7 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
         elif isinstance(args[4], torch.Tensor) and args[4].dim() == 5:  # split-K: slice s holds s + 1
             args[4].copy_(torch.arange(1.0, args[4].shape[0] + 1).view(-1, 1, 1, 1, 1).expand_as(args[4]))
 
-    def bind(spec: cl.Launch, args: tuple, device: torch.device):
+    def bind(spec: lg.Launch, args: tuple, device: torch.device):
         parameters = cl.KernelParameters(args, device)  # the fixed arguments are checked when bound
 
         def call(stream: object, *values: object) -> None:
@@ -1055,7 +1056,7 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     backend.conv(x32, csr32, None, ConvGeometry.of(1, 1), **union, entries="shared", min_blocks=3)
     spec, args = launches[-1]  # the slots hold the longest list, and the shared memory both buffers of them
     assert spec.name.endswith(",3,1,1,3>") and args[-1] == longest_list(csr32, 4, 3) > 0
-    layout = cl.tile_layout(torch.float32, (3, 3), tiling_of({**union, "entries": "shared"}))
+    layout = lg.tile_layout(torch.float32, (3, 3), tiling_of({**union, "entries": "shared"}))
     assert spec.shared_bytes == layout.shared_bytes() + 2 * 2 * args[-1] * 16
     backend.conv(x32, csr32, torch.randn(6), ConvGeometry.of(2, 1))  # rows, the default setting
     assert launches[-1][0].name.startswith("direct_rows<float,")
@@ -1082,21 +1083,21 @@ def test_the_dynamic_shared_memory_opt_in_only_grows(monkeypatch) -> None:
 
 
 def test_tile_shared_limit_follows_the_gpus_opt_in_limit(monkeypatch) -> None:
-    assert cl.tile_shared_limit(torch.device("cpu")) == cl.TILE_SHARED_LIMIT_BYTES
+    assert lg.tile_shared_limit(torch.device("cpu")) == lg.TILE_SHARED_LIMIT_BYTES
 
     def properties(optin: int):
         return lambda device: type("Properties", (), {"shared_memory_per_block_optin": optin})()
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties(64 * 1024))  # sm_75
-    assert cl.tile_shared_limit(torch.device("cuda", 0)) == 64 * 1024
+    assert lg.tile_shared_limit(torch.device("cuda", 0)) == 64 * 1024
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties(227 * 1024))  # sm_90
-    assert cl.tile_shared_limit(torch.device("cuda", 0)) == cl.TILE_SHARED_LIMIT_BYTES
-    monkeypatch.setattr(cl, "tile_shared_limit", lambda device: cl.SHARED_LIMIT_BYTES)
+    assert lg.tile_shared_limit(torch.device("cuda", 0)) == lg.TILE_SHARED_LIMIT_BYTES
+    monkeypatch.setattr(lg, "tile_shared_limit", lambda device: lg.SHARED_LIMIT_BYTES)
     csr = UniformCSR.from_dense(torch.randn(8, 4, 3, 3))
     tiles = [p for p in DirectBackend().tuning_space(torch.zeros(2, 4, 64, 64), csr, ConvGeometry.of(1, 1))
              if p["variant"] == "tile"]
-    assert tiles and all(cl.tile_layout(torch.float32, (3, 3), tiling_of(p), 1 if p.get("stage") else None)
-                         .shared_bytes() <= cl.SHARED_LIMIT_BYTES for p in tiles)
+    assert tiles and all(lg.tile_layout(torch.float32, (3, 3), tiling_of(p), 1 if p.get("stage") else None)
+                         .shared_bytes() <= lg.SHARED_LIMIT_BYTES for p in tiles)
     assert len(tiles) < len(tile_space(2, (64, 64), (3, 3), torch.float32, vector_pad=1))
 
 
@@ -1126,12 +1127,12 @@ def test_hand_made_direct_settings_are_refused_before_a_kernel_name_is_built(par
 
 def test_hand_made_tile_settings_are_held_to_the_running_gpus_shared_memory(monkeypatch):
     """The direct backend checks a tile setting's staged chunks against the GPU's own per-block limit
-    (:func:`~unsparse.runtime.cupy_launcher.tile_shared_limit`), not the fixed 99 KB, before anything launches."""
+    (:func:`~unsparse.runtime.launch_geometry.tile_shared_limit`), not the fixed 99 KB, before anything launches."""
     from unsparse.runtime.backends.direct import DirectBackend
 
     params = {"variant": "tile", "wx": 16, "py": 4, "nb": 2, "mw": 8, "warps": 8, "cc": 8}  # 60 KB of chunks
     x, csr = torch.randn(2, 8, 9, 9), UniformCSR.from_dense(torch.randn(8, 8, 3, 3))
     assert DirectBackend()._launch(x, csr, ConvGeometry.of(1, 1), params)[0].shared_bytes == 61440
-    monkeypatch.setattr(cl, "tile_shared_limit", lambda device: 48 * 1024)
+    monkeypatch.setattr(lg, "tile_shared_limit", lambda device: 48 * 1024)
     with pytest.raises(ValueError, match="61440 bytes exceed the 49152 bytes"):
         DirectBackend()._launch(x, csr, ConvGeometry.of(1, 1), params)

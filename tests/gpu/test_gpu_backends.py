@@ -9,6 +9,7 @@ from torch import nn
 
 from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime import get_backend, set_backend, sparsify
+from unsparse.runtime import launch_geometry as lg
 from unsparse.runtime.backends.direct import is_pointwise, pair_images, pair_images_on_device
 from unsparse.runtime.backends.direct_arrays import longest_list
 from unsparse.runtime.backends.direct_space import pointwise_space, rows_space, tile_space
@@ -105,14 +106,14 @@ def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.
     if geometry.dilation == (1, 1) and geometry.spatial_dims == 2:
         split = phase_split(csr, geometry)  # the layer itself at stride 1
         in_hw = split.input_size(x.shape[2], x.shape[3])
-        vector = cl.vector_staging_reason(in_hw[1], split.csr.kernel_size, split.geometry.padding) is None
+        vector = lg.vector_staging_reason(in_hw[1], split.csr.kernel_size, split.geometry.padding) is None
         space += tile_space(x.shape[0], out_hw, split.csr.kernel_size, dtype, prune=False,
                             vector_pad=split.geometry.padding[1] if vector else None,
                             entry_capacity=lambda cc, union: longest_list(split.csr, cc, union))
         if is_pointwise(split.csr, split.geometry) and in_hw == out_hw:
             pixels = out_hw[0] * out_hw[1]
             space += pointwise_space(x.shape[0], csr.out_channels, pixels, dtype, prune=False,
-                                     vector=cl.pointwise_vector_reason(dtype, pixels) is None,
+                                     vector=lg.pointwise_vector_reason(dtype, pixels) is None,
                                      in_channels=split.csr.in_channels_per_group)
     assert all(p in space for p in backend.tuning_space(x, csr, geometry))
     if case.startswith("vector") or case in ("pointwise_vector", "stride2_vector", "stride2_1x1"):
@@ -164,7 +165,7 @@ def test_half2_every_setting_matches_float64_reference(case: str) -> None:
     assert "float16" in backend.unsupported_reason(x.float(), csr.to(dtype=torch.float32), geometry)
     split = phase_split(csr, geometry)
     in_hw = split.input_size(x.shape[2], x.shape[3])
-    vector = cl.vector_staging_reason(in_hw[1], split.csr.kernel_size, split.geometry.padding) is None
+    vector = lg.vector_staging_reason(in_hw[1], split.csr.kernel_size, split.geometry.padding) is None
     space = [{**p, "accumulate": "half2"} for p in tile_space(
         x.shape[0], geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size), split.csr.kernel_size,
         torch.float16, prune=False, vector_pad=split.geometry.padding[1] if vector else None,
@@ -191,7 +192,7 @@ def test_pairing_kernel_matches_torchs_pair_images(batch: int, chw: tuple[int, i
     storage = torch.empty(x.numel() + 1, dtype=dtype, device=CUDA)
     shifted = storage[1:].view_as(x)
     shifted.copy_(x)
-    assert not cl.vector_aligned(shifted)
+    assert not lg.vector_aligned(shifted)
     for source in (x, shifted):
         out = pair_images_on_device(source)
         torch.cuda.synchronize()
@@ -618,7 +619,7 @@ def test_a_bound_launch_runs_from_a_thread_that_has_no_cuda_context_yet() -> Non
     from unsparse.runtime.backends.direct import bind_pairing
 
     x = torch.randn(3, 4, 5, 8, device=CUDA)
-    launch, shape = bind_pairing(tuple(x.shape), x.dtype, x.device, cl.vector_aligned(x))
+    launch, shape = bind_pairing(tuple(x.shape), x.dtype, x.device, lg.vector_aligned(x))
     out = torch.full(shape, float("nan"), device=CUDA)
     stream = cl.current_stream(CUDA)
     torch.cuda.synchronize()

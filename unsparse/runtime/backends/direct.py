@@ -9,15 +9,15 @@ Three kernel variants share the backend and its tuning space (parameter ``varian
   :func:`bind_pairing` into the layer's :class:`PreparedCall`: a copy timed with the convolution; a strided layer's
   phase images are paired in the same pass as its phase split, :func:`bind_phase_pairing`).
   ``"stage": "vector"`` settings copy each staged row's interior as 16-byte vectors (32-column warp rows, input
-  width a multiple of 4; see :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason`).
+  width a multiple of 4; see :func:`~unsparse.runtime.launch_geometry.vector_staging_reason`).
 * ``"pointwise"``: 1x1, stride 1, unpadded Conv2d as a sparse x dense product over the flattened
   ``n * P + p`` columns; ``"stage": "vector"`` settings stage 16-byte vectors where the plane allows
-  (:func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`); grids too small to fill the GPU (batch 1)
+  (:func:`~unsparse.runtime.launch_geometry.pointwise_vector_reason`); grids too small to fill the GPU (batch 1)
   also get split-K settings (``"splits"``: float32 partial sums per share of the input channels, summed here).
 
 A second backend, ``direct_half2`` (:class:`DirectHalf2Backend`), runs the ``tile`` kernel on float16 with half2
 products (``"accumulate": "half2"``: ``HFMA2`` runs of at most
-:data:`~unsparse.runtime.cupy_launcher.HALF2_RUN` products, summed in float32). It changes the numerics, so the
+:data:`~unsparse.runtime.launch_geometry.HALF2_RUN` products, summed in float32). It changes the numerics, so the
 comparator leaves it out unless it is named.
 
 The settings each variant is tuned over are listed in :mod:`unsparse.runtime.backends.direct_space`. Everything a
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from unsparse.runtime import cupy_launcher as cl
+from unsparse.runtime import launch_geometry as lg
 from unsparse.runtime.backends.base import ConvBackend, T, WeightCache, check_bias, register_backend
 from unsparse.runtime.backends.direct_arrays import check_capacity, longest_list, prepare_rows, prepare_tile
 from unsparse.runtime.backends.direct_space import (
@@ -77,9 +78,9 @@ def bind_pairing(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
     """The ``pair_images`` kernel for contiguous ``(N, C, H, W)`` inputs of ``shape`` on ``device``: the bound launch
     (per-call arguments: the input, then a fresh output of the returned shape ``(ceil(N / 2), C, H, W, 2)``).
     ``aligned``: whether the inputs' data start on a 16-byte boundary; with whole 16-byte vectors per image the
-    kernel then moves vectors (:func:`~unsparse.runtime.cupy_launcher.pairing_launch`)."""
+    kernel then moves vectors (:func:`~unsparse.runtime.launch_geometry.pairing_launch`)."""
     N, P = shape[0], math.prod(shape[1:])
-    spec = cl.pairing_launch(dtype, N, P, cl.pairing_vector(P * dtype.itemsize, aligned))
+    spec = lg.pairing_launch(dtype, N, P, lg.pairing_vector(P * dtype.itemsize, aligned))
     return cl.bind(spec, (cl.PER_CALL, cl.PER_CALL, N, P), device), ((N + 1) // 2, *shape[1:], 2)
 
 
@@ -92,13 +93,13 @@ def bind_phase_pairing(shape: tuple[int, ...], dtype: torch.dtype, device: torch
 
     Raises:
         ValueError: for a split that skips a phase, or from
-            :func:`~unsparse.runtime.cupy_launcher.phase_pairing_launch`.
+            :func:`~unsparse.runtime.launch_geometry.phase_pairing_launch`.
     """
     if not split.every_phase:
         raise ValueError(f"split: phase_pair_images needs every phase, got {split.phases_h} x {split.phases_w}")
     N, C, H, W = shape
     (hq, wq), (sh, sw) = split.input_size(H, W), split.stride
-    spec = cl.phase_pairing_launch(dtype, N, C, (hq, wq), split.stride)
+    spec = lg.phase_pairing_launch(dtype, N, C, (hq, wq), split.stride)
     return (cl.bind(spec, (cl.PER_CALL, cl.PER_CALL, N, C, H, W, sh, sw, hq, wq), device),
             ((N + 1) // 2, C * sh * sw, hq, wq, 2))
 
@@ -109,7 +110,7 @@ def pair_images_on_device(x: torch.Tensor) -> torch.Tensor:
     Returns a fresh ``(ceil(N / 2), C, H, W, 2)`` tensor; ``x`` is not modified."""
     if x.device.type != "cuda" or x.shape[0] == 0:
         return pair_images(x)
-    pairing, shape = bind_pairing(tuple(x.shape), x.dtype, x.device, cl.vector_aligned(x))
+    pairing, shape = bind_pairing(tuple(x.shape), x.dtype, x.device, lg.vector_aligned(x))
     out = torch.empty(shape, dtype=x.dtype, device=x.device)
     pairing(cl.current_stream(x.device), x, out)
     return out
@@ -155,7 +156,7 @@ def aligned_copy(fresh: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: for a misaligned allocation.
     """
-    if not cl.vector_aligned(fresh):
+    if not lg.vector_aligned(fresh):
         raise ValueError(f"allocation at {fresh.data_ptr():#x} is not 16-byte aligned; the direct kernels' staging "
                          "of fresh copies needs 16-byte aligned allocations")
     return fresh
@@ -227,8 +228,8 @@ class DirectBackend(ConvBackend):
         reason = super().unsupported_reason(x, csr, geometry)
         if reason is not None:
             return reason
-        if x.dtype not in cl.supported_dtypes():
-            return f"direct kernels exist for {[str(d) for d in cl.supported_dtypes()]}, not {x.dtype}"
+        if x.dtype not in lg.supported_dtypes():
+            return f"direct kernels exist for {[str(d) for d in lg.supported_dtypes()]}, not {x.dtype}"
         if csr.values.dtype != x.dtype:
             return f"weight dtype {csr.values.dtype} differs from input dtype {x.dtype}"
         N, C, H, W = x.shape
@@ -270,15 +271,15 @@ class DirectBackend(ConvBackend):
         """
         csr1, geometry1, split, in_hw = self._stride_one(x, csr, geometry)
         out_hw = self._out_hw(x, csr, geometry)
-        source_aligned = split is not None or cl.vector_aligned(x)  # a split's phases are a fresh copy of x
+        source_aligned = split is not None or lg.vector_aligned(x)  # a split's phases are a fresh copy of x
         if params.get("variant") == "pointwise":
             if not is_pointwise(csr1, geometry1) or in_hw != out_hw:
                 raise ValueError(f"variant: pointwise needs a 1x1, unpadded Conv2d, got {csr.kernel_size} {geometry}")
             pixels = in_hw[0] * in_hw[1]
-            vector = self._vector_requested(params, lambda: cl.pointwise_vector_reason(x.dtype, pixels))
+            vector = self._vector_requested(params, lambda: lg.pointwise_vector_reason(x.dtype, pixels))
             return KernelView(csr1, geometry1, split, in_hw, out_hw, source_aligned, vector and source_aligned)
         vector = self._vector_requested(
-            params, lambda: cl.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding))
+            params, lambda: lg.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding))
         aligned = source_aligned or reads_pairs(params, x.dtype)  # the kernel then reads a fresh pairing copy
         return KernelView(csr1, geometry1, split, in_hw, out_hw, source_aligned,
                           geometry1.padding[1] if vector and aligned else None)
@@ -294,7 +295,7 @@ class DirectBackend(ConvBackend):
         if is_pointwise(csr1, geometry1) and in_hw == out_hw:
             pixels = out_hw[0] * out_hw[1]
             space += pointwise_space(x.shape[0], csr.out_channels, pixels, x.dtype,
-                                     vector=cl.pointwise_vector_reason(x.dtype, pixels) is None,
+                                     vector=lg.pointwise_vector_reason(x.dtype, pixels) is None,
                                      in_channels=csr1.in_channels_per_group)
         return space + self._tile_space(x, csr, geometry)
 
@@ -302,10 +303,10 @@ class DirectBackend(ConvBackend):
         """The ``tile`` settings of an undilated Conv2d
         (:func:`~unsparse.runtime.backends.direct_space.tile_space` of its stride-1 view)."""
         csr1, geometry1, _, in_hw = self._stride_one(x, csr, geometry)
-        vector = cl.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding) is None
+        vector = lg.vector_staging_reason(in_hw[1], csr1.kernel_size, geometry1.padding) is None
         return tile_space(x.shape[0], self._out_hw(x, csr, geometry), csr1.kernel_size, x.dtype,
                           vector_pad=geometry1.padding[1] if vector else None,
-                          shared_limit=cl.tile_shared_limit(x.device),
+                          shared_limit=lg.tile_shared_limit(x.device),
                           entry_capacity=lambda chunk, union: self._longest_list(csr1, chunk, union))
 
     def _longest_list(self, csr: UniformCSR, chunk: int, union: int) -> int:
@@ -313,7 +314,7 @@ class DirectBackend(ConvBackend):
         it."""
         return self._arrays(csr, ("longest", chunk, union), lambda: longest_list(csr, chunk, union))
 
-    def _entry_capacity(self, csr: UniformCSR, tiling: cl.TileTiling) -> int:
+    def _entry_capacity(self, csr: UniformCSR, tiling: lg.TileTiling) -> int:
         """The slot size of a ``stage_entries`` tiling on a stride-1 layer's weight (its longest list), else 0."""
         return self._longest_list(csr, tiling.cc, tiling.union) if tiling.stage_entries else 0
 
@@ -325,10 +326,10 @@ class DirectBackend(ConvBackend):
         space = space if space is not None else self.tuning_space(x, csr, geometry)
         names = {self._launch(x, csr, geometry, params)[0].name for params in space}
         if any(params.get("variant") == "tile" and reads_pairs(params, x.dtype) for params in space):
-            names.update(cl.pairing_launch(x.dtype, 2, 1, vector).name for vector in (False, True))
+            names.update(lg.pairing_launch(x.dtype, 2, 1, vector).name for vector in (False, True))
             split = self._stride_one(x, csr, geometry)[2]
             if split is not None and split.every_phase:
-                names.add(cl.phase_pairing_launch(x.dtype, 2, 1, (1, 1), (1, 1)).name)
+                names.add(lg.phase_pairing_launch(x.dtype, 2, 1, (1, 1), (1, 1)).name)
         return sorted(names)
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
@@ -337,7 +338,7 @@ class DirectBackend(ConvBackend):
         cl.precompile(self.kernel_names(x, csr, geometry, space))
 
     def _launch(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
-                params: dict[str, Any]) -> tuple[cl.Launch, KernelView | None]:
+                params: dict[str, Any]) -> tuple[lg.Launch, KernelView | None]:
         """The launch of a setting on input ``x``, with its :class:`KernelView` (None for ``rows``).
 
         Raises:
@@ -349,7 +350,7 @@ class DirectBackend(ConvBackend):
         half_run = half_run_of(params, x.dtype)
         if variant == "rows":
             E, F_ = self._out_hw(x, csr, geometry)
-            return cl.rows_launch(x.dtype, N, csr.out_channels, E * F_, params.get("threads", 128),
+            return lg.rows_launch(x.dtype, N, csr.out_channels, E * F_, params.get("threads", 128),
                                   params.get("pixels", 1), params.get("sub_batch", 1),
                                   params.get("channels", ROWS_CHANNELS)), None
         if variant not in ("tile", "pointwise"):
@@ -358,11 +359,11 @@ class DirectBackend(ConvBackend):
         E, F_ = view.out_hw
         if variant == "pointwise":
             tiling = pointwise_tiling_of(params)
-            _, splits = cl.split_chunks(view.csr.in_channels_per_group, tiling.cc, params.get("splits", 1))
-            return cl.pointwise_launch(x.dtype, N, csr.out_channels, E * F_, tiling, view.staging, splits), view
+            _, splits = lg.split_chunks(view.csr.in_channels_per_group, tiling.cc, params.get("splits", 1))
+            return lg.pointwise_launch(x.dtype, N, csr.out_channels, E * F_, tiling, view.staging, splits), view
         tiling = tiling_of(params)
-        return cl.tile_launch(x.dtype, N, csr.out_channels, (E, F_), view.csr.kernel_size, tiling, view.staging,
-                              half_run, cl.tile_shared_limit(x.device),
+        return lg.tile_launch(x.dtype, N, csr.out_channels, (E, F_), view.csr.kernel_size, tiling, view.staging,
+                              half_run, lg.tile_shared_limit(x.device),
                               self._entry_capacity(view.csr, tiling)), view
 
     @staticmethod
@@ -413,7 +414,7 @@ class DirectBackend(ConvBackend):
         C, (H, W) = view.csr.in_channels_per_group, view.in_hw
         if params["variant"] == "tile":
             tiling = tiling_of(params)
-            layout = cl.tile_layout(x.dtype, view.csr.kernel_size, tiling, view.staging)
+            layout = lg.tile_layout(x.dtype, view.csr.kernel_size, tiling, view.staging)
             half2 = half_run_of(params, x.dtype) > 0
             tile = self._arrays(view.csr, ("tile", layout, half2, tiling.union),
                                 lambda: prepare_tile(view.csr, layout, half2, tiling.union))
@@ -432,9 +433,9 @@ class DirectBackend(ConvBackend):
                                        capacity)),
                                 split, out_shape, pairing=pairing)
         tiling = pointwise_tiling_of(params)
-        layout = cl.pointwise_layout(x.dtype, tiling, view.staging)
+        layout = lg.pointwise_layout(x.dtype, tiling, view.staging)
         tile = self._arrays(view.csr, ("tile", layout, False, 1), lambda: prepare_tile(view.csr, layout))
-        per_split, splits = cl.split_chunks(C, tiling.cc, params.get("splits", 1))
+        per_split, splits = lg.split_chunks(C, tiling.cc, params.get("splits", 1))
         return PreparedCall(bound((tile.chunk_ptr, tile.entries),
                                   (N, C, H * W, M, math.ceil(M / tiling.channels), per_split)),
                             view.split, out_shape, splits=splits)
@@ -454,7 +455,7 @@ class DirectBackend(ConvBackend):
         if csr.out_channels == 0 or x.shape[0] == 0:  # E, F >= 1 (output_size raises otherwise)
             return torch.empty(x.shape[0], csr.out_channels, *self._out_hw(x, csr, geometry), dtype=x.dtype,
                                device=x.device)
-        key = ("call", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), cl.vector_aligned(x))
+        key = ("call", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), lg.vector_aligned(x))
         prepared = self._arrays(csr, key, lambda: self._prepare(x, csr, geometry, params))
         return prepared(x, None if bias is None else bias.to(x.dtype).contiguous())
 
@@ -462,7 +463,7 @@ class DirectBackend(ConvBackend):
 @register_backend
 class DirectHalf2Backend(DirectBackend):
     """The ``tile`` kernel on float16 with half2 products: one ``HFMA2`` multiplies a weight pair ``(w, w)`` by the
-    staged pair of images, in runs of at most :data:`~unsparse.runtime.cupy_launcher.HALF2_RUN` products summed in
+    staged pair of images, in runs of at most :data:`~unsparse.runtime.launch_geometry.HALF2_RUN` products summed in
     float16, each run then added to float32 accumulators (kernels/NOTES.md v17). Issue 6's FP16 target counts the
     FP16 (``HFMA2``) peak, which float32 products cannot reach; the price is a float16 rounding per product, a
     relative error of about 6e-4 on dense rows (the CPU emulation in ``tests/test_runtime_direct.py``; cuDNN FP16

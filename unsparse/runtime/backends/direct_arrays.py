@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unsparse.runtime import cupy_launcher as cl
+from unsparse.runtime import launch_geometry as lg
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
@@ -58,7 +58,7 @@ def prepare_rows(csr: UniformCSR, geometry: ConvGeometry, in_hw: tuple[int, int]
     r, s = (k % (R * S)) // S, k % S
     dy, dx = r * geometry.dilation[0], s * geometry.dilation[1]
     offsets = geometry.stretched_offsets(csr.col_idx, csr.kernel_size, (H, W))
-    taps = (dy << cl.TAP_SHIFT_BITS) | dx
+    taps = (dy << lg.TAP_SHIFT_BITS) | dx
     validate_rows(offsets, taps, csr.in_channels_per_group, in_hw)
     return RowArrays(offsets.to(torch.int32).contiguous(), taps.to(torch.int32).contiguous())
 
@@ -85,7 +85,7 @@ def validate_rows(offsets: torch.Tensor, taps: torch.Tensor, channels: int, in_h
         raise ValueError(f"taps: shape {tuple(taps.shape)} differs from offsets {tuple(offsets.shape)}")
     if offsets.numel() == 0:
         return
-    dy, dx = taps >> cl.TAP_SHIFT_BITS, taps & ((1 << cl.TAP_SHIFT_BITS) - 1)
+    dy, dx = taps >> lg.TAP_SHIFT_BITS, taps & ((1 << lg.TAP_SHIFT_BITS) - 1)
     if int(taps.min()) < 0 or int(dy.max()) >= 2**15 or int(dx.max()) >= 2**15:
         raise ValueError("taps: a shift is negative or does not fit 15 bits")
     start = offsets - dy * W - dx
@@ -94,7 +94,7 @@ def validate_rows(offsets: torch.Tensor, taps: torch.Tensor, channels: int, in_h
         raise ValueError(f"offsets: entries outside [0, {channels}*{H}*{W}) or inconsistent with taps")
 
 
-def prepare_tile(csr: UniformCSR, layout: cl.TileLayout, half2: bool = False, union: int = 1) -> TileArrays:
+def prepare_tile(csr: UniformCSR, layout: lg.TileLayout, half2: bool = False, union: int = 1) -> TileArrays:
     """Group the nonzeros of ``csr`` per (group of ``union`` output channels, chunk of ``layout.chunk`` input
     channels) as offsets into the staged chunk (Escoin §3.1 weight stretching, here against the shared-memory tile),
     then validate them. ``half2``: weights as ``__half2`` pairs ``(w, w)`` of float16 (the values are rounded to
@@ -144,15 +144,15 @@ def longest_list(csr: UniformCSR, chunk: int, union: int = 1) -> int:
     """Entries of the longest (group, chunk) list :func:`prepare_tile` builds from ``csr`` for ``chunk`` input
     channels per staged chunk and ``union`` output channels per group (0 for an all-zero weight): one entry per stored
     nonzero for ``union`` 1, one per distinct tap of the group's nonzeros otherwise. It sizes the shared-memory slots
-    of a ``stage_entries`` tiling (:func:`~unsparse.runtime.cupy_launcher.tile_shared_bytes`); :func:`check_capacity`
+    of a ``stage_entries`` tiling (:func:`~unsparse.runtime.launch_geometry.tile_shared_bytes`); :func:`check_capacity`
     holds the built arrays to it.
 
     Raises:
         ValueError: for a ``chunk`` below 1 or a ``union`` that is not one of the kernel's.
     """
-    if union not in cl.TILE_UNIONS or type(chunk) is not int or chunk < 1:
+    if union not in lg.TILE_UNIONS or type(chunk) is not int or chunk < 1:
         raise ValueError(f"longest_list: chunk {chunk!r} must be a positive integer and union {union} one of "
-                         f"{cl.TILE_UNIONS}")
+                         f"{lg.TILE_UNIONS}")
     M, taps_per_channel = csr.out_channels, math.prod(csr.kernel_size)
     taps = csr.in_channels_per_group * taps_per_channel
     rows = torch.arange(M, device=csr.values.device)[:, None].expand_as(csr.col_idx)
@@ -180,7 +180,7 @@ def check_capacity(arrays: TileArrays, capacity: int) -> None:
 
 
 def validate_tile(arrays: TileArrays, out_channels: int, channels: int, kernel_size: tuple[int, int],
-                  layout: cl.TileLayout, union: int = 1) -> None:
+                  layout: lg.TileLayout, union: int = 1) -> None:
     """Check the grouped arrays before ``direct_tile`` reads through them.
 
     The kernel reads ``tile[offset + (ly + py*WY) * padded_width + left + lx + ie * plane]`` for output rows
@@ -194,8 +194,8 @@ def validate_tile(arrays: TileArrays, out_channels: int, channels: int, kernel_s
             entry count, decreasing) or ``entries`` (shape, or an offset that does not decompose as above).
     """
     R, S = kernel_size
-    if union not in cl.TILE_UNIONS:
-        raise ValueError(f"union: {union} is not one of {cl.TILE_UNIONS}")
+    if union not in lg.TILE_UNIONS:
+        raise ValueError(f"union: {union} is not one of {lg.TILE_UNIONS}")
     K = math.ceil(channels / layout.chunk)
     lists = math.ceil(out_channels / union) * K
     ptr, entries = arrays.chunk_ptr.long(), arrays.entries

@@ -5,7 +5,7 @@ Each variant of :mod:`unsparse.runtime.backends.direct` has a space function (:f
 :func:`pointwise_space`) that lists its candidate settings for one layer and input size; the sub-batch of ``rows``
 is UnSparse-Opt's tunable parameter (paper 004 §5, eq. 23), the tilings of ``tile`` and ``pointwise`` are ours
 (``kernels/NOTES.md``). The ``*_of`` functions read a setting back into the launch geometry of
-:mod:`unsparse.runtime.cupy_launcher`.
+:mod:`unsparse.runtime.launch_geometry`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from unsparse.runtime import cupy_launcher as cl
+from unsparse.runtime import launch_geometry as lg
 
 ROWS_THREADS = (64, 128, 256)
 ROWS_PIXELS = (1, 2)
@@ -25,29 +25,29 @@ ROWS_SUB_BATCH = (1, 2, 4, 8)
 ROWS_CHANNELS = 8
 
 TILE_TILINGS = (
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=8),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=8, warps=8, cc=8),
-    cl.TileTiling(wx=32, py=8, nb=2, mw=4, warps=8, cc=8),
-    cl.TileTiling(wx=32, py=4, nb=4, mw=4, warps=8, cc=8),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=8),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=8),
-    cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=16, cc=4),
-    cl.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4),
-    cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=8, cc=8),
-    cl.TileTiling(wx=16, py=7, nb=2, mw=4, warps=8, cc=4),
-    cl.TileTiling(wx=8, py=2, nb=4, mw=4, warps=8, cc=2),
-    cl.TileTiling(wx=8, py=2, nb=2, mw=8, warps=4, cc=4),
-    cl.TileTiling(wx=32, py=8, nb=1, mw=8, warps=8, cc=8),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=16),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=16),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=16),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=32),
-    cl.TileTiling(wx=32, py=8, nb=2, mw=3, warps=8, cc=8, union=3),
-    cl.TileTiling(wx=32, py=7, nb=4, mw=3, warps=8, cc=8, union=3, paired=True),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=8, stage_entries=True, min_blocks=4),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=16, stage_entries=True, min_blocks=2),
-    cl.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32, stage_entries=True, min_blocks=2),
+    lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=8),
+    lg.TileTiling(wx=32, py=4, nb=2, mw=8, warps=8, cc=8),
+    lg.TileTiling(wx=32, py=8, nb=2, mw=4, warps=8, cc=8),
+    lg.TileTiling(wx=32, py=4, nb=4, mw=4, warps=8, cc=8),
+    lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=8),
+    lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=8),
+    lg.TileTiling(wx=16, py=7, nb=2, mw=4, warps=16, cc=4),
+    lg.TileTiling(wx=16, py=4, nb=2, mw=8, warps=8, cc=4),
+    lg.TileTiling(wx=16, py=7, nb=2, mw=4, warps=8, cc=8),
+    lg.TileTiling(wx=16, py=7, nb=2, mw=4, warps=8, cc=4),
+    lg.TileTiling(wx=8, py=2, nb=4, mw=4, warps=8, cc=2),
+    lg.TileTiling(wx=8, py=2, nb=2, mw=8, warps=4, cc=4),
+    lg.TileTiling(wx=32, py=8, nb=1, mw=8, warps=8, cc=8),
+    lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=16),
+    lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=16),
+    lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=16),
+    lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32),
+    lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=32, cc=32),
+    lg.TileTiling(wx=32, py=8, nb=2, mw=3, warps=8, cc=8, union=3),
+    lg.TileTiling(wx=32, py=7, nb=4, mw=3, warps=8, cc=8, union=3, paired=True),
+    lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=8, stage_entries=True, min_blocks=4),
+    lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=16, stage_entries=True, min_blocks=2),
+    lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32, stage_entries=True, min_blocks=2),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM within the
 register file; the paired union tiling's 84 are held to 128 registers, also two blocks), warp tiles 4x32 to 8x8 for
@@ -55,7 +55,7 @@ planes from 224x224 down to 7x7, 32 to 128 output channels per block (more chann
 for batch 1 in float32 (float16 pairs images, NB even). CC = 16 halves the barriers per nonzero where a chunk holds
 little work (the 2x2 filters of a 3x3 stride-2 layer's phase split, 1x1 layers, and 3x3 layers at high sparsity);
 staged chunks beyond 48 KB take dynamic shared memory up to
-:data:`~unsparse.runtime.cupy_launcher.TILE_SHARED_LIMIT_BYTES`. At 0.95-0.98 sparsity a cost that does not shrink
+:data:`~unsparse.runtime.launch_geometry.TILE_SHARED_LIMIT_BYTES`. At 0.95-0.98 sparsity a cost that does not shrink
 with sparsity is about half the time (VGG16 features.5 FP16: about 0.83 ms of 1.60 ms at 0.95 before these), so the
 last three per-channel tilings share each chunk among 128 output channels, or stage 32 channels per barrier pair
 (fewer barriers and loop set-ups per nonzero), or both; CC = 32 in float16 only, a float32 3x3 chunk of 32 channels
@@ -78,13 +78,13 @@ they lose in float16 at 0.9. The union tiling staged ran 0.97-1.01x as fast as u
 
 
 POINTWISE_TILINGS = (
-    cl.PointwiseTiling(pv=1, mw=8, warps=8, cc=32),
-    cl.PointwiseTiling(pv=1, mw=8, warps=16, cc=32),
-    cl.PointwiseTiling(pv=1, mw=8, warps=16, cc=16),
-    cl.PointwiseTiling(pv=1, mw=16, warps=8, cc=32),
-    cl.PointwiseTiling(pv=1, mw=8, warps=32, cc=32),
-    cl.PointwiseTiling(pv=2, mw=4, warps=16, cc=16),
-    cl.PointwiseTiling(pv=2, mw=8, warps=8, cc=16),
+    lg.PointwiseTiling(pv=1, mw=8, warps=8, cc=32),
+    lg.PointwiseTiling(pv=1, mw=8, warps=16, cc=32),
+    lg.PointwiseTiling(pv=1, mw=8, warps=16, cc=16),
+    lg.PointwiseTiling(pv=1, mw=16, warps=8, cc=32),
+    lg.PointwiseTiling(pv=1, mw=8, warps=32, cc=32),
+    lg.PointwiseTiling(pv=2, mw=4, warps=16, cc=16),
+    lg.PointwiseTiling(pv=2, mw=8, warps=8, cc=16),
 )
 """``direct_pointwise`` candidates: 16 to 64 accumulators per thread, 64 to 256 output channels per block
 (every channel of a block reuses each staged element, so more channels cut the staging per FMA and the L2
@@ -110,12 +110,12 @@ def rows_space(batch: int, out_pixels: int, prune: bool = True) -> list[dict[str
 
 
 def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int], dtype: torch.dtype,
-               prune: bool = True, vector_pad: int | None = None, shared_limit: int = cl.TILE_SHARED_LIMIT_BYTES,
+               prune: bool = True, vector_pad: int | None = None, shared_limit: int = lg.TILE_SHARED_LIMIT_BYTES,
                entry_capacity: Callable[[int, int], int] | None = None) -> list[dict[str, Any]]:
     """``direct_tile`` settings: the :data:`TILE_TILINGS` valid for ``dtype`` and whose shared memory
-    (:func:`~unsparse.runtime.cupy_launcher.tile_shared_bytes`) fits in ``shared_limit`` bytes
-    (:func:`~unsparse.runtime.cupy_launcher.tile_shared_limit` of the GPU); with ``vector_pad`` (the layer's
-    ``pad_w``, where :func:`~unsparse.runtime.cupy_launcher.vector_staging_reason` allows it) also each tiling that
+    (:func:`~unsparse.runtime.launch_geometry.tile_shared_bytes`) fits in ``shared_limit`` bytes
+    (:func:`~unsparse.runtime.launch_geometry.tile_shared_limit` of the GPU); with ``vector_pad`` (the layer's
+    ``pad_w``, where :func:`~unsparse.runtime.launch_geometry.vector_staging_reason` allows it) also each tiling that
     can stage 16-byte vectors, as ``"stage": "vector"``. ``entry_capacity(chunk, union)``: the weight's longest
     entry list (:func:`~unsparse.runtime.backends.direct_arrays.longest_list`), which sizes the ``stage_entries``
     tilings' slots (``"entries": "shared"``); None leaves those tilings out.
@@ -129,14 +129,14 @@ def tile_space(batch: int, out_hw: tuple[int, int], kernel_size: tuple[int, int]
         if tiling.stage_entries and entry_capacity is None:
             continue
         try:
-            layout = cl.tile_layout(dtype, kernel_size, tiling, pad)
+            layout = lg.tile_layout(dtype, kernel_size, tiling, pad)
         except ValueError:
             continue
         capacity = entry_capacity(tiling.cc, tiling.union) if tiling.stage_entries else 0
-        if cl.tile_shared_bytes(layout, tiling, capacity) > shared_limit:
+        if lg.tile_shared_bytes(layout, tiling, capacity) > shared_limit:
             continue
         te, tf = tiling.tile_hw
-        if prune and (te > 2 * E or tf > 2 * F_ or tiling.nb > max(batch, cl.images_per_element(dtype))):
+        if prune and (te > 2 * E or tf > 2 * F_ or tiling.nb > max(batch, lg.images_per_element(dtype))):
             continue
         space.append({"variant": "tile", "wx": tiling.wx, "py": tiling.py, "nb": tiling.nb, "mw": tiling.mw,
                       "warps": tiling.warps, "cc": tiling.cc, **({} if pad is None else {"stage": "vector"}),
@@ -158,7 +158,7 @@ def pointwise_space(batch: int, out_channels: int, pixels: int, dtype: torch.dty
                     vector: bool = False, in_channels: int | None = None) -> list[dict[str, Any]]:
     """``direct_pointwise`` settings: the :data:`POINTWISE_TILINGS` whose staged chunks fit, each with
     element-wise staging and, with ``vector`` (the plane passes
-    :func:`~unsparse.runtime.cupy_launcher.pointwise_vector_reason`), also as ``"stage": "vector"``. With
+    :func:`~unsparse.runtime.launch_geometry.pointwise_vector_reason`), also as ``"stage": "vector"``. With
     ``in_channels``, a setting whose grid has fewer than :data:`SPLIT_BELOW_BLOCKS` blocks also comes with each
     split-K choice of :data:`POINTWISE_SPLITS` below its chunk count (``"splits": s``).
 
@@ -169,10 +169,10 @@ def pointwise_space(batch: int, out_channels: int, pixels: int, dtype: torch.dty
     stages = ["scalar", "vector"] if vector else ["scalar"]
     for tiling, stage in itertools.product(POINTWISE_TILINGS, stages):
         try:
-            layout = cl.pointwise_layout(dtype, tiling, stage == "vector")
+            layout = lg.pointwise_layout(dtype, tiling, stage == "vector")
         except ValueError:
             continue
-        if layout.shared_bytes() > cl.SHARED_LIMIT_BYTES:
+        if layout.shared_bytes() > lg.SHARED_LIMIT_BYTES:
             continue
         if prune and (tiling.channels > max(2 * out_channels, 64) or tiling.columns > max(2 * batch * pixels, 128)):
             continue
@@ -197,13 +197,13 @@ def setting_sizes(params: dict[str, Any], names: tuple[str, ...], variant: str) 
     return [params[name] for name in names]
 
 
-def pointwise_tiling_of(params: dict[str, Any]) -> cl.PointwiseTiling:
-    """The :class:`~unsparse.runtime.cupy_launcher.PointwiseTiling` of a ``pointwise`` setting.
+def pointwise_tiling_of(params: dict[str, Any]) -> lg.PointwiseTiling:
+    """The :class:`~unsparse.runtime.launch_geometry.PointwiseTiling` of a ``pointwise`` setting.
 
     Raises:
         ValueError: a missing or invalid size.
     """
-    return cl.PointwiseTiling(*setting_sizes(params, ("pv", "mw", "warps", "cc"), "pointwise"))
+    return lg.PointwiseTiling(*setting_sizes(params, ("pv", "mw", "warps", "cc"), "pointwise"))
 
 
 ACCUMULATE = ("float32", "half2")
@@ -212,7 +212,7 @@ products summed in float16 runs (``tile`` on float16, backend ``direct_half2``).
 
 
 def half_run_of(params: dict[str, Any], dtype: torch.dtype) -> int:
-    """The ``HALF_RUN`` template argument of a setting: :data:`~unsparse.runtime.cupy_launcher.HALF2_RUN` for
+    """The ``HALF_RUN`` template argument of a setting: :data:`~unsparse.runtime.launch_geometry.HALF2_RUN` for
     ``"accumulate": "half2"``, else 0.
 
     Raises:
@@ -227,17 +227,17 @@ def half_run_of(params: dict[str, Any], dtype: torch.dtype) -> int:
     if params.get("variant") != "tile" or dtype != torch.float16:
         raise ValueError(f"accumulate: half2 needs the tile variant on float16, got {params.get('variant')!r} "
                          f"on {dtype}")
-    return cl.HALF2_RUN
+    return lg.HALF2_RUN
 
 
 def reads_pairs(params: dict[str, Any], dtype: torch.dtype) -> bool:
     """Whether a ``tile`` setting's kernel reads its input as image pairs: float16 always, float32 where the setting
-    is ``"paired"`` (:func:`~unsparse.runtime.cupy_launcher.images_per_element`)."""
-    return cl.images_per_element(dtype, bool(params.get("paired", False))) == 2
+    is ``"paired"`` (:func:`~unsparse.runtime.launch_geometry.images_per_element`)."""
+    return lg.images_per_element(dtype, bool(params.get("paired", False))) == 2
 
 
-def tiling_of(params: dict[str, Any]) -> cl.TileTiling:
-    """The :class:`~unsparse.runtime.cupy_launcher.TileTiling` of a ``tile`` setting (``"union"`` 1, ``"paired"``
+def tiling_of(params: dict[str, Any]) -> lg.TileTiling:
+    """The :class:`~unsparse.runtime.launch_geometry.TileTiling` of a ``tile`` setting (``"union"`` 1, ``"paired"``
     false, ``"entries"`` ``"global"`` and ``"min_blocks"`` 0 where absent; ``"entries": "shared"`` is
     ``stage_entries``).
 
@@ -248,6 +248,6 @@ def tiling_of(params: dict[str, Any]) -> cl.TileTiling:
     entries = params.get("entries", "global")
     if entries not in ("global", "shared"):
         raise ValueError(f"entries: unknown {entries!r}, expected 'global' or 'shared'")
-    return cl.TileTiling(*setting_sizes(params, ("wx", "py", "nb", "mw", "warps", "cc"), "tile"),
+    return lg.TileTiling(*setting_sizes(params, ("wx", "py", "nb", "mw", "warps", "cc"), "tile"),
                          params.get("union", 1), params.get("paired", False), entries == "shared",
                          params.get("min_blocks", 0))
