@@ -214,8 +214,8 @@ def bind(spec: Launch, args: tuple[Any, ...], device: torch.device) -> BoundLaun
     """Resolve one launch for repeated calls on ``device``.
 
     Args:
-        spec: from :func:`rows_launch`, :func:`tile_launch`, :func:`pointwise_launch`, :func:`pairing_launch` or
-            :func:`phase_pairing_launch`.
+        spec: from one of the ``*_launch`` functions of :mod:`unsparse.runtime.launch_geometry` (rows, tile,
+            pointwise, pairing, phase pairing).
         args: kernel arguments in declaration order (:func:`kernel_parameter`), :data:`PER_CALL` where each call
             gives a pointer.
 
@@ -242,9 +242,9 @@ _OPTED_IN: dict[tuple[str, int], int] = {}
 def _opt_in(name: str, shared_bytes: int, device_index: int) -> None:
     """Let instantiation ``name`` take at least ``shared_bytes`` of dynamic shared memory on the current device
     (CUDA's ``MAX_DYNAMIC_SHARED_SIZE_BYTES`` function attribute; needed beyond :data:`SHARED_LIMIT_BYTES`). The
-    attribute only grows: a ``stage_entries`` tiling's shared memory depends on the weight (:func:`tile_shared_bytes`),
-    so one instantiation is bound with several sizes, and lowering it would make the launches bound before fail with
-    ``CUDA_ERROR_INVALID_VALUE``."""
+    attribute only grows: a ``stage_entries`` tiling's shared memory depends on the weight
+    (:func:`~unsparse.runtime.launch_geometry.tile_shared_bytes`), so one instantiation is bound with several sizes,
+    and lowering it would make the launches bound before fail with ``CUDA_ERROR_INVALID_VALUE``."""
     key = (name, device_index)
     if shared_bytes > _OPTED_IN.get(key, 0):
         get_kernel(name).max_dynamic_shared_size_bytes = shared_bytes

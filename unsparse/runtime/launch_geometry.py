@@ -21,8 +21,8 @@ SHARED_LIMIT_BYTES = 48 * 1024
 staging buffers."""
 TILE_SHARED_LIMIT_BYTES = 99 * 1024
 """Dynamic shared memory a ``direct_tile`` block may ask for (its two staged chunks, :meth:`TileLayout.shared_bytes`;
-beyond :data:`SHARED_LIMIT_BYTES` :func:`bind` opts in): the per-block opt-in limit of sm_86/sm_89 GPUs, below
-sm_80's 163 KB and sm_90's 227 KB. On an H100 two such blocks fit one SM's 228 KB."""
+beyond :data:`SHARED_LIMIT_BYTES` :func:`~unsparse.runtime.cupy_launcher.bind` opts in): the per-block opt-in limit
+of sm_86/sm_89 GPUs, below sm_80's 163 KB and sm_90's 227 KB. On an H100 two such blocks fit one SM's 228 KB."""
 TILE_WIDE_SUMS = 64
 """float32 partial sums per thread (:meth:`TileTiling.accumulators`) above which a ``direct_tile`` tiling is "wide":
 the kernel holds it to 128 registers and two blocks per SM, so it may have at most :data:`TILE_WIDE_WARPS` warps
