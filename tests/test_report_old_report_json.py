@@ -1,6 +1,7 @@
 """``report.md`` rendered again from a ``report.json`` of an older job, which lacks fields added since: the run's
-``timing_runs`` and ``timing_warmup`` and the plan check's ``margin``. Rendering raised a bare KeyError; now the page
-says the figure was not recorded instead of stating one."""
+``timing_runs`` and ``timing_warmup`` and the plan check's ``margin``, where rendering raised a bare KeyError, and its
+``layer_backends``, ``unplanned_images`` and ``model_runs_on_ms``, of which the page said nothing, as if there were
+nothing to say. Now the page says the figure was not recorded instead of stating one."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def test_a_run_with_its_timing_counts_states_them(tmp_path) -> None:
 
 CHECK = {"planned_ms": 1.0, "default_ms": 1.0, "reverted": [], "timing": "graph", "images": 8,
          "model_runs_on": "auto"}
-"""A plan check as an older job wrote it: no ``margin``."""
+"""A plan check as jobs from 370a8ce up to 7a6912f wrote it: no ``margin``."""
 
 
 @pytest.mark.parametrize(("check", "said"), [
@@ -105,3 +106,82 @@ def test_a_backend_timed_against_its_default_without_how_says_so(tmp_path) -> No
              "model_runs_on_ms": 0.5, "model_runs_on_default_ms": 1.0}
     assert "0.5 ms per forward against 1 ms on the dense default, both timed (how: not recorded), 2.00x its speed." \
         in render(tmp_path, old_report(check))
+
+
+
+FIGURES = {"planned_ms": 1.25, "default_ms": 2.5, "reverted": [], "timing": "eager", "images": 16}
+"""PlanCheck's fields and ``images``, which every version of the main job wrote (370a8ce on)."""
+
+
+def timed(planned: str = "1.25", verdict: str = "2.00x the default's speed") -> str:
+    """The paragraph's first sentence for :data:`FIGURES` with ``planned_ms`` as ``planned``."""
+    return (f"The planned model took {planned} ms per forward of 16 images, against 2.5 ms with every layer on its "
+            f"dense default, timed eagerly (host clock included) in the same run: {verdict}.")
+
+
+def whole_model(page: str) -> str:
+    """The paragraph under ``## Whole model`` of ``page``."""
+    return page.split("## Whole model\n\n")[1].split("\n\n")[0].strip()
+
+
+ON_THE_PLAN_NOT_RECORDED = (" The test set ran on the plan (which backend each layer ran on: not recorded). How many "
+                            "test images ran on the dense default instead, in a batch of another size than the plan's "
+                            "16 images, which the plan has no entry for: not recorded.")
+ON_REFERENCE_NOT_RECORDED = (" The test set ran on `reference`, not on the plan (which layers it declined, running "
+                             "them on the dense default instead: not recorded): its time per forward was not recorded.")
+
+
+@pytest.mark.parametrize(("check", "paragraph"), [
+    # 370a8ce up to 7a6912f: {**asdict(check), "images", "model_runs_on"}; PlanCheck had no margin yet
+    ({**FIGURES, "model_runs_on": "auto"}, timed() + ON_THE_PLAN_NOT_RECORDED),
+    ({**FIGURES, "model_runs_on": "reference"}, timed() + ON_REFERENCE_NOT_RECORDED),
+    # 7a6912f up to 6152685: the same with "margin" (written beside PlanCheck's fields, one of them from c8c15ee)
+    ({**FIGURES, "planned_ms": 2.55, "margin": 0.03, "model_runs_on": "auto"},
+     timed("2.55", "0.98x the default's speed: slower, within the 3 % noise margin") + ON_THE_PLAN_NOT_RECORDED),
+    ({**FIGURES, "planned_ms": 5.0, "reverted": ["k1"], "margin": 0.03, "model_runs_on": "reference"},
+     timed("5", "0.50x the default's speed, so the plan is SLOWER") + " Being slower by more than the planning "
+     "margin, the plan's 1 new layer entries were set back to the dense default." + ON_REFERENCE_NOT_RECORDED),
+    # 6152685 up to dcb4d97 under auto: with "layer_backends" (labels as from b6bd5fa), without "unplanned_images"
+    ({**FIGURES, "margin": 0.03, "model_runs_on": "auto",
+      "layer_backends": {"features.0": "direct", "features.3": "dense default (not planned)"}},
+     timed() + " The test set ran on the plan: `features.0` on direct, `features.3` on dense default (not planned). "
+     "How many test images ran on the dense default instead, in a batch of another size than the plan's 16 images, "
+     "which the plan has no entry for: not recorded."),
+    # 6152685 up to 4b0071b on a named backend: "model_runs_on_ms" alone
+    ({**FIGURES, "margin": 0.03, "model_runs_on": "reference",
+      "layer_backends": {"features.0": "reference", "features.3": "reference"}, "model_runs_on_ms": 3.75},
+     timed() + " The test set ran on `reference`, not on the plan: 3.75 ms per forward (its time on the dense default "
+     "was not recorded)."),
+])
+def test_every_older_plan_check_renders_its_figures_and_says_what_was_not_recorded(tmp_path, check,
+                                                                                  paragraph) -> None:
+    """Each shape of ``plan_check`` the main job wrote before the fields it lacks were added (the commits that
+    wrote it in each case's comment). The paragraph keeps every recorded figure and says "not recorded" where a
+    field is missing instead of filling one in: the test set ran on the plan under ``auto`` in every version
+    (compare_layers leaves the layers on it), but which backend each layer ran on, or how many test images came in
+    batches the plan has no entry for, is not in such a report."""
+    assert whole_model(render(tmp_path, old_report(check))) == paragraph
+
+
+@pytest.mark.parametrize(("check", "tail"), [
+    # dcb4d97 on, under auto
+    ({**FIGURES, "margin": 0.03, "model_runs_on": "auto", "layer_backends": {"features.0": "direct"},
+      "unplanned_images": 0}, " The test set ran on the plan: `features.0` on direct."),
+    ({**FIGURES, "margin": 0.03, "model_runs_on": "auto", "layer_backends": {"features.0": "direct"},
+      "unplanned_images": 24},
+     " The test set ran on the plan: `features.0` on direct. **24 test images ran on the dense default instead**: they "
+     "came in a batch of another size than the plan's 16 images, which the plan has no entry for."),
+    # 4b0071b on, on a named backend other than the dense default
+    ({**FIGURES, "margin": 0.03, "model_runs_on": "reference", "layer_backends": {"features.0": "reference"},
+      "model_runs_on_ms": 3.75, "model_runs_on_default_ms": 2.5, "model_runs_on_timing": "eager"},
+     " The test set ran on `reference`, not on the plan: 3.75 ms per forward against 2.5 ms on the dense default, "
+     "both timed eagerly, 0.67x its speed (SLOWER)."),
+    # 7b85fc0 on, on the dense default
+    ({**FIGURES, "margin": 0.03, "model_runs_on": "dense_cpu", "layer_backends": {"features.0": "dense_cpu"},
+      "model_runs_on_is_default": True},
+     " The test set ran on `dense_cpu`, not on the plan, which is the dense default itself (not timed against "
+     "itself)."),
+])
+def test_a_current_plan_check_says_nothing_is_missing(tmp_path, check, tail) -> None:
+    """What a job of today writes reads as before: "not recorded" only stands for a field that is absent."""
+    assert whole_model(render(tmp_path, old_report(check))) == timed() + tail

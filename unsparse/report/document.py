@@ -178,10 +178,16 @@ def plan_check_text(check: dict[str, Any]) -> str:
     (:data:`DENSE_LABELS`), both forwards ran the same layers, and a gap either way is said to be noise, not a
     speedup.
 
-    A check without ``margin`` (``report.json`` of a job before it was recorded) calls a slower time slower with
-    :data:`MARGIN_NOT_RECORDED`, neither within the margin nor SLOWER, except a plan that was set back, which was
-    beyond it. A ``model_runs_on_ms`` without ``model_runs_on_default_ms`` (jobs before both sides were timed) is
-    given alone, and a missing ``model_runs_on_timing`` reads "not recorded".
+    ``report.json`` of an older job lacks fields added since; none is filled in, each reads :data:`NOT_RECORDED`.
+    Without ``margin`` (jobs before 7a6912f) a slower time is called slower with :data:`MARGIN_NOT_RECORDED`,
+    neither within the margin nor SLOWER, except a plan that was set back, which was beyond it. Without
+    ``layer_backends`` (before 6152685) the page says that the layers' backends under ``auto``, or the layers a
+    named backend declined, were not recorded; without ``unplanned_images`` (before dcb4d97), how many test images
+    ran on the dense default under ``auto``; without ``model_runs_on_ms`` (before 6152685), the named backend's
+    time. A ``model_runs_on_ms`` without ``model_runs_on_default_ms`` (before 4b0071b) is given alone, and a missing
+    ``model_runs_on_timing`` (before 4b0071b) reads "how: not recorded". Every version wrote ``images``,
+    ``model_runs_on`` and the fields of :class:`~unsparse.runtime.comparator.PlanCheck` other than ``margin`` (since
+    370a8ce, when the main job began checking its plan).
 
     Raises:
         KeyError: naming another missing field.
@@ -214,14 +220,18 @@ def plan_check_text(check: dict[str, Any]) -> str:
         declined = {layer: backend for layer, backend in check.get("layer_backends", {}).items()
                     if backend != check["model_runs_on"]}
         text += f" The test set ran on `{check['model_runs_on']}`, not on the plan" + (
+            f" (which layers it declined, running them on the dense default instead: {NOT_RECORDED})"
+            if "layer_backends" not in check else
             f" (**{len(declined)} of {len(check['layer_backends'])} layers ran dense instead**: "
             + "; ".join(f"`{layer}` on {backend}" for layer, backend in declined.items()) + ")" if declined else "")
         if check.get("model_runs_on_is_default"):
             text += ", which is the dense default itself (not timed against itself)"
-        elif check.get("model_runs_on_ms") is not None and check.get("model_runs_on_default_ms") is None:
+        elif check.get("model_runs_on_ms") is None:
+            text += f": its time per forward was {NOT_RECORDED}"
+        elif check.get("model_runs_on_default_ms") is None:
             text += (f": {check['model_runs_on_ms']:.4g} ms per forward (its time on the dense default was not "
                      "recorded)")
-        elif check.get("model_runs_on_ms") is not None:
+        else:
             runs_on, runs_on_default = check["model_runs_on_ms"], check["model_runs_on_default_ms"]
             how_runs_on = {"graph": "as CUDA-graph replays", "eager": "eagerly"}.get(
                 check.get("model_runs_on_timing"), f"(how: {NOT_RECORDED})")
@@ -231,10 +241,14 @@ def plan_check_text(check: dict[str, Any]) -> str:
             text += (f": {runs_on:.4g} ms per forward against {runs_on_default:.4g} ms on the dense default, both "
                      f"timed {how_runs_on}, {runs_on_default / runs_on:.2f}x its speed{slower}")
         text += "."
-    elif check.get("layer_backends"):
-        text += " The test set ran on the plan: " + ", ".join(
-            f"`{layer}` on {backend}" for layer, backend in check["layer_backends"].items()) + "."
-        if check.get("unplanned_images"):
+    elif "layer_backends" not in check or check["layer_backends"]:
+        text += " The test set ran on the plan" + (
+            f" (which backend each layer ran on: {NOT_RECORDED})." if "layer_backends" not in check else ": "
+            + ", ".join(f"`{layer}` on {backend}" for layer, backend in check["layer_backends"].items()) + ".")
+        if "unplanned_images" not in check:
+            text += (" How many test images ran on the dense default instead, in a batch of another size than the "
+                     f"plan's {check['images']} images, which the plan has no entry for: {NOT_RECORDED}.")
+        elif check["unplanned_images"]:
             text += (f" **{check['unplanned_images']} test images ran on the dense default instead**: they came in a "
                      f"batch of another size than the plan's {check['images']} images, which the plan has no entry "
                      "for.")
@@ -304,7 +318,7 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
             ``weighted_sparsity``: the weights as stored, after quantization), optionally
             ``not_timed`` (rows without a time; those whose status is not ``"ok"`` are listed) and optionally
             ``plan_check`` (the fields of :class:`~unsparse.runtime.comparator.PlanCheck` with the keys
-            :func:`plan_check_text` names; its ``margin`` may be missing).
+            :func:`plan_check_text` names; those older jobs did not write may be missing, as it says).
         figures: title -> PNG path (relative links are written into the Markdown).
 
     ``report.json`` is strict JSON, indented: NaN as null, infinities (a diverged model's MSE, a pruning history's
