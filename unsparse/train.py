@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.parameter import is_lazy
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
@@ -243,6 +244,17 @@ SHOWN_LABELS = 10
 """At most this many distinct out-of-range labels are named in :func:`check_class_labels`' error."""
 
 
+def check_label_dtype(labels: torch.Tensor, source: str = "Trainer: cross_entropy") -> None:
+    """Refuse labels of a dtype ``F.cross_entropy`` does not take as class indices (it raises its own RuntimeError).
+
+    Raises:
+        ValueError: naming ``source`` and the dtype, where it is not one of :data:`LABEL_DTYPES`.
+    """
+    if labels.dtype not in LABEL_DTYPES:
+        raise ValueError(f"{source}: labels of dtype {labels.dtype}; class indices must be torch.int64 (or "
+                         "torch.uint8): cast them with .long()")
+
+
 def check_class_labels(labels: torch.Tensor, num_classes: int, source: str = "Trainer: cross_entropy") -> None:
     """Refuse class indices that ``F.cross_entropy`` cannot take, before it is called: out of ``[0, num_classes)``
     it raises "Target k is out of bounds" on the CPU, naming no data set, and on CUDA it trips a device-side assert,
@@ -259,12 +271,11 @@ def check_class_labels(labels: torch.Tensor, num_classes: int, source: str = "Tr
             :func:`~unsparse.task.check_model_fits` names the model, data set and split).
 
     Raises:
-        ValueError: naming the dtype, where it is not one of :data:`LABEL_DTYPES`; naming C and the labels outside
-            ``[0, C)`` (distinct, ascending, the first :data:`SHOWN_LABELS`, and how many more there are).
+        ValueError: naming the dtype, where it is not one of :data:`LABEL_DTYPES` (:func:`check_label_dtype`); naming
+            C and the labels outside ``[0, C)`` (distinct, ascending, the first :data:`SHOWN_LABELS`, and how many more
+            there are).
     """
-    if labels.dtype not in LABEL_DTYPES:
-        raise ValueError(f"{source}: labels of dtype {labels.dtype}; class indices must be torch.int64 (or "
-                         "torch.uint8): cast them with .long()")
+    check_label_dtype(labels, source)
     if labels.numel() == 0:
         return
     low, high = torch.stack(torch.aminmax(labels)).tolist()
@@ -274,6 +285,19 @@ def check_class_labels(labels: torch.Tensor, num_classes: int, source: str = "Tr
     more = f" and {len(outside) - SHOWN_LABELS} more" if len(outside) > SHOWN_LABELS else ""
     raise ValueError(f"{source}: labels {outside[:SHOWN_LABELS]}{more} outside [0, {num_classes}): the logits have "
                      f"C = {num_classes} classes (their second dimension), so labels must lie in [0, C)")
+
+
+def running_statistics(model: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The buffers a train-mode forward of ``model`` updates in torch's normalisation layers, each with a copy of its
+    value now: ``running_mean``, ``running_var`` and ``num_batches_tracked`` of every module that tracks running
+    statistics (``track_running_stats``: batch norms, and instance norms that ask for it); a lazy module's are left out
+    before its first forward, which creates their values. Copies two vectors of a layer's channel count and one integer
+    per layer. :meth:`Trainer.train_epoch` takes them before an epoch's first forward and puts them back
+    (``buffer.copy_(saved)``) where it refuses that batch after the forward."""
+    return [(buffer, buffer.detach().clone()) for module in model.modules()
+            if getattr(module, "track_running_stats", False)
+            for name in ("running_mean", "running_var", "num_batches_tracked")
+            if isinstance(buffer := getattr(module, name, None), torch.Tensor) and not is_lazy(buffer)]
 
 
 def fit_seconds(history: list[dict[str, float]]) -> float:
@@ -311,33 +335,65 @@ class Trainer:
         if self.loss not in LOSSES:
             raise ValueError(f"Trainer: unknown loss {self.loss!r}; known losses: {', '.join(LOSSES)}")
 
-    def _check_batch(self, outputs: torch.Tensor, targets: torch.Tensor) -> None:
-        """Raise ValueError, naming the loss and both shapes, where a batch's outputs do not fit its targets, or
-        naming the labels, where a classifier's targets are no class indices of its logits.
+    def _check_targets(self, inputs: torch.Tensor, targets: torch.Tensor, num_classes: int | None) -> None:
+        """Refuse, before a batch's forward, a classifier's targets that are no class indices for it: labels of a dtype
+        ``cross_entropy`` does not take (:func:`check_label_dtype`) and, once ``num_classes`` is known (C of the logits
+        of the batches before, None for a first batch), targets that are not ``(N,)`` for N inputs or labels outside
+        ``[0, C)`` (:func:`check_class_labels`). A first batch's shape and range wait for its logits
+        (:meth:`_check_outputs`): the message names their shape, and only they tell C. ``"mse"`` targets must have the
+        outputs' shape, so they too are checked after the forward.
+
+        The callers pass ``targets`` as the loader yields them, before they move to the device: the loaders of
+        :meth:`~unsparse.data.Splits.loaders` yield CPU tensors, so the check costs an ``aminmax`` over N integers on
+        the CPU and no device synchronisation; a loader that yields CUDA labels costs one synchronisation per batch, as
+        the loops' loss figures (``float(loss)``) already do. Every batch is checked, not only a loader's first one: a
+        bad label in a later batch would still reach the loss (on CUDA, its device-side assert).
+
+        Raises:
+            ValueError: naming the loss and the targets' shape and the inputs' count, or the labels' dtype, or the
+                labels outside ``[0, C)`` and C.
+        """
+        if self.loss != "cross_entropy":
+            return
+        if num_classes is None:
+            check_label_dtype(targets)
+            return
+        if targets.dim() != 1 or len(targets) != len(inputs):
+            raise ValueError(f"Trainer: cross_entropy: targets of shape {tuple(targets.shape)} for {len(inputs)} "
+                             "inputs; a classifier's output must be (N, num_classes) logits for N class indices, one "
+                             "per input")
+        check_class_labels(targets, num_classes)
+
+    def _check_outputs(self, outputs: torch.Tensor, targets: torch.Tensor, checked: int | None) -> int | None:
+        """Refuse, after a batch's forward, outputs that do not fit its targets (:meth:`_check_targets` checked what
+        the targets alone tell).
 
         ``"mse"``: outputs and targets must have one shape; ``mse_loss`` would broadcast them (e.g. ``(N, 1, T)``
         against ``(N, T)`` to ``(N, N, T)``) with only a warning, into a mean over every pair of samples.
         ``"cross_entropy"``: outputs must be ``(N, num_classes)`` logits for ``(N,)`` class indices; ``cross_entropy``
         reads ``(N, C, d1, ...)`` as logits per position, which against ``(N,)`` labels failed inside torch naming
         neither shape's source, and against labels of shape ``(N, d1, ...)`` trained and scored every position as a
-        sample of its own. Then the labels must be int64 (or uint8) and lie in ``[0, C)``
-        (:func:`check_class_labels`).
+        sample of its own. Then the labels must lie in ``[0, C)`` (:func:`check_class_labels`), checked here only
+        where C is not ``checked``, the C :meth:`_check_targets` held them against (None for a first batch).
 
-        Every batch is checked, not only the first one of a loader: a bad label in a later batch would still reach
-        the loss (on CUDA, its device-side assert). The callers pass ``targets`` as the loader yields them, before
-        they move to the device: the loaders of :meth:`~unsparse.data.Splits.loaders` yield CPU tensors, so the check
-        costs an ``aminmax`` over N integers on the CPU and no device synchronisation; a loader that yields CUDA
-        labels costs one synchronisation per batch, as the loops' loss figures (``float(loss)``) already do.
+        Returns:
+            C, the logits' second dimension, for ``"cross_entropy"``; None for ``"mse"``.
+
+        Raises:
+            ValueError: naming the loss and both shapes, or the labels outside ``[0, C)`` and C.
         """
-        if self.loss == "mse" and outputs.shape != targets.shape:
-            raise ValueError(f"Trainer: mse: outputs of shape {tuple(outputs.shape)} against targets of shape "
-                             f"{tuple(targets.shape)}; the model's output must have its targets' shape")
-        if self.loss == "cross_entropy":
-            if outputs.dim() != 2 or targets.dim() != 1 or outputs.shape[0] != targets.shape[0]:
-                raise ValueError(f"Trainer: cross_entropy: logits of shape {tuple(outputs.shape)} for targets of "
-                                 f"shape {tuple(targets.shape)}; a classifier's output must be (N, num_classes) "
-                                 "logits for N class indices")
+        if self.loss == "mse":
+            if outputs.shape != targets.shape:
+                raise ValueError(f"Trainer: mse: outputs of shape {tuple(outputs.shape)} against targets of shape "
+                                 f"{tuple(targets.shape)}; the model's output must have its targets' shape")
+            return None
+        if outputs.dim() != 2 or targets.dim() != 1 or outputs.shape[0] != targets.shape[0]:
+            raise ValueError(f"Trainer: cross_entropy: logits of shape {tuple(outputs.shape)} for targets of "
+                             f"shape {tuple(targets.shape)}; a classifier's output must be (N, num_classes) "
+                             "logits for N class indices")
+        if outputs.shape[1] != checked:
             check_class_labels(targets, outputs.shape[1])
+        return outputs.shape[1]
 
     def optimizer(self, model: nn.Module, lr: float | None = None) -> torch.optim.Optimizer:
         """SGD with Nesterov momentum over ``model``'s trainable parameters.
@@ -364,11 +420,20 @@ class Trainer:
 
         Raises:
             ValueError: where the training loader yields no batch (an empty split, or ``drop_last`` with fewer
-                samples than one batch); nothing is changed then. Where a batch's outputs do not fit its targets,
-                before that batch's step: for ``"mse"`` shapes that differ, for ``"cross_entropy"`` logits that are
-                not ``(N, num_classes)`` for ``(N,)`` targets, or labels that are not int64 (or uint8) or lie outside
-                ``[0, num_classes)``, named with ``num_classes`` (:meth:`_check_batch`); the steps of the batches
-                before it stand.
+                samples than one batch); nothing is changed then. Where a batch does not fit the loss, before that
+                batch's step: for ``"cross_entropy"`` labels that are not int64 (or uint8), or, from the second batch
+                on, targets that are not ``(N,)`` for N inputs or labels outside ``[0, C)`` (C of the logits of the
+                batches before), all before its forward (:meth:`_check_targets`); after its forward, logits that are
+                not ``(N, num_classes)`` for ``(N,)`` targets, labels outside ``[0, num_classes)`` where the batch is
+                the first (only its logits tell C), or, for ``"mse"``, outputs of another shape than the targets
+                (:meth:`_check_outputs`). The steps of the batches before it stand. A batch refused before its
+                forward changes nothing of ``model`` or ``optimizer``. A batch refused after its forward makes no step
+                either, but has set every parameter's ``grad`` to None (as each batch does before its forward, to free
+                the old gradients' memory for it), has drawn its dropout's random numbers from torch's generators,
+                and, where it is not the epoch's first, leaves that forward's batch statistics in the running
+                statistics of ``model``'s batch norms (outputs of another shape than those of the batches before, or
+                ``"mse"`` targets that do not fit its outputs); a first batch's are put back
+                (:func:`running_statistics`), except in a lazy batch norm, whose statistics that forward created.
 
         The model trains in train mode and stays in it on return. Where the epoch raises (the errors above, or
         whatever a forward, ``after_step`` or Ctrl-C raises), every module is back in the mode it was in first, as
@@ -380,11 +445,19 @@ class Trainer:
         try:
             loss_fn = LOSSES[self.loss]
             total, count = 0.0, 0
+            classes: int | None = None  # C of the logits of the batches before: labels are checked against it early
             for inputs, loaded in tqdm(self.loaders["train"], desc=desc, leave=False, disable=not self.progress):
+                self._check_targets(inputs, loaded, classes)
                 inputs, targets = inputs.to(self.device), loaded.to(self.device)
-                optimizer.zero_grad(set_to_none=True)
+                statistics = running_statistics(model) if count == 0 else []  # no batch trained yet
+                optimizer.zero_grad(set_to_none=True)  # before the forward: the old gradients' memory is free for it
                 outputs = model(inputs)
-                self._check_batch(outputs, loaded)
+                try:
+                    classes = self._check_outputs(outputs, loaded, classes)
+                except ValueError:
+                    for buffer, saved in statistics:
+                        buffer.copy_(saved)
+                    raise
                 loss = loss_fn(outputs, targets)
                 loss.backward()
                 optimizer.step()
@@ -415,20 +488,25 @@ class Trainer:
 
         Raises:
             ValueError: naming ``split``, where it has no samples; naming the shapes, where a batch's outputs do not
-                fit its targets (:meth:`_check_batch`: for ``"cross_entropy"`` logits that are not
-                ``(N, num_classes)``), or naming the labels and ``num_classes``, where they are not int64 (or uint8)
-                class indices in ``[0, num_classes)``; before any metric is returned.
+                fit its targets (for ``"cross_entropy"`` logits that are not ``(N, num_classes)``, or, from the second
+                batch on, targets that are not one per input), or naming the labels and ``num_classes``, where they are
+                not int64 (or uint8) class indices in ``[0, num_classes)``; before any metric is returned. As in
+                :meth:`train_epoch`, what the targets alone tell is checked before the batch's forward
+                (:meth:`_check_targets`), the fit of its outputs after it (:meth:`_check_outputs`); in eval mode the
+                forward changes no running statistics.
         """
         modes = module_modes(model)
         model.eval()
         try:
             loss_fn = LOSSES[self.loss]
             correct, total_loss, count, elements, diverged = 0, 0.0, 0, 0, False
+            classes: int | None = None  # C of the logits of the batches before, as in train_epoch
             for inputs, loaded in tqdm(self.loaders[split], desc=desc or f"eval {split}", leave=False,
                                        disable=not self.progress):
+                self._check_targets(inputs, loaded, classes)
                 inputs, targets = inputs.to(self.device), loaded.to(self.device)
                 outputs = model(inputs)
-                self._check_batch(outputs, loaded)
+                classes = self._check_outputs(outputs, loaded, classes)
                 total_loss += float(loss_fn(outputs.float(), targets, reduction="sum"))
                 count += len(inputs)
                 elements += targets.numel()
