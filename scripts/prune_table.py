@@ -253,6 +253,21 @@ def test_value(row: dict[str, Any], key: str) -> float:
     return nan_if_none(row["test"][key])
 
 
+def comparison(evolutionary: float, gradual: float, key: str) -> str:
+    """How evolutionary's test ``key`` (``top1`` % or ``mse``) stands to gradual magnitude's, as a clause: "its test
+    top-1 is 17.19 points below gradual magnitude's", the difference's size to 4 significant digits and its sign as
+    above or below (which is better depends on ``key``: higher top-1, lower MSE); "equals" for none, and "not a
+    number" where the difference is NaN (a diverged model's NaN, or both infinite)."""
+    name, unit = ("top-1", " points") if key == "top1" else ("MSE", "")
+    difference = evolutionary - gradual
+    if math.isnan(difference):
+        return f"the difference of its test {name} from gradual magnitude's is not a number"
+    if difference == 0:
+        return f"its test {name} equals gradual magnitude's"
+    side = "above" if difference > 0 else "below"
+    return f"its test {name} is {abs(difference):.4g}{unit} {side} gradual magnitude's"
+
+
 def verdict(block: dict[str, Any], key: str) -> list[str]:
     """Sentences on the goal (>= 92 % weighted sparsity, <= 0.5 point drop) and on evolutionary vs gradual.
 
@@ -275,10 +290,8 @@ def verdict(block: dict[str, Any], key: str) -> list[str]:
                  f"{'NOT met' if reasons else 'met'} (evolutionary {evo['weighted_sparsity']:.2%}, drop "
                  f"{drop:+.2f} points{''.join(f'; {reason}' for reason in reasons)})."]
         better = test_value(evo, "top1") > test_value(gradual, "top1")
-        gap = test_value(evo, "top1") - test_value(gradual, "top1")
     else:
         better = test_value(evo, "mse") < test_value(gradual, "mse")
-        gap = test_value(gradual, "mse") - test_value(evo, "mse")
         short = AE_TARGET - evo["weighted_sparsity"]
         lines = [f"Target ({AE_TARGET:.0%} weighted sparsity): "
                  + (f"NOT met, evolutionary reached {evo['weighted_sparsity']:.2%} after {len(iterations)} of "
@@ -290,7 +303,7 @@ def verdict(block: dict[str, Any], key: str) -> list[str]:
                          f"windows; below it: {', '.join(learned) or 'no method'}. A method at or above it has "
                          "learned nothing, so comparing it with another one says nothing either.")
     lines.append(f"Evolutionary {'beats' if better else 'does NOT beat'} gradual magnitude at matched sparsity "
-                 f"({key} difference {gap:+.4g} in evolutionary's favour).")
+                 f"({comparison(test_value(evo, key), test_value(gradual, key), key)}).")
     mutations = sum("mutation" in entry["events"] for entry in stalls)
     lines.append(f"Evolutionary used {len(iterations)} iterations; {len(stalls)} were stalls ({mutations} mutations, "
                  f"{len(stalls) - mutations} crossovers) whose training was rewound, so "

@@ -89,8 +89,37 @@ def test_a_null_test_metric_renders_as_nan(table):
     meta = {"host": "h", "torch": "t", "threads": 2, "commit": "abc1234", "budget": {}, "notes": [],
             "models": ["autoencoder1d"]}
     page = table.markdown([block], meta)
-    assert "| evolutionary | nan | nanx |" in page and "Evolutionary does NOT beat gradual" in page
+    assert "| evolutionary | nan | nanx |" in page
+    assert ("Evolutionary does NOT beat gradual magnitude at matched sparsity (the difference of its test MSE from "
+            "gradual magnitude's is not a number)." in page)
     assert "below it: dense, gradual" in page
+
+
+@pytest.mark.parametrize(("key", "evolutionary", "gradual", "sentence"), [
+    ("top1", 72.5, 89.6875, "does NOT beat gradual magnitude at matched sparsity (its test top-1 is 17.19 points "
+                            "below gradual magnitude's)."),
+    ("top1", 90.42, 90.0, "beats gradual magnitude at matched sparsity (its test top-1 is 0.42 points above "
+                          "gradual magnitude's)."),
+    ("top1", 90.0, 90.0, "does NOT beat gradual magnitude at matched sparsity (its test top-1 equals gradual "
+                         "magnitude's)."),
+    ("mse", 0.05, 0.041284, "does NOT beat gradual magnitude at matched sparsity (its test MSE is 0.008716 above "
+                            "gradual magnitude's)."),
+    ("mse", 0.041284, 0.05, "beats gradual magnitude at matched sparsity (its test MSE is 0.008716 below gradual "
+                            "magnitude's)."),
+])
+def test_the_comparison_with_gradual_says_above_or_below_in_either_direction(table, key, evolutionary, gradual,
+                                                                            sentence):
+    """The evolutionary vs gradual sentence gives the difference's size and says which side evolutionary is on; a
+    negative difference "in evolutionary's favour" read as a contradiction."""
+    def row(method, value):
+        return {"method": method, "test": {key: value}, "weighted_sparsity": 0.92, "layer_sparsity": {},
+                "history": [{"phase": "prune", "iteration": 1, "events": []}] if method == "evolutionary" else []}
+
+    block = {"iterations": 5, "rows": [row("dense", 90.0 if key == "top1" else 0.03), row("evolutionary", evolutionary),
+                                       row("gradual", gradual)]}
+    lines = table.verdict(block, key)
+    assert f"Evolutionary {sentence}" in lines
+    assert not any("favour" in line for line in lines)
 
 
 def test_setting_reads_yaml_values_and_rejects_text_without_a_key(table):
