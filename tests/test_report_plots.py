@@ -20,6 +20,37 @@ def test_plot_history_writes_a_png(tmp_path, history):
     assert path.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.parametrize(("history", "ends"), [
+    ([{"iteration": 1, "val_top1": 35.2, "weighted_sparsity": 0.9}], (0, 2)),  # magnitude, one fine-tuning epoch
+    ([{"epoch": 3, "val_top1": 88.0}, {"epoch": 3, "val_top1": 88.5}], (2, 4)),  # one step, twice
+    ([{"iteration": 0, "val_top1": 90.0, "weighted_sparsity": 0.5},
+      {"iteration": 1, "val_top1": 89.0, "weighted_sparsity": 0.6}], (0, 1)),
+    ([{"iteration": step, "val_top1": 90.0 - step / 10, "weighted_sparsity": step / 50} for step in range(43)],
+     (0, 40)),
+])
+def test_the_history_axis_is_ticked_at_integers(tmp_path, monkeypatch, history, ends):
+    """Iterations and epochs are counts, but the ticks fell on fractions: 0.96 to 1.04 for a single fine-tuning
+    epoch, 0.2 apart for two iterations. A single step gets one step of room either side, where there are integers
+    to tick (``MaxNLocator(integer=True)`` falls back to fractions with fewer than two in view)."""
+    import unsparse.report.plots
+
+    ticks = {}
+    write = unsparse.report.plots.save_figure
+
+    def capture(figure, path, dpi=110):
+        figure.canvas.draw()
+        (axis,) = [axis for axis in figure.axes if axis.get_xlabel()]
+        low, high = axis.get_xlim()
+        ticks["all"] = [float(tick) for tick in axis.get_xticks()]
+        ticks["visible"] = [tick for tick in ticks["all"] if low <= tick <= high]
+        return write(figure, path, dpi)
+
+    monkeypatch.setattr(unsparse.report.plots, "save_figure", capture)
+    plot_history(history, tmp_path / "history.png", "val_top1", "pruning", "validation top-1")
+    assert all(tick.is_integer() for tick in ticks["all"]), ticks["all"]
+    assert (ticks["visible"][0], ticks["visible"][-1]) == ends
+
+
 def test_an_empty_history_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="history: no entries"):
         plot_history([], tmp_path / "history.png", "val_top1", "pruning", "validation top-1")

@@ -11,6 +11,8 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.axes import Axes
+from matplotlib.ticker import MaxNLocator
 
 from unsparse.atomic import atomic_write
 
@@ -57,6 +59,16 @@ def new_figure(**subplots: Any) -> Iterator[tuple[plt.Figure, Any]]:
         yield figure, axes
     finally:
         plt.close(figure)
+
+
+def integer_steps(axis: Axes, steps: Sequence[int]) -> None:
+    """Ticks only at integers on ``axis``' x axis, which counts ``steps`` (iterations, epochs): matplotlib's default
+    put them at fractions, 0.96 to 1.04 for a single fine-tuning epoch. ``MaxNLocator(integer=True)`` keeps to
+    integers only where at least two (its ``min_n_ticks``) lie in view, which the few hundredths either side of a
+    single step do not hold, so steps that are all one value get one step of room either side."""
+    axis.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if min(steps) == max(steps):
+        axis.set_xlim(steps[0] - 1, steps[0] + 1)
 
 
 def plot_layers(rows: Sequence[dict[str, Any]], path: Path) -> Path:
@@ -120,7 +132,8 @@ def plot_history(history: Sequence[dict[str, Any]], path: Path, metric: str, tit
                  axis_label: str = "iteration") -> Path:
     """``metric`` (left axis, labelled ``label``) and ``weighted_sparsity`` (right axis, %) over the entries of
     ``history``, placed at their ``iteration`` (what it counts is ``axis_label``, the pruner's
-    :attr:`~unsparse.prune.base.Pruner.history_axis`) or, without one, their ``epoch``.
+    :attr:`~unsparse.prune.base.Pruner.history_axis`) or, without one, their ``epoch``, on an axis ticked at
+    integers (:func:`integer_steps`).
 
     Raises:
         ValueError: an empty ``history`` (nothing to plot), or ``path`` without an image suffix
@@ -134,6 +147,7 @@ def plot_history(history: Sequence[dict[str, Any]], path: Path, metric: str, tit
     with new_figure(figsize=(8, 4)) as (figure, axis):
         lines = axis.plot(steps, [entry.get(metric) for entry in history], marker="o", color="tab:blue", label=label)
         axis.set(xlabel=axis_label, ylabel=label, title=title)
+        integer_steps(axis, steps)
         top = axis
         if any("weighted_sparsity" in entry for entry in history):
             top = axis.twinx()
