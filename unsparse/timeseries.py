@@ -59,21 +59,27 @@ def export_series(name: str, path: str | Path) -> Path:
     return atomic_write_text(path, "".join(f"{float(value)!r}\n" for value in _statsmodels_values(name)))
 
 
-def read_series(path: str | Path) -> torch.Tensor:
+def read_series(path: str | Path, field: str | None = None) -> torch.Tensor:
     """A series written by :func:`export_series` as a ``(T,)`` float32 tensor.
 
+    Args:
+        path: the file. field: the setting that named it (``data.source``), named before ``path`` in errors.
+
     Raises:
-        FileNotFoundError: the file is missing.
-        ValueError: naming ``path``, where it is not UTF-8 text, a line is not a number, or a value is not finite in
-            float32 (beyond about 3.4e38).
+        ValueError: naming ``field`` (where given) and ``path``, where the file cannot be read (missing, a folder,
+            not readable: the system's reason), is not UTF-8 text, a line is not a number, or a value is not finite
+            in float32 (beyond about 3.4e38).
     """
+    named = f"{field}: {path}" if field else str(path)
     try:
         values = np.array([float(word) for word in Path(path).read_text(encoding="utf-8").split()], dtype=np.float64)
+    except OSError as error:  # FileNotFoundError, IsADirectoryError, PermissionError...
+        raise ValueError(f"{named}: cannot be read ({error.strerror or error})") from error
     except ValueError as error:  # UnicodeDecodeError is one
-        raise ValueError(f"{path}: not a series of numbers ({error})") from error
+        raise ValueError(f"{named}: not a series of numbers ({error})") from error
     series = torch.tensor(values, dtype=torch.float32)
     if not torch.isfinite(series).all():
-        raise ValueError(f"{path}: series holds values that are not finite in float32")
+        raise ValueError(f"{named}: series holds values that are not finite in float32")
     return series
 
 
@@ -103,20 +109,21 @@ def timeseries(name: str = "co2", window: int = 64, stride: int = 4, val_fractio
 
     Args:
         source: a file written by :func:`export_series` to read instead of statsmodels (``name`` then only
-            names the splits).
+            names the splits); its errors name it as the job's config does, ``data.source``.
         limit_train, limit_test: keep only the first N train / (validation and test) windows (smoke runs); the
             scale is taken from the windows kept.
 
     Raises:
         ValueError: unknown series, fractions that are no numbers in (0, 1) or sum to 1 or more, a window below 2
             or stride below 1, a split shorter than ``window`` (naming the split), a limit that is no integer or
-            below 1, naming it, or constant training windows (nothing to scale by).
+            below 1, naming it, constant training windows (nothing to scale by), or a ``source`` that cannot be
+            read or is no series of finite numbers (:func:`read_series`), naming ``data.source`` and the file.
     """
     for field, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         check_number(fraction, field, lambda value: 0 < value < 1, "in (0, 1)")
     if val_fraction + test_fraction >= 1:
         raise ValueError(f"val_fraction + test_fraction: {val_fraction + test_fraction} leaves no training points")
-    series = statsmodels_series(name) if source is None else read_series(source)
+    series = statsmodels_series(name) if source is None else read_series(source, "data.source")
     test_start = round(len(series) * (1.0 - test_fraction))
     val_start = round(len(series) * (1.0 - test_fraction - val_fraction))
     parts = {"train": series[:val_start], "val": series[val_start:test_start], "test": series[test_start:]}
