@@ -109,9 +109,11 @@ def test_a_pruner_that_stops_below_its_target_says_so(tmp_path, caplog):
                               progress=False)
     assert report["pruning"]["target"] == 0.9 and not report["pruning"]["target_reached"]
     assert report["pruning"]["weighted_sparsity"] == pytest.approx(0.5, abs=0.01)
+    assert report["pruning"]["shortfall_reason"] == "its iteration budget of 0 iterations ran out"
     assert "**NOT reached**: the run stopped below it, at " in (tmp_path / "report.md").read_text()
     messages = " ".join(record.getMessage() for record in caplog.records)
-    assert "below its target 0.9000" in messages and "train.epochs = 0" in messages
+    assert "below its target 0.9000 (its iteration budget of 0 iterations ran out)" in messages
+    assert "train.epochs = 0" in messages
 
 
 def test_a_resumed_job_removes_the_temporary_files_of_killed_writes_and_says_so(tmp_path, caplog):

@@ -27,10 +27,12 @@ from unsparse.job import (
     only_job_in,
     refusing,
 )
-from unsparse.prune.base import Pruner
+from unsparse.prune.base import Pruner, PruneResult
+from unsparse.prune.evolutionary import EvolutionaryPruner
+from unsparse.prune.magnitude import MagnitudePruner
 from unsparse.prune.masks import weighted_sparsity
 from unsparse.report import layer_rows, timing_verdicts, write_report
-from unsparse.report.document import NOT_PLANNED
+from unsparse.report.document import NOT_PLANNED, layer_goal_text, layers_short_text
 from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
 from unsparse.runtime.baseline import NAME as BASELINE
@@ -138,6 +140,66 @@ def stored_weighted_sparsity(model: nn.Module) -> float:
         elif isinstance(module, nn.Linear):
             sizes[name], zeros[name] = module.weight.numel(), int((module.weight == 0).sum())
     return weighted_sparsity({name: zeros[name] / max(size, 1) for name, size in sizes.items()}, sizes)
+
+
+def layer_goals(pruner: Pruner) -> dict[str, float] | None:
+    """The final sparsity each masked layer of the prepared ``pruner`` was asked for, where its goal is per layer: a
+    magnitude or gradual pruner with ``scope="layer"`` prunes every layer to its own sparsity (paper 004 §3.1's
+    layer-wise sparsity, eq. 6), its entry in ``layer_targets`` or else ``target``. None where ``target`` is one
+    weighted sparsity over the masked layers (eq. 7-8): ``scope="global"`` and the evolutionary pruner. A layer of no
+    weights has nothing to reach and is left out.
+
+    Raises:
+        RuntimeError: as :meth:`~unsparse.prune.base.Pruner.layer_sizes`, for a pruner not prepared.
+    """
+    if not isinstance(pruner, MagnitudePruner) or pruner.scope != "layer":
+        return None
+    return {name: pruner.layer_targets.get(name, pruner.target) for name, size in pruner.layer_sizes().items() if size}
+
+
+def shortfall_reason(pruner: Pruner) -> str | None:
+    """Why ``pruner`` stops below its target, where the code knows: the evolutionary pruner stops at its iteration
+    budget (its ``check_layers`` refuses a target that ``max_layer_sparsity`` puts out of reach). None for the
+    magnitude pruners: they have no budget, and their threshold is exact but for the weight each layer keeps, which
+    their ``step`` logs."""
+    if isinstance(pruner, EvolutionaryPruner):
+        return f"its iteration budget of {pruner.iterations} iterations ran out"
+    return None
+
+
+def pruning_verdict(pruner: Pruner, result: PruneResult) -> dict[str, Any]:
+    """What ``pruner`` was asked for and whether ``result`` reached it, as keys of report.json's ``pruning`` record:
+    ``target``; ``layer_targets``, each masked layer's own final sparsity where the goal is per layer
+    (:func:`layer_goals`), else None; ``target_reached``: with ``layer_targets`` whether every layer reached its own
+    (:meth:`~unsparse.prune.base.PruneResult.layers_short`), else whether the masked layers reached the weighted
+    sparsity ``target`` (paper 004 eq. 7-8, :meth:`~unsparse.prune.base.PruneResult.target_reached`);
+    ``layers_short``, the layers below their own target in model order (empty for a whole-model goal); and
+    ``shortfall_reason``, :func:`shortfall_reason` where the target was not reached, else None.
+
+    Raises:
+        RuntimeError: as :func:`layer_goals`.
+    """
+    goals = layer_goals(pruner)
+    short = [] if goals is None else list(result.layers_short(goals))
+    reached = not short if goals is not None else result.target_reached(pruner.target)
+    return {"target": pruner.target, "layer_targets": goals, "target_reached": reached, "layers_short": short,
+            "shortfall_reason": None if reached else shortfall_reason(pruner)}
+
+
+def warn_short_of_target(pruning: Mapping[str, Any]) -> None:
+    """Log a warning where a ``pruning`` record (:func:`pruning_verdict`'s keys with ``masked_weighted_sparsity``
+    and ``layer_sparsity``) did not reach its target: the goal as asked, the layers below their own target
+    (:func:`~unsparse.report.document.layers_short_text`) or the weighted sparsity the run stopped at, and the
+    ``shortfall_reason`` where known."""
+    if pruning["target_reached"]:
+        return
+    if pruning["layer_targets"] is not None:
+        log.warning("pruning did not reach its target, %s: %s",
+                    layer_goal_text(pruning["layer_targets"], pruning["target"]), layers_short_text(pruning))
+        return
+    reason = pruning["shortfall_reason"]
+    log.warning("pruning stopped at weighted sparsity %.4f over the pruned layers, below its target %.4f%s",
+                pruning["masked_weighted_sparsity"], pruning["target"], f" ({reason})" if reason else "")
 
 
 def unplanned_images(test_images: int, batch_size: int, planned_batch: int) -> int:
@@ -353,11 +415,12 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
     if fully_pruned:
         log.warning("every weight of %s is pruned: the network's signal is cut there (only biases pass)",
                     ", ".join(fully_pruned))
-    target_reached = result.target_reached(pruner.target)
-    if not target_reached:
-        log.warning("pruning stopped at weighted sparsity %.4f over the pruned layers, below its target %.4f (its "
-                    "iteration budget ran out, or no layer could be pruned further)", result.masked_weighted_sparsity,
-                    pruner.target)
+    pruning = {"method": result.method, **pruning_verdict(pruner, result),
+               "weighted_sparsity": result.weighted_sparsity,
+               "masked_weighted_sparsity": result.masked_weighted_sparsity,
+               "layer_sparsity": result.layer_sparsity, "fully_pruned_layers": fully_pruned,
+               "wall_time_s": result.wall_time_s, "history": result.history}
+    warn_short_of_target(pruning)
 
     sparse_model = sparsify(model.cpu())
     pruned_nonzeros = sum(layer.csr.nnz for layer in sparse_layers(sparse_model).values())
@@ -391,11 +454,7 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
                 "timing_runs": timing.repeats, "timing_warmup": timing.warmup},
         "accuracy": accuracy,
         "dense_training": dense_history,
-        "pruning": {"method": result.method, "target": pruner.target, "target_reached": target_reached,
-                    "weighted_sparsity": result.weighted_sparsity,
-                    "masked_weighted_sparsity": result.masked_weighted_sparsity,
-                    "layer_sparsity": result.layer_sparsity, "fully_pruned_layers": fully_pruned,
-                    "wall_time_s": result.wall_time_s, "history": result.history},
+        "pruning": pruning,
         "quantization": getattr(loaded, "unsparse_quantization", None),
         "conv_nonzeros": {"pruned": pruned_nonzeros, "exported": sum(row["nnz"] for row in rows)},
         "layers": rows,

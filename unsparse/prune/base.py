@@ -41,8 +41,8 @@ class PruneResult:
         method: the pruner's name.
         weighted_sparsity: paper 004 eq. 7-8 over all prunable layers, in ``[0, 1]``.
         layer_sparsity: per-layer fraction of zeros.
-        masked_weighted_sparsity: eq. 7-8 over the masked layers only, what the pruner's ``target`` is measured
-            on; equal to ``weighted_sparsity`` unless ``layers`` named a subset.
+        masked_weighted_sparsity: eq. 7-8 over the masked layers only, what a whole-model ``target`` is measured
+            on (:meth:`target_reached`); equal to ``weighted_sparsity`` unless ``layers`` named a subset.
         history: one dict per epoch/iteration (method-specific keys; at least ``val`` metric and sparsity).
         wall_time_s: seconds spent in ``run``.
     """
@@ -55,8 +55,23 @@ class PruneResult:
     wall_time_s: float = 0.0
 
     def target_reached(self, target: float) -> bool:
-        """Whether the masked layers reached the weighted sparsity ``target`` (1e-9 tolerance)."""
+        """Whether the masked layers reached the weighted sparsity ``target`` (paper 004 eq. 7-8; 1e-9 tolerance):
+        the goal of a pruner whose ``target`` is one figure over all its layers (for per-layer goals:
+        :meth:`layers_short`)."""
         return self.masked_weighted_sparsity >= target - 1e-9
+
+    def layers_short(self, targets: Mapping[str, float]) -> dict[str, float]:
+        """The layers of ``targets`` whose sparsity (paper 004 eq. 6) is below their own final sparsity
+        ``targets[name]`` (layer-wise sparsity, §3.1), each with the sparsity it reached; empty when every one
+        reached its own. A pruner's exact threshold zeros ``ceil(target * size)`` weights
+        (:func:`~unsparse.prune.masks.pruned_count`), so a layer that reached its target reads at most ``1e-9 / size``
+        below it: the 1e-9 tolerance of :meth:`target_reached`.
+
+        Raises:
+            KeyError: a name of ``targets`` that ``layer_sparsity`` lacks.
+        """
+        return {name: self.layer_sparsity[name] for name, target in targets.items()
+                if self.layer_sparsity[name] < target - 1e-9}
 
 
 class LayerMapping(dict[str, float]):
@@ -158,6 +173,8 @@ class Pruner(ABC):
     Args:
         target: target weighted sparsity in ``[0, 1)`` over the masked layers (paper 004 eq. 7-8); with a subset in
             ``layers`` the model-wide figure is lower, since unmasked layers stay dense.
+            (:class:`~unsparse.prune.magnitude.MagnitudePruner` with ``scope="layer"`` reads it as the final sparsity
+            of each layer that its ``layer_targets`` does not name.)
         layers: names of the layers to prune (default: every Conv1d/Conv2d/Linear).
 
     Raises:

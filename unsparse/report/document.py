@@ -6,7 +6,7 @@ When a sparse backend is slower than the dense baseline the report says so, laye
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -294,11 +294,59 @@ def _count(number: int | None, what: str) -> str:
 
 
 def _masked_sparsity(pruning: dict[str, Any]) -> str:
-    """The clause naming the weighted sparsity over the pruned layers, where it differs from the model's."""
+    """The clause naming the weighted sparsity over the pruned layers, where it differs from the model's (what a
+    whole-model target is measured on, not a per-layer one)."""
     masked = pruning.get("masked_weighted_sparsity", pruning["weighted_sparsity"])
     if abs(masked - pruning["weighted_sparsity"]) <= 1e-9:
         return ""
-    return f"; **{sparsity_percent(masked)}%** over the pruned layers only, which the target is measured on"
+    measured = ", which the target is measured on" if pruning.get("layer_targets") is None else ""
+    return f"; **{sparsity_percent(masked)}%** over the pruned layers only{measured}"
+
+
+UNRECORDED_SHORTFALL_REASON = "its iteration budget ran out, or no layer could be pruned further"
+"""What the page of a job whose ``report.json`` has no ``shortfall_reason`` (written before it was recorded) says of
+a weighted-sparsity target not reached, as such pages did."""
+
+
+def layer_goal_text(layer_targets: Mapping[str, float], target: float) -> str:
+    """A per-layer goal (paper 004 §3.1, layer-wise sparsity) as asked: ``each pruned layer at 90.00%`` where every
+    layer's is ``target``, else ``each pruned layer at its own sparsity (7.0: 50.00%, others: 90.00%)``, naming the
+    layers whose target is not ``target``."""
+    named = {name: goal for name, goal in layer_targets.items() if goal != target}
+    if not named:
+        return f"each pruned layer at {sparsity_percent(target)}%"
+    others = [f"others: {sparsity_percent(target)}%"] if len(named) < len(layer_targets) else []
+    return ("each pruned layer at its own sparsity ("
+            + ", ".join([*(f"{name}: {sparsity_percent(goal)}%" for name, goal in named.items()), *others]) + ")")
+
+
+def layers_short_text(pruning: Mapping[str, Any]) -> str:
+    """The layers of ``pruning["layers_short"]``, each with the sparsity it reached and how far below its own target
+    in ``pruning["layer_targets"]`` (``7.0 at 45.00%, 5 points below its 50.00%``), from ``layer_sparsity``."""
+    goals, reached = pruning["layer_targets"], pruning["layer_sparsity"]
+    return "; ".join(f"{name} at {short_of(reached[name], goals[name])}%, {100 * (goals[name] - reached[name]):.3g} "
+                     f"points below its {sparsity_percent(goals[name])}%" for name in pruning["layers_short"])
+
+
+def _target_text(pruning: dict[str, Any]) -> str:
+    """The sentence on the pruning target: none without a ``target`` (older jobs). For per-layer ``layer_targets``,
+    the goal as asked (:func:`layer_goal_text`) and whether every layer reached its own, naming those that did not
+    (:func:`layers_short_text`); otherwise (``layer_targets`` None or, from older jobs, missing) whether the weighted
+    sparsity over the pruned layers reached ``target`` (eq. 7-8), and if not where it stopped and the recorded
+    ``shortfall_reason`` (missing from older jobs: :data:`UNRECORDED_SHORTFALL_REASON`)."""
+    if "target" not in pruning:
+        return ""
+    if pruning.get("layer_targets") is not None:
+        short = pruning["layers_short"]
+        return f" Target: {layer_goal_text(pruning['layer_targets'], pruning['target'])}: " + (
+            "reached." if pruning["target_reached"] else
+            f"**NOT reached** by {len(short)} layer{'s' * (len(short) != 1)}: {layers_short_text(pruning)}.")
+    head = f" Target {100 * pruning['target']:.2f}%: "
+    if pruning["target_reached"]:
+        return head + "reached."
+    reason = pruning.get("shortfall_reason", UNRECORDED_SHORTFALL_REASON)
+    stopped = short_of(pruning.get("masked_weighted_sparsity", pruning["weighted_sparsity"]), pruning["target"])
+    return head + f"**NOT reached**: the run stopped below it, at {stopped}%" + (f" ({reason})." if reason else ".")
 
 
 def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, Path]) -> dict[str, Path]:
@@ -309,8 +357,9 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
             ``metric_trivial``, ``timing_runs`` and ``timing_warmup``, for each of which the page says "not
             recorded" where it is missing, as from ``report.json`` of older jobs, and ``tree_modified``),
             ``accuracy`` (the test metric per stage; a NaN or None, or one no better than ``metric_trivial``, is
-            named), ``pruning`` (its ``target`` and ``target_reached`` stated when present,
-            ``fully_pruned_layers`` warned about), ``quantization`` (the model's description; a k-means one's fit
+            named), ``pruning`` (its ``target`` and ``target_reached`` stated when present, as :func:`_target_text`
+            reads them with ``layer_targets``, ``layers_short`` and ``shortfall_reason``; ``fully_pruned_layers``
+            warned about), ``quantization`` (the model's description; a k-means one's fit
             settings are read by :func:`quantization_rows`), optionally ``conv_nonzeros`` (``pruned``
             and ``exported`` nonzero conv weights, whose difference quantization rounded to zero), ``layers``
             (rows of :func:`unsparse.report.layers.layer_rows`), ``timings``, ``timing_baseline``,
@@ -337,10 +386,6 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
     """
     outdir = Path(outdir)
     run, accuracy, pruning = report["run"], report["accuracy"], report["pruning"]
-    target = "" if "target" not in pruning else f" Target {100 * pruning['target']:.2f}%: " + (
-        "reached." if pruning["target_reached"] else "**NOT reached**: the run stopped below it, at "
-        f"{short_of(pruning.get('masked_weighted_sparsity', pruning['weighted_sparsity']), pruning['target'])}% "
-        "(its iteration budget ran out, or no layer could be pruned further).")
     modified = " (working tree modified: the code that ran is not that commit's)" if run.get("tree_modified") else ""
     commit = run.get("commit") or "unknown (not run from a git checkout)"
     sections = [
@@ -357,7 +402,7 @@ def write_report(outdir: str | Path, report: dict[str, Any], figures: dict[str, 
         "## Pruning",
         f"Method **{pruning['method']}**, weighted sparsity **{sparsity_percent(pruning['weighted_sparsity'])}%** "
         f"(paper 004 eq. 7-8, over conv and linear layers){_masked_sparsity(pruning)}, wall time "
-        f"{pruning['wall_time_s']:.1f} s.{target}",
+        f"{pruning['wall_time_s']:.1f} s.{_target_text(pruning)}",
         markdown_table(["layer", "sparsity (%)"],
                        [[name, sparsity_percent(value)] for name, value in pruning["layer_sparsity"].items()]),
     ]
