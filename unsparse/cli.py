@@ -29,6 +29,7 @@ from unsparse.data import DatasetUnavailableError
 from unsparse.job import JobRefusedError, git_commit, refusing, resolve_device
 from unsparse.pipeline import TimingSettings, TrainSettings, run_pipeline
 from unsparse.settings import check_flag, check_seed
+from unsparse.train import DamagedCheckpointError
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("unsparse")
@@ -36,7 +37,7 @@ T = TypeVar("T")
 
 
 class SweepJobRefusedError(CompactHydraException):
-    """A job of a sweep refused before any work (its line already printed): raised to Hydra's launcher, which runs
+    """A job of a sweep refused (its line already printed: :func:`run`): raised to Hydra's launcher, which runs
     the sweep's other jobs, then names the first refused job's overrides, prints this message (no traceback) and
     exits with status 1."""
 
@@ -150,14 +151,15 @@ def run(cfg: DictConfig) -> None:
     folder accepts the job, so a refused resume leaves the folder's record of its own job (Hydra's own copy,
     written before the job starts, is turned off: ``hydra.output_subdir: null``); the job logs them then too, so a
     refused job's config does not land in the running job's ``cli.log``. A job refused before any work
-    (:class:`~unsparse.job.JobRefusedError`) prints one line to stderr and exits with status 2; in a sweep
-    (``-m``) the sweep's other jobs run first, and Hydra then ends it with status 1, repeating the first refusal
-    (:class:`SweepJobRefusedError`). Ctrl-C ends the job (and a sweep) with exit status 130 and says how to resume
-    (the checkpoints written so far stay)."""
+    (:class:`~unsparse.job.JobRefusedError`), or at a checkpoint of its folder that cannot be read
+    (:class:`~unsparse.train.DamagedCheckpointError`, before anything is resumed from it), prints one line to
+    stderr and exits with status 2; in a sweep (``-m``) the sweep's other jobs run first, and Hydra then ends it
+    with status 1, repeating the first refusal (:class:`SweepJobRefusedError`). Ctrl-C ends the job (and a sweep)
+    with exit status 130 and says how to resume (the checkpoints written so far stay)."""
     outdir = Path(HydraConfig.get().runtime.output_dir)
     try:
         report = run_pipeline(outdir=outdir, record=job_record(cfg), **build_job(cfg))
-    except JobRefusedError as error:  # one line, not Hydra's traceback: nothing ran
+    except (JobRefusedError, DamagedCheckpointError) as error:  # one line, not Hydra's traceback: no bug to trace
         print(f"unsparse: refused: {error}", file=sys.stderr)
         if HydraConfig.get().mode == RunMode.MULTIRUN:  # Hydra's launcher would not catch SystemExit: sweep ended
             raise SweepJobRefusedError(f"unsparse: a job of the sweep was refused: {error}") from None

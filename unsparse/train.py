@@ -74,6 +74,12 @@ def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
 
 
+class DamagedCheckpointError(ValueError):
+    """A checkpoint that cannot be read as one (:func:`load_checkpoint`): damaged (truncated, empty), not written by
+    this program, or incomplete; deleting it starts its stage over. Nothing is resumed from it, so the command line
+    refuses the job with its message in one line (exit status 2), as it refuses a folder of another job."""
+
+
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
     """Atomically write ``state`` (tensors, numbers, strings, lists, dicts) with ``torch.save``, streamed straight
     into the temporary file (:func:`~unsparse.atomic.atomic_write`), not through a copy in memory."""
@@ -116,23 +122,24 @@ def load_checkpoint(path: str | Path, required: Iterable[str] = ()) -> dict[str,
     Raises:
         FileNotFoundError: ``path`` does not exist.
         MemoryError: from torch, where the checkpoint does not fit into memory.
-        ValueError: naming ``path``, where it is not a readable checkpoint (truncated, empty, a folder, not torch's
-            format, or holding objects other than tensors and plain containers), is not a dict, or lacks a key of
-            ``required``.
+        DamagedCheckpointError: (a ``ValueError``) naming ``path``, where it is not a readable checkpoint
+            (truncated, empty, a folder, not torch's format, or holding objects other than tensors and plain
+            containers), is not a dict, or lacks a key of ``required``.
     """
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (FileNotFoundError, MemoryError):
         raise
     except Exception as error:  # torch reports a damaged file as OSError, EOFError, RuntimeError, UnpicklingError...
-        raise ValueError(f"{path}: not a readable checkpoint ({type(error).__name__}); it is damaged or not one "
-                         "this program wrote: delete it to start over") from None
+        raise DamagedCheckpointError(f"{path}: not a readable checkpoint ({type(error).__name__}); it is damaged or "
+                                     "not one this program wrote: delete it to start over") from None
     if not isinstance(state, dict):
-        raise ValueError(f"{path}: not a checkpoint (holds a {type(state).__name__}, not a dict); delete it to "
-                         "start over")
+        raise DamagedCheckpointError(f"{path}: not a checkpoint (holds a {type(state).__name__}, not a dict); delete "
+                                     "it to start over")
     missing = [key for key in required if key not in state]
     if missing:
-        raise ValueError(f"{path}: not a complete checkpoint (no {', '.join(missing)}); delete it to start over")
+        raise DamagedCheckpointError(f"{path}: not a complete checkpoint (no {', '.join(missing)}); delete it to "
+                                     "start over")
     return state
 
 
