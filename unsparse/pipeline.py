@@ -28,8 +28,6 @@ from unsparse.job import (
     refusing,
 )
 from unsparse.prune.base import Pruner, PruneResult
-from unsparse.prune.evolutionary import EvolutionaryPruner
-from unsparse.prune.magnitude import MagnitudePruner
 from unsparse.prune.masks import weighted_sparsity
 from unsparse.report import layer_rows, timing_verdicts, write_report
 from unsparse.report.document import NOT_PLANNED, layer_goal_text, layers_short_text
@@ -142,48 +140,24 @@ def stored_weighted_sparsity(model: nn.Module) -> float:
     return weighted_sparsity({name: zeros[name] / max(size, 1) for name, size in sizes.items()}, sizes)
 
 
-def layer_goals(pruner: Pruner) -> dict[str, float] | None:
-    """The final sparsity each masked layer of the prepared ``pruner`` was asked for, where its goal is per layer: a
-    magnitude or gradual pruner with ``scope="layer"`` prunes every layer to its own sparsity (paper 004 §3.1's
-    layer-wise sparsity, eq. 6), its entry in ``layer_targets`` or else ``target``. None where ``target`` is one
-    weighted sparsity over the masked layers (eq. 7-8): ``scope="global"`` and the evolutionary pruner. A layer of no
-    weights has nothing to reach and is left out.
-
-    Raises:
-        RuntimeError: as :meth:`~unsparse.prune.base.Pruner.layer_sizes`, for a pruner not prepared.
-    """
-    if not isinstance(pruner, MagnitudePruner) or pruner.scope != "layer":
-        return None
-    return {name: pruner.layer_targets.get(name, pruner.target) for name, size in pruner.layer_sizes().items() if size}
-
-
-def shortfall_reason(pruner: Pruner) -> str | None:
-    """Why ``pruner`` stops below its target, where the code knows: the evolutionary pruner stops at its iteration
-    budget (its ``check_layers`` refuses a target that ``max_layer_sparsity`` puts out of reach). None for the
-    magnitude pruners: they have no budget, and their threshold is exact but for the weight each layer keeps, which
-    their ``step`` logs."""
-    if isinstance(pruner, EvolutionaryPruner):
-        return f"its iteration budget of {pruner.iterations} iterations ran out"
-    return None
-
-
 def pruning_verdict(pruner: Pruner, result: PruneResult) -> dict[str, Any]:
     """What ``pruner`` was asked for and whether ``result`` reached it, as keys of report.json's ``pruning`` record:
     ``target``; ``layer_targets``, each masked layer's own final sparsity where the goal is per layer
-    (:func:`layer_goals`), else None; ``target_reached``: with ``layer_targets`` whether every layer reached its own
-    (:meth:`~unsparse.prune.base.PruneResult.layers_short`), else whether the masked layers reached the weighted
-    sparsity ``target`` (paper 004 eq. 7-8, :meth:`~unsparse.prune.base.PruneResult.target_reached`);
-    ``layers_short``, the layers below their own target in model order (empty for a whole-model goal); and
-    ``shortfall_reason``, :func:`shortfall_reason` where the target was not reached, else None.
+    (:meth:`~unsparse.prune.base.Pruner.layer_goals`), else None; ``target_reached``: with ``layer_targets``
+    whether every layer reached its own (:meth:`~unsparse.prune.base.PruneResult.layers_short`), else whether the
+    masked layers reached the weighted sparsity ``target`` (paper 004 eq. 7-8,
+    :meth:`~unsparse.prune.base.PruneResult.target_reached`); ``layers_short``, the layers below their own target
+    in model order (empty for a whole-model goal); and ``shortfall_reason``,
+    :meth:`~unsparse.prune.base.Pruner.shortfall_reason` where the target was not reached, else None.
 
     Raises:
-        RuntimeError: as :func:`layer_goals`.
+        RuntimeError: as :meth:`~unsparse.prune.base.Pruner.layer_goals`, for a pruner not prepared.
     """
-    goals = layer_goals(pruner)
+    goals = pruner.layer_goals()
     short = [] if goals is None else list(result.layers_short(goals))
     reached = not short if goals is not None else result.target_reached(pruner.target)
     return {"target": pruner.target, "layer_targets": goals, "target_reached": reached, "layers_short": short,
-            "shortfall_reason": None if reached else shortfall_reason(pruner)}
+            "shortfall_reason": None if reached else pruner.shortfall_reason()}
 
 
 def warn_short_of_target(pruning: Mapping[str, Any]) -> None:

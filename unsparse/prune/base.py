@@ -279,6 +279,17 @@ class Pruner(ABC):
         layers = prunable_layers(self._prepared())
         return {name: layers[name].weight.numel() for name in self.masks}
 
+    def layer_goals(self) -> dict[str, float] | None:
+        """The final sparsity each masked layer was asked for, where the goal is per layer (paper 004 §3.1's
+        layer-wise sparsity, eq. 6); None here: ``target`` is one weighted sparsity over the masked layers
+        (eq. 7-8, :meth:`PruneResult.target_reached`). Subclasses with per-layer goals override it."""
+        return None
+
+    def shortfall_reason(self) -> str | None:
+        """Why this pruner can stop below its target, where the method knows; None here (a pruner without a budget
+        reaches its threshold exactly but for the weight each layer keeps, which its ``step`` logs)."""
+        return None
+
     def result(self, history: list[dict[str, Any]], wall_time_s: float) -> PruneResult:
         """A :class:`PruneResult` describing the prepared model now."""
         model = self._prepared()

@@ -289,6 +289,11 @@ class EvolutionaryPruner(Pruner):
             if problems:
                 raise ValueError("unit_step: " + "; ".join(problems))
 
+    def shortfall_reason(self) -> str | None:
+        """The iteration budget: :meth:`check_layers` refuses a target that ``max_layer_sparsity`` puts out of reach,
+        so a run that stops below its target has used up its ``iterations``."""
+        return f"its iteration budget of {self.iterations} iterations ran out"
+
     def prepare(self, model: nn.Module) -> None:
         """Attach masks (:meth:`Pruner.prepare`: a mask already on a layer stays, zeros included) and reset the
         state: ``Δ_l`` to its unit step, ``G`` to zeros, the generator to ``seed``, the ranked list to empty.

@@ -41,8 +41,9 @@ class MagnitudePruner(Pruner):
         layers: layers to prune (default all prunable).
         layer_targets: with ``scope="layer"``, final sparsity per layer name (layers not named get ``target``);
             a step to ``s`` puts layer ``l`` at ``layer_targets[l] * s / target``, so gradual schedules scale
-            every layer's path alike. ``target`` should then be their weighted sparsity (eq. 7-8), which the
-            pruner cannot check before :meth:`prepare`.
+            every layer's path alike. ``target`` is then both the final sparsity of the layers not named and the
+            scale of those steps, not the model's weighted sparsity (eq. 7-8); :meth:`layer_goals` gives each
+            layer's.
 
     Raises:
         ValueError: bad ``scope``; ``layer_targets`` with ``scope="global"``, with ``target`` 0, or with a value
@@ -66,6 +67,18 @@ class MagnitudePruner(Pruner):
                                            "in [0, 1) (a sparsity)")
         self.scope, self.fine_tune_epochs = scope, check_integer(fine_tune_epochs, "fine_tune_epochs", low=0)
         self.lr = optional_rate(lr, "lr")
+
+    def layer_goals(self) -> dict[str, float] | None:
+        """With ``scope="layer"`` each masked layer's own final sparsity (paper 004 §3.1, eq. 6): its entry in
+        ``layer_targets``, else ``target``; a layer of no weights has nothing to reach and is left out. None with
+        ``scope="global"``, whose ``target`` is the weighted sparsity of eq. 7-8.
+
+        Raises:
+            RuntimeError: as :meth:`~unsparse.prune.base.Pruner.layer_sizes`, where the pruner is not prepared.
+        """
+        if self.scope != "layer":
+            return None
+        return {name: self.layer_targets.get(name, self.target) for name, size in self.layer_sizes().items() if size}
 
     def named_layers(self) -> dict[str, list[str]]:
         """``layers`` and the names of ``layer_targets``."""
