@@ -78,3 +78,12 @@ def test_a_damaged_checkpoint_in_a_sweep_leaves_its_other_jobs_to_run(monkeypatc
     assert code == 1 and "Traceback" not in err, err
     assert f"unsparse: refused: {tmp_path / '0' / 'dense.pt'}: not a readable checkpoint" in err
     assert not (tmp_path / "0" / "report.json").exists() and (tmp_path / "1" / "report.json").exists()
+
+
+def test_a_damaged_job_file_is_refused_as_damaged_in_one_line(monkeypatch, capsys, tmp_path):
+    """It was refused as written by a run with other settings, its first half against this job's identity."""
+    (tmp_path / "job.json").write_text('{"data": {"name": "digits", "test": "360:19d0')
+    damage(tmp_path / "dense.pt")
+    code, err = refusal(monkeypatch, capsys, *DIGITS, f"hydra.run.dir={tmp_path}")
+    assert_one_line(code, err, rf"unsparse: refused: {re.escape(str(tmp_path / 'job.json'))}: not a job record "
+                               r"\(not JSON: .*\); it is damaged or not one this program wrote: delete it .*")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from unsparse import create_model
@@ -90,3 +92,30 @@ def test_the_folder_lock_holds_across_processes_and_ends_with_a_killed_one(tmp_p
         holder.wait(timeout=30)
     with only_job_in(tmp_path):
         pass
+
+
+@pytest.mark.parametrize(("content", "reason"), [
+    ("half", r"not JSON: .*"),  # the first half of the job's own file: a full disk, a copy that stopped
+    (b"\xff\xfe{}", r"not JSON: .*"),
+    ("[1, 2]\n", r"holds a list, not a JSON object"),
+    (None, r"cannot be read: Is a directory"),
+], ids=["cut in half", "not UTF-8", "a list", "a folder"])
+def test_a_job_file_that_is_no_job_record_is_refused_as_damaged(tmp_path, content, reason):
+    """A job.json cut in half was refused as "written by a run with other settings", its text against this job's:
+    the user was sent to their settings instead of to the file."""
+    from unsparse.job import JOB_FILE, claim_output_folder, job_identity
+
+    identity = job_identity(digits(limit_train=100), create_model("vgg_small", width=4), MagnitudePruner(0.9),
+                            TrainSettings(), 0)
+    path = tmp_path / JOB_FILE
+    if content is None:
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(identity[:len(identity) // 2] if content == "half" else content)
+    (tmp_path / "dense.pt").write_bytes(b"not read")  # a checkpoint: the folder is bound
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: not a job record \({reason}\); it is damaged or "
+                                         r"not one this program wrote: delete it to resume the folder's checkpoints "
+                                         r"as this job, unchecked, or start in another folder$"):
+        claim_output_folder(tmp_path, identity)

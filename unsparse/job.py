@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from unsparse.atomic import atomic_write_text
+from unsparse.strict_json import loads_strict
 from unsparse.train import check_resumable, tensor_digest
 
 if TYPE_CHECKING:  # type hints only: unsparse.pipeline imports this module
@@ -112,19 +113,43 @@ def job_identity(splits: Splits, model: nn.Module, pruner: Pruner, train: TrainS
                        "seed": seed}, sort_keys=True, default=str)
 
 
-def claim_output_folder(outdir: Path, identity: str) -> None:
-    """Resume in ``outdir`` only the job whose checkpoints are there: where :data:`CHECKPOINTS` exist, ``identity``
-    must equal the one :data:`JOB_FILE` recorded (:func:`~unsparse.train.check_resumable`); otherwise the file is
-    (re)written, so that a first run that failed before any checkpoint does not bind the folder to its settings.
-    Checkpoints without the file (a folder of an older version) are resumed unchecked, with a warning.
+def recorded_identity(path: Path) -> str:
+    """The job identity (:func:`job_identity`) that the job file ``path`` records, as written.
 
     Raises:
-        ValueError: naming the file and the settings that differ, before any checkpoint is read.
+        ValueError: naming ``path``, where it cannot be read, is no JSON, or holds no JSON object: damaged (cut
+            short by a full disk or a copy that stopped) or not written by this program.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+        recorded = loads_strict(text, constants=True)  # json.dumps, which wrote it, writes NaN as is
+    except OSError as error:
+        reason = f"cannot be read: {error.strerror or error}"
+    except (ValueError, RecursionError) as error:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        reason = f"not JSON: {error}"
+    else:
+        if isinstance(recorded, dict):
+            return text.strip()
+        reason = f"holds a {type(recorded).__name__}, not a JSON object"
+    raise ValueError(f"{path}: not a job record ({reason}); it is damaged or not one this program wrote: delete it "
+                     "to resume the folder's checkpoints as this job, unchecked, or start in another folder")
+
+
+def claim_output_folder(outdir: Path, identity: str) -> None:
+    """Resume in ``outdir`` only the job whose checkpoints are there: where :data:`CHECKPOINTS` exist, ``identity``
+    must equal the one :data:`JOB_FILE` recorded (:func:`recorded_identity`, :func:`~unsparse.train.check_resumable`);
+    otherwise the file is (re)written, so that a first run that failed before any checkpoint does not bind the folder
+    to its settings. Checkpoints without the file (a folder of an older version) are resumed unchecked, with a
+    warning.
+
+    Raises:
+        ValueError: before any checkpoint is read, naming the file and the settings that differ, or the file, where
+            it is no job record (:func:`recorded_identity`).
     """
     path = outdir / JOB_FILE
     checkpointed = any((outdir / name).exists() for name in CHECKPOINTS)
     if checkpointed and path.exists():
-        check_resumable(path, {"identity": path.read_text().strip()}, identity)
+        check_resumable(path, {"identity": recorded_identity(path)}, identity)
         return
     if checkpointed:
         log.warning("%s holds checkpoints but no %s: resuming them unchecked as this job", outdir, JOB_FILE)
