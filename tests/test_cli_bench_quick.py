@@ -1,4 +1,5 @@
-"""``unsparse bench quick=true``: the quick settings fill in what the command line leaves, and ``quick`` is a bool."""
+"""``unsparse bench quick=true``: the quick settings fill in what the command line leaves, and ``quick`` is a bool;
+a setting that ``run_bench`` does not take is refused by name."""
 
 from __future__ import annotations
 
@@ -48,3 +49,14 @@ def test_a_quick_that_is_no_bool_is_refused_in_one_line(monkeypatch, tmp_path, c
         bench_settings(monkeypatch, tmp_path, "quick=maybe")
     assert done.value.code == 2
     assert "unsparse bench: refused: quick: expected a bool, got 'maybe'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("override", "unknown"), [("+foo=1", "['foo']"), ("+commit=abc", "['commit']")])
+def test_a_setting_run_bench_does_not_take_is_refused_in_one_line(monkeypatch, tmp_path, capsys, override, unknown):
+    """``+foo=1`` reached ``run_bench`` as a keyword argument: its TypeError under Hydra's traceback, exit status 1,
+    before the CUDA check (``+commit``, which the command line passes itself, as "multiple values")."""
+    with pytest.raises(SystemExit) as done:
+        bench_settings(monkeypatch, tmp_path, override)
+    err = capsys.readouterr().err
+    assert done.value.code == 2 and "Traceback" not in err and len(err.splitlines()) == 1
+    assert err.startswith(f"unsparse bench: refused: unknown setting(s) {unknown}; known: quick, models, sparsities, ")

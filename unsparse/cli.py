@@ -11,7 +11,7 @@ import logging
 import re
 import shlex
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,19 +42,29 @@ class SweepJobRefusedError(CompactHydraException):
     exits with status 1."""
 
 
+def check_known_settings(block: Mapping[Any, Any], known: Sequence[str], field: str | None = None) -> None:
+    """Refuse a key of the settings ``block`` that is not among ``known`` (``+train.epoch=5``, ``unsparse bench
+    +foo=1``: a ``TypeError`` naming no setting where the block is passed on as keyword arguments).
+
+    Raises:
+        ValueError: naming ``field`` (where given), the unknown keys and the ``known`` ones.
+    """
+    unknown = sorted(set(block) - set(known), key=str)
+    if unknown:
+        named = f"{field}: " if field else ""
+        raise ValueError(f"{named}unknown setting(s) {unknown}; known: {', '.join(known)}")
+
+
 def settings_block(kind: type[T], block: Any, field: str) -> T:
     """``kind(**block)``, a settings dataclass from its config block ``field`` (``train``, ``runtime.timing``).
 
     Raises:
         ValueError: naming ``field``, for a block that is no mapping (``train=null``) or holds a key that ``kind``
-            lacks (``+train.epoch=5``, which was a ``TypeError`` naming no setting); and the dataclass's own.
+            lacks (:func:`check_known_settings`); and the dataclass's own.
     """
     if not isinstance(block, Mapping):
         raise ValueError(f"{field}: expected a mapping of settings, got {block!r}")
-    known = [setting.name for setting in fields(kind)]
-    unknown = sorted(set(block) - set(known), key=str)
-    if unknown:
-        raise ValueError(f"{field}: unknown setting(s) {unknown}; known: {', '.join(known)}")
+    check_known_settings(block, [setting.name for setting in fields(kind)], field)
     return kind(**block)
 
 
@@ -181,14 +191,17 @@ def bench(cfg: DictConfig) -> None:
     """``unsparse bench``: the GPU per-layer comparison (needs CUDA); outputs in Hydra's output directory, with the
     job's record (:func:`job_record`) once ``run_bench`` accepts the settings. ``quick=true`` sets the settings of
     :data:`~unsparse.runtime.bench.QUICK` that the command line does not (``quick=true models=[alexnet]`` times
-    AlexNet only). A ``quick`` that is no bool, settings that ``run_bench`` refuses, and a machine without CUDA,
-    print one line to stderr, write nothing and exit with status 2 (in a sweep, as :func:`run` says)."""
-    from unsparse.runtime.bench import QUICK, BenchRefusedError, run_bench
+    AlexNet only). A setting that is neither ``quick`` nor one of ``run_bench``'s (``+foo=1``), a ``quick`` that is
+    no bool, settings that ``run_bench`` refuses, and a machine without CUDA, print one line to stderr, write nothing
+    and exit with status 2 (in a sweep, as :func:`run` says)."""
+    from unsparse.runtime.bench import QUICK, RUN_BENCH_SIGNATURE, BenchRefusedError, run_bench
 
     settings = OmegaConf.to_container(cfg, resolve=True)
     settings.pop("hydra", None)
     try:
         try:
+            check_known_settings(settings, ["quick", *(name for name in RUN_BENCH_SIGNATURE.parameters  # but those
+                                                       if name not in ("out_dir", "commit", "record"))])  # passed here
             quick = check_flag(settings.pop("quick"), "quick")  # a string such as "maybe" would be true to if
         except ValueError as error:
             raise BenchRefusedError(str(error)) from None
