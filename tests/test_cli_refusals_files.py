@@ -5,14 +5,18 @@ in-process here)."""
 from __future__ import annotations
 
 import re
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+import unsparse.cli
 from unsparse.cli import main
-from unsparse.train import save_checkpoint
+from unsparse.train import load_checkpoint, save_checkpoint
 
 
 def refusal(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], *words: str) -> tuple[int, str]:
@@ -87,3 +91,72 @@ def test_a_damaged_job_file_is_refused_as_damaged_in_one_line(monkeypatch, capsy
     code, err = refusal(monkeypatch, capsys, *DIGITS, f"hydra.run.dir={tmp_path}")
     assert_one_line(code, err, rf"unsparse: refused: {re.escape(str(tmp_path / 'job.json'))}: not a job record "
                                r"\(not JSON: .*\); it is damaged or not one this program wrote: delete it .*")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The folder of a finished quick job (:data:`DIGITS`): its one checkpoint is the pruner's fine-tuning,
+    ``prune/magnitude_finetune.pt``."""
+    folder = tmp_path_factory.mktemp("finished")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sys, "argv", ["unsparse", *DIGITS, f"hydra.run.dir={folder}"])
+        main()
+    return folder
+
+
+FINE_TUNE = Path("prune") / "magnitude_finetune.pt"
+
+
+def changed_copy(finished: Path, folder: Path, change: Callable[[dict[str, Any]], None]) -> Path:
+    """A copy of the folder ``finished`` in ``folder`` whose fine-tuning checkpoint ``change`` has rewritten; its
+    path."""
+    shutil.copytree(finished, folder)
+    state = load_checkpoint(folder / FINE_TUNE)
+    change(state)
+    save_checkpoint(folder / FINE_TUNE, state)
+    return folder / FINE_TUNE
+
+
+@pytest.mark.parametrize(("change", "refused"), [
+    (lambda state: state.pop("identity"), r"records no 'identity' .*; start the run in a new folder"),
+    (lambda state: [entry.pop("elapsed_s") for entry in state["history"]],
+     r"records no 'elapsed_s' in its history .*; start the run in a new folder"),
+    (lambda state: state.update(loader_rng=torch.empty(0)),
+     r"loader_rng: the train loader of the run that wrote it had no generator .*; resume with the same data "
+     r"loader, or start in another folder"),
+    (lambda state: state.update(history=state["history"] * 2),
+     r"holds 2 epochs, more than the 1 asked for; resume with the same settings, or start in another folder"),
+    (lambda state: state["model"].update(extra=torch.zeros(1)),
+     r"written for another model \(unexpected extra\); resume with the same model, or start in another folder"),
+    (lambda state: state["optimizer"].update(param_groups=[]),
+     r"its optimizer state does not fit this model \(.*\); delete it to start over"),
+], ids=["no identity", "no elapsed_s", "loader", "more epochs", "another model", "optimizer"])
+def test_a_checkpoint_the_job_cannot_resume_from_is_refused_in_one_line(monkeypatch, capsys, tmp_path, finished,
+                                                                        change, refused):
+    """Each came as a ValueError under Hydra's traceback with exit status 1; the job file, which names the job's
+    settings and not its checkpoints' content, lets every one of them through."""
+    checkpoint = changed_copy(finished, tmp_path / "job", change)
+    code, err = refusal(monkeypatch, capsys, *DIGITS, f"hydra.run.dir={tmp_path / 'job'}")
+    assert_one_line(code, err, rf"unsparse: refused: {re.escape(str(checkpoint))}: {refused}")
+
+
+def test_a_pruning_checkpoint_of_other_settings_in_a_folder_without_job_file_is_refused_in_one_line(
+        monkeypatch, capsys, tmp_path, finished):
+    """A folder of an older version has checkpoints but no ``job.json``: the pruner's own identity check refuses the
+    checkpoint, and did so under Hydra's traceback with exit status 1."""
+    checkpoint = changed_copy(finished, tmp_path / "job", lambda state: None)
+    (tmp_path / "job" / "job.json").unlink()
+    code, err = refusal(monkeypatch, capsys, *DIGITS, "prune.fine_tune_epochs=2", f"hydra.run.dir={tmp_path / 'job'}")
+    assert_one_line(code, err, rf"unsparse: refused: {re.escape(str(checkpoint))}: written by a run with other "
+                               r"settings \(fine_tune_epochs: 1 there, 2 here\); resume with the same settings, or "
+                               r"start in another folder")
+
+
+def test_a_value_error_of_a_bug_keeps_its_traceback(monkeypatch, capsys, tmp_path):
+    """Only refusals are one line: any other ValueError is a bug to trace."""
+    def bug(**arguments: Any) -> None:
+        raise ValueError("a bug")
+
+    monkeypatch.setattr(unsparse.cli, "run_pipeline", bug)
+    code, err = refusal(monkeypatch, capsys, *DIGITS, f"hydra.run.dir={tmp_path}")
+    assert code == 1 and "Traceback" in err and "ValueError: a bug" in err and "refused" not in err, err

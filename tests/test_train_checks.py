@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from unsparse.atomic import atomic_write_text
 from unsparse.train import (
     CUBLAS_WORKSPACE_CONFIG,
+    CheckpointRefusedError,
     Trainer,
     deterministic_algorithms,
     load_checkpoint,
@@ -69,7 +70,7 @@ def test_resume_refuses_other_settings(tmp_path, changed, field):
     trainer().fit(model(), 2, checkpoint)
     resumed = model()
     before = weights(resumed)
-    with pytest.raises(ValueError, match=rf"{re.escape(str(checkpoint))}: .*\b{field}: "):
+    with pytest.raises(CheckpointRefusedError, match=rf"{re.escape(str(checkpoint))}: .*\b{field}: "):
         trainer(**changed.get("trainer", {})).fit(resumed, changed.get("epochs", 2), checkpoint, lr=changed.get("lr"))
     assert all(torch.equal(value, resumed.state_dict()[name]) for name, value in before.items())
 
@@ -105,8 +106,8 @@ def test_checkpoint_of_an_older_version_is_refused(tmp_path, strip, identity, la
     save_checkpoint(checkpoint, state)
     resumed = model()
     before = weights(resumed)
-    with pytest.raises(ValueError, match=rf"{re.escape(str(checkpoint))}: records no {lacking} .*; start the run "
-                                         "in a new folder"):
+    with pytest.raises(CheckpointRefusedError, match=rf"{re.escape(str(checkpoint))}: records no {lacking} .*; "
+                                                     "start the run in a new folder"):
         trainer().fit(resumed, epochs, checkpoint, identity=identity)
     assert all(torch.equal(value, resumed.state_dict()[name]) for name, value in before.items())
 
@@ -129,7 +130,7 @@ def test_resume_with_another_kind_of_loader_generator_is_refused(tmp_path, befor
     checkpoint = tmp_path / "fit.pt"
     Trainer(shuffled(before), progress=False).fit(model(), 2, checkpoint)
     resumed = model()
-    with pytest.raises(ValueError, match=rf"{re.escape(str(checkpoint))}: loader_rng: .*{shown}"):
+    with pytest.raises(CheckpointRefusedError, match=rf"{re.escape(str(checkpoint))}: loader_rng: .*{shown}"):
         Trainer(shuffled(after), progress=False).fit(resumed, 2, checkpoint)
     assert all(torch.equal(value, resumed.state_dict()[name]) for name, value in weights(model()).items())
     history = Trainer(shuffled(torch.Generator().manual_seed(1)), progress=False).fit(model(), 3, tmp_path / "g.pt")
@@ -190,7 +191,7 @@ def test_checkpoint_of_another_model_is_refused_before_loading_anything(tmp_path
     trainer().fit(model(), 1, checkpoint)
     resumed = other()
     before = weights(resumed)
-    with pytest.raises(ValueError, match=rf"{re.escape(str(checkpoint))}: written for another model"):
+    with pytest.raises(CheckpointRefusedError, match=rf"{re.escape(str(checkpoint))}: written for another model"):
         trainer().fit(resumed, 1, checkpoint)
     assert all(torch.equal(value, resumed.state_dict()[name]) for name, value in before.items())
 
@@ -201,7 +202,8 @@ def test_checkpoint_whose_optimizer_state_does_not_fit_is_refused_before_loading
     resumed = model()
     resumed[0].bias.requires_grad_(False)  # the same model, but the optimizer now has one parameter, not two
     before = weights(resumed)
-    with pytest.raises(ValueError, match=rf"{re.escape(str(checkpoint))}: its optimizer state does not fit"):
+    with pytest.raises(CheckpointRefusedError, match=rf"{re.escape(str(checkpoint))}: its optimizer state does not "
+                                                     "fit"):
         trainer().fit(resumed, 1, checkpoint)
     assert all(torch.equal(value, resumed.state_dict()[name]) for name, value in before.items())
 

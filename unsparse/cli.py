@@ -29,7 +29,7 @@ from unsparse.data import DatasetUnavailableError
 from unsparse.job import JobRefusedError, git_commit, refusing, resolve_device
 from unsparse.pipeline import TimingSettings, TrainSettings, run_pipeline
 from unsparse.settings import check_flag, check_seed
-from unsparse.train import DamagedCheckpointError
+from unsparse.train import CheckpointRefusedError
 
 CONFIG_DIR = str(Path(__file__).resolve().parent.parent / "configs")
 log = logging.getLogger("unsparse")
@@ -161,15 +161,17 @@ def run(cfg: DictConfig) -> None:
     folder accepts the job, so a refused resume leaves the folder's record of its own job (Hydra's own copy,
     written before the job starts, is turned off: ``hydra.output_subdir: null``); the job logs them then too, so a
     refused job's config does not land in the running job's ``cli.log``. A job refused before any work
-    (:class:`~unsparse.job.JobRefusedError`), or at a checkpoint of its folder that cannot be read
-    (:class:`~unsparse.train.DamagedCheckpointError`, before anything is resumed from it), prints one line to
-    stderr and exits with status 2; in a sweep (``-m``) the sweep's other jobs run first, and Hydra then ends it
-    with status 1, repeating the first refusal (:class:`SweepJobRefusedError`). Ctrl-C ends the job (and a sweep)
-    with exit status 130 and says how to resume (the checkpoints written so far stay)."""
+    (:class:`~unsparse.job.JobRefusedError`), or at a checkpoint of its folder that it cannot resume from
+    (:class:`~unsparse.train.CheckpointRefusedError`: damaged, or written by a run of other settings, another model
+    or an older version; before anything is resumed from it), prints one line to stderr and exits with status 2;
+    in a sweep (``-m``) the sweep's other jobs run first, and Hydra then ends it with status 1, repeating the first
+    refusal (:class:`SweepJobRefusedError`). Another error keeps Hydra's traceback (exit status 1): a bug to trace.
+    Ctrl-C ends the job (and a sweep) with exit status 130 and says how to resume (the checkpoints written so far
+    stay)."""
     outdir = Path(HydraConfig.get().runtime.output_dir)
     try:
         report = run_pipeline(outdir=outdir, record=job_record(cfg), **build_job(cfg))
-    except (JobRefusedError, DamagedCheckpointError) as error:  # one line, not Hydra's traceback: no bug to trace
+    except (JobRefusedError, CheckpointRefusedError) as error:  # one line, not Hydra's traceback: no bug to trace
         print(f"unsparse: refused: {error}", file=sys.stderr)
         if HydraConfig.get().mode == RunMode.MULTIRUN:  # Hydra's launcher would not catch SystemExit: sweep ended
             raise SweepJobRefusedError(f"unsparse: a job of the sweep was refused: {error}") from None

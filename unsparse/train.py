@@ -74,10 +74,16 @@ def deterministic_algorithms(enabled: bool = True) -> Iterator[None]:
             os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace
 
 
-class DamagedCheckpointError(ValueError):
+class CheckpointRefusedError(ValueError):
+    """This run cannot resume from that checkpoint: a run of other settings, another model or another kind of train
+    loader wrote it, an older version that recorded less, or it holds more epochs than asked for. Nothing is resumed
+    from it, so the command line refuses the job with its message in one line (exit status 2), as it refuses a
+    folder of another job; the message names the checkpoint and says what to do."""
+
+
+class DamagedCheckpointError(CheckpointRefusedError):
     """A checkpoint that cannot be read as one (:func:`load_checkpoint`): damaged (truncated, empty), not written by
-    this program, or incomplete; deleting it starts its stage over. Nothing is resumed from it, so the command line
-    refuses the job with its message in one line (exit status 2), as it refuses a folder of another job."""
+    this program, or incomplete; deleting it starts its stage over."""
 
 
 def save_checkpoint(path: str | Path, state: dict[str, Any]) -> None:
@@ -162,14 +168,15 @@ def check_resumable(path: str | Path, state: dict[str, Any], identity: str | Non
         key: the entry of ``state`` that holds what the run that wrote it recorded.
 
     Raises:
-        ValueError: naming the checkpoint and the settings that differ, or, where ``identity`` is given, a
-            checkpoint that records no ``key`` (an older version wrote it: the evolutionary and gradual pruners'
-            checkpoints recorded no identity before ef1f1e6, and resumed unchecked).
+        CheckpointRefusedError: (a ``ValueError``) naming the checkpoint and the settings that differ, or, where
+            ``identity`` is given, a checkpoint that records no ``key`` (an older version wrote it: the evolutionary
+            and gradual pruners' checkpoints recorded no identity before ef1f1e6, and resumed unchecked).
     """
     saved = state.get(key)
     if identity is not None and saved is None:
-        raise ValueError(f"{path}: records no {key!r} (the settings of the run that wrote it, which a resume must "
-                         "match): an older version, or another kind of run, wrote it; start the run in a new folder")
+        raise CheckpointRefusedError(f"{path}: records no {key!r} (the settings of the run that wrote it, which a "
+                                     "resume must match): an older version, or another kind of run, wrote it; start "
+                                     "the run in a new folder")
     if identity is None or saved == identity:
         return
     try:
@@ -179,8 +186,8 @@ def check_resumable(path: str | Path, state: dict[str, Any], identity: str | Non
     if before == now:  # the same settings written differently, e.g. 1 and 1.0
         return
     differences = ", ".join(f"{key}: {old!r} there, {new!r} here" for key, old, new in _differences(before, now))
-    raise ValueError(f"{path}: written by a run with other settings ({differences}); resume with the same "
-                     "settings, or start in another folder")
+    raise CheckpointRefusedError(f"{path}: written by a run with other settings ({differences}); resume with the "
+                                 "same settings, or start in another folder")
 
 
 def _differences(before: Any, now: Any, prefix: str = "") -> list[tuple[str, Any, Any]]:
@@ -192,11 +199,15 @@ def _differences(before: Any, now: Any, prefix: str = "") -> list[tuple[str, Any
 
 
 def _check_model_state(path: str | Path, saved: Any, model: nn.Module) -> None:
-    """Raise ValueError naming ``path`` unless ``saved`` holds exactly the tensors of ``model.state_dict()``, of
-    the same names and shapes (what ``load_state_dict`` needs; checked first, so a refused checkpoint changes
-    nothing)."""
+    """Refuse, naming ``path``, unless ``saved`` holds exactly the tensors of ``model.state_dict()``, of the same
+    names and shapes (what ``load_state_dict`` needs; checked first, so a refused checkpoint changes nothing).
+
+    Raises:
+        DamagedCheckpointError: where ``saved`` is no state dict of tensors.
+        CheckpointRefusedError: naming the tensors missing, unexpected or of another shape.
+    """
     if not isinstance(saved, dict) or not all(isinstance(value, torch.Tensor) for value in saved.values()):
-        raise ValueError(f"{path}: its 'model' is not a state dict of tensors; delete it to start over")
+        raise DamagedCheckpointError(f"{path}: its 'model' is not a state dict of tensors; delete it to start over")
     expected = {name: tuple(value.shape) for name, value in model.state_dict().items()}
     found = {name: tuple(value.shape) for name, value in saved.items()}
     problems = [f"missing {name}" for name in expected if name not in found]
@@ -205,8 +216,8 @@ def _check_model_state(path: str | Path, saved: Any, model: nn.Module) -> None:
                  if name in found and found[name] != shape]
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise ValueError(f"{path}: written for another model ({shown}); resume with the same model, or start in "
-                         "another folder")
+        raise CheckpointRefusedError(f"{path}: written for another model ({shown}); resume with the same model, or "
+                                     "start in another folder")
 
 
 def _check_recorded(path: str | Path, state: dict[str, Any]) -> None:
@@ -215,12 +226,12 @@ def _check_recorded(path: str | Path, state: dict[str, Any]) -> None:
     folder, as one with a checkpoint that records no settings or identity does (:func:`check_resumable`).
 
     Raises:
-        ValueError: naming ``path`` and what it lacks.
+        CheckpointRefusedError: naming ``path`` and what it lacks.
     """
     if not all(isinstance(entry, dict) and "elapsed_s" in entry for entry in state["history"]):
-        raise ValueError(f"{path}: records no 'elapsed_s' in its history (the seconds of its epochs, which the run's "
-                         "time sums): an older version, or another kind of run, wrote it; start the run in a new "
-                         "folder")
+        raise CheckpointRefusedError(f"{path}: records no 'elapsed_s' in its history (the seconds of its epochs, which "
+                                     "the run's time sums): an older version, or another kind of run, wrote it; start "
+                                     "the run in a new folder")
 
 
 def check_loader_generator(path: str | Path, saved: torch.Tensor, generator: torch.Generator | None) -> None:
@@ -229,7 +240,7 @@ def check_loader_generator(path: str | Path, saved: torch.Tensor, generator: tor
     one) or one present on one side only would draw another training order than the run that wrote it.
 
     Raises:
-        ValueError: naming ``path`` and ``loader_rng``, and both generators.
+        CheckpointRefusedError: naming ``path`` and ``loader_rng``, and both generators.
     """
     size = generator.get_state().numel() if generator is not None else 0
     if saved.numel() == size:
@@ -239,9 +250,9 @@ def check_loader_generator(path: str | Path, saved: torch.Tensor, generator: tor
         return (f"a generator of a {state_bytes}-byte state" if state_bytes
                 else "no generator (its order, if shuffled, drew from torch's global one)")
 
-    raise ValueError(f"{path}: loader_rng: the train loader of the run that wrote it had {described(saved.numel())}, "
-                     f"this run's has {described(size)}; resume with the same data loader, or start in another "
-                     "folder")
+    raise CheckpointRefusedError(f"{path}: loader_rng: the train loader of the run that wrote it had "
+                                 f"{described(saved.numel())}, this run's has {described(size)}; resume with the same "
+                                 "data loader, or start in another folder")
 
 
 LABEL_DTYPES = (torch.int64, torch.uint8)
@@ -555,10 +566,13 @@ class Trainer:
 
         Raises:
             ValueError: naming ``epochs``, where it is no integer >= 0; for a model without trainable parameters
-                (:meth:`optimizer`); naming the checkpoint: one written with another ``identity``, other settings or
-                another kind of loader generator, holding more than ``epochs`` epochs, written for another model
-                (nothing is loaded then), one of an older version that records no settings, no identity (where this
-                run has one) or no ``elapsed_s``, or not a readable, complete checkpoint (:func:`load_checkpoint`).
+                (:meth:`optimizer`).
+            CheckpointRefusedError: (a ``ValueError``, before anything is loaded) naming the checkpoint: one written
+                with another ``identity``, other settings or another kind of loader generator, holding more than
+                ``epochs`` epochs, written for another model or with an optimizer state that does not fit it, one of
+                an older version that records no settings, no identity (where this run has one) or no
+                ``elapsed_s``, or (:class:`DamagedCheckpointError`) not a readable, complete checkpoint
+                (:func:`load_checkpoint`).
         """
         check_integer(epochs, "epochs", low=0)
         model.to(self.device)
@@ -576,14 +590,15 @@ class Trainer:
             check_resumable(checkpoint, state, settings, key="settings")
             check_loader_generator(checkpoint, state["loader_rng"], generator)
             if len(state["history"]) > epochs:
-                raise ValueError(f"{checkpoint}: holds {len(state['history'])} epochs, more than the {epochs} asked "
-                                 "for; resume with the same settings, or start in another folder")
+                raise CheckpointRefusedError(f"{checkpoint}: holds {len(state['history'])} epochs, more than the "
+                                             f"{epochs} asked for; resume with the same settings, or start in another "
+                                             "folder")
             _check_model_state(checkpoint, state["model"], model)
             try:
                 optimizer.load_state_dict(state["optimizer"])
             except ValueError as error:
-                raise ValueError(f"{checkpoint}: its optimizer state does not fit this model ({error}); delete it "
-                                 "to start over") from None
+                raise CheckpointRefusedError(f"{checkpoint}: its optimizer state does not fit this model ({error}); "
+                                             "delete it to start over") from None
             model.load_state_dict(state["model"])
             schedule.load_state_dict(state["schedule"])
             restore_random_states(state)

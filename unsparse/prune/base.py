@@ -303,6 +303,11 @@ class Pruner(ABC):
         """Prune ``model`` (mutated; masks stay attached) with training from ``trainer``.
 
         ``workdir`` holds the method's checkpoints so an interrupted run resumes.
+
+        Raises:
+            ~unsparse.train.CheckpointRefusedError: (a ``ValueError``, before anything is resumed) a checkpoint in
+                ``workdir`` that this run cannot resume from: written by a run of other settings
+                (:meth:`identity`), by an older version, or damaged.
         """
 
     def _prepared(self, masked: bool = True) -> nn.Module:

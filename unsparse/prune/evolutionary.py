@@ -457,8 +457,9 @@ class EvolutionaryPruner(Pruner):
             updates brought back (``revived``: by mutation, crossover, or an ``after_step`` regrowth).
 
         Raises:
-            ValueError: a checkpoint in ``workdir`` written with other settings, by an older version (no identity or
-                another entry missing), or for a train loader with another kind of shuffle generator.
+            ~unsparse.train.CheckpointRefusedError: (a ``ValueError``) a checkpoint in ``workdir`` written with other
+                settings, by an older version (no identity or another entry missing), or for a train loader with
+                another kind of shuffle generator, or one that is damaged (:func:`~unsparse.train.load_checkpoint`).
         """
         started = time.perf_counter()
         workdir = Path(workdir)

@@ -103,6 +103,10 @@ class GradualMagnitudePruner(MagnitudePruner):
             epoch of the last pruning step, then ``"fine_tune"``), ``iteration`` (the epoch),
             ``weighted_sparsity`` (the value of the last pruning step at or before the epoch's end: what the
             masks hold, up to the rounding to whole weights), ``val_score`` and ``val_top1`` or ``val_mse``.
+
+        Raises:
+            ~unsparse.train.CheckpointRefusedError: (a ``ValueError``) ``workdir/gradual.pt`` written by a run of
+                other settings, or one this run cannot resume from otherwise (:meth:`~unsparse.train.Trainer.fit`).
         """
         started = time.perf_counter()
         checkpoint = Path(workdir) / CHECKPOINT

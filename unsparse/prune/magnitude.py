@@ -156,7 +156,12 @@ class MagnitudePruner(Pruner):
         """``prepare``, one ``step``, then masked fine-tuning (checkpointed in ``workdir/magnitude_finetune.pt``,
         which resumes only a run of the same settings: :meth:`~unsparse.prune.base.Pruner.identity`); the history
         has one ``phase: "fine_tune"`` entry per epoch with ``iteration``, ``weighted_sparsity`` and validation
-        metrics."""
+        metrics.
+
+        Raises:
+            ~unsparse.train.CheckpointRefusedError: (a ``ValueError``) a fine-tuning checkpoint this run cannot resume
+                from (:meth:`~unsparse.train.Trainer.fit`).
+        """
         started = time.perf_counter()
         self.prepare(model)
         self.step()
