@@ -43,6 +43,13 @@ def test_a_setting_given_on_the_command_line_wins_over_quick(monkeypatch, tmp_pa
     assert all(settings[other] == QUICK[other] for other in QUICK if other != key)
 
 
+def test_quick_removed_is_quick_off(monkeypatch, tmp_path):
+    """``~quick`` crashed with a KeyError under Hydra's traceback: the setting was taken as always there. Removed, it
+    is off, as another removed setting leaves ``run_bench``'s default."""
+    off = bench_settings(monkeypatch, tmp_path / "off", "quick=false")
+    assert bench_settings(monkeypatch, tmp_path, "~quick") == off
+
+
 def test_a_quick_that_is_no_bool_is_refused_in_one_line(monkeypatch, tmp_path, capsys):
     """``quick=maybe`` ran the quick benchmark: a non-empty string is true to ``if``."""
     with pytest.raises(SystemExit) as done:

@@ -193,9 +193,10 @@ def bench(cfg: DictConfig) -> None:
     """``unsparse bench``: the GPU per-layer comparison (needs CUDA); outputs in Hydra's output directory, with the
     job's record (:func:`job_record`) once ``run_bench`` accepts the settings. ``quick=true`` sets the settings of
     :data:`~unsparse.runtime.bench.QUICK` that the command line does not (``quick=true models=[alexnet]`` times
-    AlexNet only). A setting that is neither ``quick`` nor one of ``run_bench``'s (``+foo=1``), a ``quick`` that is
-    no bool, settings that ``run_bench`` refuses, and a machine without CUDA, print one line to stderr, write nothing
-    and exit with status 2 (in a sweep, as :func:`run` says)."""
+    AlexNet only); ``~quick`` removes the setting, which leaves it off, as removing another one leaves
+    ``run_bench``'s default. A setting that is neither ``quick`` nor one of ``run_bench``'s (``+foo=1``), a
+    ``quick`` that is no bool, settings that ``run_bench`` refuses, and a machine without CUDA, print one line to
+    stderr, write nothing and exit with status 2 (in a sweep, as :func:`run` says)."""
     from unsparse.runtime.bench import QUICK, RUN_BENCH_SIGNATURE, BenchRefusedError, run_bench
 
     settings = OmegaConf.to_container(cfg, resolve=True)
@@ -204,7 +205,7 @@ def bench(cfg: DictConfig) -> None:
         try:
             check_known_settings(settings, ["quick", *(name for name in RUN_BENCH_SIGNATURE.parameters  # but those
                                                        if name not in ("out_dir", "commit", "record"))])  # passed here
-            quick = check_flag(settings.pop("quick"), "quick")  # a string such as "maybe" would be true to if
+            quick = check_flag(settings.pop("quick", False), "quick")  # "maybe" would be true to if; ~quick: off
         except ValueError as error:
             raise BenchRefusedError(str(error)) from None
         if quick:
