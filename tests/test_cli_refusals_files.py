@@ -51,6 +51,21 @@ def test_a_fashion_mnist_root_without_its_files_is_still_refused_naming_it(monke
                                r"found\. .*data\.root.*")
 
 
+def test_a_fashion_mnist_file_that_cannot_be_read_is_refused_naming_it_and_data_root(monkeypatch, capsys, tmp_path):
+    """A folder in a data file's place (as a file without read permission, which root reads anyway): its OSError came
+    as Hydra's three lines, naming neither the setting nor the file."""
+    from unsparse.data import FASHION_MNIST_FILES
+
+    for name in FASHION_MNIST_FILES:
+        (tmp_path / "root" / f"{name}.gz").mkdir(parents=True)
+    monkeypatch.setenv("UNSPARSE_CACHE", str(tmp_path / "cache"))
+    code, err = refusal(monkeypatch, capsys, "experiment=smoke", "data=fashion_mnist", "device=cpu",
+                        f"data.root={tmp_path / 'root'}", f"hydra.run.dir={tmp_path / 'job'}")
+    assert_one_line(code, err, rf"unsparse: refused: {re.escape(str(tmp_path))}/root/{FASHION_MNIST_FILES[0]}\.gz: "
+                               r"cannot be read \(Is a directory\); set data\.root to a folder holding the four idx "
+                               r"files")
+
+
 DIGITS = ("experiment=smoke", "data=digits", "device=cpu", "progress=false", "train.epochs=0",
           "runtime.timing.repeats=1", "runtime.timing.warmup=0")
 """A quick job: no dense training, so the pruner's fine-tuning is the first checkpoint a job reads."""

@@ -135,8 +135,9 @@ def _prepare_fashion_mnist_root(source: Path, found: dict[str, tuple[Path, Calla
         The ``root`` to pass to ``torchvision.datasets.FashionMNIST`` (files under ``root/FashionMNIST/raw``).
 
     Raises:
-        ValueError: naming the source file, if it cannot be decompressed or is not a complete idx file of images
-            (3 dimensions) or labels (1).
+        ValueError: naming the source file and ``data.root`` (the setting to change), if it cannot be opened or
+            read (a folder in its place, no permission: the system's reason) or decompressed; naming the file, if it
+            is not a complete idx file of images (3 dimensions) or labels (1).
     """
     stamp = [str(source.resolve())] + [f"{path.name}:{path.stat().st_size}:{path.stat().st_mtime_ns}"
                                        for path, _ in found.values()]
@@ -151,11 +152,12 @@ def _prepare_fashion_mnist_root(source: Path, found: dict[str, tuple[Path, Calla
         target = raw / name
         if target.exists():
             continue
-        with opener(path, "rb") as src:
-            try:
+        try:
+            with opener(path, "rb") as src:
                 data = check_idx(src.read(), str(path), 1 if "labels" in name else 3)
-            except (OSError, EOFError, lzma.LZMAError, zlib.error) as error:  # a damaged .gz or .xz stream
-                raise ValueError(f"{path}: cannot be read ({error})") from error
+        except (OSError, EOFError, lzma.LZMAError, zlib.error) as error:  # a folder, or a damaged .gz or .xz stream
+            raise ValueError(f"{path}: cannot be read ({getattr(error, 'strerror', None) or error}); set data.root "
+                             "to a folder holding the four idx files") from error
         # A unique temporary name per writer: processes preparing the same cache at once (several tables on
         # one machine) each rename a whole file into place instead of renaming each other's half-written one.
         atomic_write(target, lambda dst, data=data: dst.write(data))
@@ -257,8 +259,8 @@ def fashion_mnist(root: str | Path = FASHION_MNIST_DIR, val_size: int = 5000, li
         DatasetUnavailableError: files missing (the message names the Debian package).
         ValueError: a limit that is no integer or below 1, a ``val_size`` outside ``[1, 59999]``, or a ``seed`` that
             is no integer in ``[0, 2^32)`` (:func:`~unsparse.settings.check_seed`), naming it;
-            files that are corrupt, or disagree with each other (:func:`labelled_images`), or constant images,
-            naming them.
+            files that cannot be read or are corrupt, or disagree with each other (:func:`labelled_images`), or
+            constant images, naming them.
     """
     from torchvision.datasets import FashionMNIST
 
