@@ -175,3 +175,14 @@ def test_a_value_error_of_a_bug_keeps_its_traceback(monkeypatch, capsys, tmp_pat
     monkeypatch.setattr(unsparse.cli, "run_pipeline", bug)
     code, err = refusal(monkeypatch, capsys, *DIGITS, f"hydra.run.dir={tmp_path}")
     assert code == 1 and "Traceback" in err and "ValueError: a bug" in err and "refused" not in err, err
+
+
+def test_a_job_file_that_is_a_folder_in_a_folder_without_checkpoints_is_refused_in_one_line(monkeypatch, capsys,
+                                                                                           tmp_path):
+    """With no checkpoint to compare it for, the job writes its job.json, and the write's IsADirectoryError came
+    under Hydra's traceback with exit status 1."""
+    (tmp_path / "job.json").mkdir()
+    code, err = refusal(monkeypatch, capsys, *DIGITS, f"hydra.run.dir={tmp_path}")
+    assert_one_line(code, err, rf"unsparse: refused: {re.escape(str(tmp_path / 'job.json'))}: cannot be written "
+                               r"\(Is a directory\), where the job records itself; clear the way, or start in another "
+                               r"folder")

@@ -144,7 +144,8 @@ def claim_output_folder(outdir: Path, identity: str) -> None:
 
     Raises:
         ValueError: before any checkpoint is read, naming the file and the settings that differ, or the file, where
-            it is no job record (:func:`recorded_identity`).
+            it is no job record (:func:`recorded_identity`) or cannot be (re)written (a folder in its place, a
+            folder without write permission: the system's reason).
     """
     path = outdir / JOB_FILE
     checkpointed = any((outdir / name).exists() for name in CHECKPOINTS)
@@ -153,7 +154,11 @@ def claim_output_folder(outdir: Path, identity: str) -> None:
         return
     if checkpointed:
         log.warning("%s holds checkpoints but no %s: resuming them unchecked as this job", outdir, JOB_FILE)
-    atomic_write_text(path, identity + "\n")
+    try:
+        atomic_write_text(path, identity + "\n")
+    except OSError as error:
+        raise ValueError(f"{path}: cannot be written ({error.strerror or error}), where the job records itself; "
+                         "clear the way, or start in another folder") from error
 
 
 def resolve_device(name: str) -> torch.device:
