@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -99,7 +100,7 @@ def test_a_job_built_twice_from_one_seed_starts_from_the_same_weights():
     ("train.epochs=true", "train.epochs: expected an integer >= 0, got True"),  # ran 1 epoch, "True epoch"
     ("progress=maybe", "progress: expected a bool, got 'maybe'"),  # ran, with bars: a non-empty string is true
     # torch's RuntimeError "manual_seed expected a long", which Hydra's wrapping turned into three lines
-    ("data.seed=1.5", r"^seed: expected an integer in \[0, 4294967295\], got 1.5$"),
+    ("data.seed=1.5", r"^data: seed: expected an integer in \[0, 4294967295\], got 1.5$"),
     ("+prune.layer_targets={7.0: 0.5}", None),  # Hydra reads the key as a float: it names layer "7.0"
 ])
 def test_command_line_values_are_read_or_refused_by_name(override, message):
@@ -113,12 +114,33 @@ def test_command_line_values_are_read_or_refused_by_name(override, message):
         build_job(cfg)
 
 
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["prune.target=1.5"], r"prune: target: expected a number in \[0, 1\) \(a sparsity\), got 1.5"),
+    (["quant=kmeans", "quant.clusters=0"], r"quant: clusters: expected an integer in \[2, 65536\], got 0"),
+    (["data.val_size=-1"], r"data: val_size: expected an integer in \[1, 1436\], got -1"),
+    (["prune.layers=foo"], r"prune: layers: expected a list of layer names, got 'foo'"),
+    (["prune.layers=[foo]"], r"prune: layers: \['foo'\] are not prunable .* of the model; it has 0\.0, .*"),
+    (["prune=evolutionary", "prune.unit_step={foo: 1}"], r"prune: unit_step: \['foo'\] are not prunable .*"),
+    (["model.width=0"], r"model\.width: expected an integer >= 1, got 0"),  # named with its group already
+    (["data=co2", "data.source=missing.txt"], r"data\.source: missing\.txt: cannot be read .*"),
+])
+def test_a_refused_setting_of_a_config_group_is_named_with_its_group(overrides, message):
+    """Its factory's message named the setting alone (``target: ...``, as if a top-level setting; ``seed`` could
+    be the job's or the data's), and so did the pruner's check of its layer names against the model."""
+    from unsparse.cli import build_job
+    from unsparse.job import JobRefusedError
+
+    with pytest.raises(JobRefusedError) as refusal:
+        build_job(composed("experiment=smoke", "data=digits", "device=cpu", *overrides))
+    assert re.fullmatch(message, str(refusal.value)), refusal.value
+
+
 def test_a_data_root_without_the_files_is_refused_in_one_line(tmp_path):
     """Hydra's wrapping of the missing data set's error printed three lines ("Error in call to target ...")."""
     from unsparse.cli import build_job
     from unsparse.job import JobRefusedError
 
-    with pytest.raises(JobRefusedError, match=r"^Fashion-MNIST file .* not found") as refusal:
+    with pytest.raises(JobRefusedError, match=r"^data: Fashion-MNIST file .* not found") as refusal:
         build_job(composed("experiment=smoke", "device=cpu", f"data.root={tmp_path}"))
     assert "\n" not in str(refusal.value) and "dataset-fashion-mnist" in str(refusal.value)
 
@@ -181,8 +203,8 @@ def test_a_job_refused_by_the_folder_lock_leaves_the_running_jobs_log_alone(tmp_
 
 @pytest.mark.parametrize(("override", "line"), [
     ("train.epochs=-1", "unsparse: refused: train.epochs: expected an integer >= 0, got -1"),
-    ("prune.lr=-1", "unsparse: refused: lr: expected a number > 0 and finite (or null), got -1 (the pruner's "
-                    "learning rate: prune.lr in the job's config, not train.lr)"),  # inside Hydra's instantiate
+    ("prune.lr=-1", "unsparse: refused: prune: lr: expected a number > 0 and finite (or null), got -1 (the "
+                    "pruner's learning rate: prune.lr in the job's config, not train.lr)"),  # inside instantiate
     ("runtime.backend=direct", "unsparse: refused: runtime.backend: 'direct' runs on ['cuda'], the job on cpu"),
 ])
 def test_a_refused_setting_is_one_line_and_exit_status_2(tmp_path, override, line):

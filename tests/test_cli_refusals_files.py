@@ -47,8 +47,8 @@ def test_a_time_series_source_that_cannot_be_read_is_refused_naming_it(monkeypat
 def test_a_fashion_mnist_root_without_its_files_is_still_refused_naming_it(monkeypatch, capsys, tmp_path):
     code, err = refusal(monkeypatch, capsys, "experiment=smoke", "data=fashion_mnist", "device=cpu",
                         f"data.root={tmp_path / 'missing'}", f"hydra.run.dir={tmp_path / 'job'}")
-    assert_one_line(code, err, rf"unsparse: refused: Fashion-MNIST file {re.escape(str(tmp_path))}/missing/\S+ not "
-                               r"found\. .*data\.root.*")
+    assert_one_line(code, err, rf"unsparse: refused: data: Fashion-MNIST file {re.escape(str(tmp_path))}/missing/\S+ "
+                               r"not found\. .*data\.root.*")
 
 
 def test_a_fashion_mnist_file_that_cannot_be_read_is_refused_naming_it_and_data_root(monkeypatch, capsys, tmp_path):
@@ -61,7 +61,8 @@ def test_a_fashion_mnist_file_that_cannot_be_read_is_refused_naming_it_and_data_
     monkeypatch.setenv("UNSPARSE_CACHE", str(tmp_path / "cache"))
     code, err = refusal(monkeypatch, capsys, "experiment=smoke", "data=fashion_mnist", "device=cpu",
                         f"data.root={tmp_path / 'root'}", f"hydra.run.dir={tmp_path / 'job'}")
-    assert_one_line(code, err, rf"unsparse: refused: {re.escape(str(tmp_path))}/root/{FASHION_MNIST_FILES[0]}\.gz: "
+    assert_one_line(code, err, rf"unsparse: refused: data: {re.escape(str(tmp_path))}/root/{FASHION_MNIST_FILES[0]}"
+                               r"\.gz: "
                                r"cannot be read \(Is a directory\); set data\.root to a folder holding the four idx "
                                r"files")
 

@@ -15,7 +15,7 @@ def test_a_refused_job_leaves_the_sweeps_other_jobs_to_run(tmp_path):
                "runtime.timing.warmup=0", f"hydra.sweep.dir={tmp_path}"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert "unsparse: refused: target: expected a number in [0, 1) (a sparsity), got 1.0" in done.stderr
+    assert "unsparse: refused: prune: target: expected a number in [0, 1) (a sparsity), got 1.0" in done.stderr
     assert not (tmp_path / "0" / "report.json").exists() and (tmp_path / "1" / "report.json").exists()
 
 

@@ -11,7 +11,8 @@ import logging
 import re
 import shlex
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -87,38 +88,64 @@ def chosen_block(cfg: DictConfig, group: str) -> DictConfig:
     return block
 
 
+@contextmanager
+def refusing_in(group: str) -> Iterator[None]:
+    """Refuse what the block's factory of config group ``group`` refuses (``instantiate``: its ``ValueError`` or
+    ``TypeError``, which Hydra wraps, or a data set's :class:`~unsparse.data.DatasetUnavailableError`), and a
+    ``ValueError`` of a check of the built object's settings, naming the group as the command line does: the message
+    gets ``<group>: `` before it (``prune: target: ...``, not a top-level ``target``) unless it starts with
+    ``<group>.`` or ``<group>:`` already (``data.source: ...``).
+
+    Raises:
+        JobRefusedError: (a ``ValueError``) with that message; for another error that Hydra's ``instantiate`` wraps
+            (e.g. a ``_target_`` that cannot be imported), with Hydra's message.
+    """
+    try:
+        yield
+    except (InstantiationException, ValueError) as error:
+        refused = error.__cause__ if isinstance(error, InstantiationException) else error
+        if not isinstance(refused, ValueError | TypeError | DatasetUnavailableError):
+            raise JobRefusedError(str(error)) from error
+        message = str(refused)
+        raise JobRefusedError(message if message.startswith((f"{group}.", f"{group}:")) else f"{group}: {message}"
+                              ) from error
+
+
 def build_job(cfg: DictConfig) -> dict[str, Any]:
     """:func:`~unsparse.pipeline.run_pipeline`'s arguments (all but ``outdir``) from the composed config.
 
     Settings are checked first (device, training, timing), then torch's generator is seeded with ``cfg.seed``
     before anything is instantiated, so the model's initial weights repeat from the seed: two runs of one config
-    train the same dense model (with ``train.deterministic`` on CUDA too).
+    train the same dense model (with ``train.deterministic`` on CUDA too). The pruner's layer names are checked
+    against the model here too (:meth:`~unsparse.prune.base.Pruner.check_layers`, which ``run_pipeline`` repeats
+    for its other callers), so that their refusal names the ``prune`` group as well.
 
     Raises:
         JobRefusedError: (a ``ValueError``) from :func:`~unsparse.job.resolve_device`, a ``progress`` that is no
             bool, a config group left without an option (:func:`chosen_block`), :class:`TrainSettings`,
             :class:`TimingSettings` (or their config blocks: :func:`settings_block`), a ``seed`` that is no integer
             in ``[0, 2^32)``, the seeds torch's CPU generator tells apart (:func:`~unsparse.settings.check_seed`),
-            or a factory that refuses its settings (its ``ValueError`` or ``TypeError``, which Hydra wraps, is the
-            message; so is a data set's :class:`~unsparse.data.DatasetUnavailableError`, a ``data.root`` without
-            its files).
+            a factory that refuses its settings (its ``ValueError`` or ``TypeError``, which Hydra wraps, is the
+            message, naming the group: :func:`refusing_in`; so is a data set's
+            :class:`~unsparse.data.DatasetUnavailableError`, a ``data.root`` without its files), or pruner
+            settings that name layers the model lacks.
     """
-    try:
-        with refusing():
-            device = resolve_device(cfg.device)
-            progress = check_flag(cfg.progress, "progress")  # a string such as "maybe" would be true to bool()
-            blocks = {group: chosen_block(cfg, group) for group in ("data", "model", "prune", "quant", "runtime")}
-            train = settings_block(TrainSettings, cfg.train, "train")
-            timing = settings_block(TimingSettings, blocks["runtime"].timing, "runtime.timing")
-            torch.manual_seed(check_seed(cfg.seed))
-            return {"splits": instantiate(blocks["data"]), "model": instantiate(blocks["model"]),
-                    "pruner": instantiate(blocks["prune"]), "quantizer": instantiate(blocks["quant"]).quantize,
-                    "train": train, "timing": timing, "backend": blocks["runtime"].backend, "device": device,
-                    "progress": progress, "seed": cfg.seed}
-    except InstantiationException as error:
-        cause = error.__cause__
-        refusal = isinstance(cause, ValueError | TypeError | DatasetUnavailableError)
-        raise JobRefusedError(str(cause) if refusal else str(error)) from error
+    with refusing():
+        device = resolve_device(cfg.device)
+        progress = check_flag(cfg.progress, "progress")  # a string such as "maybe" would be true to bool()
+        blocks = {group: chosen_block(cfg, group) for group in ("data", "model", "prune", "quant", "runtime")}
+        train = settings_block(TrainSettings, cfg.train, "train")
+        timing = settings_block(TimingSettings, blocks["runtime"].timing, "runtime.timing")
+        torch.manual_seed(check_seed(cfg.seed))
+        built: dict[str, Any] = {}
+        for group in ("data", "model", "prune", "quant"):
+            with refusing_in(group):
+                built[group] = instantiate(blocks[group])
+        with refusing_in("prune"):
+            built["prune"].check_layers(built["model"])
+        return {"splits": built["data"], "model": built["model"], "pruner": built["prune"],
+                "quantizer": built["quant"].quantize, "train": train, "timing": timing,
+                "backend": blocks["runtime"].backend, "device": device, "progress": progress, "seed": cfg.seed}
 
 
 def resume_command(task_overrides: list[str], outdir: Path, program: str = "unsparse",
