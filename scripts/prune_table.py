@@ -588,7 +588,7 @@ def main() -> None:
                                  f"val, {len(splits.test[1])} test images)"}
 
     def autoencoder() -> dict[str, Any]:
-        series = timeseries("co2", window=64, stride=2, source=args.series_file)
+        series = timeseries("co2", window=64, stride=2, source=args.series_file, source_field="--series-file")
         trainer = planned("autoencoder1d", Trainer(series.loaders(64, seed=args.seed), device=device, loss="mse",
                                                    lr=0.01, progress=progress),
                           budget["ae_iterations"], budget["ae_batches"], budget["ae_dense_epochs"])

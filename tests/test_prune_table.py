@@ -183,6 +183,16 @@ def test_a_data_root_missing_a_file_is_refused_unless_only_the_autoencoder_runs(
         run_script(table, ["--models", "autoencoder1d", *common])
 
 
+def test_a_series_file_that_cannot_be_read_is_named_by_its_option(table, run_script, tmp_path):
+    """The autoencoder's failed block named ``data.source``, the main job's setting, which this script does not
+    have (``timeseries`` named it for every caller)."""
+    missing = tmp_path / "co2.txt"
+    code, output = run_script(table, ["--models", "autoencoder1d", "--series-file", str(missing), "--out",
+                                      str(tmp_path / "t.md"), "--workdir", str(tmp_path / "work")])
+    assert code == 1 and f"--series-file: {missing}: cannot be read (No such file or directory)" in output
+    assert "data.source" not in output
+
+
 def test_render_reads_a_committed_xz_file_beside_the_page(table, run_script, tmp_path):
     meta = {"host": "h", "torch": "t", "threads": 16, "commit": "abc1234", "budget": {}, "notes": [],
             "budget_name": "gpu_w32", "device": "cuda", "models": []}

@@ -100,7 +100,7 @@ def windows(series: torch.Tensor, length: int, stride: int, name: str = "series"
 
 def timeseries(name: str = "co2", window: int = 64, stride: int = 4, val_fraction: float = 0.15,
                test_fraction: float = 0.15, source: str | Path | None = None, limit_train: int | None = None,
-               limit_test: int | None = None) -> Splits:
+               limit_test: int | None = None, source_field: str = "data.source") -> Splits:
     """Chronological train / val / test windows of a statsmodels series for reconstruction.
 
     The series is split in time first (no window crosses a split), windowed, levelled per window and scaled by
@@ -109,21 +109,23 @@ def timeseries(name: str = "co2", window: int = 64, stride: int = 4, val_fractio
 
     Args:
         source: a file written by :func:`export_series` to read instead of statsmodels (``name`` then only
-            names the splits); its errors name it as the job's config does, ``data.source``.
+            names the splits); its errors name it as ``source_field``.
         limit_train, limit_test: keep only the first N train / (validation and test) windows (smoke runs); the
             scale is taken from the windows kept.
+        source_field: the setting that gave ``source``, as its errors name it: ``data.source`` in the job's config
+            (which leaves this parameter at its default), a script's option (``--series-file``).
 
     Raises:
         ValueError: unknown series, fractions that are no numbers in (0, 1) or sum to 1 or more, a window below 2
             or stride below 1, a split shorter than ``window`` (naming the split), a limit that is no integer or
             below 1, naming it, constant training windows (nothing to scale by), or a ``source`` that cannot be
-            read or is no series of finite numbers (:func:`read_series`), naming ``data.source`` and the file.
+            read or is no series of finite numbers (:func:`read_series`), naming ``source_field`` and the file.
     """
     for field, fraction in (("val_fraction", val_fraction), ("test_fraction", test_fraction)):
         check_number(fraction, field, lambda value: 0 < value < 1, "in (0, 1)")
     if val_fraction + test_fraction >= 1:
         raise ValueError(f"val_fraction + test_fraction: {val_fraction + test_fraction} leaves no training points")
-    series = statsmodels_series(name) if source is None else read_series(source, "data.source")
+    series = statsmodels_series(name) if source is None else read_series(source, source_field)
     test_start = round(len(series) * (1.0 - test_fraction))
     val_start = round(len(series) * (1.0 - test_fraction - val_fraction))
     parts = {"train": series[:val_start], "val": series[val_start:test_start], "test": series[test_start:]}
