@@ -311,6 +311,8 @@ def test_a_time_series_trains_an_autoencoder_and_reports_its_mse(tmp_path, caplo
     (lambda: MagnitudePruner(fine_tune_epochs=1.5), "fine_tune_epochs: expected an integer >= 0, got 1.5"),
     (lambda: MagnitudePruner(target="abc"), r"target: expected a number in \[0, 1\) \(a sparsity\), got 'abc'"),
     (lambda: MagnitudePruner(layers="7.0"), "layers: expected a list of layer names"),
+    (lambda: MagnitudePruner(layers=5), "layers: expected a list of layer names, got 5"),  # was a TypeError
+    (lambda: MagnitudePruner(layers={"7.0": 1}), "layers: expected a list of layer names"),
     (lambda: MagnitudePruner(scope="layer", layer_targets={"7.0": "x"}), r"layer_targets.7.0: expected a number"),
     (lambda: EvolutionaryPruner(fine_tune_lr=-1), "fine_tune_lr: expected a number > 0"),
     (lambda: EvolutionaryPruner(epsilon=float("nan")), r"epsilon: expected a number \(not NaN\)"),

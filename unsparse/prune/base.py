@@ -187,7 +187,8 @@ class Pruner(ABC):
 
     def __init__(self, target: float, layers: list[str] | None = None) -> None:
         check_number(target, "target", lambda value: 0.0 <= value < 1.0, "in [0, 1) (a sparsity)")
-        if layers is not None and (isinstance(layers, str) or not all(isinstance(name, str) for name in layers)):
+        if layers is not None and (not isinstance(layers, Sequence) or isinstance(layers, str)
+                                   or not all(isinstance(name, str) for name in layers)):
             raise ValueError(f"layers: expected a list of layer names, got {layers!r}")
         self.target = target
         self.layer_names = layers
