@@ -187,3 +187,21 @@ def test_a_job_file_that_is_a_folder_in_a_folder_without_checkpoints_is_refused_
     assert_one_line(code, err, rf"unsparse: refused: {re.escape(str(tmp_path / 'job.json'))}: cannot be written "
                                r"\(Is a directory\), where the job records itself; clear the way, or start in another "
                                r"folder")
+
+
+def test_a_refused_run_in_a_folder_without_job_file_leaves_the_folder_to_its_own_job(monkeypatch, capsys, tmp_path,
+                                                                                      finished):
+    """A folder with checkpoints but no ``job.json`` (an older version's, or one whose damaged file was deleted) was
+    bound to the first run's settings before its checkpoints were read: a run refused at a checkpoint left its
+    ``job.json`` and ``.hydra/`` record there, and the folder's own job was then refused by that ``job.json``."""
+    folder = tmp_path / "job"
+    changed_copy(finished, folder, lambda state: None)
+    (folder / "job.json").unlink()
+    overrides = (folder / ".hydra" / "overrides.yaml").read_text()
+    code, err = refusal(monkeypatch, capsys, *DIGITS, "prune.fine_tune_epochs=2", f"hydra.run.dir={folder}")
+    assert code == 2 and "written by a run with other settings" in err, err
+    assert not (folder / "job.json").exists() and (folder / ".hydra" / "overrides.yaml").read_text() == overrides
+    (folder / "report.json").unlink()
+    monkeypatch.setattr(sys, "argv", ["unsparse", *DIGITS, f"hydra.run.dir={folder}"])
+    main()
+    assert (folder / "job.json").exists() and (folder / "report.json").exists()

@@ -16,7 +16,8 @@ from unsparse.prune import MagnitudePruner
 def test_an_output_folder_binds_to_its_job_only_once_it_holds_checkpoints(tmp_path, caplog):
     """A failed first run (no checkpoint yet) leaves the folder free; once checkpoints exist, the same job resumes
     (evaluation batch size and determinism may change), and another one is refused before any checkpoint is
-    read; checkpoints without the file (an older version's folder) are resumed with a warning."""
+    read; checkpoints without the file (an older version's folder) are resumed with a warning, the file left to
+    the caller to write once they have loaded."""
     import logging
 
     from unsparse.job import JOB_FILE, claim_output_folder, job_identity
@@ -40,8 +41,8 @@ def test_an_output_folder_binds_to_its_job_only_once_it_holds_checkpoints(tmp_pa
         claim_output_folder(tmp_path, identity(batch_size=32))
     (tmp_path / JOB_FILE).unlink()
     with caplog.at_level(logging.WARNING, logger="unsparse.job"):
-        claim_output_folder(tmp_path, identity())
-    assert "no job.json" in caplog.text and (tmp_path / JOB_FILE).exists()
+        assert claim_output_folder(tmp_path, identity())  # the caller writes the file once the checkpoints loaded
+    assert "no job.json" in caplog.text and not (tmp_path / JOB_FILE).exists()
 
 
 def test_a_digits_folder_with_limit_test_resumes_and_one_of_the_old_validation_split_is_refused(tmp_path):

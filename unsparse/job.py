@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 JOB_FILE = "job.json"
 """What the run in an output folder is (:func:`job_identity`); each run writes it until the folder holds
-checkpoints, and from then on it is compared (:func:`claim_output_folder`)."""
+checkpoints, and from then on it is compared (:func:`claim_output_folder`); in a folder with checkpoints but no file,
+the first run whose checkpoints load writes it."""
 
 
 CHECKPOINTS = ("dense.pt", "prune")
@@ -135,25 +136,43 @@ def recorded_identity(path: Path) -> str:
                      "to resume the folder's checkpoints as this job, unchecked, or start in another folder")
 
 
-def claim_output_folder(outdir: Path, identity: str) -> None:
+def claim_output_folder(outdir: Path, identity: str) -> bool:
     """Resume in ``outdir`` only the job whose checkpoints are there: where :data:`CHECKPOINTS` exist, ``identity``
     must equal the one :data:`JOB_FILE` recorded (:func:`recorded_identity`, :func:`~unsparse.train.check_resumable`);
-    otherwise the file is (re)written, so that a first run that failed before any checkpoint does not bind the folder
-    to its settings. Checkpoints without the file (a folder of an older version) are resumed unchecked, with a
-    warning.
+    otherwise the file is (re)written (:func:`record_job`), so that a first run that failed before any checkpoint
+    does not bind the folder to its settings. Checkpoints without the file (a folder of an older version, or one whose
+    damaged file was deleted) are resumed unchecked, with a warning, and the file is not written: a checkpoint may
+    still refuse the job, which must leave the folder to the job that wrote it; the caller writes the file once the
+    checkpoints have loaded.
+
+    Returns:
+        Whether the folder holds checkpoints but no file, so that the caller is to write it.
 
     Raises:
         ValueError: before any checkpoint is read, naming the file and the settings that differ, or the file, where
-            it is no job record (:func:`recorded_identity`) or cannot be (re)written (a folder in its place, a
-            folder without write permission: the system's reason).
+            it is no job record (:func:`recorded_identity`) or cannot be (re)written (:func:`record_job`).
     """
     path = outdir / JOB_FILE
     checkpointed = any((outdir / name).exists() for name in CHECKPOINTS)
     if checkpointed and path.exists():
         check_resumable(path, {"identity": recorded_identity(path)}, identity)
-        return
+        return False
     if checkpointed:
-        log.warning("%s holds checkpoints but no %s: resuming them unchecked as this job", outdir, JOB_FILE)
+        log.warning("%s holds checkpoints but no %s: resuming them unchecked as this job, which the file records "
+                    "once they have loaded", outdir, JOB_FILE)
+        return True
+    record_job(outdir, identity)
+    return False
+
+
+def record_job(outdir: Path, identity: str) -> None:
+    """Write ``identity`` (:func:`job_identity`) as ``outdir``'s :data:`JOB_FILE`, atomically.
+
+    Raises:
+        ValueError: naming the file, where it cannot be written (a folder in its place, a folder without write
+            permission: the system's reason).
+    """
+    path = outdir / JOB_FILE
     try:
         atomic_write_text(path, identity + "\n")
     except OSError as error:

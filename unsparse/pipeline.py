@@ -25,6 +25,7 @@ from unsparse.job import (
     git_tree_modified,
     job_identity,
     only_job_in,
+    record_job,
     refusing,
 )
 from unsparse.prune.base import Pruner, PruneResult
@@ -318,7 +319,8 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
             ``timing.batch_size`` images (``eval_batch_size`` for ``"auto"``), and the planned model is timed
             against its dense default (:func:`compare_layers`; ``plan_check`` in the report).
         record: text files to write into ``outdir`` (relative path -> content, atomically) and log once the folder
-            is claimed, e.g. the command line's composed config: a refused job leaves the folder's record of its own
+            accepts the job (before any work, or, where it holds checkpoints but no ``job.json``, once they have
+            loaded), e.g. the command line's composed config: a refused job leaves the folder's record of its own
             job, and the log that a running job writes there, as they were.
 
     Returns:
@@ -361,14 +363,19 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
                    outdir: Path, train: TrainSettings, timing: TimingSettings, backend: str,
                    device: torch.device | None, progress: bool, seed: int,
                    record: Mapping[str, str] | None) -> dict[str, Any]:
-    """:func:`run_pipeline` once its settings are checked, in the folder it holds locked."""
+    """:func:`run_pipeline` once its settings are checked, in the folder it holds locked. The folder's ``job.json``
+    and the job's ``record`` are written once the folder accepts the job: before any work, or, in a folder with
+    checkpoints but no ``job.json`` (:func:`~unsparse.job.claim_output_folder`), once they have loaded (dense
+    training and pruning returned), so that a job they refuse leaves the folder as it was."""
+    identity = job_identity(splits, model, pruner, train, seed)
     with refusing():
-        claim_output_folder(outdir, job_identity(splits, model, pruner, train, seed))
+        unchecked = claim_output_folder(outdir, identity)
     stale = remove_stale_temporaries(outdir, WRITTEN_ATOMICALLY)
     if stale:
         log.warning("removed %d temporary files of writes an earlier process did not finish: %s", len(stale),
                     ", ".join(str(path.relative_to(outdir)) for path in stale))
-    write_record(outdir, record)
+    if not unchecked:
+        write_record(outdir, record)
     commit, tree_modified = git_commit(), git_tree_modified()  # the code this process runs, not the tree at its end
     device = device or torch.device("cpu")
     if device.type == "cuda":
@@ -383,6 +390,10 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
         accuracy = {"dense": trainer.evaluate(model, "test", "test dense")[task.metric]}
         result = pruner.run(model, trainer, outdir / "prune")
         accuracy["pruned"] = trainer.evaluate(model, "test", "test pruned")[task.metric]
+    if unchecked:  # every checkpoint of the folder loaded as this job's
+        with refusing():
+            record_job(outdir, identity)
+        write_record(outdir, record)
     log.info("weighted sparsity %.4f, %s dense %.4g, pruned %.4g", result.weighted_sparsity, task.label,
              accuracy["dense"], accuracy["pruned"])
     fully_pruned = [name for name, sparsity in result.layer_sparsity.items() if sparsity >= 1.0]
