@@ -5,6 +5,9 @@ wherever a function switches a caller's model to eval mode for a while (evaluati
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 from torch import nn
 
 
@@ -19,3 +22,15 @@ def restore_modes(modes: list[tuple[nn.Module, bool]]) -> None:
     """Put back each module's ``training`` flag that :func:`module_modes` recorded (the module's own flag only)."""
     for module, training in modes:
         module.training = training
+
+
+@contextmanager
+def eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (``model.eval()``) inside the block, and every module back in its own mode afterwards
+    (:func:`module_modes`, :func:`restore_modes`), however the block ends."""
+    modes = module_modes(model)
+    model.eval()
+    try:
+        yield
+    finally:
+        restore_modes(modes)

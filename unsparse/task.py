@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from unsparse.data import Splits
-from unsparse.modes import module_modes, restore_modes
+from unsparse.modes import eval_mode
 from unsparse.train import check_class_labels
 
 
@@ -80,15 +80,12 @@ def check_model_fits(model: nn.Module, splits: Splits) -> None:
     inputs, targets = splits.train[0][:2].to(device), splits.train[1][:2]
     spec = getattr(model, "unsparse_spec", {"name": type(model).__name__})
     expected = (len(inputs), splits.num_classes) if splits.num_classes else tuple(targets.shape)
-    modes = module_modes(model)
-    model.eval()
     try:
-        output = model(inputs)
+        with eval_mode(model):
+            output = model(inputs)
     except RuntimeError as error:
         raise ValueError(f"model {spec['name']!r} cannot take the inputs of data {splits.name!r} "
                          f"({tuple(inputs.shape[1:])} per sample): {error}") from error
-    finally:
-        restore_modes(modes)
     if tuple(output.shape) != expected:
         raise ValueError(f"model {spec['name']!r} gives outputs of shape {tuple(output.shape)} on data "
                          f"{splits.name!r}, which needs {expected} ({task_of(splits).label})")

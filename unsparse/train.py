@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from unsparse.atomic import atomic_write
-from unsparse.modes import module_modes, restore_modes
+from unsparse.modes import eval_mode, module_modes, restore_modes
 from unsparse.settings import check_integer
 
 log = logging.getLogger(__name__)
@@ -513,9 +513,7 @@ class Trainer:
                 (:meth:`_check_targets`), the fit of its outputs after it (:meth:`_check_outputs`); in eval mode the
                 forward changes no running statistics.
         """
-        modes = module_modes(model)
-        model.eval()
-        try:
+        with eval_mode(model):
             loss_fn = LOSSES[self.loss]
             correct, total_loss, count, elements, diverged = 0, 0.0, 0, 0, False
             classes: int | None = None  # C of the logits of the batches before, as in train_epoch
@@ -531,8 +529,6 @@ class Trainer:
                 if self.loss == "cross_entropy":
                     correct += int((outputs.argmax(dim=1) == targets).sum())
                     diverged = diverged or not bool(outputs.amax(dim=1).isfinite().all())
-        finally:
-            restore_modes(modes)
         if count == 0:
             raise ValueError(f"evaluate: split {split!r} has no samples")
         if self.loss == "cross_entropy":

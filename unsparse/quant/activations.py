@@ -35,7 +35,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from unsparse.messages import quote
-from unsparse.modes import module_modes, restore_modes
+from unsparse.modes import eval_mode
 from unsparse.quant.fixed_point import SMALLEST_STEP, check_bits, fake_quantize, fixed_point_step
 from unsparse.quant.float16 import FLOAT16_MAX, FLOAT16_OVERFLOW, to_float16
 from unsparse.quant.histogram import MagnitudeHistogram, check_bins
@@ -260,9 +260,7 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
                              "need finite activations")
         maxima[name] = max(maxima[name], float(x.abs().max()))
 
-    modes = module_modes(model)
-    model.eval()
-    try:
+    with eval_mode(model):
         _observe_inputs(model, batches, record_max, "calibration: max |x|", progress)
         silent = sorted(name for name, upper in maxima.items() if upper <= 0)
         if silent:
@@ -280,6 +278,4 @@ def calibrate(model: nn.Module, calibration: Iterable[tuple[torch.Tensor, torch.
                 histograms[name].add(x)
 
         _observe_inputs(model, batches, record_histogram, "calibration: histogram", progress)
-    finally:
-        restore_modes(modes)
     return {**levels, **{name: histogram.level(spec.quantile) for name, histogram in histograms.items()}}
