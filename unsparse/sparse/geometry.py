@@ -259,11 +259,17 @@ class ConvGeometry:
         if max(hp, wp) >= SIZE_LIMIT:
             raise SparseFormatError(f"padded_hw: {tuple(padded_hw)} holds a size of 2^63 or more")
         k = col_idx.long()
-        if k.numel() and not k.is_meta:
-            largest = (int(k.max()) // (R * S) * hp + (R - 1) * dh) * max(wp, 1) + (S - 1) * dw
-            if largest >= SIZE_LIMIT:
+
+        def largest(column: int) -> int:  # the offset of the last tap of ``column``'s channel
+            return (column // (R * S) * hp + (R - 1) * dh) * max(wp, 1) + (S - 1) * dw
+
+        # bounded by the index dtype first, on the host: only a geometry that bound leaves open reads the largest
+        # column (a reduction, and on CUDA a synchronisation, per call)
+        if k.numel() and not k.is_meta and largest(torch.iinfo(col_idx.dtype).max) >= SIZE_LIMIT:
+            top = largest(int(k.max()))
+            if top >= SIZE_LIMIT:
                 raise SparseFormatError(f"padded_hw: {tuple(padded_hw)} with kernel {tuple(kernel_size)} and "
-                                        f"dilation {self.dilation} gives offsets up to {largest}, 2^63 or more, "
+                                        f"dilation {self.dilation} gives offsets up to {top}, 2^63 or more, "
                                         "beyond the int64 offsets torch indexes with")
         c, rs = k // (R * S), k % (R * S)
         r, s = rs // S, rs % S
