@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from unsparse.settings import check_integer
 from unsparse.sparse.format import SIZE_LIMIT, SparseFormatError, UniformCSR, bounded_product
 from unsparse.sparse.geometry import ConvGeometry
 
@@ -92,9 +93,8 @@ def reference_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor |
             unwritten); ``SparseFormatError`` (a ValueError) for a geometry whose padded input (its sizes or its
             element count) or offsets reach 2^63 (:meth:`ConvGeometry.padded_size`, :func:`output_pixel_offsets`).
     """
-    for name, value in (("images_per_step", images_per_step), ("gather_budget_bytes", gather_budget_bytes)):
-        if type(value) is not int or value < 1:
-            raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    check_integer(images_per_step, "images_per_step")
+    check_integer(gather_budget_bytes, "gather_budget_bytes")
     if geometry.groups != 1:
         raise ValueError("reference_sparse_conv: groups must be 1 (callers fall back to dense for groups > 1)")
     N, C, H, W = x.shape
