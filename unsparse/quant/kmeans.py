@@ -22,6 +22,7 @@ not recorded (None).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from importlib.metadata import version
@@ -59,8 +60,10 @@ VERSION = re.compile(r"[0-9][0-9A-Za-z.+!_-]{0,63}")
 characters."""
 
 
+@functools.cache
 def installed_sklearn_version() -> str:
-    """The version of the installed scikit-learn (``importlib.metadata``, without importing it).
+    """The version of the installed scikit-learn (``importlib.metadata``, without importing it), read once per
+    process: each quantizer built (one per layer where a file is loaded) and each clustered layer asks for it.
 
     Raises:
         importlib.metadata.PackageNotFoundError: scikit-learn is not installed.
