@@ -1,0 +1,171 @@
+"""Probe of the weight-specialised kernels (``kernels/generated_conv.cu``) against cuDNN alone, on synthetic layers.
+
+For each case (layer shape, sparsity, dtype) the script draws a weight with the same number of nonzeros in every
+output channel at random positions (seeded), compiles one kernel per KT output channels with NVRTC (in parallel),
+checks the output against ``F.conv2d`` in float64 on a fresh random input, and times the kernels and cuDNN's
+convolution alone in FP32 (TF32 off), TF32 and FP16 (faster of NCHW and NHWC) with CUDA events, median of
+``--runs`` after warm-up, in one process. It writes ``probe.json`` under ``--out`` after every case.
+
+    PYTHONPATH=. python3 scripts/probe_generated.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from unsparse.atomic import atomic_write_text
+from unsparse.runtime import generated_source as gs
+from unsparse.runtime.baseline import time_baseline
+from unsparse.runtime.timing import time_fn
+from unsparse.sparse.geometry import ConvGeometry
+
+CASES = (
+    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.9, "float32"),
+    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.7, "float32"),
+    ("vgg16.features.17", 512, 512, 28, 3, 1, 0.9, "float32"),
+    ("vgg16.features.24", 512, 512, 14, 3, 1, 0.9, "float32"),
+    ("resnet50.layer3.1.conv1", 1024, 256, 14, 1, 0, 0.9, "float32"),
+    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.95, "float16"),
+    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.9, "float16"),
+    ("vgg16.features.5", 128, 128, 112, 3, 1, 0.9, "float32"),
+)
+"""(layer, C, M, H = W, R = S, padding, sparsity, dtype)."""
+
+
+def uniform_weight(out_channels: int, channels: int, kernel: int, sparsity: float, seed: int) -> np.ndarray:
+    """``(M, C, R, R)`` float32 with round((1 - sparsity) * C * R * R) nonzeros per row at random positions."""
+    rng = np.random.default_rng(seed)
+    taps = channels * kernel * kernel
+    nnz = round((1 - sparsity) * taps)
+    keep = np.argsort(rng.random((out_channels, taps)), axis=1)[:, :nnz]
+    weight = np.zeros((out_channels, taps), np.float32)
+    np.put_along_axis(weight, keep, rng.standard_normal(keep.shape).astype(np.float32) / math.sqrt(taps), axis=1)
+    return weight.reshape(out_channels, channels, kernel, kernel)
+
+
+def compile_programs(sources: list[str]) -> list[Any]:
+    """One ``generated_conv`` function per source, compiled concurrently (NVRTC runs outside the GIL)."""
+    import cupy
+
+    def build(source: str) -> Any:
+        return cupy.RawModule(code=source, options=("-std=c++17",)).get_function("generated_conv")
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        return list(pool.map(build, sources))
+
+
+def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
+    """Compile, check and time one case; the record holds every figure and how it was obtained."""
+    import cupy
+
+    name, channels, out_channels, size, kernel, padding, sparsity, dtype_name = case
+    dtype = getattr(torch, dtype_name)
+    device = torch.device("cuda")
+    weight = uniform_weight(out_channels, channels, kernel, sparsity, seed=0)
+    if dtype == torch.float16:
+        weight = weight.astype(np.float16).astype(np.float32)
+    tile = gs.choose_tile((size, size))
+    programs = gs.programs(weight, (padding, padding), tile)
+    started = time.perf_counter()
+    functions = compile_programs([gs.kernel_source(program, dtype) for program in programs])
+    compile_s = time.perf_counter() - started
+    x = torch.randn(batch, channels, size, size, device=device).to(dtype)
+    y = torch.empty(batch, out_channels, size, size, device=device, dtype=dtype)
+    grid = gs.launch_grid(batch, (size, size), tile)
+    x_cp, y_cp = cupy.from_dlpack(x), cupy.from_dlpack(y)
+
+    def generated(_: int) -> torch.Tensor:
+        for program, function in zip(programs, functions, strict=True):
+            function(grid, (tile.threads, 1, 1), (x_cp, np.uint64(0), y_cp, np.int32(batch), np.int32(channels),
+                                                   np.int32(size), np.int32(size), np.int32(out_channels),
+                                                   np.int32(size), np.int32(size), np.int32(program.first)))
+        return y
+
+    dense = torch.from_numpy(weight).to(device)
+    reference = F.conv2d(x.double(), dense.double(), padding=padding)
+    generated(0)
+    torch.cuda.synchronize()
+    scale = reference.abs().max().item()
+    rel_error = ((y.double() - reference).abs().max() / scale).item()
+    timing = time_fn(generated, device, runs=runs, warmup=3)
+    useful_flop = 2.0 * np.count_nonzero(weight) * batch * size * size
+    record: dict[str, Any] = {
+        "layer": name, "in_chw": [channels, size, size], "weight_shape": list(weight.shape), "batch": batch,
+        "dtype": dtype_name, "target_sparsity": sparsity,
+        "measured_sparsity": 1 - np.count_nonzero(weight) / weight.size,
+        "weights": "synthetic: uniform nnz per output channel, random positions, seed 0",
+        "tile": {"rows": tile.rows, "chunk": tile.chunk, "height": tile.height, "width": tile.width},
+        "kernels": len(programs), "compile_s": compile_s, "rel_error": rel_error,
+        "generated_ms": timing.to_dict(), "useful_tflops": useful_flop / timing.median_ms / 1e9,
+        "registers": [int(f.num_regs) for f in functions],
+    }
+    geometry = ConvGeometry(stride=(1, 1), padding=(padding, padding), dilation=(1, 1), groups=1)
+    modes = {"fp32": (torch.float32, False), "tf32": (torch.float32, True), "fp16": (torch.float16, False)}
+    for mode, (mode_dtype, tf32) in modes.items():
+        if dtype == torch.float16 and mode != "fp16":
+            continue
+        saved = torch.backends.cudnn.allow_tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        try:
+            inputs = [x.to(mode_dtype)]
+            ref = reference
+
+            def error(out: torch.Tensor, ref: torch.Tensor = ref) -> float:
+                return ((out.double() - ref).abs().max() / scale).item()
+
+            base = time_baseline(inputs, dense.to(mode_dtype), geometry, error, bound=0.05, runs=runs)
+        finally:
+            torch.backends.cudnn.allow_tf32 = saved
+        record[f"cudnn_{mode}"] = base.to_dict()
+        if base.median_ms is not None:
+            record[f"speedup_vs_cudnn_{mode}"] = base.median_ms / timing.median_ms
+    return record
+
+
+def environment() -> dict[str, Any]:
+    """GPU, driver and library versions of this run."""
+    import cupy
+
+    properties = torch.cuda.get_device_properties(0)
+    return {"gpu": properties.name, "sms": properties.multi_processor_count,
+            "driver": cupy.cuda.runtime.driverGetVersion(), "cuda_runtime": cupy.cuda.runtime.runtimeGetVersion(),
+            "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(), "cupy": cupy.__version__,
+            "python": platform.python_version()}
+
+
+def main() -> None:
+    """Run every case of :data:`CASES` (or ``--cases`` of them) and write ``probe.json`` after each."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--cases", type=int, nargs="*", help="indices into CASES (default: all)")
+    args = parser.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    result: dict[str, Any] = {"environment": environment(), "commit": args.commit, "batch": args.batch,
+                              "runs": args.runs, "records": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    for index in args.cases if args.cases is not None else range(len(CASES)):
+        try:
+            record = run_case(CASES[index], args.batch, args.runs)
+        except Exception as error:  # a failed case is recorded, and the next one still runs
+            record = {"case": list(CASES[index]), "error": f"{type(error).__name__}: {error}"}
+        result["records"].append(record)
+        print(json.dumps({k: v for k, v in record.items() if not k.startswith("cudnn_")}), flush=True)
+        atomic_write_text(args.out / "probe.json", json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
