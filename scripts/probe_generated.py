@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import platform
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -31,16 +32,20 @@ from unsparse.runtime.timing import time_fn
 from unsparse.sparse.geometry import ConvGeometry
 
 CASES = (
-    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.9, "float32"),
-    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.7, "float32"),
-    ("vgg16.features.17", 512, 512, 28, 3, 1, 0.9, "float32"),
-    ("vgg16.features.24", 512, 512, 14, 3, 1, 0.9, "float32"),
-    ("resnet50.layer3.1.conv1", 1024, 256, 14, 1, 0, 0.9, "float32"),
-    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.95, "float16"),
-    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.9, "float16"),
-    ("vgg16.features.5", 128, 128, 112, 3, 1, 0.9, "float32"),
+    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.9, "float32", 16),
+    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.9, "float32", 8),
+    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.9, "float32", 32),
+    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.7, "float32", 4),
+    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.7, "float32", 8),
+    ("vgg16.features.17", 512, 512, 28, 3, 1, 0.9, "float32", 16),
+    ("resnet50.layer3.1.conv1", 1024, 256, 14, 1, 0, 0.9, "float32", 32),
+    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.95, "float16", 32),
+    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.9, "float16", 16),
 )
-"""(layer, C, M, H = W, R = S, padding, sparsity, dtype)."""
+"""(layer, C, M, H = W, R = S, padding, sparsity, dtype, KT)."""
+
+ICACHE_BODIES = (512, 1024, 2048, 4096, 6144, 8192, 10240, 12288, 16384)
+"""Loop bodies (FFMA instructions, 16 bytes each) of the instruction-cache probe."""
 
 
 def uniform_weight(out_channels: int, channels: int, kernel: int, sparsity: float, seed: int) -> np.ndarray:
@@ -54,12 +59,12 @@ def uniform_weight(out_channels: int, channels: int, kernel: int, sparsity: floa
     return weight.reshape(out_channels, channels, kernel, kernel)
 
 
-def compile_programs(sources: list[str]) -> list[Any]:
-    """One ``generated_conv`` function per source, compiled concurrently (NVRTC runs outside the GIL)."""
+def compile_programs(sources: list[str], name: str = "generated_conv") -> list[Any]:
+    """Function ``name`` of each source, compiled concurrently (NVRTC runs outside the GIL)."""
     import cupy
 
     def build(source: str) -> Any:
-        return cupy.RawModule(code=source, options=("-std=c++17",)).get_function("generated_conv")
+        return cupy.RawModule(code=source, options=("-std=c++17",)).get_function(name)
 
     with ThreadPoolExecutor(max_workers=16) as pool:
         return list(pool.map(build, sources))
@@ -69,27 +74,28 @@ def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
     """Compile, check and time one case; the record holds every figure and how it was obtained."""
     import cupy
 
-    name, channels, out_channels, size, kernel, padding, sparsity, dtype_name = case
+    name, channels, out_channels, size, kernel, padding, sparsity, dtype_name, rows = case
     dtype = getattr(torch, dtype_name)
     device = torch.device("cuda")
     weight = uniform_weight(out_channels, channels, kernel, sparsity, seed=0)
     if dtype == torch.float16:
         weight = weight.astype(np.float16).astype(np.float32)
-    tile = gs.choose_tile((size, size))
-    programs = gs.programs(weight, (padding, padding), tile)
+    programs = gs.programs(weight, (padding, padding), (size, size), rows)
     started = time.perf_counter()
     functions = compile_programs([gs.kernel_source(program, dtype) for program in programs])
     compile_s = time.perf_counter() - started
     x = torch.randn(batch, channels, size, size, device=device).to(dtype)
     y = torch.empty(batch, out_channels, size, size, device=device, dtype=dtype)
-    grid = gs.launch_grid(batch, (size, size), tile)
-    x_cp, y_cp = cupy.from_dlpack(x), cupy.from_dlpack(y)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    grids = [gs.launch_grid(batch * size * size, resident_blocks(f.num_regs), sms) for f in functions]
+    y_cp = cupy.from_dlpack(y)
 
     def generated(_: int) -> torch.Tensor:
-        for program, function in zip(programs, functions, strict=True):
-            function(grid, (tile.threads, 1, 1), (x_cp, np.uint64(0), y_cp, np.int32(batch), np.int32(channels),
-                                                   np.int32(size), np.int32(size), np.int32(out_channels),
-                                                   np.int32(size), np.int32(size), np.int32(program.first)))
+        padded = F.pad(x, (padding,) * 4) if padding else x
+        padded_cp = cupy.from_dlpack(padded)
+        for program, function, grid in zip(programs, functions, grids, strict=True):
+            function(grid, (gs.THREADS, 1, 1), (padded_cp, np.uint64(0), y_cp, np.int32(batch * size * size),
+                                                np.int32(out_channels), np.int32(program.first)))
         return y
 
     dense = torch.from_numpy(weight).to(device)
@@ -105,8 +111,9 @@ def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
         "dtype": dtype_name, "target_sparsity": sparsity,
         "measured_sparsity": 1 - np.count_nonzero(weight) / weight.size,
         "weights": "synthetic: uniform nnz per output channel, random positions, seed 0",
-        "tile": {"rows": tile.rows, "chunk": tile.chunk, "height": tile.height, "width": tile.width},
-        "kernels": len(programs), "compile_s": compile_s, "rel_error": rel_error,
+        "rows_per_kernel": rows, "kernels": len(programs), "grids": [g[0] for g in grids],
+        "body_instructions": [len(p.taps) + p.products for p in programs], "compile_s": compile_s,
+        "rel_error": rel_error,
         "generated_ms": timing.to_dict(), "useful_tflops": useful_flop / timing.median_ms / 1e9,
         "registers": [int(f.num_regs) for f in functions],
     }
@@ -133,6 +140,62 @@ def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
     return record
 
 
+def resident_blocks(registers: int) -> int:
+    """Blocks of :data:`~unsparse.runtime.generated_source.THREADS` threads one SM holds at ``registers`` per thread
+    (64 K registers allocated per warp in units of 256, at most 2048 threads)."""
+    per_warp = math.ceil(registers * 32 / 256) * 256
+    return max(1, min(2048 // gs.THREADS, 65536 // (per_warp * gs.THREADS // 32)))
+
+
+def icache_source(body: int) -> str:
+    """PTX of a kernel whose loop body is ``body`` FFMAs with immediate weights on 64 independent accumulator
+    chains. PTX, not CUDA C: NVVM spent 89 s on the 16 K body in C (ptxas 1.4 s)."""
+    rng = np.random.default_rng(body)
+    weights = rng.uniform(0.4, 0.6, body).astype(np.float32).view(np.uint32)
+    lines = [".version 8.0", ".target sm_90", ".address_size 64",
+             ".visible .entry icache(.param .u64 out, .param .u32 iterations) {",
+             "  .reg .f32 %a<64>;", "  .reg .f32 %b, %s;", "  .reg .u32 %i, %n, %t, %nt, %index;", "  .reg .pred %p;",
+             "  .reg .u64 %ptr, %off;",
+             "  mov.u32 %t, %tid.x;", "  cvt.rn.f32.u32 %b, %t;", "  mul.f32 %b, %b, 0f38D1B717;"]
+    lines += [f"  add.f32 %a{j}, %b, 0f{np.float32(j).view(np.uint32):08X};" for j in range(64)]
+    lines += ["  ld.param.u32 %n, [iterations];", "  mov.u32 %i, 0;", "LOOP:", "  setp.ge.u32 %p, %i, %n;",
+              "  @%p bra DONE;"]
+    lines += [f"  fma.rn.f32 %a{i % 64}, %a{i % 64}, 0f{weight:08X}, %b;" for i, weight in enumerate(weights)]
+    lines += ["  add.u32 %i, %i, 1;", "  bra LOOP;", "DONE:", "  mov.f32 %s, %a0;"]
+    lines += [f"  add.f32 %s, %s, %a{j};" for j in range(1, 64)]
+    lines += ["  mov.u32 %index, %ctaid.x;", "  mov.u32 %nt, %ntid.x;",
+              "  mad.lo.u32 %index, %index, %nt, %t;",
+              "  mul.wide.u32 %off, %index, 4;", "  ld.param.u64 %ptr, [out];", "  add.u64 %ptr, %ptr, %off;",
+              "  st.global.f32 [%ptr], %s;", "  ret;", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def icache_probe(runs: int) -> list[dict[str, Any]]:
+    """FFMA issue rate per SM for each loop body of :data:`ICACHE_BODIES` (the same count of FFMAs each): where it
+    falls, the body no longer fits the SM's instruction cache."""
+    import cupy
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    folder = Path(tempfile.mkdtemp())
+    functions = []
+    for body in ICACHE_BODIES:
+        path = folder / f"icache_{body}.ptx"
+        path.write_text(icache_source(body))
+        functions.append(cupy.RawModule(path=str(path)).get_function("icache"))
+    out = cupy.empty(sms * 8 * 256, dtype=cupy.float32)
+    records = []
+    for body, function in zip(ICACHE_BODIES, functions, strict=True):
+        iterations = 2**21 // body
+        timing = time_fn(lambda _, f=function, i=iterations: f((sms * 8, 1, 1), (256, 1, 1), (out, np.int32(i))),
+                         torch.device("cuda"), runs=runs, warmup=2)
+        warp_instructions = sms * 8 * 8 * body * iterations
+        records.append({"body_instructions": body, "body_bytes": 16 * body, "iterations": iterations,
+                        "median_ms": timing.median_ms, "registers": int(function.num_regs),
+                        "ffma_warp_instructions_per_ns_per_sm": warp_instructions / timing.median_ms / 1e6 / sms})
+        print(json.dumps(records[-1]), flush=True)
+    return records
+
+
 def environment() -> dict[str, Any]:
     """GPU, driver and library versions of this run."""
     import cupy
@@ -157,6 +220,8 @@ def main() -> None:
     result: dict[str, Any] = {"environment": environment(), "commit": args.commit, "batch": args.batch,
                               "runs": args.runs, "records": []}
     args.out.mkdir(parents=True, exist_ok=True)
+    result["icache"] = icache_probe(args.runs)
+    atomic_write_text(args.out / "probe.json", json.dumps(result, indent=1))
     for index in args.cases if args.cases is not None else range(len(CASES)):
         try:
             record = run_case(CASES[index], args.batch, args.runs)
