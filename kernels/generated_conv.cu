@@ -20,8 +20,8 @@
 //   products(base, acc): the generated body, one load of base[offset] per (channel, tap) with a nonzero among the
 //     KT rows (offset = (c * HP + r) * WP + s, a compile-time constant below 2^31) and its fused multiply-adds.
 //
-// xp: (N, C, HP, WP) zero-padded input; y: (N, M, E, F) output, rows k0 .. k0 + KT - 1 written; bias: (M,) or
-// nullptr; total = N * E * F. Stride 1, dilation 1, groups 1 only (the caller checks). Every address is inside xp
+// xp: (N, C, HP, WP) zero-padded input; y: (N, M, E, F) output, rows k0 .. k0 + KT - 1 written; bias: (M,) of T
+// or nullptr; total = N * E * F. Stride 1, dilation 1, groups 1 only (the caller checks). Every address is inside xp
 // for p < total: oy + r < HP and ox + s < WP.
 
 #include <cuda_fp16.h>
@@ -34,7 +34,7 @@ __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn
 __device__ __forceinline__ void products(const T* __restrict__ base, float* acc);
 
 extern "C" __global__ void __launch_bounds__(THREADS) generated_conv(
-    const T* __restrict__ xp, const float* __restrict__ bias, T* __restrict__ y, int total, int M, int k0) {
+    const T* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int M, int k0) {
   for (int p = blockIdx.x * THREADS + threadIdx.x; p < total; p += gridDim.x * THREADS) {
     const int ox = p % F;
     const int oy = (p / F) % E;
@@ -47,7 +47,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) generated_conv(
     T* out = y + ((static_cast<size_t>(n) * M + k0) * E + oy) * F + ox;
 #pragma unroll
     for (int k = 0; k < KT; ++k) {
-      if (k0 + k < M) store(out + static_cast<size_t>(k) * E * F, acc[k] + (bias ? bias[k0 + k] : 0.0f));
+      if (k0 + k < M) store(out + static_cast<size_t>(k) * E * F, acc[k] + (bias ? to_float(bias[k0 + k]) : 0.0f));
     }
   }
 }

@@ -17,7 +17,6 @@ import math
 import platform
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -27,20 +26,18 @@ import torch.nn.functional as F
 
 from unsparse.atomic import atomic_write_text
 from unsparse.runtime import generated_source as gs
+from unsparse.runtime.backends.generated import compile_all
 from unsparse.runtime.baseline import time_baseline
 from unsparse.runtime.timing import time_fn
 from unsparse.sparse.geometry import ConvGeometry
 
 CASES = (
-    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.9, "float32", 16),
-    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.9, "float32", 8),
-    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.9, "float32", 32),
-    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.7, "float32", 4),
-    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.7, "float32", 8),
-    ("vgg16.features.17", 512, 512, 28, 3, 1, 0.9, "float32", 16),
+    ("vgg16.features.12", 256, 256, 56, 3, 1, 0.9, "float32", 32),
+    ("vgg16.features.12", 256, 256, 56, 3, 1, 0.9, "float32", 64),
+    ("vgg16.features.12", 256, 256, 56, 3, 1, 0.7, "float32", 32),
+    ("vgg16.features.19", 512, 512, 28, 3, 1, 0.9, "float32", 32),
     ("resnet50.layer3.1.conv1", 1024, 256, 14, 1, 0, 0.9, "float32", 32),
-    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.95, "float16", 32),
-    ("vgg16.features.10", 256, 256, 56, 3, 1, 0.9, "float16", 16),
+    ("vgg16.features.12", 256, 256, 56, 3, 1, 0.95, "float16", 32),
 )
 """(layer, C, M, H = W, R = S, padding, sparsity, dtype, KT)."""
 
@@ -59,17 +56,6 @@ def uniform_weight(out_channels: int, channels: int, kernel: int, sparsity: floa
     return weight.reshape(out_channels, channels, kernel, kernel)
 
 
-def compile_programs(sources: list[str], name: str = "generated_conv") -> list[Any]:
-    """Function ``name`` of each source, compiled concurrently (NVRTC runs outside the GIL)."""
-    import cupy
-
-    def build(source: str) -> Any:
-        return cupy.RawModule(code=source, options=("-std=c++17",)).get_function(name)
-
-    with ThreadPoolExecutor(max_workers=16) as pool:
-        return list(pool.map(build, sources))
-
-
 def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
     """Compile, check and time one case; the record holds every figure and how it was obtained."""
     import cupy
@@ -82,19 +68,21 @@ def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
         weight = weight.astype(np.float16).astype(np.float32)
     programs = gs.programs(weight, (padding, padding), (size, size), rows)
     started = time.perf_counter()
-    functions = compile_programs([gs.kernel_source(program, dtype) for program in programs])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    threads = gs.choose_threads(batch * size * size, sms)
+    functions = compile_all([gs.kernel_source(program, dtype, threads) for program in programs])
     compile_s = time.perf_counter() - started
     x = torch.randn(batch, channels, size, size, device=device).to(dtype)
     y = torch.empty(batch, out_channels, size, size, device=device, dtype=dtype)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    grids = [gs.launch_grid(batch * size * size, resident_blocks(f.num_regs), sms) for f in functions]
+    grids = [gs.launch_grid(batch * size * size, threads, gs.resident_blocks(f.num_regs, threads), sms)
+             for f in functions]
     y_cp = cupy.from_dlpack(y)
 
     def generated(_: int) -> torch.Tensor:
         padded = F.pad(x, (padding,) * 4) if padding else x
         padded_cp = cupy.from_dlpack(padded)
         for program, function, grid in zip(programs, functions, grids, strict=True):
-            function(grid, (gs.THREADS, 1, 1), (padded_cp, np.uint64(0), y_cp, np.int32(batch * size * size),
+            function(grid, (threads, 1, 1), (padded_cp, np.uint64(0), y_cp, np.int32(batch * size * size),
                                                 np.int32(out_channels), np.int32(program.first)))
         return y
 
@@ -111,7 +99,7 @@ def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
         "dtype": dtype_name, "target_sparsity": sparsity,
         "measured_sparsity": 1 - np.count_nonzero(weight) / weight.size,
         "weights": "synthetic: uniform nnz per output channel, random positions, seed 0",
-        "rows_per_kernel": rows, "kernels": len(programs), "grids": [g[0] for g in grids],
+        "rows_per_kernel": rows, "threads": threads, "kernels": len(programs), "grids": [g[0] for g in grids],
         "body_instructions": [len(p.taps) + p.products for p in programs], "compile_s": compile_s,
         "rel_error": rel_error,
         "generated_ms": timing.to_dict(), "useful_tflops": useful_flop / timing.median_ms / 1e9,
@@ -138,13 +126,6 @@ def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
         if base.median_ms is not None:
             record[f"speedup_vs_cudnn_{mode}"] = base.median_ms / timing.median_ms
     return record
-
-
-def resident_blocks(registers: int) -> int:
-    """Blocks of :data:`~unsparse.runtime.generated_source.THREADS` threads one SM holds at ``registers`` per thread
-    (64 K registers allocated per warp in units of 256, at most 2048 threads)."""
-    per_warp = math.ceil(registers * 32 / 256) * 256
-    return max(1, min(2048 // gs.THREADS, 65536 // (per_warp * gs.THREADS // 32)))
 
 
 def icache_source(body: int) -> str:

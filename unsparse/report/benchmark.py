@@ -24,7 +24,9 @@ ESCOIN_MODELS = ("alexnet", "googlenet", "resnet50")
 ESCOIN_TARGETS = {"im2col_cublas": 2.63, "im2col_cusparse": 3.07}
 """Escoin's P100 geometric-mean speedups of direct sparse convolution (paper 000 §4), issue 5 targets."""
 
-CUDNN_MODES = {"fp32": "cuDNN FP32 (TF32 off)", "tf32": "cuDNN TF32", "fp16": "cuDNN FP16", "fp16_half2": "cuDNN FP16"}
+CUDNN_MODES = {"fp32": "cuDNN FP32 (TF32 off)", "tf32": "cuDNN TF32", "fp16": "cuDNN FP16", "fp16_half2": "cuDNN FP16",
+               "fp32_generated": "cuDNN FP32 (TF32 off)", "tf32_generated": "cuDNN TF32",
+               "fp16_generated": "cuDNN FP16"}
 """The cuDNN mode each precision of :data:`~unsparse.runtime.precision.PRECISIONS` is timed in, what its speedups
 are over (``fp16_half2``: cuDNN FP16, against the half2-product direct kernel), for the speedup plot's axes."""
 

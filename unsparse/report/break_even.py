@@ -18,7 +18,10 @@ from pathlib import Path
 from typing import Any
 
 MODES = {"fp32": "cuDNN FP32 (TF32 off)", "tf32": "cuDNN TF32", "fp16": "cuDNN FP16 (best layout)",
-         "fp16_half2": "cuDNN FP16 (best layout), direct with half2 products"}
+         "fp16_half2": "cuDNN FP16 (best layout), direct with half2 products",
+         "fp32_generated": "cuDNN FP32 (TF32 off), weight-specialised kernels",
+         "tf32_generated": "cuDNN TF32, weight-specialised kernels",
+         "fp16_generated": "cuDNN FP16 (best layout), weight-specialised kernels"}
 """Benchmark precisions and the cuDNN mode each compares the direct kernel against."""
 
 Curve = list[tuple[float, float]]

@@ -40,9 +40,10 @@ from unsparse.sparse.geometry import ConvGeometry
 
 log = logging.getLogger(__name__)
 
-COMPARED_BY_DEFAULT_EXCLUDES = frozenset({"reference", "auto", "direct_half2"})
-"""Backends not timed unless asked for: the reference is the check, ``auto`` is the plan itself, and
-``direct_half2`` rounds every product to float16 (an opt-in change of numerics)."""
+COMPARED_BY_DEFAULT_EXCLUDES = frozenset({"reference", "auto", "direct_half2", "generated"})
+"""Backends not timed unless asked for: the reference is the check, ``auto`` is the plan itself,
+``direct_half2`` rounds every product to float16 (an opt-in change of numerics), and ``generated`` compiles kernels
+per weight (seconds to minutes per layer)."""
 DENSE_DEFAULTS = {"cudnn": {"nchw": {"memory_format": "contiguous"}, "nhwc": {"memory_format": "channels_last"}},
                   "dense_cpu": {"nchw": {}, "nhwc": {}}}
 """Per backend name and input layout, the parameters of the dense default a plan falls back to: cuDNN in the input's

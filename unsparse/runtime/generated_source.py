@@ -32,8 +32,8 @@ SKELETON_FILE = KERNEL_DIR / "generated_conv.cu"
 STORAGE_TYPES = {torch.float32: "float", torch.float16: "__half"}
 """CUDA storage type per torch dtype; arithmetic is float32 in both."""
 
-THREADS = 256
-"""Threads per block (one output pixel per thread per loop step)."""
+THREAD_CHOICES = (256, 128, 64)
+"""Threads per block :func:`choose_threads` picks from (one output pixel per thread per loop step)."""
 
 OFFSET_LIMIT = 2**31
 """Offsets into the padded input are int32 immediates: the input plane of one image, C * HP * WP, must stay below."""
@@ -145,25 +145,48 @@ def products_source(program: Program) -> str:
     return "\n".join(lines)
 
 
-def kernel_source(program: Program, dtype: torch.dtype) -> str:
+def kernel_source(program: Program, dtype: torch.dtype, threads: int) -> str:
     """The whole CUDA source of one program: constants, the skeleton and ``products``.
 
+    Args:
+        threads: threads per block, one of :data:`THREAD_CHOICES` (the kernel's launch bound).
+
     Raises:
-        ValueError: for a dtype other than float32 or float16 (naming ``dtype``).
+        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), or ``threads`` not in
+            :data:`THREAD_CHOICES`.
     """
     if dtype not in STORAGE_TYPES:
         raise ValueError(f"dtype: {dtype} not supported (float32 or float16)")
+    if threads not in THREAD_CHOICES:
+        raise ValueError(f"threads: {threads!r} not among {THREAD_CHOICES}")
     constants = {"KT": program.width, "C": program.channels, "HP": program.padded_hw[0], "WP": program.padded_hw[1],
-                 "E": program.out_hw[0], "F": program.out_hw[1], "THREADS": THREADS}
+                 "E": program.out_hw[0], "F": program.out_hw[1], "THREADS": threads}
     header = [f"#define {name} {value}" for name, value in constants.items()]
     header += ["#include <cuda_fp16.h>", f"typedef {STORAGE_TYPES[dtype]} T;"]
     return "\n".join([*header, SKELETON_FILE.read_text(), products_source(program)])
 
 
-def launch_grid(total: int, blocks_per_sm: int, sms: int) -> tuple[int, int, int]:
-    """CUDA grid for ``total = N * E * F`` output pixels: enough blocks of :data:`THREADS` for every pixel, at most
-    as many as stay resident at once (the rest loop)."""
-    return (max(1, min(math.ceil(total / THREADS), blocks_per_sm * sms)), 1, 1)
+def choose_threads(total: int, sms: int) -> int:
+    """Threads per block for ``total = N * E * F`` output pixels on ``sms`` SMs: the largest of
+    :data:`THREAD_CHOICES` that still gives every SM two blocks, else the smallest (small layers and batch 1 would
+    leave SMs idle with 256-thread blocks)."""
+    for threads in THREAD_CHOICES:
+        if math.ceil(total / threads) >= 2 * sms:
+            return threads
+    return THREAD_CHOICES[-1]
+
+
+def resident_blocks(registers: int, threads: int) -> int:
+    """Blocks of ``threads`` one SM holds at ``registers`` per thread: 64 K registers, allocated per warp in units
+    of 256, at most 2048 threads and 32 blocks (sm_80 and sm_90)."""
+    per_warp = math.ceil(registers * 32 / 256) * 256
+    return max(1, min(2048 // threads, 32, 65536 // (per_warp * math.ceil(threads / 32))))
+
+
+def launch_grid(total: int, threads: int, blocks_per_sm: int, sms: int) -> tuple[int, int, int]:
+    """CUDA grid for ``total = N * E * F`` output pixels: enough blocks of ``threads`` for every pixel, at most as
+    many as stay resident at once (the rest loop)."""
+    return (max(1, min(math.ceil(total / threads), blocks_per_sm * sms)), 1, 1)
 
 
 def run_program(program: Program, padded: np.ndarray) -> np.ndarray:

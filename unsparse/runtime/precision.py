@@ -23,10 +23,15 @@ class Precision:
 
 
 PRECISIONS = {"fp32": Precision(torch.float32, False), "tf32": Precision(torch.float32, True),
-              "fp16": Precision(torch.float16, False), "fp16_half2": Precision(torch.float16, False, "direct_half2")}
+              "fp16": Precision(torch.float16, False), "fp16_half2": Precision(torch.float16, False, "direct_half2"),
+              "fp32_generated": Precision(torch.float32, False, "generated"),
+              "tf32_generated": Precision(torch.float32, True, "generated"),
+              "fp16_generated": Precision(torch.float16, False, "generated")}
 """Precision name -> :class:`Precision`. ``fp16_half2``: cuDNN FP16 against the half2-product kernel
 (:class:`~unsparse.runtime.backends.direct.DirectHalf2Backend`), an opt-in change of numerics; ``fp16`` times the
-direct kernels with float32 products."""
+direct kernels with float32 products. The ``*_generated`` precisions time the weight-specialised kernels
+(:class:`~unsparse.runtime.backends.generated.GeneratedBackend`, float32 arithmetic) against the same cuDNN mode as
+the precision without the suffix; they compile kernels per layer, so they are opt-in too."""
 
 
 @contextmanager

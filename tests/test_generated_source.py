@@ -1,0 +1,149 @@
+"""The weight-specialised kernels' generator (``unsparse.runtime.generated_source``) on the CPU: the programs run as
+the kernel indexes the padded input and match ``F.conv2d`` in float64, the CUDA text says exactly what the program
+says, bad weights and sizes are refused naming the field, and the source compiles for sm_90 (NVRTC, as CuPy does)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.test_kernels_nvrtc import compile_with_nvrtc, nvrtc_library
+from unsparse.runtime import generated_source as gs
+
+
+def random_weight(rng: np.random.Generator, shape: tuple[int, int, int, int], density: float) -> np.ndarray:
+    """float32 weight with about ``density`` of its entries nonzero, row 0 all zero and row 1 fully dense."""
+    weight = (rng.standard_normal(shape) * (rng.random(shape) < density)).astype(np.float32)
+    weight[0] = 0.0
+    if shape[0] > 1:
+        weight[1] = rng.standard_normal(shape[1:]).astype(np.float32) + 3.0
+    return weight
+
+
+def run_layer(weight: np.ndarray, x: np.ndarray, padding: tuple[int, int], rows: int) -> np.ndarray:
+    """The layer's output from its programs, run on the CPU one after another as the kernels are launched."""
+    padded = np.pad(x, ((0, 0), (0, 0), (padding[0],) * 2, (padding[1],) * 2))
+    return np.concatenate([gs.run_program(p, padded) for p in gs.programs(weight, padding, x.shape[2:], rows)],
+                          axis=1)
+
+
+CASES = [  # (M, C, H, W, R, S, padding, density, rows)
+    (10, 5, 9, 13, 3, 3, (1, 1), 0.3, 4),
+    (7, 3, 6, 5, 3, 3, (0, 0), 0.5, 3),
+    (5, 17, 4, 4, 1, 1, (0, 0), 0.4, 8),
+    (9, 4, 7, 7, 5, 5, (2, 2), 0.2, 2),
+    (6, 2, 3, 3, 3, 3, (2, 2), 0.9, 64),
+    (4, 3, 1, 11, 1, 3, (0, 1), 0.5, 3),  # a Conv1d as H = 1
+    (3, 2, 5, 6, 2, 3, (1, 0), 0.6, 1),  # even kernel, padding on one axis only
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
+def test_programs_match_conv2d_in_float64(case: tuple) -> None:
+    M, C, H, W, R, S, padding, density, rows = case
+    rng = np.random.default_rng(len(CASES) + M * C)
+    weight = random_weight(rng, (M, C, R, S), density)
+    x = rng.standard_normal((2, C, H, W))
+    expected = F.conv2d(torch.from_numpy(x), torch.from_numpy(weight).double(), padding=padding).numpy()
+    out = run_layer(weight, x, padding, rows)
+    assert out.shape == expected.shape
+    np.testing.assert_allclose(out, expected, rtol=0, atol=1e-12)
+
+
+def test_programs_split_the_rows_and_count_the_nonzeros() -> None:
+    rng = np.random.default_rng(3)
+    weight = random_weight(rng, (10, 4, 3, 3), 0.3)
+    programs = gs.programs(weight, (1, 1), (6, 6), 4)
+    assert [(p.first, p.rows, p.width) for p in programs] == [(0, 4, 4), (4, 4, 4), (8, 2, 4)]
+    assert sum(p.products for p in programs) == np.count_nonzero(weight)
+    assert programs[0].out_hw == (6, 6) and programs[0].padded_hw == (8, 8)
+    for program in programs:  # one load per (channel, tap) with a nonzero, each in bounds of one padded image
+        assert len({tap.offset for tap in program.taps}) == len(program.taps)
+        assert all(0 <= tap.offset < 4 * 8 * 8 for tap in program.taps)
+        assert all(value != 0.0 for tap in program.taps for _, value in tap.products)
+
+
+def test_an_all_zero_weight_gives_programs_without_taps() -> None:
+    programs = gs.programs(np.zeros((3, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)
+    assert [p.taps for p in programs] == [(), ()]
+    x = np.random.default_rng(0).standard_normal((1, 2, 4, 4))
+    assert not run_layer(np.zeros((3, 2, 3, 3), np.float32), x, (1, 1), 2).any()
+
+
+def parse_products(source: str) -> list[tuple[int, tuple[tuple[int, float], ...]]]:
+    """The (offset, products) pairs the CUDA text of ``products`` performs, read back from the text."""
+    taps = []
+    for block in re.findall(r"\{ const float v = to_float\(__ldg\(base \+ (\d+)\)\);\n(.*?)\n  \}", source, re.S):
+        products = tuple((int(row), float.fromhex(value)) for row, value, again in
+                         re.findall(r"acc\[(\d+)\] = fmaf\(v, (\S+)f, acc\[(\d+)\]\);", block[1]))
+        taps.append((int(block[0]), products))
+    return taps
+
+
+def test_the_cuda_text_performs_exactly_the_programs_products() -> None:
+    rng = np.random.default_rng(5)
+    weight = random_weight(rng, (6, 3, 3, 3), 0.4)
+    weight[2, 1, 1, 1] = np.float32(1e-40)  # a float32 subnormal survives the literal exactly
+    for program in gs.programs(weight, (1, 1), (5, 7), 3):
+        source = gs.products_source(program)
+        assert parse_products(source) == [(tap.offset, tap.products) for tap in program.taps]
+        assert source.count("fmaf") == program.products
+    products = [value for p in gs.programs(weight, (1, 1), (5, 7), 3) for tap in p.taps for _, value in tap.products]
+    assert np.float32(1e-40) in np.array(products, dtype=np.float32)
+
+
+@pytest.mark.parametrize(("weight", "kwargs", "field"), [
+    (np.zeros((2, 2, 3, 3), np.float64), {}, "weight"),
+    (np.zeros((2, 2, 3), np.float32), {}, "weight"),
+    (np.full((2, 2, 3, 3), np.inf, np.float32), {}, "weight"),
+    (np.full((2, 2, 3, 3), np.nan, np.float32), {}, "weight"),
+    (np.ones((2, 2, 3, 3), np.float32), {"rows": 0}, "rows"),
+    (np.ones((2, 2, 3, 3), np.float32), {"rows": True}, "rows"),
+    (np.ones((2, 2, 3, 3), np.float32), {"padding": (-1, 0)}, "padding"),
+    (np.ones((2, 2, 3, 3), np.float32), {"in_hw": (1, 5), "padding": (0, 0)}, "in_hw"),
+    (np.ones((1, 2, 1, 1), np.float32), {"in_hw": (2**15, 2**15), "padding": (0, 0)}, "in_hw"),
+])
+def test_bad_inputs_are_refused_naming_the_field(weight: np.ndarray, kwargs: dict, field: str) -> None:
+    arguments = {"padding": (1, 1), "in_hw": (4, 4), "rows": 2, **kwargs}
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        gs.programs(weight, arguments["padding"], arguments["in_hw"], arguments["rows"])
+
+
+def test_kernel_source_refuses_other_dtypes_and_thread_counts() -> None:
+    program = gs.programs(np.ones((2, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)[0]
+    with pytest.raises(ValueError, match=r"^dtype:"):
+        gs.kernel_source(program, torch.float64, 256)
+    with pytest.raises(ValueError, match=r"^threads:"):
+        gs.kernel_source(program, torch.float32, 96)
+    source = gs.kernel_source(program, torch.float16, 128)
+    for constant in ("#define KT 2", "#define C 2", "#define HP 6", "#define WP 6", "#define E 4", "#define F 4",
+                     "#define THREADS 128", "typedef __half T;"):
+        assert constant in source
+
+
+def test_launch_sizes() -> None:
+    assert gs.choose_threads(128 * 56 * 56, 132) == 256
+    assert gs.choose_threads(128 * 14 * 14, 132) == 64  # 25 088 pixels: 98 blocks of 256, 196 of 128, 392 of 64
+    assert gs.choose_threads(7 * 7, 132) == 64
+    assert gs.resident_blocks(32, 256) == 8  # 2048 threads
+    assert gs.resident_blocks(64, 256) == 4
+    assert gs.resident_blocks(100, 256) == 2  # 104 registers allocated per thread
+    assert gs.resident_blocks(255, 1024) == 1
+    assert gs.launch_grid(10_000, 256, 8, 132) == (40, 1, 1)
+    assert gs.launch_grid(10**7, 256, 8, 132) == (1056, 1, 1)
+
+
+@pytest.mark.skipif(nvrtc_library() is None, reason="no NVRTC library in the nvidia wheels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_generated_source_compiles_under_nvrtc_for_sm90(dtype: torch.dtype) -> None:
+    rng = np.random.default_rng(7)
+    program = gs.programs(random_weight(rng, (8, 16, 3, 3), 0.2), (1, 1), (9, 9), 8)[0]
+    library = nvrtc_library()
+    include = library.parent.parent / "include"
+    status, log = compile_with_nvrtc(library, gs.kernel_source(program, dtype, 64), [],
+                                     ["-std=c++17", "-arch=sm_90", f"-I{include}"])
+    assert status == 0, log

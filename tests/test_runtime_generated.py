@@ -1,0 +1,71 @@
+"""The ``generated`` backend's checks on the CPU: which layers it refuses and why, its tuning space, and that the
+comparator leaves it out unless named. Its kernels run in ``tests/gpu/test_gpu_generated.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from unsparse.runtime.backends import available_backends, get_backend
+from unsparse.runtime.backends.generated import MAX_PRODUCTS, ROWS_SPACE, GeneratedBackend
+from unsparse.runtime.comparator import COMPARED_BY_DEFAULT_EXCLUDES
+from unsparse.sparse.format import UniformCSR
+from unsparse.sparse.geometry import ConvGeometry
+
+
+def layer(out_channels: int = 8, channels: int = 4, kernel: int = 3, density: float = 0.3,
+          dtype: torch.dtype = torch.float32) -> UniformCSR:
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(out_channels, channels, kernel, kernel, generator=generator)
+    weight *= torch.rand(weight.shape, generator=generator) < density
+    return UniformCSR.from_dense(weight.to(dtype))
+
+
+@pytest.fixture
+def on_cpu(monkeypatch: pytest.MonkeyPatch) -> GeneratedBackend:
+    """The backend with the CPU among its device types, so that its own checks after the device's can be read."""
+    monkeypatch.setattr(GeneratedBackend, "device_types", frozenset({"cpu", "cuda"}))
+    monkeypatch.setitem(__import__("sys").modules, "cupy", object())
+    return GeneratedBackend()
+
+
+def test_it_runs_on_cuda_only_and_is_not_compared_by_default() -> None:
+    x = torch.randn(1, 4, 6, 6)
+    assert "runs on ['cuda']" in get_backend("generated").unsupported_reason(x, layer(), ConvGeometry.of(1, 1))
+    assert "generated" in available_backends("cuda") and "generated" in COMPARED_BY_DEFAULT_EXCLUDES
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    ({"stride": 2}, "stride 1 and dilation 1"),
+    ({"dilation": 2}, "stride 1 and dilation 1"),
+    ({"groups": 2}, "groups=2"),
+    ({"x_dtype": torch.float64}, "float32 and float16, not torch.float64"),
+    ({"csr_dtype": torch.float16}, "differs from input dtype"),
+    ({"dense": True}, "products per generated kernel"),
+    ({"huge": True}, "32-bit pixel and offset indexing"),
+])
+def test_unsupported_layers_are_refused_with_a_reason(on_cpu: GeneratedBackend, change: dict, expected: str) -> None:
+    csr = layer(channels=1024, kernel=11, density=1.0) if change.get("dense") else layer(
+        dtype=change.get("csr_dtype", torch.float32))
+    x = torch.randn(2, csr.in_channels_per_group, 6, 6, dtype=change.get("x_dtype", torch.float32))
+    if change.get("huge"):
+        x = torch.empty(1).expand(2**16, 4, 2**8, 2**8)
+    geometry = ConvGeometry.of(change.get("stride", 1), 1, change.get("dilation", 1), change.get("groups", 1))
+    reason = on_cpu.unsupported_reason(x, csr, geometry)
+    assert reason is not None and expected in reason
+    assert on_cpu.unsupported_reason(torch.randn(2, 4, 6, 6), layer(), ConvGeometry.of(1, 1)) is None
+
+
+def test_conv_refuses_what_unsupported_reason_refuses(on_cpu: GeneratedBackend) -> None:
+    with pytest.raises(ValueError, match=r"^generated: generated kernels run stride 1"):
+        on_cpu.conv(torch.randn(1, 4, 6, 6), layer(), None, ConvGeometry.of(2, 1))
+
+
+def test_tuning_space_bounds_the_generated_body() -> None:
+    backend = get_backend("generated")
+    x = torch.randn(1, 4, 6, 6)
+    assert backend.tuning_space(x, layer(out_channels=256), ConvGeometry.of(1, 1)) == [{"rows": r} for r in ROWS_SPACE]
+    assert backend.tuning_space(x, layer(out_channels=10), ConvGeometry.of(1, 1)) == [{"rows": ROWS_SPACE[0]}]
+    dense = layer(out_channels=64, channels=256, kernel=3, density=1.0)  # 2304 per row: 32 rows fit, 64 do not
+    assert dense.row_length * ROWS_SPACE[1] > MAX_PRODUCTS >= dense.row_length * ROWS_SPACE[0]
+    assert backend.tuning_space(x, dense, ConvGeometry.of(1, 1)) == [{"rows": ROWS_SPACE[0]}]
