@@ -68,7 +68,8 @@ def out_of_range(value: str) -> str:
 @pytest.mark.parametrize(("option", "values", "message"), [
     ("--models", ["vgg16", "vgg19"], invalid_choice("vgg19", MODELS)),
     ("--end-to-end", ["resnet18"], invalid_choice("resnet18", MODELS)),
-    ("--precisions", ["fp32", "bf16"], invalid_choice("bf16", "'fp32', 'tf32', 'fp16', 'fp16_half2'")),
+    ("--precisions", ["fp32", "bf16"], invalid_choice("bf16", "'fp32', 'tf32', 'fp16', 'fp16_half2', 'fp32_generated', "
+                                                      "'tf32_generated', 'fp16_generated'")),
     ("--sparsities", ["0.9", "1"], out_of_range("1")),
     ("--sparsities", ["-0.1"], out_of_range("-0.1")),
     ("--sparsities", ["nan"], out_of_range("nan")),

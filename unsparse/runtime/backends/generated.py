@@ -43,7 +43,7 @@ INDEX_LIMIT = 2**31
 
 @functools.cache
 def compiled(source: str) -> Any:
-    """The ``generated_conv`` function of ``source``, compiled once per process (NVRTC through CuPy).
+    """The ``generated_conv`` ``cupy.RawKernel`` of ``source``, compiled once per process (NVRTC through CuPy).
 
     Raises:
         ImportError: without CuPy.
@@ -166,13 +166,17 @@ class GeneratedBackend(ConvBackend):
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         total = x.shape[0] * E * F_
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        import cupy
+
         launches = []
-        for program, function, source in zip(programs, functions, sources, strict=True):
-            grid = gs.launch_grid(total, threads, gs.resident_blocks(function.num_regs, threads), sms)
+        for program, kernel, source in zip(programs, functions, sources, strict=True):
+            grid = gs.launch_grid(total, threads, gs.resident_blocks(kernel.num_regs, threads), sms)
             name = f"generated_conv[{hashlib.sha256(source.encode()).hexdigest()[:12]}]"
             spec = Launch(name, grid, (threads, 1, 1))
             parameters = cl.KernelParameters((cl.PER_CALL, cl.PER_CALL, cl.PER_CALL, total, csr.out_channels,
                                               program.first), x.device)
+            with cupy.cuda.Device(x.device.index):
+                function = kernel.kernel  # this device's handle (loaded here on first use)
             launches.append(cl.BoundLaunch(spec, x.device, parameters, function, ()))
         return launches
 
