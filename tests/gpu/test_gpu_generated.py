@@ -56,3 +56,11 @@ def test_comparator_times_generated_when_named_and_refuses_a_strided_layer() -> 
     assert comparison.fastest("generated") is not None
     x, csr, bias, geometry, _ = make_case("stride2_3x3", torch.float32, seed=14)
     assert "stride 1" in get_backend("generated").unsupported_reason(x.to(CUDA), csr, geometry)
+
+
+def test_generated_converts_a_bias_of_another_dtype() -> None:
+    """The kernels read the bias as the input's dtype: a float32 bias on a float16 layer is converted, not read as
+    halves."""
+    x, csr, bias, geometry, ref = make_case("odd_3x3", torch.float16, seed=15)
+    out = get_backend("generated").run(x, csr, bias.float(), geometry)
+    assert relative_error(out.cpu(), ref) <= tolerance(torch.float16)

@@ -110,6 +110,9 @@ class GeneratedBackend(ConvBackend):
              rows: int = ROWS_SPACE[0]) -> torch.Tensor:
         """Pad the input (``F.pad``, timed with the call), then run one kernel per ``rows`` output channels.
 
+        The kernels read the bias as ``x``'s dtype, so a bias of another dtype (or not contiguous) is converted first,
+        as the ``direct`` backend does.
+
         Returns:
             ``(N, M, E, F)`` NCHW output of ``x``'s dtype.
 
@@ -127,6 +130,7 @@ class GeneratedBackend(ConvBackend):
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         y = torch.empty(x.shape[0], csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
         stream = cl.current_stream(x.device)
+        bias = None if bias is None else bias.to(x.dtype).contiguous()
         for launch in launches:
             launch(stream, padded, bias, y)
         return y
