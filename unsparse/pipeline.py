@@ -85,7 +85,8 @@ class TimingSettings:
     ``runtime.backend=auto`` the test set's batch, ``train.eval_batch_size``, instead, so that the plan's keys are
     the ones the test set looks up), timed runs, warm-up runs, and the backends the comparator times (None: every
     one available on the device except :data:`~unsparse.runtime.comparator.COMPARED_BY_DEFAULT_EXCLUDES`;
-    ``direct_half2`` takes float16 inputs only, so the main job's float32 models record it as unsupported).
+    ``direct_half2`` takes float16 inputs only, so the main job's float32 models record it as unsupported, and
+    ``generated`` compiles kernels per weight, so it is timed only when named).
 
     Raises:
         ValueError: naming ``runtime.timing.backends``, for a name that is not a registered backend, ``"auto"``
