@@ -3,6 +3,8 @@ comparator leaves it out unless named. Its kernels run in ``tests/gpu/test_gpu_g
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -25,7 +27,7 @@ def layer(out_channels: int = 8, channels: int = 4, kernel: int = 3, density: fl
 def on_cpu(monkeypatch: pytest.MonkeyPatch) -> GeneratedBackend:
     """The backend with the CPU among its device types, so that its own checks after the device's can be read."""
     monkeypatch.setattr(GeneratedBackend, "device_types", frozenset({"cpu", "cuda"}))
-    monkeypatch.setitem(__import__("sys").modules, "cupy", object())
+    monkeypatch.setitem(sys.modules, "cupy", object())
     return GeneratedBackend()
 
 

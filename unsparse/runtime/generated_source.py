@@ -18,6 +18,7 @@ stride 1, dilation 1, groups 1.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -163,7 +164,13 @@ def kernel_source(program: Program, dtype: torch.dtype, threads: int) -> str:
                  "E": program.out_hw[0], "F": program.out_hw[1], "THREADS": threads}
     header = [f"#define {name} {value}" for name, value in constants.items()]
     header += ["#include <cuda_fp16.h>", f"typedef {STORAGE_TYPES[dtype]} T;"]
-    return "\n".join([*header, SKELETON_FILE.read_text(), products_source(program)])
+    return "\n".join([*header, _skeleton(), products_source(program)])
+
+
+@functools.cache
+def _skeleton() -> str:
+    """:data:`SKELETON_FILE`'s text, read once per process (every program of every layer and setting includes it)."""
+    return SKELETON_FILE.read_text()
 
 
 def choose_threads(total: int, sms: int) -> int:

@@ -94,11 +94,10 @@ class GeneratedBackend(ConvBackend):
         return None
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
-        """``{"rows": r}`` for each ``r`` of :data:`ROWS_SPACE` within :data:`MAX_PRODUCTS`, and not above the
-        layer's own output channels rounded up to a power of two (more would only add empty accumulators)."""
-        limit = 1 << max(0, csr.out_channels - 1).bit_length()
-        rows = [r for r in ROWS_SPACE if r * csr.row_length <= MAX_PRODUCTS and r <= max(limit, ROWS_SPACE[0])]
-        return [{"rows": r} for r in rows]
+        """``{"rows": r}`` for each ``r`` of :data:`ROWS_SPACE` within :data:`MAX_PRODUCTS`; beyond the first, only
+        those below twice the layer's output channels (from twice on, at least half the accumulators stay empty)."""
+        return [{"rows": r} for r in ROWS_SPACE if r * csr.row_length <= MAX_PRODUCTS
+                and (r == ROWS_SPACE[0] or r < 2 * csr.out_channels)]
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
