@@ -1,4 +1,5 @@
-"""Run one direct-kernel setting on one synthetic layer a few times, for a profiler (Nsight Compute) to catch.
+"""Run one sparse backend's settings (``direct`` by default) on one synthetic layer a few times, for a profiler
+(Nsight Compute) to catch.
 
 Synthetic weights as in the benchmark: He-normal, magnitude-pruned to ``--sparsity`` with the layer norm kept
 (``unsparse.runtime.bench.magnitude_prune_``). Prints the
@@ -7,6 +8,9 @@ median of CUDA-event timings of the runs so a profile can be matched to a benchm
     ncu --kernel-name regex:direct_tile --launch-skip 2 --launch-count 1 --section WarpStateStats \
         python3 scripts/profile_direct.py --shape 128 256 56 56 --out-channels 256 \
         --params '{"variant": "tile", "wx": 32, "py": 4, "nb": 2, "mw": 4, "warps": 16, "cc": 8}'
+    ncu --kernel-name regex:generated_conv --launch-skip 8 --launch-count 1 --section WarpStateStats \
+        python3 scripts/profile_direct.py --backend generated --shape 128 256 56 56 --out-channels 256 \
+        --params '{"rows": 32, "pixels": 1}'
 """
 
 from __future__ import annotations
@@ -30,8 +34,9 @@ def main() -> None:
     parser.add_argument("--kernel", type=int, default=3)
     parser.add_argument("--sparsity", type=sparsity_argument, default=0.9, help="in [0, 1) (default %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32")
+    parser.add_argument("--backend", choices=("direct", "generated"), default="direct")
     parser.add_argument("--params", type=json.loads, action="append", required=True,
-                        help="a direct tuning setting as JSON; repeat to run several")
+                        help="a tuning setting of the backend as JSON; repeat to run several")
     parser.add_argument("--runs", type=int, default=5)
     args = parser.parse_args()
     import torch
@@ -51,7 +56,7 @@ def main() -> None:
     csr = UniformCSR.from_dense(conv.weight.detach().to(device, dtype))
     x = torch.randn(N, C, H, W, device=device, dtype=dtype)
     geometry = ConvGeometry.of(1, args.kernel // 2)
-    backend = get_backend("direct")
+    backend = get_backend(args.backend)
     for params in args.params:
         backend.conv(x, csr, None, geometry, **params)
         times = []
