@@ -7,24 +7,18 @@ becomes one fused multiply-add with the weight as an immediate operand into one 
 one input value feeds every nonzero of the KT output channels at that (input channel, tap). Nothing the kernel
 indexes comes from the weight at run time.
 
-Each thread computes ``pixels`` (P) adjacent output pixels of one output row. With P = 2 it loads the input values
-of a (channel, kernel row) as aligned pairs (one 8-byte load feeds two taps of two pixels), which halves the L1
-wavefronts per FMA that bound P = 1 (``kernels/NOTES.md``, thirtieth session), at twice the accumulators.
-
 This module is pure Python (no CuPy, no GPU): it splits a weight into :class:`Program` s (one per KT output
 channels), renders each as CUDA source, and runs a program on the CPU exactly as the kernel's threads index the
 padded input (:func:`run_program`), which is what the CPU tests check against ``torch.nn.functional.conv2d``.
 
 Shapes: weight ``(M, C, R, S)`` float32 (FP16 layers pass their float16 weight converted to float32, exactly),
-input ``(N, C, H, W)``, zero-padded input ``(N, C, H + 2 pad_h, WP)`` with ``pad_w`` zero columns on the left and
-``WP - W - pad_w`` on the right (:func:`row_pitch`), output ``(N, M, E, F)``, all NCHW; stride 1, dilation 1,
-groups 1.
+input ``(N, C, H, W)``, zero-padded input ``(N, C, H + 2 pad_h, W + 2 pad_w)``, output ``(N, M, E, F)``, all NCHW;
+stride 1, dilation 1, groups 1.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from dataclasses import dataclass
 
@@ -40,10 +34,7 @@ STORAGE_TYPES = {torch.float32: "float", torch.float16: "__half"}
 """CUDA storage type per torch dtype; arithmetic is float32 in both."""
 
 THREAD_CHOICES = (256, 128, 64)
-"""Threads per block :func:`choose_threads` picks from (one group of P output pixels per thread per loop step)."""
-
-PIXEL_CHOICES = (1, 2)
-"""Adjacent output pixels per thread (P): one, or two read as aligned pairs (``float2`` or ``__half2`` loads)."""
+"""Threads per block :func:`choose_threads` picks from (one output pixel per thread per loop step)."""
 
 OFFSET_LIMIT = 2**31
 """Offsets into the padded input are int32 immediates: the input plane of one image, C * HP * WP, must stay below."""
@@ -51,11 +42,11 @@ OFFSET_LIMIT = 2**31
 
 @dataclass(frozen=True)
 class Tap:
-    """One tap (input channel c, kernel position r, s) with a nonzero among a program's rows, and its products.
+    """One input value a thread loads and the products it feeds.
 
     Attributes:
-        offset: the input value of the tap for the thread's first output pixel, relative to it in the padded input,
-            ``(c * HP + r) * WP + s`` (elements); pixel q of the thread reads ``offset + q``.
+        offset: its position in the padded input relative to the thread's output pixel,
+            ``(c * HP + r) * WP + s`` (elements).
         products: ``(row within the program, weight)`` pairs, rows ascending, weights nonzero float32 values.
     """
 
@@ -70,10 +61,9 @@ class Program:
     Attributes:
         first: first output channel (k0).
         rows: output channels this program writes (KT; fewer for the last one).
-        width: KT of the split (the accumulators each thread keeps per pixel).
+        width: KT of the split (the accumulators each thread keeps).
         channels: C. kernel: (R, S). padding: (pad_h, pad_w). in_hw: (H, W).
-        pixels: P, adjacent output pixels per thread (:data:`PIXEL_CHOICES`).
-        taps: every tap with a nonzero among the rows, in the order the kernel reads them (c, then r, then s).
+        taps: every input value read per output pixel, in the order the kernel reads them.
     """
 
     first: int
@@ -83,26 +73,17 @@ class Program:
     kernel: tuple[int, int]
     padding: tuple[int, int]
     in_hw: tuple[int, int]
-    pixels: int
     taps: tuple[Tap, ...]
 
     @property
     def padded_hw(self) -> tuple[int, int]:
-        """(HP, WP): the zero-padded input plane the kernel reads, WP from :func:`row_pitch`."""
-        return (self.in_hw[0] + 2 * self.padding[0], row_pitch(self.in_hw[1], self.padding[1], self.kernel[1],
-                                                                self.pixels))
+        """(HP, WP): the zero-padded input plane."""
+        return (self.in_hw[0] + 2 * self.padding[0], self.in_hw[1] + 2 * self.padding[1])
 
     @property
     def out_hw(self) -> tuple[int, int]:
         """(E, F): the output plane."""
-        return (self.in_hw[0] + 2 * self.padding[0] - self.kernel[0] + 1,
-                self.in_hw[1] + 2 * self.padding[1] - self.kernel[1] + 1)
-
-    @property
-    def groups(self) -> int:
-        """Pixel groups per image, ``E * ceil(F / P)``: one per thread and loop step (the last of a row may hold a
-        pixel past F, computed from the right padding and not stored)."""
-        return self.out_hw[0] * math.ceil(self.out_hw[1] / self.pixels)
+        return (self.padded_hw[0] - self.kernel[0] + 1, self.padded_hw[1] - self.kernel[1] + 1)
 
     @property
     def products(self) -> int:
@@ -110,35 +91,17 @@ class Program:
         return sum(len(tap.products) for tap in self.taps)
 
 
-def row_pitch(in_w: int, pad_w: int, kernel_w: int, pixels: int) -> int:
-    """WP, the elements per row of the padded input the kernel of ``pixels`` per thread reads.
-
-    For P = 1 it is ``W + 2 pad_w``. For P = 2 it is even (so that every pair load is 8-byte aligned for float32,
-    4-byte for float16: the row, the thread's first pixel and the pair offsets are all even) and wide enough for
-    the last group of a row to read its ``S + 1`` values as whole pairs: at least ``2 (ceil(F / 2) - 1) +
-    2 ceil((S + 1) / 2)``. The columns past ``W + 2 pad_w`` are zeros.
-    """
-    width = in_w + 2 * pad_w
-    if pixels == 1:
-        return width
-    groups = math.ceil((width - kernel_w + 1) / 2)
-    return max(width + width % 2, 2 * (groups - 1) + 2 * math.ceil((kernel_w + 1) / 2))
-
-
-def programs(weight: np.ndarray, padding: tuple[int, int], in_hw: tuple[int, int], rows: int,
-             pixels: int = 1) -> list[Program]:
+def programs(weight: np.ndarray, padding: tuple[int, int], in_hw: tuple[int, int], rows: int) -> list[Program]:
     """Split a dense ``(M, C, R, S)`` weight into one :class:`Program` per ``rows`` output channels.
 
     Args:
         weight: float32, finite (the caller validated it: a sparse file is untrusted).
         padding: (pad_h, pad_w), each at least 0. in_hw: the input plane (H, W); the output must not be empty.
-        rows: KT, output channels per program (register accumulators per thread and pixel), at least 1.
-        pixels: P, adjacent output pixels per thread, one of :data:`PIXEL_CHOICES`.
+        rows: KT, output channels per program (register accumulators per thread), at least 1.
 
     Raises:
         ValueError: naming the field, for a weight that is not a finite float32 4-D array, a negative padding, an
-            empty output, ``rows`` below 1, ``pixels`` not in :data:`PIXEL_CHOICES`, or an input plane of
-            :data:`OFFSET_LIMIT` elements or more.
+            empty output, ``rows`` below 1, or an input plane of :data:`OFFSET_LIMIT` elements or more.
     """
     if not isinstance(weight, np.ndarray) or weight.ndim != 4 or weight.dtype != np.float32:
         raise ValueError("weight: expected a 4-D float32 array (M, C, R, S)")
@@ -146,15 +109,12 @@ def programs(weight: np.ndarray, padding: tuple[int, int], in_hw: tuple[int, int
         raise ValueError("weight: not finite")
     if type(rows) is not int or rows < 1:
         raise ValueError(f"rows: expected a positive integer, got {rows!r}")
-    if type(pixels) is not int or pixels not in PIXEL_CHOICES:
-        raise ValueError(f"pixels: {pixels!r} not among {PIXEL_CHOICES}")
     if min(padding) < 0:
         raise ValueError(f"padding: {padding} is negative")
     out_channels, channels, r_size, s_size = weight.shape
-    padded_h = in_hw[0] + 2 * padding[0]
-    if padded_h < r_size or in_hw[1] + 2 * padding[1] < s_size:
+    padded_h, padded_w = in_hw[0] + 2 * padding[0], in_hw[1] + 2 * padding[1]
+    if padded_h < r_size or padded_w < s_size:
         raise ValueError(f"in_hw: {in_hw} with padding {padding} is smaller than the kernel {(r_size, s_size)}")
-    padded_w = row_pitch(in_hw[1], padding[1], s_size, pixels)
     if channels * padded_h * padded_w >= OFFSET_LIMIT:
         raise ValueError(f"in_hw: C * HP * WP = {channels * padded_h * padded_w} does not fit an int32 offset")
     result = []
@@ -170,35 +130,18 @@ def programs(weight: np.ndarray, padding: tuple[int, int], in_hw: tuple[int, int
                         taps.append(Tap((c * padded_h + r) * padded_w + s,
                                         tuple((int(k), float(column[k])) for k in nonzero)))
         result.append(Program(first, block.shape[0], rows, channels, (r_size, s_size), padding, tuple(in_hw),
-                              pixels, tuple(taps)))
+                              tuple(taps)))
     return result
 
 
 def products_source(program: Program) -> str:
-    """CUDA text of ``products``: one ``fmaf`` per product and pixel into ``acc[pixel][row]``, with the weight as an
-    exact hexadecimal float literal.
-
-    P = 1: per tap one load, ``v = load(base + offset)``. P = 2: per (channel, kernel row) with a nonzero, the pairs
-    ``v<j> = load2(base + row_start + 2 j)`` that hold a value it uses; pixel q of tap s reads value ``s + q`` of
-    the row, component ``(s + q) % 2`` of pair ``(s + q) // 2``.
-    """
-    lines = ["__device__ __forceinline__ void products(const T* __restrict__ base, float (&acc)[PIXELS][KT]) {"]
-    if program.pixels == 1:
-        for tap in program.taps:
-            lines.append(f"  {{ const float v = load(base + {tap.offset});")
-            lines.extend(f"    acc[0][{row}] = fmaf(v, {value.hex()}f, acc[0][{row}]);" for row, value in tap.products)
-            lines.append("  }")
-    else:
-        pitch = program.padded_hw[1]
-        for row_start, row_taps in itertools.groupby(program.taps, key=lambda tap: tap.offset - tap.offset % pitch):
-            columns = {tap.offset - row_start: tap.products for tap in row_taps}
-            pairs = sorted({(s + q) // 2 for s in columns for q in range(2)})
-            lines.append("  {")
-            lines.extend(f"    const float2 v{j} = load2(base + {row_start + 2 * j});" for j in pairs)
-            lines.extend(f"    acc[{q}][{row}] = fmaf(v{(s + q) // 2}.{'xy'[(s + q) % 2]}, {value.hex()}f, "
-                         f"acc[{q}][{row}]);"
-                         for s, products in columns.items() for row, value in products for q in range(2))
-            lines.append("  }")
+    """CUDA text of ``products``: per tap one load of ``base[offset]``, then one ``fmaf`` per product with the
+    weight as an exact hexadecimal float literal."""
+    lines = ["__device__ __forceinline__ void products(const T* __restrict__ base, float* acc) {"]
+    for tap in program.taps:
+        lines.append(f"  {{ const float v = to_float(__ldg(base + {tap.offset}));")
+        lines.extend(f"    acc[{row}] = fmaf(v, {value.hex()}f, acc[{row}]);" for row, value in tap.products)
+        lines.append("  }")
     lines.append("}")
     return "\n".join(lines)
 
@@ -217,8 +160,8 @@ def kernel_source(program: Program, dtype: torch.dtype, threads: int) -> str:
         raise ValueError(f"dtype: {dtype} not supported (float32 or float16)")
     if threads not in THREAD_CHOICES:
         raise ValueError(f"threads: {threads!r} not among {THREAD_CHOICES}")
-    constants = {"KT": program.width, "PIXELS": program.pixels, "C": program.channels, "HP": program.padded_hw[0],
-                 "WP": program.padded_hw[1], "E": program.out_hw[0], "F": program.out_hw[1], "THREADS": threads}
+    constants = {"KT": program.width, "C": program.channels, "HP": program.padded_hw[0], "WP": program.padded_hw[1],
+                 "E": program.out_hw[0], "F": program.out_hw[1], "THREADS": threads}
     header = [f"#define {name} {value}" for name, value in constants.items()]
     header += ["#include <cuda_fp16.h>", f"typedef {STORAGE_TYPES[dtype]} T;"]
     return "\n".join([*header, _skeleton(), products_source(program)])
@@ -231,7 +174,7 @@ def _skeleton() -> str:
 
 
 def choose_threads(total: int, sms: int) -> int:
-    """Threads per block for ``total = N * groups`` pixel groups (:attr:`Program.groups`) on ``sms`` SMs: the largest of
+    """Threads per block for ``total = N * E * F`` output pixels on ``sms`` SMs: the largest of
     :data:`THREAD_CHOICES` that still gives every SM two blocks, else the smallest (small layers and batch 1 would
     leave SMs idle with 256-thread blocks)."""
     for threads in THREAD_CHOICES:
@@ -248,19 +191,17 @@ def resident_blocks(registers: int, threads: int) -> int:
 
 
 def launch_grid(total: int, threads: int, blocks_per_sm: int, sms: int) -> tuple[int, int, int]:
-    """CUDA grid for ``total = N * groups`` pixel groups: enough blocks of ``threads`` for every group, at most as
+    """CUDA grid for ``total = N * E * F`` output pixels: enough blocks of ``threads`` for every pixel, at most as
     many as stay resident at once (the rest loop)."""
     return (max(1, min(math.ceil(total / threads), blocks_per_sm * sms)), 1, 1)
 
 
 def run_program(program: Program, padded: np.ndarray) -> np.ndarray:
-    """Run ``program`` on the CPU in float64, reading the flattened padded input at ``base + offset + q`` for pixel
-    q of every pixel group, as the kernel's threads do (the last group of a row may read a pixel past F, as the
-    kernel does, and drops it).
+    """Run ``program`` on the CPU in float64, reading the flattened padded input at ``base + offset`` for every
+    output pixel as the kernel's threads do.
 
     Args:
-        padded: ``(N, C, HP, WP)`` zero-padded input (any float dtype; computed in float64), WP from
-            :func:`row_pitch`.
+        padded: ``(N, C, HP, WP)`` zero-padded input (any float dtype; computed in float64).
 
     Returns:
         ``(N, rows, E, F)`` float64, this program's output channels without bias.
@@ -274,13 +215,11 @@ def run_program(program: Program, padded: np.ndarray) -> np.ndarray:
                          f"{program.padded_hw[0]}, {program.padded_hw[1]})")
     out_h, out_w = program.out_hw
     flat = padded.astype(np.float64).reshape(-1)
-    groups = math.ceil(out_w / program.pixels)
-    n, oy, group = np.meshgrid(np.arange(batch), np.arange(out_h), np.arange(groups), indexing="ij")
-    base = (n * program.channels * program.padded_hw[0] + oy) * program.padded_hw[1] + group * program.pixels
-    out = np.zeros((program.rows, batch, out_h, groups * program.pixels))
-    for pixel in range(program.pixels):
-        for tap in program.taps:
-            values = flat[base + tap.offset + pixel]
-            for row, weight in tap.products:
-                out[row, :, :, pixel::program.pixels] += weight * values
-    return out[..., :out_w].transpose(1, 0, 2, 3)
+    n, oy, ox = np.meshgrid(np.arange(batch), np.arange(out_h), np.arange(out_w), indexing="ij")
+    base = (n * program.channels * program.padded_hw[0] + oy) * program.padded_hw[1] + ox
+    out = np.zeros((program.rows, batch, out_h, out_w))
+    for tap in program.taps:
+        values = flat[base + tap.offset]
+        for row, weight in tap.products:
+            out[row] += weight * values
+    return out.transpose(1, 0, 2, 3)

@@ -29,15 +29,13 @@ from unsparse.runtime.launch_geometry import Launch
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
-SETTINGS = ({"rows": 32, "pixels": 1}, {"rows": 64, "pixels": 1}, {"rows": 16, "pixels": 2},
-            {"rows": 32, "pixels": 2})
-"""The settings the comparator times, the first the default: output channels per kernel (KT) and output pixels per
-thread (P); ``rows * pixels`` register accumulators per thread. The twenty-ninth session's probe on VGG16
-features.12 at 0.9 ran 8.1 / 10.7 / 19.3 TFLOP/s at KT = 8 / 16 / 32 with P = 1 (``kernels/NOTES.md``)."""
+ROWS_SPACE = (32, 64)
+"""Output channels per kernel (register accumulators per thread) the comparator times. The twenty-ninth session's
+probe on VGG16 features.10 at 0.9 ran 8.1 / 10.7 / 19.3 TFLOP/s at 8 / 16 / 32 (``kernels/NOTES.md``)."""
 
 MAX_PRODUCTS = 2**17
-"""Most multiply-adds one kernel's body may hold (``rows * pixels`` x the row length): bounds the generated source
-(about 50 bytes per product) and the compile time; denser layers are refused."""
+"""Most multiply-adds one kernel's body may hold (``rows`` x the row length): bounds the generated source (about 50
+bytes per product) and the compile time; denser layers are refused."""
 
 INDEX_LIMIT = 2**31
 """The kernels index output pixels (``N * E * F``) and the padded input plane of one image in int32."""
@@ -61,14 +59,9 @@ def compile_all(sources: list[str], workers: int = 16) -> list[Any]:
         return list(pool.map(compiled, sources))
 
 
-def _products_per_row(params: dict[str, int]) -> int:
-    """Products per nonzero of a row in one kernel of a setting: ``rows * pixels``."""
-    return params["rows"] * params["pixels"]
-
-
 @register_backend
 class GeneratedBackend(ConvBackend):
-    """Weight-specialised kernels; tuning parameters ``rows`` and ``pixels`` (:data:`SETTINGS`)."""
+    """Weight-specialised kernels; tuning parameter ``rows`` (:data:`ROWS_SPACE`)."""
 
     name = "generated"
     device_types = frozenset({"cuda"})
@@ -86,13 +79,13 @@ class GeneratedBackend(ConvBackend):
             return f"weight dtype {csr.values.dtype} differs from input dtype {x.dtype}"
         if geometry.stride != (1, 1) or geometry.dilation != (1, 1):
             return f"generated kernels run stride 1 and dilation 1, not {geometry.stride} and {geometry.dilation}"
-        if csr.row_length * _products_per_row(SETTINGS[0]) > MAX_PRODUCTS:
-            return (f"{csr.row_length} nonzeros per row x {_products_per_row(SETTINGS[0])} rows exceed "
-                    f"{MAX_PRODUCTS} products per generated kernel")
+        if csr.row_length * ROWS_SPACE[0] > MAX_PRODUCTS:
+            return (f"{csr.row_length} nonzeros per row x {ROWS_SPACE[0]} rows exceed {MAX_PRODUCTS} products per "
+                    "generated kernel")
         N, C, H, W = x.shape
         E, F_ = geometry.output_size(H, W, csr.kernel_size)
-        pitch = max(gs.row_pitch(W, geometry.padding[1], csr.kernel_size[-1], pixels) for pixels in gs.PIXEL_CHOICES)
-        if N * E * F_ >= INDEX_LIMIT or C * (H + 2 * geometry.padding[0]) * pitch >= INDEX_LIMIT:
+        padded = C * (H + 2 * geometry.padding[0]) * (W + 2 * geometry.padding[1])
+        if N * E * F_ >= INDEX_LIMIT or padded >= INDEX_LIMIT:
             return "tensor too large for the generated kernels' 32-bit pixel and offset indexing"
         try:
             import cupy  # noqa: F401
@@ -101,25 +94,23 @@ class GeneratedBackend(ConvBackend):
         return None
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
-        """The settings of :data:`SETTINGS` within :data:`MAX_PRODUCTS`; beyond the first, only those with ``rows``
-        below twice the layer's output channels (from twice on, at least half the accumulators stay empty)."""
-        return [dict(params) for params in SETTINGS if csr.row_length * _products_per_row(params) <= MAX_PRODUCTS
-                and (params == SETTINGS[0] or params["rows"] < 2 * csr.out_channels)]
+        """``{"rows": r}`` for each ``r`` of :data:`ROWS_SPACE` within :data:`MAX_PRODUCTS`; beyond the first, only
+        those below twice the layer's output channels (from twice on, at least half the accumulators stay empty)."""
+        return [{"rows": r} for r in ROWS_SPACE if r * csr.row_length <= MAX_PRODUCTS
+                and (r == ROWS_SPACE[0] or r < 2 * csr.out_channels)]
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
         """Compile every kernel of every setting in ``space``, concurrently, before anything is timed."""
-        sources = [source for params in space for source in self._sources(x, csr, geometry, **params)]
+        sources = [source for params in space for source in self._sources(x, csr, geometry, params["rows"])]
         compile_all(sources)
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-             rows: int = SETTINGS[0]["rows"], pixels: int = SETTINGS[0]["pixels"]) -> torch.Tensor:
-        """Pad the input (``F.pad``, timed with the call) to the row pitch of ``pixels``
-        (:func:`~unsparse.runtime.generated_source.row_pitch`), then run one kernel per ``rows`` output channels.
+             rows: int = ROWS_SPACE[0]) -> torch.Tensor:
+        """Pad the input (``F.pad``, timed with the call), then run one kernel per ``rows`` output channels.
 
         The kernels read the bias as ``x``'s dtype, so a bias of another dtype (or not contiguous) is converted first,
-        as the ``direct`` backend does. With ``pixels = 2`` the kernels read the padded input in aligned pairs, so an
-        unpadded input whose storage starts at an odd element is copied first.
+        as the ``direct`` backend does.
 
         Returns:
             ``(N, M, E, F)`` NCHW output of ``x``'s dtype.
@@ -131,13 +122,10 @@ class GeneratedBackend(ConvBackend):
         reason = self.unsupported_reason(x, csr, geometry)
         if reason is not None:
             raise ValueError(f"generated: {reason}")
-        launches = self._launches(x, csr, geometry, rows, pixels)
+        launches = self._launches(x, csr, geometry, rows)
         pad_h, pad_w = geometry.padding
         x = x.contiguous()
-        right = gs.row_pitch(x.shape[3], pad_w, csr.kernel_size[-1], pixels) - x.shape[3] - pad_w
-        padded = F.pad(x, (pad_w, right, pad_h, pad_h)) if pad_h or pad_w or right else x
-        if padded.data_ptr() % (pixels * padded.element_size()):
-            padded = padded.clone()
+        padded = F.pad(x, (pad_w, pad_w, pad_h, pad_h)) if pad_h or pad_w else x
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         y = torch.empty(x.shape[0], csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
         stream = cl.current_stream(x.device)
@@ -146,43 +134,40 @@ class GeneratedBackend(ConvBackend):
             launch(stream, padded, bias, y)
         return y
 
-    def _programs(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
-                  pixels: int) -> list[gs.Program]:
+    def _programs(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[gs.Program]:
         """The layer's programs for input plane ``x.shape[2:]`` (cached per weight)."""
         in_hw = (x.shape[2], x.shape[3])
 
         def build() -> list[gs.Program]:
             weight = csr.to_conv2d_weight().float().cpu().numpy()
-            return gs.programs(weight, geometry.padding, in_hw, rows, pixels)
+            return gs.programs(weight, geometry.padding, in_hw, rows)
 
-        return self._cache.get(csr, ("programs", rows, pixels, in_hw, geometry.padding), build)
+        return self._cache.get(csr, ("programs", rows, in_hw, geometry.padding), build)
 
-    def _sources(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
-                 pixels: int) -> list[str]:
+    def _sources(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[str]:
         """CUDA sources of the layer's kernels at ``x``'s batch, dtype and device."""
-        programs = self._programs(x, csr, geometry, rows, pixels)
-        threads = self._threads(x, programs[0])
-        return [gs.kernel_source(program, x.dtype, threads) for program in programs]
+        threads = self._threads(x, csr, geometry)
+        return [gs.kernel_source(program, x.dtype, threads) for program in self._programs(x, csr, geometry, rows)]
 
     @staticmethod
-    def _threads(x: torch.Tensor, program: gs.Program) -> int:
+    def _threads(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> int:
+        E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return gs.choose_threads(x.shape[0] * program.groups, sms)
+        return gs.choose_threads(x.shape[0] * E * F_, sms)
 
-    def _launches(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
-                  pixels: int) -> list[cl.BoundLaunch]:
+    def _launches(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[cl.BoundLaunch]:
         """The bound launches of a setting (cached per weight, input shape, dtype and device)."""
-        key = ("launches", rows, pixels, tuple(x.shape), x.dtype, x.device, geometry.padding)
-        return self._cache.get(csr, key, lambda: self._bind(x, csr, geometry, rows, pixels))
+        key = ("launches", rows, tuple(x.shape), x.dtype, x.device, geometry.padding)
+        return self._cache.get(csr, key, lambda: self._bind(x, csr, geometry, rows))
 
-    def _bind(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
-              pixels: int) -> list[cl.BoundLaunch]:
+    def _bind(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[cl.BoundLaunch]:
         """Compile (:func:`compile_all`) and bind each kernel: x, bias and y per call, the sizes fixed."""
-        programs = self._programs(x, csr, geometry, rows, pixels)
-        threads = self._threads(x, programs[0])
-        sources = self._sources(x, csr, geometry, rows, pixels)
+        programs = self._programs(x, csr, geometry, rows)
+        threads = self._threads(x, csr, geometry)
+        sources = self._sources(x, csr, geometry, rows)
         functions = compile_all(sources)
-        total = x.shape[0] * programs[0].groups
+        E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
+        total = x.shape[0] * E * F_
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         import cupy
 
