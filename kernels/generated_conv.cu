@@ -1,4 +1,4 @@
-// Weight-specialised direct sparse convolution: the skeleton around generated per-weight code (v30).
+// Weight-specialised direct sparse convolution: the skeleton around generated per-weight code (v27).
 //
 // The direct kernels in direct_conv.cu read every nonzero from memory at run time, so a lane can only add a
 // product to an accumulator chosen at compile time: one staged input load per FMA, which caps them near
@@ -14,25 +14,15 @@
 // over output pixels (grid-stride), so the body, all C channels of KT rows, is fetched into the SM's instruction
 // cache once and run by every warp again and again; its size is set by KT.
 //
-// v30: in v27 each kernel (KT rows) streamed the whole padded input from DRAM, and loads that missed L2 were the
-// largest stall (ncu, kernels/NOTES.md, thirtieth session). Now one kernel holds G programs, and the G warps of a
-// pixel group (32 consecutive output pixels, one per lane) each run one program on the same pixels: the first warp to
-// read an input line takes it from L2 or DRAM, the others find it in L1. Warp w of a block runs program w % G on pixel
-// group w / G; warps beyond (THREADS / 32 / G) * G have no program and return. The program is warp-uniform, so the
-// switch does not diverge; the kernel's code is the G bodies.
+// The generator defines the constants before this text and the body of `products` after it:
+//   KT: output channels of this kernel; C: input channels; HP, WP: the padded input plane (H + 2 pad_h,
+//     W + 2 pad_w); E, F: the output plane; THREADS: threads per block; T: storage type (float or __half);
+//   products(base, acc): the generated body, one load of base[offset] per (channel, tap) with a nonzero among the
+//     KT rows (offset = (c * HP + r) * WP + s, a compile-time constant below 2^31) and its fused multiply-adds.
 //
-// The generator defines the constants before this text and the programs after it:
-//   KT: output channels per program; G: programs in this kernel; M: the layer's output channels; C: input channels;
-//     HP, WP: the padded input plane (H + 2 pad_h, W + 2 pad_w); E, F: the output plane; THREADS: threads per
-//     block (a multiple of 32 and at least 32 G); T: storage type (float or __half);
-//   run(program, base, acc): the generated switch; case g runs program g's body, one load of base[offset] per
-//     (channel, tap) with a nonzero among its KT rows (offset = (c * HP + r) * WP + s, a compile-time constant
-//     below 2^31) and its fused multiply-adds, and returns the program's first output channel k0.
-//
-// xp: (N, C, HP, WP) zero-padded input; y: (N, M, E, F) output, rows k0 .. k0 + KT - 1 of each program written;
-// bias: (M,) of T or nullptr; total = N * E * F. Stride 1, dilation 1, groups 1 only (the caller checks). Lanes past
-// the last pixel compute the last pixel again and store nothing, so that every address is inside xp: oy + r < HP and
-// ox + s < WP.
+// xp: (N, C, HP, WP) zero-padded input; y: (N, M, E, F) output, rows k0 .. k0 + KT - 1 written; bias: (M,) of T
+// or nullptr; total = N * E * F. Stride 1, dilation 1, groups 1 only (the caller checks). Every address is inside xp
+// for p < total: oy + r < HP and ox + s < WP.
 
 #include <cuda_fp16.h>
 
@@ -41,19 +31,11 @@ __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 
-__device__ __forceinline__ int run(int program, const T* __restrict__ base, float* acc);
-
-constexpr int GROUPS = THREADS / 32 / G;  // pixel groups per block
+__device__ __forceinline__ void products(const T* __restrict__ base, float* acc);
 
 extern "C" __global__ void __launch_bounds__(THREADS) generated_conv(
-    const T* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total) {
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (warp >= GROUPS * G) return;
-  const int program = warp % G;
-  for (int group = blockIdx.x * GROUPS + warp / G; group * 32 < total; group += gridDim.x * GROUPS) {
-    const int pixel = group * 32 + lane;
-    const int p = min(pixel, total - 1);
+    const T* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int M, int k0) {
+  for (int p = blockIdx.x * THREADS + threadIdx.x; p < total; p += gridDim.x * THREADS) {
     const int ox = p % F;
     const int oy = (p / F) % E;
     const int n = p / (E * F);
@@ -61,13 +43,11 @@ extern "C" __global__ void __launch_bounds__(THREADS) generated_conv(
     float acc[KT];
 #pragma unroll
     for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
-    const int k0 = run(program, base, acc);
-    if (pixel < total) {
-      T* out = y + ((static_cast<size_t>(n) * M + k0) * E + oy) * F + ox;
+    products(base, acc);
+    T* out = y + ((static_cast<size_t>(n) * M + k0) * E + oy) * F + ox;
 #pragma unroll
-      for (int k = 0; k < KT; ++k) {
-        if (k0 + k < M) store(out + static_cast<size_t>(k) * E * F, acc[k] + (bias ? to_float(bias[k0 + k]) : 0.0f));
-      }
+    for (int k = 0; k < KT; ++k) {
+      if (k0 + k < M) store(out + static_cast<size_t>(k) * E * F, acc[k] + (bias ? to_float(bias[k0 + k]) : 0.0f));
     }
   }
 }

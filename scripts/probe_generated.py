@@ -70,7 +70,7 @@ def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
     started = time.perf_counter()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     threads = gs.choose_threads(batch * size * size, sms)
-    functions = compile_all([gs.kernel_source([program], dtype, threads) for program in programs])
+    functions = compile_all([gs.kernel_source(program, dtype, threads) for program in programs])
     compile_s = time.perf_counter() - started
     x = torch.randn(batch, channels, size, size, device=device).to(dtype)
     y = torch.empty(batch, out_channels, size, size, device=device, dtype=dtype)
@@ -81,8 +81,9 @@ def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
     def generated(_: int) -> torch.Tensor:
         padded = F.pad(x, (padding,) * 4) if padding else x
         padded_cp = cupy.from_dlpack(padded)
-        for function, grid in zip(functions, grids, strict=True):
-            function(grid, (threads, 1, 1), (padded_cp, np.uint64(0), y_cp, np.int32(batch * size * size)))
+        for program, function, grid in zip(programs, functions, grids, strict=True):
+            function(grid, (threads, 1, 1), (padded_cp, np.uint64(0), y_cp, np.int32(batch * size * size),
+                                                np.int32(out_channels), np.int32(program.first)))
         return y
 
     dense = torch.from_numpy(weight).to(device)

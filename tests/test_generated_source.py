@@ -88,9 +88,8 @@ def test_the_cuda_text_performs_exactly_the_programs_products() -> None:
     rng = np.random.default_rng(5)
     weight = random_weight(rng, (6, 3, 3, 3), 0.4)
     weight[2, 1, 1, 1] = np.float32(1e-40)  # a float32 subnormal survives the literal exactly
-    for index, program in enumerate(gs.programs(weight, (1, 1), (5, 7), 3)):
-        source = gs.products_source(program, index)
-        assert source.startswith(f"__device__ __forceinline__ void products_{index}(")
+    for program in gs.programs(weight, (1, 1), (5, 7), 3):
+        source = gs.products_source(program)
         assert parse_products(source) == [(tap.offset, tap.products) for tap in program.taps]
         assert source.count("fmaf") == program.products
     products = [value for p in gs.programs(weight, (1, 1), (5, 7), 3) for tap in p.taps for _, value in tap.products]
@@ -114,34 +113,16 @@ def test_bad_inputs_are_refused_naming_the_field(weight: np.ndarray, kwargs: dic
         gs.programs(weight, arguments["padding"], arguments["in_hw"], arguments["rows"])
 
 
-def test_kernel_source_refuses_other_dtypes_thread_counts_and_mixed_programs() -> None:
-    layer = gs.programs(np.ones((5, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)
-    program = layer[0]
+def test_kernel_source_refuses_other_dtypes_and_thread_counts() -> None:
+    program = gs.programs(np.ones((2, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)[0]
     with pytest.raises(ValueError, match=r"^dtype:"):
-        gs.kernel_source([program], torch.float64, 256)
+        gs.kernel_source(program, torch.float64, 256)
     with pytest.raises(ValueError, match=r"^threads:"):
-        gs.kernel_source([program], torch.float32, 96)
-    with pytest.raises(ValueError, match=r"^threads:"):  # three programs need three warps
-        gs.kernel_source(layer, torch.float32, 64)
-    with pytest.raises(ValueError, match=r"^kernel_programs:"):
-        gs.kernel_source([], torch.float32, 64)
-    other = gs.programs(np.ones((5, 2, 3, 3), np.float32), (1, 1), (4, 5), 2)[1]
-    with pytest.raises(ValueError, match=r"^kernel_programs:"):
-        gs.kernel_source([program, other], torch.float32, 64)
-    source = gs.kernel_source([program], torch.float16, 128)
-    for constant in ("#define KT 2", "#define G 1", "#define M 5", "#define C 2", "#define HP 6", "#define WP 6",
-                     "#define E 4", "#define F 4", "#define THREADS 128", "typedef __half T;"):
+        gs.kernel_source(program, torch.float32, 96)
+    source = gs.kernel_source(program, torch.float16, 128)
+    for constant in ("#define KT 2", "#define C 2", "#define HP 6", "#define WP 6", "#define E 4", "#define F 4",
+                     "#define THREADS 128", "typedef __half T;"):
         assert constant in source
-
-
-def test_a_kernel_of_several_programs_switches_to_each_body_and_returns_its_first_row() -> None:
-    layer = gs.programs(np.ones((5, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)
-    source = gs.kernel_source(layer, torch.float32, 128)
-    assert "#define G 3" in source
-    for index, program in enumerate(layer):
-        assert f"void products_{index}(" in source
-        assert f"case {index}: products_{index}(base, acc); return {program.first};" in source
-    assert re.findall(r"case (\d+):", source) == ["0", "1", "2"]
 
 
 def test_launch_sizes() -> None:
@@ -160,9 +141,9 @@ def test_launch_sizes() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_generated_source_compiles_under_nvrtc_for_sm90(dtype: torch.dtype) -> None:
     rng = np.random.default_rng(7)
-    layer = gs.programs(random_weight(rng, (12, 16, 3, 3), 0.2), (1, 1), (9, 9), 4)
+    program = gs.programs(random_weight(rng, (8, 16, 3, 3), 0.2), (1, 1), (9, 9), 8)[0]
     library = nvrtc_library()
     include = library.parent.parent / "include"
-    status, log = compile_with_nvrtc(library, gs.kernel_source(layer, dtype, 128), [],
+    status, log = compile_with_nvrtc(library, gs.kernel_source(program, dtype, 64), [],
                                      ["-std=c++17", "-arch=sm_90", f"-I{include}"])
     assert status == 0, log

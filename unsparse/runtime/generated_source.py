@@ -7,10 +7,6 @@ becomes one fused multiply-add with the weight as an immediate operand into one 
 one input value feeds every nonzero of the KT output channels at that (input channel, tap). Nothing the kernel
 indexes comes from the weight at run time.
 
-v30: one kernel holds G programs, and the G warps of a pixel group run one program each on the same 32 output
-pixels, so that the input a program reads is read from DRAM once for all G (``kernels/NOTES.md``, thirtieth session:
-in v27 every program streamed the whole input from DRAM, and the L2-missing loads were the largest stall).
-
 This module is pure Python (no CuPy, no GPU): it splits a weight into :class:`Program` s (one per KT output
 channels), renders each as CUDA source, and runs a program on the CPU exactly as the kernel's threads index the
 padded input (:func:`run_program`), which is what the CPU tests check against ``torch.nn.functional.conv2d``.
@@ -24,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,7 +34,7 @@ STORAGE_TYPES = {torch.float32: "float", torch.float16: "__half"}
 """CUDA storage type per torch dtype; arithmetic is float32 in both."""
 
 THREAD_CHOICES = (256, 128, 64)
-"""Threads per block :func:`choose_threads` picks from (one output pixel and program per thread per loop step)."""
+"""Threads per block :func:`choose_threads` picks from (one output pixel per thread per loop step)."""
 
 OFFSET_LIMIT = 2**31
 """Offsets into the padded input are int32 immediates: the input plane of one image, C * HP * WP, must stay below."""
@@ -67,14 +62,13 @@ class Program:
         first: first output channel (k0).
         rows: output channels this program writes (KT; fewer for the last one).
         width: KT of the split (the accumulators each thread keeps).
-        out_channels: M, the layer's. channels: C. kernel: (R, S). padding: (pad_h, pad_w). in_hw: (H, W).
+        channels: C. kernel: (R, S). padding: (pad_h, pad_w). in_hw: (H, W).
         taps: every input value read per output pixel, in the order the kernel reads them.
     """
 
     first: int
     rows: int
     width: int
-    out_channels: int
     channels: int
     kernel: tuple[int, int]
     padding: tuple[int, int]
@@ -135,15 +129,15 @@ def programs(weight: np.ndarray, padding: tuple[int, int], in_hw: tuple[int, int
                     if nonzero.size:
                         taps.append(Tap((c * padded_h + r) * padded_w + s,
                                         tuple((int(k), float(column[k])) for k in nonzero)))
-        result.append(Program(first, block.shape[0], rows, out_channels, channels, (r_size, s_size), padding,
-                              tuple(in_hw), tuple(taps)))
+        result.append(Program(first, block.shape[0], rows, channels, (r_size, s_size), padding, tuple(in_hw),
+                              tuple(taps)))
     return result
 
 
-def products_source(program: Program, index: int = 0) -> str:
-    """CUDA text of ``products_<index>``, the program's body: per tap one load of ``base[offset]``, then one
-    ``fmaf`` per product with the weight as an exact hexadecimal float literal."""
-    lines = [f"__device__ __forceinline__ void products_{index}(const T* __restrict__ base, float* acc) {{"]
+def products_source(program: Program) -> str:
+    """CUDA text of ``products``: per tap one load of ``base[offset]``, then one ``fmaf`` per product with the
+    weight as an exact hexadecimal float literal."""
+    lines = ["__device__ __forceinline__ void products(const T* __restrict__ base, float* acc) {"]
     for tap in program.taps:
         lines.append(f"  {{ const float v = to_float(__ldg(base + {tap.offset}));")
         lines.extend(f"    acc[{row}] = fmaf(v, {value.hex()}f, acc[{row}]);" for row, value in tap.products)
@@ -152,48 +146,25 @@ def products_source(program: Program, index: int = 0) -> str:
     return "\n".join(lines)
 
 
-def run_source(kernel_programs: Sequence[Program]) -> str:
-    """CUDA text of ``run(program, base, acc)``: a switch whose case g runs ``products_<g>`` and returns program
-    g's first output channel."""
-    lines = ["__device__ __forceinline__ int run(int program, const T* __restrict__ base, float* acc) {",
-             "  switch (program) {"]
-    lines.extend(f"    case {index}: products_{index}(base, acc); return {program.first};"
-                 for index, program in enumerate(kernel_programs))
-    lines += ["  }", "  return 0;", "}"]
-    return "\n".join(lines)
-
-
-def kernel_source(kernel_programs: Sequence[Program], dtype: torch.dtype, threads: int) -> str:
-    """The whole CUDA source of one kernel of G = ``len(kernel_programs)`` programs of one layer: constants, the
-    skeleton, the bodies and ``run``.
+def kernel_source(program: Program, dtype: torch.dtype, threads: int) -> str:
+    """The whole CUDA source of one program: constants, the skeleton and ``products``.
 
     Args:
-        kernel_programs: consecutive programs of one layer (the same KT, C, kernel, padding and input plane).
-        threads: threads per block, one of :data:`THREAD_CHOICES` (the kernel's launch bound), at least 32 G.
+        threads: threads per block, one of :data:`THREAD_CHOICES` (the kernel's launch bound).
 
     Raises:
-        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), ``threads`` not in
-            :data:`THREAD_CHOICES` or below 32 G, or programs that are none or not of one layer (naming
-            ``kernel_programs``).
+        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), or ``threads`` not in
+            :data:`THREAD_CHOICES`.
     """
     if dtype not in STORAGE_TYPES:
         raise ValueError(f"dtype: {dtype} not supported (float32 or float16)")
-    if not kernel_programs:
-        raise ValueError("kernel_programs: none")
-    program = kernel_programs[0]
-    layer = (program.width, program.out_channels, program.channels, program.kernel, program.padding, program.in_hw)
-    if any((p.width, p.out_channels, p.channels, p.kernel, p.padding, p.in_hw) != layer for p in kernel_programs):
-        raise ValueError("kernel_programs: not all of one layer and split")
-    if threads not in THREAD_CHOICES or threads < 32 * len(kernel_programs):
-        raise ValueError(f"threads: {threads!r} not among {THREAD_CHOICES} or below 32 x {len(kernel_programs)} "
-                         "programs")
-    constants = {"KT": program.width, "G": len(kernel_programs), "M": program.out_channels, "C": program.channels,
-                 "HP": program.padded_hw[0], "WP": program.padded_hw[1], "E": program.out_hw[0],
-                 "F": program.out_hw[1], "THREADS": threads}
+    if threads not in THREAD_CHOICES:
+        raise ValueError(f"threads: {threads!r} not among {THREAD_CHOICES}")
+    constants = {"KT": program.width, "C": program.channels, "HP": program.padded_hw[0], "WP": program.padded_hw[1],
+                 "E": program.out_hw[0], "F": program.out_hw[1], "THREADS": threads}
     header = [f"#define {name} {value}" for name, value in constants.items()]
     header += ["#include <cuda_fp16.h>", f"typedef {STORAGE_TYPES[dtype]} T;"]
-    bodies = [products_source(p, index) for index, p in enumerate(kernel_programs)]
-    return "\n".join([*header, _skeleton(), *bodies, run_source(kernel_programs)])
+    return "\n".join([*header, _skeleton(), products_source(program)])
 
 
 @functools.cache
@@ -203,7 +174,7 @@ def _skeleton() -> str:
 
 
 def choose_threads(total: int, sms: int) -> int:
-    """Threads per block for ``total = N * E * F * G`` (output pixel, program) pairs on ``sms`` SMs: the largest of
+    """Threads per block for ``total = N * E * F`` output pixels on ``sms`` SMs: the largest of
     :data:`THREAD_CHOICES` that still gives every SM two blocks, else the smallest (small layers and batch 1 would
     leave SMs idle with 256-thread blocks)."""
     for threads in THREAD_CHOICES:
@@ -220,8 +191,7 @@ def resident_blocks(registers: int, threads: int) -> int:
 
 
 def launch_grid(total: int, threads: int, blocks_per_sm: int, sms: int) -> tuple[int, int, int]:
-    """CUDA grid for ``total = N * E * F * G`` (output pixel, program) pairs: enough blocks of ``threads`` for every
-    pair, at most as
+    """CUDA grid for ``total = N * E * F`` output pixels: enough blocks of ``threads`` for every pixel, at most as
     many as stay resident at once (the rest loop)."""
     return (max(1, min(math.ceil(total / threads), blocks_per_sm * sms)), 1, 1)
 

@@ -1,8 +1,7 @@
-"""The ``generated`` backend: weight-specialised direct sparse convolution (``kernels/generated_conv.cu``, v30).
+"""The ``generated`` backend: weight-specialised direct sparse convolution (``kernels/generated_conv.cu``, v27).
 
 Each nonzero of the layer's weight is compiled into the kernel as one fused multiply-add with an immediate operand
-(:mod:`unsparse.runtime.generated_source`), one program per ``rows`` output channels and ``programs`` programs per
-kernel (one warp each on the same 32 output pixels, so that they share their input reads), looping over output pixels
+(:mod:`unsparse.runtime.generated_source`), one kernel per ``rows`` output channels, each looping over output pixels
 (paper 004 §5 deploys one kernel per layer; Escoin paper 000 §3 is the direct method it specialises). The weight is
 read once, on the host, when the kernels are generated; the kernels read no index at run time, so nothing from an
 untrusted sparse file reaches a GPU address. Stride 1, dilation 1, groups 1, float32 or float16 storage (float32
@@ -30,14 +29,12 @@ from unsparse.runtime.launch_geometry import Launch
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
-SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 32, "programs": 4},
-            {"rows": 32, "programs": 8})
-"""The settings the comparator times, the first the default: output channels per program (KT, the register
-accumulators per thread) and programs per kernel (G). The twenty-ninth session's probe on VGG16 features.12 at 0.9
-ran 8.1 / 10.7 / 19.3 TFLOP/s at KT = 8 / 16 / 32 with G = 1 (``kernels/NOTES.md``)."""
+ROWS_SPACE = (32, 64)
+"""Output channels per kernel (register accumulators per thread) the comparator times. The twenty-ninth session's
+probe on VGG16 features.10 at 0.9 ran 8.1 / 10.7 / 19.3 TFLOP/s at 8 / 16 / 32 (``kernels/NOTES.md``)."""
 
 MAX_PRODUCTS = 2**17
-"""Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
+"""Most multiply-adds one kernel's body may hold (``rows`` x the row length): bounds the generated source (about 50
 bytes per product) and the compile time; denser layers are refused."""
 
 INDEX_LIMIT = 2**31
@@ -64,7 +61,7 @@ def compile_all(sources: list[str], workers: int = 16) -> list[Any]:
 
 @register_backend
 class GeneratedBackend(ConvBackend):
-    """Weight-specialised kernels; tuning parameters ``rows`` and ``programs`` (:data:`SETTINGS`)."""
+    """Weight-specialised kernels; tuning parameter ``rows`` (:data:`ROWS_SPACE`)."""
 
     name = "generated"
     device_types = frozenset({"cuda"})
@@ -82,9 +79,9 @@ class GeneratedBackend(ConvBackend):
             return f"weight dtype {csr.values.dtype} differs from input dtype {x.dtype}"
         if geometry.stride != (1, 1) or geometry.dilation != (1, 1):
             return f"generated kernels run stride 1 and dilation 1, not {geometry.stride} and {geometry.dilation}"
-        if csr.row_length * SETTINGS[0]["rows"] > MAX_PRODUCTS:
-            return (f"{csr.row_length} nonzeros per row x {SETTINGS[0]['rows']} rows exceed {MAX_PRODUCTS} products "
-                    "per generated program")
+        if csr.row_length * ROWS_SPACE[0] > MAX_PRODUCTS:
+            return (f"{csr.row_length} nonzeros per row x {ROWS_SPACE[0]} rows exceed {MAX_PRODUCTS} products per "
+                    "generated kernel")
         N, C, H, W = x.shape
         E, F_ = geometry.output_size(H, W, csr.kernel_size)
         padded = C * (H + 2 * geometry.padding[0]) * (W + 2 * geometry.padding[1])
@@ -97,23 +94,20 @@ class GeneratedBackend(ConvBackend):
         return None
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
-        """The settings of :data:`SETTINGS` within :data:`MAX_PRODUCTS`; beyond the first, only those with ``rows``
-        below twice the layer's output channels (from twice on, at least half the accumulators stay empty) and
-        ``programs`` at most the layer's programs, ``ceil(M / rows)``."""
-        return [dict(params) for params in SETTINGS if params["rows"] * csr.row_length <= MAX_PRODUCTS
-                and (params == SETTINGS[0] or (params["rows"] < 2 * csr.out_channels
-                                               and params["programs"] <= -(-csr.out_channels // params["rows"])))]
+        """``{"rows": r}`` for each ``r`` of :data:`ROWS_SPACE` within :data:`MAX_PRODUCTS`; beyond the first, only
+        those below twice the layer's output channels (from twice on, at least half the accumulators stay empty)."""
+        return [{"rows": r} for r in ROWS_SPACE if r * csr.row_length <= MAX_PRODUCTS
+                and (r == ROWS_SPACE[0] or r < 2 * csr.out_channels)]
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
         """Compile every kernel of every setting in ``space``, concurrently, before anything is timed."""
-        sources = [source for params in space for source in self._sources(x, csr, geometry, **params)]
+        sources = [source for params in space for source in self._sources(x, csr, geometry, params["rows"])]
         compile_all(sources)
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-             rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"]) -> torch.Tensor:
-        """Pad the input (``F.pad``, timed with the call), then run one kernel per ``programs`` programs of ``rows``
-        output channels.
+             rows: int = ROWS_SPACE[0]) -> torch.Tensor:
+        """Pad the input (``F.pad``, timed with the call), then run one kernel per ``rows`` output channels.
 
         The kernels read the bias as ``x``'s dtype, so a bias of another dtype (or not contiguous) is converted first,
         as the ``direct`` backend does.
@@ -128,7 +122,7 @@ class GeneratedBackend(ConvBackend):
         reason = self.unsupported_reason(x, csr, geometry)
         if reason is not None:
             raise ValueError(f"generated: {reason}")
-        launches = self._launches(x, csr, geometry, rows, programs)
+        launches = self._launches(x, csr, geometry, rows)
         pad_h, pad_w = geometry.padding
         x = x.contiguous()
         padded = F.pad(x, (pad_w, pad_w, pad_h, pad_h)) if pad_h or pad_w else x
@@ -150,38 +144,27 @@ class GeneratedBackend(ConvBackend):
 
         return self._cache.get(csr, ("programs", rows, in_hw, geometry.padding), build)
 
-    def _kernels(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
-                 programs: int) -> list[list[gs.Program]]:
-        """The layer's programs, ``programs`` per kernel (fewer in the last)."""
-        layer = self._programs(x, csr, geometry, rows)
-        return [layer[start:start + programs] for start in range(0, len(layer), programs)]
-
-    def _sources(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
-                 programs: int) -> list[str]:
+    def _sources(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[str]:
         """CUDA sources of the layer's kernels at ``x``'s batch, dtype and device."""
-        threads = self._threads(x, csr, geometry, programs)
-        return [gs.kernel_source(kernel, x.dtype, threads)
-                for kernel in self._kernels(x, csr, geometry, rows, programs)]
+        threads = self._threads(x, csr, geometry)
+        return [gs.kernel_source(program, x.dtype, threads) for program in self._programs(x, csr, geometry, rows)]
 
     @staticmethod
-    def _threads(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, programs: int) -> int:
-        """Threads per block: :func:`~unsparse.runtime.generated_source.choose_threads` of the (pixel, program)
-        pairs, at least one warp per program."""
+    def _threads(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> int:
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return max(gs.choose_threads(x.shape[0] * E * F_ * programs, sms), 32 * programs)
+        return gs.choose_threads(x.shape[0] * E * F_, sms)
 
-    def _launches(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
-                  programs: int) -> list[cl.BoundLaunch]:
+    def _launches(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[cl.BoundLaunch]:
         """The bound launches of a setting (cached per weight, input shape, dtype and device)."""
-        key = ("launches", rows, programs, tuple(x.shape), x.dtype, x.device, geometry.padding)
-        return self._cache.get(csr, key, lambda: self._bind(x, csr, geometry, rows, programs))
+        key = ("launches", rows, tuple(x.shape), x.dtype, x.device, geometry.padding)
+        return self._cache.get(csr, key, lambda: self._bind(x, csr, geometry, rows))
 
-    def _bind(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
-              programs: int) -> list[cl.BoundLaunch]:
-        """Compile (:func:`compile_all`) and bind each kernel: x, bias and y per call, the pixel count fixed."""
-        threads = self._threads(x, csr, geometry, programs)
-        sources = self._sources(x, csr, geometry, rows, programs)
+    def _bind(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[cl.BoundLaunch]:
+        """Compile (:func:`compile_all`) and bind each kernel: x, bias and y per call, the sizes fixed."""
+        programs = self._programs(x, csr, geometry, rows)
+        threads = self._threads(x, csr, geometry)
+        sources = self._sources(x, csr, geometry, rows)
         functions = compile_all(sources)
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         total = x.shape[0] * E * F_
@@ -189,12 +172,14 @@ class GeneratedBackend(ConvBackend):
         import cupy
 
         launches = []
-        for kernel, source in zip(functions, sources, strict=True):
-            grid = gs.launch_grid(total * programs, threads, gs.resident_blocks(kernel.num_regs, threads), sms)
+        for program, kernel, source in zip(programs, functions, sources, strict=True):
+            grid = gs.launch_grid(total, threads, gs.resident_blocks(kernel.num_regs, threads), sms)
             name = f"generated_conv[{hashlib.sha256(source.encode()).hexdigest()[:12]}]"
             spec = Launch(name, grid, (threads, 1, 1))
-            parameters = cl.KernelParameters((cl.PER_CALL, cl.PER_CALL, cl.PER_CALL, total), x.device)
+            parameters = cl.KernelParameters((cl.PER_CALL, cl.PER_CALL, cl.PER_CALL, total, csr.out_channels,
+                                              program.first), x.device)
             with cupy.cuda.Device(x.device.index):
                 function = kernel.kernel  # this device's handle (loaded here on first use)
             launches.append(cl.BoundLaunch(spec, x.device, parameters, function, ()))
         return launches
+
