@@ -10,7 +10,7 @@ median of CUDA-event timings of the runs so a profile can be matched to a benchm
         --params '{"variant": "tile", "wx": 32, "py": 4, "nb": 2, "mw": 4, "warps": 16, "cc": 8}'
     ncu --kernel-name regex:generated_conv --launch-skip 8 --launch-count 1 --section WarpStateStats \
         python3 scripts/profile_direct.py --backend generated --shape 128 256 56 56 --out-channels 256 \
-        --params '{"rows": 32, "pixels": 1}'
+        --params '{"rows": 32}'
 """
 
 from __future__ import annotations
