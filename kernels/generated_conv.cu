@@ -31,6 +31,7 @@ __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 
+#ifndef G
 __device__ __forceinline__ void products(const T* __restrict__ base, float* acc);
 
 extern "C" __global__ void __launch_bounds__(THREADS) generated_conv(
@@ -51,3 +52,54 @@ extern "C" __global__ void __launch_bounds__(THREADS) generated_conv(
     }
   }
 }
+#else
+// v31: G programs in one kernel, each on its own share of the SMs. v27 ran one program per kernel over every pixel, so
+// each program streamed the whole input from DRAM and its loads stalled on DRAM (kernels/NOTES.md, thirtieth
+// session); v30 put the G programs on the same SM and stalled on instruction fetch. Here a block runs the program of
+// the SM it landed on (smid % G), so each SM streams one body, and takes its tiles of THREADS pixels in order from
+// that program's counter: the G programs walk the pixels together on G sets of SMs, each in flight over about 1/G
+// of the pixels the whole GPU would cover, and all but the first to read an input line find it in L2. A block whose
+// program has no tile left takes tiles of the next program (only the last tiles mix bodies on an SM).
+//
+// Also defined by the generator: G, M (the layer's output channels), and run(program, base, acc), a switch whose
+// case g runs program g's body and returns its first output channel. counters: G zeros, one tile counter per
+// program, set by the caller before each launch.
+
+__device__ __forceinline__ int run(int program, const T* __restrict__ base, float* acc);
+
+extern "C" __global__ void __launch_bounds__(THREADS) generated_conv_shared(
+    const T* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total,
+    unsigned int* __restrict__ counters) {
+  __shared__ unsigned int s_tile;
+  unsigned int smid;
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+  const unsigned int tiles = (static_cast<unsigned int>(total) + THREADS - 1) / THREADS;
+  for (int step = 0; step < G; ++step) {
+    const int program = static_cast<int>((smid + step) % G);
+    for (;;) {
+      if (threadIdx.x == 0) s_tile = atomicAdd(&counters[program], 1u);
+      __syncthreads();
+      const unsigned int tile = s_tile;
+      __syncthreads();
+      if (tile >= tiles) break;
+      const int pixel = static_cast<int>(tile * THREADS + threadIdx.x);
+      const int p = min(pixel, total - 1);
+      const int ox = p % F;
+      const int oy = (p / F) % E;
+      const int n = p / (E * F);
+      const T* base = xp + (static_cast<size_t>(n) * C * HP + oy) * WP + ox;
+      float acc[KT];
+#pragma unroll
+      for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
+      const int k0 = run(program, base, acc);
+      if (pixel < total) {
+        T* out = y + ((static_cast<size_t>(n) * M + k0) * E + oy) * F + ox;
+#pragma unroll
+        for (int k = 0; k < KT; ++k) {
+          if (k0 + k < M) store(out + static_cast<size_t>(k) * E * F, acc[k] + (bias ? to_float(bias[k0 + k]) : 0.0f));
+        }
+      }
+    }
+  }
+}
+#endif

@@ -125,6 +125,31 @@ def test_kernel_source_refuses_other_dtypes_and_thread_counts() -> None:
         assert constant in source
 
 
+def test_a_shared_kernel_switches_to_each_body_and_returns_its_first_row() -> None:
+    layer = gs.programs(np.ones((5, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)
+    source = gs.shared_kernel_source(layer, 5, torch.float32, 128)
+    assert "\n#define G 3\n#define M 5\n" in source and "generated_conv_shared" in source
+    for index, program in enumerate(layer):
+        assert f"__device__ __forceinline__ void products_{index}(" in source
+        assert f"case {index}: products_{index}(base, acc); return {program.first};" in source
+    assert re.findall(r"case (\d+):", source) == ["0", "1", "2"]
+    assert [parse_products(gs.products_source(p, f"products_{i}")) for i, p in enumerate(layer)] == [
+        [(tap.offset, tap.products) for tap in p.taps] for p in layer]
+    assert "#define G" not in gs.kernel_source(layer[0], torch.float32, 128)
+
+
+def test_a_shared_kernel_refuses_one_program_mixed_layers_and_a_short_layer() -> None:
+    layer = gs.programs(np.ones((5, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)
+    other = gs.programs(np.ones((5, 2, 3, 3), np.float32), (1, 1), (4, 5), 2)
+    for programs, out_channels, dtype, threads, field in [
+            (layer[:1], 5, torch.float32, 128, "kernel_programs"), ([layer[0], other[1]], 5, torch.float32, 128,
+                                                                     "kernel_programs"),
+            (layer, 4, torch.float32, 128, "out_channels"), (layer, 5, torch.float64, 128, "dtype"),
+            (layer, 5, torch.float32, 96, "threads")]:
+        with pytest.raises(ValueError, match=f"^{field}:"):
+            gs.shared_kernel_source(programs, out_channels, dtype, threads)
+
+
 def test_launch_sizes() -> None:
     assert gs.choose_threads(128 * 56 * 56, 132) == 256
     assert gs.choose_threads(128 * 14 * 14, 132) == 64  # 25 088 pixels: 98 blocks of 256, 196 of 128, 392 of 64
@@ -138,12 +163,13 @@ def test_launch_sizes() -> None:
 
 
 @pytest.mark.skipif(nvrtc_library() is None, reason="no NVRTC library in the nvidia wheels")
+@pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_generated_source_compiles_under_nvrtc_for_sm90(dtype: torch.dtype) -> None:
+def test_generated_source_compiles_under_nvrtc_for_sm90(dtype: torch.dtype, shared: bool) -> None:
     rng = np.random.default_rng(7)
-    program = gs.programs(random_weight(rng, (8, 16, 3, 3), 0.2), (1, 1), (9, 9), 8)[0]
+    layer = gs.programs(random_weight(rng, (20, 16, 3, 3), 0.2), (1, 1), (9, 9), 8)
+    source = (gs.shared_kernel_source(layer, 20, dtype, 64) if shared else gs.kernel_source(layer[0], dtype, 64))
     library = nvrtc_library()
     include = library.parent.parent / "include"
-    status, log = compile_with_nvrtc(library, gs.kernel_source(program, dtype, 64), [],
-                                     ["-std=c++17", "-arch=sm_90", f"-I{include}"])
+    status, log = compile_with_nvrtc(library, source, [], ["-std=c++17", "-arch=sm_90", f"-I{include}"])
     assert status == 0, log

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from unsparse.runtime.backends import available_backends, get_backend
-from unsparse.runtime.backends.generated import MAX_PRODUCTS, ROWS_SPACE, GeneratedBackend
+from unsparse.runtime.backends.generated import MAX_PRODUCTS, SETTINGS, GeneratedBackend
 from unsparse.runtime.comparator import COMPARED_BY_DEFAULT_EXCLUDES
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
@@ -43,7 +43,7 @@ def test_it_runs_on_cuda_only_and_is_not_compared_by_default() -> None:
     ({"groups": 2}, "groups=2"),
     ({"x_dtype": torch.float64}, "float32 and float16, not torch.float64"),
     ({"csr_dtype": torch.float16}, "differs from input dtype"),
-    ({"dense": True}, "products per generated kernel"),
+    ({"dense": True}, "products per generated program"),
     ({"huge": True}, "32-bit pixel and offset indexing"),
 ])
 def test_unsupported_layers_are_refused_with_a_reason(on_cpu: GeneratedBackend, change: dict, expected: str) -> None:
@@ -66,8 +66,12 @@ def test_conv_refuses_what_unsupported_reason_refuses(on_cpu: GeneratedBackend) 
 def test_tuning_space_bounds_the_generated_body() -> None:
     backend = get_backend("generated")
     x = torch.randn(1, 4, 6, 6)
-    assert backend.tuning_space(x, layer(out_channels=256), ConvGeometry.of(1, 1)) == [{"rows": r} for r in ROWS_SPACE]
-    assert backend.tuning_space(x, layer(out_channels=10), ConvGeometry.of(1, 1)) == [{"rows": ROWS_SPACE[0]}]
-    dense = layer(out_channels=64, channels=256, kernel=3, density=1.0)  # 2304 per row: 32 rows fit, 64 do not
-    assert dense.row_length * ROWS_SPACE[1] > MAX_PRODUCTS >= dense.row_length * ROWS_SPACE[0]
-    assert backend.tuning_space(x, dense, ConvGeometry.of(1, 1)) == [{"rows": ROWS_SPACE[0]}]
+    assert SETTINGS[0] == {"rows": 32, "programs": 1}
+    assert backend.tuning_space(x, layer(out_channels=256), ConvGeometry.of(1, 1)) == list(SETTINGS)
+    assert backend.tuning_space(x, layer(out_channels=10), ConvGeometry.of(1, 1)) == [SETTINGS[0]]
+    assert backend.tuning_space(x, layer(out_channels=100), ConvGeometry.of(1, 1)) == [  # 4 programs of 32 rows
+        {"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 32, "programs": 4}]
+    dense = layer(out_channels=256, channels=256, kernel=3, density=1.0)  # 2304 per row: 32 rows fit, 64 do not
+    assert dense.row_length * 64 > MAX_PRODUCTS >= dense.row_length * 32
+    assert backend.tuning_space(x, dense, ConvGeometry.of(1, 1)) == [
+        {"rows": 32, "programs": 1}, {"rows": 32, "programs": 4}, {"rows": 32, "programs": 8}]

@@ -8,6 +8,7 @@ import torch
 
 from tests.gpu.test_gpu_backends import CASES, CUDA, make_case, poison_allocator
 from unsparse.runtime import get_backend
+from unsparse.runtime.backends.generated import SETTINGS
 from unsparse.runtime.comparator import compare_layer, relative_error, tolerance
 
 SUPPORTED = sorted(name for name, case in CASES.items() if case[7] == 1 and case[9] == 1)
@@ -30,6 +31,26 @@ def test_generated_every_setting_matches_float64_reference(case: str, dtype: tor
         assert torch.isfinite(out).all(), f"{params}: unwritten or non-finite outputs"
         error = relative_error(out.cpu(), ref)
         assert error <= tolerance(dtype), f"{case} {params}: relative error {error:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("out_channels", [230, 200])
+def test_shared_kernels_match_float64_reference(monkeypatch: pytest.MonkeyPatch, out_channels: int,
+                                                dtype: torch.dtype) -> None:
+    """3x3 layers of 8 and 7 programs of 32 rows (the last partial) at every setting of :data:`SETTINGS`, so that
+    shared kernels of 8, 4 and 3 programs and a lone last program run, twice each (the counters start again from
+    zero); 2 x 5 x 7 = 70 pixels leave threads past the last pixel; one empty and one dense row."""
+    monkeypatch.setitem(CASES, "programs", (2, 6, 5, 7, out_channels, 3, 3, 1, 1, 1, 0.8, 1, 1))
+    x, csr, bias, geometry, ref = make_case("programs", dtype, seed=out_channels)
+    backend = get_backend("generated")
+    for params in SETTINGS:
+        for _ in range(2):
+            poison_allocator(ref.numel(), dtype)
+            out = backend.run(x, csr, bias, geometry, **params)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all(), f"{params}: unwritten or non-finite outputs"
+            error = relative_error(out.cpu(), ref)
+            assert error <= tolerance(dtype), f"{params}: relative error {error:.3g}"
 
 
 def test_generated_on_a_channels_last_input_without_bias() -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -134,10 +135,10 @@ def programs(weight: np.ndarray, padding: tuple[int, int], in_hw: tuple[int, int
     return result
 
 
-def products_source(program: Program) -> str:
-    """CUDA text of ``products``: per tap one load of ``base[offset]``, then one ``fmaf`` per product with the
-    weight as an exact hexadecimal float literal."""
-    lines = ["__device__ __forceinline__ void products(const T* __restrict__ base, float* acc) {"]
+def products_source(program: Program, name: str = "products") -> str:
+    """CUDA text of the device function ``name``, the program's body: per tap one load of ``base[offset]``, then
+    one ``fmaf`` per product with the weight as an exact hexadecimal float literal."""
+    lines = [f"__device__ __forceinline__ void {name}(const T* __restrict__ base, float* acc) {{"]
     for tap in program.taps:
         lines.append(f"  {{ const float v = to_float(__ldg(base + {tap.offset}));")
         lines.extend(f"    acc[{row}] = fmaf(v, {value.hex()}f, acc[{row}]);" for row, value in tap.products)
@@ -156,6 +157,47 @@ def kernel_source(program: Program, dtype: torch.dtype, threads: int) -> str:
         ValueError: for a dtype other than float32 or float16 (naming ``dtype``), or ``threads`` not in
             :data:`THREAD_CHOICES`.
     """
+    return "\n".join([*_header(program, dtype, threads), _skeleton(), products_source(program)])
+
+
+def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, dtype: torch.dtype,
+                         threads: int) -> str:
+    """The CUDA source of ``generated_conv_shared`` (v31): G = ``len(kernel_programs)`` programs of one layer in one
+    kernel, each block running the program of the SM it runs on (``kernels/generated_conv.cu``).
+
+    Args:
+        kernel_programs: at least two consecutive programs of one layer split (the same KT, C, kernel, padding and
+            input plane). out_channels: M, the layer's.
+        threads: threads per block, one of :data:`THREAD_CHOICES`.
+
+    Raises:
+        ValueError: naming the field, for fewer than two programs or programs of different layers or splits, an
+            ``out_channels`` below the last program's rows, or a dtype or ``threads`` :func:`kernel_source` refuses.
+    """
+    if len(kernel_programs) < 2:
+        raise ValueError(f"kernel_programs: {len(kernel_programs)} programs, a shared kernel holds at least two")
+    first = kernel_programs[0]
+    layer = (first.width, first.channels, first.kernel, first.padding, first.in_hw)
+    if any((p.width, p.channels, p.kernel, p.padding, p.in_hw) != layer for p in kernel_programs):
+        raise ValueError("kernel_programs: not all of one layer and split")
+    if out_channels < max(p.first + p.rows for p in kernel_programs):
+        raise ValueError(f"out_channels: {out_channels} is below the programs' last row")
+    header = [*_header(first, dtype, threads), f"#define G {len(kernel_programs)}", f"#define M {out_channels}"]
+    bodies = [products_source(p, f"products_{index}") for index, p in enumerate(kernel_programs)]
+    cases = [f"    case {index}: products_{index}(base, acc); return {p.first};"
+             for index, p in enumerate(kernel_programs)]
+    run = ["__device__ __forceinline__ int run(int program, const T* __restrict__ base, float* acc) {",
+           "  switch (program) {", *cases, "  }", "  return 0;", "}"]
+    return "\n".join([*header, _skeleton(), *bodies, *run])
+
+
+def _header(program: Program, dtype: torch.dtype, threads: int) -> list[str]:
+    """The constants and storage type before the skeleton.
+
+    Raises:
+        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), or ``threads`` not in
+            :data:`THREAD_CHOICES`.
+    """
     if dtype not in STORAGE_TYPES:
         raise ValueError(f"dtype: {dtype} not supported (float32 or float16)")
     if threads not in THREAD_CHOICES:
@@ -163,8 +205,7 @@ def kernel_source(program: Program, dtype: torch.dtype, threads: int) -> str:
     constants = {"KT": program.width, "C": program.channels, "HP": program.padded_hw[0], "WP": program.padded_hw[1],
                  "E": program.out_hw[0], "F": program.out_hw[1], "THREADS": threads}
     header = [f"#define {name} {value}" for name, value in constants.items()]
-    header += ["#include <cuda_fp16.h>", f"typedef {STORAGE_TYPES[dtype]} T;"]
-    return "\n".join([*header, _skeleton(), products_source(program)])
+    return [*header, "#include <cuda_fp16.h>", f"typedef {STORAGE_TYPES[dtype]} T;"]
 
 
 @functools.cache

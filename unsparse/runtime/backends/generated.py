@@ -29,12 +29,15 @@ from unsparse.runtime.launch_geometry import Launch
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
-ROWS_SPACE = (32, 64)
-"""Output channels per kernel (register accumulators per thread) the comparator times. The twenty-ninth session's
-probe on VGG16 features.10 at 0.9 ran 8.1 / 10.7 / 19.3 TFLOP/s at 8 / 16 / 32 (``kernels/NOTES.md``)."""
+SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 32, "programs": 4},
+            {"rows": 32, "programs": 8})
+"""The settings the comparator times, the first the default: output channels per program (KT, the register
+accumulators per thread) and programs per kernel (G; G > 1 runs ``generated_conv_shared``, v31, each program on its
+share of the SMs). The twenty-ninth session's probe on VGG16 features.12 at 0.9 ran 8.1 / 10.7 / 19.3 TFLOP/s at
+KT = 8 / 16 / 32 with G = 1 (``kernels/NOTES.md``)."""
 
 MAX_PRODUCTS = 2**17
-"""Most multiply-adds one kernel's body may hold (``rows`` x the row length): bounds the generated source (about 50
+"""Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
 bytes per product) and the compile time; denser layers are refused."""
 
 INDEX_LIMIT = 2**31
@@ -43,14 +46,20 @@ INDEX_LIMIT = 2**31
 
 @functools.cache
 def compiled(source: str) -> Any:
-    """The ``generated_conv`` ``cupy.RawKernel`` of ``source``, compiled once per process (NVRTC through CuPy).
+    """The ``cupy.RawKernel`` of ``source``, compiled once per process (NVRTC through CuPy): ``generated_conv``, or
+    ``generated_conv_shared`` for a source of several programs (one that defines ``G``).
 
     Raises:
         ImportError: without CuPy.
     """
     import cupy
 
-    return cupy.RawModule(code=source, options=cl.COMPILE_OPTIONS).get_function("generated_conv")
+    return cupy.RawModule(code=source, options=cl.COMPILE_OPTIONS).get_function(_entry(source))
+
+
+def _entry(source: str) -> str:
+    """The kernel a generated source defines."""
+    return "generated_conv_shared" if "\n#define G " in source else "generated_conv"
 
 
 def compile_all(sources: list[str], workers: int = 16) -> list[Any]:
@@ -61,7 +70,7 @@ def compile_all(sources: list[str], workers: int = 16) -> list[Any]:
 
 @register_backend
 class GeneratedBackend(ConvBackend):
-    """Weight-specialised kernels; tuning parameter ``rows`` (:data:`ROWS_SPACE`)."""
+    """Weight-specialised kernels; tuning parameters ``rows`` and ``programs`` (:data:`SETTINGS`)."""
 
     name = "generated"
     device_types = frozenset({"cuda"})
@@ -79,9 +88,9 @@ class GeneratedBackend(ConvBackend):
             return f"weight dtype {csr.values.dtype} differs from input dtype {x.dtype}"
         if geometry.stride != (1, 1) or geometry.dilation != (1, 1):
             return f"generated kernels run stride 1 and dilation 1, not {geometry.stride} and {geometry.dilation}"
-        if csr.row_length * ROWS_SPACE[0] > MAX_PRODUCTS:
-            return (f"{csr.row_length} nonzeros per row x {ROWS_SPACE[0]} rows exceed {MAX_PRODUCTS} products per "
-                    "generated kernel")
+        if csr.row_length * SETTINGS[0]["rows"] > MAX_PRODUCTS:
+            return (f"{csr.row_length} nonzeros per row x {SETTINGS[0]['rows']} rows exceed {MAX_PRODUCTS} products "
+                    "per generated program")
         N, C, H, W = x.shape
         E, F_ = geometry.output_size(H, W, csr.kernel_size)
         padded = C * (H + 2 * geometry.padding[0]) * (W + 2 * geometry.padding[1])
@@ -94,20 +103,23 @@ class GeneratedBackend(ConvBackend):
         return None
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
-        """``{"rows": r}`` for each ``r`` of :data:`ROWS_SPACE` within :data:`MAX_PRODUCTS`; beyond the first, only
-        those below twice the layer's output channels (from twice on, at least half the accumulators stay empty)."""
-        return [{"rows": r} for r in ROWS_SPACE if r * csr.row_length <= MAX_PRODUCTS
-                and (r == ROWS_SPACE[0] or r < 2 * csr.out_channels)]
+        """The settings of :data:`SETTINGS` within :data:`MAX_PRODUCTS`; beyond the first, only those with ``rows``
+        below twice the layer's output channels (from twice on, at least half the accumulators stay empty) and
+        ``programs`` at most the layer's programs, ``ceil(M / rows)``."""
+        return [dict(params) for params in SETTINGS if params["rows"] * csr.row_length <= MAX_PRODUCTS
+                and (params == SETTINGS[0] or (params["rows"] < 2 * csr.out_channels
+                                               and params["programs"] <= -(-csr.out_channels // params["rows"])))]
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
         """Compile every kernel of every setting in ``space``, concurrently, before anything is timed."""
-        sources = [source for params in space for source in self._sources(x, csr, geometry, params["rows"])]
-        compile_all(sources)
+        compile_all([source for params in space for source in self._sources(x, csr, geometry, **params)])
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-             rows: int = ROWS_SPACE[0]) -> torch.Tensor:
-        """Pad the input (``F.pad``, timed with the call), then run one kernel per ``rows`` output channels.
+             rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"]) -> torch.Tensor:
+        """Pad the input (``F.pad``, timed with the call), then run the layer's programs of ``rows`` output
+        channels, ``programs`` per kernel: a kernel of one program is v27's ``generated_conv``, one of several is
+        ``generated_conv_shared``, whose tile counters (int32, zeroed here) are allocated with each call.
 
         The kernels read the bias as ``x``'s dtype, so a bias of another dtype (or not contiguous) is converted first,
         as the ``direct`` backend does.
@@ -122,7 +134,7 @@ class GeneratedBackend(ConvBackend):
         reason = self.unsupported_reason(x, csr, geometry)
         if reason is not None:
             raise ValueError(f"generated: {reason}")
-        launches = self._launches(x, csr, geometry, rows)
+        launches = self._launches(x, csr, geometry, rows, programs)
         pad_h, pad_w = geometry.padding
         x = x.contiguous()
         padded = F.pad(x, (pad_w, pad_w, pad_h, pad_h)) if pad_h or pad_w else x
@@ -130,8 +142,9 @@ class GeneratedBackend(ConvBackend):
         y = torch.empty(x.shape[0], csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
         stream = cl.current_stream(x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
-        for launch in launches:
-            launch(stream, padded, bias, y)
+        counters = torch.zeros(len(launches), programs, dtype=torch.int32, device=x.device)
+        for index, (launch, shared) in enumerate(launches):
+            launch(stream, padded, bias, y, *((counters[index],) if shared else ()))
         return y
 
     def _programs(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[gs.Program]:
@@ -144,10 +157,19 @@ class GeneratedBackend(ConvBackend):
 
         return self._cache.get(csr, ("programs", rows, in_hw, geometry.padding), build)
 
-    def _sources(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[str]:
+    def _kernels(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
+                 programs: int) -> list[list[gs.Program]]:
+        """The layer's programs, ``programs`` per kernel (fewer in the last)."""
+        layer = self._programs(x, csr, geometry, rows)
+        return [layer[start:start + programs] for start in range(0, len(layer), programs)]
+
+    def _sources(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
+                 programs: int) -> list[str]:
         """CUDA sources of the layer's kernels at ``x``'s batch, dtype and device."""
         threads = self._threads(x, csr, geometry)
-        return [gs.kernel_source(program, x.dtype, threads) for program in self._programs(x, csr, geometry, rows)]
+        return [gs.kernel_source(kernel[0], x.dtype, threads) if len(kernel) == 1 else
+                gs.shared_kernel_source(kernel, csr.out_channels, x.dtype, threads)
+                for kernel in self._kernels(x, csr, geometry, rows, programs)]
 
     @staticmethod
     def _threads(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> int:
@@ -155,16 +177,21 @@ class GeneratedBackend(ConvBackend):
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         return gs.choose_threads(x.shape[0] * E * F_, sms)
 
-    def _launches(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[cl.BoundLaunch]:
-        """The bound launches of a setting (cached per weight, input shape, dtype and device)."""
-        key = ("launches", rows, tuple(x.shape), x.dtype, x.device, geometry.padding)
-        return self._cache.get(csr, key, lambda: self._bind(x, csr, geometry, rows))
+    def _launches(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
+                  programs: int) -> list[tuple[cl.BoundLaunch, bool]]:
+        """The bound launches of a setting, each with whether it takes tile counters (cached per weight, input
+        shape, dtype and device)."""
+        key = ("launches", rows, programs, tuple(x.shape), x.dtype, x.device, geometry.padding)
+        return self._cache.get(csr, key, lambda: self._bind(x, csr, geometry, rows, programs))
 
-    def _bind(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[cl.BoundLaunch]:
-        """Compile (:func:`compile_all`) and bind each kernel: x, bias and y per call, the sizes fixed."""
-        programs = self._programs(x, csr, geometry, rows)
+    def _bind(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
+              programs: int) -> list[tuple[cl.BoundLaunch, bool]]:
+        """Compile (:func:`compile_all`) and bind each kernel: x, bias, y (and the counters of a shared kernel) per
+        call, the sizes fixed. A shared kernel's grid is every block that stays resident, since its blocks take
+        their tiles from the counters."""
+        kernels = self._kernels(x, csr, geometry, rows, programs)
         threads = self._threads(x, csr, geometry)
-        sources = self._sources(x, csr, geometry, rows)
+        sources = self._sources(x, csr, geometry, rows, programs)
         functions = compile_all(sources)
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         total = x.shape[0] * E * F_
@@ -172,14 +199,16 @@ class GeneratedBackend(ConvBackend):
         import cupy
 
         launches = []
-        for program, kernel, source in zip(programs, functions, sources, strict=True):
-            grid = gs.launch_grid(total, threads, gs.resident_blocks(kernel.num_regs, threads), sms)
-            name = f"generated_conv[{hashlib.sha256(source.encode()).hexdigest()[:12]}]"
+        for kernel_programs, kernel, source in zip(kernels, functions, sources, strict=True):
+            shared = len(kernel_programs) > 1
+            resident = gs.resident_blocks(kernel.num_regs, threads)
+            grid = (resident * sms, 1, 1) if shared else gs.launch_grid(total, threads, resident, sms)
+            name = f"{_entry(source)}[{hashlib.sha256(source.encode()).hexdigest()[:12]}]"
             spec = Launch(name, grid, (threads, 1, 1))
-            parameters = cl.KernelParameters((cl.PER_CALL, cl.PER_CALL, cl.PER_CALL, total, csr.out_channels,
-                                              program.first), x.device)
+            arguments = (cl.PER_CALL, cl.PER_CALL, cl.PER_CALL, total,
+                         *((cl.PER_CALL,) if shared else (csr.out_channels, kernel_programs[0].first)))
+            parameters = cl.KernelParameters(arguments, x.device)
             with cupy.cuda.Device(x.device.index):
                 function = kernel.kernel  # this device's handle (loaded here on first use)
-            launches.append(cl.BoundLaunch(spec, x.device, parameters, function, ()))
+            launches.append((cl.BoundLaunch(spec, x.device, parameters, function, ()), shared))
         return launches
-
