@@ -31,25 +31,42 @@ __device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
 __device__ __forceinline__ void store(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store(__half* p, float v) { *p = __float2half_rn(v); }
 
+struct Pixel {
+  int n, oy, ox;
+};
+
+// Output pixel p (0 <= p < N * E * F) of the NCHW output plane.
+__device__ __forceinline__ Pixel locate(int p) { return {p / (E * F), (p / F) % E, p % F}; }
+
+// The padded input at pixel q's window origin: tap (c, r, s) is at + (c * HP + r) * WP + s.
+__device__ __forceinline__ const T* window(const T* __restrict__ xp, Pixel q) {
+  return xp + (static_cast<size_t>(q.n) * C * HP + q.oy) * WP + q.ox;
+}
+
+// Rows k0 .. k0 + KT - 1 below out_channels of pixel q, with the bias.
+__device__ __forceinline__ void store_rows(T* __restrict__ y, const T* __restrict__ bias, Pixel q, int out_channels,
+                                           int k0, const float* acc) {
+  T* out = y + ((static_cast<size_t>(q.n) * out_channels + k0) * E + q.oy) * F + q.ox;
+#pragma unroll
+  for (int k = 0; k < KT; ++k) {
+    if (k0 + k < out_channels) {
+      store(out + static_cast<size_t>(k) * E * F, acc[k] + (bias ? to_float(bias[k0 + k]) : 0.0f));
+    }
+  }
+}
+
 #ifndef G
 __device__ __forceinline__ void products(const T* __restrict__ base, float* acc);
 
 extern "C" __global__ void __launch_bounds__(THREADS) generated_conv(
     const T* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int M, int k0) {
   for (int p = blockIdx.x * THREADS + threadIdx.x; p < total; p += gridDim.x * THREADS) {
-    const int ox = p % F;
-    const int oy = (p / F) % E;
-    const int n = p / (E * F);
-    const T* base = xp + (static_cast<size_t>(n) * C * HP + oy) * WP + ox;
+    const Pixel q = locate(p);
     float acc[KT];
 #pragma unroll
     for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
-    products(base, acc);
-    T* out = y + ((static_cast<size_t>(n) * M + k0) * E + oy) * F + ox;
-#pragma unroll
-    for (int k = 0; k < KT; ++k) {
-      if (k0 + k < M) store(out + static_cast<size_t>(k) * E * F, acc[k] + (bias ? to_float(bias[k0 + k]) : 0.0f));
-    }
+    products(window(xp, q), acc);
+    store_rows(y, bias, q, M, k0, acc);
   }
 }
 #else
@@ -82,23 +99,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) generated_conv_shared(
       const unsigned int tile = s_tile;
       __syncthreads();
       if (tile >= tiles) break;
-      const int pixel = static_cast<int>(tile * THREADS + threadIdx.x);
-      const int p = min(pixel, total - 1);
-      const int ox = p % F;
-      const int oy = (p / F) % E;
-      const int n = p / (E * F);
-      const T* base = xp + (static_cast<size_t>(n) * C * HP + oy) * WP + ox;
+      const int p = static_cast<int>(tile * THREADS + threadIdx.x);
+      const Pixel q = locate(min(p, total - 1));  // threads past the last pixel compute it again, store nothing
       float acc[KT];
 #pragma unroll
       for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
-      const int k0 = run(program, base, acc);
-      if (pixel < total) {
-        T* out = y + ((static_cast<size_t>(n) * M + k0) * E + oy) * F + ox;
-#pragma unroll
-        for (int k = 0; k < KT; ++k) {
-          if (k0 + k < M) store(out + static_cast<size_t>(k) * E * F, acc[k] + (bias ? to_float(bias[k0 + k]) : 0.0f));
-        }
-      }
+      const int k0 = run(program, window(xp, q), acc);
+      if (p < total) store_rows(y, bias, q, M, k0, acc);
     }
   }
 }

@@ -15,22 +15,31 @@ SUPPORTED = sorted(name for name, case in CASES.items() if case[7] == 1 and case
 """Cases with stride 1 and dilation 1 (odd shapes, 1x1, 5x5, a Conv1d, all-zero, fully dense and empty rows)."""
 
 
+def check_settings(case: str, dtype: torch.dtype, seed: int, settings: list[dict] | None = None,
+                   repeats: int = 1) -> None:
+    """Run ``case`` at each of ``settings`` (default: the backend's tuning space, compiled first) ``repeats`` times,
+    each output poisoned first, and compare with the float64 reference."""
+    x, csr, bias, geometry, ref = make_case(case, dtype, seed=seed)
+    backend = get_backend("generated")
+    assert backend.unsupported_reason(x, csr, geometry) is None
+    if settings is None:
+        settings = backend.tuning_space(x, csr, geometry)
+        backend.precompile(x, csr, geometry, settings)
+    assert settings
+    for params in settings:
+        for _ in range(repeats):
+            poison_allocator(ref.numel(), dtype)
+            out = backend.run(x, csr, bias, geometry, **params)
+            torch.cuda.synchronize()
+            assert torch.isfinite(out).all(), f"{params}: unwritten or non-finite outputs"
+            error = relative_error(out.cpu(), ref)
+            assert error <= tolerance(dtype), f"{case} {params}: relative error {error:.3g}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", SUPPORTED)
 def test_generated_every_setting_matches_float64_reference(case: str, dtype: torch.dtype) -> None:
-    x, csr, bias, geometry, ref = make_case(case, dtype, seed=hash(case) % 1000)
-    backend = get_backend("generated")
-    assert backend.unsupported_reason(x, csr, geometry) is None
-    space = backend.tuning_space(x, csr, geometry)
-    assert space
-    backend.precompile(x, csr, geometry, space)
-    for params in space:
-        poison_allocator(ref.numel(), dtype)
-        out = backend.run(x, csr, bias, geometry, **params)
-        torch.cuda.synchronize()
-        assert torch.isfinite(out).all(), f"{params}: unwritten or non-finite outputs"
-        error = relative_error(out.cpu(), ref)
-        assert error <= tolerance(dtype), f"{case} {params}: relative error {error:.3g}"
+    check_settings(case, dtype, seed=hash(case) % 1000)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -41,16 +50,7 @@ def test_shared_kernels_match_float64_reference(monkeypatch: pytest.MonkeyPatch,
     shared kernels of 8, 4 and 3 programs and a lone last program run, twice each (the counters start again from
     zero); 2 x 5 x 7 = 70 pixels leave threads past the last pixel; one empty and one dense row."""
     monkeypatch.setitem(CASES, "programs", (2, 6, 5, 7, out_channels, 3, 3, 1, 1, 1, 0.8, 1, 1))
-    x, csr, bias, geometry, ref = make_case("programs", dtype, seed=out_channels)
-    backend = get_backend("generated")
-    for params in SETTINGS:
-        for _ in range(2):
-            poison_allocator(ref.numel(), dtype)
-            out = backend.run(x, csr, bias, geometry, **params)
-            torch.cuda.synchronize()
-            assert torch.isfinite(out).all(), f"{params}: unwritten or non-finite outputs"
-            error = relative_error(out.cpu(), ref)
-            assert error <= tolerance(dtype), f"{params}: relative error {error:.3g}"
+    check_settings("programs", dtype, seed=out_channels, settings=list(SETTINGS), repeats=2)
 
 
 def test_generated_on_a_channels_last_input_without_bias() -> None:
