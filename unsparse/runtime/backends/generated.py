@@ -119,7 +119,7 @@ class GeneratedBackend(ConvBackend):
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"]) -> torch.Tensor:
         """Pad the input (``F.pad``, timed with the call), then run the layer's programs of ``rows`` output
         channels, ``programs`` per kernel: a kernel of one program is v27's ``generated_conv``, one of several is
-        ``generated_conv_shared``, whose tile counters (int32, zeroed here) are allocated with each call.
+        ``generated_conv_shared``, whose tile counters (int32, zeroed here) are allocated with each call that has one.
 
         The kernels read the bias as ``x``'s dtype, so a bias of another dtype (or not contiguous) is converted first,
         as the ``direct`` backend does.
@@ -142,7 +142,8 @@ class GeneratedBackend(ConvBackend):
         y = torch.empty(x.shape[0], csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
         stream = cl.current_stream(x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
-        counters = torch.zeros(len(launches), programs, dtype=torch.int32, device=x.device)
+        counters = (torch.zeros(len(launches), programs, dtype=torch.int32, device=x.device)
+                    if any(shared for _, shared in launches) else None)
         for index, (launch, shared) in enumerate(launches):
             launch(stream, padded, bias, y, *((counters[index],) if shared else ()))
         return y
