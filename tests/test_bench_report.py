@@ -167,6 +167,20 @@ def test_report_lists_what_was_not_measured(result) -> None:
     assert "FAILED: end to end googlenet fp16" in text
 
 
+@pytest.mark.parametrize(("complete", "cut_off"), [(False, True), (True, False), (None, False)])
+def test_a_run_killed_before_its_end_says_it_was_cut_off(result, complete, cut_off) -> None:
+    """``complete`` false with nothing stopped or failed is a run killed from outside (a device call's time limit);
+    a finished run, or an older result without the field, says nothing of the kind."""
+    result.update(stopped_early=[], failed=[])
+    if complete is None:
+        result.pop("complete", None)
+    else:
+        result["complete"] = complete
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("the run was cut off" in text) is cut_off
+    assert ("## Not measured" in text) is cut_off
+
+
 def test_targets_without_records_read_not_measured(result) -> None:
     empty = {**result, "layers": [], "end_to_end": []}
     text = markdown_report({**empty, "targets": evaluate_targets(empty)})

@@ -351,10 +351,15 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
     lines.append(f"- end to end, planned not slower than dense: "
                  f"**{verdict(e2e, bool(e2e['runs']))}**"
                  + (f" ({noise} of {len(e2e['runs'])} runs slower, {noise_text(PLAN_MARGIN)})" if noise else ""))
-    if result.get("stopped_early") or result.get("failed"):
+    killed = result.get("complete") is False and not result.get("stopped_early") and not result.get("failed")
+    if result.get("stopped_early") or result.get("failed") or killed:
         lines += ["", "## Not measured", ""]
         lines += [f"- stopped by the time budget before: {what}" for what in result.get("stopped_early", [])]
         lines += [f"- FAILED: {f['what']}: {f['error']}" for f in result.get("failed", [])]
+        if killed:
+            lines.append("- **the run was cut off** (`complete` is false: killed before its end, e.g. by a time "
+                         "limit): the records below are those it wrote, and what it would have measured next is "
+                         "missing")
     lines += ["", "## Where sparse is slower", ""]
     for precision in PRECISIONS:
         records = [r for r in result["layers"] if r["precision"] == precision]
