@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("profile_end_to_end.py", ["--out", "OUT"]),
     ("profile_launch.py", ["--out", "OUT"]),
     ("time_pairing.py", []),
+    ("probe_instruction_fetch.py", ["--out", "OUT"]),
     ("time_cudnn_layouts.py", ["--models", "alexnet", "--layer-filter", "^none$", "--out", "OUT"]),
 ])
 def test_a_gpu_script_without_cuda_says_so_in_one_line(tmp_path: Path, script: str, arguments: list[str]) -> None:

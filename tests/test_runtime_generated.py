@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from unsparse.runtime.backends import available_backends, get_backend
-from unsparse.runtime.backends.generated import MAX_PRODUCTS, SETTINGS, GeneratedBackend
+from unsparse.runtime.backends.generated import MAX_PRODUCTS, MAX_SHARED_PRODUCTS, SETTINGS, GeneratedBackend
 from unsparse.runtime.comparator import COMPARED_BY_DEFAULT_EXCLUDES
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
@@ -73,5 +73,22 @@ def test_tuning_space_bounds_the_generated_body() -> None:
         {"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 32, "programs": 4}]
     dense = layer(out_channels=256, channels=256, kernel=3, density=1.0)  # 2304 per row: 32 rows fit, 64 do not
     assert dense.row_length * 64 > MAX_PRODUCTS >= dense.row_length * 32
-    assert backend.tuning_space(x, dense, ConvGeometry.of(1, 1)) == [
-        {"rows": 32, "programs": 1}, {"rows": 32, "programs": 4}, {"rows": 32, "programs": 8}]
+    assert backend.tuning_space(x, dense, ConvGeometry.of(1, 1)) == [{"rows": 32, "programs": 1}]
+
+
+@pytest.mark.parametrize(("row_length", "shared"), [
+    (MAX_SHARED_PRODUCTS // 256, [4, 8]),  # eight programs of 32 rows just fit
+    (MAX_SHARED_PRODUCTS // 256 + 1, [4]),
+    (MAX_SHARED_PRODUCTS // 128 + 1, []),
+])
+def test_kernels_of_several_programs_are_timed_only_within_their_compile_bound(row_length, shared) -> None:
+    """A kernel of G programs compiles its bodies in series: the comparator times it only while rows x G x the row
+    length stays within MAX_SHARED_PRODUCTS; kernels of one program are bounded per program only."""
+    channels = -(-row_length // 9)
+    weight = torch.zeros(256, channels, 3, 3)
+    weight.view(256, -1)[:, :row_length] = 1.0
+    csr = UniformCSR.from_dense(weight)
+    assert csr.row_length == row_length
+    space = get_backend("generated").tuning_space(torch.randn(1, channels, 6, 6), csr, ConvGeometry.of(1, 1))
+    assert [params["programs"] for params in space if params["programs"] > 1] == shared
+    assert {"rows": 32, "programs": 1} in space and {"rows": 64, "programs": 1} in space

@@ -40,6 +40,13 @@ MAX_PRODUCTS = 2**17
 """Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
 bytes per product) and the compile time; denser layers are refused."""
 
+MAX_SHARED_PRODUCTS = 2**16
+"""Most multiply-adds a kernel of several programs may hold (``rows`` x ``programs`` x the row length) for the
+comparator to time it: NVRTC compiles the G bodies of such a kernel as one unit, in series, so its compile time
+grows with G. On the H200 machine features.12 at 0.9 (G = 8: 59 k products) compiled and ran within a 170 s budget,
+while features.17 at 0.8 with G = 8 (118 k) and G = 4 (59 k) among its settings did not finish in 300 s
+(``kernels/NOTES.md``, thirty-first session)."""
+
 INDEX_LIMIT = 2**31
 """The kernels index output pixels (``N * E * F``) and the padded input plane of one image in int32."""
 
@@ -103,12 +110,16 @@ class GeneratedBackend(ConvBackend):
         return None
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
-        """The settings of :data:`SETTINGS` within :data:`MAX_PRODUCTS`; beyond the first, only those with ``rows``
-        below twice the layer's output channels (from twice on, at least half the accumulators stay empty) and
-        ``programs`` at most the layer's programs, ``ceil(M / rows)``."""
+        """The settings of :data:`SETTINGS` within :data:`MAX_PRODUCTS` per program; beyond the first, only those
+        with ``rows`` below twice the layer's output channels (from twice on, at least half the accumulators stay
+        empty), ``programs`` at most the layer's programs, ``ceil(M / rows)``, and a kernel of several programs
+        within :data:`MAX_SHARED_PRODUCTS` (its compile time)."""
         return [dict(params) for params in SETTINGS if params["rows"] * csr.row_length <= MAX_PRODUCTS
-                and (params == SETTINGS[0] or (params["rows"] < 2 * csr.out_channels
-                                               and params["programs"] <= -(-csr.out_channels // params["rows"])))]
+                and (params == SETTINGS[0] or (
+                    params["rows"] < 2 * csr.out_channels
+                    and params["programs"] <= -(-csr.out_channels // params["rows"])
+                    and (params["programs"] == 1
+                         or params["rows"] * params["programs"] * csr.row_length <= MAX_SHARED_PRODUCTS)))]
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
