@@ -6,10 +6,12 @@ body. This probe separates the two explanations: a cache shared by the SMs of a 
 keep the fetch rate) or one per SM (then no mapping helps).
 
 1. Which SMs share a GPC: a kernel with a compile-time cluster of 8 blocks records each block's ``%smid``; the
-   blocks of one cluster always run on one GPC, so the SMs seen together are joined (union-find) into GPCs.
+   blocks of one cluster always run on one GPC, so the SMs seen together are joined (union-find) into groups, each
+   within one GPC. Several blocks of a cluster can share an SM, so a group may be part of a GPC only (the H200 run
+   of the thirty-first session found 11 groups of 8-18 SMs for its 8 GPCs).
 2. The fetch rate: a kernel of ``G`` loop bodies of :data:`BODY` FFMAs each (128 KB, beyond the SM's instruction
    cache, as a generated body of about 150 KB is), where each block runs the body its SM's table entry names.
-   Mappings: every SM body 0 (one body on the GPU), ``smid % G``, and per GPC (GPC k runs body k % G), for each
+   Mappings: every SM body 0 (one body on the GPU), ``smid % G``, and per group (group k runs body k % G), for each
    G of :data:`PROGRAMS`. Rates are FFMA warp instructions per ns per SM (peak: 4 schedulers x clock),
    CUDA events, median of ``--runs`` after warm-up.
 
