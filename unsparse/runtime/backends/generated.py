@@ -45,8 +45,7 @@ MAX_SHARED_PRODUCTS = 2**16
 comparator to time it: NVRTC compiles the G bodies of such a kernel as one unit, in series, so its compile time
 grows with G. On the H200 machine features.12 at 0.9 (G = 8: 59 k products) compiled and ran within a 170 s budget,
 while features.17 at 0.8 (row length 528) with G = 8 (135 k) and G = 4 (68 k) among its settings did not finish in
-300 s
-(``kernels/NOTES.md``, thirty-first session)."""
+300 s (``kernels/NOTES.md``, thirty-first session)."""
 
 INDEX_LIMIT = 2**31
 """The kernels index output pixels (``N * E * F``) and the padded input plane of one image in int32."""
