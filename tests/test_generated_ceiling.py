@@ -34,9 +34,23 @@ def test_a_program_counts_one_load_per_used_tap_one_ffma_per_product_and_one_sto
         ceiling: ModuleType) -> None:
     weight = torch.tensor([[1.0, 0.0], [0.0, 0.0], [2.0, 3.0]]).reshape(3, 2, 1, 1)
     counts = ceiling.layer_ceiling(weight, (0, 0), (8, 8), 1, ICACHE, sms=2)
-    assert (counts["programs"], counts["loads"], counts["products"], counts["stores"]) == (1, 2, 3, 3)
-    assert counts["largest_body_instructions"] == 8 and counts["ffma_share"] == 3 / 8
+    assert (counts["programs"], counts["products"], counts["largest_body_instructions"]) == (1, 3, 2 + 3 + 3)
+    assert counts["product_share"] == 3 / 8
     assert counts["ceiling_ms"] == pytest.approx(8 * 2 / (1.0 * 2) / 1e6)  # 64 pixels: 2 warps, rate 1 on 2 SMs
+
+
+def test_the_half2_model_counts_pair_loads_by_parity_runs_of_products_and_two_stores_per_row(
+        ceiling: ModuleType) -> None:
+    """Taps at (c, s) of a 1 x 3 kernel on an unpadded plane of width 6: offsets c * 6 + s, odd for s = 1. Row 0 has
+    20 products (two runs of 16), row 1 one."""
+    weight = torch.zeros(2, 20, 1, 3)
+    weight[0, :, 0, 0] = 1.0  # 20 taps at even offsets
+    weight[1, 0, 0, 1] = 2.0  # one tap at an odd offset
+    (program,) = ceiling.gs.programs(weight.numpy(), (0, 0), (1, 6), ceiling.ROWS)
+    assert ceiling.half2_body(program) == (20 + 3) + 21 + ceiling.FLUSH * (2 + 1) + 2 * 2
+    assert ceiling.fp32_body(program) == 21 + 21 + 2
+    half2 = ceiling.layer_ceiling(weight, (0, 0), (1, 6), 32, ICACHE, sms=1, model="half2")
+    assert half2["ceiling_ms"] == pytest.approx(ceiling.half2_body(program) * 2 / 0.5 / 1e6)  # 128 pixels: 2 warps
 
 
 def bench(tmp_path: Path) -> Path:
@@ -53,7 +67,7 @@ def test_the_script_writes_one_record_per_fp32_layer_and_sparsity(ceiling: Modul
     probe = tmp_path / "probe.json"
     probe.write_text(json.dumps({"icache": ICACHE}))
     out = tmp_path / "ceiling"
-    code, _ = run_script(ceiling, ["--bench", str(bench(tmp_path)), "--probe", str(probe), "--sparsities", "0.5",
+    code, _ = run_script(ceiling, ["--cudnn", str(bench(tmp_path)), "--probe", str(probe), "--sparsities", "0.5",
                                    "0.9", "--out", str(out)])
     assert code == 0
     records = json.loads(out.with_suffix(".json").read_text())["records"]
@@ -63,3 +77,19 @@ def test_the_script_writes_one_record_per_fp32_layer_and_sparsity(ceiling: Modul
         assert record["ceiling_speedup"] == pytest.approx(0.01 / record["ceiling_ms"])
     page = out.with_suffix(".md").read_text()
     assert page.count("| features.0 |") == 2 and "nothing here was timed" in page
+
+
+def test_the_half2_model_takes_the_median_cudnn_fp16_time_of_each_probed_shape(
+        ceiling: ModuleType, tmp_path: Path, run_script: Callable[..., tuple[int, str]]) -> None:
+    record = {"layer": "vgg16.features.12", "in_chw": [2, 6, 6], "weight_shape": [4, 2, 3, 3], "batch": 2}
+    probe = {"environment": {"sms": 4}, "icache": ICACHE, "records": [
+        {**record, "cudnn_fp16": {"median_ms": ms}} for ms in (0.01, 0.03, 0.02)] + [{**record, "cudnn_fp16": None}]}
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(probe))
+    out = tmp_path / "half2"
+    code, _ = run_script(ceiling, ["--model", "half2", "--cudnn", str(path), "--probe", str(path), "--sparsities",
+                                   "0.9", "--out", str(out)])
+    assert code == 0
+    (result,) = json.loads(out.with_suffix(".json").read_text())["records"]
+    assert result["cudnn_ms"] == 0.02 and result["padding"] == [1, 1]
+    assert "HYPOTHETICAL" in out.with_suffix(".md").read_text()
