@@ -129,26 +129,12 @@ def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
 
 
 def icache_source(body: int) -> str:
-    """PTX of a kernel whose loop body is ``body`` FFMAs with immediate weights on 64 independent accumulator
-    chains. PTX, not CUDA C: NVVM spent 89 s on the 16 K body in C (ptxas 1.4 s)."""
-    rng = np.random.default_rng(body)
-    weights = rng.uniform(0.4, 0.6, body).astype(np.float32).view(np.uint32)
-    lines = [".version 8.0", ".target sm_90", ".address_size 64",
-             ".visible .entry icache(.param .u64 out, .param .u32 iterations) {",
-             "  .reg .f32 %a<64>;", "  .reg .f32 %b, %s;", "  .reg .u32 %i, %n, %t, %nt, %index;", "  .reg .pred %p;",
-             "  .reg .u64 %ptr, %off;",
-             "  mov.u32 %t, %tid.x;", "  cvt.rn.f32.u32 %b, %t;", "  mul.f32 %b, %b, 0f38D1B717;"]
-    lines += [f"  add.f32 %a{j}, %b, 0f{np.float32(j).view(np.uint32):08X};" for j in range(64)]
-    lines += ["  ld.param.u32 %n, [iterations];", "  mov.u32 %i, 0;", "LOOP:", "  setp.ge.u32 %p, %i, %n;",
-              "  @%p bra DONE;"]
-    lines += [f"  fma.rn.f32 %a{i % 64}, %a{i % 64}, 0f{weight:08X}, %b;" for i, weight in enumerate(weights)]
-    lines += ["  add.u32 %i, %i, 1;", "  bra LOOP;", "DONE:", "  mov.f32 %s, %a0;"]
-    lines += [f"  add.f32 %s, %s, %a{j};" for j in range(1, 64)]
-    lines += ["  mov.u32 %index, %ctaid.x;", "  mov.u32 %nt, %ntid.x;",
-              "  mad.lo.u32 %index, %index, %nt, %t;",
-              "  mul.wide.u32 %off, %index, 4;", "  ld.param.u64 %ptr, [out];", "  add.u64 %ptr, %ptr, %off;",
-              "  st.global.f32 [%ptr], %s;", "  ret;", "}"]
-    return "\n".join(lines) + "\n"
+    """PTX of ``icache(out, iterations)`` (:func:`probe_instruction_fetch.ffma_loops_ptx`): one loop of ``body``
+    FFMAs with immediate weights."""
+    from probe_instruction_fetch import ffma_loops_ptx  # beside this script, on sys.path when it runs
+
+    weights = np.random.default_rng(body).uniform(0.4, 0.6, body).astype(np.float32).view(np.uint32)
+    return ffma_loops_ptx("icache", "", "", [], [weights])
 
 
 def icache_probe(runs: int) -> list[dict[str, Any]]:

@@ -100,24 +100,26 @@ def sm_table(mapping: str, programs: int, groups: list[list[int]]) -> np.ndarray
     return table
 
 
-def fetch_source(programs: int, body: int = BODY) -> str:
-    """PTX of ``fetch(out, iterations, table)``: ``programs`` loops of ``body`` FFMAs with immediate operands on 64
-    independent accumulators (different immediates per body), the block's loop chosen by ``table[%smid]``; each
-    thread stores the sum of its accumulators to ``out`` (float32, one per thread). PTX, not CUDA C, so that the
-    bodies are assembled as written (and fast)."""
-    rng = np.random.default_rng(body)
+def ffma_loops_ptx(entry: str, params: str, registers: str, dispatch: list[str], bodies: list[np.ndarray]) -> str:
+    """PTX of a kernel ``entry`` whose threads loop ``iterations`` times over one of ``bodies``, each a run of FFMAs
+    with immediate operands (``uint32`` bit patterns of float32 weights) on 64 independent accumulators, then store
+    the sum of their accumulators to ``out`` (float32, one per thread). PTX, not CUDA C, so that the bodies are
+    assembled as written (NVVM spent 89 s on a 16 K body in C, ptxas 1.4 s).
+
+    Args:
+        entry: the kernel's name. params: its parameters after ``out`` and ``iterations``, each with its leading
+            comma (or empty). registers: further ``.u32`` registers, each with its leading comma (or empty).
+        dispatch: instructions after the loop count is loaded that branch to ``START<g>`` for body g; with none,
+            every thread runs body 0.
+    """
     lines = [".version 8.0", ".target sm_90", ".address_size 64",
-             ".visible .entry fetch(.param .u64 out, .param .u32 iterations, .param .u64 table) {",
-             "  .reg .f32 %a<64>;", "  .reg .f32 %b, %s;", "  .reg .u32 %i, %n, %t, %nt, %index, %sm, %program;",
+             f".visible .entry {entry}(.param .u64 out, .param .u32 iterations{params}) {{",
+             "  .reg .f32 %a<64>;", "  .reg .f32 %b, %s;", f"  .reg .u32 %i, %n, %t, %nt, %index{registers};",
              "  .reg .pred %p;", "  .reg .u64 %ptr, %off;",
              "  mov.u32 %t, %tid.x;", "  cvt.rn.f32.u32 %b, %t;", "  mul.f32 %b, %b, 0f38D1B717;"]
     lines += [f"  add.f32 %a{j}, %b, 0f{np.float32(j).view(np.uint32):08X};" for j in range(64)]
-    lines += ["  ld.param.u32 %n, [iterations];", "  mov.u32 %sm, %smid;", f"  min.u32 %sm, %sm, {TABLE_SIZE - 1};",
-              "  mul.wide.u32 %off, %sm, 4;", "  ld.param.u64 %ptr, [table];", "  add.u64 %ptr, %ptr, %off;",
-              "  ld.global.u32 %program, [%ptr];"]
-    lines += [f"  setp.eq.u32 %p, %program, {g};\n  @%p bra START{g};" for g in range(1, programs)]
-    for g in range(programs):
-        weights = rng.uniform(0.4, 0.6, body).astype(np.float32).view(np.uint32)
+    lines += ["  ld.param.u32 %n, [iterations];", *dispatch]
+    for g, weights in enumerate(bodies):
         lines += [f"START{g}:", "  mov.u32 %i, 0;", f"LOOP{g}:", "  setp.ge.u32 %p, %i, %n;", "  @%p bra DONE;"]
         lines += [f"  fma.rn.f32 %a{i % 64}, %a{i % 64}, 0f{weight:08X}, %b;" for i, weight in enumerate(weights)]
         lines += ["  add.u32 %i, %i, 1;", f"  bra LOOP{g};"]
@@ -127,6 +129,17 @@ def fetch_source(programs: int, body: int = BODY) -> str:
               "  mul.wide.u32 %off, %index, 4;", "  ld.param.u64 %ptr, [out];", "  add.u64 %ptr, %ptr, %off;",
               "  st.global.f32 [%ptr], %s;", "  ret;", "}"]
     return "\n".join(lines) + "\n"
+
+
+def fetch_source(programs: int, body: int = BODY) -> str:
+    """PTX of ``fetch(out, iterations, table)`` (:func:`ffma_loops_ptx`): ``programs`` loops of ``body`` FFMAs
+    (different immediates per body), the block's loop chosen by ``table[%smid]``."""
+    rng = np.random.default_rng(body)
+    dispatch = ["  mov.u32 %sm, %smid;", f"  min.u32 %sm, %sm, {TABLE_SIZE - 1};", "  mul.wide.u32 %off, %sm, 4;",
+                "  ld.param.u64 %ptr, [table];", "  add.u64 %ptr, %ptr, %off;", "  ld.global.u32 %program, [%ptr];"]
+    dispatch += [f"  setp.eq.u32 %p, %program, {g};\n  @%p bra START{g};" for g in range(1, programs)]
+    bodies = [rng.uniform(0.4, 0.6, body).astype(np.float32).view(np.uint32) for _ in range(programs)]
+    return ffma_loops_ptx("fetch", ", .param .u64 table", ", %sm, %program", dispatch, bodies)
 
 
 def find_gpcs(launches: int = 8) -> tuple[list[list[int]], int]:

@@ -35,18 +35,33 @@ def test_each_mapping_gives_every_sm_a_body_below_g(probe: ModuleType) -> None:
         probe.sm_table("tpc", 2, groups)
 
 
+def assemble(source: str, tmp_path: Path) -> None:
+    """Assemble PTX for sm_90 with the toolkit's ptxas (skip without one): no error and no spills."""
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        pytest.skip("no ptxas here")
+    path = tmp_path / "kernel.ptx"
+    path.write_text(source)
+    done = subprocess.run([ptxas, "-arch=sm_90", "-v", str(path), "-o", str(tmp_path / "kernel.cubin")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "0 bytes spill stores, 0 bytes spill loads" in done.stderr
+
+
 def test_the_fetch_kernel_holds_g_distinct_bodies_and_assembles(probe: ModuleType, tmp_path: Path) -> None:
     source = probe.fetch_source(3, body=64)
     products = re.findall(r"fma\.rn\.f32 %a\d+, %a\d+, (0f[0-9A-F]{8}), %b;", source)
     assert len(products) == 3 * 64
     assert len({tuple(products[g * 64:(g + 1) * 64]) for g in range(3)}) == 3
     assert source.count("@%p bra START") == 2 and "min.u32 %sm, %sm, 1023;" in source
-    ptxas = shutil.which("ptxas")
-    if ptxas is None:
-        pytest.skip("no ptxas here")
-    path = tmp_path / "fetch.ptx"
-    path.write_text(source)
-    done = subprocess.run([ptxas, "-arch=sm_90", "-v", str(path), "-o", str(tmp_path / "fetch.cubin")],
-                          capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "spill" not in done.stderr or "0 bytes spill" in done.stderr
+    assemble(source, tmp_path)
+
+
+def test_probe_generated_builds_its_icache_kernel_with_the_same_generator(
+        load_script: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``icache_source`` imports ``ffma_loops_ptx`` from the script beside it, as it does when run from scripts/."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    source = load_script("probe_generated").icache_source(64)
+    assert ".visible .entry icache(.param .u64 out, .param .u32 iterations) {" in source
+    assert len(re.findall(r"fma\.rn\.f32", source)) == 64 and "%smid" not in source and "START1" not in source
+    assemble(source, tmp_path)
