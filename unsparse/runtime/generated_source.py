@@ -31,6 +31,12 @@ from unsparse.runtime.cupy_launcher import KERNEL_DIR
 SKELETON_FILE = KERNEL_DIR / "generated_conv.cu"
 """The kernel around the generated products."""
 
+ENTRY = "generated_conv"
+"""The kernel :func:`kernel_source` defines (one program, v27)."""
+
+SHARED_ENTRY = "generated_conv_shared"
+"""The kernel :func:`shared_kernel_source` defines (several programs, v31)."""
+
 STORAGE_TYPES = {torch.float32: "float", torch.float16: "__half"}
 """CUDA storage type per torch dtype; arithmetic is float32 in both."""
 
@@ -148,7 +154,7 @@ def products_source(program: Program, name: str = "products") -> str:
 
 
 def kernel_source(program: Program, dtype: torch.dtype, threads: int) -> str:
-    """The whole CUDA source of one program: constants, the skeleton and ``products``.
+    """The whole CUDA source of one program (:data:`ENTRY`): constants, the skeleton and ``products``.
 
     Args:
         threads: threads per block, one of :data:`THREAD_CHOICES` (the kernel's launch bound).
@@ -162,7 +168,7 @@ def kernel_source(program: Program, dtype: torch.dtype, threads: int) -> str:
 
 def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, dtype: torch.dtype,
                          threads: int) -> str:
-    """The CUDA source of ``generated_conv_shared`` (v31): G = ``len(kernel_programs)`` programs of one layer in one
+    """The CUDA source of :data:`SHARED_ENTRY` (v31): G = ``len(kernel_programs)`` programs of one layer in one
     kernel, each block running the program of the SM it runs on (``kernels/generated_conv.cu``).
 
     Args:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -117,6 +117,22 @@ def check_bias(bias: torch.Tensor | None, csr: UniformCSR) -> None:
     every output channel ``m``, so a shorter bias would be read past its end on the GPU."""
     if bias is not None and tuple(bias.shape) != (csr.out_channels,):
         raise ValueError(f"bias: shape {tuple(bias.shape)}, the layer has {csr.out_channels} output channels")
+
+
+def kernel_input_reason(kernels: str, x: torch.Tensor, csr: UniformCSR,
+                        dtypes: Collection[torch.dtype]) -> str | None:
+    """Why the CuPy kernels ``kernels`` (a name for the message) cannot take ``x`` and ``csr``: ``x``'s dtype is not
+    among ``dtypes`` (their storage types), the weight's dtype differs from ``x``'s, or CuPy is not installed; None
+    if they can."""
+    if x.dtype not in dtypes:
+        return f"{kernels} kernels exist for {', '.join(map(str, dtypes))}, not {x.dtype}"
+    if csr.values.dtype != x.dtype:
+        return f"weight dtype {csr.values.dtype} differs from input dtype {x.dtype}"
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return "CuPy is not installed"
+    return None
 
 
 _REGISTRY: dict[str, Callable[[], ConvBackend]] = {}

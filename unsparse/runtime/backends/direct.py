@@ -37,7 +37,14 @@ import torch
 
 from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime import launch_geometry as lg
-from unsparse.runtime.backends.base import ConvBackend, T, WeightCache, check_bias, register_backend
+from unsparse.runtime.backends.base import (
+    ConvBackend,
+    T,
+    WeightCache,
+    check_bias,
+    kernel_input_reason,
+    register_backend,
+)
 from unsparse.runtime.backends.direct_arrays import check_capacity, longest_list, prepare_rows, prepare_tile
 from unsparse.runtime.backends.direct_space import (
     ROWS_CHANNELS,
@@ -228,17 +235,12 @@ class DirectBackend(ConvBackend):
         reason = super().unsupported_reason(x, csr, geometry)
         if reason is not None:
             return reason
-        if x.dtype not in lg.supported_dtypes():
-            return f"direct kernels exist for {[str(d) for d in lg.supported_dtypes()]}, not {x.dtype}"
-        if csr.values.dtype != x.dtype:
-            return f"weight dtype {csr.values.dtype} differs from input dtype {x.dtype}"
+        reason = kernel_input_reason("direct", x, csr, lg.supported_dtypes())
+        if reason is not None:
+            return reason
         N, C, H, W = x.shape
         if C * H * W >= 2**31 or N * csr.out_channels * math.prod(self._out_hw(x, csr, geometry)) >= 2**62:
             return "tensor too large for 32-bit image addressing"
-        try:
-            import cupy  # noqa: F401
-        except ImportError:
-            return "CuPy is not installed"
         return None
 
     @staticmethod

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime import generated_source as gs
-from unsparse.runtime.backends.base import ConvBackend, WeightCache, register_backend
+from unsparse.runtime.backends.base import ConvBackend, WeightCache, kernel_input_reason, register_backend
 from unsparse.runtime.launch_geometry import Launch
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
@@ -52,27 +52,23 @@ INDEX_LIMIT = 2**31
 
 
 @functools.cache
-def compiled(source: str) -> Any:
-    """The ``cupy.RawKernel`` of ``source``, compiled once per process (NVRTC through CuPy): ``generated_conv``, or
-    ``generated_conv_shared`` for a source of several programs (one that defines ``G``).
+def compiled(source: str, entry: str) -> Any:
+    """The ``cupy.RawKernel`` ``entry`` of ``source``, compiled once per process (NVRTC through CuPy):
+    :data:`~unsparse.runtime.generated_source.ENTRY` of a one-program source,
+    :data:`~unsparse.runtime.generated_source.SHARED_ENTRY` of a source of several programs.
 
     Raises:
         ImportError: without CuPy.
     """
     import cupy
 
-    return cupy.RawModule(code=source, options=cl.COMPILE_OPTIONS).get_function(_entry(source))
+    return cupy.RawModule(code=source, options=cl.COMPILE_OPTIONS).get_function(entry)
 
 
-def _entry(source: str) -> str:
-    """The kernel a generated source defines."""
-    return "generated_conv_shared" if "\n#define G " in source else "generated_conv"
-
-
-def compile_all(sources: list[str], workers: int = 16) -> list[Any]:
-    """:func:`compiled` of each source, concurrently (NVRTC runs outside the GIL)."""
+def compile_all(kernels: list[tuple[str, str]], workers: int = 16) -> list[Any]:
+    """:func:`compiled` of each ``(source, entry)`` pair, concurrently (NVRTC runs outside the GIL)."""
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(compiled, sources))
+        return list(pool.map(lambda kernel: compiled(*kernel), kernels))
 
 
 @register_backend
@@ -87,12 +83,10 @@ class GeneratedBackend(ConvBackend):
 
     def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
         reason = super().unsupported_reason(x, csr, geometry)
+        if reason is None:
+            reason = kernel_input_reason(self.name, x, csr, gs.STORAGE_TYPES)
         if reason is not None:
             return reason
-        if x.dtype not in gs.STORAGE_TYPES:
-            return f"generated kernels exist for float32 and float16, not {x.dtype}"
-        if csr.values.dtype != x.dtype:
-            return f"weight dtype {csr.values.dtype} differs from input dtype {x.dtype}"
         if geometry.stride != (1, 1) or geometry.dilation != (1, 1):
             return f"generated kernels run stride 1 and dilation 1, not {geometry.stride} and {geometry.dilation}"
         if csr.row_length * SETTINGS[0]["rows"] > MAX_PRODUCTS:
@@ -103,10 +97,6 @@ class GeneratedBackend(ConvBackend):
         padded = C * (H + 2 * geometry.padding[0]) * (W + 2 * geometry.padding[1])
         if N * E * F_ >= INDEX_LIMIT or padded >= INDEX_LIMIT:
             return "tensor too large for the generated kernels' 32-bit pixel and offset indexing"
-        try:
-            import cupy  # noqa: F401
-        except ImportError:
-            return "CuPy is not installed"
         return None
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
@@ -124,7 +114,9 @@ class GeneratedBackend(ConvBackend):
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
         """Compile every kernel of every setting in ``space``, concurrently, before anything is timed."""
-        compile_all([source for params in space for source in self._sources(x, csr, geometry, **params)])
+        threads = self._threads(x, csr, geometry)
+        compile_all([kernel for params in space
+                     for kernel in self._sources(x, csr, self._kernels(x, csr, geometry, **params), threads)])
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"]) -> torch.Tensor:
@@ -175,13 +167,14 @@ class GeneratedBackend(ConvBackend):
         layer = self._programs(x, csr, geometry, rows)
         return [layer[start:start + programs] for start in range(0, len(layer), programs)]
 
-    def _sources(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
-                 programs: int) -> list[str]:
-        """CUDA sources of the layer's kernels at ``x``'s batch, dtype and device."""
-        threads = self._threads(x, csr, geometry)
-        return [gs.kernel_source(kernel[0], x.dtype, threads) if len(kernel) == 1 else
-                gs.shared_kernel_source(kernel, csr.out_channels, x.dtype, threads)
-                for kernel in self._kernels(x, csr, geometry, rows, programs)]
+    @staticmethod
+    def _sources(x: torch.Tensor, csr: UniformCSR, kernels: list[list[gs.Program]],
+                 threads: int) -> list[tuple[str, str]]:
+        """The CUDA source and entry name of each of ``kernels`` (:meth:`_kernels`) at ``x``'s dtype and
+        ``threads`` per block (:meth:`_threads`)."""
+        return [(gs.kernel_source(kernel[0], x.dtype, threads), gs.ENTRY) if len(kernel) == 1 else
+                (gs.shared_kernel_source(kernel, csr.out_channels, x.dtype, threads), gs.SHARED_ENTRY)
+                for kernel in kernels]
 
     @staticmethod
     def _threads(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> int:
@@ -203,7 +196,7 @@ class GeneratedBackend(ConvBackend):
         their tiles from the counters."""
         kernels = self._kernels(x, csr, geometry, rows, programs)
         threads = self._threads(x, csr, geometry)
-        sources = self._sources(x, csr, geometry, rows, programs)
+        sources = self._sources(x, csr, kernels, threads)
         functions = compile_all(sources)
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         total = x.shape[0] * E * F_
@@ -211,11 +204,11 @@ class GeneratedBackend(ConvBackend):
         import cupy
 
         launches = []
-        for kernel_programs, kernel, source in zip(kernels, functions, sources, strict=True):
+        for kernel_programs, kernel, (source, entry) in zip(kernels, functions, sources, strict=True):
             shared = len(kernel_programs) > 1
             resident = gs.resident_blocks(kernel.num_regs, threads)
             grid = (resident * sms, 1, 1) if shared else gs.launch_grid(total, threads, resident, sms)
-            name = f"{_entry(source)}[{hashlib.sha256(source.encode()).hexdigest()[:12]}]"
+            name = f"{entry}[{hashlib.sha256(source.encode()).hexdigest()[:12]}]"
             spec = Launch(name, grid, (threads, 1, 1))
             arguments = (cl.PER_CALL, cl.PER_CALL, cl.PER_CALL, total,
                          *((cl.PER_CALL,) if shared else (csr.out_channels, kernel_programs[0].first)))
