@@ -9,7 +9,13 @@ import pytest
 import torch
 
 from unsparse.runtime.backends import available_backends, get_backend
-from unsparse.runtime.backends.generated import MAX_PRODUCTS, MAX_SHARED_PRODUCTS, SETTINGS, GeneratedBackend
+from unsparse.runtime.backends.generated import (
+    MAX_PRODUCTS,
+    MAX_SHARED_PRODUCTS,
+    MAX_WIDE_PRODUCTS,
+    SETTINGS,
+    GeneratedBackend,
+)
 from unsparse.runtime.comparator import COMPARED_BY_DEFAULT_EXCLUDES
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
@@ -76,6 +82,27 @@ def test_tuning_space_bounds_the_generated_body() -> None:
     assert backend.tuning_space(x, dense, ConvGeometry.of(1, 1)) == [{"rows": 32, "programs": 1}]
 
 
+def dense_rows(out_channels: int, row_length: int) -> UniformCSR:
+    """A 3x3 layer whose every row holds ``row_length`` nonzeros."""
+    weight = torch.zeros(out_channels, -(-row_length // 9), 3, 3)
+    weight.view(out_channels, -1)[:, :row_length] = 1.0
+    csr = UniformCSR.from_dense(weight)
+    assert csr.row_length == row_length
+    return csr
+
+
+@pytest.mark.parametrize(("row_length", "wide"), [(MAX_WIDE_PRODUCTS // 64, True),
+                                                  (MAX_WIDE_PRODUCTS // 64 + 1, False)])
+def test_programs_of_64_rows_are_timed_only_within_their_bound(row_length: int, wide: bool) -> None:
+    """Beyond MAX_WIDE_PRODUCTS a 64-row program was slower than 32 rows wherever measured: it is not timed, while
+    the 32-row settings stay."""
+    csr = dense_rows(256, row_length)
+    x = torch.randn(1, csr.in_channels_per_group, 6, 6)
+    space = get_backend("generated").tuning_space(x, csr, ConvGeometry.of(1, 1))
+    assert ({"rows": 64, "programs": 1} in space) == wide
+    assert {"rows": 32, "programs": 1} in space and {"rows": 32, "programs": 4} in space
+
+
 @pytest.mark.parametrize(("row_length", "shared"), [
     (MAX_SHARED_PRODUCTS // 256, [4, 8]),  # eight programs of 32 rows just fit
     (MAX_SHARED_PRODUCTS // 256 + 1, [4]),
@@ -84,11 +111,8 @@ def test_tuning_space_bounds_the_generated_body() -> None:
 def test_kernels_of_several_programs_are_timed_only_within_their_compile_bound(row_length, shared) -> None:
     """A kernel of G programs compiles its bodies in series: the comparator times it only while rows x G x the row
     length stays within MAX_SHARED_PRODUCTS; kernels of one program are bounded per program only."""
-    channels = -(-row_length // 9)
-    weight = torch.zeros(256, channels, 3, 3)
-    weight.view(256, -1)[:, :row_length] = 1.0
-    csr = UniformCSR.from_dense(weight)
-    assert csr.row_length == row_length
-    space = get_backend("generated").tuning_space(torch.randn(1, channels, 6, 6), csr, ConvGeometry.of(1, 1))
+    csr = dense_rows(256, row_length)
+    x = torch.randn(1, csr.in_channels_per_group, 6, 6)
+    space = get_backend("generated").tuning_space(x, csr, ConvGeometry.of(1, 1))
     assert [params["programs"] for params in space if params["programs"] > 1] == shared
-    assert {"rows": 32, "programs": 1} in space and {"rows": 64, "programs": 1} in space
+    assert {"rows": 32, "programs": 1} in space

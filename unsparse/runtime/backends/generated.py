@@ -40,6 +40,15 @@ MAX_PRODUCTS = 2**17
 """Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
 bytes per product) and the compile time; denser layers are refused."""
 
+MAX_WIDE_PRODUCTS = 2**13
+"""Most multiply-adds a program of more than :data:`SETTINGS`' first ``rows`` (32) may hold for the comparator to time
+it. Measured on the H200 (VGG16, batch 128, FP32; ``h200_2026-11-29_generated_vgg16_s0{7,9}_fp32*.json``,
+``..._s08_fp32_28.json``, ``..._v31_vgg16_s09_fp32_b1.json``): 64 rows beat 32 only where 64 x the row length was
+5.1 k or less (features.0, .2 and .5 at 0.9, batch 128 and 1), and were 1.02-1.8x slower in all nine cases from 9 k
+on (features.7, .10 at 0.9; .5, .7, .10, .12 at 0.7; .12, .19 at 0.9; .17 at 0.8: the larger body issues slower,
+``kernels/NOTES.md``, thirty-first session). Beyond this bound they cost compile time (half of a layer's) and are
+not timed."""
+
 MAX_SHARED_PRODUCTS = 2**16
 """Most multiply-adds a kernel of several programs may hold (``rows`` x ``programs`` x the row length) for the
 comparator to time it: NVRTC compiles the G bodies of such a kernel as one unit, in series, so its compile time
@@ -102,11 +111,14 @@ class GeneratedBackend(ConvBackend):
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
         """The settings of :data:`SETTINGS` within :data:`MAX_PRODUCTS` per program; beyond the first, only those
         with ``rows`` below twice the layer's output channels (from twice on, at least half the accumulators stay
-        empty), ``programs`` at most the layer's programs, ``ceil(M / rows)``, and a kernel of several programs
-        within :data:`MAX_SHARED_PRODUCTS` (its compile time)."""
+        empty), programs wider than the first within :data:`MAX_WIDE_PRODUCTS`, ``programs`` at most the layer's
+        programs, ``ceil(M / rows)``, and a kernel of several programs within :data:`MAX_SHARED_PRODUCTS` (its
+        compile time)."""
         return [dict(params) for params in SETTINGS if params["rows"] * csr.row_length <= MAX_PRODUCTS
                 and (params == SETTINGS[0] or (
                     params["rows"] < 2 * csr.out_channels
+                    and (params["rows"] <= SETTINGS[0]["rows"]
+                         or params["rows"] * csr.row_length <= MAX_WIDE_PRODUCTS)
                     and params["programs"] <= -(-csr.out_channels // params["rows"])
                     and (params["programs"] == 1
                          or params["rows"] * params["programs"] * csr.row_length <= MAX_SHARED_PRODUCTS)))]
