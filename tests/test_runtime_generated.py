@@ -76,10 +76,13 @@ def test_tuning_space_bounds_the_generated_body() -> None:
     assert backend.tuning_space(x, layer(out_channels=256), ConvGeometry.of(1, 1)) == list(SETTINGS)
     assert backend.tuning_space(x, layer(out_channels=10), ConvGeometry.of(1, 1)) == [SETTINGS[0]]
     assert backend.tuning_space(x, layer(out_channels=100), ConvGeometry.of(1, 1)) == [  # 4 programs of 32 rows
-        {"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 32, "programs": 4}]
+        {"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 32, "programs": 4},
+        {"rows": 32, "programs": 1, "streams": 8}]
+    assert backend.tuning_space(x, layer(out_channels=20), ConvGeometry.of(1, 1)) == [SETTINGS[0]]  # one kernel
     dense = layer(out_channels=256, channels=256, kernel=3, density=1.0)  # 2304 per row: 32 rows fit, 64 do not
     assert dense.row_length * 64 > MAX_PRODUCTS >= dense.row_length * 32
-    assert backend.tuning_space(x, dense, ConvGeometry.of(1, 1)) == [{"rows": 32, "programs": 1}]
+    assert backend.tuning_space(x, dense, ConvGeometry.of(1, 1)) == [{"rows": 32, "programs": 1},
+                                                                     {"rows": 32, "programs": 1, "streams": 8}]
 
 
 def dense_rows(out_channels: int, row_length: int) -> UniformCSR:

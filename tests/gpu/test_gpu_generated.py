@@ -14,11 +14,15 @@ from unsparse.runtime.comparator import compare_layer, relative_error, tolerance
 SUPPORTED = sorted(name for name, case in CASES.items() if case[7] == 1 and case[9] == 1)
 """Cases with stride 1 and dilation 1 (odd shapes, 1x1, 5x5, a Conv1d, all-zero, fully dense and empty rows)."""
 
+PROGRAMS_CASE = (2, 6, 5, 7, 230, 3, 3, 1, 1, 1, 0.8, 1, 1)
+"""A 3x3 layer of 230 output channels: 8 programs of 32 rows, the last partial."""
+
 
 def check_settings(case: str, dtype: torch.dtype, seed: int, settings: list[dict] | None = None,
                    repeats: int = 1) -> None:
     """Run ``case`` at each of ``settings`` (default: the backend's tuning space, compiled first) ``repeats`` times,
-    each output poisoned first, and compare with the float64 reference."""
+    each output poisoned first, and compare with the float64 reference, read in the current stream's order without a
+    synchronisation (as a caller reads it; kernels on side streams must have joined it)."""
     x, csr, bias, geometry, ref = make_case(case, dtype, seed=seed)
     backend = get_backend("generated")
     assert backend.unsupported_reason(x, csr, geometry) is None
@@ -30,7 +34,6 @@ def check_settings(case: str, dtype: torch.dtype, seed: int, settings: list[dict
         for _ in range(repeats):
             poison_allocator(ref.numel(), dtype)
             out = backend.run(x, csr, bias, geometry, **params)
-            torch.cuda.synchronize()
             assert torch.isfinite(out).all(), f"{params}: unwritten or non-finite outputs"
             error = relative_error(out.cpu(), ref)
             assert error <= tolerance(dtype), f"{case} {params}: relative error {error:.3g}"
@@ -49,8 +52,43 @@ def test_shared_kernels_match_float64_reference(monkeypatch: pytest.MonkeyPatch,
     """3x3 layers of 8 and 7 programs of 32 rows (the last partial) at every setting of :data:`SETTINGS`, so that
     shared kernels of 8, 4 and 3 programs and a lone last program run, twice each (the counters start again from
     zero); 2 x 5 x 7 = 70 pixels leave threads past the last pixel; one empty and one dense row."""
-    monkeypatch.setitem(CASES, "programs", (2, 6, 5, 7, out_channels, 3, 3, 1, 1, 1, 0.8, 1, 1))
+    monkeypatch.setitem(CASES, "programs", (*PROGRAMS_CASE[:4], out_channels, *PROGRAMS_CASE[5:]))
     check_settings("programs", dtype, seed=out_channels, settings=list(SETTINGS), repeats=2)
+
+
+def test_side_streams_start_after_and_finish_before_the_current_streams_neighbours(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With several streams the kernels must wait for what the current stream queued before the call and be waited
+    for by what it queues after: the input is overwritten on the current stream behind about 5 ms of GPU sleep just
+    before the call, and the output is copied to the host right after it."""
+    monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
+    x, csr, bias, geometry, ref = make_case("programs", torch.float32, seed=41)
+    backend = get_backend("generated")
+    params = next(p for p in backend.tuning_space(x, csr, geometry) if p.get("streams", 1) > 1)
+    backend.run(torch.zeros_like(x), csr, bias, geometry, **params)  # compiled and bound before the queue
+    stale = torch.zeros_like(x)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(10**7)
+    stale.copy_(x)
+    out = backend.run(stale, csr, bias, geometry, **params)
+    assert relative_error(out.cpu(), ref) <= tolerance(torch.float32), params
+
+
+@pytest.mark.parametrize("params", [SETTINGS[-1], SETTINGS[2]])
+def test_generated_kernels_replay_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch, params: dict) -> None:
+    """The end-to-end benchmark's graph timings replay the generated kernels, forked over side streams or sharing
+    tile counters: a replay must recompute the captured output."""
+    from unsparse.runtime.timing import capture_graph
+
+    monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
+    x, csr, bias, geometry, ref = make_case("programs", torch.float32, seed=42)
+    backend = get_backend("generated")
+    outputs: list[torch.Tensor] = []
+    graph = capture_graph(lambda: outputs.append(backend.conv(x, csr, bias, geometry, **params)))
+    captured = outputs[-1]
+    captured.fill_(float("nan"))
+    graph.replay()
+    assert relative_error(captured.cpu(), ref) <= tolerance(torch.float32), params
 
 
 def test_generated_on_a_channels_last_input_without_bias() -> None:

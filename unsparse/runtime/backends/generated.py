@@ -30,11 +30,13 @@ from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
 SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 32, "programs": 4},
-            {"rows": 32, "programs": 8})
+            {"rows": 32, "programs": 8}, {"rows": 32, "programs": 1, "streams": 8})
 """The settings the comparator times, the first the default: output channels per program (KT, the register
-accumulators per thread) and programs per kernel (G; G > 1 runs ``generated_conv_shared``, v31, each program on its
-share of the SMs). The twenty-ninth session's probe on VGG16 features.12 at 0.9 ran 8.1 / 10.7 / 19.3 TFLOP/s at
-KT = 8 / 16 / 32 with G = 1 (``kernels/NOTES.md``)."""
+accumulators per thread), programs per kernel (G; G > 1 runs ``generated_conv_shared``, v31, each program on its
+share of the SMs) and ``streams``, how many of the layer's kernels may run at once (default 1, one after another; a
+layer whose kernels each leave the SMs short of warps, 14x14 planes and batch 1, can overlap them, v32). The
+twenty-ninth session's probe on VGG16 features.12 at 0.9 ran 8.1 / 10.7 / 19.3 TFLOP/s at KT = 8 / 16 / 32 with
+G = 1 (``kernels/NOTES.md``)."""
 
 MAX_PRODUCTS = 2**17
 """Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
@@ -80,6 +82,13 @@ def compile_all(kernels: list[tuple[str, str]], workers: int = 16) -> list[Any]:
         return list(pool.map(lambda kernel: compiled(*kernel), kernels))
 
 
+@functools.cache
+def side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, ...]:
+    """``count`` CUDA streams on ``device``, created once per process, that :meth:`GeneratedBackend.conv` spreads a
+    layer's kernels over."""
+    return tuple(torch.cuda.Stream(device) for _ in range(count))
+
+
 @register_backend
 class GeneratedBackend(ConvBackend):
     """Weight-specialised kernels; tuning parameters ``rows`` and ``programs`` (:data:`SETTINGS`)."""
@@ -112,8 +121,8 @@ class GeneratedBackend(ConvBackend):
         """The settings of :data:`SETTINGS` within :data:`MAX_PRODUCTS` per program; beyond the first, only those
         with ``rows`` below twice the layer's output channels (from twice on, at least half the accumulators stay
         empty), programs wider than the first within :data:`MAX_WIDE_PRODUCTS`, ``programs`` at most the layer's
-        programs, ``ceil(M / rows)``, and a kernel of several programs within :data:`MAX_SHARED_PRODUCTS` (its
-        compile time)."""
+        programs, ``ceil(M / rows)``, a kernel of several programs within :data:`MAX_SHARED_PRODUCTS` (its
+        compile time), and several ``streams`` only for a layer of several kernels."""
         return [dict(params) for params in SETTINGS if params["rows"] * csr.row_length <= MAX_PRODUCTS
                 and (params == SETTINGS[0] or (
                     params["rows"] < 2 * csr.out_channels
@@ -121,20 +130,27 @@ class GeneratedBackend(ConvBackend):
                          or params["rows"] * csr.row_length <= MAX_WIDE_PRODUCTS)
                     and params["programs"] <= -(-csr.out_channels // params["rows"])
                     and (params["programs"] == 1
-                         or params["rows"] * params["programs"] * csr.row_length <= MAX_SHARED_PRODUCTS)))]
+                         or params["rows"] * params["programs"] * csr.row_length <= MAX_SHARED_PRODUCTS)
+                    and (params.get("streams", 1) == 1
+                         or -(-csr.out_channels // params["rows"]) > params["programs"])))]
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
         """Compile every kernel of every setting in ``space``, concurrently, before anything is timed."""
         threads = self._threads(x, csr, geometry)
-        compile_all([kernel for params in space
-                     for kernel in self._sources(x, csr, self._kernels(x, csr, geometry, **params), threads)])
+        compile_all([kernel for params in space for kernel in self._sources(
+            x, csr, self._kernels(x, csr, geometry, params["rows"], params["programs"]), threads)])
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-             rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"]) -> torch.Tensor:
+             rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
+             streams: int = 1) -> torch.Tensor:
         """Pad the input (``F.pad``, timed with the call), then run the layer's programs of ``rows`` output
         channels, ``programs`` per kernel: a kernel of one program is v27's ``generated_conv``, one of several is
         ``generated_conv_shared``, whose tile counters (int32, zeroed here) are allocated with each call that has one.
+
+        With ``streams`` > 1 the kernels (which write disjoint output channels) are spread round-robin over that
+        many side streams of :func:`side_streams`, forked from and joined back into the current stream, so the
+        output is ready in the current stream's order, as with one stream, and a CUDA graph captures the fork.
 
         The kernels read the bias as ``x``'s dtype, so a bias of another dtype (or not contiguous) is converted first,
         as the ``direct`` backend does.
@@ -155,12 +171,18 @@ class GeneratedBackend(ConvBackend):
         padded = F.pad(x, (pad_w, pad_w, pad_h, pad_h)) if pad_h or pad_w else x
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         y = torch.empty(x.shape[0], csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
-        stream = cl.current_stream(x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
         counters = (torch.zeros(len(launches), programs, dtype=torch.int32, device=x.device)
                     if any(shared for _, shared in launches) else None)
+        current = torch.cuda.current_stream(x.device)
+        sides = side_streams(x.device, min(streams, len(launches))) if streams > 1 and len(launches) > 1 else ()
+        for side in sides:
+            side.wait_stream(current)
+        targets = [side.cuda_stream for side in sides] or [current.cuda_stream]
         for index, (launch, shared) in enumerate(launches):
-            launch(stream, padded, bias, y, *((counters[index],) if shared else ()))
+            launch(targets[index % len(targets)], padded, bias, y, *((counters[index],) if shared else ()))
+        for side in sides:
+            current.wait_stream(side)
         return y
 
     def _programs(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[gs.Program]:
