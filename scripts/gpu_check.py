@@ -51,13 +51,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--end-to-end-sparsity", type=sparsity_argument,
                         help="sparsity of the models timed whole, in [0, 1) (default: run_bench's, 0.9)")
     parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--layer-filter")
+    parser.add_argument("--layer-filter", help="time only the layers whose name matches this regular expression; "
+                        "no model end to end then, unless --end-to-end names one")
     parser.add_argument("--time-budget", type=float, help="seconds after which the benchmark starts nothing new")
     parser.add_argument("--timing", choices=["eager", "graph"], default="eager",
                         help="per-layer timing: eager calls, or CUDA-graph replays (GPU time only)")
     parser.add_argument("--sparse-file", help="a trained model (model.safetensors) timed per layer and end to end")
     parser.add_argument("--sparse-input-shape", nargs="*", type=int, help="its per-sample input shape, e.g. 1 28 28")
     args = parser.parse_args(argv)
+    if args.layer_filter is not None and args.end_to_end is None:
+        args.end_to_end = []
     settings = {"runs": args.runs, "layer_filter": args.layer_filter, "time_budget_s": args.time_budget,
                 "sparse_file": args.sparse_file, "sparse_input_shape": args.sparse_input_shape, "timing": args.timing,
                 **(bench.QUICK if args.quick else {}),
