@@ -46,10 +46,10 @@ MAX_WIDE_PRODUCTS = 2**13
 """Most multiply-adds a program of more than :data:`SETTINGS`' first ``rows`` (32) may hold for the comparator to time
 it. Measured on the H200 (VGG16, batch 128, FP32; ``h200_2026-11-29_generated_vgg16_s0{7,9}_fp32*.json``,
 ``..._s08_fp32_28.json``, ``..._v31_vgg16_s09_fp32_b1.json``): 64 rows beat 32 only where 64 x the row length was
-5.1 k or less (features.0, .2 and .5 at 0.9, batch 128 and 1), and were 1.02-1.8x slower in all nine cases from 9 k
-on (features.7, .10 at 0.9; .5, .7, .10, .12 at 0.7; .12, .19 at 0.9; .17 at 0.8: the larger body issues slower,
-``kernels/NOTES.md``, thirty-first session). Beyond this bound they cost compile time (half of a layer's) and are
-not timed."""
+5.1 k or less (features.0, .2 and .5 at 0.9, batch 128 and 1), and were 1.02-1.82x slower in all ten cases from
+9.2 k on (features.7, .10, .12, .17 and .19 at 0.9; .5, .7, .10 and .12 at 0.7; .17 at 0.8: the larger body issues
+slower, ``kernels/NOTES.md``, thirty-first session). Beyond this bound they cost compile time (half of a layer's) and
+are not timed."""
 
 MAX_SHARED_PRODUCTS = 2**16
 """Most multiply-adds a kernel of several programs may hold (``rows`` x ``programs`` x the row length) for the
@@ -91,7 +91,7 @@ def side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, .
 
 @register_backend
 class GeneratedBackend(ConvBackend):
-    """Weight-specialised kernels; tuning parameters ``rows`` and ``programs`` (:data:`SETTINGS`)."""
+    """Weight-specialised kernels; tuning parameters ``rows``, ``programs`` and ``streams`` (:data:`SETTINGS`)."""
 
     name = "generated"
     device_types = frozenset({"cuda"})
