@@ -119,3 +119,15 @@ def test_kernels_of_several_programs_are_timed_only_within_their_compile_bound(r
     space = get_backend("generated").tuning_space(x, csr, ConvGeometry.of(1, 1))
     assert [params["programs"] for params in space if params["programs"] > 1] == shared
     assert {"rows": 32, "programs": 1} in space
+
+
+def test_compile_all_compiles_each_distinct_kernel_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Settings that differ only in ``streams`` list the same kernels: each is compiled once, and every position of
+    the list gets its kernel back."""
+    from unsparse.runtime.backends import generated
+
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(generated, "compiled", lambda source, entry: calls.append((source, entry)) or source + entry)
+    kernels = [("a", "k"), ("b", "k"), ("a", "k"), ("a", "s"), ("b", "k")]
+    assert generated.compile_all(kernels) == ["ak", "bk", "ak", "as", "bk"]
+    assert sorted(calls) == [("a", "k"), ("a", "s"), ("b", "k")]

@@ -77,9 +77,13 @@ def compiled(source: str, entry: str) -> Any:
 
 
 def compile_all(kernels: list[tuple[str, str]], workers: int = 16) -> list[Any]:
-    """:func:`compiled` of each ``(source, entry)`` pair, concurrently (NVRTC runs outside the GIL)."""
+    """:func:`compiled` of each ``(source, entry)`` pair, concurrently (NVRTC runs outside the GIL), each distinct
+    pair once: settings that share kernels (the same ``rows`` and ``programs`` with other ``streams``) list them
+    twice, and two threads that miss :func:`compiled`'s cache together would both compile."""
+    distinct = list(dict.fromkeys(kernels))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        return list(pool.map(lambda kernel: compiled(*kernel), kernels))
+        functions = dict(zip(distinct, pool.map(lambda kernel: compiled(*kernel), distinct), strict=True))
+    return [functions[kernel] for kernel in kernels]
 
 
 @functools.cache
