@@ -28,6 +28,7 @@ from unsparse.atomic import atomic_write_text
 from unsparse.runtime import generated_source as gs
 from unsparse.runtime.backends.generated import compile_all
 from unsparse.runtime.baseline import time_baseline
+from unsparse.runtime.cupy_launcher import COMPILE_OPTIONS
 from unsparse.runtime.timing import time_fn
 from unsparse.sparse.geometry import ConvGeometry
 
@@ -56,8 +57,10 @@ def uniform_weight(out_channels: int, channels: int, kernel: int, sparsity: floa
     return weight.reshape(out_channels, channels, kernel, kernel)
 
 
-def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
-    """Compile, check and time one case; the record holds every figure and how it was obtained."""
+def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...]) -> dict[str, Any]:
+    """Compile with the NVRTC ``options``, check and time one case; the record holds every figure and how it was
+    obtained (``compile_s`` is NVRTC's time only where CuPy's kernel cache misses: give the run an empty
+    ``CUPY_CACHE_DIR``)."""
     import cupy
 
     name, channels, out_channels, size, kernel, padding, sparsity, dtype_name, rows = case
@@ -70,7 +73,8 @@ def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
     started = time.perf_counter()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     threads = gs.choose_threads(batch * size * size, sms)
-    functions = compile_all([(gs.kernel_source(program, dtype, threads), gs.ENTRY) for program in programs])
+    functions = compile_all([(gs.kernel_source(program, dtype, threads), gs.ENTRY) for program in programs],
+                            options=options)
     compile_s = time.perf_counter() - started
     x = torch.randn(batch, channels, size, size, device=device).to(dtype)
     y = torch.empty(batch, out_channels, size, size, device=device, dtype=dtype)
@@ -99,7 +103,8 @@ def run_case(case: tuple, batch: int, runs: int) -> dict[str, Any]:
         "dtype": dtype_name, "target_sparsity": sparsity,
         "measured_sparsity": 1 - np.count_nonzero(weight) / weight.size,
         "weights": "synthetic: uniform nnz per output channel, random positions, seed 0",
-        "rows_per_kernel": rows, "threads": threads, "kernels": len(programs), "grids": [g[0] for g in grids],
+        "rows_per_kernel": rows, "nvrtc_options": list(options), "threads": threads, "kernels": len(programs),
+        "grids": [g[0] for g in grids],
         "body_instructions": [len(p.taps) + p.products for p in programs], "compile_s": compile_s,
         "rel_error": rel_error,
         "generated_ms": timing.to_dict(), "useful_tflops": useful_flop / timing.median_ms / 1e9,
@@ -182,16 +187,20 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--cases", type=int, nargs="*", help="indices into CASES (default: all)")
+    parser.add_argument("--nvrtc-option", action="append", default=[],
+                        help="NVRTC option added to the kernels' (repeatable), e.g. --nvrtc-option=--Ofast-compile=mid")
+    parser.add_argument("--skip-icache", action="store_true", help="leave out the instruction-cache probe")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     result: dict[str, Any] = {"environment": environment(), "commit": args.commit, "batch": args.batch,
                               "runs": args.runs, "records": []}
     args.out.mkdir(parents=True, exist_ok=True)
-    result["icache"] = icache_probe(args.runs)
+    options = (*COMPILE_OPTIONS, *args.nvrtc_option)
+    result["icache"] = [] if args.skip_icache else icache_probe(args.runs)
     atomic_write_text(args.out / "probe.json", json.dumps(result, indent=1))
     for index in args.cases if args.cases is not None else range(len(CASES)):
         try:
-            record = run_case(CASES[index], args.batch, args.runs)
+            record = run_case(CASES[index], args.batch, args.runs, options)
         except Exception as error:  # a failed case is recorded, and the next one still runs
             record = {"case": list(CASES[index]), "error": f"{type(error).__name__}: {error}"}
         result["records"].append(record)

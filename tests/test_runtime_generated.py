@@ -127,7 +127,8 @@ def test_compile_all_compiles_each_distinct_kernel_once(monkeypatch: pytest.Monk
     from unsparse.runtime.backends import generated
 
     calls: list[tuple[str, str]] = []
-    monkeypatch.setattr(generated, "compiled", lambda source, entry: calls.append((source, entry)) or source + entry)
+    monkeypatch.setattr(generated, "compiled",
+                        lambda source, entry, options: calls.append((source, entry)) or source + entry)
     kernels = [("a", "k"), ("b", "k"), ("a", "k"), ("a", "s"), ("b", "k")]
     assert generated.compile_all(kernels) == ["ak", "bk", "ak", "as", "bk"]
     assert sorted(calls) == [("a", "k"), ("a", "s"), ("b", "k")]

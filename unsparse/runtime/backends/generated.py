@@ -63,9 +63,9 @@ INDEX_LIMIT = 2**31
 
 
 @functools.cache
-def compiled(source: str, entry: str) -> Any:
-    """The ``cupy.RawKernel`` ``entry`` of ``source``, compiled once per process (NVRTC through CuPy):
-    :data:`~unsparse.runtime.generated_source.ENTRY` of a one-program source,
+def compiled(source: str, entry: str, options: tuple[str, ...] = cl.COMPILE_OPTIONS) -> Any:
+    """The ``cupy.RawKernel`` ``entry`` of ``source``, compiled once per process with the NVRTC ``options`` (through
+    CuPy): :data:`~unsparse.runtime.generated_source.ENTRY` of a one-program source,
     :data:`~unsparse.runtime.generated_source.SHARED_ENTRY` of a source of several programs.
 
     Raises:
@@ -73,16 +73,18 @@ def compiled(source: str, entry: str) -> Any:
     """
     import cupy
 
-    return cupy.RawModule(code=source, options=cl.COMPILE_OPTIONS).get_function(entry)
+    return cupy.RawModule(code=source, options=options).get_function(entry)
 
 
-def compile_all(kernels: list[tuple[str, str]], workers: int = 16) -> list[Any]:
-    """:func:`compiled` of each ``(source, entry)`` pair, concurrently (NVRTC runs outside the GIL), each distinct
-    pair once: settings that share kernels (the same ``rows`` and ``programs`` with other ``streams``) list them
-    twice, and two threads that miss :func:`compiled`'s cache together would both compile."""
+def compile_all(kernels: list[tuple[str, str]], workers: int = 16,
+                options: tuple[str, ...] = cl.COMPILE_OPTIONS) -> list[Any]:
+    """:func:`compiled` of each ``(source, entry)`` pair with the NVRTC ``options``, concurrently (NVRTC runs
+    outside the GIL), each distinct pair once: settings that share kernels (the same ``rows`` and ``programs`` with
+    other ``streams``) list them twice, and two threads that miss :func:`compiled`'s cache together would both
+    compile."""
     distinct = list(dict.fromkeys(kernels))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        functions = dict(zip(distinct, pool.map(lambda kernel: compiled(*kernel), distinct), strict=True))
+        functions = dict(zip(distinct, pool.map(lambda kernel: compiled(*kernel, options), distinct), strict=True))
     return [functions[kernel] for kernel in kernels]
 
 
