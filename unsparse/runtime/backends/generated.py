@@ -52,11 +52,12 @@ slower, ``kernels/NOTES.md``, thirty-first session). Beyond this bound they cost
 are not timed."""
 
 MAX_SHARED_PRODUCTS = 2**16
-"""Most multiply-adds a kernel of several programs may hold (``rows`` x ``programs`` x the row length) for the
+"""Most multiply-adds a kernel of several programs may hold (``rows`` x ``programs`` x the padded row length) for the
 comparator to time it: NVRTC compiles the G bodies of such a kernel as one unit, in series, so its compile time
-grows with G. On the H200 machine features.12 at 0.9 (G = 8: 59 k products) compiled and ran within a 170 s budget,
-while features.17 at 0.8 (row length 528) with G = 8 (135 k) and G = 4 (68 k) among its settings did not finish in
-300 s (``kernels/NOTES.md``, thirty-first session)."""
+grows with G. On the H200 machine features.17 at 0.8 (row length 528) with G = 8 (135 k) and G = 4 (68 k) among its
+settings did not finish in 300 s; features.12 at 0.9 with G = 8 (row length 274: 70 k, timed before this bound)
+ran 1.3 % faster than G = 4, and features.19 at 0.9 with G = 4 (65.5 k, 2-3 minutes of NVRTC per kernel) 1 % slower
+than eight streams (``kernels/NOTES.md``, thirty-first and thirty-third sessions)."""
 
 INDEX_LIMIT = 2**31
 """The kernels index output pixels (``N * E * F``) and the padded input plane of one image in int32."""
