@@ -188,7 +188,7 @@ def main() -> None:
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--cases", type=int, nargs="*", help="indices into CASES (default: all)")
     parser.add_argument("--nvrtc-option", action="append", default=[],
-                        help="NVRTC option added to the kernels' (repeatable), e.g. --nvrtc-option=--Ofast-compile=mid")
+                        help="an NVRTC option added to COMPILE_OPTIONS (repeatable), e.g. --Ofast-compile=mid")
     parser.add_argument("--skip-icache", action="store_true", help="leave out the instruction-cache probe")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
