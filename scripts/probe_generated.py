@@ -7,6 +7,8 @@ convolution alone in FP32 (TF32 off), TF32 and FP16 (faster of NCHW and NHWC) wi
 ``--runs`` after warm-up, in one process. It writes ``probe.json`` under ``--out`` after every case.
 
     PYTHONPATH=. python3 scripts/probe_generated.py --out $OUT
+    CUPY_CACHE_DIR=$(mktemp -d) PYTHONPATH=. python3 scripts/probe_generated.py --out $OUT/mid --cases 0 \
+        --skip-icache --nvrtc-option=--Ofast-compile=mid    # one case with another NVRTC option, compiled afresh
 """
 
 from __future__ import annotations
