@@ -13,8 +13,9 @@ even at that sparsity with these kernels, however their memory behaves (``kernel
 
 ``--model fp32`` counts the kernels built, against cuDNN FP32 from a benchmark JSON; ``--model half2`` counts a
 float16 design that is not built (:func:`half2_body`), against cuDNN FP16 from a probe JSON's records, to decide
-whether building it can pay. Weights are synthetic, as in the benchmark: He-normal, magnitude-pruned per layer
-(``magnitude_prune_``), seed 0. Nothing runs on a GPU here.
+whether building it can pay. Weights are synthetic and drawn as the benchmark draws them (He-normal, magnitude-pruned
+per layer with ``magnitude_prune_``, seed 0 per layer here), so their counts match the benchmark's in distribution,
+not draw for draw. Nothing runs on a GPU here.
 
     PYTHONPATH=. python scripts/generated_ceiling.py --cudnn benchmarks/results/h200_..._s09_fp32_tf32.json \
         --probe benchmarks/results/h200_2026-11-29_ptx_body_probe.json --out benchmarks/results/h200_..._ceiling
