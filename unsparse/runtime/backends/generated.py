@@ -51,13 +51,15 @@ it. Measured on the H200 (VGG16, batch 128, FP32; ``h200_2026-11-29_generated_vg
 slower, ``kernels/NOTES.md``, thirty-first session). Beyond this bound they cost compile time (half of a layer's) and
 are not timed."""
 
-MAX_SHARED_PRODUCTS = 2**16
+MAX_SHARED_PRODUCTS = 3 * 2**14
 """Most multiply-adds a kernel of several programs may hold (``rows`` x ``programs`` x the padded row length) for the
-comparator to time it: NVRTC compiles the G bodies of such a kernel as one unit, in series, so its compile time
-grows with G. On the H200 machine features.17 at 0.8 (row length 528) with G = 8 (135 k) and G = 4 (68 k) among its
-settings did not finish in 300 s; features.12 at 0.9 with G = 8 (row length 274: 70 k, timed before this bound)
-ran 1.3 % faster than G = 4, and features.19 at 0.9 with G = 4 (65.5 k, 2-3 minutes of NVRTC per kernel) 1 % slower
-than eight streams (``kernels/NOTES.md``, thirty-first and thirty-third sessions)."""
+comparator to time it: NVRTC compiles the G bodies of such a kernel as one unit on one core (about 250-450 products
+per second), while a layer's one-program kernels compile side by side. On the H200 machine (VGG16 at 0.9, batch 128,
+FP32; ``kernels/NOTES.md``, thirty-first and thirty-third sessions) kernels of about 35 k products (features.12 and
+.17, G = 4) compiled in about a minute and ran 2-8 % faster than the layer's one-program kernels on eight streams,
+while those of 65-70 k took NVRTC 2-3 minutes each and came within 1.3 % of the next best setting (features.12 G = 8
+against G = 4; features.19 G = 4, 1 % slower than streams). The bound, 49,152, keeps the first and leaves out the
+second."""
 
 INDEX_LIMIT = 2**31
 """The kernels index output pixels (``N * E * F``) and the padded input plane of one image in int32."""
