@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime import generated_source as gs
@@ -84,10 +85,13 @@ def compile_all(kernels: list[tuple[str, str]], workers: int = 16,
     """:func:`compiled` of each ``(source, entry)`` pair with the NVRTC ``options``, concurrently (NVRTC runs
     outside the GIL), each distinct pair once: settings that share kernels (the same ``rows`` and ``programs`` with
     other ``streams``) list them twice, and two threads that miss :func:`compiled`'s cache together would both
-    compile."""
+    compile. A layer's kernels can take minutes (:data:`MAX_SHARED_PRODUCTS`), so on a terminal a tqdm bar counts
+    the kernels done."""
     distinct = list(dict.fromkeys(kernels))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        functions = dict(zip(distinct, pool.map(lambda kernel: compiled(*kernel, options), distinct), strict=True))
+        done = tqdm(pool.map(lambda kernel: compiled(*kernel, options), distinct), total=len(distinct),
+                    desc="compile kernels", unit="kernel", leave=False, disable=None)
+        functions = dict(zip(distinct, done, strict=True))
     return [functions[kernel] for kernel in kernels]
 
 
