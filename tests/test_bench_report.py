@@ -84,6 +84,17 @@ def test_targets_follow_the_measured_ratios(result):
     assert not targets["end_to_end_not_slower"]["met"]
 
 
+def test_report_gives_the_sparse_backends_compile_seconds_where_recorded(result):
+    """A last column of the per-layer table, seconds of kernel compiling ('-' where none was recorded), only in
+    results that record it: pages rendered before it stay as they are."""
+    assert "compile s" not in markdown_report({**result, "targets": evaluate_targets(result)})
+    result["layers"][0]["direct_compile_s"] = 183.25
+    result["layers"][1]["direct_compile_s"] = None
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert '| {"kernel": "rows"} | 183.2 |' in text and text.count('| {"kernel": "rows"} | - |') == 5
+    assert "| direct params | direct compile s |\n|" + "---|" * 21 + "\n" in text
+
+
 def test_report_says_where_sparse_is_slower(result, tmp_path):
     result["targets"] = evaluate_targets(result)
     text = markdown_report(result)

@@ -143,6 +143,25 @@ def test_compare_layer_rejects_wrong_backend_and_picks_fastest(fakes: None, virt
     assert json.loads(json.dumps(result.to_dict()))["best"]["backend"] == "test_slow"
 
 
+def test_compare_layer_records_the_seconds_each_backend_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend with ``precompile`` gets its wall seconds in ``compile_s`` (and in the JSON form); one without has no
+    entry."""
+
+    class Compiling(Slow):
+        name = "test_compiling"
+
+        def precompile(self, x, csr, geometry, space) -> None:
+            time.sleep(0.05)
+
+    monkeypatch.setitem(base._REGISTRY, Compiling.name, Compiling)
+    monkeypatch.setitem(base._INSTANCES, Compiling.name, Compiling())
+    x, csr, bias = small_layer()
+    result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), [Compiling.name, "dense_cpu"], runs=1,
+                           screen_runs=1)
+    assert set(result.compile_s) == {Compiling.name} and 0.05 <= result.compile_s[Compiling.name] < 5
+    assert json.loads(json.dumps(result.to_dict()))["compile_s"] == result.compile_s
+
+
 def test_compare_layer_graph_timing_needs_cuda_and_a_known_mode() -> None:
     x, csr, bias = small_layer()
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA input"):

@@ -390,14 +390,17 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
             lines += [f"{name}: {PLOTS[kind].format(batch=largest_batch(result))}", "",
                       f"![{kind.replace('_', ' ')}]({quote(name)})", ""]
         lines.pop()
+    compile_column = any("direct_compile_s" in r for r in result["layers"])  # older results render as they did
     lines += ["", "## Per layer", "", "cuDNN alone: the convolution without bias, input and weight already in the "
               "layout named and the output left in it (`unsparse.runtime.baseline`); direct/cuDNN is against it. "
               "cuDNN call: `F.conv2d` as an NCHW model calls it (bias added in a separate kernel; its channels-last "
-              "setting converts inside the call), the figure results before the twelfth session compared with.", "",
-              "| model | layer | n | C,H,W | weight | stride | batch | prec | sparsity | L "
+              "setting converts inside the call), the figure results before the twelfth session compared with."
+              + (" Direct compile s: seconds the sparse backend compiled kernels before timing (near 0 where CuPy's "
+                 "kernel cache held them; '-' for a backend that compiles nothing ahead)." if compile_column else ""),
+              "", "| model | layer | n | C,H,W | weight | stride | batch | prec | sparsity | L "
               "| cuDNN alone | layout | cuDNN call | direct | im2col+cuBLAS | im2col+cuSPARSE | direct/cuDNN "
-              "| direct/cuDNN call | direct TFLOP/s | direct params |",
-              "|" + "---|" * 20]
+              "| direct/cuDNN call | direct TFLOP/s | direct params |" + " direct compile s |" * compile_column,
+              "|" + "---|" * (20 + compile_column)]
     for r in result["layers"]:
         best = r["best_ms"]
         sparse_ms = best.get(r.get("sparse_backend", "direct"))
@@ -408,7 +411,8 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
                      f"{_fmt(best.get('cudnn'))} | {_fmt(sparse_ms)} | "
                      f"{_fmt(best.get('im2col_cublas'))} | {_fmt(best.get('im2col_cusparse'))} | "
                      f"{_fmt(r['speedup_vs_cudnn'], 2)} | {_fmt(r.get('speedup_vs_cudnn_call'), 2)} | "
-                     f"{_fmt(r['direct_useful_tflops'], 1)} | {json.dumps(r['direct_params'])} |")
+                     f"{_fmt(r['direct_useful_tflops'], 1)} | {json.dumps(r['direct_params'])} |"
+                     + (f" {_fmt(r.get('direct_compile_s'), 1)} |" if compile_column else ""))
     lines += ["", "## End to end", "", "Eager times include the host's per-layer work; CUDA-graph times replay the "
               "same forward without it (GPU time only), so where the two speedups differ the model is host-bound.", "",
               "NHWC: the model and its input in channels-last from end to end (a planned model's layers then receive "

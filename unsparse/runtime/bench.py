@@ -281,7 +281,8 @@ def bench_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devi
     fastest layout, without bias (:mod:`unsparse.runtime.baseline`; ``baseline`` in the record).
     ``speedup_vs_cudnn_call`` is against the ``cudnn`` backend as an NCHW model calls it (bias added, layout
     conversions inside the call), the figure every result before the twelfth session reported as
-    ``speedup_vs_cudnn``.
+    ``speedup_vs_cudnn``. ``direct_compile_s``: the seconds the sparse backend compiled its kernels before timing
+    (:attr:`~unsparse.runtime.comparator.LayerComparison.compile_s`; None for a backend that compiles nothing ahead).
     """
     mode = PRECISIONS[precision]
     dtype = mode.dtype
@@ -306,6 +307,7 @@ def bench_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devi
     record["baseline"] = record["comparison"].pop("baseline")
     direct = comparison.fastest(mode.sparse)
     record["direct_params"] = None if direct is None else direct.params
+    record["direct_compile_s"] = comparison.compile_s.get(mode.sparse)
     record["direct_useful_tflops"] = None if direct is None else useful / direct.timing.median_ms / 1e9
     bases = {"cudnn": comparison.baseline.median_ms, "cudnn_call": record["best_ms"].get("cudnn"),
              "im2col_cublas": record["best_ms"].get("im2col_cublas"),
@@ -484,5 +486,7 @@ def _progress(record: dict[str, Any]) -> None:
     best = {"cudnn alone": record["baseline"]["median_ms"], **{f"{k} call" if k == "cudnn" else k: v
                                                                for k, v in record["best_ms"].items()}}
     text = ", ".join(f"{k} {v:.3f}" for k, v in best.items() if v is not None)
+    compiled = record.get("direct_compile_s")
     print(f"{record['model']} {record['layer']} {record['in_chw']} b{record['batch']} {record['precision']} "
-          f"s{record['target_sparsity']}: {text} ms", flush=True)
+          f"s{record['target_sparsity']}: {text} ms" + ("" if compiled is None else f"; compiled {compiled:.1f} s"),
+          flush=True)

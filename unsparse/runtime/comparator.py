@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -171,13 +172,17 @@ class LayerComparison:
 
     ``baseline``: cuDNN's convolution alone in its fastest layout (:mod:`unsparse.runtime.baseline`), when asked
     for; speedups are reported against it, while plans choose among the measurements. ``layout``: the input's
-    (:func:`~unsparse.runtime.layout.layout_of`); every measured output was returned in it.
+    (:func:`~unsparse.runtime.layout.layout_of`); every measured output was returned in it. ``compile_s``: seconds
+    (wall clock) each backend's ``precompile`` took before its settings ran, the kernel compiles of the weight-
+    specialised backend above all (NVRTC; near 0 where CuPy's kernel cache or this process already held them);
+    backends without ``precompile`` have no entry.
     """
 
     key: str
     measurements: list[Measurement] = field(default_factory=list)
     baseline: Baseline | None = None
     layout: str = "nchw"
+    compile_s: dict[str, float] = field(default_factory=dict)
 
     @property
     def best(self) -> Measurement | None:
@@ -234,7 +239,7 @@ class LayerComparison:
         """JSON-ready form with every measurement and the winner."""
         best = self.best
         return {"key": self.key, "layout": self.layout, "best": None if best is None else best.to_dict(),
-                "measurements": [m.to_dict() for m in self.measurements],
+                "measurements": [m.to_dict() for m in self.measurements], "compile_s": dict(self.compile_s),
                 "baseline": None if self.baseline is None else self.baseline.to_dict()}
 
 
@@ -278,8 +283,11 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
         inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(x.device)))
         result = LayerComparison(layer_key(x, csr, geometry), layout=layout_of(x))
         for name in names:
-            result.measurements += _measure_backend(name, inputs, csr, bias, geometry, ref, images, bound,
-                                                    runs, warmup, screen_runs, keep, timing == "graph")
+            measured, seconds = _measure_backend(name, inputs, csr, bias, geometry, ref, images, bound, runs, warmup,
+                                                 screen_runs, keep, timing == "graph")
+            result.measurements += measured
+            if seconds is not None:
+                result.compile_s[name] = seconds
         if baseline:
             conv_ref = ref if bias is None else ref - bias.double().reshape(1, -1, 1, 1)
             result.baseline = time_baseline(inputs, csr.to_conv2d_weight().to(x.dtype), geometry,
@@ -290,17 +298,21 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
 
 def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bias: torch.Tensor | None,
                      geometry: ConvGeometry, ref: torch.Tensor, images: list[int], bound: float, runs: int,
-                     warmup: int, screen_runs: int, keep: int, graphs: bool) -> list[Measurement]:
+                     warmup: int, screen_runs: int, keep: int, graphs: bool) -> tuple[list[Measurement], float | None]:
+    """The measurements of backend ``name`` and the seconds its ``precompile`` took (None without one)."""
     backend = get_backend(name)
     x = inputs[0]
     reason = backend.unsupported_reason(x, csr, geometry)
     if reason is not None:
-        return [Measurement(name, {}, "unsupported", reason=reason)]
+        return [Measurement(name, {}, "unsupported", reason=reason)], None
     measurements = []
     space = backend.tuning_space(x, csr, geometry)
     precompile = getattr(backend, "precompile", None)
+    compile_s = None
     if precompile is not None:
+        started = time.perf_counter()
         precompile(x, csr, geometry, space)
+        compile_s = time.perf_counter() - started
     for params in space:
         try:
             out = backend.run(x, csr, bias, geometry, **params)
@@ -339,7 +351,7 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
         m.timing = timed(m, runs, warmup)
         if m.screen is not None and m.timing.median_ms > DISTURBED_RATIO * m.screen.median_ms:
             m.disturbed, m.timing = m.timing, timed(m, runs, warmup)
-    return measurements
+    return measurements, compile_s
 
 
 def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None,
