@@ -57,10 +57,10 @@ MAX_SHARED_PRODUCTS = 3 * 2**14
 comparator to time it: NVRTC compiles the G bodies of such a kernel as one unit on one core (about 250-450 products
 per second), while a layer's one-program kernels compile side by side. On the H200 machine (VGG16 at 0.9, batch 128,
 FP32; ``kernels/NOTES.md``, thirty-first and thirty-third sessions) kernels of about 35 k products (features.12 and
-.17, G = 4) compiled in about a minute and ran 2-8 % faster than the layer's one-program kernels on eight streams,
-while those of 65-70 k took NVRTC 2-3 minutes each and came within 1.3 % of the next best setting (features.12 G = 8
-against G = 4; features.19 G = 4, 1 % slower than streams). The bound, 49,152, keeps the first and leaves out the
-second."""
+.17, G = 4) compiled within the 2 minutes in which both layers compiled and ran, and ran 2-8 % faster than the
+layer's one-program kernels on eight streams, while those of 65-70 k (features.19 G = 4: 2-3 minutes of NVRTC each)
+came within 1.3 % of the next best setting (features.12 G = 8 against G = 4; features.19 G = 4, 1 % slower than
+streams). The bound, 49,152, keeps the first and leaves out the second."""
 
 INDEX_LIMIT = 2**31
 """The kernels index output pixels (``N * E * F``) and the padded input plane of one image in int32."""
