@@ -16,7 +16,9 @@
 //
 // The generator defines the constants before this text and the body of `products` after it:
 //   KT: output channels of this kernel; C: input channels; HP, WP: the padded input plane (H + 2 pad_h,
-//     W + 2 pad_w); E, F: the output plane; THREADS: threads per block; T: storage type (float or __half);
+//     W + 2 pad_w); E, F: the output plane; MAX_THREADS: the most threads per block a launch may use (the launch
+//     bound; the launch picks its own count up to it, blockDim.x, so a batch size needs no kernel of its own);
+//     T: storage type (float or __half);
 //   products(base, acc): the generated body, one load of base[offset] per (channel, tap) with a nonzero among the
 //     KT rows (offset = (c * HP + r) * WP + s, a compile-time constant below 2^31) and its fused multiply-adds.
 //
@@ -58,9 +60,9 @@ __device__ __forceinline__ void store_rows(T* __restrict__ y, const T* __restric
 #ifndef G
 __device__ __forceinline__ void products(const T* __restrict__ base, float* acc);
 
-extern "C" __global__ void __launch_bounds__(THREADS) generated_conv(
+extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv(
     const T* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int M, int k0) {
-  for (int p = blockIdx.x * THREADS + threadIdx.x; p < total; p += gridDim.x * THREADS) {
+  for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < total; p += gridDim.x * blockDim.x) {
     const Pixel q = locate(p);
     float acc[KT];
 #pragma unroll
@@ -73,7 +75,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) generated_conv(
 // v31: G programs in one kernel, each on its own share of the SMs. v27 ran one program per kernel over every pixel, so
 // each program streamed the whole input from DRAM and its loads stalled on DRAM (kernels/NOTES.md, thirtieth
 // session); v30 put the G programs on the same SM and stalled on instruction fetch. Here a block runs the program of
-// the SM it landed on (smid % G), so each SM streams one body, and takes its tiles of THREADS pixels in order from
+// the SM it landed on (smid % G), so each SM streams one body, and takes its tiles of blockDim.x pixels in order from
 // that program's counter: the G programs walk the pixels together on G sets of SMs, each in flight over about 1/G
 // of the pixels the whole GPU would cover, and all but the first to read an input line find it in L2. A block whose
 // program has no tile left takes tiles of the next program (only the last tiles mix bodies on an SM).
@@ -84,13 +86,13 @@ extern "C" __global__ void __launch_bounds__(THREADS) generated_conv(
 
 __device__ __forceinline__ int run(int program, const T* __restrict__ base, float* acc);
 
-extern "C" __global__ void __launch_bounds__(THREADS) generated_conv_shared(
+extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv_shared(
     const T* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total,
     unsigned int* __restrict__ counters) {
   __shared__ unsigned int s_tile;
   unsigned int smid;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-  const unsigned int tiles = (static_cast<unsigned int>(total) + THREADS - 1) / THREADS;
+  const unsigned int tiles = (static_cast<unsigned int>(total) + blockDim.x - 1) / blockDim.x;
   for (int step = 0; step < G; ++step) {
     const int program = static_cast<int>((smid + step) % G);
     for (;;) {
@@ -99,7 +101,7 @@ extern "C" __global__ void __launch_bounds__(THREADS) generated_conv_shared(
       const unsigned int tile = s_tile;
       __syncthreads();
       if (tile >= tiles) break;
-      const int p = static_cast<int>(tile * THREADS + threadIdx.x);
+      const int p = static_cast<int>(tile * blockDim.x + threadIdx.x);
       const Pixel q = locate(min(p, total - 1));  // threads past the last pixel compute it again, store nothing
       float acc[KT];
 #pragma unroll

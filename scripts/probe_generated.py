@@ -75,7 +75,7 @@ def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...]) -> di
     started = time.perf_counter()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     threads = gs.choose_threads(batch * size * size, sms)
-    functions = compile_all([(gs.kernel_source(program, dtype, threads), gs.ENTRY) for program in programs],
+    functions = compile_all([(gs.kernel_source(program, dtype), gs.ENTRY) for program in programs],
                             options=options)
     compile_s = time.perf_counter() - started
     x = torch.randn(batch, channels, size, size, device=device).to(dtype)

@@ -93,6 +93,15 @@ def test_report_gives_the_sparse_backends_compile_seconds_where_recorded(result)
     text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert '| {"kernel": "rows"} | 183.2 |' in text and text.count('| {"kernel": "rows"} | - |') == 5
     assert "| direct params | direct compile s |\n|" + "---|" * 21 + "\n" in text
+    assert "compiled together" not in text
+
+
+def test_report_says_what_was_compiled_ahead(result):
+    """A run that compiled its layers' kernels together before timing says how many and how long, per model and
+    sparsity."""
+    result["compile_ahead"] = [{"model": "vgg16", "sparsity": 0.9, "layers": 13, "kernels": 161, "seconds": 402.37}]
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "vgg16 at 0.9: 161 kernels of 13 layers compiled together before any was timed, in 402.4 s" in text
 
 
 def test_report_says_where_sparse_is_slower(result, tmp_path):

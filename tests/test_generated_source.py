@@ -113,21 +113,22 @@ def test_bad_inputs_are_refused_naming_the_field(weight: np.ndarray, kwargs: dic
         gs.programs(weight, arguments["padding"], arguments["in_hw"], arguments["rows"])
 
 
-def test_kernel_source_refuses_other_dtypes_and_thread_counts() -> None:
+def test_kernel_source_refuses_other_dtypes_and_holds_no_launch_size() -> None:
     program = gs.programs(np.ones((2, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)[0]
     with pytest.raises(ValueError, match=r"^dtype:"):
-        gs.kernel_source(program, torch.float64, 256)
-    with pytest.raises(ValueError, match=r"^threads:"):
-        gs.kernel_source(program, torch.float32, 96)
-    source = gs.kernel_source(program, torch.float16, 128)
+        gs.kernel_source(program, torch.float64)
+    source = gs.kernel_source(program, torch.float16)
     for constant in ("#define KT 2", "#define C 2", "#define HP 6", "#define WP 6", "#define E 4", "#define F 4",
-                     "#define THREADS 128", "typedef __half T;"):
+                     "#define MAX_THREADS 256", "typedef __half T;"):
         assert constant in source
+    # the launch picks its threads per block: the body strides by blockDim.x, bounded by the largest choice
+    assert "THREADS" not in source.replace("MAX_THREADS", "") and "blockDim.x" in source
+    assert max(gs.THREAD_CHOICES) == 256
 
 
 def test_a_shared_kernel_switches_to_each_body_and_returns_its_first_row() -> None:
     layer = gs.programs(np.ones((5, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)
-    source = gs.shared_kernel_source(layer, 5, torch.float32, 128)
+    source = gs.shared_kernel_source(layer, 5, torch.float32)
     assert "\n#define G 3\n#define M 5\n" in source and "generated_conv_shared" in source
     for index, program in enumerate(layer):
         assert f"__device__ __forceinline__ void products_{index}(" in source
@@ -135,19 +136,18 @@ def test_a_shared_kernel_switches_to_each_body_and_returns_its_first_row() -> No
     assert re.findall(r"case (\d+):", source) == ["0", "1", "2"]
     assert [parse_products(gs.products_source(p, f"products_{i}")) for i, p in enumerate(layer)] == [
         [(tap.offset, tap.products) for tap in p.taps] for p in layer]
-    assert "#define G" not in gs.kernel_source(layer[0], torch.float32, 128)
+    assert "#define G" not in gs.kernel_source(layer[0], torch.float32)
 
 
 def test_a_shared_kernel_refuses_one_program_mixed_layers_and_a_short_layer() -> None:
     layer = gs.programs(np.ones((5, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)
     other = gs.programs(np.ones((5, 2, 3, 3), np.float32), (1, 1), (4, 5), 2)
-    for programs, out_channels, dtype, threads, field in [
-            (layer[:1], 5, torch.float32, 128, "kernel_programs"), ([layer[0], other[1]], 5, torch.float32, 128,
-                                                                     "kernel_programs"),
-            (layer, 4, torch.float32, 128, "out_channels"), (layer, 5, torch.float64, 128, "dtype"),
-            (layer, 5, torch.float32, 96, "threads")]:
+    for programs, out_channels, dtype, field in [
+            (layer[:1], 5, torch.float32, "kernel_programs"), ([layer[0], other[1]], 5, torch.float32,
+                                                               "kernel_programs"),
+            (layer, 4, torch.float32, "out_channels"), (layer, 5, torch.float64, "dtype")]:
         with pytest.raises(ValueError, match=f"^{field}:"):
-            gs.shared_kernel_source(programs, out_channels, dtype, threads)
+            gs.shared_kernel_source(programs, out_channels, dtype)
 
 
 def test_launch_sizes() -> None:
@@ -168,7 +168,7 @@ def test_launch_sizes() -> None:
 def test_generated_source_compiles_under_nvrtc_for_sm90(dtype: torch.dtype, shared: bool) -> None:
     rng = np.random.default_rng(7)
     layer = gs.programs(random_weight(rng, (20, 16, 3, 3), 0.2), (1, 1), (9, 9), 8)
-    source = (gs.shared_kernel_source(layer, 20, dtype, 64) if shared else gs.kernel_source(layer[0], dtype, 64))
+    source = gs.shared_kernel_source(layer, 20, dtype) if shared else gs.kernel_source(layer[0], dtype)
     library = nvrtc_library()
     include = library.parent.parent / "include"
     status, log = compile_with_nvrtc(library, source, [], ["-std=c++17", "-arch=sm_90", f"-I{include}"])

@@ -132,3 +132,37 @@ def test_compile_all_compiles_each_distinct_kernel_once(monkeypatch: pytest.Monk
     kernels = [("a", "k"), ("b", "k"), ("a", "k"), ("a", "s"), ("b", "k")]
     assert generated.compile_all(kernels) == ["ak", "bk", "ak", "as", "bk"]
     assert sorted(calls) == [("a", "k"), ("a", "s"), ("b", "k")]
+
+
+def test_compile_all_starts_the_longest_sources_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compile time grows with a kernel's body, so the longest go to the workers first; the result keeps the order
+    asked for."""
+    from unsparse.runtime.backends import generated
+
+    calls: list[str] = []
+    monkeypatch.setattr(generated, "compiled", lambda source, entry, options: calls.append(source) or source)
+    kernels = [("bb", "k"), ("a", "k"), ("dddd", "k"), ("ccc", "k")]
+    assert generated.compile_all(kernels, workers=1) == ["bb", "a", "dddd", "ccc"]
+    assert calls == ["dddd", "ccc", "bb", "a"]
+
+
+def test_kernel_sources_do_not_depend_on_the_batch_and_are_what_precompile_compiles(
+        on_cpu: GeneratedBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One compile serves every batch size: the sources of batch 1 and of batch 128 are the same, and precompile
+    compiles exactly the listed kernels of every setting."""
+    from unsparse.runtime.backends import generated
+
+    csr, geometry = layer(out_channels=200, channels=8), ConvGeometry.of(1, 1)
+    small, large = torch.empty(1, 8, 9, 9), torch.empty(1, 8, 9, 9).expand(128, 8, 9, 9)
+    space = on_cpu.tuning_space(small, csr, geometry)
+    assert space == on_cpu.tuning_space(large, csr, geometry)
+    sources = on_cpu.kernel_sources(small, csr, geometry, space)
+    assert sources == on_cpu.kernel_sources(large, csr, geometry, space)
+    # 200 rows: 7 programs of 32 (listed again for the streams setting), 4 of 64, 2 kernels of 4 programs of 32
+    assert [(p["rows"], p["programs"], p.get("streams", 1)) for p in space] == [
+        (32, 1, 1), (64, 1, 1), (32, 4, 1), (32, 1, 8)]
+    assert len(sources) == 7 + 4 + 2 + 7 and len(set(sources)) == 7 + 4 + 2
+    compiled: list[list[tuple[str, str]]] = []
+    monkeypatch.setattr(generated, "compile_all", lambda kernels: compiled.append(kernels))
+    on_cpu.precompile(large, csr, geometry, space)
+    assert compiled == [sources]

@@ -8,7 +8,7 @@ import torch
 
 from tests.gpu.test_gpu_backends import CASES, CUDA, make_case, poison_allocator
 from unsparse.runtime import get_backend
-from unsparse.runtime.backends.generated import SETTINGS
+from unsparse.runtime.backends.generated import SETTINGS, GeneratedBackend
 from unsparse.runtime.comparator import compare_layer, relative_error, tolerance
 
 SUPPORTED = sorted(name for name, case in CASES.items() if case[7] == 1 and case[9] == 1)
@@ -123,3 +123,21 @@ def test_generated_converts_a_bias_of_another_dtype() -> None:
     x, csr, bias, geometry, ref = make_case("odd_3x3", torch.float16, seed=15)
     out = get_backend("generated").run(x, csr, bias.float(), geometry)
     assert relative_error(out.cpu(), ref) <= tolerance(torch.float16)
+
+
+@pytest.mark.parametrize("threads", [256, 128, 64])
+def test_one_compiled_kernel_runs_at_every_block_size(monkeypatch: pytest.MonkeyPatch, threads: int) -> None:
+    """The kernels hold no threads per block (a batch size picks its own at launch): each block size of
+    ``THREAD_CHOICES`` runs the same compiled kernels, one-program and shared, to the float64 reference; 70 pixels
+    leave a partial block at each."""
+    from unsparse.runtime import generated_source
+
+    monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
+    asked: list[int] = []
+    monkeypatch.setattr(generated_source, "choose_threads", lambda total, sms: asked.append(total) or threads)
+    x, csr, bias, geometry, ref = make_case("programs", torch.float32, seed=43)
+    backend = GeneratedBackend()  # its own launch cache: launches bound at other block sizes are not reused
+    for params in (SETTINGS[0], SETTINGS[2]):
+        out = backend.run(x, csr, bias, geometry, **params)
+        assert relative_error(out.cpu(), ref) <= tolerance(torch.float32), (threads, params)
+    assert asked, "the launches did not take their block size from choose_threads"

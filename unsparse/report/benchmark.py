@@ -396,7 +396,10 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
               "cuDNN call: `F.conv2d` as an NCHW model calls it (bias added in a separate kernel; its channels-last "
               "setting converts inside the call), the figure results before the twelfth session compared with."
               + (" Direct compile s: seconds the sparse backend compiled kernels before timing (near 0 where CuPy's "
-                 "kernel cache held them; '-' for a backend that compiles nothing ahead)." if compile_column else ""),
+                 "kernel cache held them; '-' for a backend that compiles nothing ahead)." if compile_column else "")
+              + "".join(f" {a['model']} at {a['sparsity']}: {a['kernels']} kernels of {a['layers']} layers compiled "
+                        f"together before any was timed, in {_fmt(a['seconds'], 1)} s (the column above counts what "
+                        "was left)." for a in result.get("compile_ahead", [])),
               "", "| model | layer | n | C,H,W | weight | stride | batch | prec | sparsity | L "
               "| cuDNN alone | layout | cuDNN call | direct | im2col+cuBLAS | im2col+cuSPARSE | direct/cuDNN "
               "| direct/cuDNN call | direct TFLOP/s | direct params |" + " direct compile s |" * compile_column,

@@ -41,7 +41,9 @@ STORAGE_TYPES = {torch.float32: "float", torch.float16: "__half"}
 """CUDA storage type per torch dtype; arithmetic is float32 in both."""
 
 THREAD_CHOICES = (256, 128, 64)
-"""Threads per block :func:`choose_threads` picks from (one output pixel per thread per loop step)."""
+"""Threads per block :func:`choose_threads` picks from at launch (one output pixel per thread per loop step); the
+largest is every kernel's launch bound, which leaves a thread up to 255 registers (64 K per SM over 256 threads), as
+a bound of 64 or 128 would."""
 
 OFFSET_LIMIT = 2**31
 """Offsets into the padded input are int32 immediates: the input plane of one image, C * HP * WP, must stay below."""
@@ -153,32 +155,28 @@ def products_source(program: Program, name: str = "products") -> str:
     return "\n".join(lines)
 
 
-def kernel_source(program: Program, dtype: torch.dtype, threads: int) -> str:
-    """The whole CUDA source of one program (:data:`ENTRY`): constants, the skeleton and ``products``.
-
-    Args:
-        threads: threads per block, one of :data:`THREAD_CHOICES` (the kernel's launch bound).
+def kernel_source(program: Program, dtype: torch.dtype) -> str:
+    """The whole CUDA source of one program (:data:`ENTRY`): constants, the skeleton and ``products``. It holds no
+    batch size and no threads per block (the launch picks those, :func:`choose_threads`), so one compiled kernel
+    serves every batch.
 
     Raises:
-        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), or ``threads`` not in
-            :data:`THREAD_CHOICES`.
+        ValueError: for a dtype other than float32 or float16 (naming ``dtype``).
     """
-    return "\n".join([*_header(program, dtype, threads), _skeleton(), products_source(program)])
+    return "\n".join([*_header(program, dtype), _skeleton(), products_source(program)])
 
 
-def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, dtype: torch.dtype,
-                         threads: int) -> str:
+def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, dtype: torch.dtype) -> str:
     """The CUDA source of :data:`SHARED_ENTRY` (v31): G = ``len(kernel_programs)`` programs of one layer in one
     kernel, each block running the program of the SM it runs on (``kernels/generated_conv.cu``).
 
     Args:
         kernel_programs: at least two consecutive programs of one layer split (the same KT, C, kernel, padding and
             input plane). out_channels: M, the layer's.
-        threads: threads per block, one of :data:`THREAD_CHOICES`.
 
     Raises:
         ValueError: naming the field, for fewer than two programs or programs of different layers or splits, an
-            ``out_channels`` below the last program's rows, or a dtype or ``threads`` :func:`kernel_source` refuses.
+            ``out_channels`` below the last program's rows, or a dtype :func:`kernel_source` refuses.
     """
     if len(kernel_programs) < 2:
         raise ValueError(f"kernel_programs: {len(kernel_programs)} programs, a shared kernel holds at least two")
@@ -188,7 +186,7 @@ def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, 
         raise ValueError("kernel_programs: not all of one layer and split")
     if out_channels < max(p.first + p.rows for p in kernel_programs):
         raise ValueError(f"out_channels: {out_channels} is below the programs' last row")
-    header = [*_header(first, dtype, threads), f"#define G {len(kernel_programs)}", f"#define M {out_channels}"]
+    header = [*_header(first, dtype), f"#define G {len(kernel_programs)}", f"#define M {out_channels}"]
     bodies = [products_source(p, f"products_{index}") for index, p in enumerate(kernel_programs)]
     cases = [f"    case {index}: products_{index}(base, acc); return {p.first};"
              for index, p in enumerate(kernel_programs)]
@@ -197,19 +195,16 @@ def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, 
     return "\n".join([*header, _skeleton(), *bodies, *run])
 
 
-def _header(program: Program, dtype: torch.dtype, threads: int) -> list[str]:
-    """The constants and storage type before the skeleton.
+def _header(program: Program, dtype: torch.dtype) -> list[str]:
+    """The constants and storage type before the skeleton; the launch bound is :data:`THREAD_CHOICES`' largest.
 
     Raises:
-        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), or ``threads`` not in
-            :data:`THREAD_CHOICES`.
+        ValueError: for a dtype other than float32 or float16 (naming ``dtype``).
     """
     if dtype not in STORAGE_TYPES:
         raise ValueError(f"dtype: {dtype} not supported (float32 or float16)")
-    if threads not in THREAD_CHOICES:
-        raise ValueError(f"threads: {threads!r} not among {THREAD_CHOICES}")
     constants = {"KT": program.width, "C": program.channels, "HP": program.padded_hw[0], "WP": program.padded_hw[1],
-                 "E": program.out_hw[0], "F": program.out_hw[1], "THREADS": threads}
+                 "E": program.out_hw[0], "F": program.out_hw[1], "MAX_THREADS": max(THREAD_CHOICES)}
     header = [f"#define {name} {value}" for name, value in constants.items()]
     return [*header, "#include <cuda_fp16.h>", f"typedef {STORAGE_TYPES[dtype]} T;"]
 

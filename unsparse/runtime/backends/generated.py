@@ -85,9 +85,10 @@ def compile_all(kernels: list[tuple[str, str]], workers: int = 16,
     """:func:`compiled` of each ``(source, entry)`` pair with the NVRTC ``options``, concurrently (NVRTC runs
     outside the GIL), each distinct pair once: settings that share kernels (the same ``rows`` and ``programs`` with
     other ``streams``) list them twice, and two threads that miss :func:`compiled`'s cache together would both
-    compile. A layer's kernels can take minutes (:data:`MAX_SHARED_PRODUCTS`), so on a terminal a tqdm bar counts
-    the kernels done."""
-    distinct = list(dict.fromkeys(kernels))
+    compile. The longest sources start first (a kernel's compile time is about proportional to its body, and the
+    batch waits for its last), and as a layer's kernels can take minutes (:data:`MAX_SHARED_PRODUCTS`), on a terminal
+    a tqdm bar counts the kernels done."""
+    distinct = sorted(dict.fromkeys(kernels), key=lambda kernel: len(kernel[0]), reverse=True)
     with ThreadPoolExecutor(max_workers=workers) as pool:
         done = tqdm(pool.map(lambda kernel: compiled(*kernel, options), distinct), total=len(distinct),
                     desc="compile kernels", unit="kernel", leave=False, disable=None)
@@ -147,12 +148,20 @@ class GeneratedBackend(ConvBackend):
                     and (params.get("streams", 1) == 1
                          or -(-csr.out_channels // params["rows"]) > params["programs"])))]
 
+    def kernel_sources(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
+                       space: list[dict[str, Any]]) -> list[tuple[str, str]]:
+        """The ``(source, entry)`` of every kernel of every setting in ``space`` for input ``x`` (its dtype and
+        plane; the batch size and the threads per block are not in the source, so one list serves every batch),
+        for :func:`compile_all`: :meth:`precompile` compiles one layer's, a benchmark can compile several layers'
+        together (:func:`~unsparse.runtime.bench.compile_ahead`)."""
+        return [kernel for params in space for kernel in
+                self._sources(x, csr, self._kernels(x, csr, geometry, params["rows"], params["programs"]))]
+
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
-        """Compile every kernel of every setting in ``space``, concurrently, before anything is timed."""
-        threads = self._threads(x, csr, geometry)
-        compile_all([kernel for params in space for kernel in self._sources(
-            x, csr, self._kernels(x, csr, geometry, params["rows"], params["programs"]), threads)])
+        """Compile every kernel of every setting in ``space`` (:meth:`kernel_sources`), concurrently, before anything
+        is timed."""
+        compile_all(self.kernel_sources(x, csr, geometry, space))
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
@@ -215,12 +224,10 @@ class GeneratedBackend(ConvBackend):
         return [layer[start:start + programs] for start in range(0, len(layer), programs)]
 
     @staticmethod
-    def _sources(x: torch.Tensor, csr: UniformCSR, kernels: list[list[gs.Program]],
-                 threads: int) -> list[tuple[str, str]]:
-        """The CUDA source and entry name of each of ``kernels`` (:meth:`_kernels`) at ``x``'s dtype and
-        ``threads`` per block (:meth:`_threads`)."""
-        return [(gs.kernel_source(kernel[0], x.dtype, threads), gs.ENTRY) if len(kernel) == 1 else
-                (gs.shared_kernel_source(kernel, csr.out_channels, x.dtype, threads), gs.SHARED_ENTRY)
+    def _sources(x: torch.Tensor, csr: UniformCSR, kernels: list[list[gs.Program]]) -> list[tuple[str, str]]:
+        """The CUDA source and entry name of each of ``kernels`` (:meth:`_kernels`) at ``x``'s dtype."""
+        return [(gs.kernel_source(kernel[0], x.dtype), gs.ENTRY) if len(kernel) == 1 else
+                (gs.shared_kernel_source(kernel, csr.out_channels, x.dtype), gs.SHARED_ENTRY)
                 for kernel in kernels]
 
     @staticmethod
@@ -243,7 +250,7 @@ class GeneratedBackend(ConvBackend):
         their tiles from the counters."""
         kernels = self._kernels(x, csr, geometry, rows, programs)
         threads = self._threads(x, csr, geometry)
-        sources = self._sources(x, csr, kernels, threads)
+        sources = self._sources(x, csr, kernels)
         functions = compile_all(sources)
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         total = x.shape[0] * E * F_

@@ -1,0 +1,52 @@
+"""``compile_ahead``: the benchmark compiles every layer's generated kernels in one pass before it times any."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from unsparse.runtime import bench
+from unsparse.runtime.backends import generated
+from unsparse.runtime.backends.generated import GeneratedBackend
+from unsparse.sparse.format import UniformCSR
+from unsparse.sparse.geometry import ConvGeometry
+
+
+def conv_layer(name: str, out_channels: int, channels: int, stride: int = 1) -> bench.ConvLayer:
+    generator = torch.Generator().manual_seed(out_channels)
+    weight = torch.randn(out_channels, channels, 3, 3, generator=generator)
+    weight *= torch.rand(weight.shape, generator=generator) < 0.3
+    return bench.ConvLayer(name, weight, None, ConvGeometry.of(stride, 1), (channels, 10, 10), 1, False)
+
+
+@pytest.fixture
+def compiles(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[str, str]]]:
+    """The generated backend on the CPU, with the kernel lists handed to ``compile_all`` recorded, not compiled."""
+    monkeypatch.setattr(GeneratedBackend, "device_types", frozenset({"cpu", "cuda"}))
+    monkeypatch.setitem(sys.modules, "cupy", object())
+    calls: list[list[tuple[str, str]]] = []
+    monkeypatch.setattr(generated, "compile_all", lambda kernels: calls.append(kernels))
+    return calls
+
+
+def test_every_supported_layer_is_compiled_in_one_pass(compiles) -> None:
+    layers = [conv_layer("a", 40, 8), conv_layer("b", 70, 16), conv_layer("strided", 40, 8, stride=2)]
+    ahead = bench.compile_ahead(layers, ["fp32_generated", "tf32_generated", "fp32"], torch.device("cpu"))
+    backend = generated.GeneratedBackend()
+    expected = []
+    for layer in layers[:2]:
+        csr = UniformCSR.from_dense(layer.weight)
+        x = torch.empty(1, *layer.in_chw)
+        expected += backend.kernel_sources(x, csr, layer.geometry, backend.tuning_space(x, csr, layer.geometry))
+    assert len(compiles) == 1
+    # both float32 precisions list each layer's kernels (compile_all compiles each once); the stride-2 layer, which
+    # the backend refuses, and the direct backend of "fp32" add none
+    assert set(compiles[0]) == set(expected) and len(compiles[0]) == 2 * len(expected)
+    assert ahead["layers"] == 2 and ahead["kernels"] == len(set(expected)) and ahead["seconds"] >= 0
+
+
+def test_nothing_is_compiled_without_a_backend_that_lists_its_kernels(compiles) -> None:
+    ahead = bench.compile_ahead([conv_layer("a", 40, 8)], ["fp32", "fp16"], torch.device("cpu"))
+    assert compiles == [] and ahead["kernels"] == 0 and ahead["layers"] == 0
