@@ -293,8 +293,11 @@ def interrupted_resume_command(words: list[str]) -> list[str]:
     # epoch's checkpoint was written ran the sweep on to its end (torch.save's cleanup error hid the interruption),
     # until atomic_write passed the interruption on.
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=environment) as job:
+    # Ctrl-C's default action in the job: a suite started in the background of a shell without job control
+    # (`pytest &`) ignores SIGINT, its children inherit that, and Python then installs no KeyboardInterrupt handler,
+    # so the job ran to its end and the test failed for the way it was started.
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=environment,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) as job:
         for line in job.stdout:
             if "epoch 1:" in line:  # the first job is training
                 job.send_signal(signal.SIGINT)
