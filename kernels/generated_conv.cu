@@ -18,12 +18,14 @@
 //   KT: output channels of this kernel; C: input channels; HP, WP: the padded input plane (H + 2 pad_h,
 //     W + 2 pad_w); E, F: the output plane; MAX_THREADS: the most threads per block a launch may use (the launch
 //     bound; the launch picks its own count up to it, blockDim.x, so a batch size needs no kernel of its own);
-//     T: storage type (float or __half);
-//   products(base, acc): the generated body, one load of base[offset] per (channel, tap) with a nonzero among the
-//     KT rows (offset = (c * HP + r) * WP + s, a compile-time constant below 2^31) and its fused multiply-adds.
+//     T: storage type of the output and the bias (float or __half);
+//   products(base, acc): the generated body, one float load of base[offset] per (channel, tap) with a nonzero among
+//     the KT rows (offset = (c * HP + r) * WP + s, a compile-time constant below 2^31) and its fused multiply-adds.
 //
-// xp: (N, C, HP, WP) zero-padded input; y: (N, M, E, F) output, rows k0 .. k0 + KT - 1 written; bias: (M,) of T
-// or nullptr; total = N * E * F. Stride 1, dilation 1, groups 1 only (the caller checks). Every address is inside xp
+// xp: (N, C, HP, WP) zero-padded input in float32 whatever T is: the caller converts a float16 input while padding
+// it, since a conversion per load (cuda_fp16.hpp's __half2float is inline PTX) made NVRTC take 3-4x as long on a
+// body of 14.6 k products (kernels/NOTES.md, thirty-fourth session); y: (N, M, E, F) output of T, rows k0 .. k0 + KT
+// - 1 written; bias: (M,) of T or nullptr; total = N * E * F. Stride 1, dilation 1, groups 1 only (the caller checks). Every address is inside xp
 // for p < total: oy + r < HP and ox + s < WP.
 
 #include <cuda_fp16.h>
@@ -41,7 +43,7 @@ struct Pixel {
 __device__ __forceinline__ Pixel locate(int p) { return {p / (E * F), (p / F) % E, p % F}; }
 
 // The padded input at pixel q's window origin: tap (c, r, s) is at + (c * HP + r) * WP + s.
-__device__ __forceinline__ const T* window(const T* __restrict__ xp, Pixel q) {
+__device__ __forceinline__ const float* window(const float* __restrict__ xp, Pixel q) {
   return xp + (static_cast<size_t>(q.n) * C * HP + q.oy) * WP + q.ox;
 }
 
@@ -58,10 +60,10 @@ __device__ __forceinline__ void store_rows(T* __restrict__ y, const T* __restric
 }
 
 #ifndef G
-__device__ __forceinline__ void products(const T* __restrict__ base, float* acc);
+__device__ __forceinline__ void products(const float* __restrict__ base, float* acc);
 
 extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv(
-    const T* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int M, int k0) {
+    const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int M, int k0) {
   for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < total; p += gridDim.x * blockDim.x) {
     const Pixel q = locate(p);
     float acc[KT];
@@ -84,10 +86,10 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv(
 // case g runs program g's body and returns its first output channel. counters: G zeros, one tile counter per
 // program, set by the caller before each launch.
 
-__device__ __forceinline__ int run(int program, const T* __restrict__ base, float* acc);
+__device__ __forceinline__ int run(int program, const float* __restrict__ base, float* acc);
 
 extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv_shared(
-    const T* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total,
+    const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total,
     unsigned int* __restrict__ counters) {
   __shared__ unsigned int s_tile;
   unsigned int smid;

@@ -85,7 +85,7 @@ def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...]) -> di
     y_cp = cupy.from_dlpack(y)
 
     def generated(_: int) -> torch.Tensor:
-        padded = F.pad(x, (padding,) * 4) if padding else x
+        padded = F.pad(x.float(), (padding,) * 4) if padding else x.float()  # the kernels read float32
         padded_cp = cupy.from_dlpack(padded)
         for program, function, grid in zip(programs, functions, grids, strict=True):
             function(grid, (threads, 1, 1), (padded_cp, np.uint64(0), y_cp, np.int32(batch * size * size),

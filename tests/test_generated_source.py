@@ -77,7 +77,7 @@ def test_an_all_zero_weight_gives_programs_without_taps() -> None:
 def parse_products(source: str) -> list[tuple[int, tuple[tuple[int, float], ...]]]:
     """The (offset, products) pairs the CUDA text of ``products`` performs, read back from the text."""
     taps = []
-    for block in re.findall(r"\{ const float v = to_float\(__ldg\(base \+ (\d+)\)\);\n(.*?)\n  \}", source, re.S):
+    for block in re.findall(r"\{ const float v = __ldg\(base \+ (\d+)\);\n(.*?)\n  \}", source, re.S):
         products = tuple((int(row), float.fromhex(value)) for row, value, again in
                          re.findall(r"acc\[(\d+)\] = fmaf\(v, (\S+)f, acc\[(\d+)\]\);", block[1]))
         taps.append((int(block[0]), products))
@@ -124,6 +124,19 @@ def test_kernel_source_refuses_other_dtypes_and_holds_no_launch_size() -> None:
     # the launch picks its threads per block: the body strides by blockDim.x, bounded by the largest choice
     assert "THREADS" not in source.replace("MAX_THREADS", "") and "blockDim.x" in source
     assert max(gs.THREAD_CHOICES) == 256
+
+
+def test_every_storage_type_reads_a_float32_input_and_converts_nothing_per_load() -> None:
+    """A float16 layer stores its output and bias as halves but reads the padded input as float32, as a float32 layer
+    does: its body is the float32 body (a conversion per load made NVRTC 3-4x slower)."""
+    layer = gs.programs(np.ones((5, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)
+    for dtype in (torch.float32, torch.float16):
+        for source in (gs.kernel_source(layer[0], dtype), gs.shared_kernel_source(layer, 5, dtype)):
+            assert "const float* __restrict__ xp" in source and "const T* __restrict__ xp" not in source
+            body = source[source.index("void products"):]
+            assert "to_float" not in body and "__half" not in body
+    assert "typedef __half T;" in gs.kernel_source(layer[0], torch.float16)
+    assert gs.products_source(layer[0]) in gs.kernel_source(layer[0], torch.float16)
 
 
 def test_a_shared_kernel_switches_to_each_body_and_returns_its_first_row() -> None:

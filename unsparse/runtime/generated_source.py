@@ -38,7 +38,8 @@ SHARED_ENTRY = "generated_conv_shared"
 """The kernel :func:`shared_kernel_source` defines (several programs, v31)."""
 
 STORAGE_TYPES = {torch.float32: "float", torch.float16: "__half"}
-"""CUDA storage type per torch dtype; arithmetic is float32 in both."""
+"""CUDA storage type of the output and the bias per torch dtype; the kernels read a float32 padded input and compute
+in float32 for both."""
 
 THREAD_CHOICES = (256, 128, 64)
 """Threads per block :func:`choose_threads` picks from at launch (one output pixel per thread per loop step); the
@@ -144,11 +145,12 @@ def programs(weight: np.ndarray, padding: tuple[int, int], in_hw: tuple[int, int
 
 
 def products_source(program: Program, name: str = "products") -> str:
-    """CUDA text of the device function ``name``, the program's body: per tap one load of ``base[offset]``, then
-    one ``fmaf`` per product with the weight as an exact hexadecimal float literal."""
-    lines = [f"__device__ __forceinline__ void {name}(const T* __restrict__ base, float* acc) {{"]
+    """CUDA text of the device function ``name``, the program's body: per tap one float32 load of ``base[offset]``
+    (the padded input is float32 for every storage type, ``kernels/generated_conv.cu``), then one ``fmaf`` per
+    product with the weight as an exact hexadecimal float literal."""
+    lines = [f"__device__ __forceinline__ void {name}(const float* __restrict__ base, float* acc) {{"]
     for tap in program.taps:
-        lines.append(f"  {{ const float v = to_float(__ldg(base + {tap.offset}));")
+        lines.append(f"  {{ const float v = __ldg(base + {tap.offset});")
         lines.extend(f"    acc[{row}] = fmaf(v, {value.hex()}f, acc[{row}]);" for row, value in tap.products)
         lines.append("  }")
     lines.append("}")
@@ -190,7 +192,7 @@ def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, 
     bodies = [products_source(p, f"products_{index}") for index, p in enumerate(kernel_programs)]
     cases = [f"    case {index}: products_{index}(base, acc); return {p.first};"
              for index, p in enumerate(kernel_programs)]
-    run = ["__device__ __forceinline__ int run(int program, const T* __restrict__ base, float* acc) {",
+    run = ["__device__ __forceinline__ int run(int program, const float* __restrict__ base, float* acc) {",
            "  switch (program) {", *cases, "  }", "  return 0;", "}"]
     return "\n".join([*header, _skeleton(), *bodies, *run])
 

@@ -166,9 +166,11 @@ class GeneratedBackend(ConvBackend):
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
              streams: int = 1) -> torch.Tensor:
-        """Pad the input (``F.pad``, timed with the call), then run the layer's programs of ``rows`` output
-        channels, ``programs`` per kernel: a kernel of one program is v27's ``generated_conv``, one of several is
-        ``generated_conv_shared``, whose tile counters (int32, zeroed here) are allocated with each call that has one.
+        """Pad the input (``F.pad``, timed with the call) in float32, a float16 input converted first (one more pass
+        over it: the kernels read float32, since a conversion per load made NVRTC 3-4x slower), then run the layer's
+        programs of ``rows`` output channels, ``programs`` per kernel: a kernel of one program is v27's
+        ``generated_conv``, one of several is ``generated_conv_shared``, whose tile counters (int32, zeroed here) are
+        allocated with each call that has one.
 
         With ``streams`` > 1 the kernels (which write disjoint output channels) are spread round-robin over that
         many side streams of :func:`side_streams`, forked from and joined back into the current stream, so the
@@ -190,7 +192,8 @@ class GeneratedBackend(ConvBackend):
         launches = self._launches(x, csr, geometry, rows, programs)
         pad_h, pad_w = geometry.padding
         x = x.contiguous()
-        padded = F.pad(x, (pad_w, pad_w, pad_h, pad_h)) if pad_h or pad_w else x
+        x_float = x.float()  # the kernels read float32 (kernels/generated_conv.cu): float16 converts here, once
+        padded = F.pad(x_float, (pad_w, pad_w, pad_h, pad_h)) if pad_h or pad_w else x_float
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         y = torch.empty(x.shape[0], csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
