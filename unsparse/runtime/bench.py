@@ -366,6 +366,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
               timing: str = "eager", record: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Run the benchmark on ``cuda:0`` and write ``bench.json``, ``bench.md`` and plots to ``out_dir``.
 
+    Before the layers of a model and sparsity are compared, the kernels a sparse backend compiles for them are compiled
+    together (:func:`compile_ahead`; its figures under ``compile_ahead``).
+
     Args:
         out_dir: output folder (created).
         models: torchvision models (:data:`MODELS`) for the per-layer comparison at 224x224, synthetic weights.
@@ -384,9 +387,10 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         commit: git commit recorded in the results. seed: torch seed.
         layer_filter: only per-layer records whose layer name matches this regular expression
             (``re.search``: a plain name such as ``features.1`` matches as a substring).
-        time_budget_s: wall-clock seconds after which no further per-layer or end-to-end setting is started
-            (None: no limit); what was skipped is recorded under ``stopped_early``. ``bench.json`` is rewritten
-            atomically after every record (``complete`` false until the end), so a killed run keeps its data.
+        time_budget_s: wall-clock seconds after which no further per-layer or end-to-end setting, and no
+            :func:`compile_ahead` of a model and sparsity, is started (None: no limit); what was skipped is recorded
+            under ``stopped_early``, each layer setting by name. ``bench.json`` is rewritten atomically after every
+            record (``complete`` false until the end), so a killed run keeps its data.
         timing: how the per-layer comparison times settings (:data:`~unsparse.runtime.comparator.TIMINGS`):
             ``"graph"`` replays CUDA graphs, the GPU time without the host's per-call work (batch 1).
         record: text files written into ``out_dir`` (relative path -> content, atomically) and logged once the
@@ -436,10 +440,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         for sparsity in sparsities:
             layers = [layer for layer in conv_layers(magnitude_prune_(build_model(name), sparsity), (3, 224, 224))
                       if layer_filter is None or re.search(layer_filter, layer.name) is not None]
-            if out_of_time(f"{name} s{sparsity}: compile ahead"):
-                continue
-            ahead = compile_ahead(layers, precisions, device)
-            if ahead["kernels"]:
+            ahead = None if out_of_time(f"{name} s{sparsity}: compile ahead") else compile_ahead(layers, precisions,
+                                                                                               device)
+            if ahead is not None and ahead["kernels"]:
                 result["compile_ahead"].append({"model": name, "sparsity": sparsity, **ahead})
                 print(f"{name} s{sparsity}: compiled {ahead['kernels']} kernels of {ahead['layers']} layers ahead "
                       f"in {ahead['seconds']:.1f} s", flush=True)
