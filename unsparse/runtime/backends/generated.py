@@ -30,27 +30,30 @@ from unsparse.runtime.launch_geometry import Launch
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
-SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 32, "programs": 4},
-            {"rows": 32, "programs": 8}, {"rows": 32, "programs": 1, "streams": 8})
+SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
+            {"rows": 32, "programs": 4}, {"rows": 32, "programs": 8}, {"rows": 32, "programs": 1, "streams": 8})
 """The settings the comparator times, the first the default: output channels per program (KT, the register
 accumulators per thread), programs per kernel (G; G > 1 runs ``generated_conv_shared``, v31, each program on its
 share of the SMs) and ``streams``, how many of the layer's kernels may run at once (default 1, one after another; a
 layer whose kernels each leave the SMs short of warps, 14x14 planes and batch 1, can overlap them, v32). The
 twenty-ninth session's probe on VGG16 features.12 at 0.9 ran 8.1 / 10.7 / 19.3 TFLOP/s at KT = 8 / 16 / 32 with
-G = 1 (``kernels/NOTES.md``)."""
+G = 1 (``kernels/NOTES.md``). 128 rows serve high sparsity: at 0.95 a tap (input channel, kernel position) still
+has a nonzero among 64 rows with probability 1 - 0.95^64 = 0.96, so the loads per pixel hardly fall from 0.9 while
+the products halve; 128 rows restore the products per load of 0.9 (features.5 at 0.95: 6.4 against 3.4 at 64 rows,
+197 registers per thread, NVRTC ``--ptxas-options=-v``; thirty-fourth session)."""
 
 MAX_PRODUCTS = 2**17
 """Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
 bytes per product) and the compile time; denser layers are refused."""
 
 MAX_WIDE_PRODUCTS = 2**13
-"""Most multiply-adds a program of more than :data:`SETTINGS`' first ``rows`` (32) may hold for the comparator to time
-it. Measured on the H200 (VGG16, batch 128, FP32; ``h200_2026-11-29_generated_vgg16_s0{7,9}_fp32*.json``,
-``..._s08_fp32_28.json``, ``..._v31_vgg16_s09_fp32_b1.json``): 64 rows beat 32 only where 64 x the row length was
-5.1 k or less (features.0, .2 and .5 at 0.9, batch 128 and 1), and were 1.02-1.82x slower in all ten cases from
-9.2 k on (features.7, .10, .12, .17 and .19 at 0.9; .5, .7, .10 and .12 at 0.7; .17 at 0.8: the larger body issues
-slower, ``kernels/NOTES.md``, thirty-first session). Beyond this bound they cost compile time (half of a layer's) and
-are not timed."""
+"""Most multiply-adds a program of more than :data:`SETTINGS`' first ``rows`` (32; 64 or 128) may hold for the
+comparator to time it. Measured on the H200 (VGG16, batch 128, FP32;
+``h200_2026-11-29_generated_vgg16_s0{7,9}_fp32*.json``, ``..._s08_fp32_28.json``,
+``..._v31_vgg16_s09_fp32_b1.json``): 64 rows beat 32 only where 64 x the row length was 5.1 k or less (features.0,
+.2 and .5 at 0.9, batch 128 and 1), and were 1.02-1.82x slower in all ten cases from 9.2 k on (features.7, .10, .12,
+.17 and .19 at 0.9; .5, .7, .10 and .12 at 0.7; .17 at 0.8: the larger body issues slower, ``kernels/NOTES.md``,
+thirty-first session). Beyond this bound they cost compile time (half of a layer's) and are not timed."""
 
 MAX_SHARED_PRODUCTS = 3 * 2**14
 """Most multiply-adds a kernel of several programs may hold (``rows`` x ``programs`` x the padded row length) for the
@@ -64,6 +67,27 @@ streams). The bound, 49,152, keeps the first and leaves out the second."""
 
 INDEX_LIMIT = 2**31
 """The kernels index output pixels (``N * E * F``) and the padded input plane of one image in int32."""
+
+
+def padded_float32(x: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
+    """The ``(N, C, H + 2 * padding[0], W + 2 * padding[1])`` contiguous float32 copy of ``x`` (``(N, C, H, W)``, any
+    float dtype and layout) zero-padded on each side, as the generated kernels read it.
+
+    A float32 input is padded by ``F.pad`` (one pass). Another dtype is converted in the same pass that pads it: only
+    the border strips are zeroed and the interior is copied from ``x`` (a float16 input read once, 2 bytes per
+    element, and 4 written), where converting first and padding after moved 14 bytes per element (v35 on the H200,
+    batch 128: features.2 ran 4.58 ms in FP16 against 3.55 ms in FP32, though its output stores were half as wide).
+    """
+    pad_h, pad_w = padding
+    if x.dtype == torch.float32:
+        return F.pad(x.contiguous(), (pad_w, pad_w, pad_h, pad_h)) if pad_h or pad_w else x.contiguous()
+    N, C, H, W = x.shape
+    padded = torch.empty(N, C, H + 2 * pad_h, W + 2 * pad_w, dtype=torch.float32, device=x.device)
+    for border in (padded[:, :, :pad_h], padded[:, :, H + pad_h:], padded[:, :, pad_h:H + pad_h, :pad_w],
+                   padded[:, :, pad_h:H + pad_h, W + pad_w:]):
+        border.zero_()
+    padded[:, :, pad_h:H + pad_h, pad_w:W + pad_w].copy_(x)
+    return padded
 
 
 @functools.cache
@@ -166,8 +190,8 @@ class GeneratedBackend(ConvBackend):
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
              streams: int = 1) -> torch.Tensor:
-        """Pad the input (``F.pad``, timed with the call) in float32, a float16 input converted first (one more pass
-        over it: the kernels read float32, since a conversion per load made NVRTC 3-4x slower), then run the layer's
+        """Pad the input in float32 (:func:`padded_float32`, timed with the call: the kernels read float32, since a
+        conversion per load made NVRTC 3-4x slower), then run the layer's
         programs of ``rows`` output channels, ``programs`` per kernel: a kernel of one program is v27's
         ``generated_conv``, one of several is ``generated_conv_shared``, whose tile counters (int32, zeroed here) are
         allocated with each call that has one.
@@ -190,10 +214,7 @@ class GeneratedBackend(ConvBackend):
         if reason is not None:
             raise ValueError(f"generated: {reason}")
         launches = self._launches(x, csr, geometry, rows, programs)
-        pad_h, pad_w = geometry.padding
-        x = x.contiguous()
-        x_float = x.float()  # the kernels read float32 (kernels/generated_conv.cu): float16 converts here, once
-        padded = F.pad(x_float, (pad_w, pad_w, pad_h, pad_h)) if pad_h or pad_w else x_float
+        padded = padded_float32(x, geometry.padding)
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         y = torch.empty(x.shape[0], csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
