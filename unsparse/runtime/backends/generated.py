@@ -37,10 +37,12 @@ accumulators per thread), programs per kernel (G; G > 1 runs ``generated_conv_sh
 share of the SMs) and ``streams``, how many of the layer's kernels may run at once (default 1, one after another; a
 layer whose kernels each leave the SMs short of warps, 14x14 planes and batch 1, can overlap them, v32). The
 twenty-ninth session's probe on VGG16 features.12 at 0.9 ran 8.1 / 10.7 / 19.3 TFLOP/s at KT = 8 / 16 / 32 with
-G = 1 (``kernels/NOTES.md``). 128 rows serve high sparsity: at 0.95 a tap (input channel, kernel position) still
-has a nonzero among 64 rows with probability 1 - 0.95^64 = 0.96, so the loads per pixel hardly fall from 0.9 while
-the products halve; 128 rows restore the products per load of 0.9 (features.5 at 0.95: 6.4 against 3.4 at 64 rows,
-197 registers per thread, NVRTC ``--ptxas-options=-v``; thirty-fourth session)."""
+G = 1 (``kernels/NOTES.md``). 128 rows double the products per input load at high sparsity (a tap, an input
+channel and kernel position, has a nonzero among 64 rows with probability 1 - 0.95^64 = 0.96 at 0.95) at half the
+warps per SM (about 197 registers per thread). On the H200 (thirty-fifth session, VGG16, FP32) they lost at batch
+128 in all four layers where admitted (features.5 at 0.95 1.19x slower than 64 rows; features.5, .7, .10 at 0.98
+1.02-1.31x slower than the best) and won at batch 1 at 0.98 (features.5 0.021 against 0.026 ms, features.7 0.0285
+against 0.031 ms: one kernel instead of two or four)."""
 
 MAX_PRODUCTS = 2**17
 """Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
