@@ -41,7 +41,7 @@ G = 1 (``kernels/NOTES.md``). 128 rows double the products per input load at hig
 channel and kernel position, has a nonzero among 64 rows with probability 1 - 0.95^64 = 0.96 at 0.95) at half the
 warps per SM (about 197 registers per thread). On the H200 (thirty-fifth session, VGG16, FP32) they lost at batch
 128 in all four layers where admitted (features.5 at 0.95 1.19x slower than 64 rows; features.5, .7, .10 at 0.98
-1.02-1.31x slower than the best) and won at batch 1 at 0.98 (features.5 0.021 against 0.026 ms, features.7 0.0285
+1.18-1.31x slower than the best) and won at batch 1 at 0.98 (features.5 0.021 against 0.026 ms, features.7 0.0285
 against 0.031 ms: one kernel instead of two or four)."""
 
 MAX_PRODUCTS = 2**17
