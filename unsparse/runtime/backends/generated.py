@@ -75,10 +75,13 @@ def padded_float32(x: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
     """The ``(N, C, H + 2 * padding[0], W + 2 * padding[1])`` contiguous float32 copy of ``x`` (``(N, C, H, W)``, any
     float dtype and layout) zero-padded on each side, as the generated kernels read it.
 
-    A float32 input is padded by ``F.pad`` (one pass). Another dtype is converted in the same pass that pads it: only
-    the border strips are zeroed and the interior is copied from ``x`` (a float16 input read once, 2 bytes per
-    element, and 4 written), where converting first and padding after moved 14 bytes per element (v35 on the H200,
-    batch 128: features.2 ran 4.58 ms in FP16 against 3.55 ms in FP32, though its output stores were half as wide).
+    A float32 input is padded by ``F.pad``, which fills its whole output and then copies the input into it (12 bytes
+    per element: 1.595 of features.2's 3.0 ms at 0.98, batch 128, on the H200,
+    ``benchmarks/results/h200_2026-11-29_v35_probe_border_vgg16_s098.json``). Another dtype is converted in the
+    same pass that pads it: only the border strips are zeroed and the interior is copied from ``x`` (a float16
+    input read once, 2 bytes per element, and 4 written), where converting first and padding after moved 14 bytes
+    per element (v35 on the H200, batch 128: features.2 ran 4.58 ms in FP16 against 3.55 ms in FP32, though its
+    output stores were half as wide).
     """
     pad_h, pad_w = padding
     if x.dtype == torch.float32:
