@@ -80,8 +80,8 @@ def padded_float32(x: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
     ``benchmarks/results/h200_2026-11-29_v35_probe_border_vgg16_s098.json``). Another dtype is converted in the
     same pass that pads it: only the border strips are zeroed and the interior is copied from ``x`` (a float16
     input read once, 2 bytes per element, and 4 written), where converting first and padding after moved 14 bytes
-    per element (v35 on the H200, batch 128: features.2 ran 4.58 ms in FP16 against 3.55 ms in FP32, though its
-    output stores were half as wide).
+    per element (H200, batch 128, 0.9: features.2 ran 4.58 ms in FP16 against 3.55 ms in FP32 in the session before,
+    though its output stores were half as wide).
     """
     pad_h, pad_w = padding
     if x.dtype == torch.float32:
@@ -196,10 +196,9 @@ class GeneratedBackend(ConvBackend):
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
              streams: int = 1) -> torch.Tensor:
         """Pad the input in float32 (:func:`padded_float32`, timed with the call: the kernels read float32, since a
-        conversion per load made NVRTC 3-4x slower), then run the layer's
-        programs of ``rows`` output channels, ``programs`` per kernel: a kernel of one program is v27's
-        ``generated_conv``, one of several is ``generated_conv_shared``, whose tile counters (int32, zeroed here) are
-        allocated with each call that has one.
+        conversion per load made NVRTC 3-4x slower), then run the layer's programs of ``rows`` output channels,
+        ``programs`` per kernel: a kernel of one program is v27's ``generated_conv``, one of several is
+        ``generated_conv_shared``, whose tile counters (int32, zeroed here) are allocated with each call that has one.
 
         With ``streams`` > 1 the kernels (which write disjoint output channels) are spread round-robin over that
         many side streams of :func:`side_streams`, forked from and joined back into the current stream, so the
