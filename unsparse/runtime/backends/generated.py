@@ -79,10 +79,11 @@ def padded_float32(x: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
     On CUDA one pass of ``pad_planes`` (``kernels/direct_conv.cu``), converting a float16 input on the way: each
     element read once and each padded element written once (8 bytes per float32 element, 6 per float16). ``F.pad``
     fills its whole output and then copies the input into it (12 bytes per float32 element): on the H200 it took
-    1.595 ms of features.2's 3.0 ms at 0.98, batch 128 (its 1.64 GB input; ``scripts/probe_border.py``), and
-    torch's copy into the interior after zeroing the border strips ran 4 % faster than ``F.pad`` there but 3-10 %
-    slower on the 112x112 and 56x56 layers (``kernels/NOTES.md``, thirty-fifth session). Elsewhere ``F.pad`` of
-    the float32 input. An unpadded float32 input is returned itself (made contiguous).
+    1.595 ms of features.2's 3.0 ms at 0.98, batch 128 (its 1.64 GB input;
+    ``benchmarks/results/h200_2026-11-29_v35_probe_border_vgg16_s098.json``), and torch's copy into the interior
+    after zeroing the border strips ran 4 % faster than ``F.pad`` there but 3-10 % slower on the 112x112 and 56x56
+    layers (``kernels/NOTES.md``, thirty-fifth session). Elsewhere ``F.pad`` of the float32 input. An unpadded
+    float32 input is returned itself (made contiguous).
     """
     pad_h, pad_w = padding
     if x.dtype == torch.float32 and not (pad_h or pad_w):
