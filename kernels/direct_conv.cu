@@ -1,8 +1,8 @@
 // Direct sparse convolution over a UniformCSR weight (Escoin, paper 000 §3; UnSparse-Opt, paper 004 §5).
 //
 // Three convolution kernels, all templated on the storage dtype T (float or __half; arithmetic is always float)
-// and on their tile sizes, and two input transforms of direct_tile's paired settings (at the end): pair_images and,
-// for strided layers, phase_pair_images. Launch geometry is computed in one place on the Python side
+// and on their tile sizes, and input transforms (at the end): pad_planes, the generated kernels' padded float32 input,
+// and direct_tile's paired settings' pair_images and, for strided layers, phase_pair_images. Launch geometry is computed in one place on the Python side
 // (unsparse/runtime/launch_geometry.py); every index the kernels read was validated there first.
 //
 // direct_rows: the paper's design, general (any kernel size, stride, dilation, padding, Conv1d as H = 1).
@@ -662,6 +662,31 @@ __global__ void __launch_bounds__(WARPS * 32)
         for (int i = 0; i < 4; ++i)
           if (n[i] < N) unsparse::store_float(out + (static_cast<long long>(n[i]) * M + m) * P + p[i], r[i]);
       }
+    }
+  }
+}
+
+// pad_planes: the zero-padded float32 copy of P planes of T, (P, H, W) to (P, H + 2 pad_h, W + 2 pad_w): the input of
+// the generated kernels (unsparse/runtime/backends/generated.py, P = N * C). One pass: each padded element is written
+// once and each input element read once (8 bytes per float32 element, 6 per float16), where F.pad fills its whole
+// output and then copies the input into it (12 bytes per float32 element: 1.595 ms of VGG16 features.2's 3.0 ms at
+// 0.98, batch 128, on the H200; kernels/NOTES.md, thirty-fifth session). Grid (HP, min(P, 65535)): block (yy, j)
+// writes padded row yy of planes j, j + gridDim.y, ...; its threads stride over the row's WP columns (coalesced).
+template <typename T>
+__global__ void pad_planes(const T* __restrict__ x, float* __restrict__ out, int planes, int H, int W, int pad_h,
+                           int pad_w) {
+  const int HP = H + 2 * pad_h;
+  const int WP = W + 2 * pad_w;
+  const int yy = blockIdx.x;
+  const int y = yy - pad_h;
+  const bool row_inside = static_cast<unsigned>(y) < static_cast<unsigned>(H);
+  for (int plane = blockIdx.y; plane < planes; plane += gridDim.y) {
+    float* dst = out + (static_cast<long long>(plane) * HP + yy) * WP;
+    const long long row = (static_cast<long long>(plane) * H + (row_inside ? y : 0)) * W;
+    for (int xx = threadIdx.x; xx < WP; xx += blockDim.x) {
+      const int column = xx - pad_w;
+      const bool inside = row_inside && static_cast<unsigned>(column) < static_cast<unsigned>(W);
+      dst[xx] = inside ? unsparse::load_float(x + row + column) : 0.f;
     }
   }
 }
