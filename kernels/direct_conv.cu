@@ -670,24 +670,40 @@ __global__ void __launch_bounds__(WARPS * 32)
 // the generated kernels (unsparse/runtime/backends/generated.py, P = N * C). One pass: each padded element is written
 // once and each input element read once (8 bytes per float32 element, 6 per float16), where F.pad fills its whole
 // output and then copies the input into it (12 bytes per float32 element: 1.595 ms of VGG16 features.2's 3.0 ms at
-// 0.98, batch 128, on the H200; kernels/NOTES.md, thirty-fifth session). Grid (HP, min(P, 65535)): block (yy, j)
-// writes padded row yy of planes j, j + gridDim.y, ...; its threads stride over the row's WP columns (coalesced).
-template <typename T>
+// 0.98, batch 128, on the H200; kernels/NOTES.md, thirty-fifth session). Each warp writes ROWS consecutive padded
+// rows of the P * HP (fewer than 2**31, checked on the Python side), its lanes along the row's WP columns
+// (coalesced), loading the ROWS rows' elements of a 32-column step before storing them (ROWS loads in flight per
+// lane). Grid ceil(P * HP / (ROWS * warps per block)): a block per padded row of each plane (HP blocks of one warp
+// row each) spent more time being scheduled than moving bytes (kernels/NOTES.md, thirty-sixth session).
+template <typename T, int ROWS>
 __global__ void pad_planes(const T* __restrict__ x, float* __restrict__ out, int planes, int H, int W, int pad_h,
                            int pad_w) {
-  const int HP = H + 2 * pad_h;
+  const unsigned HP = H + 2 * pad_h;
   const int WP = W + 2 * pad_w;
-  const int yy = blockIdx.x;
-  const int y = yy - pad_h;
-  const bool row_inside = static_cast<unsigned>(y) < static_cast<unsigned>(H);
-  for (int plane = blockIdx.y; plane < planes; plane += gridDim.y) {
-    float* dst = out + (static_cast<long long>(plane) * HP + yy) * WP;
-    const long long row = (static_cast<long long>(plane) * H + (row_inside ? y : 0)) * W;
-    for (int xx = threadIdx.x; xx < WP; xx += blockDim.x) {
-      const int column = xx - pad_w;
-      const bool inside = row_inside && static_cast<unsigned>(column) < static_cast<unsigned>(W);
-      dst[xx] = inside ? unsparse::load_float(x + row + column) : 0.f;
-    }
+  const unsigned rows = static_cast<unsigned>(planes) * HP;
+  const unsigned first = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * ROWS;
+  const int lane = threadIdx.x % 32;
+  long long source[ROWS];  // each row's first input element, or -1 for a border row (and a row past the end)
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const unsigned row = first + r;
+    const unsigned plane = row / HP;
+    const int y = static_cast<int>(row - plane * HP) - pad_h;
+    source[r] = row < rows && static_cast<unsigned>(y) < static_cast<unsigned>(H)
+                    ? (static_cast<long long>(plane) * H + y) * W
+                    : -1;
+  }
+  for (int step = 0; step < WP; step += 32) {
+    const int xx = step + lane;
+    const int column = xx - pad_w;
+    const bool inside_column = xx < WP && static_cast<unsigned>(column) < static_cast<unsigned>(W);
+    float value[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      value[r] = inside_column && source[r] >= 0 ? unsparse::load_float(x + source[r] + column) : 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      if (xx < WP && first + r < rows) out[static_cast<long long>(first + r) * WP + xx] = value[r];
   }
 }
 

@@ -51,7 +51,8 @@ def test_it_runs_on_cuda_only_and_is_not_compared_by_default() -> None:
     ({"x_dtype": torch.float64}, "generated kernels exist for torch.float32, torch.float16, not torch.float64"),
     ({"csr_dtype": torch.float16}, "differs from input dtype"),
     ({"dense": True}, "products per generated program"),
-    ({"huge": True}, "32-bit pixel and offset indexing"),
+    ({"huge": True}, "32-bit pixel, offset and padded row indexing"),
+    ({"many_rows": True}, "32-bit pixel, offset and padded row indexing"),
 ])
 def test_unsupported_layers_are_refused_with_a_reason(on_cpu: GeneratedBackend, change: dict, expected: str) -> None:
     csr = layer(channels=1024, kernel=11, density=1.0) if change.get("dense") else layer(
@@ -59,6 +60,8 @@ def test_unsupported_layers_are_refused_with_a_reason(on_cpu: GeneratedBackend, 
     x = torch.randn(2, csr.in_channels_per_group, 6, 6, dtype=change.get("x_dtype", torch.float32))
     if change.get("huge"):
         x = torch.empty(1).expand(2**16, 4, 2**8, 2**8)
+    if change.get("many_rows"):  # 2**28 one-pixel outputs, but 2**28 * 4 * 3 padded rows
+        x = torch.empty(1).expand(2**28, 4, 1, 1)
     geometry = ConvGeometry.of(change.get("stride", 1), 1, change.get("dilation", 1), change.get("groups", 1))
     reason = on_cpu.unsupported_reason(x, csr, geometry)
     assert reason is not None and expected in reason

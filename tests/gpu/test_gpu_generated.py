@@ -148,8 +148,9 @@ def test_one_compiled_kernel_runs_at_every_block_size(monkeypatch: pytest.Monkey
                                                 ((1, 70_000, 2, 3), (0, 1)), ((2, 4, 5, 5), (0, 0))])
 def test_padded_float32_on_the_gpu_is_the_zero_padded_float32_input(shape: tuple, padding: tuple,
                                                                      dtype: torch.dtype) -> None:
-    """``pad_planes`` against ``F.pad`` of the float32 input: odd planes, rows wider than a block, more planes than
-    a grid column (the loop over planes), a channels-last input, and the unpadded case."""
+    """``pad_planes`` against ``F.pad`` of the float32 input: a row count that leaves a block's last warps past the
+    end (15 planes of 15 rows), rows wider than a warp (several column steps), 70,000 planes of 2 rows (rows
+    that span planes within a warp), a channels-last input, and the unpadded case."""
     from unsparse.runtime.backends.generated import padded_float32
 
     x = torch.randn(shape, device=CUDA).to(dtype)

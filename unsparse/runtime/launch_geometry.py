@@ -491,24 +491,29 @@ def pointwise_launch(dtype: torch.dtype, batch: int, out_channels: int, pixels: 
     return Launch(name, grid, (tiling.warps * 32, 1, 1))
 
 
-PADDING_THREADS = (256, 128, 64, 32)
-"""Threads per block ``pad_planes`` picks from: the smallest that covers a padded row, else the largest."""
+PADDING_THREADS = 256
+"""Threads per block of ``pad_planes`` (8 warps)."""
+
+PADDING_ROWS = 4
+"""Padded rows each warp of ``pad_planes`` writes: its lanes hold one element of each in flight."""
 
 
 def padding_launch(dtype: torch.dtype, planes: int, padded_hw: tuple[int, int]) -> Launch:
     """Geometry of ``pad_planes``, the kernel that writes the zero-padded float32 copy of ``planes`` input planes
-    (``N * C``) of a padded size ``(HP, WP)``: grid ``(HP, min(planes, 65535))`` (block ``(yy, j)`` writes row ``yy``
-    of planes ``j, j + 65535, ...``), threads the smallest of :data:`PADDING_THREADS` at least ``WP``, else 256.
+    (``N * C``) of a padded size ``(HP, WP)``: :data:`PADDING_THREADS` threads per block, each warp writing
+    :data:`PADDING_ROWS` consecutive rows of the ``planes * HP`` padded rows, grid
+    ``ceil(planes * HP / (PADDING_ROWS * PADDING_THREADS / 32))``.
 
     Raises:
-        ValueError: for a non-positive size or a dtype without an instantiation (:func:`cuda_type`); the kernel's
-            offsets are 64-bit, so any number of planes is allowed.
+        ValueError: for a non-positive size, a dtype without an instantiation (:func:`cuda_type`), or
+            ``planes * HP`` padded rows at or above ``2**31`` (the kernel counts rows in 32 bits).
     """
     require_sizes("padding", planes=planes, rows=padded_hw[0], columns=padded_hw[1])
-    threads = min((t for t in PADDING_THREADS if t >= padded_hw[1]), default=PADDING_THREADS[0])
-    grid = (padded_hw[0], min(planes, 2**16 - 1), 1)
-    _check_grid(grid)
-    return Launch(f"pad_planes<{cuda_type(dtype)}>", grid, (threads, 1, 1))
+    rows = planes * padded_hw[0]
+    if rows >= 2**31:
+        raise ValueError(f"padding: {planes} planes of {padded_hw[0]} padded rows ({rows}) reach 2**31")
+    grid = (math.ceil(rows / (PADDING_ROWS * PADDING_THREADS // 32)), 1, 1)
+    return Launch(f"pad_planes<{cuda_type(dtype)},{PADDING_ROWS}>", grid, (PADDING_THREADS, 1, 1))
 
 
 PAIRING_THREADS = 256

@@ -69,7 +69,8 @@ came within 1.3 % of the next best setting (features.12 G = 8 against G = 4; fea
 streams). The bound, 49,152, keeps the first and leaves out the second."""
 
 INDEX_LIMIT = 2**31
-"""The kernels index output pixels (``N * E * F``) and the padded input plane of one image in int32."""
+"""The kernels index output pixels (``N * E * F``), the padded input plane of one image and (``pad_planes``) the
+padded input's rows (``N * C * HP``) in 32 bits."""
 
 
 def padded_float32(x: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
@@ -167,9 +168,10 @@ class GeneratedBackend(ConvBackend):
                     "per generated program")
         N, C, H, W = x.shape
         E, F_ = geometry.output_size(H, W, csr.kernel_size)
+        padded_rows = N * C * (H + 2 * geometry.padding[0])
         padded = C * (H + 2 * geometry.padding[0]) * (W + 2 * geometry.padding[1])
-        if N * E * F_ >= INDEX_LIMIT or padded >= INDEX_LIMIT:
-            return "tensor too large for the generated kernels' 32-bit pixel and offset indexing"
+        if N * E * F_ >= INDEX_LIMIT or padded >= INDEX_LIMIT or padded_rows >= INDEX_LIMIT:
+            return "tensor too large for the generated kernels' 32-bit pixel, offset and padded row indexing"
         return None
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
