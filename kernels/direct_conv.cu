@@ -1,8 +1,8 @@
 // Direct sparse convolution over a UniformCSR weight (Escoin, paper 000 §3; UnSparse-Opt, paper 004 §5).
 //
 // Three convolution kernels, all templated on the storage dtype T (float or __half; arithmetic is always float)
-// and on their tile sizes, and two input transforms of direct_tile's paired settings (at the end): pair_images and,
-// for strided layers, phase_pair_images. Launch geometry is computed in one place on the Python side
+// and on their tile sizes, and input transforms (at the end): pad_planes, the generated kernels' padded float32 input,
+// and direct_tile's paired settings' pair_images and, for strided layers, phase_pair_images. Launch geometry is computed in one place on the Python side
 // (unsparse/runtime/launch_geometry.py); every index the kernels read was validated there first.
 //
 // direct_rows: the paper's design, general (any kernel size, stride, dilation, padding, Conv1d as H = 1).
@@ -663,6 +663,47 @@ __global__ void __launch_bounds__(WARPS * 32)
           if (n[i] < N) unsparse::store_float(out + (static_cast<long long>(n[i]) * M + m) * P + p[i], r[i]);
       }
     }
+  }
+}
+
+// pad_planes: the zero-padded float32 copy of P planes of T, (P, H, W) to (P, H + 2 pad_h, W + 2 pad_w): the input of
+// the generated kernels (unsparse/runtime/backends/generated.py, P = N * C). One pass: each padded element is written
+// once and each input element read once (8 bytes per float32 element, 6 per float16), where F.pad fills its whole
+// output and then copies the input into it (12 bytes per float32 element: 1.595 ms of VGG16 features.2's 3.0 ms at
+// 0.98, batch 128, on the H200; kernels/NOTES.md, thirty-fifth session). Each warp writes ROWS consecutive padded
+// rows of the P * HP (fewer than 2**31, checked on the Python side), its lanes along the row's WP columns
+// (coalesced), loading the ROWS rows' elements of a 32-column step before storing them (ROWS loads in flight per
+// lane). Grid ceil(P * HP / (ROWS * warps per block)): a block per padded row of each plane (HP blocks of one warp
+// row each) spent more time being scheduled than moving bytes (kernels/NOTES.md, thirty-sixth session).
+template <typename T, int ROWS>
+__global__ void pad_planes(const T* __restrict__ x, float* __restrict__ out, int planes, int H, int W, int pad_h,
+                           int pad_w) {
+  const unsigned HP = H + 2 * pad_h;
+  const int WP = W + 2 * pad_w;
+  const unsigned rows = static_cast<unsigned>(planes) * HP;
+  const unsigned first = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * ROWS;
+  const int lane = threadIdx.x % 32;
+  long long source[ROWS];  // each row's first input element, or -1 for a border row (and a row past the end)
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const unsigned row = first + r;
+    const unsigned plane = row / HP;
+    const int y = static_cast<int>(row - plane * HP) - pad_h;
+    source[r] = row < rows && static_cast<unsigned>(y) < static_cast<unsigned>(H)
+                    ? (static_cast<long long>(plane) * H + y) * W
+                    : -1;
+  }
+  for (int step = 0; step < WP; step += 32) {
+    const int xx = step + lane;
+    const int column = xx - pad_w;
+    const bool inside_column = xx < WP && static_cast<unsigned>(column) < static_cast<unsigned>(W);
+    float value[ROWS];
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      value[r] = inside_column && source[r] >= 0 ? unsparse::load_float(x + source[r] + column) : 0.f;
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r)
+      if (xx < WP && first + r < rows) out[static_cast<long long>(first + r) * WP + xx] = value[r];
   }
 }
 

@@ -84,3 +84,28 @@ def test_the_wide_tiling_check_is_the_kernels_static_assert() -> None:
     assert status != 0 and "wide tiling" in log
     with pytest.raises(ValueError, match=f"at most {lg.TILE_WIDE_WARPS} warps, got {lg.TILE_WIDE_WARPS + 1}"):
         lg.tile_launch(torch.float32, 8, 64, (16, 16), (3, 3), lg.TileTiling(32, 8, 2, 8, lg.TILE_WIDE_WARPS + 1, 1))
+
+
+@pytest.mark.skipif(nvrtc_library() is None, reason="no NVRTC library in the nvidia wheels")
+def test_the_padding_kernel_compiles_under_nvrtc_for_each_storage_type() -> None:
+    """``pad_planes``, the generated kernels' padded float32 input, as ``padding_launch`` names it."""
+    library = nvrtc_library()
+    names = [lg.padding_launch(dtype, 8, (6, 6)).name for dtype in (torch.float32, torch.float16)]
+    assert names == [f"pad_planes<float,{lg.PADDING_ROWS}>", f"pad_planes<__half,{lg.PADDING_ROWS}>"]
+    include = library.parent.parent / "include"
+    status, log = compile_with_nvrtc(library, cl.KERNEL_FILE.read_text(), names,
+                                     [*cl.COMPILE_OPTIONS, "-arch=compute_90", f"-I{include}"])
+    assert status == 0, log
+    assert " error" not in log, log
+
+
+def test_the_padding_launch_covers_every_padded_row_and_plane() -> None:
+    warp_rows = lg.PADDING_ROWS * lg.PADDING_THREADS // 32
+    launch = lg.padding_launch(torch.float32, 128 * 64, (226, 226))
+    assert launch.grid == (-(-128 * 64 * 226 // warp_rows), 1, 1) and launch.block == (lg.PADDING_THREADS, 1, 1)
+    assert lg.padding_launch(torch.float16, 3, (5, 16)).grid == (1, 1, 1)  # 15 rows: one block, warps past the end
+    assert lg.padding_launch(torch.float32, 2**31 // 5, (5, 3)).grid[0] * warp_rows >= 2**31 - 5
+    with pytest.raises(ValueError, match="reach 2\\*\\*31"):
+        lg.padding_launch(torch.float32, 2**31 // 5 + 1, (5, 3))
+    with pytest.raises(ValueError, match="planes"):
+        lg.padding_launch(torch.float32, 0, (6, 6))

@@ -141,3 +141,23 @@ def test_one_compiled_kernel_runs_at_every_block_size(monkeypatch: pytest.Monkey
         out = backend.run(x, csr, bias, geometry, **params)
         assert relative_error(out.cpu(), ref) <= tolerance(torch.float32), (threads, params)
     assert asked, "the launches did not take their block size from choose_threads"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("shape", "padding"), [((3, 5, 13, 11), (1, 1)), ((2, 3, 7, 300), (2, 0)),
+                                                ((1, 70_000, 2, 3), (0, 1)), ((2, 4, 5, 5), (0, 0))])
+def test_padded_float32_on_the_gpu_is_the_zero_padded_float32_input(shape: tuple, padding: tuple,
+                                                                     dtype: torch.dtype) -> None:
+    """``pad_planes`` against ``F.pad`` of the float32 input: a row count that leaves a block's last warps past the
+    end (15 planes of 15 rows), rows wider than a warp (several column steps), 70,000 planes of 2 rows (rows
+    that span planes within a warp), a channels-last input, and the unpadded case."""
+    from unsparse.runtime.backends.generated import padded_float32
+
+    x = torch.randn(shape, device=CUDA).to(dtype)
+    if shape[0] == 2:
+        x = x.contiguous(memory_format=torch.channels_last)
+    N, C, H, W = shape
+    poison_allocator(N * C * (H + 2 * padding[0]) * (W + 2 * padding[1]), torch.float32)
+    out = padded_float32(x, padding)
+    expected = torch.nn.functional.pad(x.float(), (padding[1], padding[1], padding[0], padding[0]))
+    assert out.dtype == torch.float32 and out.is_contiguous() and torch.equal(out, expected)

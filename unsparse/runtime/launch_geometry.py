@@ -491,6 +491,31 @@ def pointwise_launch(dtype: torch.dtype, batch: int, out_channels: int, pixels: 
     return Launch(name, grid, (tiling.warps * 32, 1, 1))
 
 
+PADDING_THREADS = 256
+"""Threads per block of ``pad_planes`` (8 warps)."""
+
+PADDING_ROWS = 4
+"""Padded rows each warp of ``pad_planes`` writes: its lanes hold one element of each in flight."""
+
+
+def padding_launch(dtype: torch.dtype, planes: int, padded_hw: tuple[int, int]) -> Launch:
+    """Geometry of ``pad_planes``, the kernel that writes the zero-padded float32 copy of ``planes`` input planes
+    (``N * C``) of a padded size ``(HP, WP)``: :data:`PADDING_THREADS` threads per block, each warp writing
+    :data:`PADDING_ROWS` consecutive rows of the ``planes * HP`` padded rows, grid
+    ``ceil(planes * HP / (PADDING_ROWS * PADDING_THREADS / 32))``.
+
+    Raises:
+        ValueError: for a non-positive size, a dtype without an instantiation (:func:`cuda_type`), or
+            ``planes * HP`` padded rows at or above ``2**31`` (the kernel counts rows in 32 bits).
+    """
+    require_sizes("padding", planes=planes, rows=padded_hw[0], columns=padded_hw[1])
+    rows = planes * padded_hw[0]
+    if rows >= 2**31:
+        raise ValueError(f"padding: {planes} planes of {padded_hw[0]} padded rows ({rows}) reach 2**31")
+    grid = (math.ceil(rows / (PADDING_ROWS * PADDING_THREADS // 32)), 1, 1)
+    return Launch(f"pad_planes<{cuda_type(dtype)},{PADDING_ROWS}>", grid, (PADDING_THREADS, 1, 1))
+
+
 PAIRING_THREADS = 256
 """Threads per block of ``pair_images`` (each moves one 16-byte vector of two images) and of
 ``phase_pair_images`` (each moves ``s_w`` elements of two images)."""

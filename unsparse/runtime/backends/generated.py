@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime import generated_source as gs
+from unsparse.runtime import launch_geometry as lg
 from unsparse.runtime.backends.base import ConvBackend, WeightCache, kernel_input_reason, register_backend
 from unsparse.runtime.launch_geometry import Launch
 from unsparse.sparse.format import UniformCSR
@@ -68,31 +69,43 @@ came within 1.3 % of the next best setting (features.12 G = 8 against G = 4; fea
 streams). The bound, 49,152, keeps the first and leaves out the second."""
 
 INDEX_LIMIT = 2**31
-"""The kernels index output pixels (``N * E * F``) and the padded input plane of one image in int32."""
+"""The kernels index output pixels (``N * E * F``), the padded input plane of one image and (``pad_planes``) the
+padded input's rows (``N * C * HP``) in 32 bits."""
 
 
 def padded_float32(x: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
     """The ``(N, C, H + 2 * padding[0], W + 2 * padding[1])`` contiguous float32 copy of ``x`` (``(N, C, H, W)``, any
     float dtype and layout) zero-padded on each side, as the generated kernels read it.
 
-    A float32 input is padded by ``F.pad``, which fills its whole output and then copies the input into it (12 bytes
-    per element: 1.595 of features.2's 3.0 ms at 0.98, batch 128, on the H200,
-    ``benchmarks/results/h200_2026-11-29_v35_probe_border_vgg16_s098.json``). Another dtype is converted in the
-    same pass that pads it: only the border strips are zeroed and the interior is copied from ``x`` (a float16
-    input read once, 2 bytes per element, and 4 written), where converting first and padding after moved 14 bytes
-    per element (H200, batch 128, 0.9: features.2 ran 4.58 ms in FP16 against 3.55 ms in FP32 in the session before,
-    though its output stores were half as wide).
+    On CUDA one pass of ``pad_planes`` (``kernels/direct_conv.cu``), converting a float16 input on the way: each
+    element read once and each padded element written once (8 bytes per float32 element, 6 per float16). ``F.pad``
+    fills its whole output and then copies the input into it (12 bytes per float32 element): on the H200 it took
+    1.595 ms of features.2's 3.0 ms at 0.98, batch 128 (its 1.64 GB input;
+    ``benchmarks/results/h200_2026-11-29_v35_probe_border_vgg16_s098.json``), and torch's copy into the interior
+    after zeroing the border strips ran 4 % faster than ``F.pad`` there but 3-10 % slower on the 112x112 and 56x56
+    layers (``kernels/NOTES.md``, thirty-fifth session). Elsewhere ``F.pad`` of the float32 input. An unpadded
+    float32 input is returned itself (made contiguous).
     """
     pad_h, pad_w = padding
-    if x.dtype == torch.float32:
-        return F.pad(x.contiguous(), (pad_w, pad_w, pad_h, pad_h)) if pad_h or pad_w else x.contiguous()
+    if x.dtype == torch.float32 and not (pad_h or pad_w):
+        return x.contiguous()
+    if x.device.type != "cuda":
+        return F.pad(x.contiguous().float(), (pad_w, pad_w, pad_h, pad_h))
+    x = x.contiguous()
     N, C, H, W = x.shape
-    padded = torch.empty(N, C, H + 2 * pad_h, W + 2 * pad_w, dtype=torch.float32, device=x.device)
-    for border in (padded[:, :, :pad_h], padded[:, :, H + pad_h:], padded[:, :, pad_h:H + pad_h, :pad_w],
-                   padded[:, :, pad_h:H + pad_h, W + pad_w:]):
-        border.zero_()
-    padded[:, :, pad_h:H + pad_h, pad_w:W + pad_w].copy_(x)
-    return padded
+    out = torch.empty(N, C, H + 2 * pad_h, W + 2 * pad_w, dtype=torch.float32, device=x.device)
+    bound_padding(N * C, (H, W), padding, x.dtype, x.device)(cl.current_stream(x.device), x, out)
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def bound_padding(planes: int, in_hw: tuple[int, int], padding: tuple[int, int], dtype: torch.dtype,
+                  device: torch.device) -> cl.BoundLaunch:
+    """``pad_planes`` bound for ``planes`` input planes of ``in_hw`` and ``padding`` on ``device`` (per call: the
+    contiguous input, then the ``(planes, HP, WP)`` float32 output), once per size (:func:`padded_float32`)."""
+    padded_hw = (in_hw[0] + 2 * padding[0], in_hw[1] + 2 * padding[1])
+    spec = lg.padding_launch(dtype, planes, padded_hw)
+    return cl.bind(spec, (cl.PER_CALL, cl.PER_CALL, planes, *in_hw, *padding), device)
 
 
 @functools.cache
@@ -155,9 +168,10 @@ class GeneratedBackend(ConvBackend):
                     "per generated program")
         N, C, H, W = x.shape
         E, F_ = geometry.output_size(H, W, csr.kernel_size)
+        padded_rows = N * C * (H + 2 * geometry.padding[0])
         padded = C * (H + 2 * geometry.padding[0]) * (W + 2 * geometry.padding[1])
-        if N * E * F_ >= INDEX_LIMIT or padded >= INDEX_LIMIT:
-            return "tensor too large for the generated kernels' 32-bit pixel and offset indexing"
+        if N * E * F_ >= INDEX_LIMIT or padded >= INDEX_LIMIT or padded_rows >= INDEX_LIMIT:
+            return "tensor too large for the generated kernels' 32-bit pixel, offset and padded row indexing"
         return None
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
