@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from unsparse.atomic import atomic_write_text
 from unsparse.runtime import generated_source as gs
-from unsparse.runtime.backends.generated import compile_all
+from unsparse.runtime.backends.generated import compile_all, padded_float32
 from unsparse.runtime.baseline import time_baseline
 from unsparse.runtime.cupy_launcher import COMPILE_OPTIONS
 from unsparse.runtime.timing import time_fn
@@ -85,7 +85,7 @@ def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...]) -> di
     y_cp = cupy.from_dlpack(y)
 
     def generated(_: int) -> torch.Tensor:
-        padded = F.pad(x.float(), (padding,) * 4) if padding else x.float()  # the kernels read float32
+        padded = padded_float32(x, (padding, padding))  # the backend's padded float32 input (pad_planes)
         padded_cp = cupy.from_dlpack(padded)
         for program, function, grid in zip(programs, functions, grids, strict=True):
             function(grid, (threads, 1, 1), (padded_cp, np.uint64(0), y_cp, np.int32(batch * size * size),
