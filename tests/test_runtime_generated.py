@@ -151,6 +151,29 @@ def test_compile_all_starts_the_longest_sources_first(monkeypatch: pytest.Monkey
     assert calls == ["dddd", "ccc", "bb", "a"]
 
 
+def test_compile_all_starts_no_compile_after_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A benchmark's time budget reaches into its compile ahead: with one worker and a clock that passes the
+    deadline during the second compile, the two longest kernels are compiled and the rest come back as None (every
+    position of a kernel listed twice alike); a deadline already past compiles nothing."""
+    from unsparse.runtime.backends import generated
+
+    clock = [0.0]
+    calls: list[str] = []
+
+    def compile_for_ten_seconds(source: str, entry: str, options: tuple[str, ...]) -> str:
+        calls.append(source)
+        clock[0] += 10.0
+        return source
+
+    monkeypatch.setattr(generated, "compiled", compile_for_ten_seconds)
+    monkeypatch.setattr(generated.time, "monotonic", lambda: clock[0])
+    kernels = [("bb", "k"), ("a", "k"), ("dddd", "k"), ("ccc", "k"), ("a", "k")]
+    assert generated.compile_all(kernels, workers=1, deadline=15.0) == [None, None, "dddd", "ccc", None]
+    assert calls == ["dddd", "ccc"]
+    calls.clear()
+    assert generated.compile_all(kernels, workers=1, deadline=clock[0] - 1) == [None] * 5 and calls == []
+
+
 def test_kernel_sources_do_not_depend_on_the_batch_and_are_what_precompile_compiles(
         on_cpu: GeneratedBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     """One compile serves every batch size: the sources of batch 1 and of batch 128 are the same, and precompile

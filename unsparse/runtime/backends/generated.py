@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -123,16 +124,26 @@ def compiled(source: str, entry: str, options: tuple[str, ...] = cl.COMPILE_OPTI
 
 
 def compile_all(kernels: list[tuple[str, str]], workers: int = 16,
-                options: tuple[str, ...] = cl.COMPILE_OPTIONS) -> list[Any]:
+                options: tuple[str, ...] = cl.COMPILE_OPTIONS, deadline: float | None = None) -> list[Any | None]:
     """:func:`compiled` of each ``(source, entry)`` pair with the NVRTC ``options``, concurrently (NVRTC runs
     outside the GIL), each distinct pair once: settings that share kernels (the same ``rows`` and ``programs`` with
     other ``streams``) list them twice, and two threads that miss :func:`compiled`'s cache together would both
     compile. The longest sources start first (a kernel's compile time is about proportional to its body, and the
     batch waits for its last), and as a layer's kernels can take minutes (:data:`MAX_SHARED_PRODUCTS`), on a terminal
-    a tqdm bar counts the kernels done."""
+    a tqdm bar counts the kernels done.
+
+    ``deadline`` (``time.monotonic()`` seconds, None: none): a kernel whose compile has not started by then is not
+    compiled and comes back as None; compiles already running finish (NVRTC cannot be stopped), so a benchmark's
+    time budget bounds its compile ahead to the budget plus the longest compile in flight."""
     distinct = sorted(dict.fromkeys(kernels), key=lambda kernel: len(kernel[0]), reverse=True)
+
+    def compile_in_time(kernel: tuple[str, str]) -> Any | None:
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        return compiled(*kernel, options)
+
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        done = tqdm(pool.map(lambda kernel: compiled(*kernel, options), distinct), total=len(distinct),
+        done = tqdm(pool.map(compile_in_time, distinct), total=len(distinct),
                     desc="compile kernels", unit="kernel", leave=False, disable=None)
         functions = dict(zip(distinct, done, strict=True))
     return [functions[kernel] for kernel in kernels]
