@@ -34,7 +34,7 @@ from unsparse.sparse.geometry import ConvGeometry
 
 SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
             {"rows": 32, "programs": 4}, {"rows": 32, "programs": 8}, {"rows": 32, "programs": 1, "streams": 8},
-            {"rows": 64, "programs": 1, "chunks": 4}, {"rows": 32, "programs": 8, "chunks": 4})
+            {"rows": 64, "programs": 1, "chunks": 4})
 """The settings the comparator times, the first the default: output channels per program (KT, the register
 accumulators per thread), programs per kernel (G; G > 1 runs ``generated_conv_shared``, v31, each program on its
 share of the SMs), ``streams``, how many of the layer's kernels may run at once (default 1, one after another; a
@@ -42,14 +42,15 @@ layer whose kernels each leave the SMs short of warps, 14x14 planes and batch 1,
 ``chunks``, sub-batches whose padding runs on a side stream while the kernels run on the one before (default 1: the
 whole batch padded, then computed). At 0.98 the padding took about a quarter of VGG16 features.12's call and two
 fifths of features.2's on the H200 (``pad_planes``, thirty-sixth session), while the kernels left DRAM bandwidth
-unused; the chunked settings repeat the two settings picked most there, (64, 1) and (32, 8), with 4 sub-batches. The
-twenty-ninth session's probe on VGG16 features.12 at 0.9 ran 8.1 / 10.7 / 19.3 TFLOP/s at KT = 8 / 16 / 32 with
-G = 1 (``kernels/NOTES.md``). 128 rows double the products per input load at high sparsity (a tap, an input
-channel and kernel position, has a nonzero among 64 rows with probability 1 - 0.95^64 = 0.96 at 0.95) at half the
-warps per SM (about 197 registers per thread). On the H200 (thirty-fifth session, VGG16, FP32) they lost at batch
-128 in all four layers where admitted (features.5 at 0.95 1.19x slower than 64 rows; features.5, .7, .10 at 0.98
-1.18-1.31x slower than the best) and won at batch 1 at 0.98 (features.5 0.021 against 0.026 ms, features.7 0.0285
-against 0.031 ms: one kernel instead of two or four)."""
+unused; the chunked setting repeats (64, 1) with 4 sub-batches (features.2 2.63 -> 2.50 ms at 0.98, thirty-seventh
+session; the twin of (32, 8) ran slower than (32, 8) on features.10 and .12, its four times as many launches each a
+quarter as wide, and is not timed). The twenty-ninth session's probe on VGG16 features.12 at 0.9 ran 8.1 / 10.7 /
+19.3 TFLOP/s at KT = 8 / 16 / 32 with G = 1 (``kernels/NOTES.md``). 128 rows double the products per input load at
+high sparsity (a tap, an input channel and kernel position, has a nonzero among 64 rows with probability 1 - 0.95^64
+= 0.96 at 0.95) at half the warps per SM (about 197 registers per thread). On the H200 (thirty-fifth session, VGG16,
+FP32) they lost at batch 128 in all four layers where admitted (features.5 at 0.95 1.19x slower than 64 rows;
+features.5, .7, .10 at 0.98 1.18-1.31x slower than the best) and won at batch 1 at 0.98 (features.5 0.021 against
+0.026 ms, features.7 0.0285 against 0.031 ms: one kernel instead of two or four)."""
 
 MAX_PRODUCTS = 2**17
 """Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
