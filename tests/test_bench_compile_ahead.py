@@ -27,7 +27,12 @@ def compiles(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[str, str]]]:
     monkeypatch.setattr(GeneratedBackend, "device_types", frozenset({"cpu", "cuda"}))
     monkeypatch.setitem(sys.modules, "cupy", object())
     calls: list[list[tuple[str, str]]] = []
-    monkeypatch.setattr(generated, "compile_all", lambda kernels: calls.append(kernels))
+
+    def record(kernels: list[tuple[str, str]], deadline: float | None = None) -> list[str]:
+        calls.append(kernels)
+        return ["kernel"] * len(kernels)
+
+    monkeypatch.setattr(generated, "compile_all", record)
     return calls
 
 
@@ -45,8 +50,28 @@ def test_every_supported_layer_is_compiled_in_one_pass(compiles) -> None:
     # the backend refuses, and the direct backend of "fp32" add none
     assert set(compiles[0]) == set(expected) and len(compiles[0]) == 2 * len(expected)
     assert ahead["layers"] == 2 and ahead["kernels"] == len(set(expected)) and ahead["seconds"] >= 0
+    assert ahead["skipped"] == 0
 
 
 def test_nothing_is_compiled_without_a_backend_that_lists_its_kernels(compiles) -> None:
     ahead = bench.compile_ahead([conv_layer("a", 40, 8)], ["fp32", "fp16"], torch.device("cpu"))
-    assert compiles == [] and ahead["kernels"] == 0 and ahead["layers"] == 0
+    assert compiles == [] and ahead["kernels"] == 0 and ahead["layers"] == 0 and ahead["skipped"] == 0
+
+
+def test_the_deadline_reaches_compile_all_and_the_kernels_left_are_counted_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each distinct kernel that ``compile_all`` did not start by the deadline counts once in ``skipped``, though
+    both float32 precisions list it."""
+    monkeypatch.setattr(GeneratedBackend, "device_types", frozenset({"cpu", "cuda"}))
+    monkeypatch.setitem(sys.modules, "cupy", object())
+    deadlines: list[float | None] = []
+
+    def compile_the_first_three(kernels: list[tuple[str, str]], deadline: float | None = None) -> list[str | None]:
+        deadlines.append(deadline)
+        first = list(dict.fromkeys(kernels))[:3]
+        return ["kernel" if kernel in first else None for kernel in kernels]
+
+    monkeypatch.setattr(generated, "compile_all", compile_the_first_three)
+    ahead = bench.compile_ahead([conv_layer("a", 70, 8)], ["fp32_generated", "tf32_generated"], torch.device("cpu"),
+                                deadline=12.5)
+    assert deadlines == [12.5] and ahead["kernels"] > 3 and ahead["skipped"] == ahead["kernels"] - 3

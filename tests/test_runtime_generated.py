@@ -77,7 +77,8 @@ def test_tuning_space_bounds_the_generated_body() -> None:
     backend = get_backend("generated")
     x = torch.randn(1, 4, 6, 6)
     assert SETTINGS[0] == {"rows": 32, "programs": 1}
-    assert backend.tuning_space(x, layer(out_channels=256), ConvGeometry.of(1, 1)) == list(SETTINGS)
+    assert backend.tuning_space(x, layer(out_channels=256), ConvGeometry.of(1, 1)) == [  # batch 1: no chunks
+        params for params in SETTINGS if "chunks" not in params]
     assert backend.tuning_space(x, layer(out_channels=10), ConvGeometry.of(1, 1)) == [SETTINGS[0]]
     assert backend.tuning_space(x, layer(out_channels=100), ConvGeometry.of(1, 1)) == [  # 4 programs of 32 rows
         {"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
@@ -126,6 +127,23 @@ def test_kernels_of_several_programs_are_timed_only_within_their_compile_bound(r
     assert {"rows": 32, "programs": 1} in space
 
 
+def test_chunked_settings_need_two_images_per_chunk() -> None:
+    """A chunked setting is timed only where each of its sub-batches holds at least two images; it is refused as
+    a call argument below one chunk."""
+    backend = get_backend("generated")
+    csr, geometry = layer(out_channels=256), ConvGeometry.of(1, 1)
+    chunked = [params for params in SETTINGS if params.get("chunks", 1) > 1]
+    assert chunked and all(params["chunks"] == 4 for params in chunked)
+    for batch, admitted in ((7, False), (8, True), (128, True)):
+        space = backend.tuning_space(torch.empty(1, 4, 6, 6).expand(batch, 4, 6, 6), csr, geometry)
+        assert all((params in space) == admitted for params in chunked), batch
+
+
+def test_conv_refuses_fewer_than_one_chunk(on_cpu: GeneratedBackend) -> None:
+    with pytest.raises(ValueError, match="chunks must be at least 1, got 0"):
+        on_cpu.conv(torch.randn(2, 4, 6, 6), layer(), None, ConvGeometry.of(1, 1), chunks=0)
+
+
 def test_compile_all_compiles_each_distinct_kernel_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Settings that differ only in ``streams`` list the same kernels: each is compiled once, and every position of
     the list gets its kernel back."""
@@ -151,6 +169,29 @@ def test_compile_all_starts_the_longest_sources_first(monkeypatch: pytest.Monkey
     assert calls == ["dddd", "ccc", "bb", "a"]
 
 
+def test_compile_all_starts_no_compile_after_its_deadline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A benchmark's time budget reaches into its compile ahead: with one worker and a clock that passes the
+    deadline during the second compile, the two longest kernels are compiled and the rest come back as None (every
+    position of a kernel listed twice alike); a deadline already past compiles nothing."""
+    from unsparse.runtime.backends import generated
+
+    clock = [0.0]
+    calls: list[str] = []
+
+    def compile_for_ten_seconds(source: str, entry: str, options: tuple[str, ...]) -> str:
+        calls.append(source)
+        clock[0] += 10.0
+        return source
+
+    monkeypatch.setattr(generated, "compiled", compile_for_ten_seconds)
+    monkeypatch.setattr(generated.time, "monotonic", lambda: clock[0])
+    kernels = [("bb", "k"), ("a", "k"), ("dddd", "k"), ("ccc", "k"), ("a", "k")]
+    assert generated.compile_all(kernels, workers=1, deadline=15.0) == [None, None, "dddd", "ccc", None]
+    assert calls == ["dddd", "ccc"]
+    calls.clear()
+    assert generated.compile_all(kernels, workers=1, deadline=clock[0] - 1) == [None] * 5 and calls == []
+
+
 def test_kernel_sources_do_not_depend_on_the_batch_and_are_what_precompile_compiles(
         on_cpu: GeneratedBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     """One compile serves every batch size: the sources of batch 1 and of batch 128 are the same, and precompile
@@ -160,9 +201,13 @@ def test_kernel_sources_do_not_depend_on_the_batch_and_are_what_precompile_compi
     csr, geometry = layer(out_channels=200, channels=8), ConvGeometry.of(1, 1)
     small, large = torch.empty(1, 8, 9, 9), torch.empty(1, 8, 9, 9).expand(128, 8, 9, 9)
     space = on_cpu.tuning_space(small, csr, geometry)
-    assert space == on_cpu.tuning_space(large, csr, geometry)
+    chunked = on_cpu.tuning_space(large, csr, geometry)
+    assert [params for params in chunked if "chunks" not in params] == space  # batch 128 adds the chunked twins
+    assert {(params["rows"], params["programs"]) for params in chunked} == {
+        (params["rows"], params["programs"]) for params in space}
     sources = on_cpu.kernel_sources(small, csr, geometry, space)
     assert sources == on_cpu.kernel_sources(large, csr, geometry, space)
+    assert set(on_cpu.kernel_sources(large, csr, geometry, chunked)) == set(sources)
     # 200 rows: 7 programs of 32 (listed again for the streams setting), 4 of 64, 2 of 128, 2 kernels of 4
     # programs of 32
     assert [(p["rows"], p["programs"], p.get("streams", 1)) for p in space] == [

@@ -56,15 +56,22 @@ def test_shared_kernels_match_float64_reference(monkeypatch: pytest.MonkeyPatch,
     check_settings("programs", dtype, seed=out_channels, settings=list(SETTINGS), repeats=2)
 
 
+CHUNKED = [*(params for params in SETTINGS if params.get("chunks", 1) > 1), {"rows": 32, "programs": 8, "chunks": 4}]
+"""The settings that pad sub-batches on a side stream, and the shared kernels in sub-batches (each with its own tile
+counters), a call's argument the comparator does not time."""
+
+
+@pytest.mark.parametrize("params", [SETTINGS[5], *CHUNKED])
 def test_side_streams_start_after_and_finish_before_the_current_streams_neighbours(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """With several streams the kernels must wait for what the current stream queued before the call and be waited
-    for by what it queues after: the input is overwritten on the current stream behind about 5 ms of GPU sleep just
-    before the call, and the output is copied to the host right after it."""
+        monkeypatch: pytest.MonkeyPatch, params: dict) -> None:
+    """With several streams (kernels, or the padding of sub-batches) the work on side streams must wait for what
+    the current stream queued before the call and be waited for by what it queues after: the input is overwritten
+    on the current stream behind about 5 ms of GPU sleep just before the call, and the output is copied to the host
+    right after it."""
     monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
     x, csr, bias, geometry, ref = make_case("programs", torch.float32, seed=41)
     backend = get_backend("generated")
-    params = next(p for p in backend.tuning_space(x, csr, geometry) if p.get("streams", 1) > 1)
+    assert params.get("streams", 1) > 1 or params["chunks"] >= x.shape[0]  # two sub-batches of one image
     backend.run(torch.zeros_like(x), csr, bias, geometry, **params)  # compiled and bound before the queue
     stale = torch.zeros_like(x)
     torch.cuda.synchronize()
@@ -74,10 +81,11 @@ def test_side_streams_start_after_and_finish_before_the_current_streams_neighbou
     assert relative_error(out.cpu(), ref) <= tolerance(torch.float32), params
 
 
-@pytest.mark.parametrize("params", [SETTINGS[-1], {"rows": 32, "programs": 4}])
+@pytest.mark.parametrize("params", [SETTINGS[5], {"rows": 32, "programs": 4}, *CHUNKED])
 def test_generated_kernels_replay_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatch, params: dict) -> None:
-    """The end-to-end benchmark's graph timings replay the generated kernels, forked over side streams or sharing
-    tile counters: a replay must recompute the captured output."""
+    """The end-to-end benchmark's graph timings replay the generated kernels, forked over side streams, sharing
+    tile counters or after the padding of each sub-batch on a side stream: a replay must recompute the captured
+    output."""
     from unsparse.runtime.timing import capture_graph
 
     monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
@@ -89,6 +97,25 @@ def test_generated_kernels_replay_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatc
     captured.fill_(float("nan"))
     graph.replay()
     assert relative_error(captured.cpu(), ref) <= tolerance(torch.float32), params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chunked_settings_give_the_whole_batchs_output_on_an_odd_batch(monkeypatch: pytest.MonkeyPatch,
+                                                                       dtype: torch.dtype) -> None:
+    """Batch 5 in chunks of 2, 2 and 1 images (each with its own bound launches and tile counters): every output
+    equals, bit for bit, that of the same kernels on the whole batch (each pixel's sum runs in the same order), and
+    matches the float64 reference; the input is channels-last, so each sub-batch is made contiguous on the side
+    stream."""
+    monkeypatch.setitem(CASES, "programs", (5, *PROGRAMS_CASE[1:]))
+    x, csr, bias, geometry, ref = make_case("programs", dtype, seed=43)
+    x = x.contiguous(memory_format=torch.channels_last)
+    backend = get_backend("generated")
+    for params in CHUNKED:
+        whole = backend.run(x, csr, bias, geometry, rows=params["rows"], programs=params["programs"])
+        poison_allocator(ref.numel(), dtype)
+        chunked = backend.run(x, csr, bias, geometry, **params)
+        assert torch.equal(chunked, whole), params
+        assert relative_error(chunked.cpu(), ref) <= tolerance(dtype), params
 
 
 def test_generated_on_a_channels_last_input_without_bias() -> None:

@@ -318,7 +318,8 @@ def bench_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devi
     return record
 
 
-def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device: torch.device) -> dict[str, Any]:
+def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device: torch.device,
+                  deadline: float | None = None) -> dict[str, Any]:
     """Compile, in one :func:`~unsparse.runtime.backends.generated.compile_all`, every kernel the comparisons of
     ``layers`` at ``precisions`` will time for a sparse backend that lists its kernels (``kernel_sources``: the
     ``generated`` backend), so that NVRTC's compiles of all layers share the CPU's cores, the longest first, instead
@@ -328,10 +329,11 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
 
     Args:
         layers: from :func:`conv_layers`. precisions: keys of :data:`PRECISIONS`. device: where the kernels run.
+        deadline: ``time.monotonic()`` seconds after which no further kernel's compile starts (None: none).
 
     Returns:
-        ``{"layers": layers with kernels, "kernels": distinct kernels, "seconds": wall seconds of the compile}``
-        (all 0 where no backend compiles ahead).
+        ``{"layers": layers with kernels, "kernels": distinct kernels, "skipped": distinct kernels left uncompiled
+        at the deadline, "seconds": wall seconds of the compile}`` (all 0 where no backend compiles ahead).
     """
     from unsparse.runtime.backends import get_backend
     from unsparse.runtime.backends.generated import compile_all
@@ -351,9 +353,10 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
                 sources += list_kernels(x, csr, layer.geometry, backend.tuning_space(x, csr, layer.geometry))
                 compiled_layers.add(layer.name)
     started = time.perf_counter()
-    if sources:
-        compile_all(sources)
-    return {"layers": len(compiled_layers), "kernels": len(set(sources)), "seconds": time.perf_counter() - started}
+    functions = compile_all(sources, deadline=deadline) if sources else []
+    skipped = {source for source, function in zip(sources, functions, strict=True) if function is None}
+    return {"layers": len(compiled_layers), "kernels": len(set(sources)), "skipped": len(skipped),
+            "seconds": time.perf_counter() - started}
 
 
 def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: Sequence[float] = (0.8, 0.9, 0.95),
@@ -388,9 +391,10 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         layer_filter: only per-layer records whose layer name matches this regular expression
             (``re.search``: a plain name such as ``features.1`` matches as a substring).
         time_budget_s: wall-clock seconds after which no further per-layer or end-to-end setting, and no
-            :func:`compile_ahead` of a model and sparsity, is started (None: no limit); what was skipped is recorded
-            under ``stopped_early``, each layer setting by name. ``bench.json`` is rewritten atomically after every
-            record (``complete`` false until the end), so a killed run keeps its data.
+            :func:`compile_ahead` of a model and sparsity or kernel compile within it, is started (None: no
+            limit); what was skipped is recorded under ``stopped_early``, each layer setting by name.
+            ``bench.json`` is written atomically before the first compile and after every record (``complete``
+            false until the end), so a killed run keeps its data.
         timing: how the per-layer comparison times settings (:data:`~unsparse.runtime.comparator.TIMINGS`):
             ``"graph"`` replays CUDA graphs, the GPU time without the host's per-call work (batch 1).
         record: text files written into ``out_dir`` (relative path -> content, atomically) and logged once the
@@ -436,12 +440,16 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             return True
         return False
 
+    _write_json(result, out_dir)  # a run killed in its first compile ahead still leaves its environment
     for name in models:
         for sparsity in sparsities:
             layers = [layer for layer in conv_layers(magnitude_prune_(build_model(name), sparsity), (3, 224, 224))
                       if layer_filter is None or re.search(layer_filter, layer.name) is not None]
             ahead = None if out_of_time(f"{name} s{sparsity}: compile ahead") else compile_ahead(layers, precisions,
-                                                                                               device)
+                                                                                               device, deadline)
+            if ahead is not None and ahead["skipped"]:
+                result["stopped_early"].append(f"{name} s{sparsity}: compile ahead, {ahead['skipped']} of "
+                                               f"{ahead['kernels']} kernels not started")
             if ahead is not None and ahead["kernels"]:
                 result["compile_ahead"].append({"model": name, "sparsity": sparsity, **ahead})
                 print(f"{name} s{sparsity}: compiled {ahead['kernels']} kernels of {ahead['layers']} layers ahead "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -32,18 +33,24 @@ from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
 SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
-            {"rows": 32, "programs": 4}, {"rows": 32, "programs": 8}, {"rows": 32, "programs": 1, "streams": 8})
+            {"rows": 32, "programs": 4}, {"rows": 32, "programs": 8}, {"rows": 32, "programs": 1, "streams": 8},
+            {"rows": 64, "programs": 1, "chunks": 4})
 """The settings the comparator times, the first the default: output channels per program (KT, the register
 accumulators per thread), programs per kernel (G; G > 1 runs ``generated_conv_shared``, v31, each program on its
-share of the SMs) and ``streams``, how many of the layer's kernels may run at once (default 1, one after another; a
-layer whose kernels each leave the SMs short of warps, 14x14 planes and batch 1, can overlap them, v32). The
-twenty-ninth session's probe on VGG16 features.12 at 0.9 ran 8.1 / 10.7 / 19.3 TFLOP/s at KT = 8 / 16 / 32 with
-G = 1 (``kernels/NOTES.md``). 128 rows double the products per input load at high sparsity (a tap, an input
-channel and kernel position, has a nonzero among 64 rows with probability 1 - 0.95^64 = 0.96 at 0.95) at half the
-warps per SM (about 197 registers per thread). On the H200 (thirty-fifth session, VGG16, FP32) they lost at batch
-128 in all four layers where admitted (features.5 at 0.95 1.19x slower than 64 rows; features.5, .7, .10 at 0.98
-1.18-1.31x slower than the best) and won at batch 1 at 0.98 (features.5 0.021 against 0.026 ms, features.7 0.0285
-against 0.031 ms: one kernel instead of two or four)."""
+share of the SMs), ``streams``, how many of the layer's kernels may run at once (default 1, one after another; a
+layer whose kernels each leave the SMs short of warps, 14x14 planes and batch 1, can overlap them, v32), and
+``chunks``, sub-batches whose padding runs on a side stream while the kernels run on the one before (default 1: the
+whole batch padded, then computed). At 0.98 the padding took about a quarter of VGG16 features.12's call and two
+fifths of features.2's on the H200 (``pad_planes``, thirty-sixth session), while the kernels left DRAM bandwidth
+unused; the chunked setting repeats (64, 1) with 4 sub-batches (features.2 2.63 -> 2.50 ms at 0.98, thirty-seventh
+session; the twin of (32, 8) ran slower than (32, 8) on features.10 and .12, its four times as many launches each a
+quarter as wide, and is not timed). The twenty-ninth session's probe on VGG16 features.12 at 0.9 ran 8.1 / 10.7 /
+19.3 TFLOP/s at KT = 8 / 16 / 32 with G = 1 (``kernels/NOTES.md``). 128 rows double the products per input load at
+high sparsity (a tap, an input channel and kernel position, has a nonzero among 64 rows with probability 1 - 0.95^64
+= 0.96 at 0.95) at half the warps per SM (about 197 registers per thread). On the H200 (thirty-fifth session, VGG16,
+FP32) they lost at batch 128 in all four layers where admitted (features.5 at 0.95 1.19x slower than 64 rows;
+features.5, .7, .10 at 0.98 1.18-1.31x slower than the best) and won at batch 1 at 0.98 (features.5 0.021 against
+0.026 ms, features.7 0.0285 against 0.031 ms: one kernel instead of two or four)."""
 
 MAX_PRODUCTS = 2**17
 """Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
@@ -123,16 +130,26 @@ def compiled(source: str, entry: str, options: tuple[str, ...] = cl.COMPILE_OPTI
 
 
 def compile_all(kernels: list[tuple[str, str]], workers: int = 16,
-                options: tuple[str, ...] = cl.COMPILE_OPTIONS) -> list[Any]:
+                options: tuple[str, ...] = cl.COMPILE_OPTIONS, deadline: float | None = None) -> list[Any | None]:
     """:func:`compiled` of each ``(source, entry)`` pair with the NVRTC ``options``, concurrently (NVRTC runs
     outside the GIL), each distinct pair once: settings that share kernels (the same ``rows`` and ``programs`` with
     other ``streams``) list them twice, and two threads that miss :func:`compiled`'s cache together would both
     compile. The longest sources start first (a kernel's compile time is about proportional to its body, and the
     batch waits for its last), and as a layer's kernels can take minutes (:data:`MAX_SHARED_PRODUCTS`), on a terminal
-    a tqdm bar counts the kernels done."""
+    a tqdm bar counts the kernels done.
+
+    ``deadline`` (``time.monotonic()`` seconds, None: none): a kernel whose compile has not started by then is not
+    compiled and comes back as None; compiles already running finish (NVRTC cannot be stopped), so a benchmark's
+    time budget bounds its compile ahead to the budget plus the longest compile in flight."""
     distinct = sorted(dict.fromkeys(kernels), key=lambda kernel: len(kernel[0]), reverse=True)
+
+    def compile_in_time(kernel: tuple[str, str]) -> Any | None:
+        if deadline is not None and time.monotonic() > deadline:
+            return None
+        return compiled(*kernel, options)
+
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        done = tqdm(pool.map(lambda kernel: compiled(*kernel, options), distinct), total=len(distinct),
+        done = tqdm(pool.map(compile_in_time, distinct), total=len(distinct),
                     desc="compile kernels", unit="kernel", leave=False, disable=None)
         functions = dict(zip(distinct, done, strict=True))
     return [functions[kernel] for kernel in kernels]
@@ -141,7 +158,8 @@ def compile_all(kernels: list[tuple[str, str]], workers: int = 16,
 @functools.cache
 def side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, ...]:
     """``count`` CUDA streams on ``device``, created once per process, that :meth:`GeneratedBackend.conv` spreads a
-    layer's kernels over."""
+    layer's kernels over (``count`` > 1, ``streams``) or pads its sub-batches on (the one stream of ``count`` 1,
+    ``chunks``)."""
     return tuple(torch.cuda.Stream(device) for _ in range(count))
 
 
@@ -179,7 +197,9 @@ class GeneratedBackend(ConvBackend):
         with ``rows`` below twice the layer's output channels (from twice on, at least half the accumulators stay
         empty), programs wider than the first within :data:`MAX_WIDE_PRODUCTS`, ``programs`` at most the layer's
         programs, ``ceil(M / rows)``, a kernel of several programs within :data:`MAX_SHARED_PRODUCTS` (its
-        compile time), and several ``streams`` only for a layer of several kernels."""
+        compile time), several ``streams`` only for a layer of several kernels, and ``chunks`` only for a batch of at
+        least two images per chunk (a chunked setting runs its twin's kernels, so the space's kernels do not depend
+        on the batch)."""
         return [dict(params) for params in SETTINGS if params["rows"] * csr.row_length <= MAX_PRODUCTS
                 and (params == SETTINGS[0] or (
                     params["rows"] < 2 * csr.out_channels
@@ -189,7 +209,8 @@ class GeneratedBackend(ConvBackend):
                     and (params["programs"] == 1
                          or params["rows"] * params["programs"] * csr.row_length <= MAX_SHARED_PRODUCTS)
                     and (params.get("streams", 1) == 1
-                         or -(-csr.out_channels // params["rows"]) > params["programs"])))]
+                         or -(-csr.out_channels // params["rows"]) > params["programs"])
+                    and (params.get("chunks", 1) == 1 or x.shape[0] >= 2 * params["chunks"])))]
 
     def kernel_sources(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                        space: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -208,7 +229,7 @@ class GeneratedBackend(ConvBackend):
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
-             streams: int = 1) -> torch.Tensor:
+             streams: int = 1, chunks: int = 1) -> torch.Tensor:
         """Pad the input in float32 (:func:`padded_float32`, timed with the call: the kernels read float32, since a
         conversion per load made NVRTC 3-4x slower), then run the layer's programs of ``rows`` output channels,
         ``programs`` per kernel: a kernel of one program is v27's ``generated_conv``, one of several is
@@ -218,6 +239,10 @@ class GeneratedBackend(ConvBackend):
         many side streams of :func:`side_streams`, forked from and joined back into the current stream, so the
         output is ready in the current stream's order, as with one stream, and a CUDA graph captures the fork.
 
+        With ``chunks`` > 1 the batch is split into that many sub-batches of ``ceil(N / chunks)`` images (UnSparse-Opt
+        §5's sub-batch), each padded on a side stream (forked from the current one) and computed on the current
+        stream once its padding is done, so that chunk k + 1's padding overlaps chunk k's kernels.
+
         The kernels read the bias as ``x``'s dtype, so a bias of another dtype (or not contiguous) is converted first,
         as the ``direct`` backend does.
 
@@ -225,17 +250,39 @@ class GeneratedBackend(ConvBackend):
             ``(N, M, E, F)`` NCHW output of ``x``'s dtype.
 
         Raises:
-            ValueError: for a layer :meth:`unsupported_reason` refuses, or from
+            ValueError: for a layer :meth:`unsupported_reason` refuses, ``chunks`` < 1, or from
                 :func:`~unsparse.runtime.generated_source.programs` (a weight that is not finite).
         """
         reason = self.unsupported_reason(x, csr, geometry)
         if reason is not None:
             raise ValueError(f"generated: {reason}")
-        launches = self._launches(x, csr, geometry, rows, programs)
-        padded = padded_float32(x, geometry.padding)
+        if chunks < 1:
+            raise ValueError(f"generated: chunks must be at least 1, got {chunks}")
+        N = x.shape[0]
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
-        y = torch.empty(x.shape[0], csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
+        y = torch.empty(N, csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
+        current = torch.cuda.current_stream(x.device)
+        size = -(-N // chunks)
+        if size == N:
+            self._run_kernels(x, padded_float32(x, geometry.padding), bias, y, csr, geometry, rows, programs, streams)
+            return y
+        padder = side_streams(x.device, 1)[0]
+        padder.wait_stream(current)
+        for start in range(0, N, size):
+            part = x[start:start + size]
+            with torch.cuda.stream(padder):
+                padded = padded_float32(part, geometry.padding)
+            padded.record_stream(current)
+            current.wait_stream(padder)
+            self._run_kernels(part, padded, bias, y[start:start + size], csr, geometry, rows, programs, streams)
+        return y
+
+    def _run_kernels(self, x: torch.Tensor, padded: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+                     csr: UniformCSR, geometry: ConvGeometry, rows: int, programs: int, streams: int) -> None:
+        """Queue the kernels of a setting that compute ``y`` (``(n, M, E, F)``, contiguous) from ``padded``, the
+        padded float32 copy of ``x`` (``(n, C, H, W)``), after what the current stream holds (:meth:`conv`)."""
+        launches = self._launches(x, csr, geometry, rows, programs)
         counters = (torch.zeros(len(launches), programs, dtype=torch.int32, device=x.device)
                     if any(shared for _, shared in launches) else None)
         current = torch.cuda.current_stream(x.device)
@@ -247,7 +294,6 @@ class GeneratedBackend(ConvBackend):
             launch(targets[index % len(targets)], padded, bias, y, *((counters[index],) if shared else ()))
         for side in sides:
             current.wait_stream(side)
-        return y
 
     def _programs(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[gs.Program]:
         """The layer's programs for input plane ``x.shape[2:]`` (cached per weight)."""
