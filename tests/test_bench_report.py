@@ -102,6 +102,9 @@ def test_report_says_what_was_compiled_ahead(result):
     result["compile_ahead"] = [{"model": "vgg16", "sparsity": 0.9, "layers": 13, "kernels": 161, "seconds": 402.37}]
     text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert "vgg16 at 0.9: 161 kernels of 13 layers compiled together before any was timed, in 402.4 s" in text
+    result["compile_ahead"][0].update(kernels=109, skipped=93, sparsity=0.95, layers=9)
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "vgg16 at 0.95: 16 of 109 kernels of 9 layers compiled together before any was timed" in text
 
 
 def test_report_says_where_sparse_is_slower(result, tmp_path):

@@ -200,6 +200,15 @@ def _fmt(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def compiled_ahead(record: dict[str, Any]) -> str:
+    """What a ``compile_ahead`` record of :func:`~unsparse.runtime.bench.run_bench` compiled, in words: "161 kernels
+    of 13 layers", or "16 of 109 kernels of 9 layers" where the time budget left ``skipped`` kernels unstarted
+    (records before the budget reached the compile have no ``skipped``)."""
+    skipped = record.get("skipped", 0)
+    done = f"{record['kernels'] - skipped} of {record['kernels']}" if skipped else f"{record['kernels']}"
+    return f"{done} kernels of {record['layers']} layers"
+
+
 def _no_speedup(records: Sequence[dict[str, Any]], key: str, base: str) -> str:
     """Why per-layer ``records`` lack the speedup ``key``: ``no direct time on 2, no cuDNN alone time on 1`` (the
     sparse backend, else the baseline ``base``, had no correct timed setting, or was not run), ``""`` where none
@@ -397,7 +406,7 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
               "setting converts inside the call), the figure results before the twelfth session compared with."
               + (" Direct compile s: seconds the sparse backend compiled kernels before timing (near 0 where CuPy's "
                  "kernel cache held them; '-' for a backend that compiles nothing ahead)." if compile_column else "")
-              + "".join(f" {a['model']} at {a['sparsity']}: {a['kernels']} kernels of {a['layers']} layers compiled "
+              + "".join(f" {a['model']} at {a['sparsity']}: {compiled_ahead(a)} compiled "
                         f"together before any was timed, in {_fmt(a['seconds'], 1)} s (the column above counts what "
                         "was left)." for a in result.get("compile_ahead", [])),
               "", "| model | layer | n | C,H,W | weight | stride | batch | prec | sparsity | L "

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from unsparse.atomic import atomic_write_text, write_record
-from unsparse.report.benchmark import ESCOIN_MODELS, evaluate_targets, markdown_report, plot_results
+from unsparse.report.benchmark import ESCOIN_MODELS, compiled_ahead, evaluate_targets, markdown_report, plot_results
 from unsparse.runtime.comparator import TIMINGS, best_times, compare_layer
 from unsparse.runtime.end_to_end import bench_end_to_end, bench_end_to_end_sparse
 from unsparse.runtime.modules import set_backend
@@ -452,8 +452,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                                                f"{ahead['kernels']} kernels not started")
             if ahead is not None and ahead["kernels"]:
                 result["compile_ahead"].append({"model": name, "sparsity": sparsity, **ahead})
-                print(f"{name} s{sparsity}: compiled {ahead['kernels']} kernels of {ahead['layers']} layers ahead "
-                      f"in {ahead['seconds']:.1f} s", flush=True)
+                print(f"{name} s{sparsity}: compiled {compiled_ahead(ahead)} ahead in {ahead['seconds']:.1f} s",
+                      flush=True)
             for layer in layers:
                 for batch in batches:
                     for precision in precisions:
