@@ -75,3 +75,19 @@ def test_the_deadline_reaches_compile_all_and_the_kernels_left_are_counted_once(
     ahead = bench.compile_ahead([conv_layer("a", 70, 8)], ["fp32_generated", "tf32_generated"], torch.device("cpu"),
                                 deadline=12.5)
     assert deadlines == [12.5] and ahead["kernels"] > 3 and ahead["skipped"] == ahead["kernels"] - 3
+
+
+def test_a_whole_model_keeps_every_conv_with_its_own_weights() -> None:
+    """Merged, the two equal 3x3 convs of a small model are one layer of count 2 (a per-layer benchmark times the
+    shape once); unmerged, as a whole model's compile ahead needs them, each is its own layer with its own weights, in
+    call order, the first marked stem."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, padding=1),
+                                torch.nn.Conv2d(8, 8, 3, padding=1))
+    merged = bench.conv_layers(model, (3, 10, 10))
+    assert [(layer.name, layer.count) for layer in merged] == [("0", 1), ("1", 2)]
+    whole = bench.conv_layers(model, (3, 10, 10), merge=False)
+    assert [(layer.name, layer.count, layer.stem) for layer in whole] == [("0", 1, True), ("1", 1, False),
+                                                                         ("2", 1, False)]
+    for layer, module in zip(whole, model, strict=True):
+        assert torch.equal(layer.weight, module.weight)

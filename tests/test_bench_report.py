@@ -105,6 +105,9 @@ def test_report_says_what_was_compiled_ahead(result):
     result["compile_ahead"][0].update(kernels=109, skipped=93, sparsity=0.95, layers=9)
     text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert "vgg16 at 0.95: 16 of 109 kernels of 9 layers compiled together before any was timed" in text
+    result["compile_ahead"][0].update(skipped=0, layers=13, end_to_end=True)
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "vgg16 at 0.95: 109 kernels of 13 layers of the whole model compiled together" in text
 
 
 def test_report_says_where_sparse_is_slower(result, tmp_path):

@@ -203,10 +203,11 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 def compiled_ahead(record: dict[str, Any]) -> str:
     """What a ``compile_ahead`` record of :func:`~unsparse.runtime.bench.run_bench` compiled, in words: "161 kernels
     of 13 layers", or "16 of 109 kernels of 9 layers" where the time budget left ``skipped`` kernels unstarted
-    (records before the budget reached the compile have no ``skipped``)."""
+    (records before the budget reached the compile have no ``skipped``), "... of the whole model" for the convs of a
+    model timed end to end (``end_to_end``)."""
     skipped = record.get("skipped", 0)
     done = f"{record['kernels'] - skipped} of {record['kernels']}" if skipped else f"{record['kernels']}"
-    return f"{done} kernels of {record['layers']} layers"
+    return f"{done} kernels of {record['layers']} layers" + " of the whole model" * record.get("end_to_end", False)
 
 
 def _no_speedup(records: Sequence[dict[str, Any]], key: str, base: str) -> str:

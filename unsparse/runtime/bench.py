@@ -223,11 +223,13 @@ def magnitude_prune_(model: nn.Module, sparsity: float) -> nn.Module:
     return model
 
 
-def conv_layers(model: nn.Module, input_shape: Sequence[int]) -> list[ConvLayer]:
-    """The distinct conv layers of ``model`` for one input of ``input_shape`` (batch 1 is run on the CPU).
+def conv_layers(model: nn.Module, input_shape: Sequence[int], merge: bool = True) -> list[ConvLayer]:
+    """The conv layers of ``model`` for one input of ``input_shape`` (batch 1 is run on the CPU), in call order.
 
-    Layers with equal weight shape, geometry and input size are merged (``count`` says how many); the
-    first instance's weights are kept. The first conv of the model is marked ``stem``.
+    With ``merge``, layers with equal weight shape, geometry and input size are merged (``count`` says how many;
+    the first instance's weights are kept): a per-layer benchmark times each shape once. Without, every conv call
+    is its own layer with its own weights (what a whole model runs, e.g. to compile its kernels ahead). The first
+    conv of the model is marked ``stem``.
     """
     seen: dict[tuple, ConvLayer] = {}
     order: list[tuple] = []
@@ -236,7 +238,7 @@ def conv_layers(model: nn.Module, input_shape: Sequence[int]) -> list[ConvLayer]
         x = args[0]
         chw = (x.shape[1], 1, x.shape[2]) if x.dim() == 3 else tuple(x.shape[1:])
         geometry = ConvGeometry.from_module(module)
-        key = (tuple(module.weight.shape), geometry, chw)
+        key = (tuple(module.weight.shape), geometry, chw) if merge else (name, len(order))
         if key in seen:
             layer = seen[key]
             seen[key] = ConvLayer(layer.name, layer.weight, layer.bias, geometry, chw, layer.count + 1, layer.stem)
@@ -369,8 +371,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
               timing: str = "eager", record: Mapping[str, str] | None = None) -> dict[str, Any]:
     """Run the benchmark on ``cuda:0`` and write ``bench.json``, ``bench.md`` and plots to ``out_dir``.
 
-    Before the layers of a model and sparsity are compared, the kernels a sparse backend compiles for them are compiled
-    together (:func:`compile_ahead`; its figures under ``compile_ahead``).
+    Before the layers of a model and sparsity are compared, and before a model is timed whole, the kernels a sparse
+    backend compiles for them are compiled together (:func:`compile_ahead`; its figures under ``compile_ahead``, those
+    of a whole model, every conv with its own weights, with ``end_to_end`` true).
 
     Args:
         out_dir: output folder (created).
@@ -440,20 +443,23 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             return True
         return False
 
+    def compile_layers_ahead(label: str, layers: list[ConvLayer], **where: Any) -> None:
+        if out_of_time(f"{label}: compile ahead"):
+            return
+        ahead = compile_ahead(layers, precisions, device, deadline)
+        if ahead["skipped"]:
+            result["stopped_early"].append(f"{label}: compile ahead, {ahead['skipped']} of {ahead['kernels']} "
+                                           "kernels not started")
+        if ahead["kernels"]:
+            result["compile_ahead"].append({**where, **ahead})
+            print(f"{label}: compiled {compiled_ahead(ahead)} ahead in {ahead['seconds']:.1f} s", flush=True)
+
     _write_json(result, out_dir)  # a run killed in its first compile ahead still leaves its environment
     for name in models:
         for sparsity in sparsities:
             layers = [layer for layer in conv_layers(magnitude_prune_(build_model(name), sparsity), (3, 224, 224))
                       if layer_filter is None or re.search(layer_filter, layer.name) is not None]
-            ahead = None if out_of_time(f"{name} s{sparsity}: compile ahead") else compile_ahead(layers, precisions,
-                                                                                               device, deadline)
-            if ahead is not None and ahead["skipped"]:
-                result["stopped_early"].append(f"{name} s{sparsity}: compile ahead, {ahead['skipped']} of "
-                                               f"{ahead['kernels']} kernels not started")
-            if ahead is not None and ahead["kernels"]:
-                result["compile_ahead"].append({"model": name, "sparsity": sparsity, **ahead})
-                print(f"{name} s{sparsity}: compiled {compiled_ahead(ahead)} ahead in {ahead['seconds']:.1f} s",
-                      flush=True)
+            compile_layers_ahead(f"{name} s{sparsity}", layers, model=name, sparsity=sparsity)
             for layer in layers:
                 for batch in batches:
                     for precision in precisions:
@@ -468,6 +474,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                         torch.cuda.empty_cache()
     for name in end_to_end:
         model = magnitude_prune_(build_model(name), end_to_end_sparsity)
+        compile_layers_ahead(f"end to end {name} s{end_to_end_sparsity}", conv_layers(model, (3, 224, 224), False),
+                             model=name, sparsity=end_to_end_sparsity, end_to_end=True)
         for precision in precisions:
             if out_of_time(f"end to end {name} {precision}"):
                 continue
