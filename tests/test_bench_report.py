@@ -465,3 +465,17 @@ def test_a_target_is_not_met_while_the_run_left_records_out_that_bear_on_it(resu
             "the run (below)**") in text
     assert "direct >= 2x cuDNN: **not shown: met by the records measured, 1 left out of the run (below)**" in text
     assert "goal 2.63x: **missed**" in text  # missed by the records measured: a left-out one cannot change that
+
+
+def test_a_page_has_no_empty_table(result):
+    """A run that timed layers only has no end-to-end section, one that timed whole models only has no per-layer
+    table; the compile ahead has its own section either way."""
+    result["compile_ahead"] = [{"model": "vgg16", "sparsity": 0.98, "layers": 13, "kernels": 251, "seconds": 218.0,
+                                "skipped": 0, "end_to_end": True}]
+    layers_only = markdown_report({**result, "end_to_end": [], "targets": evaluate_targets({**result,
+                                                                                             "end_to_end": []})})
+    assert "## Per layer" in layers_only and "## End to end" not in layers_only
+    whole_only = markdown_report({**result, "layers": [], "targets": evaluate_targets({**result, "layers": []})})
+    assert "## Per layer" not in whole_only and "## End to end" in whole_only
+    for text in (layers_only, whole_only):
+        assert "## Kernels compiled ahead\n\n- vgg16 at 0.98: 251 kernels of 13 layers of the whole model" in text

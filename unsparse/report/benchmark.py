@@ -400,50 +400,15 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
             lines += [f"{name}: {PLOTS[kind].format(batch=largest_batch(result))}", "",
                       f"![{kind.replace('_', ' ')}]({quote(name)})", ""]
         lines.pop()
-    compile_column = any("direct_compile_s" in r for r in result["layers"])  # older results render as they did
-    lines += ["", "## Per layer", "", "cuDNN alone: the convolution without bias, input and weight already in the "
-              "layout named and the output left in it (`unsparse.runtime.baseline`); direct/cuDNN is against it. "
-              "cuDNN call: `F.conv2d` as an NCHW model calls it (bias added in a separate kernel; its channels-last "
-              "setting converts inside the call), the figure results before the twelfth session compared with."
-              + (" Direct compile s: seconds the sparse backend compiled kernels before timing (near 0 where CuPy's "
-                 "kernel cache held them; '-' for a backend that compiles nothing ahead)." if compile_column else "")
-              + "".join(f" {a['model']} at {a['sparsity']}: {compiled_ahead(a)} compiled "
-                        f"together before any was timed, in {_fmt(a['seconds'], 1)} s (the column above counts what "
-                        "was left)." for a in result.get("compile_ahead", [])),
-              "", "| model | layer | n | C,H,W | weight | stride | batch | prec | sparsity | L "
-              "| cuDNN alone | layout | cuDNN call | direct | im2col+cuBLAS | im2col+cuSPARSE | direct/cuDNN "
-              "| direct/cuDNN call | direct TFLOP/s | direct params |" + " direct compile s |" * compile_column,
-              "|" + "---|" * (20 + compile_column)]
-    for r in result["layers"]:
-        best = r["best_ms"]
-        sparse_ms = best.get(r.get("sparse_backend", "direct"))
-        baseline = r.get("baseline") or {}
-        lines.append(f"| {r['model']} | {r['layer']} | {r['count']} | {r['in_chw']} | {r['weight_shape']} | "
-                     f"{r['geometry']['stride']} | {r['batch']} | {r['precision']} | {r['sparsity']:.3f} | "
-                     f"{r['row_length']} | {_fmt(baseline.get('median_ms'))} | {baseline.get('layout') or '-'} | "
-                     f"{_fmt(best.get('cudnn'))} | {_fmt(sparse_ms)} | "
-                     f"{_fmt(best.get('im2col_cublas'))} | {_fmt(best.get('im2col_cusparse'))} | "
-                     f"{_fmt(r['speedup_vs_cudnn'], 2)} | {_fmt(r.get('speedup_vs_cudnn_call'), 2)} | "
-                     f"{_fmt(r['direct_useful_tflops'], 1)} | {json.dumps(r['direct_params'])} |"
-                     + (f" {_fmt(r.get('direct_compile_s'), 1)} |" if compile_column else ""))
-    lines += ["", "## End to end", "", "Eager times include the host's per-layer work; CUDA-graph times replay the "
-              "same forward without it (GPU time only), so where the two speedups differ the model is host-bound.", "",
-              "NHWC: the model and its input in channels-last from end to end (a planned model's layers then receive "
-              "and return NHWC; the direct kernels' conversions are part of their planned time). Speedup (NCHW): "
-              "planned over dense, both NCHW; best planned / best dense: the faster layout of each.", "",
-              "| model | weights | batch | prec | dense ms | dense NHWC ms | planned ms | planned NHWC ms "
-              "| speedup (NCHW) | best planned / best dense | dense ms (graph) | planned ms (graph) | speedup (graph) "
-              "| dense NHWC ms (graph) | planned NHWC ms (graph) | rel. error | backends (NCHW plan) "
-              "| backends (NHWC plan) |", "|" + "---|" * 18]
-    for r in result["end_to_end"]:
-        best = fastest_ms(r, "dense") / fastest_ms(r, "planned")
-        lines.append(f"| {r['model']} | {r['weights']} | {r['batch']} | {r['precision']} | {_fmt(r['dense_ms'])} | "
-                     f"{_fmt(r.get('dense_nhwc_ms'))} | {_fmt(r['planned_ms'])} | {_fmt(r.get('planned_nhwc_ms'))} | "
-                     f"{_fmt(r['speedup'], 2)} | {_fmt(best, 2)} | {_fmt(r.get('dense_graph_ms'))} | "
-                     f"{_fmt(r.get('planned_graph_ms'))} | {_fmt(r.get('graph_speedup'), 2)} | "
-                     f"{_fmt(r.get('dense_nhwc_graph_ms'))} | {_fmt(r.get('planned_nhwc_graph_ms'))} | "
-                     f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)} | "
-                     f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')} |")
+    if result.get("compile_ahead"):
+        lines += ["", "## Kernels compiled ahead", ""] + [
+            f"- {a['model']} at {a['sparsity']}: {compiled_ahead(a)} compiled together before any was timed, in "
+            f"{_fmt(a['seconds'], 1)} s (a layer's direct compile s counts what was left)."
+            for a in result["compile_ahead"]]
+    if result["layers"]:
+        lines += _layer_table(result["layers"])
+    if result["end_to_end"]:
+        lines += _end_to_end_table(result["end_to_end"])
     trained = [(r, layer) for r in result["end_to_end"] for layer in r.get("layers", [])]
     if trained:
         lines += ["", "## Trained model, per layer (every backend, ms)", "",
@@ -462,6 +427,57 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
                          f"{_fmt(best.get('direct'))} | {_fmt(best.get('im2col_cublas'))} | "
                          f"{_fmt(best.get('im2col_cusparse'))} |")
     return "\n".join(lines) + "\n"
+
+
+def _layer_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The "Per layer" section of :func:`markdown_report`: one row per layer setting."""
+    compile_column = any("direct_compile_s" in r for r in records)  # older results render as they did
+    lines = ["", "## Per layer", "", "cuDNN alone: the convolution without bias, input and weight already in the "
+             "layout named and the output left in it (`unsparse.runtime.baseline`); direct/cuDNN is against it. "
+             "cuDNN call: `F.conv2d` as an NCHW model calls it (bias added in a separate kernel; its channels-last "
+             "setting converts inside the call), the figure results before the twelfth session compared with."
+             + (" Direct compile s: seconds the sparse backend compiled kernels before timing (near 0 where CuPy's "
+                "kernel cache held them; '-' for a backend that compiles nothing ahead)." if compile_column else ""),
+             "", "| model | layer | n | C,H,W | weight | stride | batch | prec | sparsity | L "
+             "| cuDNN alone | layout | cuDNN call | direct | im2col+cuBLAS | im2col+cuSPARSE | direct/cuDNN "
+             "| direct/cuDNN call | direct TFLOP/s | direct params |" + " direct compile s |" * compile_column,
+             "|" + "---|" * (20 + compile_column)]
+    for r in records:
+        best = r["best_ms"]
+        sparse_ms = best.get(r.get("sparse_backend", "direct"))
+        baseline = r.get("baseline") or {}
+        lines.append(f"| {r['model']} | {r['layer']} | {r['count']} | {r['in_chw']} | {r['weight_shape']} | "
+                     f"{r['geometry']['stride']} | {r['batch']} | {r['precision']} | {r['sparsity']:.3f} | "
+                     f"{r['row_length']} | {_fmt(baseline.get('median_ms'))} | {baseline.get('layout') or '-'} | "
+                     f"{_fmt(best.get('cudnn'))} | {_fmt(sparse_ms)} | "
+                     f"{_fmt(best.get('im2col_cublas'))} | {_fmt(best.get('im2col_cusparse'))} | "
+                     f"{_fmt(r['speedup_vs_cudnn'], 2)} | {_fmt(r.get('speedup_vs_cudnn_call'), 2)} | "
+                     f"{_fmt(r['direct_useful_tflops'], 1)} | {json.dumps(r['direct_params'])} |"
+                     + (f" {_fmt(r.get('direct_compile_s'), 1)} |" if compile_column else ""))
+    return lines
+
+
+def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The "End to end" section of :func:`markdown_report`: one row per model and precision timed whole."""
+    lines = ["", "## End to end", "", "Eager times include the host's per-layer work; CUDA-graph times replay the "
+             "same forward without it (GPU time only), so where the two speedups differ the model is host-bound.", "",
+             "NHWC: the model and its input in channels-last from end to end (a planned model's layers then receive "
+             "and return NHWC; the direct kernels' conversions are part of their planned time). Speedup (NCHW): "
+             "planned over dense, both NCHW; best planned / best dense: the faster layout of each.", "",
+             "| model | weights | batch | prec | dense ms | dense NHWC ms | planned ms | planned NHWC ms "
+             "| speedup (NCHW) | best planned / best dense | dense ms (graph) | planned ms (graph) | speedup (graph) "
+             "| dense NHWC ms (graph) | planned NHWC ms (graph) | rel. error | backends (NCHW plan) "
+             "| backends (NHWC plan) |", "|" + "---|" * 18]
+    for r in records:
+        best = fastest_ms(r, "dense") / fastest_ms(r, "planned")
+        lines.append(f"| {r['model']} | {r['weights']} | {r['batch']} | {r['precision']} | {_fmt(r['dense_ms'])} | "
+                     f"{_fmt(r.get('dense_nhwc_ms'))} | {_fmt(r['planned_ms'])} | {_fmt(r.get('planned_nhwc_ms'))} | "
+                     f"{_fmt(r['speedup'], 2)} | {_fmt(best, 2)} | {_fmt(r.get('dense_graph_ms'))} | "
+                     f"{_fmt(r.get('planned_graph_ms'))} | {_fmt(r.get('graph_speedup'), 2)} | "
+                     f"{_fmt(r.get('dense_nhwc_graph_ms'))} | {_fmt(r.get('planned_nhwc_graph_ms'))} | "
+                     f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)} | "
+                     f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')} |")
+    return lines
 
 
 def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:
