@@ -403,7 +403,8 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
     if result.get("compile_ahead"):
         lines += ["", "## Kernels compiled ahead", ""] + [
             f"- {a['model']} at {a['sparsity']}: {compiled_ahead(a)} compiled together before any was timed, in "
-            f"{_fmt(a['seconds'], 1)} s (a layer's direct compile s counts what was left)."
+            f"{_fmt(a['seconds'], 1)} s" + (" (a layer's direct compile s counts what was left)." if result["layers"]
+                                            else ".")
             for a in result["compile_ahead"]]
     if result["layers"]:
         lines += _layer_table(result["layers"])
