@@ -479,3 +479,10 @@ def test_a_page_has_no_empty_table(result):
     assert "## Per layer" not in whole_only and "## End to end" in whole_only
     for text in (layers_only, whole_only):
         assert "## Kernels compiled ahead\n\n- vgg16 at 0.98: 251 kernels of 13 layers of the whole model" in text
+
+
+def test_the_end_to_end_row_says_how_many_convs_have_their_relu_fused(result):
+    result["end_to_end"][0]["fused_relu"] = 12
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "features.0 (direct); ReLU fused into 12 convs |" in text
+    assert text.count("ReLU fused") == 1  # the record without the field says nothing

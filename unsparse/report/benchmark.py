@@ -476,7 +476,8 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                      f"{_fmt(r['speedup'], 2)} | {_fmt(best, 2)} | {_fmt(r.get('dense_graph_ms'))} | "
                      f"{_fmt(r.get('planned_graph_ms'))} | {_fmt(r.get('graph_speedup'), 2)} | "
                      f"{_fmt(r.get('dense_nhwc_graph_ms'))} | {_fmt(r.get('planned_nhwc_graph_ms'))} | "
-                     f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)} | "
+                     f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)}"
+                     + (f"; ReLU fused into {r['fused_relu']} convs" if r.get("fused_relu") else "") + " | "
                      f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')} |")
     return lines
 
