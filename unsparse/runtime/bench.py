@@ -457,8 +457,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             result["stopped_early"].append(f"{label}: compile ahead, {ahead['skipped']} of {ahead['kernels']} "
                                            "kernels not started")
         if ahead["kernels"]:
-            result["compile_ahead"].append({**where, **ahead})
-            print(f"{label}: compiled {compiled_ahead(ahead)} ahead in {ahead['seconds']:.1f} s", flush=True)
+            record = {**where, **ahead}
+            result["compile_ahead"].append(record)
+            print(f"{label}: compiled {compiled_ahead(record)} ahead in {ahead['seconds']:.1f} s", flush=True)
 
     _write_json(result, out_dir)  # a run killed in its first compile ahead still leaves its environment
     for name in models:

@@ -187,9 +187,8 @@ class GeneratedBackend(ConvBackend):
                     "per generated program")
         N, C, H, W = x.shape
         E, F_ = geometry.output_size(H, W, csr.kernel_size)
-        padded_rows = N * C * (H + 2 * geometry.padding[0])
-        padded = C * (H + 2 * geometry.padding[0]) * (W + 2 * geometry.padding[1])
-        if N * E * F_ >= INDEX_LIMIT or padded >= INDEX_LIMIT or padded_rows >= INDEX_LIMIT:
+        padded_h, padded_w = H + 2 * geometry.padding[0], W + 2 * geometry.padding[1]
+        if N * E * F_ >= INDEX_LIMIT or C * padded_h * padded_w >= INDEX_LIMIT or N * C * padded_h >= INDEX_LIMIT:
             return "tensor too large for the generated kernels' 32-bit pixel, offset and padded row indexing"
         return None
 
@@ -264,12 +263,12 @@ class GeneratedBackend(ConvBackend):
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         y = torch.empty(N, csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
-        current = torch.cuda.current_stream(x.device)
         size = -(-N // chunks)
         if size == N:
             self._run_kernels(x, padded_float32(x, geometry.padding), bias, y, csr, geometry,
                               (rows, programs, streams, relu))
             return y
+        current = torch.cuda.current_stream(x.device)
         padder = side_streams(x.device, 1)[0]
         padder.wait_stream(current)
         for start in range(0, N, size):
