@@ -84,7 +84,10 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     With ``fuse_relu`` the sparse copies fuse each conv with the ``nn.ReLU`` that follows it
     (:func:`~unsparse.runtime.modules.fuse_relu_`; ``fused_relu`` counts the layers), which a backend that fuses it
     applies in its epilogue; the dense model runs as PyTorch runs it, ReLU apart. The per-layer comparisons still
-    time the convolution alone, so fusing can only make the layers planned on such a backend cheaper.
+    time the convolution alone, so fusing can only make the layers planned on such a backend cheaper. What fusing
+    buys is measured in the same run: ``planned_unfused_ms`` times a third sparse copy without fusion on the same
+    plan (NCHW, eager; its keys are the fused copy's, so nothing is planned again) and ``fusion_speedup`` is it over
+    ``planned_ms``; both None without ``fuse_relu``.
     """
     dtype, tf32 = PRECISIONS[precision].dtype, PRECISIONS[precision].tf32
     bound = 10 * tolerance(dtype, tf32)
@@ -99,10 +102,14 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
         check = check_plan(sparse, x, plan, comparisons, runs)
         plan, comparisons_nhwc = plan_model(sparse_nhwc, x_nhwc, plan, backends) if nhwc_planned else (plan, [])
         check_nhwc = check_plan(sparse_nhwc, x_nhwc, plan, comparisons_nhwc, runs) if nhwc_planned else None
+        unfused = sparsify(dense) if fuse_relu else None
+        if unfused is not None:
+            plan_model(unfused, x, plan, backends)
         with torch.no_grad():
             dense_out, sparse_out = dense(x), sparse(x)
             dense_t = time_fn(lambda i: dense(x), device, runs=runs)
             sparse_t = time_fn(lambda i: sparse(x), device, runs=runs)
+            unfused_t = None if unfused is None else time_fn(lambda i: unfused(x), device, runs=runs)
             graphs = graph_timings(lambda: dense(x), lambda: sparse(x), device, runs)
             dense_nhwc, nhwc_t, nhwc_error = dense_channels_last(dense, x, dense_out, runs)
             planned_nhwc_error, planned_nhwc_t = math.inf, None
@@ -130,6 +137,8 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "tolerance": bound, "layers_planned_now": len(comparisons) + len(comparisons_nhwc),
             "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
             "fused_relu": sum(layer.relu for layer in sparse_layers(sparse).values()),
+            "planned_unfused_ms": None if unfused_t is None else unfused_t.median_ms,
+            "fusion_speedup": None if unfused_t is None else unfused_t.median_ms / sparse_t.median_ms,
             "planned_timing": sparse_t.to_dict(),
             "planned_nhwc_timing": None if planned_nhwc_t is None else planned_nhwc_t.to_dict(),
             "backend_counts": dict(Counter(by_layer.values())),
