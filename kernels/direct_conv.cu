@@ -2,8 +2,9 @@
 //
 // Three convolution kernels, all templated on the storage dtype T (float or __half; arithmetic is always float)
 // and on their tile sizes, and input transforms (at the end): pad_planes, the generated kernels' padded float32 input,
-// and direct_tile's paired settings' pair_images and, for strided layers, phase_pair_images. Launch geometry is computed in one place on the Python side
-// (unsparse/runtime/launch_geometry.py); every index the kernels read was validated there first.
+// and direct_tile's paired settings' pair_images and, for strided layers, phase_pair_images. Launch geometry is
+// computed in one place on the Python side (unsparse/runtime/launch_geometry.py); every index the kernels read was
+// validated there first.
 //
 // direct_rows: the paper's design, general (any kernel size, stride, dilation, padding, Conv1d as H = 1).
 //   Grid (pixel tiles, ceil(M / MB), ceil(N / SB)) (eq. 23: blocks = tiles * M-groups * ceil(N / SB)).

@@ -25,8 +25,9 @@
 // xp: (N, C, HP, WP) zero-padded input in float32 whatever T is: the caller converts a float16 input while padding
 // it, since a conversion per load (cuda_fp16.hpp's __half2float is inline PTX) made NVRTC take 3-4x as long on a
 // body of 14.6 k products (kernels/NOTES.md, thirty-fourth session); y: (N, M, E, F) output of T, rows k0 .. k0 + KT
-// - 1 written; bias: (M,) of T or nullptr; total = N * E * F. Stride 1, dilation 1, groups 1 only (the caller checks). Every address is inside xp
-// for p < total: oy + r < HP and ox + s < WP.
+// - 1 written; bias: (M,) of T or nullptr; total = N * E * F; relu: nonzero to apply the ReLU that follows the
+// layer in the epilogue. Stride 1, dilation 1, groups 1 only (the caller checks). Every address is inside xp for
+// p < total: oy + r < HP and ox + s < WP.
 
 #include <cuda_fp16.h>
 
@@ -47,14 +48,16 @@ __device__ __forceinline__ const float* window(const float* __restrict__ xp, Pix
   return xp + (static_cast<size_t>(q.n) * C * HP + q.oy) * WP + q.ox;
 }
 
-// Rows k0 .. k0 + KT - 1 below out_channels of pixel q, with the bias.
+// Rows k0 .. k0 + KT - 1 below out_channels of pixel q, with the bias, and with the ReLU that follows the layer where
+// relu is nonzero (a negative sum stored as 0; NaN kept, as torch.relu keeps it).
 __device__ __forceinline__ void store_rows(T* __restrict__ y, const T* __restrict__ bias, Pixel q, int out_channels,
-                                           int k0, const float* acc) {
+                                           int k0, const float* acc, int relu) {
   T* out = y + ((static_cast<size_t>(q.n) * out_channels + k0) * E + q.oy) * F + q.ox;
 #pragma unroll
   for (int k = 0; k < KT; ++k) {
     if (k0 + k < out_channels) {
-      store(out + static_cast<size_t>(k) * E * F, acc[k] + (bias ? to_float(bias[k0 + k]) : 0.0f));
+      const float v = acc[k] + (bias ? to_float(bias[k0 + k]) : 0.0f);
+      store(out + static_cast<size_t>(k) * E * F, relu && v < 0.0f ? 0.0f : v);
     }
   }
 }
@@ -63,14 +66,14 @@ __device__ __forceinline__ void store_rows(T* __restrict__ y, const T* __restric
 __device__ __forceinline__ void products(const float* __restrict__ base, float* acc);
 
 extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv(
-    const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int M, int k0) {
+    const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int M, int k0, int relu) {
   for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < total; p += gridDim.x * blockDim.x) {
     const Pixel q = locate(p);
     float acc[KT];
 #pragma unroll
     for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
     products(window(xp, q), acc);
-    store_rows(y, bias, q, M, k0, acc);
+    store_rows(y, bias, q, M, k0, acc, relu);
   }
 }
 #else
@@ -89,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv(
 __device__ __forceinline__ int run(int program, const float* __restrict__ base, float* acc);
 
 extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv_shared(
-    const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total,
+    const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int relu,
     unsigned int* __restrict__ counters) {
   __shared__ unsigned int s_tile;
   unsigned int smid;
@@ -109,7 +112,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv_shared(
 #pragma unroll
       for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
       const int k0 = run(program, window(xp, q), acc);
-      if (p < total) store_rows(y, bias, q, M, k0, acc);
+      if (p < total) store_rows(y, bias, q, M, k0, acc, relu);
     }
   }
 }

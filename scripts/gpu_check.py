@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--end-to-end", nargs="*", choices=bench.MODELS)
     parser.add_argument("--end-to-end-sparsity", type=sparsity_argument,
                         help="sparsity of the models timed whole, in [0, 1) (default: run_bench's, 0.9)")
+    parser.add_argument("--fuse-relu", action="store_true",
+                        help="the models timed whole fuse each conv with the ReLU after it in their sparse copy")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--layer-filter", help="time only the layers whose name matches this regular expression; "
                         "no model end to end then, unless --end-to-end names one")
@@ -63,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         args.end_to_end = []
     settings = {"runs": args.runs, "layer_filter": args.layer_filter, "time_budget_s": args.time_budget,
                 "sparse_file": args.sparse_file, "sparse_input_shape": args.sparse_input_shape, "timing": args.timing,
+                "end_to_end_fuse_relu": args.fuse_relu,
                 **(bench.QUICK if args.quick else {}),
                 **{name: getattr(args, name) for name in ("models", "sparsities", "batches", "precisions",
                                                            "end_to_end", "end_to_end_sparsity")

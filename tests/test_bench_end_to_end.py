@@ -81,8 +81,8 @@ def test_a_channels_last_planned_model_that_disagrees_is_not_counted(monkeypatch
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.inner(x) + 1
 
-    def sparsify(dense: nn.Module) -> nn.Module:
-        copies.append(original(dense))
+    def sparsify(dense: nn.Module, fuse_relu: bool = False) -> nn.Module:
+        copies.append(original(dense, fuse_relu=fuse_relu))
         return copies[-1] if len(copies) == 1 else Off(copies[-1])
 
     monkeypatch.setattr(end_to_end, "sparsify", sparsify)
@@ -153,3 +153,39 @@ def test_a_sparse_model_is_timed_on_its_dense_default_and_on_its_plan_one_after_
     assert seen == [({"cudnn"}, True), ({"auto"}, True)]
     assert record["graph_error"] == "no CUDA graphs on cpu" and record["dense_graph_ms"] is None
     assert {layer.backend for layer in end_to_end.sparse_layers(sparse).values()} == {"auto"}
+
+
+def test_a_model_timed_with_its_relus_fused_agrees_with_the_dense_model_and_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``fuse_relu`` the sparse copies hold the first conv fused with its ReLU (the record counts it) and still
+    agree with the dense model, whose ReLU runs apart; an unfused copy on the same plan, planned no further, is
+    timed in the same run for what fusing buys. Without it nothing is fused and nothing more is timed."""
+    timed, time_fn, copies, sparsify = [], end_to_end.time_fn, [], end_to_end.sparsify
+
+    def spy(fn, *args, **kwargs):
+        timed.append(fn(0))
+        return time_fn(fn, *args, **kwargs)
+
+    def kept_sparsify(*args, **kwargs):
+        copies.append(sparsify(*args, **kwargs))
+        return copies[-1]
+
+    monkeypatch.setattr(end_to_end, "time_fn", spy)
+    monkeypatch.setattr(end_to_end, "sparsify", kept_sparsify)
+    plan = Plan()
+    record = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, plan,
+                                         ["dense_cpu"], fuse_relu=True)
+    assert record["fused_relu"] == 1
+    assert record["rel_error"] <= record["tolerance"] and record["planned_nhwc_rel_error"] <= record["tolerance"]
+    assert record["layers_planned_now"] == len(plan.entries) == 4  # two layers in two layouts; the unfused copy: none
+    fused, unfused = copies[0], copies[2]
+    assert [layer.relu for layer in end_to_end.sparse_layers(unfused).values()] == [False, False]
+    assert [layer.relu for layer in end_to_end.sparse_layers(fused).values()] == [True, False]
+    torch.testing.assert_close(timed[2], timed[1])  # dense, fused, unfused: the same function
+    assert record["planned_unfused_ms"] > 0
+    assert record["fusion_speedup"] == pytest.approx(record["planned_unfused_ms"] / record["planned_ms"])
+    timed.clear()
+    plain = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
+                                        ["dense_cpu"])
+    assert plain["fused_relu"] == 0 and plain["planned_unfused_ms"] is None and plain["fusion_speedup"] is None
+    assert len(timed) == 4  # dense, planned, then the two channels-last models

@@ -479,3 +479,16 @@ def test_a_page_has_no_empty_table(result):
     assert "## Per layer" not in whole_only and "## End to end" in whole_only
     for text in (layers_only, whole_only):
         assert "## Kernels compiled ahead\n\n- vgg16 at 0.98: 251 kernels of 13 layers of the whole model" in text
+
+
+def test_the_end_to_end_row_says_how_many_convs_have_their_relu_fused(result):
+    result["end_to_end"][0]["fused_relu"] = 12
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "features.0 (direct); ReLU fused into 12 convs |" in text  # a record from before the unfused time
+    result["end_to_end"][0] |= {"planned_unfused_ms": 17.8724, "fusion_speedup": 1.2216}
+    assert "features.0 (direct); ReLU fused into 12 convs (unfused 17.872 ms: fusing 1.22x) |" in markdown_report(
+        {**result, "targets": evaluate_targets(result)})
+    assert text.count("ReLU fused") == 2  # the row and the section's one explanation; a page without fused ReLUs
+    assert "the other backends (cuDNN among them) in a pass after the conv" in text
+    del result["end_to_end"][0]["fused_relu"]
+    assert "ReLU fused" not in markdown_report({**result, "targets": evaluate_targets(result)})

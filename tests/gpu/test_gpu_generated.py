@@ -100,6 +100,24 @@ def test_generated_kernels_replay_in_a_cuda_graph(monkeypatch: pytest.MonkeyPatc
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("params", [SETTINGS[0], {"rows": 32, "programs": 4}, *CHUNKED])
+def test_the_relu_in_the_epilogue_matches_the_float64_reference(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                                params: dict) -> None:
+    """``relu=True`` (a layer fused with its ReLU) in one-program, shared and chunked kernels: the outputs equal the
+    reference's ReLU (sums of both signs, one empty and one dense row), the negative ones stored as exactly 0, and
+    the same call without the flag still gives the plain convolution (its launches are bound apart)."""
+    monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
+    x, csr, bias, geometry, ref = make_case("programs", dtype, seed=44)
+    backend = get_backend("generated")
+    poison_allocator(ref.numel(), dtype)
+    out = backend.run(x, csr, bias, geometry, relu=True, **params).cpu()
+    assert (ref < 0).any() and (out < 0).sum() == 0
+    assert relative_error(out, torch.relu(ref)) <= tolerance(dtype), params
+    plain = backend.run(x, csr, bias, geometry, **params).cpu()
+    assert relative_error(plain, ref) <= tolerance(dtype), params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_chunked_settings_give_the_whole_batchs_output_on_an_odd_batch(monkeypatch: pytest.MonkeyPatch,
                                                                        dtype: torch.dtype) -> None:
     """Batch 5 in chunks of 2, 2 and 1 images (each with its own bound launches and tile counters): every output

@@ -464,11 +464,16 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
              "same forward without it (GPU time only), so where the two speedups differ the model is host-bound.", "",
              "NHWC: the model and its input in channels-last from end to end (a planned model's layers then receive "
              "and return NHWC; the direct kernels' conversions are part of their planned time). Speedup (NCHW): "
-             "planned over dense, both NCHW; best planned / best dense: the faster layout of each.", "",
-             "| model | weights | batch | prec | dense ms | dense NHWC ms | planned ms | planned NHWC ms "
-             "| speedup (NCHW) | best planned / best dense | dense ms (graph) | planned ms (graph) | speedup (graph) "
-             "| dense NHWC ms (graph) | planned NHWC ms (graph) | rel. error | backends (NCHW plan) "
-             "| backends (NHWC plan) |", "|" + "---|" * 18]
+             "planned over dense, both NCHW; best planned / best dense: the faster layout of each.", ""]
+    if any(r.get("fused_relu") for r in records):
+        lines += ["ReLU fused into K convs: the planned model's convs apply the ReLU that follows them, the generated "
+                  "kernels in their epilogue, the other backends (cuDNN among them) in a pass after the conv; the "
+                  "dense model runs its ReLUs apart, as PyTorch does. Unfused: the same plan without fusion, NCHW, "
+                  "eager, timed in the same run.", ""]
+    lines += ["| model | weights | batch | prec | dense ms | dense NHWC ms | planned ms | planned NHWC ms "
+              "| speedup (NCHW) | best planned / best dense | dense ms (graph) | planned ms (graph) | speedup (graph) "
+              "| dense NHWC ms (graph) | planned NHWC ms (graph) | rel. error | backends (NCHW plan) "
+              "| backends (NHWC plan) |", "|" + "---|" * 18]
     for r in records:
         best = fastest_ms(r, "dense") / fastest_ms(r, "planned")
         lines.append(f"| {r['model']} | {r['weights']} | {r['batch']} | {r['precision']} | {_fmt(r['dense_ms'])} | "
@@ -476,9 +481,20 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                      f"{_fmt(r['speedup'], 2)} | {_fmt(best, 2)} | {_fmt(r.get('dense_graph_ms'))} | "
                      f"{_fmt(r.get('planned_graph_ms'))} | {_fmt(r.get('graph_speedup'), 2)} | "
                      f"{_fmt(r.get('dense_nhwc_graph_ms'))} | {_fmt(r.get('planned_nhwc_graph_ms'))} | "
-                     f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)} | "
+                     f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)}"
+                     + _fused_relu_text(r) + " | "
                      f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')} |")
     return lines
+
+
+def _fused_relu_text(record: dict[str, Any]) -> str:
+    """The end-to-end row's note on fused ReLUs: how many, and the same plan unfused timed in the same run."""
+    if not record.get("fused_relu"):
+        return ""
+    text = f"; ReLU fused into {record['fused_relu']} convs"
+    if record.get("planned_unfused_ms") is not None:
+        text += f" (unfused {_fmt(record['planned_unfused_ms'])} ms: fusing {_fmt(record['fusion_speedup'], 2)}x)"
+    return text
 
 
 def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -31,6 +32,8 @@ class SparseConv(nn.Module):
         geometry: stride/padding/dilation/groups; ``geometry.spatial_dims`` decides 1-D or 2-D inputs.
         backend: backend name used by :meth:`forward` (see ``unsparse.runtime.backends``).
         backend_params: tuning parameters for that backend (e.g. chosen by the comparator).
+        relu: apply the ``nn.ReLU`` that followed the conv (:func:`fuse_relu_`) in the output, in the epilogue of a
+            backend that fuses it (``ConvBackend.fuses_relu``), else in place after the conv.
 
     Forward: ``(N, C, H, W)`` -> ``(N, M, E, F)`` for 2-D, in the input's layout (NCHW or channels-last);
     ``(N, C, L)`` -> ``(N, M, L_out)`` for 1-D, always contiguous (a transposed ``(N, L, C)`` input is copied).
@@ -43,7 +46,7 @@ class SparseConv(nn.Module):
     """
 
     def __init__(self, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-                 backend: str = "reference", backend_params: dict[str, Any] | None = None) -> None:
+                 backend: str = "reference", backend_params: dict[str, Any] | None = None, relu: bool = False) -> None:
         super().__init__()
         if len(csr.weight_shape) != geometry.spatial_dims + 2:
             raise SparseFormatError(f"weight_shape: {csr.weight_shape} has {len(csr.weight_shape)} dimensions, a "
@@ -56,6 +59,7 @@ class SparseConv(nn.Module):
         self.geometry = geometry
         self.backend = backend
         self.backend_params = dict(backend_params or {})
+        self.relu = relu
         self._csr: UniformCSR | None = None
 
     @property
@@ -91,14 +95,14 @@ class SparseConv(nn.Module):
         return conv2d_input(x, self.geometry.spatial_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sparse_conv_nd(x, self.csr, self.bias, self.geometry, self.backend, **self.backend_params)
+        return sparse_conv_nd(x, self.csr, self.bias, self.geometry, self.backend, self.relu, **self.backend_params)
 
     def extra_repr(self) -> str:
         # the buffers, not self.csr: a model whose weight fails its re-check must still print
         total = math.prod(self.weight_shape)
         sparsity = 1.0 - int((self.values != 0).sum()) / total if total and not self.values.is_meta else 0.0
         return (f"weight_shape={self.weight_shape}, L={self.values.shape[1]}, sparsity={sparsity:.3f}, "
-                f"{self.geometry}, backend={self.backend!r}")
+                f"{self.geometry}, backend={self.backend!r}" + (", relu=True" if self.relu else ""))
 
 
 def sparse_from_conv(conv: nn.Conv1d | nn.Conv2d, backend: str = "reference") -> SparseConv:
@@ -126,7 +130,7 @@ def _computes_as_torch_conv(conv: nn.Conv1d | nn.Conv2d) -> bool:
             and not {"forward", "_conv_forward"} & vars(conv).keys())
 
 
-def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
+def sparsify(model: nn.Module, backend: str = "reference", fuse_relu: bool = False) -> nn.Module:
     """Copy ``model`` with every ``nn.Conv1d``/``nn.Conv2d`` replaced by a :class:`SparseConv` (``model`` itself
     where it is one).
 
@@ -169,7 +173,41 @@ def sparsify(model: nn.Module, backend: str = "reference") -> nn.Module:
     if isinstance(sparse_model, _ConvNd):  # the model is one conv
         return _sparse_or_dense(sparse_model, type(sparse_model).__name__, backend).eval()
     replace_shared(sparse_model, _ConvNd, lambda name, conv: _sparse_or_dense(conv, name, backend))
+    if fuse_relu:
+        fuse_relu_(sparse_model)
     return sparse_model.eval()
+
+
+def fuse_relu_(model: nn.Module) -> list[str]:
+    """Fuse each :class:`SparseConv` that an ``nn.ReLU`` directly follows in an ``nn.Sequential`` (VGG's ``features``)
+    with that ReLU: the layer's ``relu`` is set and the ReLU's place in the Sequential holds an ``nn.Identity``
+    (mutates ``model``), so that a backend that fuses it (``ConvBackend.fuses_relu``) saves the ReLU's pass over the
+    output; the function is unchanged. Left as they are: a layer reachable under several names (its other uses have
+    no ReLU after them), a layer or ReLU with hooks (they would see other tensors), and a subclass of ``nn.ReLU``.
+    A fused model saved as a sparse file reads back unfused (the architecture's ReLUs rebuilt, the layers' ``relu``
+    off), which computes the same.
+
+    Returns:
+        The qualified names of the layers fused, in module order.
+    """
+    uses: dict[nn.Module, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        uses[module] = uses.get(module, 0) + 1
+    fused = []
+    for name, sequence in list(model.named_modules()):
+        if not isinstance(sequence, nn.Sequential):
+            continue
+        for (conv_name, conv), (relu_name, relu) in itertools.pairwise(list(sequence._modules.items())):
+            if (isinstance(conv, SparseConv) and not conv.relu and type(relu) is nn.ReLU and uses[conv] == 1
+                    and not _has_hooks(conv) and not _has_hooks(relu)):
+                conv.relu = True
+                sequence._modules[relu_name] = nn.Identity()
+                fused.append(f"{name}.{conv_name}" if name else conv_name)
+    return fused
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_hooks)
 
 
 def replace_shared(model: nn.Module, kind: type | tuple[type, ...],

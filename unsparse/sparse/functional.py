@@ -25,7 +25,7 @@ def dense_fallback_backend(device: torch.device) -> str:
 
 
 def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-                backend: str = "reference", **params: Any) -> torch.Tensor:
+                backend: str = "reference", relu: bool = False, **params: Any) -> torch.Tensor:
     """Convolution of an ``(N, C, H, W)`` input with a UniformCSR weight on ``backend``.
 
     Args:
@@ -34,11 +34,12 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
         bias: ``(M,)`` or None.
         geometry: stride/padding/dilation/groups.
         backend: a registered backend name (``unsparse.runtime.backends.backend_names()``).
+        relu: apply ``torch.relu`` to the output (in the backend's epilogue where it fuses it).
         params: tuning parameters for that backend (one entry of its tuning space).
 
     Returns:
         ``(N, M, E, F)`` in ``x``'s layout (``ConvBackend.run``), equal (within the dtype's rounding) to
-        ``F.conv2d(x, csr.to_dense(), bias, ...)``.
+        ``F.conv2d(x, csr.to_dense(), bias, ...)``, or to its ``torch.relu`` with ``relu``.
 
     Raises:
         KeyError: unknown backend name.
@@ -65,7 +66,7 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
             _LOGGED.add((backend, reason))
             log.warning("backend %s falls back to dense convolution: %s", backend, reason)
         chosen, params = get_backend(dense_fallback_backend(x.device)), {}
-    return chosen.run(x, csr, bias, geometry, **params)
+    return chosen.run(x, csr, bias, geometry, relu=relu, **params)
 
 
 def conv2d_input(x: torch.Tensor, spatial_dims: int) -> torch.Tensor:
@@ -86,11 +87,11 @@ def conv2d_input(x: torch.Tensor, spatial_dims: int) -> torch.Tensor:
 
 
 def sparse_conv_nd(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-                   backend: str = "reference", **params: Any) -> torch.Tensor:
+                   backend: str = "reference", relu: bool = False, **params: Any) -> torch.Tensor:
     """:func:`sparse_conv` for an input as ``nn.Conv1d``/``nn.Conv2d`` take it (``geometry.spatial_dims`` says which):
     ``(N, C, H, W)`` -> ``(N, M, E, F)`` in the input's layout, ``(N, C, L)`` -> contiguous ``(N, M, L_out)``, and
     unbatched ``(C, ...)`` -> ``(M, ...)``, contiguous as torch returns it (:func:`conv2d_input`)."""
-    out = sparse_conv(conv2d_input(x, geometry.spatial_dims), csr, bias, geometry, backend, **params)
+    out = sparse_conv(conv2d_input(x, geometry.spatial_dims), csr, bias, geometry, backend, relu, **params)
     if geometry.spatial_dims == 1:
         out = out.squeeze(2)
     return out.squeeze(0).contiguous() if x.dim() == geometry.spatial_dims + 1 else out

@@ -28,12 +28,15 @@ class ConvBackend(ABC):
         sparse: True if it exploits the weight's sparsity (dense backends run ``csr.to_dense()``).
         graph_capturable: False if a call synchronises with the GPU (e.g. ``torch.unique``), so that it cannot be
             recorded as a CUDA graph and is timed eagerly.
+        fuses_relu: True if :meth:`conv` takes ``relu=True`` and applies a following ReLU as it stores its output;
+            :meth:`run` applies it in a separate pass for the others.
     """
 
     name: ClassVar[str]
     device_types: ClassVar[frozenset[str]]
     sparse: ClassVar[bool] = True
     graph_capturable: ClassVar[bool] = True
+    fuses_relu: ClassVar[bool] = False
 
     def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
         """Why this backend cannot run the layer on this input, or None if it can."""
@@ -64,8 +67,10 @@ class ConvBackend(ABC):
         """
 
     def run(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-            **params: Any) -> torch.Tensor:
-        """:meth:`conv` with the output in ``x``'s layout (:func:`~unsparse.runtime.layout.layout_of`).
+            relu: bool = False, **params: Any) -> torch.Tensor:
+        """:meth:`conv` with the output in ``x``'s layout (:func:`~unsparse.runtime.layout.layout_of`), followed by
+        a ReLU where ``relu`` (a layer fused with the ``nn.ReLU`` after it, :func:`~unsparse.runtime.modules.sparsify`
+        with ``fuse_relu``): inside :meth:`conv` for a backend that :attr:`fuses_relu`, else in place on the output.
 
         What models, the comparator and the timings call: a model fed a channels-last input stays in
         channels-last, and a backend that computes in NCHW pays its conversions inside the measured call. An
@@ -81,7 +86,10 @@ class ConvBackend(ABC):
         """
         csr.revalidate()
         check_bias(bias, csr)
-        out = self.conv(x, csr, bias, geometry, **params)
+        fused = relu and self.fuses_relu
+        out = self.conv(x, csr, bias, geometry, **params, **({"relu": True} if fused else {}))
+        if relu and not fused:
+            out = out.relu_()
         layout = layout_of(x)
         return out if layout_of(out) == layout else in_layout(out, layout)
 

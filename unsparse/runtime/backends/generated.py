@@ -169,6 +169,7 @@ class GeneratedBackend(ConvBackend):
 
     name = "generated"
     device_types = frozenset({"cuda"})
+    fuses_relu = True
 
     def __init__(self) -> None:
         self._cache = WeightCache()
@@ -186,9 +187,8 @@ class GeneratedBackend(ConvBackend):
                     "per generated program")
         N, C, H, W = x.shape
         E, F_ = geometry.output_size(H, W, csr.kernel_size)
-        padded_rows = N * C * (H + 2 * geometry.padding[0])
-        padded = C * (H + 2 * geometry.padding[0]) * (W + 2 * geometry.padding[1])
-        if N * E * F_ >= INDEX_LIMIT or padded >= INDEX_LIMIT or padded_rows >= INDEX_LIMIT:
+        padded_h, padded_w = H + 2 * geometry.padding[0], W + 2 * geometry.padding[1]
+        if N * E * F_ >= INDEX_LIMIT or C * padded_h * padded_w >= INDEX_LIMIT or N * C * padded_h >= INDEX_LIMIT:
             return "tensor too large for the generated kernels' 32-bit pixel, offset and padded row indexing"
         return None
 
@@ -229,7 +229,7 @@ class GeneratedBackend(ConvBackend):
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
-             streams: int = 1, chunks: int = 1) -> torch.Tensor:
+             streams: int = 1, chunks: int = 1, relu: bool = False) -> torch.Tensor:
         """Pad the input in float32 (:func:`padded_float32`, timed with the call: the kernels read float32, since a
         conversion per load made NVRTC 3-4x slower), then run the layer's programs of ``rows`` output channels,
         ``programs`` per kernel: a kernel of one program is v27's ``generated_conv``, one of several is
@@ -244,7 +244,8 @@ class GeneratedBackend(ConvBackend):
         stream once its padding is done, so that chunk k + 1's padding overlaps chunk k's kernels.
 
         The kernels read the bias as ``x``'s dtype, so a bias of another dtype (or not contiguous) is converted first,
-        as the ``direct`` backend does.
+        as the ``direct`` backend does. With ``relu`` they apply the ReLU that follows the layer as they store
+        (:attr:`fuses_relu`), which saves the ReLU's pass over the output (read and write).
 
         Returns:
             ``(N, M, E, F)`` NCHW output of ``x``'s dtype.
@@ -262,11 +263,12 @@ class GeneratedBackend(ConvBackend):
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
         y = torch.empty(N, csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
-        current = torch.cuda.current_stream(x.device)
         size = -(-N // chunks)
         if size == N:
-            self._run_kernels(x, padded_float32(x, geometry.padding), bias, y, csr, geometry, rows, programs, streams)
+            self._run_kernels(x, padded_float32(x, geometry.padding), bias, y, csr, geometry,
+                              (rows, programs, streams, relu))
             return y
+        current = torch.cuda.current_stream(x.device)
         padder = side_streams(x.device, 1)[0]
         padder.wait_stream(current)
         for start in range(0, N, size):
@@ -275,14 +277,17 @@ class GeneratedBackend(ConvBackend):
                 padded = padded_float32(part, geometry.padding)
             padded.record_stream(current)
             current.wait_stream(padder)
-            self._run_kernels(part, padded, bias, y[start:start + size], csr, geometry, rows, programs, streams)
+            self._run_kernels(part, padded, bias, y[start:start + size], csr, geometry,
+                              (rows, programs, streams, relu))
         return y
 
     def _run_kernels(self, x: torch.Tensor, padded: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-                     csr: UniformCSR, geometry: ConvGeometry, rows: int, programs: int, streams: int) -> None:
-        """Queue the kernels of a setting that compute ``y`` (``(n, M, E, F)``, contiguous) from ``padded``, the
-        padded float32 copy of ``x`` (``(n, C, H, W)``), after what the current stream holds (:meth:`conv`)."""
-        launches = self._launches(x, csr, geometry, rows, programs)
+                     csr: UniformCSR, geometry: ConvGeometry, setting: tuple[int, int, int, bool]) -> None:
+        """Queue the kernels of a setting ``(rows, programs, streams, relu)`` that compute ``y`` (``(n, M, E, F)``,
+        contiguous) from ``padded``, the padded float32 copy of ``x`` (``(n, C, H, W)``), after what the current
+        stream holds (:meth:`conv`)."""
+        rows, programs, streams, relu = setting
+        launches = self._launches(x, csr, geometry, rows, programs, relu)
         counters = (torch.zeros(len(launches), programs, dtype=torch.int32, device=x.device)
                     if any(shared for _, shared in launches) else None)
         current = torch.cuda.current_stream(x.device)
@@ -324,18 +329,18 @@ class GeneratedBackend(ConvBackend):
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         return gs.choose_threads(x.shape[0] * E * F_, sms)
 
-    def _launches(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
-                  programs: int) -> list[tuple[cl.BoundLaunch, bool]]:
+    def _launches(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int, programs: int,
+                  relu: bool) -> list[tuple[cl.BoundLaunch, bool]]:
         """The bound launches of a setting, each with whether it takes tile counters (cached per weight, input
-        shape, dtype and device)."""
-        key = ("launches", rows, programs, tuple(x.shape), x.dtype, x.device, geometry.padding)
-        return self._cache.get(csr, key, lambda: self._bind(x, csr, geometry, rows, programs))
+        shape, dtype, device and ReLU flag)."""
+        key = ("launches", rows, programs, tuple(x.shape), x.dtype, x.device, geometry.padding, relu)
+        return self._cache.get(csr, key, lambda: self._bind(x, csr, geometry, rows, programs, relu))
 
-    def _bind(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
-              programs: int) -> list[tuple[cl.BoundLaunch, bool]]:
+    def _bind(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int, programs: int,
+              relu: bool) -> list[tuple[cl.BoundLaunch, bool]]:
         """Compile (:func:`compile_all`) and bind each kernel: x, bias, y (and the counters of a shared kernel) per
-        call, the sizes fixed. A shared kernel's grid is every block that stays resident, since its blocks take
-        their tiles from the counters."""
+        call, the sizes and the ReLU flag fixed. A shared kernel's grid is every block that stays resident, since its
+        blocks take their tiles from the counters."""
         kernels = self._kernels(x, csr, geometry, rows, programs)
         threads = self._threads(x, csr, geometry)
         sources = self._sources(x, csr, kernels)
@@ -353,7 +358,8 @@ class GeneratedBackend(ConvBackend):
             name = f"{entry}[{hashlib.sha256(source.encode()).hexdigest()[:12]}]"
             spec = Launch(name, grid, (threads, 1, 1))
             arguments = (cl.PER_CALL, cl.PER_CALL, cl.PER_CALL, total,
-                         *((cl.PER_CALL,) if shared else (csr.out_channels, kernel_programs[0].first)))
+                         *((int(relu), cl.PER_CALL) if shared else (csr.out_channels, kernel_programs[0].first,
+                                                                   int(relu))))
             parameters = cl.KernelParameters(arguments, x.device)
             with cupy.cuda.Device(x.device.index):
                 function = kernel.kernel  # this device's handle (loaded here on first use)

@@ -1,0 +1,144 @@
+"""A conv fused with the ReLU after it (``sparsify(..., fuse_relu=True)``, ``SparseConv.relu``): the same function as
+conv then ReLU on every path (a backend that fuses it, one that does not, the dense fallback, the plan's dispatch),
+and only where fusing cannot change what the model computes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unsparse import create_model, load_sparse, save_sparse, sparsify
+from unsparse.prune import MagnitudePruner
+from unsparse.runtime import sparse_layers
+from unsparse.runtime.backends import get_backend
+from unsparse.runtime.backends.base import ConvBackend
+from unsparse.runtime.modules import SparseConv, fuse_relu_
+from unsparse.sparse.format import UniformCSR
+from unsparse.sparse.functional import sparse_conv
+from unsparse.sparse.geometry import ConvGeometry
+
+
+def layer(seed: int, out_channels: int = 7, channels: int = 3) -> tuple[torch.Tensor, UniformCSR, torch.Tensor]:
+    """A float64 input (2, 3, 9, 11), a 3x3 weight about half zeros with one all-zero and one fully dense row, and
+    a bias; the sums are of both signs."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_channels, channels, 3, 3, generator=generator, dtype=torch.float64)
+    weight *= torch.rand(weight.shape, generator=generator, dtype=torch.float64) < 0.5
+    weight[0] = 0
+    weight[1] = torch.randn(channels, 3, 3, generator=generator, dtype=torch.float64)
+    x = torch.randn(2, channels, 9, 11, generator=generator, dtype=torch.float64)
+    return x, UniformCSR.from_dense(weight), torch.randn(out_channels, generator=generator, dtype=torch.float64)
+
+
+def expected(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor, geometry: ConvGeometry) -> torch.Tensor:
+    return F.relu(F.conv2d(x, csr.to_dense(), bias, geometry.stride, geometry.padding))
+
+
+@pytest.mark.parametrize("backend", ["reference", "dense_cpu", "auto"])
+def test_a_backend_that_does_not_fuse_applies_the_relu_after_the_conv(backend: str) -> None:
+    x, csr, bias = layer(seed=1)
+    geometry = ConvGeometry.of(1, 1)
+    out = sparse_conv(x, csr, bias, geometry, backend, relu=True)
+    assert (out < 0).sum() == 0
+    assert torch.allclose(out, expected(x, csr, bias, geometry), rtol=1e-12, atol=1e-12)
+    unfused = sparse_conv(x, csr, bias, geometry, backend)
+    assert (unfused < 0).any()  # the case has negative sums, which the ReLU zeroes
+
+
+class Fusing(ConvBackend):
+    """A CPU backend that fuses the ReLU, recording the arguments its ``conv`` receives."""
+
+    name = "fusing_test"
+    device_types = frozenset({"cpu"})
+    fuses_relu = True
+
+    def __init__(self) -> None:
+        self.calls: list[dict[str, Any]] = []
+
+    def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+             relu: bool = False, **params: Any) -> torch.Tensor:
+        self.calls.append({"relu": relu, **params})
+        out = F.conv2d(x, csr.to_dense(), bias, geometry.stride, geometry.padding)
+        return out.clamp_min(0) if relu else out
+
+
+def test_a_backend_that_fuses_gets_the_flag_and_no_second_pass() -> None:
+    x, csr, bias = layer(seed=2)
+    geometry = ConvGeometry.of(1, 1)
+    backend = Fusing()
+    out = backend.run(x, csr, bias, geometry, relu=True, rows=4)
+    assert backend.calls == [{"relu": True, "rows": 4}]
+    assert torch.allclose(out, expected(x, csr, bias, geometry), rtol=1e-12, atol=1e-12)
+    backend.run(x, csr, bias, geometry, rows=4)
+    assert backend.calls[-1] == {"relu": False, "rows": 4}
+
+
+def test_the_relu_keeps_nan_as_torch_relu_does() -> None:
+    x, csr, bias = layer(seed=3)
+    x[0, :, 4, 5] = float("nan")
+    geometry = ConvGeometry.of(1, 1)
+    out = sparse_conv(x, csr, bias, geometry, "reference", relu=True)
+    reference = expected(x, csr, bias, geometry)
+    assert torch.equal(out.isnan(), reference.isnan()) and out.isnan().any()
+
+
+def conv_relu_model() -> nn.Module:
+    torch.manual_seed(0)
+    shared = nn.Conv2d(4, 4, 3, padding=1)
+    hooked = nn.ReLU()
+    hooked.register_forward_hook(lambda module, args, out: None)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(inplace=True),                   # fused
+        nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()),                # fused, nested
+        nn.Conv2d(4, 4, 3, padding=1), nn.LeakyReLU(),                          # another activation: left
+        nn.Conv2d(4, 4, 3, padding=1), hooked,                                  # a ReLU with a hook: left
+        shared, nn.ReLU(), shared,                                              # a conv used twice: left
+        nn.Conv2d(4, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU())            # not directly after: left
+
+
+def test_sparsify_fuses_only_a_conv_directly_followed_by_a_plain_relu() -> None:
+    model = conv_relu_model().double().eval()
+    x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+    fused = sparsify(model, fuse_relu=True)
+    assert [name for name, layer in sparse_layers(fused).items() if layer.relu] == ["0", "2.0"]
+    assert isinstance(fused[1], nn.Identity) and isinstance(fused[2][1], nn.Identity)
+    assert type(fused[4]) is nn.LeakyReLU and type(fused[6]) is nn.ReLU and type(fused[8]) is nn.ReLU
+    assert "relu=True" in repr(fused[0])
+    with torch.no_grad():
+        assert torch.allclose(fused(x), model(x), rtol=1e-10, atol=1e-12)
+    assert [layer.relu for layer in sparse_layers(sparsify(model)).values()] == [False] * 6  # off by default
+    assert fuse_relu_(fused) == []  # fusing again finds nothing left
+
+
+def test_a_fused_model_saved_reads_back_unfused_with_the_same_outputs(tmp_path) -> None:
+    torch.manual_seed(0)
+    model = create_model("alexnet", num_classes=10)
+    pruner = MagnitudePruner(0.9)
+    pruner.prepare(model)
+    pruner.step()
+    fused = sparsify(model.eval(), fuse_relu=True)
+    assert sum(layer.relu for layer in sparse_layers(fused).values()) == 5
+    loaded = load_sparse(save_sparse(fused, tmp_path / "m.safetensors"))
+    assert not any(layer.relu for layer in sparse_layers(loaded).values())
+    x = torch.randn(1, 3, 96, 96)
+    with torch.no_grad():
+        assert torch.allclose(loaded(x), fused(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_sparse_conv_with_relu_runs_on_the_plan_s_dispatch() -> None:
+    x, csr, bias = layer(seed=4)
+    conv = SparseConv(csr, bias, ConvGeometry.of(1, 1), backend="auto", relu=True)
+    assert torch.allclose(conv(x), expected(x, csr, bias, ConvGeometry.of(1, 1)), rtol=1e-12, atol=1e-12)
+    assert get_backend("auto").fuses_relu is False  # it hands the flag to the planned backend's run
+
+
+def test_the_benchmark_refuses_a_fuse_flag_that_is_not_a_bool() -> None:
+    from unsparse.runtime import bench
+
+    with pytest.raises(bench.BenchRefusedError, match="end_to_end_fuse_relu: expected true or false, got 'yes'"):
+        bench.check_run_settings(end_to_end_fuse_relu="yes")
+    bench.check_run_settings(end_to_end_fuse_relu=True)
