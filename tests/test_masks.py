@@ -20,7 +20,7 @@ from unsparse.prune import (
     threshold_mask,
     weighted_sparsity,
 )
-from unsparse.prune.masks import pack_mask, squashed_copy, unpack_mask
+from unsparse.prune.masks import lowest_mask, pack_mask, squashed_copy, unpack_mask
 
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.3, 0.9, 0.999, 1.0])
@@ -203,3 +203,23 @@ def test_a_mask_takes_only_zeros_and_ones_of_the_weights_shape():
     with pytest.raises(ValueError, match="shape"):
         mask.set(torch.ones(3, 2))
     assert torch.equal(mask.mask, torch.ones(2, 3))  # a refused set leaves the mask as it was
+
+
+@pytest.mark.parametrize("values", ["ties", "infinities", "nan"])
+def test_lowest_mask_zeros_what_a_stable_sort_puts_first(values: str) -> None:
+    """Exactly ``pruned`` zeros, the entries a stable sort ranks first: below the threshold all, at it the first by
+    position; with heavy ties (eight distinct values), infinite entries (as ``resize_mask`` writes them) and NaN
+    (ranked above everything), for every count from none to all."""
+    generator = torch.Generator().manual_seed(3)
+    importance = torch.randint(0, 8, (6, 7), generator=generator).double()
+    if values != "ties":
+        importance[0, :3] = -math.inf
+        importance[5, 4:] = math.inf
+    if values == "nan":
+        importance[2, 2] = importance[4, 0] = math.nan
+    flat = importance.view(-1).tolist()
+    order = sorted(range(len(flat)), key=lambda i: (math.isnan(flat[i]), 0.0 if math.isnan(flat[i]) else flat[i], i))
+    for pruned in range(importance.numel() + 1):
+        expected = torch.ones(importance.numel(), dtype=torch.bool)
+        expected[order[:pruned]] = False
+        assert torch.equal(lowest_mask(importance, pruned), expected.view(6, 7)), pruned

