@@ -47,7 +47,8 @@ struct Pixel {
   int n, oy, ox;
 };
 
-constexpr int EP = E / 2, FP = F / 2;  // the pooled plane
+// The pooled plane; at least 1, so that a plane below 2x2 (whose pool the caller refuses) divides by no zero.
+constexpr int EP = E > 1 ? E / 2 : 1, FP = F > 1 ? F / 2 : 1;
 
 // Output pixel p (0 <= p < total) of the NCHW output plane; with pool, pixel p & 3 (row-major) of pool window p >> 2.
 __device__ __forceinline__ Pixel locate(int p, int pool) {
