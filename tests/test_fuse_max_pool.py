@@ -124,6 +124,27 @@ def test_sparsify_fuses_only_a_conv_followed_by_a_2x2_max_pool() -> None:
         assert torch.allclose(fused(x), model(x), rtol=1e-10, atol=1e-12)
     assert fuse_max_pool_(fused) == [] and fuse_relu_(fused) == []  # fusing again finds nothing left
     assert not any(layer.max_pool for layer in sparse_layers(sparsify(model, fuse_relu=True)).values())
+    pools_only = sparsify(model, fuse_max_pool=True)  # past the ReLU it does not fuse, which then pools nothing
+    assert [name for name, layer in sparse_layers(pools_only).items() if layer.max_pool] == ["0", "3", "15"]
+    assert type(pools_only[1]) is nn.ReLU and not any(layer.relu for layer in sparse_layers(pools_only).values())
+    with torch.no_grad():
+        assert torch.allclose(pools_only(x), model(x), rtol=1e-10, atol=1e-12)
+
+
+def test_pool_fusion_leaves_shared_hooked_and_one_dimensional_layers() -> None:
+    """A conv used twice, a conv whose path to the pool passes a module with a hook (an Identity, a ReLU), and a
+    Conv1d before a pool are left as they are."""
+    shared = nn.Conv2d(4, 4, 3, padding=1)
+    hooked_identity, hooked_relu = nn.Identity(), nn.ReLU()
+    for module in (hooked_identity, hooked_relu):
+        module.register_forward_hook(lambda module, inputs, output: None)
+    model = nn.Sequential(shared, nn.MaxPool2d(2), shared,
+                          nn.Conv2d(4, 4, 3, padding=1), hooked_identity, nn.MaxPool2d(2),
+                          nn.Conv2d(4, 4, 3, padding=1), hooked_relu, nn.MaxPool2d(2),
+                          nn.Sequential(nn.Conv1d(4, 4, 3), nn.MaxPool2d(2)))
+    fused = sparsify(model, fuse_max_pool=True)
+    assert not any(layer.max_pool for layer in sparse_layers(fused).values())
+    assert [type(fused[index]) for index in (1, 5, 8)] == [nn.MaxPool2d] * 3 and type(fused[9][1]) is nn.MaxPool2d
 
 
 def test_vgg16_fuses_every_relu_and_five_pools_and_reads_back_unfused(tmp_path) -> None:

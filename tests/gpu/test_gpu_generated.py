@@ -10,9 +10,10 @@ from torch import nn
 
 from tests.gpu.test_gpu_backends import CASES, CUDA, make_case, poison_allocator
 from unsparse.runtime import get_backend, sparse_layers, sparsify
-from unsparse.runtime.backends.generated import SETTINGS, GeneratedBackend
+from unsparse.runtime.backends.generated import SETTINGS, GeneratedBackend, side_streams
 from unsparse.runtime.comparator import compare_layer, relative_error, tolerance
 from unsparse.runtime.precision import precision_mode
+from unsparse.sparse.geometry import ConvGeometry
 
 SUPPORTED = sorted(name for name, case in CASES.items() if case[7] == 1 and case[9] == 1)
 """Cases with stride 1 and dilation 1 (odd shapes, 1x1, 5x5, a Conv1d, all-zero, fully dense and empty rows)."""
@@ -134,13 +135,42 @@ def test_the_max_pool_in_the_epilogue_matches_the_float64_reference(monkeypatch:
     x, csr, bias, geometry, ref = make_case("programs", dtype, seed=45)
     expected = F.max_pool2d(torch.relu(ref) if relu else ref, 2)
     backend = get_backend("generated")
-    poison_allocator(ref.numel(), dtype)
+    poison_allocator(expected.numel(), dtype)
     out = backend.run(x, csr, bias, geometry, relu=relu, max_pool=True, **params)
     assert out.shape == expected.shape == (2, 230, 2, 3)
     assert relative_error(out.cpu(), expected) <= tolerance(dtype), params
+    poison_allocator(expected.numel(), dtype)
     last = backend.run(x.contiguous(memory_format=torch.channels_last), csr, bias, geometry, relu=relu,
                        max_pool=True, **params)
     assert last.is_contiguous(memory_format=torch.channels_last) and torch.equal(last, out)
+
+
+def test_the_pooled_kernels_loop_over_windows_keep_nan_and_refuse_a_plane_below_2x2(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One block of 64 threads for 3 x 6 x 5 = 90 windows (360 lanes: the grid-stride loop runs six times, its last
+    pass partial); a NaN input pixel gives NaN in the pooled outputs whose windows hold a NaN sum, as torch's pool of
+    the kernels' unpooled output does (the kernel's own maximum, not fmaxf, which would drop it), and the other
+    outputs equal that pool bit for bit; a 1-row output plane has no 2x2 window."""
+    from unsparse.runtime import generated_source
+
+    monkeypatch.setitem(CASES, "programs", (3, 6, 13, 11, 70, 3, 3, 1, 1, 1, 0.8, 1, 1))
+    monkeypatch.setattr(generated_source, "choose_threads", lambda total, sms: 64)
+    monkeypatch.setattr(generated_source, "launch_grid", lambda total, threads, resident, sms: (1, 1, 1))
+    x, csr, bias, geometry, ref = make_case("programs", torch.float32, seed=47)
+    backend = GeneratedBackend()  # its own launch cache: launches bound with other grids are not reused
+    out = backend.run(x, csr, bias, geometry, relu=True, max_pool=True)
+    assert relative_error(out.cpu(), F.max_pool2d(torch.relu(ref), 2)) <= tolerance(torch.float32)
+    x[1, 2, 6, 4] = float("nan")  # NaN where a nonzero weight reads it (the kernels skip the zeros, cuDNN does not)
+    expected = F.max_pool2d(backend.run(x, csr, bias, geometry, relu=True).double().cpu(), 2)
+    out = backend.run(x, csr, bias, geometry, relu=True, max_pool=True).cpu()
+    assert expected.isnan().any() and torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out[~out.isnan()].double(), expected[~expected.isnan()])
+    with pytest.raises(ValueError, match="max_pool needs an output plane of at least 2x2, not 1x11"):
+        backend.run(x[:, :, :1].contiguous(), csr, bias, ConvGeometry.of(1, 1), max_pool=True)
+
+
+def test_side_streams_are_made_once_per_device_and_count() -> None:
+    assert side_streams(CUDA, 2) is side_streams(CUDA, 2) and len(side_streams(CUDA, 3)) == 3
 
 
 def test_a_vgg_block_fused_on_generated_computes_the_dense_block() -> None:

@@ -203,23 +203,24 @@ def fuse_relu_(model: nn.Module) -> list[str]:
     Returns:
         The qualified names of the layers fused, in module order.
     """
-    return _fuse_next_(model, "relu", lambda module: type(module) is nn.ReLU)
+    return _fuse_next_(model, "relu", lambda module: type(module) is nn.ReLU, passes=())
 
 
 def fuse_max_pool_(model: nn.Module) -> list[str]:
     """Fuse each 2-D :class:`SparseConv` that an ``nn.MaxPool2d(2)`` follows in an ``nn.Sequential`` (kernel 2,
     stride 2, no padding, dilation 1, floor mode, no indices: VGG's pools) with that pool, as :func:`fuse_relu_` fuses
     a ReLU (the layer's ``max_pool`` set, the pool's place an ``nn.Identity``), so that a backend that fuses it
-    (``ConvBackend.fuses_max_pool``) saves the pool's pass and most of the output's writes. Run after
-    :func:`fuse_relu_`, a conv, ReLU, pool sequence fuses both (a ReLU and a max pool commute, so the order in which
-    the layer applies them does not matter). Left as they are: what :func:`fuse_relu_` leaves, a pool of other
-    settings, and a subclass of ``nn.MaxPool2d``.
+    (``ConvBackend.fuses_max_pool``) saves the pool's pass and most of the output's writes. "Follows" steps over
+    ``nn.Identity`` modules and plain ``nn.ReLU`` ones too: a ReLU and a max pool commute, so in a conv, ReLU, pool
+    sequence the pool fuses whether or not the ReLU is (a ReLU left as a module then runs on the pooled output).
+    Left as they are: what :func:`fuse_relu_` leaves, a pool of other settings, a subclass of ``nn.MaxPool2d``, and a
+    pool behind a module with hooks.
 
     Returns:
         The qualified names of the layers fused, in module order.
     """
     return _fuse_next_(model, "max_pool", lambda module: type(module) is nn.MaxPool2d and _is_pool_2x2(module),
-                       spatial_dims=2)
+                       passes=(nn.ReLU,), spatial_dims=2)
 
 
 def _is_pool_2x2(pool: nn.MaxPool2d) -> bool:
@@ -228,10 +229,11 @@ def _is_pool_2x2(pool: nn.MaxPool2d) -> bool:
 
 
 def _fuse_next_(model: nn.Module, attribute: str, matches: Callable[[nn.Module], bool],
-                spatial_dims: int | None = None) -> list[str]:
+                passes: tuple[type[nn.Module], ...], spatial_dims: int | None = None) -> list[str]:
     """Set ``attribute`` of each :class:`SparseConv` (of ``spatial_dims``, if given) in an ``nn.Sequential`` whose
-    next module other than an ``nn.Identity`` ``matches``, and put an ``nn.Identity`` in that module's place; not for
-    a layer reachable under several names, nor where the layer or the module has hooks (mutates ``model``)."""
+    next module that is neither an ``nn.Identity`` nor of a type in ``passes`` (exactly: modules the fused operation
+    commutes with) ``matches``, and put an ``nn.Identity`` in that module's place; not for a layer reachable under
+    several names, nor where the layer, the module or one stepped over has hooks (mutates ``model``)."""
     uses: dict[nn.Module, int] = {}
     for _, module in model.named_modules(remove_duplicate=False):
         uses[module] = uses.get(module, 0) + 1
@@ -244,8 +246,8 @@ def _fuse_next_(model: nn.Module, attribute: str, matches: Callable[[nn.Module],
             if (not isinstance(conv, SparseConv) or getattr(conv, attribute) or uses[conv] != 1 or _has_hooks(conv)
                     or (spatial_dims is not None and conv.geometry.spatial_dims != spatial_dims)):
                 continue
-            after = next(((key, module) for key, module in items[index + 1:] if type(module) is not nn.Identity),
-                         None)
+            after = next(((key, module) for key, module in items[index + 1:]
+                          if type(module) not in (nn.Identity, *passes) or _has_hooks(module)), None)
             if after is not None and matches(after[1]) and not _has_hooks(after[1]):
                 setattr(conv, attribute, True)
                 sequence._modules[after[0]] = nn.Identity()

@@ -155,7 +155,6 @@ def compile_all(kernels: list[tuple[str, str]], workers: int = 16,
     return [functions[kernel] for kernel in kernels]
 
 
-@functools.cache
 class Setting(NamedTuple):
     """One call's setting of :meth:`GeneratedBackend.conv`: its tuning parameters (:data:`SETTINGS`) and the
     epilogue's flags (the ReLU and the 2x2 max pool that follow the layer)."""
@@ -167,6 +166,7 @@ class Setting(NamedTuple):
     max_pool: bool
 
 
+@functools.cache
 def side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, ...]:
     """``count`` CUDA streams on ``device``, created once per process, that :meth:`GeneratedBackend.conv` spreads a
     layer's kernels over (``count`` > 1, ``streams``) or pads its sub-batches on (the one stream of ``count`` 1,
