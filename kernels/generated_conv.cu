@@ -28,6 +28,13 @@
 // - 1 written; bias: (M,) of T or nullptr; total = N * E * F; relu: nonzero to apply the ReLU that follows the
 // layer in the epilogue. Stride 1, dilation 1, groups 1 only (the caller checks). Every address is inside xp for
 // p < total: oy + r < HP and ox + s < WP.
+//
+// pool: nonzero to apply the 2x2, stride-2 max pool that follows the layer (after its ReLU, if any) in the epilogue:
+// y is then (N, M, E / 2, F / 2) (floor, as nn.MaxPool2d(2)), total = N * (E / 2) * (F / 2) * 4, and four
+// consecutive pixel indices are one pool window's four outputs, computed by four adjacent lanes that take their
+// maximum with two shuffles before the first of them stores it. Bias and ReLU are applied to the maximum: both are
+// monotone in the sum, so relu(max(a) + b) = max(relu(a + b)) exactly, rounding included. The caller launches
+// blocks of a multiple of four threads, so a lane group is never split by the p < total test.
 
 #include <cuda_fp16.h>
 
@@ -40,8 +47,18 @@ struct Pixel {
   int n, oy, ox;
 };
 
-// Output pixel p (0 <= p < N * E * F) of the NCHW output plane.
-__device__ __forceinline__ Pixel locate(int p) { return {p / (E * F), (p / F) % E, p % F}; }
+// The pooled plane; at least 1, so that a plane below 2x2 (whose pool the caller refuses) divides by no zero.
+constexpr int EP = E > 1 ? E / 2 : 1, FP = F > 1 ? F / 2 : 1;
+
+// Output pixel p (0 <= p < total) of the NCHW output plane; with pool, pixel p & 3 (row-major) of pool window p >> 2.
+__device__ __forceinline__ Pixel locate(int p, int pool) {
+  if (!pool) return {p / (E * F), (p / F) % E, p % F};
+  const int window = p >> 2;
+  return {window / (EP * FP), 2 * ((window / FP) % EP) + ((p >> 1) & 1), 2 * (window % FP) + (p & 1)};
+}
+
+// The larger of a and b, NaN if either is (as torch's max pool propagates it; fmaxf would drop it).
+__device__ __forceinline__ float pool_max(float a, float b) { return (b > a || b != b) ? b : a; }
 
 // The padded input at pixel q's window origin: tap (c, r, s) is at + (c * HP + r) * WP + s.
 __device__ __forceinline__ const float* window(const float* __restrict__ xp, Pixel q) {
@@ -50,14 +67,25 @@ __device__ __forceinline__ const float* window(const float* __restrict__ xp, Pix
 
 // Rows k0 .. k0 + KT - 1 below out_channels of pixel q, with the bias, and with the ReLU that follows the layer where
 // relu is nonzero (a negative sum stored as 0; NaN kept, as torch.relu keeps it).
+// With pool, the largest of the four sums of pixel q's pool window is stored, by the window's first lane, at the
+// window's place in the pooled plane; all four lanes of the window must call this together.
 __device__ __forceinline__ void store_rows(T* __restrict__ y, const T* __restrict__ bias, Pixel q, int out_channels,
-                                           int k0, const float* acc, int relu) {
-  T* out = y + ((static_cast<size_t>(q.n) * out_channels + k0) * E + q.oy) * F + q.ox;
+                                           int k0, const float* acc, int relu, int pool) {
+  const int plane = pool ? EP * FP : E * F;
+  T* out = y + (static_cast<size_t>(q.n) * out_channels + k0) * plane +
+           (pool ? (q.oy >> 1) * FP + (q.ox >> 1) : q.oy * F + q.ox);
+  const unsigned int group = 0xFu << (threadIdx.x & 28u);  // this lane's group of four in its warp
+  const bool stores = !pool || ((q.oy | q.ox) & 1) == 0;
 #pragma unroll
   for (int k = 0; k < KT; ++k) {
     if (k0 + k < out_channels) {
-      const float v = acc[k] + (bias ? to_float(bias[k0 + k]) : 0.0f);
-      store(out + static_cast<size_t>(k) * E * F, relu && v < 0.0f ? 0.0f : v);
+      float sum = acc[k];
+      if (pool) {
+        sum = pool_max(sum, __shfl_xor_sync(group, sum, 1));
+        sum = pool_max(sum, __shfl_xor_sync(group, sum, 2));
+      }
+      const float v = sum + (bias ? to_float(bias[k0 + k]) : 0.0f);
+      if (stores) store(out + static_cast<size_t>(k) * plane, relu && v < 0.0f ? 0.0f : v);
     }
   }
 }
@@ -66,14 +94,15 @@ __device__ __forceinline__ void store_rows(T* __restrict__ y, const T* __restric
 __device__ __forceinline__ void products(const float* __restrict__ base, float* acc);
 
 extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv(
-    const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int M, int k0, int relu) {
+    const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int M, int k0, int relu,
+    int pool) {
   for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < total; p += gridDim.x * blockDim.x) {
-    const Pixel q = locate(p);
+    const Pixel q = locate(p, pool);
     float acc[KT];
 #pragma unroll
     for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
     products(window(xp, q), acc);
-    store_rows(y, bias, q, M, k0, acc, relu);
+    store_rows(y, bias, q, M, k0, acc, relu, pool);
   }
 }
 #else
@@ -92,7 +121,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv(
 __device__ __forceinline__ int run(int program, const float* __restrict__ base, float* acc);
 
 extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv_shared(
-    const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int relu,
+    const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int relu, int pool,
     unsigned int* __restrict__ counters) {
   __shared__ unsigned int s_tile;
   unsigned int smid;
@@ -107,12 +136,14 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv_shared(
       __syncthreads();
       if (tile >= tiles) break;
       const int p = static_cast<int>(tile * blockDim.x + threadIdx.x);
-      const Pixel q = locate(min(p, total - 1));  // threads past the last pixel compute it again, store nothing
+      // Threads past the last pixel compute it again and store nothing: whole lane groups, as total is a multiple
+      // of four with pool.
+      const Pixel q = locate(min(p, total - 1), pool);
       float acc[KT];
 #pragma unroll
       for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
       const int k0 = run(program, window(xp, q), acc);
-      if (p < total) store_rows(y, bias, q, M, k0, acc, relu);
+      if (p < total) store_rows(y, bias, q, M, k0, acc, relu, pool);
     }
   }
 }

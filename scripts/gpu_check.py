@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="sparsity of the models timed whole, in [0, 1) (default: run_bench's, 0.9)")
     parser.add_argument("--fuse-relu", action="store_true",
                         help="the models timed whole fuse each conv with the ReLU after it in their sparse copy")
+    parser.add_argument("--fuse-max-pool", action="store_true",
+                        help="and with the 2x2 max pool after it (after its ReLU, if fused too)")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--layer-filter", help="time only the layers whose name matches this regular expression; "
                         "no model end to end then, unless --end-to-end names one")
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         args.end_to_end = []
     settings = {"runs": args.runs, "layer_filter": args.layer_filter, "time_budget_s": args.time_budget,
                 "sparse_file": args.sparse_file, "sparse_input_shape": args.sparse_input_shape, "timing": args.timing,
-                "end_to_end_fuse_relu": args.fuse_relu,
+                "end_to_end_fuse_relu": args.fuse_relu, "end_to_end_fuse_max_pool": args.fuse_max_pool,
                 **(bench.QUICK if args.quick else {}),
                 **{name: getattr(args, name) for name in ("models", "sparsities", "batches", "precisions",
                                                            "end_to_end", "end_to_end_sparsity")

@@ -81,8 +81,8 @@ def test_a_channels_last_planned_model_that_disagrees_is_not_counted(monkeypatch
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.inner(x) + 1
 
-    def sparsify(dense: nn.Module, fuse_relu: bool = False) -> nn.Module:
-        copies.append(original(dense, fuse_relu=fuse_relu))
+    def sparsify(dense: nn.Module, **fusions: bool) -> nn.Module:
+        copies.append(original(dense, **fusions))
         return copies[-1] if len(copies) == 1 else Off(copies[-1])
 
     monkeypatch.setattr(end_to_end, "sparsify", sparsify)

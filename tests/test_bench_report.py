@@ -488,7 +488,11 @@ def test_the_end_to_end_row_says_how_many_convs_have_their_relu_fused(result):
     result["end_to_end"][0] |= {"planned_unfused_ms": 17.8724, "fusion_speedup": 1.2216}
     assert "features.0 (direct); ReLU fused into 12 convs (unfused 17.872 ms: fusing 1.22x) |" in markdown_report(
         {**result, "targets": evaluate_targets(result)})
-    assert text.count("ReLU fused") == 2  # the row and the section's one explanation; a page without fused ReLUs
+    assert text.count("ReLU fused into 12") == 1 and text.count("ReLU (max pool) fused into K convs") == 1
     assert "the other backends (cuDNN among them) in a pass after the conv" in text
+    result["end_to_end"][0]["fused_max_pool"] = 4
+    both = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "features.0 (direct); ReLU fused into 12 convs, max pool fused into 4 convs (unfused 17.872 ms: " in both
+    del result["end_to_end"][0]["fused_max_pool"]
     del result["end_to_end"][0]["fused_relu"]
     assert "ReLU fused" not in markdown_report({**result, "targets": evaluate_targets(result)})

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from tests.gpu.test_gpu_backends import CASES, CUDA, make_case, poison_allocator
-from unsparse.runtime import get_backend
-from unsparse.runtime.backends.generated import SETTINGS, GeneratedBackend
+from unsparse.runtime import get_backend, sparse_layers, sparsify
+from unsparse.runtime.backends.generated import SETTINGS, GeneratedBackend, side_streams
 from unsparse.runtime.comparator import compare_layer, relative_error, tolerance
+from unsparse.runtime.precision import precision_mode
+from unsparse.sparse.geometry import ConvGeometry
 
 SUPPORTED = sorted(name for name, case in CASES.items() if case[7] == 1 and case[9] == 1)
 """Cases with stride 1 and dilation 1 (odd shapes, 1x1, 5x5, a Conv1d, all-zero, fully dense and empty rows)."""
@@ -115,6 +119,77 @@ def test_the_relu_in_the_epilogue_matches_the_float64_reference(monkeypatch: pyt
     assert relative_error(out, torch.relu(ref)) <= tolerance(dtype), params
     plain = backend.run(x, csr, bias, geometry, **params).cpu()
     assert relative_error(plain, ref) <= tolerance(dtype), params
+
+
+@pytest.mark.parametrize("relu", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("params", [SETTINGS[0], {"rows": 32, "programs": 4}, *CHUNKED])
+def test_the_max_pool_in_the_epilogue_matches_the_float64_reference(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                                    params: dict, relu: bool) -> None:
+    """``max_pool=True`` (a layer fused with the 2x2 max pool after it, with and without its ReLU) in one-program,
+    shared and chunked kernels, each lane group of four reducing one window: the output is the reference's pool,
+    ``(N, M, E // 2, F // 2)``; the 5x7 output plane's last row and column are pooled out, as ``nn.MaxPool2d(2)``
+    drops them; 2 x 2 x 3 = 12 windows leave lanes past the last one. A channels-last input gets a channels-last
+    output."""
+    monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
+    x, csr, bias, geometry, ref = make_case("programs", dtype, seed=45)
+    expected = F.max_pool2d(torch.relu(ref) if relu else ref, 2)
+    backend = get_backend("generated")
+    poison_allocator(expected.numel(), dtype)
+    out = backend.run(x, csr, bias, geometry, relu=relu, max_pool=True, **params)
+    assert out.shape == expected.shape == (2, 230, 2, 3)
+    assert relative_error(out.cpu(), expected) <= tolerance(dtype), params
+    poison_allocator(expected.numel(), dtype)
+    last = backend.run(x.contiguous(memory_format=torch.channels_last), csr, bias, geometry, relu=relu,
+                       max_pool=True, **params)
+    assert last.is_contiguous(memory_format=torch.channels_last) and torch.equal(last, out)
+
+
+def test_the_pooled_kernels_loop_over_windows_keep_nan_and_refuse_a_plane_below_2x2(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One block of 64 threads for 3 x 6 x 5 = 90 windows (360 lanes: the grid-stride loop runs six times, its last
+    pass partial); a NaN input pixel gives NaN in the pooled outputs whose windows hold a NaN sum, as torch's pool of
+    the kernels' unpooled output does (the kernel's own maximum, not fmaxf, which would drop it), and the other
+    outputs equal that pool bit for bit; a 1-row output plane has no 2x2 window."""
+    from unsparse.runtime import generated_source
+
+    monkeypatch.setitem(CASES, "programs", (3, 6, 13, 11, 70, 3, 3, 1, 1, 1, 0.8, 1, 1))
+    monkeypatch.setattr(generated_source, "choose_threads", lambda total, sms: 64)
+    monkeypatch.setattr(generated_source, "launch_grid", lambda total, threads, resident, sms: (1, 1, 1))
+    x, csr, bias, geometry, ref = make_case("programs", torch.float32, seed=47)
+    backend = GeneratedBackend()  # its own launch cache: launches bound with other grids are not reused
+    out = backend.run(x, csr, bias, geometry, relu=True, max_pool=True)
+    assert relative_error(out.cpu(), F.max_pool2d(torch.relu(ref), 2)) <= tolerance(torch.float32)
+    x[1, 2, 6, 4] = float("nan")  # NaN where a nonzero weight reads it (the kernels skip the zeros, cuDNN does not)
+    expected = F.max_pool2d(backend.run(x, csr, bias, geometry, relu=True).double().cpu(), 2)
+    out = backend.run(x, csr, bias, geometry, relu=True, max_pool=True).cpu()
+    assert expected.isnan().any() and torch.equal(out.isnan(), expected.isnan())
+    assert torch.equal(out[~out.isnan()].double(), expected[~expected.isnan()])
+    with pytest.raises(ValueError, match="max_pool needs an output plane of at least 2x2, not 1x11"):
+        backend.run(x[:, :, :1].contiguous(), csr, bias, ConvGeometry.of(1, 1), max_pool=True)
+
+
+def test_side_streams_are_made_once_per_device_and_count() -> None:
+    assert side_streams(CUDA, 2) is side_streams(CUDA, 2) and len(side_streams(CUDA, 3)) == 3
+
+
+def test_a_vgg_block_fused_on_generated_computes_the_dense_block() -> None:
+    """VGG's conv, ReLU, conv, ReLU, pool sequence sparsified with both fusions and run on the generated kernels:
+    the first conv carries its ReLU, the second its ReLU and the pool, and the block's output equals the dense
+    block's (float32, TF32 off)."""
+    torch.manual_seed(46)
+    block = nn.Sequential(nn.Conv2d(3, 40, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(40, 70, 3, padding=1),
+                          nn.ReLU(inplace=True), nn.MaxPool2d(2, 2)).eval()
+    with torch.no_grad():
+        for conv in (block[0], block[2]):
+            conv.weight.mul_(torch.rand_like(conv.weight) > 0.7)
+    sparse = sparsify(block, backend="generated", fuse_relu=True, fuse_max_pool=True).to(CUDA)
+    assert [(layer.relu, layer.max_pool) for layer in sparse_layers(sparse).values()] == [(True, False), (True, True)]
+    x = torch.randn(3, 3, 18, 14)
+    with torch.no_grad(), precision_mode(False):
+        out = sparse(x.to(CUDA)).cpu()
+        expected = block.double()(x.double())
+    assert relative_error(out, expected) <= tolerance(torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -465,11 +465,11 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
              "NHWC: the model and its input in channels-last from end to end (a planned model's layers then receive "
              "and return NHWC; the direct kernels' conversions are part of their planned time). Speedup (NCHW): "
              "planned over dense, both NCHW; best planned / best dense: the faster layout of each.", ""]
-    if any(r.get("fused_relu") for r in records):
-        lines += ["ReLU fused into K convs: the planned model's convs apply the ReLU that follows them, the generated "
-                  "kernels in their epilogue, the other backends (cuDNN among them) in a pass after the conv; the "
-                  "dense model runs its ReLUs apart, as PyTorch does. Unfused: the same plan without fusion, NCHW, "
-                  "eager, timed in the same run.", ""]
+    if any(r.get("fused_relu") or r.get("fused_max_pool") for r in records):
+        lines += ["ReLU (max pool) fused into K convs: the planned model's convs apply the ReLU (the 2x2 max pool) "
+                  "that follows them, the generated kernels in their epilogue, the other backends (cuDNN among them) "
+                  "in a pass after the conv; the dense model runs its ReLUs and pools apart, as PyTorch does. "
+                  "Unfused: the same plan without fusion, NCHW, eager, timed in the same run.", ""]
     lines += ["| model | weights | batch | prec | dense ms | dense NHWC ms | planned ms | planned NHWC ms "
               "| speedup (NCHW) | best planned / best dense | dense ms (graph) | planned ms (graph) | speedup (graph) "
               "| dense NHWC ms (graph) | planned NHWC ms (graph) | rel. error | backends (NCHW plan) "
@@ -482,16 +482,20 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                      f"{_fmt(r.get('planned_graph_ms'))} | {_fmt(r.get('graph_speedup'), 2)} | "
                      f"{_fmt(r.get('dense_nhwc_graph_ms'))} | {_fmt(r.get('planned_nhwc_graph_ms'))} | "
                      f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)}"
-                     + _fused_relu_text(r) + " | "
+                     + _fusion_text(r) + " | "
                      f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')} |")
     return lines
 
 
-def _fused_relu_text(record: dict[str, Any]) -> str:
-    """The end-to-end row's note on fused ReLUs: how many, and the same plan unfused timed in the same run."""
-    if not record.get("fused_relu"):
+def _fusion_text(record: dict[str, Any]) -> str:
+    """The end-to-end row's note on fused ReLUs and max pools: how many, and the same plan unfused timed in the
+    same run."""
+    fused = [f"{what} fused into {record[field]} convs" for what, field in (("ReLU", "fused_relu"),
+                                                                            ("max pool", "fused_max_pool"))
+             if record.get(field)]
+    if not fused:
         return ""
-    text = f"; ReLU fused into {record['fused_relu']} convs"
+    text = "; " + ", ".join(fused)
     if record.get("planned_unfused_ms") is not None:
         text += f" (unfused {_fmt(record['planned_unfused_ms'])} ms: fusing {_fmt(record['fusion_speedup'], 2)}x)"
     return text

@@ -60,7 +60,7 @@ def graph_timings(dense: Callable[[], Any], planned: Callable[[], Any], device: 
 
 def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, precision: str,
                      device: torch.device, runs: int, plan: Plan, backends: list[str] | None,
-                     fuse_relu: bool = False) -> dict[str, Any]:
+                     fuse_relu: bool = False, fuse_max_pool: bool = False) -> dict[str, Any]:
     """Time the dense model (cuDNN) against its sparsified copy running the plan ("auto"), same precision, each
     in NCHW and in channels-last from end to end.
 
@@ -84,16 +84,19 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     With ``fuse_relu`` the sparse copies fuse each conv with the ``nn.ReLU`` that follows it
     (:func:`~unsparse.runtime.modules.fuse_relu_`; ``fused_relu`` counts the layers), which a backend that fuses it
     applies in its epilogue; the dense model runs as PyTorch runs it, ReLU apart. The per-layer comparisons still
-    time the convolution alone, so fusing can only make the layers planned on such a backend cheaper. What fusing
-    buys is measured in the same run: ``planned_unfused_ms`` times a third sparse copy without fusion on the same
-    plan (NCHW, eager; its keys are the fused copy's, so nothing is planned again) and ``fusion_speedup`` is it over
-    ``planned_ms``; both None without ``fuse_relu``.
+    time the convolution alone, so fusing can only make the layers planned on such a backend cheaper. With
+    ``fuse_max_pool`` they fuse the 2x2 max pool after a conv too (:func:`~unsparse.runtime.modules.fuse_max_pool_`,
+    after the ReLUs; ``fused_max_pool`` counts the layers). What fusing buys is measured in the same run:
+    ``planned_unfused_ms`` times a third sparse copy without fusion on the same plan (NCHW, eager; its keys are the
+    fused copy's, so nothing is planned again) and ``fusion_speedup`` is it over ``planned_ms``; both None without
+    either flag.
     """
     dtype, tf32 = PRECISIONS[precision].dtype, PRECISIONS[precision].tf32
     bound = 10 * tolerance(dtype, tf32)
     with precision_mode(tf32):
         dense = model.to(device, dtype).eval()
-        sparse, sparse_nhwc = sparsify(dense, fuse_relu=fuse_relu), sparsify(dense, fuse_relu=fuse_relu)
+        fusions = {"fuse_relu": fuse_relu, "fuse_max_pool": fuse_max_pool}
+        sparse, sparse_nhwc = sparsify(dense, **fusions), sparsify(dense, **fusions)
         x = torch.randn(batch, *input_shape, device=device, dtype=dtype)
         x_nhwc = x.contiguous(memory_format=torch.channels_last)
         nhwc_planned = layout_of(x_nhwc) == "nhwc"  # one channel: the same bytes, so the layers would run NCHW
@@ -102,7 +105,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
         check = check_plan(sparse, x, plan, comparisons, runs)
         plan, comparisons_nhwc = plan_model(sparse_nhwc, x_nhwc, plan, backends) if nhwc_planned else (plan, [])
         check_nhwc = check_plan(sparse_nhwc, x_nhwc, plan, comparisons_nhwc, runs) if nhwc_planned else None
-        unfused = sparsify(dense) if fuse_relu else None
+        unfused = sparsify(dense) if fuse_relu or fuse_max_pool else None
         if unfused is not None:
             plan_model(unfused, x, plan, backends)
         with torch.no_grad():
@@ -137,6 +140,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "tolerance": bound, "layers_planned_now": len(comparisons) + len(comparisons_nhwc),
             "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
             "fused_relu": sum(layer.relu for layer in sparse_layers(sparse).values()),
+            "fused_max_pool": sum(layer.max_pool for layer in sparse_layers(sparse).values()),
             "planned_unfused_ms": None if unfused_t is None else unfused_t.median_ms,
             "fusion_speedup": None if unfused_t is None else unfused_t.median_ms / sparse_t.median_ms,
             "planned_timing": sparse_t.to_dict(),

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -13,6 +12,7 @@ import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 from torch.nn.modules.lazy import LazyModuleMixin
+from torch.nn.modules.utils import _pair
 
 from unsparse.modes import module_modes, restore_modes
 from unsparse.prune.masks import squashed_copy
@@ -34,6 +34,9 @@ class SparseConv(nn.Module):
         backend_params: tuning parameters for that backend (e.g. chosen by the comparator).
         relu: apply the ``nn.ReLU`` that followed the conv (:func:`fuse_relu_`) in the output, in the epilogue of a
             backend that fuses it (``ConvBackend.fuses_relu``), else in place after the conv.
+        max_pool: then apply the ``nn.MaxPool2d(2)`` that followed (:func:`fuse_max_pool_`; 2-D only), likewise in
+            the epilogue of a backend that fuses it (``ConvBackend.fuses_max_pool``): the output is then
+            ``(N, M, E // 2, F // 2)``.
 
     Forward: ``(N, C, H, W)`` -> ``(N, M, E, F)`` for 2-D, in the input's layout (NCHW or channels-last);
     ``(N, C, L)`` -> ``(N, M, L_out)`` for 1-D, always contiguous (a transposed ``(N, L, C)`` input is copied).
@@ -43,11 +46,15 @@ class SparseConv(nn.Module):
         SparseFormatError: (a ``ValueError``) a weight whose rank is not ``geometry.spatial_dims + 2`` (a Conv1d
             weight under a 2-D geometry ran as a 1 x S kernel over an image, with no error), or ``groups`` that
             does not divide the weight's output channels (:meth:`ConvGeometry.check_channels`).
+        ValueError: ``max_pool`` for a 1-D convolution.
     """
 
     def __init__(self, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-                 backend: str = "reference", backend_params: dict[str, Any] | None = None, relu: bool = False) -> None:
+                 backend: str = "reference", backend_params: dict[str, Any] | None = None, relu: bool = False,
+                 max_pool: bool = False) -> None:
         super().__init__()
+        if max_pool and geometry.spatial_dims != 2:
+            raise ValueError("max_pool: a 2x2 max pool follows 2-D convolutions only")
         if len(csr.weight_shape) != geometry.spatial_dims + 2:
             raise SparseFormatError(f"weight_shape: {csr.weight_shape} has {len(csr.weight_shape)} dimensions, a "
                                     f"{geometry.spatial_dims}-D convolution's weight has {geometry.spatial_dims + 2}")
@@ -60,6 +67,7 @@ class SparseConv(nn.Module):
         self.backend = backend
         self.backend_params = dict(backend_params or {})
         self.relu = relu
+        self.max_pool = max_pool
         self._csr: UniformCSR | None = None
 
     @property
@@ -95,14 +103,16 @@ class SparseConv(nn.Module):
         return conv2d_input(x, self.geometry.spatial_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sparse_conv_nd(x, self.csr, self.bias, self.geometry, self.backend, self.relu, **self.backend_params)
+        return sparse_conv_nd(x, self.csr, self.bias, self.geometry, self.backend, self.relu, self.max_pool,
+                              **self.backend_params)
 
     def extra_repr(self) -> str:
         # the buffers, not self.csr: a model whose weight fails its re-check must still print
         total = math.prod(self.weight_shape)
         sparsity = 1.0 - int((self.values != 0).sum()) / total if total and not self.values.is_meta else 0.0
         return (f"weight_shape={self.weight_shape}, L={self.values.shape[1]}, sparsity={sparsity:.3f}, "
-                f"{self.geometry}, backend={self.backend!r}" + (", relu=True" if self.relu else ""))
+                f"{self.geometry}, backend={self.backend!r}" + (", relu=True" if self.relu else "")
+                + (", max_pool=True" if self.max_pool else ""))
 
 
 def sparse_from_conv(conv: nn.Conv1d | nn.Conv2d, backend: str = "reference") -> SparseConv:
@@ -130,7 +140,8 @@ def _computes_as_torch_conv(conv: nn.Conv1d | nn.Conv2d) -> bool:
             and not {"forward", "_conv_forward"} & vars(conv).keys())
 
 
-def sparsify(model: nn.Module, backend: str = "reference", fuse_relu: bool = False) -> nn.Module:
+def sparsify(model: nn.Module, backend: str = "reference", fuse_relu: bool = False,
+             fuse_max_pool: bool = False) -> nn.Module:
     """Copy ``model`` with every ``nn.Conv1d``/``nn.Conv2d`` replaced by a :class:`SparseConv` (``model`` itself
     where it is one).
 
@@ -175,21 +186,54 @@ def sparsify(model: nn.Module, backend: str = "reference", fuse_relu: bool = Fal
     replace_shared(sparse_model, _ConvNd, lambda name, conv: _sparse_or_dense(conv, name, backend))
     if fuse_relu:
         fuse_relu_(sparse_model)
+    if fuse_max_pool:
+        fuse_max_pool_(sparse_model)
     return sparse_model.eval()
 
 
 def fuse_relu_(model: nn.Module) -> list[str]:
-    """Fuse each :class:`SparseConv` that an ``nn.ReLU`` directly follows in an ``nn.Sequential`` (VGG's ``features``)
-    with that ReLU: the layer's ``relu`` is set and the ReLU's place in the Sequential holds an ``nn.Identity``
-    (mutates ``model``), so that a backend that fuses it (``ConvBackend.fuses_relu``) saves the ReLU's pass over the
-    output; the function is unchanged. Left as they are: a layer reachable under several names (its other uses have
-    no ReLU after them), a layer or ReLU with hooks (they would see other tensors), and a subclass of ``nn.ReLU``.
-    A fused model saved as a sparse file reads back unfused (the architecture's ReLUs rebuilt, the layers' ``relu``
-    off), which computes the same.
+    """Fuse each :class:`SparseConv` that an ``nn.ReLU`` follows in an ``nn.Sequential`` (VGG's ``features``) with
+    that ReLU: the layer's ``relu`` is set and the ReLU's place in the Sequential holds an ``nn.Identity`` (mutates
+    ``model``), so that a backend that fuses it (``ConvBackend.fuses_relu``) saves the ReLU's pass over the output;
+    the function is unchanged. "Follows": the next module in the Sequential that is not an ``nn.Identity``. Left as
+    they are: a layer reachable under several names (its other uses have no ReLU after them), a layer or ReLU with
+    hooks (they would see other tensors), and a subclass of ``nn.ReLU``. A fused model saved as a sparse file reads
+    back unfused (the architecture's ReLUs rebuilt, the layers' ``relu`` off), which computes the same.
 
     Returns:
         The qualified names of the layers fused, in module order.
     """
+    return _fuse_next_(model, "relu", lambda module: type(module) is nn.ReLU, passes=())
+
+
+def fuse_max_pool_(model: nn.Module) -> list[str]:
+    """Fuse each 2-D :class:`SparseConv` that an ``nn.MaxPool2d(2)`` follows in an ``nn.Sequential`` (kernel 2,
+    stride 2, no padding, dilation 1, floor mode, no indices: VGG's pools) with that pool, as :func:`fuse_relu_` fuses
+    a ReLU (the layer's ``max_pool`` set, the pool's place an ``nn.Identity``), so that a backend that fuses it
+    (``ConvBackend.fuses_max_pool``) saves the pool's pass and most of the output's writes. "Follows" steps over
+    ``nn.Identity`` modules and plain ``nn.ReLU`` ones too: a ReLU and a max pool commute, so in a conv, ReLU, pool
+    sequence the pool fuses whether or not the ReLU is (a ReLU left as a module then runs on the pooled output).
+    Left as they are: what :func:`fuse_relu_` leaves, a pool of other settings, a subclass of ``nn.MaxPool2d``, and a
+    pool behind a module with hooks.
+
+    Returns:
+        The qualified names of the layers fused, in module order.
+    """
+    return _fuse_next_(model, "max_pool", lambda module: type(module) is nn.MaxPool2d and _is_pool_2x2(module),
+                       passes=(nn.ReLU,), spatial_dims=2)
+
+
+def _is_pool_2x2(pool: nn.MaxPool2d) -> bool:
+    return (_pair(pool.kernel_size) == _pair(pool.stride) == (2, 2) and _pair(pool.padding) == (0, 0)
+            and _pair(pool.dilation) == (1, 1) and not pool.ceil_mode and not pool.return_indices)
+
+
+def _fuse_next_(model: nn.Module, attribute: str, matches: Callable[[nn.Module], bool],
+                passes: tuple[type[nn.Module], ...], spatial_dims: int | None = None) -> list[str]:
+    """Set ``attribute`` of each :class:`SparseConv` (of ``spatial_dims``, if given) in an ``nn.Sequential`` whose
+    next module that is neither an ``nn.Identity`` nor of a type in ``passes`` (exactly: modules the fused operation
+    commutes with) ``matches``, and put an ``nn.Identity`` in that module's place; not for a layer reachable under
+    several names, nor where the layer, the module or one stepped over has hooks (mutates ``model``)."""
     uses: dict[nn.Module, int] = {}
     for _, module in model.named_modules(remove_duplicate=False):
         uses[module] = uses.get(module, 0) + 1
@@ -197,11 +241,16 @@ def fuse_relu_(model: nn.Module) -> list[str]:
     for name, sequence in list(model.named_modules()):
         if not isinstance(sequence, nn.Sequential):
             continue
-        for (conv_name, conv), (relu_name, relu) in itertools.pairwise(list(sequence._modules.items())):
-            if (isinstance(conv, SparseConv) and not conv.relu and type(relu) is nn.ReLU and uses[conv] == 1
-                    and not _has_hooks(conv) and not _has_hooks(relu)):
-                conv.relu = True
-                sequence._modules[relu_name] = nn.Identity()
+        items = list(sequence._modules.items())
+        for index, (conv_name, conv) in enumerate(items):
+            if (not isinstance(conv, SparseConv) or getattr(conv, attribute) or uses[conv] != 1 or _has_hooks(conv)
+                    or (spatial_dims is not None and conv.geometry.spatial_dims != spatial_dims)):
+                continue
+            after = next(((key, module) for key, module in items[index + 1:]
+                          if type(module) not in (nn.Identity, *passes) or _has_hooks(module)), None)
+            if after is not None and matches(after[1]) and not _has_hooks(after[1]):
+                setattr(conv, attribute, True)
+                sequence._modules[after[0]] = nn.Identity()
                 fused.append(f"{name}.{conv_name}" if name else conv_name)
     return fused
 

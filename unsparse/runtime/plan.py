@@ -260,8 +260,8 @@ class AutoBackend(ConvBackend):
         return get_backend(backend).conv(x, csr, bias, geometry, **planned)  # run() converts the output once
 
     def run(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-            relu: bool = False, **params: Any) -> torch.Tensor:
+            relu: bool = False, max_pool: bool = False, **params: Any) -> torch.Tensor:
         """The planned backend's :meth:`~unsparse.runtime.backends.base.ConvBackend.run`, so that a layer fused
-        with its ReLU gets it in the epilogue of a backend that fuses it."""
+        with its ReLU or its max pool gets them in the epilogue of a backend that fuses them."""
         backend, planned = self.resolve(x, csr, geometry)
-        return get_backend(backend).run(x, csr, bias, geometry, relu=relu, **planned)
+        return get_backend(backend).run(x, csr, bias, geometry, relu=relu, max_pool=max_pool, **planned)

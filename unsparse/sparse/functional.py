@@ -25,7 +25,8 @@ def dense_fallback_backend(device: torch.device) -> str:
 
 
 def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-                backend: str = "reference", relu: bool = False, **params: Any) -> torch.Tensor:
+                backend: str = "reference", relu: bool = False, max_pool: bool = False,
+                **params: Any) -> torch.Tensor:
     """Convolution of an ``(N, C, H, W)`` input with a UniformCSR weight on ``backend``.
 
     Args:
@@ -35,11 +36,13 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
         geometry: stride/padding/dilation/groups.
         backend: a registered backend name (``unsparse.runtime.backends.backend_names()``).
         relu: apply ``torch.relu`` to the output (in the backend's epilogue where it fuses it).
+        max_pool: then ``F.max_pool2d(out, 2)`` (likewise): the output is ``(N, M, E // 2, F // 2)``.
         params: tuning parameters for that backend (one entry of its tuning space).
 
     Returns:
         ``(N, M, E, F)`` in ``x``'s layout (``ConvBackend.run``), equal (within the dtype's rounding) to
-        ``F.conv2d(x, csr.to_dense(), bias, ...)``, or to its ``torch.relu`` with ``relu``.
+        ``F.conv2d(x, csr.to_dense(), bias, ...)``, or to its ``torch.relu`` with ``relu``, max-pooled with
+        ``max_pool``.
 
     Raises:
         KeyError: unknown backend name.
@@ -66,7 +69,7 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
             _LOGGED.add((backend, reason))
             log.warning("backend %s falls back to dense convolution: %s", backend, reason)
         chosen, params = get_backend(dense_fallback_backend(x.device)), {}
-    return chosen.run(x, csr, bias, geometry, relu=relu, **params)
+    return chosen.run(x, csr, bias, geometry, relu=relu, max_pool=max_pool, **params)
 
 
 def conv2d_input(x: torch.Tensor, spatial_dims: int) -> torch.Tensor:
@@ -87,11 +90,19 @@ def conv2d_input(x: torch.Tensor, spatial_dims: int) -> torch.Tensor:
 
 
 def sparse_conv_nd(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-                   backend: str = "reference", relu: bool = False, **params: Any) -> torch.Tensor:
+                   backend: str = "reference", relu: bool = False, max_pool: bool = False,
+                   **params: Any) -> torch.Tensor:
     """:func:`sparse_conv` for an input as ``nn.Conv1d``/``nn.Conv2d`` take it (``geometry.spatial_dims`` says which):
     ``(N, C, H, W)`` -> ``(N, M, E, F)`` in the input's layout, ``(N, C, L)`` -> contiguous ``(N, M, L_out)``, and
-    unbatched ``(C, ...)`` -> ``(M, ...)``, contiguous as torch returns it (:func:`conv2d_input`)."""
-    out = sparse_conv(conv2d_input(x, geometry.spatial_dims), csr, bias, geometry, backend, relu, **params)
+    unbatched ``(C, ...)`` -> ``(M, ...)``, contiguous as torch returns it (:func:`conv2d_input`). ``max_pool``
+    (2-D only) halves ``E`` and ``F``.
+
+    Raises:
+        ValueError: ``max_pool`` for a 1-D convolution, or what :func:`sparse_conv` raises.
+    """
+    if max_pool and geometry.spatial_dims != 2:
+        raise ValueError("max_pool: a 2x2 max pool follows 2-D convolutions only")
+    out = sparse_conv(conv2d_input(x, geometry.spatial_dims), csr, bias, geometry, backend, relu, max_pool, **params)
     if geometry.spatial_dims == 1:
         out = out.squeeze(2)
     return out.squeeze(0).contiguous() if x.dim() == geometry.spatial_dims + 1 else out

@@ -13,6 +13,7 @@ from collections.abc import Callable, Collection, Hashable
 from typing import Any, ClassVar, TypeVar
 
 import torch
+import torch.nn.functional as F
 
 from unsparse.runtime.layout import in_layout, layout_of
 from unsparse.sparse.format import UniformCSR
@@ -30,6 +31,8 @@ class ConvBackend(ABC):
             recorded as a CUDA graph and is timed eagerly.
         fuses_relu: True if :meth:`conv` takes ``relu=True`` and applies a following ReLU as it stores its output;
             :meth:`run` applies it in a separate pass for the others.
+        fuses_max_pool: True if :meth:`conv` takes ``max_pool=True`` and applies a following 2x2, stride-2 max pool
+            (after the ReLU) as it stores its output; :meth:`run` applies it in a separate pass for the others.
     """
 
     name: ClassVar[str]
@@ -37,6 +40,7 @@ class ConvBackend(ABC):
     sparse: ClassVar[bool] = True
     graph_capturable: ClassVar[bool] = True
     fuses_relu: ClassVar[bool] = False
+    fuses_max_pool: ClassVar[bool] = False
 
     def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
         """Why this backend cannot run the layer on this input, or None if it can."""
@@ -67,10 +71,13 @@ class ConvBackend(ABC):
         """
 
     def run(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-            relu: bool = False, **params: Any) -> torch.Tensor:
+            relu: bool = False, max_pool: bool = False, **params: Any) -> torch.Tensor:
         """:meth:`conv` with the output in ``x``'s layout (:func:`~unsparse.runtime.layout.layout_of`), followed by
         a ReLU where ``relu`` (a layer fused with the ``nn.ReLU`` after it, :func:`~unsparse.runtime.modules.sparsify`
-        with ``fuse_relu``): inside :meth:`conv` for a backend that :attr:`fuses_relu`, else in place on the output.
+        with ``fuse_relu``): inside :meth:`conv` for a backend that :attr:`fuses_relu`, else in place on the output;
+        then by ``nn.MaxPool2d(2)`` where ``max_pool`` (``fuse_max_pool``; the output ``(N, M, E // 2, F // 2)``):
+        inside :meth:`conv` for a backend that :attr:`fuses_max_pool`, else ``F.max_pool2d`` on the output (a ReLU
+        and a max pool commute, so either may be fused without the other).
 
         What models, the comparator and the timings call: a model fed a channels-last input stays in
         channels-last, and a backend that computes in NCHW pays its conversions inside the measured call. An
@@ -86,10 +93,13 @@ class ConvBackend(ABC):
         """
         csr.revalidate()
         check_bias(bias, csr)
-        fused = relu and self.fuses_relu
-        out = self.conv(x, csr, bias, geometry, **params, **({"relu": True} if fused else {}))
-        if relu and not fused:
+        fused_relu, fused_pool = relu and self.fuses_relu, max_pool and self.fuses_max_pool
+        out = self.conv(x, csr, bias, geometry, **params, **({"relu": True} if fused_relu else {}),
+                        **({"max_pool": True} if fused_pool else {}))
+        if relu and not fused_relu:
             out = out.relu_()
+        if max_pool and not fused_pool:
+            out = F.max_pool2d(out, 2)
         layout = layout_of(x)
         return out if layout_of(out) == layout else in_layout(out, layout)
 

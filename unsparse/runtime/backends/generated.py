@@ -18,7 +18,7 @@ import functools
 import hashlib
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -155,6 +155,17 @@ def compile_all(kernels: list[tuple[str, str]], workers: int = 16,
     return [functions[kernel] for kernel in kernels]
 
 
+class Setting(NamedTuple):
+    """One call's setting of :meth:`GeneratedBackend.conv`: its tuning parameters (:data:`SETTINGS`) and the
+    epilogue's flags (the ReLU and the 2x2 max pool that follow the layer)."""
+
+    rows: int
+    programs: int
+    streams: int
+    relu: bool
+    max_pool: bool
+
+
 @functools.cache
 def side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, ...]:
     """``count`` CUDA streams on ``device``, created once per process, that :meth:`GeneratedBackend.conv` spreads a
@@ -170,6 +181,7 @@ class GeneratedBackend(ConvBackend):
     name = "generated"
     device_types = frozenset({"cuda"})
     fuses_relu = True
+    fuses_max_pool = True
 
     def __init__(self) -> None:
         self._cache = WeightCache()
@@ -229,7 +241,7 @@ class GeneratedBackend(ConvBackend):
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
-             streams: int = 1, chunks: int = 1, relu: bool = False) -> torch.Tensor:
+             streams: int = 1, chunks: int = 1, relu: bool = False, max_pool: bool = False) -> torch.Tensor:
         """Pad the input in float32 (:func:`padded_float32`, timed with the call: the kernels read float32, since a
         conversion per load made NVRTC 3-4x slower), then run the layer's programs of ``rows`` output channels,
         ``programs`` per kernel: a kernel of one program is v27's ``generated_conv``, one of several is
@@ -245,13 +257,16 @@ class GeneratedBackend(ConvBackend):
 
         The kernels read the bias as ``x``'s dtype, so a bias of another dtype (or not contiguous) is converted first,
         as the ``direct`` backend does. With ``relu`` they apply the ReLU that follows the layer as they store
-        (:attr:`fuses_relu`), which saves the ReLU's pass over the output (read and write).
+        (:attr:`fuses_relu`), which saves the ReLU's pass over the output (read and write). With ``max_pool`` they
+        also apply the 2x2, stride-2 max pool that follows it (:attr:`fuses_max_pool`; four lanes per pool window,
+        ``kernels/generated_conv.cu``), which saves the pool's pass and three quarters of the output's writes.
 
         Returns:
-            ``(N, M, E, F)`` NCHW output of ``x``'s dtype.
+            ``(N, M, E, F)`` NCHW output of ``x``'s dtype; with ``max_pool`` ``(N, M, E // 2, F // 2)``.
 
         Raises:
-            ValueError: for a layer :meth:`unsupported_reason` refuses, ``chunks`` < 1, or from
+            ValueError: for a layer :meth:`unsupported_reason` refuses, ``chunks`` < 1, ``max_pool`` on an output
+                plane below 2x2, or from
                 :func:`~unsparse.runtime.generated_source.programs` (a weight that is not finite).
         """
         reason = self.unsupported_reason(x, csr, geometry)
@@ -261,12 +276,15 @@ class GeneratedBackend(ConvBackend):
             raise ValueError(f"generated: chunks must be at least 1, got {chunks}")
         N = x.shape[0]
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
-        y = torch.empty(N, csr.out_channels, E, F_, dtype=x.dtype, device=x.device)
+        if max_pool and min(E, F_) < 2:
+            raise ValueError(f"generated: max_pool needs an output plane of at least 2x2, not {E}x{F_}")
+        y = torch.empty(N, csr.out_channels, *((E // 2, F_ // 2) if max_pool else (E, F_)), dtype=x.dtype,
+                        device=x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
         size = -(-N // chunks)
+        setting = Setting(rows, programs, streams, relu, max_pool)
         if size == N:
-            self._run_kernels(x, padded_float32(x, geometry.padding), bias, y, csr, geometry,
-                              (rows, programs, streams, relu))
+            self._run_kernels(x, padded_float32(x, geometry.padding), bias, y, csr, geometry, setting)
             return y
         current = torch.cuda.current_stream(x.device)
         padder = side_streams(x.device, 1)[0]
@@ -277,20 +295,19 @@ class GeneratedBackend(ConvBackend):
                 padded = padded_float32(part, geometry.padding)
             padded.record_stream(current)
             current.wait_stream(padder)
-            self._run_kernels(part, padded, bias, y[start:start + size], csr, geometry,
-                              (rows, programs, streams, relu))
+            self._run_kernels(part, padded, bias, y[start:start + size], csr, geometry, setting)
         return y
 
     def _run_kernels(self, x: torch.Tensor, padded: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-                     csr: UniformCSR, geometry: ConvGeometry, setting: tuple[int, int, int, bool]) -> None:
-        """Queue the kernels of a setting ``(rows, programs, streams, relu)`` that compute ``y`` (``(n, M, E, F)``,
-        contiguous) from ``padded``, the padded float32 copy of ``x`` (``(n, C, H, W)``), after what the current
-        stream holds (:meth:`conv`)."""
-        rows, programs, streams, relu = setting
-        launches = self._launches(x, csr, geometry, rows, programs, relu)
-        counters = (torch.zeros(len(launches), programs, dtype=torch.int32, device=x.device)
+                     csr: UniformCSR, geometry: ConvGeometry, setting: Setting) -> None:
+        """Queue the kernels of ``setting`` that compute ``y`` (``(n, M, E, F)``, or pooled, contiguous) from
+        ``padded``, the padded float32 copy of ``x`` (``(n, C, H, W)``), after what the current stream holds
+        (:meth:`conv`)."""
+        launches = self._launches(x, csr, geometry, setting)
+        counters = (torch.zeros(len(launches), setting.programs, dtype=torch.int32, device=x.device)
                     if any(shared for _, shared in launches) else None)
         current = torch.cuda.current_stream(x.device)
+        streams = setting.streams
         sides = side_streams(x.device, min(streams, len(launches))) if streams > 1 and len(launches) > 1 else ()
         for side in sides:
             side.wait_stream(current)
@@ -323,31 +340,27 @@ class GeneratedBackend(ConvBackend):
                 (gs.shared_kernel_source(kernel, csr.out_channels, x.dtype), gs.SHARED_ENTRY)
                 for kernel in kernels]
 
-    @staticmethod
-    def _threads(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> int:
-        E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
-        sms = torch.cuda.get_device_properties(x.device).multi_processor_count
-        return gs.choose_threads(x.shape[0] * E * F_, sms)
-
-    def _launches(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int, programs: int,
-                  relu: bool) -> list[tuple[cl.BoundLaunch, bool]]:
+    def _launches(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
+                  setting: Setting) -> list[tuple[cl.BoundLaunch, bool]]:
         """The bound launches of a setting, each with whether it takes tile counters (cached per weight, input
-        shape, dtype, device and ReLU flag)."""
-        key = ("launches", rows, programs, tuple(x.shape), x.dtype, x.device, geometry.padding, relu)
-        return self._cache.get(csr, key, lambda: self._bind(x, csr, geometry, rows, programs, relu))
+        shape, dtype, device, rows, programs and epilogue flags)."""
+        key = ("launches", setting.rows, setting.programs, tuple(x.shape), x.dtype, x.device, geometry.padding,
+               setting.relu, setting.max_pool)
+        return self._cache.get(csr, key, lambda: self._bind(x, csr, geometry, setting))
 
-    def _bind(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int, programs: int,
-              relu: bool) -> list[tuple[cl.BoundLaunch, bool]]:
+    def _bind(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
+              setting: Setting) -> list[tuple[cl.BoundLaunch, bool]]:
         """Compile (:func:`compile_all`) and bind each kernel: x, bias, y (and the counters of a shared kernel) per
-        call, the sizes and the ReLU flag fixed. A shared kernel's grid is every block that stays resident, since its
-        blocks take their tiles from the counters."""
-        kernels = self._kernels(x, csr, geometry, rows, programs)
-        threads = self._threads(x, csr, geometry)
+        call, the sizes and the epilogue flags fixed. A shared kernel's grid is every block that stays resident,
+        since its blocks take their tiles from the counters. The pixel count ``total`` is the output's, or four per
+        pooled output with ``max_pool`` (the pooled-out last row and column of an odd plane are not computed)."""
+        kernels = self._kernels(x, csr, geometry, setting.rows, setting.programs)
         sources = self._sources(x, csr, kernels)
         functions = compile_all(sources)
         E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
-        total = x.shape[0] * E * F_
+        total = x.shape[0] * ((E // 2) * (F_ // 2) * 4 if setting.max_pool else E * F_)
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
+        threads = gs.choose_threads(total, sms)
         import cupy
 
         launches = []
@@ -357,9 +370,9 @@ class GeneratedBackend(ConvBackend):
             grid = (resident * sms, 1, 1) if shared else gs.launch_grid(total, threads, resident, sms)
             name = f"{entry}[{hashlib.sha256(source.encode()).hexdigest()[:12]}]"
             spec = Launch(name, grid, (threads, 1, 1))
+            flags = (int(setting.relu), int(setting.max_pool))
             arguments = (cl.PER_CALL, cl.PER_CALL, cl.PER_CALL, total,
-                         *((int(relu), cl.PER_CALL) if shared else (csr.out_channels, kernel_programs[0].first,
-                                                                   int(relu))))
+                         *((*flags, cl.PER_CALL) if shared else (csr.out_channels, kernel_programs[0].first, *flags)))
             parameters = cl.KernelParameters(arguments, x.device)
             with cupy.cuda.Device(x.device.index):
                 function = kernel.kernel  # this device's handle (loaded here on first use)
