@@ -4,33 +4,19 @@ dispatch, both layouts), and only where fusing cannot change what the model comp
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.fusing import RecordingFusing, layer
 from unsparse import create_model, load_sparse, save_sparse, sparsify
 from unsparse.runtime import sparse_layers
-from unsparse.runtime.backends.base import ConvBackend
 from unsparse.runtime.bench import magnitude_prune_
 from unsparse.runtime.modules import SparseConv, fuse_max_pool_, fuse_relu_
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.functional import sparse_conv, sparse_conv_nd
 from unsparse.sparse.geometry import ConvGeometry
-
-
-def layer(seed: int) -> tuple[torch.Tensor, UniformCSR, torch.Tensor]:
-    """A float64 input (2, 3, 9, 11) (an odd 9x11 output plane: its last row and column are pooled out), a 3x3 weight
-    about half zeros with one all-zero and one fully dense row, and a bias; the sums are of both signs."""
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(7, 3, 3, 3, generator=generator, dtype=torch.float64)
-    weight *= torch.rand(weight.shape, generator=generator, dtype=torch.float64) < 0.5
-    weight[0] = 0
-    weight[1] = torch.randn(3, 3, 3, generator=generator, dtype=torch.float64)
-    x = torch.randn(2, 3, 9, 11, generator=generator, dtype=torch.float64)
-    return x, UniformCSR.from_dense(weight), torch.randn(7, generator=generator, dtype=torch.float64)
 
 
 def expected(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor, relu: bool) -> torch.Tensor:
@@ -50,21 +36,11 @@ def test_a_backend_that_does_not_fuse_pools_after_the_conv(backend: str, relu: b
     assert torch.allclose(out, expected(x, csr, bias, relu), rtol=1e-12, atol=1e-12)
 
 
-class Fusing(ConvBackend):
-    """A CPU backend that fuses the pool (not the ReLU), recording the arguments its ``conv`` receives."""
+class Fusing(RecordingFusing):
+    """A CPU backend that fuses the pool (not the ReLU)."""
 
     name = "fusing_pool_test"
-    device_types = frozenset({"cpu"})
     fuses_max_pool = True
-
-    def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-
-    def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-             max_pool: bool = False, **params: Any) -> torch.Tensor:
-        self.calls.append({"max_pool": max_pool, **params})
-        out = F.conv2d(x, csr.to_dense(), bias, geometry.stride, geometry.padding)
-        return F.max_pool2d(out, 2) if max_pool else out
 
 
 def test_a_backend_that_fuses_the_pool_gets_the_flag_and_the_relu_runs_after_it() -> None:

@@ -4,34 +4,20 @@ and only where fusing cannot change what the model computes."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tests.fusing import RecordingFusing, layer
 from unsparse import create_model, load_sparse, save_sparse, sparsify
 from unsparse.runtime import sparse_layers
 from unsparse.runtime.backends import get_backend
-from unsparse.runtime.backends.base import ConvBackend
 from unsparse.runtime.bench import magnitude_prune_
 from unsparse.runtime.modules import SparseConv, fuse_relu_
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.functional import sparse_conv
 from unsparse.sparse.geometry import ConvGeometry
-
-
-def layer(seed: int, out_channels: int = 7, channels: int = 3) -> tuple[torch.Tensor, UniformCSR, torch.Tensor]:
-    """A float64 input (2, 3, 9, 11), a 3x3 weight about half zeros with one all-zero and one fully dense row, and
-    a bias; the sums are of both signs."""
-    generator = torch.Generator().manual_seed(seed)
-    weight = torch.randn(out_channels, channels, 3, 3, generator=generator, dtype=torch.float64)
-    weight *= torch.rand(weight.shape, generator=generator, dtype=torch.float64) < 0.5
-    weight[0] = 0
-    weight[1] = torch.randn(channels, 3, 3, generator=generator, dtype=torch.float64)
-    x = torch.randn(2, channels, 9, 11, generator=generator, dtype=torch.float64)
-    return x, UniformCSR.from_dense(weight), torch.randn(out_channels, generator=generator, dtype=torch.float64)
 
 
 def expected(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor, geometry: ConvGeometry) -> torch.Tensor:
@@ -49,21 +35,11 @@ def test_a_backend_that_does_not_fuse_applies_the_relu_after_the_conv(backend: s
     assert (unfused < 0).any()  # the case has negative sums, which the ReLU zeroes
 
 
-class Fusing(ConvBackend):
-    """A CPU backend that fuses the ReLU, recording the arguments its ``conv`` receives."""
+class Fusing(RecordingFusing):
+    """A CPU backend that fuses the ReLU."""
 
     name = "fusing_test"
-    device_types = frozenset({"cpu"})
     fuses_relu = True
-
-    def __init__(self) -> None:
-        self.calls: list[dict[str, Any]] = []
-
-    def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-             relu: bool = False, **params: Any) -> torch.Tensor:
-        self.calls.append({"relu": relu, **params})
-        out = F.conv2d(x, csr.to_dense(), bias, geometry.stride, geometry.padding)
-        return out.clamp_min(0) if relu else out
 
 
 def test_a_backend_that_fuses_gets_the_flag_and_no_second_pass() -> None:
