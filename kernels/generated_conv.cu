@@ -31,8 +31,8 @@
 //
 // pool: nonzero to apply the 2x2, stride-2 max pool that follows the layer (after its ReLU, if any) in the epilogue:
 // y is then (N, M, E / 2, F / 2) (floor, as nn.MaxPool2d(2)), total = N * (E / 2) * (F / 2) * 4, and four
-// consecutive pixel indices are one pool window's four outputs, computed by four adjacent lanes that take their
-// maximum with two shuffles before the first of them stores it. Bias and ReLU are applied to the maximum: both are
+// consecutive pixel indices are one pool window's four outputs, computed by four adjacent lanes that reduce their
+// sums to the window's maxima and store them (store_rows). Bias and ReLU are applied to the maximum: both are
 // monotone in the sum, so relu(max(a) + b) = max(relu(a + b)) exactly, rounding included. The caller launches
 // blocks of a multiple of four threads, so a lane group is never split by the p < total test.
 
@@ -65,27 +65,55 @@ __device__ __forceinline__ const float* window(const float* __restrict__ xp, Pix
   return xp + (static_cast<size_t>(q.n) * C * HP + q.oy) * WP + q.ox;
 }
 
+// KT rounded up to a multiple of four: the rows the pooled epilogue's butterfly splits over a window's four lanes.
+constexpr int KQ = (KT + 3) / 4 * 4;
+
+// acc[k], or 0 for a row k past KT (only where KT is not a multiple of four; resolved at compile time once unrolled).
+__device__ __forceinline__ float row_sum(const float* acc, int k) { return k < KT ? acc[k] : 0.0f; }
+
 // Rows k0 .. k0 + KT - 1 below out_channels of pixel q, with the bias, and with the ReLU that follows the layer where
 // relu is nonzero (a negative sum stored as 0; NaN kept, as torch.relu keeps it).
-// With pool, the largest of the four sums of pixel q's pool window is stored, by the window's first lane, at the
-// window's place in the pooled plane; all four lanes of the window must call this together.
+//
+// With pool, the four lanes of pixel q's pool window (all four call this together) hold the window's four sums of
+// each row and reduce them as a butterfly (v40): the two lanes of each pair (bit 0 of the lane) swap half of their
+// rows and each keeps the maxima of its half, then the two pairs (bit 1) do the same with quarters, so that lane
+// (b1 b0) ends with the window's maxima of rows b0 * KQ / 2 + b1 * KQ / 4 + j, j < KQ / 4, and all four lanes store
+// at the window's place in the pooled plane: 3 KQ / 4 shuffles and KQ / 4 stores per lane. v39 reduced every row in
+// every lane (2 KT shuffles) and stored KT rows from one lane of four while the other three waited.
 __device__ __forceinline__ void store_rows(T* __restrict__ y, const T* __restrict__ bias, Pixel q, int out_channels,
                                            int k0, const float* acc, int relu, int pool) {
-  const int plane = pool ? EP * FP : E * F;
-  T* out = y + (static_cast<size_t>(q.n) * out_channels + k0) * plane +
-           (pool ? (q.oy >> 1) * FP + (q.ox >> 1) : q.oy * F + q.ox);
-  const unsigned int group = 0xFu << (threadIdx.x & 28u);  // this lane's group of four in its warp
-  const bool stores = !pool || ((q.oy | q.ox) & 1) == 0;
+  if (!pool) {
+    T* out = y + (static_cast<size_t>(q.n) * out_channels + k0) * (E * F) + q.oy * F + q.ox;
 #pragma unroll
-  for (int k = 0; k < KT; ++k) {
-    if (k0 + k < out_channels) {
-      float sum = acc[k];
-      if (pool) {
-        sum = pool_max(sum, __shfl_xor_sync(group, sum, 1));
-        sum = pool_max(sum, __shfl_xor_sync(group, sum, 2));
+    for (int k = 0; k < KT; ++k) {
+      if (k0 + k < out_channels) {
+        const float v = acc[k] + (bias ? to_float(bias[k0 + k]) : 0.0f);
+        store(out + static_cast<size_t>(k) * (E * F), relu && v < 0.0f ? 0.0f : v);
       }
-      const float v = sum + (bias ? to_float(bias[k0 + k]) : 0.0f);
-      if (stores) store(out + static_cast<size_t>(k) * plane, relu && v < 0.0f ? 0.0f : v);
+    }
+    return;
+  }
+  const unsigned int group = 0xFu << (threadIdx.x & 28u);  // this lane's group of four in its warp
+  const bool odd = threadIdx.x & 1u, upper_pair = threadIdx.x & 2u;
+  float half[KQ / 2], quarter[KQ / 4];
+#pragma unroll
+  for (int j = 0; j < KQ / 2; ++j) {
+    const float low = row_sum(acc, j), high = row_sum(acc, j + KQ / 2);
+    half[j] = pool_max(odd ? high : low, __shfl_xor_sync(group, odd ? low : high, 1));
+  }
+#pragma unroll
+  for (int j = 0; j < KQ / 4; ++j) {
+    const float low = half[j], high = half[j + KQ / 4];
+    quarter[j] = pool_max(upper_pair ? high : low, __shfl_xor_sync(group, upper_pair ? low : high, 2));
+  }
+  const int first = (odd ? KQ / 2 : 0) + (upper_pair ? KQ / 4 : 0);
+  T* out = y + (static_cast<size_t>(q.n) * out_channels + k0 + first) * (EP * FP) + (q.oy >> 1) * FP + (q.ox >> 1);
+#pragma unroll
+  for (int j = 0; j < KQ / 4; ++j) {
+    const int k = first + j;
+    if (k < KT && k0 + k < out_channels) {
+      const float v = quarter[j] + (bias ? to_float(bias[k0 + k]) : 0.0f);
+      store(out + static_cast<size_t>(j) * (EP * FP), relu && v < 0.0f ? 0.0f : v);
     }
   }
 }

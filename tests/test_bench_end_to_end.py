@@ -11,7 +11,7 @@ from torch import nn
 from unsparse.runtime import bench, comparator, end_to_end
 from unsparse.runtime.backends.dense import DenseBackend
 from unsparse.runtime.backends.lowering import LoweringBackend
-from unsparse.runtime.plan import Plan, PlanEntry
+from unsparse.runtime.plan import Plan, PlanEntry, without_epilogue
 
 if TYPE_CHECKING:
     from conftest import VirtualClock
@@ -181,6 +181,9 @@ def test_a_model_timed_with_its_relus_fused_agrees_with_the_dense_model_and_says
     fused, unfused = copies[0], copies[2]
     assert [layer.relu for layer in end_to_end.sparse_layers(unfused).values()] == [False, False]
     assert [layer.relu for layer in end_to_end.sparse_layers(fused).values()] == [True, False]
+    assert record["fusion_planned"] and sum("|epilogue=relu" in key for key in plan.entries) == 2  # both layouts
+    assert [layer.plan_key for layer in end_to_end.sparse_layers(unfused).values()] == [
+        without_epilogue(layer.plan_key) for layer in end_to_end.sparse_layers(fused).values()]
     torch.testing.assert_close(timed[2], timed[1])  # dense, fused, unfused: the same function
     assert record["planned_unfused_ms"] > 0
     assert record["fusion_speedup"] == pytest.approx(record["planned_unfused_ms"] / record["planned_ms"])

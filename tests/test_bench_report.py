@@ -493,6 +493,17 @@ def test_the_end_to_end_row_says_how_many_convs_have_their_relu_fused(result):
     result["end_to_end"][0]["fused_max_pool"] = 4
     both = markdown_report({**result, "targets": evaluate_targets(result)})
     assert "features.0 (direct); ReLU fused into 12 convs, max pool fused into 4 convs (unfused 17.872 ms: " in both
+    assert "per-layer comparisons timed" not in both  # runs from before fused planning timed the conv alone
+    result["end_to_end"].append({**result["end_to_end"][0], "fusion_planned": True})
+    mixed = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "max pool fused into 4 convs, planned fused (unfused 17.872 ms: " in mixed
+    assert ("with what it is fused with in the rows that say 'planned fused', the convolution alone in the others."
+            in mixed)
+    result["end_to_end"].pop()
+    result["end_to_end"][0]["fusion_planned"] = True
+    planned = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "The per-layer comparisons timed each fused layer with what it is fused with. Unfused: " in planned
     del result["end_to_end"][0]["fused_max_pool"]
     del result["end_to_end"][0]["fused_relu"]
-    assert "ReLU fused" not in markdown_report({**result, "targets": evaluate_targets(result)})
+    unfused = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "ReLU fused" not in unfused and "per-layer comparisons timed" not in unfused

@@ -123,11 +123,12 @@ def test_the_relu_in_the_epilogue_matches_the_float64_reference(monkeypatch: pyt
 
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("params", [SETTINGS[0], {"rows": 32, "programs": 4}, *CHUNKED])
+@pytest.mark.parametrize("params", [SETTINGS[0], {"rows": 32, "programs": 4}, {"rows": 6, "programs": 1}, *CHUNKED])
 def test_the_max_pool_in_the_epilogue_matches_the_float64_reference(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                                                     params: dict, relu: bool) -> None:
     """``max_pool=True`` (a layer fused with the 2x2 max pool after it, with and without its ReLU) in one-program,
-    shared and chunked kernels, each lane group of four reducing one window: the output is the reference's pool,
+    shared and chunked kernels, each lane group of four reducing one window, and with programs of 6 rows (the
+    butterfly pads them to 8, the last lane of each window storing none): the output is the reference's pool,
     ``(N, M, E // 2, F // 2)``; the 5x7 output plane's last row and column are pooled out, as ``nn.MaxPool2d(2)``
     drops them; 2 x 2 x 3 = 12 windows leave lanes past the last one. A channels-last input gets a channels-last
     output."""
@@ -167,6 +168,21 @@ def test_the_pooled_kernels_loop_over_windows_keep_nan_and_refuse_a_plane_below_
     assert torch.equal(out[~out.isnan()].double(), expected[~expected.isnan()])
     with pytest.raises(ValueError, match="max_pool needs an output plane of at least 2x2, not 1x11"):
         backend.run(x[:, :, :1].contiguous(), csr, bias, ConvGeometry.of(1, 1), max_pool=True)
+
+
+def test_the_comparator_times_a_fused_layer_on_the_pooled_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layer fused with its ReLU and pool, compared on cuDNN (pool and ReLU after it) and the generated kernels
+    (in their epilogue): every generated setting passes the check against the pooled float64 reference, the key
+    names the epilogue, and the baseline (the convolution alone) is timed too."""
+    monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
+    x, csr, bias, geometry, _ = make_case("programs", torch.float32, seed=48)
+    with precision_mode(False):
+        result = compare_layer(x, csr, bias, geometry, ["cudnn", "generated"], runs=3, warmup=1, baseline=True,
+                               relu=True, max_pool=True)
+    assert result.key.endswith("|epilogue=relu+max_pool")
+    generated = [m for m in result.measurements if m.backend == "generated"]
+    assert generated and all(m.status == "ok" for m in generated), [m.reason for m in generated]
+    assert result.default_measurement("cudnn") is not None and result.baseline.median_ms > 0
 
 
 def test_side_streams_are_made_once_per_device_and_count() -> None:

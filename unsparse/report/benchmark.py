@@ -465,11 +465,16 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
              "NHWC: the model and its input in channels-last from end to end (a planned model's layers then receive "
              "and return NHWC; the direct kernels' conversions are part of their planned time). Speedup (NCHW): "
              "planned over dense, both NCHW; best planned / best dense: the faster layout of each.", ""]
-    if any(r.get("fused_relu") or r.get("fused_max_pool") for r in records):
+    fused = [r for r in records if r.get("fused_relu") or r.get("fused_max_pool")]
+    if fused:
+        planned = sum(bool(r.get("fusion_planned")) for r in fused)
+        timed = ("" if not planned else "The per-layer comparisons timed each fused layer with what it is fused with"
+                 + ("" if planned == len(fused) else " in the rows that say 'planned fused', the convolution alone in "
+                    "the others") + ". ")
         lines += ["ReLU (max pool) fused into K convs: the planned model's convs apply the ReLU (the 2x2 max pool) "
                   "that follows them, the generated kernels in their epilogue, the other backends (cuDNN among them) "
                   "in a pass after the conv; the dense model runs its ReLUs and pools apart, as PyTorch does. "
-                  "Unfused: the same plan without fusion, NCHW, eager, timed in the same run.", ""]
+                  f"{timed}Unfused: the same plan without fusion, NCHW, eager, timed in the same run.", ""]
     lines += ["| model | weights | batch | prec | dense ms | dense NHWC ms | planned ms | planned NHWC ms "
               "| speedup (NCHW) | best planned / best dense | dense ms (graph) | planned ms (graph) | speedup (graph) "
               "| dense NHWC ms (graph) | planned NHWC ms (graph) | rel. error | backends (NCHW plan) "
@@ -495,7 +500,7 @@ def _fusion_text(record: dict[str, Any]) -> str:
              if record.get(field)]
     if not fused:
         return ""
-    text = "; " + ", ".join(fused)
+    text = "; " + ", ".join(fused) + (", planned fused" if record.get("fusion_planned") else "")
     if record.get("planned_unfused_ms") is not None:
         text += f" (unfused {_fmt(record['planned_unfused_ms'])} ms: fusing {_fmt(record['fusion_speedup'], 2)}x)"
     return text

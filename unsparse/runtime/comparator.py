@@ -99,6 +99,14 @@ def reference_output(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None
                     geometry.padding, geometry.dilation, geometry.groups)
 
 
+def with_epilogue(out: torch.Tensor, relu: bool, max_pool: bool) -> torch.Tensor:
+    """``out`` (``(n, M, E, F)``) through what a fused layer applies after its convolution: ``torch.relu`` where
+    ``relu``, then ``F.max_pool2d(., 2)`` where ``max_pool`` (``(n, M, E // 2, F // 2)``); a new tensor or ``out``
+    itself, never modified."""
+    out = torch.relu(out) if relu else out
+    return F.max_pool2d(out, 2) if max_pool else out
+
+
 def resolution(dtype: torch.dtype) -> float:
     """The spacing of ``dtype``'s subnormal numbers: no rounding to ``dtype`` can be closer than half of it.
 
@@ -246,13 +254,20 @@ class LayerComparison:
 def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
                   backends: list[str] | None = None, runs: int = MIN_RUNS, warmup: int = 3,
                   screen_runs: int = 3, keep: int = 3, tol: float | None = None,
-                  timing: str = "eager", baseline: bool = False) -> LayerComparison:
+                  timing: str = "eager", baseline: bool = False, relu: bool = False,
+                  max_pool: bool = False) -> LayerComparison:
     """Compare backends on one layer (DESIGN.md, Runtime and comparator).
 
     Args:
         x: ``(N, C, H, W)`` input on the device to compare on, NCHW or channels-last: every setting returns its
             output in ``x``'s layout (conversions timed with it), and the plan key and the dense default follow
             it. csr, bias, geometry: the layer.
+        relu, max_pool: the layer is fused with the ReLU, and the 2x2 max pool, that follow it
+            (:func:`~unsparse.runtime.modules.sparsify`'s fusions): every setting is checked and timed with them, in
+            its epilogue where its backend fuses them, else as a separate pass after it
+            (:meth:`~unsparse.runtime.backends.base.ConvBackend.run`), so a plan chooses by what the model runs, and
+            the key carries them (:func:`~unsparse.runtime.plan.layer_key`). The baseline stays the convolution
+            alone.
         backends: names to try; default every backend available on ``x``'s device except those in
             :data:`COMPARED_BY_DEFAULT_EXCLUDES`.
         runs, warmup: full timing of each backend's ``keep`` best settings (runs >= 1; the protocol wants
@@ -278,13 +293,15 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
     tf32 = x.device.type == "cuda" and torch.backends.cudnn.allow_tf32
     bound = tol if tol is not None else tolerance(x.dtype, tf32)
     images = check_images(x.shape[0])
+    epilogue = {"relu": relu, "max_pool": max_pool}
     with torch.no_grad():
         ref = reference_output(x, csr, bias, geometry, images)
         inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(x.device)))
-        result = LayerComparison(layer_key(x, csr, geometry), layout=layout_of(x))
+        result = LayerComparison(layer_key(x, csr, geometry, **epilogue), layout=layout_of(x))
         for name in names:
-            measured, seconds = _measure_backend(name, inputs, csr, bias, geometry, ref, images, bound, runs, warmup,
-                                                 screen_runs, keep, timing == "graph")
+            measured, seconds = _measure_backend(name, inputs, csr, bias, geometry, with_epilogue(ref, **epilogue),
+                                                 images, bound, runs, warmup, screen_runs, keep, timing == "graph",
+                                                 epilogue)
             result.measurements += measured
             if seconds is not None:
                 result.compile_s[name] = seconds
@@ -298,8 +315,11 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
 
 def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bias: torch.Tensor | None,
                      geometry: ConvGeometry, ref: torch.Tensor, images: list[int], bound: float, runs: int,
-                     warmup: int, screen_runs: int, keep: int, graphs: bool) -> tuple[list[Measurement], float | None]:
-    """The measurements of backend ``name`` and the seconds its ``precompile`` took (None without one)."""
+                     warmup: int, screen_runs: int, keep: int, graphs: bool,
+                     epilogue: dict[str, bool]) -> tuple[list[Measurement], float | None]:
+    """The measurements of backend ``name``, each setting run with ``epilogue`` (``relu`` and ``max_pool`` of
+    :meth:`~unsparse.runtime.backends.base.ConvBackend.run`; ``ref`` is the reference through them), and the
+    seconds its ``precompile`` took (None without one)."""
     backend = get_backend(name)
     x = inputs[0]
     reason = backend.unsupported_reason(x, csr, geometry)
@@ -315,7 +335,7 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
         compile_s = time.perf_counter() - started
     for params in space:
         try:
-            out = backend.run(x, csr, bias, geometry, **params)
+            out = backend.run(x, csr, bias, geometry, **epilogue, **params)
             error = check_error(out[images], ref, bound)
         except (RuntimeError, ValueError) as exc:
             measurements.append(Measurement(name, params, "error", reason=f"{type(exc).__name__}: {exc}"))
@@ -330,14 +350,16 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
     if graphs:
         for m in [m for m in measurements if m.status == "ok"]:
             try:
-                replays[id(m)] = [capture_graph(lambda v=v, m=m: backend.run(v, csr, bias, geometry, **m.params))
+                replays[id(m)] = [capture_graph(lambda v=v, m=m: backend.run(v, csr, bias, geometry, **epilogue,
+                                                                             **m.params))
                                   for v in inputs]
             except RuntimeError as exc:
                 m.status, m.reason = "error", f"graph capture: {type(exc).__name__}: {exc}"
 
     def timed(m: Measurement, count: int, warm: int) -> Timing:
         if not graphs:
-            return time_fn(lambda i: backend.run(inputs[i % len(inputs)], csr, bias, geometry, **m.params),
+            return time_fn(lambda i: backend.run(inputs[i % len(inputs)], csr, bias, geometry, **epilogue,
+                                                 **m.params),
                            x.device, runs=count, warmup=warm, rotation=len(inputs))
         captured = replays[id(m)]
         return time_fn(lambda i: captured[i % len(captured)].replay(), x.device, runs=count, warmup=warm,
@@ -359,7 +381,9 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
     """Plan every :class:`SparseConv` of ``model`` for input ``example`` and switch them to ``"auto"``.
 
     One forward pass runs the layers on their dense fallback; before each sparse layer runs, its actual
-    input is compared with :func:`compare_layer` unless its key is already in ``plan`` (plan reuse).
+    input is compared with :func:`compare_layer` unless its key is already in ``plan`` (plan reuse). A layer fused
+    with its ReLU or its max pool (``SparseConv.relu``, ``max_pool``) is compared with them and keyed so
+    (``epilogue=``), its entry apart from the same layer's unfused one.
     The resulting plan is activated (:func:`~unsparse.runtime.plan.use_plan`); each layer's key is left in
     its ``plan_key`` attribute. A layer that none of the compared backends computes correctly (e.g. ``backends``
     naming only sparse backends that refuse a grouped layer) is planned on the dense default, with a logged reason.
@@ -383,10 +407,12 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
     comparisons: list[LayerComparison] = []
 
     def before(layer: SparseConv, x: torch.Tensor) -> None:
-        key = layer_key(x, layer.csr, layer.geometry)
+        epilogue = {"relu": layer.relu, "max_pool": layer.max_pool}
+        key = layer_key(x, layer.csr, layer.geometry, **epilogue)
         layer.plan_key = key
         if plan.get(key) is None:
-            comparison = compare_layer(x, layer.csr, layer.bias, layer.geometry, backends, **compare_kwargs)
+            comparison = compare_layer(x, layer.csr, layer.bias, layer.geometry, backends, **epilogue,
+                                       **compare_kwargs)
             comparisons.append(comparison)
             if comparison.chosen() is not None:
                 plan.entries[key] = comparison.plan_entry()

@@ -29,7 +29,7 @@ from unsparse.runtime.comparator import (
 )
 from unsparse.runtime.layout import layout_of
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify, temporary_backend
-from unsparse.runtime.plan import Plan
+from unsparse.runtime.plan import Plan, without_epilogue
 from unsparse.runtime.precision import PRECISIONS, precision_mode
 from unsparse.runtime.timing import Timing, time_fn, time_graph
 
@@ -83,13 +83,15 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
 
     With ``fuse_relu`` the sparse copies fuse each conv with the ``nn.ReLU`` that follows it
     (:func:`~unsparse.runtime.modules.fuse_relu_`; ``fused_relu`` counts the layers), which a backend that fuses it
-    applies in its epilogue; the dense model runs as PyTorch runs it, ReLU apart. The per-layer comparisons still
-    time the convolution alone, so fusing can only make the layers planned on such a backend cheaper. With
-    ``fuse_max_pool`` they fuse the 2x2 max pool after a conv too (:func:`~unsparse.runtime.modules.fuse_max_pool_`,
-    after the ReLUs; ``fused_max_pool`` counts the layers). What fusing buys is measured in the same run:
-    ``planned_unfused_ms`` times a third sparse copy without fusion on the same plan (NCHW, eager; its keys are the
-    fused copy's, so nothing is planned again) and ``fusion_speedup`` is it over ``planned_ms``; both None without
-    either flag.
+    applies in its epilogue; the dense model runs as PyTorch runs it, ReLU apart. With ``fuse_max_pool`` they fuse
+    the 2x2 max pool after a conv too (:func:`~unsparse.runtime.modules.fuse_max_pool_`, after the ReLUs;
+    ``fused_max_pool`` counts the layers). The per-layer comparisons time each fused layer with what it is fused with
+    (:func:`~unsparse.runtime.comparator.plan_model`; ``fusion_planned``: True), a separate pass after backends that
+    do not fuse it. What fusing buys is measured in the same run: ``planned_unfused_ms`` times a third sparse copy
+    without fusion on the same choices (NCHW, eager; each unfused key takes the entry of the fused key it comes from,
+    :func:`~unsparse.runtime.plan.without_epilogue`, the first layer's where two fused keys lose their epilogues to
+    one, and nothing is planned again or added to ``plan``) and ``fusion_speedup`` is it over ``planned_ms``; both
+    None without either flag.
     """
     dtype, tf32 = PRECISIONS[precision].dtype, PRECISIONS[precision].tf32
     bound = 10 * tolerance(dtype, tf32)
@@ -107,7 +109,10 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
         check_nhwc = check_plan(sparse_nhwc, x_nhwc, plan, comparisons_nhwc, runs) if nhwc_planned else None
         unfused = sparsify(dense) if fuse_relu or fuse_max_pool else None
         if unfused is not None:
-            plan_model(unfused, x, plan, backends)
+            same_choices = Plan()
+            for layer in sparse_layers(sparse).values():
+                same_choices.entries.setdefault(without_epilogue(layer.plan_key), plan.entries[layer.plan_key])
+            plan_model(unfused, x, same_choices, backends)
         with torch.no_grad():
             dense_out, sparse_out = dense(x), sparse(x)
             dense_t = time_fn(lambda i: dense(x), device, runs=runs)
@@ -141,7 +146,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
             "fused_relu": sum(layer.relu for layer in sparse_layers(sparse).values()),
             "fused_max_pool": sum(layer.max_pool for layer in sparse_layers(sparse).values()),
-            "planned_unfused_ms": None if unfused_t is None else unfused_t.median_ms,
+            "fusion_planned": True, "planned_unfused_ms": None if unfused_t is None else unfused_t.median_ms,
             "fusion_speedup": None if unfused_t is None else unfused_t.median_ms / sparse_t.median_ms,
             "planned_timing": sparse_t.to_dict(),
             "planned_nhwc_timing": None if planned_nhwc_t is None else planned_nhwc_t.to_dict(),

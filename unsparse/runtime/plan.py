@@ -47,12 +47,26 @@ def precision_tag(dtype: torch.dtype, device: torch.device | str) -> str:
     return name if matmul == cudnn else name + ("+matmul_tf32" if matmul else "+matmul_fp32")
 
 
-def layer_key(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, device: str | None = None) -> str:
+EPILOGUE_PART = "|epilogue="
+"""Where a :func:`layer_key` names what the layer is fused with (:func:`epilogue_name`)."""
+
+
+def epilogue_name(relu: bool, max_pool: bool) -> str:
+    """What a fused layer applies after its convolution, as its plan key names it: ``"relu"``, ``"max_pool"``,
+    ``"relu+max_pool"``, or ``""`` for none."""
+    return "+".join(name for name, fused in (("relu", relu), ("max_pool", max_pool)) if fused)
+
+
+def layer_key(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, device: str | None = None,
+              relu: bool = False, max_pool: bool = False) -> str:
     """Plan key of one layer on one input: GPU name, precision, input shape (batch included), weight
     shape, row length L, stride, padding, dilation, groups, ``wdtype=`` where the weight's dtype differs from the
-    input's (the direct kernels need them equal; NCHW-era keys with equal dtypes are unchanged), and ``fmt=nhwc``
-    for a channels-last input (:func:`~unsparse.runtime.layout.layout_of`; NCHW keys carry no layout part, as
-    before layouts were planned). A string so that it is a JSON object key."""
+    input's (the direct kernels need them equal; NCHW-era keys with equal dtypes are unchanged), ``epilogue=`` for a
+    layer fused with the ReLU or the 2x2 max pool after it (``relu``, ``max_pool``:
+    :func:`~unsparse.runtime.modules.sparsify`'s fusions; :func:`epilogue_name`), whose comparison timed each
+    backend with what it is fused with, and ``fmt=nhwc`` for a channels-last input
+    (:func:`~unsparse.runtime.layout.layout_of`; NCHW keys carry no layout part, as before layouts were planned).
+    An unfused layer's key is as before fusions were planned. A string so that it is a JSON object key."""
     device = device if device is not None else device_name(x.device)
     parts = [device, precision_tag(x.dtype, x.device), "x=" + "x".join(map(str, x.shape)),
              "w=" + "x".join(map(str, csr.weight_shape)), f"L={csr.row_length}",
@@ -60,6 +74,8 @@ def layer_key(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, device: 
              "d={}x{}".format(*geometry.dilation), f"g={geometry.groups}", f"dims={geometry.spatial_dims}"]
     if csr.values.dtype != x.dtype:
         parts.append("wdtype=" + str(csr.values.dtype).removeprefix("torch."))
+    if relu or max_pool:
+        parts.append(EPILOGUE_PART.removeprefix("|") + epilogue_name(relu, max_pool))
     layout = layout_of(x)
     return "|".join(parts if layout == "nchw" else [*parts, f"fmt={layout}"])
 
@@ -67,6 +83,12 @@ def layer_key(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, device: 
 def key_layout(key: str) -> str:
     """The input layout a :func:`layer_key` was made for: ``"nhwc"`` or ``"nchw"``."""
     return key.rpartition("|fmt=")[2] if "|fmt=" in key else "nchw"
+
+
+def without_epilogue(key: str) -> str:
+    """The :func:`layer_key` of the same layer and input unfused: ``key`` without its ``epilogue=`` part."""
+    head, found, tail = key.partition(EPILOGUE_PART)
+    return head + (tail[tail.index("|"):] if found and "|" in tail else "")
 
 
 @dataclass
@@ -218,26 +240,29 @@ class AutoBackend(ConvBackend):
         """Drop the per-layer resolutions (called when the active plan changes)."""
         self._resolved = weakref.WeakKeyDictionary()
 
-    def resolve(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> tuple[str, dict[str, Any]]:
-        """``(backend, params)`` for this layer and input: the plan's entry, else the dense backend.
+    def resolve(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, relu: bool = False,
+                max_pool: bool = False) -> tuple[str, dict[str, Any]]:
+        """``(backend, params)`` for this layer and input, fused with its ReLU and its max pool as ``relu`` and
+        ``max_pool`` say (the key's ``epilogue=`` part, :func:`layer_key`): the plan's entry, else the dense backend.
 
-        Resolutions are cached per weight and (input shape, layout, dtype, device, TF32 flags, geometry), so a
-        planned model pays the plan-key lookup and the entry's checks once per layer, not on every forward pass.
+        Resolutions are cached per weight and (input shape, layout, dtype, device, TF32 flags, geometry, epilogue),
+        so a planned model pays the plan-key lookup and the entry's checks once per layer, not on every forward pass.
 
         Raises:
             PlanError: the entry's ``params`` are not a setting its backend offers for this layer.
         """
         signature = (tuple(x.shape), layout_of(x), x.dtype, x.device, torch.backends.cudnn.allow_tf32,
-                     torch.backends.cuda.matmul.allow_tf32, geometry)  # the flags precision_tag reads
+                     torch.backends.cuda.matmul.allow_tf32, geometry, relu, max_pool)  # precision_tag's flags
         per_csr = self._resolved.setdefault(csr, {})
         if signature not in per_csr:
-            per_csr[signature] = self._lookup(x, csr, geometry)
+            per_csr[signature] = self._lookup(x, csr, geometry, relu, max_pool)
         return per_csr[signature]
 
-    def _lookup(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> tuple[str, dict[str, Any]]:
+    def _lookup(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, relu: bool,
+                max_pool: bool) -> tuple[str, dict[str, Any]]:
         from unsparse.sparse.functional import dense_fallback_backend
 
-        key = layer_key(x, csr, geometry)
+        key = layer_key(x, csr, geometry, relu=relu, max_pool=max_pool)
         entry = _ACTIVE.get(key)
         if entry is None:
             if key not in self._logged:
@@ -262,6 +287,7 @@ class AutoBackend(ConvBackend):
     def run(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
             relu: bool = False, max_pool: bool = False, **params: Any) -> torch.Tensor:
         """The planned backend's :meth:`~unsparse.runtime.backends.base.ConvBackend.run`, so that a layer fused
-        with its ReLU or its max pool gets them in the epilogue of a backend that fuses them."""
-        backend, planned = self.resolve(x, csr, geometry)
+        with its ReLU or its max pool gets them in the epilogue of a backend that fuses them; the entry is the fused
+        layer's (:meth:`resolve`)."""
+        backend, planned = self.resolve(x, csr, geometry, relu, max_pool)
         return get_backend(backend).run(x, csr, bias, geometry, relu=relu, max_pool=max_pool, **planned)

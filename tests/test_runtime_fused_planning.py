@@ -1,0 +1,141 @@
+"""Planning a layer fused with its ReLU and 2x2 max pool: the comparator checks and times every setting with them,
+and the plan keys them apart from the same layer unfused."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from tests.fusing import RecordingFusing, layer
+from unsparse.runtime import sparse_layers, sparsify
+from unsparse.runtime.backends import base
+from unsparse.runtime.comparator import compare_layer, plan_model
+from unsparse.runtime.plan import Plan, PlanEntry, key_layout, layer_key, use_plan, without_epilogue
+from unsparse.sparse.geometry import ConvGeometry
+
+GEOMETRY = ConvGeometry.of(1, 1)
+
+
+class FusesBoth(RecordingFusing):
+    name = "test_fuses_both"
+    fuses_relu = True
+    fuses_max_pool = True
+
+
+class IgnoresPool(RecordingFusing):
+    """Says it fuses the pool, and returns the convolution unpooled (a wrong epilogue the check must catch)."""
+
+    name = "test_ignores_pool"
+    fuses_relu = True
+    fuses_max_pool = True
+
+    def conv(self, x, csr, bias, geometry, relu=False, max_pool=False, **params):
+        return super().conv(x, csr, bias, geometry, relu=relu, max_pool=False, **params)
+
+
+class SkipsRelu(RecordingFusing):
+    """Says it fuses the ReLU, and pools the convolution without it."""
+
+    name = "test_skips_relu"
+    fuses_relu = True
+    fuses_max_pool = True
+
+    def conv(self, x, csr, bias, geometry, relu=False, max_pool=False, **params):
+        return super().conv(x, csr, bias, geometry, relu=False, max_pool=max_pool, **params)
+
+
+@pytest.fixture
+def fusing(monkeypatch: pytest.MonkeyPatch) -> FusesBoth:
+    """The three backends registered; the instance of :class:`FusesBoth` the registry hands out."""
+    for cls in (FusesBoth, IgnoresPool, SkipsRelu):
+        monkeypatch.setitem(base._REGISTRY, cls.name, cls)
+    instance = FusesBoth()
+    monkeypatch.setitem(base._INSTANCES, FusesBoth.name, instance)
+    return instance
+
+
+def test_the_key_names_the_epilogue_and_unfused_keys_are_unchanged() -> None:
+    x, csr, _ = layer(1)
+    plain = layer_key(x, csr, GEOMETRY)
+    assert "epilogue" not in plain and layer_key(x, csr, GEOMETRY, relu=False, max_pool=False) == plain
+    keys = {(relu, pool): layer_key(x, csr, GEOMETRY, relu=relu, max_pool=pool)
+            for relu in (False, True) for pool in (False, True)}
+    assert keys[True, False].endswith("|epilogue=relu") and keys[False, True].endswith("|epilogue=max_pool")
+    assert keys[True, True].endswith("|epilogue=relu+max_pool") and len(set(keys.values())) == 4
+    assert {without_epilogue(key) for key in keys.values()} == {plain}
+    last = x.contiguous(memory_format=torch.channels_last)
+    fused_nhwc = layer_key(last, csr, GEOMETRY, relu=True, max_pool=True)
+    assert fused_nhwc.endswith("|epilogue=relu+max_pool|fmt=nhwc") and key_layout(fused_nhwc) == "nhwc"
+    assert without_epilogue(fused_nhwc) == layer_key(last, csr, GEOMETRY)
+
+
+@pytest.mark.parametrize(("relu", "max_pool"), [(True, False), (False, True), (True, True)])
+def test_every_backend_is_checked_and_timed_with_the_layer_s_epilogue(fusing: FusesBoth, relu: bool,
+                                                                       max_pool: bool) -> None:
+    """The fusing backend gets the flags in each call (checked, screened or not, timed); the dense backend
+    applies them after its conv and is correct against the fused reference; a backend that skips the part of the
+    epilogue it claims to fuse is wrong (a pool it skips gives the wrong shape)."""
+    x, csr, bias = layer(2)
+    result = compare_layer(x, csr, bias, GEOMETRY, ["test_fuses_both", "test_ignores_pool", "test_skips_relu",
+                                                    "dense_cpu"], runs=2, warmup=0, relu=relu, max_pool=max_pool)
+    assert result.key == layer_key(x, csr, GEOMETRY, relu=relu, max_pool=max_pool)
+    status = {m.backend: m.status for m in result.measurements}
+    assert status["test_fuses_both"] == status["dense_cpu"] == "ok"
+    assert status["test_ignores_pool"] == ("wrong" if max_pool else "ok")
+    assert status["test_skips_relu"] == ("wrong" if relu else "ok")
+    assert fusing.calls and all(call == {"relu": relu, "max_pool": max_pool} for call in fusing.calls)
+
+
+def test_an_unfused_comparison_passes_no_epilogue(fusing: FusesBoth) -> None:
+    x, csr, bias = layer(3)
+    result = compare_layer(x, csr, bias, GEOMETRY, ["test_fuses_both", "test_ignores_pool"], runs=2, warmup=0)
+    assert {m.status for m in result.measurements} == {"ok"} and "epilogue" not in result.key
+    assert all(call == {"relu": False, "max_pool": False} for call in fusing.calls)
+
+
+def vgg_block() -> nn.Sequential:
+    """conv, ReLU, conv, ReLU, 2x2 max pool (float64; weights about half zeros)."""
+    torch.manual_seed(5)
+    block = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 5, 3, padding=1), nn.ReLU(),
+                          nn.MaxPool2d(2)).double().eval()
+    with torch.no_grad():
+        for conv in (block[0], block[2]):
+            conv.weight.mul_(torch.rand_like(conv.weight) > 0.5)
+    return block
+
+
+def test_plan_model_plans_fused_layers_under_their_own_keys_and_runs_them_fused(fusing: FusesBoth) -> None:
+    """A VGG block with both fusions: the first conv is keyed with its ReLU, the second with its ReLU and pool; the
+    planned model dispatches each to the fusing backend with its flags and computes the dense block; an unfused
+    copy of the block finds neither key (its own are the fused ones without the epilogue)."""
+    block = vgg_block()
+    fused = sparsify(block, fuse_relu=True, fuse_max_pool=True)
+    x = torch.randn(2, 3, 10, 9, dtype=torch.float64)
+    plan, comparisons = plan_model(fused, x, Plan(), ["test_fuses_both"], runs=2, warmup=0)
+    first, second = sparse_layers(fused).values()
+    assert first.plan_key.endswith("|epilogue=relu") and second.plan_key.endswith("|epilogue=relu+max_pool")
+    assert [c.key for c in comparisons] == [first.plan_key, second.plan_key] == list(plan.entries)
+    fusing.calls.clear()
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), block(x))
+    assert fusing.calls == [{"relu": True, "max_pool": False}, {"relu": True, "max_pool": True}]
+    unfused = sparsify(block)
+    _, again = plan_model(unfused, x, plan, ["dense_cpu"], runs=2, warmup=0)
+    assert [c.key for c in again] == [without_epilogue(first.plan_key), without_epilogue(second.plan_key)]
+
+
+def test_a_fused_layer_does_not_run_on_its_unfused_entry(fusing: FusesBoth, caplog: pytest.LogCaptureFixture) -> None:
+    """The active plan holds the layer's unfused key only: the fused layer finds no entry, says so and runs dense
+    (its ReLU and pool after the conv), still computing the dense block."""
+    block = vgg_block()
+    fused = sparsify(block, backend="auto", fuse_relu=True, fuse_max_pool=True)
+    x = torch.randn(1, 3, 8, 8, dtype=torch.float64)
+    first = next(iter(sparse_layers(fused).values()))
+    use_plan(Plan({layer_key(x, first.csr, first.geometry): PlanEntry("test_fuses_both")}))
+    with caplog.at_level(logging.WARNING), torch.no_grad():
+        out = fused(x)
+    torch.testing.assert_close(out, block(x))
+    assert not fusing.calls and "epilogue=relu" in caplog.text and "running dense" in caplog.text
