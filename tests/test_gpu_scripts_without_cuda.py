@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
     ("time_pairing.py", []),
     ("probe_instruction_fetch.py", ["--out", "OUT"]),
     ("time_cudnn_layouts.py", ["--models", "alexnet", "--layer-filter", "^none$", "--out", "OUT"]),
+    ("time_dense_baselines.py", ["--out", "OUT"]),
 ])
 def test_a_gpu_script_without_cuda_says_so_in_one_line(tmp_path: Path, script: str, arguments: list[str]) -> None:
     """Run as documented (``PYTHONPATH=.``) with every CUDA device hidden; nothing is written to ``--out``."""

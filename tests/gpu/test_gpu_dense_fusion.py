@@ -1,0 +1,47 @@
+"""cuDNN's fused convolution, bias and ReLU (``ConvBiasReLU`` on CUDA) against a float64 CPU reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unsparse.runtime.comparator import relative_error, tolerance
+from unsparse.runtime.dense_fusion import ConvBiasReLU, fuse_dense_conv_relu
+from unsparse.runtime.precision import precision_mode
+
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize(("stride", "padding", "dilation"), [(1, 1, 1), (2, 0, 1), (1, 2, 2)])
+def test_the_fused_call_matches_relu_of_the_float64_convolution(dtype: torch.dtype, memory_format: torch.memory_format,
+                                                                stride: int, padding: int, dilation: int) -> None:
+    """Odd shapes (13 x 11 input, 7 output channels), sums of both signs; TF32 off, so float32 is held to 1e-5."""
+    torch.manual_seed(stride * 10 + padding + dilation)
+    conv = nn.Conv2d(5, 7, 3, stride=stride, padding=padding, dilation=dilation)
+    x = torch.randn(3, 5, 13, 11)
+    expected = torch.relu(F.conv2d(x.to(dtype).double(), conv.weight.to(dtype).double(),
+                                   conv.bias.to(dtype).double(), stride, padding, dilation))
+    fused = ConvBiasReLU(conv).to(CUDA, dtype).to(memory_format=memory_format)
+    with precision_mode(False), torch.no_grad():
+        out = fused(x.to(CUDA, dtype).contiguous(memory_format=memory_format)).cpu()
+    assert (expected == 0).any() and (expected > 0).any()
+    assert relative_error(out, expected) <= tolerance(dtype)
+    assert (out[expected == 0] == 0).all() and (out >= 0).all()
+
+
+def test_a_fused_vgg_block_computes_the_dense_block_in_channels_last_fp16() -> None:
+    torch.manual_seed(9)
+    block = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(inplace=True), nn.Conv2d(16, 8, 3, padding=1),
+                          nn.ReLU(inplace=True), nn.MaxPool2d(2)).eval()
+    fused, count = fuse_dense_conv_relu(block)
+    assert count == 2
+    x = torch.randn(4, 3, 18, 15)
+    expected = block.double()(x.double())
+    with torch.no_grad():
+        out = fused.to(CUDA, torch.float16).to(memory_format=torch.channels_last)(
+            x.to(CUDA, torch.float16).contiguous(memory_format=torch.channels_last)).cpu()
+    assert relative_error(out, expected) <= 10 * tolerance(torch.float16)

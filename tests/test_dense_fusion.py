@@ -1,0 +1,92 @@
+"""The fused dense baseline (``unsparse.runtime.dense_fusion``) on the CPU: which convolutions it fuses, and that the
+fused model computes the dense one (its CUDA path, cuDNN's fused call, is checked in ``tests/gpu``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from unsparse.runtime.dense_fusion import ConvBiasReLU, fuse_dense_conv_relu, fusion_refusal
+
+
+class Conv2dSubclass(nn.Conv2d):
+    pass
+
+
+def block() -> nn.Sequential:
+    """conv+ReLU (fused), conv+ReLU in a nested Sequential (fused), a reflect-padded conv+ReLU, a subclass conv+ReLU,
+    a conv followed by a pool (none of them fused), float64."""
+    torch.manual_seed(3)
+    return nn.Sequential(
+        nn.Conv2d(3, 5, 3, padding=1), nn.ReLU(inplace=True),
+        nn.Sequential(nn.Conv2d(5, 6, 3, padding=(1, 0), stride=(1, 2)), nn.ReLU()),
+        nn.Conv2d(6, 6, 3, padding=1, padding_mode="reflect"), nn.ReLU(),
+        Conv2dSubclass(6, 4, 1), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding="same"), nn.ReLU(),
+        nn.Conv2d(4, 3, 1), nn.MaxPool2d(2)).double().eval()
+
+
+def test_only_plain_zero_padded_convs_followed_by_a_plain_relu_are_fused() -> None:
+    model = block()
+    before = [type(m) for m in model.modules()]
+    fused, count = fuse_dense_conv_relu(model)
+    assert count == 2 and [type(m) for m in model.modules()] == before  # the model itself is left alone
+    assert isinstance(fused[0], ConvBiasReLU) and isinstance(fused[1], nn.Identity)
+    assert isinstance(fused[2][0], ConvBiasReLU) and isinstance(fused[2][1], nn.Identity)
+    assert [type(fused[i]) for i in range(3, 11)] == [nn.Conv2d, nn.ReLU, Conv2dSubclass, nn.ReLU, nn.Conv2d,
+                                                      nn.ReLU, nn.Conv2d, nn.MaxPool2d]
+    x = torch.randn(2, 3, 9, 12, dtype=torch.float64)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(x), model(x), rtol=0, atol=0)
+
+
+def test_a_fused_conv_computes_relu_of_conv_plus_bias_and_shares_its_parameters() -> None:
+    torch.manual_seed(4)
+    conv = nn.Conv2d(4, 7, 3, stride=2, padding=2, dilation=2, bias=True).double()
+    fused = ConvBiasReLU(conv)
+    assert fused.conv.weight is conv.weight
+    x = torch.randn(3, 4, 11, 10, dtype=torch.float64)
+    with torch.no_grad():
+        out = fused(x)
+        expected = torch.relu(torch.nn.functional.conv2d(x, conv.weight, conv.bias, 2, 2, 2))
+    assert (expected == 0).any() and (expected > 0).any()
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("conv", "reason"), [
+    (Conv2dSubclass(2, 2, 1), "plain nn.Conv2d, not Conv2dSubclass"),
+    (nn.Conv2d(2, 2, 3, padding="same"), "padding='same'"),
+    (nn.Conv2d(2, 2, 3, padding=1, padding_mode="circular"), "padding_mode='circular'"),
+    (nn.Conv1d(2, 2, 3), "not Conv1d")])
+def test_refused_convolutions_are_named(conv: nn.Module, reason: str) -> None:
+    assert reason in fusion_refusal(conv)
+    with pytest.raises(ValueError, match="conv: "):
+        ConvBiasReLU(conv)
+
+
+def test_a_hooked_conv_is_not_fused() -> None:
+    model = nn.Sequential(nn.Conv2d(2, 2, 1), nn.ReLU())
+    model[0].register_forward_hook(lambda module, args, out: None)
+    assert fusion_refusal(model[0]) == "it has forward hooks"
+    fused, count = fuse_dense_conv_relu(model)
+    assert count == 0 and type(fused[0]) is nn.Conv2d
+
+
+def test_vgg16_fuses_all_thirteen_convolutions() -> None:
+    from torchvision.models import vgg16
+
+    fused, count = fuse_dense_conv_relu(vgg16())
+    assert count == 13 and sum(isinstance(m, nn.ReLU) for m in fused.features) == 0
+    assert sum(isinstance(m, nn.ReLU) for m in fused.classifier) == 2  # the classifier's ReLUs follow Linears
+
+
+def test_the_baseline_script_times_only_variants_that_agree(load_script) -> None:
+    """``scripts/time_dense_baselines.py``'s measurement on the CPU: a variant within the bound is timed, one outside
+    it is recorded with its error and no time."""
+    measure = load_script("time_dense_baselines").measure
+    reference = torch.ones(2, 3)
+    good = measure("eager", lambda: reference.clone(), reference, 1e-5, torch.device("cpu"), runs=2, graphs=False)
+    assert good["rel_error"] == 0 and good["eager_ms"] > 0 and good["graph_ms"] is None
+    bad = measure("off", lambda: 2 * reference, reference, 1e-5, torch.device("cpu"), runs=2, graphs=False)
+    assert bad["eager_ms"] is None and bad["reason"] == "relative error 1 > 1e-05"
