@@ -6,8 +6,10 @@ beside the eager times for the two eager models).
 The end-to-end pages hold the planned sparse model against the eager dense one, whose bias, ReLU and pool passes
 took 59 % of VGG16's FP16 channels-last forward (``kernels/NOTES.md``, forty-first session). This measures how much
 of that a dense model keeps once fused. Each variant's output is compared with the eager model's of the same
-precision and layout (relative error, within 10x the precision's tolerance, else its time is not counted). Writes
-JSON to ``--out`` atomically after every measurement, so a run cut short keeps what it finished.
+precision and layout (relative error, within 10x the precision's tolerance, else its time is not counted). cuDNN
+picks its algorithms by timing them (``torch.backends.cudnn.benchmark``, as the ``cudnn`` backend and the end-to-end
+runs do; ``cudnn_benchmark`` in the JSON; the first run, ``..._cudnn_benchmark_off.json``, used its heuristics).
+Writes JSON to ``--out`` atomically after every measurement, so a run cut short keeps what it finished.
 """
 
 from __future__ import annotations
@@ -69,8 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     require_cuda("time_dense_baselines.py")
     started = time.monotonic()
     device = torch.device("cuda", 0)
+    torch.backends.cudnn.benchmark = True
     result: dict[str, Any] = {"environment": environment(git_commit()), "model": args.model, "batch": args.batch,
-                              "runs": args.runs, "weights": "synthetic (He-normal, dense)", "runs_by_setting": []}
+                              "runs": args.runs, "weights": "synthetic (He-normal, dense)", "cudnn_benchmark": True,
+                              "runs_by_setting": []}
     for precision in args.precisions:
         mode = PRECISIONS[precision]
         bound = 10 * tolerance(mode.dtype, mode.tf32)
