@@ -205,8 +205,8 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
         ("dense_fused_ms", "dense_fused_nhwc_ms", "dense_fused_rel_error", "dense_fused_nhwc_rel_error"))}
     if not count:
         return record
-    error = relative_error(fused(x).double(), dense_out.double())
-    timings = {"": (time_fn(lambda i: fused(x), x.device, runs=runs), error),
+    nchw_error = relative_error(fused(x).double(), dense_out.double())
+    timings = {"": (time_fn(lambda i: fused(x), x.device, runs=runs), nchw_error),
                "_nhwc": dense_channels_last(fused, x, dense_out, runs)[1:]}
     for tag, (timing, error) in timings.items():
         record[f"dense_fused{tag}_rel_error"] = error
