@@ -270,6 +270,9 @@ def test_cudnn_fuses_the_relu_in_its_call_and_matches_the_float64_reference(case
             last = backend.run(x.contiguous(memory_format=torch.channels_last), csr, bias, geometry, relu=True,
                                **params)
             assert relative_error(last.cpu(), expected) <= tolerance(dtype), params
+            unbiased = backend.run(x, csr, None, geometry, relu=True, **params).cpu()  # a conv without bias
+            reference = torch.relu(ref - bias.cpu().double().reshape(1, -1, *[1] * (ref.dim() - 2)))
+            assert relative_error(unbiased, reference) <= tolerance(dtype), params
 
 
 @pytest.mark.parametrize(("case", "variant"), [("vector_edges", "tile"), ("pointwise_vector", "pointwise")])
