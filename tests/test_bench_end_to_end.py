@@ -191,4 +191,42 @@ def test_a_model_timed_with_its_relus_fused_agrees_with_the_dense_model_and_says
     plain = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
                                         ["dense_cpu"])
     assert plain["fused_relu"] == 0 and plain["planned_unfused_ms"] is None and plain["fusion_speedup"] is None
-    assert len(timed) == 4  # dense, planned, then the two channels-last models
+    assert len(timed) == 6  # dense, planned, the two channels-last models, the cuDNN-fused dense model in both
+
+
+def test_the_dense_model_fused_by_cudnn_is_timed_in_both_layouts_beside_the_plan() -> None:
+    """The stronger dense baseline (each conv with its bias and ReLU in one call) runs in the same record: its one
+    fusable conv counted, both layouts timed and agreeing with the dense model, and the better planned layout held
+    against the faster of them; a model with no conv followed by a ReLU fuses nothing and times nothing more."""
+    record = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
+                                         ["dense_cpu"])
+    assert record["dense_fused_convs"] == 1
+    assert record["dense_fused_rel_error"] < 1e-5 and record["dense_fused_nhwc_rel_error"] < 1e-5
+    fused = {"nchw": record["dense_fused_ms"], "nhwc": record["dense_fused_nhwc_ms"]}
+    assert min(fused.values()) > 0 and record["best_dense_fused_layout"] == min(fused, key=fused.get)
+    best_planned = min(record["planned_ms"], record["planned_nhwc_ms"])
+    assert record["best_speedup_vs_dense_fused"] == pytest.approx(min(fused.values()) / best_planned)
+    torch.manual_seed(1)
+    no_relu = bench.magnitude_prune_(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).eval(), 0.5)
+    plain = end_to_end.bench_end_to_end(no_relu, (3, 8, 8), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
+    assert plain["dense_fused_convs"] == 0 and plain["dense_fused_ms"] is plain["dense_fused_nhwc_ms"] is None
+    assert plain["best_dense_fused_layout"] is plain["best_speedup_vs_dense_fused"] is None
+
+
+def test_a_fused_dense_model_that_disagrees_is_not_a_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the fused dense model's output is off, its times are not used (as for the channels-last dense model)."""
+    from unsparse.runtime import dense_fusion
+
+    class Off(nn.Module):
+        def __init__(self, conv: nn.Conv2d) -> None:
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.conv(x)) + 1
+
+    monkeypatch.setattr(dense_fusion, "ConvBiasReLU", Off)
+    record = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
+                                         ["dense_cpu"])
+    assert record["dense_fused_convs"] == 1 and record["dense_fused_rel_error"] > 1e-3
+    assert record["dense_fused_ms"] is record["dense_fused_nhwc_ms"] is record["best_speedup_vs_dense_fused"] is None

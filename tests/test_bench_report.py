@@ -507,3 +507,52 @@ def test_the_end_to_end_row_says_how_many_convs_have_their_relu_fused(result):
     del result["end_to_end"][0]["fused_relu"]
     unfused = markdown_report({**result, "targets": evaluate_targets(result)})
     assert "ReLU fused" not in unfused and "per-layer comparisons timed" not in unfused
+
+
+def test_the_end_to_end_table_holds_the_plan_against_the_cudnn_fused_dense_model(result):
+    """Records with the fused dense baseline get its column (time and layout) and the ratio; a record of that table
+    without it (nothing fused) shows dashes; pages of records from before it keep their columns
+    (``test_every_committed_page_renders_again_byte_for_byte``)."""
+    plain = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "dense fused" not in plain
+    result["end_to_end"][0] |= {"dense_fused_ms": 60.0, "dense_fused_nhwc_ms": 70.5, "best_dense_fused_layout": "nchw",
+                                "best_speedup_vs_dense_fused": 0.8124}
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("| best planned / best dense | dense fused ms (layout) | best planned / dense fused | dense ms (graph) |"
+            in text)
+    assert "| 60.000 (nchw) | 0.81 | " in text and "below 1 means the sparse model is SLOWER than it" in text
+    lines = text.splitlines()
+    header = lines.index(next(line for line in lines if line.startswith("| model | weights | batch | prec | dense ms")))
+    resnet = next(line for line in lines[header:] if line.startswith("| resnet50 | synthetic | 128 | fp16 |"))
+    assert "| 0.89 | - | - | " in resnet  # best planned / best dense 8/9, then no fused dense model
+    assert lines[header].count("|") == lines[header + 1].count("|") == resnet.count("|") == 21
+
+
+def test_a_plan_slower_than_the_cudnn_fused_dense_model_is_said_so(result, tmp_path, monkeypatch):
+    """"Where sparse is slower" names a plan beyond the noise margin behind the fused dense model (SLOWER), within it
+    (slower), and says nothing where the plan is faster; the end-to-end plot gets the fused dense bar."""
+    from unsparse.report import plots
+
+    record = result["end_to_end"][0]  # planned 10.2 ms NCHW, its faster layout
+    record |= {"dense_fused_ms": 9.0, "dense_fused_nhwc_ms": 9.5, "best_dense_fused_layout": "nchw",
+               "best_speedup_vs_dense_fused": 9.0 / 10.2}
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("end to end vgg16 fp32 b128: the planned model (10.200 ms in its faster layout) is SLOWER than the dense "
+            "model fused by cuDNN (convolution, bias and ReLU in one call; 9.000 ms in NCHW).") in text
+    record |= {"dense_fused_nhwc_ms": 10.0, "best_dense_fused_layout": "nhwc"}
+    assert ("is slower than the dense model fused by cuDNN (convolution, bias and ReLU in one call; 10.000 ms in "
+            "channels-last), within") in markdown_report({**result, "targets": evaluate_targets(result)})
+    record |= {"dense_fused_nhwc_ms": 11.0}
+    assert "dense model fused by cuDNN" not in markdown_report({**result, "targets": evaluate_targets(result)})
+    legends, save = {}, plots.save_figure
+
+    def saved(fig, path, **kwargs):
+        legends[path.name] = fig.axes[0].get_legend_handles_labels()[1]
+        return save(fig, path, **kwargs)
+
+    monkeypatch.setattr(plots, "save_figure", saved)
+    plot_results(result, tmp_path)
+    assert legends["end_to_end.png"][-1] == "dense, conv+bias+ReLU fused by cuDNN (faster layout)"
+    del record["best_dense_fused_layout"]
+    plot_results(result, tmp_path)
+    assert len(legends["end_to_end.png"]) == 4

@@ -15,6 +15,7 @@ from unsparse.runtime.backends.direct_arrays import longest_list
 from unsparse.runtime.backends.direct_space import pointwise_space, rows_space, tile_space
 from unsparse.runtime.comparator import plan_model, relative_error, tolerance
 from unsparse.runtime.plan import Plan
+from unsparse.runtime.precision import precision_mode
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
 from unsparse.sparse.phases import phase_split
 
@@ -249,6 +250,29 @@ def test_baselines_match_float64_reference(case: str, backend: str) -> None:
         poison_allocator(ref.numel(), torch.float32)
         out = chosen.conv(x, csr, bias, geometry, **params)
         assert relative_error(out.cpu(), ref) <= tolerance(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_cudnn_fuses_the_relu_in_its_call_and_matches_the_float64_reference(case: str, dtype: torch.dtype) -> None:
+    """``relu=True`` on cuDNN (``torch.cudnn_convolution_relu``: convolution, bias and ReLU in one call) in both
+    memory formats, every case's geometry (strides, dilation, 1x1, 11x11, a Conv1d, all-zero and fully dense
+    weights), TF32 off: the reference's ReLU, negative sums stored as exactly 0, the output in the input's layout."""
+    x, csr, bias, geometry, ref = make_case(case, dtype, seed=11)
+    expected = torch.relu(ref)
+    backend = get_backend("cudnn")
+    with precision_mode(False):
+        for params in backend.tuning_space(x, csr, geometry):
+            poison_allocator(expected.numel(), dtype)
+            out = backend.run(x, csr, bias, geometry, relu=True, **params)
+            assert relative_error(out.cpu(), expected) <= tolerance(dtype), params
+            assert (out.cpu()[expected == 0] == 0).all() and out.is_contiguous(memory_format=torch.contiguous_format)
+            last = backend.run(x.contiguous(memory_format=torch.channels_last), csr, bias, geometry, relu=True,
+                               **params)
+            assert relative_error(last.cpu(), expected) <= tolerance(dtype), params
+            unbiased = backend.run(x, csr, None, geometry, relu=True, **params).cpu()  # a conv without bias
+            reference = torch.relu(ref - bias.cpu().double().reshape(1, -1, *[1] * (ref.dim() - 2)))
+            assert relative_error(unbiased, reference) <= tolerance(dtype), params
 
 
 @pytest.mark.parametrize(("case", "variant"), [("vector_edges", "tile"), ("pointwise_vector", "pointwise")])

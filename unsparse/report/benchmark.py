@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -59,6 +59,13 @@ def _host_time(record: dict[str, Any], planned_suffix: str, dense_suffix: str) -
     return ""
 
 
+def dense_fused_ms(record: dict[str, Any]) -> float | None:
+    """An end-to-end record's dense model fused by cuDNN (convolution, bias and ReLU in one call) in its faster
+    layout, ms; None for a record without one (nothing fused, its output off, or from before it was timed)."""
+    layout = record.get("best_dense_fused_layout")
+    return record.get("dense_fused_nhwc_ms" if layout == "nhwc" else "dense_fused_ms") if layout else None
+
+
 def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
     """The "Where sparse is slower" lines of end-to-end records: per record and layout, a plan its check found
     slower than its dense default (set back, or kept: within the check's margin, or with no key of this run to set
@@ -69,7 +76,8 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
     "slower, within the 3 % noise margin", not called SLOWER. A plan check without its ``margin`` (a result written
     before the check recorded one) that kept a slower plan is said to be slower and kept, with
     :data:`~unsparse.report.document.MARGIN_NOT_RECORDED`, as the job report says it: today's :data:`PLAN_MARGIN`
-    need not be the one it was checked against, so neither "within the margin" nor SLOWER is said."""
+    need not be the one it was checked against, so neither "within the margin" nor SLOWER is said. Last, the planned
+    model in its faster layout slower than the dense model fused by cuDNN (:func:`dense_fused_ms`), where timed."""
     lines = []
     for r in records:
         run = f"end to end {r['model']} {r['precision']} b{r['batch']}"
@@ -110,6 +118,13 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
             lines.append(f"- {run}: the planned model ({_fmt(planned)} ms in {planned_layout}, its faster layout) is "
                          f"slower than the dense model in {dense_layout} ({_fmt(dense)} ms), "
                          f"{noise_text(PLAN_MARGIN)}.")
+        fused = dense_fused_ms(r)
+        if fused is not None and (against_fused := _slower(planned, fused, PLAN_MARGIN)):
+            fused_layout = "NCHW" if r["best_dense_fused_layout"] == "nchw" else "channels-last"
+            lines.append(f"- {run}: the planned model ({_fmt(planned)} ms in its faster layout) is {against_fused} "
+                         f"than the dense model fused by cuDNN (convolution, bias and ReLU in one call; "
+                         f"{_fmt(fused)} ms in {fused_layout})"
+                         + (f", {noise_text(PLAN_MARGIN)}." if against_fused == "slower" else "."))
     return lines
 
 
@@ -475,15 +490,28 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                   "that follows them, the generated kernels in their epilogue, the other backends (cuDNN among them) "
                   "in a pass after the conv; the dense model runs its ReLUs and pools apart, as PyTorch does. "
                   f"{timed}Unfused: the same plan without fusion, NCHW, eager, timed in the same run.", ""]
+    fused_dense = any("dense_fused_ms" in r for r in records)
+    if fused_dense:
+        lines += ["Dense fused: the dense model with each convolution, its bias and its ReLU in one cuDNN call "
+                  "(`torch.cudnn_convolution_relu`; its pools still apart), eager, in its faster layout, timed in the "
+                  "same run: the dense model a deployment could run instead of PyTorch's eager one. Best planned / "
+                  "dense fused below 1 means the sparse model is SLOWER than it.", ""]
+    fused_head = "| dense fused ms (layout) | best planned / dense fused " if fused_dense else ""
     lines += ["| model | weights | batch | prec | dense ms | dense NHWC ms | planned ms | planned NHWC ms "
-              "| speedup (NCHW) | best planned / best dense | dense ms (graph) | planned ms (graph) | speedup (graph) "
-              "| dense NHWC ms (graph) | planned NHWC ms (graph) | rel. error | backends (NCHW plan) "
-              "| backends (NHWC plan) |", "|" + "---|" * 18]
+              "| speedup (NCHW) | best planned / best dense " + fused_head + "| dense ms (graph) | planned ms (graph) "
+              "| speedup (graph) | dense NHWC ms (graph) | planned NHWC ms (graph) | rel. error | backends (NCHW plan) "
+              "| backends (NHWC plan) |", "|" + "---|" * (20 if fused_dense else 18)]
     for r in records:
         best = fastest_ms(r, "dense") / fastest_ms(r, "planned")
+        fused_cells = ""
+        if fused_dense:
+            fused = dense_fused_ms(r)
+            fused_cells = (f"{_fmt(fused)} ({r['best_dense_fused_layout']}) | " if fused is not None else "- | ") \
+                + f"{_fmt(r.get('best_speedup_vs_dense_fused'), 2)} | "
         lines.append(f"| {r['model']} | {r['weights']} | {r['batch']} | {r['precision']} | {_fmt(r['dense_ms'])} | "
                      f"{_fmt(r.get('dense_nhwc_ms'))} | {_fmt(r['planned_ms'])} | {_fmt(r.get('planned_nhwc_ms'))} | "
-                     f"{_fmt(r['speedup'], 2)} | {_fmt(best, 2)} | {_fmt(r.get('dense_graph_ms'))} | "
+                     f"{_fmt(r['speedup'], 2)} | {_fmt(best, 2)} | " + fused_cells
+                     + f"{_fmt(r.get('dense_graph_ms'))} | "
                      f"{_fmt(r.get('planned_graph_ms'))} | {_fmt(r.get('graph_speedup'), 2)} | "
                      f"{_fmt(r.get('dense_nhwc_graph_ms'))} | {_fmt(r.get('planned_nhwc_graph_ms'))} | "
                      f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)}"
@@ -569,10 +597,16 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
             labels = [f"{r['model'].split('/')[-1]}\n{r['precision']} b{r['batch']}" for r in result["end_to_end"]]
             xs = range(len(labels))
             runs = result["end_to_end"]
-            bars = {"dense (cuDNN, NCHW)": "dense_ms", "dense (cuDNN, NHWC)": "dense_nhwc_ms",
-                    "planned (NCHW)": "planned_ms", "planned (NHWC)": "planned_nhwc_ms"}
-            for i, (label, field_name) in enumerate(bars.items()):
-                ax.bar([x + (i - 1.5) * 0.2 for x in xs], [r.get(field_name) or 0 for r in runs], 0.2, label=label)
+            bars: dict[str, Callable[[dict[str, Any]], float | None]] = {
+                "dense (cuDNN, NCHW)": lambda r: r.get("dense_ms"),
+                "dense (cuDNN, NHWC)": lambda r: r.get("dense_nhwc_ms"),
+                "planned (NCHW)": lambda r: r.get("planned_ms"), "planned (NHWC)": lambda r: r.get("planned_nhwc_ms")}
+            if any(dense_fused_ms(r) is not None for r in runs):
+                bars["dense, conv+bias+ReLU fused by cuDNN (faster layout)"] = dense_fused_ms
+            width = 0.8 / len(bars)
+            for i, (label, value) in enumerate(bars.items()):
+                ax.bar([x + (i - (len(bars) - 1) / 2) * width for x in xs], [value(r) or 0 for r in runs], width,
+                       label=label)
             ax.set_xticks(list(xs), labels, fontsize=7)
             ax.set(ylabel="model time (ms)")
             ax.legend()

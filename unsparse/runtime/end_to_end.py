@@ -27,6 +27,7 @@ from unsparse.runtime.comparator import (
     relative_error,
     tolerance,
 )
+from unsparse.runtime.dense_fusion import fuse_dense_conv_relu
 from unsparse.runtime.layout import layout_of
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify, temporary_backend
 from unsparse.runtime.plan import Plan, without_epilogue
@@ -75,7 +76,11 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     planned in it: ``planned_nhwc_ms`` and its error None); ``speedup_vs_best_dense``: the NCHW planned model against
     the faster dense layout; ``best_planned_layout`` and ``best_speedup``: the faster planned layout against the faster
     dense layout, what a user who runs the planner's better model gets. ``backend_counts`` / ``off_cudnn`` name the
-    planned backends per layer (NCHW), ``backend_counts_nhwc`` / ``off_cudnn_nhwc`` the channels-last plan's. CUDA-graph
+    planned backends per layer (NCHW), ``backend_counts_nhwc`` / ``off_cudnn_nhwc`` the channels-last plan's. A
+    stronger dense baseline is timed in the same run: the dense model with each convolution, its bias and its ReLU as
+    one cuDNN call (:func:`dense_fused_timings`: ``dense_fused_convs``, ``dense_fused_ms``, ``dense_fused_nhwc_ms``
+    and their errors), ``best_dense_fused_layout`` its faster layout and ``best_speedup_vs_dense_fused`` the faster
+    planned layout against it (None where nothing fuses). CUDA-graph
     times (:func:`graph_timings`) of both layouts tell host-bound gaps apart. Each plan is checked end to end against
     its dense default right after planning (:func:`~unsparse.runtime.comparator.check_plan`; ``plan_check``,
     ``plan_check_nhwc``: both medians and the keys set back to the default), so the planned times are of the plans that
@@ -120,6 +125,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             unfused_t = None if unfused is None else time_fn(lambda i: unfused(x), device, runs=runs)
             graphs = graph_timings(lambda: dense(x), lambda: sparse(x), device, runs)
             dense_nhwc, nhwc_t, nhwc_error = dense_channels_last(dense, x, dense_out, runs)
+            dense_fused = dense_fused_timings(dense, x, dense_out, runs, bound)
             planned_nhwc_error, planned_nhwc_t = math.inf, None
             if nhwc_planned:
                 planned_nhwc_error = relative_error(sparse_nhwc(x_nhwc).double(), dense_out.double())
@@ -131,6 +137,9 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     planned_times = {"nchw": sparse_t.median_ms,
                      "nhwc": planned_nhwc_t.median_ms if planned_nhwc_error <= bound else math.inf}
     best_dense, best_planned = min(dense_times, key=dense_times.get), min(planned_times, key=planned_times.get)
+    fused_times = {layout: dense_fused[f"dense_fused{tag}_ms"] for layout, tag in (("nchw", ""), ("nhwc", "_nhwc"))
+                   if dense_fused[f"dense_fused{tag}_ms"] is not None}
+    best_fused = min(fused_times, key=fused_times.get) if fused_times else None
     by_layer = planned_backends(sparse, plan)
     by_layer_nhwc = planned_backends(sparse_nhwc, plan) if nhwc_planned else {}
     return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
@@ -140,7 +149,10 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "planned_nhwc_ms": _finite(planned_times["nhwc"]),
             "planned_nhwc_rel_error": planned_nhwc_error if nhwc_planned else None,
             "best_planned_layout": best_planned,
-            "best_speedup": dense_times[best_dense] / planned_times[best_planned],
+            "best_speedup": dense_times[best_dense] / planned_times[best_planned], **dense_fused,
+            "best_dense_fused_layout": best_fused,
+            "best_speedup_vs_dense_fused": (fused_times[best_fused] / planned_times[best_planned]
+                                            if best_fused is not None else None),
             "plan_check": asdict(check), "plan_check_nhwc": None if check_nhwc is None else asdict(check_nhwc),
             "tolerance": bound, "layers_planned_now": len(comparisons) + len(comparisons_nhwc),
             "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
@@ -174,6 +186,32 @@ def dense_channels_last(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
     x = x.contiguous(memory_format=torch.channels_last)
     error = relative_error(model(x).double(), dense_out.double())
     return model, time_fn(lambda i: model(x), x.device, runs=runs), error
+
+
+def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tensor, runs: int,
+                        bound: float) -> dict[str, Any]:
+    """The dense model with each convolution, its bias and its ReLU as one cuDNN call
+    (:func:`~unsparse.runtime.dense_fusion.fuse_dense_conv_relu`), timed eagerly in NCHW and in channels-last
+    (:func:`dense_channels_last`): a dense baseline that fuses what the eager one runs as separate passes. Call it
+    under ``torch.no_grad()``.
+
+    Returns:
+        ``dense_fused_convs`` (how many convolutions it fuses), ``dense_fused_ms`` and ``dense_fused_nhwc_ms``
+        (medians, ms; None where nothing is fused or the output's relative error against ``dense_out`` exceeds
+        ``bound``), ``dense_fused_rel_error`` and ``dense_fused_nhwc_rel_error`` (None where nothing is fused).
+    """
+    fused, count = fuse_dense_conv_relu(dense)
+    record: dict[str, Any] = {"dense_fused_convs": count, **dict.fromkeys(
+        ("dense_fused_ms", "dense_fused_nhwc_ms", "dense_fused_rel_error", "dense_fused_nhwc_rel_error"))}
+    if not count:
+        return record
+    nchw_error = relative_error(fused(x).double(), dense_out.double())
+    timings = {"": (time_fn(lambda i: fused(x), x.device, runs=runs), nchw_error),
+               "_nhwc": dense_channels_last(fused, x, dense_out, runs)[1:]}
+    for tag, (timing, error) in timings.items():
+        record[f"dense_fused{tag}_rel_error"] = error
+        record[f"dense_fused{tag}_ms"] = timing.median_ms if error <= bound else None
+    return record
 
 
 def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch: int, device: torch.device,

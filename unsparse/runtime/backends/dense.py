@@ -35,8 +35,12 @@ class DenseBackend(ConvBackend):
         return self._dense.get(csr, (dtype, layout), lambda: in_layout(csr.to_conv2d_weight().to(dtype), layout))
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-             memory_format: str | None = None, **params: Any) -> torch.Tensor:
-        """``F.conv2d`` on the cached dense weight, computed in ``memory_format``.
+             memory_format: str | None = None, relu: bool = False, **params: Any) -> torch.Tensor:
+        """``F.conv2d`` on the cached dense weight, computed in ``memory_format``; with ``relu`` (passed only to a
+        backend that :attr:`fuses_relu`, :class:`CudnnBackend`) the convolution, its bias and the ReLU that follows
+        the layer in one cuDNN call, ``torch.cudnn_convolution_relu`` (cuDNN's runtime fusion), which saves the bias
+        and ReLU passes of ``F.conv2d`` then ``relu``: 6.4 of the 14.8 ms of VGG16's dense FP16 channels-last forward
+        at batch 128 on the H200 (``kernels/NOTES.md``, forty-first session).
 
         Args:
             memory_format: ``"contiguous"`` (NCHW) or ``"channels_last"`` (NHWC): input and weight are converted
@@ -55,9 +59,10 @@ class DenseBackend(ConvBackend):
         weight = self.dense_weight(csr, x.dtype, layout)
         if x.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
+        conv = torch.cudnn_convolution_relu if relu else F.conv2d
         try:
-            return F.conv2d(in_layout(x, layout), weight, None if bias is None else bias.to(x.dtype), geometry.stride,
-                            geometry.padding, geometry.dilation, geometry.groups)
+            return conv(in_layout(x, layout), weight, None if bias is None else bias.to(x.dtype), geometry.stride,
+                        geometry.padding, geometry.dilation, geometry.groups)
         except RuntimeError:
             geometry.output_size(*x.shape[2:], csr.kernel_size)  # an input smaller than the kernel: as the others say
             raise
@@ -69,10 +74,12 @@ class DenseBackend(ConvBackend):
 
 @register_backend
 class CudnnBackend(DenseBackend):
-    """cuDNN through ``F.conv2d``, in NCHW (``memory_format="contiguous"``) or NHWC (``"channels_last"``)."""
+    """cuDNN through ``F.conv2d``, in NCHW (``memory_format="contiguous"``) or NHWC (``"channels_last"``); a layer
+    fused with its ReLU runs convolution, bias and ReLU in one cuDNN call (:meth:`DenseBackend.conv`)."""
 
     name = "cudnn"
     device_types = frozenset({"cuda"})
+    fuses_relu = True
 
 
 @register_backend
