@@ -182,6 +182,7 @@ def test_a_model_timed_with_its_relus_fused_agrees_with_the_dense_model_and_says
     assert [layer.relu for layer in end_to_end.sparse_layers(unfused).values()] == [False, False]
     assert [layer.relu for layer in end_to_end.sparse_layers(fused).values()] == [True, False]
     assert record["fusion_planned"] and sum("|epilogue=relu" in key for key in plan.entries) == 2  # both layouts
+    assert record["cudnn_fuses_relu"] is True
     assert [layer.plan_key for layer in end_to_end.sparse_layers(unfused).values()] == [
         without_epilogue(layer.plan_key) for layer in end_to_end.sparse_layers(fused).values()]
     torch.testing.assert_close(timed[2], timed[1])  # dense, fused, unfused: the same function
@@ -230,3 +231,22 @@ def test_a_fused_dense_model_that_disagrees_is_not_a_baseline(monkeypatch: pytes
                                          ["dense_cpu"])
     assert record["dense_fused_convs"] == 1 and record["dense_fused_rel_error"] > 1e-3
     assert record["dense_fused_ms"] is record["dense_fused_nhwc_ms"] is record["best_speedup_vs_dense_fused"] is None
+
+
+def test_a_fused_dense_model_that_cudnn_refuses_is_recorded_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN without a fused engine for a layer: the record says so and holds no fused time; the rest is timed."""
+    from unsparse.runtime import dense_fusion
+
+    class Refused(nn.Module):
+        def __init__(self, conv: nn.Conv2d) -> None:
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("cuDNN Frontend error: no valid engine configs\nmore")
+
+    monkeypatch.setattr(dense_fusion, "ConvBiasReLU", Refused)
+    record = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
+                                         ["dense_cpu"])
+    assert record["dense_fused_error"] == "RuntimeError: cuDNN Frontend error: no valid engine configs"
+    assert record["dense_fused_ms"] is record["best_speedup_vs_dense_fused"] is None and record["planned_ms"] > 0

@@ -520,12 +520,23 @@ def test_the_end_to_end_table_holds_the_plan_against_the_cudnn_fused_dense_model
     text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert ("| best planned / best dense | dense fused ms (layout) | best planned / dense fused | dense ms (graph) |"
             in text)
-    assert "| 60.000 (nchw) | 0.81 | " in text and "below 1 means the sparse model is SLOWER than it" in text
-    lines = text.splitlines()
-    header = lines.index(next(line for line in lines if line.startswith("| model | weights | batch | prec | dense ms")))
-    resnet = next(line for line in lines[header:] if line.startswith("| resnet50 | synthetic | 128 | fp16 |"))
-    assert "| 0.89 | - | - | " in resnet  # best planned / best dense 8/9, then no fused dense model
-    assert lines[header].count("|") == lines[header + 1].count("|") == resnet.count("|") == 21
+    assert "| 60.000 (nchw) | 0.81 | " in text and "below 1: the sparse model is slower than it" in text
+
+    def resnet_row() -> tuple[str, list[str], int]:
+        lines = markdown_report({**result, "targets": evaluate_targets(result)}).splitlines()
+        header = lines.index(next(line for line in lines if line.startswith("| model | weights | batch | prec | ")))
+        row = next(line for line in lines[header:] if line.startswith("| resnet50 | synthetic | 128 | fp16 |"))
+        return row, lines, header
+
+    row, lines, header = resnet_row()
+    assert "| 0.89 | - | - | " in row  # best planned / best dense 8/9, then a record from before the fused model
+    assert lines[header].count("|") == lines[header + 1].count("|") == row.count("|") == 21
+    resnet = result["end_to_end"][1]
+    for fields, cell in (({"dense_fused_convs": 0}, "none fused"), ({"dense_fused_convs": 53, "dense_fused_error":
+                         "RuntimeError: no engine"}, "refused"), ({"dense_fused_error": None,
+                                                                   "dense_fused_rel_error": 0.5}, "off")):
+        resnet |= fields
+        assert f"| 0.89 | {cell} | - | " in resnet_row()[0]
 
 
 def test_a_plan_slower_than_the_cudnn_fused_dense_model_is_said_so(result, tmp_path, monkeypatch):
@@ -556,3 +567,13 @@ def test_a_plan_slower_than_the_cudnn_fused_dense_model_is_said_so(result, tmp_p
     del record["best_dense_fused_layout"]
     plot_results(result, tmp_path)
     assert len(legends["end_to_end.png"]) == 4
+
+
+def test_the_fusion_paragraph_says_where_cudnn_applies_the_relu(result):
+    result["end_to_end"][0] |= {"fused_relu": 12, "fused_max_pool": 4}
+    before = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "the other backends (cuDNN among them) in a pass after the conv;" in before
+    result["end_to_end"][0]["cudnn_fuses_relu"] = True
+    after = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("the generated kernels in their epilogue, cuDNN the ReLU in its call (the pool in a pass after it), the "
+            "other backends in a pass after the conv;") in after and "cuDNN among them" not in after

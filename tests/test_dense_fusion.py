@@ -90,3 +90,39 @@ def test_the_baseline_script_times_only_variants_that_agree(load_script) -> None
     assert good["rel_error"] == 0 and good["eager_ms"] > 0 and good["graph_ms"] is None
     bad = measure("off", lambda: 2 * reference, reference, 1e-5, torch.device("cpu"), runs=2, graphs=False)
     assert bad["eager_ms"] is None and bad["reason"] == "relative error 1 > 1e-05"
+
+
+def test_the_cudnn_backend_runs_a_fused_relu_in_one_call_and_falls_back_where_cudnn_refuses(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """On the CPU with ``torch.cudnn_convolution_relu`` stood in for: the backend's output is the fused call's; where
+    the call raises (no fused engine), the convolution and a ReLU pass give the same function, and the refusal is
+    logged once."""
+    import logging
+
+    from tests.fusing import layer
+    from unsparse.runtime.backends.dense import CudnnBackend
+    from unsparse.sparse.geometry import ConvGeometry
+
+    x, csr, bias = layer(5)
+    geometry = ConvGeometry.of(1, 1)
+    expected = torch.relu(torch.nn.functional.conv2d(x, csr.to_dense(), bias, 1, 1))
+    calls = []
+
+    def fused(*arguments):
+        calls.append(arguments[3:])
+        return torch.relu(torch.nn.functional.conv2d(*arguments))
+
+    monkeypatch.setattr(torch, "cudnn_convolution_relu", fused)
+    backend = CudnnBackend()
+    assert backend.fuses_relu
+    torch.testing.assert_close(backend.run(x, csr, bias, geometry, relu=True), expected, rtol=0, atol=0)
+    assert calls == [((1, 1), (1, 1), (1, 1), 1)]  # stride, padding, dilation, groups
+
+    def refused(*arguments):
+        raise RuntimeError("cuDNN Frontend error: no valid engine configs\\nmore detail")
+
+    monkeypatch.setattr(torch, "cudnn_convolution_relu", refused)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            torch.testing.assert_close(backend.run(x, csr, bias, geometry, relu=True), expected, rtol=0, atol=0)
+    assert caplog.text.count("fused convolution, bias and ReLU refused (cuDNN Frontend error: no valid engine") == 1

@@ -275,6 +275,26 @@ def test_cudnn_fuses_the_relu_in_its_call_and_matches_the_float64_reference(case
             assert relative_error(unbiased, reference) <= tolerance(dtype), params
 
 
+@pytest.mark.parametrize("groups", [4, 12])
+def test_cudnn_fuses_the_relu_of_a_grouped_conv(groups: int) -> None:
+    """Grouped (4 groups) and depthwise (12) 3x3 layers fused with their ReLU on cuDNN, FP32 with TF32 off, both
+    layouts: the float64 reference's ReLU, and a channels-last input gets a channels-last output."""
+    generator = torch.Generator().manual_seed(groups)
+    weight = torch.randn(12, 12 // groups, 3, 3, generator=generator, dtype=torch.float64)
+    weight *= torch.rand(weight.shape, generator=generator, dtype=torch.float64) < 0.6
+    x, bias = torch.randn(3, 12, 9, 7, generator=generator, dtype=torch.float64), torch.randn(12, generator=generator,
+                                                                                                dtype=torch.float64)
+    geometry = ConvGeometry.of(1, 1, 1, groups)
+    expected = torch.relu(F.conv2d(x, weight, bias, 1, 1, 1, groups))
+    csr = UniformCSR.from_dense(weight.float()).to(CUDA)
+    with precision_mode(False):
+        for layout in (torch.contiguous_format, torch.channels_last):
+            out = get_backend("cudnn").run(x.float().to(CUDA).contiguous(memory_format=layout), csr,
+                                           bias.float().to(CUDA), geometry, relu=True)
+            assert out.is_contiguous(memory_format=layout)
+            assert relative_error(out.cpu(), expected) <= tolerance(torch.float32), layout
+
+
 @pytest.mark.parametrize(("case", "variant"), [("vector_edges", "tile"), ("pointwise_vector", "pointwise")])
 def test_vector_staging_on_a_misaligned_input_takes_the_scalar_kernel(case: str, variant: str) -> None:
     x, csr, bias, geometry, ref = make_case(case, torch.float32, seed=9)

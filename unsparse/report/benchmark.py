@@ -486,16 +486,21 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
         timed = ("" if not planned else "The per-layer comparisons timed each fused layer with what it is fused with"
                  + ("" if planned == len(fused) else " in the rows that say 'planned fused', the convolution alone in "
                     "the others") + ". ")
+        where = ("the generated kernels in their epilogue, cuDNN the ReLU in its call (the pool in a pass after it), "
+                 "the other backends in a pass after the conv" if any(r.get("cudnn_fuses_relu") for r in fused) else
+                 "the generated kernels in their epilogue, the other backends (cuDNN among them) in a pass after the "
+                 "conv")
         lines += ["ReLU (max pool) fused into K convs: the planned model's convs apply the ReLU (the 2x2 max pool) "
-                  "that follows them, the generated kernels in their epilogue, the other backends (cuDNN among them) "
-                  "in a pass after the conv; the dense model runs its ReLUs and pools apart, as PyTorch does. "
+                  f"that follows them, {where}; the dense model runs its ReLUs and pools apart, as PyTorch does. "
                   f"{timed}Unfused: the same plan without fusion, NCHW, eager, timed in the same run.", ""]
     fused_dense = any("dense_fused_ms" in r for r in records)
     if fused_dense:
         lines += ["Dense fused: the dense model with each convolution, its bias and its ReLU in one cuDNN call "
                   "(`torch.cudnn_convolution_relu`; its pools still apart), eager, in its faster layout, timed in the "
                   "same run: the dense model a deployment could run instead of PyTorch's eager one. Best planned / "
-                  "dense fused below 1 means the sparse model is SLOWER than it.", ""]
+                  "dense fused below 1: the sparse model is slower than it (see \"Where sparse is slower\", which "
+                  "says SLOWER beyond the noise margin); none fused: the model has no conv followed by a ReLU; "
+                  "refused: cuDNN had no fused engine; off: its output disagreed.", ""]
     fused_head = "| dense fused ms (layout) | best planned / dense fused " if fused_dense else ""
     lines += ["| model | weights | batch | prec | dense ms | dense NHWC ms | planned ms | planned NHWC ms "
               "| speedup (NCHW) | best planned / best dense " + fused_head + "| dense ms (graph) | planned ms (graph) "
@@ -505,9 +510,7 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
         best = fastest_ms(r, "dense") / fastest_ms(r, "planned")
         fused_cells = ""
         if fused_dense:
-            fused = dense_fused_ms(r)
-            fused_cells = (f"{_fmt(fused)} ({r['best_dense_fused_layout']}) | " if fused is not None else "- | ") \
-                + f"{_fmt(r.get('best_speedup_vs_dense_fused'), 2)} | "
+            fused_cells = f"{_dense_fused_cell(r)} | {_fmt(r.get('best_speedup_vs_dense_fused'), 2)} | "
         lines.append(f"| {r['model']} | {r['weights']} | {r['batch']} | {r['precision']} | {_fmt(r['dense_ms'])} | "
                      f"{_fmt(r.get('dense_nhwc_ms'))} | {_fmt(r['planned_ms'])} | {_fmt(r.get('planned_nhwc_ms'))} | "
                      f"{_fmt(r['speedup'], 2)} | {_fmt(best, 2)} | " + fused_cells
@@ -518,6 +521,18 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                      + _fusion_text(r) + " | "
                      f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')} |")
     return lines
+
+
+def _dense_fused_cell(record: dict[str, Any]) -> str:
+    """The end-to-end row's fused dense model: its time and layout, or why there is none."""
+    fused = dense_fused_ms(record)
+    if fused is not None:
+        return f"{_fmt(fused)} ({record['best_dense_fused_layout']})"
+    if record.get("dense_fused_convs") == 0:
+        return "none fused"
+    if record.get("dense_fused_error"):
+        return "refused"
+    return "off" if record.get("dense_fused_rel_error") is not None else "-"
 
 
 def _fusion_text(record: dict[str, Any]) -> str:

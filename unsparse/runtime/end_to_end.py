@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from unsparse.runtime.backends import get_backend
 from unsparse.runtime.comparator import (
     best_times,
     check_plan,
@@ -95,8 +96,10 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     do not fuse it. What fusing buys is measured in the same run: ``planned_unfused_ms`` times a third sparse copy
     without fusion on the same choices (NCHW, eager; each unfused key takes the entry of the fused key it comes from,
     :func:`~unsparse.runtime.plan.without_epilogue`, the first layer's where two fused keys lose their epilogues to
-    one, and nothing is planned again or added to ``plan``) and ``fusion_speedup`` is it over ``planned_ms``; both
-    None without either flag.
+    one; nothing is added to ``plan``, though the active plan the ``"auto"`` backend reads holds them from then on)
+    and ``fusion_speedup`` is it over
+    ``planned_ms``; both None without either flag. ``cudnn_fuses_relu`` records that the ``cudnn`` backend applies a
+    fused layer's ReLU in its call (runs before it paid a ReLU pass after cuDNN).
     """
     dtype, tf32 = PRECISIONS[precision].dtype, PRECISIONS[precision].tf32
     bound = 10 * tolerance(dtype, tf32)
@@ -115,8 +118,8 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
         unfused = sparsify(dense) if fuse_relu or fuse_max_pool else None
         if unfused is not None:
             same_choices = Plan()
-            for layer in sparse_layers(sparse).values():
-                same_choices.entries.setdefault(without_epilogue(layer.plan_key), plan.entries[layer.plan_key])
+            for key in filter(None, (getattr(layer, "plan_key", None) for layer in sparse_layers(sparse).values())):
+                same_choices.entries.setdefault(without_epilogue(key), plan.entries[key])
             plan_model(unfused, x, same_choices, backends)
         with torch.no_grad():
             dense_out, sparse_out = dense(x), sparse(x)
@@ -158,7 +161,8 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
             "fused_relu": sum(layer.relu for layer in sparse_layers(sparse).values()),
             "fused_max_pool": sum(layer.max_pool for layer in sparse_layers(sparse).values()),
-            "fusion_planned": True, "planned_unfused_ms": None if unfused_t is None else unfused_t.median_ms,
+            "fusion_planned": True, "cudnn_fuses_relu": get_backend("cudnn").fuses_relu,
+            "planned_unfused_ms": None if unfused_t is None else unfused_t.median_ms,
             "fusion_speedup": None if unfused_t is None else unfused_t.median_ms / sparse_t.median_ms,
             "planned_timing": sparse_t.to_dict(),
             "planned_nhwc_timing": None if planned_nhwc_t is None else planned_nhwc_t.to_dict(),
@@ -197,17 +201,24 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
 
     Returns:
         ``dense_fused_convs`` (how many convolutions it fuses), ``dense_fused_ms`` and ``dense_fused_nhwc_ms``
-        (medians, ms; None where nothing is fused or the output's relative error against ``dense_out`` exceeds
-        ``bound``), ``dense_fused_rel_error`` and ``dense_fused_nhwc_rel_error`` (None where nothing is fused).
+        (medians, ms; None where nothing is fused, the output's relative error against ``dense_out`` exceeds
+        ``bound``, or cuDNN refused the fused call), ``dense_fused_rel_error`` and ``dense_fused_nhwc_rel_error``
+        (None where nothing is fused or it was refused), ``dense_fused_error``: the refusal (a ``RuntimeError``'s
+        first line; no fused engine for a layer, say), else None.
     """
     fused, count = fuse_dense_conv_relu(dense)
     record: dict[str, Any] = {"dense_fused_convs": count, **dict.fromkeys(
-        ("dense_fused_ms", "dense_fused_nhwc_ms", "dense_fused_rel_error", "dense_fused_nhwc_rel_error"))}
+        ("dense_fused_ms", "dense_fused_nhwc_ms", "dense_fused_rel_error", "dense_fused_nhwc_rel_error",
+         "dense_fused_error"))}
     if not count:
         return record
-    nchw_error = relative_error(fused(x).double(), dense_out.double())
-    timings = {"": (time_fn(lambda i: fused(x), x.device, runs=runs), nchw_error),
-               "_nhwc": dense_channels_last(fused, x, dense_out, runs)[1:]}
+    try:
+        nchw_error = relative_error(fused(x).double(), dense_out.double())
+        timings = {"": (time_fn(lambda i: fused(x), x.device, runs=runs), nchw_error),
+                   "_nhwc": dense_channels_last(fused, x, dense_out, runs)[1:]}
+    except RuntimeError as error:
+        record["dense_fused_error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        return record
     for tag, (timing, error) in timings.items():
         record[f"dense_fused{tag}_rel_error"] = error
         record[f"dense_fused{tag}_ms"] = timing.median_ms if error <= bound else None

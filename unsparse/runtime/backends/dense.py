@@ -6,6 +6,7 @@ torch's own CPU convolution, reported as ``dense_cpu`` so that no CPU figure is 
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -15,6 +16,8 @@ from unsparse.runtime.backends.base import ConvBackend, WeightCache, register_ba
 from unsparse.runtime.layout import in_layout, layout_of
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
+
+log = logging.getLogger(__name__)
 
 MEMORY_FORMATS = {"contiguous": "nchw", "channels_last": "nhwc"}
 """The ``memory_format`` tuning parameter (torch's names) -> layout name (:mod:`unsparse.runtime.layout`)."""
@@ -27,6 +30,7 @@ class DenseBackend(ConvBackend):
 
     def __init__(self) -> None:
         self._dense = WeightCache()
+        self._refusals: set[str] = set()
 
     def dense_weight(self, csr: UniformCSR, dtype: torch.dtype, layout: str = "nchw") -> torch.Tensor:
         """``(M, C/groups, R, S)`` dense weight of ``dtype`` stored in ``layout`` on ``csr``'s device (Conv1d
@@ -59,13 +63,32 @@ class DenseBackend(ConvBackend):
         weight = self.dense_weight(csr, x.dtype, layout)
         if x.device.type == "cuda":
             torch.backends.cudnn.benchmark = True
-        conv = torch.cudnn_convolution_relu if relu else F.conv2d
+        arguments = (in_layout(x, layout), weight, None if bias is None else bias.to(x.dtype), geometry.stride,
+                     geometry.padding, geometry.dilation, geometry.groups)
         try:
-            return conv(in_layout(x, layout), weight, None if bias is None else bias.to(x.dtype), geometry.stride,
-                        geometry.padding, geometry.dilation, geometry.groups)
+            if relu:
+                fused = self._fused_relu(*arguments)
+                if fused is not None:
+                    return fused
+            out = F.conv2d(*arguments)
+            return out.relu_() if relu else out
         except RuntimeError:
             geometry.output_size(*x.shape[2:], csr.kernel_size)  # an input smaller than the kernel: as the others say
             raise
+
+    def _fused_relu(self, *arguments: Any) -> torch.Tensor | None:
+        """``torch.cudnn_convolution_relu(*arguments)``, or None where cuDNN refuses it (its runtime fusion covers
+        fewer problems than its convolutions: no engine for a dtype or size), logged once per message; the caller
+        then runs the convolution and a ReLU pass, the same function."""
+        try:
+            return torch.cudnn_convolution_relu(*arguments)
+        except RuntimeError as error:
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            if message not in self._refusals:
+                self._refusals.add(message)
+                log.warning("%s: cuDNN's fused convolution, bias and ReLU refused (%s); the convolution, then a "
+                            "ReLU pass", self.name, message)
+            return None
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
         """Both memory formats: either may be the faster one, and a plan may only name settings offered here."""
