@@ -22,11 +22,8 @@ from torch.profiler import ProfilerActivity, profile
 from unsparse.atomic import atomic_write_text
 from unsparse.job import git_commit
 from unsparse.runtime.bench import MODELS, build_model, environment, require_cuda
-from unsparse.runtime.precision import PRECISIONS, precision_mode
+from unsparse.runtime.precision import DENSE_PRECISIONS, PRECISIONS, precision_mode
 from unsparse.runtime.timing import time_fn
-
-DENSE_PRECISIONS = tuple(name for name, mode in PRECISIONS.items() if mode.sparse == "direct")
-"""The precisions whose dense model is cuDNN's (fp32, tf32, fp16): the sparse variants differ only in their plan."""
 
 
 def op_table(events: Iterable[Any], forwards: int) -> list[dict[str, Any]]:

@@ -29,10 +29,9 @@ from unsparse.job import git_commit
 from unsparse.runtime.bench import MODELS, build_model, environment, require_cuda
 from unsparse.runtime.comparator import relative_error, tolerance
 from unsparse.runtime.dense_fusion import fuse_dense_conv_relu
-from unsparse.runtime.precision import PRECISIONS, precision_mode
+from unsparse.runtime.precision import DENSE_PRECISIONS, PRECISIONS, precision_mode
 from unsparse.runtime.timing import time_fn, time_graph
 
-DENSE_PRECISIONS = ("fp32", "tf32", "fp16")
 LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
 
 

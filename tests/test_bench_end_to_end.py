@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
 from torch import nn
 
-from unsparse.runtime import bench, comparator, end_to_end
+from unsparse.runtime import bench, comparator, dense_fusion, end_to_end
 from unsparse.runtime.backends.dense import DenseBackend
 from unsparse.runtime.backends.lowering import LoweringBackend
 from unsparse.runtime.plan import Plan, PlanEntry, without_epilogue
@@ -214,19 +215,23 @@ def test_the_dense_model_fused_by_cudnn_is_timed_in_both_layouts_beside_the_plan
     assert plain["best_dense_fused_layout"] is plain["best_speedup_vs_dense_fused"] is None
 
 
-def test_a_fused_dense_model_that_disagrees_is_not_a_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
-    """If the fused dense model's output is off, its times are not used (as for the channels-last dense model)."""
-    from unsparse.runtime import dense_fusion
+def conv_stand_in(forward: Callable[[nn.Conv2d, torch.Tensor], torch.Tensor]) -> type[nn.Module]:
+    """A stand-in for ``dense_fusion.ConvBiasReLU``: it holds the convolution and returns ``forward(conv, x)``."""
 
-    class Off(nn.Module):
+    class StandIn(nn.Module):
         def __init__(self, conv: nn.Conv2d) -> None:
             super().__init__()
             self.conv = conv
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return torch.relu(self.conv(x)) + 1
+            return forward(self.conv, x)
 
-    monkeypatch.setattr(dense_fusion, "ConvBiasReLU", Off)
+    return StandIn
+
+
+def test_a_fused_dense_model_that_disagrees_is_not_a_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
+    """If the fused dense model's output is off, its times are not used (as for the channels-last dense model)."""
+    monkeypatch.setattr(dense_fusion, "ConvBiasReLU", conv_stand_in(lambda conv, x: torch.relu(conv(x)) + 1))
     record = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
                                          ["dense_cpu"])
     assert record["dense_fused_convs"] == 1 and record["dense_fused_rel_error"] > 1e-3
@@ -235,17 +240,10 @@ def test_a_fused_dense_model_that_disagrees_is_not_a_baseline(monkeypatch: pytes
 
 def test_a_fused_dense_model_that_cudnn_refuses_is_recorded_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:
     """cuDNN without a fused engine for a layer: the record says so and holds no fused time; the rest is timed."""
-    from unsparse.runtime import dense_fusion
+    def refused(conv: nn.Conv2d, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("cuDNN Frontend error: no valid engine configs\nmore")
 
-    class Refused(nn.Module):
-        def __init__(self, conv: nn.Conv2d) -> None:
-            super().__init__()
-            self.conv = conv
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            raise RuntimeError("cuDNN Frontend error: no valid engine configs\nmore")
-
-    monkeypatch.setattr(dense_fusion, "ConvBiasReLU", Refused)
+    monkeypatch.setattr(dense_fusion, "ConvBiasReLU", conv_stand_in(refused))
     record = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
                                          ["dense_cpu"])
     assert record["dense_fused_error"] == "RuntimeError: cuDNN Frontend error: no valid engine configs"

@@ -25,26 +25,31 @@ class FusesBoth(RecordingFusing):
     fuses_max_pool = True
 
 
-class IgnoresPool(RecordingFusing):
-    """Says it fuses the pool, and returns the convolution unpooled (a wrong epilogue the check must catch)."""
+class Drops(RecordingFusing):
+    """Says it fuses the ReLU and the pool, and leaves out the one ``dropped`` names (a wrong epilogue the check
+    must catch)."""
+
+    fuses_relu = True
+    fuses_max_pool = True
+    dropped = ""
+
+    def conv(self, x, csr, bias, geometry, relu=False, max_pool=False, **params):
+        flags = {"relu": relu, "max_pool": max_pool, self.dropped: False}
+        return super().conv(x, csr, bias, geometry, **flags, **params)
+
+
+class IgnoresPool(Drops):
+    """Returns the convolution unpooled."""
 
     name = "test_ignores_pool"
-    fuses_relu = True
-    fuses_max_pool = True
-
-    def conv(self, x, csr, bias, geometry, relu=False, max_pool=False, **params):
-        return super().conv(x, csr, bias, geometry, relu=relu, max_pool=False, **params)
+    dropped = "max_pool"
 
 
-class SkipsRelu(RecordingFusing):
-    """Says it fuses the ReLU, and pools the convolution without it."""
+class SkipsRelu(Drops):
+    """Pools the convolution without its ReLU."""
 
     name = "test_skips_relu"
-    fuses_relu = True
-    fuses_max_pool = True
-
-    def conv(self, x, csr, bias, geometry, relu=False, max_pool=False, **params):
-        return super().conv(x, csr, bias, geometry, relu=False, max_pool=max_pool, **params)
+    dropped = "relu"
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ import copy
 import itertools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -35,7 +34,7 @@ def fusion_refusal(conv: nn.Module) -> str | None:
 
 class ConvBiasReLU(nn.Module):
     """An ``nn.Conv2d`` and the ``nn.ReLU`` after it as one cuDNN call on CUDA (``torch.cudnn_convolution_relu``:
-    ``relu(conv2d(x, weight) + bias)``), elsewhere ``F.conv2d`` then ``torch.relu`` (the same function).
+    ``relu(conv2d(x, weight) + bias)``), elsewhere the convolution then ``torch.relu`` (the same function).
 
     Shapes as the convolution's: input ``(N, C, H, W)`` in either layout, output ``(N, M, E, F)``; the weight and
     bias are the convolution's own parameters (shared, not copied).
@@ -54,8 +53,7 @@ class ConvBiasReLU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv = self.conv
         if x.device.type != "cuda":
-            return torch.relu(F.conv2d(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation,
-                                       conv.groups))
+            return torch.relu(conv(x))
         return torch.cudnn_convolution_relu(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation,
                                             conv.groups)
 
