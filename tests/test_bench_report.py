@@ -577,3 +577,20 @@ def test_the_fusion_paragraph_says_where_cudnn_applies_the_relu(result):
     after = markdown_report({**result, "targets": evaluate_targets(result)})
     assert ("the generated kernels in their epilogue, cuDNN the ReLU in its call (the pool in a pass after it), the "
             "other backends in a pass after the conv;") in after and "cuDNN among them" not in after
+
+
+def test_a_faster_plan_with_every_conv_on_cudnn_is_not_called_a_sparsity_gain(result):
+    """A record whose faster plan has no conv off cuDNN gets a line saying its gain is not sparsity, naming the other
+    layout's plan that does use sparse backends; a faster plan with a conv off cuDNN gets none."""
+    record = result["end_to_end"][2]  # googlenet: channels-last plan 7.9 ms, all three convs on cuDNN
+    record |= {"backend_counts": {"cudnn": 1, "generated": 2}, "off_cudnn": {"a": "generated", "b": "generated"}}
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("- end to end googlenet fp16 b128: the planned model's faster layout (channels-last) runs every conv on "
+            "cuDNN, so what it gains over the dense model is not sparsity; the NCHW plan, with 2 of 3 convs off cuDNN, "
+            "takes 9.000 ms.") in text
+    record["off_cudnn_nhwc"] = {"c": "generated"}
+    assert "runs every conv on cuDNN" not in markdown_report({**result, "targets": evaluate_targets(result)})
+    record |= {"off_cudnn_nhwc": {}, "off_cudnn": {}}
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "googlenet fp16 b128: the planned model's faster layout (channels-last) runs every conv on cuDNN, so what " \
+           "it gains over the dense model is not sparsity." in text

@@ -76,8 +76,9 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
     "slower, within the 3 % noise margin", not called SLOWER. A plan check without its ``margin`` (a result written
     before the check recorded one) that kept a slower plan is said to be slower and kept, with
     :data:`~unsparse.report.document.MARGIN_NOT_RECORDED`, as the job report says it: today's :data:`PLAN_MARGIN`
-    need not be the one it was checked against, so neither "within the margin" nor SLOWER is said. Last, the planned
-    model in its faster layout slower than the dense model fused by cuDNN (:func:`dense_fused_ms`), where timed."""
+    need not be the one it was checked against, so neither "within the margin" nor SLOWER is said. Then the planned
+    model in its faster layout slower than the dense model fused by cuDNN (:func:`dense_fused_ms`), where timed;
+    last, a faster plan with no conv off cuDNN (:func:`_all_on_cudnn`)."""
     lines = []
     for r in records:
         run = f"end to end {r['model']} {r['precision']} b{r['batch']}"
@@ -125,7 +126,26 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
                          f"than the dense model fused by cuDNN (convolution, bias and ReLU in one call; "
                          f"{_fmt(fused)} ms in {fused_layout})"
                          + (f", {noise_text(PLAN_MARGIN)}." if against_fused == "slower" else "."))
+        lines += _all_on_cudnn(r, run, planned_layout)
     return lines
+
+
+def _all_on_cudnn(record: dict[str, Any], run: str, planned_layout: str) -> list[str]:
+    """The line for an end-to-end record whose faster plan (``planned_layout``) put every conv on cuDNN: whatever it
+    gains over the dense model is not sparsity; with the other layout's plan, where that one puts convs on sparse
+    backends, and its time. Empty for a plan with any conv off cuDNN, or a record without backend counts."""
+    suffix, other_suffix, other_layout = (("", "_nhwc", "channels-last") if planned_layout == "NCHW"
+                                          else ("_nhwc", "", "NCHW"))
+    if not record.get("backend_counts" + suffix) or record.get("off_cudnn" + suffix):
+        return []
+    line = (f"- {run}: the planned model's faster layout ({planned_layout}) runs every conv on cuDNN, so what it "
+            "gains over the dense model is not sparsity")
+    off = record.get("off_cudnn" + other_suffix)
+    if off and record.get(f"planned{other_suffix}_ms"):
+        convs = sum(record["backend_counts" + other_suffix].values())
+        line += (f"; the {other_layout} plan, with {len(off)} of {convs} convs off cuDNN, takes "
+                 f"{_fmt(record[f'planned{other_suffix}_ms'])} ms")
+    return [line + "."]
 
 
 def geomean(values: Sequence[float]) -> float | None:
