@@ -54,6 +54,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the models timed whole fuse each conv with the ReLU after it in their sparse copy")
     parser.add_argument("--fuse-max-pool", action="store_true",
                         help="and with the 2x2 max pool after it (after its ReLU, if fused too)")
+    parser.add_argument("--fold-batch-norm", action="store_true",
+                        help="the models timed whole fold each BatchNorm after a conv into it (sparse copies and the "
+                        "fused dense baseline)")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--layer-filter", help="time only the layers whose name matches this regular expression; "
                         "no model end to end then, unless --end-to-end names one")
@@ -68,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"runs": args.runs, "layer_filter": args.layer_filter, "time_budget_s": args.time_budget,
                 "sparse_file": args.sparse_file, "sparse_input_shape": args.sparse_input_shape, "timing": args.timing,
                 "end_to_end_fuse_relu": args.fuse_relu, "end_to_end_fuse_max_pool": args.fuse_max_pool,
+                "end_to_end_fold_batch_norm": args.fold_batch_norm,
                 **(bench.QUICK if args.quick else {}),
                 **{name: getattr(args, name) for name in ("models", "sparsities", "batches", "precisions",
                                                            "end_to_end", "end_to_end_sparsity")

@@ -513,6 +513,10 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
         lines += ["ReLU (max pool) fused into K convs: the planned model's convs apply the ReLU (the 2x2 max pool) "
                   f"that follows them, {where}; the dense model runs its ReLUs and pools apart, as PyTorch does. "
                   f"{timed}Unfused: the same plan without fusion, NCHW, eager, timed in the same run.", ""]
+    if any(r.get("folded_batch_norm") for r in records):
+        lines += ["BatchNorm folded into K convs: each eval-mode BatchNorm after a conv is folded into the conv's "
+                  "weights and bias (no pass of its own), in the planned model and in the dense fused one, not in "
+                  "the eager dense model.", ""]
     fused_dense = any("dense_fused_ms" in r for r in records)
     if fused_dense:
         lines += ["Dense fused: the dense model with each convolution, its bias and its ReLU in one cuDNN call "
@@ -556,14 +560,15 @@ def _dense_fused_cell(record: dict[str, Any]) -> str:
 
 
 def _fusion_text(record: dict[str, Any]) -> str:
-    """The end-to-end row's note on fused ReLUs and max pools: how many, and the same plan unfused timed in the
-    same run."""
+    """The end-to-end row's note on folded BatchNorms, fused ReLUs and max pools: how many, and the same plan unfused
+    timed in the same run."""
     fused = [f"{what} fused into {record[field]} convs" for what, field in (("ReLU", "fused_relu"),
                                                                             ("max pool", "fused_max_pool"))
              if record.get(field)]
-    if not fused:
+    folded = [f"BatchNorm folded into {record['folded_batch_norm']} convs"] if record.get("folded_batch_norm") else []
+    if not fused and not folded:
         return ""
-    text = "; " + ", ".join(fused) + (", planned fused" if record.get("fusion_planned") else "")
+    text = "; " + ", ".join(folded + fused) + (", planned fused" if fused and record.get("fusion_planned") else "")
     if record.get("planned_unfused_ms") is not None:
         text += f" (unfused {_fmt(record['planned_unfused_ms'])} ms: fusing {_fmt(record['fusion_speedup'], 2)}x)"
     return text

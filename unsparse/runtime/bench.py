@@ -98,7 +98,7 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
                    end_to_end_sparsity: float, end_to_end_batch: int, runs: int, sparse_file: str | Path | None,
                    sparse_input_shape: Sequence[int] | None, layer_filter: str | None, time_budget_s: float | None,
                    timing: str, seed: int, end_to_end_fuse_relu: bool = False,
-                   end_to_end_fuse_max_pool: bool = False) -> None:
+                   end_to_end_fuse_max_pool: bool = False, end_to_end_fold_batch_norm: bool = False) -> None:
     """Check :func:`run_bench`'s settings (same meanings) before any GPU work, so that a typo does not surface
     after minutes of timings or as a traceback deep inside them: model names from :data:`MODELS`, precisions from
     :data:`~unsparse.runtime.precision.PRECISIONS`, sparsities in ``[0, 1)`` (the range of :func:`magnitude_prune_`),
@@ -106,8 +106,8 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
     ``sparse_file`` an existing file with a non-empty ``sparse_input_shape`` (positive integers), ``layer_filter`` a
     regular expression, ``time_budget_s`` > 0, ``timing`` one of :data:`~unsparse.runtime.comparator.TIMINGS`, ``seed``
     an integer in ``[0, 2^32)``, the seeds torch's CPU generator tells apart (:func:`~unsparse.settings.check_seed`;
-    ``seed=1.5`` reached ``torch.manual_seed``, which took it as 1), ``end_to_end_fuse_relu`` and
-    ``end_to_end_fuse_max_pool`` bools.
+    ``seed=1.5`` reached ``torch.manual_seed``, which took it as 1), ``end_to_end_fuse_relu``,
+    ``end_to_end_fuse_max_pool`` and ``end_to_end_fold_batch_norm`` bools.
 
     Raises:
         BenchRefusedError: (a ``ValueError``) naming the setting and the value.
@@ -142,7 +142,8 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
                 check_integer(value, "sparse_input_shape")
         check_seed(seed)
         for field, value in (("end_to_end_fuse_relu", end_to_end_fuse_relu),
-                             ("end_to_end_fuse_max_pool", end_to_end_fuse_max_pool)):
+                             ("end_to_end_fuse_max_pool", end_to_end_fuse_max_pool),
+                             ("end_to_end_fold_batch_norm", end_to_end_fold_batch_norm)):
             if not isinstance(value, bool):
                 raise ValueError(f"{field}: expected true or false, got {value!r}")
         if time_budget_s is not None:
@@ -375,7 +376,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
               plan_path: str | Path | None = None, commit: str | None = None, seed: int = 0,
               layer_filter: str | None = None, time_budget_s: float | None = None,
               timing: str = "eager", record: Mapping[str, str] | None = None,
-              end_to_end_fuse_relu: bool = False, end_to_end_fuse_max_pool: bool = False) -> dict[str, Any]:
+              end_to_end_fuse_relu: bool = False, end_to_end_fuse_max_pool: bool = False,
+              end_to_end_fold_batch_norm: bool = False) -> dict[str, Any]:
     """Run the benchmark on ``cuda:0`` and write ``bench.json``, ``bench.md`` and plots to ``out_dir``.
 
     Before the layers of a model and sparsity are compared, and before a model is timed whole, the kernels a sparse
@@ -393,6 +395,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         end_to_end_fuse_relu: fuse each conv of those models with the ReLU after it in the sparse copy
             (:func:`~unsparse.runtime.end_to_end.bench_end_to_end`'s ``fuse_relu``).
         end_to_end_fuse_max_pool: likewise with the 2x2 max pool after it (``fuse_max_pool``).
+        end_to_end_fold_batch_norm: fold each BatchNorm after a conv into it, in the sparse copies and in the fused
+            dense baseline (``fold_batch_norm``).
         runs: timed runs per setting (>= 20 per the protocol).
         sparse_file, sparse_input_shape: a trained sparse model (``unsparse.sparse.io.load_sparse``) and its
             per-sample input shape, e.g. ``(1, 28, 28)``; planned and timed end to end at each batch size.
@@ -423,7 +427,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     """
     check_settings(models, sparsities, batches, precisions, lowering_models, end_to_end, end_to_end_sparsity,
                    end_to_end_batch, runs, sparse_file, sparse_input_shape, layer_filter, time_budget_s, timing, seed,
-                   end_to_end_fuse_relu, end_to_end_fuse_max_pool)
+                   end_to_end_fuse_relu, end_to_end_fuse_max_pool, end_to_end_fold_batch_norm)
     if not torch.cuda.is_available():
         raise BenchRefusedError("run_bench needs a CUDA GPU, and torch sees none here")
     out_dir = Path(out_dir)
@@ -494,7 +498,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             try:
                 record = bench_end_to_end(model, (3, 224, 224), end_to_end_batch, precision, device, runs,
                                           plan_for(precision), ["cudnn", PRECISIONS[precision].sparse],
-                                          end_to_end_fuse_relu, end_to_end_fuse_max_pool)
+                                          end_to_end_fuse_relu, end_to_end_fuse_max_pool,
+                                          end_to_end_fold_batch_norm)
             except RuntimeError as exc:  # e.g. no backend matched the reference on some layer: say so, go on
                 result["failed"].append({"what": f"end to end {name} {precision}", "error": str(exc)})
                 print(f"e2e {name} {precision}: FAILED: {exc}")

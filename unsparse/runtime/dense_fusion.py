@@ -59,9 +59,11 @@ class ConvBiasReLU(nn.Module):
 
 
 def fuse_dense_conv_relu(model: nn.Module) -> tuple[nn.Module, int]:
-    """A copy of ``model`` in which every ``nn.Conv2d`` directly followed by a plain ``nn.ReLU`` in an
-    ``nn.Sequential`` is a :class:`ConvBiasReLU` and the ReLU's place an ``nn.Identity``; ``model`` is not modified.
-    Convolutions :func:`fusion_refusal` refuses stay as they are, with their ReLU.
+    """A copy of ``model`` in which every ``nn.Conv2d`` followed by a plain ``nn.ReLU`` in an ``nn.Sequential`` is a
+    :class:`ConvBiasReLU` and the ReLU's place an ``nn.Identity``; ``model`` is not modified. "Followed": the next
+    module that is not an ``nn.Identity`` (a BatchNorm folded by
+    :func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_` leaves one). Convolutions :func:`fusion_refusal`
+    refuses stay as they are, with their ReLU.
 
     Returns:
         The copy and how many convolutions it fuses (VGG16: 13).
@@ -69,7 +71,7 @@ def fuse_dense_conv_relu(model: nn.Module) -> tuple[nn.Module, int]:
     fused = copy.deepcopy(model)
     count = 0
     for sequential in [m for m in fused.modules() if isinstance(m, nn.Sequential)]:
-        names = list(sequential._modules)
+        names = [name for name, module in sequential._modules.items() if type(module) is not nn.Identity]
         for name, following in itertools.pairwise(names):
             conv, relu = sequential._modules[name], sequential._modules[following]
             if type(relu) is nn.ReLU and fusion_refusal(conv) is None:

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from unsparse.runtime.backends import get_backend
+from unsparse.runtime.batch_norm_folding import FOLDED_ATTRIBUTE, fold_batch_norm_
 from unsparse.runtime.comparator import (
     best_times,
     check_plan,
@@ -62,7 +63,8 @@ def graph_timings(dense: Callable[[], Any], planned: Callable[[], Any], device: 
 
 def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, precision: str,
                      device: torch.device, runs: int, plan: Plan, backends: list[str] | None,
-                     fuse_relu: bool = False, fuse_max_pool: bool = False) -> dict[str, Any]:
+                     fuse_relu: bool = False, fuse_max_pool: bool = False,
+                     fold_batch_norm: bool = False) -> dict[str, Any]:
     """Time the dense model (cuDNN) against its sparsified copy running the plan ("auto"), same precision, each
     in NCHW and in channels-last from end to end.
 
@@ -99,13 +101,16 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     one; nothing is added to ``plan``, though the active plan the ``"auto"`` backend reads holds them from then on)
     and ``fusion_speedup`` is it over
     ``planned_ms``; both None without either flag. ``cudnn_fuses_relu`` records that the ``cudnn`` backend applies a
-    fused layer's ReLU in its call (runs before it paid a ReLU pass after cuDNN).
+    fused layer's ReLU in its call (runs before it paid a ReLU pass after cuDNN). With ``fold_batch_norm`` each
+    eval-mode BatchNorm after a conv is folded into it (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`,
+    before the fusions) in the sparse copies and in the fused dense baseline, not in the eager dense model;
+    ``folded_batch_norm`` counts the sparse copy's layers that took one (0 without the flag).
     """
     dtype, tf32 = PRECISIONS[precision].dtype, PRECISIONS[precision].tf32
     bound = 10 * tolerance(dtype, tf32)
     with precision_mode(tf32):
         dense = model.to(device, dtype).eval()
-        fusions = {"fuse_relu": fuse_relu, "fuse_max_pool": fuse_max_pool}
+        fusions = {"fuse_relu": fuse_relu, "fuse_max_pool": fuse_max_pool, "fold_batch_norm": fold_batch_norm}
         sparse, sparse_nhwc = sparsify(dense, **fusions), sparsify(dense, **fusions)
         x = torch.randn(batch, *input_shape, device=device, dtype=dtype)
         x_nhwc = x.contiguous(memory_format=torch.channels_last)
@@ -115,7 +120,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
         check = check_plan(sparse, x, plan, comparisons, runs)
         plan, comparisons_nhwc = plan_model(sparse_nhwc, x_nhwc, plan, backends) if nhwc_planned else (plan, [])
         check_nhwc = check_plan(sparse_nhwc, x_nhwc, plan, comparisons_nhwc, runs) if nhwc_planned else None
-        unfused = sparsify(dense) if fuse_relu or fuse_max_pool else None
+        unfused = sparsify(dense, fold_batch_norm=fold_batch_norm) if fuse_relu or fuse_max_pool else None
         if unfused is not None:
             same_choices = Plan()
             for key in filter(None, (getattr(layer, "plan_key", None) for layer in sparse_layers(sparse).values())):
@@ -128,7 +133,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             unfused_t = None if unfused is None else time_fn(lambda i: unfused(x), device, runs=runs)
             graphs = graph_timings(lambda: dense(x), lambda: sparse(x), device, runs)
             dense_nhwc, nhwc_t, nhwc_error = dense_channels_last(dense, x, dense_out, runs)
-            dense_fused = dense_fused_timings(dense, x, dense_out, runs, bound)
+            dense_fused = dense_fused_timings(dense, x, dense_out, runs, bound, fold_batch_norm)
             planned_nhwc_error, planned_nhwc_t = math.inf, None
             if nhwc_planned:
                 planned_nhwc_error = relative_error(sparse_nhwc(x_nhwc).double(), dense_out.double())
@@ -161,6 +166,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
             "fused_relu": sum(layer.relu for layer in sparse_layers(sparse).values()),
             "fused_max_pool": sum(layer.max_pool for layer in sparse_layers(sparse).values()),
+            "folded_batch_norm": len(getattr(sparse, FOLDED_ATTRIBUTE, [])),
             "fusion_planned": True, "cudnn_fuses_relu": get_backend("cudnn").fuses_relu,
             "planned_unfused_ms": None if unfused_t is None else unfused_t.median_ms,
             "fusion_speedup": None if unfused_t is None else unfused_t.median_ms / sparse_t.median_ms,
@@ -193,24 +199,29 @@ def dense_channels_last(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
 
 
 def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tensor, runs: int,
-                        bound: float) -> dict[str, Any]:
+                        bound: float, fold_batch_norm: bool = False) -> dict[str, Any]:
     """The dense model with each convolution, its bias and its ReLU as one cuDNN call
     (:func:`~unsparse.runtime.dense_fusion.fuse_dense_conv_relu`), timed eagerly in NCHW and in channels-last
-    (:func:`dense_channels_last`): a dense baseline that fuses what the eager one runs as separate passes. Call it
-    under ``torch.no_grad()``.
+    (:func:`dense_channels_last`): a dense baseline that fuses what the eager one runs as separate passes; with
+    ``fold_batch_norm``, a copy of ``dense`` with its BatchNorms folded into the convolutions first
+    (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`; ``dense`` is not modified). Call it under
+    ``torch.no_grad()``.
 
     Returns:
-        ``dense_fused_convs`` (how many convolutions it fuses), ``dense_fused_ms`` and ``dense_fused_nhwc_ms``
-        (medians, ms; None where nothing is fused, the output's relative error against ``dense_out`` exceeds
+        ``dense_fused_convs`` (how many convolutions take their ReLU), ``dense_folded_batch_norm`` (how many take
+        their BatchNorm), ``dense_fused_ms`` and ``dense_fused_nhwc_ms``
+        (medians, ms; None where nothing is fused or folded, the output's relative error against ``dense_out`` exceeds
         ``bound``, or cuDNN refused the fused call), ``dense_fused_rel_error`` and ``dense_fused_nhwc_rel_error``
         (None where nothing is fused or it was refused), ``dense_fused_error``: the refusal (a ``RuntimeError``'s
         first line; no fused engine for a layer, say), else None.
     """
-    fused, count = fuse_dense_conv_relu(dense)
-    record: dict[str, Any] = {"dense_fused_convs": count, **dict.fromkeys(
+    source = copy.deepcopy(dense) if fold_batch_norm else dense
+    folded = len(fold_batch_norm_(source)) if fold_batch_norm else 0
+    fused, count = fuse_dense_conv_relu(source)
+    record: dict[str, Any] = {"dense_fused_convs": count, "dense_folded_batch_norm": folded, **dict.fromkeys(
         ("dense_fused_ms", "dense_fused_nhwc_ms", "dense_fused_rel_error", "dense_fused_nhwc_rel_error",
          "dense_fused_error"))}
-    if not count:
+    if not count and not folded:
         return record
     try:
         nchw_error = relative_error(fused(x).double(), dense_out.double())

@@ -141,7 +141,7 @@ def _computes_as_torch_conv(conv: nn.Conv1d | nn.Conv2d) -> bool:
 
 
 def sparsify(model: nn.Module, backend: str = "reference", fuse_relu: bool = False,
-             fuse_max_pool: bool = False) -> nn.Module:
+             fuse_max_pool: bool = False, fold_batch_norm: bool = False) -> nn.Module:
     """Copy ``model`` with every ``nn.Conv1d``/``nn.Conv2d`` replaced by a :class:`SparseConv` (``model`` itself
     where it is one).
 
@@ -154,7 +154,9 @@ def sparsify(model: nn.Module, backend: str = "reference", fuse_relu: bool = Fal
     zeros, an asymmetric ``'same'`` padding, :meth:`ConvGeometry.from_module`), and so does any other convolution
     (``nn.Conv3d``, the transposed convs). A conv reachable under several names becomes one layer shared by all of
     them, as the conv was. The input model is not modified. The copy keeps ``model.unsparse_spec`` (registry name
-    and kwargs) if present.
+    and kwargs) if present. ``fold_batch_norm`` folds each eval-mode BatchNorm after a layer into it
+    (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`), before ``fuse_relu`` (:func:`fuse_relu_`) and
+    ``fuse_max_pool`` (:func:`fuse_max_pool_`) fuse what follows.
 
     Returns:
         The sparse copy, in eval mode.
@@ -184,6 +186,10 @@ def sparsify(model: nn.Module, backend: str = "reference", fuse_relu: bool = Fal
     if isinstance(sparse_model, _ConvNd):  # the model is one conv
         return _sparse_or_dense(sparse_model, type(sparse_model).__name__, backend).eval()
     replace_shared(sparse_model, _ConvNd, lambda name, conv: _sparse_or_dense(conv, name, backend))
+    if fold_batch_norm:
+        from unsparse.runtime.batch_norm_folding import fold_batch_norm_
+
+        fold_batch_norm_(sparse_model)
     if fuse_relu:
         fuse_relu_(sparse_model)
     if fuse_max_pool:

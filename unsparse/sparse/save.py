@@ -14,6 +14,7 @@ from safetensors.torch import save as safetensors_save
 from torch import nn
 
 from unsparse.atomic import atomic_write_bytes
+from unsparse.runtime.batch_norm_folding import FOLDED_ATTRIBUTE
 from unsparse.runtime.modules import sparse_layers
 from unsparse.sparse.architecture import shell_model, tensor_owner
 from unsparse.sparse.checks import check_distinct_columns, check_row_length, check_values
@@ -44,7 +45,9 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
     Raises:
         ValueError: if the model has no ``unsparse_spec`` (build it with ``create_model``), no sparse layer, a
             convolution :func:`~unsparse.runtime.modules.sparsify` left dense (the loader rebuilds every convolution of
-            the architecture as a sparse one, so such a file could not be read back), or layers or tensors that differ
+            the architecture as a sparse one, so such a file could not be read back), BatchNorms folded into the
+            convolutions (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`; the loader rebuilds them), or
+            layers or tensors that differ
             from the architecture ``unsparse_spec`` names (e.g. a replaced classifier), or values the loader refuses
             (NaN or infinite, a negative BatchNorm variance, a layer whose row length is more than its largest row's
             nnz, e.g. after values were zeroed in place, a row naming a column twice, quantized values that contradict
@@ -68,6 +71,11 @@ def encode_model(model: nn.Module, extra: dict[str, Any] | None = None) -> bytes
     if dense:
         raise ValueError(f"model: convolutions left dense ({', '.join(dense)}; see sparsify's log) cannot be "
                          "stored: the file holds every convolution as a UniformCSR")
+    folded = getattr(model, FOLDED_ATTRIBUTE, None)
+    if folded:
+        raise ValueError(f"model: BatchNorms folded into {', '.join(folded)}; the file holds the model its "
+                         "architecture builds, BatchNorms included: save it before folding (sparsify without "
+                         "fold_batch_norm) and fold after load_sparse (unsparse.runtime.batch_norm_folding)")
     tensors: dict[str, torch.Tensor] = {}
     entries: dict[str, dict[str, Any]] = {}
     storages: set[int] = set()  # a layer under several names has its tensors under each: safetensors stores each once

@@ -1,0 +1,184 @@
+"""Folding an inference-mode BatchNorm into the convolution before it.
+
+A ``BatchNorm`` in eval mode is a per-channel affine map of its input, ``y = (x - mean) * scale + beta`` with
+``scale = gamma / sqrt(var + eps)``. Where it reads a convolution's output and nothing else does, the convolution can
+compute it: each output channel's weights times ``scale[m]`` and the bias ``(bias - mean) * scale + beta``. The
+BatchNorm's pass over the ofmap disappears and its work moves into the epilogue bias every backend already adds. For a
+sparse layer the scaling touches only the stored values of row ``m`` of its UniformCSR (UnSparse-Opt paper 004 §5),
+so the sparsity pattern, the column indices and the row length stay as they are (a padding zero stays zero). ResNet
+and GoogLeNet follow every convolution with a BatchNorm; the papers' timings (Escoin paper 000 §5, paper 004 §6) are
+of the convolutions alone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import fx, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
+
+from unsparse.runtime.modules import SparseConv
+from unsparse.sparse.format import UniformCSR
+
+log = logging.getLogger(__name__)
+
+FOLDED_ATTRIBUTE = "unsparse_folded_batch_norm"
+"""The model attribute :func:`fold_batch_norm_` appends the folded convolutions' names to (a copy keeps it), so that a
+folded model is told apart where its missing BatchNorms matter (a sparse file holds the unfolded model)."""
+
+_BATCH_NORM_OF_DIMS = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d}
+
+
+@dataclass(frozen=True)
+class _Pair:
+    conv: str
+    batch_norm: str
+
+
+class _Tracer(fx.Tracer):
+    """An FX tracer that keeps each :class:`SparseConv` as one call (its forward dispatches to a backend)."""
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return isinstance(module, SparseConv) or super().is_leaf_module(module, qualified_name)
+
+
+def _traced_pairs(model: nn.Module) -> list[_Pair]:
+    """Every (module, module) call pair of ``model``'s FX graph in which the second call's only input is the first
+    call's output and the first call's output goes nowhere else (raises what FX raises for an untraceable model)."""
+    graph = _Tracer().trace(model)
+    pairs = []
+    for node in graph.nodes:
+        if node.op != "call_module" or len(node.users) != 1:
+            continue
+        (user,) = node.users
+        if user.op == "call_module" and user.args == (node,) and not user.kwargs:
+            pairs.append(_Pair(str(node.target), str(user.target)))
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    return [pair for pair in pairs if calls[pair.conv] == calls[pair.batch_norm] == 1]
+
+
+def _sequential_pairs(model: nn.Module) -> list[_Pair]:
+    """Adjacent module pairs inside each plain ``nn.Sequential`` of ``model``: its forward feeds each module's output
+    to the next and nowhere else."""
+    pairs = []
+    for name, sequence in model.named_modules():
+        if type(sequence) is nn.Sequential:
+            names = list(sequence._modules)
+            prefix = f"{name}." if name else ""
+            pairs += [_Pair(prefix + first, prefix + second) for first, second in itertools.pairwise(names)]
+    return pairs
+
+
+def _refusal(conv: nn.Module, batch_norm: nn.Module, uses: dict[nn.Module, int]) -> str | None:
+    """Why ``batch_norm`` cannot fold into ``conv``, or None (``uses``: how many names each module has)."""
+    if isinstance(conv, SparseConv):
+        dims = conv.geometry.spatial_dims
+        if conv.relu or conv.max_pool:
+            return "the layer applies a fused ReLU or max pool before the BatchNorm"
+        out_channels = conv.weight_shape[0]
+    elif type(conv) in (nn.Conv1d, nn.Conv2d) and "forward" not in vars(conv):
+        dims, out_channels = conv.weight.dim() - 2, conv.out_channels
+    else:
+        return f"{type(conv).__name__} is no plain convolution"
+    if type(batch_norm) is not _BATCH_NORM_OF_DIMS[dims]:
+        return f"{type(batch_norm).__name__} does not follow a {dims}-D convolution as {_BATCH_NORM_OF_DIMS[dims]} does"
+    if batch_norm.training:
+        return "the BatchNorm is in training mode (it normalises by the batch's statistics); call model.eval() first"
+    if batch_norm.running_mean is None or batch_norm.running_var is None:
+        return "the BatchNorm keeps no running statistics (track_running_stats=False)"
+    if batch_norm.num_features != out_channels:
+        return f"the BatchNorm has {batch_norm.num_features} features, the convolution {out_channels} channels"
+    if uses[conv] != 1 or uses[batch_norm] != 1:
+        return "the convolution or the BatchNorm is reachable under several names"
+    if any(module._forward_pre_hooks or module._forward_hooks for module in (conv, batch_norm)):
+        return "the convolution or the BatchNorm has forward hooks"
+    return None
+
+
+def batch_norm_affine(batch_norm: nn.BatchNorm1d | nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
+    """The eval-mode BatchNorm as ``y = x * scale + shift`` per channel: ``(scale, shift)``, each ``(C,)`` float64 on
+    the BatchNorm's device (``scale = gamma / sqrt(running_var + eps)``, ``shift = beta - running_mean * scale``;
+    ``gamma = 1``, ``beta = 0`` without affine parameters)."""
+    var, mean = batch_norm.running_var.double(), batch_norm.running_mean.double()
+    scale = torch.rsqrt(var + batch_norm.eps)
+    shift = -mean * scale
+    if batch_norm.affine:
+        scale = scale * batch_norm.weight.double()
+        shift = shift * batch_norm.weight.double() + batch_norm.bias.double()
+    return scale, shift
+
+
+def _fold(conv: nn.Module, batch_norm: nn.BatchNorm1d | nn.BatchNorm2d) -> str | None:
+    """Fold ``batch_norm`` into ``conv`` (mutates ``conv``); the reason it did not, or None."""
+    scale, shift = batch_norm_affine(batch_norm)
+    weight = conv.values if isinstance(conv, SparseConv) else conv.weight
+    bias = shift if conv.bias is None else conv.bias.double() * scale + shift
+    scaled = weight.double() * scale.view(-1, *[1] * (weight.dim() - 1))
+    folded_weight, folded_bias = scaled.to(weight.dtype), bias.to(weight.dtype)
+    if not (torch.isfinite(folded_weight).all() and torch.isfinite(folded_bias).all()):
+        return (f"the folded weights or bias do not fit {weight.dtype} (a BatchNorm scale of up to "
+                f"{scale.abs().max():g})")
+    with torch.no_grad():
+        if isinstance(conv, SparseConv):
+            conv.set_csr(UniformCSR(folded_weight, conv.col_idx, conv.weight_shape))
+        else:
+            conv.weight.copy_(folded_weight)
+        if conv.bias is None:
+            conv.bias = nn.Parameter(folded_bias, requires_grad=weight.requires_grad)
+        else:
+            conv.bias.copy_(folded_bias)
+    return None
+
+
+def fold_batch_norm_(model: nn.Module) -> list[str]:
+    """Fold each eval-mode ``nn.BatchNorm1d``/``nn.BatchNorm2d`` that reads a convolution's output, and nothing else
+    does, into that convolution (mutates ``model``): the convolution's weight rows (a :class:`SparseConv`'s stored
+    values, ``(M, L)``; a plain ``nn.Conv1d``/``nn.Conv2d``'s ``(M, C/groups, ...)`` weight) are scaled per output
+    channel and its bias becomes the BatchNorm's shift, computed in float64 and stored in the layer's dtype; the
+    BatchNorm's place holds an ``nn.Identity``. The model computes the same eval-mode function, up to rounding.
+
+    Which BatchNorm reads which output comes from an FX trace of ``model`` (each SparseConv one call), so a ResNet
+    block's ``conv1``/``bn1`` fold as a VGG-BN ``Sequential``'s do; a model FX cannot trace (data-dependent control
+    flow) falls back to adjacent modules of its plain ``nn.Sequential`` containers, with the reason logged. Left as
+    they are, each with a logged reason: a BatchNorm in training mode or without running statistics, one whose size
+    is not the convolution's output channels, a convolution that fuses a ReLU or pool before it, a module reachable
+    under several names or called twice, modules with forward hooks, convolutions of other kinds, and folds whose
+    results overflow the layer's dtype (FP16). Call it before :func:`~unsparse.runtime.modules.fuse_relu_`: a
+    conv, BatchNorm, ReLU sequence then fuses the ReLU too. A folded model keeps the names in the attribute
+    :data:`FOLDED_ATTRIBUTE`; :func:`~unsparse.sparse.save.save_sparse` refuses it (fold after loading instead).
+
+    Returns:
+        The qualified names of the convolutions that took a BatchNorm, in module order.
+    """
+    try:
+        pairs = _traced_pairs(model)
+    except Exception as error:  # FX raises TraceError, TypeError, NotImplementedError, ... for untraceable code
+        log.info("fold_batch_norm_: FX cannot trace %s (%s: %s); folding within nn.Sequential containers only",
+                 type(model).__name__, type(error).__name__, error)
+        pairs = _sequential_pairs(model)
+    modules = dict(model.named_modules())
+    uses: dict[nn.Module, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        uses[module] = uses.get(module, 0) + 1
+    folded = []
+    for pair in pairs:
+        conv, batch_norm = modules.get(pair.conv), modules.get(pair.batch_norm)
+        if not isinstance(batch_norm, _BatchNorm) or not isinstance(conv, _ConvNd | SparseConv):
+            continue
+        reason = _refusal(conv, batch_norm, uses) or _fold(conv, batch_norm)
+        if reason is not None:
+            log.info("%s: its BatchNorm %s stays a separate pass: %s", pair.conv, pair.batch_norm, reason)
+            continue
+        model.set_submodule(pair.batch_norm, nn.Identity())
+        folded.append(pair.conv)
+    order = list(modules)
+    folded.sort(key=order.index)
+    setattr(model, FOLDED_ATTRIBUTE, [*getattr(model, FOLDED_ATTRIBUTE, []), *folded])
+    return folded
