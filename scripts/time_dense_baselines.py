@@ -1,7 +1,9 @@
 """How fast the dense model could be: PyTorch's eager model against the same model with each convolution fused with
 its bias and ReLU by cuDNN (``unsparse.runtime.dense_fusion``) and, with ``--compile``, against ``torch.compile``
 of it, per precision and layout, all timed in one process (CUDA events after warm-up, medians; CUDA-graph replays
-beside the eager times for the two eager models).
+beside the eager times for the eager models). A model with BatchNorms is also timed with them folded into its convs
+(``batch_norm_folded``), and every model whose convs have a bias with that bias added by :class:`ConvThenBiasRows`
+instead of PyTorch's own pass (``bias_rows``, or ``batch_norm_folded_bias_rows`` after folding).
 
 The end-to-end pages hold the planned sparse model against the eager dense one, whose bias, ReLU and pool passes
 took 59 % of VGG16's FP16 channels-last forward (``kernels/NOTES.md``, forty-first session). This measures how much
@@ -15,6 +17,7 @@ Writes JSON to ``--out`` atomically after every measurement, so a run cut short 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -22,10 +25,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from unsparse.atomic import atomic_write_text
 from unsparse.job import git_commit
+from unsparse.runtime.batch_norm_folding import fold_batch_norm_
 from unsparse.runtime.bench import MODELS, build_model, environment, require_cuda
 from unsparse.runtime.comparator import relative_error, tolerance
 from unsparse.runtime.dense_fusion import fuse_dense_conv_relu
@@ -33,6 +38,46 @@ from unsparse.runtime.precision import DENSE_PRECISIONS, PRECISIONS, precision_m
 from unsparse.runtime.timing import time_fn, time_graph
 
 LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
+
+
+class ConvThenBiasRows(nn.Module):
+    """An ``nn.Conv2d`` run without its bias, the bias then added over the output viewed as rows of its innermost
+    dimension: ``(N*E*F, M)`` in channels-last, ``(N*M, E*F)`` in NCHW (a probe of whether PyTorch's own bias pass,
+    ``add_`` of an ``(1, M, 1, 1)`` view, is what makes a folded BatchNorm slower than the BatchNorm pass in FP16
+    channels-last; ``kernels/NOTES.md``, forty-second session). Same function as the convolution; the parameters are
+    the convolution's own (shared)."""
+
+    def __init__(self, conv: nn.Conv2d) -> None:
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        conv = self.conv
+        out = F.conv2d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+        if conv.bias is None:
+            return out
+        if out.dim() == 4 and out.is_contiguous(memory_format=torch.channels_last):
+            out.permute(0, 2, 3, 1).view(-1, out.shape[1]).add_(conv.bias)
+        else:
+            out.view(out.shape[0], out.shape[1], -1).add_(conv.bias[:, None])
+        return out
+
+
+def bias_rows_copy(model: nn.Module) -> tuple[nn.Module, int]:
+    """A copy of ``model`` with every plain ``nn.Conv2d`` that has a bias in a :class:`ConvThenBiasRows`, and how
+    many; ``model`` is not modified."""
+    copied = copy.deepcopy(model)
+    convs = [(name, module) for name, module in copied.named_modules()
+             if type(module) is nn.Conv2d and module.bias is not None]
+    for name, conv in convs:
+        copied.set_submodule(name, ConvThenBiasRows(conv))
+    return copied, len(convs)
+
+
+def folded_copy(model: nn.Module) -> tuple[nn.Module, int]:
+    """A copy of ``model`` with its BatchNorms folded into its convs (:func:`fold_batch_norm_`), and how many."""
+    copied = copy.deepcopy(model)
+    return copied, len(fold_batch_norm_(copied))
 
 
 def measure(name: str, forward: Callable[[], torch.Tensor], reference: torch.Tensor, bound: float,
@@ -87,9 +132,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 reference = model(x)
                 variants: list[tuple[str, nn.Module, bool]] = [("eager", model, True),
                                                                 ("conv_bias_relu_fused", fused, True)]
+                folded, folds = folded_copy(model)
+                if folds:
+                    variants.append(("batch_norm_folded", folded, True))
+                rows, with_bias = bias_rows_copy(folded)
+                if with_bias:
+                    variants.append(("batch_norm_folded_bias_rows" if folds else "bias_rows", rows, True))
                 if args.compile and (args.time_budget is None or time.monotonic() - started < args.time_budget):
                     variants.append(("torch_compile", torch.compile(model), False))
-                setting = {"precision": precision, "layout": layout, "fused_convs": count, "variants": []}
+                setting = {"precision": precision, "layout": layout, "fused_convs": count, "folded_convs": folds,
+                           "bias_rows_convs": with_bias, "variants": []}
                 result["runs_by_setting"].append(setting)
                 for name, module, graphs in variants:
                     try:

@@ -126,3 +126,21 @@ def test_the_cudnn_backend_runs_a_fused_relu_in_one_call_and_falls_back_where_cu
         for _ in range(2):
             torch.testing.assert_close(backend.run(x, csr, bias, geometry, relu=True), expected, rtol=0, atol=0)
     assert caplog.text.count("fused convolution, bias and ReLU refused (cuDNN Frontend error: no valid engine") == 1
+
+
+@pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
+def test_the_probe_adds_the_bias_as_rows_and_computes_the_same(load_script, memory_format) -> None:
+    """``time_dense_baselines.py``'s bias-rows variant: each conv with a bias runs without it and adds it over the
+    output's rows, in either layout, with the function unchanged; a model with BatchNorms folds them first."""
+    script = load_script("time_dense_baselines")
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3, padding=1), nn.ReLU(), nn.Conv2d(6, 5, 3, stride=2, bias=False),
+                          nn.BatchNorm2d(5)).eval()
+    model[3].running_mean.uniform_(-1, 1)
+    x = torch.randn(2, 3, 9, 7).contiguous(memory_format=memory_format)
+    folded, folds = script.folded_copy(model)
+    rows, with_bias = script.bias_rows_copy(folded)
+    assert folds == 1 and with_bias == 2 and isinstance(model[3], nn.BatchNorm2d)
+    assert isinstance(rows[0], script.ConvThenBiasRows) and isinstance(rows[2], script.ConvThenBiasRows)
+    with torch.no_grad():
+        torch.testing.assert_close(rows(x), model(x), rtol=1e-5, atol=1e-5)
