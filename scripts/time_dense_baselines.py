@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from unsparse.atomic import atomic_write_text
@@ -53,7 +52,7 @@ class ConvThenBiasRows(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         conv = self.conv
-        out = F.conv2d(x, conv.weight, None, conv.stride, conv.padding, conv.dilation, conv.groups)
+        out = conv._conv_forward(x, conv.weight, None)  # the convolution's own padding mode
         if conv.bias is None:
             return out
         if out.dim() == 4 and out.is_contiguous(memory_format=torch.channels_last):

@@ -549,10 +549,10 @@ def test_a_plan_slower_than_the_cudnn_fused_dense_model_is_said_so(result, tmp_p
                "best_speedup_vs_dense_fused": 9.0 / 10.2}
     text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert ("end to end vgg16 fp32 b128: the planned model (10.200 ms in its faster layout) is SLOWER than the dense "
-            "model fused by cuDNN (convolution, bias and ReLU in one call; 9.000 ms in NCHW).") in text
+            "model fused by cuDNN (convolution, bias and ReLU in one call): 9.000 ms in NCHW.") in text
     record |= {"dense_fused_nhwc_ms": 10.0, "best_dense_fused_layout": "nhwc"}
-    assert ("is slower than the dense model fused by cuDNN (convolution, bias and ReLU in one call; 10.000 ms in "
-            "channels-last), within") in markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("is slower than the dense model fused by cuDNN (convolution, bias and ReLU in one call): 10.000 ms in "
+            "channels-last, within") in markdown_report({**result, "targets": evaluate_targets(result)})
     record |= {"dense_fused_nhwc_ms": 11.0}
     assert "dense model fused by cuDNN" not in markdown_report({**result, "targets": evaluate_targets(result)})
     legends, save = {}, plots.save_figure
@@ -580,17 +580,17 @@ def test_the_fusion_paragraph_says_where_cudnn_applies_the_relu(result):
 
 
 def test_a_faster_plan_with_every_conv_on_cudnn_is_not_called_a_sparsity_gain(result):
-    """A record whose faster plan has no conv off cuDNN gets a line saying its gain is not sparsity, naming the other
+    """A record whose faster plan has no conv off cuDNN gets a line saying sparsity gains nothing, naming the other
     layout's plan that does use sparse backends; a faster plan with a conv off cuDNN gets none."""
     record = result["end_to_end"][2]  # googlenet: channels-last plan 7.9 ms, all three convs on cuDNN
     record |= {"backend_counts": {"cudnn": 1, "generated": 2}, "off_cudnn": {"a": "generated", "b": "generated"}}
     text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert ("- end to end googlenet fp16 b128: the planned model's faster layout (channels-last) runs every conv on "
-            "cuDNN, so what it gains over the dense model is not sparsity; the NCHW plan, with 2 of 3 convs off cuDNN, "
+            "cuDNN, so sparsity gains nothing in this run; the NCHW plan, with 2 of 3 convs off cuDNN, "
             "takes 9.000 ms.") in text
     record["off_cudnn_nhwc"] = {"c": "generated"}
     assert "runs every conv on cuDNN" not in markdown_report({**result, "targets": evaluate_targets(result)})
     record |= {"off_cudnn_nhwc": {}, "off_cudnn": {}}
     text = markdown_report({**result, "targets": evaluate_targets(result)})
-    assert "googlenet fp16 b128: the planned model's faster layout (channels-last) runs every conv on cuDNN, so what " \
-           "it gains over the dense model is not sparsity." in text
+    assert "googlenet fp16 b128: the planned model's faster layout (channels-last) runs every conv on cuDNN, so " \
+           "sparsity gains nothing in this run." in text

@@ -144,3 +144,6 @@ def test_the_probe_adds_the_bias_as_rows_and_computes_the_same(load_script, memo
     assert isinstance(rows[0], script.ConvThenBiasRows) and isinstance(rows[2], script.ConvThenBiasRows)
     with torch.no_grad():
         torch.testing.assert_close(rows(x), model(x), rtol=1e-5, atol=1e-5)
+    reflect = nn.Conv2d(3, 4, 3, padding=1, padding_mode="reflect")
+    with torch.no_grad():
+        torch.testing.assert_close(script.ConvThenBiasRows(reflect)(x), reflect(x), rtol=1e-5, atol=1e-5)

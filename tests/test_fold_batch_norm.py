@@ -130,8 +130,8 @@ class Shared(nn.Module):
 
 
 def test_what_cannot_fold_stays_a_separate_pass_with_a_logged_reason(caplog: pytest.LogCaptureFixture) -> None:
-    """A conv output read elsewhere, a BatchNorm called twice or without running statistics: nothing folds, the
-    model computes as before, and each refusal that reached the checks is logged with its reason."""
+    """A conv output read elsewhere, a BatchNorm called twice or without running statistics: nothing folds and the
+    model computes as before. The first two are no candidate pairs; the third reaches the checks and is logged."""
     dense = pruned(Shared())
     x = torch.randn(2, 3, 6, 7)
     reference = float64_output(dense, x)
@@ -171,22 +171,86 @@ class Untraceable(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.body = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
-        self.conv, self.bn = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.body(x)
-        return self.bn(self.conv(y)) if y.sum() > 0 else y
+        return self.body[0](x) if y.sum() > 0 else y  # the Sequential's conv called on its own too
 
 
-def test_an_untraceable_model_folds_inside_its_sequentials_only(caplog: pytest.LogCaptureFixture) -> None:
+def test_an_untraceable_model_folds_nothing(caplog: pytest.LogCaptureFixture) -> None:
+    """Without a trace, which BatchNorm reads which output is unknown (here the Sequential's conv is also called
+    on its own, and its output returned unnormalised): nothing folds, and the log says why."""
     dense = pruned(Untraceable())
     x = torch.randn(2, 3, 7, 7).abs()
     reference = float64_output(dense, x)
     with caplog.at_level(logging.INFO, logger="unsparse.runtime.batch_norm_folding"):
         sparse = sparsify(dense, fold_batch_norm=True)
-    assert "FX cannot trace Untraceable" in caplog.text
-    assert getattr(sparse, FOLDED_ATTRIBUTE) == ["body.0"] and isinstance(sparse.bn, nn.BatchNorm2d)
+    assert "FX cannot trace Untraceable" in caplog.text and "nothing folded" in caplog.text
+    assert getattr(sparse, FOLDED_ATTRIBUTE) == [] and isinstance(sparse.body[1], nn.BatchNorm2d)
     torch.testing.assert_close(float64_output(sparse, x), reference, rtol=1e-10, atol=1e-10)
+
+
+class ReadsWeights(nn.Module):
+    """conv_a's weight also read in the forward; conv_b's weight shared with conv_c (which no BatchNorm follows);
+    conv_d reachable under a second name; conv_e with a forward hook. Attributes in an order other than the
+    forward's calls (for the order of the names returned)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv_e, self.bn_e = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
+        self.conv_a, self.bn_a = nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4)
+        self.conv_b, self.bn_b = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
+        self.conv_c = nn.Conv2d(4, 4, 1)
+        self.conv_c.weight = self.conv_b.weight
+        self.conv_d, self.bn_d = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, affine=False)
+        self.alias = self.conv_d
+        self.conv_f, self.bn_f = nn.Conv2d(4, 4, 1, bias=False), nn.BatchNorm2d(4, affine=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn_a(self.conv_a(x)) + F.conv2d(x, self.conv_a.weight, padding=1)
+        y = self.bn_b(self.conv_b(y)) + self.conv_c(y)
+        y = self.bn_d(self.conv_d(y))
+        return self.bn_f(self.conv_f(self.bn_e(self.conv_e(y))))
+
+
+def test_a_conv_whose_weights_are_read_elsewhere_keeps_its_batch_norm(caplog: pytest.LogCaptureFixture) -> None:
+    """A weight read in the forward, a weight shared with another conv, a second name, a hook: each pair stays;
+    an affine-free BatchNorm after a conv without bias folds, and the names come in module order."""
+    dense = pruned(ReadsWeights())
+    dense.conv_e.register_forward_hook(lambda module, args, out: None)
+    x = torch.randn(2, 3, 6, 5)
+    reference = float64_output(dense, x)
+    with caplog.at_level(logging.INFO, logger="unsparse.runtime.batch_norm_folding"):
+        assert fold_batch_norm_(dense) == ["conv_f"]
+    for conv, reason in (("conv_b", "a weight of the convolution is shared with another module"),
+                         ("conv_d", "the convolution or the BatchNorm is reachable under several names"),
+                         ("conv_e", "the convolution or the BatchNorm has forward hooks")):
+        assert f"{conv}: its BatchNorm bn_{conv[-1]} stays a separate pass: {reason}" in caplog.text
+    assert "conv_a:" not in caplog.text  # its weight is read in the forward: the pair is no candidate
+    torch.testing.assert_close(float64_output(dense, x), reference, rtol=1e-10, atol=1e-10)
+
+
+def test_names_come_in_module_order() -> None:
+    class Reordered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.late, self.bn_late = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
+            self.early, self.bn_early = nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.bn_late(self.late(self.bn_early(self.early(x))))
+
+    assert fold_batch_norm_(pruned(Reordered())) == ["late", "early"]
+
+
+def test_a_conv_with_its_own_conv_forward_is_not_folded(caplog: pytest.LogCaptureFixture) -> None:
+    """An instance whose ``_conv_forward`` was replaced computes something its weight does not say: refused."""
+    dense = pruned(nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)))
+    conv = dense[0]
+    conv._conv_forward = lambda x, weight, bias: nn.Conv2d._conv_forward(conv, x, weight.abs(), bias)
+    with caplog.at_level(logging.INFO, logger="unsparse.runtime.batch_norm_folding"):
+        assert fold_batch_norm_(dense) == []
+    assert "Conv2d is no plain convolution" in caplog.text
 
 
 def test_a_folded_model_is_not_saved_and_a_loaded_one_folds(tmp_path) -> None:
@@ -225,6 +289,46 @@ def test_the_end_to_end_record_counts_the_folds_of_the_plan_and_of_the_fused_den
     assert isinstance(dense[1], nn.BatchNorm2d)  # the caller's model keeps its BatchNorms
     plain = end_to_end.bench_end_to_end(dense, (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
     assert plain["folded_batch_norm"] == plain["dense_folded_batch_norm"] == 0 and plain["dense_fused_ms"] is None
+
+
+def test_the_end_to_end_unfused_copy_is_folded_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With both flags, the unfused copy timed for what fusing buys holds the same folds, so the two differ by the
+    fusion alone; all three sparse copies agree with the eager dense model."""
+    copies, sparsify_before = [], end_to_end.sparsify
+
+    def kept(*args, **kwargs):
+        copies.append(sparsify_before(*args, **kwargs))
+        return copies[-1]
+
+    monkeypatch.setattr(end_to_end, "sparsify", kept)
+    dense = pruned(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3)))
+    record = end_to_end.bench_end_to_end(dense, (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
+                                         ["dense_cpu"], fuse_relu=True, fold_batch_norm=True)
+    assert [getattr(copy, FOLDED_ATTRIBUTE) for copy in copies] == [["0"]] * 3
+    assert record["fused_relu"] == 1 and record["folded_batch_norm"] == 1 and record["planned_unfused_ms"] > 0
+    assert record["dense_fused_convs"] == 1 and record["dense_folded_batch_norm"] == 1
+    x = torch.randn(2, 3, 12, 10)
+    with torch.no_grad():
+        for copy in copies:
+            torch.testing.assert_close(copy(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_dense_baseline_that_only_folds_is_named_so() -> None:
+    """The page calls a dense baseline with BatchNorms folded and no ReLU fused what it is, and tells "off" and
+    "refused" from "none fused" for it."""
+    from unsparse.report.benchmark import _dense_fused_cell, dense_fused_name
+
+    record = {"dense_fused_convs": 0, "dense_folded_batch_norm": 53, "dense_fused_error": None,
+              "dense_fused_rel_error": 0.5}
+    assert dense_fused_name(record) == "the dense model with its BatchNorms folded into its convolutions"
+    assert _dense_fused_cell(record) == "off"
+    assert _dense_fused_cell(record | {"dense_fused_error": "RuntimeError: no engine"}) == "refused"
+    assert _dense_fused_cell(record | {"dense_folded_batch_norm": 0}) == "none fused"
+    assert dense_fused_name(record | {"dense_fused_convs": 13}) == (
+        "the dense model fused by cuDNN (convolution, bias and ReLU in one call; its BatchNorms folded into its "
+        "convolutions)")
+    assert dense_fused_name({"dense_fused_convs": 13}) == (
+        "the dense model fused by cuDNN (convolution, bias and ReLU in one call)")
 
 
 def test_the_benchmark_refuses_a_fold_setting_that_is_no_bool() -> None:

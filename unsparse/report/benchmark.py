@@ -66,6 +66,16 @@ def dense_fused_ms(record: dict[str, Any]) -> float | None:
     return record.get("dense_fused_nhwc_ms" if layout == "nhwc" else "dense_fused_ms") if layout else None
 
 
+def dense_fused_name(record: dict[str, Any]) -> str:
+    """What an end-to-end record's fused dense model is, for a sentence: its ReLUs fused by cuDNN, its BatchNorms
+    folded (``dense_folded_batch_norm``), or both."""
+    folded = "its BatchNorms folded into its convolutions"
+    if record.get("dense_fused_convs") == 0 and record.get("dense_folded_batch_norm"):
+        return f"the dense model with {folded}"
+    fused = "the dense model fused by cuDNN (convolution, bias and ReLU in one call"
+    return fused + (f"; {folded})" if record.get("dense_folded_batch_norm") else ")")
+
+
 def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
     """The "Where sparse is slower" lines of end-to-end records: per record and layout, a plan its check found
     slower than its dense default (set back, or kept: within the check's margin, or with no key of this run to set
@@ -123,23 +133,23 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
         if fused is not None and (against_fused := _slower(planned, fused, PLAN_MARGIN)):
             fused_layout = "NCHW" if r["best_dense_fused_layout"] == "nchw" else "channels-last"
             lines.append(f"- {run}: the planned model ({_fmt(planned)} ms in its faster layout) is {against_fused} "
-                         f"than the dense model fused by cuDNN (convolution, bias and ReLU in one call; "
-                         f"{_fmt(fused)} ms in {fused_layout})"
+                         f"than {dense_fused_name(r)}: {_fmt(fused)} ms in {fused_layout}"
                          + (f", {noise_text(PLAN_MARGIN)}." if against_fused == "slower" else "."))
         lines += _all_on_cudnn(r, run, planned_layout)
     return lines
 
 
 def _all_on_cudnn(record: dict[str, Any], run: str, planned_layout: str) -> list[str]:
-    """The line for an end-to-end record whose faster plan (``planned_layout``) put every conv on cuDNN: whatever it
-    gains over the dense model is not sparsity; with the other layout's plan, where that one puts convs on sparse
-    backends, and its time. Empty for a plan with any conv off cuDNN, or a record without backend counts."""
+    """The line for an end-to-end record whose faster plan (``planned_layout``) put every conv on cuDNN: sparsity
+    gains nothing in the run, whatever that plan gains or loses against the dense model; with the other layout's
+    plan, where that one puts convs on sparse backends, and its time. Empty for a plan with any conv off cuDNN, or a
+    record without backend counts."""
     suffix, other_suffix, other_layout = (("", "_nhwc", "channels-last") if planned_layout == "NCHW"
                                           else ("_nhwc", "", "NCHW"))
     if not record.get("backend_counts" + suffix) or record.get("off_cudnn" + suffix):
         return []
-    line = (f"- {run}: the planned model's faster layout ({planned_layout}) runs every conv on cuDNN, so what it "
-            "gains over the dense model is not sparsity")
+    line = (f"- {run}: the planned model's faster layout ({planned_layout}) runs every conv on cuDNN, so sparsity "
+            "gains nothing in this run")
     off = record.get("off_cudnn" + other_suffix)
     if off and record.get(f"planned{other_suffix}_ms"):
         convs = sum(record["backend_counts" + other_suffix].values())
@@ -515,8 +525,9 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                   f"{timed}Unfused: the same plan without fusion, NCHW, eager, timed in the same run.", ""]
     if any(r.get("folded_batch_norm") for r in records):
         lines += ["BatchNorm folded into K convs: each eval-mode BatchNorm after a conv is folded into the conv's "
-                  "weights and bias (no pass of its own), in the planned model and in the dense fused one, not in "
-                  "the eager dense model.", ""]
+                  "weights and bias (no pass of its own), in the planned model and in the dense fused one (which, "
+                  "where no conv is followed by a ReLU it can fuse, is the dense model with its BatchNorms folded and "
+                  "nothing more), not in the eager dense model.", ""]
     fused_dense = any("dense_fused_ms" in r for r in records)
     if fused_dense:
         lines += ["Dense fused: the dense model with each convolution, its bias and its ReLU in one cuDNN call "
@@ -552,7 +563,7 @@ def _dense_fused_cell(record: dict[str, Any]) -> str:
     fused = dense_fused_ms(record)
     if fused is not None:
         return f"{_fmt(fused)} ({record['best_dense_fused_layout']})"
-    if record.get("dense_fused_convs") == 0:
+    if record.get("dense_fused_convs") == 0 and not record.get("dense_folded_batch_norm"):
         return "none fused"
     if record.get("dense_fused_error"):
         return "refused"
@@ -642,7 +653,9 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
                 "dense (cuDNN, NHWC)": lambda r: r.get("dense_nhwc_ms"),
                 "planned (NCHW)": lambda r: r.get("planned_ms"), "planned (NHWC)": lambda r: r.get("planned_nhwc_ms")}
             if any(dense_fused_ms(r) is not None for r in runs):
-                bars["dense, conv+bias+ReLU fused by cuDNN (faster layout)"] = dense_fused_ms
+                folded = any(r.get("dense_folded_batch_norm") for r in runs)
+                bars["dense, " + ("BatchNorms folded, " if folded else "")
+                     + "conv+bias+ReLU fused by cuDNN (faster layout)"] = dense_fused_ms
             width = 0.8 / len(bars)
             for i, (label, value) in enumerate(bars.items()):
                 ax.bar([x + (i - (len(bars) - 1) / 2) * width for x in xs], [value(r) or 0 for r in runs], width,

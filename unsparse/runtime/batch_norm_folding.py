@@ -12,7 +12,6 @@ of the convolutions alone.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -21,7 +20,7 @@ from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
-from unsparse.runtime.modules import SparseConv
+from unsparse.runtime.modules import SparseConv, _computes_as_torch_conv
 from unsparse.sparse.format import UniformCSR
 
 log = logging.getLogger(__name__)
@@ -48,42 +47,40 @@ class _Tracer(fx.Tracer):
 
 def _traced_pairs(model: nn.Module) -> list[_Pair]:
     """Every (module, module) call pair of ``model``'s FX graph in which the second call's only input is the first
-    call's output and the first call's output goes nowhere else (raises what FX raises for an untraceable model)."""
+    call's output, the first call's output goes nowhere else, each module is called once, and the graph reads no
+    attribute of either module directly (``self.conv.weight`` in a forward, say). Raises what FX raises for an
+    untraceable model."""
     graph = _Tracer().trace(model)
+    calls: dict[str, int] = {}
+    read: set[str] = set()  # modules whose attributes the graph reads
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+        elif node.op == "get_attr":
+            parts = str(node.target).split(".")
+            read.update(".".join(parts[:end]) for end in range(1, len(parts)))
     pairs = []
     for node in graph.nodes:
         if node.op != "call_module" or len(node.users) != 1:
             continue
         (user,) = node.users
-        if user.op == "call_module" and user.args == (node,) and not user.kwargs:
-            pairs.append(_Pair(str(node.target), str(user.target)))
-    calls: dict[str, int] = {}
-    for node in graph.nodes:
-        if node.op == "call_module":
-            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
-    return [pair for pair in pairs if calls[pair.conv] == calls[pair.batch_norm] == 1]
-
-
-def _sequential_pairs(model: nn.Module) -> list[_Pair]:
-    """Adjacent module pairs inside each plain ``nn.Sequential`` of ``model``: its forward feeds each module's output
-    to the next and nowhere else."""
-    pairs = []
-    for name, sequence in model.named_modules():
-        if type(sequence) is nn.Sequential:
-            names = list(sequence._modules)
-            prefix = f"{name}." if name else ""
-            pairs += [_Pair(prefix + first, prefix + second) for first, second in itertools.pairwise(names)]
+        if user.op == "call_module" and user.args == (node,):
+            pair = _Pair(str(node.target), str(user.target))
+            if calls[pair.conv] == calls[pair.batch_norm] == 1 and not {pair.conv, pair.batch_norm} & read:
+                pairs.append(pair)
     return pairs
 
 
-def _refusal(conv: nn.Module, batch_norm: nn.Module, uses: dict[nn.Module, int]) -> str | None:
-    """Why ``batch_norm`` cannot fold into ``conv``, or None (``uses``: how many names each module has)."""
+def _refusal(conv: nn.Module, batch_norm: nn.Module, uses: dict[nn.Module, int],
+             owners: dict[int, int]) -> str | None:
+    """Why ``batch_norm`` cannot fold into ``conv``, or None (``uses``: how many names each module has; ``owners``:
+    per tensor ``id``, how many module attributes hold it)."""
     if isinstance(conv, SparseConv):
         dims = conv.geometry.spatial_dims
         if conv.relu or conv.max_pool:
             return "the layer applies a fused ReLU or max pool before the BatchNorm"
         out_channels = conv.weight_shape[0]
-    elif type(conv) in (nn.Conv1d, nn.Conv2d) and "forward" not in vars(conv):
+    elif type(conv) in (nn.Conv1d, nn.Conv2d) and _computes_as_torch_conv(conv):
         dims, out_channels = conv.weight.dim() - 2, conv.out_channels
     else:
         return f"{type(conv).__name__} is no plain convolution"
@@ -97,6 +94,9 @@ def _refusal(conv: nn.Module, batch_norm: nn.Module, uses: dict[nn.Module, int])
         return f"the BatchNorm has {batch_norm.num_features} features, the convolution {out_channels} channels"
     if uses[conv] != 1 or uses[batch_norm] != 1:
         return "the convolution or the BatchNorm is reachable under several names"
+    tensors = [*conv.parameters(recurse=False), *conv.buffers(recurse=False)]
+    if any(owners[id(tensor)] != 1 for tensor in tensors):
+        return "a weight of the convolution is shared with another module"
     if any(module._forward_pre_hooks or module._forward_hooks for module in (conv, batch_norm)):
         return "the convolution or the BatchNorm has forward hooks"
     return None
@@ -146,13 +146,15 @@ def fold_batch_norm_(model: nn.Module) -> list[str]:
 
     Which BatchNorm reads which output comes from an FX trace of ``model`` (each SparseConv one call), so a ResNet
     block's ``conv1``/``bn1`` fold as a VGG-BN ``Sequential``'s do; a model FX cannot trace (data-dependent control
-    flow) falls back to adjacent modules of its plain ``nn.Sequential`` containers, with the reason logged. Left as
-    they are, each with a logged reason: a BatchNorm in training mode or without running statistics, one whose size
-    is not the convolution's output channels, a convolution that fuses a ReLU or pool before it, a module reachable
-    under several names or called twice, modules with forward hooks, convolutions of other kinds, and folds whose
-    results overflow the layer's dtype (FP16). Call it before :func:`~unsparse.runtime.modules.fuse_relu_`: a
-    conv, BatchNorm, ReLU sequence then fuses the ReLU too. A folded model keeps the names in the attribute
-    :data:`FOLDED_ATTRIBUTE`; :func:`~unsparse.sparse.save.save_sparse` refuses it (fold after loading instead).
+    flow) folds nothing, with the reason logged. Not folded: a pair where either module is called twice, or its
+    attributes are read in the forward, or the conv's output is read elsewhere; and, each with a logged reason, a
+    BatchNorm in training mode or without running statistics, one whose size is not the convolution's output
+    channels, a convolution that fuses a ReLU or pool before it, a module reachable under several names, a weight
+    shared with another module, modules with forward hooks, convolutions of other kinds (a subclass or an instance
+    with its own ``forward``/``_conv_forward``), and folds whose results overflow the layer's dtype (FP16).
+    Call it before :func:`~unsparse.runtime.modules.fuse_relu_`: a conv, BatchNorm, ReLU sequence then fuses the
+    ReLU too. A folded model keeps the names in the attribute :data:`FOLDED_ATTRIBUTE`;
+    :func:`~unsparse.sparse.save.save_sparse` refuses it (fold after loading instead).
 
     Where it pays: a backend that adds the bias in its epilogue (``direct``, ``generated``) takes the BatchNorm for
     free, but PyTorch's cuDNN convolution adds a bias in a pass of its own, which in FP16 channels-last took longer
@@ -165,19 +167,22 @@ def fold_batch_norm_(model: nn.Module) -> list[str]:
     try:
         pairs = _traced_pairs(model)
     except Exception as error:  # FX raises TraceError, TypeError, NotImplementedError, ... for untraceable code
-        log.info("fold_batch_norm_: FX cannot trace %s (%s: %s); folding within nn.Sequential containers only",
-                 type(model).__name__, type(error).__name__, error)
-        pairs = _sequential_pairs(model)
+        log.info("fold_batch_norm_: FX cannot trace %s (%s: %s), so which BatchNorm reads which output is unknown; "
+                 "nothing folded", type(model).__name__, type(error).__name__, error)
+        pairs = []
     modules = dict(model.named_modules())
     uses: dict[nn.Module, int] = {}
+    owners: dict[int, int] = {}
     for _, module in model.named_modules(remove_duplicate=False):
         uses[module] = uses.get(module, 0) + 1
+        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
+            owners[id(tensor)] = owners.get(id(tensor), 0) + 1
     folded = []
     for pair in pairs:
         conv, batch_norm = modules.get(pair.conv), modules.get(pair.batch_norm)
         if not isinstance(batch_norm, _BatchNorm) or not isinstance(conv, _ConvNd | SparseConv):
             continue
-        reason = _refusal(conv, batch_norm, uses) or _fold(conv, batch_norm)
+        reason = _refusal(conv, batch_norm, uses, owners) or _fold(conv, batch_norm)
         if reason is not None:
             log.info("%s: its BatchNorm %s stays a separate pass: %s", pair.conv, pair.batch_norm, reason)
             continue
