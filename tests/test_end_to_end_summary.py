@@ -1,0 +1,53 @@
+"""The whole-model summary across benchmark runs (``unsparse.report.end_to_end_summary``), on hand-made records
+and on the committed page (CPU, no timing)."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+
+from unsparse.report.end_to_end_summary import summary_markdown, summary_row, summary_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "end_to_end_summary.md"
+
+
+def record(**fields):
+    base = {"model": "vgg16", "batch": 128, "precision": "tf32", "sparsity": 0.98, "dense_ms": 20.0,
+            "dense_nhwc_ms": 15.0, "planned_ms": 12.0, "planned_nhwc_ms": 14.0,
+            "backend_counts": {"cudnn": 3, "generated": 10}, "off_cudnn": {f"l{i}": "generated" for i in range(10)},
+            "backend_counts_nhwc": {"cudnn": 13}, "off_cudnn_nhwc": {}}
+    return base | fields
+
+
+def test_a_row_holds_the_plan_against_the_faster_dense_model_and_says_what_won() -> None:
+    row = summary_row(record(dense_fused_ms=13.0, dense_fused_nhwc_ms=12.2, best_dense_fused_layout="nhwc"), "r")
+    assert (row["dense_ms"], row["dense_layout"], row["planned_ms"], row["planned_layout"]) == (15.0, "NHWC", 12.0,
+                                                                                                 "NCHW")
+    assert row["best_dense_ms"] == 12.2 and row["speedup"] == pytest.approx(12.2 / 12.0)
+    assert (row["off_cudnn"], row["convs"], row["verdict"]) == (10, 13, "within noise")
+    assert summary_row(record(), "r")["verdict"] == "faster (no fused dense model timed)"
+    slower = summary_row(record(dense_fused_ms=11.0, best_dense_fused_layout="nchw"), "r")
+    assert slower["verdict"] == "SLOWER" and slower["speedup"] == pytest.approx(11.0 / 12.0)
+    all_cudnn = summary_row(record(planned_ms=16.0, planned_nhwc_ms=11.9), "r")  # the NHWC plan is faster
+    assert (all_cudnn["planned_layout"], all_cudnn["off_cudnn"], all_cudnn["verdict"]) == ("NHWC", 0,
+                                                                                          "no sparse kernel")
+    old = summary_row({k: v for k, v in record().items() if "nhwc" not in k and "backend" not in k
+                       and "off" not in k}, "r")
+    assert old["convs"] is None and old["planned_layout"] == "NCHW" and old["dense_layout"] == "NCHW"
+
+
+def test_the_committed_page_is_what_its_command_makes_from_the_committed_results() -> None:
+    """The page names the command that made it; run on the same files it gives the page byte for byte, so a figure
+    in it is one of the results' and a result added later without remaking the page is caught."""
+    text = PAGE.read_text(encoding="utf-8")
+    command = text.split("Made by `", 1)[1].split("`", 1)[0]
+    arguments = shlex.split(command)[2:]
+    paths = arguments[:arguments.index("--out")]
+    assert len(paths) >= 14 and all((ROOT / path).is_file() for path in paths)
+    committed = sorted(p.relative_to(ROOT).as_posix() for p in (ROOT / "benchmarks" / "results").glob(
+        "h200_*_end_to_end_*.json"))
+    assert paths == committed  # every H200 end-to-end result is in it
+    assert summary_markdown(summary_rows(ROOT / path for path in paths), command) == text

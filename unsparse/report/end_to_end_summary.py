@@ -1,0 +1,110 @@
+"""One table of whole-model results across benchmark runs: for each end-to-end record, the planned sparse model in
+its faster layout against the best dense model of the same run (PyTorch's eager model, or the dense model fused by
+cuDNN where the run timed one), and whether any sparse kernel is in the faster plan at all.
+
+The per-run pages (:func:`~unsparse.report.benchmark.markdown_report`) hold each run's details; this page answers the
+question a reader brings to them (UnSparse-Opt paper 004 §6, Escoin paper 000 §5: does the sparse model beat the dense
+one on this GPU?) for every run at once, with the ratio against the strongest dense baseline each run measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from unsparse.report.benchmark import dense_fused_ms, fastest_ms
+from unsparse.report.document import markdown_table
+from unsparse.report.results import load_result
+from unsparse.runtime.comparator import PLAN_MARGIN
+
+HEADER = ("run", "model", "weights", "sparsity", "batch", "precision", "folded / fused", "eager dense ms",
+          "dense fused ms", "planned ms", "best dense / planned", "convs off cuDNN", "verdict")
+
+
+def _layout(record: dict[str, Any], kind: str) -> tuple[float, str]:
+    """The record's faster time of ``kind`` ("dense", "planned"), ms, and its layout ("NCHW", "NHWC")."""
+    ms = fastest_ms(record, kind)
+    return ms, "NCHW" if ms == record[f"{kind}_ms"] else "NHWC"
+
+
+def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
+    """One end-to-end record (``bench.json``'s ``end_to_end`` entry) as a summary row.
+
+    Returns:
+        ``run``, ``model``, ``weights``, ``sparsity``, ``batch``, ``precision``; ``folded``, ``fused_relu``,
+        ``fused_max_pool`` (counts of convs); ``dense_ms``/``dense_layout`` (eager, faster layout),
+        ``dense_fused_ms``/``dense_fused_layout`` (None where not timed), ``planned_ms``/``planned_layout`` (faster
+        layout), all ms; ``best_dense_ms`` (the faster of the two dense models) and ``speedup`` (it over
+        ``planned_ms``); ``off_cudnn`` and ``convs`` (the faster plan's convs on sparse backends and all its convs,
+        None for a record without backend counts); ``verdict``: "SLOWER" (the plan loses beyond the noise margin,
+        :data:`~unsparse.runtime.comparator.PLAN_MARGIN`), "no sparse kernel" (the faster plan runs every conv on
+        cuDNN), "faster" (beyond the margin), or "within noise"; the last two followed by "(no fused dense model
+        timed)" where the run held the plan against the eager dense model only.
+    """
+    dense_ms, dense_layout = _layout(record, "dense")
+    planned_ms, planned_layout = _layout(record, "planned")
+    fused_ms = dense_fused_ms(record)
+    best_dense = min(dense_ms, fused_ms) if fused_ms is not None else dense_ms
+    suffix = "" if planned_layout == "NCHW" else "_nhwc"
+    counts = record.get("backend_counts" + suffix)
+    off = len(record.get("off_cudnn" + suffix) or {}) if counts else None
+    if planned_ms > (1 + PLAN_MARGIN) * best_dense:
+        verdict = "SLOWER"
+    elif off == 0:
+        verdict = "no sparse kernel"
+    elif planned_ms * (1 + PLAN_MARGIN) < best_dense:
+        verdict = "faster"
+    else:
+        verdict = "within noise"
+    if fused_ms is None and verdict in ("faster", "within noise"):
+        verdict += " (no fused dense model timed)"
+    fused_layout = record.get("best_dense_fused_layout")
+    return {"run": run, "model": record["model"], "weights": record.get("weights", "synthetic"),
+            "sparsity": record.get("sparsity"), "batch": record["batch"], "precision": record["precision"],
+            "folded": record.get("folded_batch_norm", 0), "fused_relu": record.get("fused_relu", 0),
+            "fused_max_pool": record.get("fused_max_pool", 0), "dense_ms": dense_ms, "dense_layout": dense_layout,
+            "dense_fused_ms": fused_ms, "dense_fused_layout": fused_layout.upper() if fused_layout else None,
+            "planned_ms": planned_ms, "planned_layout": planned_layout, "best_dense_ms": best_dense,
+            "speedup": best_dense / planned_ms, "off_cudnn": off, "convs": sum(counts.values()) if counts else None,
+            "verdict": verdict}
+
+
+def summary_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
+    """:func:`summary_row` of every end-to-end record of the benchmark results at ``paths`` (``.json`` or
+    ``.json.xz``, :func:`~unsparse.report.results.load_result`), in the order given; ``run`` is the file's name.
+
+    Raises:
+        ValueError: a file that is no strict JSON (from ``load_result``).
+    """
+    rows = []
+    for path in map(Path, paths):
+        for record in load_result(path).get("end_to_end") or []:
+            rows.append(summary_row(record, path.name))
+    return rows
+
+
+def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
+    """The summary page: what the columns mean, ``command`` (how the page was made), and the table of ``rows``."""
+    def cell(ms: float | None, layout: str | None) -> str:
+        return "-" if ms is None else f"{ms:.3f} ({layout})"
+
+    table = [[f"`{r['run']}`", r["model"], r["weights"], "-" if r["sparsity"] is None else r["sparsity"], r["batch"],
+              r["precision"], f"{r['folded']} / {r['fused_relu']}+{r['fused_max_pool']}",
+              cell(r["dense_ms"], r["dense_layout"]), cell(r["dense_fused_ms"], r["dense_fused_layout"]),
+              cell(r["planned_ms"], r["planned_layout"]), f"{r['speedup']:.2f}",
+              "-" if r["convs"] is None else f"{r['off_cudnn']} of {r['convs']}", r["verdict"]] for r in rows]
+    return "\n".join([
+        "# Whole models: does the sparse model beat the dense one?", "",
+        f"Made by `{command}` from the benchmark results named in the first column (under `benchmarks/results/`, "
+        "each with its page); nothing here is typed by hand.", "",
+        "Times are eager medians (ms) in each model's faster layout. Eager dense: PyTorch's model as it runs; dense "
+        "fused: the same run's dense model with each conv, bias and ReLU in one cuDNN call and, where the run "
+        "folds, its BatchNorms folded. Best dense / planned: the faster of the two dense models over the planned "
+        "sparse model (above 1: the sparse model is faster). Folded / fused: convs that took a BatchNorm / a ReLU "
+        "+ a 2x2 max pool. Convs off cuDNN: the faster plan's convs on sparse backends. Verdict: SLOWER or faster "
+        f"beyond the {PLAN_MARGIN:.0%} noise margin, within noise, or no sparse kernel (the faster plan runs every "
+        "conv on cuDNN, so sparsity gains nothing in that run); runs before the fused dense model was timed say so, "
+        "and their ratio is against the eager dense model alone (where later runs timed both, the fused one was "
+        "the faster dense model).", "",
+        markdown_table(HEADER, table), ""])
