@@ -4,8 +4,10 @@ one model, precision, layout and batch, beside the forward's median time (CUDA e
 
 Written to check the split that ``kernels/NOTES.md`` (thirty-seventh session) only counted: VGG16's dense
 channels-last TF32 forward at batch 128 took 21.2 ms, which the per-layer cuDNN times (convolution alone, no bias)
-plus a bias pass, a ReLU pass and the pools add up to at 3 TB/s. Writes JSON to ``--out`` (atomically) and prints
-the operators by time.
+plus a bias pass, a ReLU pass and the pools add up to at 3 TB/s. ``--fold-batch-norm`` profiles the model with its
+BatchNorms folded into its convs (the forty-second session found ResNet-50's FP16 channels-last forward slower folded,
+8.1 -> 9.2 ms, and a bias added as rows no faster: where the time goes is the question). Writes JSON to ``--out``
+(atomically) and prints the operators by time.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from unsparse.atomic import atomic_write_text
 from unsparse.job import git_commit
+from unsparse.runtime.batch_norm_folding import fold_batch_norm_
 from unsparse.runtime.bench import MODELS, build_model, environment, require_cuda
 from unsparse.runtime.precision import DENSE_PRECISIONS, PRECISIONS, precision_mode
 from unsparse.runtime.timing import time_fn
@@ -53,6 +56,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--layout", choices=["nchw", "nhwc"], default="nhwc")
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--fold-batch-norm", action="store_true",
+                        help="fold the model's BatchNorms into its convs first (unsparse.runtime.batch_norm_folding)")
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args(argv)
     if args.batch < 1 or args.runs < 1:
@@ -63,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory_format = torch.channels_last if args.layout == "nhwc" else torch.contiguous_format
     with precision_mode(mode.tf32), torch.no_grad():
         model = build_model(args.model).to(device, mode.dtype).to(memory_format=memory_format)
+        folded = len(fold_batch_norm_(model)) if args.fold_batch_norm else 0
         x = torch.randn(args.batch, 3, 224, 224, device=device, dtype=mode.dtype).contiguous(
             memory_format=memory_format)
         forward_ms = time_fn(lambda i: model(x), device, runs=args.runs).median_ms
@@ -73,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = op_table(profiler.key_averages(), args.runs)
     result = {"environment": environment(git_commit()), "model": args.model, "precision": args.precision,
               "layout": args.layout, "batch": args.batch, "runs": args.runs, "weights": "synthetic (He-normal, dense)",
-              "forward_ms": forward_ms, "kernel_ms_per_forward": sum(row["ms_per_forward"] for row in rows),
+              "folded_batch_norm": folded, "forward_ms": forward_ms,
+              "kernel_ms_per_forward": sum(row["ms_per_forward"] for row in rows),
               "ops": rows}
     atomic_write_text(Path(args.out), json.dumps(result, indent=1) + "\n")
     print(f"{args.model} {args.precision} {args.layout} b{args.batch}: forward {forward_ms:.3f} ms (CUDA events), "
