@@ -23,12 +23,15 @@ def record(**fields):
 
 
 def test_a_row_holds_the_plan_against_the_faster_dense_model_and_says_what_won() -> None:
-    row = summary_row(record(dense_fused_ms=13.0, dense_fused_nhwc_ms=12.2, best_dense_fused_layout="nhwc"), "r")
+    row = summary_row(record(dense_fused_convs=13, dense_fused_ms=13.0, dense_fused_nhwc_ms=12.2,
+                             best_dense_fused_layout="nhwc"), "r")
     assert (row["dense_ms"], row["dense_layout"], row["planned_ms"], row["planned_layout"]) == (15.0, "NHWC", 12.0,
                                                                                                  "NCHW")
     assert row["best_dense_ms"] == 12.2 and row["speedup"] == pytest.approx(12.2 / 12.0)
     assert (row["off_cudnn"], row["convs"], row["verdict"]) == (10, 13, "within noise")
     assert summary_row(record(), "r")["verdict"] == "faster (no fused dense model timed)"
+    nothing_to_fuse = summary_row(record(dense_fused_convs=0, dense_folded_batch_norm=0), "r")
+    assert nothing_to_fuse["verdict"] == "faster" and nothing_to_fuse["dense_fused_ms"] is None
     slower = summary_row(record(dense_fused_ms=11.0, best_dense_fused_layout="nchw"), "r")
     assert slower["verdict"] == "SLOWER" and slower["speedup"] == pytest.approx(11.0 / 12.0)
     all_cudnn = summary_row(record(planned_ms=16.0, planned_nhwc_ms=11.9), "r")  # the NHWC plan is faster

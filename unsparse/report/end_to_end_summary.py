@@ -40,7 +40,7 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
         None for a record without backend counts); ``verdict``: "SLOWER" (the plan loses beyond the noise margin,
         :data:`~unsparse.runtime.comparator.PLAN_MARGIN`), "no sparse kernel" (the faster plan runs every conv on
         cuDNN), "faster" (beyond the margin), or "within noise"; the last two followed by "(no fused dense model
-        timed)" where the run held the plan against the eager dense model only.
+        timed)" for a run from before the fused dense model was timed beside the plan.
     """
     dense_ms, dense_layout = _layout(record, "dense")
     planned_ms, planned_layout = _layout(record, "planned")
@@ -57,7 +57,7 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
         verdict = "faster"
     else:
         verdict = "within noise"
-    if fused_ms is None and verdict in ("faster", "within noise"):
+    if "dense_fused_convs" not in record and verdict in ("faster", "within noise"):  # a run from before it was timed
         verdict += " (no fused dense model timed)"
     fused_layout = record.get("best_dense_fused_layout")
     return {"run": run, "model": record["model"], "weights": record.get("weights", "synthetic"),
