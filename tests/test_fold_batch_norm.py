@@ -12,7 +12,7 @@ from torch import nn
 
 from unsparse.models import create_model
 from unsparse.runtime import bench, end_to_end
-from unsparse.runtime.batch_norm_folding import FOLDED_ATTRIBUTE, batch_norm_affine, fold_batch_norm_
+from unsparse.runtime.batch_norm_folding import FOLDED_ATTRIBUTE, fold_batch_norm_
 from unsparse.runtime.dense_fusion import ConvBiasReLU, fuse_dense_conv_relu
 from unsparse.runtime.modules import SparseConv, sparse_layers, sparsify
 from unsparse.runtime.plan import Plan
@@ -82,7 +82,9 @@ def test_folding_keeps_each_rows_pattern_and_scales_its_values() -> None:
     dense = pruned(nn.Sequential(nn.Conv2d(3, 6, 3), nn.BatchNorm2d(6)))
     before, after = sparsify(dense), sparsify(dense, fold_batch_norm=True)
     (unfolded,), (folded,) = sparse_layers(before).values(), sparse_layers(after).values()
-    scale, shift = batch_norm_affine(dense[1])
+    batch_norm = dense[1]
+    scale = batch_norm.weight.double() / (batch_norm.running_var.double() + batch_norm.eps).sqrt()
+    shift = batch_norm.bias.double() - batch_norm.running_mean.double() * scale
     assert torch.equal(folded.col_idx, unfolded.col_idx) and folded.values.shape == unfolded.values.shape
     assert torch.equal(folded.values == 0, unfolded.values == 0)
     torch.testing.assert_close(folded.values.double(), unfolded.values.double() * scale[:, None])

@@ -3,9 +3,11 @@
 A ``BatchNorm`` in eval mode is a per-channel affine map of its input, ``y = (x - mean) * scale + beta`` with
 ``scale = gamma / sqrt(var + eps)``. Where it reads a convolution's output and nothing else does, the convolution can
 compute it: each output channel's weights times ``scale[m]`` and the bias ``(bias - mean) * scale + beta``. The
-BatchNorm's pass over the ofmap disappears and its work moves into the epilogue bias every backend already adds. For a
-sparse layer the scaling touches only the stored values of row ``m`` of its UniformCSR (UnSparse-Opt paper 004 §5),
-so the sparsity pattern, the column indices and the row length stay as they are (a padding zero stays zero). ResNet
+BatchNorm's pass over the ofmap disappears; a backend that adds the bias in its epilogue (``direct``, ``generated``)
+takes it for free, while PyTorch's cuDNN convolution adds the bias in a pass of its own (see
+:func:`fold_batch_norm_`). For a sparse layer the scaling touches only the stored values of row ``m`` of its
+UniformCSR (UnSparse-Opt paper 004 §5), so the sparsity pattern, the column indices and the row length stay as they
+are (a padding zero stays zero). ResNet
 and GoogLeNet follow every convolution with a BatchNorm; the papers' timings (Escoin paper 000 §5, paper 004 §6) are
 of the convolutions alone.
 """
@@ -19,6 +21,7 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
+from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from unsparse.runtime.modules import SparseConv, _computes_as_torch_conv
 from unsparse.sparse.format import UniformCSR
@@ -102,29 +105,15 @@ def _refusal(conv: nn.Module, batch_norm: nn.Module, uses: dict[nn.Module, int],
     return None
 
 
-def batch_norm_affine(batch_norm: nn.BatchNorm1d | nn.BatchNorm2d) -> tuple[torch.Tensor, torch.Tensor]:
-    """The eval-mode BatchNorm as ``y = x * scale + shift`` per channel: ``(scale, shift)``, each ``(C,)`` float64 on
-    the BatchNorm's device (``scale = gamma / sqrt(running_var + eps)``, ``shift = beta - running_mean * scale``;
-    ``gamma = 1``, ``beta = 0`` without affine parameters)."""
-    var, mean = batch_norm.running_var.double(), batch_norm.running_mean.double()
-    scale = torch.rsqrt(var + batch_norm.eps)
-    shift = -mean * scale
-    if batch_norm.affine:
-        scale = scale * batch_norm.weight.double()
-        shift = shift * batch_norm.weight.double() + batch_norm.bias.double()
-    return scale, shift
-
-
 def _fold(conv: nn.Module, batch_norm: nn.BatchNorm1d | nn.BatchNorm2d) -> str | None:
-    """Fold ``batch_norm`` into ``conv`` (mutates ``conv``); the reason it did not, or None."""
-    scale, shift = batch_norm_affine(batch_norm)
+    """Fold ``batch_norm`` into ``conv`` (mutates ``conv``) with ``torch.nn.utils.fusion.fuse_conv_bn_weights`` on
+    float64 copies, stored in the layer's dtype; the reason it did not, or None."""
     weight = conv.values if isinstance(conv, SparseConv) else conv.weight
-    bias = shift if conv.bias is None else conv.bias.double() * scale + shift
-    scaled = weight.double() * scale.view(-1, *[1] * (weight.dim() - 1))
-    folded_weight, folded_bias = scaled.to(weight.dtype), bias.to(weight.dtype)
+    folded_weight, folded_bias = (tensor.detach().to(weight.dtype) for tensor in fuse_conv_bn_weights(
+        weight.double(), _double(conv.bias), batch_norm.running_mean.double(), batch_norm.running_var.double(),
+        batch_norm.eps, _double(batch_norm.weight), _double(batch_norm.bias)))
     if not (torch.isfinite(folded_weight).all() and torch.isfinite(folded_bias).all()):
-        return (f"the folded weights or bias do not fit {weight.dtype} (a BatchNorm scale of up to "
-                f"{scale.abs().max():g})")
+        return f"the folded weights or bias do not fit {weight.dtype}"
     with torch.no_grad():
         if isinstance(conv, SparseConv):
             conv.set_csr(UniformCSR(folded_weight, conv.col_idx, conv.weight_shape))
@@ -135,6 +124,10 @@ def _fold(conv: nn.Module, batch_norm: nn.BatchNorm1d | nn.BatchNorm2d) -> str |
         else:
             conv.bias.copy_(folded_bias)
     return None
+
+
+def _double(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.detach().double()
 
 
 def fold_batch_norm_(model: nn.Module) -> list[str]:
@@ -188,7 +181,7 @@ def fold_batch_norm_(model: nn.Module) -> list[str]:
             continue
         model.set_submodule(pair.batch_norm, nn.Identity())
         folded.append(pair.conv)
-    order = list(modules)
-    folded.sort(key=order.index)
+    position = {name: index for index, name in enumerate(modules)}
+    folded.sort(key=position.__getitem__)
     setattr(model, FOLDED_ATTRIBUTE, [*getattr(model, FOLDED_ATTRIBUTE, []), *folded])
     return folded
