@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from unsparse.job import git_commit
 from unsparse.runtime import bench
+from unsparse.runtime.batch_norm_folding import FOLD_POLICIES
 from unsparse.runtime.precision import PRECISIONS
 from unsparse.settings import sparsity_argument
 
@@ -54,9 +55,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the models timed whole fuse each conv with the ReLU after it in their sparse copy")
     parser.add_argument("--fuse-max-pool", action="store_true",
                         help="and with the 2x2 max pool after it (after its ReLU, if fused too)")
-    parser.add_argument("--fold-batch-norm", action="store_true",
-                        help="the models timed whole fold each BatchNorm after a conv into it (sparse copies and the "
-                        "fused dense baseline)")
+    parser.add_argument("--fold-batch-norm", choices=FOLD_POLICIES, default="off",
+                        help="where the models timed whole fold each BatchNorm after a conv into it: 'all' convs, or "
+                        "'epilogue': the layers planned on a backend that adds the bias in its epilogue (the fused "
+                        "dense baseline folds every one unless 'off')")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--layer-filter", help="time only the layers whose name matches this regular expression; "
                         "no model end to end then, unless --end-to-end names one")

@@ -284,7 +284,7 @@ def test_the_end_to_end_record_counts_the_folds_of_the_plan_and_of_the_fused_den
     dense = pruned(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Conv2d(8, 4, 3, stride=2),
                                  nn.BatchNorm2d(4)))
     record = end_to_end.bench_end_to_end(dense, (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
-                                         ["dense_cpu"], fold_batch_norm=True)
+                                         ["dense_cpu"], fold_batch_norm="all")
     assert record["folded_batch_norm"] == record["dense_folded_batch_norm"] == 2
     assert record["dense_fused_convs"] == 0 and record["dense_fused_ms"] > 0
     assert record["rel_error"] < 1e-5 and record["dense_fused_rel_error"] < 1e-5
@@ -305,7 +305,7 @@ def test_the_end_to_end_unfused_copy_is_folded_too(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(end_to_end, "sparsify", kept)
     dense = pruned(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 3)))
     record = end_to_end.bench_end_to_end(dense, (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
-                                         ["dense_cpu"], fuse_relu=True, fold_batch_norm=True)
+                                         ["dense_cpu"], fuse_relu=True, fold_batch_norm="all")
     assert [getattr(copy, FOLDED_ATTRIBUTE) for copy in copies] == [["0"]] * 3
     assert record["fused_relu"] == 1 and record["folded_batch_norm"] == 1 and record["planned_unfused_ms"] > 0
     assert record["dense_fused_convs"] == 1 and record["dense_folded_batch_norm"] == 1
@@ -333,10 +333,15 @@ def test_a_dense_baseline_that_only_folds_is_named_so() -> None:
         "the dense model fused by cuDNN (convolution, bias and ReLU in one call)")
 
 
-def test_the_benchmark_refuses_a_fold_setting_that_is_no_bool() -> None:
-    with pytest.raises(bench.BenchRefusedError, match="end_to_end_fold_batch_norm: expected true or false"):
-        bench.check_run_settings(end_to_end_fold_batch_norm=1)
-    bench.check_run_settings(end_to_end_fold_batch_norm=True)
+@pytest.mark.parametrize("setting", [True, 1, "some", None])
+def test_the_benchmark_refuses_a_fold_setting_that_is_no_policy(setting: object) -> None:
+    with pytest.raises(bench.BenchRefusedError, match=r"end_to_end_fold_batch_norm: .* not among off, all, epilogue"):
+        bench.check_run_settings(end_to_end_fold_batch_norm=setting)
+    with pytest.raises(ValueError, match=r"fold_batch_norm: .* not among"):
+        end_to_end.bench_end_to_end(nn.Conv2d(1, 1, 1), (1, 2, 2), 1, "fp32", torch.device("cpu"), 3, Plan(),
+                                    ["dense_cpu"], fold_batch_norm=setting)
+    for policy in ("off", "all", "epilogue"):
+        bench.check_run_settings(end_to_end_fold_batch_norm=policy)
 
 
 def test_the_report_says_where_batch_norms_were_folded() -> None:

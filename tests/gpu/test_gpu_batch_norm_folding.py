@@ -8,12 +8,13 @@ import torch
 from torch import nn
 
 from unsparse.models import create_model
-from unsparse.runtime import bench
-from unsparse.runtime.batch_norm_folding import FOLDED_ATTRIBUTE
-from unsparse.runtime.comparator import relative_error, tolerance
+from unsparse.runtime import bench, end_to_end
+from unsparse.runtime.batch_norm_folding import FOLDED_ATTRIBUTE, fold_batch_norm_into_epilogues_
+from unsparse.runtime.comparator import plan_model, relative_error, tolerance
 from unsparse.runtime.dense_fusion import fuse_dense_conv_relu
 from unsparse.runtime.end_to_end import dense_fused_timings
-from unsparse.runtime.modules import set_backend, sparsify
+from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
+from unsparse.runtime.plan import Plan
 from unsparse.runtime.precision import precision_mode
 
 CUDA = torch.device("cuda")
@@ -62,3 +63,31 @@ def test_the_folded_dense_baseline_fuses_its_relus_and_agrees(dtype: torch.dtype
     assert record["dense_fused_ms"] > 0 and record["dense_fused_rel_error"] <= 10 * tolerance(dtype)
     assert relative_error(dense_out.cpu(), expected) <= 10 * tolerance(dtype)
     assert fuse_dense_conv_relu(dense)[1] == 0  # the caller's model kept its BatchNorms
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_folding_into_the_planned_direct_layers_matches_the_unfolded_model(dtype: torch.dtype) -> None:
+    """Planned on ``direct``, folded where its setting adds the bias in the epilogue (not split-K): those layers and
+    only those take their BatchNorm (a layer ``direct`` cannot run is planned on the dense default and keeps it), and
+    the model, run on its plan, agrees with the unfolded one in float64."""
+    model = trained_like("resnet_small")
+    x = torch.randn(6, 1, 28, 28)
+    expected = model.double()(x.double()).detach()
+    sparse = sparsify(model.to(CUDA, dtype))
+    with precision_mode(False), torch.no_grad():
+        plan, _ = plan_model(sparse, x.to(CUDA, dtype), Plan(), ["direct"])
+        entries = {name: plan.get(layer.plan_key) for name, layer in sparse_layers(sparse).items()}
+        epilogue = [name for name, entry in entries.items()
+                    if entry.backend == "direct" and entry.params.get("splits", 1) == 1]
+        folded = fold_batch_norm_into_epilogues_(sparse, plan)
+        out = sparse(x.to(CUDA, dtype)).cpu()
+    assert folded and folded == epilogue  # every conv of resnet_small has a BatchNorm after it
+    assert relative_error(out, expected) <= 10 * tolerance(dtype)
+
+
+def test_the_epilogue_policy_end_to_end_agrees_with_the_dense_model() -> None:
+    model = trained_like("resnet_small").to(CUDA)
+    record = end_to_end.bench_end_to_end(model, (1, 28, 28), 6, "fp32", CUDA, 5, Plan(), ["cudnn", "direct"],
+                                         fold_batch_norm="epilogue")
+    assert record["fold_batch_norm"] == "epilogue" and record["rel_error"] <= record["tolerance"]
+    assert record["folded_batch_norm"] <= sum(backend == "direct" for backend in record["off_cudnn"].values())

@@ -523,11 +523,15 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
         lines += ["ReLU (max pool) fused into K convs: the planned model's convs apply the ReLU (the 2x2 max pool) "
                   f"that follows them, {where}; the dense model runs its ReLUs and pools apart, as PyTorch does. "
                   f"{timed}Unfused: the same plan without fusion, NCHW, eager, timed in the same run.", ""]
-    if any(r.get("folded_batch_norm") for r in records):
+    policies = {fold_policy(r) for r in records} - {"off"}
+    if policies:
+        where = ("" if "epilogue" not in policies else " (in the rows that say 'epilogue' only into the layers whose "
+                 "planned backend adds the bias in its epilogue, direct or generated, each layout's plan its own: "
+                 "a layer planned on cuDNN keeps its BatchNorm, since PyTorch adds cuDNN's bias in a pass of its own)")
         lines += ["BatchNorm folded into K convs: each eval-mode BatchNorm after a conv is folded into the conv's "
-                  "weights and bias (no pass of its own), in the planned model and in the dense fused one (which, "
-                  "where no conv is followed by a ReLU it can fuse, is the dense model with its BatchNorms folded and "
-                  "nothing more), not in the eager dense model.", ""]
+                  f"weights and bias (no pass of its own), in the planned model{where} and in the dense fused one "
+                  "(which, where no conv is followed by a ReLU it can fuse, is the dense model with its BatchNorms "
+                  "folded and nothing more), not in the eager dense model.", ""]
     fused_dense = any("dense_fused_ms" in r for r in records)
     if fused_dense:
         lines += ["Dense fused: the dense model with each convolution, its bias and its ReLU in one cuDNN call "
@@ -554,7 +558,8 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                      f"{_fmt(r.get('dense_nhwc_graph_ms'))} | {_fmt(r.get('planned_nhwc_graph_ms'))} | "
                      f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)}"
                      + _fusion_text(r) + " | "
-                     f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')} |")
+                     f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')}"
+                     + ("; " + _fold_text(r, "_nhwc") if fold_policy(r) == "epilogue" else "") + " |")
     return lines
 
 
@@ -576,13 +581,26 @@ def _fusion_text(record: dict[str, Any]) -> str:
     fused = [f"{what} fused into {record[field]} convs" for what, field in (("ReLU", "fused_relu"),
                                                                             ("max pool", "fused_max_pool"))
              if record.get(field)]
-    folded = [f"BatchNorm folded into {record['folded_batch_norm']} convs"] if record.get("folded_batch_norm") else []
+    folded = [_fold_text(record)] if fold_policy(record) != "off" else []
     if not fused and not folded:
         return ""
     text = "; " + ", ".join(folded + fused) + (", planned fused" if fused and record.get("fusion_planned") else "")
     if record.get("planned_unfused_ms") is not None:
         text += f" (unfused {_fmt(record['planned_unfused_ms'])} ms: fusing {_fmt(record['fusion_speedup'], 2)}x)"
     return text
+
+
+def fold_policy(record: dict[str, Any]) -> str:
+    """An end-to-end record's BatchNorm-folding policy (:data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`);
+    records from before it was recorded folded every BatchNorm or none."""
+    return record.get("fold_batch_norm", "all" if record.get("folded_batch_norm") else "off")
+
+
+def _fold_text(record: dict[str, Any], tag: str = "") -> str:
+    """How many convs of the plan of layout ``tag`` (``""``: NCHW, ``"_nhwc"``) took their BatchNorm."""
+    policy = fold_policy(record)
+    return f"BatchNorm folded into {record.get(f'folded_batch_norm{tag}', 0)} convs" + (
+        " (epilogue)" if policy == "epilogue" else "")
 
 
 def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> list[Path]:

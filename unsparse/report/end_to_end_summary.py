@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from unsparse.report.benchmark import dense_fused_ms, fastest_ms
+from unsparse.report.benchmark import dense_fused_ms, fastest_ms, fold_policy
 from unsparse.report.document import markdown_table
 from unsparse.report.results import load_result
 from unsparse.runtime.comparator import PLAN_MARGIN
@@ -62,7 +62,8 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
     fused_layout = record.get("best_dense_fused_layout")
     return {"run": run, "model": record["model"], "weights": record.get("weights", "synthetic"),
             "sparsity": record.get("sparsity"), "batch": record["batch"], "precision": record["precision"],
-            "folded": record.get("folded_batch_norm", 0), "fused_relu": record.get("fused_relu", 0),
+            "folded": record.get("folded_batch_norm" + suffix, record.get("folded_batch_norm", 0)),
+            "fold_policy": fold_policy(record), "fused_relu": record.get("fused_relu", 0),
             "fused_max_pool": record.get("fused_max_pool", 0), "dense_ms": dense_ms, "dense_layout": dense_layout,
             "dense_fused_ms": fused_ms, "dense_fused_layout": fused_layout.upper() if fused_layout else None,
             "planned_ms": planned_ms, "planned_layout": planned_layout, "best_dense_ms": best_dense,
@@ -90,7 +91,9 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
         return "-" if ms is None else f"{ms:.3f} ({layout})"
 
     table = [[f"`{r['run']}`", r["model"], r["weights"], "-" if r["sparsity"] is None else r["sparsity"], r["batch"],
-              r["precision"], f"{r['folded']} / {r['fused_relu']}+{r['fused_max_pool']}",
+              r["precision"],
+              f"{r['folded']}{' (epilogue)' if r['fold_policy'] == 'epilogue' else ''} / {r['fused_relu']}"
+              f"+{r['fused_max_pool']}",
               cell(r["dense_ms"], r["dense_layout"]), cell(r["dense_fused_ms"], r["dense_fused_layout"]),
               cell(r["planned_ms"], r["planned_layout"]), f"{r['speedup']:.2f}",
               "-" if r["convs"] is None else f"{r['off_cudnn']} of {r['convs']}", r["verdict"]] for r in rows]
@@ -101,8 +104,9 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
         "Times are eager medians (ms) in each model's faster layout. Eager dense: PyTorch's model as it runs; dense "
         "fused: the same run's dense model with each conv, bias and ReLU in one cuDNN call and, where the run "
         "folds, its BatchNorms folded. Best dense / planned: the faster of the two dense models over the planned "
-        "sparse model (above 1: the sparse model is faster). Folded / fused: convs that took a BatchNorm / a ReLU "
-        "+ a 2x2 max pool. Convs off cuDNN: the faster plan's convs on sparse backends. Verdict: SLOWER or faster "
+        "sparse model (above 1: the sparse model is faster). Folded / fused: the faster plan's convs that took a "
+        "BatchNorm (epilogue: only layers planned on a backend that adds the bias in its epilogue) / a ReLU + a 2x2 "
+        "max pool. Convs off cuDNN: the faster plan's convs on sparse backends. Verdict: SLOWER or faster "
         f"beyond the {PLAN_MARGIN:.0%} noise margin, within noise, or no sparse kernel (the faster plan runs every "
         "conv on cuDNN, so sparsity gains nothing in that run); runs before the fused dense model was timed say so, "
         "and their ratio is against the eager dense model alone (where later runs timed both, the fused one was "

@@ -15,6 +15,7 @@ of the convolutions alone.
 from __future__ import annotations
 
 import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +24,9 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
-from unsparse.runtime.modules import SparseConv, _computes_as_torch_conv
+from unsparse.runtime.backends import get_backend
+from unsparse.runtime.modules import SparseConv, _computes_as_torch_conv, sparse_layers
+from unsparse.runtime.plan import Plan
 from unsparse.sparse.format import UniformCSR
 
 log = logging.getLogger(__name__)
@@ -31,6 +34,11 @@ log = logging.getLogger(__name__)
 FOLDED_ATTRIBUTE = "unsparse_folded_batch_norm"
 """The model attribute :func:`fold_batch_norm_` appends the folded convolutions' names to (a copy keeps it), so that a
 folded model is told apart where its missing BatchNorms matter (a sparse file holds the unfolded model)."""
+
+FOLD_POLICIES = ("off", "all", "epilogue")
+"""Where a whole-model benchmark folds BatchNorms into its sparse copies: nowhere, into every convolution
+(:func:`fold_batch_norm_`), or into the layers whose planned backend adds the bias in its epilogue
+(:func:`fold_batch_norm_into_epilogues_`)."""
 
 _BATCH_NORM_OF_DIMS = {1: nn.BatchNorm1d, 2: nn.BatchNorm2d}
 
@@ -130,7 +138,7 @@ def _double(tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else tensor.detach().double()
 
 
-def fold_batch_norm_(model: nn.Module) -> list[str]:
+def fold_batch_norm_(model: nn.Module, only: Collection[str] | None = None) -> list[str]:
     """Fold each eval-mode ``nn.BatchNorm1d``/``nn.BatchNorm2d`` that reads a convolution's output, and nothing else
     does, into that convolution (mutates ``model``): the convolution's weight rows (a :class:`SparseConv`'s stored
     values, ``(M, L)``; a plain ``nn.Conv1d``/``nn.Conv2d``'s ``(M, C/groups, ...)`` weight) are scaled per output
@@ -154,6 +162,11 @@ def fold_batch_norm_(model: nn.Module) -> list[str]:
     than the BatchNorm pass it replaced (ResNet-50 b128 on an H200, ``kernels/NOTES.md``, forty-second session:
     the all-cuDNN plan 9.19 ms folded, 8.09 unfolded; FP32 NCHW with 44 layers on ``direct`` 24.79 against 29.38).
 
+    Args:
+        model: mutated in place.
+        only: the qualified names of the convolutions that may take a BatchNorm (the others' BatchNorms stay,
+            silently); every convolution if None.
+
     Returns:
         The qualified names of the convolutions that took a BatchNorm, in module order.
     """
@@ -171,7 +184,7 @@ def fold_batch_norm_(model: nn.Module) -> list[str]:
         for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
             owners[id(tensor)] = owners.get(id(tensor), 0) + 1
     folded = []
-    for pair in pairs:
+    for pair in (pair for pair in pairs if only is None or pair.conv in only):
         conv, batch_norm = modules.get(pair.conv), modules.get(pair.batch_norm)
         if not isinstance(batch_norm, _BatchNorm) or not isinstance(conv, _ConvNd | SparseConv):
             continue
@@ -185,3 +198,31 @@ def fold_batch_norm_(model: nn.Module) -> list[str]:
     folded.sort(key=position.__getitem__)
     setattr(model, FOLDED_ATTRIBUTE, [*getattr(model, FOLDED_ATTRIBUTE, []), *folded])
     return folded
+
+
+def fold_batch_norm_into_epilogues_(model: nn.Module, plan: Plan) -> list[str]:
+    """Fold BatchNorms (:func:`fold_batch_norm_`, mutates ``model``) only into the :class:`SparseConv` layers of a
+    planned ``model`` whose planned backend adds the bias as it stores its output
+    (:meth:`~unsparse.runtime.backends.base.ConvBackend.adds_bias_in_epilogue` of the entry's backend and setting):
+    only there does a pass over the ofmap disappear. A layer planned on cuDNN keeps its BatchNorm, since PyTorch adds
+    a cuDNN convolution's bias in a pass of its own; on the H200 that pass took longer than the channels-last FP16
+    BatchNorm it replaced (ResNet-50 b128, forty-third session's profile in ``kernels/NOTES.md``: 53 bias adds
+    3.9 ms of GPU time per forward against 2.5 ms for the 53 BatchNorms they replace).
+
+    The layers keep their plan keys (a key holds no bias or weight values, :func:`~unsparse.runtime.plan.layer_key`),
+    so their entries hold; the caller re-plans where folding exposed a fusion (a ReLU after the BatchNorm,
+    :func:`~unsparse.runtime.modules.fuse_relu_`).
+
+    Args:
+        model: planned by :func:`~unsparse.runtime.comparator.plan_model` (each layer's ``plan_key`` set).
+        plan: the plan holding those keys.
+
+    Returns:
+        The qualified names of the layers that took a BatchNorm, in module order.
+    """
+    epilogues = set()
+    for name, layer in sparse_layers(model).items():
+        entry = plan.get(getattr(layer, "plan_key", ""))
+        if entry is not None and get_backend(entry.backend).adds_bias_in_epilogue(entry.params):
+            epilogues.add(name)
+    return fold_batch_norm_(model, only=epilogues)

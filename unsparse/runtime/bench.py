@@ -27,6 +27,7 @@ from torch import nn
 
 from unsparse.atomic import atomic_write_text, write_record
 from unsparse.report.benchmark import ESCOIN_MODELS, compiled_ahead, evaluate_targets, markdown_report, plot_results
+from unsparse.runtime.batch_norm_folding import FOLD_POLICIES
 from unsparse.runtime.comparator import TIMINGS, best_times, compare_layer
 from unsparse.runtime.end_to_end import bench_end_to_end, bench_end_to_end_sparse
 from unsparse.runtime.modules import set_backend
@@ -98,7 +99,7 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
                    end_to_end_sparsity: float, end_to_end_batch: int, runs: int, sparse_file: str | Path | None,
                    sparse_input_shape: Sequence[int] | None, layer_filter: str | None, time_budget_s: float | None,
                    timing: str, seed: int, end_to_end_fuse_relu: bool = False,
-                   end_to_end_fuse_max_pool: bool = False, end_to_end_fold_batch_norm: bool = False) -> None:
+                   end_to_end_fuse_max_pool: bool = False, end_to_end_fold_batch_norm: str = "off") -> None:
     """Check :func:`run_bench`'s settings (same meanings) before any GPU work, so that a typo does not surface
     after minutes of timings or as a traceback deep inside them: model names from :data:`MODELS`, precisions from
     :data:`~unsparse.runtime.precision.PRECISIONS`, sparsities in ``[0, 1)`` (the range of :func:`magnitude_prune_`),
@@ -106,8 +107,9 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
     ``sparse_file`` an existing file with a non-empty ``sparse_input_shape`` (positive integers), ``layer_filter`` a
     regular expression, ``time_budget_s`` > 0, ``timing`` one of :data:`~unsparse.runtime.comparator.TIMINGS`, ``seed``
     an integer in ``[0, 2^32)``, the seeds torch's CPU generator tells apart (:func:`~unsparse.settings.check_seed`;
-    ``seed=1.5`` reached ``torch.manual_seed``, which took it as 1), ``end_to_end_fuse_relu``,
-    ``end_to_end_fuse_max_pool`` and ``end_to_end_fold_batch_norm`` bools.
+    ``seed=1.5`` reached ``torch.manual_seed``, which took it as 1), ``end_to_end_fuse_relu`` and
+    ``end_to_end_fuse_max_pool`` bools, ``end_to_end_fold_batch_norm`` one of
+    :data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`.
 
     Raises:
         BenchRefusedError: (a ``ValueError``) naming the setting and the value.
@@ -142,10 +144,12 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
                 check_integer(value, "sparse_input_shape")
         check_seed(seed)
         for field, value in (("end_to_end_fuse_relu", end_to_end_fuse_relu),
-                             ("end_to_end_fuse_max_pool", end_to_end_fuse_max_pool),
-                             ("end_to_end_fold_batch_norm", end_to_end_fold_batch_norm)):
+                             ("end_to_end_fuse_max_pool", end_to_end_fuse_max_pool)):
             if not isinstance(value, bool):
                 raise ValueError(f"{field}: expected true or false, got {value!r}")
+        if not isinstance(end_to_end_fold_batch_norm, str) or end_to_end_fold_batch_norm not in FOLD_POLICIES:
+            raise ValueError(f"end_to_end_fold_batch_norm: {end_to_end_fold_batch_norm!r} not among "
+                             f"{', '.join(FOLD_POLICIES)}")
         if time_budget_s is not None:
             check_number(time_budget_s, "time_budget_s", lambda number: number > 0, "> 0 (or null)")
         if layer_filter is not None:
@@ -377,7 +381,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
               layer_filter: str | None = None, time_budget_s: float | None = None,
               timing: str = "eager", record: Mapping[str, str] | None = None,
               end_to_end_fuse_relu: bool = False, end_to_end_fuse_max_pool: bool = False,
-              end_to_end_fold_batch_norm: bool = False) -> dict[str, Any]:
+              end_to_end_fold_batch_norm: str = "off") -> dict[str, Any]:
     """Run the benchmark on ``cuda:0`` and write ``bench.json``, ``bench.md`` and plots to ``out_dir``.
 
     Before the layers of a model and sparsity are compared, and before a model is timed whole, the kernels a sparse
@@ -395,8 +399,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         end_to_end_fuse_relu: fuse each conv of those models with the ReLU after it in the sparse copy
             (:func:`~unsparse.runtime.end_to_end.bench_end_to_end`'s ``fuse_relu``).
         end_to_end_fuse_max_pool: likewise with the 2x2 max pool after it (``fuse_max_pool``).
-        end_to_end_fold_batch_norm: fold each BatchNorm after a conv into it, in the sparse copies and in the fused
-            dense baseline (``fold_batch_norm``).
+        end_to_end_fold_batch_norm: where the sparse copies fold each BatchNorm after a conv into it, one of
+            :data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES` (``fold_batch_norm``); the fused dense
+            baseline folds every one unless ``"off"``.
         runs: timed runs per setting (>= 20 per the protocol).
         sparse_file, sparse_input_shape: a trained sparse model (``unsparse.sparse.io.load_sparse``) and its
             per-sample input shape, e.g. ``(1, 28, 28)``; planned and timed end to end at each batch size.

@@ -20,8 +20,14 @@ import torch
 from torch import nn
 
 from unsparse.runtime.backends import get_backend
-from unsparse.runtime.batch_norm_folding import FOLDED_ATTRIBUTE, fold_batch_norm_
+from unsparse.runtime.batch_norm_folding import (
+    FOLD_POLICIES,
+    FOLDED_ATTRIBUTE,
+    fold_batch_norm_,
+    fold_batch_norm_into_epilogues_,
+)
 from unsparse.runtime.comparator import (
+    LayerComparison,
     best_times,
     check_plan,
     plan_model,
@@ -31,7 +37,14 @@ from unsparse.runtime.comparator import (
 )
 from unsparse.runtime.dense_fusion import fuse_dense_conv_relu
 from unsparse.runtime.layout import layout_of
-from unsparse.runtime.modules import set_backend, sparse_layers, sparsify, temporary_backend
+from unsparse.runtime.modules import (
+    fuse_max_pool_,
+    fuse_relu_,
+    set_backend,
+    sparse_layers,
+    sparsify,
+    temporary_backend,
+)
 from unsparse.runtime.plan import Plan, without_epilogue
 from unsparse.runtime.precision import PRECISIONS, precision_mode
 from unsparse.runtime.timing import Timing, time_fn, time_graph
@@ -64,7 +77,7 @@ def graph_timings(dense: Callable[[], Any], planned: Callable[[], Any], device: 
 def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, precision: str,
                      device: torch.device, runs: int, plan: Plan, backends: list[str] | None,
                      fuse_relu: bool = False, fuse_max_pool: bool = False,
-                     fold_batch_norm: bool = False) -> dict[str, Any]:
+                     fold_batch_norm: str = "off") -> dict[str, Any]:
     """Time the dense model (cuDNN) against its sparsified copy running the plan ("auto"), same precision, each
     in NCHW and in channels-last from end to end.
 
@@ -101,27 +114,41 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     one; nothing is added to ``plan``, though the active plan the ``"auto"`` backend reads holds them from then on)
     and ``fusion_speedup`` is it over
     ``planned_ms``; both None without either flag. ``cudnn_fuses_relu`` records that the ``cudnn`` backend applies a
-    fused layer's ReLU in its call (runs before it paid a ReLU pass after cuDNN). With ``fold_batch_norm`` each
-    eval-mode BatchNorm after a conv is folded into it (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`,
-    before the fusions) in the sparse copies and in the fused dense baseline, not in the eager dense model;
-    ``folded_batch_norm`` counts the sparse copy's layers that took one (0 without the flag).
+    fused layer's ReLU in its call (runs before it paid a ReLU pass after cuDNN).
+
+    ``fold_batch_norm`` (:data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`, recorded as such) folds eval-mode
+    BatchNorms after a conv into it in the sparse copies: ``"all"`` every one, before planning and the fusions
+    (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`); ``"epilogue"`` after planning, only into the
+    layers whose planned backend adds the bias in its epilogue
+    (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_`), then the fusions that folding
+    exposed are made and planned, and only then is the plan checked; each layout's copy folds by its own plan. The
+    unfused copy folds the NCHW copy's layers. Unless ``"off"``, the fused dense baseline folds every BatchNorm; the
+    eager dense model never does. ``folded_batch_norm`` and ``folded_batch_norm_nhwc`` count the layers that took one
+    (0 when off).
+
+    Raises:
+        ValueError: ``fold_batch_norm`` not among the policies.
     """
+    if fold_batch_norm not in FOLD_POLICIES:
+        raise ValueError(f"fold_batch_norm: {fold_batch_norm!r} not among {', '.join(FOLD_POLICIES)}")
     dtype, tf32 = PRECISIONS[precision].dtype, PRECISIONS[precision].tf32
     bound = 10 * tolerance(dtype, tf32)
     with precision_mode(tf32):
         dense = model.to(device, dtype).eval()
-        fusions = {"fuse_relu": fuse_relu, "fuse_max_pool": fuse_max_pool, "fold_batch_norm": fold_batch_norm}
-        sparse, sparse_nhwc = sparsify(dense, **fusions), sparsify(dense, **fusions)
+        fusions = {"fuse_relu": fuse_relu, "fuse_max_pool": fuse_max_pool}
+        sparse, sparse_nhwc = (sparsify(dense, **fusions, fold_batch_norm=fold_batch_norm == "all") for _ in range(2))
         x = torch.randn(batch, *input_shape, device=device, dtype=dtype)
         x_nhwc = x.contiguous(memory_format=torch.channels_last)
         nhwc_planned = layout_of(x_nhwc) == "nhwc"  # one channel: the same bytes, so the layers would run NCHW
         reused_before = len(plan.entries)
-        plan, comparisons = plan_model(sparse, x, plan, backends)
+        plan, comparisons = _plan_and_fold(sparse, x, plan, backends, fold_batch_norm == "epilogue", fusions)
         check = check_plan(sparse, x, plan, comparisons, runs)
-        plan, comparisons_nhwc = plan_model(sparse_nhwc, x_nhwc, plan, backends) if nhwc_planned else (plan, [])
+        plan, comparisons_nhwc = (_plan_and_fold(sparse_nhwc, x_nhwc, plan, backends, fold_batch_norm == "epilogue",
+                                                 fusions) if nhwc_planned else (plan, []))
         check_nhwc = check_plan(sparse_nhwc, x_nhwc, plan, comparisons_nhwc, runs) if nhwc_planned else None
-        unfused = sparsify(dense, fold_batch_norm=fold_batch_norm) if fuse_relu or fuse_max_pool else None
-        if unfused is not None:
+        unfused = sparsify(dense) if fuse_relu or fuse_max_pool else None
+        if unfused is not None and getattr(sparse, FOLDED_ATTRIBUTE, []):
+            fold_batch_norm_(unfused, only=getattr(sparse, FOLDED_ATTRIBUTE))
             same_choices = Plan()
             for key in filter(None, (getattr(layer, "plan_key", None) for layer in sparse_layers(sparse).values())):
                 same_choices.entries.setdefault(without_epilogue(key), plan.entries[key])
@@ -133,7 +160,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             unfused_t = None if unfused is None else time_fn(lambda i: unfused(x), device, runs=runs)
             graphs = graph_timings(lambda: dense(x), lambda: sparse(x), device, runs)
             dense_nhwc, nhwc_t, nhwc_error = dense_channels_last(dense, x, dense_out, runs)
-            dense_fused = dense_fused_timings(dense, x, dense_out, runs, bound, fold_batch_norm)
+            dense_fused = dense_fused_timings(dense, x, dense_out, runs, bound, fold_batch_norm != "off")
             planned_nhwc_error, planned_nhwc_t = math.inf, None
             if nhwc_planned:
                 planned_nhwc_error = relative_error(sparse_nhwc(x_nhwc).double(), dense_out.double())
@@ -166,7 +193,8 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
             "fused_relu": sum(layer.relu for layer in sparse_layers(sparse).values()),
             "fused_max_pool": sum(layer.max_pool for layer in sparse_layers(sparse).values()),
-            "folded_batch_norm": len(getattr(sparse, FOLDED_ATTRIBUTE, [])),
+            "fold_batch_norm": fold_batch_norm, "folded_batch_norm": len(getattr(sparse, FOLDED_ATTRIBUTE, [])),
+            "folded_batch_norm_nhwc": len(getattr(sparse_nhwc, FOLDED_ATTRIBUTE, [])),
             "fusion_planned": True, "cudnn_fuses_relu": get_backend("cudnn").fuses_relu,
             "planned_unfused_ms": None if unfused_t is None else unfused_t.median_ms,
             "fusion_speedup": None if unfused_t is None else unfused_t.median_ms / sparse_t.median_ms,
@@ -176,6 +204,23 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "off_cudnn": {name: backend for name, backend in by_layer.items() if backend != "cudnn"},
             "backend_counts_nhwc": dict(Counter(by_layer_nhwc.values())),
             "off_cudnn_nhwc": {name: backend for name, backend in by_layer_nhwc.items() if backend != "cudnn"}}
+
+
+def _plan_and_fold(model: nn.Module, x: torch.Tensor, plan: Plan, backends: list[str] | None,
+                   fold_into_epilogues: bool, fusions: dict[str, bool]) -> tuple[Plan, list[LayerComparison]]:
+    """:func:`~unsparse.runtime.comparator.plan_model` on ``model`` (mutated: planned), then with
+    ``fold_into_epilogues`` :func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_` and, where
+    that folded any, the ReLU and max-pool fusions ``fusions`` names (a ReLU after a folded BatchNorm now follows the
+    conv) and a second planning for the keys they changed. Returns the plan and every comparison made."""
+    plan, comparisons = plan_model(model, x, plan, backends)
+    if fold_into_epilogues and fold_batch_norm_into_epilogues_(model, plan):
+        if fusions["fuse_relu"]:
+            fuse_relu_(model)
+        if fusions["fuse_max_pool"]:
+            fuse_max_pool_(model)
+        plan, more = plan_model(model, x, plan, backends)
+        comparisons = [*comparisons, *more]
+    return plan, comparisons
 
 
 def _finite(value: float) -> float | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Hashable
+from collections.abc import Callable, Collection, Hashable, Mapping
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -33,6 +33,8 @@ class ConvBackend(ABC):
             :meth:`run` applies it in a separate pass for the others.
         fuses_max_pool: True if :meth:`conv` takes ``max_pool=True`` and applies a following 2x2, stride-2 max pool
             (after the ReLU) as it stores its output; :meth:`run` applies it in a separate pass for the others.
+
+    Where a backend adds the bias is :meth:`adds_bias_in_epilogue`.
     """
 
     name: ClassVar[str]
@@ -49,6 +51,13 @@ class ConvBackend(ABC):
         if geometry.groups != 1 and self.sparse:
             return f"groups={geometry.groups} is not supported by sparse backends"
         return None
+
+    def adds_bias_in_epilogue(self, params: Mapping[str, Any]) -> bool:
+        """Whether :meth:`conv` with setting ``params`` (one entry of :meth:`tuning_space`) adds the bias as it
+        stores its output, so that a bias costs no pass of its own: what decides where folding a BatchNorm into the
+        convolution pays (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_`). False here:
+        cuDNN's convolution as PyTorch calls it, and the lowering backends' GEMMs, add the bias in a pass after."""
+        return False
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
         """Parameter settings worth timing for this layer and input; ``[{}]`` when there is nothing to tune."""

@@ -29,7 +29,7 @@ size, so no kernel sees an unchecked index.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,6 +230,11 @@ class DirectBackend(ConvBackend):
 
     def __init__(self) -> None:
         self._cache = WeightCache()
+
+    def adds_bias_in_epilogue(self, params: Mapping[str, Any]) -> bool:
+        """True unless ``params`` is a split-K setting (``splits`` > 1), whose float32 partial sums are summed and
+        take the bias in passes after the kernel (:class:`PreparedCall`)."""
+        return params.get("splits", 1) == 1
 
     def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
         reason = super().unsupported_reason(x, csr, geometry)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -185,6 +186,10 @@ class GeneratedBackend(ConvBackend):
 
     def __init__(self) -> None:
         self._cache = WeightCache()
+
+    def adds_bias_in_epilogue(self, params: Mapping[str, Any]) -> bool:
+        """True: every generated program adds ``bias[m]`` to its sums before it stores them."""
+        return True
 
     def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
         reason = super().unsupported_reason(x, csr, geometry)
