@@ -147,8 +147,9 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
                                                  fusions) if nhwc_planned else (plan, []))
         check_nhwc = check_plan(sparse_nhwc, x_nhwc, plan, comparisons_nhwc, runs) if nhwc_planned else None
         unfused = sparsify(dense) if fuse_relu or fuse_max_pool else None
-        if unfused is not None and getattr(sparse, FOLDED_ATTRIBUTE, []):
-            fold_batch_norm_(unfused, only=getattr(sparse, FOLDED_ATTRIBUTE))
+        if unfused is not None:
+            if getattr(sparse, FOLDED_ATTRIBUTE, []):
+                fold_batch_norm_(unfused, only=getattr(sparse, FOLDED_ATTRIBUTE))
             same_choices = Plan()
             for key in filter(None, (getattr(layer, "plan_key", None) for layer in sparse_layers(sparse).values())):
                 same_choices.entries.setdefault(without_epilogue(key), plan.entries[key])
