@@ -4,6 +4,8 @@ unfolded model in float64."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from torch import nn
@@ -126,3 +128,22 @@ def test_the_page_and_the_summary_say_each_plan_folds_by_its_own_backends() -> N
     before_policies = {key: value for key, value in record.items()
                        if key not in ("fold_batch_norm", "folded_batch_norm_nhwc")}  # a record of the "all" days
     assert "| 44 / 0+0 |" in summary_markdown([summary_row(before_policies, "r.json")], "made")
+
+
+def test_a_layer_the_check_sets_back_keeps_its_batch_norm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The folds follow the plan as it stands after the end-to-end check: where the check sets the layers back to a
+    backend that adds the bias in a pass (here the reference backend stands in for cuDNN), nothing folds."""
+    monkeypatch.setattr(DenseCpuBackend, "adds_bias_in_epilogue", lambda self, params: True)
+    check_before = end_to_end.check_plan
+
+    def setting_back(model, x, plan, comparisons, *args, **kwargs):
+        check = check_before(model, x, plan, comparisons, *args, **kwargs)
+        for comparison in comparisons:
+            plan.entries[comparison.key] = PlanEntry("reference", {})
+        return replace(check, reverted=tuple(comparison.key for comparison in comparisons))
+
+    monkeypatch.setattr(end_to_end, "check_plan", setting_back)
+    record = end_to_end.bench_end_to_end(three_blocks(), (3, 9, 7), 2, "fp32", torch.device("cpu"), 3, Plan(),
+                                         ["dense_cpu"], fold_batch_norm="epilogue")
+    assert record["folded_batch_norm"] == record["folded_batch_norm_nhwc"] == 0
+    assert len(record["plan_check"]["reverted"]) == 3 and record["rel_error"] < 1e-5

@@ -13,7 +13,7 @@ import copy
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from unsparse.runtime.batch_norm_folding import (
 )
 from unsparse.runtime.comparator import (
     LayerComparison,
+    PlanCheck,
     best_times,
     check_plan,
     plan_model,
@@ -120,8 +121,9 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     BatchNorms after a conv into it in the sparse copies: ``"all"`` every one, before planning and the fusions
     (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`); ``"epilogue"`` after planning, only into the
     layers whose planned backend adds the bias in its epilogue
-    (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_`), then the fusions that folding
-    exposed are made and planned, and only then is the plan checked; each layout's copy folds by its own plan. The
+    (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_`) as the plan stands after its
+    check, then the fusions that folding exposed are made, planned and checked; each layout's copy folds by its own
+    plan. The
     unfused copy folds the NCHW copy's layers. Unless ``"off"``, the fused dense baseline folds every BatchNorm; the
     eager dense model never does. ``folded_batch_norm`` and ``folded_batch_norm_nhwc`` count the layers that took one
     (0 when off).
@@ -141,11 +143,10 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
         x_nhwc = x.contiguous(memory_format=torch.channels_last)
         nhwc_planned = layout_of(x_nhwc) == "nhwc"  # one channel: the same bytes, so the layers would run NCHW
         reused_before = len(plan.entries)
-        plan, comparisons = _plan_and_fold(sparse, x, plan, backends, fold_batch_norm == "epilogue", fusions)
-        check = check_plan(sparse, x, plan, comparisons, runs)
-        plan, comparisons_nhwc = (_plan_and_fold(sparse_nhwc, x_nhwc, plan, backends, fold_batch_norm == "epilogue",
-                                                 fusions) if nhwc_planned else (plan, []))
-        check_nhwc = check_plan(sparse_nhwc, x_nhwc, plan, comparisons_nhwc, runs) if nhwc_planned else None
+        by_plan = fold_batch_norm == "epilogue"
+        plan, comparisons, check = _plan_check_fold(sparse, x, plan, backends, runs, by_plan, fusions)
+        plan, comparisons_nhwc, check_nhwc = (_plan_check_fold(sparse_nhwc, x_nhwc, plan, backends, runs, by_plan,
+                                                               fusions) if nhwc_planned else (plan, [], None))
         unfused = sparsify(dense) if fuse_relu or fuse_max_pool else None
         if unfused is not None:
             if getattr(sparse, FOLDED_ATTRIBUTE, []):
@@ -207,21 +208,29 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "off_cudnn_nhwc": {name: backend for name, backend in by_layer_nhwc.items() if backend != "cudnn"}}
 
 
-def _plan_and_fold(model: nn.Module, x: torch.Tensor, plan: Plan, backends: list[str] | None,
-                   fold_into_epilogues: bool, fusions: dict[str, bool]) -> tuple[Plan, list[LayerComparison]]:
-    """:func:`~unsparse.runtime.comparator.plan_model` on ``model`` (mutated: planned), then with
-    ``fold_into_epilogues`` :func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_` and, where
-    that folded any, the ReLU and max-pool fusions ``fusions`` names (a ReLU after a folded BatchNorm now follows the
-    conv) and a second planning for the keys they changed. Returns the plan and every comparison made."""
+def _plan_check_fold(model: nn.Module, x: torch.Tensor, plan: Plan, backends: list[str] | None, runs: int,
+                     fold_into_epilogues: bool, fusions: dict[str, bool],
+                     ) -> tuple[Plan, list[LayerComparison], PlanCheck]:
+    """:func:`~unsparse.runtime.comparator.plan_model` on ``model`` (mutated: planned) and
+    :func:`~unsparse.runtime.comparator.check_plan`; then with ``fold_into_epilogues``
+    :func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_` by the checked plan (so that no layer
+    the check set back to cuDNN takes a bias pass), and where that folded any, the ReLU and max-pool fusions
+    ``fusions`` names (a ReLU after a folded BatchNorm now follows the conv), planned and checked in turn (the check's
+    ``reverted`` then holds both checks' keys). The check runs before the folds: the dense default it times holds
+    the BatchNorms, as the unfolded plan does. Returns the plan, every comparison made and the check."""
     plan, comparisons = plan_model(model, x, plan, backends)
+    check = check_plan(model, x, plan, comparisons, runs)
     if fold_into_epilogues and fold_batch_norm_into_epilogues_(model, plan):
         if fusions["fuse_relu"]:
             fuse_relu_(model)
         if fusions["fuse_max_pool"]:
             fuse_max_pool_(model)
         plan, more = plan_model(model, x, plan, backends)
-        comparisons = [*comparisons, *more]
-    return plan, comparisons
+        if more:
+            comparisons = [*comparisons, *more]
+            second = check_plan(model, x, plan, more, runs)
+            check = replace(second, reverted=check.reverted + second.reverted)
+    return plan, comparisons, check
 
 
 def _finite(value: float) -> float | None:
