@@ -161,6 +161,7 @@ def fold_batch_norm_(model: nn.Module, only: Collection[str] | None = None) -> l
     free, but PyTorch's cuDNN convolution adds a bias in a pass of its own, which in FP16 channels-last took longer
     than the BatchNorm pass it replaced (ResNet-50 b128 on an H200, ``kernels/NOTES.md``, forty-second session:
     the all-cuDNN plan 9.19 ms folded, 8.09 unfolded; FP32 NCHW with 44 layers on ``direct`` 24.79 against 29.38).
+    :func:`fold_batch_norm_into_epilogues_` folds a planned model only where the bias is free.
 
     Args:
         model: mutated in place.
