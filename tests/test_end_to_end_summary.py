@@ -42,6 +42,19 @@ def test_a_row_holds_the_plan_against_the_faster_dense_model_and_says_what_won()
     assert old["convs"] is None and old["planned_layout"] == "NCHW" and old["dense_layout"] == "NCHW"
 
 
+def test_the_graph_ratio_takes_each_side_in_its_faster_layout_and_is_absent_without_graph_times() -> None:
+    """A host-bound run (eager planned NHWC far slower than its graph replay) reads SLOWER eagerly and about 1.00
+    in CUDA graphs; a record without graph times has no graph ratio, and the page shows "-" for it."""
+    host_bound = record(dense_graph_ms=7.7, dense_nhwc_graph_ms=5.72, planned_graph_ms=7.5, planned_nhwc_graph_ms=5.73,
+                        dense_nhwc_ms=6.0, planned_ms=7.9, planned_nhwc_ms=9.1)
+    row = summary_row(host_bound, "r")
+    assert row["verdict"] == "SLOWER" and row["graph_speedup"] == pytest.approx(5.72 / 5.73)
+    assert summary_row(record(dense_graph_ms=20.0, planned_nhwc_graph_ms=10.0), "r")["graph_speedup"] == 2.0
+    bare = summary_row(record(), "r")
+    assert bare["graph_speedup"] is None
+    assert "| 1.25 | - | 10 of 13 |" in summary_markdown([bare], "made")
+
+
 def test_the_committed_page_is_what_its_command_makes_from_the_committed_results() -> None:
     """The page names the command that made it; run on the same files it gives the page byte for byte, so a figure
     in it is one of the results' and a result added later without remaking the page is caught."""

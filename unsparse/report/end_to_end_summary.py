@@ -19,7 +19,20 @@ from unsparse.report.results import load_result
 from unsparse.runtime.comparator import PLAN_MARGIN
 
 HEADER = ("run", "model", "weights", "sparsity", "batch", "precision", "folded / fused", "eager dense ms",
-          "dense fused ms", "planned ms", "best dense / planned", "convs off cuDNN", "verdict")
+          "dense fused ms", "planned ms", "best dense / planned", "eager dense / planned (CUDA graphs)",
+          "convs off cuDNN", "verdict")
+
+
+def graph_speedup(record: dict[str, Any]) -> float | None:
+    """The eager dense model over the planned one as CUDA-graph replays (GPU time, without the host's per-layer work),
+    each in its faster layout: ``min(dense_graph_ms, dense_nhwc_graph_ms) / min(planned_graph_ms,
+    planned_nhwc_graph_ms)``; None where either side has no graph time (the fused dense model is timed eagerly only)."""
+    def fastest(kind: str) -> float | None:
+        times = [record.get(f"{kind}{tag}_graph_ms") for tag in ("", "_nhwc")]
+        return min((time for time in times if time is not None), default=None)
+
+    dense, planned = fastest("dense"), fastest("planned")
+    return None if dense is None or planned is None else dense / planned
 
 
 def _layout(record: dict[str, Any], kind: str) -> tuple[float, str]:
@@ -36,11 +49,12 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
         ``fused_max_pool`` (counts of convs); ``dense_ms``/``dense_layout`` (eager, faster layout),
         ``dense_fused_ms``/``dense_fused_layout`` (None where not timed), ``planned_ms``/``planned_layout`` (faster
         layout), all ms; ``best_dense_ms`` (the faster of the two dense models) and ``speedup`` (it over
-        ``planned_ms``); ``off_cudnn`` and ``convs`` (the faster plan's convs on sparse backends and all its convs,
-        None for a record without backend counts); ``verdict``: "SLOWER" (the plan loses beyond the noise margin,
-        :data:`~unsparse.runtime.comparator.PLAN_MARGIN`), "no sparse kernel" (the faster plan runs every conv on
-        cuDNN), "faster" (beyond the margin), or "within noise"; the last two followed by "(no fused dense model
-        timed)" for a run from before the fused dense model was timed beside the plan.
+        ``planned_ms``); ``graph_speedup`` (:func:`graph_speedup`); ``off_cudnn`` and ``convs`` (the faster plan's
+        convs on sparse backends and all its convs, None for a record without backend counts); ``verdict``:
+        "SLOWER" (the plan loses beyond the noise margin, :data:`~unsparse.runtime.comparator.PLAN_MARGIN`), "no
+        sparse kernel" (the faster plan runs every conv on cuDNN), "faster" (beyond the margin), or "within noise";
+        the last two followed by "(no fused dense model timed)" for a run from before the fused dense model was timed
+        beside the plan. The verdict reads the eager times.
     """
     dense_ms, dense_layout = _layout(record, "dense")
     planned_ms, planned_layout = _layout(record, "planned")
@@ -67,7 +81,8 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
             "fused_max_pool": record.get("fused_max_pool", 0), "dense_ms": dense_ms, "dense_layout": dense_layout,
             "dense_fused_ms": fused_ms, "dense_fused_layout": fused_layout.upper() if fused_layout else None,
             "planned_ms": planned_ms, "planned_layout": planned_layout, "best_dense_ms": best_dense,
-            "speedup": best_dense / planned_ms, "off_cudnn": off, "convs": sum(counts.values()) if counts else None,
+            "speedup": best_dense / planned_ms, "graph_speedup": graph_speedup(record), "off_cudnn": off,
+            "convs": sum(counts.values()) if counts else None,
             "verdict": verdict}
 
 
@@ -96,6 +111,7 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
               f"+{r['fused_max_pool']}",
               cell(r["dense_ms"], r["dense_layout"]), cell(r["dense_fused_ms"], r["dense_fused_layout"]),
               cell(r["planned_ms"], r["planned_layout"]), f"{r['speedup']:.2f}",
+              "-" if r["graph_speedup"] is None else f"{r['graph_speedup']:.2f}",
               "-" if r["convs"] is None else f"{r['off_cudnn']} of {r['convs']}", r["verdict"]] for r in rows]
     return "\n".join([
         "# Whole models: does the sparse model beat the dense one?", "",
@@ -104,7 +120,10 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
         "Times are eager medians (ms) in each model's faster layout. Eager dense: PyTorch's model as it runs; dense "
         "fused: the same run's dense model with each conv, bias and ReLU in one cuDNN call and, where the run "
         "folds, its BatchNorms folded. Best dense / planned: the faster of the two dense models over the planned "
-        "sparse model (above 1: the sparse model is faster). Folded / fused: the faster plan's convs that took a "
+        "sparse model (above 1: the sparse model is faster). Eager dense / planned (CUDA graphs): the same run's "
+        "eager dense and planned models replayed as CUDA graphs, each in its faster layout: GPU time without the "
+        "host's per-layer work, which tells a host-bound eager ratio (GoogLeNet in FP16) from the kernels' (the "
+        "fused dense model has no graph time). Folded / fused: the faster plan's convs that took a "
         "BatchNorm (epilogue: only layers planned on a backend that adds the bias in its epilogue) / a ReLU + a 2x2 "
         "max pool. Convs off cuDNN: the faster plan's convs on sparse backends. Verdict: SLOWER or faster "
         f"beyond the {PLAN_MARGIN:.0%} noise margin, within noise, or no sparse kernel (the faster plan runs every "
