@@ -56,9 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fuse-max-pool", action="store_true",
                         help="and with the 2x2 max pool after it (after its ReLU, if fused too)")
     parser.add_argument("--fold-batch-norm", choices=FOLD_POLICIES, default="off",
-                        help="where the models timed whole fold each BatchNorm after a conv into it: 'all' convs, or "
-                        "'epilogue': the layers planned on a backend that adds the bias in its epilogue (the fused "
-                        "dense baseline folds every one unless 'off')")
+                        help="where the models timed whole fold each BatchNorm after a conv into it: nowhere "
+                        "('off'), 'all' convs, or 'epilogue': the layers planned on a backend that adds the bias in "
+                        "its epilogue (the fused dense baseline folds every one unless 'off')")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--layer-filter", help="time only the layers whose name matches this regular expression; "
                         "no model end to end then, unless --end-to-end names one")

@@ -248,3 +248,26 @@ def test_a_fused_dense_model_that_cudnn_refuses_is_recorded_not_fatal(monkeypatc
                                          ["dense_cpu"])
     assert record["dense_fused_error"] == "RuntimeError: cuDNN Frontend error: no valid engine configs"
     assert record["dense_fused_ms"] is record["best_speedup_vs_dense_fused"] is None and record["planned_ms"] > 0
+
+
+def test_the_unfused_copy_leaves_the_timed_copy_its_own_entry_for_a_shared_key() -> None:
+    """Two convs of the same shape, pattern and input, the first fused with its ReLU: once unfused, its key is the
+    second conv's. Planning the unfused copy on the same choices must not put the fused layer's entry under that key
+    in the active plan, which the timed sparse copy reads for its second conv."""
+    from unsparse.runtime.plan import active_plan
+
+    first = nn.Conv2d(4, 4, 3, padding=1)
+    second = nn.Conv2d(4, 4, 3, padding=1)
+    with torch.no_grad():
+        first.weight.masked_fill_(torch.rand(first.weight.shape, generator=torch.Generator().manual_seed(1)) < 0.5, 0)
+        second.weight.copy_(first.weight)
+    dense = nn.Sequential(first, nn.ReLU(), second)
+    fused = end_to_end.sparsify(dense, fuse_relu=True)
+    comparator.plan_model(fused, torch.randn(2, 4, 6, 5), Plan(), ["dense_cpu"])
+    keys = [layer.plan_key for layer in end_to_end.sparse_layers(fused).values()]
+    assert without_epilogue(keys[0]) == keys[1] != keys[0]
+    plan = Plan({keys[0]: PlanEntry("reference", {}), keys[1]: PlanEntry("dense_cpu", {})})
+    end_to_end.bench_end_to_end(dense, (4, 6, 5), 2, "fp32", torch.device("cpu"), 3, plan, ["dense_cpu"],
+                                fuse_relu=True)
+    assert active_plan().entries[keys[1]].backend == "dense_cpu" and active_plan().entries[keys[0]].backend == (
+        "reference")

@@ -48,10 +48,12 @@ def test_the_graph_ratio_takes_each_side_in_its_faster_layout_and_is_absent_with
     host_bound = record(dense_graph_ms=7.7, dense_nhwc_graph_ms=5.72, planned_graph_ms=7.5, planned_nhwc_graph_ms=5.73,
                         dense_nhwc_ms=6.0, planned_ms=7.9, planned_nhwc_ms=9.1)
     row = summary_row(host_bound, "r")
-    assert row["verdict"] == "SLOWER" and row["graph_speedup"] == pytest.approx(5.72 / 5.73)
-    assert summary_row(record(dense_graph_ms=20.0, planned_nhwc_graph_ms=10.0), "r")["graph_speedup"] == 2.0
+    assert row["verdict"] == "SLOWER" and row["best_graph_speedup"] == pytest.approx(5.72 / 5.73)
+    assert summary_row(record(dense_graph_ms=20.0, planned_nhwc_graph_ms=10.0), "r")["best_graph_speedup"] == 2.0
+    rejected = record(dense_graph_ms=8.0, planned_graph_ms=10.0, planned_nhwc_graph_ms=4.0, planned_nhwc_ms=None)
+    assert summary_row(rejected, "r")["best_graph_speedup"] == 0.8  # the NHWC plan's output failed: not its time
     bare = summary_row(record(), "r")
-    assert bare["graph_speedup"] is None
+    assert bare["best_graph_speedup"] is None
     assert "| 1.25 | - | 10 of 13 |" in summary_markdown([bare], "made")
 
 

@@ -74,12 +74,13 @@ def test_a_planned_model_folds_only_into_layers_whose_backend_adds_the_bias() ->
 
 
 @pytest.mark.parametrize("epilogue", [True, False])
-def test_the_epilogue_policy_folds_after_planning_then_fuses_what_folding_exposed(
+def test_the_epilogue_policy_folds_by_the_checked_plan_and_keeps_every_key(
         monkeypatch: pytest.MonkeyPatch, epilogue: bool) -> None:
-    """With ``fold_batch_norm="epilogue"`` the end-to-end benchmark plans, folds where the planned backend adds the
-    bias (here the CPU dense backend, made to claim it), fuses the ReLUs that then follow a conv, plans those, and
-    only then checks and times; the unfused copy takes the same folds. Where the backend adds the bias in a pass,
-    nothing folds and the ReLUs after the BatchNorms stay. Every copy computes the eager dense model's function."""
+    """With ``fold_batch_norm="epilogue"`` the end-to-end benchmark plans, checks, then folds where the planned
+    backend adds the bias (here the CPU dense backend, made to claim it); the ReLU after a folded BatchNorm is not
+    fused, so every layer keeps the key (and the entry) its fold was decided on; the unfused copy takes the same
+    folds. Where the backend adds the bias in a pass, nothing folds. Every copy computes the eager dense model's
+    function."""
     monkeypatch.setattr(DenseCpuBackend, "adds_bias_in_epilogue", lambda self, params: epilogue)
     copies, sparsify_before = [], end_to_end.sparsify
 
@@ -89,19 +90,42 @@ def test_the_epilogue_policy_folds_after_planning_then_fuses_what_folding_expose
 
     monkeypatch.setattr(end_to_end, "sparsify", kept)
     dense = three_blocks()
-    record = end_to_end.bench_end_to_end(dense, (3, 9, 7), 2, "fp32", torch.device("cpu"), 3, Plan(),
+    plan = Plan()
+    record = end_to_end.bench_end_to_end(dense, (3, 9, 7), 2, "fp32", torch.device("cpu"), 3, plan,
                                          ["dense_cpu"], fuse_relu=True, fold_batch_norm="epilogue")
     folded = 3 if epilogue else 0
     assert record["fold_batch_norm"] == "epilogue"
     assert record["folded_batch_norm"] == record["folded_batch_norm_nhwc"] == folded
-    assert record["fused_relu"] == folded and record["dense_folded_batch_norm"] == 3
+    assert record["fused_relu"] == 0 and record["dense_folded_batch_norm"] == 3
     assert [len(getattr(copy, FOLDED_ATTRIBUTE, [])) for copy in copies] == [folded] * 3
     assert record["rel_error"] < 1e-5 and record["planned_nhwc_rel_error"] < 1e-5
-    assert all(layer.plan_key.endswith("epilogue=relu") == epilogue for layer in sparse_layers(copies[0]).values())
+    assert not any("epilogue=" in key for key in plan.entries)
     x = torch.randn(2, 3, 9, 7)
     with torch.no_grad():
         for copy in copies:
             torch.testing.assert_close(copy(x), dense(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_reused_plan_decides_the_folds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries reused from an earlier plan count as the plan: where they name a backend that adds the bias in a pass
+    (the reference backend standing in for cuDNN), nothing folds, though a fresh comparison would have folded."""
+    monkeypatch.setattr(DenseCpuBackend, "adds_bias_in_epilogue", lambda self, params: True)
+    plan, dense = Plan(), three_blocks()
+    first = end_to_end.bench_end_to_end(dense, (3, 9, 7), 2, "fp32", torch.device("cpu"), 3, plan,
+                                        ["dense_cpu"], fold_batch_norm="epilogue")
+    assert first["folded_batch_norm"] == 3
+    for key in plan.entries:
+        plan.entries[key] = PlanEntry("reference", {})
+    again = end_to_end.bench_end_to_end(dense, (3, 9, 7), 2, "fp32", torch.device("cpu"), 3, plan,
+                                        ["dense_cpu"], fold_batch_norm="epilogue")
+    assert again["plan_entries_reused"] == 6 and again["layers_planned_now"] == 0
+    assert again["folded_batch_norm"] == again["folded_batch_norm_nhwc"] == 0
+    assert again["backend_counts"] == {"reference": 3} and again["rel_error"] < 1e-5
+
+
+def test_sparsify_takes_a_bool_not_a_policy() -> None:
+    with pytest.raises(TypeError, match="fold_batch_norm: expected True or False, got 'off'"):
+        sparsify(three_blocks(), fold_batch_norm="off")
 
 
 def epilogue_record(**fields: object) -> dict:
@@ -125,6 +149,12 @@ def test_the_page_and_the_summary_say_each_plan_folds_by_its_own_backends() -> N
     assert "| 44 (epilogue) / 0+0 |" in summary_markdown([row], "made")
     nhwc = summary_row(epilogue_record(planned_ms=29.0), "r.json")
     assert nhwc["folded"] == 2 and nhwc["planned_layout"] == "NHWC"
+    unplanned_nhwc = epilogue_record(backend_counts_nhwc={}, off_cudnn_nhwc={}, folded_batch_norm_nhwc=0)
+    text = markdown_report({**result, "end_to_end": [unplanned_nhwc], "targets": evaluate_targets(result)})
+    assert "| {} |" in text  # no fold count for a layout that was not planned
+    nothing = epilogue_record(fold_batch_norm="all", folded_batch_norm=0, folded_batch_norm_nhwc=0)
+    text = markdown_report({**result, "end_to_end": [nothing], "targets": evaluate_targets(result)})
+    assert "BatchNorm folded" not in text  # "all" on a model without BatchNorms says nothing of them
     before_policies = {key: value for key, value in record.items()
                        if key not in ("fold_batch_norm", "folded_batch_norm_nhwc")}  # a record of the "all" days
     assert "| 44 / 0+0 |" in summary_markdown([summary_row(before_policies, "r.json")], "made")

@@ -30,8 +30,10 @@ def test_benchmark_options_reach_run_bench(load_script: Callable[[str], ModuleTy
     assert gpu_check.main([*common, "--layer-filter", "features", "--end-to-end", "vgg16"]) == 0
     assert gpu_check.main(common) == 0
     assert gpu_check.main([*common, "--end-to-end", "vgg16", "--fuse-relu"]) == 0
-    first, second, filtered, filtered_named, plain, fused = calls
+    assert gpu_check.main([*common, "--end-to-end", "resnet50", "--fold-batch-norm", "epilogue"]) == 0
+    first, second, filtered, filtered_named, plain, fused, folded = calls
     assert fused["end_to_end_fuse_relu"] is True and plain["end_to_end_fuse_relu"] is False
+    assert folded["end_to_end_fold_batch_norm"] == "epilogue" and plain["end_to_end_fold_batch_norm"] == "off"
     assert first["end_to_end"] == ["vgg16"] and first["end_to_end_sparsity"] == 0.7
     assert first["models"] == ["vgg16"] and first["sparsities"] == [0.7]
     assert second["end_to_end"] == [] and "end_to_end_sparsity" not in second  # run_bench's default applies

@@ -9,12 +9,13 @@ from torch import nn
 
 from unsparse.models import create_model
 from unsparse.runtime import bench, end_to_end
+from unsparse.runtime.backends import get_backend
 from unsparse.runtime.batch_norm_folding import FOLDED_ATTRIBUTE, fold_batch_norm_into_epilogues_
 from unsparse.runtime.comparator import plan_model, relative_error, tolerance
 from unsparse.runtime.dense_fusion import fuse_dense_conv_relu
 from unsparse.runtime.end_to_end import dense_fused_timings
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify
-from unsparse.runtime.plan import Plan
+from unsparse.runtime.plan import Plan, active_plan
 from unsparse.runtime.precision import precision_mode
 
 CUDA = torch.device("cuda")
@@ -85,9 +86,22 @@ def test_folding_into_the_planned_direct_layers_matches_the_unfolded_model(dtype
     assert relative_error(out, expected) <= 10 * tolerance(dtype)
 
 
-def test_the_epilogue_policy_end_to_end_agrees_with_the_dense_model() -> None:
+def test_the_epilogue_policy_end_to_end_folds_by_the_plan_each_layer_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the GPU with ``cudnn`` and ``direct`` compared: the timed sparse copy's folded layers are exactly those whose
+    entry in the active plan (the one its forward reads) adds the bias in its epilogue, and the model agrees with
+    the dense one."""
+    copies, sparsify_before = [], end_to_end.sparsify
+
+    def kept(*args, **kwargs):
+        copies.append(sparsify_before(*args, **kwargs))
+        return copies[-1]
+
+    monkeypatch.setattr(end_to_end, "sparsify", kept)
     model = trained_like("resnet_small").to(CUDA)
     record = end_to_end.bench_end_to_end(model, (1, 28, 28), 6, "fp32", CUDA, 5, Plan(), ["cudnn", "direct"],
                                          fold_batch_norm="epilogue")
     assert record["fold_batch_norm"] == "epilogue" and record["rel_error"] <= record["tolerance"]
-    assert record["folded_batch_norm"] <= sum(backend == "direct" for backend in record["off_cudnn"].values())
+    entries = {name: active_plan().get(layer.plan_key) for name, layer in sparse_layers(copies[0]).items()}
+    in_epilogue = [name for name, entry in entries.items()
+                   if get_backend(entry.backend).adds_bias_in_epilogue(entry.params)]
+    assert getattr(copies[0], FOLDED_ATTRIBUTE) == in_epilogue and record["folded_batch_norm"] == len(in_epilogue)

@@ -523,7 +523,7 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
         lines += ["ReLU (max pool) fused into K convs: the planned model's convs apply the ReLU (the 2x2 max pool) "
                   f"that follows them, {where}; the dense model runs its ReLUs and pools apart, as PyTorch does. "
                   f"{timed}Unfused: the same plan without fusion, NCHW, eager, timed in the same run.", ""]
-    policies = {fold_policy(r) for r in records} - {"off"}
+    policies = {fold_policy(r) for r in records if _shows_folds(r)}
     if policies:
         where = ("" if "epilogue" not in policies else " (in the rows that say 'epilogue' only into the layers whose "
                  "planned backend adds the bias in its epilogue, direct or generated, each layout's plan its own: "
@@ -559,7 +559,8 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                      f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)}"
                      + _fusion_text(r) + " | "
                      f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')}"
-                     + ("; " + _fold_text(r, "_nhwc") if fold_policy(r) == "epilogue" else "") + " |")
+                     + ("; " + _fold_text(r, "_nhwc") if _shows_folds(r) and r.get("backend_counts_nhwc") else "")
+                     + " |")
     return lines
 
 
@@ -581,7 +582,7 @@ def _fusion_text(record: dict[str, Any]) -> str:
     fused = [f"{what} fused into {record[field]} convs" for what, field in (("ReLU", "fused_relu"),
                                                                             ("max pool", "fused_max_pool"))
              if record.get(field)]
-    folded = [_fold_text(record)] if fold_policy(record) != "off" else []
+    folded = [_fold_text(record)] if _shows_folds(record) else []
     if not fused and not folded:
         return ""
     text = "; " + ", ".join(folded + fused) + (", planned fused" if fused and record.get("fusion_planned") else "")
@@ -594,6 +595,13 @@ def fold_policy(record: dict[str, Any]) -> str:
     """An end-to-end record's BatchNorm-folding policy (:data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`);
     records from before it was recorded folded every BatchNorm or none."""
     return record.get("fold_batch_norm", "all" if record.get("folded_batch_norm") else "off")
+
+
+def _shows_folds(record: dict[str, Any]) -> bool:
+    """Whether the record's row says how many convs took a BatchNorm: every "epilogue" record (none folded is news:
+    every layer on cuDNN), an "all" one only where some did (VGG16 has no BatchNorm)."""
+    policy = fold_policy(record)
+    return policy == "epilogue" or (policy == "all" and bool(record.get("folded_batch_norm")))
 
 
 def _fold_text(record: dict[str, Any], tag: str = "") -> str:

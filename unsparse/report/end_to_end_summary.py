@@ -23,12 +23,16 @@ HEADER = ("run", "model", "weights", "sparsity", "batch", "precision", "folded /
           "convs off cuDNN", "verdict")
 
 
-def graph_speedup(record: dict[str, Any]) -> float | None:
+def best_graph_speedup(record: dict[str, Any]) -> float | None:
     """The eager dense model over the planned one as CUDA-graph replays (GPU time, without the host's per-layer work),
     each in its faster layout: ``min(dense_graph_ms, dense_nhwc_graph_ms) / min(planned_graph_ms,
-    planned_nhwc_graph_ms)``; None where either side has no graph time (the fused dense model is timed eagerly only)."""
+    planned_nhwc_graph_ms)``, a channels-last time only where that layout's output passed (its eager
+    ``dense_nhwc_ms``/``planned_nhwc_ms`` is not None); None where either side has no graph time (the fused dense
+    model is timed eagerly only)."""
     def fastest(kind: str) -> float | None:
-        times = [record.get(f"{kind}{tag}_graph_ms") for tag in ("", "_nhwc")]
+        times = [record.get(f"{kind}_graph_ms")]
+        if record.get(f"{kind}_nhwc_ms") is not None:
+            times.append(record.get(f"{kind}_nhwc_graph_ms"))
         return min((time for time in times if time is not None), default=None)
 
     dense, planned = fastest("dense"), fastest("planned")
@@ -49,8 +53,9 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
         ``fused_max_pool`` (counts of convs); ``dense_ms``/``dense_layout`` (eager, faster layout),
         ``dense_fused_ms``/``dense_fused_layout`` (None where not timed), ``planned_ms``/``planned_layout`` (faster
         layout), all ms; ``best_dense_ms`` (the faster of the two dense models) and ``speedup`` (it over
-        ``planned_ms``); ``graph_speedup`` (:func:`graph_speedup`); ``off_cudnn`` and ``convs`` (the faster plan's
-        convs on sparse backends and all its convs, None for a record without backend counts); ``verdict``:
+        ``planned_ms``); ``best_graph_speedup`` (:func:`best_graph_speedup`); ``off_cudnn`` and ``convs`` (the
+        faster plan's convs on sparse backends and all its convs, None for a record without backend counts);
+        ``verdict``:
         "SLOWER" (the plan loses beyond the noise margin, :data:`~unsparse.runtime.comparator.PLAN_MARGIN`), "no
         sparse kernel" (the faster plan runs every conv on cuDNN), "faster" (beyond the margin), or "within noise";
         the last two followed by "(no fused dense model timed)" for a run from before the fused dense model was timed
@@ -81,7 +86,7 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
             "fused_max_pool": record.get("fused_max_pool", 0), "dense_ms": dense_ms, "dense_layout": dense_layout,
             "dense_fused_ms": fused_ms, "dense_fused_layout": fused_layout.upper() if fused_layout else None,
             "planned_ms": planned_ms, "planned_layout": planned_layout, "best_dense_ms": best_dense,
-            "speedup": best_dense / planned_ms, "graph_speedup": graph_speedup(record), "off_cudnn": off,
+            "speedup": best_dense / planned_ms, "best_graph_speedup": best_graph_speedup(record), "off_cudnn": off,
             "convs": sum(counts.values()) if counts else None,
             "verdict": verdict}
 
@@ -111,7 +116,7 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
               f"+{r['fused_max_pool']}",
               cell(r["dense_ms"], r["dense_layout"]), cell(r["dense_fused_ms"], r["dense_fused_layout"]),
               cell(r["planned_ms"], r["planned_layout"]), f"{r['speedup']:.2f}",
-              "-" if r["graph_speedup"] is None else f"{r['graph_speedup']:.2f}",
+              "-" if r["best_graph_speedup"] is None else f"{r['best_graph_speedup']:.2f}",
               "-" if r["convs"] is None else f"{r['off_cudnn']} of {r['convs']}", r["verdict"]] for r in rows]
     return "\n".join([
         "# Whole models: does the sparse model beat the dense one?", "",

@@ -13,7 +13,7 @@ import copy
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from typing import Any
 
 import torch
@@ -38,14 +38,7 @@ from unsparse.runtime.comparator import (
 )
 from unsparse.runtime.dense_fusion import fuse_dense_conv_relu
 from unsparse.runtime.layout import layout_of
-from unsparse.runtime.modules import (
-    fuse_max_pool_,
-    fuse_relu_,
-    set_backend,
-    sparse_layers,
-    sparsify,
-    temporary_backend,
-)
+from unsparse.runtime.modules import set_backend, sparse_layers, sparsify, temporary_backend
 from unsparse.runtime.plan import Plan, without_epilogue
 from unsparse.runtime.precision import PRECISIONS, precision_mode
 from unsparse.runtime.timing import Timing, time_fn, time_graph
@@ -112,7 +105,9 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     do not fuse it. What fusing buys is measured in the same run: ``planned_unfused_ms`` times a third sparse copy
     without fusion on the same choices (NCHW, eager; each unfused key takes the entry of the fused key it comes from,
     :func:`~unsparse.runtime.plan.without_epilogue`, the first layer's where two fused keys lose their epilogues to
-    one; nothing is added to ``plan``, though the active plan the ``"auto"`` backend reads holds them from then on)
+    one, and the plan's own entry where the key is also an unfused layer's of the timed copy, which the active plan
+    the ``"auto"`` backend reads must keep; nothing is added to ``plan``, though the active plan holds the new keys
+    from then on)
     and ``fusion_speedup`` is it over
     ``planned_ms``; both None without either flag. ``cudnn_fuses_relu`` records that the ``cudnn`` backend applies a
     fused layer's ReLU in its call (runs before it paid a ReLU pass after cuDNN).
@@ -122,7 +117,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`); ``"epilogue"`` after planning, only into the
     layers whose planned backend adds the bias in its epilogue
     (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_`) as the plan stands after its
-    check, then the fusions that folding exposed are made, planned and checked; each layout's copy folds by its own
+    check, making no fusion that folding exposes (:func:`_plan_check_fold`); each layout's copy folds by its own
     plan. The
     unfused copy folds the NCHW copy's layers. Unless ``"off"``, the fused dense baseline folds every BatchNorm; the
     eager dense model never does. ``folded_batch_norm`` and ``folded_batch_norm_nhwc`` count the layers that took one
@@ -144,16 +139,17 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
         nhwc_planned = layout_of(x_nhwc) == "nhwc"  # one channel: the same bytes, so the layers would run NCHW
         reused_before = len(plan.entries)
         by_plan = fold_batch_norm == "epilogue"
-        plan, comparisons, check = _plan_check_fold(sparse, x, plan, backends, runs, by_plan, fusions)
-        plan, comparisons_nhwc, check_nhwc = (_plan_check_fold(sparse_nhwc, x_nhwc, plan, backends, runs, by_plan,
-                                                               fusions) if nhwc_planned else (plan, [], None))
+        plan, comparisons, check = _plan_check_fold(sparse, x, plan, backends, runs, by_plan)
+        plan, comparisons_nhwc, check_nhwc = (_plan_check_fold(sparse_nhwc, x_nhwc, plan, backends, runs, by_plan)
+                                              if nhwc_planned else (plan, [], None))
         unfused = sparsify(dense) if fuse_relu or fuse_max_pool else None
         if unfused is not None:
             if getattr(sparse, FOLDED_ATTRIBUTE, []):
                 fold_batch_norm_(unfused, only=getattr(sparse, FOLDED_ATTRIBUTE))
             same_choices = Plan()
             for key in filter(None, (getattr(layer, "plan_key", None) for layer in sparse_layers(sparse).values())):
-                same_choices.entries.setdefault(without_epilogue(key), plan.entries[key])
+                unfused_key = without_epilogue(key)
+                same_choices.entries.setdefault(unfused_key, plan.entries.get(unfused_key, plan.entries[key]))
             plan_model(unfused, x, same_choices, backends)
         with torch.no_grad():
             dense_out, sparse_out = dense(x), sparse(x)
@@ -209,27 +205,19 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
 
 
 def _plan_check_fold(model: nn.Module, x: torch.Tensor, plan: Plan, backends: list[str] | None, runs: int,
-                     fold_into_epilogues: bool, fusions: dict[str, bool],
-                     ) -> tuple[Plan, list[LayerComparison], PlanCheck]:
+                     fold_into_epilogues: bool) -> tuple[Plan, list[LayerComparison], PlanCheck]:
     """:func:`~unsparse.runtime.comparator.plan_model` on ``model`` (mutated: planned) and
     :func:`~unsparse.runtime.comparator.check_plan`; then with ``fold_into_epilogues``
-    :func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_` by the checked plan (so that no layer
-    the check set back to cuDNN takes a bias pass), and where that folded any, the ReLU and max-pool fusions
-    ``fusions`` names (a ReLU after a folded BatchNorm now follows the conv), planned and checked in turn (the check's
-    ``reverted`` then holds both checks' keys). The check runs before the folds: the dense default it times holds
-    the BatchNorms, as the unfolded plan does. Returns the plan, every comparison made and the check."""
+    :func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_` by the checked plan. The layers keep
+    their keys, so each folded layer runs the very entry its fold was decided on (a layer the check set back to cuDNN
+    keeps its BatchNorm); for the same reason no fusion that folding exposes is made (a ReLU after a folded BatchNorm
+    stays a pass: fusing it would re-key the layer onto an entry of its own, possibly one that adds the bias in a
+    pass). The check compares the unfolded plan with the unfolded dense default; the folds then only take passes
+    out of the planned side. Returns the plan, the comparisons made and the check."""
     plan, comparisons = plan_model(model, x, plan, backends)
     check = check_plan(model, x, plan, comparisons, runs)
-    if fold_into_epilogues and fold_batch_norm_into_epilogues_(model, plan):
-        if fusions["fuse_relu"]:
-            fuse_relu_(model)
-        if fusions["fuse_max_pool"]:
-            fuse_max_pool_(model)
-        plan, more = plan_model(model, x, plan, backends)
-        if more:
-            comparisons = [*comparisons, *more]
-            second = check_plan(model, x, plan, more, runs)
-            check = replace(second, reverted=check.reverted + second.reverted)
+    if fold_into_epilogues:
+        fold_batch_norm_into_epilogues_(model, plan)
     return plan, comparisons, check
 
 

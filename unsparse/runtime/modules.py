@@ -163,6 +163,8 @@ def sparsify(model: nn.Module, backend: str = "reference", fuse_relu: bool = Fal
 
     Raises:
         KeyError: an unknown backend name, listing the known ones.
+        TypeError: ``fold_batch_norm`` not a bool (the whole-model benchmark's policy strings belong to
+            :func:`~unsparse.runtime.end_to_end.bench_end_to_end`).
         ValueError: naming the layer, for a lazy conv not initialised yet (``nn.LazyConv2d`` before its first
             forward pass), or for a conv with hooks: ``torch.nn.utils.prune`` and the older
             ``torch.nn.utils.weight_norm`` recompute the weight in a forward pre-hook, so its ``weight`` attribute
@@ -172,6 +174,8 @@ def sparsify(model: nn.Module, backend: str = "reference", fuse_relu: bool = Fal
     from unsparse.runtime.backends import get_backend
 
     get_backend(backend)  # an unknown name fails here, not at the first forward
+    if not isinstance(fold_batch_norm, bool):  # a policy string such as "off" would read as true
+        raise TypeError(f"fold_batch_norm: expected True or False, got {fold_batch_norm!r}")
     for name, module in model.named_modules():
         if (isinstance(module, nn.Conv1d | nn.Conv2d) and isinstance(module, LazyModuleMixin)
                 and module.has_uninitialized_params()):  # other lazy modules are copied as they are

@@ -55,8 +55,10 @@ class ConvBackend(ABC):
     def adds_bias_in_epilogue(self, params: Mapping[str, Any]) -> bool:
         """Whether :meth:`conv` with setting ``params`` (one entry of :meth:`tuning_space`) adds the bias as it
         stores its output, so that a bias costs no pass of its own: what decides where folding a BatchNorm into the
-        convolution pays (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_`). False here:
-        cuDNN's convolution as PyTorch calls it, and the lowering backends' GEMMs, add the bias in a pass after."""
+        convolution pays (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_`), for a layer
+        that does not fuse a ReLU (a BatchNorm between a conv and its ReLU keeps the ReLU from fusing). False here:
+        cuDNN's convolution as PyTorch calls it (``F.conv2d``), and the lowering backends' GEMMs, add the bias in a
+        pass after; only cuDNN's fused convolution, bias and ReLU call takes it in the same call."""
         return False
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
