@@ -559,7 +559,8 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                      f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)}"
                      + _fusion_text(r) + " | "
                      f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')}"
-                     + ("; " + _fold_text(r, "_nhwc") if _shows_folds(r) and r.get("backend_counts_nhwc") else "")
+                     + ("; " + _fold_text(r, "_nhwc") if fold_policy(r) == "epilogue" and r.get("backend_counts_nhwc")
+                        else "")
                      + " |")
     return lines
 
@@ -605,7 +606,8 @@ def _shows_folds(record: dict[str, Any]) -> bool:
 
 
 def _fold_text(record: dict[str, Any], tag: str = "") -> str:
-    """How many convs of the plan of layout ``tag`` (``""``: NCHW, ``"_nhwc"``) took their BatchNorm."""
+    """How many convs of the plan of layout ``tag`` (``""``: NCHW, ``"_nhwc"``) took their BatchNorm; the NHWC plan's
+    row says it only under "epilogue", where each layout folds by its own plan (under "all" both fold alike)."""
     policy = fold_policy(record)
     return f"BatchNorm folded into {record.get(f'folded_batch_norm{tag}', 0)} convs" + (
         " (epilogue)" if policy == "epilogue" else "")
