@@ -584,3 +584,40 @@ def test_the_example_batch_runs_through_the_model_once_besides_its_timings(tmp_p
                           backend="dense_cpu", progress=False)
     assert forwards == [2, 20, 20]
     assert len(report["plan_check"]["layer_backends"]) == len(report["layers"])
+
+
+@pytest.mark.parametrize("policy", ["all", "epilogue"])
+def test_the_test_set_runs_on_the_model_folded_as_the_policy_says(tmp_path, monkeypatch, policy):
+    """``all`` folds every BatchNorm of the reloaded model before the comparisons; ``epilogue`` folds after the plan
+    check where the planned backend adds the bias in its epilogue (here the CPU dense backend, made to claim it).
+    The report names the folded layers, the test-set accuracy is the pruned model's up to one image of rounding, and
+    the file keeps the unfolded model."""
+    from unsparse.runtime.backends.dense import DenseCpuBackend
+    from unsparse.runtime.batch_norm_folding import FOLDED_ATTRIBUTE
+
+    monkeypatch.setattr(DenseCpuBackend, "adds_bias_in_epilogue", lambda self, params: True)
+    torch.manual_seed(0)
+    report = run_pipeline(digits(limit_train=200, limit_test=60), create_model("vgg_small", width=4),
+                          MagnitudePruner(0.5, fine_tune_epochs=0), lambda model, loader: model, tmp_path,
+                          TrainSettings(epochs=1, batch_size=64, eval_batch_size=60),
+                          TimingSettings(batch_size=2, repeats=1, warmup=0, backends=["dense_cpu"]), backend="auto",
+                          progress=False, fold_batch_norm=policy)
+    loaded = load_sparse(tmp_path / "model.safetensors")
+    convs = list(sparse_layers(loaded))
+    folding = report["plan_check"]["batch_norm_folding"]
+    assert folding["policy"] == policy and folding["folded"] == convs and len(convs) == 6
+    assert not hasattr(loaded, FOLDED_ATTRIBUTE)  # the file holds the unfolded model
+    assert abs(report["accuracy"]["sparse_run"] - report["accuracy"]["pruned"]) <= 1 / 60 + 1e-9
+    assert f"BatchNorms folded ({policy}:" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize(("policy", "backend", "message"), [
+    ("sometimes", "auto", r"runtime\.fold_batch_norm: 'sometimes' not among off, all, epilogue"),
+    (False, "auto", r"runtime\.fold_batch_norm: False not among .* \(in YAML write 'off' quoted"),
+    ("epilogue", "dense_cpu", r"runtime\.fold_batch_norm: 'epilogue' folds by the plan, so it needs runtime\.backend"),
+])
+def test_a_fold_policy_it_cannot_follow_is_refused_before_any_work(tmp_path, policy, backend, message):
+    with pytest.raises(ValueError, match=message):
+        run_pipeline(None, None, None, None, tmp_path, TrainSettings(), TimingSettings(), backend=backend,
+                     fold_batch_norm=policy)
+    assert not any(tmp_path.iterdir())

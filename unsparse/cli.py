@@ -145,7 +145,8 @@ def build_job(cfg: DictConfig) -> dict[str, Any]:
             built["prune"].check_layers(built["model"])
         return {"splits": built["data"], "model": built["model"], "pruner": built["prune"],
                 "quantizer": built["quant"].quantize, "train": train, "timing": timing,
-                "backend": blocks["runtime"].backend, "device": device, "progress": progress, "seed": cfg.seed}
+                "backend": blocks["runtime"].backend, "device": device, "progress": progress, "seed": cfg.seed,
+                "fold_batch_norm": blocks["runtime"].get("fold_batch_norm", "off")}
 
 
 def resume_command(task_overrides: list[str], outdir: Path, program: str = "unsparse",

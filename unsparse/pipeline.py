@@ -35,6 +35,7 @@ from unsparse.report.document import NOT_PLANNED, layer_goal_text, layers_short_
 from unsparse.report.plots import plot_backend_times, plot_history, plot_layers
 from unsparse.runtime.backends import backend_names
 from unsparse.runtime.baseline import NAME as BASELINE
+from unsparse.runtime.batch_norm_folding import FOLD_POLICIES, fold_batch_norm_, fold_batch_norm_into_epilogues_
 from unsparse.runtime.comparator import PlanCheck, check_plan, plan_model, planned_backends, time_against_default
 from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, sparsify
 from unsparse.runtime.plan import active_plan
@@ -178,6 +179,18 @@ def warn_short_of_target(pruning: Mapping[str, Any]) -> None:
                 pruning["masked_weighted_sparsity"], pruning["target"], f" ({reason})" if reason else "")
 
 
+def check_fold_policy(fold_batch_norm: object, backend: str) -> None:
+    """Raise ``ValueError`` naming ``runtime.fold_batch_norm`` unless it is one of
+    :data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`, and for ``"epilogue"`` with a ``backend`` other than
+    ``"auto"``."""
+    if not isinstance(fold_batch_norm, str) or fold_batch_norm not in FOLD_POLICIES:
+        raise ValueError(f"runtime.fold_batch_norm: {fold_batch_norm!r} not among {', '.join(FOLD_POLICIES)} (in "
+                         "YAML write 'off' quoted: a bare off reads as false)")
+    if fold_batch_norm == "epilogue" and backend != "auto":
+        raise ValueError(f"runtime.fold_batch_norm: 'epilogue' folds by the plan, so it needs runtime.backend=auto, "
+                         f"not {backend!r}; use 'all' or 'off' with a named backend")
+
+
 def unplanned_images(test_images: int, batch_size: int, planned_batch: int) -> int:
     """Test images evaluated in batches of ``batch_size`` (the last one partial) whose size is not the plan's
     ``planned_batch``: the plan holds entries for that batch size only, so under ``"auto"`` these run on the dense
@@ -299,7 +312,7 @@ def compare_layers(model: nn.Module, example: torch.Tensor, timing: TimingSettin
 def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Callable[..., nn.Module],
                  outdir: str | Path, train: TrainSettings, timing: TimingSettings, backend: str = "reference",
                  device: torch.device | None = None, progress: bool = True, seed: int = 0,
-                 record: Mapping[str, str] | None = None) -> dict[str, Any]:
+                 record: Mapping[str, str] | None = None, fold_batch_norm: str = "off") -> dict[str, Any]:
     """Run the whole job and write ``model.safetensors``, ``report.json``, ``report.md`` and PNGs to ``outdir``.
 
     Checkpoints (``dense.pt``, ``prune/``) live in ``outdir`` too: running again with the same ``outdir``
@@ -319,6 +332,14 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
             slower than that default. Whatever the choice, every available backend is compared per layer on
             ``timing.batch_size`` images (``eval_batch_size`` for ``"auto"``), and the planned model is timed
             against its dense default (:func:`compare_layers`; ``plan_check`` in the report).
+        fold_batch_norm: where the reloaded model's eval-mode BatchNorms are folded into its convolutions
+            (``runtime.fold_batch_norm``, :data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`): ``"off"``;
+            ``"all"``, before the comparisons (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`);
+            ``"epilogue"`` (``backend="auto"`` only), after the plan is checked, into the layers whose planned
+            backend adds the bias in its epilogue
+            (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_`). The test set runs on
+            the folded model; ``model.safetensors`` holds the unfolded one. The report's ``plan_check`` says which
+            layers took a BatchNorm (``batch_norm_folding``).
         record: text files to write into ``outdir`` (relative path -> content, atomically) and log once the folder
             accepts the job (before any work, or, where it holds checkpoints but no ``job.json``, once they have
             loaded), e.g. the command line's composed config: a refused job leaves the folder's record of its own
@@ -336,7 +357,8 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
             every layer dense), or the pruner's settings name layers the model does not have
             (:meth:`Pruner.check_layers`, also before training: the folder would otherwise be bound to the typo by
             then), or ``seed`` is outside ``[0, 2^32)`` (:func:`~unsparse.settings.check_seed`: it would repeat another
-            seed's run under another job identity).
+            seed's run under another job identity), or ``fold_batch_norm`` is no policy, or ``"epilogue"`` with a
+            backend other than ``"auto"`` (only a plan says which backend adds the bias where).
     """
     from unsparse.runtime.backends import get_backend
 
@@ -348,6 +370,7 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
             raise ValueError(f"runtime.backend: {backend!r} runs on {sorted(device_types)}, the job on "
                              f"{device_type}; choose a backend of that device, or auto")
         check_seed(seed)
+        check_fold_policy(fold_batch_norm, backend)
         task = task_of(splits)
         check_model_fits(model, splits)
         pruner.check_layers(model)
@@ -357,13 +380,13 @@ def run_pipeline(splits: Splits, model: nn.Module, pruner: Pruner, quantizer: Ca
     outdir.mkdir(parents=True, exist_ok=True)
     with only_job_in(outdir):
         return _run_in_folder(splits, task, model, pruner, quantizer, outdir, train, timing, backend, device,
-                              progress, seed, record)
+                              progress, seed, record, fold_batch_norm)
 
 
 def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner, quantizer: Callable[..., nn.Module],
                    outdir: Path, train: TrainSettings, timing: TimingSettings, backend: str,
                    device: torch.device | None, progress: bool, seed: int,
-                   record: Mapping[str, str] | None) -> dict[str, Any]:
+                   record: Mapping[str, str] | None, fold_batch_norm: str) -> dict[str, Any]:
     """:func:`run_pipeline` once its settings are checked, in the folder it holds locked. The folder's ``job.json``
     and the job's ``record`` are written once the folder accepts the job: before any work, or, in a folder with
     checkpoints but no ``job.json`` (:func:`~unsparse.job.claim_output_folder`), once they have loaded (dense
@@ -419,8 +442,12 @@ def _run_in_folder(splits: Splits, task: Task, model: nn.Module, pruner: Pruner,
 
     rows = layer_rows(loaded, path)
     example = splits.test[0][: train.eval_batch_size if backend == "auto" else timing.batch_size].to(device)
+    folded = fold_batch_norm_(loaded) if fold_batch_norm == "all" else []
     timings, check, backends = compare_layers(loaded, example, timing, backend, outdir / PLAN_FILE)
-    runs_on = {"model_runs_on": backend, "layer_backends": backends}
+    if fold_batch_norm == "epilogue":
+        folded = fold_batch_norm_into_epilogues_(loaded, active_plan())
+    runs_on = {"model_runs_on": backend, "layer_backends": backends,
+               "batch_norm_folding": {"policy": fold_batch_norm, "folded": folded}}
     if backend == "auto":
         runs_on["unplanned_images"] = unplanned_images(len(splits.test[0]), train.eval_batch_size, len(example))
     elif backend == dense_fallback_backend(example.device):

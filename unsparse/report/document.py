@@ -252,7 +252,21 @@ def plan_check_text(check: dict[str, Any]) -> str:
             text += (f" **{check['unplanned_images']} test images ran on the dense default instead**: they came in a "
                      f"batch of another size than the plan's {check['images']} images, which the plan has no entry "
                      "for.")
-    return text
+    return text + _folding_text(check.get("batch_norm_folding"))
+
+
+def _folding_text(folding: dict[str, Any] | None) -> str:
+    """The plan check's sentence on BatchNorms folded into the convolutions the test set ran (``runtime.
+    fold_batch_norm``; nothing for a job that did not fold, or from before folding was recorded)."""
+    if not folding or folding["policy"] == "off":
+        return ""
+    where = ("every convolution with an eval-mode BatchNorm after it, before the comparisons"
+             if folding["policy"] == "all" else
+             "the layers whose planned backend adds the bias in its epilogue, after the plan check (those on cuDNN "
+             "keep their BatchNorm pass)")
+    layers = ", ".join(f"`{name}`" for name in folding["folded"]) or "none"
+    return (f" BatchNorms folded ({folding['policy']}: {where}) into {len(folding['folded'])} convolutions: {layers}; "
+            "the test set ran on the folded model, the file holds the unfolded one.")
 
 
 def _trivial_text(run: dict[str, Any], accuracy: dict[str, float | None]) -> str:
