@@ -105,3 +105,23 @@ def test_the_epilogue_policy_end_to_end_folds_by_the_plan_each_layer_runs(monkey
     in_epilogue = [name for name, entry in entries.items()
                    if get_backend(entry.backend).adds_bias_in_epilogue(entry.params)]
     assert getattr(copies[0], FOLDED_ATTRIBUTE) == in_epilogue and record["folded_batch_norm"] == len(in_epilogue)
+
+
+def test_the_main_job_folds_by_its_plan_on_the_gpu(tmp_path) -> None:
+    """``runtime.fold_batch_norm=epilogue`` on CUDA: the layers that took a BatchNorm are among those the checked plan
+    runs on ``direct``, and the folded model scores on the test set what the pruned one does."""
+    from unsparse.data import digits
+    from unsparse.pipeline import TimingSettings, TrainSettings, run_pipeline
+    from unsparse.prune import MagnitudePruner
+
+    torch.manual_seed(0)
+    report = run_pipeline(digits(limit_train=300, limit_test=120), create_model("vgg_small", width=8),
+                          MagnitudePruner(0.9, fine_tune_epochs=0), lambda model, loader: model, tmp_path,
+                          TrainSettings(epochs=1, batch_size=64, eval_batch_size=120),
+                          TimingSettings(batch_size=16, repeats=3, warmup=1, backends=["cudnn", "direct"]),
+                          backend="auto", device=CUDA, progress=False, fold_batch_norm="epilogue")
+    check = report["plan_check"]
+    on_direct = {name for name, backend in check["layer_backends"].items() if backend == "direct"}
+    assert set(check["batch_norm_folding"]["folded"]) <= on_direct
+    assert abs(report["accuracy"]["sparse_run"] - report["accuracy"]["pruned"]) <= 100 / 120 + 1e-9  # percent
+    assert "BatchNorms folded (epilogue:" in (tmp_path / "report.md").read_text()
