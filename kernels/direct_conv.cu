@@ -4,7 +4,8 @@
 // and on their tile sizes, and input transforms (at the end): pad_planes, the generated kernels' padded float32 input,
 // and direct_tile's paired settings' pair_images and, for strided layers, phase_pair_images. Launch geometry is
 // computed in one place on the Python side (unsparse/runtime/launch_geometry.py); every index the kernels read was
-// validated there first.
+// validated there first. Each convolution kernel adds the bias and, where its last argument relu is nonzero, applies
+// the ReLU that follows the layer as it stores an output (epilogue below).
 //
 // direct_rows: the paper's design, general (any kernel size, stride, dilation, padding, Conv1d as H = 1).
 //   Grid (pixel tiles, ceil(M / MB), ceil(N / SB)) (eq. 23: blocks = tiles * M-groups * ceil(N / SB)).
@@ -53,6 +54,14 @@ __device__ __forceinline__ float load_float(const __half* p) { return __half2flo
 __device__ __forceinline__ void store_float(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_float(__half* p, float v) { *p = __float2half_rn(v); }
 
+// An output's epilogue: the sum plus its channel's bias, through the ReLU that follows the layer where relu is nonzero
+// (a fused layer, SparseConv.relu: a negative value stored as 0, NaN kept as torch.relu keeps it), so the ReLU's pass
+// over the ofmap, a read and a write of every element, disappears. relu is uniform across a launch.
+__device__ __forceinline__ float epilogue(float sum, float bias, int relu) {
+  const float v = sum + bias;
+  return relu && v < 0.f ? 0.f : v;
+}
+
 }  // namespace unsparse
 
 // Tap shift packing shared with the Python side: (r * dil_h) << 16 | (s * dil_w), both < 2^15.
@@ -67,7 +76,7 @@ __global__ void direct_rows(const T* __restrict__ x,            // (N, C, H, W),
                             const T* __restrict__ bias,         // (M,) or nullptr
                             T* __restrict__ out,                // (N, M, E, F)
                             int N, int C, int H, int W, int M, int L, int E, int F,
-                            int stride_h, int stride_w, int pad_h, int pad_w, int channels_per_block) {
+                            int stride_h, int stride_w, int pad_h, int pad_w, int channels_per_block, int relu) {
   __shared__ int s_off[JC];
   __shared__ int s_tap[JC];
   __shared__ float s_val[JC];
@@ -138,7 +147,7 @@ __global__ void direct_rows(const T* __restrict__ x,            // (N, C, H, W),
 #pragma unroll
       for (int i = 0; i < PB; ++i) {
         const int p = (blockIdx.x * PB + i) * blockDim.x + threadIdx.x;
-        if (live[i]) unsparse::store_float(dst + p, acc[b][i] + bias_m);
+        if (live[i]) unsparse::store_float(dst + p, unsparse::epilogue(acc[b][i], bias_m, relu));
       }
     }
   }
@@ -295,7 +304,8 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
                 T* __restrict__ out,                    // (N, M, E, F)
                 int N, int C, int H, int W, int M, int E, int F, int pad_h, int pad_w, int tiles_f,
                 int groups,
-                int entry_capacity) {  // SE = 1: entries per (group, chunk) slot in shared memory, >= the longest list
+                int entry_capacity,  // SE = 1: entries per (group, chunk) slot in shared memory, >= the longest list
+                int relu) {
   using Elem = typename TileElem<T, IMAGES>::type;
   constexpr int VE = 16 / sizeof(Elem);  // elements per 16-byte vector
   static_assert(NB % IMAGES == 0, "paired tiles: NB must be even");
@@ -475,8 +485,12 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
   }
 
   // Epilogue: the thread's output rows and their bounds once; per (row, image) one 64-bit address; per output a bias
-  // add, a conversion and a predicated store (kernels/NOTES.md v18: the per-output index arithmetic and bounds
-  // branches it replaces were about 530 instructions per warp).
+  // add, the ReLU where fused, a conversion and a predicated store (kernels/NOTES.md v18: the per-output index
+  // arithmetic and bounds branches it replaces were about 530 instructions per warp). A wide tiling stores without
+  // the ReLU: held to 128 registers, its epilogue's one extra compare per output made ptxas spill 44 bytes inside the
+  // chunk loop (the paired union 3x3 tiling, forty-fourth session); the Python side applies the ReLU in a pass after
+  // it (tile_fuses_relu in launch_geometry.py).
+  const int fused_relu = MW * NB * PY <= TILE_WIDE_SUMS ? relu : 0;
   const int f = f0 + lx;
   const long long plane = static_cast<long long>(E) * F;
   const int first = (e0 + ly) * F + f;  // the thread's first output in a plane; only stored where inside
@@ -498,7 +512,8 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
         T* dst = out + (static_cast<long long>(n) * M + m) * plane + first;
 #pragma unroll
         for (int py = 0; py < PY; ++py)
-          if (rows_inside >> py & 1u) unsparse::store_float(dst + py * row_step, acc[j][ie][py][q] + bias_m);
+          if (rows_inside >> py & 1u)
+            unsparse::store_float(dst + py * row_step, unsparse::epilogue(acc[j][ie][py][q], bias_m, fused_relu));
       }
   }
 }
@@ -558,7 +573,8 @@ __global__ void __launch_bounds__(WARPS * 32)
                      const int2* __restrict__ entries,   // (nnz,): ((c - k*CC) * TJ, float32 bits of the weight)
                      const T* __restrict__ bias,         // (M,) or nullptr
                      O* __restrict__ out,                // (gridDim.y, N, M, P): one slice per split of K
-                     int N, int C, int P, int M, int groups, int chunks_per_split) {
+                     int N, int C, int P, int M, int groups, int chunks_per_split,
+                     int relu) {  // 0 for split-K partial sums
   constexpr int TJ = 128 * PV;
   constexpr int THREADS = WARPS * 32;
   constexpr int UNIT = VEC ? 16 / static_cast<int>(sizeof(T)) : 1;  // columns per staging copy
@@ -655,7 +671,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       const float bias_m = bias != nullptr ? unsparse::load_float(bias + m) : 0.f;
       float r[4];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) r[i] = acc[jj][v][i] + bias_m;
+      for (int i = 0; i < 4; ++i) r[i] = unsparse::epilogue(acc[jj][v][i], bias_m, relu);
       if constexpr (VEC) {
         store4(out + (static_cast<long long>(n[0]) * M + m) * P + p[0], r);
       } else {

@@ -9,6 +9,7 @@ import math
 import re
 import shutil
 import subprocess
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
@@ -997,21 +998,39 @@ def kernel_signatures() -> dict[str, list[bool]]:
     return {name: ["*" in p for p in params.split(",")] for name, params in declared}
 
 
+def record_launches(monkeypatch, on_launch: Callable[[lg.Launch, tuple], None]) -> list[tuple]:
+    """Replace the kernel launches by a recorder on the CPU: each launch's arguments are checked against the
+    kernel's declared parameters (pointer or int, in order; each one a kernel can take), appended as ``(spec, args)``
+    to the returned list, and passed to ``on_launch``, which stands in for the kernel (it may write the outputs)."""
+    launches: list[tuple] = []
+    signatures = kernel_signatures()
+
+    def bind(spec: lg.Launch, args: tuple, device: torch.device):
+        parameters = cl.KernelParameters(args, device)  # the fixed arguments are checked when bound
+
+        def call(stream: object, *values: object) -> None:
+            parameters.fill(values, device)
+            filled = iter(values)
+            launched = tuple(next(filled) if arg is cl.PER_CALL else arg for arg in args)
+            pointers = signatures[spec.name.partition("<")[0]]  # the kernel's declared parameters, in order
+            assert [arg is None or isinstance(arg, torch.Tensor) for arg in launched] == pointers, spec.name
+            for position, arg in enumerate(launched):
+                cl.kernel_parameter(arg, device, position)
+            launches.append((spec, launched))
+            on_launch(spec, launched)
+        return call
+
+    monkeypatch.setattr(cl, "bind", bind)
+    monkeypatch.setattr(cl, "current_stream", lambda device: None)
+    return launches
+
+
 def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkeypatch) -> None:
     """``DirectBackend.conv``'s host path on the CPU, with the launch replaced by a recorder: a setting is
     prepared once per input size and reused; a strided tile setting hands the kernel the phase images (image
     pairs in float16, written in one pass by ``phase_pair_images``) and the strided layer's output size; split-K
     partial sums are summed and biased here."""
-    launches: list[tuple] = []
-    signatures = kernel_signatures()
-
-
-    def record(spec: lg.Launch, args: tuple, device: torch.device) -> None:
-        pointers = signatures[spec.name.partition("<")[0]]  # the kernel's declared parameters, in order
-        assert [arg is None or isinstance(arg, torch.Tensor) for arg in args] == pointers, spec.name
-        for position, arg in enumerate(args):  # every argument a kernel can take
-            cl.kernel_parameter(arg, device, position)
-        launches.append((spec, args))
+    def record(spec: lg.Launch, args: tuple) -> None:
         if spec.name.startswith("pair_images"):  # the pairing kernel's result, from torch
             args[1].copy_(pair_images(args[0]))
         elif spec.name.startswith("phase_pair_images"):  # the strided float16 layer below
@@ -1021,17 +1040,7 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
         elif isinstance(args[4], torch.Tensor) and args[4].dim() == 5:  # split-K: slice s holds s + 1
             args[4].copy_(torch.arange(1.0, args[4].shape[0] + 1).view(-1, 1, 1, 1, 1).expand_as(args[4]))
 
-    def bind(spec: lg.Launch, args: tuple, device: torch.device):
-        parameters = cl.KernelParameters(args, device)  # the fixed arguments are checked when bound
-
-        def call(stream: object, *values: object) -> None:
-            parameters.fill(values, device)
-            filled = iter(values)
-            record(spec, tuple(next(filled) if arg is cl.PER_CALL else arg for arg in args), device)
-        return call
-
-    monkeypatch.setattr(cl, "bind", bind)
-    monkeypatch.setattr(cl, "current_stream", lambda device: None)
+    launches = record_launches(monkeypatch, record)
     backend = DirectBackend()
     weight = torch.randn(6, 4, 3, 3)
     weight[torch.rand(weight.shape) < 0.7] = 0
@@ -1057,13 +1066,13 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     for paired in (False, True):
         backend.conv(x32, csr32, None, ConvGeometry.of(1, 1), **union, **({"paired": True} if paired else {}))
         spec, args = launches[-1]
-        assert spec.name.endswith(f",3,{1 + paired},0,0>") and args[-1] == 0
+        assert spec.name.endswith(f",3,{1 + paired},0,0>") and args[-2:] == (0, 0)  # no entry slots, no ReLU
         assert torch.equal(args[0], pair_images(x32) if paired else x32)  # float32 pairs only where asked
     backend.conv(x32, csr32, None, ConvGeometry.of(1, 1), **union, entries="shared", min_blocks=3)
     spec, args = launches[-1]  # the slots hold the longest list, and the shared memory both buffers of them
-    assert spec.name.endswith(",3,1,1,3>") and args[-1] == longest_list(csr32, 4, 3) > 0
+    assert spec.name.endswith(",3,1,1,3>") and args[-2] == longest_list(csr32, 4, 3) > 0
     layout = lg.tile_layout(torch.float32, (3, 3), tiling_of({**union, "entries": "shared"}))
-    assert spec.shared_bytes == layout.shared_bytes() + 2 * 2 * args[-1] * 16
+    assert spec.shared_bytes == layout.shared_bytes() + 2 * 2 * args[-2] * 16
     backend.conv(x32, csr32, torch.randn(6), ConvGeometry.of(2, 1))  # rows, the default setting
     assert launches[-1][0].name.startswith("direct_rows<float,")
     csr1 = UniformCSR.from_dense(torch.randn(5, 64, 1, 1))
@@ -1142,3 +1151,38 @@ def test_hand_made_tile_settings_are_held_to_the_running_gpus_shared_memory(monk
     monkeypatch.setattr(lg, "tile_shared_limit", lambda device: 48 * 1024)
     with pytest.raises(ValueError, match="61440 bytes exceed the 49152 bytes"):
         DirectBackend()._launch(x, csr, ConvGeometry.of(1, 1), params)
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_a_fused_relu_runs_once_in_the_kernel_or_in_a_pass_after_it(monkeypatch, relu: bool) -> None:
+    """``conv(relu=True)``: the rows, tile and one-split pointwise kernels get ``relu`` 1 and their output is
+    returned as they wrote it (no second pass); a wide tile tiling, whose kernel stores without the ReLU, and split-K
+    partial sums get 0 and the ReLU in the pass after them. Each stand-in kernel writes -1 everywhere, so the ReLU's
+    place shows in the result."""
+    def write_minus_one(spec: lg.Launch, args: tuple) -> None:
+        if spec.name.startswith("pair_images"):
+            args[1].copy_(pair_images(args[0]))
+        else:
+            args[5 if spec.name.startswith("direct_rows") else 4].fill_(-1.0)
+
+    launches = record_launches(monkeypatch, write_minus_one)
+    backend = DirectBackend()
+    weight = torch.randn(6, 8, 3, 3)
+    weight[torch.rand(weight.shape) < 0.6] = 0
+    csr, x = UniformCSR.from_dense(weight), torch.randn(4, 8, 8, 32)
+    narrow = {"variant": "tile", "wx": 32, "py": 2, "nb": 2, "mw": 3, "warps": 2, "cc": 4, "union": 3}
+    wide = {**narrow, "py": 6, "nb": 4, "paired": True}
+    assert tiling_of(narrow).fuses_relu() and not tiling_of(wide).fuses_relu()
+    pointwise = UniformCSR.from_dense(torch.randn(6, 64, 1, 1))
+    one_split = {"variant": "pointwise", "pv": 1, "mw": 2, "warps": 4, "cc": 16}
+    cases = [(csr, x, ConvGeometry.of(1, 1), {}, True), (csr, x, ConvGeometry.of(1, 1), narrow, True),
+             (csr, x, ConvGeometry.of(1, 1), wide, False),
+             (pointwise, torch.randn(1, 64, 4, 4), ConvGeometry.of(1, 0), one_split, True),
+             (pointwise, torch.randn(1, 64, 4, 4), ConvGeometry.of(1, 0), {**one_split, "splits": 4}, False)]
+    for weight_csr, inputs, geometry, setting, in_kernel in cases:
+        out = backend.conv(inputs, weight_csr, None, geometry, relu=relu, **setting)
+        spec, args = launches[-1]
+        assert args[-1] == int(relu and in_kernel), spec.name
+        written = -4.0 if setting.get("splits") else -1.0  # split-K: the sum of four slices of -1
+        expected = 0.0 if relu and not in_kernel else written  # in the kernel: its output untouched
+        assert torch.equal(out, torch.full_like(out, expected)), spec.name

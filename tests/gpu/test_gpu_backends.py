@@ -99,6 +99,9 @@ def make_case(name: str, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.dtype) -> None:
+    """Every setting, unfused and fused with the ReLU after the layer (``relu=True``: in the kernel's epilogue, or
+    in a pass after a wide tiling or split-K): the float64 reference, and the fused output is exactly the unfused
+    one through ``torch.relu`` (the same sums, negative ones stored as 0)."""
     x, csr, bias, geometry, ref = make_case(case, dtype, seed=hash(case) % 1000)
     backend = get_backend("direct")
     assert backend.unsupported_reason(x, csr, geometry) is None
@@ -131,6 +134,11 @@ def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.
         assert torch.isfinite(out).all(), f"{params}: unwritten or non-finite outputs"
         error = relative_error(out.cpu(), ref)
         assert error <= tolerance(dtype), f"{case} {params}: relative error {error:.3g}"
+        poison_allocator(ref.numel(), dtype)
+        fused = backend.conv(x, csr, bias, geometry, relu=True, **params)
+        assert torch.equal(fused, torch.relu(out)), f"{case} {params}: the fused ReLU differs from torch.relu"
+        error = relative_error(fused.cpu(), torch.relu(ref))
+        assert error <= tolerance(dtype), f"{case} {params} relu: relative error {error:.3g}"
 
 
 @pytest.mark.parametrize("backend_name", ["direct", "direct_half2"])

@@ -185,6 +185,12 @@ class TileTiling:
         """float32 partial sums per thread, ``MW * NB * PY``."""
         return self.mw * self.nb * self.py
 
+    def fuses_relu(self) -> bool:
+        """Whether ``direct_tile`` applies a fused layer's ReLU as it stores: every tiling but a wide one
+        (:data:`TILE_WIDE_SUMS`), whose kernel stores without it (held to 128 registers, its extra compare per output
+        made ptxas spill inside the chunk loop, kernels/direct_conv.cu); the caller applies that one in a pass."""
+        return self.accumulators() <= TILE_WIDE_SUMS
+
     def entry_lists(self) -> int:
         """Entry lists (groups of ``union`` output channels) a block walks per chunk, ``WARPS * MW / union``."""
         return self.warps * self.mw // self.union

@@ -187,6 +187,10 @@ class PreparedCall:
             bound pairing kernel and the paired shape: ``phase_pair_images`` on ``x`` for a strided setting that
             reads every phase (:func:`bind_phase_pairing`), else ``pair_images`` (:func:`bind_pairing`); None
             otherwise.
+        relu: apply the fused ReLU in a pass after the kernel: on the summed float32 output of split-K (partial sums
+            take neither bias nor ReLU), or on the output of a wide ``tile`` tiling, whose kernel stores without it
+            (:meth:`~unsparse.runtime.launch_geometry.TileTiling.fuses_relu`); else the kernel applies it (its
+            ``relu`` argument is bound).
     """
 
     kernel: cl.BoundLaunch
@@ -194,6 +198,7 @@ class PreparedCall:
     out_shape: tuple[int, int, int, int]
     splits: int = 1
     pairing: tuple[cl.BoundLaunch, tuple[int, ...]] | None = None
+    relu: bool = False
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Run on ``x`` (contiguous ``(N, C, H, W)`` of the prepared size, dtype and 16-byte alignment) with
@@ -209,11 +214,12 @@ class PreparedCall:
         if self.splits == 1:
             out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
             self.kernel(stream, source, bias, out)
-            return out
+            return out.relu_() if self.relu else out
         partial = torch.empty((self.splits, *self.out_shape), dtype=torch.float32, device=x.device)
         self.kernel(stream, source, None, partial)
         summed = partial.sum(0)  # float32 partial sums of each share of the input channels
-        return (summed if bias is None else summed.add_(bias.float()[:, None, None])).to(x.dtype)
+        summed = summed if bias is None else summed.add_(bias.float()[:, None, None])
+        return (summed.relu_() if self.relu else summed).to(x.dtype)
 
 
 @register_backend
@@ -227,6 +233,7 @@ class DirectBackend(ConvBackend):
 
     name = "direct"
     device_types = frozenset({"cuda"})
+    fuses_relu = True
 
     def __init__(self) -> None:
         self._cache = WeightCache()
@@ -396,10 +403,11 @@ class DirectBackend(ConvBackend):
     def _arrays(self, csr: UniformCSR, key: tuple, build: Callable[[], T]) -> T:
         return self._cache.get(csr, key, build)
 
-    def _prepare(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
-                 params: dict[str, Any]) -> PreparedCall:
+    def _prepare(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, params: dict[str, Any],
+                 relu: bool) -> PreparedCall:
         """Resolve a setting for this input size once: launch, phase split, validated index arrays (shared through
-        the per-weight cache) and scalar arguments.
+        the per-weight cache) and scalar arguments, the last of them the kernel's ``relu`` flag (0 where
+        :class:`PreparedCall` applies the ReLU in a pass: split-K partial sums, a wide tiling).
 
         Raises:
             ValueError: from :meth:`_launch`, or indices that fail validation.
@@ -409,15 +417,16 @@ class DirectBackend(ConvBackend):
         M, (E, F_) = csr.out_channels, self._out_hw(x, csr, geometry)
         out_shape = (N, M, E, F_)
 
-        def bound(arrays: tuple[torch.Tensor, ...], scalars: tuple[int, ...]) -> cl.BoundLaunch:
-            """The kernel bound with its fixed arguments; per call: input, bias, output."""
-            return cl.bind(spec, (cl.PER_CALL, *arrays, cl.PER_CALL, cl.PER_CALL, *scalars), x.device)
+        def bound(arrays: tuple[torch.Tensor, ...], scalars: tuple[int, ...], kernel_relu: bool) -> cl.BoundLaunch:
+            """The kernel bound with its fixed arguments and its ``relu`` flag; per call: input, bias, output."""
+            return cl.bind(spec, (cl.PER_CALL, *arrays, cl.PER_CALL, cl.PER_CALL, *scalars, int(kernel_relu)),
+                           x.device)
 
         if view is None:
             rows = self._arrays(csr, ("rows", H, W, geometry), lambda: prepare_rows(csr, geometry, (H, W)))
             return PreparedCall(bound((rows.offsets, rows.taps, csr.values.contiguous()),
                                       (N, C, H, W, M, csr.row_length, E, F_, *geometry.stride, *geometry.padding,
-                                       params.get("channels", ROWS_CHANNELS))), None, out_shape)
+                                       params.get("channels", ROWS_CHANNELS)), relu), None, out_shape)
         C, (H, W) = view.csr.in_channels_per_group, view.in_hw
         if params["variant"] == "tile":
             tiling = tiling_of(params)
@@ -428,6 +437,7 @@ class DirectBackend(ConvBackend):
             capacity = self._entry_capacity(view.csr, tiling)
             if tiling.stage_entries:
                 check_capacity(tile, capacity)
+            in_kernel = tiling.fuses_relu()
             pairing, split = None, view.split
             if reads_pairs(params, x.dtype):
                 if split is not None and split.every_phase:  # one pass from x
@@ -437,21 +447,25 @@ class DirectBackend(ConvBackend):
             return PreparedCall(bound((tile.chunk_ptr, tile.entries),
                                       (N, C, H, W, M, E, F_, *view.geometry.padding,
                                        math.ceil(F_ / tiling.tile_hw[1]), math.ceil(M / tiling.channels),
-                                       capacity)),
-                                split, out_shape, pairing=pairing)
+                                       capacity), relu and in_kernel),
+                                split, out_shape, pairing=pairing, relu=relu and not in_kernel)
         tiling = pointwise_tiling_of(params)
         layout = lg.pointwise_layout(x.dtype, tiling, view.staging)
         tile = self._arrays(view.csr, ("tile", layout, False, 1), lambda: prepare_tile(view.csr, layout))
         per_split, splits = lg.split_chunks(C, tiling.cc, params.get("splits", 1))
         return PreparedCall(bound((tile.chunk_ptr, tile.entries),
-                                  (N, C, H * W, M, math.ceil(M / tiling.channels), per_split)),
-                            view.split, out_shape, splits=splits)
+                                  (N, C, H * W, M, math.ceil(M / tiling.channels), per_split), relu and splits == 1),
+                            view.split, out_shape, splits=splits, relu=relu and splits > 1)
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-             **params: Any) -> torch.Tensor:
-        """Run one variant; ``params`` is an entry of :meth:`tuning_space` (default: rows, no sub-batch). The
-        first call of a setting on an input size prepares it (:meth:`_prepare`, cached per weight); later calls
-        only transform the input, allocate the output and launch.
+             relu: bool = False, **params: Any) -> torch.Tensor:
+        """Run one variant; ``params`` is an entry of :meth:`tuning_space` (default: rows, no sub-batch). With
+        ``relu`` (:attr:`fuses_relu`: a layer fused with the ReLU after it) the kernel applies that ReLU as it stores
+        each output, after the bias, which saves the ReLU's pass over the ``(N, M, E, F)`` output (a split-K setting
+        applies it in the float32 pass that sums its shares, a wide ``tile`` tiling in a pass of its own:
+        :class:`PreparedCall`). The first call of a setting on an input size prepares
+        it (:meth:`_prepare`, cached per weight); later calls only transform the input, allocate the output and
+        launch.
 
         Raises:
             ValueError: for a variant this layer does not support, indices that fail validation, or a bias that is
@@ -462,8 +476,8 @@ class DirectBackend(ConvBackend):
         if csr.out_channels == 0 or x.shape[0] == 0:  # E, F >= 1 (output_size raises otherwise)
             return torch.empty(x.shape[0], csr.out_channels, *self._out_hw(x, csr, geometry), dtype=x.dtype,
                                device=x.device)
-        key = ("call", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), lg.vector_aligned(x))
-        prepared = self._arrays(csr, key, lambda: self._prepare(x, csr, geometry, params))
+        key = ("call", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), lg.vector_aligned(x), relu)
+        prepared = self._arrays(csr, key, lambda: self._prepare(x, csr, geometry, params, relu))
         return prepared(x, None if bias is None else bias.to(x.dtype).contiguous())
 
 
