@@ -13,7 +13,7 @@ from tests.fusing import RecordingFusing, layer
 from unsparse import create_model, load_sparse, save_sparse, sparsify
 from unsparse.runtime import sparse_layers
 from unsparse.runtime.bench import magnitude_prune_
-from unsparse.runtime.modules import SparseConv, fuse_max_pool_, fuse_relu_
+from unsparse.runtime.modules import SparseConv, fuse_max_pool_, fuse_relu
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.functional import sparse_conv, sparse_conv_nd
 from unsparse.sparse.geometry import ConvGeometry
@@ -93,12 +93,14 @@ def test_sparsify_fuses_only_a_conv_followed_by_a_2x2_max_pool() -> None:
     layers = sparse_layers(fused)
     assert [name for name, layer in layers.items() if layer.max_pool] == ["0", "3", "15"]
     assert [name for name, layer in layers.items() if layer.relu] == ["0"]
-    assert all(isinstance(fused[index], nn.Identity) for index in (1, 2, 5, 16))
-    assert type(fused[7]) is nn.MaxPool2d and fused[9].ceil_mode and type(fused[14]) is nn.MaxPool2d
-    assert "max_pool=True" in repr(fused[0])
+    called = [node.target for node in fused.graph.nodes if node.op == "call_module"]
+    assert "1" not in called  # the fused ReLU's call is gone from the graph, the pools' places hold Identities
+    assert all(isinstance(fused.get_submodule(name), nn.Identity) for name in ("2", "5", "16"))
+    assert type(fused.get_submodule("7")) is nn.MaxPool2d and fused.get_submodule("9").ceil_mode
+    assert type(fused.get_submodule("14")) is nn.MaxPool2d and "max_pool=True" in repr(fused.get_submodule("0"))
     with torch.no_grad():
         assert torch.allclose(fused(x), model(x), rtol=1e-10, atol=1e-12)
-    assert fuse_max_pool_(fused) == [] and fuse_relu_(fused) == []  # fusing again finds nothing left
+    assert fuse_max_pool_(fused) == [] and fuse_relu(fused) == (fused, [])  # fusing again finds nothing left
     assert not any(layer.max_pool for layer in sparse_layers(sparsify(model, fuse_relu=True)).values())
     pools_only = sparsify(model, fuse_max_pool=True)  # past the ReLU it does not fuse, which then pools nothing
     assert [name for name, layer in sparse_layers(pools_only).items() if layer.max_pool] == ["0", "3", "15"]
@@ -134,7 +136,7 @@ def test_vgg16_fuses_every_relu_and_five_pools_and_reads_back_unfused(tmp_path) 
     assert [name for name, layer in layers.items() if layer.max_pool] == [f"features.{index}"
                                                                            for index in (2, 7, 14, 21, 28)]
     assert all(layer.relu for layer in layers.values())
-    assert not any(isinstance(module, nn.MaxPool2d | nn.ReLU) for module in fused.features)
+    assert not any(isinstance(module, nn.MaxPool2d | nn.ReLU) for module in fused.features.children())
     loaded = load_sparse(save_sparse(fused, tmp_path / "m.safetensors"))
     assert not any(layer.relu or layer.max_pool for layer in sparse_layers(loaded).values())
     assert sum(isinstance(module, nn.MaxPool2d) for module in loaded.features) == 5

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torchvision
 from torch import nn
 
 from unsparse.models import create_model
@@ -46,9 +47,37 @@ def test_a_folded_and_fused_sparse_model_matches_the_unfolded_model(name: str, d
     expected = model.double()(x.double()).detach()
     sparse = set_backend(sparsify(model.to(CUDA, dtype), fold_batch_norm=True, fuse_relu=True), backend)
     assert len(getattr(sparse, FOLDED_ATTRIBUTE)) == (6 if name == "vgg_small" else 9)
+    assert sum(layer.relu for layer in sparse_layers(sparse).values()) == (6 if name == "vgg_small" else 4)
     with precision_mode(False), torch.no_grad():
         out = sparse(x.to(CUDA, dtype)).cpu()
     assert relative_error(out, expected) <= 10 * tolerance(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_resnets_shared_relu_fuses_into_direct_and_cudnn_after_folding(dtype: torch.dtype) -> None:
+    """torchvision's ResNet-18 (one shared ``nn.ReLU`` per block, called after ``bn1``, ``bn2`` and the residual
+    add), BatchNorms folded: the stem's and each block's ``conv1`` take their ReLU through the FX graph (9 layers),
+    in the ``direct`` kernels' epilogue, and the dense baseline's convolutions likewise in cuDNN's fused call; both
+    within 10x the dtype's tolerance of the unfolded model in float64."""
+    torch.manual_seed(5)
+    model = bench.magnitude_prune_(torchvision.models.resnet18(weights=None), 0.8)
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.uniform_(-1, 1)
+            module.running_var.uniform_(0.25, 2)
+            module.bias.data.uniform_(-1, 1)
+    model.eval()
+    x = torch.randn(3, 3, 64, 64)
+    expected = model.double()(x.double()).detach()
+    sparse = set_backend(sparsify(model.to(CUDA, dtype), fold_batch_norm=True, fuse_relu=True), "direct")
+    fused = [name for name, layer in sparse_layers(sparse).items() if layer.relu]
+    assert fused == ["conv1"] + [f"layer{stage}.{block}.conv1" for stage in range(1, 5) for block in range(2)]
+    with precision_mode(False), torch.no_grad():
+        out = sparse(x.to(CUDA, dtype)).cpu()
+        dense_out = model(x.to(CUDA, dtype))
+        record = dense_fused_timings(model, x.to(CUDA, dtype), dense_out, 3, 10 * tolerance(dtype), True)
+    assert relative_error(out, expected) <= 10 * tolerance(dtype)
+    assert record["dense_fused_convs"] == 9 and record["dense_fused_rel_error"] <= 10 * tolerance(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

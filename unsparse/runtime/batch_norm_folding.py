@@ -19,12 +19,13 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
-from torch import fx, nn
+from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from unsparse.runtime.backends import get_backend
+from unsparse.runtime.graph_fusion import LeafTracer
 from unsparse.runtime.modules import SparseConv, _computes_as_torch_conv, sparse_layers
 from unsparse.runtime.plan import Plan
 from unsparse.sparse.format import UniformCSR
@@ -49,19 +50,12 @@ class _Pair:
     batch_norm: str
 
 
-class _Tracer(fx.Tracer):
-    """An FX tracer that keeps each :class:`SparseConv` as one call (its forward dispatches to a backend)."""
-
-    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
-        return isinstance(module, SparseConv) or super().is_leaf_module(module, qualified_name)
-
-
 def _traced_pairs(model: nn.Module) -> list[_Pair]:
     """Every (module, module) call pair of ``model``'s FX graph in which the second call's only input is the first
     call's output, the first call's output goes nowhere else, each module is called once, and the graph reads no
     attribute of either module directly (``self.conv.weight`` in a forward, say). Raises what FX raises for an
     untraceable model."""
-    graph = _Tracer().trace(model)
+    graph = LeafTracer((SparseConv,)).trace(model)
     calls: dict[str, int] = {}
     read: set[str] = set()  # modules whose attributes the graph reads
     for node in graph.nodes:
@@ -153,7 +147,7 @@ def fold_batch_norm_(model: nn.Module, only: Collection[str] | None = None) -> l
     channels, a convolution that fuses a ReLU or pool before it, a module reachable under several names, a weight
     shared with another module, modules with forward hooks, convolutions of other kinds (a subclass or an instance
     with its own ``forward``/``_conv_forward``), and folds whose results overflow the layer's dtype (FP16).
-    Call it before :func:`~unsparse.runtime.modules.fuse_relu_`: a conv, BatchNorm, ReLU sequence then fuses the
+    Call it before :func:`~unsparse.runtime.modules.fuse_relu`: a conv, BatchNorm, ReLU sequence then fuses the
     ReLU too. A folded model keeps the names in the attribute :data:`FOLDED_ATTRIBUTE`;
     :func:`~unsparse.sparse.save.save_sparse` refuses it (fold after loading instead).
 
@@ -212,7 +206,7 @@ def fold_batch_norm_into_epilogues_(model: nn.Module, plan: Plan) -> list[str]:
 
     The layers keep their plan keys (a key holds no bias or weight values, :func:`~unsparse.runtime.plan.layer_key`),
     so their entries hold; the caller re-plans where folding exposed a fusion (a ReLU after the BatchNorm,
-    :func:`~unsparse.runtime.modules.fuse_relu_`).
+    :func:`~unsparse.runtime.modules.fuse_relu`).
 
     Args:
         model: planned by :func:`~unsparse.runtime.comparator.plan_model` (each layer's ``plan_key`` set).

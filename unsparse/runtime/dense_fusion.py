@@ -7,16 +7,21 @@ forward at batch 128 (``kernels/NOTES.md``, forty-first session), so part of a w
 dense model could have too. cuDNN fuses convolution, bias and ReLU in one call (``torch.cudnn_convolution_relu``,
 its runtime fusion of the three operations); :func:`fuse_dense_conv_relu` builds the dense model that makes that
 call, to time beside the eager one (Escoin paper 000 §5 and UnSparse-Opt paper 004 §6 compare against cuDNN's
-convolution alone; this is the dense model a deployment could run instead).
+convolution alone; this is the dense model a deployment could run instead). It rewrites the model's FX graph
+(:func:`~unsparse.runtime.graph_fusion.fuse_following_relu`), so besides VGG's ``nn.Sequential`` of conv and ReLU it
+fuses ResNet's and GoogLeNet's conv, BatchNorm, ReLU calls once the BatchNorms are folded into the convolutions
+(:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`).
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 
 import torch
 from torch import nn
+from torch.nn.modules.conv import _ConvNd
+
+from unsparse.runtime.graph_fusion import LeafTracer, fuse_following_relu
 
 
 def fusion_refusal(conv: nn.Module) -> str | None:
@@ -59,23 +64,22 @@ class ConvBiasReLU(nn.Module):
 
 
 def fuse_dense_conv_relu(model: nn.Module) -> tuple[nn.Module, int]:
-    """A copy of ``model`` in which every ``nn.Conv2d`` followed by a plain ``nn.ReLU`` in an ``nn.Sequential`` is a
-    :class:`ConvBiasReLU` and the ReLU's place an ``nn.Identity``; ``model`` is not modified. "Followed": the next
-    module that is not an ``nn.Identity`` (a BatchNorm folded by
-    :func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_` leaves one). Convolutions :func:`fusion_refusal`
-    refuses stay as they are, with their ReLU.
+    """A copy of ``model`` in which every ``nn.Conv2d`` whose output a ReLU reads, and nothing else, is a
+    :class:`ConvBiasReLU` and that ReLU's call is gone, through the copy's FX graph
+    (:func:`~unsparse.runtime.graph_fusion.fuse_following_relu`, each convolution one call, a subclass's too): an
+    ``nn.ReLU`` module (ResNet's shared one included), ``F.relu`` as GoogLeNet's ``BasicConv2d`` calls it,
+    ``torch.relu`` or the tensor method, after the convolution or after ``nn.Identity`` modules, which a BatchNorm
+    folded by :func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_` leaves; ``model`` is not modified.
+    Convolutions :func:`fusion_refusal` refuses, and those the graph rewrite leaves (called twice, read elsewhere too,
+    with hooks; every one of a model FX cannot trace), stay as they are, with their ReLU.
 
     Returns:
-        The copy and how many convolutions it fuses (VGG16: 13).
+        The copy (an ``fx.GraphModule`` where a convolution fused, holding the copy's modules under their qualified
+        names) and how many convolutions it fuses (VGG16: 13; ResNet-18 with its BatchNorms folded: 9, the stem and
+        each block's first convolution: the others feed the residual add).
     """
-    fused = copy.deepcopy(model)
-    count = 0
-    for sequential in [m for m in fused.modules() if isinstance(m, nn.Sequential)]:
-        names = [name for name, module in sequential._modules.items() if type(module) is not nn.Identity]
-        for name, following in itertools.pairwise(names):
-            conv, relu = sequential._modules[name], sequential._modules[following]
-            if type(relu) is nn.ReLU and fusion_refusal(conv) is None:
-                sequential._modules[name] = ConvBiasReLU(conv)
-                sequential._modules[following] = nn.Identity()
-                count += 1
-    return fused, count
+    def fuse(name: str, conv: nn.Module) -> nn.Module | None:
+        return ConvBiasReLU(conv).train(conv.training) if fusion_refusal(conv) is None else None
+
+    fused, names = fuse_following_relu(copy.deepcopy(model), LeafTracer((_ConvNd,)), fuse)
+    return fused, len(names)

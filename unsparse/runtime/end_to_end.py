@@ -96,11 +96,13 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     ``plan_check_nhwc``: both medians and the keys set back to the default), so the planned times are of the plans that
     survived that check.
 
-    With ``fuse_relu`` the sparse copies fuse each conv with the ``nn.ReLU`` that follows it
-    (:func:`~unsparse.runtime.modules.fuse_relu_`; ``fused_relu`` counts the layers), which a backend that fuses it
-    applies in its epilogue; the dense model runs as PyTorch runs it, ReLU apart. With ``fuse_max_pool`` they fuse
-    the 2x2 max pool after a conv too (:func:`~unsparse.runtime.modules.fuse_max_pool_`, after the ReLUs;
-    ``fused_max_pool`` counts the layers). The per-layer comparisons time each fused layer with what it is fused with
+    With ``fuse_relu`` the sparse copies fuse each conv with the ReLU that alone reads its output, through the copy's
+    FX graph (:func:`~unsparse.runtime.modules.fuse_relu`: VGG's ``nn.ReLU`` modules, and with ``fold_batch_norm``
+    ``"all"`` ResNet's and GoogLeNet's conv, BatchNorm, ReLU calls; ``fused_relu`` counts the layers), which a backend
+    that fuses it applies in its epilogue; the dense model runs as PyTorch runs it, ReLU apart. With
+    ``fuse_max_pool`` they fuse the 2x2 max pool after a conv in an ``nn.Sequential`` too
+    (:func:`~unsparse.runtime.modules.fuse_max_pool_`, past the ReLU, before the ReLUs fuse; ``fused_max_pool``
+    counts the layers). The per-layer comparisons time each fused layer with what it is fused with
     (:func:`~unsparse.runtime.comparator.plan_model`; ``fusion_planned``: True), a separate pass after backends that
     do not fuse it. What fusing buys is measured in the same run: ``planned_unfused_ms`` times a third sparse copy
     without fusion on the same choices (NCHW, eager; each unfused key takes the entry of the fused key it comes from,
@@ -244,7 +246,8 @@ def dense_channels_last(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
 def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tensor, runs: int,
                         bound: float, fold_batch_norm: bool = False) -> dict[str, Any]:
     """The dense model with each convolution, its bias and its ReLU as one cuDNN call
-    (:func:`~unsparse.runtime.dense_fusion.fuse_dense_conv_relu`), timed eagerly in NCHW and in channels-last
+    (:func:`~unsparse.runtime.dense_fusion.fuse_dense_conv_relu`, through the model's FX graph: VGG's, and ResNet's
+    and GoogLeNet's where their BatchNorms are folded), timed eagerly in NCHW and in channels-last
     (:func:`dense_channels_last`): a dense baseline that fuses what the eager one runs as separate passes; with
     ``fold_batch_norm``, a copy of ``dense`` with its BatchNorms folded into the convolutions first
     (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`; ``dense`` is not modified). Call it under

@@ -16,6 +16,7 @@ from torch.nn.modules.utils import _pair
 
 from unsparse.modes import module_modes, restore_modes
 from unsparse.prune.masks import squashed_copy
+from unsparse.runtime.graph_fusion import LeafTracer, _has_hooks, fuse_following_relu
 from unsparse.sparse.format import SparseFormatError, UniformCSR
 from unsparse.sparse.functional import conv2d_input, dense_fallback_backend, sparse_conv_nd
 from unsparse.sparse.geometry import ConvGeometry
@@ -32,7 +33,7 @@ class SparseConv(nn.Module):
         geometry: stride/padding/dilation/groups; ``geometry.spatial_dims`` decides 1-D or 2-D inputs.
         backend: backend name used by :meth:`forward` (see ``unsparse.runtime.backends``).
         backend_params: tuning parameters for that backend (e.g. chosen by the comparator).
-        relu: apply the ``nn.ReLU`` that followed the conv (:func:`fuse_relu_`) in the output, in the epilogue of a
+        relu: apply the ReLU that followed the conv (:func:`fuse_relu`) to the output, in the epilogue of a
             backend that fuses it (``ConvBackend.fuses_relu``), else in place after the conv.
         max_pool: then apply the ``nn.MaxPool2d(2)`` that followed (:func:`fuse_max_pool_`; 2-D only), likewise in
             the epilogue of a backend that fuses it (``ConvBackend.fuses_max_pool``): the output is then
@@ -155,11 +156,14 @@ def sparsify(model: nn.Module, backend: str = "reference", fuse_relu: bool = Fal
     (``nn.Conv3d``, the transposed convs). A conv reachable under several names becomes one layer shared by all of
     them, as the conv was. The input model is not modified. The copy keeps ``model.unsparse_spec`` (registry name
     and kwargs) if present. ``fold_batch_norm`` folds each eval-mode BatchNorm after a layer into it
-    (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`), before ``fuse_relu`` (:func:`fuse_relu_`) and
-    ``fuse_max_pool`` (:func:`fuse_max_pool_`) fuse what follows.
+    (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`) before the fusions: ``fuse_max_pool`` fuses
+    each 2x2 max pool after a layer in an ``nn.Sequential`` (:func:`fuse_max_pool_`, past a ReLU, with which it
+    commutes), then ``fuse_relu`` each ReLU after a layer, through the model's FX graph (:func:`fuse_relu`: ResNet's
+    and GoogLeNet's too, once their BatchNorms are folded), so that a VGG layer ends with both.
 
     Returns:
-        The sparse copy, in eval mode.
+        The sparse copy, in eval mode: with ``fuse_relu``, an ``fx.GraphModule`` of it where a ReLU fused
+        (:func:`fuse_relu`; the layers keep their qualified names), else the copy itself.
 
     Raises:
         KeyError: an unknown backend name, listing the known ones.
@@ -194,56 +198,63 @@ def sparsify(model: nn.Module, backend: str = "reference", fuse_relu: bool = Fal
         from unsparse.runtime.batch_norm_folding import fold_batch_norm_
 
         fold_batch_norm_(sparse_model)
-    if fuse_relu:
-        fuse_relu_(sparse_model)
     if fuse_max_pool:
         fuse_max_pool_(sparse_model)
+    if fuse_relu:
+        sparse_model, _ = _fuse_relu(sparse_model)
     return sparse_model.eval()
 
 
-def fuse_relu_(model: nn.Module) -> list[str]:
-    """Fuse each :class:`SparseConv` that an ``nn.ReLU`` follows in an ``nn.Sequential`` (VGG's ``features``) with
-    that ReLU: the layer's ``relu`` is set and the ReLU's place in the Sequential holds an ``nn.Identity`` (mutates
-    ``model``), so that a backend that fuses it (``ConvBackend.fuses_relu``) saves the ReLU's pass over the output;
-    the function is unchanged. "Follows": the next module in the Sequential that is not an ``nn.Identity``. Left as
-    they are: a layer reachable under several names (its other uses have no ReLU after them), a layer or ReLU with
-    hooks (they would see other tensors), and a subclass of ``nn.ReLU``. A fused model saved as a sparse file reads
-    back unfused (the architecture's ReLUs rebuilt, the layers' ``relu`` off), which computes the same.
+def fuse_relu(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """Fuse each :class:`SparseConv` whose output a ReLU reads, and nothing else, with that ReLU, through ``model``'s
+    FX graph (:func:`~unsparse.runtime.graph_fusion.fuse_following_relu`, each SparseConv one call): the layer's
+    ``relu`` is set (mutated, shared with ``model``) and the ReLU's call leaves the graph, so that a backend that
+    fuses it (``ConvBackend.fuses_relu``) saves the ReLU's pass over the output; shapes and the function are
+    unchanged. The ReLU: an ``nn.ReLU`` module (VGG's, one in an ``nn.Sequential``; ResNet's one shared module,
+    whose other calls stay), ``F.relu`` (GoogLeNet's ``BasicConv2d``), ``torch.relu`` or the tensor method, in
+    place or not, after the layer or after ``nn.Identity`` modules in between (a BatchNorm folded by
+    :func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`; fold first). Left as they are: a layer called
+    twice or reachable under several names (its other uses have no ReLU after them), a layer whose output is read
+    elsewhere too (an in-place ReLU would change what that reads), a layer with ``relu`` already set, a layer,
+    Identity or ReLU module with hooks (they would see other tensors), a subclass of ``nn.ReLU`` that the trace keeps
+    as one call (one defined outside ``torch.nn`` is traced through, and the ``F.relu`` its forward calls fuses), and
+    every layer of a model FX cannot trace (data-dependent control flow; the reason logged). A fused model saved as a
+    sparse file reads back unfused (the architecture's ReLUs rebuilt, the layers' ``relu`` off), which computes the
+    same.
 
     Returns:
-        The qualified names of the layers fused, in module order.
+        The fused model, an ``fx.GraphModule`` holding ``model``'s layers under their qualified names and its public
+        attributes (``unsparse_spec``), and the qualified names of the layers fused, in module order; ``model``
+        itself and ``[]`` where nothing fuses. Use the returned model: ``model`` itself would apply each fused ReLU
+        twice (the layer's, then its own), which computes the same but pays the pass again.
     """
-    return _fuse_next_(model, "relu", lambda module: type(module) is nn.ReLU, passes=())
+    def fuse(name: str, layer: nn.Module) -> nn.Module | None:
+        if not isinstance(layer, SparseConv) or layer.relu:
+            return None
+        layer.relu = True
+        return layer
+
+    return fuse_following_relu(model, LeafTracer((SparseConv,)), fuse)
+
+
+_fuse_relu = fuse_relu  # for sparsify, whose flag of that name hides the function
 
 
 def fuse_max_pool_(model: nn.Module) -> list[str]:
     """Fuse each 2-D :class:`SparseConv` that an ``nn.MaxPool2d(2)`` follows in an ``nn.Sequential`` (kernel 2,
-    stride 2, no padding, dilation 1, floor mode, no indices: VGG's pools) with that pool, as :func:`fuse_relu_` fuses
-    a ReLU (the layer's ``max_pool`` set, the pool's place an ``nn.Identity``), so that a backend that fuses it
-    (``ConvBackend.fuses_max_pool``) saves the pool's pass and most of the output's writes. "Follows" steps over
-    ``nn.Identity`` modules and plain ``nn.ReLU`` ones too: a ReLU and a max pool commute, so in a conv, ReLU, pool
-    sequence the pool fuses whether or not the ReLU is (a ReLU left as a module then runs on the pooled output).
-    Left as they are: what :func:`fuse_relu_` leaves, a pool of other settings, a subclass of ``nn.MaxPool2d``, and a
-    pool behind a module with hooks.
+    stride 2, no padding, dilation 1, floor mode, no indices: VGG's pools) with that pool (mutates ``model``): the
+    layer's ``max_pool`` is set and the pool's place in the Sequential holds an ``nn.Identity``, so that a backend that
+    fuses it (``ConvBackend.fuses_max_pool``) saves the pool's pass and most of the output's writes; the output is
+    ``(N, M, E // 2, F // 2)`` as the pool's was. "Follows": the next module in the Sequential that is neither an
+    ``nn.Identity`` nor a plain ``nn.ReLU``: a ReLU and a max pool commute, so in a conv, ReLU, pool sequence the pool
+    fuses whether or not the ReLU does (:func:`fuse_relu`, after it in :func:`sparsify`; a ReLU left as a module then
+    runs on the pooled output). Left as they are: a layer reachable under several names (its other uses have no pool
+    after them), a layer with ``max_pool`` already set, a layer, pool or module stepped over with hooks (they would
+    see other tensors), a pool of other settings, and a subclass of ``nn.MaxPool2d``.
 
     Returns:
         The qualified names of the layers fused, in module order.
     """
-    return _fuse_next_(model, "max_pool", lambda module: type(module) is nn.MaxPool2d and _is_pool_2x2(module),
-                       passes=(nn.ReLU,), spatial_dims=2)
-
-
-def _is_pool_2x2(pool: nn.MaxPool2d) -> bool:
-    return (_pair(pool.kernel_size) == _pair(pool.stride) == (2, 2) and _pair(pool.padding) == (0, 0)
-            and _pair(pool.dilation) == (1, 1) and not pool.ceil_mode and not pool.return_indices)
-
-
-def _fuse_next_(model: nn.Module, attribute: str, matches: Callable[[nn.Module], bool],
-                passes: tuple[type[nn.Module], ...], spatial_dims: int | None = None) -> list[str]:
-    """Set ``attribute`` of each :class:`SparseConv` (of ``spatial_dims``, if given) in an ``nn.Sequential`` whose
-    next module that is neither an ``nn.Identity`` nor of a type in ``passes`` (exactly: modules the fused operation
-    commutes with) ``matches``, and put an ``nn.Identity`` in that module's place; not for a layer reachable under
-    several names, nor where the layer, the module or one stepped over has hooks (mutates ``model``)."""
     uses: dict[nn.Module, int] = {}
     for _, module in model.named_modules(remove_duplicate=False):
         uses[module] = uses.get(module, 0) + 1
@@ -253,20 +264,22 @@ def _fuse_next_(model: nn.Module, attribute: str, matches: Callable[[nn.Module],
             continue
         items = list(sequence._modules.items())
         for index, (conv_name, conv) in enumerate(items):
-            if (not isinstance(conv, SparseConv) or getattr(conv, attribute) or uses[conv] != 1 or _has_hooks(conv)
-                    or (spatial_dims is not None and conv.geometry.spatial_dims != spatial_dims)):
+            if (not isinstance(conv, SparseConv) or conv.max_pool or uses[conv] != 1 or _has_hooks(conv)
+                    or conv.geometry.spatial_dims != 2):
                 continue
             after = next(((key, module) for key, module in items[index + 1:]
-                          if type(module) not in (nn.Identity, *passes) or _has_hooks(module)), None)
-            if after is not None and matches(after[1]) and not _has_hooks(after[1]):
-                setattr(conv, attribute, True)
+                          if type(module) not in (nn.Identity, nn.ReLU) or _has_hooks(module)), None)
+            if after is not None and _is_pool_2x2(after[1]) and not _has_hooks(after[1]):
+                conv.max_pool = True
                 sequence._modules[after[0]] = nn.Identity()
                 fused.append(f"{name}.{conv_name}" if name else conv_name)
     return fused
 
 
-def _has_hooks(module: nn.Module) -> bool:
-    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_hooks)
+def _is_pool_2x2(module: nn.Module) -> bool:
+    return (type(module) is nn.MaxPool2d and _pair(module.kernel_size) == _pair(module.stride) == (2, 2)
+            and _pair(module.padding) == (0, 0) and _pair(module.dilation) == (1, 1) and not module.ceil_mode
+            and not module.return_indices)
 
 
 def replace_shared(model: nn.Module, kind: type | tuple[type, ...],

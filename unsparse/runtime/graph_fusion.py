@@ -1,0 +1,165 @@
+"""Fusing a ReLU into the convolution before it by rewriting the model's FX graph.
+
+A ReLU after a convolution is a read and a write of every ofmap element; a convolution that applies it as it stores
+its output (a generated kernel's epilogue, cuDNN's ``torch.cudnn_convolution_relu``) saves that pass. VGG's ReLUs are
+modules of an ``nn.Sequential``, which a layer-level rewrite can fuse; ResNet's and GoogLeNet's are calls in a
+``forward``: torchvision's ``BasicBlock``/``Bottleneck`` call one shared ``self.relu = nn.ReLU(inplace=True)`` after
+``bn1``, ``bn2`` and the residual add, and GoogLeNet's ``BasicConv2d`` calls
+``F.relu(self.bn(self.conv(x)), inplace=True)``. Once their BatchNorms are folded into the convolutions
+(:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`, which leaves an ``nn.Identity`` in each one's place),
+a ReLU reads a convolution's output through that Identity; :func:`fuse_following_relu` traces the forward with
+``torch.fx``, hands each such convolution to the caller, and drops the ReLU's call from the graph.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
+
+log = logging.getLogger(__name__)
+
+_RELU_CALLS = {("call_function", torch.relu), ("call_function", torch.relu_), ("call_method", "relu"),
+               ("call_method", "relu_")}
+"""The ReLU calls of one tensor argument and no options, as (``fx.Node.op``, ``fx.Node.target``)."""
+
+
+class LeafTracer(fx.Tracer):
+    """An FX tracer that keeps each module of the types ``leaves`` as one call (``call_module``), as it keeps
+    ``torch.nn``'s own modules; e.g. a :class:`~unsparse.runtime.modules.SparseConv`, whose forward dispatches to a
+    backend. ``leaves`` has a default because unpickling a GraphModule (``torch.load``) builds its graph's tracer
+    class with no arguments."""
+
+    def __init__(self, leaves: tuple[type[nn.Module], ...] = ()) -> None:
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, module: nn.Module, qualified_name: str) -> bool:
+        return isinstance(module, self.leaves) or super().is_leaf_module(module, qualified_name)
+
+
+class FusedGraphModule(fx.GraphModule):
+    """The ``fx.GraphModule`` :func:`fuse_following_relu` returns: a deep copy keeps its public plain attributes
+    (``unsparse_spec``, the folded-BatchNorm names), which ``fx.GraphModule``'s own deep copy drops."""
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> fx.GraphModule:
+        copied = super().__deepcopy__(memo)
+        for name, value in _public_attributes(self).items():
+            if not hasattr(copied, name):
+                setattr(copied, name, copy.deepcopy(value, memo))
+        return copied
+
+
+def fuse_following_relu(model: nn.Module, tracer: fx.Tracer,
+                        fuse: Callable[[str, nn.Module], nn.Module | None]) -> tuple[nn.Module, list[str]]:
+    """Fuse each module call of ``model`` that a ReLU follows with that ReLU, by a rewrite of ``model``'s FX graph
+    (traced with ``tracer`` in ``model``'s current mode: a ``self.training`` branch is taken as it stands).
+
+    A call fuses where its module is called once in the graph, is reachable under one name, has no hooks and has no
+    attribute read by the graph (``self.conv.weight`` in a forward), and its output's one reader, after a chain of
+    exactly ``nn.Identity`` calls without hooks (a folded BatchNorm's place), is a ReLU of it alone: a call of an
+    exactly ``nn.ReLU`` module without hooks (the module may be shared and called elsewhere, as ResNet's is: only this
+    call goes), of ``torch.relu``, ``torch.relu_`` or ``F.relu`` (either ``inplace``), or of the tensor methods
+    ``relu``/``relu_``. Every call in the chain has one reader, so an in-place ReLU whose input is read elsewhere
+    stays. For each, ``fuse(qualified_name, module)`` returns the module to put at that name, one that applies the
+    ReLU to its output (it may be ``module`` itself, mutated), or None to leave the call and its ReLU as they are;
+    the ReLU's readers then read the module's output. Shapes are unchanged.
+
+    Returns:
+        A new :class:`FusedGraphModule` built from ``model`` and the rewritten graph, in ``model``'s mode, and the
+        qualified names fused, in ``model``'s module order. It shares its modules with ``model`` except the ones
+        ``fuse`` replaced (mutated ones are shared too: ``model`` itself then applies their ReLU twice, which
+        computes the same); it holds the modules the graph calls under their qualified names (their containers
+        become plain ``nn.Module``s) and ``model``'s public plain attributes (``unsparse_spec``, say). Where nothing
+        fuses, ``model`` itself and ``[]``; so too, with the reason logged at INFO, for a model FX cannot trace
+        (data-dependent control flow), and for one with hooks on a module that holds a called one (``model`` itself,
+        a residual block), which the GraphModule would not run.
+    """
+    try:
+        graph = tracer.trace(model)
+    except Exception as error:  # FX raises TraceError, TypeError, NotImplementedError, ... for untraceable code
+        log.info("fuse_following_relu: FX cannot trace %s (%s: %s); no ReLU fused", type(model).__name__,
+                 type(error).__name__, error)
+        return model, []
+    names: dict[nn.Module, int] = {}
+    for _, module in model.named_modules(remove_duplicate=False):
+        names[module] = names.get(module, 0) + 1
+    calls: dict[str, int] = {}
+    read: set[str] = set()  # modules whose attributes the graph reads
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+        elif node.op == "get_attr":
+            parts = node.target.split(".")
+            read.update(".".join(parts[:end]) for end in range(1, len(parts)))
+    containers = {".".join(target.split(".")[:end]) for target in calls for end in range(target.count(".") + 1)}
+    hooked = sorted(name or type(model).__name__ for name in containers if _has_hooks(model.get_submodule(name)))
+    if hooked:
+        log.info("fuse_following_relu: %s has hooks, which a GraphModule would not run; no ReLU fused",
+                 ", ".join(hooked))
+        return model, []
+    replacements: dict[str, nn.Module] = {}
+    for node in graph.nodes:
+        if node.op != "call_module" or calls[node.target] != 1 or node.target in read:
+            continue
+        module = model.get_submodule(node.target)
+        relu = _following_relu(node, model) if names[module] == 1 and not _has_hooks(module) else None
+        replacement = None if relu is None else fuse(node.target, module)
+        if replacement is not None:
+            replacements[node.target] = replacement
+            relu.replace_all_uses_with(relu.args[0])
+            graph.erase_node(relu)
+    if not replacements:
+        return model, []
+    fused = FusedGraphModule(model, graph, type(model).__name__)  # holds the modules the graph still calls
+    for name, replacement in replacements.items():
+        fused.set_submodule(name, replacement)
+    fused.recompile()
+    for name, module in fused.named_modules():
+        if type(module) is nn.Module:  # a container fx.GraphModule made, in training mode
+            module.training = model.get_submodule(name).training
+    for name, value in _public_attributes(model).items():
+        if not hasattr(fused, name):
+            setattr(fused, name, value)
+    position = {name: index for index, (name, _) in enumerate(model.named_modules())}
+    return fused, sorted(replacements, key=position.__getitem__)
+
+
+def _following_relu(node: fx.Node, model: nn.Module) -> fx.Node | None:
+    """The ReLU call that alone reads ``node``'s output, past ``nn.Identity`` calls, each the one reader of the
+    previous call's output (see :func:`fuse_following_relu`), or None."""
+    while len(node.users) == 1:
+        (user,) = node.users
+        if user.op == "call_module":
+            module = model.get_submodule(user.target)
+            if user.args != (node,) or user.kwargs or _has_hooks(module):
+                return None
+            if type(module) is nn.ReLU:
+                return user
+            if type(module) is not nn.Identity:
+                return None
+            node = user
+        elif user.op == "call_function" and user.target is F.relu:  # F.relu(x, inplace)
+            options = [*user.args[1:], *user.kwargs.values()]
+            return user if (user.args[:1] == (node,) and set(user.kwargs) <= {"inplace"} and len(options) <= 1
+                            and all(isinstance(option, bool) for option in options)) else None
+        elif (user.op, user.target) in _RELU_CALLS:
+            return user if user.args == (node,) and not user.kwargs else None
+        else:
+            return None
+    return None
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks or module._backward_hooks)
+
+
+def _public_attributes(module: nn.Module) -> dict[str, Any]:
+    """The entries of ``vars(module)`` whose name starts with no ``_``, ``training`` apart."""
+    return {name: value for name, value in vars(module).items()
+            if not name.startswith("_") and name != "training"}
