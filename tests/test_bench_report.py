@@ -577,6 +577,11 @@ def test_the_fusion_paragraph_says_where_cudnn_applies_the_relu(result):
     after = markdown_report({**result, "targets": evaluate_targets(result)})
     assert ("the generated kernels in their epilogue, cuDNN the ReLU in its call (the pool in a pass after it), the "
             "other backends in a pass after the conv;") in after and "cuDNN among them" not in after
+    assert "the direct kernels (the ReLU" not in after  # records from before direct fused the ReLU
+    result["end_to_end"][0]["direct_fuses_relu"] = True
+    direct = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("the direct kernels (the ReLU; their wide tilings and split-K settings in a pass after them) and the "
+            "generated kernels in their epilogue, cuDNN the ReLU in its call") in direct
 
 
 def test_a_faster_plan_with_every_conv_on_cudnn_is_not_called_a_sparsity_gain(result):

@@ -516,10 +516,12 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
         timed = ("" if not planned else "The per-layer comparisons timed each fused layer with what it is fused with"
                  + ("" if planned == len(fused) else " in the rows that say 'planned fused', the convolution alone in "
                     "the others") + ". ")
-        where = ("the generated kernels in their epilogue, cuDNN the ReLU in its call (the pool in a pass after it), "
-                 "the other backends in a pass after the conv" if any(r.get("cudnn_fuses_relu") for r in fused) else
-                 "the generated kernels in their epilogue, the other backends (cuDNN among them) in a pass after the "
-                 "conv")
+        kernels = ("the direct kernels (the ReLU; their wide tilings and split-K settings in a pass after them) and "
+                   "the generated kernels in their epilogue" if any(r.get("direct_fuses_relu") for r in fused) else
+                   "the generated kernels in their epilogue")
+        where = (f"{kernels}, cuDNN the ReLU in its call (the pool in a pass after it), the other backends in a pass "
+                 "after the conv" if any(r.get("cudnn_fuses_relu") for r in fused) else
+                 f"{kernels}, the other backends (cuDNN among them) in a pass after the conv")
         lines += ["ReLU (max pool) fused into K convs: the planned model's convs apply the ReLU (the 2x2 max pool) "
                   f"that follows them, {where}; the dense model runs its ReLUs and pools apart, as PyTorch does. "
                   f"{timed}Unfused: the same plan without fusion, NCHW, eager, timed in the same run.", ""]

@@ -112,7 +112,8 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     from then on)
     and ``fusion_speedup`` is it over
     ``planned_ms``; both None without either flag. ``cudnn_fuses_relu`` records that the ``cudnn`` backend applies a
-    fused layer's ReLU in its call (runs before it paid a ReLU pass after cuDNN).
+    fused layer's ReLU in its call (runs before it paid a ReLU pass after cuDNN), ``direct_fuses_relu`` that the
+    ``direct`` kernels apply it as they store (runs before the forty-fourth session paid a pass after them).
 
     ``fold_batch_norm`` (:data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`, recorded as such) folds eval-mode
     BatchNorms after a conv into it in the sparse copies: ``"all"`` every one, before planning and the fusions
@@ -144,10 +145,11 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
         plan, comparisons, check = _plan_check_fold(sparse, x, plan, backends, runs, by_plan)
         plan, comparisons_nhwc, check_nhwc = (_plan_check_fold(sparse_nhwc, x_nhwc, plan, backends, runs, by_plan)
                                               if nhwc_planned else (plan, [], None))
+        folded = getattr(sparse, FOLDED_ATTRIBUTE, [])
         unfused = sparsify(dense) if fuse_relu or fuse_max_pool else None
         if unfused is not None:
-            if getattr(sparse, FOLDED_ATTRIBUTE, []):
-                fold_batch_norm_(unfused, only=getattr(sparse, FOLDED_ATTRIBUTE))
+            if folded:
+                fold_batch_norm_(unfused, only=folded)
             same_choices = Plan()
             for key in filter(None, (getattr(layer, "plan_key", None) for layer in sparse_layers(sparse).values())):
                 unfused_key = without_epilogue(key)
@@ -193,9 +195,10 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
             "fused_relu": sum(layer.relu for layer in sparse_layers(sparse).values()),
             "fused_max_pool": sum(layer.max_pool for layer in sparse_layers(sparse).values()),
-            "fold_batch_norm": fold_batch_norm, "folded_batch_norm": len(getattr(sparse, FOLDED_ATTRIBUTE, [])),
+            "fold_batch_norm": fold_batch_norm, "folded_batch_norm": len(folded),
             "folded_batch_norm_nhwc": len(getattr(sparse_nhwc, FOLDED_ATTRIBUTE, [])),
             "fusion_planned": True, "cudnn_fuses_relu": get_backend("cudnn").fuses_relu,
+            "direct_fuses_relu": get_backend("direct").fuses_relu,
             "planned_unfused_ms": None if unfused_t is None else unfused_t.median_ms,
             "fusion_speedup": None if unfused_t is None else unfused_t.median_ms / sparse_t.median_ms,
             "planned_timing": sparse_t.to_dict(),
