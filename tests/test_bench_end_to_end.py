@@ -204,6 +204,8 @@ def test_the_dense_model_fused_by_cudnn_is_timed_in_both_layouts_beside_the_plan
                                          ["dense_cpu"])
     assert record["dense_fused_convs"] == 1
     assert record["dense_fused_rel_error"] < 1e-5 and record["dense_fused_nhwc_rel_error"] < 1e-5
+    assert record["dense_fused_graph_ms"] is record["dense_fused_nhwc_graph_ms"] is None  # no CUDA graphs on CPU
+    assert record["dense_fused_graph_error"] == "no CUDA graphs on cpu"
     fused = {"nchw": record["dense_fused_ms"], "nhwc": record["dense_fused_nhwc_ms"]}
     assert min(fused.values()) > 0 and record["best_dense_fused_layout"] == min(fused, key=fused.get)
     best_planned = min(record["planned_ms"], record["planned_nhwc_ms"])
@@ -236,6 +238,7 @@ def test_a_fused_dense_model_that_disagrees_is_not_a_baseline(monkeypatch: pytes
                                          ["dense_cpu"])
     assert record["dense_fused_convs"] == 1 and record["dense_fused_rel_error"] > 1e-3
     assert record["dense_fused_ms"] is record["dense_fused_nhwc_ms"] is record["best_speedup_vs_dense_fused"] is None
+    assert record["dense_fused_graph_ms"] is record["dense_fused_graph_error"] is None  # nothing to replay
 
 
 def test_a_fused_dense_model_that_cudnn_refuses_is_recorded_not_fatal(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -91,6 +91,7 @@ def test_the_folded_dense_baseline_fuses_its_relus_and_agrees(dtype: torch.dtype
         record = dense_fused_timings(dense, x.to(CUDA, dtype), dense_out, 5, 10 * tolerance(dtype), True)
     assert record["dense_folded_batch_norm"] == 6 and record["dense_fused_convs"] == 6
     assert record["dense_fused_ms"] > 0 and record["dense_fused_rel_error"] <= 10 * tolerance(dtype)
+    assert record["dense_fused_graph_ms"] > 0 and record["dense_fused_nhwc_graph_ms"] > 0  # replayed as CUDA graphs
     assert relative_error(dense_out.cpu(), expected) <= 10 * tolerance(dtype)
     assert fuse_dense_conv_relu(dense)[1] == 0  # the caller's model kept its BatchNorms
 

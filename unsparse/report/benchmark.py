@@ -134,9 +134,23 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
             fused_layout = "NCHW" if r["best_dense_fused_layout"] == "nchw" else "channels-last"
             lines.append(f"- {run}: the planned model ({_fmt(planned)} ms in its faster layout) is {against_fused} "
                          f"than {dense_fused_name(r)}: {_fmt(fused)} ms in {fused_layout}"
-                         + (f", {noise_text(PLAN_MARGIN)}." if against_fused == "slower" else "."))
+                         + (f", {noise_text(PLAN_MARGIN)}" if against_fused == "slower" else "")
+                         + _fused_graph_text(r, planned_layout) + ".")
         lines += _all_on_cudnn(r, run, planned_layout)
     return lines
+
+
+def _fused_graph_text(record: dict[str, Any], planned_layout: str) -> str:
+    """``; as CUDA graphs ...``: the planned model's graph time in ``planned_layout`` against the dense fused model's
+    in its faster layout, where both were timed (records from before the fused model's graphs were timed have
+    none), else ``""``. Where the eager gap is host time, the two graph times are close."""
+    fused_tag = "_nhwc" if record.get("best_dense_fused_layout") == "nhwc" else ""
+    planned_graph = record.get("planned_graph_ms" if planned_layout == "NCHW" else "planned_nhwc_graph_ms")
+    fused_graph = record.get(f"dense_fused{fused_tag}_graph_ms")
+    if planned_graph is None or fused_graph is None:
+        return ""
+    return (f"; as CUDA graphs (GPU time, without the host's per-layer work) {_fmt(planned_graph)} against "
+            f"{_fmt(fused_graph)} ms")
 
 
 def _all_on_cudnn(record: dict[str, Any], run: str, planned_layout: str) -> list[str]:

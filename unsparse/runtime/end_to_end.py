@@ -262,26 +262,40 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
         (medians, ms; None where nothing is fused or folded, the output's relative error against ``dense_out`` exceeds
         ``bound``, or cuDNN refused the fused call), ``dense_fused_rel_error`` and ``dense_fused_nhwc_rel_error``
         (None where nothing is fused or it was refused), ``dense_fused_error``: the refusal (a ``RuntimeError``'s
-        first line; no fused engine for a layer, say), else None.
+        first line; no fused engine for a layer, say), else None; ``dense_fused_graph_ms`` and
+        ``dense_fused_nhwc_graph_ms``: the same models replayed as CUDA graphs (:func:`time_graph`; GPU time without
+        the host's per-layer work, which :func:`graph_timings` gives the planned model too), None where the eager
+        median is None, off CUDA, or where the capture failed (``dense_fused_graph_error`` says why).
     """
     source = copy.deepcopy(dense) if fold_batch_norm else dense
     folded = len(fold_batch_norm_(source)) if fold_batch_norm else 0
     fused, count = fuse_dense_conv_relu(source)
     record: dict[str, Any] = {"dense_fused_convs": count, "dense_folded_batch_norm": folded, **dict.fromkeys(
         ("dense_fused_ms", "dense_fused_nhwc_ms", "dense_fused_rel_error", "dense_fused_nhwc_rel_error",
-         "dense_fused_error"))}
+         "dense_fused_error", "dense_fused_graph_ms", "dense_fused_nhwc_graph_ms", "dense_fused_graph_error"))}
     if not count and not folded:
         return record
     try:
         nchw_error = relative_error(fused(x).double(), dense_out.double())
-        timings = {"": (time_fn(lambda i: fused(x), x.device, runs=runs), nchw_error),
-                   "_nhwc": dense_channels_last(fused, x, dense_out, runs)[1:]}
+        fused_nhwc, nhwc_timing, nhwc_error = dense_channels_last(fused, x, dense_out, runs)
+        x_nhwc = x.contiguous(memory_format=torch.channels_last)
+        timings = {"": (lambda: fused(x), time_fn(lambda i: fused(x), x.device, runs=runs), nchw_error),
+                   "_nhwc": (lambda: fused_nhwc(x_nhwc), nhwc_timing, nhwc_error)}
     except RuntimeError as error:
         record["dense_fused_error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         return record
-    for tag, (timing, error) in timings.items():
+    for tag, (forward, timing, error) in timings.items():
         record[f"dense_fused{tag}_rel_error"] = error
-        record[f"dense_fused{tag}_ms"] = timing.median_ms if error <= bound else None
+        if error > bound:
+            continue
+        record[f"dense_fused{tag}_ms"] = timing.median_ms
+        if x.device.type != "cuda":
+            record["dense_fused_graph_error"] = f"no CUDA graphs on {x.device.type}"
+            continue
+        try:
+            record[f"dense_fused{tag}_graph_ms"] = time_graph(forward, x.device, runs).median_ms
+        except RuntimeError as error:
+            record["dense_fused_graph_error"] = f"capture failed: {error}"
     return record
 
 
