@@ -283,7 +283,8 @@ __device__ __forceinline__ void stage_entries(const int* __restrict__ chunk_ptr,
     const int begin = __ldg(chunk_ptr + list);
     const int count = __ldg(chunk_ptr + list + 1) - begin;
 #pragma unroll 1
-    for (int t = lane; t < count; t += 32) stage_async<sizeof(Entry)>(dst + g * capacity + t, entries + begin + t, true);
+    for (int t = lane; t < count; t += 32)
+      stage_async<sizeof(Entry)>(dst + g * capacity + t, entries + begin + t, true);
   }
 }
 
@@ -641,7 +642,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     __syncthreads();
     const T* lane_tile = tiles[b] + 4 * lane;
 
-    for_each_entry<MW, 1, 2, 0, false>(chunk_ptr, entries, 0, m_base, M, K, k, [&](int j, int offset, const int (&bits)[1]) {
+    const auto apply = [&](int j, int offset, const int (&bits)[1]) {
       const float w = __int_as_float(bits[0]);
 #pragma unroll
       for (int v = 0; v < PV; ++v) {
@@ -650,7 +651,8 @@ __global__ void __launch_bounds__(WARPS * 32)
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[j][v][i] = fmaf(w, f[i], acc[j][v][i]);
       }
-    }, [](int) {});
+    };
+    for_each_entry<MW, 1, 2, 0, false>(chunk_ptr, entries, 0, m_base, M, K, k, apply, [](int) {});
     __syncthreads();  // buffer b is staged again at iteration k + 1
   }
 
