@@ -210,6 +210,26 @@ def test_a_refused_fusion_changes_nothing_and_a_hooked_container_stops_the_rewri
     assert "Bottleneck has hooks, which a GraphModule would not run" in caplog.text
 
 
+class Doubled(nn.Module):
+    """A module of its own without submodules: FX traces through it, so the GraphModule never calls it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_a_hook_on_a_module_the_trace_goes_through_stops_the_rewrite(caplog: pytest.LogCaptureFixture) -> None:
+    """Its hook would never run again in the rewritten model, so nothing fuses and the hook keeps firing."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), Doubled()).eval()
+    seen = []
+    model[2].register_forward_hook(lambda module, inputs, out: seen.append(out.shape))
+    with caplog.at_level(logging.INFO, logger="unsparse.runtime.graph_fusion"):
+        sparse = sparsify(model, fuse_relu=True)
+    assert "2 has hooks, which a GraphModule would not run" in caplog.text and relu_layers(sparse) == []
+    seen.clear()
+    output(sparse, torch.randn(1, 3, 5, 5))
+    assert seen == [torch.Size([1, 4, 5, 5])]
+
+
 class DataDependent(nn.Module):
     def __init__(self) -> None:
         super().__init__()

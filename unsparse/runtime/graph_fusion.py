@@ -77,8 +77,9 @@ def fuse_following_relu(model: nn.Module, tracer: fx.Tracer,
         computes the same); it holds the modules the graph calls under their qualified names (their containers
         become plain ``nn.Module``s) and ``model``'s public plain attributes (``unsparse_spec``, say). Where nothing
         fuses, ``model`` itself and ``[]``; so too, with the reason logged at INFO, for a model FX cannot trace
-        (data-dependent control flow), and for one with hooks on a module that holds a called one (``model`` itself,
-        a residual block), which the GraphModule would not run.
+        (data-dependent control flow), and for one with hooks on a module the trace went through rather than
+        calling it (``model`` itself, a residual block, a module of its own without submodules), which the
+        GraphModule would not run.
     """
     try:
         graph = tracer.trace(model)
@@ -97,8 +98,8 @@ def fuse_following_relu(model: nn.Module, tracer: fx.Tracer,
         elif node.op == "get_attr":
             parts = node.target.split(".")
             read.update(".".join(parts[:end]) for end in range(1, len(parts)))
-    containers = {".".join(target.split(".")[:end]) for target in calls for end in range(target.count(".") + 1)}
-    hooked = sorted(name or type(model).__name__ for name in containers if _has_hooks(model.get_submodule(name)))
+    hooked = [name or type(model).__name__ for name, module in model.named_modules()
+              if name not in calls and _has_hooks(module)]  # traced through: the GraphModule never calls it
     if hooked:
         log.info("fuse_following_relu: %s has hooks, which a GraphModule would not run; no ReLU fused",
                  ", ".join(hooked))
