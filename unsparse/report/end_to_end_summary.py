@@ -27,8 +27,8 @@ def best_graph_speedup(record: dict[str, Any]) -> float | None:
     """The eager dense model over the planned one as CUDA-graph replays (GPU time, without the host's per-layer work),
     each in its faster layout: ``min(dense_graph_ms, dense_nhwc_graph_ms) / min(planned_graph_ms,
     planned_nhwc_graph_ms)``, a channels-last time only where that layout's output passed (its eager
-    ``dense_nhwc_ms``/``planned_nhwc_ms`` is not None); None where either side has no graph time (the fused dense
-    model is timed eagerly only)."""
+    ``dense_nhwc_ms``/``planned_nhwc_ms`` is not None); None where either side has no graph time. The dense fused
+    model's graph times (runs since the forty-fourth session) are on each run's page, not in this ratio."""
     def fastest(kind: str) -> float | None:
         times = [record.get(f"{kind}_graph_ms")]
         if record.get(f"{kind}_nhwc_ms") is not None:

@@ -15,6 +15,7 @@ of the convolutions alone.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -25,7 +26,7 @@ from torch.nn.modules.conv import _ConvNd
 from torch.nn.utils.fusion import fuse_conv_bn_weights
 
 from unsparse.runtime.backends import get_backend
-from unsparse.runtime.graph_fusion import LeafTracer
+from unsparse.runtime.graph_fusion import LeafTracer, module_calls, name_counts
 from unsparse.runtime.modules import SparseConv, _computes_as_torch_conv, sparse_layers
 from unsparse.runtime.plan import Plan
 from unsparse.sparse.format import UniformCSR
@@ -56,14 +57,7 @@ def _traced_pairs(model: nn.Module) -> list[_Pair]:
     attribute of either module directly (``self.conv.weight`` in a forward, say). Raises what FX raises for an
     untraceable model."""
     graph = LeafTracer((SparseConv,)).trace(model)
-    calls: dict[str, int] = {}
-    read: set[str] = set()  # modules whose attributes the graph reads
-    for node in graph.nodes:
-        if node.op == "call_module":
-            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
-        elif node.op == "get_attr":
-            parts = str(node.target).split(".")
-            read.update(".".join(parts[:end]) for end in range(1, len(parts)))
+    calls, read = module_calls(graph)
     pairs = []
     for node in graph.nodes:
         if node.op != "call_module" or len(node.users) != 1:
@@ -172,12 +166,9 @@ def fold_batch_norm_(model: nn.Module, only: Collection[str] | None = None) -> l
                  "nothing folded", type(model).__name__, type(error).__name__, error)
         pairs = []
     modules = dict(model.named_modules())
-    uses: dict[nn.Module, int] = {}
-    owners: dict[int, int] = {}
-    for _, module in model.named_modules(remove_duplicate=False):
-        uses[module] = uses.get(module, 0) + 1
-        for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)]:
-            owners[id(tensor)] = owners.get(id(tensor), 0) + 1
+    uses = name_counts(model)
+    owners = Counter(id(tensor) for _, module in model.named_modules(remove_duplicate=False)
+                     for tensor in [*module.parameters(recurse=False), *module.buffers(recurse=False)])
     folded = []
     for pair in (pair for pair in pairs if only is None or pair.conv in only):
         conv, batch_norm = modules.get(pair.conv), modules.get(pair.batch_norm)

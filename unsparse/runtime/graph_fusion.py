@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +56,27 @@ class FusedGraphModule(fx.GraphModule):
         return copied
 
 
+def name_counts(model: nn.Module) -> Counter[nn.Module]:
+    """How many qualified names each module of ``model`` has (``named_modules(remove_duplicate=False)``): more than
+    one for a module reachable under several names, which a rewrite of one of its places would change everywhere."""
+    return Counter(module for _, module in model.named_modules(remove_duplicate=False))
+
+
+def module_calls(graph: fx.Graph) -> tuple[Counter[str], set[str]]:
+    """How many times ``graph`` calls each module (``call_module`` nodes, by qualified name), and the modules whose
+    attributes it reads directly (``get_attr`` nodes and every module above them: ``self.conv.weight`` in a forward
+    reads ``conv``)."""
+    calls: Counter[str] = Counter()
+    read: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[str(node.target)] += 1
+        elif node.op == "get_attr":
+            parts = str(node.target).split(".")
+            read.update(".".join(parts[:end]) for end in range(1, len(parts)))
+    return calls, read
+
+
 def fuse_following_relu(model: nn.Module, tracer: fx.Tracer,
                         fuse: Callable[[str, nn.Module], nn.Module | None]) -> tuple[nn.Module, list[str]]:
     """Fuse each module call of ``model`` that a ReLU follows with that ReLU, by a rewrite of ``model``'s FX graph
@@ -87,17 +109,8 @@ def fuse_following_relu(model: nn.Module, tracer: fx.Tracer,
         log.info("fuse_following_relu: FX cannot trace %s (%s: %s); no ReLU fused", type(model).__name__,
                  type(error).__name__, error)
         return model, []
-    names: dict[nn.Module, int] = {}
-    for _, module in model.named_modules(remove_duplicate=False):
-        names[module] = names.get(module, 0) + 1
-    calls: dict[str, int] = {}
-    read: set[str] = set()  # modules whose attributes the graph reads
-    for node in graph.nodes:
-        if node.op == "call_module":
-            calls[node.target] = calls.get(node.target, 0) + 1
-        elif node.op == "get_attr":
-            parts = node.target.split(".")
-            read.update(".".join(parts[:end]) for end in range(1, len(parts)))
+    names = name_counts(model)
+    calls, read = module_calls(graph)
     hooked = [name or type(model).__name__ for name, module in model.named_modules()
               if name not in calls and _has_hooks(module)]  # traced through: the GraphModule never calls it
     if hooked:

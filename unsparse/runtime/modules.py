@@ -16,7 +16,7 @@ from torch.nn.modules.utils import _pair
 
 from unsparse.modes import module_modes, restore_modes
 from unsparse.prune.masks import squashed_copy
-from unsparse.runtime.graph_fusion import LeafTracer, _has_hooks, fuse_following_relu
+from unsparse.runtime.graph_fusion import LeafTracer, _has_hooks, fuse_following_relu, name_counts
 from unsparse.sparse.format import SparseFormatError, UniformCSR
 from unsparse.sparse.functional import conv2d_input, dense_fallback_backend, sparse_conv_nd
 from unsparse.sparse.geometry import ConvGeometry
@@ -255,9 +255,7 @@ def fuse_max_pool_(model: nn.Module) -> list[str]:
     Returns:
         The qualified names of the layers fused, in module order.
     """
-    uses: dict[nn.Module, int] = {}
-    for _, module in model.named_modules(remove_duplicate=False):
-        uses[module] = uses.get(module, 0) + 1
+    uses = name_counts(model)
     fused = []
     for name, sequence in list(model.named_modules()):
         if not isinstance(sequence, nn.Sequential):
