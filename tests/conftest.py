@@ -156,16 +156,21 @@ class VirtualClock:
         self.ms += ms
 
     def charge(self, cost: Callable[[str, Any, dict[str, Any]], float], *backends: type) -> None:
-        """Make each call of ``conv`` of the given backend classes (and of their subclasses that inherit it) advance
-        the clock by ``cost(backend name, csr, params)`` ms before it computes; ``run``, the comparator's and a
-        model's timed call, goes through ``conv``, and so does ``auto`` through its planned backend. Backends not
-        charged cost nothing."""
+        """Make each call of the given backend classes' convolution (and of their subclasses that inherit it)
+        advance the clock by ``cost(backend name, csr, params)`` ms before it computes: the calls ``conv_call``
+        returns, through which ``conv`` and ``run`` (the comparator's, the timings' and a prepared model's call) go,
+        and so does ``auto`` through its planned backend. Backends not charged cost nothing."""
         for cls in backends:
-            def costed(backend: Any, x: Any, csr: Any, *args: Any, conv: Callable[..., Any] = cls.conv,
-                       **params: Any) -> Any:
-                self.advance(cost(backend.name, csr, params))
-                return conv(backend, x, csr, *args, **params)
-            self._monkeypatch.setattr(cls, "conv", costed)
+            def costed(backend: Any, x: Any, csr: Any, *args: Any,
+                       conv_call: Callable[..., Any] = cls.conv_call, **params: Any) -> Callable[[Any], Any]:
+                call = conv_call(backend, x, csr, *args, **params)
+
+                def charged(x: Any) -> Any:
+                    self.advance(cost(backend.name, csr, params))
+                    return call(x)
+
+                return charged
+            self._monkeypatch.setattr(cls, "conv_call", costed)
 
 
 @pytest.fixture

@@ -295,14 +295,19 @@ def test_a_grouped_layer_runs_its_planned_dense_setting(monkeypatch) -> None:
     use_plan(Plan({layer_key(x, csr, g): PlanEntry("dense_cpu", {"memory_format": "channels_last"}, 1.0)}))
     dense = get_backend("dense_cpu")
     computed_in = []
-    conv = dense.conv
+    conv_call = dense.conv_call
 
     def recording(*args, **params):
-        out = conv(*args, **params)
-        computed_in.append(layout_of(out))
-        return out
+        call = conv_call(*args, **params)
 
-    monkeypatch.setattr(dense, "conv", recording)
+        def recorded(x):
+            out = call(x)
+            computed_in.append(layout_of(out))
+            return out
+
+        return recorded
+
+    monkeypatch.setattr(dense, "conv_call", recording)
     out = sparse_conv(x, csr, None, g, backend="auto")
     assert computed_in == ["nhwc"] and layout_of(out) == "nchw"  # the planned setting, converted back by run
     assert torch.allclose(out, torch.nn.functional.conv2d(x, weight, padding=1, groups=2), atol=1e-5)

@@ -325,7 +325,8 @@ def test_float16_pairing_follows_each_inputs_alignment() -> None:
     """float16 tile settings read image pairs made by the ``pair_images`` kernel, bound when the setting is first
     prepared for an input size: its 16-byte vector copy is bound for aligned inputs only, so an input of the same
     shape 2 bytes past a 16-byte boundary, run after an aligned one, gets the element-wise copy (a fault otherwise),
-    and the aligned input after it the vector copy again."""
+    and the aligned input after it the vector copy again; so does a call prepared once on the aligned input
+    (``prepare``, what a ``SparseConv`` keeps between forwards)."""
     x, csr, bias, geometry, ref = make_case("vector_edges", torch.float16, seed=5)
     backend = get_backend("direct")
     params = next(p for p in backend.tuning_space(x, csr, geometry) if p["variant"] == "tile")
@@ -333,11 +334,13 @@ def test_float16_pairing_follows_each_inputs_alignment() -> None:
     shifted = storage[1:].view_as(x)
     shifted.copy_(x)
     assert shifted.data_ptr() % 16 == 2 and (x[0].numel() * x.element_size()) % 16 == 0
-    for source in (x, shifted, x):
-        poison_allocator(ref.numel(), torch.float16)
-        out = backend.conv(source, csr, bias, geometry, **params)
-        torch.cuda.synchronize()
-        assert relative_error(out.cpu(), ref) <= tolerance(torch.float16)
+    prepared = backend.prepare(x, csr, bias, geometry, **params)
+    for call in (lambda source: backend.conv(source, csr, bias, geometry, **params), prepared):
+        for source in (x, shifted, x):
+            poison_allocator(ref.numel(), torch.float16)
+            out = call(source)
+            torch.cuda.synchronize()
+            assert relative_error(out.cpu(), ref) <= tolerance(torch.float16)
 
 
 def test_pointwise_rows_with_more_than_32_entries_in_a_chunk() -> None:

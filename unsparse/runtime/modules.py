@@ -6,7 +6,7 @@ import logging
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -17,11 +17,22 @@ from torch.nn.modules.utils import _pair
 from unsparse.modes import module_modes, restore_modes
 from unsparse.prune.masks import squashed_copy
 from unsparse.runtime.graph_fusion import LeafTracer, _has_hooks, fuse_following_relu, name_counts
-from unsparse.sparse.format import SparseFormatError, UniformCSR
-from unsparse.sparse.functional import conv2d_input, dense_fallback_backend, sparse_conv_nd
+from unsparse.runtime.plan import plan_generation
+from unsparse.sparse.format import SparseFormatError, UniformCSR, tensor_version
+from unsparse.sparse.functional import conv2d_input, dense_fallback_backend, prepare_sparse_conv_nd
 from unsparse.sparse.geometry import ConvGeometry
 
 log = logging.getLogger(__name__)
+
+
+class PreparedForward(NamedTuple):
+    """What :meth:`SparseConv.forward` prepared: the call, the signature and ``backend_params`` it was prepared for,
+    and the tensors whose ``id`` the signature holds (kept alive so that no other tensor can take that ``id``)."""
+
+    signature: tuple
+    params: dict[str, Any]
+    tensors: tuple[torch.Tensor | None, ...]
+    call: Callable[[torch.Tensor], torch.Tensor]
 
 
 class SparseConv(nn.Module):
@@ -63,13 +74,15 @@ class SparseConv(nn.Module):
         self.register_buffer("values", csr.values.detach().clone())
         self.register_buffer("col_idx", csr.col_idx.detach().clone())
         self.weight_shape = csr.weight_shape
-        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        self.register_parameter("bias", None if bias is None else nn.Parameter(bias.detach().clone(),
+                                                                                requires_grad=False))
         self.geometry = geometry
         self.backend = backend
         self.backend_params = dict(backend_params or {})
         self.relu = relu
         self.max_pool = max_pool
         self._csr: UniformCSR | None = None
+        self._prepared: PreparedForward | None = None
 
     @property
     def csr(self) -> UniformCSR:
@@ -104,8 +117,38 @@ class SparseConv(nn.Module):
         return conv2d_input(x, self.geometry.spatial_dims)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return sparse_conv_nd(x, self.csr, self.bias, self.geometry, self.backend, self.relu, self.max_pool,
-                              **self.backend_params)
+        """The convolution of ``x`` through a call prepared once per input signature and module state
+        (:func:`~unsparse.sparse.functional.prepare_sparse_conv_nd`: the checks, the backend's or the plan's choice,
+        the backend's weight copy and bias cast), so that an eager forward pays little more host time than
+        ``nn.Conv2d`` does. It is prepared again, and the weight re-checked (:attr:`csr`), when any of these
+        changed since: the input's shape, strides, dtype or device; the buffers or the bias (replaced, or edited in
+        place: their version counters); ``backend``, ``backend_params``, ``relu``, ``max_pool``, ``geometry``; the
+        active plan (:func:`~unsparse.runtime.plan.plan_generation`) and, for a float32 CUDA input, the TF32 flags
+        (both part of the plan's key, :func:`~unsparse.runtime.plan.precision_tag`).
+
+        Raises:
+            ValueError: as :func:`~unsparse.sparse.functional.sparse_conv_nd`.
+        """
+        buffers = self._buffers
+        values, col_idx, bias = buffers["values"], buffers["col_idx"], self._parameters["bias"]
+        signature = (x.shape, x.stride(), x.dtype, x.device, self.backend, self.relu, self.max_pool, self.geometry,
+                     id(values), id(col_idx), id(bias), tensor_version(values), tensor_version(col_idx),
+                     None if bias is None else tensor_version(bias))
+        if self.backend == "auto":  # what the plan's entry depends on besides the input and the layer
+            signature += (plan_generation(),)
+            if x.is_cuda and x.dtype == torch.float32:  # the flags a float32 CUDA key has (precision_tag)
+                signature += (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+        prepared = self._prepared
+        if prepared is None or prepared.signature != signature or prepared.params != self.backend_params:
+            call = prepare_sparse_conv_nd(x, self.csr, bias, self.geometry, self.backend, self.relu, self.max_pool,
+                                          **self.backend_params)
+            prepared = PreparedForward(signature, dict(self.backend_params), (values, col_idx, bias), call)
+            self._prepared = prepared
+        return prepared.call(x)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The module's state without its prepared call (a copy prepares its own on its first forward)."""
+        return {**super().__getstate__(), "_prepared": None}
 
     def extra_repr(self) -> str:
         # the buffers, not self.csr: a model whose weight fails its re-check must still print

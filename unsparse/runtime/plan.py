@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,10 +202,22 @@ def _planned_backends() -> set[str]:
 _ACTIVE = Plan()
 
 
+_GENERATION = 0
+
+
 def use_plan(plan: Plan) -> None:
-    """Make ``plan``'s entries visible to the ``"auto"`` backend (merged into the active plan)."""
+    """Make ``plan``'s entries visible to the ``"auto"`` backend (merged into the active plan); moves
+    :func:`plan_generation`."""
+    global _GENERATION
     _ACTIVE.entries.update(plan.entries)
+    _GENERATION += 1
     get_backend("auto").forget()
+
+
+def plan_generation() -> int:
+    """How many times :func:`use_plan` changed the active plan: what was resolved through the ``"auto"`` backend
+    under another generation may name another entry."""
+    return _GENERATION
 
 
 def active_plan() -> Plan:
@@ -284,10 +297,12 @@ class AutoBackend(ConvBackend):
         backend, planned = self.resolve(x, csr, geometry)
         return get_backend(backend).conv(x, csr, bias, geometry, **planned)  # run() converts the output once
 
-    def run(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-            relu: bool = False, max_pool: bool = False, **params: Any) -> torch.Tensor:
-        """The planned backend's :meth:`~unsparse.runtime.backends.base.ConvBackend.run`, so that a layer fused
-        with its ReLU or its max pool gets them in the epilogue of a backend that fuses them; the entry is the fused
-        layer's (:meth:`resolve`)."""
+    def prepare(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+                relu: bool = False, max_pool: bool = False, **params: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The planned backend's :meth:`~unsparse.runtime.backends.base.ConvBackend.prepare` (and so its
+        :meth:`~unsparse.runtime.backends.base.ConvBackend.run`), so that a layer fused with its ReLU or its max pool
+        gets them in the epilogue of a backend that fuses them; the entry is the fused layer's (:meth:`resolve`). A
+        prepared call holds the entry resolved when it was made: :func:`use_plan` moves :func:`plan_generation`, by
+        which ``SparseConv`` knows to prepare again."""
         backend, planned = self.resolve(x, csr, geometry, relu, max_pool)
-        return get_backend(backend).run(x, csr, bias, geometry, relu=relu, max_pool=max_pool, **planned)
+        return get_backend(backend).prepare(x, csr, bias, geometry, relu, max_pool, **planned)

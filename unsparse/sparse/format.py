@@ -61,7 +61,9 @@ def _require_strided(tensor: object, name: str) -> None:
         raise SparseFormatError(f"{name}: expected a dense (strided) torch.Tensor, got {kind}")
 
 
-def _version(tensor: torch.Tensor) -> int:
+def tensor_version(tensor: torch.Tensor) -> int:
+    """``tensor``'s in-place version counter (torch's ``_version``, moved by every in-place edit); -1 for a tensor
+    made under ``torch.inference_mode()``, which has none."""
     return -1 if tensor.is_inference() else tensor._version
 
 
@@ -199,7 +201,7 @@ class UniformCSR:
         """The in-place version counters of ``values`` and ``col_idx`` (torch's ``_version``; -1 for a tensor made
         under ``torch.inference_mode()``, which has none). Every in-place edit moves them, so whatever was derived
         from the weight before (a backend's dense copy or kernel arrays) can be seen to be stale."""
-        return _version(self.values), _version(self.col_idx)
+        return tensor_version(self.values), tensor_version(self.col_idx)
 
     def revalidate(self) -> None:
         """:meth:`validate` again if ``values`` or ``col_idx`` changed in place since the last check (their

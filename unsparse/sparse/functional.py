@@ -8,6 +8,7 @@ dense convolution (cuDNN on CUDA, torch's CPU convolution otherwise) and the rea
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,6 +54,22 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
             would raise a RuntimeError), or for a weight whose tensors were changed in place into an invalid one
             (:meth:`ConvBackend.run` re-checks it).
     """
+    return prepare_sparse_conv(x, csr, bias, geometry, backend, relu, max_pool, **params)(x)
+
+
+def prepare_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+                        backend: str = "reference", relu: bool = False, max_pool: bool = False,
+                        **params: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`sparse_conv` with its checks, the backend's choice (or its dense fallback) and the backend's own
+    preparation (:meth:`~unsparse.runtime.backends.base.ConvBackend.prepare`) done once for ``x``: the returned call
+    ``f(x2)`` equals ``sparse_conv(x2, csr, bias, geometry, backend, relu, max_pool, **params)`` for inputs ``x2`` of
+    ``x``'s shape, dtype, device and layout while ``csr`` and ``bias`` are unchanged and, for ``"auto"``, the plan
+    too (:func:`~unsparse.runtime.plan.plan_generation`). It does not re-check the weight: what keeps it must
+    prepare again when any of these change (``SparseConv.forward`` does).
+
+    Raises:
+        ValueError: as :func:`sparse_conv`.
+    """
     from unsparse.runtime.backends import get_backend
 
     if not x.is_floating_point():
@@ -69,7 +86,7 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
             _LOGGED.add((backend, reason))
             log.warning("backend %s falls back to dense convolution: %s", backend, reason)
         chosen, params = get_backend(dense_fallback_backend(x.device)), {}
-    return chosen.run(x, csr, bias, geometry, relu=relu, max_pool=max_pool, **params)
+    return chosen.prepare(x, csr, bias, geometry, relu=relu, max_pool=max_pool, **params)
 
 
 def conv2d_input(x: torch.Tensor, spatial_dims: int) -> torch.Tensor:
@@ -100,12 +117,33 @@ def sparse_conv_nd(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, 
     Raises:
         ValueError: ``max_pool`` for a 1-D convolution, or what :func:`sparse_conv` raises.
     """
+    return prepare_sparse_conv_nd(x, csr, bias, geometry, backend, relu, max_pool, **params)(x)
+
+
+def prepare_sparse_conv_nd(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+                           backend: str = "reference", relu: bool = False, max_pool: bool = False,
+                           **params: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`sparse_conv_nd` prepared once for inputs like ``x``, as :func:`prepare_sparse_conv` is for
+    :func:`sparse_conv` (the same conditions; an input of another number of dimensions is another input).
+
+    Raises:
+        ValueError: as :func:`sparse_conv_nd`.
+    """
     if max_pool and geometry.spatial_dims != 2:
         raise ValueError("max_pool: a 2x2 max pool follows 2-D convolutions only")
-    out = sparse_conv(conv2d_input(x, geometry.spatial_dims), csr, bias, geometry, backend, relu, max_pool, **params)
-    if geometry.spatial_dims == 1:
-        out = out.squeeze(2)
-    return out.squeeze(0).contiguous() if x.dim() == geometry.spatial_dims + 1 else out
+    spatial_dims = geometry.spatial_dims
+    unbatched = x.dim() == spatial_dims + 1
+    conv = prepare_sparse_conv(conv2d_input(x, spatial_dims), csr, bias, geometry, backend, relu, max_pool, **params)
+    if spatial_dims == 2 and not unbatched:  # conv2d_input(x) is x
+        return conv
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        out = conv(conv2d_input(x, spatial_dims))
+        if spatial_dims == 1:
+            out = out.squeeze(2)
+        return out.squeeze(0).contiguous() if unbatched else out
+
+    return call
 
 
 def sparse_conv2d(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None = None,

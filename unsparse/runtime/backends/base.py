@@ -81,6 +81,44 @@ class ConvBackend(ABC):
             ``(N, M, E, F)`` output of ``x``'s dtype, in the layout the backend computes in.
         """
 
+    def conv_call(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+                  **params: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`conv` with everything but the input bound: a call ``f(x2)`` equal to ``self.conv(x2, csr, bias,
+        geometry, **params)`` for inputs ``x2`` of ``x``'s shape, dtype, device and layout, while ``csr`` and
+        ``bias`` are unchanged (what :meth:`prepare` builds on). Here it calls :meth:`conv`; a backend whose
+        :meth:`conv` resolves per call what a fixed input decides once (a cached weight, the bias's dtype) returns a
+        call that resolved it here."""
+        return lambda x: self.conv(x, csr, bias, geometry, **params)
+
+    def prepare(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+                relu: bool = False, max_pool: bool = False, **params: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`run` resolved once for inputs like ``x``: the weight checked (:meth:`UniformCSR.revalidate`), the
+        bias checked, the fused and unfused parts of the epilogue decided and :meth:`conv_call` bound. The returned
+        call ``f(x2)`` equals ``self.run(x2, csr, bias, geometry, relu, max_pool, **params)`` for inputs ``x2`` of
+        ``x``'s shape, dtype, device and layout while ``csr`` and ``bias`` are unchanged; it does not re-check the
+        weight, so whoever keeps it must prepare again once the weight's :meth:`UniformCSR.versions` or the bias
+        change (``SparseConv`` does: :meth:`~unsparse.runtime.modules.SparseConv.forward`).
+
+        Raises:
+            ValueError: as :meth:`run`.
+        """
+        csr.revalidate()
+        check_bias(bias, csr)
+        fused_relu, fused_pool = relu and self.fuses_relu, max_pool and self.fuses_max_pool
+        conv = self.conv_call(x, csr, bias, geometry, **params, **({"relu": True} if fused_relu else {}),
+                              **({"max_pool": True} if fused_pool else {}))
+        layout = layout_of(x)
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            out = conv(x)
+            if relu and not fused_relu:
+                out = out.relu_()
+            if max_pool and not fused_pool:
+                out = F.max_pool2d(out, 2)
+            return out if layout_of(out) == layout else in_layout(out, layout)
+
+        return call
+
     def run(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
             relu: bool = False, max_pool: bool = False, **params: Any) -> torch.Tensor:
         """:meth:`conv` with the output in ``x``'s layout (:func:`~unsparse.runtime.layout.layout_of`), followed by
@@ -88,7 +126,7 @@ class ConvBackend(ABC):
         with ``fuse_relu``): inside :meth:`conv` for a backend that :attr:`fuses_relu`, else in place on the output;
         then by ``nn.MaxPool2d(2)`` where ``max_pool`` (``fuse_max_pool``; the output ``(N, M, E // 2, F // 2)``):
         inside :meth:`conv` for a backend that :attr:`fuses_max_pool`, else ``F.max_pool2d`` on the output (a ReLU
-        and a max pool commute, so either may be fused without the other).
+        and a max pool commute, so either may be fused without the other). It is :meth:`prepare` called on ``x``.
 
         What models, the comparator and the timings call: a model fed a channels-last input stays in
         channels-last, and a backend that computes in NCHW pays its conversions inside the measured call. An
@@ -102,17 +140,7 @@ class ConvBackend(ABC):
             ValueError: a bias that is not ``(M,)`` (:func:`check_bias`), ``SparseFormatError`` for such a weight,
                 or the backend's own errors.
         """
-        csr.revalidate()
-        check_bias(bias, csr)
-        fused_relu, fused_pool = relu and self.fuses_relu, max_pool and self.fuses_max_pool
-        out = self.conv(x, csr, bias, geometry, **params, **({"relu": True} if fused_relu else {}),
-                        **({"max_pool": True} if fused_pool else {}))
-        if relu and not fused_relu:
-            out = out.relu_()
-        if max_pool and not fused_pool:
-            out = F.max_pool2d(out, 2)
-        layout = layout_of(x)
-        return out if layout_of(out) == layout else in_layout(out, layout)
+        return self.prepare(x, csr, bias, geometry, relu, max_pool, **params)(x)
 
 
 T = TypeVar("T")

@@ -7,6 +7,7 @@ torch's own CPU convolution, reported as ``dense_cpu`` so that no CPU figure is 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ class DenseBackend(ConvBackend):
         backend that :attr:`fuses_relu`, :class:`CudnnBackend`) the convolution, its bias and the ReLU that follows
         the layer in one cuDNN call, ``torch.cudnn_convolution_relu`` (cuDNN's runtime fusion), which saves the bias
         and ReLU passes of ``F.conv2d`` then ``relu``: 6.4 of the 14.8 ms of VGG16's dense FP16 channels-last forward
-        at batch 128 on the H200 (``kernels/NOTES.md``, forty-first session).
+        at batch 128 on the H200 (``kernels/NOTES.md``, forty-first session). It is :meth:`conv_call` called on ``x``.
 
         Args:
             memory_format: ``"contiguous"`` (NCHW) or ``"channels_last"`` (NHWC): input and weight are converted
@@ -57,24 +58,36 @@ class DenseBackend(ConvBackend):
                 than the dilated kernel (:meth:`ConvGeometry.output_size`, asked only once torch has refused it, so
                 that no call pays for the check), as the sparse backends raise it.
         """
+        return self.conv_call(x, csr, bias, geometry, memory_format, relu, **params)(x)
+
+    def conv_call(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+                  memory_format: str | None = None, relu: bool = False,
+                  **params: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`conv` for inputs like ``x`` with the layout, the dense weight and the bias (cast to ``x``'s dtype)
+        resolved once (:meth:`~unsparse.runtime.backends.base.ConvBackend.conv_call`); raises as :meth:`conv`."""
         layout = layout_of(x) if memory_format is None else MEMORY_FORMATS.get(memory_format)
         if layout is None:
             raise ValueError(f"memory_format: unknown {memory_format!r}, expected one of {sorted(MEMORY_FORMATS)}")
-        weight = self.dense_weight(csr, x.dtype, layout)
-        if x.device.type == "cuda":
-            torch.backends.cudnn.benchmark = True
-        arguments = (in_layout(x, layout), weight, None if bias is None else bias.to(x.dtype), geometry.stride,
-                     geometry.padding, geometry.dilation, geometry.groups)
-        try:
-            if relu:
-                fused = self._fused_relu(*arguments)
-                if fused is not None:
-                    return fused
-            out = F.conv2d(*arguments)
-            return out.relu_() if relu else out
-        except RuntimeError:
-            geometry.output_size(*x.shape[2:], csr.kernel_size)  # an input smaller than the kernel: as the others say
-            raise
+        arguments = (self.dense_weight(csr, x.dtype, layout), None if bias is None else bias.to(x.dtype),
+                     geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
+        cuda = x.device.type == "cuda"
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            if cuda:
+                torch.backends.cudnn.benchmark = True
+            x = in_layout(x, layout)
+            try:
+                if relu:
+                    fused = self._fused_relu(x, *arguments)
+                    if fused is not None:
+                        return fused
+                out = F.conv2d(x, *arguments)
+                return out.relu_() if relu else out
+            except RuntimeError:
+                geometry.output_size(*x.shape[2:], csr.kernel_size)  # an input smaller than the kernel: as the others
+                raise
+
+        return call
 
     def _fused_relu(self, *arguments: Any) -> torch.Tensor | None:
         """``torch.cudnn_convolution_relu(*arguments)``, or None where cuDNN refuses it (its runtime fusion covers

@@ -471,14 +471,31 @@ class DirectBackend(ConvBackend):
             ValueError: for a variant this layer does not support, indices that fail validation, or a bias that is
                 not ``(M,)`` (:func:`~unsparse.runtime.backends.base.check_bias`).
         """
+        return self.conv_call(x, csr, bias, geometry, relu, **params)(x)
+
+    def conv_call(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+                  relu: bool = False, **params: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`conv` for inputs like ``x`` with the :class:`PreparedCall` and the bias (``x``'s dtype, contiguous)
+        resolved once (:meth:`~unsparse.runtime.backends.base.ConvBackend.conv_call`). The setting was prepared for
+        ``x``'s 16-byte alignment (:func:`~unsparse.runtime.launch_geometry.vector_aligned`), which the shape does not
+        fix: an input of the other alignment is resolved again. Raises as :meth:`conv`."""
         check_bias(bias, csr)
         x = x.contiguous()
         if csr.out_channels == 0 or x.shape[0] == 0:  # E, F >= 1 (output_size raises otherwise)
-            return torch.empty(x.shape[0], csr.out_channels, *self._out_hw(x, csr, geometry), dtype=x.dtype,
-                               device=x.device)
-        key = ("call", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), lg.vector_aligned(x), relu)
+            shape = (x.shape[0], csr.out_channels, *self._out_hw(x, csr, geometry))
+            return lambda x: torch.empty(shape, dtype=x.dtype, device=x.device)
+        aligned = lg.vector_aligned(x)
+        key = ("call", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), aligned, relu)
         prepared = self._arrays(csr, key, lambda: self._prepare(x, csr, geometry, params, relu))
-        return prepared(x, None if bias is None else bias.to(x.dtype).contiguous())
+        bias = None if bias is None else bias.to(x.dtype).contiguous()
+
+        def call(x: torch.Tensor) -> torch.Tensor:
+            x = x.contiguous()
+            if lg.vector_aligned(x) != aligned:
+                return self.conv_call(x, csr, bias, geometry, relu, **params)(x)
+            return prepared(x, bias)
+
+        return call
 
 
 @register_backend
