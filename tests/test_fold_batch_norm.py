@@ -93,14 +93,16 @@ def test_folding_keeps_each_rows_pattern_and_scales_its_values() -> None:
 
 @pytest.mark.parametrize("name", ["vgg_small", "resnet_small"])
 def test_the_small_models_fold_and_then_fuse_their_relus(name: str) -> None:
-    """In a conv, BatchNorm, ReLU Sequential the folded BatchNorm leaves an Identity the ReLU fusion steps over."""
+    """In a conv, BatchNorm, ReLU Sequential the folded BatchNorm leaves an Identity the ReLU fusion steps over; so it
+    does before a block's residual add."""
     dense = pruned(create_model(name, width=8))
     x = torch.randn(2, 1, 28, 28)
     reference = float64_output(dense, x)
     sparse = sparsify(dense, fold_batch_norm=True, fuse_relu=True)
     layers = sparse_layers(sparse)
     assert len(getattr(sparse, FOLDED_ATTRIBUTE)) == len(layers)
-    assert sum(layer.relu for layer in layers.values()) == (6 if name == "vgg_small" else 4)
+    assert sum(layer.relu for layer in layers.values()) == (6 if name == "vgg_small" else 7)
+    assert sum(layer.residual for layer in layers.values()) == (0 if name == "vgg_small" else 3)  # block ends
     torch.testing.assert_close(float64_output(sparse, x), reference, rtol=1e-10, atol=1e-10)
 
 

@@ -90,25 +90,34 @@ class Inception(nn.Module):
         return torch.cat([self.branch1(x), self.branch2(x)], 1)
 
 
-def test_a_bottleneck_fuses_the_relus_after_its_first_two_convs_not_the_one_after_the_add() -> None:
+def test_a_bottleneck_fuses_the_relus_after_its_first_two_convs_and_the_add_and_relu_after_its_third() -> None:
     model = randomised_(Bottleneck())
     x = torch.randn(2, 4, 7, 6, dtype=torch.float64)
     fused = sparsify(model, fold_batch_norm=True, fuse_relu=True)
     assert isinstance(fused, FusedGraphModule) and not fused.training
-    assert relu_layers(fused) == ["conv1", "conv2"]
+    assert relu_layers(fused) == ["conv1", "conv2", "conv3"]
+    assert [name for name, layer in sparse_layers(fused).items() if layer.residual] == ["conv3"]
     assert getattr(fused, FOLDED_ATTRIBUTE) == ["conv1", "conv2", "conv3"]
-    assert [node.target for node in fused.graph.nodes if node.target == "relu"] == ["relu"]  # the add's stays
+    assert not [node for node in fused.graph.nodes if node.target == "relu" or node.op == "call_function"]
+    (conv3,) = [node for node in fused.graph.nodes if node.target == "conv3"]
+    assert [arg.op for arg in conv3.args] == ["call_module", "placeholder"]  # conv2's output and the block's input
     torch.testing.assert_close(output(fused, x), output(model, x), rtol=1e-12, atol=1e-12)
+    unfused = sparsify(model, fold_batch_norm=True)
+    refused, names = fuse_relu(unfused)
+    assert names == ["conv1", "conv2", "conv3"] and refused.conv3 is not unfused.conv3  # a copy takes the residual
+    assert not unfused.conv3.residual and not unfused.conv3.relu  # the model's own layer is called with one argument
+    torch.testing.assert_close(output(unfused, x), output(model, x), rtol=1e-12, atol=1e-12)
 
 
-def test_resnet18_fuses_the_stem_and_each_block_s_first_conv() -> None:
+def test_resnet18_fuses_the_stem_each_block_s_first_conv_and_its_second_with_the_residual_add() -> None:
     from torchvision.models import resnet18
 
     model = randomised_(resnet18(weights=None, num_classes=10))
     x = torch.randn(1, 3, 40, 40, dtype=torch.float64)
     fused = sparsify(model, fold_batch_norm=True, fuse_relu=True)
-    blocks = [f"layer{stage}.{block}.conv1" for stage in range(1, 5) for block in range(2)]
+    blocks = [f"layer{stage}.{block}.conv{conv}" for stage in range(1, 5) for block in range(2) for conv in (1, 2)]
     assert relu_layers(fused) == ["conv1", *blocks]
+    assert [name for name, layer in sparse_layers(fused).items() if layer.residual] == blocks[1::2]
     assert list(sparse_layers(fused)) == [name for name, module in model.named_modules()
                                           if isinstance(module, nn.Conv2d)]  # the qualified names stay
     torch.testing.assert_close(output(fused, x), output(model, x), rtol=1e-10, atol=1e-10)
@@ -265,7 +274,8 @@ def test_the_spec_and_the_folded_names_survive_the_rewrite_a_deep_copy_and_torch
         assert getattr(kept, FOLDED_ATTRIBUTE) == ["conv1", "conv2", "conv3"]
     x = torch.randn(1, 4, 5, 5, dtype=torch.float64)
     for copied in (copy.deepcopy(fused), loaded):
-        assert relu_layers(copied) == ["conv1", "conv2"] and copied.conv1 is not fused.conv1
+        assert relu_layers(copied) == ["conv1", "conv2", "conv3"] and copied.conv1 is not fused.conv1
+        assert copied.conv3.residual
         torch.testing.assert_close(output(copied, x), output(model, x), rtol=1e-12, atol=1e-12)
 
 
@@ -285,9 +295,10 @@ def test_the_dense_baseline_fuses_a_folded_resnet18_and_leaves_the_model_alone()
     fold_batch_norm_(folded)
     before = [type(module) for module in folded.modules()]
     fused, count = fuse_dense_conv_relu(folded)
-    assert count == 9 and [type(module) for module in folded.modules()] == before
+    assert count == 17 and [type(module) for module in folded.modules()] == before
     assert [name for name, module in fused.named_modules() if isinstance(module, ConvBiasReLU)] == [
-        "conv1", *(f"layer{stage}.{block}.conv1" for stage in range(1, 5) for block in range(2))]
+        "conv1", *(f"layer{stage}.{block}.conv{conv}" for stage in range(1, 5) for block in range(2)
+                   for conv in (1, 2))]
     assert not any(isinstance(module, SparseConv) for module in fused.modules())
     torch.testing.assert_close(output(fused, x), reference, rtol=1e-10, atol=1e-10)
     assert fuse_dense_conv_relu(model)[1] == 0  # unfolded, a BatchNorm reads each conv's output

@@ -40,14 +40,15 @@ def trained_like(name: str) -> nn.Module:
 @pytest.mark.parametrize("name", ["vgg_small", "resnet_small"])
 def test_a_folded_and_fused_sparse_model_matches_the_unfolded_model(name: str, dtype: torch.dtype,
                                                                      backend: str) -> None:
-    """Every BatchNorm folded and every ReLU after one fused, each backend: the output within 10x the dtype's
-    tolerance of the unfolded dense model in float64."""
+    """Every BatchNorm folded and every ReLU after one fused (with the residual add before it at a block's end),
+    each backend: the output within 10x the dtype's tolerance of the unfolded dense model in float64."""
     model = trained_like(name)
     x = torch.randn(5, 1, 28, 28)
     expected = model.double()(x.double()).detach()
     sparse = set_backend(sparsify(model.to(CUDA, dtype), fold_batch_norm=True, fuse_relu=True), backend)
     assert len(getattr(sparse, FOLDED_ATTRIBUTE)) == (6 if name == "vgg_small" else 9)
-    assert sum(layer.relu for layer in sparse_layers(sparse).values()) == (6 if name == "vgg_small" else 4)
+    assert sum(layer.relu for layer in sparse_layers(sparse).values()) == (6 if name == "vgg_small" else 7)
+    assert sum(layer.residual for layer in sparse_layers(sparse).values()) == (0 if name == "vgg_small" else 3)
     with precision_mode(False), torch.no_grad():
         out = sparse(x.to(CUDA, dtype)).cpu()
     assert relative_error(out, expected) <= 10 * tolerance(dtype)
@@ -56,9 +57,10 @@ def test_a_folded_and_fused_sparse_model_matches_the_unfolded_model(name: str, d
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_resnets_shared_relu_fuses_into_direct_and_cudnn_after_folding(dtype: torch.dtype) -> None:
     """torchvision's ResNet-18 (one shared ``nn.ReLU`` per block, called after ``bn1``, ``bn2`` and the residual
-    add), BatchNorms folded: the stem's and each block's ``conv1`` take their ReLU through the FX graph (9 layers),
-    in the ``direct`` kernels' epilogue, and the dense baseline's convolutions likewise in cuDNN's fused call; both
-    within 10x the dtype's tolerance of the unfolded model in float64."""
+    add), BatchNorms folded: the stem's and each block's ``conv1`` take their ReLU through the FX graph, in the
+    ``direct`` kernels' epilogue, and each block's ``conv2`` the residual add and the ReLU after it (17 layers); the
+    dense baseline's convolutions likewise in cuDNN's fused calls; both within 10x the dtype's tolerance of the
+    unfolded model in float64."""
     torch.manual_seed(5)
     model = bench.magnitude_prune_(torchvision.models.resnet18(weights=None), 0.8)
     for module in model.modules():
@@ -71,13 +73,15 @@ def test_resnets_shared_relu_fuses_into_direct_and_cudnn_after_folding(dtype: to
     expected = model.double()(x.double()).detach()
     sparse = set_backend(sparsify(model.to(CUDA, dtype), fold_batch_norm=True, fuse_relu=True), "direct")
     fused = [name for name, layer in sparse_layers(sparse).items() if layer.relu]
-    assert fused == ["conv1"] + [f"layer{stage}.{block}.conv1" for stage in range(1, 5) for block in range(2)]
+    assert fused == ["conv1"] + [f"layer{stage}.{block}.conv{conv}" for stage in range(1, 5) for block in range(2)
+                                 for conv in (1, 2)]
+    assert [name for name in fused if sparse_layers(sparse)[name].residual] == fused[2::2]
     with precision_mode(False), torch.no_grad():
         out = sparse(x.to(CUDA, dtype)).cpu()
         dense_out = model(x.to(CUDA, dtype))
         record = dense_fused_timings(model, x.to(CUDA, dtype), dense_out, 3, 10 * tolerance(dtype), True)
     assert relative_error(out, expected) <= 10 * tolerance(dtype)
-    assert record["dense_fused_convs"] == 9 and record["dense_fused_rel_error"] <= 10 * tolerance(dtype)
+    assert record["dense_fused_convs"] == 17 and record["dense_fused_rel_error"] <= 10 * tolerance(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -594,9 +594,10 @@ def _dense_fused_cell(record: dict[str, Any]) -> str:
 
 
 def _fusion_text(record: dict[str, Any]) -> str:
-    """The end-to-end row's note on folded BatchNorms, fused ReLUs and max pools: how many, and the same plan unfused
-    timed in the same run."""
+    """The end-to-end row's note on folded BatchNorms, fused ReLUs, residual adds and max pools: how many, and the
+    same plan unfused timed in the same run."""
     fused = [f"{what} fused into {record[field]} convs" for what, field in (("ReLU", "fused_relu"),
+                                                                            ("residual add", "fused_residual"),
                                                                             ("max pool", "fused_max_pool"))
              if record.get(field)]
     folded = [_fold_text(record)] if _shows_folds(record) else []

@@ -99,10 +99,12 @@ def reference_output(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None
                     geometry.padding, geometry.dilation, geometry.groups)
 
 
-def with_epilogue(out: torch.Tensor, relu: bool, max_pool: bool) -> torch.Tensor:
-    """``out`` (``(n, M, E, F)``) through what a fused layer applies after its convolution: ``torch.relu`` where
-    ``relu``, then ``F.max_pool2d(., 2)`` where ``max_pool`` (``(n, M, E // 2, F // 2)``); a new tensor or ``out``
+def with_epilogue(out: torch.Tensor, relu: bool, max_pool: bool, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """``out`` (``(n, M, E, F)``) through what a fused layer applies after its convolution: ``+ residual`` where
+    given (of ``out``'s shape, or one that broadcasts to it), ``torch.relu`` where ``relu``, then
+    ``F.max_pool2d(., 2)`` where ``max_pool`` (``(n, M, E // 2, F // 2)``); a new tensor or ``out``
     itself, never modified."""
+    out = out if residual is None else out + residual
     out = torch.relu(out) if relu else out
     return F.max_pool2d(out, 2) if max_pool else out
 
@@ -255,7 +257,7 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
                   backends: list[str] | None = None, runs: int = MIN_RUNS, warmup: int = 3,
                   screen_runs: int = 3, keep: int = 3, tol: float | None = None,
                   timing: str = "eager", baseline: bool = False, relu: bool = False,
-                  max_pool: bool = False) -> LayerComparison:
+                  max_pool: bool = False, residual: torch.Tensor | None = None) -> LayerComparison:
     """Compare backends on one layer (DESIGN.md, Runtime and comparator).
 
     Args:
@@ -268,6 +270,9 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
             (:meth:`~unsparse.runtime.backends.base.ConvBackend.run`), so a plan chooses by what the model runs, and
             the key carries them (:func:`~unsparse.runtime.plan.layer_key`). The baseline stays the convolution
             alone.
+        residual: the layer is fused with a residual add before its ReLU (``SparseConv.residual``): every setting
+            is checked and timed adding this tensor (the one the model's forward gave the layer; the same tensor in
+            every timed call, while the inputs rotate), and the key says ``residual``.
         backends: names to try; default every backend available on ``x``'s device except those in
             :data:`COMPARED_BY_DEFAULT_EXCLUDES`.
         runs, warmup: full timing of each backend's ``keep`` best settings (runs >= 1; the protocol wants
@@ -296,12 +301,15 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
     epilogue = {"relu": relu, "max_pool": max_pool}
     with torch.no_grad():
         ref = reference_output(x, csr, bias, geometry, images)
+        checked = with_epilogue(ref, **epilogue, residual=None if residual is None else residual[images].double())
         inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(x.device)))
-        result = LayerComparison(layer_key(x, csr, geometry, **epilogue), layout=layout_of(x))
+        result = LayerComparison(layer_key(x, csr, geometry, **epilogue, residual=residual is not None),
+                                 layout=layout_of(x))
+        if residual is not None:
+            epilogue["residual"] = residual
         for name in names:
-            measured, seconds = _measure_backend(name, inputs, csr, bias, geometry, with_epilogue(ref, **epilogue),
-                                                 images, bound, runs, warmup, screen_runs, keep, timing == "graph",
-                                                 epilogue)
+            measured, seconds = _measure_backend(name, inputs, csr, bias, geometry, checked, images, bound, runs,
+                                                 warmup, screen_runs, keep, timing == "graph", epilogue)
             result.measurements += measured
             if seconds is not None:
                 result.compile_s[name] = seconds
@@ -316,10 +324,10 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
 def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bias: torch.Tensor | None,
                      geometry: ConvGeometry, ref: torch.Tensor, images: list[int], bound: float, runs: int,
                      warmup: int, screen_runs: int, keep: int, graphs: bool,
-                     epilogue: dict[str, bool]) -> tuple[list[Measurement], float | None]:
-    """The measurements of backend ``name``, each setting run with ``epilogue`` (``relu`` and ``max_pool`` of
-    :meth:`~unsparse.runtime.backends.base.ConvBackend.run`; ``ref`` is the reference through them), and the
-    seconds its ``precompile`` took (None without one)."""
+                     epilogue: dict[str, Any]) -> tuple[list[Measurement], float | None]:
+    """The measurements of backend ``name``, each setting run with ``epilogue`` (``relu``, ``max_pool`` and
+    ``residual`` of :meth:`~unsparse.runtime.backends.base.ConvBackend.run`; ``ref`` is the reference through them),
+    and the seconds its ``precompile`` took (None without one)."""
     backend = get_backend(name)
     x = inputs[0]
     reason = backend.unsupported_reason(x, csr, geometry)
@@ -382,7 +390,8 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
 
     One forward pass runs the layers on their dense fallback; before each sparse layer runs, its actual
     input is compared with :func:`compare_layer` unless its key is already in ``plan`` (plan reuse). A layer fused
-    with its ReLU or its max pool (``SparseConv.relu``, ``max_pool``) is compared with them and keyed so
+    with its ReLU or its max pool (``SparseConv.relu``, ``max_pool``), or with a residual add before its ReLU
+    (``SparseConv.residual``, with the residual the forward gives it), is compared with them and keyed so
     (``epilogue=``), its entry apart from the same layer's unfused one.
     The resulting plan is activated (:func:`~unsparse.runtime.plan.use_plan`); each layer's key is left in
     its ``plan_key`` attribute. A layer that none of the compared backends computes correctly (e.g. ``backends``
@@ -406,13 +415,13 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
     plan = plan if plan is not None else Plan()
     comparisons: list[LayerComparison] = []
 
-    def before(layer: SparseConv, x: torch.Tensor) -> None:
+    def before(layer: SparseConv, x: torch.Tensor, residual: torch.Tensor | None = None) -> None:
         epilogue = {"relu": layer.relu, "max_pool": layer.max_pool}
-        key = layer_key(x, layer.csr, layer.geometry, **epilogue)
+        key = layer_key(x, layer.csr, layer.geometry, **epilogue, residual=residual is not None)
         layer.plan_key = key
         if plan.get(key) is None:
             comparison = compare_layer(x, layer.csr, layer.bias, layer.geometry, backends, **epilogue,
-                                       **compare_kwargs)
+                                       residual=residual, **compare_kwargs)
             comparisons.append(comparison)
             if comparison.chosen() is not None:
                 plan.entries[key] = comparison.plan_entry()

@@ -10,18 +10,24 @@ call, to time beside the eager one (Escoin paper 000 §5 and UnSparse-Opt paper 
 convolution alone; this is the dense model a deployment could run instead). It rewrites the model's FX graph
 (:func:`~unsparse.runtime.graph_fusion.fuse_following_relu`), so besides VGG's ``nn.Sequential`` of conv and ReLU it
 fuses ResNet's and GoogLeNet's conv, BatchNorm, ReLU calls once the BatchNorms are folded into the convolutions
-(:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`).
+(:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`). A convolution whose output a residual add reads,
+the add's sum then read by a ReLU (the end of each of ResNet's blocks), runs convolution, bias, add and ReLU in one
+cuDNN call, ``torch.cudnn_convolution_add_relu``, as the planned model's ``cudnn`` layers do.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 
 import torch
 from torch import nn
 from torch.nn.modules.conv import _ConvNd
 
 from unsparse.runtime.graph_fusion import LeafTracer, fuse_following_relu
+from unsparse.runtime.layout import in_layout, layout_of
+
+log = logging.getLogger(__name__)
 
 
 def fusion_refusal(conv: nn.Module) -> str | None:
@@ -39,10 +45,15 @@ def fusion_refusal(conv: nn.Module) -> str | None:
 
 class ConvBiasReLU(nn.Module):
     """An ``nn.Conv2d`` and the ``nn.ReLU`` after it as one cuDNN call on CUDA (``torch.cudnn_convolution_relu``:
-    ``relu(conv2d(x, weight) + bias)``), elsewhere the convolution then ``torch.relu`` (the same function).
+    ``relu(conv2d(x, weight) + bias)``), elsewhere the convolution then ``torch.relu`` (the same function). Called
+    with a residual too, the convolution, a residual add and the ReLU after it: ``relu(conv2d(x, weight) + bias +
+    residual)`` in one cuDNN call on CUDA (``torch.cudnn_convolution_add_relu``, the residual converted to ``x``'s
+    layout; where cuDNN refuses it, or for a residual of another shape or dtype, the convolution, the add and the
+    ReLU, logged once per message), elsewhere the same three in turn.
 
-    Shapes as the convolution's: input ``(N, C, H, W)`` in either layout, output ``(N, M, E, F)``; the weight and
-    bias are the convolution's own parameters (shared, not copied).
+    Shapes as the convolution's: input ``(N, C, H, W)`` in either layout, output ``(N, M, E, F)``, a residual of the
+    output's shape (or one that broadcasts to it); the weight and bias are the convolution's own parameters
+    (shared, not copied).
 
     Raises:
         ValueError: naming ``conv``, for a convolution :func:`fusion_refusal` refuses.
@@ -55,12 +66,27 @@ class ConvBiasReLU(nn.Module):
             raise ValueError(f"conv: {reason}")
         self.conv = conv
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         conv = self.conv
         if x.device.type != "cuda":
-            return torch.relu(conv(x))
-        return torch.cudnn_convolution_relu(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation,
-                                            conv.groups)
+            return torch.relu(conv(x) if residual is None else conv(x) + residual)
+        if residual is None:
+            return torch.cudnn_convolution_relu(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation,
+                                                conv.groups)
+        try:
+            return torch.cudnn_convolution_add_relu(x, conv.weight, in_layout(residual, layout_of(x)), 1.0, conv.bias,
+                                                    conv.stride, conv.padding, conv.dilation, conv.groups)
+        except RuntimeError as error:  # no fused engine, or a residual of another shape or dtype
+            message = str(error).splitlines()[0] if str(error) else type(error).__name__
+            if message not in _REFUSALS:
+                _REFUSALS.add(message)
+                log.warning("ConvBiasReLU: cuDNN's fused convolution, bias, residual add and ReLU refused (%s); the "
+                            "convolution, then the add and the ReLU", message)
+            return torch.relu(conv(x) + residual)
+
+
+_REFUSALS: set[str] = set()
+"""The messages of cuDNN's refusals :class:`ConvBiasReLU` has logged."""
 
 
 def fuse_dense_conv_relu(model: nn.Module) -> tuple[nn.Module, int]:
@@ -71,15 +97,18 @@ def fuse_dense_conv_relu(model: nn.Module) -> tuple[nn.Module, int]:
     ``torch.relu`` or the tensor method, after the convolution or after ``nn.Identity`` modules, which a BatchNorm
     folded by :func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_` leaves; ``model`` is not modified.
     Convolutions :func:`fusion_refusal` refuses, and those the graph rewrite leaves (called twice, read elsewhere too,
-    with hooks; every one of a model FX cannot trace), stay as they are, with their ReLU.
+    with hooks; every one of a model FX cannot trace), stay as they are, with their ReLU. So is every convolution
+    whose output (past such Identity modules) is one operand of a residual add whose sum a ReLU alone reads: it
+    becomes a :class:`ConvBiasReLU` called with the add's other operand (the graph rewrite's ``fuse_residual``).
 
     Returns:
         The copy (an ``fx.GraphModule`` where a convolution fused, holding the copy's modules under their qualified
-        names) and how many convolutions it fuses (VGG16: 13; ResNet-18 with its BatchNorms folded: 9, the stem and
-        each block's first convolution: the others feed the residual add).
+        names) and how many convolutions it fuses (VGG16: 13; ResNet-18 with its BatchNorms folded: 17, the stem,
+        each block's first convolution and, with the residual add, each block's second: the downsample convolutions
+        feed the add as the residual).
     """
     def fuse(name: str, conv: nn.Module) -> nn.Module | None:
         return ConvBiasReLU(conv).train(conv.training) if fusion_refusal(conv) is None else None
 
-    fused, names = fuse_following_relu(copy.deepcopy(model), LeafTracer((_ConvNd,)), fuse)
+    fused, names = fuse_following_relu(copy.deepcopy(model), LeafTracer((_ConvNd,)), fuse, fuse)
     return fused, len(names)

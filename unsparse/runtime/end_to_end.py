@@ -99,7 +99,10 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     With ``fuse_relu`` the sparse copies fuse each conv with the ReLU that alone reads its output, through the copy's
     FX graph (:func:`~unsparse.runtime.modules.fuse_relu`: VGG's ``nn.ReLU`` modules, and with ``fold_batch_norm``
     ``"all"`` ResNet's and GoogLeNet's conv, BatchNorm, ReLU calls; ``fused_relu`` counts the layers), which a backend
-    that fuses it applies in its epilogue; the dense model runs as PyTorch runs it, ReLU apart. With
+    that fuses it applies in its epilogue; and each conv whose output a residual add reads, the add's sum then read by
+    a ReLU alone, with that add and ReLU (the end of ResNet's blocks; ``fused_residual`` counts them, among
+    ``fused_relu``), which ``cudnn`` runs in one call (``ConvBackend.fuses_residual_relu``); the dense model runs as
+    PyTorch runs it, ReLU apart. With
     ``fuse_max_pool`` they fuse the 2x2 max pool after a conv in an ``nn.Sequential`` too
     (:func:`~unsparse.runtime.modules.fuse_max_pool_`, past the ReLU, before the ReLUs fuse; ``fused_max_pool``
     counts the layers). The per-layer comparisons time each fused layer with what it is fused with
@@ -194,6 +197,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "tolerance": bound, "layers_planned_now": len(comparisons) + len(comparisons_nhwc),
             "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
             "fused_relu": sum(layer.relu for layer in sparse_layers(sparse).values()),
+            "fused_residual": sum(layer.residual for layer in sparse_layers(sparse).values()),
             "fused_max_pool": sum(layer.max_pool for layer in sparse_layers(sparse).values()),
             "fold_batch_norm": fold_batch_norm, "folded_batch_norm": len(folded),
             "folded_batch_norm_nhwc": len(getattr(sparse_nhwc, FOLDED_ATTRIBUTE, [])),

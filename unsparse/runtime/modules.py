@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -32,7 +33,17 @@ class PreparedForward(NamedTuple):
     signature: tuple
     params: dict[str, Any]
     tensors: tuple[torch.Tensor | None, ...]
-    call: Callable[[torch.Tensor], torch.Tensor]
+    call: Callable[..., torch.Tensor]
+
+
+def _describe(residual: Any) -> tuple | None:
+    """What a prepared call depends on of a residual: a tensor's shape, strides, dtype and device (another object's
+    type: the add then follows Python's ``+``); None for none."""
+    if residual is None:
+        return None
+    if isinstance(residual, torch.Tensor):
+        return residual.shape, residual.stride(), residual.dtype, residual.device
+    return (type(residual),)
 
 
 class SparseConv(nn.Module):
@@ -49,8 +60,12 @@ class SparseConv(nn.Module):
         max_pool: then apply the ``nn.MaxPool2d(2)`` that followed (:func:`fuse_max_pool_`; 2-D only), likewise in
             the epilogue of a backend that fuses it (``ConvBackend.fuses_max_pool``): the output is then
             ``(N, M, E // 2, F // 2)``.
+        residual: the forward takes a second argument, the residual that a residual block added to the conv's output
+            before its ReLU (:func:`fuse_relu`, which sets ``relu`` too), and adds it before the ReLU: in the
+            backend's call where it fuses both (``ConvBackend.fuses_residual_relu``), else in passes after it.
 
-    Forward: ``(N, C, H, W)`` -> ``(N, M, E, F)`` for 2-D, in the input's layout (NCHW or channels-last);
+    Forward: ``(N, C, H, W)`` (and, with ``residual``, a residual ``(N, M, E, F)`` or one that broadcasts to it) ->
+    ``(N, M, E, F)`` for 2-D, in the input's layout (NCHW or channels-last);
     ``(N, C, L)`` -> ``(N, M, L_out)`` for 1-D, always contiguous (a transposed ``(N, L, C)`` input is copied).
     Unbatched inputs ``(C, H, W)`` / ``(C, L)``, as ``nn.Conv2d``/``nn.Conv1d`` accept, run as a batch of one.
 
@@ -63,7 +78,7 @@ class SparseConv(nn.Module):
 
     def __init__(self, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
                  backend: str = "reference", backend_params: dict[str, Any] | None = None, relu: bool = False,
-                 max_pool: bool = False) -> None:
+                 max_pool: bool = False, residual: bool = False) -> None:
         super().__init__()
         if max_pool and geometry.spatial_dims != 2:
             raise ValueError("max_pool: a 2x2 max pool follows 2-D convolutions only")
@@ -81,6 +96,7 @@ class SparseConv(nn.Module):
         self.backend_params = dict(backend_params or {})
         self.relu = relu
         self.max_pool = max_pool
+        self.residual = residual
         self._csr: UniformCSR | None = None
         self._prepared: PreparedForward | None = None
 
@@ -116,24 +132,30 @@ class SparseConv(nn.Module):
         """The 4-D input the backends see for ``x`` (:func:`~unsparse.sparse.functional.conv2d_input`)."""
         return conv2d_input(x, self.geometry.spatial_dims)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The convolution of ``x`` through a call prepared once per input signature and module state
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The convolution of ``x`` (plus ``residual`` before the ReLU, for a layer fused with a residual add: given
+        exactly when :attr:`residual` is set) through a call prepared once per input signature and module state
         (:func:`~unsparse.sparse.functional.prepare_sparse_conv_nd`: the checks, the backend's or the plan's choice,
         the backend's weight copy and bias cast), so that an eager forward pays little more host time than
         ``nn.Conv2d`` does. It is prepared again, and the weight re-checked (:attr:`csr`), when any of these
-        changed since: the input's shape, strides, dtype or device; the buffers or the bias (replaced, or edited in
+        changed since: the input's (and the residual's) shape, strides, dtype or device; the buffers or the bias
+        (replaced, or edited in
         place: their version counters); ``backend``, ``backend_params``, ``relu``, ``max_pool``, ``geometry``; the
         active plan (:func:`~unsparse.runtime.plan.plan_generation`) and, for a float32 CUDA input, the TF32 flags
         (both part of the plan's key, :func:`~unsparse.runtime.plan.precision_tag`).
 
         Raises:
-            ValueError: as :func:`~unsparse.sparse.functional.sparse_conv_nd`.
+            ValueError: a residual given to a layer without :attr:`residual` or missing for one with it, or as
+                :func:`~unsparse.sparse.functional.sparse_conv_nd`.
         """
+        if (residual is not None) != self.residual:
+            raise ValueError(f"residual: {'missing for' if self.residual else 'given to'} a layer "
+                             f"{'fused' if self.residual else 'not fused'} with a residual add")
         buffers = self._buffers
         values, col_idx, bias = buffers["values"], buffers["col_idx"], self._parameters["bias"]
         signature = (x.shape, x.stride(), x.dtype, x.device, self.backend, self.relu, self.max_pool, self.geometry,
                      id(values), id(col_idx), id(bias), tensor_version(values), tensor_version(col_idx),
-                     None if bias is None else tensor_version(bias))
+                     None if bias is None else tensor_version(bias), _describe(residual))
         if self.backend == "auto":  # what the plan's entry depends on besides the input and the layer
             signature += (plan_generation(),)
             if x.is_cuda and x.dtype == torch.float32:  # the flags a float32 CUDA key has (precision_tag)
@@ -141,10 +163,10 @@ class SparseConv(nn.Module):
         prepared = self._prepared
         if prepared is None or prepared.signature != signature or prepared.params != self.backend_params:
             call = prepare_sparse_conv_nd(x, self.csr, bias, self.geometry, self.backend, self.relu, self.max_pool,
-                                          **self.backend_params)
+                                          residual, **self.backend_params)
             prepared = PreparedForward(signature, dict(self.backend_params), (values, col_idx, bias), call)
             self._prepared = prepared
-        return prepared.call(x)
+        return prepared.call(x, residual)
 
     def __getstate__(self) -> dict[str, Any]:
         """The module's state without its prepared call (a copy prepares its own on its first forward)."""
@@ -155,7 +177,8 @@ class SparseConv(nn.Module):
         total = math.prod(self.weight_shape)
         sparsity = 1.0 - int((self.values != 0).sum()) / total if total and not self.values.is_meta else 0.0
         return (f"weight_shape={self.weight_shape}, L={self.values.shape[1]}, sparsity={sparsity:.3f}, "
-                f"{self.geometry}, backend={self.backend!r}" + (", relu=True" if self.relu else "")
+                f"{self.geometry}, backend={self.backend!r}" + (", residual=True" if self.residual else "")
+                + (", relu=True" if self.relu else "")
                 + (", max_pool=True" if self.max_pool else ""))
 
 
@@ -261,9 +284,16 @@ def fuse_relu(model: nn.Module) -> tuple[nn.Module, list[str]]:
     elsewhere too (an in-place ReLU would change what that reads), a layer with ``relu`` already set, a layer,
     Identity or ReLU module with hooks (they would see other tensors), a subclass of ``nn.ReLU`` that the trace keeps
     as one call (one defined outside ``torch.nn`` is traced through, and the ``F.relu`` its forward calls fuses), and
-    every layer of a model FX cannot trace (data-dependent control flow; the reason logged). A fused model saved as a
-    sparse file reads back unfused (the architecture's ReLUs rebuilt, the layers' ``relu`` off), which computes the
-    same.
+    every layer of a model FX cannot trace (data-dependent control flow; the reason logged).
+
+    A layer whose output a residual add reads instead (``relu(conv3(x) + identity)`` at the end of ResNet's blocks,
+    :func:`~unsparse.runtime.graph_fusion.fuse_following_relu`'s ``fuse_residual``) is replaced by a copy with
+    ``residual`` and ``relu`` set, which the graph calls with the add's other operand; the add and the ReLU leave the
+    graph, so that a backend that fuses both (``ConvBackend.fuses_residual_relu``) saves the bias, add and ReLU
+    passes. ``model``'s own layer stays as it was (``model`` calls it with one argument).
+
+    A fused model saved as a sparse file reads back unfused (the architecture's ReLUs and adds rebuilt, the layers'
+    ``relu`` and ``residual`` off), which computes the same.
 
     Returns:
         The fused model, an ``fx.GraphModule`` holding ``model``'s layers under their qualified names and its public
@@ -277,7 +307,14 @@ def fuse_relu(model: nn.Module) -> tuple[nn.Module, list[str]]:
         layer.relu = True
         return layer
 
-    return fuse_following_relu(model, LeafTracer((SparseConv,)), fuse)
+    def fuse_residual(name: str, layer: nn.Module) -> nn.Module | None:
+        if not isinstance(layer, SparseConv) or layer.relu or layer.max_pool or layer.residual:
+            return None
+        fused = copy.deepcopy(layer)
+        fused.residual = fused.relu = True
+        return fused
+
+    return fuse_following_relu(model, LeafTracer((SparseConv,)), fuse, fuse_residual)
 
 
 _fuse_relu = fuse_relu  # for sparsify, whose flag of that name hides the function
@@ -380,14 +417,14 @@ def temporary_backend(model: nn.Module, backend: str, **params: Any) -> Iterator
             layer.backend, layer.backend_params = name, layer_params
 
 
-def visit_layer_inputs(model: nn.Module, example: torch.Tensor,
-                       visit: Callable[[SparseConv, torch.Tensor], None]) -> None:
+def visit_layer_inputs(model: nn.Module, example: torch.Tensor, visit: Callable[..., None]) -> None:
     """Run ``model(example)`` once without autograd, every layer on its dense default (:func:`temporary_backend`:
     each layer's own setting is put back), calling ``visit(layer, x)`` with each :class:`SparseConv`'s 4-D input
-    (:meth:`SparseConv.conv2d_input`) before the layer runs. In train mode the forward updates BatchNorm statistics:
-    pass a model in eval mode."""
+    (:meth:`SparseConv.conv2d_input`) before the layer runs, and ``visit(layer, x, residual)`` for a layer fused with a
+    residual add (:attr:`SparseConv.residual`). In train mode the forward updates BatchNorm statistics: pass a model
+    in eval mode."""
     def before(layer: SparseConv, args: tuple[torch.Tensor, ...]) -> None:
-        visit(layer, layer.conv2d_input(args[0]))
+        visit(layer, layer.conv2d_input(args[0]), *args[1:2])
 
     handles = [layer.register_forward_pre_hook(before) for layer in sparse_layers(model).values()]
     try:

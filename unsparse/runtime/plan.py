@@ -52,18 +52,20 @@ EPILOGUE_PART = "|epilogue="
 """Where a :func:`layer_key` names what the layer is fused with (:func:`epilogue_name`)."""
 
 
-def epilogue_name(relu: bool, max_pool: bool) -> str:
-    """What a fused layer applies after its convolution, as its plan key names it: ``"relu"``, ``"max_pool"``,
-    ``"relu+max_pool"``, or ``""`` for none."""
-    return "+".join(name for name, fused in (("relu", relu), ("max_pool", max_pool)) if fused)
+def epilogue_name(relu: bool, max_pool: bool, residual: bool = False) -> str:
+    """What a fused layer applies after its convolution, in order, as its plan key names it: ``"relu"``,
+    ``"max_pool"``, ``"relu+max_pool"``, ``"residual+relu"`` (a residual block's add, then the ReLU), or ``""`` for
+    none."""
+    return "+".join(name for name, fused in (("residual", residual), ("relu", relu), ("max_pool", max_pool)) if fused)
 
 
 def layer_key(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, device: str | None = None,
-              relu: bool = False, max_pool: bool = False) -> str:
+              relu: bool = False, max_pool: bool = False, residual: bool = False) -> str:
     """Plan key of one layer on one input: GPU name, precision, input shape (batch included), weight
     shape, row length L, stride, padding, dilation, groups, ``wdtype=`` where the weight's dtype differs from the
     input's (the direct kernels need them equal; NCHW-era keys with equal dtypes are unchanged), ``epilogue=`` for a
-    layer fused with the ReLU or the 2x2 max pool after it (``relu``, ``max_pool``:
+    layer fused with the ReLU or the 2x2 max pool after it, or with a residual add and the ReLU after that
+    (``relu``, ``max_pool``, ``residual``:
     :func:`~unsparse.runtime.modules.sparsify`'s fusions; :func:`epilogue_name`), whose comparison timed each
     backend with what it is fused with, and ``fmt=nhwc`` for a channels-last input
     (:func:`~unsparse.runtime.layout.layout_of`; NCHW keys carry no layout part, as before layouts were planned).
@@ -75,8 +77,8 @@ def layer_key(x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, device: 
              "d={}x{}".format(*geometry.dilation), f"g={geometry.groups}", f"dims={geometry.spatial_dims}"]
     if csr.values.dtype != x.dtype:
         parts.append("wdtype=" + str(csr.values.dtype).removeprefix("torch."))
-    if relu or max_pool:
-        parts.append(EPILOGUE_PART.removeprefix("|") + epilogue_name(relu, max_pool))
+    if relu or max_pool or residual:
+        parts.append(EPILOGUE_PART.removeprefix("|") + epilogue_name(relu, max_pool, residual))
     layout = layout_of(x)
     return "|".join(parts if layout == "nchw" else [*parts, f"fmt={layout}"])
 
@@ -254,9 +256,10 @@ class AutoBackend(ConvBackend):
         self._resolved = weakref.WeakKeyDictionary()
 
     def resolve(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, relu: bool = False,
-                max_pool: bool = False) -> tuple[str, dict[str, Any]]:
-        """``(backend, params)`` for this layer and input, fused with its ReLU and its max pool as ``relu`` and
-        ``max_pool`` say (the key's ``epilogue=`` part, :func:`layer_key`): the plan's entry, else the dense backend.
+                max_pool: bool = False, residual: bool = False) -> tuple[str, dict[str, Any]]:
+        """``(backend, params)`` for this layer and input, fused with its ReLU, its max pool and a residual add as
+        ``relu``, ``max_pool`` and ``residual`` say (the key's ``epilogue=`` part, :func:`layer_key`): the plan's
+        entry, else the dense backend.
 
         Resolutions are cached per weight and (input shape, layout, dtype, device, TF32 flags, geometry, epilogue),
         so a planned model pays the plan-key lookup and the entry's checks once per layer, not on every forward pass.
@@ -265,17 +268,17 @@ class AutoBackend(ConvBackend):
             PlanError: the entry's ``params`` are not a setting its backend offers for this layer.
         """
         signature = (tuple(x.shape), layout_of(x), x.dtype, x.device, torch.backends.cudnn.allow_tf32,
-                     torch.backends.cuda.matmul.allow_tf32, geometry, relu, max_pool)  # precision_tag's flags
+                     torch.backends.cuda.matmul.allow_tf32, geometry, relu, max_pool, residual)  # precision_tag's
         per_csr = self._resolved.setdefault(csr, {})
         if signature not in per_csr:
-            per_csr[signature] = self._lookup(x, csr, geometry, relu, max_pool)
+            per_csr[signature] = self._lookup(x, csr, geometry, relu, max_pool, residual)
         return per_csr[signature]
 
-    def _lookup(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, relu: bool,
-                max_pool: bool) -> tuple[str, dict[str, Any]]:
+    def _lookup(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, relu: bool, max_pool: bool,
+                residual: bool) -> tuple[str, dict[str, Any]]:
         from unsparse.sparse.functional import dense_fallback_backend
 
-        key = layer_key(x, csr, geometry, relu=relu, max_pool=max_pool)
+        key = layer_key(x, csr, geometry, relu=relu, max_pool=max_pool, residual=residual)
         entry = _ACTIVE.get(key)
         if entry is None:
             if key not in self._logged:
@@ -298,11 +301,12 @@ class AutoBackend(ConvBackend):
         return get_backend(backend).conv(x, csr, bias, geometry, **planned)  # run() converts the output once
 
     def prepare(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-                relu: bool = False, max_pool: bool = False, **params: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+                relu: bool = False, max_pool: bool = False, residual: torch.Tensor | None = None,
+                **params: Any) -> Callable[..., torch.Tensor]:
         """The planned backend's :meth:`~unsparse.runtime.backends.base.ConvBackend.prepare` (and so its
         :meth:`~unsparse.runtime.backends.base.ConvBackend.run`), so that a layer fused with its ReLU or its max pool
-        gets them in the epilogue of a backend that fuses them; the entry is the fused layer's (:meth:`resolve`). A
-        prepared call holds the entry resolved when it was made: :func:`use_plan` moves :func:`plan_generation`, by
-        which ``SparseConv`` knows to prepare again."""
-        backend, planned = self.resolve(x, csr, geometry, relu, max_pool)
-        return get_backend(backend).prepare(x, csr, bias, geometry, relu, max_pool, **planned)
+        gets them (and a residual add) in the epilogue of a backend that fuses them; the entry is the fused layer's
+        (:meth:`resolve`). A prepared call holds the entry resolved when it was made: :func:`use_plan` moves
+        :func:`plan_generation`, by which ``SparseConv`` knows to prepare again."""
+        backend, planned = self.resolve(x, csr, geometry, relu, max_pool, residual is not None)
+        return get_backend(backend).prepare(x, csr, bias, geometry, relu, max_pool, residual, **planned)

@@ -27,7 +27,7 @@ def dense_fallback_backend(device: torch.device) -> str:
 
 def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
                 backend: str = "reference", relu: bool = False, max_pool: bool = False,
-                **params: Any) -> torch.Tensor:
+                residual: torch.Tensor | None = None, **params: Any) -> torch.Tensor:
     """Convolution of an ``(N, C, H, W)`` input with a UniformCSR weight on ``backend``.
 
     Args:
@@ -38,12 +38,14 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
         backend: a registered backend name (``unsparse.runtime.backends.backend_names()``).
         relu: apply ``torch.relu`` to the output (in the backend's epilogue where it fuses it).
         max_pool: then ``F.max_pool2d(out, 2)`` (likewise): the output is ``(N, M, E // 2, F // 2)``.
+        residual: added to the convolution and its bias before the ReLU (a residual block's ``relu(conv(x) +
+            identity)``; in the backend's call where it fuses it, :meth:`ConvBackend.run`), or None.
         params: tuning parameters for that backend (one entry of its tuning space).
 
     Returns:
         ``(N, M, E, F)`` in ``x``'s layout (``ConvBackend.run``), equal (within the dtype's rounding) to
-        ``F.conv2d(x, csr.to_dense(), bias, ...)``, or to its ``torch.relu`` with ``relu``, max-pooled with
-        ``max_pool``.
+        ``F.conv2d(x, csr.to_dense(), bias, ...)``, plus ``residual``, or to its ``torch.relu`` with ``relu``,
+        max-pooled with ``max_pool``.
 
     Raises:
         KeyError: unknown backend name.
@@ -54,18 +56,19 @@ def sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geo
             would raise a RuntimeError), or for a weight whose tensors were changed in place into an invalid one
             (:meth:`ConvBackend.run` re-checks it).
     """
-    return prepare_sparse_conv(x, csr, bias, geometry, backend, relu, max_pool, **params)(x)
+    return prepare_sparse_conv(x, csr, bias, geometry, backend, relu, max_pool, residual, **params)(x, residual)
 
 
 def prepare_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
                         backend: str = "reference", relu: bool = False, max_pool: bool = False,
-                        **params: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+                        residual: torch.Tensor | None = None, **params: Any) -> Callable[..., torch.Tensor]:
     """:func:`sparse_conv` with its checks, the backend's choice (or its dense fallback) and the backend's own
-    preparation (:meth:`~unsparse.runtime.backends.base.ConvBackend.prepare`) done once for ``x``: the returned call
-    ``f(x2)`` equals ``sparse_conv(x2, csr, bias, geometry, backend, relu, max_pool, **params)`` for inputs ``x2`` of
-    ``x``'s shape, dtype, device and layout while ``csr`` and ``bias`` are unchanged and, for ``"auto"``, the plan
-    too (:func:`~unsparse.runtime.plan.plan_generation`). It does not re-check the weight: what keeps it must
-    prepare again when any of these change (``SparseConv.forward`` does).
+    preparation (:meth:`~unsparse.runtime.backends.base.ConvBackend.prepare`) done once for ``x`` (and a residual
+    like ``residual``): the returned call ``f(x2, residual2=None)`` equals ``sparse_conv(x2, csr, bias, geometry,
+    backend, relu, max_pool, residual2, **params)`` for inputs ``x2`` of ``x``'s shape, dtype, device and layout
+    (residuals like ``residual``) while ``csr`` and ``bias`` are unchanged and, for ``"auto"``, the plan too
+    (:func:`~unsparse.runtime.plan.plan_generation`). It does not re-check the weight: what keeps it must prepare
+    again when any of these change (``SparseConv.forward`` does).
 
     Raises:
         ValueError: as :func:`sparse_conv`.
@@ -86,7 +89,7 @@ def prepare_sparse_conv(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | N
             _LOGGED.add((backend, reason))
             log.warning("backend %s falls back to dense convolution: %s", backend, reason)
         chosen, params = get_backend(dense_fallback_backend(x.device)), {}
-    return chosen.prepare(x, csr, bias, geometry, relu=relu, max_pool=max_pool, **params)
+    return chosen.prepare(x, csr, bias, geometry, relu=relu, max_pool=max_pool, residual=residual, **params)
 
 
 def conv2d_input(x: torch.Tensor, spatial_dims: int) -> torch.Tensor:
@@ -108,21 +111,21 @@ def conv2d_input(x: torch.Tensor, spatial_dims: int) -> torch.Tensor:
 
 def sparse_conv_nd(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
                    backend: str = "reference", relu: bool = False, max_pool: bool = False,
-                   **params: Any) -> torch.Tensor:
+                   residual: torch.Tensor | None = None, **params: Any) -> torch.Tensor:
     """:func:`sparse_conv` for an input as ``nn.Conv1d``/``nn.Conv2d`` take it (``geometry.spatial_dims`` says which):
     ``(N, C, H, W)`` -> ``(N, M, E, F)`` in the input's layout, ``(N, C, L)`` -> contiguous ``(N, M, L_out)``, and
     unbatched ``(C, ...)`` -> ``(M, ...)``, contiguous as torch returns it (:func:`conv2d_input`). ``max_pool``
-    (2-D only) halves ``E`` and ``F``.
+    (2-D only) halves ``E`` and ``F``. A ``residual`` has the output's shape (or one that broadcasts to it).
 
     Raises:
         ValueError: ``max_pool`` for a 1-D convolution, or what :func:`sparse_conv` raises.
     """
-    return prepare_sparse_conv_nd(x, csr, bias, geometry, backend, relu, max_pool, **params)(x)
+    return prepare_sparse_conv_nd(x, csr, bias, geometry, backend, relu, max_pool, residual, **params)(x, residual)
 
 
 def prepare_sparse_conv_nd(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
                            backend: str = "reference", relu: bool = False, max_pool: bool = False,
-                           **params: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+                           residual: torch.Tensor | None = None, **params: Any) -> Callable[..., torch.Tensor]:
     """:func:`sparse_conv_nd` prepared once for inputs like ``x``, as :func:`prepare_sparse_conv` is for
     :func:`sparse_conv` (the same conditions; an input of another number of dimensions is another input).
 
@@ -133,15 +136,20 @@ def prepare_sparse_conv_nd(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor 
         raise ValueError("max_pool: a 2x2 max pool follows 2-D convolutions only")
     spatial_dims = geometry.spatial_dims
     unbatched = x.dim() == spatial_dims + 1
-    conv = prepare_sparse_conv(conv2d_input(x, spatial_dims), csr, bias, geometry, backend, relu, max_pool, **params)
-    if spatial_dims == 2 and not unbatched:  # conv2d_input(x) is x
-        return conv
+    if spatial_dims == 2 and x.dim() == 4:  # conv2d_input(x) is x, and the residual has the output's dimensions
+        return prepare_sparse_conv(x, csr, bias, geometry, backend, relu, max_pool, residual, **params)
+    conv = prepare_sparse_conv(conv2d_input(x, spatial_dims), csr, bias, geometry, backend, max_pool=max_pool,
+                               relu=relu and residual is None, **params)
 
-    def call(x: torch.Tensor) -> torch.Tensor:
+    def call(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         out = conv(conv2d_input(x, spatial_dims))
         if spatial_dims == 1:
             out = out.squeeze(2)
-        return out.squeeze(0).contiguous() if unbatched else out
+        out = out.squeeze(0).contiguous() if unbatched else out
+        if residual is not None:  # in the input's dimensions, after the convolution's own (rare: no fusion makes it)
+            out = out + residual
+            out = out.relu_() if relu else out
+        return out
 
     return call
 

@@ -33,6 +33,10 @@ class ConvBackend(ABC):
             :meth:`run` applies it in a separate pass for the others.
         fuses_max_pool: True if :meth:`conv` takes ``max_pool=True`` and applies a following 2x2, stride-2 max pool
             (after the ReLU) as it stores its output; :meth:`run` applies it in a separate pass for the others.
+        fuses_residual_relu: True if :meth:`conv_call` takes ``residual=True`` with ``relu=True`` and returns a call
+            ``f(x, residual)`` that adds the residual (a tensor of the output's shape and dtype) to the convolution
+            and its bias and applies the ReLU as it stores (a residual block's ``relu(conv3(x) + identity)``);
+            :meth:`run` adds it, then applies the ReLU, in passes after the convolution for the others.
 
     Where a backend adds the bias is :meth:`adds_bias_in_epilogue`.
     """
@@ -43,6 +47,7 @@ class ConvBackend(ABC):
     graph_capturable: ClassVar[bool] = True
     fuses_relu: ClassVar[bool] = False
     fuses_max_pool: ClassVar[bool] = False
+    fuses_residual_relu: ClassVar[bool] = False
 
     def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
         """Why this backend cannot run the layer on this input, or None if it can."""
@@ -91,26 +96,41 @@ class ConvBackend(ABC):
         return lambda x: self.conv(x, csr, bias, geometry, **params)
 
     def prepare(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-                relu: bool = False, max_pool: bool = False, **params: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-        """:meth:`run` resolved once for inputs like ``x``: the weight checked (:meth:`UniformCSR.revalidate`), the
-        bias checked, the fused and unfused parts of the epilogue decided and :meth:`conv_call` bound. The returned
-        call ``f(x2)`` equals ``self.run(x2, csr, bias, geometry, relu, max_pool, **params)`` for inputs ``x2`` of
-        ``x``'s shape, dtype, device and layout while ``csr`` and ``bias`` are unchanged; it does not re-check the
-        weight, so whoever keeps it must prepare again once the weight's :meth:`UniformCSR.versions` or the bias
-        change (``SparseConv`` does: :meth:`~unsparse.runtime.modules.SparseConv.forward`).
+                relu: bool = False, max_pool: bool = False, residual: torch.Tensor | None = None,
+                **params: Any) -> Callable[..., torch.Tensor]:
+        """:meth:`run` resolved once for inputs like ``x`` (and a residual like ``residual``): the weight checked
+        (:meth:`UniformCSR.revalidate`), the bias checked, the fused and unfused parts of the epilogue decided and
+        :meth:`conv_call` bound. The returned call ``f(x2, residual2=None)`` equals ``self.run(x2, csr, bias,
+        geometry, relu, max_pool, residual2, **params)`` for inputs ``x2`` of ``x``'s shape, dtype, device and layout
+        (and residuals of ``residual``'s, given where ``residual`` was) while ``csr`` and ``bias`` are unchanged; it
+        does not re-check the weight, so whoever keeps it must prepare again once the weight's
+        :meth:`UniformCSR.versions` or the bias change (``SparseConv`` does:
+        :meth:`~unsparse.runtime.modules.SparseConv.forward`).
 
         Raises:
             ValueError: as :meth:`run`.
         """
         csr.revalidate()
         check_bias(bias, csr)
-        fused_relu, fused_pool = relu and self.fuses_relu, max_pool and self.fuses_max_pool
+        adds = residual is not None
+        in_place = (isinstance(residual, torch.Tensor) and residual.dtype == x.dtype and residual.device == x.device
+                    and tuple(residual.shape) == (x.shape[0], csr.out_channels,
+                                                  *geometry.output_size(*x.shape[2:], csr.kernel_size)))
+        fused_residual = in_place and relu and not max_pool and self.fuses_residual_relu
+        fused_relu = relu and self.fuses_relu and (fused_residual or not adds)  # a ReLU after the add
+        fused_pool = max_pool and self.fuses_max_pool and not adds
         conv = self.conv_call(x, csr, bias, geometry, **params, **({"relu": True} if fused_relu else {}),
-                              **({"max_pool": True} if fused_pool else {}))
+                              **({"max_pool": True} if fused_pool else {}),
+                              **({"residual": True} if fused_residual else {}))
         layout = layout_of(x)
 
-        def call(x: torch.Tensor) -> torch.Tensor:
-            out = conv(x)
+        def call(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+            if fused_residual:
+                out = conv(x, residual)
+            else:
+                out = conv(x)
+                if adds:  # as the model's add: in place where the shapes and dtypes allow it
+                    out = out.add_(residual) if in_place else out + residual
             if relu and not fused_relu:
                 out = out.relu_()
             if max_pool and not fused_pool:
@@ -120,13 +140,19 @@ class ConvBackend(ABC):
         return call
 
     def run(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-            relu: bool = False, max_pool: bool = False, **params: Any) -> torch.Tensor:
+            relu: bool = False, max_pool: bool = False, residual: torch.Tensor | None = None,
+            **params: Any) -> torch.Tensor:
         """:meth:`conv` with the output in ``x``'s layout (:func:`~unsparse.runtime.layout.layout_of`), followed by
         a ReLU where ``relu`` (a layer fused with the ``nn.ReLU`` after it, :func:`~unsparse.runtime.modules.sparsify`
         with ``fuse_relu``): inside :meth:`conv` for a backend that :attr:`fuses_relu`, else in place on the output;
         then by ``nn.MaxPool2d(2)`` where ``max_pool`` (``fuse_max_pool``; the output ``(N, M, E // 2, F // 2)``):
         inside :meth:`conv` for a backend that :attr:`fuses_max_pool`, else ``F.max_pool2d`` on the output (a ReLU
-        and a max pool commute, so either may be fused without the other). It is :meth:`prepare` called on ``x``.
+        and a max pool commute, so either may be fused without the other). With ``residual`` (a layer fused with the
+        residual add after it and the ReLU after that, :func:`~unsparse.runtime.modules.fuse_relu`) the residual is
+        added to the output before the ReLU: in the convolution's own call for a backend that
+        :attr:`fuses_residual_relu` (a residual of the output's shape and dtype, with ``relu``, without
+        ``max_pool``), else in a pass after it (a broadcast or promoting add as the model's ``+``), the ReLU and the
+        pool then in passes of their own. It is :meth:`prepare` called on ``x``.
 
         What models, the comparator and the timings call: a model fed a channels-last input stays in
         channels-last, and a backend that computes in NCHW pays its conversions inside the measured call. An
@@ -140,7 +166,7 @@ class ConvBackend(ABC):
             ValueError: a bias that is not ``(M,)`` (:func:`check_bias`), ``SparseFormatError`` for such a weight,
                 or the backend's own errors.
         """
-        return self.prepare(x, csr, bias, geometry, relu, max_pool, **params)(x)
+        return self.prepare(x, csr, bias, geometry, relu, max_pool, residual, **params)(x, residual)
 
 
 T = TypeVar("T")

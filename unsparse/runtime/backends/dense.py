@@ -61,16 +61,32 @@ class DenseBackend(ConvBackend):
         return self.conv_call(x, csr, bias, geometry, memory_format, relu, **params)(x)
 
     def conv_call(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-                  memory_format: str | None = None, relu: bool = False,
-                  **params: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+                  memory_format: str | None = None, relu: bool = False, residual: bool = False,
+                  **params: Any) -> Callable[..., torch.Tensor]:
         """:meth:`conv` for inputs like ``x`` with the layout, the dense weight and the bias (cast to ``x``'s dtype)
-        resolved once (:meth:`~unsparse.runtime.backends.base.ConvBackend.conv_call`); raises as :meth:`conv`."""
+        resolved once (:meth:`~unsparse.runtime.backends.base.ConvBackend.conv_call`); raises as :meth:`conv`.
+
+        With ``residual`` (and ``relu``; passed only to a backend that
+        :attr:`~unsparse.runtime.backends.base.ConvBackend.fuses_residual_relu`, :class:`CudnnBackend`) the call is
+        ``f(x, residual)``: ``relu(conv2d(x, weight) + bias + residual)`` in one cuDNN call,
+        ``torch.cudnn_convolution_add_relu`` (the residual, ``(N, M, E, F)`` of ``x``'s dtype, converted to the
+        computing layout first), which saves a residual block's bias, add and ReLU passes; where cuDNN refuses it, the
+        convolution, then the add and the ReLU in place, logged once per message."""
         layout = layout_of(x) if memory_format is None else MEMORY_FORMATS.get(memory_format)
         if layout is None:
             raise ValueError(f"memory_format: unknown {memory_format!r}, expected one of {sorted(MEMORY_FORMATS)}")
         arguments = (self.dense_weight(csr, x.dtype, layout), None if bias is None else bias.to(x.dtype),
                      geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
         cuda = x.device.type == "cuda"
+        if residual:
+            def call_with_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+                torch.backends.cudnn.benchmark = True
+                x, residual = in_layout(x, layout), in_layout(residual, layout)
+                fused = self._fused_call("residual, ReLU", torch.cudnn_convolution_add_relu, x, arguments[0],
+                                         residual, 1.0, *arguments[1:])
+                return F.conv2d(x, *arguments).add_(residual).relu_() if fused is None else fused
+
+            return call_with_residual
 
         def call(x: torch.Tensor) -> torch.Tensor:
             if cuda:
@@ -78,7 +94,7 @@ class DenseBackend(ConvBackend):
             x = in_layout(x, layout)
             try:
                 if relu:
-                    fused = self._fused_relu(x, *arguments)
+                    fused = self._fused_call("ReLU", torch.cudnn_convolution_relu, x, *arguments)
                     if fused is not None:
                         return fused
                 out = F.conv2d(x, *arguments)
@@ -89,18 +105,19 @@ class DenseBackend(ConvBackend):
 
         return call
 
-    def _fused_relu(self, *arguments: Any) -> torch.Tensor | None:
-        """``torch.cudnn_convolution_relu(*arguments)``, or None where cuDNN refuses it (its runtime fusion covers
-        fewer problems than its convolutions: no engine for a dtype or size), logged once per message; the caller
-        then runs the convolution and a ReLU pass, the same function."""
+    def _fused_call(self, fused: str, function: Callable[..., torch.Tensor], *arguments: Any) -> torch.Tensor | None:
+        """``function(*arguments)``, one of cuDNN's fused calls (``torch.cudnn_convolution_relu``,
+        ``torch.cudnn_convolution_add_relu``) that fuses the convolution and its bias with ``fused``, or None where
+        cuDNN refuses it (its runtime fusion covers fewer problems than its convolutions: no engine for a dtype or
+        size), logged once per message; the caller then runs the convolution and those passes, the same function."""
         try:
-            return torch.cudnn_convolution_relu(*arguments)
+            return function(*arguments)
         except RuntimeError as error:
             message = str(error).splitlines()[0] if str(error) else type(error).__name__
             if message not in self._refusals:
                 self._refusals.add(message)
-                log.warning("%s: cuDNN's fused convolution, bias and ReLU refused (%s); the convolution, then a "
-                            "ReLU pass", self.name, message)
+                log.warning("%s: cuDNN's fused convolution, bias and %s refused (%s); the convolution, then the %s "
+                            "in passes", self.name, fused, message, fused)
             return None
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
@@ -111,11 +128,13 @@ class DenseBackend(ConvBackend):
 @register_backend
 class CudnnBackend(DenseBackend):
     """cuDNN through ``F.conv2d``, in NCHW (``memory_format="contiguous"``) or NHWC (``"channels_last"``); a layer
-    fused with its ReLU runs convolution, bias and ReLU in one cuDNN call (:meth:`DenseBackend.conv`)."""
+    fused with its ReLU runs convolution, bias and ReLU in one cuDNN call (:meth:`DenseBackend.conv`), one fused with
+    a residual add and the ReLU after it convolution, bias, add and ReLU (:meth:`DenseBackend.conv_call`)."""
 
     name = "cudnn"
     device_types = frozenset({"cuda"})
     fuses_relu = True
+    fuses_residual_relu = True
 
 
 @register_backend
