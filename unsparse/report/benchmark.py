@@ -550,9 +550,13 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                   "folded and nothing more), not in the eager dense model.", ""]
     fused_dense = any("dense_fused_ms" in r for r in records)
     if fused_dense:
+        residual = (" (at a residual block's end the convolution, its bias, the residual add and the ReLU: "
+                    "`torch.cudnn_convolution_add_relu`, as the planned model's cuDNN layers do)"
+                    if any(r.get("fused_residual") for r in records) else "")
         lines += ["Dense fused: the dense model with each convolution, its bias and its ReLU in one cuDNN call "
-                  "(`torch.cudnn_convolution_relu`; its pools still apart), eager, in its faster layout, timed in the "
-                  "same run: the dense model a deployment could run instead of PyTorch's eager one. Best planned / "
+                  f"(`torch.cudnn_convolution_relu`; its pools still apart){residual}, eager, in its faster layout, "
+                  "timed in the same run: the dense model a deployment could run instead of PyTorch's eager one. "
+                  "Best planned / "
                   "dense fused below 1: the sparse model is slower than it (see \"Where sparse is slower\", which "
                   "says SLOWER beyond the noise margin); none fused: the model has no conv followed by a ReLU; "
                   "refused: cuDNN had no fused engine; off: its output disagreed.", ""]
