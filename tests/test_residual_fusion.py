@@ -186,3 +186,116 @@ def test_planning_times_and_checks_each_setting_with_the_residual(monkeypatch: p
     checked = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["reference", "dense_cpu"], runs=2, relu=True,
                             residual=residual)
     assert {m.backend: m.status for m in checked.measurements} == {"reference": "wrong", "dense_cpu": "ok"}
+
+
+class ReLUOnInputBetween(nn.Module):
+    """An in-place ReLU of the conv's input after the conv read it, whose result is the residual: moving the conv
+    after it would read the changed input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1, dtype=torch.float64)
+        self.act = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * 1.0
+        out = self.conv(x)
+        return F.relu(out + self.act(x))
+
+
+class ResidualChangedBetween(nn.Module):
+    """A residual changed in place between the conv and the add: the fused call would read it unchanged."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 3, 3, padding=1, dtype=torch.float64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x * 1.0
+        out = self.conv(x)
+        identity.mul_(3.0)
+        return F.relu(out + identity)
+
+
+class BroadcastShift(nn.Module):
+    """A residual that broadcasts: a ``(1, M, 1, 1)`` parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1, dtype=torch.float64)
+        self.shift = nn.Parameter(torch.randn(1, 4, 1, 1, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.relu(self.conv(x) + self.shift)
+
+
+@pytest.mark.parametrize("model_class", [ReLUOnInputBetween, ResidualChangedBetween])
+def test_an_in_place_operation_between_the_conv_and_the_add_stops_the_fusion(model_class: type[nn.Module]) -> None:
+    model = model_class().eval()
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    fused = sparsify(model, backend="dense_cpu", fuse_relu=True)
+    assert [layer.residual for layer in sparse_layers(fused).values()] == [False]
+    torch.testing.assert_close(run(fused, x), run(model, x), rtol=1e-12, atol=1e-12)
+    from unsparse.runtime.dense_fusion import fuse_dense_conv_relu
+
+    dense, count = fuse_dense_conv_relu(model)
+    assert count == 0
+    torch.testing.assert_close(run(dense, x), run(model, x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_broadcast_residual_fuses_and_plans() -> None:
+    model = BroadcastShift().eval()
+    x = torch.randn(3, 3, 6, 5, dtype=torch.float64)
+    fused = sparsify(model, fuse_relu=True)
+    assert [layer.residual for layer in sparse_layers(fused).values()] == [True]
+    plan_model(fused, x, backends=["dense_cpu", "reference"], runs=2)
+    torch.testing.assert_close(run(fused, x), run(model, x), rtol=1e-12, atol=1e-12)
+
+
+def test_a_conv1d_does_not_take_a_residual() -> None:
+    class Block1d(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv1d(3, 3, 3, padding=1, dtype=torch.float64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.relu(self.conv(x) + x)
+
+    model = Block1d().eval()
+    x = torch.randn(2, 3, 9, dtype=torch.float64)
+    fused = sparsify(model, fuse_relu=True)
+    assert [layer.residual for layer in sparse_layers(fused).values()] == [False]
+    plan_model(fused, x, backends=["dense_cpu"], runs=2)
+    torch.testing.assert_close(run(fused, x), run(model, x), rtol=1e-12, atol=1e-12)
+
+
+def test_an_unbatched_input_adds_before_the_relu_and_the_pool() -> None:
+    x, csr, bias = layer(8)
+    conv = F.conv2d(x, csr.to_dense(), bias, 1, 1)
+    residual = torch.randn(conv.shape, dtype=torch.float64)
+    from unsparse.runtime.modules import SparseConv
+
+    fused = SparseConv(csr, bias, ConvGeometry.of(1, 1), "dense_cpu", relu=True, max_pool=True, residual=True)
+    expected = F.max_pool2d(torch.relu(conv + residual), 2)
+    torch.testing.assert_close(run_layer(fused, x, residual), expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(run_layer(fused, x[0], residual[0]), expected[0], rtol=1e-12, atol=1e-12)
+
+
+def run_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return layer(x, residual)
+
+
+def test_a_layer_pickled_before_residuals_and_prepared_calls_still_runs() -> None:
+    """A state as 6217104 pickled it: no ``residual``, no ``_prepared``, a missing bias as a plain attribute."""
+    from unsparse.runtime.modules import SparseConv
+
+    x, csr, _ = layer(9)
+    current = SparseConv(csr, None, ConvGeometry.of(1, 1), "dense_cpu")
+    state = current.__getstate__()
+    state = {**state, "_parameters": {}, "bias": None}
+    del state["residual"], state["_prepared"]
+    old = SparseConv.__new__(SparseConv)
+    old.__setstate__(state)
+    with torch.no_grad():
+        torch.testing.assert_close(old(x), F.conv2d(x, csr.to_dense(), None, 1, 1), rtol=1e-12, atol=1e-12)

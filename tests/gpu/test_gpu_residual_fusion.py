@@ -69,3 +69,9 @@ def test_the_dense_baseline_module_fuses_the_residual_on_the_gpu(dtype: torch.dt
             with precision_mode(False):
                 out = ConvBiasReLU(conv)(x.contiguous(memory_format=memory_format), residual)
             assert relative_error(out.cpu(), reference) <= tolerance(dtype)
+        shift = torch.randn(1, csr.out_channels, 1, 1, device=CUDA, dtype=dtype)  # broadcasts: not cuDNN's fused add
+        with precision_mode(False):
+            out = ConvBiasReLU(conv)(x, shift)
+        conv64 = F.conv2d(x.double().cpu(), csr.to_dense().double().cpu(), bias.double().cpu())
+        expected = torch.relu(conv64 + shift.double().cpu())
+        assert relative_error(out.cpu(), expected) <= tolerance(dtype)

@@ -301,7 +301,7 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
     epilogue = {"relu": relu, "max_pool": max_pool}
     with torch.no_grad():
         ref = reference_output(x, csr, bias, geometry, images)
-        checked = with_epilogue(ref, **epilogue, residual=None if residual is None else residual[images].double())
+        checked = with_epilogue(ref, **epilogue, residual=_checked_images(residual, images, x.shape[0]))
         inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(x.device)))
         result = LayerComparison(layer_key(x, csr, geometry, **epilogue, residual=residual is not None),
                                  layout=layout_of(x))
@@ -319,6 +319,14 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
                                             lambda out: check_error(out[images], conv_ref, bound), bound, runs,
                                             warmup, timing == "graph")
     return result
+
+
+def _checked_images(residual: Any, images: list[int], batch: int) -> Any:
+    """What the reference adds for the checked ``images``: a residual with a row per image, those rows in float64;
+    one that broadcasts over the batch (a ``(1, M, 1, 1)`` parameter), or a number, as it is."""
+    if not isinstance(residual, torch.Tensor):
+        return residual
+    return (residual[images] if residual.dim() == 4 and residual.shape[0] == batch else residual).double()
 
 
 def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bias: torch.Tensor | None,

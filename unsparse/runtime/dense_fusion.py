@@ -48,8 +48,8 @@ class ConvBiasReLU(nn.Module):
     ``relu(conv2d(x, weight) + bias)``), elsewhere the convolution then ``torch.relu`` (the same function). Called
     with a residual too, the convolution, a residual add and the ReLU after it: ``relu(conv2d(x, weight) + bias +
     residual)`` in one cuDNN call on CUDA (``torch.cudnn_convolution_add_relu``, the residual converted to ``x``'s
-    layout; where cuDNN refuses it, or for a residual of another shape or dtype, the convolution, the add and the
-    ReLU, logged once per message), elsewhere the same three in turn.
+    layout; where cuDNN refuses it, logged once per message, and for a residual of another shape, dtype or device,
+    or a number, the convolution, the add and the ReLU), elsewhere the same three in turn.
 
     Shapes as the convolution's: input ``(N, C, H, W)`` in either layout, output ``(N, M, E, F)``, a residual of the
     output's shape (or one that broadcasts to it); the weight and bias are the convolution's own parameters
@@ -73,6 +73,8 @@ class ConvBiasReLU(nn.Module):
         if residual is None:
             return torch.cudnn_convolution_relu(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation,
                                                 conv.groups)
+        if not _output_like(residual, x, conv):  # a broadcast or promoting add, or a number: as the model's `+`
+            return torch.relu(conv(x) + residual)
         try:
             return torch.cudnn_convolution_add_relu(x, conv.weight, in_layout(residual, layout_of(x)), 1.0, conv.bias,
                                                     conv.stride, conv.padding, conv.dilation, conv.groups)
@@ -83,6 +85,15 @@ class ConvBiasReLU(nn.Module):
                 log.warning("ConvBiasReLU: cuDNN's fused convolution, bias, residual add and ReLU refused (%s); the "
                             "convolution, then the add and the ReLU", message)
             return torch.relu(conv(x) + residual)
+
+
+def _output_like(residual: object, x: torch.Tensor, conv: nn.Conv2d) -> bool:
+    """Whether ``residual`` is a tensor of ``conv(x)``'s shape, dtype and device (what cuDNN's fused add takes)."""
+    if not isinstance(residual, torch.Tensor) or residual.dtype != x.dtype or residual.device != x.device:
+        return False
+    sizes = [(size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1 for size, pad, dilation, kernel, stride
+             in zip(x.shape[2:], conv.padding, conv.dilation, conv.kernel_size, conv.stride, strict=True)]
+    return tuple(residual.shape) == (x.shape[0], conv.out_channels, *sizes)
 
 
 _REFUSALS: set[str] = set()

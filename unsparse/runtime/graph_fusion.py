@@ -111,8 +111,10 @@ def fuse_following_relu(model: nn.Module, tracer: fx.Tracer, fuse: Callable[[str
     With ``fuse_residual``, a call that fuses no ReLU so, but whose output (past the same chain of Identity calls) is
     one operand of an add of two arguments (``+``, ``+=``, ``torch.add`` or the tensor methods ``add``/``add_``,
     without ``alpha``; an in-place add only on the call's output, its first operand) whose one reader is such a ReLU
-    of the sum, is handed to ``fuse_residual(qualified_name, module)``, which returns the module to put at that name,
-    one called with the add's other operand as a second argument (the residual) and returning
+    of the sum, and between which and the call the graph runs only attribute reads and calls of ``torch.nn``'s or
+    this package's modules without ``inplace=True`` or hooks (so that no operation in between changes the call's
+    input or the residual), is handed to ``fuse_residual(qualified_name, module)``, which returns the module to put
+    at that name, one called with the add's other operand as a second argument (the residual) and returning
     ``relu(module(x) + residual)``, or None to leave the call, the add and the ReLU as they are. The call is then
     moved after the residual's node where it came before it (ResNet's downsample runs after ``conv3``), and the
     add's and the ReLU's readers read its output.
@@ -240,7 +242,30 @@ def _following_add_relu(node: fx.Node,
     else:
         return None
     (relu,) = add.users
-    return (chain, add, residual, relu) if _is_relu_of(relu, add, model) else None
+    if not _is_relu_of(relu, add, model) or not _leaves_inputs_alone_between(node, add, chain, model):
+        return None
+    return chain, add, residual, relu
+
+
+def _leaves_inputs_alone_between(node: fx.Node, add: fx.Node, chain: list[fx.Node], model: nn.Module) -> bool:
+    """Whether every node after ``node`` and before ``add`` in the graph's order, the Identity calls ``chain``
+    apart, is an attribute read or a call of a module that leaves its inputs as they are: one of ``torch.nn``'s or
+    of this package (a convolution, a BatchNorm, an Identity, a ``SparseConv``) without ``inplace=True`` and without
+    hooks. Only then may the call of ``node`` move after the residual's node and read the residual at the add's
+    place: an in-place operation in between (``nn.ReLU(inplace=True)`` on the conv's input, ``identity.mul_(3)``)
+    would change what one of them reads."""
+    skipped = set(chain)
+    current = node.next
+    while current is not add:
+        if current not in skipped and current.op != "get_attr":
+            if current.op != "call_module":
+                return False
+            module = model.get_submodule(current.target)
+            if (getattr(module, "inplace", False) or _has_hooks(module)
+                    or not type(module).__module__.startswith(("torch.nn.", "unsparse."))):
+                return False
+        current = current.next
+    return True
 
 
 def _take_residual(graph: fx.Graph, node: fx.Node, chain: list[fx.Node], add: fx.Node, residual: fx.Node,

@@ -172,6 +172,15 @@ class SparseConv(nn.Module):
         """The module's state without its prepared call (a copy prepares its own on its first forward)."""
         return {**super().__getstate__(), "_prepared": None}
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """The state of :meth:`__getstate__`, or of a layer pickled before the prepared call and the residual: those
+        attributes start empty, and a bias kept as a plain attribute (``None``) is registered as the parameter."""
+        super().__setstate__(state)
+        self.__dict__.setdefault("_prepared", None)
+        self.__dict__.setdefault("residual", False)
+        if "bias" not in self._parameters:
+            self._parameters["bias"] = self.__dict__.pop("bias", None)
+
     def extra_repr(self) -> str:
         # the buffers, not self.csr: a model whose weight fails its re-check must still print
         total = math.prod(self.weight_shape)
@@ -290,7 +299,7 @@ def fuse_relu(model: nn.Module) -> tuple[nn.Module, list[str]]:
     :func:`~unsparse.runtime.graph_fusion.fuse_following_relu`'s ``fuse_residual``) is replaced by a copy with
     ``residual`` and ``relu`` set, which the graph calls with the add's other operand; the add and the ReLU leave the
     graph, so that a backend that fuses both (``ConvBackend.fuses_residual_relu``) saves the bias, add and ReLU
-    passes. ``model``'s own layer stays as it was (``model`` calls it with one argument).
+    passes. ``model``'s own layer stays as it was (``model`` calls it with one argument). 2-D layers only.
 
     A fused model saved as a sparse file reads back unfused (the architecture's ReLUs and adds rebuilt, the layers'
     ``relu`` and ``residual`` off), which computes the same.
@@ -308,7 +317,8 @@ def fuse_relu(model: nn.Module) -> tuple[nn.Module, list[str]]:
         return layer
 
     def fuse_residual(name: str, layer: nn.Module) -> nn.Module | None:
-        if not isinstance(layer, SparseConv) or layer.relu or layer.max_pool or layer.residual:
+        if (not isinstance(layer, SparseConv) or layer.relu or layer.max_pool or layer.residual
+                or layer.geometry.spatial_dims != 2):  # a 1-D layer's plan would see a 4-D input, a 3-D residual
             return None
         fused = copy.deepcopy(layer)
         fused.residual = fused.relu = True

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
@@ -138,17 +139,19 @@ def prepare_sparse_conv_nd(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor 
     unbatched = x.dim() == spatial_dims + 1
     if spatial_dims == 2 and x.dim() == 4:  # conv2d_input(x) is x, and the residual has the output's dimensions
         return prepare_sparse_conv(x, csr, bias, geometry, backend, relu, max_pool, residual, **params)
-    conv = prepare_sparse_conv(conv2d_input(x, spatial_dims), csr, bias, geometry, backend, max_pool=max_pool,
-                               relu=relu and residual is None, **params)
+    adds = residual is not None  # then the add, the ReLU and the pool in this order, after the convolution
+    conv = prepare_sparse_conv(conv2d_input(x, spatial_dims), csr, bias, geometry, backend,
+                               relu=relu and not adds, max_pool=max_pool and not adds, **params)
 
     def call(x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         out = conv(conv2d_input(x, spatial_dims))
         if spatial_dims == 1:
             out = out.squeeze(2)
         out = out.squeeze(0).contiguous() if unbatched else out
-        if residual is not None:  # in the input's dimensions, after the convolution's own (rare: no fusion makes it)
+        if adds:  # in the input's dimensions (no fusion makes such a layer: sparsify fuses residuals of 2-D ones)
             out = out + residual
             out = out.relu_() if relu else out
+            out = F.max_pool2d(out, 2) if max_pool else out
         return out
 
     return call
