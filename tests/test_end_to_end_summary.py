@@ -57,6 +57,14 @@ def test_the_graph_ratio_takes_each_side_in_its_faster_layout_and_is_absent_with
     assert "| 1.25 | - | 10 of 13 |" in summary_markdown([bare], "made")
 
 
+def test_the_fused_column_says_how_many_fused_relus_take_the_residual_add() -> None:
+    fused = summary_row(record(folded_batch_norm=53, fused_relu=49, fused_residual=16), "r")
+    older = summary_row(record(folded_batch_norm=53, fused_relu=33), "r")  # from before residuals fused
+    assert (fused["fused_residual"], older["fused_residual"]) == (16, 0)
+    page = summary_markdown([fused, older], "made")
+    assert "| 53 / 49 (16 residual)+0 |" in page and "| 53 / 33+0 |" in page
+
+
 def test_the_committed_page_is_what_its_command_makes_from_the_committed_results() -> None:
     """The page names the command that made it; run on the same files it gives the page byte for byte, so a figure
     in it is one of the results' and a result added later without remaking the page is caught."""

@@ -50,9 +50,10 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
 
     Returns:
         ``run``, ``model``, ``weights``, ``sparsity``, ``batch``, ``precision``; ``folded``, ``fused_relu``,
-        ``fused_max_pool`` (counts of convs); ``dense_ms``/``dense_layout`` (eager, faster layout),
-        ``dense_fused_ms``/``dense_fused_layout`` (None where not timed), ``planned_ms``/``planned_layout`` (faster
-        layout), all ms; ``best_dense_ms`` (the faster of the two dense models) and ``speedup`` (it over
+        ``fused_residual`` (those of ``fused_relu`` that take the residual add before their ReLU; 0 for runs from
+        before it was fused), ``fused_max_pool`` (counts of convs); ``dense_ms``/``dense_layout`` (eager, faster
+        layout), ``dense_fused_ms``/``dense_fused_layout`` (None where not timed), ``planned_ms``/``planned_layout``
+        (faster layout), all ms; ``best_dense_ms`` (the faster of the two dense models) and ``speedup`` (it over
         ``planned_ms``); ``best_graph_speedup`` (:func:`best_graph_speedup`); ``off_cudnn`` and ``convs`` (the
         faster plan's convs on sparse backends and all its convs, None for a record without backend counts);
         ``verdict``:
@@ -83,6 +84,7 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
             "sparsity": record.get("sparsity"), "batch": record["batch"], "precision": record["precision"],
             "folded": record.get("folded_batch_norm" + suffix, record.get("folded_batch_norm", 0)),
             "fold_policy": fold_policy(record), "fused_relu": record.get("fused_relu", 0),
+            "fused_residual": record.get("fused_residual", 0),
             "fused_max_pool": record.get("fused_max_pool", 0), "dense_ms": dense_ms, "dense_layout": dense_layout,
             "dense_fused_ms": fused_ms, "dense_fused_layout": fused_layout.upper() if fused_layout else None,
             "planned_ms": planned_ms, "planned_layout": planned_layout, "best_dense_ms": best_dense,
@@ -105,6 +107,11 @@ def summary_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
     return rows
 
 
+def _residual_text(row: dict[str, Any]) -> str:
+    """`` (16 residual)`` after a row's fused ReLUs where that many of them take the residual add too, else ``""``."""
+    return f" ({row['fused_residual']} residual)" if row.get("fused_residual") else ""
+
+
 def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
     """The summary page: what the columns mean, ``command`` (how the page was made), and the table of ``rows``."""
     def cell(ms: float | None, layout: str | None) -> str:
@@ -113,7 +120,7 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
     table = [[f"`{r['run']}`", r["model"], r["weights"], "-" if r["sparsity"] is None else r["sparsity"], r["batch"],
               r["precision"],
               f"{r['folded']}{' (epilogue)' if r['fold_policy'] == 'epilogue' else ''} / {r['fused_relu']}"
-              f"+{r['fused_max_pool']}",
+              f"{_residual_text(r)}+{r['fused_max_pool']}",
               cell(r["dense_ms"], r["dense_layout"]), cell(r["dense_fused_ms"], r["dense_fused_layout"]),
               cell(r["planned_ms"], r["planned_layout"]), f"{r['speedup']:.2f}",
               "-" if r["best_graph_speedup"] is None else f"{r['best_graph_speedup']:.2f}",
@@ -123,14 +130,17 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
         f"Made by `{command}` from the benchmark results named in the first column (under `benchmarks/results/`, "
         "each with its page); nothing here is typed by hand.", "",
         "Times are eager medians (ms) in each model's faster layout. Eager dense: PyTorch's model as it runs; dense "
-        "fused: the same run's dense model with each conv, bias and ReLU in one cuDNN call and, where the run "
-        "folds, its BatchNorms folded. Best dense / planned: the faster of the two dense models over the planned "
-        "sparse model (above 1: the sparse model is faster). Eager dense / planned (CUDA graphs): the same run's "
+        "fused: the same run's dense model with each conv, bias and ReLU in one cuDNN call (at a residual block's "
+        "end with the add, where the run fused residuals) and, where the run folds, its BatchNorms folded. Best "
+        "dense / planned: the faster of the two dense models over the planned sparse model (above 1: the sparse "
+        "model is faster). Eager dense / planned (CUDA graphs): the same run's "
         "eager dense and planned models replayed as CUDA graphs, each in its faster layout: GPU time without the "
-        "host's per-layer work, which tells a host-bound eager ratio (GoogLeNet in FP16) from the kernels' (the "
-        "fused dense model has no graph time). Folded / fused: the faster plan's convs that took a "
-        "BatchNorm (epilogue: only layers planned on a backend that adds the bias in its epilogue) / a ReLU + a 2x2 "
-        "max pool. Convs off cuDNN: the faster plan's convs on sparse backends. Verdict: SLOWER or faster "
+        "host's per-layer work, which tells a host-bound eager ratio (GoogLeNet in FP16) from the kernels' (this "
+        "column leaves the fused dense model out: runs before the forty-fourth session have no graph time for it; "
+        "later pages give both). Folded / fused: the faster plan's convs that took a "
+        "BatchNorm (epilogue: only layers planned on a backend that adds the bias in its epilogue) / a ReLU (in "
+        "parentheses, how many of them take a residual block's add before it) + a 2x2 max pool. Convs off cuDNN: "
+        "the faster plan's convs on sparse backends. Verdict: SLOWER or faster "
         f"beyond the {PLAN_MARGIN:.0%} noise margin, within noise, or no sparse kernel (the faster plan runs every "
         "conv on cuDNN, so sparsity gains nothing in that run); runs before the fused dense model was timed say so, "
         "and their ratio is against the eager dense model alone (where later runs timed both, the fused one was "
