@@ -139,10 +139,9 @@ class SparseConv(nn.Module):
         the backend's weight copy and bias cast), so that an eager forward pays little more host time than
         ``nn.Conv2d`` does. It is prepared again, and the weight re-checked (:attr:`csr`), when any of these
         changed since: the input's (and the residual's) shape, strides, dtype or device; the buffers or the bias
-        (replaced, or edited in
-        place: their version counters); ``backend``, ``backend_params``, ``relu``, ``max_pool``, ``geometry``; the
-        active plan (:func:`~unsparse.runtime.plan.plan_generation`) and, for a float32 CUDA input, the TF32 flags
-        (both part of the plan's key, :func:`~unsparse.runtime.plan.precision_tag`).
+        (replaced, or edited in place: their version counters); ``backend``, ``backend_params``, ``relu``,
+        ``max_pool``, ``geometry``; the active plan (:func:`~unsparse.runtime.plan.plan_generation`) and, for a
+        float32 CUDA input, the TF32 flags (both part of the plan's key, :func:`~unsparse.runtime.plan.precision_tag`).
 
         Raises:
             ValueError: a residual given to a layer without :attr:`residual` or missing for one with it, or as
