@@ -4,8 +4,9 @@
 // and on their tile sizes, and input transforms (at the end): pad_planes, the generated kernels' padded float32 input,
 // and direct_tile's paired settings' pair_images and, for strided layers, phase_pair_images. Launch geometry is
 // computed in one place on the Python side (unsparse/runtime/launch_geometry.py); every index the kernels read was
-// validated there first. Each convolution kernel adds the bias and, where its last argument relu is nonzero, applies
-// the ReLU that follows the layer as it stores an output (epilogue below).
+// validated there first. Each convolution kernel adds the bias, where its residual argument is not null the residual
+// block's identity, and, where its last argument relu is nonzero, applies the ReLU that follows the layer as it stores
+// an output (epilogue below).
 //
 // direct_rows: the paper's design, general (any kernel size, stride, dilation, padding, Conv1d as H = 1).
 //   Grid (pixel tiles, ceil(M / MB), ceil(N / SB)) (eq. 23: blocks = tiles * M-groups * ceil(N / SB)).
@@ -54,11 +55,24 @@ __device__ __forceinline__ float load_float(const __half* p) { return __half2flo
 __device__ __forceinline__ void store_float(float* p, float v) { *p = v; }
 __device__ __forceinline__ void store_float(__half* p, float v) { *p = __float2half_rn(v); }
 
-// An output's epilogue: the sum plus its channel's bias, through the ReLU that follows the layer where relu is nonzero
-// (a fused layer, SparseConv.relu: a negative value stored as 0, NaN kept as torch.relu keeps it), so the ReLU's pass
-// over the ofmap, a read and a write of every element, disappears. relu is uniform across a launch.
-__device__ __forceinline__ float epilogue(float sum, float bias, int relu) {
-  const float v = sum + bias;
+// An output's epilogue: the sum plus its channel's bias plus, where `residual` is not null, its element at the
+// output's `index` in the (N, M, E, F) output, through the ReLU that follows the layer where relu is nonzero (a fused layer,
+// SparseConv.relu: a negative value stored as 0, NaN kept as torch.relu keeps it), so the ReLU's pass over the ofmap,
+// a read and a write of every element, disappears, and with a residual (SparseConv.residual: a residual block's end,
+// relu(conv3(x) + bias + identity), ResNet, paper 004 §6) the add's pass too, two reads and a write of every element.
+// The sum is rounded to T once, where the unfused model rounds the convolution and then the add. relu and whether
+// there is a residual are uniform across a launch.
+// A residual known null at compile time (direct_tile's wide tilings) leaves the code of an epilogue without one.
+template <typename T>
+__device__ __forceinline__ float epilogue(float sum, float bias, const T* residual, long long index, int relu) {
+  float v = sum + bias;
+  if (residual != nullptr) v += load_float(residual + index);
+  return relu && v < 0.f ? 0.f : v;
+}
+
+// The same, with the residual's element already loaded (direct_pointwise's vector loads).
+__device__ __forceinline__ float epilogue(float sum, float bias, float identity, int relu) {
+  const float v = sum + bias + identity;
   return relu && v < 0.f ? 0.f : v;
 }
 
@@ -74,6 +88,7 @@ __global__ void direct_rows(const T* __restrict__ x,            // (N, C, H, W),
                             const int* __restrict__ taps,       // (M, L): packed (r*dil_h, s*dil_w)
                             const T* __restrict__ values,       // (M, L)
                             const T* __restrict__ bias,         // (M,) or nullptr
+                            const T* __restrict__ residual,     // (N, M, E, F) or nullptr
                             T* __restrict__ out,                // (N, M, E, F)
                             int N, int C, int H, int W, int M, int L, int E, int F,
                             int stride_h, int stride_w, int pad_h, int pad_w, int channels_per_block, int relu) {
@@ -143,11 +158,12 @@ __global__ void direct_rows(const T* __restrict__ x,            // (N, C, H, W),
 #pragma unroll
     for (int b = 0; b < SB; ++b) {
       if (b >= images) break;
-      T* dst = out + (static_cast<long long>(n0 + b) * M + m) * P;
+      const long long plane = (static_cast<long long>(n0 + b) * M + m) * P;
 #pragma unroll
       for (int i = 0; i < PB; ++i) {
         const int p = (blockIdx.x * PB + i) * blockDim.x + threadIdx.x;
-        if (live[i]) unsparse::store_float(dst + p, unsparse::epilogue(acc[b][i], bias_m, relu));
+        if (live[i])
+          unsparse::store_float(out + plane + p, unsparse::epilogue(acc[b][i], bias_m, residual, plane + p, relu));
       }
     }
   }
@@ -302,6 +318,7 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
                 const int* __restrict__ chunk_ptr,      // (ceil(M/U) * K + 1,): entries of (group g, k) from g*K+k
                 const void* __restrict__ entries,       // (n,) TileEntry<U>: tile offset, U weights' bits
                 const T* __restrict__ bias,             // (M,) or nullptr
+                const T* __restrict__ residual,         // (N, M, E, F) or nullptr
                 T* __restrict__ out,                    // (N, M, E, F)
                 int N, int C, int H, int W, int M, int E, int F, int pad_h, int pad_w, int tiles_f,
                 int groups,
@@ -488,10 +505,13 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
   // Epilogue: the thread's output rows and their bounds once; per (row, image) one 64-bit address; per output a bias
   // add, the ReLU where fused, a conversion and a predicated store (kernels/NOTES.md v18: the per-output index
   // arithmetic and bounds branches it replaces were about 530 instructions per warp). A wide tiling stores without
-  // the ReLU: held to 128 registers, its epilogue's one extra compare per output made ptxas spill 44 bytes inside the
-  // chunk loop (the paired union 3x3 tiling, forty-fourth session); the Python side applies the ReLU in a pass after
-  // it (tile_fuses_relu in launch_geometry.py).
-  const int fused_relu = MW * NB * PY <= TILE_WIDE_SUMS ? relu : 0;
+  // the residual and the ReLU: held to 128 registers, its epilogue's one extra compare per output made ptxas spill 44
+  // bytes inside the chunk loop (the paired union 3x3 tiling, forty-fourth session); the Python side applies them in
+  // passes after it (TileTiling.fuses_epilogue in launch_geometry.py). The half2 tilings (HALF_RUN > 0) store without
+  // the residual: its loads made ptxas spill 4-16 bytes in those held to 64 registers (forty-sixth session).
+  constexpr bool FUSES_EPILOGUE = MW * NB * PY <= TILE_WIDE_SUMS;
+  const int fused_relu = FUSES_EPILOGUE ? relu : 0;
+  const T* const fused_residual = FUSES_EPILOGUE && HALF_RUN == 0 ? residual : nullptr;
   const int f = f0 + lx;
   const long long plane = static_cast<long long>(E) * F;
   const int first = (e0 + ly) * F + f;  // the thread's first output in a plane; only stored where inside
@@ -510,11 +530,14 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
       for (int q = 0; q < IMAGES; ++q) {
         const int n = n0 + ie * IMAGES + q;
         if (n >= N) continue;
-        T* dst = out + (static_cast<long long>(n) * M + m) * plane + first;
+        const long long at = (static_cast<long long>(n) * M + m) * plane + first;
 #pragma unroll
         for (int py = 0; py < PY; ++py)
-          if (rows_inside >> py & 1u)
-            unsparse::store_float(dst + py * row_step, unsparse::epilogue(acc[j][ie][py][q], bias_m, fused_relu));
+          if (rows_inside >> py & 1u) {
+            const long long index = at + py * row_step;
+            unsparse::store_float(out + index,
+                                  unsparse::epilogue(acc[j][ie][py][q], bias_m, fused_residual, index, fused_relu));
+          }
       }
   }
 }
@@ -531,7 +554,8 @@ __global__ void __launch_bounds__(WARPS * 32, MW * NB * PY > TILE_WIDE_SUMS ? 2 
 //   16-byte cp.async and vector stores of the outputs; VEC = 0: element-wise synchronous staging.
 //   Split-K (small batches, where M x columns gives too few blocks to fill the GPU): block row blockIdx.y walks
 //   chunks [blockIdx.y * chunks_per_split, + chunks_per_split) only and writes its partial sums (O = float) to
-//   slice blockIdx.y of the output; the Python side sums the slices. One split: O = T, the whole K, the output.
+//   slice blockIdx.y of the output; the Python side sums the slices (and adds bias and residual and applies the ReLU
+//   after: partial sums take none of them). One split: O = T, the whole K, the output.
 template <typename T>
 __device__ __forceinline__ void load4(const T* p, float (&v)[4]);
 template <>
@@ -573,6 +597,7 @@ __global__ void __launch_bounds__(WARPS * 32)
                      const int* __restrict__ chunk_ptr,  // (M * K + 1,): entries of (m, k) are [m*K+k, m*K+k+1)
                      const int2* __restrict__ entries,   // (nnz,): ((c - k*CC) * TJ, float32 bits of the weight)
                      const T* __restrict__ bias,         // (M,) or nullptr
+                     const T* __restrict__ residual,     // (N, M, P) or nullptr; VEC = 1: 16-byte aligned
                      O* __restrict__ out,                // (gridDim.y, N, M, P): one slice per split of K
                      int N, int C, int P, int M, int groups, int chunks_per_split,
                      int relu) {  // 0 for split-K partial sums
@@ -660,26 +685,31 @@ __global__ void __launch_bounds__(WARPS * 32)
   for (int v = 0; v < PV; ++v) {
     const int j = j0 + 128 * v + 4 * lane;
     if (j >= J) continue;
-    int n[4], p[4];  // image and pixel of column j + i; n = N past the last column
+    long long at[4];  // index of column j + i in output channel 0, (n * M) * P + p; -1 past the last column
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      n[i] = j + i < J ? (j + i) / P : N;
-      p[i] = j + i - n[i] * P;
+      const int n = (j + i) / P;
+      at[i] = j + i < J ? static_cast<long long>(n) * M * P + (j + i - n * P) : -1;
     }
 #pragma unroll
     for (int jj = 0; jj < MW; ++jj) {
       const int m = m_base + jj;
       if (m >= M) break;
       const float bias_m = bias != nullptr ? unsparse::load_float(bias + m) : 0.f;
-      float r[4];
+      const long long channel = static_cast<long long>(m) * P;
+      if constexpr (VEC) {  // the 4 columns lie in one plane (P % 4 == 0): one vector of the residual and the output
+        const long long index = at[0] + channel;
+        float identity[4] = {0.f, 0.f, 0.f, 0.f}, r[4];
+        if (residual != nullptr) load4(residual + index, identity);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) r[i] = unsparse::epilogue(acc[jj][v][i], bias_m, relu);
-      if constexpr (VEC) {
-        store4(out + (static_cast<long long>(n[0]) * M + m) * P + p[0], r);
+        for (int i = 0; i < 4; ++i) r[i] = unsparse::epilogue(acc[jj][v][i], bias_m, identity[i], relu);
+        store4(out + index, r);
       } else {
 #pragma unroll
         for (int i = 0; i < 4; ++i)
-          if (n[i] < N) unsparse::store_float(out + (static_cast<long long>(n[i]) * M + m) * P + p[i], r[i]);
+          if (at[i] >= 0)
+            unsparse::store_float(out + at[i] + channel,
+                                  unsparse::epilogue(acc[jj][v][i], bias_m, residual, at[i] + channel, relu));
       }
     }
   }

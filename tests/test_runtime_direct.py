@@ -26,6 +26,7 @@ from unsparse.runtime.backends.direct import (
     aligned_copy,
     bind_phase_pairing,
     is_pointwise,
+    kernel_residual,
     pair_images,
     stride_one_reason,
 )
@@ -1037,8 +1038,8 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
             N, C, H, W = args[0].shape
             assert args[2:] == (N, C, H, W, *split.stride, *split.input_size(H, W))
             args[1].copy_(emulate_phase_pairing(args[0], split))
-        elif isinstance(args[4], torch.Tensor) and args[4].dim() == 5:  # split-K: slice s holds s + 1
-            args[4].copy_(torch.arange(1.0, args[4].shape[0] + 1).view(-1, 1, 1, 1, 1).expand_as(args[4]))
+        elif isinstance(args[5], torch.Tensor) and args[5].dim() == 5:  # split-K: slice s holds s + 1
+            args[5].copy_(torch.arange(1.0, args[5].shape[0] + 1).view(-1, 1, 1, 1, 1).expand_as(args[5]))
 
     launches = record_launches(monkeypatch, record)
     backend = DirectBackend()
@@ -1060,7 +1061,7 @@ def test_conv_prepares_each_setting_once_and_passes_what_the_kernels_read(monkey
     spec, args = launches[-1]
     assert spec.name.startswith("direct_tile<__half,2,2,")
     assert torch.equal(args[0], pair_images(split.input(x[:2])))  # (1, 16, 8, 6, 2): phases, image pairs
-    assert args[5:12] == (2, 16, 8, 6, 6, 8, 6) and args[12:14] == split.geometry.padding
+    assert args[6:13] == (2, 16, 8, 6, 6, 8, 6) and args[13:15] == split.geometry.padding
     union = {"variant": "tile", "wx": 32, "py": 2, "nb": 2, "mw": 3, "warps": 2, "cc": 4, "union": 3}
     x32, csr32 = torch.randn(3, 4, 8, 16), UniformCSR.from_dense(weight)
     for paired in (False, True):
@@ -1153,17 +1154,21 @@ def test_hand_made_tile_settings_are_held_to_the_running_gpus_shared_memory(monk
         DirectBackend()._launch(x, csr, ConvGeometry.of(1, 1), params)
 
 
+@pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("relu", [False, True])
-def test_a_fused_relu_runs_once_in_the_kernel_or_in_a_pass_after_it(monkeypatch, relu: bool) -> None:
-    """``conv(relu=True)``: the rows, tile and one-split pointwise kernels get ``relu`` 1 and their output is
-    returned as they wrote it (no second pass); a wide tile tiling, whose kernel stores without the ReLU, and split-K
-    partial sums get 0 and the ReLU in the pass after them. Each stand-in kernel writes -1 everywhere, so the ReLU's
-    place shows in the result."""
+def test_a_fused_residual_and_relu_run_once_in_the_kernel_or_in_passes_after_it(monkeypatch, relu: bool,
+                                                                                 residual: bool) -> None:
+    """``conv(relu=..., residual=...)``: the rows, tile and one-split pointwise kernels get ``relu`` 1 and the
+    residual, and their output is returned as they wrote it (no second pass); a wide tile tiling, whose kernel stores
+    without them, split-K partial sums and, with a residual, a half2 tiling get 0 and no residual, and the add and the
+    ReLU follow in passes. Each
+    stand-in kernel writes -1 everywhere and ignores the residual (0.5 everywhere), so where the add and the ReLU ran
+    shows in the result."""
     def write_minus_one(spec: lg.Launch, args: tuple) -> None:
         if spec.name.startswith("pair_images"):
             args[1].copy_(pair_images(args[0]))
         else:
-            args[5 if spec.name.startswith("direct_rows") else 4].fill_(-1.0)
+            args[6 if spec.name.startswith("direct_rows") else 5].fill_(-1.0)
 
     launches = record_launches(monkeypatch, write_minus_one)
     backend = DirectBackend()
@@ -1172,17 +1177,44 @@ def test_a_fused_relu_runs_once_in_the_kernel_or_in_a_pass_after_it(monkeypatch,
     csr, x = UniformCSR.from_dense(weight), torch.randn(4, 8, 8, 32)
     narrow = {"variant": "tile", "wx": 32, "py": 2, "nb": 2, "mw": 3, "warps": 2, "cc": 4, "union": 3}
     wide = {**narrow, "py": 6, "nb": 4, "paired": True}
-    assert tiling_of(narrow).fuses_relu() and not tiling_of(wide).fuses_relu()
+    assert tiling_of(narrow).fuses_epilogue() and not tiling_of(wide).fuses_epilogue()
     pointwise = UniformCSR.from_dense(torch.randn(6, 64, 1, 1))
     one_split = {"variant": "pointwise", "pv": 1, "mw": 2, "warps": 4, "cc": 16}
+    half2 = {"variant": "tile", "wx": 32, "py": 2, "nb": 2, "mw": 2, "warps": 2, "cc": 4, "accumulate": "half2"}
     cases = [(csr, x, ConvGeometry.of(1, 1), {}, True), (csr, x, ConvGeometry.of(1, 1), narrow, True),
              (csr, x, ConvGeometry.of(1, 1), wide, False),
              (pointwise, torch.randn(1, 64, 4, 4), ConvGeometry.of(1, 0), one_split, True),
-             (pointwise, torch.randn(1, 64, 4, 4), ConvGeometry.of(1, 0), {**one_split, "splits": 4}, False)]
+             (pointwise, torch.randn(1, 64, 4, 4), ConvGeometry.of(1, 0), {**one_split, "splits": 4}, False),
+             (UniformCSR.from_dense(weight.half()), x.half(), ConvGeometry.of(1, 1), half2, not residual)]
     for weight_csr, inputs, geometry, setting, in_kernel in cases:
-        out = backend.conv(inputs, weight_csr, None, geometry, relu=relu, **setting)
+        shape = (inputs.shape[0], 6, *inputs.shape[2:])
+        identity = torch.full(shape, 0.5, dtype=inputs.dtype) if residual else None
+        chosen = DirectHalf2Backend() if "accumulate" in setting else backend
+        out = chosen.conv(inputs, weight_csr, None, geometry, relu=relu, residual=identity, **setting)
         spec, args = launches[-1]
         assert args[-1] == int(relu and in_kernel), spec.name
+        handed = args[5 if spec.name.startswith("direct_rows") else 4]
+        assert handed is (identity if in_kernel else None), spec.name  # contiguous and aligned: not copied
         written = -4.0 if setting.get("splits") else -1.0  # split-K: the sum of four slices of -1
-        expected = 0.0 if relu and not in_kernel else written  # in the kernel: its output untouched
+        after = written + 0.5 if residual else written
+        expected = written if in_kernel else max(after, 0.0) if relu else after  # in the kernel: its output untouched
         assert torch.equal(out, torch.full_like(out, expected)), spec.name
+
+
+def test_the_kernels_read_a_residual_of_the_outputs_shape_contiguous_and_aligned() -> None:
+    """``kernel_residual``: a residual of another shape, dtype or device is refused naming the field (the kernels
+    read one element per output); a channels-last or misaligned one is copied into a contiguous, 16-byte aligned
+    tensor of the same values; a contiguous aligned one is handed over as it is."""
+    x, shape = torch.randn(2, 3, 5, 5), (2, 4, 5, 5)
+    residual = torch.randn(shape)
+    assert kernel_residual(residual, shape, x) is residual
+    channels_last = residual.contiguous(memory_format=torch.channels_last)
+    copied = kernel_residual(channels_last, shape, x)
+    assert copied.is_contiguous() and torch.equal(copied, residual)
+    misaligned = torch.randn(residual.numel() + 1)[1:].view(shape)
+    assert not lg.vector_aligned(misaligned)
+    copied = kernel_residual(misaligned, shape, x)
+    assert lg.vector_aligned(copied) and torch.equal(copied, misaligned)
+    for bad in (torch.randn(2, 4, 5, 4), residual.double(), torch.randn(1, 4, 5, 5), 1.0):
+        with pytest.raises(ValueError, match=r"residual: expected \(2, 4, 5, 5\) torch.float32"):
+            kernel_residual(bad, shape, x)

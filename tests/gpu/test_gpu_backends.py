@@ -99,10 +99,15 @@ def make_case(name: str, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.dtype) -> None:
-    """Every setting, unfused and fused with the ReLU after the layer (``relu=True``: in the kernel's epilogue, or
-    in a pass after a wide tiling or split-K): the float64 reference, and the fused output is exactly the unfused
-    one through ``torch.relu`` (the same sums, negative ones stored as 0)."""
+    """Every setting, unfused, fused with the ReLU after the layer (``relu=True``: in the kernel's epilogue, or in a
+    pass after a wide tiling or split-K) and fused with a residual add and that ReLU (``residual``, likewise): the
+    float64 reference, and the fused output is exactly the unfused one through ``torch.relu`` (the same sums,
+    negative ones stored as 0); with the residual in float32 exactly ``relu(out + residual)`` too (the kernel adds
+    it to the same float32 sum), in float16 within the bound (the kernel rounds the sum once, torch twice)."""
     x, csr, bias, geometry, ref = make_case(case, dtype, seed=hash(case) % 1000)
+    residual = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(dtype)
+    expected_with_residual = torch.relu(ref + residual.double())
+    residual = residual.to(CUDA)
     backend = get_backend("direct")
     assert backend.unsupported_reason(x, csr, geometry) is None
     out_hw = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
@@ -139,6 +144,12 @@ def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.
         assert torch.equal(fused, torch.relu(out)), f"{case} {params}: the fused ReLU differs from torch.relu"
         error = relative_error(fused.cpu(), torch.relu(ref))
         assert error <= tolerance(dtype), f"{case} {params} relu: relative error {error:.3g}"
+        poison_allocator(ref.numel(), dtype)
+        added = backend.conv(x, csr, bias, geometry, relu=True, residual=residual, **params)
+        if dtype == torch.float32:
+            assert torch.equal(added, torch.relu(out + residual)), f"{case} {params}: the fused residual differs"
+        error = relative_error(added.cpu(), expected_with_residual)
+        assert error <= tolerance(dtype), f"{case} {params} residual: relative error {error:.3g}"
 
 
 @pytest.mark.parametrize("backend_name", ["direct", "direct_half2"])
@@ -181,6 +192,7 @@ def test_half2_every_setting_matches_float64_reference(case: str) -> None:
         entry_capacity=lambda cc, union: longest_list(split.csr, cc, union))]
     assert space and all(p in space for p in backend.tuning_space(x, csr, geometry))
     backend.precompile(x, csr, geometry, space)
+    residual = torch.randn(ref.shape, device=CUDA, dtype=torch.float16)
     for params in space:
         poison_allocator(ref.numel(), torch.float16)
         out = backend.conv(x, csr, bias, geometry, **params)
@@ -188,6 +200,8 @@ def test_half2_every_setting_matches_float64_reference(case: str) -> None:
         assert torch.isfinite(out).all(), f"{params}: unwritten or non-finite outputs"
         error = relative_error(out.cpu(), ref)
         assert error <= tolerance(torch.float16), f"{case} {params}: relative error {error:.3g}"
+        added = backend.conv(x, csr, bias, geometry, relu=True, residual=residual, **params)  # in passes after
+        assert torch.equal(added, torch.relu(out + residual)), f"{case} {params}: the residual and ReLU passes"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -1,7 +1,7 @@
 """A convolution fused with a residual add and the ReLU after it, on the GPU: ``cudnn`` in one call
-(``torch.cudnn_convolution_add_relu``, or its logged fallback), the sparse backends with the add and the ReLU in
-passes after their kernels, and the dense baseline's module, each against torch's float64 convolution plus the
-residual on the CPU."""
+(``torch.cudnn_convolution_add_relu``, or its logged fallback), ``direct`` in its kernels' epilogue (every setting:
+``tests/gpu/test_gpu_backends.py``), the lowering backends with the add and the ReLU in passes after their GEMMs,
+and the dense baseline's module, each against torch's float64 convolution plus the residual on the CPU."""
 
 from __future__ import annotations
 

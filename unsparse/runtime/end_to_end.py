@@ -101,8 +101,8 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     ``"all"`` ResNet's and GoogLeNet's conv, BatchNorm, ReLU calls; ``fused_relu`` counts the layers), which a backend
     that fuses it applies in its epilogue; and each conv whose output a residual add reads, the add's sum then read by
     a ReLU alone, with that add and ReLU (the end of ResNet's blocks; ``fused_residual`` counts them, among
-    ``fused_relu``), which ``cudnn`` runs in one call (``ConvBackend.fuses_residual_relu``); the dense model runs as
-    PyTorch runs it, ReLU apart. With
+    ``fused_relu``), which ``cudnn`` runs in one call and ``direct`` in its kernels' epilogue
+    (``ConvBackend.fuses_residual_relu``); the dense model runs as PyTorch runs it, ReLU apart. With
     ``fuse_max_pool`` they fuse the 2x2 max pool after a conv in an ``nn.Sequential`` too
     (:func:`~unsparse.runtime.modules.fuse_max_pool_`, past the ReLU, before the ReLUs fuse; ``fused_max_pool``
     counts the layers). The per-layer comparisons time each fused layer with what it is fused with

@@ -185,11 +185,13 @@ class TileTiling:
         """float32 partial sums per thread, ``MW * NB * PY``."""
         return self.mw * self.nb * self.py
 
-    def fuses_relu(self) -> bool:
-        """Whether ``direct_tile`` applies a fused layer's ReLU as it stores: every tiling but a wide one
-        (:data:`TILE_WIDE_SUMS`), whose kernel stores without it (held to 128 registers, its extra compare per output
-        made ptxas spill inside the chunk loop, kernels/direct_conv.cu); the caller applies that one in a pass."""
-        return self.accumulators() <= TILE_WIDE_SUMS
+    def fuses_epilogue(self, residual: bool = False, half_run: int = 0) -> bool:
+        """Whether ``direct_tile`` applies a fused layer's ReLU, and adds its residual where ``residual``, as it
+        stores: every tiling but a wide one (:data:`TILE_WIDE_SUMS`), whose kernel stores without them (held to 128
+        registers, its extra compare per output made ptxas spill inside the chunk loop, kernels/direct_conv.cu), and
+        with a residual none with half2 runs (``half_run`` > 0), whose kernel stores without the residual (its loads
+        made ptxas spill in the tilings held to 64 registers); the caller applies them in passes after it."""
+        return self.accumulators() <= TILE_WIDE_SUMS and not (residual and half_run > 0)
 
     def entry_lists(self) -> int:
         """Entry lists (groups of ``union`` output channels) a block walks per chunk, ``WARPS * MW / union``."""

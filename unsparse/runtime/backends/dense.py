@@ -24,6 +24,26 @@ MEMORY_FORMATS = {"contiguous": "nchw", "channels_last": "nhwc"}
 """The ``memory_format`` tuning parameter (torch's names) -> layout name (:mod:`unsparse.runtime.layout`)."""
 
 
+def cudnn_fused_call(owner: str, refusals: set[str], fused: str, function: Callable[..., torch.Tensor],
+                     *arguments: Any) -> torch.Tensor | None:
+    """``function(*arguments)``, one of cuDNN's fused calls (``torch.cudnn_convolution_relu``,
+    ``torch.cudnn_convolution_add_relu``) that fuses the convolution and its bias with ``fused`` (``"ReLU"``,
+    ``"residual, ReLU"``), or None where cuDNN refuses it (its runtime fusion covers fewer problems than its
+    convolutions: no engine for a dtype or size), logged once per message under ``owner``'s name (the messages logged
+    so far are ``refusals``, which this adds to); the caller then runs the convolution and those passes, the same
+    function. Shared by the ``cudnn`` backend and the dense baseline's
+    :class:`~unsparse.runtime.dense_fusion.ConvBiasReLU`."""
+    try:
+        return function(*arguments)
+    except RuntimeError as error:
+        message = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if message not in refusals:
+            refusals.add(message)
+            log.warning("%s: cuDNN's fused convolution, bias and %s refused (%s); the convolution, then the %s in "
+                        "passes", owner, fused, message, fused)
+        return None
+
+
 class DenseBackend(ConvBackend):
     """``F.conv2d`` on the decompressed weight; the decompression is cached per weight, dtype and layout."""
 
@@ -82,8 +102,8 @@ class DenseBackend(ConvBackend):
             def call_with_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
                 torch.backends.cudnn.benchmark = True
                 x, residual = in_layout(x, layout), in_layout(residual, layout)
-                fused = self._fused_call("residual, ReLU", torch.cudnn_convolution_add_relu, x, arguments[0],
-                                         residual, 1.0, *arguments[1:])
+                fused = cudnn_fused_call(self.name, self._refusals, "residual, ReLU", torch.cudnn_convolution_add_relu,
+                                         x, arguments[0], residual, 1.0, *arguments[1:])
                 return F.conv2d(x, *arguments).add_(residual).relu_() if fused is None else fused
 
             return call_with_residual
@@ -94,7 +114,8 @@ class DenseBackend(ConvBackend):
             x = in_layout(x, layout)
             try:
                 if relu:
-                    fused = self._fused_call("ReLU", torch.cudnn_convolution_relu, x, *arguments)
+                    fused = cudnn_fused_call(self.name, self._refusals, "ReLU", torch.cudnn_convolution_relu, x,
+                                             *arguments)
                     if fused is not None:
                         return fused
                 out = F.conv2d(x, *arguments)
@@ -104,21 +125,6 @@ class DenseBackend(ConvBackend):
                 raise
 
         return call
-
-    def _fused_call(self, fused: str, function: Callable[..., torch.Tensor], *arguments: Any) -> torch.Tensor | None:
-        """``function(*arguments)``, one of cuDNN's fused calls (``torch.cudnn_convolution_relu``,
-        ``torch.cudnn_convolution_add_relu``) that fuses the convolution and its bias with ``fused``, or None where
-        cuDNN refuses it (its runtime fusion covers fewer problems than its convolutions: no engine for a dtype or
-        size), logged once per message; the caller then runs the convolution and those passes, the same function."""
-        try:
-            return function(*arguments)
-        except RuntimeError as error:
-            message = str(error).splitlines()[0] if str(error) else type(error).__name__
-            if message not in self._refusals:
-                self._refusals.add(message)
-                log.warning("%s: cuDNN's fused convolution, bias and %s refused (%s); the convolution, then the %s "
-                            "in passes", self.name, fused, message, fused)
-            return None
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
         """Both memory formats: either may be the faster one, and a plan may only name settings offered here."""

@@ -187,10 +187,12 @@ class PreparedCall:
             bound pairing kernel and the paired shape: ``phase_pair_images`` on ``x`` for a strided setting that
             reads every phase (:func:`bind_phase_pairing`), else ``pair_images`` (:func:`bind_pairing`); None
             otherwise.
-        relu: apply the fused ReLU in a pass after the kernel: on the summed float32 output of split-K (partial sums
-            take neither bias nor ReLU), or on the output of a wide ``tile`` tiling, whose kernel stores without it
-            (:meth:`~unsparse.runtime.launch_geometry.TileTiling.fuses_relu`); else the kernel applies it (its
-            ``relu`` argument is bound).
+        relu: the layer's fused ReLU (the kernel's bound ``relu`` argument unless ``epilogue_after``).
+        epilogue_after: the kernel stores the convolution and its bias only, and the residual add and the ReLU
+            follow in passes: split-K (its float32 partial sums take none of them; bias, residual and ReLU are applied
+            to their float32 sum) and a ``tile`` tiling whose kernel stores without them (a wide one, or with a
+            residual a half2 one: :meth:`~unsparse.runtime.launch_geometry.TileTiling.fuses_epilogue`); else the
+            kernel adds the residual and applies the ReLU as it stores.
     """
 
     kernel: cl.BoundLaunch
@@ -199,11 +201,14 @@ class PreparedCall:
     splits: int = 1
     pairing: tuple[cl.BoundLaunch, tuple[int, ...]] | None = None
     relu: bool = False
+    epilogue_after: bool = False
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None,
+                 residual: torch.Tensor | None = None) -> torch.Tensor:
         """Run on ``x`` (contiguous ``(N, C, H, W)`` of the prepared size, dtype and 16-byte alignment) with
-        ``bias`` (``(M,)`` of ``x``'s dtype, contiguous, or None); returns a new ``(N, M, E, F)`` tensor of ``x``'s
-        dtype."""
+        ``bias`` (``(M,)`` of ``x``'s dtype, contiguous, or None) and ``residual`` (contiguous ``(N, M, E, F)`` of
+        ``x``'s dtype, 16-byte aligned: :func:`kernel_residual`; or None), added to the convolution and its bias
+        before the ReLU; returns a new ``(N, M, E, F)`` tensor of ``x``'s dtype."""
         stream = cl.current_stream(x.device)
         source = x if self.split is None else aligned_copy(self.split.input(x))
         if self.pairing is not None:
@@ -213,13 +218,35 @@ class PreparedCall:
             source = paired
         if self.splits == 1:
             out = torch.empty(self.out_shape, dtype=x.dtype, device=x.device)
-            self.kernel(stream, source, bias, out)
-            return out.relu_() if self.relu else out
+            self.kernel(stream, source, bias, None if self.epilogue_after else residual, out)
+            return self._epilogue(out, residual) if self.epilogue_after else out
         partial = torch.empty((self.splits, *self.out_shape), dtype=torch.float32, device=x.device)
-        self.kernel(stream, source, None, partial)
+        self.kernel(stream, source, None, None, partial)
         summed = partial.sum(0)  # float32 partial sums of each share of the input channels
         summed = summed if bias is None else summed.add_(bias.float()[:, None, None])
-        return (summed.relu_() if self.relu else summed).to(x.dtype)
+        return self._epilogue(summed, residual).to(x.dtype)
+
+    def _epilogue(self, out: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The residual add and the ReLU, in place on ``out``, after a kernel that stored without them."""
+        out = out if residual is None else out.add_(residual)
+        return out.relu_() if self.relu else out
+
+
+def kernel_residual(residual: torch.Tensor, out_shape: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+    """``residual`` as the kernels read it, beside the output they write: contiguous ``(N, M, E, F)``, 16-byte
+    aligned (``direct_pointwise`` loads it by vectors), so a view at an odd offset or in channels-last is copied.
+
+    Raises:
+        ValueError: for a residual that is not a tensor of shape ``out_shape`` with ``x``'s dtype and device (the
+            kernels read one element per output, so a smaller one would be read past its end on the GPU).
+    """
+    if (not isinstance(residual, torch.Tensor) or tuple(residual.shape) != out_shape or residual.dtype != x.dtype
+            or residual.device != x.device):
+        described = (f"{tuple(residual.shape)} {residual.dtype} on {residual.device}"
+                     if isinstance(residual, torch.Tensor) else type(residual).__name__)
+        raise ValueError(f"residual: expected {out_shape} {x.dtype} on {x.device}, got {described}")
+    residual = residual.contiguous()
+    return residual if lg.vector_aligned(residual) else aligned_copy(residual.clone())
 
 
 @register_backend
@@ -234,6 +261,7 @@ class DirectBackend(ConvBackend):
     name = "direct"
     device_types = frozenset({"cuda"})
     fuses_relu = True
+    fuses_residual_relu = True
 
     def __init__(self) -> None:
         self._cache = WeightCache()
@@ -404,10 +432,11 @@ class DirectBackend(ConvBackend):
         return self._cache.get(csr, key, build)
 
     def _prepare(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, params: dict[str, Any],
-                 relu: bool) -> PreparedCall:
+                 relu: bool, residual: bool) -> PreparedCall:
         """Resolve a setting for this input size once: launch, phase split, validated index arrays (shared through
         the per-weight cache) and scalar arguments, the last of them the kernel's ``relu`` flag (0 where
-        :class:`PreparedCall` applies the ReLU in a pass: split-K partial sums, a wide tiling).
+        :class:`PreparedCall` applies the residual and the ReLU in passes: split-K partial sums, a wide tiling, with
+        a ``residual`` a half2 tiling).
 
         Raises:
             ValueError: from :meth:`_launch`, or indices that fail validation.
@@ -418,15 +447,17 @@ class DirectBackend(ConvBackend):
         out_shape = (N, M, E, F_)
 
         def bound(arrays: tuple[torch.Tensor, ...], scalars: tuple[int, ...], kernel_relu: bool) -> cl.BoundLaunch:
-            """The kernel bound with its fixed arguments and its ``relu`` flag; per call: input, bias, output."""
-            return cl.bind(spec, (cl.PER_CALL, *arrays, cl.PER_CALL, cl.PER_CALL, *scalars, int(kernel_relu)),
-                           x.device)
+            """The kernel bound with its fixed arguments and its ``relu`` flag; per call: input, bias, residual,
+            output."""
+            return cl.bind(spec, (cl.PER_CALL, *arrays, cl.PER_CALL, cl.PER_CALL, cl.PER_CALL, *scalars,
+                                  int(kernel_relu)), x.device)
 
         if view is None:
             rows = self._arrays(csr, ("rows", H, W, geometry), lambda: prepare_rows(csr, geometry, (H, W)))
             return PreparedCall(bound((rows.offsets, rows.taps, csr.values.contiguous()),
                                       (N, C, H, W, M, csr.row_length, E, F_, *geometry.stride, *geometry.padding,
-                                       params.get("channels", ROWS_CHANNELS)), relu), None, out_shape)
+                                       params.get("channels", ROWS_CHANNELS)), relu), None, out_shape,
+                                relu=relu)
         C, (H, W) = view.csr.in_channels_per_group, view.in_hw
         if params["variant"] == "tile":
             tiling = tiling_of(params)
@@ -437,7 +468,7 @@ class DirectBackend(ConvBackend):
             capacity = self._entry_capacity(view.csr, tiling)
             if tiling.stage_entries:
                 check_capacity(tile, capacity)
-            in_kernel = tiling.fuses_relu()
+            in_kernel = tiling.fuses_epilogue(residual, half_run_of(params, x.dtype))
             pairing, split = None, view.split
             if reads_pairs(params, x.dtype):
                 if split is not None and split.every_phase:  # one pass from x
@@ -448,45 +479,51 @@ class DirectBackend(ConvBackend):
                                       (N, C, H, W, M, E, F_, *view.geometry.padding,
                                        math.ceil(F_ / tiling.tile_hw[1]), math.ceil(M / tiling.channels),
                                        capacity), relu and in_kernel),
-                                split, out_shape, pairing=pairing, relu=relu and not in_kernel)
+                                split, out_shape, pairing=pairing, relu=relu, epilogue_after=not in_kernel)
         tiling = pointwise_tiling_of(params)
         layout = lg.pointwise_layout(x.dtype, tiling, view.staging)
         tile = self._arrays(view.csr, ("tile", layout, False, 1), lambda: prepare_tile(view.csr, layout))
         per_split, splits = lg.split_chunks(C, tiling.cc, params.get("splits", 1))
         return PreparedCall(bound((tile.chunk_ptr, tile.entries),
                                   (N, C, H * W, M, math.ceil(M / tiling.channels), per_split), relu and splits == 1),
-                            view.split, out_shape, splits=splits, relu=relu and splits > 1)
+                            view.split, out_shape, splits=splits, relu=relu, epilogue_after=splits > 1)
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-             relu: bool = False, **params: Any) -> torch.Tensor:
+             relu: bool = False, residual: torch.Tensor | None = None, **params: Any) -> torch.Tensor:
         """Run one variant; ``params`` is an entry of :meth:`tuning_space` (default: rows, no sub-batch). With
         ``relu`` (:attr:`fuses_relu`: a layer fused with the ReLU after it) the kernel applies that ReLU as it stores
-        each output, after the bias, which saves the ReLU's pass over the ``(N, M, E, F)`` output (a split-K setting
-        applies it in the float32 pass that sums its shares, a wide ``tile`` tiling in a pass of its own:
-        :class:`PreparedCall`). The first call of a setting on an input size prepares
-        it (:meth:`_prepare`, cached per weight); later calls only transform the input, allocate the output and
-        launch.
+        each output, after the bias, which saves the ReLU's pass over the ``(N, M, E, F)`` output; with ``residual``
+        (:attr:`fuses_residual_relu`: a residual block's end, ``(N, M, E, F)`` of ``x``'s dtype, either layout) it
+        adds the residual before the ReLU, which saves the add's pass too (a split-K setting applies bias, residual and
+        ReLU in the float32 pass that sums its shares, a wide ``tile`` tiling residual and ReLU in passes of their own:
+        :class:`PreparedCall`). The first call of a setting on an input size prepares it (:meth:`_prepare`, cached
+        per weight); later calls only transform the input, allocate the output and launch.
 
         Raises:
-            ValueError: for a variant this layer does not support, indices that fail validation, or a bias that is
-                not ``(M,)`` (:func:`~unsparse.runtime.backends.base.check_bias`).
+            ValueError: for a variant this layer does not support, indices that fail validation, a bias that is
+                not ``(M,)`` (:func:`~unsparse.runtime.backends.base.check_bias`), or a residual that is not the
+                output's shape, dtype and device (:func:`kernel_residual`).
         """
-        return self.conv_call(x, csr, bias, geometry, relu, **params)(x)
+        if residual is None:
+            return self.conv_call(x, csr, bias, geometry, relu, **params)(x)
+        return self.conv_call(x, csr, bias, geometry, relu, True, **params)(x, residual)
 
     def conv_call(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
-                  relu: bool = False, **params: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+                  relu: bool = False, residual: bool = False, **params: Any) -> Callable[..., torch.Tensor]:
         """:meth:`conv` for inputs like ``x`` with the :class:`PreparedCall` and the bias (``x``'s dtype, contiguous)
-        resolved once (:meth:`~unsparse.runtime.backends.base.ConvBackend.conv_call`). The setting was prepared for
-        ``x``'s 16-byte alignment (:func:`~unsparse.runtime.launch_geometry.vector_aligned`), which the shape does not
-        fix: an input of the other alignment is resolved again. Raises as :meth:`conv`."""
+        resolved once (:meth:`~unsparse.runtime.backends.base.ConvBackend.conv_call`): a call ``f(x2, residual2)``
+        where ``residual`` says calls pass a residual (prepared so that it is added before the ReLU: a half2 tiling
+        then stores without both, :class:`PreparedCall`), else ``f(x2)``. The setting was prepared for ``x``'s
+        16-byte alignment (:func:`~unsparse.runtime.launch_geometry.vector_aligned`), which the shape does not fix: an
+        input of the other alignment is resolved again. Raises as :meth:`conv`."""
         check_bias(bias, csr)
         x = x.contiguous()
+        shape = (x.shape[0], csr.out_channels, *self._out_hw(x, csr, geometry))
         if csr.out_channels == 0 or x.shape[0] == 0:  # E, F >= 1 (output_size raises otherwise)
-            shape = (x.shape[0], csr.out_channels, *self._out_hw(x, csr, geometry))
-            return lambda x: torch.empty(shape, dtype=x.dtype, device=x.device)
+            return lambda x, *residual: torch.empty(shape, dtype=x.dtype, device=x.device)
         aligned = lg.vector_aligned(x)
-        key = ("call", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), aligned, relu)
-        prepared = self._arrays(csr, key, lambda: self._prepare(x, csr, geometry, params, relu))
+        key = ("call", tuple(x.shape), x.dtype, geometry, tuple(sorted(params.items())), aligned, relu, residual)
+        prepared = self._arrays(csr, key, lambda: self._prepare(x, csr, geometry, params, relu, residual))
         bias = None if bias is None else bias.to(x.dtype).contiguous()
 
         def call(x: torch.Tensor) -> torch.Tensor:
@@ -495,7 +532,13 @@ class DirectBackend(ConvBackend):
                 return self.conv_call(x, csr, bias, geometry, relu, **params)(x)
             return prepared(x, bias)
 
-        return call
+        def call_with_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+            x = x.contiguous()
+            if lg.vector_aligned(x) != aligned:
+                return self.conv_call(x, csr, bias, geometry, relu, True, **params)(x, residual)
+            return prepared(x, bias, kernel_residual(residual, shape, x))
+
+        return call_with_residual if residual else call
 
 
 @register_backend
