@@ -184,6 +184,7 @@ def test_a_model_timed_with_its_relus_fused_agrees_with_the_dense_model_and_says
     assert [layer.relu for layer in end_to_end.sparse_layers(fused).values()] == [True, False]
     assert record["fusion_planned"] and sum("|epilogue=relu" in key for key in plan.entries) == 2  # both layouts
     assert record["cudnn_fuses_relu"] is True and record["direct_fuses_relu"] is True
+    assert record["direct_fuses_residual"] is True
     assert [layer.plan_key for layer in end_to_end.sparse_layers(unfused).values()] == [
         without_epilogue(layer.plan_key) for layer in end_to_end.sparse_layers(fused).values()]
     torch.testing.assert_close(timed[2], timed[1])  # dense, fused, unfused: the same function

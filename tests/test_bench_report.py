@@ -589,6 +589,13 @@ def test_the_fusion_paragraph_says_where_cudnn_applies_the_relu(result):
     direct = markdown_report({**result, "targets": evaluate_targets(result)})
     assert ("the direct kernels (the ReLU; their wide tilings and split-K settings in a pass after them) and the "
             "generated kernels in their epilogue, cuDNN the ReLU in its call") in direct
+    result["end_to_end"][0] |= {"direct_fuses_residual": True}  # a run without residual adds: the same words
+    assert markdown_report({**result, "targets": evaluate_targets(result)}) == direct
+    result["end_to_end"][0] |= {"fused_residual": 3}
+    residual = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("the direct kernels (the ReLU, at a residual block's end after the residual add; their wide tilings and "
+            "split-K settings, and with the add their half2 tilings, in passes after them) and the generated kernels "
+            "in their epilogue") in residual
 
 
 def test_a_faster_plan_with_every_conv_on_cudnn_is_not_called_a_sparsity_gain(result):

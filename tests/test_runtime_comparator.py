@@ -31,6 +31,7 @@ from unsparse.runtime.comparator import (
 )
 from unsparse.runtime.layout import layout_of
 from unsparse.runtime.plan import Plan, PlanEntry, PlanError, layer_key, precision_tag, use_plan
+from unsparse.runtime.precision import tf32_flags
 from unsparse.runtime.timing import Timing, host_enqueue_ms, host_profile, rotation_count, time_backend, time_fn
 from unsparse.sparse import ConvGeometry, UniformCSR, sparse_conv
 
@@ -327,6 +328,9 @@ def test_plan_keys_separate_weight_dtypes_and_cublas_precision() -> None:
             tags.add(precision_tag(torch.float32, "cuda"))
         assert tags == {"float32", "float32+tf32", "float32+matmul_tf32", "float32+tf32+matmul_fp32"}
         assert precision_tag(torch.float32, "cpu") == "float32"
+        for cudnn, matmul in ((False, True), (True, False), (True, True), (False, False)):  # the C getters' reads
+            torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = cudnn, matmul
+            assert tf32_flags() == (cudnn, matmul)
     finally:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 

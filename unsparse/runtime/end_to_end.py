@@ -116,7 +116,9 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     and ``fusion_speedup`` is it over
     ``planned_ms``; both None without either flag. ``cudnn_fuses_relu`` records that the ``cudnn`` backend applies a
     fused layer's ReLU in its call (runs before it paid a ReLU pass after cuDNN), ``direct_fuses_relu`` that the
-    ``direct`` kernels apply it as they store (runs before the forty-fourth session paid a pass after them).
+    ``direct`` kernels apply it as they store (runs before the forty-fourth session paid a pass after them),
+    ``direct_fuses_residual`` that they add a residual block's identity as they store too (before the forty-sixth
+    session, an add pass and a ReLU pass after them).
 
     ``fold_batch_norm`` (:data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`, recorded as such) folds eval-mode
     BatchNorms after a conv into it in the sparse copies: ``"all"`` every one, before planning and the fusions
@@ -203,6 +205,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "folded_batch_norm_nhwc": len(getattr(sparse_nhwc, FOLDED_ATTRIBUTE, [])),
             "fusion_planned": True, "cudnn_fuses_relu": get_backend("cudnn").fuses_relu,
             "direct_fuses_relu": get_backend("direct").fuses_relu,
+            "direct_fuses_residual": get_backend("direct").fuses_residual_relu,
             "planned_unfused_ms": None if unfused_t is None else unfused_t.median_ms,
             "fusion_speedup": None if unfused_t is None else unfused_t.median_ms / sparse_t.median_ms,
             "planned_timing": sparse_t.to_dict(),

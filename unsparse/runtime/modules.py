@@ -19,6 +19,7 @@ from unsparse.modes import module_modes, restore_modes
 from unsparse.prune.masks import squashed_copy
 from unsparse.runtime.graph_fusion import LeafTracer, _has_hooks, fuse_following_relu, name_counts
 from unsparse.runtime.plan import plan_generation
+from unsparse.runtime.precision import tf32_flags
 from unsparse.sparse.format import SparseFormatError, UniformCSR, tensor_version
 from unsparse.sparse.functional import conv2d_input, dense_fallback_backend, prepare_sparse_conv_nd
 from unsparse.sparse.geometry import ConvGeometry
@@ -158,7 +159,7 @@ class SparseConv(nn.Module):
         if self.backend == "auto":  # what the plan's entry depends on besides the input and the layer
             signature += (plan_generation(),)
             if x.is_cuda and x.dtype == torch.float32:  # the flags a float32 CUDA key has (precision_tag)
-                signature += (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
+                signature += tf32_flags()
         prepared = self._prepared
         if prepared is None or prepared.signature != signature or prepared.params != self.backend_params:
             call = prepare_sparse_conv_nd(x, self.csr, bias, self.geometry, self.backend, self.relu, self.max_pool,

@@ -21,6 +21,7 @@ import torch
 from unsparse.atomic import atomic_write_text
 from unsparse.runtime.backends.base import ConvBackend, get_backend, register_backend
 from unsparse.runtime.layout import layout_of
+from unsparse.runtime.precision import tf32_flags
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 from unsparse.strict_json import loads_strict
@@ -43,7 +44,7 @@ def precision_tag(dtype: torch.dtype, device: torch.device | str) -> str:
     name = str(dtype).removeprefix("torch.")
     if dtype != torch.float32 or torch.device(device).type != "cuda":
         return name
-    cudnn, matmul = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    cudnn, matmul = tf32_flags()
     name += "+tf32" if cudnn else ""
     return name if matmul == cudnn else name + ("+matmul_tf32" if matmul else "+matmul_fp32")
 
@@ -267,8 +268,8 @@ class AutoBackend(ConvBackend):
         Raises:
             PlanError: the entry's ``params`` are not a setting its backend offers for this layer.
         """
-        signature = (tuple(x.shape), layout_of(x), x.dtype, x.device, torch.backends.cudnn.allow_tf32,
-                     torch.backends.cuda.matmul.allow_tf32, geometry, relu, max_pool, residual)  # precision_tag's
+        signature = (tuple(x.shape), layout_of(x), x.dtype, x.device, *tf32_flags(), geometry, relu, max_pool,
+                     residual)  # precision_tag's flags
         per_csr = self._resolved.setdefault(csr, {})
         if signature not in per_csr:
             per_csr[signature] = self._lookup(x, csr, geometry, relu, max_pool, residual)
