@@ -66,6 +66,27 @@ def test_refused_convolutions_are_named(conv: nn.Module, reason: str) -> None:
         ConvBiasReLU(conv)
 
 
+def test_the_residual_shape_check_reads_the_conv_as_torch_does_without_validating_it() -> None:
+    """``ConvBiasReLU`` decides whether cuDNN's fused add can take a residual from the conv's current attributes and
+    never raises there: an input smaller than the kernel, or a padding torch accepts at construction, fail (or not)
+    in the conv's own call, with torch's error, as in the unfused model (a review of the forty-sixth session found a
+    validating check raising its own error first, and a copy of the attributes going stale)."""
+    from unsparse.runtime.dense_fusion import _output_like
+
+    conv = nn.Conv2d(2, 3, 5, padding=0)
+    assert not _output_like(torch.randn(1, 3, 1, 1), torch.randn(1, 2, 3, 3), conv)  # smaller than the kernel
+    x = torch.randn(2, 2, 9, 9)
+    assert _output_like(torch.randn(2, 3, 5, 5), x, conv)
+    conv.padding = (2, 2)  # changed after the module was built: read now
+    assert _output_like(torch.randn(2, 3, 9, 9), x, conv) and not _output_like(torch.randn(2, 3, 5, 5), x, conv)
+    assert not _output_like(torch.randn(2, 3, 9, 9).double(), x, conv) and not _output_like(1.0, x, conv)
+    odd = nn.Sequential(nn.Conv2d(2, 3, 3, padding=-1), nn.ReLU())  # torch builds it and refuses it when called
+    fused, count = fuse_dense_conv_relu(odd)
+    assert count == 1
+    with pytest.raises(RuntimeError):
+        fused(x)
+
+
 def test_a_hooked_conv_is_not_fused() -> None:
     model = nn.Sequential(nn.Conv2d(2, 2, 1), nn.ReLU())
     model[0].register_forward_hook(lambda module, args, out: None)

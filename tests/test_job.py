@@ -76,18 +76,21 @@ def test_git_commit_prefers_the_environment(monkeypatch):
 
 
 def test_every_result_file_says_whether_its_commit_names_the_code_that_ran(monkeypatch):
-    """``environment()`` records ``tree_modified``: unknown (None) where ``$UNSPARSE_COMMIT`` names the commit, else
-    git's answer, True as soon as a tracked file differs from HEAD (a lent GPU machine's stale checkout)."""
+    """``environment()`` records ``tree_modified``: unknown (None) where ``$UNSPARSE_COMMIT`` names the commit or the
+    commit recorded is not HEAD, else git's answer, True as soon as a tracked file differs from HEAD (a lent GPU
+    machine's stale checkout)."""
     from unsparse import job
-    from unsparse.runtime.bench import environment
+    from unsparse.runtime import bench
 
     monkeypatch.setenv("UNSPARSE_COMMIT", "0123456789abcdef")
-    assert environment(job.git_commit())["tree_modified"] is None
+    assert bench.environment(job.git_commit())["tree_modified"] is None
     monkeypatch.setenv("UNSPARSE_COMMIT", "")
+    monkeypatch.setattr(bench, "git_commit", lambda: "abc")
     outputs = iter([" M unsparse/runtime/bench.py\n", ""])
     monkeypatch.setattr(job.subprocess, "run", lambda *a, **k: type("Done", (), {"stdout": next(outputs)})())
-    assert environment("abc")["tree_modified"] is True
-    assert environment("abc")["tree_modified"] is False
+    assert bench.environment("abc")["tree_modified"] is True
+    assert bench.environment("abc")["tree_modified"] is False
+    assert bench.environment("def")["tree_modified"] is None  # git cannot compare the tree with another commit
 
 
 def test_the_folder_lock_holds_across_processes_and_ends_with_a_killed_one(tmp_path):

@@ -938,12 +938,13 @@ def test_tuning_spaces() -> None:
     assert len(rows_space(1, 1, prune=False)) == 6
     assert all(p["wx"] <= 14 for p in tile_space(8, (7, 7), (3, 3), torch.float32))
     big = tile_space(128, (56, 56), (3, 3), torch.float32, entry_capacity=lambda cc, union: 20)
-    # Every tiling's 3x3 chunks fit the tile limit in float32 but the CC = 32 ones (float16 only: half the bytes);
-    # NB = 1 and union entries are float32-only (float16 pairs images; union entries lost there, kernel notes v21).
+    # Every tiling's 3x3 chunks fit the tile limit in float32 but the CC = 32 ones and the 8-wide CC = 16 one
+    # (float16 only: half the bytes); NB = 1 and union entries are float32-only (float16 pairs images; union entries
+    # lost there, kernel notes v21).
     every = {tiling_of(p) for p in tile_space(128, (56, 56), (3, 3), torch.float32, prune=False,
                                               shared_limit=10 ** 9, entry_capacity=lambda cc, union: 20)}
     assert every == set(TILE_TILINGS)
-    assert every - {tiling_of(p) for p in big} == {t for t in TILE_TILINGS if t.cc == 32}
+    assert every - {tiling_of(p) for p in big} == {t for t in TILE_TILINGS if t.cc == 32 or (t.wx, t.cc) == (8, 16)}
     assert every - {tiling_of(p) for p in tile_space(128, (56, 56), (3, 3), torch.float16,
                                                      entry_capacity=lambda cc, union: 20)} == {
         t for t in TILE_TILINGS if t.nb == 1 or t.union > 1}
@@ -1199,6 +1200,16 @@ def test_a_fused_residual_and_relu_run_once_in_the_kernel_or_in_passes_after_it(
         after = written + 0.5 if residual else written
         expected = written if in_kernel else max(after, 0.0) if relu else after  # in the kernel: its output untouched
         assert torch.equal(out, torch.full_like(out, expected)), spec.name
+
+
+def test_an_empty_batch_checks_its_residual_too() -> None:
+    """No kernel runs for an empty batch, but a residual of the wrong shape is refused as for any batch."""
+    csr = UniformCSR.from_dense(torch.randn(4, 3, 3, 3))
+    x = torch.randn(0, 3, 6, 6)
+    out = DirectBackend().conv(x, csr, None, ConvGeometry.of(1, 1), relu=True, residual=torch.randn(0, 4, 6, 6))
+    assert out.shape == (0, 4, 6, 6)
+    with pytest.raises(ValueError, match="residual: expected"):
+        DirectBackend().conv(x, csr, None, ConvGeometry.of(1, 1), relu=True, residual=torch.randn(5, 3))
 
 
 def test_the_kernels_read_a_residual_of_the_outputs_shape_contiguous_and_aligned() -> None:

@@ -100,10 +100,11 @@ def make_case(name: str, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.dtype) -> None:
     """Every setting, unfused, fused with the ReLU after the layer (``relu=True``: in the kernel's epilogue, or in a
-    pass after a wide tiling or split-K) and fused with a residual add and that ReLU (``residual``, likewise): the
-    float64 reference, and the fused output is exactly the unfused one through ``torch.relu`` (the same sums,
-    negative ones stored as 0); with the residual in float32 exactly ``relu(out + residual)`` too (the kernel adds
-    it to the same float32 sum), in float16 within the bound (the kernel rounds the sum once, torch twice)."""
+    pass after a wide tiling or split-K) and fused with a residual add, with and without that ReLU (``residual``,
+    likewise): the float64 reference, and the fused output is exactly the unfused one through ``torch.relu`` (the
+    same sums, negative ones stored as 0); with the residual in float32 exactly ``out + residual`` (through the ReLU)
+    too (the kernel adds it to the same float32 sum), in float16 within the bound (the kernel rounds the sum once,
+    torch twice)."""
     x, csr, bias, geometry, ref = make_case(case, dtype, seed=hash(case) % 1000)
     residual = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7), dtype=torch.float64).to(dtype)
     expected_with_residual = torch.relu(ref + residual.double())
@@ -144,12 +145,16 @@ def test_direct_every_setting_matches_float64_reference(case: str, dtype: torch.
         assert torch.equal(fused, torch.relu(out)), f"{case} {params}: the fused ReLU differs from torch.relu"
         error = relative_error(fused.cpu(), torch.relu(ref))
         assert error <= tolerance(dtype), f"{case} {params} relu: relative error {error:.3g}"
-        poison_allocator(ref.numel(), dtype)
-        added = backend.conv(x, csr, bias, geometry, relu=True, residual=residual, **params)
-        if dtype == torch.float32:
-            assert torch.equal(added, torch.relu(out + residual)), f"{case} {params}: the fused residual differs"
-        error = relative_error(added.cpu(), expected_with_residual)
-        assert error <= tolerance(dtype), f"{case} {params} residual: relative error {error:.3g}"
+        for relu in (True, False):
+            poison_allocator(ref.numel(), dtype)
+            added = backend.conv(x, csr, bias, geometry, relu=relu, residual=residual, **params)
+            summed = out + residual
+            if dtype == torch.float32:
+                expected = torch.relu(summed) if relu else summed
+                assert torch.equal(added, expected), f"{case} {params} relu={relu}: the fused residual differs"
+            reference = expected_with_residual if relu else ref + residual.double().cpu()
+            error = relative_error(added.cpu(), reference)
+            assert error <= tolerance(dtype), f"{case} {params} residual relu={relu}: relative error {error:.3g}"
 
 
 @pytest.mark.parametrize("backend_name", ["direct", "direct_half2"])

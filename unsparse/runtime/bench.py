@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from unsparse.atomic import atomic_write_text, write_record
-from unsparse.job import git_tree_modified
+from unsparse.job import git_commit, git_tree_modified
 from unsparse.report.benchmark import ESCOIN_MODELS, compiled_ahead, evaluate_targets, markdown_report, plot_results
 from unsparse.runtime.batch_norm_folding import FOLD_POLICIES
 from unsparse.runtime.comparator import TIMINGS, best_times, compare_layer
@@ -62,11 +62,14 @@ class ConvLayer:
 
 def environment(commit: str | None = None) -> dict[str, Any]:
     """GPU name, driver, torch/CUDA/cuDNN/CuPy versions, host, commit: recorded in every result file. With them
-    ``tree_modified`` (:func:`~unsparse.job.git_tree_modified`): True where tracked files differ from the checkout's
-    HEAD, so that a commit read from git does not name the code that ran (a copied tree on a lent GPU machine whose
-    git is older: pass ``$UNSPARSE_COMMIT``); None where ``$UNSPARSE_COMMIT`` names the commit or there is no git."""
+    ``tree_modified`` (:func:`~unsparse.job.git_tree_modified`), where ``commit`` is the checkout's HEAD
+    (:func:`~unsparse.job.git_commit`): True where tracked files differ from it, so that ``commit`` does not name the
+    code that ran (a copied tree on a lent GPU machine whose git is older: pass ``$UNSPARSE_COMMIT``); None where
+    ``$UNSPARSE_COMMIT`` names the commit, there is no git, or ``commit`` is another commit (git cannot compare the
+    tree with it)."""
     info: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda, "commit": commit,
-                            "tree_modified": git_tree_modified(),
+                            "tree_modified": git_tree_modified() if commit is not None and commit == git_commit()
+                            else None,
                             "python": platform.python_version(), "host": platform.node(),
                             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     if torch.cuda.is_available():

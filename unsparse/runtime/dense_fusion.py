@@ -26,7 +26,6 @@ from torch.nn.modules.conv import _ConvNd
 from unsparse.runtime.backends.dense import cudnn_fused_call
 from unsparse.runtime.graph_fusion import LeafTracer, fuse_following_relu
 from unsparse.runtime.layout import in_layout, layout_of
-from unsparse.sparse.geometry import ConvGeometry
 
 
 def fusion_refusal(conv: nn.Module) -> str | None:
@@ -52,8 +51,7 @@ class ConvBiasReLU(nn.Module):
 
     Shapes as the convolution's: input ``(N, C, H, W)`` in either layout, output ``(N, M, E, F)``, a residual of the
     output's shape (or one that broadcasts to it); the weight and bias are the convolution's own parameters
-    (shared, not copied). The geometry that decides whether a residual has the output's shape is read once, here
-    (``geometry``, a :class:`~unsparse.sparse.geometry.ConvGeometry`).
+    (shared, not copied).
 
     Raises:
         ValueError: naming ``conv``, for a convolution :func:`fusion_refusal` refuses.
@@ -65,7 +63,6 @@ class ConvBiasReLU(nn.Module):
         if reason is not None:
             raise ValueError(f"conv: {reason}")
         self.conv = conv
-        self.geometry = ConvGeometry.from_module(conv)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         conv = self.conv
@@ -75,19 +72,24 @@ class ConvBiasReLU(nn.Module):
             return torch.cudnn_convolution_relu(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation,
                                                 conv.groups)
         fused = None
-        if self._output_like(residual, x):  # else a broadcast or promoting add, or a number: as the model's `+`
+        if _output_like(residual, x, conv):  # else a broadcast or promoting add, or a number: as the model's `+`
             fused = cudnn_fused_call("ConvBiasReLU", _REFUSALS, "residual, ReLU", torch.cudnn_convolution_add_relu, x,
                                      conv.weight, in_layout(residual, layout_of(x)), 1.0, conv.bias, conv.stride,
                                      conv.padding, conv.dilation, conv.groups)
         return torch.relu(conv(x) + residual) if fused is None else fused
 
-    def _output_like(self, residual: object, x: torch.Tensor) -> bool:
-        """Whether ``residual`` is a tensor of the convolution's output's shape, dtype and device for input ``x``
-        (what cuDNN's fused add takes)."""
-        if not isinstance(residual, torch.Tensor) or residual.dtype != x.dtype or residual.device != x.device:
-            return False
-        out_hw = self.geometry.output_size(*x.shape[2:], self.conv.kernel_size)
-        return tuple(residual.shape) == (x.shape[0], self.conv.out_channels, *out_hw)
+
+def _output_like(residual: object, x: torch.Tensor, conv: nn.Conv2d) -> bool:
+    """Whether ``residual`` is a tensor of ``conv(x)``'s shape, dtype and device (what cuDNN's fused add takes), from
+    the convolution's attributes as they are now and without checking them, as torch's convolution reads them: the
+    output-size formula is torch's, not :meth:`~unsparse.sparse.geometry.ConvGeometry.output_size`, which validates
+    (an input smaller than the kernel, a padding of -1 must fail as the model's own convolution fails, with torch's
+    RuntimeError, in the fallback; a review of the forty-sixth session found each case)."""
+    if not isinstance(residual, torch.Tensor) or residual.dtype != x.dtype or residual.device != x.device:
+        return False
+    sizes = [(size + 2 * pad - dilation * (kernel - 1) - 1) // stride + 1 for size, pad, dilation, kernel, stride
+             in zip(x.shape[2:], conv.padding, conv.dilation, conv.kernel_size, conv.stride, strict=True)]
+    return tuple(residual.shape) == (x.shape[0], conv.out_channels, *sizes)
 
 
 _REFUSALS: set[str] = set()

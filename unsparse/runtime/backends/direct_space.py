@@ -48,6 +48,9 @@ TILE_TILINGS = (
     lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=8, cc=8, stage_entries=True, min_blocks=4),
     lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=16, stage_entries=True, min_blocks=2),
     lg.TileTiling(wx=32, py=4, nb=2, mw=4, warps=16, cc=32, stage_entries=True, min_blocks=2),
+    lg.TileTiling(wx=8, py=2, nb=4, mw=8, warps=8, cc=4),
+    lg.TileTiling(wx=8, py=2, nb=2, mw=8, warps=8, cc=8),
+    lg.TileTiling(wx=8, py=2, nb=2, mw=8, warps=8, cc=16),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM within the
 register file; the paired union tiling's 84 are held to 128 registers, also two blocks), warp tiles 4x32 to 8x8 for
@@ -74,7 +77,12 @@ names the blocks per SM its unstaged tiling reaches (``min_blocks``, 64 register
 costs ptxas up to 16 more registers and a block per SM. On the H100 (b128) the 8-warp CC = 8 one ran VGG16
 features.0-10 in float32 at 0.8 1.00-1.03x as fast as the best unstaged setting (1.08-1.12x its own unstaged
 tiling), the 16-warp CC = 16 one features.2-12 at 0.9 1.03-1.06x, the CC = 32 one half2 products at 0.95 1.02-1.05x;
-they lose in float16 at 0.9. The union tiling staged ran 0.97-1.01x as fast as unstaged and is not built."""
+they lose in float16 at 0.9. The union tiling staged ran 0.97-1.01x as fast as unstaged and is not built. The last
+three are for 7x7 planes (ResNet-50's layer4), where the prune leaves only the 8-wide warp tiles: the two above
+stage 2 or 4 channels per chunk for 32 or 64 output channels, so at 0.9 a chunk holds about two nonzeros per row
+behind each barrier pair and its staging; these share each chunk among 64 channels and stage 4 to 16 channels (16 in
+float16 only: the 8-wide tile's bank-padded rows make a float32 chunk of 16 channels 102 KB in two buffers, above
+:data:`~unsparse.runtime.launch_geometry.TILE_SHARED_LIMIT_BYTES`; kernels/NOTES.md, forty-sixth session)."""
 
 
 POINTWISE_TILINGS = (
