@@ -530,13 +530,12 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
         timed = ("" if not planned else "The per-layer comparisons timed each fused layer with what it is fused with"
                  + ("" if planned == len(fused) else " in the rows that say 'planned fused', the convolution alone in "
                     "the others") + ". ")
-        residual = any(r.get("direct_fuses_residual") and r.get("fused_residual") for r in fused)
-        kernels = ("the direct kernels (the ReLU" + (", at a residual block's end after the residual add; their wide "
-                                                      "tilings and split-K settings, and with the add their half2 "
-                                                      "tilings, in passes" if residual else
-                                                      "; their wide tilings and split-K settings in a pass")
-                   + " after them) and the generated kernels in their epilogue"
-                   if any(r.get("direct_fuses_relu") for r in fused) else "the generated kernels in their epilogue")
+        direct = ("the ReLU, at a residual block's end after the residual add; their wide tilings and split-K "
+                  "settings, and with the add their half2 tilings, in passes"
+                  if any(r.get("direct_fuses_residual") and r.get("fused_residual") for r in fused) else
+                  "the ReLU; their wide tilings and split-K settings in a pass")
+        kernels = (f"the direct kernels ({direct} after them) and " if any(r.get("direct_fuses_relu") for r in fused)
+                   else "") + "the generated kernels in their epilogue"
         where = (f"{kernels}, cuDNN the ReLU in its call (the pool in a pass after it), the other backends in a pass "
                  "after the conv" if any(r.get("cudnn_fuses_relu") for r in fused) else
                  f"{kernels}, the other backends (cuDNN among them) in a pass after the conv")

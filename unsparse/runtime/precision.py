@@ -49,8 +49,6 @@ def precision_mode(tf32: bool) -> Iterator[None]:
         torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
-
-
 def tf32_flags() -> tuple[bool, bool]:
     """``(torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)``, read through the C getters those
     two properties call: a planned layer's prepared call depends on them for a float32 CUDA input, so every forward
