@@ -204,6 +204,8 @@ def test_the_dense_model_fused_by_cudnn_is_timed_in_both_layouts_beside_the_plan
     record = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
                                          ["dense_cpu"])
     assert record["dense_fused_convs"] == 1
+    assert record["dense_fused_passes"] == record["dense_fused_nhwc_passes"] == 0  # chosen on CUDA only
+    assert record["epilogue_passes"] == record["epilogue_passes_nhwc"] == []  # dense_cpu has no epilogue setting
     assert record["dense_fused_rel_error"] < 1e-5 and record["dense_fused_nhwc_rel_error"] < 1e-5
     assert record["dense_fused_graph_ms"] is record["dense_fused_nhwc_graph_ms"] is None  # no CUDA graphs on CPU
     assert record["dense_fused_graph_error"] == "no CUDA graphs on cpu"
@@ -215,6 +217,7 @@ def test_the_dense_model_fused_by_cudnn_is_timed_in_both_layouts_beside_the_plan
     no_relu = bench.magnitude_prune_(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).eval(), 0.5)
     plain = end_to_end.bench_end_to_end(no_relu, (3, 8, 8), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
     assert plain["dense_fused_convs"] == 0 and plain["dense_fused_ms"] is plain["dense_fused_nhwc_ms"] is None
+    assert plain["dense_fused_passes"] is None
     assert plain["best_dense_fused_layout"] is plain["best_speedup_vs_dense_fused"] is None
 
 

@@ -539,6 +539,25 @@ def test_the_end_to_end_table_holds_the_plan_against_the_cudnn_fused_dense_model
         assert f"| 0.89 | {cell} | - | " in resnet_row()[0]
 
 
+def test_the_end_to_end_table_names_the_layers_that_run_their_epilogue_as_passes(result):
+    """The dense fused model's cell counts its layers run as passes in the layout shown; each plan's cell names its
+    cuDNN layers planned as passes; the paragraph explains both only where a record was timed with the choice."""
+    record = result["end_to_end"][0]
+    record |= {"dense_fused_ms": 60.0, "dense_fused_nhwc_ms": 70.5, "best_dense_fused_layout": "nchw",
+               "best_speedup_vs_dense_fused": 0.8124}
+    before = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "Epilogue as passes" not in before and "| 60.000 (nchw) | 0.81 | " in before
+    record |= {"dense_fused_passes": 2, "dense_fused_nhwc_passes": 0,
+               "epilogue_passes": ["layer3.0.conv2", "layer4.0.conv2"], "epilogue_passes_nhwc": []}
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "Epilogue as passes: where cuDNN's fused call timed slower" in text
+    assert "| 60.000 (nchw, 2 as passes) | 0.81 | " in text
+    assert "; ReLU as passes after cuDNN: layer3.0.conv2, layer4.0.conv2 |" in text
+    record |= {"best_dense_fused_layout": "nhwc", "dense_fused_nhwc_ms": 59.0, "epilogue_passes_nhwc": ["features.0"]}
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "| 59.000 (nhwc) | " in text and "; ReLU as passes after cuDNN: features.0 |" in text
+
+
 def test_a_plan_slower_than_the_cudnn_fused_dense_model_is_said_so(result, tmp_path, monkeypatch):
     """"Where sparse is slower" names a plan beyond the noise margin behind the fused dense model (SLOWER), within it
     (slower), and says nothing where the plan is faster; the end-to-end plot gets the fused dense bar."""

@@ -150,6 +150,92 @@ def test_the_cudnn_backend_runs_a_fused_relu_in_one_call_and_falls_back_where_cu
     assert caplog.text.count("fused convolution, bias and ReLU refused (cuDNN Frontend error: no valid engine") == 1
 
 
+def test_the_cudnn_backend_runs_the_epilogue_as_passes_when_the_setting_says_so(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``epilogue="passes"``: the convolution, then the bias, the residual add and the ReLU as passes, never cuDNN's
+    fused calls (stood in for on the CPU), the same function; the default setting still makes the fused call."""
+    from tests.fusing import layer
+    from unsparse.runtime.backends.dense import CudnnBackend
+    from unsparse.sparse.geometry import ConvGeometry
+
+    x, csr, bias = layer(11)
+    geometry = ConvGeometry.of(1, 1)
+    residual = torch.randn(2, 7, 9, 11, dtype=torch.float64)
+    conv = torch.nn.functional.conv2d(x, csr.to_dense(), bias, 1, 1)
+    calls = []
+
+    def fused_relu(x, weight, bias, *rest):
+        calls.append("relu")
+        return torch.relu(torch.nn.functional.conv2d(x, weight, bias, *rest))
+
+    def fused_add_relu(x, weight, residual, alpha, bias, *rest):
+        calls.append("add_relu")
+        return torch.relu(torch.nn.functional.conv2d(x, weight, bias, *rest) + alpha * residual)
+
+    monkeypatch.setattr(torch, "cudnn_convolution_relu", fused_relu)
+    monkeypatch.setattr(torch, "cudnn_convolution_add_relu", fused_add_relu)
+    backend = CudnnBackend()
+    for epilogue, expected_calls in (("passes", []), ("fused", ["relu", "add_relu"])):
+        calls.clear()
+        torch.testing.assert_close(backend.run(x, csr, bias, geometry, relu=True, epilogue=epilogue),
+                                   torch.relu(conv), rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(backend.run(x, csr, bias, geometry, relu=True, residual=residual,
+                                               epilogue=epilogue), torch.relu(conv + residual), rtol=1e-12, atol=1e-12)
+        assert calls == expected_calls
+    with pytest.raises(ValueError, match="epilogue: unknown 'later'"):
+        backend.run(x, csr, bias, geometry, relu=True, epilogue="later")
+
+
+def test_cudnn_offers_both_epilogues_only_to_a_layer_fused_with_its_relu() -> None:
+    """The settings a comparator times and a plan may name: memory formats crossed with the epilogues, which exist only
+    where a ReLU is fused and the backend fuses it (not ``dense_cpu``, whose ReLU is always a pass)."""
+    from tests.fusing import layer
+    from unsparse.runtime.backends import get_backend
+    from unsparse.sparse.geometry import ConvGeometry
+
+    x, csr, _ = layer(12)
+    geometry = ConvGeometry.of(1, 1)
+    cudnn, cpu = get_backend("cudnn"), get_backend("dense_cpu")
+    formats = [{"memory_format": "contiguous"}, {"memory_format": "channels_last"}]
+    assert cudnn.settings(x, csr, geometry) == formats
+    assert cudnn.settings(x, csr, geometry, relu=True) == [
+        formats[0], {**formats[0], "epilogue": "passes"}, formats[1], {**formats[1], "epilogue": "passes"}]
+    assert cpu.settings(x, csr, geometry, relu=True) == cpu.tuning_space(x, csr, geometry) == formats
+
+
+def test_a_plan_may_name_the_passes_only_for_a_layer_fused_with_its_relu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``auto`` checks an entry against the settings of the layer as keyed: ``epilogue`` on a layer without a fused
+    ReLU is a setting cuDNN does not offer there (cuDNN let onto the CPU, where its settings are the same)."""
+    from tests.fusing import layer
+    from unsparse.runtime.backends import get_backend
+    from unsparse.runtime.backends.dense import CudnnBackend
+    from unsparse.runtime.plan import Plan, PlanEntry, PlanError, layer_key, use_plan
+    from unsparse.sparse.geometry import ConvGeometry
+
+    monkeypatch.setattr(CudnnBackend, "device_types", frozenset({"cpu"}))
+    x, csr, _ = layer(13)
+    geometry = ConvGeometry.of(1, 1)
+    passes = {"memory_format": "contiguous", "epilogue": "passes"}
+    use_plan(Plan({layer_key(x, csr, geometry, relu=True): PlanEntry("cudnn", passes, 1.0),
+                   layer_key(x, csr, geometry): PlanEntry("cudnn", passes, 1.0)}))
+    try:
+        auto = get_backend("auto")
+        assert auto.resolve(x, csr, geometry, relu=True) == ("cudnn", passes)
+        with pytest.raises(PlanError, match="epilogue"):
+            auto.resolve(x, csr, geometry)
+    finally:
+        use_plan(Plan())
+
+
+def test_choosing_epilogues_off_cuda_times_and_changes_nothing() -> None:
+    """The choice between cuDNN's fused call and passes is made on CUDA only (on the CPU both run the same code)."""
+    from unsparse.runtime.dense_fusion import choose_epilogues_
+
+    fused, _ = fuse_dense_conv_relu(block())
+    assert choose_epilogues_(fused, torch.randn(2, 3, 8, 8, dtype=torch.float64)) == 0
+    assert not any(module.passes for module in fused.modules() if isinstance(module, ConvBiasReLU))
+
+
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
 def test_the_probe_adds_the_bias_as_rows_and_computes_the_same(load_script, memory_format) -> None:
     """``time_dense_baselines.py``'s bias-rows variant: each conv with a bias runs without it and adds it over the

@@ -101,6 +101,30 @@ def test_an_unfused_comparison_passes_no_epilogue(fusing: FusesBoth) -> None:
     assert all(call == {"relu": False, "max_pool": False} for call in fusing.calls)
 
 
+class TwoEpilogues(FusesBoth):
+    """Offers a second way to run a fused ReLU, as cuDNN does (its fused call or passes)."""
+
+    name = "test_two_epilogues"
+
+    def epilogue_space(self, relu: bool) -> list[dict]:
+        return [{}, {"epilogue": "passes"}] if relu else [{}]
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_the_comparator_times_each_epilogue_a_backend_offers_for_the_layer(monkeypatch: pytest.MonkeyPatch,
+                                                                           relu: bool) -> None:
+    """The settings timed are the tuning space crossed with the epilogues offered for the layer as fused: two for a
+    layer fused with its ReLU, one without; each setting's parameters reach the backend's call."""
+    monkeypatch.setitem(base._REGISTRY, TwoEpilogues.name, TwoEpilogues)
+    instance = TwoEpilogues()
+    monkeypatch.setitem(base._INSTANCES, TwoEpilogues.name, instance)
+    x, csr, bias = layer(4)
+    result = compare_layer(x, csr, bias, GEOMETRY, [TwoEpilogues.name], runs=2, warmup=0, relu=relu)
+    expected = [{}, {"epilogue": "passes"}] if relu else [{}]
+    assert [m.params for m in result.measurements] == expected and {m.status for m in result.measurements} == {"ok"}
+    assert {call.get("epilogue") for call in instance.calls} == {p.get("epilogue") for p in expected}
+
+
 def vgg_block() -> nn.Sequential:
     """conv, ReLU, conv, ReLU, 2x2 max pool (float64; weights about half zeros)."""
     torch.manual_seed(5)

@@ -289,7 +289,7 @@ def test_cudnn_fuses_the_relu_in_its_call_and_matches_the_float64_reference(case
     expected = torch.relu(ref)
     backend = get_backend("cudnn")
     with precision_mode(False):
-        for params in backend.tuning_space(x, csr, geometry):
+        for params in backend.settings(x, csr, geometry, relu=True):  # both layouts, fused call and passes
             poison_allocator(expected.numel(), dtype)
             out = backend.run(x, csr, bias, geometry, relu=True, **params)
             assert relative_error(out.cpu(), expected) <= tolerance(dtype), params

@@ -7,8 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from unsparse.runtime.batch_norm_folding import fold_batch_norm_
 from unsparse.runtime.comparator import relative_error, tolerance
-from unsparse.runtime.dense_fusion import ConvBiasReLU, fuse_dense_conv_relu
+from unsparse.runtime.dense_fusion import ConvBiasReLU, choose_epilogues_, fuse_dense_conv_relu
 from unsparse.runtime.precision import precision_mode
 
 CUDA = torch.device("cuda")
@@ -45,3 +46,30 @@ def test_a_fused_vgg_block_computes_the_dense_block_in_channels_last_fp16() -> N
         out = fused.to(CUDA, torch.float16).to(memory_format=torch.channels_last)(
             x.to(CUDA, torch.float16).contiguous(memory_format=torch.channels_last)).cpu()
     assert relative_error(out, expected) <= 10 * tolerance(torch.float16)
+
+
+def test_choosing_epilogues_keeps_the_function_of_every_block() -> None:
+    """ResNet-18 with its BatchNorms folded: each of its 17 fused convolutions (8 with a residual) gets the faster of
+    cuDNN's fused call and the passes, timed on the GPU; whichever each takes, and all of either, the model computes the
+    float64 model (TF32 off)."""
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(17)
+    model = torchvision.models.resnet18(num_classes=10).eval()
+    fold_batch_norm_(model)
+    x = torch.randn(2, 3, 64, 48)
+    with torch.no_grad():
+        expected = model.double()(x.double())
+    fused, count = fuse_dense_conv_relu(model.float())
+    fused = fused.to(CUDA)
+    modules = [module for module in fused.modules() if isinstance(module, ConvBiasReLU)]
+    assert count == len(modules) == 17
+    with precision_mode(False), torch.no_grad():
+        chosen = choose_epilogues_(fused, x.to(CUDA), runs=3)
+        assert chosen == sum(module.passes for module in modules) and 0 <= chosen <= 17
+        outputs = [fused(x.to(CUDA)).cpu()]
+        for passes in (False, True):
+            for module in modules:
+                module.passes = passes
+            outputs.append(fused(x.to(CUDA)).cpu())
+    for out in outputs:
+        assert relative_error(out, expected) <= tolerance(torch.float32)

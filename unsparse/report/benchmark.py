@@ -563,6 +563,11 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                   "dense fused below 1: the sparse model is slower than it (see \"Where sparse is slower\", which "
                   "says SLOWER beyond the noise margin); none fused: the model has no conv followed by a ReLU; "
                   "refused: cuDNN had no fused engine; off: its output disagreed.", ""]
+    if any(r.get("dense_fused_passes") is not None for r in records):
+        lines += ["Epilogue as passes: where cuDNN's fused call timed slower on a layer than its convolution followed "
+                  "by the bias, residual add and ReLU as passes, that layer runs the passes, in the dense fused model "
+                  "(each layout timed on its own: 'N as passes') and in a plan (a cuDNN setting the comparator timed: "
+                  "'ReLU as passes after cuDNN' names the layers).", ""]
     fused_head = "| dense fused ms (layout) | best planned / dense fused " if fused_dense else ""
     lines += ["| model | weights | batch | prec | dense ms | dense NHWC ms | planned ms | planned NHWC ms "
               "| speedup (NCHW) | best planned / best dense " + fused_head + "| dense ms (graph) | planned ms (graph) "
@@ -580,8 +585,8 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                      f"{_fmt(r.get('planned_graph_ms'))} | {_fmt(r.get('graph_speedup'), 2)} | "
                      f"{_fmt(r.get('dense_nhwc_graph_ms'))} | {_fmt(r.get('planned_nhwc_graph_ms'))} | "
                      f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)}"
-                     + _fusion_text(r) + " | "
-                     f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')}"
+                     + _fusion_text(r) + _passes_text(r) + " | "
+                     f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')}" + _passes_text(r, "_nhwc")
                      + ("; " + _fold_text(r, "_nhwc") if fold_policy(r) == "epilogue" and r.get("backend_counts_nhwc")
                         else "")
                      + " |")
@@ -592,12 +597,21 @@ def _dense_fused_cell(record: dict[str, Any]) -> str:
     """The end-to-end row's fused dense model: its time and layout, or why there is none."""
     fused = dense_fused_ms(record)
     if fused is not None:
-        return f"{_fmt(fused)} ({record['best_dense_fused_layout']})"
+        layout = record["best_dense_fused_layout"]
+        passes = record.get("dense_fused_nhwc_passes" if layout == "nhwc" else "dense_fused_passes")
+        return f"{_fmt(fused)} ({layout}{f', {passes} as passes' if passes else ''})"
     if record.get("dense_fused_convs") == 0 and not record.get("dense_folded_batch_norm"):
         return "none fused"
     if record.get("dense_fused_error"):
         return "refused"
     return "off" if record.get("dense_fused_rel_error") is not None else "-"
+
+
+def _passes_text(record: dict[str, Any], suffix: str = "") -> str:
+    """The end-to-end row's note on the layers of one layout's plan (``suffix`` ``""`` NCHW, ``"_nhwc"``) that run
+    their fused ReLU as passes after cuDNN's convolution; empty where none does."""
+    names = record.get("epilogue_passes" + suffix)
+    return f"; ReLU as passes after cuDNN: {', '.join(names)}" if names else ""
 
 
 def _fusion_text(record: dict[str, Any]) -> str:

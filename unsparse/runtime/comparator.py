@@ -342,7 +342,7 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
     if reason is not None:
         return [Measurement(name, {}, "unsupported", reason=reason)], None
     measurements = []
-    space = backend.tuning_space(x, csr, geometry)
+    space = backend.settings(x, csr, geometry, epilogue["relu"])
     precompile = getattr(backend, "precompile", None)
     compile_s = None
     if precompile is not None:
@@ -570,3 +570,12 @@ def planned_backends(model: nn.Module, plan: Plan) -> dict[str, str]:
         converted = entry.backend == "cudnn" and computed not in (None, key_layout(layer.plan_key))
         labels[name] = f"cudnn, converted to {computed}" if converted else entry.backend
     return labels
+
+
+def epilogue_passes(model: nn.Module, plan: Plan) -> list[str]:
+    """The names of the SparseConvs of a planned model whose plan entry runs its fused ReLU (and residual add) as
+    passes after the convolution, ``"epilogue": "passes"`` (cuDNN's fused call timed slower on the layer:
+    :meth:`~unsparse.runtime.backends.dense.DenseBackend.epilogue_space`), in the model's order."""
+    return [name for name, layer in sparse_layers(model).items()
+            if (entry := plan.get(getattr(layer, "plan_key", ""))) is not None
+            and entry.params.get("epilogue") == "passes"]

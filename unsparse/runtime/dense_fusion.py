@@ -18,6 +18,8 @@ cuDNN call, ``torch.cudnn_convolution_add_relu``, as the planned model's ``cudnn
 from __future__ import annotations
 
 import copy
+import functools
+from typing import Any
 
 import torch
 from torch import nn
@@ -26,6 +28,7 @@ from torch.nn.modules.conv import _ConvNd
 from unsparse.runtime.backends.dense import cudnn_fused_call
 from unsparse.runtime.graph_fusion import LeafTracer, fuse_following_relu
 from unsparse.runtime.layout import in_layout, layout_of
+from unsparse.runtime.timing import MIN_RUNS, time_fn
 
 
 def fusion_refusal(conv: nn.Module) -> str | None:
@@ -53,9 +56,15 @@ class ConvBiasReLU(nn.Module):
     output's shape (or one that broadcasts to it); the weight and bias are the convolution's own parameters
     (shared, not copied).
 
+    Attributes:
+        passes: False (the default): cuDNN's fused call on CUDA. True: the convolution, then the add and the ReLU
+            as passes, on CUDA too, where cuDNN's fused engine is the slower (:func:`choose_epilogues_` times both).
+
     Raises:
         ValueError: naming ``conv``, for a convolution :func:`fusion_refusal` refuses.
     """
+
+    passes: bool = False  # a class attribute, so that a module pickled before it existed loads with the default
 
     def __init__(self, conv: nn.Conv2d) -> None:
         super().__init__()
@@ -66,17 +75,18 @@ class ConvBiasReLU(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         conv = self.conv
-        if x.device.type != "cuda":
-            return torch.relu(conv(x) if residual is None else conv(x) + residual)
-        if residual is None:
-            return torch.cudnn_convolution_relu(x, conv.weight, conv.bias, conv.stride, conv.padding, conv.dilation,
-                                                conv.groups)
-        fused = None
-        if _output_like(residual, x, conv):  # else a broadcast or promoting add, or a number: as the model's `+`
-            fused = cudnn_fused_call("ConvBiasReLU", _REFUSALS, "residual, ReLU", torch.cudnn_convolution_add_relu, x,
-                                     conv.weight, in_layout(residual, layout_of(x)), 1.0, conv.bias, conv.stride,
-                                     conv.padding, conv.dilation, conv.groups)
-        return torch.relu(conv(x) + residual) if fused is None else fused
+        if x.device.type == "cuda" and not self.passes:
+            if residual is None:
+                return torch.cudnn_convolution_relu(x, conv.weight, conv.bias, conv.stride, conv.padding,
+                                                    conv.dilation, conv.groups)
+            if _output_like(residual, x, conv):  # else a broadcast or promoting add, or a number: as the model's `+`
+                fused = cudnn_fused_call("ConvBiasReLU", _REFUSALS, "residual, ReLU",
+                                         torch.cudnn_convolution_add_relu, x, conv.weight,
+                                         in_layout(residual, layout_of(x)), 1.0, conv.bias, conv.stride,
+                                         conv.padding, conv.dilation, conv.groups)
+                if fused is not None:
+                    return fused
+        return torch.relu(conv(x) if residual is None else conv(x) + residual)
 
 
 def _output_like(residual: object, x: torch.Tensor, conv: nn.Conv2d) -> bool:
@@ -94,6 +104,49 @@ def _output_like(residual: object, x: torch.Tensor, conv: nn.Conv2d) -> bool:
 
 _REFUSALS: set[str] = set()
 """The messages of cuDNN's refusals :class:`ConvBiasReLU` has logged."""
+
+
+def choose_epilogues_(model: nn.Module, x: torch.Tensor, runs: int = MIN_RUNS) -> int:
+    """Set :attr:`ConvBiasReLU.passes` of each :class:`ConvBiasReLU` in ``model`` to the faster way to run it on the
+    input (and residual) that ``model(x)`` gives it: cuDNN's fused call or the convolution and passes, each timed by
+    :func:`~unsparse.runtime.timing.time_fn` (CUDA events after warm-up, median of ``runs``; the same input in every
+    call), so that the fused dense baseline is not slowed by a fused engine slower than cuDNN's convolution (the
+    planned model's ``cudnn`` layers choose the same way, :meth:`~unsparse.runtime.backends.dense.DenseBackend.
+    epilogue_space`). ``model`` is mutated (only those flags); on a device other than CUDA nothing is timed or set.
+
+    Memory: one forward's inputs and residuals of every such module are held at once (ResNet-50 at batch 128 in
+    float32: at most about 8 GB, 5.5 of them inputs).
+
+    Args:
+        model: a model from :func:`fuse_dense_conv_relu`, in eval mode. x: its ``(N, C, H, W)`` input.
+
+    Returns:
+        How many modules run as passes.
+    """
+    if x.device.type != "cuda":
+        return 0
+    modules = [module for module in model.modules() if isinstance(module, ConvBiasReLU)]
+    calls: dict[ConvBiasReLU, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+
+    def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        calls.setdefault(module, (args, kwargs))
+
+    handles = [module.register_forward_pre_hook(keep, with_kwargs=True) for module in modules]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    with torch.no_grad():
+        for module, (args, kwargs) in calls.items():
+            call = functools.partial(module, *args, **kwargs)
+            medians = {}
+            for passes in (False, True):
+                module.passes = passes
+                medians[passes] = time_fn(lambda i, call=call: call(), x.device, runs=runs).median_ms
+            module.passes = medians[True] < medians[False]
+    return sum(module.passes for module in modules)
 
 
 def fuse_dense_conv_relu(model: nn.Module) -> tuple[nn.Module, int]:

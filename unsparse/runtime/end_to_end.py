@@ -31,12 +31,13 @@ from unsparse.runtime.comparator import (
     PlanCheck,
     best_times,
     check_plan,
+    epilogue_passes,
     plan_model,
     planned_backends,
     relative_error,
     tolerance,
 )
-from unsparse.runtime.dense_fusion import fuse_dense_conv_relu
+from unsparse.runtime.dense_fusion import choose_epilogues_, fuse_dense_conv_relu
 from unsparse.runtime.layout import layout_of
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify, temporary_backend
 from unsparse.runtime.plan import Plan, without_epilogue
@@ -86,10 +87,14 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     planned in it: ``planned_nhwc_ms`` and its error None); ``speedup_vs_best_dense``: the NCHW planned model against
     the faster dense layout; ``best_planned_layout`` and ``best_speedup``: the faster planned layout against the faster
     dense layout, what a user who runs the planner's better model gets. ``backend_counts`` / ``off_cudnn`` name the
-    planned backends per layer (NCHW), ``backend_counts_nhwc`` / ``off_cudnn_nhwc`` the channels-last plan's. A
+    planned backends per layer (NCHW), ``backend_counts_nhwc`` / ``off_cudnn_nhwc`` the channels-last plan's;
+    ``epilogue_passes`` / ``epilogue_passes_nhwc`` name the ``cudnn`` layers planned with their fused ReLU as passes
+    after cuDNN's convolution, where that timed faster than cuDNN's fused call
+    (:func:`~unsparse.runtime.comparator.epilogue_passes`). A
     stronger dense baseline is timed in the same run: the dense model with each convolution, its bias and its ReLU as
-    one cuDNN call (:func:`dense_fused_timings`: ``dense_fused_convs``, ``dense_fused_ms``, ``dense_fused_nhwc_ms``
-    and their errors), ``best_dense_fused_layout`` its faster layout and ``best_speedup_vs_dense_fused`` the faster
+    one cuDNN call, or as the convolution and passes where those are faster on the layer (:func:`dense_fused_timings`:
+    ``dense_fused_convs``, ``dense_fused_passes``, ``dense_fused_ms``, ``dense_fused_nhwc_ms`` and their errors),
+    ``best_dense_fused_layout`` its faster layout and ``best_speedup_vs_dense_fused`` the faster
     planned layout against it (None where nothing fuses). CUDA-graph
     times (:func:`graph_timings`) of both layouts tell host-bound gaps apart. Each plan is checked end to end against
     its dense default right after planning (:func:`~unsparse.runtime.comparator.check_plan`; ``plan_check``,
@@ -213,7 +218,9 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "backend_counts": dict(Counter(by_layer.values())),
             "off_cudnn": {name: backend for name, backend in by_layer.items() if backend != "cudnn"},
             "backend_counts_nhwc": dict(Counter(by_layer_nhwc.values())),
-            "off_cudnn_nhwc": {name: backend for name, backend in by_layer_nhwc.items() if backend != "cudnn"}}
+            "off_cudnn_nhwc": {name: backend for name, backend in by_layer_nhwc.items() if backend != "cudnn"},
+            "epilogue_passes": epilogue_passes(sparse, plan),
+            "epilogue_passes_nhwc": epilogue_passes(sparse_nhwc, plan) if nhwc_planned else []}
 
 
 def _plan_check_fold(model: nn.Module, x: torch.Tensor, plan: Plan, backends: list[str] | None, runs: int,
@@ -272,22 +279,29 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
         first line; no fused engine for a layer, say), else None; ``dense_fused_graph_ms`` and
         ``dense_fused_nhwc_graph_ms``: the same models replayed as CUDA graphs (:func:`time_graph`; GPU time without
         the host's per-layer work, which :func:`graph_timings` gives the planned model too), None where the eager
-        median is None, off CUDA, or where the capture failed (``dense_fused_graph_error`` says why).
+        median is None, off CUDA, or where the capture failed (``dense_fused_graph_error`` says why);
+        ``dense_fused_passes`` and ``dense_fused_nhwc_passes``: how many fused convolutions of each layout run their
+        epilogue as passes after cuDNN's convolution, timed faster than cuDNN's fused call on this input
+        (:func:`~unsparse.runtime.dense_fusion.choose_epilogues_`, 0 off CUDA), as the planned model's ``cudnn``
+        layers may (None where nothing is fused).
     """
     source = copy.deepcopy(dense) if fold_batch_norm else dense
     folded = len(fold_batch_norm_(source)) if fold_batch_norm else 0
     fused, count = fuse_dense_conv_relu(source)
     record: dict[str, Any] = {"dense_fused_convs": count, "dense_folded_batch_norm": folded, **dict.fromkeys(
-        ("dense_fused_ms", "dense_fused_nhwc_ms", "dense_fused_rel_error", "dense_fused_nhwc_rel_error",
+        ("dense_fused_passes", "dense_fused_nhwc_passes", "dense_fused_ms", "dense_fused_nhwc_ms",
+         "dense_fused_rel_error", "dense_fused_nhwc_rel_error",
          "dense_fused_error", "dense_fused_graph_ms", "dense_fused_nhwc_graph_ms", "dense_fused_graph_error"))}
     if not count and not folded:
         return record
+    def timed(tag: str, model: nn.Module, inputs: torch.Tensor) -> tuple[Callable[[], Any], Timing, float]:
+        record[f"dense_fused{tag}_passes"] = choose_epilogues_(model, inputs, runs)
+        return (lambda: model(inputs), time_fn(lambda i: model(inputs), x.device, runs=runs),
+                relative_error(model(inputs).double(), dense_out.double()))
+
     try:
-        nchw_error = relative_error(fused(x).double(), dense_out.double())
-        fused_nhwc, nhwc_timing, nhwc_error = dense_channels_last(fused, x, dense_out, runs)
-        x_nhwc = x.contiguous(memory_format=torch.channels_last)
-        timings = {"": (lambda: fused(x), time_fn(lambda i: fused(x), x.device, runs=runs), nchw_error),
-                   "_nhwc": (lambda: fused_nhwc(x_nhwc), nhwc_timing, nhwc_error)}
+        timings = {"": timed("", fused, x),
+                   "_nhwc": timed("_nhwc", channels_last_copy(fused), x.contiguous(memory_format=torch.channels_last))}
     except RuntimeError as error:
         record["dense_fused_error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         return record

@@ -235,7 +235,7 @@ class AutoBackend(ConvBackend):
     An entry is checked when a layer first resolves to it: its backend must support the layer on this input
     (else the layer runs dense, logged, as :func:`~unsparse.sparse.functional.sparse_conv` does for a backend named
     directly), and its ``params`` must be empty (the backend's defaults, as the dense fallback entries are) or one
-    of the settings the backend offers for the layer (:meth:`~unsparse.runtime.backends.base.ConvBackend.tuning_space`,
+    of the settings the backend offers for the layer (:meth:`~unsparse.runtime.backends.base.ConvBackend.settings`,
     the settings the comparator times), so a tampered or stale plan cannot pass other values into a kernel launch.
     """
 
@@ -291,7 +291,7 @@ class AutoBackend(ConvBackend):
         if reason is not None:
             log.warning("auto: the plan's %s does not run %s (%s); running dense", entry.backend, key, reason)
             return dense_fallback_backend(x.device), {}
-        if entry.params and entry.params not in backend.tuning_space(x, csr, geometry):  # {}: the defaults
+        if entry.params and entry.params not in backend.settings(x, csr, geometry, relu):  # {}: the defaults
             raise PlanError(f"entries[{key!r}].params: {entry.params} is not a setting {entry.backend} offers for "
                             "this layer (a plan of another version, or edited)")
         return entry.backend, entry.params

@@ -58,7 +58,7 @@ class ConvBackend(ABC):
         return None
 
     def adds_bias_in_epilogue(self, params: Mapping[str, Any]) -> bool:
-        """Whether :meth:`conv` with setting ``params`` (one entry of :meth:`tuning_space`) adds the bias as it
+        """Whether :meth:`conv` with setting ``params`` (one entry of :meth:`settings`) adds the bias as it
         stores its output, so that a bias costs no pass of its own: what decides where folding a BatchNorm into the
         convolution pays (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_`), for a layer
         that does not fuse a ReLU (a BatchNorm between a conv and its ReLU keeps the ReLU from fusing). False here:
@@ -70,6 +70,18 @@ class ConvBackend(ABC):
         """Parameter settings worth timing for this layer and input; ``[{}]`` when there is nothing to tune."""
         return [{}]
 
+    def epilogue_space(self, relu: bool) -> list[dict[str, Any]]:
+        """How a backend may run the epilogue of a layer fused with the ReLU after it (``relu``), as parameters
+        crossed with :meth:`tuning_space` by :meth:`settings`; ``[{}]`` (one way) here."""
+        return [{}]
+
+    def settings(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
+                 relu: bool = False) -> list[dict[str, Any]]:
+        """Every setting the comparator times and a plan may name for this layer and input: each entry of
+        :meth:`tuning_space` with each of :meth:`epilogue_space` (``relu``: the layer is fused with its ReLU)."""
+        return [{**params, **epilogue} for params in self.tuning_space(x, csr, geometry)
+                for epilogue in self.epilogue_space(relu)]
+
     @abstractmethod
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              **params: Any) -> torch.Tensor:
@@ -80,7 +92,7 @@ class ConvBackend(ABC):
             csr: weight on ``x``'s device, validated.
             bias: ``(M,)`` or None.
             geometry: stride, padding, dilation, groups.
-            params: one entry of :meth:`tuning_space`.
+            params: one entry of :meth:`settings`.
 
         Returns:
             ``(N, M, E, F)`` output of ``x``'s dtype, in the layout the backend computes in.

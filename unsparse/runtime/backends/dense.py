@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 MEMORY_FORMATS = {"contiguous": "nchw", "channels_last": "nhwc"}
 """The ``memory_format`` tuning parameter (torch's names) -> layout name (:mod:`unsparse.runtime.layout`)."""
+EPILOGUES = ("fused", "passes")
+"""The ``epilogue`` parameter of a layer fused with its ReLU: cuDNN's fused call (the default, also where the
+parameter is left out), or its convolution alone with the bias, residual add and ReLU as passes after it."""
 
 
 def cudnn_fused_call(owner: str, refusals: set[str], fused: str, function: Callable[..., torch.Tensor],
@@ -82,7 +85,7 @@ class DenseBackend(ConvBackend):
 
     def conv_call(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
                   memory_format: str | None = None, relu: bool = False, residual: bool = False,
-                  **params: Any) -> Callable[..., torch.Tensor]:
+                  epilogue: str = "fused", **params: Any) -> Callable[..., torch.Tensor]:
         """:meth:`conv` for inputs like ``x`` with the layout, the dense weight and the bias (cast to ``x``'s dtype)
         resolved once (:meth:`~unsparse.runtime.backends.base.ConvBackend.conv_call`); raises as :meth:`conv`.
 
@@ -91,10 +94,23 @@ class DenseBackend(ConvBackend):
         ``f(x, residual)``: ``relu(conv2d(x, weight) + bias + residual)`` in one cuDNN call,
         ``torch.cudnn_convolution_add_relu`` (the residual, ``(N, M, E, F)`` of ``x``'s dtype, converted to the
         computing layout first), which saves a residual block's bias, add and ReLU passes; where cuDNN refuses it, the
-        convolution, then the add and the ReLU in place, logged once per message."""
+        convolution, then the add and the ReLU in place, logged once per message.
+
+        ``epilogue="passes"`` (:data:`EPILOGUES`) runs that fallback by choice: ``F.conv2d`` (convolution, then
+        PyTorch's bias pass), then the add and the ReLU in place. cuDNN's fused engines are not always its fastest
+        convolutions: on ResNet-50's two stride-2 3x3 layers at batch 128 in FP32 on the H200 the fused call took 1.11
+        and 1.03 ms (a plan of the forty-sixth session), the convolution alone 0.91 and 0.90 ms (the forty-seventh's
+        per-layer run; ``kernels/NOTES.md``), so the comparator times both (:meth:`epilogue_space`).
+
+        Raises:
+            ValueError: for an unknown ``memory_format`` or ``epilogue``.
+        """
         layout = layout_of(x) if memory_format is None else MEMORY_FORMATS.get(memory_format)
         if layout is None:
             raise ValueError(f"memory_format: unknown {memory_format!r}, expected one of {sorted(MEMORY_FORMATS)}")
+        if epilogue not in EPILOGUES:
+            raise ValueError(f"epilogue: unknown {epilogue!r}, expected one of {EPILOGUES}")
+        fuses = epilogue == "fused"
         arguments = (self.dense_weight(csr, x.dtype, layout), None if bias is None else bias.to(x.dtype),
                      geometry.stride, geometry.padding, geometry.dilation, geometry.groups)
         cuda = x.device.type == "cuda"
@@ -103,7 +119,7 @@ class DenseBackend(ConvBackend):
                 torch.backends.cudnn.benchmark = True
                 x, residual = in_layout(x, layout), in_layout(residual, layout)
                 fused = cudnn_fused_call(self.name, self._refusals, "residual, ReLU", torch.cudnn_convolution_add_relu,
-                                         x, arguments[0], residual, 1.0, *arguments[1:])
+                                         x, arguments[0], residual, 1.0, *arguments[1:]) if fuses else None
                 return F.conv2d(x, *arguments).add_(residual).relu_() if fused is None else fused
 
             return call_with_residual
@@ -113,7 +129,7 @@ class DenseBackend(ConvBackend):
                 torch.backends.cudnn.benchmark = True
             x = in_layout(x, layout)
             try:
-                if relu:
+                if relu and fuses:
                     fused = cudnn_fused_call(self.name, self._refusals, "ReLU", torch.cudnn_convolution_relu, x,
                                              *arguments)
                     if fused is not None:
@@ -129,6 +145,12 @@ class DenseBackend(ConvBackend):
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
         """Both memory formats: either may be the faster one, and a plan may only name settings offered here."""
         return [{"memory_format": "contiguous"}, {"memory_format": "channels_last"}]
+
+    def epilogue_space(self, relu: bool) -> list[dict[str, Any]]:
+        """For a layer fused with its ReLU on a backend that :attr:`fuses_relu` (:class:`CudnnBackend`): cuDNN's
+        fused call (the default, no parameter) and ``{"epilogue": "passes"}``, either of which may be the faster
+        (:meth:`conv_call`); one way otherwise."""
+        return [{}, {"epilogue": "passes"}] if relu and self.fuses_relu else [{}]
 
 
 @register_backend
