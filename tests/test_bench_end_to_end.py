@@ -197,6 +197,28 @@ def test_a_model_timed_with_its_relus_fused_agrees_with_the_dense_model_and_says
     assert len(timed) == 6  # dense, planned, the two channels-last models, the cuDNN-fused dense model in both
 
 
+def test_a_layer_planned_with_its_relu_as_passes_runs_the_same_choice_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The unfused copy takes each fused key's entry less its epilogue setting, which only a fused layer has (the
+    forty-seventh session's first GPU run stopped on a PlanError there); the record names the layer planned as passes.
+    cuDNN is let onto the CPU (its fused call falls back there) and offers only the passes for a fused ReLU."""
+    from unsparse.runtime.backends.dense import CudnnBackend
+
+    monkeypatch.setattr(CudnnBackend, "device_types", frozenset({"cpu"}))
+    monkeypatch.setattr(CudnnBackend, "epilogue_space", lambda self, relu: [{"epilogue": "passes"}] if relu else [{}])
+    monkeypatch.setattr(end_to_end, "check_plan",  # kept whatever CPU noise says, so the passes reach the unfused copy
+                        lambda *args, **kwargs: comparator.PlanCheck(1.0, 1.0, (), "eager", 0.0))
+    plan = Plan()
+    record = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, plan, ["cudnn"],
+                                         fuse_relu=True)
+    assert record["epilogue_passes"] == record["epilogue_passes_nhwc"] == ["0"]
+    assert record["planned_unfused_ms"] > 0 and record["rel_error"] <= record["tolerance"]
+    fused = [entry for key, entry in plan.entries.items() if "|epilogue=relu" in key]
+    assert len(fused) == 2 and all(entry.params.get("epilogue") == "passes" for entry in fused)
+    assert all(entry.unfused().params == {"memory_format": entry.params["memory_format"]} for entry in fused)
+    unfused = PlanEntry("cudnn", {"memory_format": "contiguous"})
+    assert unfused.unfused() is unfused
+
+
 def test_the_dense_model_fused_by_cudnn_is_timed_in_both_layouts_beside_the_plan() -> None:
     """The stronger dense baseline (each conv with its bias and ReLU in one call) runs in the same record: its one
     fusable conv counted, both layouts timed and agreeing with the dense model, and the better planned layout held

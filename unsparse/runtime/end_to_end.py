@@ -114,10 +114,11 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     (:func:`~unsparse.runtime.comparator.plan_model`; ``fusion_planned``: True), a separate pass after backends that
     do not fuse it. What fusing buys is measured in the same run: ``planned_unfused_ms`` times a third sparse copy
     without fusion on the same choices (NCHW, eager; each unfused key takes the entry of the fused key it comes from,
-    :func:`~unsparse.runtime.plan.without_epilogue`, the first layer's where two fused keys lose their epilogues to
-    one, and the plan's own entry where the key is also an unfused layer's of the timed copy, which the active plan
-    the ``"auto"`` backend reads must keep; nothing is added to ``plan``, though the active plan holds the new keys
-    from then on)
+    :func:`~unsparse.runtime.plan.without_epilogue`, less its epilogue setting
+    (:meth:`~unsparse.runtime.plan.PlanEntry.unfused`: a cuDNN layer planned with its ReLU as passes runs the same
+    convolution), the first layer's where two fused keys lose their epilogues to one, and the plan's own entry where
+    the key is also an unfused layer's of the timed copy, which the active plan the ``"auto"`` backend reads must
+    keep; nothing is added to ``plan``, though the active plan holds the new keys from then on)
     and ``fusion_speedup`` is it over
     ``planned_ms``; both None without either flag. ``cudnn_fuses_relu`` records that the ``cudnn`` backend applies a
     fused layer's ReLU in its call (runs before it paid a ReLU pass after cuDNN), ``direct_fuses_relu`` that the
@@ -163,7 +164,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             same_choices = Plan()
             for key in filter(None, (getattr(layer, "plan_key", None) for layer in sparse_layers(sparse).values())):
                 unfused_key = without_epilogue(key)
-                same_choices.entries.setdefault(unfused_key, plan.entries.get(unfused_key, plan.entries[key]))
+                same_choices.entries.setdefault(unfused_key, plan.entries.get(unfused_key, plan.entries[key].unfused()))
             plan_model(unfused, x, same_choices, backends)
         with torch.no_grad():
             dense_out, sparse_out = dense(x), sparse(x)

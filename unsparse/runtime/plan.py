@@ -12,14 +12,14 @@ import logging
 import math
 import weakref
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from unsparse.atomic import atomic_write_text
-from unsparse.runtime.backends.base import ConvBackend, get_backend, register_backend
+from unsparse.runtime.backends.base import EPILOGUE_PARAMETER, ConvBackend, get_backend, register_backend
 from unsparse.runtime.layout import layout_of
 from unsparse.runtime.precision import tf32_flags
 from unsparse.sparse.format import UniformCSR
@@ -108,6 +108,14 @@ class PlanEntry:
     params: dict[str, Any] = field(default_factory=dict)
     median_ms: float = float("nan")
     runner_up: str | None = None
+
+    def unfused(self) -> PlanEntry:
+        """The same choice for the layer unfused (its key :func:`without_epilogue`): ``params`` without the way to run
+        a fused ReLU (:data:`~unsparse.runtime.backends.base.EPILOGUE_PARAMETER`), which a layer has only fused; the
+        entry itself where it has none."""
+        if EPILOGUE_PARAMETER not in self.params:
+            return self
+        return replace(self, params={k: v for k, v in self.params.items() if k != EPILOGUE_PARAMETER})
 
 
 class PlanError(ValueError):

@@ -19,6 +19,10 @@ from unsparse.runtime.layout import in_layout, layout_of
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
+EPILOGUE_PARAMETER = "epilogue"
+"""The parameter under which :meth:`ConvBackend.epilogue_space` names a way to run a fused ReLU: a setting a layer has
+only while fused (:meth:`~unsparse.runtime.plan.PlanEntry.unfused` drops it)."""
+
 
 class ConvBackend(ABC):
     """One way to run a sparse convolution.

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from unsparse.runtime.backends.base import ConvBackend, WeightCache, register_backend
+from unsparse.runtime.backends.base import EPILOGUE_PARAMETER, ConvBackend, WeightCache, register_backend
 from unsparse.runtime.layout import in_layout, layout_of
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
@@ -150,7 +150,7 @@ class DenseBackend(ConvBackend):
         """For a layer fused with its ReLU on a backend that :attr:`fuses_relu` (:class:`CudnnBackend`): cuDNN's
         fused call (the default, no parameter) and ``{"epilogue": "passes"}``, either of which may be the faster
         (:meth:`conv_call`); one way otherwise."""
-        return [{}, {"epilogue": "passes"}] if relu and self.fuses_relu else [{}]
+        return [{}, {EPILOGUE_PARAMETER: "passes"}] if relu and self.fuses_relu else [{}]
 
 
 @register_backend
