@@ -338,6 +338,14 @@ def test_vector_staging_on_a_misaligned_input_takes_the_scalar_kernel(case: str,
             torch.float32)
     with pytest.raises(ValueError, match="stage"):
         backend.conv(x[..., :-1, :-1].contiguous(), csr, bias, geometry, **params)  # width or plane not % 4
+    residual = torch.randn(ref.shape, dtype=torch.float64)
+    expected = torch.relu(ref + residual)
+    residual = residual.float().to(CUDA)
+    call = backend.prepare(x, csr, bias, geometry, relu=True, residual=residual, **params)  # what SparseConv keeps
+    for source in (x, shifted, x):  # the residual call resolved again for the other alignment, and back
+        assert relative_error(call(source, residual).cpu(), expected) <= tolerance(torch.float32)
+    with pytest.raises(TypeError, match="residual=True takes 1 residual, got 0"):
+        backend.conv_call(x, csr, bias, geometry, relu=True, residual=True, **params)(x)
 
 
 def test_float16_pairing_follows_each_inputs_alignment() -> None:

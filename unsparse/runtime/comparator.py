@@ -26,6 +26,7 @@ from unsparse.runtime.baseline import Baseline, time_baseline
 from unsparse.runtime.layout import layout_of
 from unsparse.runtime.modules import SparseConv, set_backend, sparse_layers, temporary_backend, visit_layer_inputs
 from unsparse.runtime.plan import Plan, PlanEntry, key_layout, layer_key, use_plan
+from unsparse.runtime.precision import tf32_flags
 from unsparse.runtime.timing import (
     MIN_RUNS,
     Timing,
@@ -295,7 +296,7 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
         raise ValueError(f"timing: CUDA graphs need a CUDA input, got {x.device}")
     names = backends if backends is not None else [
         b for b in available_backends(x.device) if b not in COMPARED_BY_DEFAULT_EXCLUDES]
-    tf32 = x.device.type == "cuda" and torch.backends.cudnn.allow_tf32
+    tf32 = x.device.type == "cuda" and tf32_flags()[0]
     bound = tol if tol is not None else tolerance(x.dtype, tf32)
     images = check_images(x.shape[0])
     epilogue = {"relu": relu, "max_pool": max_pool}

@@ -272,13 +272,16 @@ def _take_residual(graph: fx.Graph, node: fx.Node, chain: list[fx.Node], add: fx
                    relu: fx.Node) -> tuple[fx.Node, ...]:
     """Rewrite ``graph`` so that ``node`` (a module call) takes ``residual`` as its second argument in place of the
     add and the ReLU after it: their readers read ``node``, they and the Identity calls ``chain`` between leave the
-    graph (readers first; returned), and ``node`` moves after ``residual`` where it came before it."""
+    graph (readers first; returned), and ``node`` moves after ``residual`` where it came before it (``residual``
+    comes before the add, which reads both, so only the nodes between ``node`` and the add are looked at)."""
+    between = node.next
+    while between is not add and between is not residual:
+        between = between.next
     relu.replace_all_uses_with(node)
     dead = (relu, add, *reversed(chain))
     for gone in dead:
         graph.erase_node(gone)
-    order = {entry: index for index, entry in enumerate(graph.nodes)}
-    if order[residual] > order[node]:
+    if between is residual:
         residual.append(node)
     node.args = (*node.args, residual)
     return dead

@@ -41,7 +41,7 @@ backend they time, so a script that times dense models alone offers these."""
 @contextmanager
 def precision_mode(tf32: bool) -> Iterator[None]:
     """Allow or forbid TF32 in cuDNN and cuBLAS for the duration; restores the previous flags."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    saved = tf32_flags()
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = tf32
     try:
         yield

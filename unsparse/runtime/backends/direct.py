@@ -531,19 +531,16 @@ class DirectBackend(ConvBackend):
         prepared = self._arrays(csr, key, lambda: self._prepare(x, csr, geometry, params, relu, residual))
         bias = None if bias is None else bias.to(x.dtype).contiguous()
 
-        def call(x: torch.Tensor) -> torch.Tensor:
+        def call(x: torch.Tensor, *identity: torch.Tensor) -> torch.Tensor:
+            if len(identity) != residual:
+                raise TypeError(f"a call prepared with residual={residual} takes {int(residual)} residual, "
+                                f"got {len(identity)}")
             x = x.contiguous()
             if lg.vector_aligned(x) != aligned:
-                return self.conv_call(x, csr, bias, geometry, relu, **params)(x)
-            return prepared(x, bias)
+                return self.conv_call(x, csr, bias, geometry, relu, residual, **params)(x, *identity)
+            return prepared(x, bias, kernel_residual(identity[0], shape, x) if identity else None)
 
-        def call_with_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-            x = x.contiguous()
-            if lg.vector_aligned(x) != aligned:
-                return self.conv_call(x, csr, bias, geometry, relu, True, **params)(x, residual)
-            return prepared(x, bias, kernel_residual(residual, shape, x))
-
-        return call_with_residual if residual else call
+        return call
 
 
 @register_backend
