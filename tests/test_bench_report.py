@@ -541,12 +541,15 @@ def test_the_end_to_end_table_holds_the_plan_against_the_cudnn_fused_dense_model
 
 def test_the_end_to_end_table_names_the_layers_that_run_their_epilogue_as_passes(result):
     """The dense fused model's cell counts its layers run as passes in the layout shown; each plan's cell names its
-    cuDNN layers planned as passes; the paragraph explains both only where a record was timed with the choice."""
+    cuDNN layers planned as passes; the paragraph explains both only where some layer runs as passes (a CPU run,
+    where nothing is chosen, records zeros)."""
     record = result["end_to_end"][0]
     record |= {"dense_fused_ms": 60.0, "dense_fused_nhwc_ms": 70.5, "best_dense_fused_layout": "nchw",
                "best_speedup_vs_dense_fused": 0.8124}
     before = markdown_report({**result, "targets": evaluate_targets(result)})
     assert "Epilogue as passes" not in before and "| 60.000 (nchw) | 0.81 | " in before
+    record |= {"dense_fused_passes": 0, "dense_fused_nhwc_passes": 0, "epilogue_passes": [], "epilogue_passes_nhwc": []}
+    assert markdown_report({**result, "targets": evaluate_targets(result)}) == before
     record |= {"dense_fused_passes": 2, "dense_fused_nhwc_passes": 0,
                "epilogue_passes": ["layer3.0.conv2", "layer4.0.conv2"], "epilogue_passes_nhwc": []}
     text = markdown_report({**result, "targets": evaluate_targets(result)})

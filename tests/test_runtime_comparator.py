@@ -569,3 +569,44 @@ def test_a_full_timing_far_slower_than_its_screening_is_repeated_once(monkeypatc
     assert fastest.disturbed.median_ms == pytest.approx(0.0050)
     other = next(m for m in result.measurements if m.params == {"cost_ms": 2.0})
     assert other.disturbed is None and timed.count(1.0) == 3 and timed.count(2.0) == 2
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last])
+def test_the_dense_default_is_timed_in_full_even_when_its_screening_ranks_it_last(
+        monkeypatch: pytest.MonkeyPatch, layout: torch.memory_format) -> None:
+    """cuDNN offers four settings for a layer fused with its ReLU (two layouts, fused call or passes), more than the
+    three the comparator times in full. With the default (fused call in the input's layout) screened slowest and
+    another setting 1 % faster in full, the default still has its full timing, and the plan keeps it: 1 % is inside
+    the margin (cuDNN let onto the CPU, where its fused call falls back; timings stood in for)."""
+    from unsparse.runtime import comparator
+    from unsparse.runtime.backends.dense import CudnnBackend
+
+    monkeypatch.setattr(CudnnBackend, "device_types", frozenset({"cpu"}))
+    x, csr, bias = small_layer(seed=21)
+    x = x.contiguous(memory_format=layout)
+    default_format = "contiguous" if layout == torch.contiguous_format else "channels_last"
+    other_format = "channels_last" if layout == torch.contiguous_format else "contiguous"
+    screening = {(default_format, None): 1.03, (default_format, "passes"): 1.00, (other_format, None): 1.01,
+                 (other_format, "passes"): 1.02}
+    full = {**screening, (default_format, None): 1.00, (default_format, "passes"): 0.99}
+    running: dict[str, tuple] = {}
+    run = CudnnBackend.run
+
+    def recording_run(self, *args, **params):
+        running["setting"] = (params.get("memory_format"), params.get("epilogue"))
+        return run(self, *args, **params)
+
+    def stand_in_time_fn(fn, device, runs=20, warmup=3, rotation=1):
+        fn(0)
+        median = (screening if runs == 3 else full)[running["setting"]]
+        return Timing(median, median, median, runs, rotation)
+
+    monkeypatch.setattr(CudnnBackend, "run", recording_run)
+    monkeypatch.setattr(comparator, "time_fn", stand_in_time_fn)
+    result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["cudnn"], runs=20, screen_runs=3, relu=True)
+    assert len(result.measurements) == 4 and all(m.screen is not None for m in result.measurements)
+    default = result.default_measurement()
+    assert default is not None and default.params == {"memory_format": default_format}
+    assert default.timing.median_ms == 1.00 and sum(m.timing is not None for m in result.measurements) == 4
+    assert result.best.params == {"memory_format": default_format, "epilogue": "passes"}
+    assert result.chosen() is default

@@ -1210,6 +1210,11 @@ def test_an_empty_batch_checks_its_residual_too() -> None:
     assert out.shape == (0, 4, 6, 6)
     with pytest.raises(ValueError, match="residual: expected"):
         DirectBackend().conv(x, csr, None, ConvGeometry.of(1, 1), relu=True, residual=torch.randn(5, 3))
+    with_residual = DirectBackend().conv_call(x, csr, None, ConvGeometry.of(1, 1), relu=True, residual=True)
+    with pytest.raises(TypeError, match="residual=True takes 1 residual, got 0"):  # as a non-empty batch's call
+        with_residual(x)
+    with pytest.raises(TypeError, match="residual=False takes 0 residual, got 1"):
+        DirectBackend().conv_call(x, csr, None, ConvGeometry.of(1, 1))(x, torch.randn(0, 4, 6, 6))
 
 
 def test_the_kernels_read_a_residual_of_the_outputs_shape_contiguous_and_aligned() -> None:

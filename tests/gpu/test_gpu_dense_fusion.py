@@ -73,3 +73,29 @@ def test_choosing_epilogues_keeps_the_function_of_every_block() -> None:
             outputs.append(fused(x.to(CUDA)).cpu())
     for out in outputs:
         assert relative_error(out, expected) <= tolerance(torch.float32)
+
+
+def test_a_failed_choice_leaves_every_flag_as_it_was(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A timing that fails part way (out of memory, say) leaves each module's ``passes`` as it was before."""
+    from unsparse.runtime import dense_fusion
+
+    torch.manual_seed(18)
+    block = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()).eval()
+    fused, count = fuse_dense_conv_relu(block)
+    fused = fused.to(CUDA)
+    modules = [module for module in fused.modules() if isinstance(module, ConvBiasReLU)]
+    assert count == len(modules) == 2
+    modules[1].passes = True
+    timings = []
+    time_fn = dense_fusion.time_fn
+
+    def fails_third(*args, **kwargs):
+        timings.append(1)
+        if len(timings) == 3:
+            raise torch.OutOfMemoryError("stand-in")
+        return time_fn(*args, **kwargs)
+
+    monkeypatch.setattr(dense_fusion, "time_fn", fails_third)
+    with pytest.raises(torch.OutOfMemoryError):
+        choose_epilogues_(fused, torch.randn(2, 3, 9, 7, device=CUDA), runs=3)
+    assert [module.passes for module in modules] == [False, True]

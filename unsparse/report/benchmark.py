@@ -563,7 +563,8 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                   "dense fused below 1: the sparse model is slower than it (see \"Where sparse is slower\", which "
                   "says SLOWER beyond the noise margin); none fused: the model has no conv followed by a ReLU; "
                   "refused: cuDNN had no fused engine; off: its output disagreed.", ""]
-    if any(r.get("dense_fused_passes") is not None for r in records):
+    if any(r.get(field) for r in records for field in ("dense_fused_passes", "dense_fused_nhwc_passes",
+                                                         "epilogue_passes", "epilogue_passes_nhwc")):
         lines += ["Epilogue as passes: where cuDNN's fused call timed slower on a layer than its convolution followed "
                   "by the bias, residual add and ReLU as passes, that layer runs the passes, in the dense fused model "
                   "(each layout timed on its own: 'N as passes') and in a plan (a cuDNN setting the comparator timed: "

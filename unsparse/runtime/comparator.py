@@ -336,7 +336,10 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
                      epilogue: dict[str, Any]) -> tuple[list[Measurement], float | None]:
     """The measurements of backend ``name``, each setting run with ``epilogue`` (``relu``, ``max_pool`` and
     ``residual`` of :meth:`~unsparse.runtime.backends.base.ConvBackend.run`; ``ref`` is the reference through them),
-    and the seconds its ``precompile`` took (None without one)."""
+    and the seconds its ``precompile`` took (None without one). Of more than ``keep`` correct settings the ``keep``
+    fastest in a short screening are timed in full, and the dense default (:func:`is_dense_default`) whatever its
+    screening: :meth:`LayerComparison.chosen` holds every other setting to :data:`PLAN_MARGIN` against its full
+    timing (cuDNN has four settings for a layer fused with its ReLU, so its default could be screened out)."""
     backend = get_backend(name)
     x = inputs[0]
     reason = backend.unsupported_reason(x, csr, geometry)
@@ -385,7 +388,9 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
     if len(correct) > keep:
         for m in correct:
             m.screen = timed(m, screen_runs, 1)
-        correct = sorted(correct, key=lambda m: m.screen.median_ms)[:keep]
+        ranked = sorted(correct, key=lambda m: m.screen.median_ms)
+        layout = layout_of(x)  # the dense default is timed in full whatever its screening: the margin reads it
+        correct = ranked[:keep] + [m for m in ranked[keep:] if is_dense_default(name, m.params, layout)]
     for m in correct:
         m.timing = timed(m, runs, warmup)
         if m.screen is not None and m.timing.median_ms > DISTURBED_RATIO * m.screen.median_ms:

@@ -138,14 +138,20 @@ def choose_epilogues_(model: nn.Module, x: torch.Tensor, runs: int = MIN_RUNS) -
     finally:
         for handle in handles:
             handle.remove()
-    with torch.no_grad():
-        for module, (args, kwargs) in calls.items():
-            call = functools.partial(module, *args, **kwargs)
-            medians = {}
-            for passes in (False, True):
-                module.passes = passes
-                medians[passes] = time_fn(lambda i, call=call: call(), x.device, runs=runs).median_ms
-            module.passes = medians[True] < medians[False]
+    saved = {module: module.passes for module in modules}
+    try:
+        with torch.no_grad():
+            for module, (args, kwargs) in calls.items():
+                call = functools.partial(module, *args, **kwargs)
+                medians = {}
+                for passes in (False, True):
+                    module.passes = passes
+                    medians[passes] = time_fn(lambda i, call=call: call(), x.device, runs=runs).median_ms
+                module.passes = medians[True] < medians[False]
+    except BaseException:  # a failed timing (out of memory, Ctrl-C) leaves every flag as it found it
+        for module, passes in saved.items():
+            module.passes = passes
+        raise
     return sum(module.passes for module in modules)
 
 

@@ -266,7 +266,7 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
     """The dense model with each convolution, its bias and its ReLU as one cuDNN call
     (:func:`~unsparse.runtime.dense_fusion.fuse_dense_conv_relu`, through the model's FX graph: VGG's, and ResNet's
     and GoogLeNet's where their BatchNorms are folded), timed eagerly in NCHW and in channels-last
-    (:func:`dense_channels_last`): a dense baseline that fuses what the eager one runs as separate passes; with
+    (:func:`channels_last_copy`): a dense baseline that fuses what the eager one runs as separate passes; with
     ``fold_batch_norm``, a copy of ``dense`` with its BatchNorms folded into the convolutions first
     (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`; ``dense`` is not modified). Call it under
     ``torch.no_grad()``.

@@ -520,9 +520,10 @@ class DirectBackend(ConvBackend):
         x = x.contiguous()
         shape = (x.shape[0], csr.out_channels, *self._out_hw(x, csr, geometry))
         if csr.out_channels == 0 or x.shape[0] == 0:  # E, F >= 1 (output_size raises otherwise)
-            def empty(x: torch.Tensor, *residual: torch.Tensor) -> torch.Tensor:
-                for identity in residual:  # checked as a non-empty call checks it, though no kernel reads it
-                    kernel_residual(identity, shape, x)
+            def empty(x: torch.Tensor, *identity: torch.Tensor) -> torch.Tensor:
+                check_residual_count(identity, residual)
+                for each in identity:  # checked as a non-empty call checks it, though no kernel reads it
+                    kernel_residual(each, shape, x)
                 return torch.empty(shape, dtype=x.dtype, device=x.device)
 
             return empty
@@ -532,15 +533,24 @@ class DirectBackend(ConvBackend):
         bias = None if bias is None else bias.to(x.dtype).contiguous()
 
         def call(x: torch.Tensor, *identity: torch.Tensor) -> torch.Tensor:
-            if len(identity) != residual:
-                raise TypeError(f"a call prepared with residual={residual} takes {int(residual)} residual, "
-                                f"got {len(identity)}")
+            check_residual_count(identity, residual)
             x = x.contiguous()
             if lg.vector_aligned(x) != aligned:
                 return self.conv_call(x, csr, bias, geometry, relu, residual, **params)(x, *identity)
             return prepared(x, bias, kernel_residual(identity[0], shape, x) if identity else None)
 
         return call
+
+
+def check_residual_count(identity: tuple[torch.Tensor, ...], residual: bool) -> None:
+    """That a call :meth:`DirectBackend.conv_call` prepared with ``residual`` got one residual tensor if so, none
+    otherwise.
+
+    Raises:
+        TypeError: naming both counts, as a call of the wrong arity does.
+    """
+    if len(identity) != residual:
+        raise TypeError(f"a call prepared with residual={residual} takes {int(residual)} residual, got {len(identity)}")
 
 
 @register_backend
