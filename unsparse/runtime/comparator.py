@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unsparse.runtime.backends import available_backends, get_backend
+from unsparse.runtime.backends.base import EPILOGUE_PARAMETER
 from unsparse.runtime.backends.dense import MEMORY_FORMATS
 from unsparse.runtime.baseline import Baseline, time_baseline
 from unsparse.runtime.layout import layout_of
@@ -584,4 +585,4 @@ def epilogue_passes(model: nn.Module, plan: Plan) -> list[str]:
     :meth:`~unsparse.runtime.backends.dense.DenseBackend.epilogue_space`), in the model's order."""
     return [name for name, layer in sparse_layers(model).items()
             if (entry := plan.get(getattr(layer, "plan_key", ""))) is not None
-            and entry.params.get("epilogue") == "passes"]
+            and entry.params.get(EPILOGUE_PARAMETER) == "passes"]
