@@ -32,6 +32,7 @@ def main() -> None:
     parser.add_argument("--shape", nargs=4, type=int, required=True, metavar=("N", "C", "H", "W"))
     parser.add_argument("--out-channels", type=int, required=True)
     parser.add_argument("--kernel", type=int, default=3)
+    parser.add_argument("--stride", type=int, default=1, help="both directions; padding is kernel // 2")
     parser.add_argument("--sparsity", type=sparsity_argument, default=0.9, help="in [0, 1) (default %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     parser.add_argument("--backend", choices=("direct", "generated"), default="direct")
@@ -55,7 +56,7 @@ def main() -> None:
     magnitude_prune_(conv, args.sparsity)
     csr = UniformCSR.from_dense(conv.weight.detach().to(device, dtype))
     x = torch.randn(N, C, H, W, device=device, dtype=dtype)
-    geometry = ConvGeometry.of(1, args.kernel // 2)
+    geometry = ConvGeometry.of(args.stride, args.kernel // 2)
     backend = get_backend(args.backend)
     for params in args.params:
         backend.conv(x, csr, None, geometry, **params)
