@@ -80,9 +80,9 @@ tiling), the 16-warp CC = 16 one features.2-12 at 0.9 1.03-1.06x, the CC = 32 on
 they lose in float16 at 0.9. The union tiling staged ran 0.97-1.01x as fast as unstaged and is not built. The last
 three are for 7x7 planes (ResNet-50's layer4), where the prune leaves only the 8-wide warp tiles: the two above
 stage 2 or 4 channels per chunk for 32 or 64 output channels, so at 0.9 a chunk holds about two nonzeros per row
-behind each barrier pair and its staging; these share each chunk among 64 channels and stage 4 to 16 channels (16 in
-float16 only: the 8-wide tile's bank-padded rows make a float32 chunk of 16 channels 102 KB in two buffers, above
-:data:`~unsparse.runtime.launch_geometry.TILE_SHARED_LIMIT_BYTES`; kernels/NOTES.md, forty-sixth session)."""
+behind each barrier pair and its staging; these share each chunk among 64 channels and stage 4 to 16 channels
+(a float32 chunk of 16 channels takes 61 KB in two buffers with rows padded to 24 elements; kernels/NOTES.md,
+forty-sixth and forty-eighth sessions)."""
 
 
 POINTWISE_TILINGS = (
