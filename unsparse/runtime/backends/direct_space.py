@@ -51,6 +51,7 @@ TILE_TILINGS = (
     lg.TileTiling(wx=8, py=2, nb=4, mw=8, warps=8, cc=4),
     lg.TileTiling(wx=8, py=2, nb=2, mw=8, warps=8, cc=8),
     lg.TileTiling(wx=8, py=2, nb=2, mw=8, warps=8, cc=16),
+    lg.TileTiling(wx=8, py=2, nb=2, mw=8, warps=16, cc=16),
 )
 """``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM within the
 register file; the paired union tiling's 84 are held to 128 registers, also two blocks), warp tiles 4x32 to 8x8 for
@@ -78,11 +79,13 @@ costs ptxas up to 16 more registers and a block per SM. On the H100 (b128) the 8
 features.0-10 in float32 at 0.8 1.00-1.03x as fast as the best unstaged setting (1.08-1.12x its own unstaged
 tiling), the 16-warp CC = 16 one features.2-12 at 0.9 1.03-1.06x, the CC = 32 one half2 products at 0.95 1.02-1.05x;
 they lose in float16 at 0.9. The union tiling staged ran 0.97-1.01x as fast as unstaged and is not built. The last
-three are for 7x7 planes (ResNet-50's layer4), where the prune leaves only the 8-wide warp tiles: the two above
+four are for 7x7 planes (ResNet-50's layer4), where the prune leaves only the 8-wide warp tiles: the two above
 stage 2 or 4 channels per chunk for 32 or 64 output channels, so at 0.9 a chunk holds about two nonzeros per row
-behind each barrier pair and its staging; these share each chunk among 64 channels and stage 4 to 16 channels
+behind each barrier pair and its staging; these share each chunk among 64 or 128 channels and stage 4 to 16 channels
 (a float32 chunk of 16 channels takes 61 KB in two buffers with rows padded to 24 elements; kernels/NOTES.md,
-forty-sixth and forty-eighth sessions)."""
+forty-sixth session). The 16-warp CC = 16 one (128 channels, two blocks per SM) ran layer4.0.conv2 (stride 2, its
+phase split) in 0.85 ms and layer4.1.conv2 in 0.53 ms in FP32 at 0.9 on the H200, against 1.29 and 0.67 ms for the
+8-warp CC = 8 one (kernels/NOTES.md, forty-eighth session)."""
 
 
 POINTWISE_TILINGS = (
