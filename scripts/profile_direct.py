@@ -8,6 +8,9 @@ median of CUDA-event timings of the runs so a profile can be matched to a benchm
     ncu --kernel-name regex:direct_tile --launch-skip 2 --launch-count 1 --section WarpStateStats \
         python3 scripts/profile_direct.py --shape 128 256 56 56 --out-channels 256 \
         --params '{"variant": "tile", "wx": 32, "py": 4, "nb": 2, "mw": 4, "warps": 16, "cc": 8}'
+    ncu --kernel-name regex:direct_tile --launch-skip 1 --launch-count 1 --section Occupancy \
+        python3 scripts/profile_direct.py --shape 128 512 14 14 --out-channels 512 --stride 2 --runs 1 \
+        --params '{"variant": "tile", "wx": 8, "py": 2, "nb": 2, "mw": 8, "warps": 16, "cc": 16}'
     ncu --kernel-name regex:generated_conv --launch-skip 8 --launch-count 1 --section WarpStateStats \
         python3 scripts/profile_direct.py --backend generated --shape 128 256 56 56 --out-channels 256 \
         --params '{"rows": 32}'

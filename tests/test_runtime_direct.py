@@ -751,7 +751,10 @@ def _conflict_free(tiling: lg.TileTiling, width: int, element_bytes: int) -> boo
 
 
 def test_tile_layout_is_bank_conflict_free_at_the_smallest_width() -> None:
-    for tiling in [*TILE_TILINGS, *SMALL_TILINGS]:
+    every_width = [lg.TileTiling(wx=wx, py=2, nb=2, mw=3, warps=2, cc=2, union=3, paired=paired)
+                   for wx, paired in itertools.product([1, 2, 4, 8, 16, 32], [False, True])]
+    checked = set()
+    for tiling in [*TILE_TILINGS, *SMALL_TILINGS, *every_width]:
         for kernel, dtype in itertools.product([(1, 1), (2, 2), (3, 3), (5, 5)], [torch.float32, torch.float16]):
             try:
                 layout = lg.tile_layout(dtype, kernel, tiling)
@@ -759,10 +762,12 @@ def test_tile_layout_is_bank_conflict_free_at_the_smallest_width() -> None:
                 continue
             halo_width = tiling.wx + kernel[1] - 1
             assert layout.padded_width >= halo_width
-            if 1 < tiling.wx < 32:
-                assert _conflict_free(tiling, layout.padded_width, layout.element_bytes), (tiling, kernel, dtype)
+            assert _conflict_free(tiling, layout.padded_width, layout.element_bytes), (tiling, kernel, dtype)
+            checked.add((tiling.wx, layout.element_bytes))
+            if tiling.wx * layout.element_bytes < 128:  # else a warp's (half-warp's) loads read one row: any width
                 assert not any(_conflict_free(tiling, width, layout.element_bytes)
                                for width in range(halo_width, layout.padded_width)), (tiling, kernel, dtype)
+    assert checked == set(itertools.product([1, 2, 4, 8, 16, 32], [4, 8]))
     eight_wide = lg.tile_layout(torch.float32, (3, 3), lg.TileTiling(wx=8, py=2, nb=2, mw=8, warps=8, cc=8))
     assert eight_wide.padded_width == 24  # not 40: the next width congruent to 8 modulo 32
     half = lg.tile_layout(torch.float16, (3, 3), TILE_TILINGS[0])

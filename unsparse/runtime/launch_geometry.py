@@ -276,12 +276,14 @@ def tile_layout(dtype: torch.dtype, kernel_size: tuple[int, int], tiling: TileTi
                 vector_pad: int | None = None) -> TileLayout:
     """The staged chunk layout for ``tiling`` (shared by :func:`tile_launch` and the plan-time offsets).
 
-    The padded row width is the smallest ``>= WX + S - 1`` that makes a warp's 32 loads hit 32 distinct
-    banks: any width when a warp covers one row (WX = 32), else one congruent to WX modulo 2 * WX (an odd multiple
-    m of WX modulo 32), so that lane ``(ly, lx)`` reads bank ``(ly * m * WX + lx) mod 32``, and ``ly * m`` runs over
-    the ``32 / WX`` warp rows modulo ``32 / WX`` once (8-byte elements: a half-warp's loads, two banks each, also
-    32 distinct banks). For WX = 8 that is 24 elements where the congruence modulo 32 took 40: the staged chunks of
-    the 8-wide tiles take 40 % less shared memory (kernels/NOTES.md, forty-eighth session).
+    The padded row width is ``>= WX + S - 1`` and makes a warp's 32 loads hit 32 distinct banks: any width when a warp
+    covers one row (WX = 32), else one congruent to WX modulo 2 * WX (an odd multiple m of WX modulo 32), so that lane
+    ``(ly, lx)`` reads bank ``(ly * m * WX + lx) mod 32``, and ``ly * m`` runs over the ``32 / WX`` warp rows modulo
+    ``32 / WX`` once (8-byte elements: a half-warp's loads, two banks each, also 32 distinct banks). For WX = 8 that is
+    24 elements where the congruence modulo 32 took 40: the staged chunks of the 8-wide tiles take 40 % less shared
+    memory (kernels/NOTES.md, forty-eighth session). The width is the smallest conflict-free one except for 8-byte
+    elements at WX = 16, where a half-warp reads one row and any width would do (no tiling has that: the paired tilings
+    are 32 wide).
 
     With ``vector_pad`` (the layer's left padding ``pad_w``), rows are laid out for 16-byte staging: column
     ``xx`` at ``left + xx`` with ``left = (-pad_w) mod v`` (``v`` = :attr:`TileLayout.vector_elements`, 4 or 2), so

@@ -54,41 +54,41 @@ TILE_TILINGS = (
     lg.TileTiling(wx=8, py=2, nb=2, mw=8, warps=16, cc=16),
     lg.TileTiling(wx=16, py=7, nb=1, mw=4, warps=16, cc=16),
 )
-"""``direct_tile`` candidates: 32 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM within the
+"""``direct_tile`` candidates: 28 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM within the
 register file; the paired union tiling's 84 are held to 128 registers, also two blocks), warp tiles 4x32 to 8x8 for
-planes from 224x224 down to 7x7, 32 to 128 output channels per block (more channels share each staged chunk); NB = 1
-for batch 1 in float32 (float16 pairs images, NB even). CC = 16 halves the barriers per nonzero where a chunk holds
-little work (the 2x2 filters of a 3x3 stride-2 layer's phase split, 1x1 layers, and 3x3 layers at high sparsity);
-staged chunks beyond 48 KB take dynamic shared memory up to
+planes from 224x224 down to 7x7, 32 to 128 output channels per block (more channels share each staged chunk); NB = 1 for
+batch 1 and the 14x14 tiling below, in float32 (float16 pairs images, NB even). CC = 16 halves the barriers per nonzero
+where a chunk holds little work (the 2x2 filters of a 3x3 stride-2 layer's phase split, 1x1 layers, and 3x3 layers at
+high sparsity); staged chunks beyond 48 KB take dynamic shared memory up to
 :data:`~unsparse.runtime.launch_geometry.TILE_SHARED_LIMIT_BYTES`. At 0.95-0.98 sparsity a cost that does not shrink
 with sparsity is about half the time (VGG16 features.5 FP16: about 0.83 ms of 1.60 ms at 0.95 before these), so the
-last three per-channel tilings share each chunk among 128 output channels, or stage 32 channels per barrier pair
-(fewer barriers and loop set-ups per nonzero), or both; CC = 32 in float16 only, a float32 3x3 chunk of 32 channels
-does not fit. Kernel notes v14 and v16 give what each gained. The first union tiling (``union=3``, float32 only,
-kernel notes v21) walks union entries of three channels: one staged load feeds three FMAs, which pays where three
-rows share many taps. On the H100, in float32 at 0.7, it ran VGG16 features.2-12 (64 to 256 input channels)
-1.03-1.12x as fast as the best per-channel tiling, and at 0.9 0.78-0.86x; of the four union tilings first timed, it
-was the fastest on every layer. The second, ``paired``, reads the float32 input as image pairs (one 8-byte shared
-load per two images, the pairing copy timed with the kernel) and puts 28 staged elements behind each 16-byte entry
-(kernel notes v22): on the H100 at 0.7 it ran VGG16 features.10 and .12 1.02x as fast as the union tiling above and
-lost on features.0-7 (0.90-0.99x) and at 0.9; a paired PY = 8, NB = 2 tiling (two blocks per SM) lost everywhere.
-The last three are earlier winners with ``stage_entries`` (kernel notes v25): each warp copies its entries of the
-next chunk into shared memory, so an entry costs one broadcast shared load instead of a global load through L1; their
-slots take shared memory in proportion to the weight's longest entry list, so a dense weight may leave them out. Each
-names the blocks per SM its unstaged tiling reaches (``min_blocks``, 64 registers), since the staging code otherwise
-costs ptxas up to 16 more registers and a block per SM. On the H100 (b128) the 8-warp CC = 8 one ran VGG16
-features.0-10 in float32 at 0.8 1.00-1.03x as fast as the best unstaged setting (1.08-1.12x its own unstaged
-tiling), the 16-warp CC = 16 one features.2-12 at 0.9 1.03-1.06x, the CC = 32 one half2 products at 0.95 1.02-1.05x;
-they lose in float16 at 0.9. The union tiling staged ran 0.97-1.01x as fast as unstaged and is not built. The last
-four are for 7x7 planes (ResNet-50's layer4), where the prune leaves only the 8-wide warp tiles: the two above
-stage 2 or 4 channels per chunk for 32 or 64 output channels, so at 0.9 a chunk holds about two nonzeros per row
-behind each barrier pair and its staging; these share each chunk among 64 or 128 channels and stage 4 to 16 channels
-(a float32 chunk of 16 channels takes 61 KB in two buffers with rows padded to 24 elements; kernels/NOTES.md,
-forty-sixth session). The 16-warp CC = 16 one (128 channels, two blocks per SM) ran layer4.0.conv2 (stride 2, its
-phase split) in 0.85 ms and layer4.1.conv2 in 0.53 ms in FP32 at 0.9 on the H200, against 1.29 and 0.67 ms for the
-8-warp CC = 8 one (kernels/NOTES.md, forty-eighth session). The last is for 14x14 planes: one image per 14x16 tile
-and 16 channels per chunk (28 sums per thread, 98 KB in two buffers); on the H200 it ran layer3.1.conv2 in FP32 at
-0.9 in 0.40 ms against 0.50 for the earlier 14x14 winner (WX 16, PY 7, NB 2, 16 warps, CC 4), in the same process."""
+32-warp and the CC = 16 and 32 per-channel tilings of 32-wide tiles share each chunk among 128 output channels, or stage
+16 or 32 channels per barrier pair (fewer barriers and loop set-ups per nonzero), or both; CC = 32 in float16 only, a
+float32 3x3 chunk of 32 channels does not fit. Kernel notes v14 and v16 give what each gained. The first union tiling
+(``union=3``, float32 only, kernel notes v21) walks union entries of three channels: one staged load feeds three FMAs,
+which pays where three rows share many taps. On the H100, in float32 at 0.7, it ran VGG16 features.2-12 (64 to 256 input
+channels) 1.03-1.12x as fast as the best per-channel tiling, and at 0.9 0.78-0.86x; of the four union tilings first
+timed, it was the fastest on every layer. The second, ``paired``, reads the float32 input as image pairs (one 8-byte
+shared load per two images, the pairing copy timed with the kernel) and puts 28 staged elements behind each 16-byte
+entry (kernel notes v22): on the H100 at 0.7 it ran VGG16 features.10 and .12 1.02x as fast as the union tiling above
+and lost on features.0-7 (0.90-0.99x) and at 0.9; a paired PY = 8, NB = 2 tiling (two blocks per SM) lost everywhere.
+The three ``stage_entries`` tilings are earlier winners (kernel notes v25): each warp copies its entries of the next
+chunk into shared memory, so an entry costs one broadcast shared load instead of a global load through L1; their slots
+take shared memory in proportion to the weight's longest entry list, so a dense weight may leave them out. Each names
+the blocks per SM its unstaged tiling reaches (``min_blocks``, 64 registers), since the staging code otherwise costs
+ptxas up to 16 more registers and a block per SM. On the H100 (b128) the 8-warp CC = 8 one ran VGG16 features.0-10 in
+float32 at 0.8 1.00-1.03x as fast as the best unstaged setting (1.08-1.12x its own unstaged tiling), the 16-warp CC = 16
+one features.2-12 at 0.9 1.03-1.06x, the CC = 32 one half2 products at 0.95 1.02-1.05x; they lose in float16 at 0.9. The
+union tiling staged ran 0.97-1.01x as fast as unstaged and is not built. The four 8-wide tilings after them are for 7x7
+planes (ResNet-50's layer4), where the prune leaves only the 8-wide warp tiles: the two earlier 8-wide ones stage 2 or 4
+channels per chunk for 32 output channels, so at 0.9 a chunk holds about two nonzeros per row behind each barrier pair
+and its staging; these share each chunk among 64 or 128 channels and stage 4 to 16 channels (a float32 chunk of 16
+channels takes 61 KB in two buffers with rows padded to 24 elements; kernels/NOTES.md, forty-sixth and forty-eighth
+sessions). The 16-warp CC = 16 one (128 channels, two blocks per SM) ran layer4.0.conv2 (stride 2, its phase split) in
+0.85 ms and layer4.1.conv2 in 0.53 ms in FP32 at 0.9 on the H200, against 1.29 and 0.67 ms for the 8-warp CC = 8 one
+(kernels/NOTES.md, forty-eighth session). The last is for 14x14 planes: one image per 14x16 tile and 16 channels per
+chunk (28 sums per thread, 98 KB in two buffers); on the H200 it ran layer3.1.conv2 in FP32 at 0.9 in 0.40 ms against
+0.50 for the earlier 14x14 winner (WX 16, PY 7, NB 2, 16 warps, CC 4), in the same process."""
 
 
 POINTWISE_TILINGS = (
