@@ -26,22 +26,24 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from unsparse.settings import sparsity_argument
+from unsparse.settings import positive_integer_argument, sparsity_argument
 
 
 def main() -> None:
     """Parse arguments, build the layer, run the setting and print its median time (ms)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shape", nargs=4, type=int, required=True, metavar=("N", "C", "H", "W"))
-    parser.add_argument("--out-channels", type=int, required=True)
-    parser.add_argument("--kernel", type=int, default=3)
-    parser.add_argument("--stride", type=int, default=1, help="both directions; padding is kernel // 2")
+    parser.add_argument("--shape", nargs=4, type=positive_integer_argument, required=True,
+                        metavar=("N", "C", "H", "W"))
+    parser.add_argument("--out-channels", type=positive_integer_argument, required=True)
+    parser.add_argument("--kernel", type=positive_integer_argument, default=3)
+    parser.add_argument("--stride", type=positive_integer_argument, default=1,
+                        help="both directions; padding is kernel // 2")
     parser.add_argument("--sparsity", type=sparsity_argument, default=0.9, help="in [0, 1) (default %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     parser.add_argument("--backend", choices=("direct", "generated"), default="direct")
     parser.add_argument("--params", type=json.loads, action="append", required=True,
                         help="a tuning setting of the backend as JSON; repeat to run several")
-    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--runs", type=positive_integer_argument, default=5)
     args = parser.parse_args()
     import torch
     from torch import nn

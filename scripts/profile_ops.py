@@ -27,6 +27,7 @@ from unsparse.runtime.batch_norm_folding import fold_batch_norm_
 from unsparse.runtime.bench import MODELS, build_model, environment, require_cuda
 from unsparse.runtime.precision import DENSE_PRECISIONS, PRECISIONS, precision_mode
 from unsparse.runtime.timing import time_fn
+from unsparse.settings import positive_integer_argument
 
 
 def op_table(events: Iterable[Any], forwards: int) -> list[dict[str, Any]]:
@@ -54,14 +55,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", choices=MODELS, default="vgg16")
     parser.add_argument("--precision", choices=DENSE_PRECISIONS, default="tf32")
     parser.add_argument("--layout", choices=["nchw", "nhwc"], default="nhwc")
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--batch", type=positive_integer_argument, default=128)
+    parser.add_argument("--runs", type=positive_integer_argument, default=20)
     parser.add_argument("--fold-batch-norm", action="store_true",
                         help="fold the model's BatchNorms into its convs first (unsparse.runtime.batch_norm_folding)")
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args(argv)
-    if args.batch < 1 or args.runs < 1:
-        parser.error("--batch and --runs must be at least 1")
     require_cuda("profile_ops.py")
     device = torch.device("cuda", 0)
     mode = PRECISIONS[args.precision]

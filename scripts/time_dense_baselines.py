@@ -35,6 +35,7 @@ from unsparse.runtime.comparator import relative_error, tolerance
 from unsparse.runtime.dense_fusion import fuse_dense_conv_relu
 from unsparse.runtime.precision import DENSE_PRECISIONS, PRECISIONS, precision_mode
 from unsparse.runtime.timing import time_fn, time_graph
+from unsparse.settings import positive_integer_argument
 
 LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
 
@@ -102,15 +103,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", choices=MODELS, default="vgg16")
     parser.add_argument("--precisions", nargs="+", choices=DENSE_PRECISIONS, default=list(DENSE_PRECISIONS))
     parser.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS))
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--batch", type=positive_integer_argument, default=128)
+    parser.add_argument("--runs", type=positive_integer_argument, default=20)
     parser.add_argument("--compile", action="store_true", help="also time torch.compile of the eager model")
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds after which no further torch.compile starts")
     parser.add_argument("--out", required=True, help="JSON file to write")
     args = parser.parse_args(argv)
-    if args.batch < 1 or args.runs < 1:
-        parser.error("--batch and --runs must be at least 1")
     require_cuda("time_dense_baselines.py")
     started = time.monotonic()
     device = torch.device("cuda", 0)

@@ -39,7 +39,7 @@ def test_without_cuda_or_with_a_bad_batch_it_stops_before_any_work(load_script: 
     code, text = run_script(script, ["--out", str(tmp_path / "ops.json")])
     assert code == 2 and "profile_ops.py: needs a CUDA GPU" in text
     code, text = run_script(script, ["--out", str(tmp_path / "ops.json"), "--batch", "0"])
-    assert code == 2 and "--batch and --runs must be at least 1" in text
+    assert code == 2 and "argument --batch: expected an integer >= 1, got '0'" in text
     code, text = run_script(script, ["--out", str(tmp_path / "ops.json"), "--precision", "tf32_generated"])
     assert code == 2 and "invalid choice" in text
     assert not (tmp_path / "ops.json").exists()

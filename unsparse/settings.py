@@ -116,6 +116,19 @@ def output_file(text: str) -> Path:
     return path
 
 
+def positive_integer_argument(text: str) -> int:
+    """A count or size given on a command line (an argparse ``type``): an integer >= 1 (a batch, a number of runs, a
+    stride). Checked while the command line is read, so argparse names the option before any GPU work.
+
+    Raises:
+        argparse.ArgumentTypeError: naming the value otherwise.
+    """
+    try:
+        return check_integer(int(text), "value")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+
+
 def sparsity_argument(text: str) -> float:
     """A sparsity given on a command line (an argparse ``type``): a number in ``[0, 1)``, the range that magnitude
     pruning (:func:`unsparse.runtime.bench.magnitude_prune_`) and every pruner's target take (1 would prune every

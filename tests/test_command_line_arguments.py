@@ -1,0 +1,38 @@
+"""The argparse ``type`` checks of :mod:`unsparse.settings` that scripts share: a bad value stops the command line
+with argparse's message naming the option, before any work."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from unsparse.settings import positive_integer_argument, sparsity_argument
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="script", exit_on_error=False)
+    parser.add_argument("--runs", type=positive_integer_argument, default=5)
+    parser.add_argument("--sparsity", type=sparsity_argument, default=0.9)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("text", ["1", "128", " 7"])
+def test_positive_integers_are_read(text: str) -> None:
+    assert parse(["--runs", text]).runs == int(text)
+
+
+@pytest.mark.parametrize("text", ["0", "-3", "2.5", "ten", "", "True"])
+def test_a_count_below_one_or_not_an_integer_names_the_option(text: str) -> None:
+    with pytest.raises(argparse.ArgumentError, match=f"argument --runs: expected an integer >= 1, got {text!r}"):
+        parse(["--runs", text])
+
+
+@pytest.mark.parametrize(("text", "valid"), [("0", True), ("0.95", True), ("1", False), ("-0.1", False),
+                                             ("nan", False), ("x", False)])
+def test_a_sparsity_must_lie_in_zero_to_one(text: str, valid: bool) -> None:
+    if valid:
+        assert parse(["--sparsity", text]).sparsity == float(text)
+    else:
+        with pytest.raises(argparse.ArgumentError, match="argument --sparsity: expected a sparsity in"):
+            parse(["--sparsity", text])
