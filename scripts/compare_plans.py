@@ -16,6 +16,7 @@ from pathlib import Path
 from unsparse.atomic import atomic_write_text
 from unsparse.report.plan_comparison import comparison_markdown, plan_rows
 from unsparse.runtime.plan import Plan, PlanError
+from unsparse.settings import output_file
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -25,7 +26,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--precision", default="float32", help="the keys' precision part, e.g. float32, float16, "
                         "float32+tf32")
     parser.add_argument("--layout", choices=("nchw", "nhwc"), default="nchw")
-    parser.add_argument("--out", required=True, help="Markdown page to write")
+    parser.add_argument("--out", type=output_file, required=True, help="Markdown page to write")
     args = parser.parse_args(argv)
     try:
         rows = plan_rows(Plan.load(args.before), Plan.load(args.after), args.precision, args.layout)
@@ -33,7 +34,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(error))
     if not rows:
         parser.error(f"no {args.precision} {args.layout} key in either plan")
-    atomic_write_text(Path(args.out), comparison_markdown(rows, Path(args.before).name, Path(args.after).name,
+    atomic_write_text(args.out, comparison_markdown(rows, Path(args.before).name, Path(args.after).name,
                                                           args.precision, args.layout))
     print(f"wrote {args.out}: {len(rows)} layer keys", file=sys.stderr)
     return 0

@@ -67,3 +67,5 @@ def test_the_script_writes_the_page_and_refuses_a_malformed_plan(tmp_path, load_
     assert code == 2 and "new.json" in text and "Traceback" not in text
     code, text = run_script(script, [str(old), str(tmp_path / "missing.json"), "--out", str(out)])
     assert code == 2 and "missing.json" in text
+    code, text = run_script(script, [str(old), str(old), "--out", str(tmp_path)])
+    assert code == 2 and "is a folder" in text

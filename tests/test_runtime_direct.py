@@ -769,7 +769,7 @@ def test_tile_layout_is_bank_conflict_free_at_the_smallest_width() -> None:
                                for width in range(halo_width, layout.padded_width)), (tiling, kernel, dtype)
     assert checked == set(itertools.product([1, 2, 4, 8, 16, 32], [4, 8]))
     eight_wide = lg.tile_layout(torch.float32, (3, 3), lg.TileTiling(wx=8, py=2, nb=2, mw=8, warps=8, cc=8))
-    assert eight_wide.padded_width == 24  # not 40: the next width congruent to 8 modulo 32
+    assert eight_wide.padded_width == 24  # not 40: 24 is 3 x 8, an odd multiple of WX = 8 modulo 32
     half = lg.tile_layout(torch.float16, (3, 3), TILE_TILINGS[0])
     assert half.image_elements == TILE_TILINGS[0].nb // 2
     with pytest.raises(ValueError, match="NB"):
