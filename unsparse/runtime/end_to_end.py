@@ -295,6 +295,7 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
          "dense_fused_error", "dense_fused_graph_ms", "dense_fused_nhwc_graph_ms", "dense_fused_graph_error"))}
     if not count and not folded:
         return record
+
     def timed(tag: str, model: nn.Module, inputs: torch.Tensor) -> tuple[Callable[[], Any], Timing, float]:
         record[f"dense_fused{tag}_passes"] = choose_epilogues_(model, inputs, runs)
         return (lambda: model(inputs), time_fn(lambda i: model(inputs), x.device, runs=runs),

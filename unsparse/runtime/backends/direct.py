@@ -522,8 +522,8 @@ class DirectBackend(ConvBackend):
         if csr.out_channels == 0 or x.shape[0] == 0:  # E, F >= 1 (output_size raises otherwise)
             def empty(x: torch.Tensor, *identity: torch.Tensor) -> torch.Tensor:
                 check_residual_count(identity, residual)
-                for each in identity:  # checked as a non-empty call checks it, though no kernel reads it
-                    kernel_residual(each, shape, x)
+                if identity:  # checked as a non-empty call checks it, though no kernel reads it
+                    kernel_residual(identity[0], shape, x)
                 return torch.empty(shape, dtype=x.dtype, device=x.device)
 
             return empty

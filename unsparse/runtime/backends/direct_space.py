@@ -53,11 +53,12 @@ TILE_TILINGS = (
     lg.TileTiling(wx=8, py=2, nb=2, mw=8, warps=8, cc=16),
     lg.TileTiling(wx=8, py=2, nb=2, mw=8, warps=16, cc=16),
     lg.TileTiling(wx=16, py=7, nb=1, mw=4, warps=16, cc=16),
+    lg.TileTiling(wx=16, py=7, nb=1, mw=4, warps=32, cc=16),
 )
 """``direct_tile`` candidates: 28 to 64 accumulators per thread (64 keeps two 256-thread blocks per SM within the
 register file; the paired union tiling's 84 are held to 128 registers, also two blocks), warp tiles 4x32 to 8x8 for
 planes from 224x224 down to 7x7, 32 to 128 output channels per block (more channels share each staged chunk); NB = 1 for
-batch 1 and the 14x14 tiling below, in float32 (float16 pairs images, NB even). CC = 16 halves the barriers per nonzero
+batch 1 and the 14x14 tilings below, in float32 (float16 pairs images, NB even). CC = 16 halves the barriers per nonzero
 where a chunk holds little work (the 2x2 filters of a 3x3 stride-2 layer's phase split, 1x1 layers, and 3x3 layers at
 high sparsity); staged chunks beyond 48 KB take dynamic shared memory up to
 :data:`~unsparse.runtime.launch_geometry.TILE_SHARED_LIMIT_BYTES`. At 0.95-0.98 sparsity a cost that does not shrink
@@ -86,9 +87,12 @@ and its staging; these share each chunk among 64 or 128 channels and stage 4 to 
 channels takes 61 KB in two buffers with rows padded to 24 elements; kernels/NOTES.md, forty-sixth and forty-eighth
 sessions). The 16-warp CC = 16 one (128 channels, two blocks per SM) ran layer4.0.conv2 (stride 2, its phase split) in
 0.85 ms and layer4.1.conv2 in 0.53 ms in FP32 at 0.9 on the H200, against 1.29 and 0.67 ms for the 8-warp CC = 8 one
-(kernels/NOTES.md, forty-eighth session). The last is for 14x14 planes: one image per 14x16 tile and 16 channels per
-chunk (28 sums per thread, 98 KB in two buffers); on the H200 it ran layer3.1.conv2 in FP32 at 0.9 in 0.40 ms against
-0.50 for the earlier 14x14 winner (WX 16, PY 7, NB 2, 16 warps, CC 4), in the same process."""
+(kernels/NOTES.md, forty-eighth session). The last two are for 14x14 planes: one image per 14x16 tile and 16
+channels per chunk (28 sums per thread, 98 KB in two buffers); on the H200 the 16-warp one ran layer3.1.conv2 in FP32
+at 0.9 in 0.40 ms against 0.50 for the earlier 14x14 winner (WX 16, PY 7, NB 2, 16 warps, CC 4), in the same process.
+The 32-warp one shares each chunk among 128 output channels at one block per SM (63 registers x 1024 threads), the same
+32 warps per SM as two 16-warp blocks: it ran the phase split of layer3.0.conv2 (stride 2) in 0.71 ms against 0.78,
+layer3.1.conv2 and VGG16 features.24 1-2 % faster (kernels/NOTES.md, forty-ninth session)."""
 
 
 POINTWISE_TILINGS = (
