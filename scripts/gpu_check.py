@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from unsparse.job import git_commit
 from unsparse.runtime import bench
+from unsparse.runtime.backends import backend_names
 from unsparse.runtime.batch_norm_folding import FOLD_POLICIES
 from unsparse.runtime.precision import PRECISIONS
 from unsparse.settings import sparsity_argument
@@ -59,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="where the models timed whole fold each BatchNorm after a conv into it: nowhere "
                         "('off'), 'all' convs, or 'epilogue': the layers planned on a backend that adds the bias in "
                         "its epilogue (the fused dense baseline folds every one unless 'off')")
+    parser.add_argument("--end-to-end-backends", nargs="*", default=[],
+                        choices=[name for name in backend_names() if name != "cudnn"],
+                        help="sparse backends the models timed whole may also be planned on, beside each precision's "
+                        "own (e.g. generated at fp32: cudnn, direct or generated per layer)")
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--layer-filter", help="time only the layers whose name matches this regular expression; "
                         "no model end to end then, unless --end-to-end names one")
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {"runs": args.runs, "layer_filter": args.layer_filter, "time_budget_s": args.time_budget,
                 "sparse_file": args.sparse_file, "sparse_input_shape": args.sparse_input_shape, "timing": args.timing,
                 "end_to_end_fuse_relu": args.fuse_relu, "end_to_end_fuse_max_pool": args.fuse_max_pool,
-                "end_to_end_fold_batch_norm": args.fold_batch_norm,
+                "end_to_end_fold_batch_norm": args.fold_batch_norm, "end_to_end_backends": args.end_to_end_backends,
                 **(bench.QUICK if args.quick else {}),
                 **{name: getattr(args, name) for name in ("models", "sparsities", "batches", "precisions",
                                                            "end_to_end", "end_to_end_sparsity")

@@ -91,3 +91,32 @@ def test_a_whole_model_keeps_every_conv_with_its_own_weights() -> None:
                                                                          ("2", 1, False)]
     for layer, module in zip(whole, model, strict=True):
         assert torch.equal(layer.weight, module.weight)
+
+
+def test_a_plan_chooses_among_cudnn_its_precisions_backend_and_those_added_each_once() -> None:
+    assert bench.plan_backends("fp32") == ["cudnn", "direct"]
+    assert bench.plan_backends("fp32", ["generated"]) == ["cudnn", "direct", "generated"]
+    assert bench.plan_backends("fp32_generated", ["direct", "generated"]) == ["cudnn", "generated", "direct"]
+    assert bench.plan_backends("fp16_half2", ["cudnn"]) == ["cudnn", "direct_half2"]
+
+
+def test_a_backend_added_to_a_precision_compiles_its_kernels_ahead_too(compiles) -> None:
+    """At ``fp32`` alone nothing compiles ahead (``direct`` lists no kernels); with ``generated`` added, as whole
+    models planned on both do, its kernels of each layer it supports are compiled in the one pass."""
+    layers = [conv_layer("a", 40, 8), conv_layer("strided", 40, 8, stride=2)]
+    assert bench.compile_ahead(layers, ["fp32"], torch.device("cpu"))["kernels"] == 0
+    ahead = bench.compile_ahead(layers, ["fp32"], torch.device("cpu"), also=["generated"])
+    backend = generated.GeneratedBackend()
+    csr, x = UniformCSR.from_dense(layers[0].weight), torch.empty(1, *layers[0].in_chw)
+    expected = backend.kernel_sources(x, csr, layers[0].geometry, backend.tuning_space(x, csr, layers[0].geometry))
+    assert compiles == [expected] and ahead["layers"] == 1 and ahead["kernels"] == len(set(expected))
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    (["cudnn"], r"end_to_end_backends: \['cudnn'\] not among"),
+    (["generatd"], r"end_to_end_backends: \['generatd'\] not among .*generated"),
+    ("generated", r"end_to_end_backends: expected a list"),
+])
+def test_the_benchmark_refuses_an_added_backend_that_is_no_sparse_backend(setting: object, message: str) -> None:
+    with pytest.raises(bench.BenchRefusedError, match=message):
+        bench.check_run_settings(end_to_end_backends=setting)

@@ -509,6 +509,16 @@ def test_the_end_to_end_row_says_how_many_convs_have_their_relu_fused(result):
     assert "ReLU fused" not in unfused and "per-layer comparisons timed" not in unfused
 
 
+def test_the_end_to_end_row_names_the_sparse_backends_its_plan_chose_among(result):
+    record = result["end_to_end"][0]
+    row = f"| {record['model']} | {record['weights']} | {record['batch']} | "
+    record["sparse_backends"] = ["direct", "generated"]
+    assert row + f"{record['precision']} (direct+generated) |" in markdown_report(
+        {**result, "targets": evaluate_targets(result)})
+    record["sparse_backends"] = ["direct"]
+    assert row + f"{record['precision']} |" in markdown_report({**result, "targets": evaluate_targets(result)})
+
+
 def test_the_end_to_end_table_holds_the_plan_against_the_cudnn_fused_dense_model(result):
     """Records with the fused dense baseline get its column (time and layout) and the ratio; a record of that table
     without it (nothing fused) shows dashes; pages of records from before it keep their columns

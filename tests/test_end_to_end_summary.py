@@ -65,6 +65,16 @@ def test_the_fused_column_says_how_many_fused_relus_take_the_residual_add() -> N
     assert "| 53 / 49 (16 residual)+0 |" in page and "| 53 / 33+0 |" in page
 
 
+def test_the_precision_names_the_sparse_backends_a_plan_chose_among_where_more_than_its_own() -> None:
+    """A whole model planned on direct and generated at fp32 reads so; a record of one sparse backend, or from
+    before records named them, shows the precision alone."""
+    combined = summary_row(record(precision="fp32", sparse_backends=["direct", "generated"]), "r")
+    own = summary_row(record(precision="fp32", sparse_backends=["direct"]), "r")
+    assert (combined["precision"], own["precision"], summary_row(record(), "r")["precision"]) == (
+        "fp32 (direct+generated)", "fp32", "tf32")
+    assert "| fp32 (direct+generated) |" in summary_markdown([combined], "made")
+
+
 def test_the_committed_page_is_what_its_command_makes_from_the_committed_results() -> None:
     """The page names the command that made it; run on the same files it gives the page byte for byte, so a figure
     in it is one of the results' and a result added later without remaking the page is caught."""

@@ -579,7 +579,7 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
         fused_cells = ""
         if fused_dense:
             fused_cells = f"{_dense_fused_cell(r)} | {_fmt(r.get('best_speedup_vs_dense_fused'), 2)} | "
-        lines.append(f"| {r['model']} | {r['weights']} | {r['batch']} | {r['precision']} | {_fmt(r['dense_ms'])} | "
+        lines.append(f"| {r['model']} | {r['weights']} | {r['batch']} | {precision_label(r)} | {_fmt(r['dense_ms'])} | "
                      f"{_fmt(r.get('dense_nhwc_ms'))} | {_fmt(r['planned_ms'])} | {_fmt(r.get('planned_nhwc_ms'))} | "
                      f"{_fmt(r['speedup'], 2)} | {_fmt(best, 2)} | " + fused_cells
                      + f"{_fmt(r.get('dense_graph_ms'))} | "
@@ -635,6 +635,15 @@ def fold_policy(record: dict[str, Any]) -> str:
     """An end-to-end record's BatchNorm-folding policy (:data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`);
     records from before it was recorded folded every BatchNorm or none."""
     return record.get("fold_batch_norm", "all" if record.get("folded_batch_norm") else "off")
+
+
+def precision_label(record: dict[str, Any]) -> str:
+    """An end-to-end record's precision as its table shows it: the key of
+    :data:`~unsparse.runtime.precision.PRECISIONS`, followed by the sparse backends its plan chose among where they
+    are more than the precision's own (``sparse_backends``, from ``run_bench``'s ``end_to_end_backends``), e.g.
+    ``fp32 (direct+generated)``."""
+    backends = record.get("sparse_backends") or []
+    return record["precision"] + (f" ({'+'.join(backends)})" if len(backends) > 1 else "")
 
 
 def _shows_folds(record: dict[str, Any]) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from unsparse.report.benchmark import dense_fused_ms, fastest_ms, fold_policy
+from unsparse.report.benchmark import dense_fused_ms, fastest_ms, fold_policy, precision_label
 from unsparse.report.document import markdown_table
 from unsparse.report.results import load_result
 from unsparse.runtime.comparator import PLAN_MARGIN
@@ -49,7 +49,8 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
     """One end-to-end record (``bench.json``'s ``end_to_end`` entry) as a summary row.
 
     Returns:
-        ``run``, ``model``, ``weights``, ``sparsity``, ``batch``, ``precision``; ``folded``, ``fused_relu``,
+        ``run``, ``model``, ``weights``, ``sparsity``, ``batch``, ``precision``
+        (:func:`~unsparse.report.benchmark.precision_label`); ``folded``, ``fused_relu``,
         ``fused_residual`` (those of ``fused_relu`` that take the residual add before their ReLU; 0 for runs from
         before it was fused), ``fused_max_pool`` (counts of convs); ``dense_ms``/``dense_layout`` (eager, faster
         layout), ``dense_fused_ms``/``dense_fused_layout`` (None where not timed), ``planned_ms``/``planned_layout``
@@ -81,7 +82,8 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
         verdict += " (no fused dense model timed)"
     fused_layout = record.get("best_dense_fused_layout")
     return {"run": run, "model": record["model"], "weights": record.get("weights", "synthetic"),
-            "sparsity": record.get("sparsity"), "batch": record["batch"], "precision": record["precision"],
+            "sparsity": record.get("sparsity"), "batch": record["batch"],
+            "precision": precision_label(record),
             "folded": record.get("folded_batch_norm" + suffix, record.get("folded_batch_norm", 0)),
             "fold_policy": fold_policy(record), "fused_relu": record.get("fused_relu", 0),
             "fused_residual": record.get("fused_residual", 0),

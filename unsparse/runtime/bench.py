@@ -28,6 +28,7 @@ from torch import nn
 from unsparse.atomic import atomic_write_text, write_record
 from unsparse.job import git_commit, git_tree_modified
 from unsparse.report.benchmark import ESCOIN_MODELS, compiled_ahead, evaluate_targets, markdown_report, plot_results
+from unsparse.runtime.backends import backend_names
 from unsparse.runtime.batch_norm_folding import FOLD_POLICIES
 from unsparse.runtime.comparator import TIMINGS, best_times, compare_layer
 from unsparse.runtime.end_to_end import bench_end_to_end, bench_end_to_end_sparse
@@ -107,7 +108,8 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
                    end_to_end_sparsity: float, end_to_end_batch: int, runs: int, sparse_file: str | Path | None,
                    sparse_input_shape: Sequence[int] | None, layer_filter: str | None, time_budget_s: float | None,
                    timing: str, seed: int, end_to_end_fuse_relu: bool = False,
-                   end_to_end_fuse_max_pool: bool = False, end_to_end_fold_batch_norm: str = "off") -> None:
+                   end_to_end_fuse_max_pool: bool = False, end_to_end_fold_batch_norm: str = "off",
+                   end_to_end_backends: Sequence[str] = ()) -> None:
     """Check :func:`run_bench`'s settings (same meanings) before any GPU work, so that a typo does not surface
     after minutes of timings or as a traceback deep inside them: model names from :data:`MODELS`, precisions from
     :data:`~unsparse.runtime.precision.PRECISIONS`, sparsities in ``[0, 1)`` (the range of :func:`magnitude_prune_`),
@@ -117,7 +119,8 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
     an integer in ``[0, 2^32)``, the seeds torch's CPU generator tells apart (:func:`~unsparse.settings.check_seed`;
     ``seed=1.5`` reached ``torch.manual_seed``, which took it as 1), ``end_to_end_fuse_relu`` and
     ``end_to_end_fuse_max_pool`` bools, ``end_to_end_fold_batch_norm`` one of
-    :data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`.
+    :data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`, ``end_to_end_backends`` a list of registered backends
+    other than ``cudnn`` (:func:`~unsparse.runtime.backends.backend_names`).
 
     Raises:
         BenchRefusedError: (a ``ValueError``) naming the setting and the value.
@@ -125,11 +128,13 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
     try:
         for field, value in (("models", models), ("sparsities", sparsities), ("batches", batches),
                              ("precisions", precisions), ("lowering_models", lowering_models),
-                             ("end_to_end", end_to_end)):
+                             ("end_to_end", end_to_end), ("end_to_end_backends", end_to_end_backends)):
             _check_list(value, field)
         for field, names, known in (("models", models, MODELS), ("lowering_models", lowering_models, MODELS),
                                     ("end_to_end", end_to_end, MODELS), ("precisions", precisions, PRECISIONS),
-                                    ("timing", [timing], TIMINGS)):
+                                    ("timing", [timing], TIMINGS),
+                                    ("end_to_end_backends", end_to_end_backends,
+                                     [name for name in backend_names() if name != "cudnn"])):
             unknown = [name for name in names if not isinstance(name, str) or name not in known]
             if unknown:
                 raise ValueError(f"{field}: {unknown} not among {', '.join(known)}")
@@ -339,18 +344,26 @@ def bench_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devi
     return record
 
 
+def plan_backends(precision: str, also: Sequence[str] = ()) -> list[str]:
+    """The backends a plan at ``precision`` (a key of :data:`PRECISIONS`) chooses among per layer: ``cudnn``, the
+    precision's sparse backend, then each of ``also`` not named before it, in that order."""
+    return list(dict.fromkeys(("cudnn", PRECISIONS[precision].sparse, *also)))
+
+
 def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device: torch.device,
-                  deadline: float | None = None) -> dict[str, Any]:
+                  deadline: float | None = None, also: Sequence[str] = ()) -> dict[str, Any]:
     """Compile, in one :func:`~unsparse.runtime.backends.generated.compile_all`, every kernel the comparisons of
     ``layers`` at ``precisions`` will time for a sparse backend that lists its kernels (``kernel_sources``: the
-    ``generated`` backend), so that NVRTC's compiles of all layers share the CPU's cores, the longest first, instead
-    of each layer waiting for its own largest kernel; each comparison's ``precompile`` then finds its kernels
-    compiled. A kernel's source holds no batch size, so one pass serves every batch. Layers the backend refuses are
-    left to their comparison, which records why.
+    ``generated`` backend), each precision's own or one of ``also`` (:func:`plan_backends`), so that NVRTC's
+    compiles of all layers share the CPU's cores, the longest first, instead of each layer waiting for its own
+    largest kernel; each comparison's ``precompile`` then finds its kernels compiled. A kernel's source holds no
+    batch size, so one pass serves every batch. Layers the backend refuses are left to their comparison, which
+    records why.
 
     Args:
         layers: from :func:`conv_layers`. precisions: keys of :data:`PRECISIONS`. device: where the kernels run.
         deadline: ``time.monotonic()`` seconds after which no further kernel's compile starts (None: none).
+        also: sparse backends timed beside each precision's own (``end_to_end_backends`` of :func:`run_bench`).
 
     Returns:
         ``{"layers": layers with kernels, "kernels": distinct kernels, "skipped": distinct kernels left uncompiled
@@ -364,15 +377,16 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
     for layer in layers:
         for precision in precisions:
             mode = PRECISIONS[precision]
-            backend = get_backend(mode.sparse)
-            list_kernels = getattr(backend, "kernel_sources", None)
-            if list_kernels is None:
-                continue
-            csr = UniformCSR.from_dense(layer.weight.to(device, mode.dtype))
-            x = torch.empty(1, *layer.in_chw, device=device, dtype=mode.dtype)
-            if backend.unsupported_reason(x, csr, layer.geometry) is None:
-                sources += list_kernels(x, csr, layer.geometry, backend.tuning_space(x, csr, layer.geometry))
-                compiled_layers.add(layer.name)
+            for name in plan_backends(precision, also)[1:]:
+                backend = get_backend(name)
+                list_kernels = getattr(backend, "kernel_sources", None)
+                if list_kernels is None:
+                    continue
+                csr = UniformCSR.from_dense(layer.weight.to(device, mode.dtype))
+                x = torch.empty(1, *layer.in_chw, device=device, dtype=mode.dtype)
+                if backend.unsupported_reason(x, csr, layer.geometry) is None:
+                    sources += list_kernels(x, csr, layer.geometry, backend.tuning_space(x, csr, layer.geometry))
+                    compiled_layers.add(layer.name)
     started = time.perf_counter()
     functions = compile_all(sources, deadline=deadline) if sources else []
     skipped = {source for source, function in zip(sources, functions, strict=True) if function is None}
@@ -389,7 +403,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
               layer_filter: str | None = None, time_budget_s: float | None = None,
               timing: str = "eager", record: Mapping[str, str] | None = None,
               end_to_end_fuse_relu: bool = False, end_to_end_fuse_max_pool: bool = False,
-              end_to_end_fold_batch_norm: str = "off") -> dict[str, Any]:
+              end_to_end_fold_batch_norm: str = "off", end_to_end_backends: Sequence[str] = ()) -> dict[str, Any]:
     """Run the benchmark on ``cuda:0`` and write ``bench.json``, ``bench.md`` and plots to ``out_dir``.
 
     Before the layers of a model and sparsity are compared, and before a model is timed whole, the kernels a sparse
@@ -410,6 +424,11 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         end_to_end_fold_batch_norm: where the sparse copies fold each BatchNorm after a conv into it, one of
             :data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES` (``fold_batch_norm``); the fused dense
             baseline folds every one unless ``"off"``.
+        end_to_end_backends: sparse backends those models' plans also choose from, beside each precision's own
+            (:func:`plan_backends`; e.g. ``["generated"]`` at ``fp32``: ``cudnn``, ``direct`` or ``generated`` per
+            layer), their kernels compiled ahead with the model's. Such a plan starts empty and stays in memory,
+            apart from the plan file, whose choices were made among fewer backends; each record names its
+            backends (``sparse_backends``).
         runs: timed runs per setting (>= 20 per the protocol).
         sparse_file, sparse_input_shape: a trained sparse model (``unsparse.sparse.io.load_sparse``) and its
             per-sample input shape, e.g. ``(1, 28, 28)``; planned and timed end to end at each batch size.
@@ -440,7 +459,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     """
     check_settings(models, sparsities, batches, precisions, lowering_models, end_to_end, end_to_end_sparsity,
                    end_to_end_batch, runs, sparse_file, sparse_input_shape, layer_filter, time_budget_s, timing, seed,
-                   end_to_end_fuse_relu, end_to_end_fuse_max_pool, end_to_end_fold_batch_norm)
+                   end_to_end_fuse_relu, end_to_end_fuse_max_pool, end_to_end_fold_batch_norm, end_to_end_backends)
     if not torch.cuda.is_available():
         raise BenchRefusedError("run_bench needs a CUDA GPU, and torch sees none here")
     out_dir = Path(out_dir)
@@ -453,10 +472,10 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     device = torch.device("cuda", 0)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_record(out_dir, record)
-    plans = {"direct": plan}  # per sparse backend: fp16_half2's layer keys equal fp16's (same dtype)
+    plans = {"direct": plan}  # per sparse backends ("+"-joined): fp16_half2's layer keys equal fp16's (same dtype)
 
-    def plan_for(precision: str) -> Plan:
-        return plans.setdefault(PRECISIONS[precision].sparse, Plan())
+    def plan_for(precision: str, also: Sequence[str] = ()) -> Plan:
+        return plans.setdefault("+".join(plan_backends(precision, also)[1:]), Plan())
     result: dict[str, Any] = {"environment": environment(commit), "device": device_name(device),
                               "weights": "synthetic (He-normal random conv weights, per-layer magnitude pruning, "
                                          "kept weights rescaled to the layer norm)",
@@ -471,10 +490,10 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             return True
         return False
 
-    def compile_layers_ahead(label: str, layers: list[ConvLayer], **where: Any) -> None:
+    def compile_layers_ahead(label: str, layers: list[ConvLayer], also: Sequence[str] = (), **where: Any) -> None:
         if out_of_time(f"{label}: compile ahead"):
             return
-        ahead = compile_ahead(layers, precisions, device, deadline)
+        ahead = compile_ahead(layers, precisions, device, deadline, also)
         if ahead["skipped"]:
             result["stopped_early"].append(f"{label}: compile ahead, {ahead['skipped']} of {ahead['kernels']} "
                                            "kernels not started")
@@ -504,20 +523,22 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     for name in end_to_end:
         model = magnitude_prune_(build_model(name), end_to_end_sparsity)
         compile_layers_ahead(f"end to end {name} s{end_to_end_sparsity}", conv_layers(model, (3, 224, 224), False),
-                             model=name, sparsity=end_to_end_sparsity, end_to_end=True)
+                             end_to_end_backends, model=name, sparsity=end_to_end_sparsity, end_to_end=True)
         for precision in precisions:
             if out_of_time(f"end to end {name} {precision}"):
                 continue
             try:
                 record = bench_end_to_end(model, (3, 224, 224), end_to_end_batch, precision, device, runs,
-                                          plan_for(precision), ["cudnn", PRECISIONS[precision].sparse],
+                                          plan_for(precision, end_to_end_backends),
+                                          plan_backends(precision, end_to_end_backends),
                                           end_to_end_fuse_relu, end_to_end_fuse_max_pool,
                                           end_to_end_fold_batch_norm)
             except RuntimeError as exc:  # e.g. no backend matched the reference on some layer: say so, go on
                 result["failed"].append({"what": f"end to end {name} {precision}", "error": str(exc)})
                 print(f"e2e {name} {precision}: FAILED: {exc}")
                 continue
-            record.update(model=name, sparsity=end_to_end_sparsity, weights="synthetic")
+            record.update(model=name, sparsity=end_to_end_sparsity, weights="synthetic",
+                          sparse_backends=plan_backends(precision, end_to_end_backends)[1:])
             result["end_to_end"].append(record)
             _write_json(result, out_dir)
             print(f"e2e {name} {precision}: dense {record['dense_ms']:.3f} ms, planned {record['planned_ms']:.3f} ms")
