@@ -22,9 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from unsparse.job import git_commit
 from unsparse.runtime import bench
-from unsparse.runtime.backends import backend_names
 from unsparse.runtime.batch_norm_folding import FOLD_POLICIES
-from unsparse.runtime.precision import PRECISIONS
+from unsparse.runtime.precision import PRECISIONS, SPARSE_BACKENDS
 from unsparse.settings import sparsity_argument
 
 
@@ -61,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                         "('off'), 'all' convs, or 'epilogue': the layers planned on a backend that adds the bias in "
                         "its epilogue (the fused dense baseline folds every one unless 'off')")
     parser.add_argument("--end-to-end-backends", nargs="*", default=[],
-                        choices=[name for name in backend_names() if name != "cudnn"],
+                        choices=SPARSE_BACKENDS,
                         help="sparse backends the models timed whole may also be planned on, beside each precision's "
                         "own (e.g. generated at fp32: cudnn, direct or generated per layer)")
     parser.add_argument("--runs", type=int, default=20)

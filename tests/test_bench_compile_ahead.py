@@ -100,6 +100,12 @@ def test_a_plan_chooses_among_cudnn_its_precisions_backend_and_those_added_each_
     assert bench.plan_backends("fp16_half2", ["cudnn"]) == ["cudnn", "direct_half2"]
 
 
+def test_plans_among_the_same_backends_share_a_key_and_the_plan_files_is_direct_alone() -> None:
+    assert bench.plan_key("fp32") == bench.plan_key("tf32") == bench.plan_key("fp16", ["direct"]) == "direct"
+    assert bench.plan_key("fp32", ["generated"]) == bench.plan_key("fp32_generated", ["direct"]) == "direct+generated"
+    assert bench.plan_key("fp16_half2") == "direct_half2"
+
+
 def test_a_backend_added_to_a_precision_compiles_its_kernels_ahead_too(compiles) -> None:
     """At ``fp32`` alone nothing compiles ahead (``direct`` lists no kernels); with ``generated`` added, as whole
     models planned on both do, its kernels of each layer it supports are compiled in the one pass."""
@@ -113,10 +119,99 @@ def test_a_backend_added_to_a_precision_compiles_its_kernels_ahead_too(compiles)
 
 
 @pytest.mark.parametrize(("setting", "message"), [
-    (["cudnn"], r"end_to_end_backends: \['cudnn'\] not among"),
+    (["cudnn"], r"end_to_end_backends: \['cudnn'\] not among direct, direct_half2, generated$"),
+    (["auto"], r"end_to_end_backends: \['auto'\] not among"),  # it would time the plan's own choice as a candidate
+    (["im2col_cublas"], r"end_to_end_backends: \['im2col_cublas'\] not among"),
     (["generatd"], r"end_to_end_backends: \['generatd'\] not among .*generated"),
     ("generated", r"end_to_end_backends: expected a list"),
 ])
 def test_the_benchmark_refuses_an_added_backend_that_is_no_sparse_backend(setting: object, message: str) -> None:
     with pytest.raises(bench.BenchRefusedError, match=message):
         bench.check_run_settings(end_to_end_backends=setting)
+
+
+def conv_batch_norm_relu() -> torch.nn.Sequential:
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Conv2d(8, 8, 3, padding=1))
+    with torch.no_grad():
+        model[0].weight *= torch.rand(model[0].weight.shape) < 0.4
+        model[1].running_mean.uniform_(-1, 1), model[1].running_var.uniform_(0.5, 2), model[1].weight.uniform_(0.5, 2)
+    return model.eval()
+
+
+def test_a_whole_model_compiled_ahead_with_its_batch_norms_folded_lists_the_kernels_planning_asks_for(
+        compiles) -> None:
+    """With ``fold_batch_norm="all"`` the whole-model benchmark plans a copy whose BatchNorms are folded into the
+    convs' stored values: a generated source written from the unfolded weights would be another kernel. The layers
+    compiled ahead carry the folded weights, bit for bit those of the planned sparse copy, in the plan's dtype; the
+    model is left as it was, and without folding (or folding after planning) the weights are the model's."""
+    from unsparse.runtime.modules import sparse_layers, sparsify
+
+    model = conv_batch_norm_relu()
+    weights = [module.weight.detach().clone() for module in (model[0], model[3])]
+    layers = bench.end_to_end_layers(model, (3, 6, 6), torch.float32, torch.device("cpu"), "all")
+    planned = sparse_layers(sparsify(model, fold_batch_norm=True))
+    assert [layer.name for layer in layers] == ["0", "3"]
+    for layer, (name, conv) in zip(layers, planned.items(), strict=True):
+        assert layer.name == name and torch.equal(layer.weight, conv.csr.to_dense())
+        assert torch.equal(layer.bias, conv.bias.detach())
+    assert not torch.equal(layers[0].weight, weights[0])  # the BatchNorm scaled it
+    assert torch.equal(model[0].weight, weights[0]) and torch.equal(model[3].weight, weights[1])
+    backend = generated.GeneratedBackend()
+    x = torch.empty(1, *layers[0].in_chw)
+    csr = planned["0"].csr
+    asked = backend.kernel_sources(x, csr, layers[0].geometry, backend.tuning_space(x, csr, layers[0].geometry))
+    bench.compile_ahead(layers[:1], ["fp32_generated"], torch.device("cpu"))
+    assert compiles == [asked]
+    for policy in ("off", "epilogue"):
+        unfolded = bench.end_to_end_layers(model, (3, 6, 6), torch.float32, torch.device("cpu"), policy)
+        assert all(torch.equal(layer.weight, weight) for layer, weight in zip(unfolded, weights, strict=True))
+    half = bench.end_to_end_layers(model, (3, 6, 6), torch.float16, torch.device("cpu"), "all")
+    assert half[0].weight.dtype == torch.float16
+    assert torch.equal(half[0].weight, sparse_layers(sparsify(model.half(), fold_batch_norm=True))["0"].csr.to_dense())
+
+
+def test_whole_models_planned_on_added_backends_compile_per_dtype_and_plan_apart_from_the_plan_file(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """``run_bench`` with ``end_to_end_backends`` (GPU work replaced): the model's kernels compile ahead once per dtype
+    when BatchNorms fold before planning (the folded weights differ per dtype), with the added backends; each
+    precision plans among cuDNN, its own backend and the added ones, in one plan kept from the plan file and saved
+    beside it; each record names its sparse backends."""
+    from unsparse.runtime.plan import Plan, PlanEntry
+
+    ahead, folded, planned = [], [], []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "environment", lambda commit=None: {})
+    monkeypatch.setattr(bench, "device_name", lambda device: "a GPU")
+    monkeypatch.setattr(bench, "build_model", lambda name: conv_batch_norm_relu())
+
+    def layers_of(model, input_shape, dtype, device, fold_batch_norm):
+        folded.append((dtype, fold_batch_norm))
+        return bench.conv_layers(model, input_shape, False)
+
+    def compile_ahead(layers, precisions, device, deadline=None, also=()):
+        ahead.append((list(precisions), list(also)))
+        return {"layers": 0, "kernels": 0, "skipped": 0, "seconds": 0.0}
+
+    def bench_end_to_end(model, shape, batch, precision, device, runs, plan, backends, *options):
+        plan.entries[f"layer at {precision}"] = PlanEntry("generated", median_ms=1.0)
+        planned.append((precision, backends, id(plan)))
+        return {"batch": batch, "precision": precision, "dense_ms": 2.0, "planned_ms": 1.0}
+
+    for name, replacement in (("end_to_end_layers", layers_of), ("compile_ahead", compile_ahead),
+                              ("bench_end_to_end", bench_end_to_end), ("evaluate_targets", lambda result: {}),
+                              ("plot_results", lambda result, out_dir: []),
+                              ("markdown_report", lambda result, plots=(): "page")):
+        monkeypatch.setattr(bench, name, replacement)
+    result = bench.run_bench(tmp_path, models=[], end_to_end=["vgg16"], precisions=["fp32", "tf32", "fp16"],
+                             end_to_end_fold_batch_norm="all", end_to_end_backends=["generated"])
+    assert folded == [(torch.float32, "all"), (torch.float16, "all")]
+    assert ahead == [(["fp32", "tf32"], ["generated"]), (["fp16"], ["generated"])]
+    assert [(precision, backends) for precision, backends, _ in planned] == [
+        (precision, ["cudnn", "direct", "generated"]) for precision in ("fp32", "tf32", "fp16")]
+    assert len({plan for _, _, plan in planned}) == 1
+    assert [r["sparse_backends"] for r in result["end_to_end"]] == [["direct", "generated"]] * 3
+    assert Plan.load(tmp_path / "plan.json").entries == {}
+    assert set(Plan.load(tmp_path / "plan_direct+generated.json").entries) == {
+        "layer at fp32", "layer at tf32", "layer at fp16"}

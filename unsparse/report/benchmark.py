@@ -91,7 +91,7 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
     last, a faster plan with no conv off cuDNN (:func:`_all_on_cudnn`)."""
     lines = []
     for r in records:
-        run = f"end to end {r['model']} {r['precision']} b{r['batch']}"
+        run = f"end to end {r['model']} {precision_label(r)} b{r['batch']}"
         dense, planned = fastest_ms(r, "dense"), fastest_ms(r, "planned")
         slower_overall = planned > (1 + PLAN_MARGIN) * dense  # closer than that is run-to-run noise
         for suffix, layout in (("", "NCHW"), ("_nhwc", "channels-last")):
@@ -641,7 +641,10 @@ def precision_label(record: dict[str, Any]) -> str:
     """An end-to-end record's precision as its table shows it: the key of
     :data:`~unsparse.runtime.precision.PRECISIONS`, followed by the sparse backends its plan chose among where they
     are more than the precision's own (``sparse_backends``, from ``run_bench``'s ``end_to_end_backends``), e.g.
-    ``fp32 (direct+generated)``."""
+    ``fp32 (direct+generated)``.
+
+    Raises:
+        KeyError: a record without ``precision``."""
     backends = record.get("sparse_backends") or []
     return record["precision"] + (f" ({'+'.join(backends)})" if len(backends) > 1 else "")
 
@@ -721,7 +724,8 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
             paths.append(save_figure(fig, out_dir / f"{prefix}breakdown.png", dpi=100))
     if result["end_to_end"]:
         with new_figure(figsize=(8, 4)) as (fig, ax):
-            labels = [f"{r['model'].split('/')[-1]}\n{r['precision']} b{r['batch']}" for r in result["end_to_end"]]
+            labels = [f"{r['model'].split('/')[-1]}\n{precision_label(r)} b{r['batch']}"
+                      for r in result["end_to_end"]]
             xs = range(len(labels))
             runs = result["end_to_end"]
             bars: dict[str, Callable[[dict[str, Any]], float | None]] = {

@@ -10,6 +10,8 @@ with PNG plots (:mod:`unsparse.report.benchmark`) in ``out_dir``.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import inspect
 import json
 import math
@@ -18,7 +20,6 @@ import re
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,13 +29,12 @@ from torch import nn
 from unsparse.atomic import atomic_write_text, write_record
 from unsparse.job import git_commit, git_tree_modified
 from unsparse.report.benchmark import ESCOIN_MODELS, compiled_ahead, evaluate_targets, markdown_report, plot_results
-from unsparse.runtime.backends import backend_names
-from unsparse.runtime.batch_norm_folding import FOLD_POLICIES
+from unsparse.runtime.batch_norm_folding import FOLD_POLICIES, fold_batch_norm_
 from unsparse.runtime.comparator import TIMINGS, best_times, compare_layer
 from unsparse.runtime.end_to_end import bench_end_to_end, bench_end_to_end_sparse
 from unsparse.runtime.modules import set_backend
 from unsparse.runtime.plan import Plan, PlanError, device_name
-from unsparse.runtime.precision import PRECISIONS, precision_mode
+from unsparse.runtime.precision import PRECISIONS, SPARSE_BACKENDS, precision_mode
 from unsparse.runtime.timing import MIN_RUNS
 from unsparse.settings import check_integer, check_number, check_seed
 from unsparse.sparse.format import UniformCSR
@@ -48,7 +48,7 @@ LOWERING_LIMIT_BYTES = 4 * 2**30
 """Lowering backends are skipped (and the skip recorded) when the im2col matrix would exceed this."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ConvLayer:
     """One distinct conv layer of a model: dense weight, geometry, input ``(C, H, W)``, occurrences."""
 
@@ -119,8 +119,8 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
     an integer in ``[0, 2^32)``, the seeds torch's CPU generator tells apart (:func:`~unsparse.settings.check_seed`;
     ``seed=1.5`` reached ``torch.manual_seed``, which took it as 1), ``end_to_end_fuse_relu`` and
     ``end_to_end_fuse_max_pool`` bools, ``end_to_end_fold_batch_norm`` one of
-    :data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`, ``end_to_end_backends`` a list of registered backends
-    other than ``cudnn`` (:func:`~unsparse.runtime.backends.backend_names`).
+    :data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`, ``end_to_end_backends`` a list of sparse backends
+    (:data:`~unsparse.runtime.precision.SPARSE_BACKENDS`; ``auto`` among them would resolve to itself).
 
     Raises:
         BenchRefusedError: (a ``ValueError``) naming the setting and the value.
@@ -133,8 +133,7 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
         for field, names, known in (("models", models, MODELS), ("lowering_models", lowering_models, MODELS),
                                     ("end_to_end", end_to_end, MODELS), ("precisions", precisions, PRECISIONS),
                                     ("timing", [timing], TIMINGS),
-                                    ("end_to_end_backends", end_to_end_backends,
-                                     [name for name in backend_names() if name != "cudnn"])):
+                                    ("end_to_end_backends", end_to_end_backends, SPARSE_BACKENDS)):
             unknown = [name for name in names if not isinstance(name, str) or name not in known]
             if unknown:
                 raise ValueError(f"{field}: {unknown} not among {', '.join(known)}")
@@ -346,8 +345,42 @@ def bench_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devi
 
 def plan_backends(precision: str, also: Sequence[str] = ()) -> list[str]:
     """The backends a plan at ``precision`` (a key of :data:`PRECISIONS`) chooses among per layer: ``cudnn``, the
-    precision's sparse backend, then each of ``also`` not named before it, in that order."""
+    precision's sparse backend, then each of ``also`` not named before it, in that order.
+
+    Raises:
+        KeyError: ``precision`` not in :data:`PRECISIONS`.
+    """
     return list(dict.fromkeys(("cudnn", PRECISIONS[precision].sparse, *also)))
+
+
+def plan_key(precision: str, also: Sequence[str] = ()) -> str:
+    """The name under which :func:`run_bench` keeps the plan of ``precision`` with the sparse backends ``also``: its
+    sparse backends (:func:`plan_backends`) sorted and joined by ``+`` (``direct``: the plan file's;
+    ``direct+generated`` for ``fp32`` with ``generated`` as for ``fp32_generated`` with ``direct``, the same choice
+    among the same layer keys). Raises as :func:`plan_backends`."""
+    return "+".join(sorted(plan_backends(precision, also)[1:]))
+
+
+def end_to_end_layers(model: nn.Module, input_shape: Sequence[int], dtype: torch.dtype, device: torch.device,
+                      fold_batch_norm: str = "off") -> list[ConvLayer]:
+    """Every conv call of ``model`` with its own weights (:func:`conv_layers` without merging), with the weights a
+    whole-model plan of ``dtype`` on ``device`` gives its layers: with ``fold_batch_norm`` ``"all"``, each
+    BatchNorm folded into the conv before it on a copy of ``model`` in ``dtype`` on ``device``
+    (:func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_`, as
+    :func:`~unsparse.runtime.end_to_end.bench_end_to_end` folds its sparse copy before planning), so that the
+    kernels compiled ahead are those planning asks for: a ``generated`` kernel's source holds its weights' bits, and
+    a fold changes every one of them. ``"off"`` and ``"epilogue"`` (which folds after planning) keep the weights as
+    they are. ``model`` is not modified.
+    """
+    layers = conv_layers(model, input_shape, False)
+    if fold_batch_norm != "all":
+        return layers
+    folded = copy.deepcopy(model).to(device, dtype).eval()
+    fold_batch_norm_(folded)
+    modules = dict(folded.named_modules())
+    return [dataclasses.replace(layer, weight=modules[layer.name].weight.detach(),
+                                bias=None if modules[layer.name].bias is None else modules[layer.name].bias.detach())
+            for layer in layers]
 
 
 def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device: torch.device,
@@ -427,15 +460,17 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         end_to_end_backends: sparse backends those models' plans also choose from, beside each precision's own
             (:func:`plan_backends`; e.g. ``["generated"]`` at ``fp32``: ``cudnn``, ``direct`` or ``generated`` per
             layer), their kernels compiled ahead with the model's. Such a plan starts empty and stays in memory,
-            apart from the plan file, whose choices were made among fewer backends; each record names its
-            backends (``sparse_backends``).
+            apart from the plan file, whose choices were made among fewer backends (saved beside it,
+            :func:`plan_key`); each record names its backends (``sparse_backends``).
         runs: timed runs per setting (>= 20 per the protocol).
         sparse_file, sparse_input_shape: a trained sparse model (``unsparse.sparse.io.load_sparse``) and its
             per-sample input shape, e.g. ``(1, 28, 28)``; planned and timed end to end at each batch size.
         plan_path: plan JSON to extend and rewrite (reuse across runs); ``out_dir/plan.json`` if None, read before
             anything is written (a file :meth:`~unsparse.runtime.plan.Plan.load` refuses is a refusal). It holds
-            the plans of the ``direct`` precisions; a precision with another sparse backend (``fp16_half2``)
-            plans in memory, apart, since its layer keys equal those of the same dtype (``fp16``).
+            the plans of the ``direct`` precisions; a precision with another sparse backend (``fp16_half2``), or
+            whole models with ``end_to_end_backends``, plan apart, since their layer keys equal those of the same
+            dtype (``fp16``): from an empty plan, saved at the end beside the file as ``<stem>_<key>.json``
+            (:func:`plan_key`, e.g. ``plan_direct+generated.json``).
         commit: git commit recorded in the results. seed: torch seed.
         layer_filter: only per-layer records whose layer name matches this regular expression
             (``re.search``: a plain name such as ``features.1`` matches as a substring).
@@ -475,7 +510,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     plans = {"direct": plan}  # per sparse backends ("+"-joined): fp16_half2's layer keys equal fp16's (same dtype)
 
     def plan_for(precision: str, also: Sequence[str] = ()) -> Plan:
-        return plans.setdefault("+".join(plan_backends(precision, also)[1:]), Plan())
+        return plans.setdefault(plan_key(precision, also), Plan())
     result: dict[str, Any] = {"environment": environment(commit), "device": device_name(device),
                               "weights": "synthetic (He-normal random conv weights, per-layer magnitude pruning, "
                                          "kept weights rescaled to the layer norm)",
@@ -490,10 +525,11 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             return True
         return False
 
-    def compile_layers_ahead(label: str, layers: list[ConvLayer], also: Sequence[str] = (), **where: Any) -> None:
+    def compile_layers_ahead(label: str, layers: list[ConvLayer], chosen: Sequence[str] = precisions,
+                             also: Sequence[str] = (), **where: Any) -> None:
         if out_of_time(f"{label}: compile ahead"):
             return
-        ahead = compile_ahead(layers, precisions, device, deadline, also)
+        ahead = compile_ahead(layers, chosen, device, deadline, also)
         if ahead["skipped"]:
             result["stopped_early"].append(f"{label}: compile ahead, {ahead['skipped']} of {ahead['kernels']} "
                                            "kernels not started")
@@ -522,8 +558,14 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                         torch.cuda.empty_cache()
     for name in end_to_end:
         model = magnitude_prune_(build_model(name), end_to_end_sparsity)
-        compile_layers_ahead(f"end to end {name} s{end_to_end_sparsity}", conv_layers(model, (3, 224, 224), False),
-                             end_to_end_backends, model=name, sparsity=end_to_end_sparsity, end_to_end=True)
+        dtypes = dict.fromkeys(PRECISIONS[precision].dtype for precision in precisions)
+        groups = ([[p for p in precisions if PRECISIONS[p].dtype == dtype] for dtype in dtypes]
+                  if end_to_end_fold_batch_norm == "all" else [precisions])  # folded weights differ per dtype
+        for chosen in filter(None, groups):
+            layers = end_to_end_layers(model, (3, 224, 224), PRECISIONS[chosen[0]].dtype, device,
+                                       end_to_end_fold_batch_norm)
+            compile_layers_ahead(f"end to end {name} s{end_to_end_sparsity}", layers, chosen, end_to_end_backends,
+                                 model=name, sparsity=end_to_end_sparsity, end_to_end=True)
         for precision in precisions:
             if out_of_time(f"end to end {name} {precision}"):
                 continue
@@ -554,6 +596,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             record.update(model=str(sparse_file), weights="trained")
             result["end_to_end"].append(record)
     plan.save(plan_path)
+    for key, other in plans.items():
+        if other is not plan and other.entries:
+            other.save(plan_path.with_name(f"{plan_path.stem}_{key}.json"))
     result["targets"] = evaluate_targets(result)
     result["complete"] = not result["stopped_early"] and not result["failed"]
     _write_json(result, out_dir)

@@ -33,6 +33,10 @@ direct kernels with float32 products. The ``*_generated`` precisions time the we
 (:class:`~unsparse.runtime.backends.generated.GeneratedBackend`, float32 arithmetic) against the same cuDNN mode as
 the precision without the suffix; they compile kernels per layer, so they are opt-in too."""
 
+SPARSE_BACKENDS = tuple(sorted({mode.sparse for mode in PRECISIONS.values()}))
+"""The sparse backends the precisions time (``direct``, ``direct_half2``, ``generated``): those a whole-model plan may
+add to a precision's own (``run_bench``'s ``end_to_end_backends``)."""
+
 DENSE_PRECISIONS = tuple(name for name, mode in PRECISIONS.items() if mode.sparse == "direct")
 """The precisions whose dense model is its own (fp32, tf32, fp16): the others differ from these only in the sparse
 backend they time, so a script that times dense models alone offers these."""
