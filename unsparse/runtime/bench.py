@@ -569,10 +569,10 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         for precision in precisions:
             if out_of_time(f"end to end {name} {precision}"):
                 continue
+            backends = plan_backends(precision, end_to_end_backends)
             try:
                 record = bench_end_to_end(model, (3, 224, 224), end_to_end_batch, precision, device, runs,
-                                          plan_for(precision, end_to_end_backends),
-                                          plan_backends(precision, end_to_end_backends),
+                                          plan_for(precision, end_to_end_backends), backends,
                                           end_to_end_fuse_relu, end_to_end_fuse_max_pool,
                                           end_to_end_fold_batch_norm)
             except RuntimeError as exc:  # e.g. no backend matched the reference on some layer: say so, go on
@@ -580,7 +580,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                 print(f"e2e {name} {precision}: FAILED: {exc}")
                 continue
             record.update(model=name, sparsity=end_to_end_sparsity, weights="synthetic",
-                          sparse_backends=plan_backends(precision, end_to_end_backends)[1:])
+                          sparse_backends=backends[1:])
             result["end_to_end"].append(record)
             _write_json(result, out_dir)
             print(f"e2e {name} {precision}: dense {record['dense_ms']:.3f} ms, planned {record['planned_ms']:.3f} ms")
