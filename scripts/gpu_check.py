@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--end-to-end", nargs="*", choices=bench.MODELS)
     parser.add_argument("--end-to-end-sparsity", type=sparsity_argument,
                         help="sparsity of the models timed whole, in [0, 1) (default: run_bench's, 0.9)")
+    parser.add_argument("--end-to-end-batch", type=int,
+                        help="batch size of the models timed whole (default: run_bench's, 128)")
     parser.add_argument("--fuse-relu", action="store_true",
                         help="the models timed whole fuse each conv with the ReLU after it in their sparse copy")
     parser.add_argument("--fuse-max-pool", action="store_true",
@@ -80,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                 "end_to_end_fold_batch_norm": args.fold_batch_norm, "end_to_end_backends": args.end_to_end_backends,
                 **(bench.QUICK if args.quick else {}),
                 **{name: getattr(args, name) for name in ("models", "sparsities", "batches", "precisions",
-                                                           "end_to_end", "end_to_end_sparsity")
+                                                           "end_to_end", "end_to_end_sparsity",
+                                                           "end_to_end_batch")
                    if getattr(args, name) is not None}}
     if not args.skip_bench:
         try:

@@ -16,15 +16,17 @@ from unsparse.runtime import bench
 
 def test_benchmark_options_reach_run_bench(load_script: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch,
                                            tmp_path: Path) -> None:
-    """The per-layer options and ``--end-to-end-sparsity`` arrive as ``run_bench`` arguments; without the latter,
-    ``run_bench``'s own default applies. A run filtered to some layers times no model end to end unless
-    ``--end-to-end`` names one (the thirty-second session's filtered runs were cut off compiling all four models)."""
+    """The per-layer options, ``--end-to-end-sparsity`` and ``--end-to-end-batch`` arrive as ``run_bench`` arguments;
+    without the latter two, ``run_bench``'s own defaults apply. A run filtered to some layers times no model end to end
+    unless ``--end-to-end`` names one (the thirty-second session's filtered runs were cut off compiling all four
+    models)."""
     calls: list[dict] = []
     monkeypatch.setattr(bench, "require_cuda", lambda script: None)
     monkeypatch.setattr(bench, "run_bench", lambda out, **kwargs: calls.append(kwargs) or {"targets": {}})
     gpu_check = load_script("gpu_check")
     common = ["--skip-tests", "--out", str(tmp_path), "--models", "vgg16", "--sparsities", "0.7"]
-    assert gpu_check.main([*common, "--end-to-end", "vgg16", "--end-to-end-sparsity", "0.7"]) == 0
+    assert gpu_check.main([*common, "--end-to-end", "vgg16", "--end-to-end-sparsity", "0.7",
+                           "--end-to-end-batch", "1"]) == 0
     assert gpu_check.main([*common, "--end-to-end"]) == 0
     assert gpu_check.main([*common, "--layer-filter", "features"]) == 0
     assert gpu_check.main([*common, "--layer-filter", "features", "--end-to-end", "vgg16"]) == 0
@@ -36,9 +38,10 @@ def test_benchmark_options_reach_run_bench(load_script: Callable[[str], ModuleTy
     assert combined["end_to_end_backends"] == ["generated"] and plain["end_to_end_backends"] == []
     assert fused["end_to_end_fuse_relu"] is True and plain["end_to_end_fuse_relu"] is False
     assert folded["end_to_end_fold_batch_norm"] == "epilogue" and plain["end_to_end_fold_batch_norm"] == "off"
-    assert first["end_to_end"] == ["vgg16"] and first["end_to_end_sparsity"] == 0.7
+    assert first["end_to_end"] == ["vgg16"] and first["end_to_end_sparsity"] == 0.7 and first["end_to_end_batch"] == 1
     assert first["models"] == ["vgg16"] and first["sparsities"] == [0.7]
     assert second["end_to_end"] == [] and "end_to_end_sparsity" not in second  # run_bench's default applies
+    assert "end_to_end_batch" not in second
     assert filtered["end_to_end"] == [] and filtered["layer_filter"] == "features"
     assert filtered_named["end_to_end"] == ["vgg16"] and "end_to_end" not in plain
 
