@@ -46,6 +46,17 @@ def test_end_to_end_compares_both_planned_layouts_with_both_dense_layouts() -> N
     assert record["planned_nhwc_timing"]["rotation"] == 1
 
 
+def test_the_callers_model_keeps_its_device_dtype_and_weights_after_a_half_precision_run() -> None:
+    """``run_bench`` times one model at each precision in turn: an FP16 run converted it in place, so the FP32 run
+    after it timed FP16-rounded weights (and missed the kernels compiled ahead from the unrounded ones)."""
+    dense = model()
+    before = {name: value.clone() for name, value in dense.state_dict().items()}
+    record = end_to_end.bench_end_to_end(dense, (3, 12, 10), 2, "fp16", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
+    assert record["rel_error"] < 1e-2
+    after = dense.state_dict()
+    assert all(after[name].dtype == torch.float32 and torch.equal(after[name], value) for name, value in before.items())
+
+
 def test_a_channels_last_model_that_disagrees_is_not_a_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
     """If the channels-last run's output is off, its (here very short) time is not used."""
     monkeypatch.setattr(end_to_end, "channels_last_copy", lambda dense: lambda x: torch.zeros(()))
