@@ -460,7 +460,10 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
                       f"![{kind.replace('_', ' ')}]({quote(name)})", ""]
         lines.pop()
     if result.get("compile_ahead"):
-        lines += ["", "## Kernels compiled ahead", ""] + [
+        lines += ["", "## Kernels compiled ahead", "",
+                  "Kernels that CuPy finds in its kernel cache on disk (`CUPY_CACHE_DIR`, by default "
+                  "`~/.cupy/kernel_cache`), compiled by an earlier process on the machine from the same source and "
+                  "options, are loaded instead of compiled: these seconds depend on what ran there before.", ""] + [
             f"- {a['model']} at {a['sparsity']}: {compiled_ahead(a)} compiled together before any was timed, in "
             f"{_fmt(a['seconds'], 1)} s" + (" (a layer's direct compile s counts what was left)." if result["layers"]
                                             else ".")
