@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from unsparse.report.end_to_end_summary import summary_markdown, summary_row, summary_rows
+from unsparse.report.end_to_end_summary import latest_rows, summary_markdown, summary_row, summary_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "end_to_end_summary.md"
@@ -73,6 +73,24 @@ def test_the_precision_names_the_sparse_backends_a_plan_chose_among_where_more_t
     assert (combined["precision"], own["precision"], summary_row(record(), "r")["precision"]) == (
         "fp32 (direct+generated)", "fp32", "tf32")
     assert "| fp32 (direct+generated) |" in summary_markdown([combined], "made")
+
+
+def test_the_latest_table_keeps_the_last_run_of_each_setting_and_the_full_table_keeps_every_run() -> None:
+    """Of two runs of one setting the later one (the later in the given order) is the latest, whatever it fused; a
+    run of another batch or precision label is a setting of its own; the page lists the latest first, then every
+    run in the given order."""
+    earlier = summary_row(record(precision="fp32"), "v49")
+    later = summary_row(record(precision="fp32", fused_relu=13), "v50")
+    batch_1 = summary_row(record(precision="fp32", batch=1), "v50b1")
+    combined = summary_row(record(precision="fp32", sparse_backends=["direct", "generated"]), "v50c")
+    rows = [earlier, batch_1, later, combined]
+    assert [row["run"] for row in latest_rows(rows)] == ["v50b1", "v50", "v50c"]
+    assert [row["run"] for row in latest_rows([later, earlier])] == ["v49"]
+    page = summary_markdown(rows, "made")
+    latest, every = page.split("## Latest run of each setting", 1)[1].split("## Every run")
+    assert "`v49`" not in latest and latest.count("| `v50") == 3
+    assert [line.split("`")[1] for line in every.splitlines() if line.startswith("| `")] == ["v49", "v50b1", "v50",
+                                                                                            "v50c"]
 
 
 def test_the_committed_page_is_what_its_command_makes_from_the_committed_results() -> None:

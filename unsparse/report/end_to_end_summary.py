@@ -109,24 +109,40 @@ def summary_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
     return rows
 
 
+LATEST_KEY = ("model", "weights", "precision", "sparsity", "batch")
+
+
+def latest_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The last of ``rows`` (:func:`summary_row`) for each model, weights, precision label, sparsity and batch
+    (:data:`LATEST_KEY`), sorted by those: "the latest run of each setting" when ``rows`` come in the order the runs
+    were made (:func:`summary_rows` of files sorted by name, which begin with the date and the session). What the
+    runs folded or fused is not in the key, so a setting's latest run may fuse more than an earlier one; each row
+    says what it fused."""
+    latest = {tuple(row[field] for field in LATEST_KEY): row for row in rows}
+    return [latest[key] for key in sorted(latest, key=lambda key: tuple((value is None, str(value)) for value in key))]
+
+
 def _residual_text(row: dict[str, Any]) -> str:
     """`` (16 residual)`` after a row's fused ReLUs where that many of them take the residual add too, else ``""``."""
     return f" ({row['fused_residual']} residual)" if row.get("fused_residual") else ""
 
 
 def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
-    """The summary page: what the columns mean, ``command`` (how the page was made), and the table of ``rows``."""
+    """The summary page: what the columns mean, ``command`` (how the page was made), the latest run of each setting
+    (:func:`latest_rows`) and the table of all ``rows``."""
     def cell(ms: float | None, layout: str | None) -> str:
         return "-" if ms is None else f"{ms:.3f} ({layout})"
 
-    table = [[f"`{r['run']}`", r["model"], r["weights"], "-" if r["sparsity"] is None else r["sparsity"], r["batch"],
-              r["precision"],
-              f"{r['folded']}{' (epilogue)' if r['fold_policy'] == 'epilogue' else ''} / {r['fused_relu']}"
-              f"{_residual_text(r)}+{r['fused_max_pool']}",
-              cell(r["dense_ms"], r["dense_layout"]), cell(r["dense_fused_ms"], r["dense_fused_layout"]),
-              cell(r["planned_ms"], r["planned_layout"]), f"{r['speedup']:.2f}",
-              "-" if r["best_graph_speedup"] is None else f"{r['best_graph_speedup']:.2f}",
-              "-" if r["convs"] is None else f"{r['off_cudnn']} of {r['convs']}", r["verdict"]] for r in rows]
+    def table(chosen: Sequence[dict[str, Any]]) -> str:
+        return markdown_table(HEADER, [
+            [f"`{r['run']}`", r["model"], r["weights"], "-" if r["sparsity"] is None else r["sparsity"], r["batch"],
+             r["precision"],
+             f"{r['folded']}{' (epilogue)' if r['fold_policy'] == 'epilogue' else ''} / {r['fused_relu']}"
+             f"{_residual_text(r)}+{r['fused_max_pool']}",
+             cell(r["dense_ms"], r["dense_layout"]), cell(r["dense_fused_ms"], r["dense_fused_layout"]),
+             cell(r["planned_ms"], r["planned_layout"]), f"{r['speedup']:.2f}",
+             "-" if r["best_graph_speedup"] is None else f"{r['best_graph_speedup']:.2f}",
+             "-" if r["convs"] is None else f"{r['off_cudnn']} of {r['convs']}", r["verdict"]] for r in chosen])
     return "\n".join([
         "# Whole models: does the sparse model beat the dense one?", "",
         f"Made by `{command}` from the benchmark results named in the first column (under `benchmarks/results/`, "
@@ -147,4 +163,9 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
         "conv on cuDNN, so sparsity gains nothing in that run); runs before the fused dense model was timed say so, "
         "and their ratio is against the eager dense model alone (where later runs timed both, the fused one was "
         "the faster dense model).", "",
-        markdown_table(HEADER, table), ""])
+        "## Latest run of each setting", "",
+        "The last run below (files in name order: date, then session) of each model, weights, precision, sparsity "
+        "and batch; what it folded and fused is in its row.", "",
+        table(latest_rows(rows)), "",
+        "## Every run", "",
+        table(rows), ""])
