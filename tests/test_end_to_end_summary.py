@@ -86,6 +86,10 @@ def test_the_latest_table_keeps_the_last_run_of_each_setting_and_the_full_table_
     rows = [earlier, batch_1, later, combined]
     assert [row["run"] for row in latest_rows(rows)] == ["v50b1", "v50", "v50c"]
     assert [row["run"] for row in latest_rows([later, earlier])] == ["v49"]
+    batch_32 = summary_row(record(precision="fp32", batch=32), "v50b32")
+    unknown = summary_row(record(precision="fp32", sparsity=None), "trained")
+    assert [row["run"] for row in latest_rows([unknown, later, batch_32, batch_1])] == ["v50b1", "v50b32", "v50",
+                                                                                        "trained"]  # by number
     page = summary_markdown(rows, "made")
     latest, every = page.split("## Latest run of each setting", 1)[1].split("## Every run")
     assert "`v49`" not in latest and latest.count("| `v50") == 3

@@ -119,7 +119,8 @@ def latest_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     runs folded or fused is not in the key, so a setting's latest run may fuse more than an earlier one; each row
     says what it fused."""
     latest = {tuple(row[field] for field in LATEST_KEY): row for row in rows}
-    return [latest[key] for key in sorted(latest, key=lambda key: tuple((value is None, str(value)) for value in key))]
+    return [latest[key] for key in sorted(latest, key=lambda key: tuple((value is None, value if value is not None
+                                                                          else "") for value in key))]
 
 
 def _residual_text(row: dict[str, Any]) -> str:
