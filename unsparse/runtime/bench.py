@@ -390,7 +390,8 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
     ``generated`` backend), each precision's own or one of ``also`` (:func:`plan_backends`), so that NVRTC's
     compiles of all layers share the CPU's cores, the longest first, instead of each layer waiting for its own
     largest kernel; each comparison's ``precompile`` then finds its kernels compiled. A kernel's source holds no
-    batch size, so one pass serves every batch. Layers the backend refuses are left to their comparison, which
+    batch size, so one pass serves every batch, and precisions of one dtype (``fp32`` and ``tf32``) list a layer's
+    kernels once. Layers the backend refuses are left to their comparison, which
     records why.
 
     Args:
@@ -408,9 +409,13 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
     sources: list[tuple[str, str]] = []
     compiled_layers: set[str] = set()
     for layer in layers:
+        listed: set[tuple[torch.dtype, str]] = set()
         for precision in precisions:
             mode = PRECISIONS[precision]
             for name in plan_backends(precision, also)[1:]:
+                if (mode.dtype, name) in listed:
+                    continue
+                listed.add((mode.dtype, name))
                 backend = get_backend(name)
                 list_kernels = getattr(backend, "kernel_sources", None)
                 if list_kernels is None:
