@@ -639,10 +639,15 @@ def test_a_faster_plan_with_every_conv_on_cudnn_is_not_called_a_sparsity_gain(re
     record |= {"backend_counts": {"cudnn": 1, "generated": 2}, "off_cudnn": {"a": "generated", "b": "generated"}}
     text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert ("- end to end googlenet fp16 b128: the planned model's faster layout (channels-last) runs every conv on "
-            "cuDNN, so sparsity gains nothing in this run; the NCHW plan, with 2 of 3 convs off cuDNN, "
+            "cuDNN, so sparsity gains nothing in this run; the NCHW plan, with 2 of 3 convs on sparse kernels, "
             "takes 9.000 ms.") in text
     record["off_cudnn_nhwc"] = {"c": "generated"}
     assert "runs every conv on cuDNN" not in markdown_report({**result, "targets": evaluate_targets(result)})
+    record["off_cudnn_nhwc"] = {"c": "cudnn, converted to nchw"}
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "the planned model's faster layout (channels-last) runs every conv on cuDNN" in text
+    assert "not on cuDNN: a (generated), b (generated)" in text
+    assert "on cuDNN after a layout conversion: c (converted to nchw)" in text
     record |= {"off_cudnn_nhwc": {}, "off_cudnn": {}}
     text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert "googlenet fp16 b128: the planned model's faster layout (channels-last) runs every conv on cuDNN, so " \

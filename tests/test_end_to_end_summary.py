@@ -37,6 +37,10 @@ def test_a_row_holds_the_plan_against_the_faster_dense_model_and_says_what_won()
     all_cudnn = summary_row(record(planned_ms=16.0, planned_nhwc_ms=11.9), "r")  # the NHWC plan is faster
     assert (all_cudnn["planned_layout"], all_cudnn["off_cudnn"], all_cudnn["verdict"]) == ("NHWC", 0,
                                                                                           "no sparse kernel")
+    converted = summary_row(record(off_cudnn={"l0": "generated", "l1": "cudnn, converted to nhwc"}), "r")
+    assert converted["off_cudnn"] == 1
+    only_converted = summary_row(record(off_cudnn={"l1": "cudnn, converted to nhwc"}, planned_ms=11.0), "r")
+    assert (only_converted["off_cudnn"], only_converted["verdict"]) == (0, "no sparse kernel")
     old = summary_row({k: v for k, v in record().items() if "nhwc" not in k and "backend" not in k
                        and "off" not in k}, "r")
     assert old["convs"] is None and old["planned_layout"] == "NCHW" and old["dense_layout"] == "NCHW"

@@ -31,11 +31,27 @@ CUDNN_MODES = {"fp32": "cuDNN FP32 (TF32 off)", "tf32": "cuDNN TF32", "fp16": "c
 are over (``fp16_half2``: cuDNN FP16, against the half2-product direct kernel), for the speedup plot's axes."""
 
 
+def sparse_convs(record: dict[str, Any], suffix: str = "") -> dict[str, str]:
+    """Layer name -> sparse backend for the convs an end-to-end record's plan runs on a sparse kernel (the NCHW
+    plan's, or with ``suffix="_nhwc"`` the channels-last plan's): its ``off_cudnn`` labels less the cuDNN layers
+    that compute in the other layout (``"cudnn, converted to nhwc"``,
+    :func:`~unsparse.runtime.comparator.planned_backends`), which run no sparse kernel."""
+    return {name: backend for name, backend in (record.get("off_cudnn" + suffix) or {}).items()
+            if not backend.startswith("cudnn")}
+
+
 def _off_cudnn(record: dict[str, Any], suffix: str = "") -> str:
-    """``; not on cuDNN: NAME (BACKEND), ...`` for an end-to-end record's layers planned off cuDNN (the NCHW plan's,
-    or with ``suffix="_nhwc"`` the channels-last plan's), else ``""``."""
-    names = record.get("off_cudnn" + suffix) or {}
-    return "; not on cuDNN: " + ", ".join(f"{name} ({backend})" for name, backend in names.items()) if names else ""
+    """``; not on cuDNN: NAME (BACKEND), ...`` for an end-to-end record's layers planned on sparse kernels
+    (:func:`sparse_convs`), then ``; on cuDNN after a layout conversion: NAME (converted to LAYOUT), ...`` for its
+    cuDNN layers that compute in the other layout; ``""`` for neither."""
+    off = record.get("off_cudnn" + suffix) or {}
+    sparse = sparse_convs(record, suffix)
+    converted = {name: label.removeprefix("cudnn, ") for name, label in off.items() if name not in sparse}
+    text = "; not on cuDNN: " + ", ".join(f"{name} ({backend})" for name, backend in sparse.items()) if sparse else ""
+    if converted:
+        text += "; on cuDNN after a layout conversion: " + ", ".join(f"{name} ({label})"
+                                                                   for name, label in converted.items())
+    return text
 
 
 def _slower(ms: float, base_ms: float, margin: float) -> str:
@@ -160,14 +176,14 @@ def _all_on_cudnn(record: dict[str, Any], run: str, planned_layout: str) -> list
     record without backend counts."""
     suffix, other_suffix, other_layout = (("", "_nhwc", "channels-last") if planned_layout == "NCHW"
                                           else ("_nhwc", "", "NCHW"))
-    if not record.get("backend_counts" + suffix) or record.get("off_cudnn" + suffix):
+    if not record.get("backend_counts" + suffix) or sparse_convs(record, suffix):
         return []
     line = (f"- {run}: the planned model's faster layout ({planned_layout}) runs every conv on cuDNN, so sparsity "
             "gains nothing in this run")
-    off = record.get("off_cudnn" + other_suffix)
+    off = sparse_convs(record, other_suffix)
     if off and record.get(f"planned{other_suffix}_ms"):
         convs = sum(record["backend_counts" + other_suffix].values())
-        line += (f"; the {other_layout} plan, with {len(off)} of {convs} convs off cuDNN, takes "
+        line += (f"; the {other_layout} plan, with {len(off)} of {convs} convs on sparse kernels, takes "
                  f"{_fmt(record[f'planned{other_suffix}_ms'])} ms")
     return [line + "."]
 
