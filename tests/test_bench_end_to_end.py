@@ -59,7 +59,11 @@ def test_the_callers_model_keeps_its_device_dtype_and_weights_after_a_half_preci
 
 def test_a_channels_last_model_that_disagrees_is_not_a_baseline(monkeypatch: pytest.MonkeyPatch) -> None:
     """If the channels-last run's output is off, its (here very short) time is not used."""
-    monkeypatch.setattr(end_to_end, "channels_last_copy", lambda dense: lambda x: torch.zeros(()))
+    class Zeros(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(())
+
+    monkeypatch.setattr(end_to_end, "channels_last_copy", lambda dense: Zeros())
     record = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(), ["dense_cpu"])
     assert record["dense_nhwc_ms"] is None and record["dense_nhwc_rel_error"] == float("inf")
     assert record["best_dense_layout"] == "nchw"
@@ -252,6 +256,29 @@ def test_the_dense_model_fused_by_cudnn_is_timed_in_both_layouts_beside_the_plan
     assert plain["dense_fused_convs"] == 0 and plain["dense_fused_ms"] is plain["dense_fused_nhwc_ms"] is None
     assert plain["dense_fused_passes"] is None
     assert plain["best_dense_fused_layout"] is plain["best_speedup_vs_dense_fused"] is None
+
+
+def test_a_model_with_a_max_pool_is_also_timed_nchw_before_it_and_channels_last_after_it() -> None:
+    """Planned and fused dense models both run switched after the first max pool, agree with the dense model and
+    record the pool's name; the switched dense model keeps its weights before the switch in NCHW and the others in
+    channels-last; a model without a max pool records no switch."""
+    torch.manual_seed(2)
+    pooled = bench.magnitude_prune_(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                                  nn.Conv2d(8, 6, 3, padding=1), nn.ReLU()).eval(), 0.6)
+    record = end_to_end.bench_end_to_end(pooled, (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
+                                         ["dense_cpu"], fuse_relu=True)
+    assert record["layout_switch"] == "2"
+    assert record["planned_switched_ms"] > 0 and record["planned_switched_rel_error"] < 1e-5
+    assert record["dense_fused_switched_ms"] > 0 and record["dense_fused_switched_rel_error"] < 1e-5
+    fused_nhwc = end_to_end.channels_last_copy(dense_fusion.fuse_dense_conv_relu(pooled)[0])
+    switched, switch = end_to_end._switched_dense(fused_nhwc, torch.randn(2, 3, 12, 10))
+    weights = [p for p in switched.parameters() if p.dim() == 4]
+    assert switch == "2" and weights[0].is_contiguous() and not weights[1].is_contiguous()
+    assert weights[1].is_contiguous(memory_format=torch.channels_last)
+    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in fused_nhwc.parameters() if p.dim() == 4)
+    plain = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
+                                        ["dense_cpu"])
+    assert plain["layout_switch"] is plain["planned_switched_ms"] is plain["dense_fused_switched_ms"] is None
 
 
 def conv_stand_in(forward: Callable[[nn.Conv2d, torch.Tensor], torch.Tensor]) -> type[nn.Module]:

@@ -652,3 +652,23 @@ def test_a_faster_plan_with_every_conv_on_cudnn_is_not_called_a_sparsity_gain(re
     text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert "googlenet fp16 b128: the planned model's faster layout (channels-last) runs every conv on cuDNN, so " \
            "sparsity gains nothing in this run." in text
+
+
+def test_a_switched_layout_is_reported_beside_the_single_layouts_and_a_loss_is_called_so(result):
+    """A record timed with its layout switched after the first pool gets a line with both switched times, their
+    ratio and each model's faster single layout; a planned model slower beyond the margin is SLOWER, within it
+    slower; a record without a switch gets no line."""
+    record = result["end_to_end"][1]  # resnet50 fp16: planned 9.0 (NCHW), dense 8.0 (NHWC)
+    record |= {"layout_switch": "maxpool", "planned_switched_ms": 7.5, "dense_fused_switched_ms": 8.1}
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("- resnet50 fp16 b128, switched after `maxpool`: planned 7.500 ms, dense fused 8.100 ms, 1.08x; in its "
+            "faster single layout the planned model takes 9.000 ms.") in text
+    assert text.count("switched after") == 1
+    record["planned_switched_ms"] = 8.2
+    assert "dense fused 8.100 ms, 0.99x (slower, within the 3 % noise margin)" in markdown_report(
+        {**result, "targets": evaluate_targets(result)})
+    record["planned_switched_ms"] = 9.5
+    assert "0.85x (SLOWER)" in markdown_report({**result, "targets": evaluate_targets(result)})
+    record["dense_fused_switched_ms"] = None
+    assert "planned 9.500 ms, dense fused - ms (none: not timed or its output disagreed)" in markdown_report(
+        {**result, "targets": evaluate_targets(result)})

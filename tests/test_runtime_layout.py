@@ -11,7 +11,7 @@ from torch import nn
 from unsparse.runtime import sparsify
 from unsparse.runtime.backends import available_backends, get_backend
 from unsparse.runtime.comparator import LayerComparison, Measurement, plan_model, relative_error
-from unsparse.runtime.layout import in_layout, layout_of
+from unsparse.runtime.layout import channels_last_after, in_layout, layout_of, layout_switch
 from unsparse.runtime.modules import sparse_layers
 from unsparse.runtime.plan import Plan, PlanEntry, key_layout, layer_key, use_plan
 from unsparse.runtime.timing import Timing
@@ -175,3 +175,39 @@ def test_auto_resolves_the_same_shape_per_layout_and_returns_the_input_layout() 
     assert layout_of(auto.run(x_nhwc, csr, bias, geometry)) == "nhwc"
     assert layout_of(auto.conv(x, csr, bias, geometry)) == "nhwc"
     assert layout_of(auto.run(x, csr, bias, geometry)) == "nchw"
+
+
+def stem_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
+                         nn.Conv2d(8, 6, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(6, 4, 1)).eval()
+
+
+def test_the_layout_switch_is_the_first_max_pool_after_the_convs_called_before_it() -> None:
+    model = stem_model()
+    assert layout_switch(model, torch.randn(2, 3, 12, 10)) == ("3", ["0"])
+    assert not any(module._forward_pre_hooks for module in model.modules())  # the hooks are gone
+    no_pool = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 1))
+    assert layout_switch(no_pool, torch.randn(1, 3, 8, 8)) == (None, [])
+
+
+def test_a_model_switched_after_its_first_pool_runs_nchw_before_and_nhwc_after_with_the_same_outputs() -> None:
+    """A planned model fed NCHW with its first pool's output in channels-last runs its first layer on the NCHW
+    plan entry and the later ones on their channels-last entries (the plan holds both), and computes the dense
+    model's function; outside the context the model runs NCHW throughout again."""
+    dense = stem_model()
+    x = torch.randn(2, 3, 12, 10)
+    sparse = sparsify(dense)
+    plan, _ = plan_model(sparse, x, Plan(), ["dense_cpu"])
+    plan, _ = plan_model(sparsify(dense), in_layout(x, "nhwc"), plan, ["dense_cpu"])
+    seen: list[str] = []
+    for layer in sparse_layers(sparse).values():
+        layer.register_forward_pre_hook(lambda module, inputs: seen.append(layout_of(inputs[0])))
+    switch, _ = layout_switch(sparse, x)
+    seen.clear()
+    with channels_last_after(sparse, switch):
+        out = sparse(x)
+    assert seen == ["nchw", "nhwc", "nhwc"] and layout_of(out) == "nhwc"
+    assert relative_error(out.double(), dense(x).double()) < 1e-5
+    seen.clear()
+    assert layout_of(sparse(x)) == "nchw" and seen == ["nchw"] * 3

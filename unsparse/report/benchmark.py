@@ -610,6 +610,33 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                      + ("; " + _fold_text(r, "_nhwc") if fold_policy(r) == "epilogue" and r.get("backend_counts_nhwc")
                         else "")
                      + " |")
+    return lines + _switched_lines(records)
+
+
+def _switched_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The records' times with the layout switched after the first max pool (``layout_switch``; NCHW before it,
+    channels-last after it: :func:`~unsparse.runtime.end_to_end.bench_end_to_end`), planned against the dense fused
+    model switched alike, beside each one's faster single layout; "SLOWER" or "slower" where the switched planned
+    model loses beyond or within :data:`PLAN_MARGIN`. Empty where no record switched."""
+    switched = [r for r in records if r.get("layout_switch")]
+    if not switched:
+        return []
+    lines = ["", "Layout switched: the planned model and the dense fused model fed NCHW, in NCHW up to the model's "
+             "first max pool and in channels-last after it (the planned model's layers after it run the channels-last "
+             "plan's entries); timed in the same run, in none of the ratios above.", ""]
+    for r in switched:
+        run = f"- {r['model']} {precision_label(r)} b{r['batch']}, switched after `{r['layout_switch']}`"
+        planned, dense = r.get("planned_switched_ms"), r.get("dense_fused_switched_ms")
+        if planned is None or dense is None:
+            lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms (none: not timed or its "
+                         "output disagreed).")
+            continue
+        verdict = _slower(planned, dense, PLAN_MARGIN)
+        lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms, {_fmt(dense / planned, 2)}x"
+                     + (f" ({verdict}" + (f", {noise_text(PLAN_MARGIN)}" if verdict == "slower" else "") + ")"
+                        if verdict else "")
+                     + f"; in its faster single layout the planned model takes {_fmt(fastest_ms(r, 'planned'))} ms"
+                     + (f", the dense fused model {_fmt(dense_fused_ms(r))} ms" if dense_fused_ms(r) else "") + ".")
     return lines
 
 

@@ -38,7 +38,7 @@ from unsparse.runtime.comparator import (
     tolerance,
 )
 from unsparse.runtime.dense_fusion import choose_epilogues_, fuse_dense_conv_relu
-from unsparse.runtime.layout import layout_of
+from unsparse.runtime.layout import channels_last_after, layout_of, layout_switch
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify, temporary_backend
 from unsparse.runtime.plan import Plan, without_epilogue
 from unsparse.runtime.precision import PRECISIONS, precision_mode
@@ -100,6 +100,15 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     its dense default right after planning (:func:`~unsparse.runtime.comparator.check_plan`; ``plan_check``,
     ``plan_check_nhwc``: both medians and the keys set back to the default), so the planned times are of the plans that
     survived that check.
+
+    A third layout is timed for both the planned model and the dense model fused by cuDNN: NCHW up to the model's
+    first max pool and channels-last after it (:func:`~unsparse.runtime.layout.layout_switch`; ``layout_switch`` names
+    the pool, None where the model calls none or its input has one channel). The planned model is the NCHW copy fed
+    NCHW, its layers after the switch running the channels-last plan's entries (the plan holds both, keyed by
+    layout); the dense one is the channels-last fused copy with the weights before the switch in NCHW again.
+    ``planned_switched_ms`` and ``dense_fused_switched_ms`` (eager medians; None where not timed or the output's
+    relative error, ``planned_switched_rel_error`` / ``dense_fused_switched_rel_error``, exceeds the tolerance). They
+    are recorded beside the single-layout times and enter no ``best_*`` ratio.
 
     With ``fuse_relu`` the sparse copies fuse each conv with the ReLU that alone reads its output, through the copy's
     FX graph (:func:`~unsparse.runtime.modules.fuse_relu`: VGG's ``nn.ReLU`` modules, and with ``fold_batch_norm``
@@ -185,6 +194,8 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
                 planned_nhwc_t = time_fn(lambda i: sparse_nhwc(x_nhwc), device, runs=runs)
                 graphs |= graph_timings(lambda: dense_nhwc(x_nhwc), lambda: sparse_nhwc(x_nhwc), device, runs,
                                         "nhwc")
+            switch = layout_switch(sparse, x)[0] if nhwc_planned else None
+            switched = _switched_timing(None if switch is None else (sparse, switch), x, dense_out, runs)
         error = relative_error(sparse_out.double(), dense_out.double())
     dense_times = {"nchw": dense_t.median_ms, "nhwc": nhwc_t.median_ms if nhwc_error <= bound else math.inf}
     planned_times = {"nchw": sparse_t.median_ms,
@@ -226,7 +237,11 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "backend_counts_nhwc": dict(Counter(by_layer_nhwc.values())),
             "off_cudnn_nhwc": {name: backend for name, backend in by_layer_nhwc.items() if backend != "cudnn"},
             "epilogue_passes": epilogue_passes(sparse, plan),
-            "epilogue_passes_nhwc": epilogue_passes(sparse_nhwc, plan) if nhwc_planned else []}
+            "epilogue_passes_nhwc": epilogue_passes(sparse_nhwc, plan) if nhwc_planned else [],
+            "layout_switch": switch,
+            "planned_switched_ms": (switched[0].median_ms if switched is not None and switched[1] <= bound
+                                    else None),
+            "planned_switched_rel_error": None if switched is None else switched[1]}
 
 
 def _plan_check_fold(model: nn.Module, x: torch.Tensor, plan: Plan, backends: list[str] | None, runs: int,
@@ -289,7 +304,10 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
         ``dense_fused_passes`` and ``dense_fused_nhwc_passes``: how many fused convolutions of each layout run their
         epilogue as passes after cuDNN's convolution, timed faster than cuDNN's fused call on this input
         (:func:`~unsparse.runtime.dense_fusion.choose_epilogues_`, 0 off CUDA), as the planned model's ``cudnn``
-        layers may (None where nothing is fused).
+        layers may (None where nothing is fused); ``dense_fused_switched_ms`` and ``dense_fused_switched_rel_error``:
+        the channels-last fused model fed NCHW with its layers before the first max pool in NCHW
+        (:func:`_switched_dense`), None where the model calls no max pool (the median also where the error exceeds
+        ``bound``).
     """
     source = copy.deepcopy(dense) if fold_batch_norm else dense
     folded = len(fold_batch_norm_(source)) if fold_batch_norm else 0
@@ -297,7 +315,8 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
     record: dict[str, Any] = {"dense_fused_convs": count, "dense_folded_batch_norm": folded, **dict.fromkeys(
         ("dense_fused_passes", "dense_fused_nhwc_passes", "dense_fused_ms", "dense_fused_nhwc_ms",
          "dense_fused_rel_error", "dense_fused_nhwc_rel_error",
-         "dense_fused_error", "dense_fused_graph_ms", "dense_fused_nhwc_graph_ms", "dense_fused_graph_error"))}
+         "dense_fused_error", "dense_fused_graph_ms", "dense_fused_nhwc_graph_ms", "dense_fused_graph_error",
+         "dense_fused_switched_ms", "dense_fused_switched_rel_error"))}
     if not count and not folded:
         return record
 
@@ -306,12 +325,17 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
         return (lambda: model(inputs), time_fn(lambda i: model(inputs), x.device, runs=runs),
                 relative_error(model(inputs).double(), dense_out.double()))
 
+    fused_nhwc = channels_last_copy(fused)
     try:
         timings = {"": timed("", fused, x),
-                   "_nhwc": timed("_nhwc", channels_last_copy(fused), x.contiguous(memory_format=torch.channels_last))}
+                   "_nhwc": timed("_nhwc", fused_nhwc, x.contiguous(memory_format=torch.channels_last))}
+        switched = _switched_timing(_switched_dense(fused_nhwc, x), x, dense_out, runs)
     except RuntimeError as error:
         record["dense_fused_error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         return record
+    if switched is not None:
+        record["dense_fused_switched_rel_error"] = switched[1]
+        record["dense_fused_switched_ms"] = switched[0].median_ms if switched[1] <= bound else None
     for tag, (forward, timing, error) in timings.items():
         record[f"dense_fused{tag}_rel_error"] = error
         if error > bound:
@@ -325,6 +349,34 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
         except RuntimeError as error:
             record["dense_fused_graph_error"] = f"capture failed: {error}"
     return record
+
+
+def _switched_dense(model_nhwc: nn.Module, x: torch.Tensor) -> tuple[nn.Module, str] | None:
+    """A copy of a channels-last dense model (:func:`channels_last_copy`, with the epilogue choices made for
+    channels-last; not modified) whose modules before its layout switch
+    (:func:`~unsparse.runtime.layout.layout_switch` on NCHW ``x``) hold their weights in NCHW again, so that fed NCHW
+    they compute in NCHW and those after the switch receive and compute channels-last with channels-last weights (no
+    weight converted per call); with the switch's name. None where the model calls no max pool."""
+    switch, head = layout_switch(model_nhwc, x)
+    if switch is None:
+        return None
+    model = copy.deepcopy(model_nhwc)
+    for name in head:
+        model.get_submodule(name).to(memory_format=torch.contiguous_format)
+    return model, switch
+
+
+def _switched_timing(switched: tuple[nn.Module, str] | None, x: torch.Tensor, reference: torch.Tensor,
+                     runs: int) -> tuple[Timing, float] | None:
+    """The eager timing (ms) of a model fed NCHW ``x`` that switches to channels-last after the module named
+    (:func:`~unsparse.runtime.layout.channels_last_after`), and its output's relative error against ``reference``;
+    None for ``switched`` None."""
+    if switched is None:
+        return None
+    model, switch = switched
+    with channels_last_after(model, switch):
+        error = relative_error(model(x).double(), reference.double())
+        return time_fn(lambda i: model(x), x.device, runs=runs), error
 
 
 def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch: int, device: torch.device,

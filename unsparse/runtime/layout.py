@@ -10,7 +10,11 @@ compute in NCHW (paper 000, Escoin §3: CHW input planes, one output plane per c
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+from torch import nn
 
 LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
 """Layout name -> torch memory format of a 4-D ``(N, C, H, W)`` tensor."""
@@ -36,3 +40,48 @@ def in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
     if layout not in LAYOUTS:
         raise ValueError(f"layout: unknown {layout!r}, expected one of {sorted(LAYOUTS)}")
     return x.contiguous(memory_format=LAYOUTS[layout])
+
+
+def layout_switch(model: nn.Module, x: torch.Tensor) -> tuple[str | None, list[str]]:
+    """Where a model fed ``x`` in NCHW can switch to channels-last for the rest of its forward: the name of the first
+    ``nn.MaxPool2d`` it calls (after the stem of ResNet, GoogLeNet and AlexNet, after VGG's first two convs), and the
+    names of the modules with a 4-D parameter (convolution weights) called before it, in call order. ``(None, [])``
+    where the model calls no max pool module (VGG with its pools fused into the convs). One forward pass under
+    ``torch.no_grad()``; ``model`` is not modified.
+
+    A stem's input has three channels, where cuDNN's channels-last kernels are slow (ResNet-50's 7x7 stem in TF32:
+    0.790 ms channels-last, where the NCHW ``direct`` kernel takes 0.313 ms, ``kernels/NOTES.md``, fifty-first
+    session), and its output is the model's largest activation, so a conversion after the stem's pool moves a quarter
+    of the bytes a conversion after the stem would.
+    """
+    order: list[str] = []
+    switch: list[str] = []
+
+    def record(name: str, module: nn.Module) -> None:
+        if switch:
+            return
+        if isinstance(module, nn.MaxPool2d):
+            switch.append(name)
+        elif any(parameter.dim() == 4 for parameter in module.parameters(recurse=False)):
+            order.append(name)
+
+    handles = [module.register_forward_pre_hook(lambda module, inputs, name=name: record(name, module))
+               for name, module in model.named_modules()]
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return (switch[0], order) if switch else (None, [])
+
+
+@contextmanager
+def channels_last_after(model: nn.Module, name: str) -> Iterator[None]:
+    """Within the context, ``model``'s submodule ``name`` returns its output in channels-last
+    (:func:`in_layout`), so the layers after it receive NHWC while those before it run in the input's layout."""
+    handle = model.get_submodule(name).register_forward_hook(lambda module, inputs, out: in_layout(out, "nhwc"))
+    try:
+        yield
+    finally:
+        handle.remove()
