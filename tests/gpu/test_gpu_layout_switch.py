@@ -1,0 +1,36 @@
+"""A whole model switched from NCHW to channels-last after its first max pool, on the GPU: the planned model (its
+layers after the pool on the channels-last plan's entries) and the dense fused model agree with the dense model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from unsparse.runtime import bench, end_to_end
+from unsparse.runtime.plan import Plan
+
+CUDA = torch.device("cuda")
+
+
+def stem_and_block() -> nn.Module:
+    """A ResNet-like stem (7x7 stride-2 conv, BatchNorm, ReLU, 3x3 stride-2 max pool) and two 3x3 convs, pruned to 0.9
+    with BatchNorm statistics far from the identity."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(3, 32, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+                          nn.MaxPool2d(3, stride=2, padding=1), nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64),
+                          nn.ReLU(), nn.Conv2d(64, 64, 3, padding=1), nn.ReLU())
+    for module in model.modules():
+        if isinstance(module, nn.BatchNorm2d):
+            module.running_mean.uniform_(-1, 1)
+            module.running_var.uniform_(0.25, 2)
+    return bench.magnitude_prune_(model, 0.9).eval()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "fp16"])
+def test_a_switched_model_agrees_with_the_dense_one(precision: str) -> None:
+    record = end_to_end.bench_end_to_end(stem_and_block(), (3, 64, 48), 4, precision, CUDA, 5, Plan(),
+                                         ["cudnn", "direct"], fuse_relu=True, fold_batch_norm="all")
+    assert record["layout_switch"] == "3"
+    assert record["planned_switched_rel_error"] <= record["tolerance"] and record["planned_switched_ms"] > 0
+    assert record["dense_fused_switched_rel_error"] <= record["tolerance"] and record["dense_fused_switched_ms"] > 0
