@@ -27,6 +27,7 @@ from torch.nn.modules.conv import _ConvNd
 
 from unsparse.runtime.backends.dense import cudnn_fused_call
 from unsparse.runtime.graph_fusion import LeafTracer, fuse_following_relu
+from unsparse.runtime.hooks import forward_with_pre_hooks
 from unsparse.runtime.layout import in_layout, layout_of
 from unsparse.runtime.timing import MIN_RUNS, time_fn
 
@@ -131,13 +132,7 @@ def choose_epilogues_(model: nn.Module, x: torch.Tensor, runs: int = MIN_RUNS) -
     def keep(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         calls.setdefault(module, (args, kwargs))
 
-    handles = [module.register_forward_pre_hook(keep, with_kwargs=True) for module in modules]
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for handle in handles:
-            handle.remove()
+    forward_with_pre_hooks(model, x, [(module, keep) for module in modules], with_kwargs=True)
     saved = {module: module.passes for module in modules}
     try:
         with torch.no_grad():

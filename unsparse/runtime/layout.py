@@ -16,6 +16,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from unsparse.runtime.hooks import forward_with_pre_hooks
+
 LAYOUTS = {"nchw": torch.contiguous_format, "nhwc": torch.channels_last}
 """Layout name -> torch memory format of a 4-D ``(N, C, H, W)`` tensor."""
 
@@ -65,14 +67,8 @@ def layout_switch(model: nn.Module, x: torch.Tensor) -> tuple[str | None, list[s
         elif any(parameter.dim() == 4 for parameter in module.parameters(recurse=False)):
             order.append(name)
 
-    handles = [module.register_forward_pre_hook(lambda module, inputs, name=name: record(name, module))
-               for name, module in model.named_modules()]
-    try:
-        with torch.no_grad():
-            model(x)
-    finally:
-        for handle in handles:
-            handle.remove()
+    forward_with_pre_hooks(model, x, [(module, lambda module, inputs, name=name: record(name, module))
+                                      for name, module in model.named_modules()])
     return (switch[0], order) if switch else (None, [])
 
 
