@@ -113,3 +113,17 @@ def test_the_committed_page_is_what_its_command_makes_from_the_committed_results
         "h200_*_end_to_end_*.json"))
     assert paths == committed  # every H200 end-to-end result is in it
     assert summary_markdown(summary_rows(ROOT / path for path in paths), command) == text
+
+
+def test_the_switched_column_holds_the_switched_plan_against_the_fastest_dense_model() -> None:
+    """Against the fastest of the eager dense model (15.0 here), the dense fused model's faster single layout and the
+    dense fused model switched alike; absent where the run timed no switched plan."""
+    base = record(dense_fused_ms=13.0, dense_fused_nhwc_ms=12.2, best_dense_fused_layout="nhwc",
+                  planned_switched_ms=11.0)
+    assert summary_row(base | {"dense_fused_switched_ms": 12.5}, "r")["switched_speedup"] == pytest.approx(12.2 / 11)
+    assert summary_row(base | {"dense_fused_switched_ms": 11.8}, "r")["switched_speedup"] == pytest.approx(11.8 / 11)
+    assert summary_row(record(planned_switched_ms=10.0), "r")["switched_speedup"] == pytest.approx(15.0 / 10)
+    assert summary_row(record(), "r")["switched_speedup"] is None
+    switched = summary_row(base | {"dense_fused_switched_ms": 12.5}, "a")
+    page = summary_markdown([switched, summary_row(record(), "b")], "cmd")
+    assert f"| {switched['verdict']} | 1.11 |" in page and page.rstrip().endswith("| - |")

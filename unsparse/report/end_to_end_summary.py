@@ -20,7 +20,7 @@ from unsparse.runtime.comparator import PLAN_MARGIN
 
 HEADER = ("run", "model", "weights", "sparsity", "batch", "precision", "folded / fused", "eager dense ms",
           "dense fused ms", "planned ms", "best dense / planned", "eager dense / planned (CUDA graphs)",
-          "convs on sparse kernels", "verdict")
+          "convs on sparse kernels", "verdict", "switched: best dense / planned")
 
 
 def best_graph_speedup(record: dict[str, Any]) -> float | None:
@@ -37,6 +37,18 @@ def best_graph_speedup(record: dict[str, Any]) -> float | None:
 
     dense, planned = fastest("dense"), fastest("planned")
     return None if dense is None or planned is None else dense / planned
+
+
+def switched_speedup(record: dict[str, Any]) -> float | None:
+    """The planned model with its layout switched after the first max pool (``planned_switched_ms``, runs since the
+    fifty-first session) against the fastest dense model of the run: the eager dense model in its faster layout and
+    the dense fused model in its faster single layout or switched alike (``dense_fused_switched_ms``), whichever is
+    fastest; None where the run has no switched planned time."""
+    planned = record.get("planned_switched_ms")
+    if planned is None:
+        return None
+    dense = [fastest_ms(record, "dense"), dense_fused_ms(record), record.get("dense_fused_switched_ms")]
+    return min(ms for ms in dense if ms is not None) / planned
 
 
 def _layout(record: dict[str, Any], kind: str) -> tuple[float, str]:
@@ -61,7 +73,7 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
         "SLOWER" (the plan loses beyond the noise margin, :data:`~unsparse.runtime.comparator.PLAN_MARGIN`), "no
         sparse kernel" (the faster plan runs every conv on cuDNN), "faster" (beyond the margin), or "within noise";
         the last two followed by "(no fused dense model timed)" for a run from before the fused dense model was timed
-        beside the plan. The verdict reads the eager times.
+        beside the plan. The verdict reads the eager times. ``switched_speedup``: :func:`switched_speedup`.
     """
     dense_ms, dense_layout = _layout(record, "dense")
     planned_ms, planned_layout = _layout(record, "planned")
@@ -90,7 +102,8 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
             "fused_max_pool": record.get("fused_max_pool", 0), "dense_ms": dense_ms, "dense_layout": dense_layout,
             "dense_fused_ms": fused_ms, "dense_fused_layout": fused_layout.upper() if fused_layout else None,
             "planned_ms": planned_ms, "planned_layout": planned_layout, "best_dense_ms": best_dense,
-            "speedup": best_dense / planned_ms, "best_graph_speedup": best_graph_speedup(record), "off_cudnn": off,
+            "speedup": best_dense / planned_ms, "best_graph_speedup": best_graph_speedup(record),
+            "switched_speedup": switched_speedup(record), "off_cudnn": off,
             "convs": sum(counts.values()) if counts else None,
             "verdict": verdict}
 
@@ -143,7 +156,8 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
              cell(r["dense_ms"], r["dense_layout"]), cell(r["dense_fused_ms"], r["dense_fused_layout"]),
              cell(r["planned_ms"], r["planned_layout"]), f"{r['speedup']:.2f}",
              "-" if r["best_graph_speedup"] is None else f"{r['best_graph_speedup']:.2f}",
-             "-" if r["convs"] is None else f"{r['off_cudnn']} of {r['convs']}", r["verdict"]] for r in chosen])
+             "-" if r["convs"] is None else f"{r['off_cudnn']} of {r['convs']}", r["verdict"],
+             "-" if r["switched_speedup"] is None else f"{r['switched_speedup']:.2f}"] for r in chosen])
     return "\n".join([
         "# Whole models: does the sparse model beat the dense one?", "",
         f"Made by `{command}` from the benchmark results named in the first column (under `benchmarks/results/`, "
@@ -163,7 +177,9 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
         f"beyond the {PLAN_MARGIN:.0%} noise margin, within noise, or no sparse kernel (the faster plan runs every "
         "conv on cuDNN, so sparsity gains nothing in that run); runs before the fused dense model was timed say so, "
         "and their ratio is against the eager dense model alone (where later runs timed both, the fused one was "
-        "the faster dense model).", "",
+        "the faster dense model). Switched: the planned model fed NCHW, in NCHW up to the first max pool and "
+        "channels-last after it (runs since the fifty-first session), against the fastest dense model of the run "
+        "(eager, fused, or fused and switched alike); the verdict does not read it.", "",
         "## Latest run of each setting", "",
         "The last run below (files in name order: date, then session) of each model, weights, precision, sparsity "
         "and batch; what it folded and fused is in its row.", "",
