@@ -258,27 +258,71 @@ def test_the_dense_model_fused_by_cudnn_is_timed_in_both_layouts_beside_the_plan
     assert plain["best_dense_fused_layout"] is plain["best_speedup_vs_dense_fused"] is None
 
 
+def pooled_model() -> nn.Module:
+    torch.manual_seed(2)
+    return bench.magnitude_prune_(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                                nn.Conv2d(8, 6, 3, padding=1), nn.ReLU()).eval(), 0.6)
+
+
 def test_a_model_with_a_max_pool_is_also_timed_nchw_before_it_and_channels_last_after_it() -> None:
     """Planned and fused dense models both run switched after the first max pool, agree with the dense model and
-    record the pool's name; the switched dense model keeps its weights before the switch in NCHW and the others in
-    channels-last; a model without a max pool records no switch."""
-    torch.manual_seed(2)
-    pooled = bench.magnitude_prune_(nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-                                                  nn.Conv2d(8, 6, 3, padding=1), nn.ReLU()).eval(), 0.6)
-    record = end_to_end.bench_end_to_end(pooled, (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
+    record the pool's name; a model without a max pool records no switch."""
+    record = end_to_end.bench_end_to_end(pooled_model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
                                          ["dense_cpu"], fuse_relu=True)
-    assert record["layout_switch"] == "2"
+    assert record["layout_switch"] == record["dense_fused_layout_switch"] == "2"
     assert record["planned_switched_ms"] > 0 and record["planned_switched_rel_error"] < 1e-5
     assert record["dense_fused_switched_ms"] > 0 and record["dense_fused_switched_rel_error"] < 1e-5
-    fused_nhwc = end_to_end.channels_last_copy(dense_fusion.fuse_dense_conv_relu(pooled)[0])
-    switched, switch = end_to_end._switched_dense(fused_nhwc, torch.randn(2, 3, 12, 10))
-    weights = [p for p in switched.parameters() if p.dim() == 4]
-    assert switch == "2" and weights[0].is_contiguous() and not weights[1].is_contiguous()
-    assert weights[1].is_contiguous(memory_format=torch.channels_last)
-    assert all(p.is_contiguous(memory_format=torch.channels_last) for p in fused_nhwc.parameters() if p.dim() == 4)
+    assert record["dense_fused_switched_error"] is None
     plain = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
                                         ["dense_cpu"])
     assert plain["layout_switch"] is plain["planned_switched_ms"] is plain["dense_fused_switched_ms"] is None
+
+
+def test_the_switched_dense_model_takes_the_nchw_models_modules_before_the_pool() -> None:
+    """Before the switch the NCHW model's modules (NCHW weights, epilogue choices made on NCHW), after it the
+    channels-last model's; a fused module that reads its child conv's weight without calling the child (cuDNN's fused
+    call on CUDA) counts as before the switch; neither model is modified."""
+
+    class ReadsChildWeight(nn.Module):
+        def __init__(self, conv: nn.Conv2d) -> None:
+            super().__init__()
+            self.conv = conv
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(nn.functional.conv2d(x, self.conv.weight, self.conv.bias, padding=1))
+
+    dense = pooled_model()
+    nchw = nn.Sequential(ReadsChildWeight(dense[0]), *list(dense)[2:])
+    nchw[0].passes = "chosen on NCHW"
+    nhwc = end_to_end.channels_last_copy(nchw)
+    nhwc[0].passes = "chosen on NHWC"
+    switched, switch = end_to_end._switched_dense(nchw, nhwc, torch.randn(2, 3, 12, 10))
+    assert switch == "1" and switched[0].passes == "chosen on NCHW" and switched[0].conv.weight.is_contiguous()
+    after = switched[2].weight
+    assert after.is_contiguous(memory_format=torch.channels_last) and not after.is_contiguous()
+    assert nhwc[0].passes == "chosen on NHWC" and not nhwc[0].conv.weight.is_contiguous()
+
+
+def test_a_switched_dense_model_that_fails_keeps_the_single_layout_times(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: object) -> None:
+        raise RuntimeError("no engine\nmore")
+
+    monkeypatch.setattr(end_to_end, "_switched_dense", refuse)
+    record = end_to_end.bench_end_to_end(pooled_model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
+                                         ["dense_cpu"], fuse_relu=True)
+    assert record["dense_fused_switched_error"] == "RuntimeError: no engine"
+    assert record["dense_fused_ms"] > 0 and record["dense_fused_nhwc_ms"] > 0 and record["dense_fused_error"] is None
+    assert record["dense_fused_switched_ms"] is None and record["planned_switched_ms"] > 0
+
+
+def test_a_one_channel_model_is_not_switched() -> None:
+    torch.manual_seed(3)
+    one_channel = bench.magnitude_prune_(nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                                       nn.Conv2d(4, 4, 3), nn.ReLU()).eval(), 0.5)
+    record = end_to_end.bench_end_to_end(one_channel, (1, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
+                                         ["dense_cpu"], fuse_relu=True)
+    assert record["layout_switch"] is record["dense_fused_layout_switch"] is None
+    assert record["planned_switched_ms"] is record["dense_fused_switched_ms"] is None
 
 
 def conv_stand_in(forward: Callable[[nn.Conv2d, torch.Tensor], torch.Tensor]) -> type[nn.Module]:

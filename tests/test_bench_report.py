@@ -672,3 +672,6 @@ def test_a_switched_layout_is_reported_beside_the_single_layouts_and_a_loss_is_c
     record["dense_fused_switched_ms"] = None
     assert "planned 9.500 ms, dense fused - ms (none: not timed or its output disagreed)" in markdown_report(
         {**result, "targets": evaluate_targets(result)})
+    record |= {"dense_fused_switched_error": "RuntimeError: no engine", "dense_fused_layout_switch": "pool1"}
+    assert ("switched after `maxpool` (the dense fused model after `pool1`): planned 9.500 ms, dense fused - ms "
+            "(none: RuntimeError: no engine)") in markdown_report({**result, "targets": evaluate_targets(result)})

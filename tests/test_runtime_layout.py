@@ -13,7 +13,7 @@ from unsparse.runtime.backends import available_backends, get_backend
 from unsparse.runtime.comparator import LayerComparison, Measurement, plan_model, relative_error
 from unsparse.runtime.layout import channels_last_after, in_layout, layout_of, layout_switch
 from unsparse.runtime.modules import sparse_layers
-from unsparse.runtime.plan import Plan, PlanEntry, key_layout, layer_key, use_plan
+from unsparse.runtime.plan import AutoBackend, Plan, PlanEntry, key_layout, layer_key, use_plan
 from unsparse.runtime.timing import Timing
 from unsparse.sparse import ConvGeometry, UniformCSR
 
@@ -189,25 +189,55 @@ def test_the_layout_switch_is_the_first_max_pool_after_the_convs_called_before_i
     assert not any(module._forward_pre_hooks for module in model.modules())  # the hooks are gone
     no_pool = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 4, 1))
     assert layout_switch(no_pool, torch.randn(1, 3, 8, 8)) == (None, [])
+    indices = nn.Sequential(nn.Conv2d(3, 4, 3), nn.MaxPool2d(2, return_indices=True))
+    assert layout_switch(indices, torch.randn(1, 3, 8, 8)) == (None, [])
 
 
-def test_a_model_switched_after_its_first_pool_runs_nchw_before_and_nhwc_after_with_the_same_outputs() -> None:
+def test_a_module_that_reads_its_childs_weight_without_calling_it_is_before_the_switch() -> None:
+    """cuDNN's fused conv module passes its child conv's weight to one call and never calls the child; it is named
+    (the container holding the pool is not)."""
+
+    class ReadsChildWeight(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.conv2d(x, self.conv.weight, self.conv.bias)
+
+    model = nn.Sequential(nn.Sequential(ReadsChildWeight(), nn.MaxPool2d(2)), nn.Conv2d(4, 4, 1))
+    assert layout_switch(model, torch.randn(1, 3, 10, 10)) == ("0.1", ["0.0"])
+
+
+def test_a_model_switched_after_its_first_pool_runs_nchw_before_and_nhwc_after_with_the_same_outputs(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A planned model fed NCHW with its first pool's output in channels-last runs its first layer on the NCHW
-    plan entry and the later ones on their channels-last entries (the plan holds both), and computes the dense
-    model's function; outside the context the model runs NCHW throughout again."""
+    plan entry (here ``dense_cpu``) and the later ones on their channels-last entries (here ``im2col_cublas``; the
+    plan holds both), and computes the dense model's function; outside the context the model runs NCHW throughout
+    again."""
     dense = stem_model()
     x = torch.randn(2, 3, 12, 10)
     sparse = sparsify(dense)
     plan, _ = plan_model(sparse, x, Plan(), ["dense_cpu"])
     plan, _ = plan_model(sparsify(dense), in_layout(x, "nhwc"), plan, ["dense_cpu"])
-    seen: list[str] = []
-    for layer in sparse_layers(sparse).values():
-        layer.register_forward_pre_hook(lambda module, inputs: seen.append(layout_of(inputs[0])))
-    switch, _ = layout_switch(sparse, x)
-    seen.clear()
+    for key in plan.entries:
+        if key_layout(key) == "nhwc":
+            plan.entries[key] = PlanEntry("im2col_cublas")
+    use_plan(plan)
+    ran: list[tuple[str, str]] = []
+    resolve = AutoBackend.resolve
+
+    def recorded(self: AutoBackend, x: torch.Tensor, *args: object, **kwargs: object) -> tuple[str, dict]:
+        chosen = resolve(self, x, *args, **kwargs)
+        ran.append((chosen[0], layout_of(x)))
+        return chosen
+
+    monkeypatch.setattr(AutoBackend, "resolve", recorded)
+    switch, _ = layout_switch(dense, x)  # the same module names as the sparse copy's
     with channels_last_after(sparse, switch):
         out = sparse(x)
-    assert seen == ["nchw", "nhwc", "nhwc"] and layout_of(out) == "nhwc"
-    assert relative_error(out.double(), dense(x).double()) < 1e-5
-    seen.clear()
-    assert layout_of(sparse(x)) == "nchw" and seen == ["nchw"] * 3
+    assert ran == [("dense_cpu", "nchw"), ("im2col_cublas", "nhwc"), ("im2col_cublas", "nhwc")]
+    assert layout_of(out) == "nhwc" and relative_error(out.double(), dense(x).double()) < 1e-5
+    unswitched = sparse(x)
+    assert layout_of(unswitched) == "nchw" and all(entry == ("dense_cpu", "nchw") for entry in ran[3:])
+    assert relative_error(unswitched.double(), dense(x).double()) < 1e-5

@@ -618,18 +618,21 @@ def _switched_lines(records: Sequence[dict[str, Any]]) -> list[str]:
     channels-last after it: :func:`~unsparse.runtime.end_to_end.bench_end_to_end`), planned against the dense fused
     model switched alike, beside each one's faster single layout; "SLOWER" or "slower" where the switched planned
     model loses beyond or within :data:`PLAN_MARGIN`. Empty where no record switched."""
-    switched = [r for r in records if r.get("layout_switch")]
+    switched = [r for r in records if r.get("layout_switch") or r.get("dense_fused_layout_switch")]
     if not switched:
         return []
     lines = ["", "Layout switched: the planned model and the dense fused model fed NCHW, in NCHW up to the model's "
              "first max pool and in channels-last after it (the planned model's layers after it run the channels-last "
              "plan's entries); timed in the same run, in none of the ratios above.", ""]
     for r in switched:
-        run = f"- {r['model']} {precision_label(r)} b{r['batch']}, switched after `{r['layout_switch']}`"
+        planned_switch, dense_switch = r.get("layout_switch"), r.get("dense_fused_layout_switch")
+        run = f"- {r['model']} {precision_label(r)} b{r['batch']}, switched after `{planned_switch or dense_switch}`"
+        if planned_switch and dense_switch and dense_switch != planned_switch:
+            run += f" (the dense fused model after `{dense_switch}`)"
         planned, dense = r.get("planned_switched_ms"), r.get("dense_fused_switched_ms")
         if planned is None or dense is None:
-            lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms (none: not timed or its "
-                         "output disagreed).")
+            why = r.get("dense_fused_switched_error") or "not timed or its output disagreed"
+            lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms (none: {why}).")
             continue
         verdict = _slower(planned, dense, PLAN_MARGIN)
         lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms, {_fmt(dense / planned, 2)}x"

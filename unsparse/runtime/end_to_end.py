@@ -107,8 +107,12 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     NCHW, its layers after the switch running the channels-last plan's entries (the plan holds both, keyed by
     layout); the dense one is the channels-last fused copy with the weights before the switch in NCHW again.
     ``planned_switched_ms`` and ``dense_fused_switched_ms`` (eager medians; None where not timed or the output's
-    relative error, ``planned_switched_rel_error`` / ``dense_fused_switched_rel_error``, exceeds the tolerance). They
-    are recorded beside the single-layout times and enter no ``best_*`` ratio.
+    relative error, ``planned_switched_rel_error`` / ``dense_fused_switched_rel_error``, exceeds the tolerance;
+    ``dense_fused_layout_switch`` names the dense model's pool, which differs from the planned model's where the
+    planned copy fused its first pool into a conv). They are recorded beside the single-layout times and enter no
+    ``best_*`` ratio. With ``fold_batch_norm`` ``"epilogue"`` the switched planned model folds as the NCHW plan chose,
+    also in the layers after the switch that run channels-last entries: the same function, possibly a pass more or
+    less than the channels-last copy folds.
 
     With ``fuse_relu`` the sparse copies fuse each conv with the ReLU that alone reads its output, through the copy's
     FX graph (:func:`~unsparse.runtime.modules.fuse_relu`: VGG's ``nn.ReLU`` modules, and with ``fold_batch_norm``
@@ -305,9 +309,10 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
         epilogue as passes after cuDNN's convolution, timed faster than cuDNN's fused call on this input
         (:func:`~unsparse.runtime.dense_fusion.choose_epilogues_`, 0 off CUDA), as the planned model's ``cudnn``
         layers may (None where nothing is fused); ``dense_fused_switched_ms`` and ``dense_fused_switched_rel_error``:
-        the channels-last fused model fed NCHW with its layers before the first max pool in NCHW
-        (:func:`_switched_dense`), None where the model calls no max pool (the median also where the error exceeds
-        ``bound``).
+        the fused model fed NCHW, NCHW up to its first max pool and channels-last after it (:func:`_switched_dense`;
+        ``dense_fused_layout_switch`` the pool's name), None where the model calls no max pool or ``x`` has one
+        channel (the median also where the error exceeds ``bound``); ``dense_fused_switched_error``: a
+        ``RuntimeError`` of that model's run, which leaves the single-layout times recorded.
     """
     source = copy.deepcopy(dense) if fold_batch_norm else dense
     folded = len(fold_batch_norm_(source)) if fold_batch_norm else 0
@@ -316,7 +321,8 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
         ("dense_fused_passes", "dense_fused_nhwc_passes", "dense_fused_ms", "dense_fused_nhwc_ms",
          "dense_fused_rel_error", "dense_fused_nhwc_rel_error",
          "dense_fused_error", "dense_fused_graph_ms", "dense_fused_nhwc_graph_ms", "dense_fused_graph_error",
-         "dense_fused_switched_ms", "dense_fused_switched_rel_error"))}
+         "dense_fused_switched_ms", "dense_fused_switched_rel_error", "dense_fused_layout_switch",
+         "dense_fused_switched_error"))}
     if not count and not folded:
         return record
 
@@ -329,13 +335,20 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
     try:
         timings = {"": timed("", fused, x),
                    "_nhwc": timed("_nhwc", fused_nhwc, x.contiguous(memory_format=torch.channels_last))}
-        switched = _switched_timing(_switched_dense(fused_nhwc, x), x, dense_out, runs)
     except RuntimeError as error:
-        record["dense_fused_error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        record["dense_fused_error"] = _first_line(error)
         return record
-    if switched is not None:
-        record["dense_fused_switched_rel_error"] = switched[1]
-        record["dense_fused_switched_ms"] = switched[0].median_ms if switched[1] <= bound else None
+    if layout_of(x.contiguous(memory_format=torch.channels_last)) == "nhwc":  # one channel: no channels-last model
+        try:
+            switched_model = _switched_dense(fused, fused_nhwc, x)
+            switched = _switched_timing(switched_model, x, dense_out, runs)
+        except RuntimeError as error:
+            record["dense_fused_switched_error"] = _first_line(error)
+        else:
+            if switched_model is not None and switched is not None:
+                record["dense_fused_layout_switch"] = switched_model[1]
+                record["dense_fused_switched_rel_error"] = switched[1]
+                record["dense_fused_switched_ms"] = switched[0].median_ms if switched[1] <= bound else None
     for tag, (forward, timing, error) in timings.items():
         record[f"dense_fused{tag}_rel_error"] = error
         if error > bound:
@@ -351,18 +364,26 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
     return record
 
 
-def _switched_dense(model_nhwc: nn.Module, x: torch.Tensor) -> tuple[nn.Module, str] | None:
-    """A copy of a channels-last dense model (:func:`channels_last_copy`, with the epilogue choices made for
-    channels-last; not modified) whose modules before its layout switch
-    (:func:`~unsparse.runtime.layout.layout_switch` on NCHW ``x``) hold their weights in NCHW again, so that fed NCHW
-    they compute in NCHW and those after the switch receive and compute channels-last with channels-last weights (no
-    weight converted per call); with the switch's name. None where the model calls no max pool."""
-    switch, head = layout_switch(model_nhwc, x)
+def _first_line(error: Exception) -> str:
+    """``"RuntimeError: <first line>"``: an error as a record keeps it."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def _switched_dense(model_nchw: nn.Module, model_nhwc: nn.Module,
+                    x: torch.Tensor) -> tuple[nn.Module, str] | None:
+    """A dense model fed NCHW that switches to channels-last after its first max pool: a copy of ``model_nhwc`` (the
+    channels-last copy of ``model_nchw``, weights channels-last and epilogue choices made on channels-last inputs)
+    whose modules called before the switch (:func:`~unsparse.runtime.layout.layout_switch` on NCHW ``x``) are
+    replaced by copies of ``model_nchw``'s, NCHW weights and choices made on NCHW inputs; so each side computes in
+    its own layout with weights of that layout (no weight converted per call). With the switch's name; None where the
+    model calls no max pool. Neither model is modified."""
+    switch, head = layout_switch(model_nchw, x)
     if switch is None:
         return None
     model = copy.deepcopy(model_nhwc)
     for name in head:
-        model.get_submodule(name).to(memory_format=torch.contiguous_format)
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, copy.deepcopy(model_nchw.get_submodule(name)))
     return model, switch
 
 

@@ -46,30 +46,34 @@ def in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
 
 def layout_switch(model: nn.Module, x: torch.Tensor) -> tuple[str | None, list[str]]:
     """Where a model fed ``x`` in NCHW can switch to channels-last for the rest of its forward: the name of the first
-    ``nn.MaxPool2d`` it calls (after the stem of ResNet, GoogLeNet and AlexNet, after VGG's first two convs), and the
-    names of the modules with a 4-D parameter (convolution weights) called before it, in call order. ``(None, [])``
-    where the model calls no max pool module (VGG with its pools fused into the convs). One forward pass under
-    ``torch.no_grad()``; ``model`` is not modified.
+    ``nn.MaxPool2d`` it calls (after the stem of ResNet, GoogLeNet and AlexNet, after VGG's first two convs; a pool
+    that returns its indices is passed over), and the names of the modules called before it that hold a 4-D parameter
+    (convolution weights) themselves or in a submodule (a fused conv module that reads its child's weight without
+    calling the child counts), in call order, leaving out the modules that contain the pool (the model itself, a
+    ``features`` container). ``(None, [])`` where the model calls no such max pool (VGG with its pools fused into the
+    convs). One forward pass under ``torch.no_grad()``; ``model`` is not modified.
 
     A stem's input has three channels, where cuDNN's channels-last kernels are slow (ResNet-50's 7x7 stem in TF32:
     0.790 ms channels-last, where the NCHW ``direct`` kernel takes 0.313 ms, ``kernels/NOTES.md``, fifty-first
     session), and its output is the model's largest activation, so a conversion after the stem's pool moves a quarter
     of the bytes a conversion after the stem would.
     """
-    order: list[str] = []
+    called: list[str] = []
     switch: list[str] = []
 
     def record(name: str, module: nn.Module) -> None:
         if switch:
             return
-        if isinstance(module, nn.MaxPool2d):
+        if isinstance(module, nn.MaxPool2d) and not module.return_indices:
             switch.append(name)
-        elif any(parameter.dim() == 4 for parameter in module.parameters(recurse=False)):
-            order.append(name)
+        elif any(parameter.dim() == 4 for parameter in module.parameters()):
+            called.append(name)
 
     forward_with_pre_hooks(model, x, [(module, lambda module, inputs, name=name: record(name, module))
                                       for name, module in model.named_modules()])
-    return (switch[0], order) if switch else (None, [])
+    if not switch:
+        return None, []
+    return switch[0], [name for name in called if name and not switch[0].startswith(name + ".")]
 
 
 @contextmanager
