@@ -661,6 +661,10 @@ def test_a_switched_layout_is_reported_beside_the_single_layouts_and_a_loss_is_c
     record = result["end_to_end"][1]  # resnet50 fp16: planned 9.0 (NCHW), dense 8.0 (NHWC)
     record |= {"layout_switch": "maxpool", "planned_switched_ms": 7.5, "dense_fused_switched_ms": 8.1}
     text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("planned 7.500 ms; dense fused 8.100 ms, but its stem computed channels-last (a run from before the "
+            "switched dense model kept its NCHW weights; not an NCHW stem)") in text
+    record["dense_fused_layout_switch"] = "maxpool"
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert ("- resnet50 fp16 b128, switched after `maxpool`: planned 7.500 ms, dense fused 8.100 ms, 1.08x; in its "
             "faster single layout the planned model takes 9.000 ms.") in text
     assert text.count("switched after") == 1

@@ -119,9 +119,12 @@ def test_the_switched_column_holds_the_switched_plan_against_the_fastest_dense_m
     """Against the fastest of the eager dense model (15.0 here), the dense fused model's faster single layout and the
     dense fused model switched alike; absent where the run timed no switched plan."""
     base = record(dense_fused_ms=13.0, dense_fused_nhwc_ms=12.2, best_dense_fused_layout="nhwc",
-                  planned_switched_ms=11.0)
+                  planned_switched_ms=11.0, dense_fused_layout_switch="pool")
     assert summary_row(base | {"dense_fused_switched_ms": 12.5}, "r")["switched_speedup"] == pytest.approx(12.2 / 11)
     assert summary_row(base | {"dense_fused_switched_ms": 11.8}, "r")["switched_speedup"] == pytest.approx(11.8 / 11)
+    before_the_fix = {k: v for k, v in base.items() if k != "dense_fused_layout_switch"}
+    assert summary_row(before_the_fix | {"dense_fused_switched_ms": 11.8}, "r")["switched_speedup"] == pytest.approx(
+        12.2 / 11)
     assert summary_row(record(planned_switched_ms=10.0), "r")["switched_speedup"] == pytest.approx(15.0 / 10)
     assert summary_row(record(), "r")["switched_speedup"] is None
     switched = summary_row(base | {"dense_fused_switched_ms": 12.5}, "a")

@@ -634,6 +634,12 @@ def _switched_lines(records: Sequence[dict[str, Any]]) -> list[str]:
             why = r.get("dense_fused_switched_error") or "not timed or its output disagreed"
             lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms (none: {why}).")
             continue
+        if "dense_fused_layout_switch" not in r:  # timed before the fix that kept its stem in NCHW
+            lines.append(f"{run}: planned {_fmt(planned)} ms; dense fused {_fmt(dense)} ms, but its stem computed "
+                         "channels-last (a run from before the switched dense model kept its NCHW weights; not an "
+                         f"NCHW stem); in its faster single layout the planned model takes "
+                         f"{_fmt(fastest_ms(r, 'planned'))} ms, the dense fused model {_fmt(dense_fused_ms(r))} ms.")
+            continue
         verdict = _slower(planned, dense, PLAN_MARGIN)
         lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms, {_fmt(dense / planned, 2)}x"
                      + (f" ({verdict}" + (f", {noise_text(PLAN_MARGIN)}" if verdict == "slower" else "") + ")"

@@ -42,12 +42,15 @@ def best_graph_speedup(record: dict[str, Any]) -> float | None:
 def switched_speedup(record: dict[str, Any]) -> float | None:
     """The planned model with its layout switched after the first max pool (``planned_switched_ms``, runs since the
     fifty-first session) against the fastest dense model of the run: the eager dense model in its faster layout and
-    the dense fused model in its faster single layout or switched alike (``dense_fused_switched_ms``), whichever is
-    fastest; None where the run has no switched planned time."""
+    the dense fused model in its faster single layout or switched alike (``dense_fused_switched_ms``, from runs that
+    record ``dense_fused_layout_switch``: in the first runs the switched dense stem computed channels-last), whichever
+    is fastest; None where the run has no switched planned time."""
     planned = record.get("planned_switched_ms")
     if planned is None:
         return None
-    dense = [fastest_ms(record, "dense"), dense_fused_ms(record), record.get("dense_fused_switched_ms")]
+    # a switched dense time counts from the run that names its pool (before, its stem computed channels-last)
+    switched_dense = record.get("dense_fused_switched_ms") if "dense_fused_layout_switch" in record else None
+    dense = [fastest_ms(record, "dense"), dense_fused_ms(record), switched_dense]
     return min(ms for ms in dense if ms is not None) / planned
 
 
