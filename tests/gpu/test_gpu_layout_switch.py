@@ -8,6 +8,8 @@ import torch
 from torch import nn
 
 from unsparse.runtime import bench, end_to_end
+from unsparse.runtime.dense_fusion import fuse_dense_conv_relu
+from unsparse.runtime.layout import channels_last_after, layout_of
 from unsparse.runtime.plan import Plan
 
 CUDA = torch.device("cuda")
@@ -34,3 +36,24 @@ def test_a_switched_model_agrees_with_the_dense_one(precision: str) -> None:
     assert record["layout_switch"] == "3"
     assert record["planned_switched_rel_error"] <= record["tolerance"] and record["planned_switched_ms"] > 0
     assert record["dense_fused_switched_rel_error"] <= record["tolerance"] and record["dense_fused_switched_ms"] > 0
+
+
+def test_the_switched_dense_model_computes_its_stem_in_nchw_on_cuda() -> None:
+    """cuDNN's fused module reads its child conv's weight without calling the child: the switched dense model must
+    still hold that weight in NCHW, so the stem's output (and cuDNN's computation) is NCHW, and the layers after the
+    pool receive channels-last (before the fix, the stem ran channels-last)."""
+    dense = stem_and_block().to(CUDA)
+    fused, _ = fuse_dense_conv_relu(dense)
+    x = torch.randn(4, 3, 64, 48, device=CUDA)
+    switched, switch = end_to_end._switched_dense(fused, end_to_end.channels_last_copy(fused), x)
+    layouts: dict[str, str] = {}
+
+    def record(name: str, out: torch.Tensor) -> None:
+        layouts.setdefault(name, layout_of(out))
+
+    for name, module in switched.named_children():
+        module.register_forward_hook(lambda module, inputs, out, name=name: record(name, out))
+    with torch.no_grad(), channels_last_after(switched, switch):
+        switched(x)
+    first, last = next(iter(layouts)), list(layouts)[-1]
+    assert layouts[first] == "nchw" and layouts[last] == "nhwc", layouts
