@@ -105,7 +105,8 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     first max pool and channels-last after it (:func:`~unsparse.runtime.layout.layout_switch`; ``layout_switch`` names
     the pool, None where the model calls none or its input has one channel). The planned model is the NCHW copy fed
     NCHW, its layers after the switch running the channels-last plan's entries (the plan holds both, keyed by
-    layout); the dense one is the channels-last fused copy with the weights before the switch in NCHW again.
+    layout); the dense one is the channels-last fused copy with its modules before the switch taken from the NCHW
+    fused model (NCHW weights and epilogue choices: :func:`_switched_dense`).
     ``planned_switched_ms`` and ``dense_fused_switched_ms`` (eager medians; None where not timed or the output's
     relative error, ``planned_switched_rel_error`` / ``dense_fused_switched_rel_error``, exceeds the tolerance;
     ``dense_fused_layout_switch`` names the dense model's pool, which differs from the planned model's where the
