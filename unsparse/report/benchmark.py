@@ -634,18 +634,17 @@ def _switched_lines(records: Sequence[dict[str, Any]]) -> list[str]:
             why = r.get("dense_fused_switched_error") or "not timed or its output disagreed"
             lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms (none: {why}).")
             continue
+        single = (f"; in its faster single layout the planned model takes {_fmt(fastest_ms(r, 'planned'))} ms"
+                  + (f", the dense fused model {_fmt(dense_fused_ms(r))} ms" if dense_fused_ms(r) else "") + ".")
         if "dense_fused_layout_switch" not in r:  # timed before the fix that kept its stem in NCHW
             lines.append(f"{run}: planned {_fmt(planned)} ms; dense fused {_fmt(dense)} ms, but its stem computed "
                          "channels-last (a run from before the switched dense model kept its NCHW weights; not an "
-                         f"NCHW stem); in its faster single layout the planned model takes "
-                         f"{_fmt(fastest_ms(r, 'planned'))} ms, the dense fused model {_fmt(dense_fused_ms(r))} ms.")
+                         "NCHW stem)" + single)
             continue
         verdict = _slower(planned, dense, PLAN_MARGIN)
         lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms, {_fmt(dense / planned, 2)}x"
                      + (f" ({verdict}" + (f", {noise_text(PLAN_MARGIN)}" if verdict == "slower" else "") + ")"
-                        if verdict else "")
-                     + f"; in its faster single layout the planned model takes {_fmt(fastest_ms(r, 'planned'))} ms"
-                     + (f", the dense fused model {_fmt(dense_fused_ms(r))} ms" if dense_fused_ms(r) else "") + ".")
+                        if verdict else "") + single)
     return lines
 
 

@@ -408,23 +408,20 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
 
     sources: list[tuple[str, str]] = []
     compiled_layers: set[str] = set()
+    # (dtype, backend) pairs in order, each once: precisions of one dtype time the same kernels
+    pairs = dict.fromkeys((PRECISIONS[precision].dtype, name) for precision in precisions
+                          for name in plan_backends(precision, also)[1:])
     for layer in layers:
-        listed: set[tuple[torch.dtype, str]] = set()
-        for precision in precisions:
-            mode = PRECISIONS[precision]
-            for name in plan_backends(precision, also)[1:]:
-                if (mode.dtype, name) in listed:
-                    continue
-                listed.add((mode.dtype, name))
-                backend = get_backend(name)
-                list_kernels = getattr(backend, "kernel_sources", None)
-                if list_kernels is None:
-                    continue
-                csr = UniformCSR.from_dense(layer.weight.to(device, mode.dtype))
-                x = torch.empty(1, *layer.in_chw, device=device, dtype=mode.dtype)
-                if backend.unsupported_reason(x, csr, layer.geometry) is None:
-                    sources += list_kernels(x, csr, layer.geometry, backend.tuning_space(x, csr, layer.geometry))
-                    compiled_layers.add(layer.name)
+        for dtype, name in pairs:
+            backend = get_backend(name)
+            list_kernels = getattr(backend, "kernel_sources", None)
+            if list_kernels is None:
+                continue
+            csr = UniformCSR.from_dense(layer.weight.to(device, dtype))
+            x = torch.empty(1, *layer.in_chw, device=device, dtype=dtype)
+            if backend.unsupported_reason(x, csr, layer.geometry) is None:
+                sources += list_kernels(x, csr, layer.geometry, backend.tuning_space(x, csr, layer.geometry))
+                compiled_layers.add(layer.name)
     started = time.perf_counter()
     functions = compile_all(sources, deadline=deadline) if sources else []
     skipped = {source for source, function in zip(sources, functions, strict=True) if function is None}

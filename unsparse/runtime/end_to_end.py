@@ -200,7 +200,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
                 graphs |= graph_timings(lambda: dense_nhwc(x_nhwc), lambda: sparse_nhwc(x_nhwc), device, runs,
                                         "nhwc")
             switch = layout_switch(sparse, x)[0] if nhwc_planned else None
-            switched = _switched_timing(None if switch is None else (sparse, switch), x, dense_out, runs)
+            switched = None if switch is None else _switched_timing(sparse, switch, x, dense_out, runs)
         error = relative_error(sparse_out.double(), dense_out.double())
     dense_times = {"nchw": dense_t.median_ms, "nhwc": nhwc_t.median_ms if nhwc_error <= bound else math.inf}
     planned_times = {"nchw": sparse_t.median_ms,
@@ -341,15 +341,14 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
         return record
     if layout_of(x.contiguous(memory_format=torch.channels_last)) == "nhwc":  # one channel: no channels-last model
         try:
-            switched_model = _switched_dense(fused, fused_nhwc, x)
-            switched = _switched_timing(switched_model, x, dense_out, runs)
+            switched = _switched_dense(fused, fused_nhwc, x)
+            if switched is not None:
+                timing, switched_error = _switched_timing(*switched, x, dense_out, runs)
+                record["dense_fused_layout_switch"] = switched[1]
+                record["dense_fused_switched_rel_error"] = switched_error
+                record["dense_fused_switched_ms"] = timing.median_ms if switched_error <= bound else None
         except RuntimeError as error:
             record["dense_fused_switched_error"] = _first_line(error)
-        else:
-            if switched_model is not None and switched is not None:
-                record["dense_fused_layout_switch"] = switched_model[1]
-                record["dense_fused_switched_rel_error"] = switched[1]
-                record["dense_fused_switched_ms"] = switched[0].median_ms if switched[1] <= bound else None
     for tag, (forward, timing, error) in timings.items():
         record[f"dense_fused{tag}_rel_error"] = error
         if error > bound:
@@ -388,14 +387,10 @@ def _switched_dense(model_nchw: nn.Module, model_nhwc: nn.Module,
     return model, switch
 
 
-def _switched_timing(switched: tuple[nn.Module, str] | None, x: torch.Tensor, reference: torch.Tensor,
-                     runs: int) -> tuple[Timing, float] | None:
-    """The eager timing (ms) of a model fed NCHW ``x`` that switches to channels-last after the module named
-    (:func:`~unsparse.runtime.layout.channels_last_after`), and its output's relative error against ``reference``;
-    None for ``switched`` None."""
-    if switched is None:
-        return None
-    model, switch = switched
+def _switched_timing(model: nn.Module, switch: str, x: torch.Tensor, reference: torch.Tensor,
+                     runs: int) -> tuple[Timing, float]:
+    """The eager timing (ms) of ``model`` fed NCHW ``x``, switched to channels-last after its module ``switch``
+    (:func:`~unsparse.runtime.layout.channels_last_after`), and its output's relative error against ``reference``."""
     with channels_last_after(model, switch):
         error = relative_error(model(x).double(), reference.double())
         return time_fn(lambda i: model(x), x.device, runs=runs), error
