@@ -273,9 +273,23 @@ def test_a_model_with_a_max_pool_is_also_timed_nchw_before_it_and_channels_last_
     assert record["planned_switched_ms"] > 0 and record["planned_switched_rel_error"] < 1e-5
     assert record["dense_fused_switched_ms"] > 0 and record["dense_fused_switched_rel_error"] < 1e-5
     assert record["dense_fused_switched_error"] is None
+    assert record["off_cudnn_switched"] == {"0": record["off_cudnn"]["0"], "3": record["off_cudnn_nhwc"]["3"]}
+    assert sum(record["backend_counts_switched"].values()) == 2
     plain = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
                                         ["dense_cpu"])
     assert plain["layout_switch"] is plain["planned_switched_ms"] is plain["dense_fused_switched_ms"] is None
+    assert plain["backend_counts_switched"] is plain["off_cudnn_switched"] is None
+
+
+def test_a_switched_model_runs_the_nchw_plan_before_the_pool_and_the_channels_last_plan_after_it() -> None:
+    """A layer in a module called before the switch (or in a submodule of one) reads the NCHW plan's label, every
+    other the channels-last plan's; a name that merely begins like a head module's is not inside it."""
+    nchw = {"conv1": "direct", "conv10": "generated", "stem.conv": "direct", "layer1.0.conv1": "cudnn"}
+    nhwc = {"conv1": "cudnn", "conv10": "cudnn", "stem.conv": "cudnn", "layer1.0.conv1": "direct"}
+    switched = end_to_end.switched_backends(nchw, nhwc, ["conv1", "stem"])
+    assert switched == {"conv1": "direct", "conv10": "cudnn", "stem.conv": "direct", "layer1.0.conv1": "direct"}
+    assert list(switched) == list(nchw)
+    assert end_to_end.switched_backends(nchw, {"conv1": "cudnn"}, ["conv1"]) == {"conv1": "direct"}
 
 
 def test_the_switched_dense_model_takes_the_nchw_models_modules_before_the_pool() -> None:

@@ -668,6 +668,13 @@ def test_a_switched_layout_is_reported_beside_the_single_layouts_and_a_loss_is_c
     assert ("- resnet50 fp16 b128, switched after `maxpool`: planned 7.500 ms, dense fused 8.100 ms, 1.08x; in its "
             "faster single layout the planned model takes 9.000 ms.") in text
     assert text.count("switched after") == 1
+    record |= {"backend_counts_switched": {"direct": 1, "cudnn": 2},
+               "off_cudnn_switched": {"conv1": "direct", "fc": "cudnn, converted to nchw"}}
+    assert ("1.08x; 1 of 3 convs on sparse kernels: conv1 (direct); in its faster single layout" in markdown_report(
+        {**result, "targets": evaluate_targets(result)}))
+    record["off_cudnn_switched"] = {}
+    assert "1.08x; 0 of 3 convs on sparse kernels; in its" in markdown_report(
+        {**result, "targets": evaluate_targets(result)})
     record["planned_switched_ms"] = 8.2
     assert "dense fused 8.100 ms, 0.99x (slower, within the 3 % noise margin)" in markdown_report(
         {**result, "targets": evaluate_targets(result)})

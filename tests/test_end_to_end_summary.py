@@ -130,3 +130,23 @@ def test_the_switched_column_holds_the_switched_plan_against_the_fastest_dense_m
     switched = summary_row(base | {"dense_fused_switched_ms": 12.5}, "a")
     page = summary_markdown([switched, summary_row(record(), "b")], "cmd")
     assert f"| {switched['verdict']} | 1.11 |" in page and page.rstrip().endswith("| - |")
+
+
+def test_the_switched_column_gives_the_switched_models_verdict_where_the_run_recorded_its_backends() -> None:
+    """Faster beyond the margin with a sparse conv, no sparse kernel where it runs none (a cuDNN layer converted to
+    the other layout is not sparse), SLOWER beyond the margin whatever its kernels."""
+    base = record(dense_fused_ms=13.0, dense_fused_nhwc_ms=12.2, best_dense_fused_layout="nhwc",
+                  dense_fused_layout_switch="pool", dense_fused_switched_ms=13.5,
+                  backend_counts_switched={"direct": 1, "cudnn": 3},
+                  off_cudnn_switched={"conv1": "direct", "fc": "cudnn, converted to nhwc"})
+
+    def cell(**changes: object) -> str:
+        row = summary_row(base | changes, "r")
+        return summary_markdown([row], "cmd").rstrip().rsplit("|", 2)[1].strip()
+
+    assert cell(planned_switched_ms=11.0) == "1.11, faster (1 of 4 convs sparse)"
+    assert cell(planned_switched_ms=12.0) == "1.02, within noise (1 of 4 convs sparse)"
+    assert cell(planned_switched_ms=13.0) == "0.94, SLOWER (1 of 4 convs sparse)"
+    assert cell(planned_switched_ms=11.0, off_cudnn_switched={"fc": "cudnn, converted to nhwc"}) == (
+        "1.11, no sparse kernel (0 of 4 convs sparse)")
+    assert cell(planned_switched_ms=11.0, backend_counts_switched=None) == "1.11"

@@ -36,6 +36,11 @@ def test_a_switched_model_agrees_with_the_dense_one(precision: str) -> None:
     assert record["layout_switch"] == "3"
     assert record["planned_switched_rel_error"] <= record["tolerance"] and record["planned_switched_ms"] > 0
     assert record["dense_fused_switched_rel_error"] <= record["tolerance"] and record["dense_fused_switched_ms"] > 0
+    assert sum(record["backend_counts_switched"].values()) == sum(record["backend_counts"].values()) == 3
+    expected = {name: label for name, label in record["off_cudnn_nhwc"].items() if name != "0"}  # after the pool
+    if "0" in record["off_cudnn"]:  # the stem, before the pool, reads the NCHW plan
+        expected["0"] = record["off_cudnn"]["0"]
+    assert record["off_cudnn_switched"] == expected, record
 
 
 def test_the_switched_dense_model_computes_its_stem_in_nchw_on_cuda() -> None:

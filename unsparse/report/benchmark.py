@@ -33,8 +33,8 @@ are over (``fp16_half2``: cuDNN FP16, against the half2-product direct kernel), 
 
 def sparse_convs(record: dict[str, Any], suffix: str = "") -> dict[str, str]:
     """Layer name -> sparse backend for the convs an end-to-end record's plan runs on a sparse kernel (the NCHW
-    plan's, or with ``suffix="_nhwc"`` the channels-last plan's): its ``off_cudnn`` labels less the cuDNN layers
-    that compute in the other layout (``"cudnn, converted to nhwc"``,
+    plan's, with ``suffix="_nhwc"`` the channels-last plan's, with ``"_switched"`` the switched model's): its
+    ``off_cudnn`` labels less the cuDNN layers that compute in the other layout (``"cudnn, converted to nhwc"``,
     :func:`~unsparse.runtime.comparator.planned_backends`), which run no sparse kernel."""
     return {name: backend for name, backend in (record.get("off_cudnn" + suffix) or {}).items()
             if not backend.startswith("cudnn")}
@@ -644,8 +644,19 @@ def _switched_lines(records: Sequence[dict[str, Any]]) -> list[str]:
         verdict = _slower(planned, dense, PLAN_MARGIN)
         lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms, {_fmt(dense / planned, 2)}x"
                      + (f" ({verdict}" + (f", {noise_text(PLAN_MARGIN)}" if verdict == "slower" else "") + ")"
-                        if verdict else "") + single)
+                        if verdict else "") + _switched_sparse_text(r) + single)
     return lines
+
+
+def _switched_sparse_text(record: dict[str, Any]) -> str:
+    """``; N of M convs on sparse kernels: NAME (BACKEND), ...`` for the switched planned model of an end-to-end record
+    (``backend_counts_switched``, runs since the fifty-second session), ``""`` for a record without them."""
+    counts = record.get("backend_counts_switched")
+    if not counts:
+        return ""
+    sparse = sparse_convs(record, "_switched")
+    return (f"; {len(sparse)} of {sum(counts.values())} convs on sparse kernels"
+            + (": " + ", ".join(f"{name} ({backend})" for name, backend in sparse.items()) if sparse else ""))
 
 
 def _dense_fused_cell(record: dict[str, Any]) -> str:

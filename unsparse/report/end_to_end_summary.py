@@ -54,6 +54,31 @@ def switched_speedup(record: dict[str, Any]) -> float | None:
     return min(ms for ms in dense if ms is not None) / planned
 
 
+def verdict(speedup: float, sparse_kernels: int | None) -> str:
+    """Whether a planned model that runs ``sparse_kernels`` convs on sparse backends (None: not recorded) beats the
+    best dense model by ``speedup`` (best dense ms over planned ms): "SLOWER" beyond the noise margin
+    (:data:`~unsparse.runtime.comparator.PLAN_MARGIN`), else "no sparse kernel" where it runs none, else "faster"
+    beyond the margin or "within noise"."""
+    if speedup * (1 + PLAN_MARGIN) < 1:
+        return "SLOWER"
+    if sparse_kernels == 0:
+        return "no sparse kernel"
+    return "faster" if speedup > 1 + PLAN_MARGIN else "within noise"
+
+
+def switched_cell(row: dict[str, Any]) -> str:
+    """The summary's switched column for a :func:`summary_row`: ``switched_speedup`` to two decimals, then for a run
+    that records the switched model's backends (since the fifty-second session) its :func:`verdict` and how many of
+    its convs run on sparse kernels; ``-`` where the run timed no switched planned model."""
+    speedup = row["switched_speedup"]
+    if speedup is None:
+        return "-"
+    if row["switched_convs"] is None:
+        return f"{speedup:.2f}"
+    return (f"{speedup:.2f}, {verdict(speedup, row['switched_off_cudnn'])} "
+            f"({row['switched_off_cudnn']} of {row['switched_convs']} convs sparse)")
+
+
 def _layout(record: dict[str, Any], kind: str) -> tuple[float, str]:
     """The record's faster time of ``kind`` ("dense", "planned"), ms, and its layout ("NCHW", "NHWC")."""
     ms = fastest_ms(record, kind)
@@ -76,7 +101,9 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
         "SLOWER" (the plan loses beyond the noise margin, :data:`~unsparse.runtime.comparator.PLAN_MARGIN`), "no
         sparse kernel" (the faster plan runs every conv on cuDNN), "faster" (beyond the margin), or "within noise";
         the last two followed by "(no fused dense model timed)" for a run from before the fused dense model was timed
-        beside the plan. The verdict reads the eager times. ``switched_speedup``: :func:`switched_speedup`.
+        beside the plan (:func:`verdict`). The verdict reads the eager times. ``switched_speedup``:
+        :func:`switched_speedup`; ``switched_off_cudnn`` and ``switched_convs``: the switched planned model's convs on
+        sparse backends and all its convs (``backend_counts_switched``), None for a record without them.
     """
     dense_ms, dense_layout = _layout(record, "dense")
     planned_ms, planned_layout = _layout(record, "planned")
@@ -85,16 +112,10 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
     suffix = "" if planned_layout == "NCHW" else "_nhwc"
     counts = record.get("backend_counts" + suffix)
     off = len(sparse_convs(record, suffix)) if counts else None
-    if planned_ms > (1 + PLAN_MARGIN) * best_dense:
-        verdict = "SLOWER"
-    elif off == 0:
-        verdict = "no sparse kernel"
-    elif planned_ms * (1 + PLAN_MARGIN) < best_dense:
-        verdict = "faster"
-    else:
-        verdict = "within noise"
-    if "dense_fused_convs" not in record and verdict in ("faster", "within noise"):  # a run from before it was timed
-        verdict += " (no fused dense model timed)"
+    row_verdict = verdict(best_dense / planned_ms, off)
+    if "dense_fused_convs" not in record and row_verdict in ("faster", "within noise"):  # from before it was timed
+        row_verdict += " (no fused dense model timed)"
+    switched_counts = record.get("backend_counts_switched")
     fused_layout = record.get("best_dense_fused_layout")
     return {"run": run, "model": record["model"], "weights": record.get("weights", "synthetic"),
             "sparsity": record.get("sparsity"), "batch": record["batch"],
@@ -107,8 +128,9 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
             "planned_ms": planned_ms, "planned_layout": planned_layout, "best_dense_ms": best_dense,
             "speedup": best_dense / planned_ms, "best_graph_speedup": best_graph_speedup(record),
             "switched_speedup": switched_speedup(record), "off_cudnn": off,
-            "convs": sum(counts.values()) if counts else None,
-            "verdict": verdict}
+            "convs": sum(counts.values()) if counts else None, "verdict": row_verdict,
+            "switched_off_cudnn": len(sparse_convs(record, "_switched")) if switched_counts else None,
+            "switched_convs": sum(switched_counts.values()) if switched_counts else None}
 
 
 def summary_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
@@ -160,7 +182,7 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
              cell(r["planned_ms"], r["planned_layout"]), f"{r['speedup']:.2f}",
              "-" if r["best_graph_speedup"] is None else f"{r['best_graph_speedup']:.2f}",
              "-" if r["convs"] is None else f"{r['off_cudnn']} of {r['convs']}", r["verdict"],
-             "-" if r["switched_speedup"] is None else f"{r['switched_speedup']:.2f}"] for r in chosen])
+             switched_cell(r)] for r in chosen])
     return "\n".join([
         "# Whole models: does the sparse model beat the dense one?", "",
         f"Made by `{command}` from the benchmark results named in the first column (under `benchmarks/results/`, "
@@ -182,7 +204,8 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
         "and their ratio is against the eager dense model alone (where later runs timed both, the fused one was "
         "the faster dense model). Switched: the planned model fed NCHW, in NCHW up to the first max pool and "
         "channels-last after it (runs since the fifty-first session), against the fastest dense model of the run "
-        "(eager, fused, or fused and switched alike); the verdict does not read it.", "",
+        "(eager, fused, or fused and switched alike), with its own verdict and count of convs on sparse kernels "
+        "in runs since the fifty-second session; the verdict column does not read it.", "",
         "## Latest run of each setting", "",
         "The last run below (files in name order: date, then session) of each model, weights, precision, sparsity "
         "and batch; what it folded and fused is in its row.", "",

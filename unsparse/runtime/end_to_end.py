@@ -111,7 +111,9 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     relative error, ``planned_switched_rel_error`` / ``dense_fused_switched_rel_error``, exceeds the tolerance;
     ``dense_fused_layout_switch`` names the dense model's pool, which differs from the planned model's where the
     planned copy fused its first pool into a conv). They are recorded beside the single-layout times and enter no
-    ``best_*`` ratio. With ``fold_batch_norm`` ``"epilogue"`` the switched planned model folds as the NCHW plan chose,
+    ``best_*`` ratio. ``backend_counts_switched`` and ``off_cudnn_switched`` give the switched planned model's backends
+    as ``backend_counts`` and ``off_cudnn`` give the NCHW plan's (:func:`switched_backends`; None without a switch).
+    With ``fold_batch_norm`` ``"epilogue"`` the switched planned model folds as the NCHW plan chose,
     also in the layers after the switch that run channels-last entries: the same function, possibly a pass more or
     less than the channels-last copy folds.
 
@@ -199,7 +201,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
                 planned_nhwc_t = time_fn(lambda i: sparse_nhwc(x_nhwc), device, runs=runs)
                 graphs |= graph_timings(lambda: dense_nhwc(x_nhwc), lambda: sparse_nhwc(x_nhwc), device, runs,
                                         "nhwc")
-            switch = layout_switch(sparse, x)[0] if nhwc_planned else None
+            switch, head = layout_switch(sparse, x) if nhwc_planned else (None, [])
             switched = None if switch is None else _switched_timing(sparse, switch, x, dense_out, runs)
         error = relative_error(sparse_out.double(), dense_out.double())
     dense_times = {"nchw": dense_t.median_ms, "nhwc": nhwc_t.median_ms if nhwc_error <= bound else math.inf}
@@ -211,6 +213,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     best_fused = min(fused_times, key=fused_times.get) if fused_times else None
     by_layer = planned_backends(sparse, plan)
     by_layer_nhwc = planned_backends(sparse_nhwc, plan) if nhwc_planned else {}
+    by_layer_switched = switched_backends(by_layer, by_layer_nhwc, head) if switch is not None else None
     return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
             "speedup": dense_t.median_ms / sparse_t.median_ms, "rel_error": error,
             "dense_nhwc_ms": _finite(dense_times["nhwc"]), "dense_nhwc_rel_error": nhwc_error,
@@ -246,7 +249,27 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "layout_switch": switch,
             "planned_switched_ms": (switched[0].median_ms if switched is not None and switched[1] <= bound
                                     else None),
-            "planned_switched_rel_error": None if switched is None else switched[1]}
+            "planned_switched_rel_error": None if switched is None else switched[1],
+            "backend_counts_switched": None if by_layer_switched is None else dict(Counter(by_layer_switched.values())),
+            "off_cudnn_switched": None if by_layer_switched is None else {
+                name: backend for name, backend in by_layer_switched.items() if backend != "cudnn"}}
+
+
+def switched_backends(by_layer: dict[str, str], by_layer_nhwc: dict[str, str], head: Sequence[str]) -> dict[str, str]:
+    """Layer name -> backend label of a planned model switched to channels-last after its first max pool: the NCHW
+    plan's label (``by_layer``, :func:`~unsparse.runtime.comparator.planned_backends`) for a layer in one of the
+    ``head`` modules (called before the switch, :func:`~unsparse.runtime.layout.layout_switch`) and the channels-last
+    plan's (``by_layer_nhwc``) for every other, since a layer looks its entry up by the layout of the input it
+    receives. In ``by_layer``'s order; a layer without a label in the plan it reads is left out."""
+    def before_switch(name: str) -> bool:
+        return any(name == module or name.startswith(module + ".") for module in head)
+
+    labels = {}
+    for name in by_layer:
+        chosen = by_layer if before_switch(name) else by_layer_nhwc
+        if name in chosen:
+            labels[name] = chosen[name]
+    return labels
 
 
 def _plan_check_fold(model: nn.Module, x: torch.Tensor, plan: Plan, backends: list[str] | None, runs: int,
