@@ -12,6 +12,8 @@ from torch import nn
 from unsparse.runtime import bench, comparator, dense_fusion, end_to_end
 from unsparse.runtime.backends.dense import DenseBackend
 from unsparse.runtime.backends.lowering import LoweringBackend
+from unsparse.runtime.layout import layout_of
+from unsparse.runtime.modules import sparsify
 from unsparse.runtime.plan import Plan, PlanEntry, without_epilogue
 
 if TYPE_CHECKING:
@@ -281,15 +283,17 @@ def test_a_model_with_a_max_pool_is_also_timed_nchw_before_it_and_channels_last_
     assert plain["backend_counts_switched"] is plain["off_cudnn_switched"] is None
 
 
-def test_a_switched_model_runs_the_nchw_plan_before_the_pool_and_the_channels_last_plan_after_it() -> None:
-    """A layer in a module called before the switch (or in a submodule of one) reads the NCHW plan's label, every
-    other the channels-last plan's; a name that merely begins like a head module's is not inside it."""
-    nchw = {"conv1": "direct", "conv10": "generated", "stem.conv": "direct", "layer1.0.conv1": "cudnn"}
-    nhwc = {"conv1": "cudnn", "conv10": "cudnn", "stem.conv": "cudnn", "layer1.0.conv1": "direct"}
-    switched = end_to_end.switched_backends(nchw, nhwc, ["conv1", "stem"])
-    assert switched == {"conv1": "direct", "conv10": "cudnn", "stem.conv": "direct", "layer1.0.conv1": "direct"}
-    assert list(switched) == list(nchw)
-    assert end_to_end.switched_backends(nchw, {"conv1": "cudnn"}, ["conv1"]) == {"conv1": "direct"}
+def test_a_switched_sparse_model_feeds_nchw_before_the_pool_and_channels_last_after_it() -> None:
+    """The sparse copy's layers (which hold no 4-D parameter) receive NCHW up to the pool and channels-last after it,
+    so each reads the plan entry of that layout; a layer reads the label of the layout it received."""
+    sparse = sparsify(pooled_model())
+    x = torch.randn(2, 3, 12, 10)
+    assert end_to_end.switched_input_layouts(sparse, "2", x) == {"0": "nchw", "3": "nhwc"}
+    assert layout_of(sparse(x)) == "nchw"  # the switch is undone after the pass
+    nchw = {"0": "direct", "3": "generated", "5": "direct"}
+    nhwc = {"0": "cudnn", "3": "cudnn, converted to nchw"}
+    assert end_to_end.switched_backends(nchw, nhwc, {"0": "nchw", "3": "nhwc", "5": "nhwc"}) == {
+        "0": "direct", "3": "cudnn, converted to nchw"}
 
 
 def test_the_switched_dense_model_takes_the_nchw_models_modules_before_the_pool() -> None:

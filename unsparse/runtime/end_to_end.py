@@ -38,6 +38,7 @@ from unsparse.runtime.comparator import (
     tolerance,
 )
 from unsparse.runtime.dense_fusion import choose_epilogues_, fuse_dense_conv_relu
+from unsparse.runtime.hooks import forward_with_pre_hooks
 from unsparse.runtime.layout import channels_last_after, layout_of, layout_switch
 from unsparse.runtime.modules import set_backend, sparse_layers, sparsify, temporary_backend
 from unsparse.runtime.plan import Plan, without_epilogue
@@ -201,7 +202,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
                 planned_nhwc_t = time_fn(lambda i: sparse_nhwc(x_nhwc), device, runs=runs)
                 graphs |= graph_timings(lambda: dense_nhwc(x_nhwc), lambda: sparse_nhwc(x_nhwc), device, runs,
                                         "nhwc")
-            switch, head = layout_switch(sparse, x) if nhwc_planned else (None, [])
+            switch = layout_switch(sparse, x)[0] if nhwc_planned else None
             switched = None if switch is None else _switched_timing(sparse, switch, x, dense_out, runs)
         error = relative_error(sparse_out.double(), dense_out.double())
     dense_times = {"nchw": dense_t.median_ms, "nhwc": nhwc_t.median_ms if nhwc_error <= bound else math.inf}
@@ -213,7 +214,8 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     best_fused = min(fused_times, key=fused_times.get) if fused_times else None
     by_layer = planned_backends(sparse, plan)
     by_layer_nhwc = planned_backends(sparse_nhwc, plan) if nhwc_planned else {}
-    by_layer_switched = switched_backends(by_layer, by_layer_nhwc, head) if switch is not None else None
+    by_layer_switched = (None if switch is None
+                         else switched_backends(by_layer, by_layer_nhwc, switched_input_layouts(sparse, switch, x)))
     return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
             "speedup": dense_t.median_ms / sparse_t.median_ms, "rel_error": error,
             "dense_nhwc_ms": _finite(dense_times["nhwc"]), "dense_nhwc_rel_error": nhwc_error,
@@ -255,21 +257,33 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
                 name: backend for name, backend in by_layer_switched.items() if backend != "cudnn"}}
 
 
-def switched_backends(by_layer: dict[str, str], by_layer_nhwc: dict[str, str], head: Sequence[str]) -> dict[str, str]:
-    """Layer name -> backend label of a planned model switched to channels-last after its first max pool: the NCHW
-    plan's label (``by_layer``, :func:`~unsparse.runtime.comparator.planned_backends`) for a layer in one of the
-    ``head`` modules (called before the switch, :func:`~unsparse.runtime.layout.layout_switch`) and the channels-last
-    plan's (``by_layer_nhwc``) for every other, since a layer looks its entry up by the layout of the input it
-    receives. In ``by_layer``'s order; a layer without a label in the plan it reads is left out."""
-    def before_switch(name: str) -> bool:
-        return any(name == module or name.startswith(module + ".") for module in head)
+def switched_input_layouts(model: nn.Module, switch: str, x: torch.Tensor) -> dict[str, str]:
+    """SparseConv name -> the layout (``"nchw"``, ``"nhwc"``: :func:`~unsparse.runtime.layout.layout_of`) of the
+    input it receives when ``model`` is fed ``x`` switched to channels-last after its module ``switch``
+    (:func:`~unsparse.runtime.layout.channels_last_after`), in module order; a layer not called is left out. One
+    forward pass under ``torch.no_grad()``; ``model`` is not modified."""
+    layouts: dict[str, str] = {}
 
-    labels = {}
-    for name in by_layer:
-        chosen = by_layer if before_switch(name) else by_layer_nhwc
-        if name in chosen:
-            labels[name] = chosen[name]
-    return labels
+    def record(name: str, x: torch.Tensor) -> None:  # a pre-hook returning a value would replace the input
+        layouts.setdefault(name, layout_of(x))
+
+    hooks = [(layer, lambda layer, inputs, name=name: record(name, inputs[0]))
+             for name, layer in sparse_layers(model).items()]
+    with channels_last_after(model, switch):
+        forward_with_pre_hooks(model, x, hooks)
+    return {name: layouts[name] for name in sparse_layers(model) if name in layouts}
+
+
+def switched_backends(by_layer: dict[str, str], by_layer_nhwc: dict[str, str],
+                      input_layouts: dict[str, str]) -> dict[str, str]:
+    """Layer name -> backend label of a planned model switched to channels-last after its first max pool: a layer
+    looks its plan entry up by the layout of the input it receives (``input_layouts``, :func:`switched_input_layouts`),
+    so it reads the NCHW plan's label (``by_layer``, :func:`~unsparse.runtime.comparator.planned_backends`) where that
+    input is NCHW and the channels-last plan's (``by_layer_nhwc``) where it is channels-last. In ``by_layer``'s order;
+    a layer not called, or without a label in the plan it reads, is left out."""
+    plans = {"nchw": by_layer, "nhwc": by_layer_nhwc}
+    return {name: plans[input_layouts[name]][name] for name in by_layer
+            if name in input_layouts and name in plans[input_layouts[name]]}
 
 
 def _plan_check_fold(model: nn.Module, x: torch.Tensor, plan: Plan, backends: list[str] | None, runs: int,
