@@ -51,7 +51,9 @@ def layout_switch(model: nn.Module, x: torch.Tensor) -> tuple[str | None, list[s
     (convolution weights) themselves or in a submodule (a fused conv module that reads its child's weight without
     calling the child counts), in call order, leaving out the modules that contain the pool (the model itself, a
     ``features`` container). ``(None, [])`` where the model calls no such max pool (VGG with its pools fused into the
-    convs). One forward pass under ``torch.no_grad()``; ``model`` is not modified.
+    convs). A sparse copy's layers hold CSR buffers, not 4-D parameters, so they are not listed
+    (:func:`~unsparse.runtime.end_to_end.switched_input_layouts` gives the layout each of them receives). One forward
+    pass under ``torch.no_grad()``; ``model`` is not modified.
 
     A stem's input has three channels, where cuDNN's channels-last kernels are slow (ResNet-50's 7x7 stem in TF32:
     0.790 ms channels-last, where the NCHW ``direct`` kernel takes 0.313 ms, ``kernels/NOTES.md``, fifty-first
