@@ -204,6 +204,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
                                         "nhwc")
             switch = layout_switch(sparse, x)[0] if nhwc_planned else None
             switched = None if switch is None else _switched_timing(sparse, switch, x, dense_out, runs)
+            switched_layouts = None if switch is None else switched_input_layouts(sparse, switch, x)
         error = relative_error(sparse_out.double(), dense_out.double())
     dense_times = {"nchw": dense_t.median_ms, "nhwc": nhwc_t.median_ms if nhwc_error <= bound else math.inf}
     planned_times = {"nchw": sparse_t.median_ms,
@@ -214,8 +215,8 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     best_fused = min(fused_times, key=fused_times.get) if fused_times else None
     by_layer = planned_backends(sparse, plan)
     by_layer_nhwc = planned_backends(sparse_nhwc, plan) if nhwc_planned else {}
-    by_layer_switched = (None if switch is None
-                         else switched_backends(by_layer, by_layer_nhwc, switched_input_layouts(sparse, switch, x)))
+    by_layer_switched = (None if switched_layouts is None
+                         else switched_backends(by_layer, by_layer_nhwc, switched_layouts))
     return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
             "speedup": dense_t.median_ms / sparse_t.median_ms, "rel_error": error,
             "dense_nhwc_ms": _finite(dense_times["nhwc"]), "dense_nhwc_rel_error": nhwc_error,
