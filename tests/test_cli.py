@@ -207,42 +207,86 @@ def test_a_job_refused_by_the_folder_lock_leaves_the_running_jobs_log_alone(tmp_
     assert "_target_" not in (tmp_path / "cli.log").read_text()
 
 
-@pytest.mark.parametrize(("override", "line"), [
-    ("train.epochs=-1", "unsparse: refused: train.epochs: expected an integer >= 0, got -1"),
-    ("prune.lr=-1", "unsparse: refused: prune: lr: expected a number > 0 and finite (or null), got -1 (the "
-                    "pruner's learning rate: prune.lr in the job's config, not train.lr)"),  # inside instantiate
-    ("runtime.backend=direct", "unsparse: refused: runtime.backend: 'direct' runs on ['cuda'], the job on cpu"),
-])
-def test_a_refused_setting_is_one_line_and_exit_status_2(tmp_path, override, line):
+# One Python runs every case of a refusal table in turn (``unsparse.cli.main`` with each case's command line, its
+# stderr and exit status kept per case): a process per case spent about 5-9 s starting Python, torch and Hydra.
+CLI_CASES = """
+import contextlib, io, json, sys
+from unsparse.cli import main
+outcomes = []
+for argv in json.loads(sys.argv[1]):
+    sys.argv, stderr = argv, io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            main()
+            status = 0
+        except SystemExit as end:
+            status = end.code
+    outcomes.append([status, stderr.getvalue()])
+print(json.dumps(outcomes))
+"""
+
+
+def cli_outcomes(commands: list[list[str]]) -> list[tuple[int, str]]:
+    """Exit status and stderr of ``unsparse`` run with each of ``commands`` (its arguments after the program name),
+    one after another in one Python started in the repository (``sparse_file=pyproject.toml`` names its file)."""
+    done = subprocess.run([sys.executable, "-c", CLI_CASES, json.dumps([["unsparse", *c] for c in commands])],
+                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stderr
+    return [tuple(outcome) for outcome in json.loads(done.stdout.splitlines()[-1])]
+
+
+REFUSED_SETTINGS = {
+    "train.epochs=-1": "unsparse: refused: train.epochs: expected an integer >= 0, got -1",
+    "prune.lr=-1": "unsparse: refused: prune: lr: expected a number > 0 and finite (or null), got -1 (the pruner's "
+                   "learning rate: prune.lr in the job's config, not train.lr)",  # inside instantiate
+    "runtime.backend=direct": "unsparse: refused: runtime.backend: 'direct' runs on ['cuda'], the job on cpu",
+}
+
+
+@pytest.fixture(scope="module")
+def refused_settings(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
+    folders = {override: tmp_path_factory.mktemp("refused") for override in REFUSED_SETTINGS}
+    outcomes = cli_outcomes([["experiment=smoke", "data=digits", "device=cpu", "progress=false", override,
+                              f"hydra.run.dir={folder}"] for override, folder in folders.items()])
+    return {override: (*outcome, folders[override]) for override, outcome in zip(folders, outcomes, strict=True)}
+
+
+@pytest.mark.parametrize("override", REFUSED_SETTINGS)
+def test_a_refused_setting_is_one_line_and_exit_status_2(refused_settings, override):
     """Hydra printed its traceback above the message of every refusal; nothing has run when one is raised."""
-    command = [sys.executable, "-c", "from unsparse.cli import main; main()", "experiment=smoke", "data=digits",
-               "device=cpu", "progress=false", override, f"hydra.run.dir={tmp_path}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 2 and line in done.stderr and "Traceback" not in done.stderr
+    status, stderr, _ = refused_settings[override]
+    assert status == 2 and REFUSED_SETTINGS[override] in stderr and "Traceback" not in stderr
 
 
-@pytest.mark.parametrize(("override", "line"), [
-    ("sparsities=[0.9,1.0]", "unsparse bench: refused: sparsities: expected a number in [0, 1) (a sparsity), got 1.0"),
-    ("models=[vgg17]", "unsparse bench: refused: models: ['vgg17'] not among vgg16, resnet50, alexnet, googlenet"),
-    ("layer_filter='features.(1'", "unsparse bench: refused: layer_filter: 'features.(1' is no regular expression"),
-    ("sparse_file=pyproject.toml", "unsparse bench: refused: sparse_input_shape: needed with sparse_file"),
-    ("sparse_file=missing.safetensors", "unsparse bench: refused: sparse_file: missing.safetensors is no file"),
-    ("batches=128", "unsparse bench: refused: batches: expected a list, e.g. [128], got 128"),
-    ("layer_filter=5", "unsparse bench: refused: layer_filter: expected a regular expression (a string), got 5"),
-    ("batches=[0]", "unsparse bench: refused: batches: expected an integer >= 1, got 0"),
+REFUSED_BENCH_SETTINGS = {
+    "sparsities=[0.9,1.0]": "unsparse bench: refused: sparsities: expected a number in [0, 1) (a sparsity), got 1.0",
+    "models=[vgg17]": "unsparse bench: refused: models: ['vgg17'] not among vgg16, resnet50, alexnet, googlenet",
+    "layer_filter='features.(1'": "unsparse bench: refused: layer_filter: 'features.(1' is no regular expression",
+    "sparse_file=pyproject.toml": "unsparse bench: refused: sparse_input_shape: needed with sparse_file",
+    "sparse_file=missing.safetensors": "unsparse bench: refused: sparse_file: missing.safetensors is no file",
+    "batches=128": "unsparse bench: refused: batches: expected a list, e.g. [128], got 128",
+    "layer_filter=5": "unsparse bench: refused: layer_filter: expected a regular expression (a string), got 5",
+    "batches=[0]": "unsparse bench: refused: batches: expected an integer >= 1, got 0",
     # torch.manual_seed took it as 1
-    ("seed=1.5", "unsparse bench: refused: seed: expected an integer in [0, 4294967295], got 1.5"),
-])
-def test_a_refused_bench_setting_is_one_line_and_exit_status_2(tmp_path, override, line):
+    "seed=1.5": "unsparse bench: refused: seed: expected an integer in [0, 4294967295], got 1.5",
+}
+
+
+@pytest.fixture(scope="module")
+def refused_bench_settings(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
+    folders = {override: tmp_path_factory.mktemp("refused_bench") for override in REFUSED_BENCH_SETTINGS}
+    outcomes = cli_outcomes([["bench", override, f"hydra.run.dir={folder}"] for override, folder in folders.items()])
+    return {override: (*outcome, folders[override]) for override, outcome in zip(folders, outcomes, strict=True)}
+
+
+@pytest.mark.parametrize("override", REFUSED_BENCH_SETTINGS)
+def test_a_refused_bench_setting_is_one_line_and_exit_status_2(refused_bench_settings, override):
     """``unsparse bench`` checks its settings before any GPU work (this machine has none, so a setting that passed
     would end in the CUDA refusal instead); a missing ``sparse_input_shape`` used to stop the run after every
     per-layer timing."""
-    command = [sys.executable, "-c", "from unsparse.cli import main; main()", "bench", override,
-               f"hydra.run.dir={tmp_path}"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parent.parent)  # sparse_file=pyproject.toml: the repository's
-    assert done.returncode == 2 and line in done.stderr and "Traceback" not in done.stderr
-    assert not (tmp_path / ".hydra").exists()  # Hydra's copy of the refused run's config used to be written
+    status, stderr, folder = refused_bench_settings[override]
+    assert status == 2 and REFUSED_BENCH_SETTINGS[override] in stderr and "Traceback" not in stderr
+    assert not (folder / ".hydra").exists()  # Hydra's copy of the refused run's config used to be written
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
