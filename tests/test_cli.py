@@ -16,6 +16,7 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
+from tests.one_python import outcomes_in_one_python
 from unsparse.cli import CONFIG_DIR
 from unsparse.prune.base import Pruner
 from unsparse.quant.base import Quantizer
@@ -207,34 +208,6 @@ def test_a_job_refused_by_the_folder_lock_leaves_the_running_jobs_log_alone(tmp_
     assert "_target_" not in (tmp_path / "cli.log").read_text()
 
 
-# One Python runs every case of a refusal table in turn (``unsparse.cli.main`` with each case's command line, its
-# stderr and exit status kept per case): a process per case spent about 5-9 s starting Python, torch and Hydra.
-CLI_CASES = """
-import contextlib, io, json, sys
-from unsparse.cli import main
-outcomes = []
-for argv in json.loads(sys.argv[1]):
-    sys.argv, stderr = argv, io.StringIO()
-    with contextlib.redirect_stderr(stderr):
-        try:
-            main()
-            status = 0
-        except SystemExit as end:
-            status = end.code
-    outcomes.append([status, stderr.getvalue()])
-print(json.dumps(outcomes))
-"""
-
-
-def cli_outcomes(commands: list[list[str]]) -> list[tuple[int, str]]:
-    """Exit status and stderr of ``unsparse`` run with each of ``commands`` (its arguments after the program name),
-    one after another in one Python started in the repository (``sparse_file=pyproject.toml`` names its file)."""
-    done = subprocess.run([sys.executable, "-c", CLI_CASES, json.dumps([["unsparse", *c] for c in commands])],
-                          capture_output=True, text=True, timeout=600, cwd=Path(__file__).resolve().parent.parent)
-    assert done.returncode == 0, done.stderr
-    return [tuple(outcome) for outcome in json.loads(done.stdout.splitlines()[-1])]
-
-
 REFUSED_SETTINGS = {
     "train.epochs=-1": "unsparse: refused: train.epochs: expected an integer >= 0, got -1",
     "prune.lr=-1": "unsparse: refused: prune: lr: expected a number > 0 and finite (or null), got -1 (the pruner's "
@@ -246,8 +219,8 @@ REFUSED_SETTINGS = {
 @pytest.fixture(scope="module")
 def refused_settings(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
     folders = {override: tmp_path_factory.mktemp("refused") for override in REFUSED_SETTINGS}
-    outcomes = cli_outcomes([["experiment=smoke", "data=digits", "device=cpu", "progress=false", override,
-                              f"hydra.run.dir={folder}"] for override, folder in folders.items()])
+    outcomes = outcomes_in_one_python([["unsparse", "experiment=smoke", "data=digits", "device=cpu", "progress=false",
+                                        override, f"hydra.run.dir={folder}"] for override, folder in folders.items()])
     return {override: (*outcome, folders[override]) for override, outcome in zip(folders, outcomes, strict=True)}
 
 
@@ -275,7 +248,8 @@ REFUSED_BENCH_SETTINGS = {
 @pytest.fixture(scope="module")
 def refused_bench_settings(tmp_path_factory) -> dict[str, tuple[int, str, Path]]:
     folders = {override: tmp_path_factory.mktemp("refused_bench") for override in REFUSED_BENCH_SETTINGS}
-    outcomes = cli_outcomes([["bench", override, f"hydra.run.dir={folder}"] for override, folder in folders.items()])
+    outcomes = outcomes_in_one_python([["unsparse", "bench", override, f"hydra.run.dir={folder}"]
+                                       for override, folder in folders.items()])
     return {override: (*outcome, folders[override]) for override, outcome in zip(folders, outcomes, strict=True)}
 
 

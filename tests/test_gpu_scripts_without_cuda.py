@@ -4,34 +4,44 @@ instead of torch's driver error as a traceback (a scripts audit's find)."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.one_python import outcomes_in_one_python
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize(("script", "arguments"), [
-    ("profile_direct.py", ["--shape", "2", "8", "8", "8", "--out-channels", "8", "--params", "{}"]),
-    ("profile_end_to_end.py", ["--out", "OUT"]),
-    ("profile_launch.py", ["--out", "OUT"]),
-    ("time_pairing.py", []),
-    ("probe_instruction_fetch.py", ["--out", "OUT"]),
-    ("time_cudnn_layouts.py", ["--models", "alexnet", "--layer-filter", "^none$", "--out", "OUT"]),
-    ("time_dense_baselines.py", ["--out", "OUT"]),
-])
-def test_a_gpu_script_without_cuda_says_so_in_one_line(tmp_path: Path, script: str, arguments: list[str]) -> None:
-    """Run as documented (``PYTHONPATH=.``) with every CUDA device hidden; nothing is written to ``--out``."""
-    out = tmp_path / "out"
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)}
-    command = [sys.executable, str(ROOT / "scripts" / script), *[str(out) if a == "OUT" else a for a in arguments]]
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT, timeout=300)
-    assert done.returncode == 2, done.stderr
-    assert done.stderr == f"{script}: needs a CUDA GPU, and torch sees none here\n"
+GPU_SCRIPTS = {
+    "profile_direct.py": ["--shape", "2", "8", "8", "8", "--out-channels", "8", "--params", "{}"],
+    "profile_end_to_end.py": ["--out", "OUT"],
+    "profile_launch.py": ["--out", "OUT"],
+    "time_pairing.py": [],
+    "probe_instruction_fetch.py": ["--out", "OUT"],
+    "time_cudnn_layouts.py": ["--models", "alexnet", "--layer-filter", "^none$", "--out", "OUT"],
+    "time_dense_baselines.py": ["--out", "OUT"],
+}
+@pytest.fixture(scope="module")
+def gpu_scripts_without_cuda(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[int, str, Path]]:
+    outs = {script: tmp_path_factory.mktemp("gpu_script") / "out" for script in GPU_SCRIPTS}
+    commands = [[str(ROOT / "scripts" / script), *[str(outs[script]) if a == "OUT" else a for a in arguments]]
+                for script, arguments in GPU_SCRIPTS.items()]
+    # as documented (PYTHONPATH=.), every CUDA device hidden; one Python for all (tests/one_python.py)
+    outcomes = outcomes_in_one_python(commands, script=True,
+                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)})
+    return {script: (*outcome, outs[script]) for script, outcome in zip(GPU_SCRIPTS, outcomes, strict=True)}
+
+
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+def test_a_gpu_script_without_cuda_says_so_in_one_line(gpu_scripts_without_cuda: dict[str, tuple[int, str, Path]],
+                                                       script: str) -> None:
+    """Run as documented with every CUDA device hidden; nothing is written to ``--out``."""
+    status, stderr, out = gpu_scripts_without_cuda[script]
+    assert status == 2, stderr
+    assert stderr == f"{script}: needs a CUDA GPU, and torch sees none here\n"
     assert not out.exists()
 
 
