@@ -40,6 +40,13 @@ def sparse_convs(record: dict[str, Any], suffix: str = "") -> dict[str, str]:
             if not backend.startswith("cudnn")}
 
 
+def sparse_conv_count(record: dict[str, Any], suffix: str = "") -> tuple[int, int] | None:
+    """``(convs on sparse kernels, all convs)`` of the plan ``suffix`` names (as :func:`sparse_convs`), None for an
+    end-to-end record without its ``backend_counts``."""
+    counts = record.get("backend_counts" + suffix)
+    return (len(sparse_convs(record, suffix)), sum(counts.values())) if counts else None
+
+
 def _off_cudnn(record: dict[str, Any], suffix: str = "") -> str:
     """``; not on cuDNN: NAME (BACKEND), ...`` for an end-to-end record's layers planned on sparse kernels
     (:func:`sparse_convs`), then ``; on cuDNN after a layout conversion: NAME (converted to LAYOUT), ...`` for its
@@ -651,11 +658,11 @@ def _switched_lines(records: Sequence[dict[str, Any]]) -> list[str]:
 def _switched_sparse_text(record: dict[str, Any]) -> str:
     """``; N of M convs on sparse kernels: NAME (BACKEND), ...`` for the switched planned model of an end-to-end record
     (``backend_counts_switched``, runs since the fifty-second session), ``""`` for a record without them."""
-    counts = record.get("backend_counts_switched")
-    if not counts:
+    counted = sparse_conv_count(record, "_switched")
+    if counted is None:
         return ""
     sparse = sparse_convs(record, "_switched")
-    return (f"; {len(sparse)} of {sum(counts.values())} convs on sparse kernels"
+    return (f"; {counted[0]} of {counted[1]} convs on sparse kernels"
             + (": " + ", ".join(f"{name} ({backend})" for name, backend in sparse.items()) if sparse else ""))
 
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from unsparse.report.benchmark import dense_fused_ms, fastest_ms, fold_policy, precision_label, sparse_convs
+from unsparse.report.benchmark import dense_fused_ms, fastest_ms, fold_policy, precision_label, sparse_conv_count
 from unsparse.report.document import markdown_table
 from unsparse.report.results import load_result
 from unsparse.runtime.comparator import PLAN_MARGIN
@@ -110,12 +110,11 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
     fused_ms = dense_fused_ms(record)
     best_dense = min(dense_ms, fused_ms) if fused_ms is not None else dense_ms
     suffix = "" if planned_layout == "NCHW" else "_nhwc"
-    counts = record.get("backend_counts" + suffix)
-    off = len(sparse_convs(record, suffix)) if counts else None
+    off, convs = sparse_conv_count(record, suffix) or (None, None)
+    switched_off, switched_convs = sparse_conv_count(record, "_switched") or (None, None)
     row_verdict = verdict(best_dense / planned_ms, off)
     if "dense_fused_convs" not in record and row_verdict in ("faster", "within noise"):  # from before it was timed
         row_verdict += " (no fused dense model timed)"
-    switched_counts = record.get("backend_counts_switched")
     fused_layout = record.get("best_dense_fused_layout")
     return {"run": run, "model": record["model"], "weights": record.get("weights", "synthetic"),
             "sparsity": record.get("sparsity"), "batch": record["batch"],
@@ -128,9 +127,8 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
             "planned_ms": planned_ms, "planned_layout": planned_layout, "best_dense_ms": best_dense,
             "speedup": best_dense / planned_ms, "best_graph_speedup": best_graph_speedup(record),
             "switched_speedup": switched_speedup(record), "off_cudnn": off,
-            "convs": sum(counts.values()) if counts else None, "verdict": row_verdict,
-            "switched_off_cudnn": len(sparse_convs(record, "_switched")) if switched_counts else None,
-            "switched_convs": sum(switched_counts.values()) if switched_counts else None}
+            "convs": convs, "verdict": row_verdict, "switched_off_cudnn": switched_off,
+            "switched_convs": switched_convs}
 
 
 def summary_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
