@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import pytest
@@ -15,6 +16,7 @@ from unsparse.runtime.backends.lowering import LoweringBackend
 from unsparse.runtime.layout import layout_of
 from unsparse.runtime.modules import sparsify
 from unsparse.runtime.plan import Plan, PlanEntry, without_epilogue
+from unsparse.runtime.timing import Timing
 
 if TYPE_CHECKING:
     from conftest import VirtualClock
@@ -281,6 +283,40 @@ def test_a_model_with_a_max_pool_is_also_timed_nchw_before_it_and_channels_last_
                                         ["dense_cpu"])
     assert plain["layout_switch"] is plain["planned_switched_ms"] is plain["dense_fused_switched_ms"] is None
     assert plain["backend_counts_switched"] is plain["off_cudnn_switched"] is None
+
+
+@pytest.mark.parametrize("fastest", ["planned", "dense", "dense fused"])
+def test_the_switched_layout_is_a_third_layout_of_every_best_ratio(monkeypatch: pytest.MonkeyPatch,
+                                                                   fastest: str) -> None:
+    """Where a switched model times fastest, its ``best_*_layout`` says "switched" and the best ratios use its time;
+    the eager dense model is timed switched too, so both sides of ``best_speedup`` had the same three layouts."""
+    real = end_to_end._switched_timing
+
+    def kind(model: nn.Module) -> str:
+        if end_to_end.sparse_layers(model):
+            return "planned"
+        return "dense fused" if any(isinstance(m, dense_fusion.ConvBiasReLU) for m in model.modules()) else "dense"
+
+    def faster(model: nn.Module, *args: object) -> tuple[Timing, float]:
+        timing, error = real(model, *args)
+        return (replace(timing, median_ms=1e-6) if kind(model) == fastest else timing), error
+
+    monkeypatch.setattr(end_to_end, "_switched_timing", faster)
+    record = end_to_end.bench_end_to_end(pooled_model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
+                                         ["dense_cpu"], fuse_relu=True)
+    assert record["dense_layout_switch"] == record["dense_fused_layout_switch"] == record["layout_switch"] == "2"
+    assert record["dense_switched_rel_error"] < 1e-5 and record["dense_switched_error"] is None
+    layouts = {"dense": "best_dense_layout", "planned": "best_planned_layout", "dense fused": "best_dense_fused_layout"}
+    assert {name: record[field] == "switched" for name, field in layouts.items()} == {
+        name: name == fastest for name in layouts}
+    times = {kind: {layout: record[f"{prefix}{suffix}_ms"] for layout, suffix in
+                    (("nchw", ""), ("nhwc", "_nhwc"), ("switched", "_switched"))}
+             for kind, prefix in (("dense", "dense"), ("planned", "planned"), ("dense fused", "dense_fused"))}
+    assert all(min(times[name].values()) == times[name][record[field]] for name, field in layouts.items())
+    assert record["best_speedup"] == pytest.approx(min(times["dense"].values()) / min(times["planned"].values()))
+    assert record["speedup_vs_best_dense"] == pytest.approx(min(times["dense"].values()) / record["planned_ms"])
+    assert record["best_speedup_vs_dense_fused"] == pytest.approx(min(times["dense fused"].values())
+                                                                  / min(times["planned"].values()))
 
 
 def test_a_switched_sparse_model_feeds_nchw_before_the_pool_and_channels_last_after_it() -> None:

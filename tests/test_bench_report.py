@@ -686,3 +686,40 @@ def test_a_switched_layout_is_reported_beside_the_single_layouts_and_a_loss_is_c
     record |= {"dense_fused_switched_error": "RuntimeError: no engine", "dense_fused_layout_switch": "pool1"}
     assert ("switched after `maxpool` (the dense fused model after `pool1`): planned 9.500 ms, dense fused - ms "
             "(none: RuntimeError: no engine)") in markdown_report({**result, "targets": evaluate_targets(result)})
+
+
+def test_a_switched_layout_timed_on_both_sides_is_a_third_layout_of_the_ratios_and_the_target(result):
+    """Where a run also timed the eager dense model switched (``dense_switched_ms``), the switched layout is a third
+    layout of every model: the best ratio, the end-to-end target, the SLOWER line and the all-on-cuDNN line read
+    it; in a run without it, the switched planned time is shown and enters no ratio."""
+    record = result["end_to_end"][1]  # resnet50 fp16: dense 10.0 (NCHW) / 8.0 (NHWC), planned 9.0 (NCHW)
+    record |= {"layout_switch": "maxpool", "planned_switched_ms": 7.5, "dense_fused_switched_ms": 8.1,
+               "dense_fused_layout_switch": "maxpool", "planned_nhwc_ms": 9.5}
+
+    def judged() -> tuple[dict, str]:
+        targets = evaluate_targets(result)
+        run = next(r for r in targets["end_to_end_not_slower"]["runs"] if r["model"] == "resnet50")
+        return run, markdown_report({**result, "targets": targets})
+
+    run, text = judged()
+    assert run == {"model": "resnet50", "precision": "fp16", "speedup": pytest.approx(8 / 9), "met": False}
+    assert "in none of the ratios above" in text and "of three in the runs" not in text
+    record["dense_switched_ms"] = 8.4
+    run, text = judged()
+    assert run == {"model": "resnet50", "precision": "fp16", "speedup": pytest.approx(8 / 7.5), "met": True}
+    assert "end to end resnet50 fp16 b128: the planned model" not in text
+    assert "| resnet50 | synthetic | 128 | fp16 | 10.000 | 8.000 | 9.000 | 9.500 | 1.11 | 1.07 |" in text
+    assert "best planned / best dense: the faster layout of each (of three in the runs that timed every model" in text
+    assert "planned 7.500 ms, dense fused 8.100 ms, eager dense 8.400 ms, 1.08x" in text
+    assert "Where a line gives the eager dense model's switched time too, the ratios above count switched" in text
+    record["dense_switched_ms"] = 6.0
+    run, text = judged()
+    assert run["speedup"] == pytest.approx(6 / 7.5) and not run["met"]
+    assert ("end to end resnet50 fp16 b128: the planned model (7.500 ms in its fastest layout) is SLOWER than the "
+            "dense model switched to channels-last after the first max pool (6.000 ms); run that one instead.") in text
+    record |= {"dense_switched_ms": 8.4, "backend_counts": {"cudnn": 2, "direct": 1}, "off_cudnn": {"conv1": "direct"},
+               "backend_counts_switched": {"cudnn": 3}, "off_cudnn_switched": {"fc": "cudnn, converted to nchw"}}
+    _, text = judged()
+    assert ("end to end resnet50 fp16 b128: the planned model's fastest layout (switched) runs every conv on cuDNN, "
+            "so sparsity gains nothing in this run; the NCHW plan, with 1 of 3 convs on sparse kernels, takes "
+            "9.000 ms.") in text

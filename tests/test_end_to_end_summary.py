@@ -150,3 +150,22 @@ def test_the_switched_column_gives_the_switched_models_verdict_where_the_run_rec
     assert cell(planned_switched_ms=11.0, off_cudnn_switched={"fc": "cudnn, converted to nhwc"}) == (
         "1.11, no sparse kernel (0 of 4 convs sparse)")
     assert cell(planned_switched_ms=11.0, backend_counts_switched=None) == "1.11"
+
+
+def test_a_run_that_timed_every_model_switched_reads_switched_as_a_third_layout() -> None:
+    """With the eager dense model timed switched too (``dense_switched_ms``), the row's times, layouts, plan counts
+    and verdict come from the fastest of three layouts; without it the switched planned time is left to its column."""
+    three = record(planned_switched_ms=11.0, dense_switched_ms=14.0, dense_fused_convs=13, dense_fused_ms=13.0,
+                   dense_fused_nhwc_ms=12.2,
+                   dense_fused_switched_ms=11.5, best_dense_fused_layout="switched",
+                   backend_counts_switched={"direct": 1, "cudnn": 12}, off_cudnn_switched={"conv1": "direct"})
+    row = summary_row(three, "r")
+    assert (row["planned_ms"], row["planned_layout"], row["dense_ms"], row["dense_layout"]) == (11.0, "switched",
+                                                                                                 14.0, "switched")
+    assert (row["dense_fused_ms"], row["dense_fused_layout"], row["best_dense_ms"]) == (11.5, "switched", 11.5)
+    assert (row["off_cudnn"], row["convs"], row["verdict"]) == (1, 13, "faster")
+    assert row["speedup"] == pytest.approx(11.5 / 11.0)
+    earlier = {k: v for k, v in three.items() if k != "dense_switched_ms"} | {"best_dense_fused_layout": "nhwc"}
+    two = summary_row(earlier, "r")
+    assert (two["planned_ms"], two["planned_layout"], two["off_cudnn"]) == (12.0, "NCHW", 10)
+    assert two["best_dense_ms"] == 12.2

@@ -121,5 +121,7 @@ def test_render_bench_skips_other_results_names_a_broken_one_and_renders_the_res
     assert f"FAILED {tmp_path / 'missing.json'}: FileNotFoundError" in err
     assert f"FAILED {tmp_path / 'folder.json'}: IsADirectoryError" in err
     assert f"skipped {tmp_path / 'layouts.json'}: not a run_bench result" in out
-    assert f"FAILED {tmp_path / 'broken.json'}: TypeError" in err and f"rendered {tmp_path / 'good.md'}" in out
+    assert f"FAILED {tmp_path / 'broken.json'}: ValueError: end-to-end record 'm.safetensors': planned_ms is null" \
+        in err
+    assert f"rendered {tmp_path / 'good.md'}" in out
     assert (tmp_path / "good_end_to_end.png").exists() and not (tmp_path / "end_to_end.png").exists()

@@ -1,5 +1,6 @@
 """A whole model switched from NCHW to channels-last after its first max pool, on the GPU: the planned model (its
-layers after the pool on the channels-last plan's entries) and the dense fused model agree with the dense model."""
+layers after the pool on the channels-last plan's entries), the eager dense model and the dense fused model agree with
+the dense model, and the switched layout is a third layout of each model's best time."""
 
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ def test_a_switched_model_agrees_with_the_dense_one(precision: str) -> None:
     assert record["layout_switch"] == "3"
     assert record["planned_switched_rel_error"] <= record["tolerance"] and record["planned_switched_ms"] > 0
     assert record["dense_fused_switched_rel_error"] <= record["tolerance"] and record["dense_fused_switched_ms"] > 0
+    assert record["dense_switched_rel_error"] <= record["tolerance"] and record["dense_switched_ms"] > 0
+    for model, field in (("planned", "best_planned_layout"), ("dense", "best_dense_layout"),
+                         ("dense_fused", "best_dense_fused_layout")):  # switched is a third layout of each
+        times = {layout: record[f"{model}{suffix}_ms"] for layout, suffix in
+                 (("nchw", ""), ("nhwc", "_nhwc"), ("switched", "_switched"))}
+        assert record[field] == min(times, key=times.__getitem__), (field, times)
     assert sum(record["backend_counts_switched"].values()) == sum(record["backend_counts"].values()) == 3
     expected = {name: label for name, label in record["off_cudnn_nhwc"].items() if name != "0"}  # after the pool
     if "0" in record["off_cudnn"]:  # the stem, before the pool, reads the NCHW plan

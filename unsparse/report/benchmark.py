@@ -31,6 +31,21 @@ CUDNN_MODES = {"fp32": "cuDNN FP32 (TF32 off)", "tf32": "cuDNN TF32", "fp16": "c
 are over (``fp16_half2``: cuDNN FP16, against the half2-product direct kernel), for the speedup plot's axes."""
 
 
+LAYOUT_SUFFIXES = {"nchw": "", "nhwc": "_nhwc", "switched": "_switched"}
+"""Layout of a model timed whole -> the suffix of its end-to-end record fields (``planned_nhwc_ms``,
+``backend_counts_switched``): NCHW, channels-last, or NCHW switched to channels-last after the first max pool."""
+LAYOUT_WORDS = {"nchw": "NCHW", "nhwc": "channels-last", "switched": "switched"}
+"""Layout -> the word a page's sentence uses for it ("the channels-last plan", "the dense model in NCHW")."""
+
+
+def in_layout_text(layout: str) -> str:
+    """``in NCHW``, ``in channels-last`` or ``switched to channels-last after the first max pool``: where a
+    sentence says a model ran."""
+    if layout == "switched":
+        return "switched to channels-last after the first max pool"
+    return f"in {LAYOUT_WORDS[layout]}"
+
+
 def sparse_convs(record: dict[str, Any], suffix: str = "") -> dict[str, str]:
     """Layer name -> sparse backend for the convs an end-to-end record's plan runs on a sparse kernel (the NCHW
     plan's, with ``suffix="_nhwc"`` the channels-last plan's, with ``"_switched"`` the switched model's): its
@@ -83,10 +98,11 @@ def _host_time(record: dict[str, Any], planned_suffix: str, dense_suffix: str) -
 
 
 def dense_fused_ms(record: dict[str, Any]) -> float | None:
-    """An end-to-end record's dense model fused by cuDNN (convolution, bias and ReLU in one call) in its faster
-    layout, ms; None for a record without one (nothing fused, its output off, or from before it was timed)."""
+    """An end-to-end record's dense model fused by cuDNN (convolution, bias and ReLU in one call) in its fastest
+    layout (``best_dense_fused_layout``, switched in runs since the fifty-third session where that was fastest), ms;
+    None for a record without one (nothing fused, its output off, or from before it was timed)."""
     layout = record.get("best_dense_fused_layout")
-    return record.get("dense_fused_nhwc_ms" if layout == "nhwc" else "dense_fused_ms") if layout else None
+    return record.get(f"dense_fused{LAYOUT_SUFFIXES[layout]}_ms") if layout else None
 
 
 def dense_fused_name(record: dict[str, Any]) -> str:
@@ -103,35 +119,37 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
     """The "Where sparse is slower" lines of end-to-end records: per record and layout, a plan its check found
     slower than its dense default (set back, or kept: within the check's margin, or with no key of this run to set
     back), and the planned model slower eagerly than the dense one in that layout; then the planned model in its
-    faster layout slower than the dense one in its faster layout (beyond :data:`PLAN_MARGIN` with "run that one
-    instead", and then no per-layout line of the eager times; within it only where the two faster layouts differ,
-    since a layout's line names the same pair otherwise). A time slower by no more than the margin is said to be
-    "slower, within the 3 % noise margin", not called SLOWER. A plan check without its ``margin`` (a result written
-    before the check recorded one) that kept a slower plan is said to be slower and kept, with
-    :data:`~unsparse.report.document.MARGIN_NOT_RECORDED`, as the job report says it: today's :data:`PLAN_MARGIN`
-    need not be the one it was checked against, so neither "within the margin" nor SLOWER is said. Then the planned
-    model in its faster layout slower than the dense model fused by cuDNN (:func:`dense_fused_ms`), where timed;
-    last, a faster plan with no conv off cuDNN (:func:`_all_on_cudnn`)."""
+    fastest layout slower than the dense one in its fastest layout (:func:`fastest_layout`; beyond
+    :data:`PLAN_MARGIN` with "run that one instead", and then no per-layout line of the eager times; within it only
+    where the two fastest layouts differ, since a layout's line names the same pair otherwise). A time slower by no
+    more than the margin is said to be "slower, within the 3 % noise margin", not called SLOWER. A plan check
+    without its ``margin`` (a result written before the check recorded one) that kept a slower plan is said to be
+    slower and kept, with :data:`~unsparse.report.document.MARGIN_NOT_RECORDED`, as the job report says it: today's
+    :data:`PLAN_MARGIN` need not be the one it was checked against, so neither "within the margin" nor SLOWER is
+    said. Then the planned
+    model in its fastest layout slower than the dense model fused by cuDNN (:func:`dense_fused_ms`), where timed;
+    last, a fastest plan with no conv off cuDNN (:func:`_all_on_cudnn`). Records that timed two layouts of each model
+    say "faster layout", those that timed three (switched too) "fastest"."""
     lines = []
     for r in records:
         run = f"end to end {r['model']} {precision_label(r)} b{r['batch']}"
         dense, planned = fastest_ms(r, "dense"), fastest_ms(r, "planned")
         slower_overall = planned > (1 + PLAN_MARGIN) * dense  # closer than that is run-to-run noise
-        for suffix, layout in (("", "NCHW"), ("_nhwc", "channels-last")):
-            check = r.get("plan_check" + suffix) or {}
+        for layout, suffix in LAYOUT_SUFFIXES.items():
+            check, words = r.get("plan_check" + suffix) or {}, LAYOUT_WORDS[layout]
             margin = check.get("margin")
             if check.get("reverted"):
-                lines.append(f"- {run}: the {layout} plan ({_fmt(check['planned_ms'])} ms) was SLOWER than its "
+                lines.append(f"- {run}: the {words} plan ({_fmt(check['planned_ms'])} ms) was SLOWER than its "
                              f"dense default ({_fmt(check['default_ms'])} ms, timed {check.get('timing', 'eagerly')});"
                              f" {len(check['reverted'])} layer keys were set back to the default before the times "
                              "below.")
             # an infinite margin: slower as the page prints the times, judged against no margin
             elif check and margin is None and _slower(check["planned_ms"], check["default_ms"], math.inf):
-                lines.append(f"- {run}: the {layout} plan ({_fmt(check['planned_ms'])} ms) was slower than its dense "
+                lines.append(f"- {run}: the {words} plan ({_fmt(check['planned_ms'])} ms) was slower than its dense "
                              f"default ({_fmt(check['default_ms'])} ms, timed {check.get('timing', 'eagerly')}) and "
                              f"kept ({MARGIN_NOT_RECORDED}).")
             elif check and (kept := _slower(check["planned_ms"], check["default_ms"], margin)):
-                lines.append(f"- {run}: the {layout} plan ({_fmt(check['planned_ms'])} ms) was {kept} than its dense "
+                lines.append(f"- {run}: the {words} plan ({_fmt(check['planned_ms'])} ms) was {kept} than its dense "
                              f"default ({_fmt(check['default_ms'])} ms, timed {check.get('timing', 'eagerly')}), "
                              + (f"{noise_text(margin)}, so it was kept." if kept == "slower" else
                                 "and kept: no layer key planned in this run had left the default."))
@@ -139,24 +157,25 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
             eager = _slower(planned_ms, dense_ms, PLAN_MARGIN) if dense_ms and planned_ms else ""
             if not slower_overall and eager:
                 host = _host_time(r, suffix, suffix)
-                lines.append(f"- {run}: the {layout} plan is {eager} eagerly than the dense model in {layout} "
+                lines.append(f"- {run}: the {words} plan is {eager} eagerly than the dense model "
+                             f"{in_layout_text(layout)} "
                              f"({_fmt(planned_ms)} against {_fmt(dense_ms)} ms)"
                              f"{f', {noise_text(PLAN_MARGIN)}' if eager == 'slower' else ''}{host}.")
-        dense_layout = "NCHW" if dense == r["dense_ms"] else "channels-last"
-        planned_layout = "NCHW" if planned == r["planned_ms"] else "channels-last"
+        dense_layout, planned_layout = fastest_layout(r, "dense"), fastest_layout(r, "planned")
+        fastest = "faster" if len(layout_times(r, "planned")) < 3 else "fastest"
         if slower_overall:
-            host = _host_time(r, *("" if layout == "NCHW" else "_nhwc" for layout in (planned_layout, dense_layout)))
-            lines.append(f"- {run}: the planned model ({_fmt(planned)} ms in its faster layout) is SLOWER than the "
-                         f"dense model in {dense_layout} ({_fmt(dense)} ms); run that one instead{host}.")
+            host = _host_time(r, LAYOUT_SUFFIXES[planned_layout], LAYOUT_SUFFIXES[dense_layout])
+            lines.append(f"- {run}: the planned model ({_fmt(planned)} ms in its {fastest} layout) is SLOWER than the "
+                         f"dense model {in_layout_text(dense_layout)} ({_fmt(dense)} ms); run that one instead{host}.")
         elif _slower(planned, dense, PLAN_MARGIN) and planned_layout != dense_layout:
-            lines.append(f"- {run}: the planned model ({_fmt(planned)} ms in {planned_layout}, its faster layout) is "
-                         f"slower than the dense model in {dense_layout} ({_fmt(dense)} ms), "
-                         f"{noise_text(PLAN_MARGIN)}.")
+            lines.append(f"- {run}: the planned model ({_fmt(planned)} ms {in_layout_text(planned_layout)}, its "
+                         f"{fastest} layout) is slower than the dense model {in_layout_text(dense_layout)} "
+                         f"({_fmt(dense)} ms), {noise_text(PLAN_MARGIN)}.")
         fused = dense_fused_ms(r)
         if fused is not None and (against_fused := _slower(planned, fused, PLAN_MARGIN)):
-            fused_layout = "NCHW" if r["best_dense_fused_layout"] == "nchw" else "channels-last"
-            lines.append(f"- {run}: the planned model ({_fmt(planned)} ms in its faster layout) is {against_fused} "
-                         f"than {dense_fused_name(r)}: {_fmt(fused)} ms in {fused_layout}"
+            lines.append(f"- {run}: the planned model ({_fmt(planned)} ms in its {fastest} layout) is {against_fused} "
+                         f"than {dense_fused_name(r)}: {_fmt(fused)} ms "
+                         f"{in_layout_text(r['best_dense_fused_layout'])}"
                          + (f", {noise_text(PLAN_MARGIN)}" if against_fused == "slower" else "")
                          + _fused_graph_text(r, planned_layout) + ".")
         lines += _all_on_cudnn(r, run, planned_layout)
@@ -164,11 +183,12 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _fused_graph_text(record: dict[str, Any], planned_layout: str) -> str:
-    """``; as CUDA graphs ...``: the planned model's graph time in ``planned_layout`` against the dense fused model's
-    in its faster layout, where both were timed (records from before the fused model's graphs were timed have
-    none), else ``""``. Where the eager gap is host time, the two graph times are close."""
-    fused_tag = "_nhwc" if record.get("best_dense_fused_layout") == "nhwc" else ""
-    planned_graph = record.get("planned_graph_ms" if planned_layout == "NCHW" else "planned_nhwc_graph_ms")
+    """``; as CUDA graphs ...``: the planned model's graph time in ``planned_layout`` (a :data:`LAYOUT_SUFFIXES`
+    key) against the dense fused model's in its fastest layout, where both were timed (records from before the fused
+    model's graphs were timed have none, and no model is replayed switched), else ``""``. Where the eager gap is host
+    time, the two graph times are close."""
+    fused_tag = LAYOUT_SUFFIXES[record["best_dense_fused_layout"]]
+    planned_graph = record.get(f"planned{LAYOUT_SUFFIXES[planned_layout]}_graph_ms")
     fused_graph = record.get(f"dense_fused{fused_tag}_graph_ms")
     if planned_graph is None or fused_graph is None:
         return ""
@@ -177,21 +197,22 @@ def _fused_graph_text(record: dict[str, Any], planned_layout: str) -> str:
 
 
 def _all_on_cudnn(record: dict[str, Any], run: str, planned_layout: str) -> list[str]:
-    """The line for an end-to-end record whose faster plan (``planned_layout``) put every conv on cuDNN: sparsity
-    gains nothing in the run, whatever that plan gains or loses against the dense model; with the other layout's
-    plan, where that one puts convs on sparse backends, and its time. Empty for a plan with any conv off cuDNN, or a
-    record without backend counts."""
-    suffix, other_suffix, other_layout = (("", "_nhwc", "channels-last") if planned_layout == "NCHW"
-                                          else ("_nhwc", "", "NCHW"))
+    """The line for an end-to-end record whose fastest plan (``planned_layout``, a :data:`LAYOUT_SUFFIXES` key) put
+    every conv on cuDNN: sparsity gains nothing in the run, whatever that plan gains or loses against the dense model;
+    with each other layout's plan (:func:`layout_times`) that puts convs on sparse backends, and its time. Empty for a
+    plan with any conv off cuDNN, or a record without backend counts."""
+    suffix = LAYOUT_SUFFIXES[planned_layout]
     if not record.get("backend_counts" + suffix) or sparse_convs(record, suffix):
         return []
-    line = (f"- {run}: the planned model's faster layout ({planned_layout}) runs every conv on cuDNN, so sparsity "
-            "gains nothing in this run")
-    off = sparse_convs(record, other_suffix)
-    if off and record.get(f"planned{other_suffix}_ms"):
-        convs = sum(record["backend_counts" + other_suffix].values())
-        line += (f"; the {other_layout} plan, with {len(off)} of {convs} convs on sparse kernels, takes "
-                 f"{_fmt(record[f'planned{other_suffix}_ms'])} ms")
+    times = layout_times(record, "planned")
+    line = (f"- {run}: the planned model's {'faster' if len(times) < 3 else 'fastest'} layout "
+            f"({LAYOUT_WORDS[planned_layout]}) runs every conv on cuDNN, so sparsity gains nothing in this run")
+    for layout, ms in times.items():
+        off = sparse_convs(record, LAYOUT_SUFFIXES[layout]) if layout != planned_layout else {}
+        if off:
+            convs = sum(record["backend_counts" + LAYOUT_SUFFIXES[layout]].values())
+            line += (f"; the {LAYOUT_WORDS[layout]} plan, with {len(off)} of {convs} convs on sparse kernels, takes "
+                     f"{_fmt(ms)} ms")
     return [line + "."]
 
 
@@ -211,9 +232,9 @@ def evaluate_targets(result: dict[str, Any]) -> dict[str, Any]:
       only if every input size of :data:`VGG16_TARGET_INPUTS` was measured (``missing_inputs`` lists those not).
     * ``escoin_geomean``: geometric mean over non-stem layers of AlexNet, GoogLeNet and ResNet-50 of
       direct vs im2col + cuBLAS (>= 2.63) and vs im2col + cuSPARSE (>= 3.07), FP32.
-    * ``end_to_end``: the planned model in its faster layout not slower than the dense model in its faster layout
-      (:func:`fastest_ms`: NCHW, or NHWC where recorded; :data:`PLAN_MARGIN` noise allowance), per model and
-      precision.
+    * ``end_to_end``: the planned model in its fastest layout not slower than the dense model in its fastest layout
+      (:func:`fastest_ms`: NCHW, NHWC where recorded, switched where both were timed switched; :data:`PLAN_MARGIN`
+      noise allowance), per model and precision.
 
     Each target also lists under ``not_run`` what the run left out of its records (:func:`unmeasured`: stopped by
     the time budget, or failed), and ``held`` says whether the records measured meet it; it is ``met`` only where
@@ -272,10 +293,34 @@ def unmeasured(result: dict[str, Any]) -> dict[str, list[Any]]:
     return {"layers": layers, "end_to_end": end_to_end}
 
 
-def fastest_ms(record: dict[str, Any], model: str) -> float:
-    """The faster layout's time (ms) of an end-to-end record's ``"dense"`` or ``"planned"`` model (NCHW only in
-    records made before that model was also run in channels-last)."""
-    return min(record[f"{model}_ms"], record.get(f"{model}_nhwc_ms") or math.inf)
+def layout_times(record: dict[str, Any], model: str, switched: bool = True) -> dict[str, float]:
+    """Layout (``"nchw"``, ``"nhwc"``, ``"switched"``) -> time (ms) of an end-to-end record's ``"dense"``,
+    ``"planned"`` or ``"dense_fused"`` model, for the layouts it was timed in with an output that passed: NCHW (always
+    for the first two), channels-last where recorded (records before the thirteenth session have none), and switched
+    after the first max pool only where the run also timed the eager dense model switched (``dense_switched_ms``,
+    runs since the fifty-third session; earlier runs timed only the planned and the fused dense models switched), so
+    both sides of a ratio choose among the same layouts; ``switched=False`` leaves it out (the single layouts).
+
+    Raises:
+        ValueError: a ``"dense"`` or ``"planned"`` model without its NCHW time (``dense_ms``/``planned_ms`` null).
+    """
+    layouts = ("nchw", "nhwc", "switched") if switched and "dense_switched_ms" in record else ("nchw", "nhwc")
+    times = {layout: record.get(f"{model}{LAYOUT_SUFFIXES[layout]}_ms") for layout in layouts}
+    if model != "dense_fused" and times["nchw"] is None:
+        raise ValueError(f"end-to-end record {record.get('model')!r}: {model}_ms is null, expected a time in ms")
+    return {layout: ms for layout, ms in times.items() if ms is not None}
+
+
+def fastest_layout(record: dict[str, Any], model: str) -> str:
+    """The layout of :func:`layout_times` in which the record's ``model`` is fastest (NCHW on a tie)."""
+    times = layout_times(record, model)
+    return min(times, key=times.__getitem__)
+
+
+def fastest_ms(record: dict[str, Any], model: str, switched: bool = True) -> float:
+    """The fastest layout's time (ms) of an end-to-end record's ``"dense"`` or ``"planned"`` model
+    (:func:`layout_times`; ``switched=False``: of its single layouts)."""
+    return min(layout_times(record, model, switched).values())
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -549,7 +594,10 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
              "same forward without it (GPU time only), so where the two speedups differ the model is host-bound.", "",
              "NHWC: the model and its input in channels-last from end to end (a planned model's layers then receive "
              "and return NHWC; the direct kernels' conversions are part of their planned time). Speedup (NCHW): "
-             "planned over dense, both NCHW; best planned / best dense: the faster layout of each.", ""]
+             "planned over dense, both NCHW; best planned / best dense: the faster layout of each"
+             + (" (of three in the runs that timed every model switched too, \"Layout switched\" below; best "
+                "planned / dense fused likewise)" if any("dense_switched_ms" in r for r in records) else "")
+             + ".", ""]
     fused = [r for r in records if r.get("fused_relu") or r.get("fused_max_pool")]
     if fused:
         planned = sum(bool(r.get("fusion_planned")) for r in fused)
@@ -628,9 +676,13 @@ def _switched_lines(records: Sequence[dict[str, Any]]) -> list[str]:
     switched = [r for r in records if r.get("layout_switch") or r.get("dense_fused_layout_switch")]
     if not switched:
         return []
+    counted = ("; timed in the same run. Where a line gives the eager dense model's switched time too, the ratios "
+               "above count switched as a third layout of every model; in the other runs it enters none of them."
+               if any("dense_switched_ms" in r for r in switched) else "; timed in the same run, in none of the "
+               "ratios above.")
     lines = ["", "Layout switched: the planned model and the dense fused model fed NCHW, in NCHW up to the model's "
              "first max pool and in channels-last after it (the planned model's layers after it run the channels-last "
-             "plan's entries); timed in the same run, in none of the ratios above.", ""]
+             f"plan's entries){counted}", ""]
     for r in switched:
         planned_switch, dense_switch = r.get("layout_switch"), r.get("dense_fused_layout_switch")
         run = f"- {r['model']} {precision_label(r)} b{r['batch']}, switched after `{planned_switch or dense_switch}`"
@@ -641,15 +693,19 @@ def _switched_lines(records: Sequence[dict[str, Any]]) -> list[str]:
             why = r.get("dense_fused_switched_error") or "not timed or its output disagreed"
             lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms (none: {why}).")
             continue
-        single = (f"; in its faster single layout the planned model takes {_fmt(fastest_ms(r, 'planned'))} ms"
-                  + (f", the dense fused model {_fmt(dense_fused_ms(r))} ms" if dense_fused_ms(r) else "") + ".")
+        fused_single = layout_times(r, "dense_fused", switched=False)
+        single = (f"; in its faster single layout the planned model takes "
+                  f"{_fmt(fastest_ms(r, 'planned', switched=False))} ms"
+                  + (f", the dense fused model {_fmt(min(fused_single.values()))} ms" if fused_single else "") + ".")
         if "dense_fused_layout_switch" not in r:  # timed before the fix that kept its stem in NCHW
             lines.append(f"{run}: planned {_fmt(planned)} ms; dense fused {_fmt(dense)} ms, but its stem computed "
                          "channels-last (a run from before the switched dense model kept its NCHW weights; not an "
                          "NCHW stem)" + single)
             continue
         verdict = _slower(planned, dense, PLAN_MARGIN)
-        lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms, {_fmt(dense / planned, 2)}x"
+        eager = f", eager dense {_fmt(r['dense_switched_ms'])} ms" if "dense_switched_ms" in r else ""
+        lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms{eager}, "
+                     f"{_fmt(dense / planned, 2)}x"
                      + (f" ({verdict}" + (f", {noise_text(PLAN_MARGIN)}" if verdict == "slower" else "") + ")"
                         if verdict else "") + _switched_sparse_text(r) + single)
     return lines
@@ -671,7 +727,7 @@ def _dense_fused_cell(record: dict[str, Any]) -> str:
     fused = dense_fused_ms(record)
     if fused is not None:
         layout = record["best_dense_fused_layout"]
-        passes = record.get("dense_fused_nhwc_passes" if layout == "nhwc" else "dense_fused_passes")
+        passes = record.get(f"dense_fused{LAYOUT_SUFFIXES[layout]}_passes")  # none recorded for switched
         return f"{_fmt(fused)} ({layout}{f', {passes} as passes' if passes else ''})"
     if record.get("dense_fused_convs") == 0 and not record.get("dense_folded_batch_norm"):
         return "none fused"
@@ -804,6 +860,9 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
                 "dense (cuDNN, NCHW)": lambda r: r.get("dense_ms"),
                 "dense (cuDNN, NHWC)": lambda r: r.get("dense_nhwc_ms"),
                 "planned (NCHW)": lambda r: r.get("planned_ms"), "planned (NHWC)": lambda r: r.get("planned_nhwc_ms")}
+            if any("dense_switched_ms" in r for r in runs):
+                bars |= {"dense (cuDNN, switched after the first pool)": lambda r: r.get("dense_switched_ms"),
+                         "planned (switched)": lambda r: r.get("planned_switched_ms")}
             if any(dense_fused_ms(r) is not None for r in runs):
                 folded = any(r.get("dense_folded_batch_norm") for r in runs)
                 bars["dense, " + ("BatchNorms folded, " if folded else "")

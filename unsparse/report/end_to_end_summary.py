@@ -13,7 +13,15 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from unsparse.report.benchmark import dense_fused_ms, fastest_ms, fold_policy, precision_label, sparse_conv_count
+from unsparse.report.benchmark import (
+    LAYOUT_SUFFIXES,
+    dense_fused_ms,
+    fastest_layout,
+    fastest_ms,
+    fold_policy,
+    precision_label,
+    sparse_conv_count,
+)
 from unsparse.report.document import markdown_table
 from unsparse.report.results import load_result
 from unsparse.runtime.comparator import PLAN_MARGIN
@@ -79,10 +87,14 @@ def switched_cell(row: dict[str, Any]) -> str:
             f"({row['switched_off_cudnn']} of {row['switched_convs']} convs sparse)")
 
 
+LAYOUT_LABELS = {"nchw": "NCHW", "nhwc": "NHWC", "switched": "switched"}
+"""Layout (:data:`~unsparse.report.benchmark.LAYOUT_SUFFIXES`) -> how the summary's time cells name it."""
+
+
 def _layout(record: dict[str, Any], kind: str) -> tuple[float, str]:
-    """The record's faster time of ``kind`` ("dense", "planned"), ms, and its layout ("NCHW", "NHWC")."""
-    ms = fastest_ms(record, kind)
-    return ms, "NCHW" if ms == record[f"{kind}_ms"] else "NHWC"
+    """The record's fastest time of ``kind`` ("dense", "planned"), ms, and its layout
+    (:func:`~unsparse.report.benchmark.fastest_layout`, a :data:`LAYOUT_SUFFIXES` key)."""
+    return fastest_ms(record, kind), fastest_layout(record, kind)
 
 
 def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
@@ -92,9 +104,10 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
         ``run``, ``model``, ``weights``, ``sparsity``, ``batch``, ``precision``
         (:func:`~unsparse.report.benchmark.precision_label`); ``folded``, ``fused_relu``,
         ``fused_residual`` (those of ``fused_relu`` that take the residual add before their ReLU; 0 for runs from
-        before it was fused), ``fused_max_pool`` (counts of convs); ``dense_ms``/``dense_layout`` (eager, faster
-        layout), ``dense_fused_ms``/``dense_fused_layout`` (None where not timed), ``planned_ms``/``planned_layout``
-        (faster layout), all ms; ``best_dense_ms`` (the faster of the two dense models) and ``speedup`` (it over
+        before it was fused), ``fused_max_pool`` (counts of convs); ``dense_ms``/``dense_layout`` (eager, fastest
+        layout: "NCHW", "NHWC", or "switched" in runs that timed every model switched too, :data:`LAYOUT_LABELS`),
+        ``dense_fused_ms``/``dense_fused_layout`` (None where not timed), ``planned_ms``/``planned_layout`` (fastest
+        layout), all ms; ``best_dense_ms`` (the faster of the two dense models) and ``speedup`` (it over
         ``planned_ms``); ``best_graph_speedup`` (:func:`best_graph_speedup`); ``off_cudnn`` and ``convs`` (the
         faster plan's convs on sparse backends and all its convs, None for a record without backend counts);
         ``verdict``:
@@ -109,7 +122,7 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
     planned_ms, planned_layout = _layout(record, "planned")
     fused_ms = dense_fused_ms(record)
     best_dense = min(dense_ms, fused_ms) if fused_ms is not None else dense_ms
-    suffix = "" if planned_layout == "NCHW" else "_nhwc"
+    suffix = LAYOUT_SUFFIXES[planned_layout]
     off, convs = sparse_conv_count(record, suffix) or (None, None)
     switched_off, switched_convs = sparse_conv_count(record, "_switched") or (None, None)
     row_verdict = verdict(best_dense / planned_ms, off)
@@ -122,9 +135,10 @@ def summary_row(record: dict[str, Any], run: str) -> dict[str, Any]:
             "folded": record.get("folded_batch_norm" + suffix, record.get("folded_batch_norm", 0)),
             "fold_policy": fold_policy(record), "fused_relu": record.get("fused_relu", 0),
             "fused_residual": record.get("fused_residual", 0),
-            "fused_max_pool": record.get("fused_max_pool", 0), "dense_ms": dense_ms, "dense_layout": dense_layout,
-            "dense_fused_ms": fused_ms, "dense_fused_layout": fused_layout.upper() if fused_layout else None,
-            "planned_ms": planned_ms, "planned_layout": planned_layout, "best_dense_ms": best_dense,
+            "fused_max_pool": record.get("fused_max_pool", 0), "dense_ms": dense_ms,
+            "dense_layout": LAYOUT_LABELS[dense_layout],
+            "dense_fused_ms": fused_ms, "dense_fused_layout": LAYOUT_LABELS[fused_layout] if fused_layout else None,
+            "planned_ms": planned_ms, "planned_layout": LAYOUT_LABELS[planned_layout], "best_dense_ms": best_dense,
             "speedup": best_dense / planned_ms, "best_graph_speedup": best_graph_speedup(record),
             "switched_speedup": switched_speedup(record), "off_cudnn": off,
             "convs": convs, "verdict": row_verdict, "switched_off_cudnn": switched_off,
@@ -185,7 +199,9 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
         "# Whole models: does the sparse model beat the dense one?", "",
         f"Made by `{command}` from the benchmark results named in the first column (under `benchmarks/results/`, "
         "each with its page); nothing here is typed by hand.", "",
-        "Times are eager medians (ms) in each model's faster layout. Eager dense: PyTorch's model as it runs; dense "
+        "Times are eager medians (ms) in each model's fastest layout: NCHW, NHWC, or, in runs since the fifty-third "
+        "session, switched (NCHW up to the first max pool, channels-last after it; every model of the run was timed "
+        "that way too). Eager dense: PyTorch's model as it runs; dense "
         "fused: the same run's dense model with each conv, bias and ReLU in one cuDNN call (at a residual block's "
         "end with the add, where the run fused residuals) and, where the run folds, its BatchNorms folded. Best "
         "dense / planned: the faster of the two dense models over the planned sparse model (above 1: the sparse "

@@ -86,35 +86,38 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     were planned); ``dense_nhwc_ms`` (:func:`channels_last_copy`) and ``planned_nhwc_ms``, each None if its output
     disagrees (errors recorded either way; a one-channel input cannot carry the layout, so the sparse model is then not
     planned in it: ``planned_nhwc_ms`` and its error None); ``speedup_vs_best_dense``: the NCHW planned model against
-    the faster dense layout; ``best_planned_layout`` and ``best_speedup``: the faster planned layout against the faster
-    dense layout, what a user who runs the planner's better model gets. ``backend_counts`` / ``off_cudnn`` name the
-    planned backends per layer (NCHW), ``backend_counts_nhwc`` / ``off_cudnn_nhwc`` the channels-last plan's;
+    the fastest dense layout; ``best_planned_layout`` and ``best_speedup``: the fastest planned layout against the
+    fastest dense layout, what a user who runs the planner's best model gets. ``backend_counts`` / ``off_cudnn`` name
+    the planned backends per layer (NCHW), ``backend_counts_nhwc`` / ``off_cudnn_nhwc`` the channels-last plan's;
     ``epilogue_passes`` / ``epilogue_passes_nhwc`` name the ``cudnn`` layers planned with their fused ReLU as passes
     after cuDNN's convolution, where that timed faster than cuDNN's fused call
     (:func:`~unsparse.runtime.comparator.epilogue_passes`). A
     stronger dense baseline is timed in the same run: the dense model with each convolution, its bias and its ReLU as
     one cuDNN call, or as the convolution and passes where those are faster on the layer (:func:`dense_fused_timings`:
     ``dense_fused_convs``, ``dense_fused_passes``, ``dense_fused_ms``, ``dense_fused_nhwc_ms`` and their errors),
-    ``best_dense_fused_layout`` its faster layout and ``best_speedup_vs_dense_fused`` the faster
+    ``best_dense_fused_layout`` its fastest layout and ``best_speedup_vs_dense_fused`` the fastest
     planned layout against it (None where nothing fuses). CUDA-graph
     times (:func:`graph_timings`) of both layouts tell host-bound gaps apart. Each plan is checked end to end against
     its dense default right after planning (:func:`~unsparse.runtime.comparator.check_plan`; ``plan_check``,
     ``plan_check_nhwc``: both medians and the keys set back to the default), so the planned times are of the plans that
     survived that check.
 
-    A third layout is timed for both the planned model and the dense model fused by cuDNN: NCHW up to the model's
-    first max pool and channels-last after it (:func:`~unsparse.runtime.layout.layout_switch`; ``layout_switch`` names
-    the pool, None where the model calls none or its input has one channel). The planned model is the NCHW copy fed
-    NCHW, its layers after the switch running the channels-last plan's entries (the plan holds both, keyed by
-    layout); the dense one is the channels-last fused copy with its modules before the switch taken from the NCHW
-    fused model (NCHW weights and epilogue choices: :func:`_switched_dense`).
-    ``planned_switched_ms`` and ``dense_fused_switched_ms`` (eager medians; None where not timed or the output's
-    relative error, ``planned_switched_rel_error`` / ``dense_fused_switched_rel_error``, exceeds the tolerance;
-    ``dense_fused_layout_switch`` names the dense model's pool, which differs from the planned model's where the
-    planned copy fused its first pool into a conv). They are recorded beside the single-layout times and enter no
-    ``best_*`` ratio. ``backend_counts_switched`` and ``off_cudnn_switched`` give the switched planned model's backends
-    as ``backend_counts`` and ``off_cudnn`` give the NCHW plan's (:func:`switched_backends`; None without a switch).
-    With ``fold_batch_norm`` ``"epilogue"`` the switched planned model folds as the NCHW plan chose,
+    A third layout, ``"switched"``, is timed for the planned model, the eager dense model and the dense model fused by
+    cuDNN: NCHW up to the model's first max pool and channels-last after it
+    (:func:`~unsparse.runtime.layout.layout_switch`; ``layout_switch`` names the pool, None where the model calls none
+    or its input has one channel). The planned model is the NCHW copy fed NCHW, its layers after the switch running
+    the channels-last plan's entries (the plan holds both, keyed by layout); each dense one is its channels-last copy
+    with its modules before the switch taken from its NCHW model (NCHW weights and epilogue choices:
+    :func:`switched_dense_timing`). ``planned_switched_ms``, ``dense_switched_ms`` and ``dense_fused_switched_ms``
+    (eager medians; None where not timed or the output's relative error, ``planned_switched_rel_error`` /
+    ``dense_switched_rel_error`` / ``dense_fused_switched_rel_error``, exceeds the tolerance;
+    ``dense_layout_switch`` and ``dense_fused_layout_switch`` name the dense models' pool, which differs from the
+    planned model's where the planned copy fused its first pool into a conv). Since the fifty-third session the switched
+    times enter the ``best_*`` layouts and ratios as a third layout (``best_dense_layout``, ``best_planned_layout``
+    and ``best_dense_fused_layout`` may be ``"switched"``); before, they were recorded beside them, and the eager
+    dense model was not switched. ``backend_counts_switched`` and ``off_cudnn_switched`` give the switched planned
+    model's backends as ``backend_counts`` and ``off_cudnn`` give the NCHW plan's (:func:`switched_backends`; None
+    without a switch). With ``fold_batch_norm`` ``"epilogue"`` the switched planned model folds as the NCHW plan chose,
     also in the layers after the switch that run channels-last entries: the same function, possibly a pass more or
     less than the channels-last copy folds.
 
@@ -195,6 +198,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             unfused_t = None if unfused is None else time_fn(lambda i: unfused(x), device, runs=runs)
             graphs = graph_timings(lambda: dense(x), lambda: sparse(x), device, runs)
             dense_nhwc, nhwc_t, nhwc_error = dense_channels_last(dense, x, dense_out, runs)
+            dense_switched = switched_dense_timing(dense, dense_nhwc, x, dense_out, runs, bound, "dense")
             dense_fused = dense_fused_timings(dense, x, dense_out, runs, bound, fold_batch_norm != "off")
             planned_nhwc_error, planned_nhwc_t = math.inf, None
             if nhwc_planned:
@@ -206,11 +210,15 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             switched = None if switch is None else _switched_timing(sparse, switch, x, dense_out, runs)
             switched_layouts = None if switch is None else switched_input_layouts(sparse, switch, x)
         error = relative_error(sparse_out.double(), dense_out.double())
-    dense_times = {"nchw": dense_t.median_ms, "nhwc": nhwc_t.median_ms if nhwc_error <= bound else math.inf}
+    planned_switched_ms = switched[0].median_ms if switched is not None and switched[1] <= bound else None
+    dense_times = {"nchw": dense_t.median_ms, "nhwc": nhwc_t.median_ms if nhwc_error <= bound else math.inf,
+                   "switched": dense_switched["dense_switched_ms"] or math.inf}
     planned_times = {"nchw": sparse_t.median_ms,
-                     "nhwc": planned_nhwc_t.median_ms if planned_nhwc_error <= bound else math.inf}
+                     "nhwc": planned_nhwc_t.median_ms if planned_nhwc_error <= bound else math.inf,
+                     "switched": planned_switched_ms or math.inf}
     best_dense, best_planned = min(dense_times, key=dense_times.get), min(planned_times, key=planned_times.get)
-    fused_times = {layout: dense_fused[f"dense_fused{tag}_ms"] for layout, tag in (("nchw", ""), ("nhwc", "_nhwc"))
+    fused_times = {layout: dense_fused[f"dense_fused{tag}_ms"]
+                   for layout, tag in (("nchw", ""), ("nhwc", "_nhwc"), ("switched", "_switched"))
                    if dense_fused[f"dense_fused{tag}_ms"] is not None}
     best_fused = min(fused_times, key=fused_times.get) if fused_times else None
     by_layer = planned_backends(sparse, plan)
@@ -219,7 +227,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
                          else switched_backends(by_layer, by_layer_nhwc, switched_layouts))
     return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
             "speedup": dense_t.median_ms / sparse_t.median_ms, "rel_error": error,
-            "dense_nhwc_ms": _finite(dense_times["nhwc"]), "dense_nhwc_rel_error": nhwc_error,
+            "dense_nhwc_ms": _finite(dense_times["nhwc"]), "dense_nhwc_rel_error": nhwc_error, **dense_switched,
             "best_dense_layout": best_dense, "speedup_vs_best_dense": dense_times[best_dense] / sparse_t.median_ms,
             "planned_nhwc_ms": _finite(planned_times["nhwc"]),
             "planned_nhwc_rel_error": planned_nhwc_error if nhwc_planned else None,
@@ -250,8 +258,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "epilogue_passes": epilogue_passes(sparse, plan),
             "epilogue_passes_nhwc": epilogue_passes(sparse_nhwc, plan) if nhwc_planned else [],
             "layout_switch": switch,
-            "planned_switched_ms": (switched[0].median_ms if switched is not None and switched[1] <= bound
-                                    else None),
+            "planned_switched_ms": planned_switched_ms,
             "planned_switched_rel_error": None if switched is None else switched[1],
             "backend_counts_switched": None if by_layer_switched is None else dict(Counter(by_layer_switched.values())),
             "off_cudnn_switched": None if by_layer_switched is None else {
@@ -268,11 +275,11 @@ def switched_input_layouts(model: nn.Module, switch: str, x: torch.Tensor) -> di
     def record(name: str, x: torch.Tensor) -> None:  # a pre-hook returning a value would replace the input
         layouts.setdefault(name, layout_of(x))
 
-    hooks = [(layer, lambda layer, inputs, name=name: record(name, inputs[0]))
-             for name, layer in sparse_layers(model).items()]
+    layers = sparse_layers(model)
+    hooks = [(layer, lambda layer, inputs, name=name: record(name, inputs[0])) for name, layer in layers.items()]
     with channels_last_after(model, switch):
         forward_with_pre_hooks(model, x, hooks)
-    return {name: layouts[name] for name in sparse_layers(model) if name in layouts}
+    return {name: layouts[name] for name in layers if name in layouts}
 
 
 def switched_backends(by_layer: dict[str, str], by_layer_nhwc: dict[str, str],
@@ -348,10 +355,11 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
         epilogue as passes after cuDNN's convolution, timed faster than cuDNN's fused call on this input
         (:func:`~unsparse.runtime.dense_fusion.choose_epilogues_`, 0 off CUDA), as the planned model's ``cudnn``
         layers may (None where nothing is fused); ``dense_fused_switched_ms`` and ``dense_fused_switched_rel_error``:
-        the fused model fed NCHW, NCHW up to its first max pool and channels-last after it (:func:`_switched_dense`;
-        ``dense_fused_layout_switch`` the pool's name), None where the model calls no max pool or ``x`` has one
-        channel (the median also where the error exceeds ``bound``); ``dense_fused_switched_error``: a
-        ``RuntimeError`` of that model's run, which leaves the single-layout times recorded.
+        the fused model fed NCHW, NCHW up to its first max pool and channels-last after it
+        (:func:`switched_dense_timing`; ``dense_fused_layout_switch`` the pool's name), None where the model calls
+        no max pool or ``x`` has one channel (the median also where the error exceeds ``bound``);
+        ``dense_fused_switched_error``: a ``RuntimeError`` of that model's run, which leaves the single-layout times
+        recorded.
     """
     source = copy.deepcopy(dense) if fold_batch_norm else dense
     folded = len(fold_batch_norm_(source)) if fold_batch_norm else 0
@@ -377,16 +385,7 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
     except RuntimeError as error:
         record["dense_fused_error"] = _first_line(error)
         return record
-    if layout_of(x.contiguous(memory_format=torch.channels_last)) == "nhwc":  # one channel: no channels-last model
-        try:
-            switched = _switched_dense(fused, fused_nhwc, x)
-            if switched is not None:
-                timing, switched_error = _switched_timing(*switched, x, dense_out, runs)
-                record["dense_fused_layout_switch"] = switched[1]
-                record["dense_fused_switched_rel_error"] = switched_error
-                record["dense_fused_switched_ms"] = timing.median_ms if switched_error <= bound else None
-        except RuntimeError as error:
-            record["dense_fused_switched_error"] = _first_line(error)
+    record |= switched_dense_timing(fused, fused_nhwc, x, dense_out, runs, bound, "dense_fused")
     for tag, (forward, timing, error) in timings.items():
         record[f"dense_fused{tag}_rel_error"] = error
         if error > bound:
@@ -405,6 +404,33 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
 def _first_line(error: Exception) -> str:
     """``"RuntimeError: <first line>"``: an error as a record keeps it."""
     return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+
+
+def switched_dense_timing(model_nchw: nn.Module, model_nhwc: nn.Module, x: torch.Tensor, reference: torch.Tensor,
+                          runs: int, bound: float, prefix: str) -> dict[str, Any]:
+    """A dense model timed switched to channels-last after its first max pool (:func:`_switched_dense` of its NCHW
+    and channels-last copies ``model_nchw``, ``model_nhwc``; fed NCHW ``x``), its output compared with ``reference``.
+
+    Returns:
+        ``{prefix}_switched_ms`` (eager median, ms; None where the model calls no max pool, ``x`` has one channel (it
+        cannot carry channels-last), the run raised, or the relative error exceeds ``bound``),
+        ``{prefix}_switched_rel_error``, ``{prefix}_layout_switch`` (the pool's name) and ``{prefix}_switched_error``
+        (a ``RuntimeError``'s first line, say cuDNN's refusal of a fused call: the single-layout times stay
+        recorded), each None where not applicable.
+    """
+    record: dict[str, Any] = dict.fromkeys(f"{prefix}_{field}" for field in (
+        "switched_ms", "switched_rel_error", "layout_switch", "switched_error"))
+    if layout_of(x.contiguous(memory_format=torch.channels_last)) != "nhwc":
+        return record
+    try:
+        switched = _switched_dense(model_nchw, model_nhwc, x)
+        if switched is not None:
+            timing, rel_error = _switched_timing(*switched, x, reference, runs)
+            record |= {f"{prefix}_layout_switch": switched[1], f"{prefix}_switched_rel_error": rel_error,
+                       f"{prefix}_switched_ms": timing.median_ms if rel_error <= bound else None}
+    except RuntimeError as error:
+        record[f"{prefix}_switched_error"] = _first_line(error)
+    return record
 
 
 def _switched_dense(model_nchw: nn.Module, model_nhwc: nn.Module,
