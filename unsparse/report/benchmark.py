@@ -412,7 +412,8 @@ PLOTS = {
     "breakdown": "summed FP32 (TF32 off) conv layer time per model and backend at sparsity 0.9, batch {batch}, log "
                  "scale (each layer times its count; cuDNN alone for cuDNN; no bar: not measured).",
     "end_to_end": "whole-model time (ms, eager) per end-to-end run: the dense model (cuDNN) and the planned one, each "
-                  "in NCHW and channels-last (no bar: not run).",
+                  "in NCHW and channels-last, and in runs that timed every model switched after the first max pool "
+                  "(since the fifty-third session) switched too (no bar: not run).",
 }
 """What each of :func:`plot_results`'s plots shows, by the name it ends in (``<kind>.png``), for the page."""
 
@@ -851,7 +852,7 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
             ax.legend()
             paths.append(save_figure(fig, out_dir / f"{prefix}breakdown.png", dpi=100))
     if result["end_to_end"]:
-        with new_figure(figsize=(8, 4)) as (fig, ax):
+        with new_figure(figsize=(11, 4)) as (fig, ax):
             labels = [f"{r['model'].split('/')[-1]}\n{precision_label(r)} b{r['batch']}"
                       for r in result["end_to_end"]]
             xs = range(len(labels))
@@ -865,14 +866,15 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
                          "planned (switched)": lambda r: r.get("planned_switched_ms")}
             if any(dense_fused_ms(r) is not None for r in runs):
                 folded = any(r.get("dense_folded_batch_norm") for r in runs)
+                three = any("dense_switched_ms" in r for r in runs)
                 bars["dense, " + ("BatchNorms folded, " if folded else "")
-                     + "conv+bias+ReLU fused by cuDNN (faster layout)"] = dense_fused_ms
+                     + f"conv+bias+ReLU fused by cuDNN ({'fastest' if three else 'faster'} layout)"] = dense_fused_ms
             width = 0.8 / len(bars)
             for i, (label, value) in enumerate(bars.items()):
                 ax.bar([x + (i - (len(bars) - 1) / 2) * width for x in xs], [value(r) or 0 for r in runs], width,
                        label=label)
             ax.set_xticks(list(xs), labels, fontsize=7)
             ax.set(ylabel="model time (ms)")
-            ax.legend()
+            ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # beside the bars, not over them
             paths.append(save_figure(fig, out_dir / f"{prefix}end_to_end.png", dpi=100))
     return paths
