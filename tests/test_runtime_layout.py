@@ -193,6 +193,16 @@ def test_the_layout_switch_is_the_first_max_pool_after_the_convs_called_before_i
     assert layout_switch(indices, torch.randn(1, 3, 8, 8)) == (None, [])
 
 
+def test_a_conv_with_its_max_pool_fused_is_the_switch_of_its_sparse_copy() -> None:
+    """With its pools fused into the convs (VGG's sparse copy with ``fuse_max_pool``) a model calls no max pool; it
+    switches after the first conv that applies one, where its dense model switches after that pool."""
+    model = stem_model()
+    fused = sparsify(nn.Sequential(model[0], model[2], model[3], model[4], model[5], model[6]), fuse_max_pool=True)
+    assert layout_switch(fused, torch.randn(2, 3, 12, 10)) == ("0", [])
+    unfused = sparsify(nn.Sequential(model[0], model[2], model[3], model[4]))
+    assert layout_switch(unfused, torch.randn(2, 3, 12, 10)) == ("2", [])
+
+
 def test_a_module_that_reads_its_childs_weight_without_calling_it_is_before_the_switch() -> None:
     """cuDNN's fused conv module passes its child conv's weight to one call and never calls the child; it is named
     (the container holding the pool is not)."""

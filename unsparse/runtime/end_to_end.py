@@ -104,22 +104,24 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
 
     A third layout, ``"switched"``, is timed for the planned model, the eager dense model and the dense model fused by
     cuDNN: NCHW up to the model's first max pool and channels-last after it
-    (:func:`~unsparse.runtime.layout.layout_switch`; ``layout_switch`` names the pool, None where the model calls none
-    or its input has one channel). The planned model is the NCHW copy fed NCHW, its layers after the switch running
-    the channels-last plan's entries (the plan holds both, keyed by layout); each dense one is its channels-last copy
-    with its modules before the switch taken from its NCHW model (NCHW weights and epilogue choices:
+    (:func:`~unsparse.runtime.layout.layout_switch`; ``layout_switch`` names the pool, or with ``fuse_max_pool`` the
+    first conv that fused one (since the fifty-third session; before, such a model had no switch), None where the model
+    calls neither or its input has one channel). The planned model is the NCHW copy fed NCHW, its layers after the
+    switch running the channels-last plan's entries (the plan holds both, keyed by layout); each dense one is its
+    channels-last copy with its modules before the switch taken from its NCHW model (NCHW weights and epilogue choices:
     :func:`switched_dense_timing`). ``planned_switched_ms``, ``dense_switched_ms`` and ``dense_fused_switched_ms``
     (eager medians; None where not timed or the output's relative error, ``planned_switched_rel_error`` /
-    ``dense_switched_rel_error`` / ``dense_fused_switched_rel_error``, exceeds the tolerance;
-    ``dense_layout_switch`` and ``dense_fused_layout_switch`` name the dense models' pool, which differs from the
-    planned model's where the planned copy fused its first pool into a conv). Since the fifty-third session the switched
-    times enter the ``best_*`` layouts and ratios as a third layout (``best_dense_layout``, ``best_planned_layout``
-    and ``best_dense_fused_layout`` may be ``"switched"``); before, they were recorded beside them, and the eager
-    dense model was not switched. ``backend_counts_switched`` and ``off_cudnn_switched`` give the switched planned
-    model's backends as ``backend_counts`` and ``off_cudnn`` give the NCHW plan's (:func:`switched_backends`; None
-    without a switch). With ``fold_batch_norm`` ``"epilogue"`` the switched planned model folds as the NCHW plan chose,
-    also in the layers after the switch that run channels-last entries: the same function, possibly a pass more or
-    less than the channels-last copy folds.
+    ``dense_switched_rel_error`` / ``dense_fused_switched_rel_error``, exceeds the tolerance; ``dense_layout_switch``
+    and ``dense_fused_layout_switch`` name the dense models' pool, which differs from the planned model's where the
+    planned copy fused its first pool into a conv: the dense models switch after that pool, the planned one after the
+    conv that fused it, the same place in the forward). Since the fifty-third session the switched times enter the
+    ``best_*`` layouts and ratios as a third layout (``best_dense_layout``, ``best_planned_layout`` and
+    ``best_dense_fused_layout`` may be ``"switched"``); before, they were recorded beside them, and the eager dense
+    model was not switched. ``backend_counts_switched`` and ``off_cudnn_switched`` give the switched planned model's
+    backends as ``backend_counts`` and ``off_cudnn`` give the NCHW plan's (:func:`switched_backends`; None without a
+    switch). With ``fold_batch_norm`` ``"epilogue"`` the switched planned model folds as the NCHW plan chose, also in
+    the layers after the switch that run channels-last entries: the same function, possibly a pass more or less than the
+    channels-last copy folds.
 
     With ``fuse_relu`` the sparse copies fuse each conv with the ReLU that alone reads its output, through the copy's
     FX graph (:func:`~unsparse.runtime.modules.fuse_relu`: VGG's ``nn.ReLU`` modules, and with ``fold_batch_norm``

@@ -47,13 +47,14 @@ def in_layout(x: torch.Tensor, layout: str) -> torch.Tensor:
 def layout_switch(model: nn.Module, x: torch.Tensor) -> tuple[str | None, list[str]]:
     """Where a model fed ``x`` in NCHW can switch to channels-last for the rest of its forward: the name of the first
     ``nn.MaxPool2d`` it calls (after the stem of ResNet, GoogLeNet and AlexNet, after VGG's first two convs; a pool
-    that returns its indices is passed over), and the names of the modules called before it that hold a 4-D parameter
-    (convolution weights) themselves or in a submodule (a fused conv module that reads its child's weight without
-    calling the child counts), in call order, leaving out the modules that contain the pool (the model itself, a
-    ``features`` container). ``(None, [])`` where the model calls no such max pool (VGG with its pools fused into the
-    convs). A sparse copy's layers hold CSR buffers, not 4-D parameters, so they are not listed
-    (:func:`~unsparse.runtime.end_to_end.switched_input_layouts` gives the layout each of them receives). One forward
-    pass under ``torch.no_grad()``; ``model`` is not modified.
+    that returns its indices is passed over) or of the first layer it calls with a max pool fused into it (a
+    ``SparseConv`` whose ``max_pool`` is set, :func:`~unsparse.runtime.modules.fuse_max_pool_`: VGG's second conv
+    where its pools are fused), and the names of the modules called before it that hold a 4-D parameter (convolution
+    weights) themselves or in a submodule (a fused conv module that reads its child's weight without calling the child
+    counts), in call order, leaving out the modules that contain the pool (the model itself, a ``features``
+    container). ``(None, [])`` where the model calls neither. A sparse copy's layers hold CSR buffers, not 4-D
+    parameters, so they are not listed (:func:`~unsparse.runtime.end_to_end.switched_input_layouts` gives the layout
+    each of them receives). One forward pass under ``torch.no_grad()``; ``model`` is not modified.
 
     A stem's input has three channels, where cuDNN's channels-last kernels are slow (ResNet-50's 7x7 stem in TF32:
     0.790 ms channels-last, where the NCHW ``direct`` kernel takes 0.313 ms, ``kernels/NOTES.md``, fifty-first
@@ -66,7 +67,8 @@ def layout_switch(model: nn.Module, x: torch.Tensor) -> tuple[str | None, list[s
     def record(name: str, module: nn.Module) -> None:
         if switch:
             return
-        if isinstance(module, nn.MaxPool2d) and not module.return_indices:
+        pools = isinstance(module, nn.MaxPool2d) and not module.return_indices
+        if pools or getattr(module, "max_pool", None) is True:  # a SparseConv with its pool fused
             switch.append(name)
         elif any(parameter.dim() == 4 for parameter in module.parameters()):
             called.append(name)
