@@ -16,7 +16,6 @@ from unsparse.runtime.backends.lowering import LoweringBackend
 from unsparse.runtime.layout import layout_of
 from unsparse.runtime.modules import sparsify
 from unsparse.runtime.plan import Plan, PlanEntry, without_epilogue
-from unsparse.runtime.timing import Timing
 
 if TYPE_CHECKING:
     from conftest import VirtualClock
@@ -277,6 +276,9 @@ def test_a_model_with_a_max_pool_is_also_timed_nchw_before_it_and_channels_last_
     assert record["planned_switched_ms"] > 0 and record["planned_switched_rel_error"] < 1e-5
     assert record["dense_fused_switched_ms"] > 0 and record["dense_fused_switched_rel_error"] < 1e-5
     assert record["dense_fused_switched_error"] is None
+    for kind in ("planned", "dense", "dense_fused"):  # graphs are timed on CUDA only
+        assert record[f"{kind}_switched_graph_ms"] is None
+        assert record[f"{kind}_switched_graph_error"] == "no CUDA graphs on cpu"
     assert record["off_cudnn_switched"] == {"0": record["off_cudnn"]["0"], "3": record["off_cudnn_nhwc"]["3"]}
     assert sum(record["backend_counts_switched"].values()) == 2
     plain = end_to_end.bench_end_to_end(model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),
@@ -298,9 +300,9 @@ def test_the_switched_layout_is_a_third_layout_of_every_best_ratio(monkeypatch: 
             return "planned"
         return "dense fused" if any(isinstance(m, dense_fusion.ConvBiasReLU) for m in model.modules()) else "dense"
 
-    def faster(model: nn.Module, *args: object) -> tuple[Timing, float]:  # the others slowest, whatever the clock
-        timing, error = real(model, *args)
-        return replace(timing, median_ms=1e-6 if kind(model) == fastest else 1e6), error
+    def faster(model: nn.Module, *args: object) -> end_to_end.SwitchedTiming:  # the others slowest, whatever the clock
+        timing = real(model, *args)
+        return timing._replace(eager=replace(timing.eager, median_ms=1e-6 if kind(model) == fastest else 1e6))
 
     monkeypatch.setattr(end_to_end, "_switched_timing", faster)
     record = end_to_end.bench_end_to_end(pooled_model(), (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, Plan(),

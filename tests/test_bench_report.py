@@ -710,7 +710,10 @@ def test_a_switched_layout_timed_on_both_sides_is_a_third_layout_of_the_ratios_a
     assert "end to end resnet50 fp16 b128: the planned model" not in text
     assert "| resnet50 | synthetic | 128 | fp16 | 10.000 | 8.000 | 9.000 | 9.500 | 1.11 | 1.07 |" in text
     assert "best planned / best dense: the faster layout of each (of three in the runs that timed every model" in text
-    assert "planned 7.500 ms, dense fused 8.100 ms, eager dense 8.400 ms, 1.08x" in text
+    assert "planned 7.500 ms, dense fused 8.100 ms, eager dense 8.400 ms, 1.08x; in its" in text
+    record |= {"planned_switched_graph_ms": 7.4, "dense_fused_switched_graph_ms": 8.14}
+    _, text = judged()
+    assert "eager dense 8.400 ms, 1.08x; as CUDA graphs 7.400 against 8.140 ms (1.10x); in its" in text
     assert "Where a line gives the eager dense model's switched time too, the ratios above count switched" in text
     record["dense_switched_ms"] = 6.0
     run, text = judged()

@@ -165,6 +165,11 @@ def test_a_run_that_timed_every_model_switched_reads_switched_as_a_third_layout(
     assert (row["dense_fused_ms"], row["dense_fused_layout"], row["best_dense_ms"]) == (11.5, "switched", 11.5)
     assert (row["off_cudnn"], row["convs"], row["verdict"]) == (1, 13, "faster")
     assert row["speedup"] == pytest.approx(11.5 / 11.0)
+    graphs = {"dense_graph_ms": 19.0, "dense_nhwc_graph_ms": 14.5, "dense_switched_graph_ms": 13.8,
+              "planned_graph_ms": 11.9, "planned_nhwc_graph_ms": 13.9, "planned_switched_graph_ms": 10.9}
+    assert summary_row(three | graphs, "r")["best_graph_speedup"] == pytest.approx(13.8 / 10.9)
+    assert summary_row(three | graphs | {"planned_switched_ms": None}, "r")["best_graph_speedup"] == pytest.approx(
+        13.8 / 11.9)  # a switched output that failed: not its graph time
     earlier = {k: v for k, v in three.items() if k != "dense_switched_ms"} | {"best_dense_fused_layout": "nhwc"}
     two = summary_row(earlier, "r")
     assert (two["planned_ms"], two["planned_layout"], two["off_cudnn"]) == (12.0, "NCHW", 10)

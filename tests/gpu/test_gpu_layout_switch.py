@@ -38,6 +38,8 @@ def test_a_switched_model_agrees_with_the_dense_one(precision: str) -> None:
     assert record["planned_switched_rel_error"] <= record["tolerance"] and record["planned_switched_ms"] > 0
     assert record["dense_fused_switched_rel_error"] <= record["tolerance"] and record["dense_fused_switched_ms"] > 0
     assert record["dense_switched_rel_error"] <= record["tolerance"] and record["dense_switched_ms"] > 0
+    for model in ("planned", "dense", "dense_fused"):  # each also replayed as a CUDA graph, the switch captured
+        assert record[f"{model}_switched_graph_ms"] > 0 and record[f"{model}_switched_graph_error"] is None, model
     for model, field in (("planned", "best_planned_layout"), ("dense", "best_dense_layout"),
                          ("dense_fused", "best_dense_fused_layout")):  # switched is a third layout of each
         times = {layout: record[f"{model}{suffix}_ms"] for layout, suffix in

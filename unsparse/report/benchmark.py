@@ -705,10 +705,13 @@ def _switched_lines(records: Sequence[dict[str, Any]]) -> list[str]:
             continue
         verdict = _slower(planned, dense, PLAN_MARGIN)
         eager = f", eager dense {_fmt(r['dense_switched_ms'])} ms" if "dense_switched_ms" in r else ""
+        graphs = [r.get(f"{model}_switched_graph_ms") for model in ("planned", "dense_fused")]
+        graph = (f"; as CUDA graphs {_fmt(graphs[0])} against {_fmt(graphs[1])} ms ({_fmt(graphs[1] / graphs[0], 2)}x)"
+                 if all(graphs) else "")
         lines.append(f"{run}: planned {_fmt(planned)} ms, dense fused {_fmt(dense)} ms{eager}, "
                      f"{_fmt(dense / planned, 2)}x"
                      + (f" ({verdict}" + (f", {noise_text(PLAN_MARGIN)}" if verdict == "slower" else "") + ")"
-                        if verdict else "") + _switched_sparse_text(r) + single)
+                        if verdict else "") + graph + _switched_sparse_text(r) + single)
     return lines
 
 

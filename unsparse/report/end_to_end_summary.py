@@ -19,6 +19,7 @@ from unsparse.report.benchmark import (
     fastest_layout,
     fastest_ms,
     fold_policy,
+    layout_times,
     precision_label,
     sparse_conv_count,
 )
@@ -33,14 +34,13 @@ HEADER = ("run", "model", "weights", "sparsity", "batch", "precision", "folded /
 
 def best_graph_speedup(record: dict[str, Any]) -> float | None:
     """The eager dense model over the planned one as CUDA-graph replays (GPU time, without the host's per-layer work),
-    each in its faster layout: ``min(dense_graph_ms, dense_nhwc_graph_ms) / min(planned_graph_ms,
-    planned_nhwc_graph_ms)``, a channels-last time only where that layout's output passed (its eager
-    ``dense_nhwc_ms``/``planned_nhwc_ms`` is not None); None where either side has no graph time. The dense fused
-    model's graph times (runs since the forty-fourth session) are on each run's page, not in this ratio."""
+    each in its fastest layout: ``min(dense_graph_ms, dense_nhwc_graph_ms) / min(planned_graph_ms,
+    planned_nhwc_graph_ms)``, with the ``*_switched_graph_ms`` times too in runs that timed every model switched
+    (:func:`~unsparse.report.benchmark.layout_times`), a layout's time only where its output passed (its eager
+    time, ``dense_nhwc_ms`` say, is not None); None where either side has no graph time. The dense fused model's
+    graph times (runs since the forty-fourth session) are on each run's page, not in this ratio."""
     def fastest(kind: str) -> float | None:
-        times = [record.get(f"{kind}_graph_ms")]
-        if record.get(f"{kind}_nhwc_ms") is not None:
-            times.append(record.get(f"{kind}_nhwc_graph_ms"))
+        times = [record.get(f"{kind}{LAYOUT_SUFFIXES[layout]}_graph_ms") for layout in layout_times(record, kind)]
         return min((time for time in times if time is not None), default=None)
 
     dense, planned = fastest("dense"), fastest("planned")
@@ -206,7 +206,7 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
         "end with the add, where the run fused residuals) and, where the run folds, its BatchNorms folded. Best "
         "dense / planned: the faster of the two dense models over the planned sparse model (above 1: the sparse "
         "model is faster). Eager dense / planned (CUDA graphs): the same run's "
-        "eager dense and planned models replayed as CUDA graphs, each in its faster layout: GPU time without the "
+        "eager dense and planned models replayed as CUDA graphs, each in its fastest layout: GPU time without the "
         "host's per-layer work, which tells a host-bound eager ratio (GoogLeNet in FP16) from the kernels' (this "
         "column leaves the fused dense model out: runs before the forty-fourth session have no graph time for it; "
         "later pages give both). Folded / fused: the faster plan's convs that took a "

@@ -14,7 +14,7 @@ import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -114,14 +114,15 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     ``dense_switched_rel_error`` / ``dense_fused_switched_rel_error``, exceeds the tolerance; ``dense_layout_switch``
     and ``dense_fused_layout_switch`` name the dense models' pool, which differs from the planned model's where the
     planned copy fused its first pool into a conv: the dense models switch after that pool, the planned one after the
-    conv that fused it, the same place in the forward). Since the fifty-third session the switched times enter the
-    ``best_*`` layouts and ratios as a third layout (``best_dense_layout``, ``best_planned_layout`` and
-    ``best_dense_fused_layout`` may be ``"switched"``); before, they were recorded beside them, and the eager dense
-    model was not switched. ``backend_counts_switched`` and ``off_cudnn_switched`` give the switched planned model's
-    backends as ``backend_counts`` and ``off_cudnn`` give the NCHW plan's (:func:`switched_backends`; None without a
-    switch). With ``fold_batch_norm`` ``"epilogue"`` the switched planned model folds as the NCHW plan chose, also in
-    the layers after the switch that run channels-last entries: the same function, possibly a pass more or less than the
-    channels-last copy folds.
+    conv that fused it, the same place in the forward); ``planned_switched_graph_ms``, ``dense_switched_graph_ms`` and
+    ``dense_fused_switched_graph_ms`` the same models replayed as CUDA graphs (their ``*_graph_error`` says why there is
+    none). Since the fifty-third session the switched times enter the ``best_*`` layouts and ratios as a third layout
+    (``best_dense_layout``, ``best_planned_layout`` and ``best_dense_fused_layout`` may be ``"switched"``); before, they
+    were recorded beside them, and the eager dense model was not switched. ``backend_counts_switched`` and
+    ``off_cudnn_switched`` give the switched planned model's backends as ``backend_counts`` and ``off_cudnn`` give the
+    NCHW plan's (:func:`switched_backends`; None without a switch). With ``fold_batch_norm`` ``"epilogue"`` the switched
+    planned model folds as the NCHW plan chose, also in the layers after the switch that run channels-last entries: the
+    same function, possibly a pass more or less than the channels-last copy folds.
 
     With ``fuse_relu`` the sparse copies fuse each conv with the ReLU that alone reads its output, through the copy's
     FX graph (:func:`~unsparse.runtime.modules.fuse_relu`: VGG's ``nn.ReLU`` modules, and with ``fold_batch_norm``
@@ -212,7 +213,8 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             switched = None if switch is None else _switched_timing(sparse, switch, x, dense_out, runs)
             switched_layouts = None if switch is None else switched_input_layouts(sparse, switch, x)
         error = relative_error(sparse_out.double(), dense_out.double())
-    planned_switched_ms = switched[0].median_ms if switched is not None and switched[1] <= bound else None
+    planned_switched_ms = (switched.eager.median_ms if switched is not None and switched.rel_error <= bound
+                           else None)
     dense_times = {"nchw": dense_t.median_ms, "nhwc": nhwc_t.median_ms if nhwc_error <= bound else math.inf,
                    "switched": dense_switched["dense_switched_ms"] or math.inf}
     planned_times = {"nchw": sparse_t.median_ms,
@@ -261,7 +263,9 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "epilogue_passes_nhwc": epilogue_passes(sparse_nhwc, plan) if nhwc_planned else [],
             "layout_switch": switch,
             "planned_switched_ms": planned_switched_ms,
-            "planned_switched_rel_error": None if switched is None else switched[1],
+            "planned_switched_rel_error": None if switched is None else switched.rel_error,
+            "planned_switched_graph_ms": None if switched is None else switched.graph_ms,
+            "planned_switched_graph_error": None if switched is None else switched.graph_error,
             "backend_counts_switched": None if by_layer_switched is None else dict(Counter(by_layer_switched.values())),
             "off_cudnn_switched": None if by_layer_switched is None else {
                 name: backend for name, backend in by_layer_switched.items() if backend != "cudnn"}}
@@ -416,20 +420,24 @@ def switched_dense_timing(model_nchw: nn.Module, model_nhwc: nn.Module, x: torch
     Returns:
         ``{prefix}_switched_ms`` (eager median, ms; None where the model calls no max pool, ``x`` has one channel (it
         cannot carry channels-last), the run raised, or the relative error exceeds ``bound``),
-        ``{prefix}_switched_rel_error``, ``{prefix}_layout_switch`` (the pool's name) and ``{prefix}_switched_error``
+        ``{prefix}_switched_rel_error``, ``{prefix}_layout_switch`` (the pool's name), ``{prefix}_switched_error``
         (a ``RuntimeError``'s first line, say cuDNN's refusal of a fused call: the single-layout times stay
-        recorded), each None where not applicable.
+        recorded), ``{prefix}_switched_graph_ms`` and ``{prefix}_switched_graph_error`` (:class:`SwitchedTiming`;
+        since the fifty-third session), each None where not applicable.
     """
     record: dict[str, Any] = dict.fromkeys(f"{prefix}_{field}" for field in (
-        "switched_ms", "switched_rel_error", "layout_switch", "switched_error"))
+        "switched_ms", "switched_rel_error", "layout_switch", "switched_error", "switched_graph_ms",
+        "switched_graph_error"))
     if layout_of(x.contiguous(memory_format=torch.channels_last)) != "nhwc":
         return record
     try:
         switched = _switched_dense(model_nchw, model_nhwc, x)
         if switched is not None:
-            timing, rel_error = _switched_timing(*switched, x, reference, runs)
-            record |= {f"{prefix}_layout_switch": switched[1], f"{prefix}_switched_rel_error": rel_error,
-                       f"{prefix}_switched_ms": timing.median_ms if rel_error <= bound else None}
+            timing = _switched_timing(*switched, x, reference, runs)
+            record |= {f"{prefix}_layout_switch": switched[1], f"{prefix}_switched_rel_error": timing.rel_error,
+                       f"{prefix}_switched_ms": timing.eager.median_ms if timing.rel_error <= bound else None,
+                       f"{prefix}_switched_graph_ms": timing.graph_ms,
+                       f"{prefix}_switched_graph_error": timing.graph_error}
     except RuntimeError as error:
         record[f"{prefix}_switched_error"] = _first_line(error)
     return record
@@ -453,13 +461,37 @@ def _switched_dense(model_nchw: nn.Module, model_nhwc: nn.Module,
     return model, switch
 
 
+class SwitchedTiming(NamedTuple):
+    """A model fed NCHW and switched to channels-last after one of its modules, timed (:func:`_switched_timing`).
+
+    Attributes:
+        eager: its eager timing (ms).
+        rel_error: its output's relative error against the reference.
+        graph_ms: its CUDA-graph median (ms, :func:`~unsparse.runtime.timing.time_graph`), None where there is none.
+        graph_error: why there is none: not CUDA, or the capture failed.
+    """
+
+    eager: Timing
+    rel_error: float
+    graph_ms: float | None
+    graph_error: str | None
+
+
 def _switched_timing(model: nn.Module, switch: str, x: torch.Tensor, reference: torch.Tensor,
-                     runs: int) -> tuple[Timing, float]:
-    """The eager timing (ms) of ``model`` fed NCHW ``x``, switched to channels-last after its module ``switch``
-    (:func:`~unsparse.runtime.layout.channels_last_after`), and its output's relative error against ``reference``."""
+                     runs: int) -> SwitchedTiming:
+    """``model`` fed NCHW ``x``, switched to channels-last after its module ``switch``
+    (:func:`~unsparse.runtime.layout.channels_last_after`): its eager timing, its output's relative error against
+    ``reference``, and its CUDA-graph time (the hook's conversion is captured with the layers)."""
+    graph_ms, graph_error = None, f"no CUDA graphs on {x.device.type}"
     with channels_last_after(model, switch):
         error = relative_error(model(x).double(), reference.double())
-        return time_fn(lambda i: model(x), x.device, runs=runs), error
+        eager = time_fn(lambda i: model(x), x.device, runs=runs)
+        if x.device.type == "cuda":
+            try:
+                graph_ms, graph_error = time_graph(lambda: model(x), x.device, runs).median_ms, None
+            except RuntimeError as capture_error:
+                graph_error = f"capture failed: {capture_error}"
+    return SwitchedTiming(eager, error, graph_ms, graph_error)
 
 
 def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch: int, device: torch.device,
