@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from unsparse.runtime import bench
-from unsparse.runtime.backends import generated
+from unsparse.runtime.backends import generated, get_backend
 from unsparse.runtime.backends.generated import GeneratedBackend
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
@@ -112,6 +112,21 @@ def test_a_plan_chooses_among_cudnn_its_precisions_backend_and_those_added_each_
     assert bench.plan_backends("fp32", ["generated"]) == ["cudnn", "direct", "generated"]
     assert bench.plan_backends("fp32_generated", ["direct", "generated"]) == ["cudnn", "generated", "direct"]
     assert bench.plan_backends("fp16_half2", ["cudnn"]) == ["cudnn", "direct_half2"]
+
+
+def test_a_backend_that_cannot_run_the_precisions_dtype_is_not_offered_nor_named(monkeypatch) -> None:
+    """``direct_half2`` runs float16 only: at ``fp32`` and ``tf32`` it would refuse every layer, so a run's plan and
+    its label (``sparse_backends``) leave it out there, and keep it at ``fp16``; its layers say why on their own."""
+    assert bench.plan_backends("fp32", ["direct_half2", "generated"]) == ["cudnn", "direct", "generated"]
+    assert bench.plan_key("tf32", ["direct_half2"]) == bench.plan_key("tf32") == "direct"
+    assert bench.plan_backends("fp16", ["direct_half2"]) == ["cudnn", "direct", "direct_half2"]
+    half2 = get_backend("direct_half2")
+    monkeypatch.setattr(type(half2), "device_types", frozenset({"cpu"}))  # past the device check, to the dtype's
+    x, csr = torch.zeros(1, 4, 6, 6), UniformCSR.from_dense(torch.randn(4, 4, 3, 3))
+    assert half2.unsupported_reason(x, csr, ConvGeometry.of(1, 1)) == (
+        "direct_half2 runs torch.float16 inputs only, not torch.float32")
+    csr16 = UniformCSR.from_dense(torch.randn(4, 4, 3, 3, dtype=torch.float16))
+    assert "inputs only" not in (half2.unsupported_reason(x.half(), csr16, ConvGeometry.of(1, 1)) or "")  # CuPy's
 
 
 def test_plans_among_the_same_backends_share_a_key_and_the_plan_files_is_direct_alone() -> None:

@@ -29,6 +29,7 @@ from torch import nn
 from unsparse.atomic import atomic_write_text, write_record
 from unsparse.job import git_commit, git_tree_modified
 from unsparse.report.benchmark import ESCOIN_MODELS, compiled_ahead, evaluate_targets, markdown_report, plot_results
+from unsparse.runtime.backends import get_backend
 from unsparse.runtime.batch_norm_folding import FOLD_POLICIES, fold_batch_norm_
 from unsparse.runtime.comparator import TIMINGS, best_times, compare_layer
 from unsparse.runtime.end_to_end import bench_end_to_end, bench_end_to_end_sparse
@@ -345,12 +346,16 @@ def bench_layer(layer: ConvLayer, batch: int, precision: str, device: torch.devi
 
 def plan_backends(precision: str, also: Sequence[str] = ()) -> list[str]:
     """The backends a plan at ``precision`` (a key of :data:`PRECISIONS`) chooses among per layer: ``cudnn``, the
-    precision's sparse backend, then each of ``also`` not named before it, in that order.
+    precision's sparse backend, then each of ``also`` not named before it that runs the precision's dtype
+    (``ConvBackend.dtypes``: ``direct_half2`` is not offered at ``fp32``, where it would refuse every layer while the
+    run's label named it), in that order.
 
     Raises:
-        KeyError: ``precision`` not in :data:`PRECISIONS`.
+        KeyError: ``precision`` not in :data:`PRECISIONS`, or an unknown backend in ``also``.
     """
-    return list(dict.fromkeys(("cudnn", PRECISIONS[precision].sparse, *also)))
+    dtype = PRECISIONS[precision].dtype
+    runs_dtype = [name for name in also if get_backend(name).dtypes is None or dtype in get_backend(name).dtypes]
+    return list(dict.fromkeys(("cudnn", PRECISIONS[precision].sparse, *runs_dtype)))
 
 
 def plan_key(precision: str, also: Sequence[str] = ()) -> str:
@@ -403,7 +408,6 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
         ``{"layers": layers with kernels, "kernels": distinct kernels, "skipped": distinct kernels left uncompiled
         at the deadline, "seconds": wall seconds of the compile}`` (all 0 where no backend compiles ahead).
     """
-    from unsparse.runtime.backends import get_backend
     from unsparse.runtime.backends.generated import compile_all
 
     sources: list[tuple[str, str]] = []

@@ -41,6 +41,8 @@ class ConvBackend(ABC):
             ``f(x, residual)`` that adds the residual (a tensor of the output's shape and dtype) to the convolution
             and its bias and applies the ReLU as it stores (a residual block's ``relu(conv3(x) + identity)``);
             :meth:`run` adds it, then applies the ReLU, in passes after the convolution for the others.
+        dtypes: the only input dtypes it runs, or None where it refuses a dtype per layer if at all: what a run of
+            one precision may offer it (:func:`~unsparse.runtime.bench.plan_backends`).
 
     Where a backend adds the bias is :meth:`adds_bias_in_epilogue`.
     """
@@ -52,11 +54,14 @@ class ConvBackend(ABC):
     fuses_relu: ClassVar[bool] = False
     fuses_max_pool: ClassVar[bool] = False
     fuses_residual_relu: ClassVar[bool] = False
+    dtypes: ClassVar[frozenset[torch.dtype] | None] = None
 
     def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
         """Why this backend cannot run the layer on this input, or None if it can."""
         if x.device.type not in self.device_types:
             return f"{self.name} runs on {sorted(self.device_types)}, input is on {x.device.type}"
+        if self.dtypes is not None and x.dtype not in self.dtypes:
+            return f"{self.name} runs {', '.join(sorted(map(str, self.dtypes)))} inputs only, not {x.dtype}"
         if geometry.groups != 1 and self.sparse:
             return f"groups={geometry.groups} is not supported by sparse backends"
         return None

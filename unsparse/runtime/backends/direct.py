@@ -566,13 +566,12 @@ class DirectHalf2Backend(DirectBackend):
     """
 
     name = "direct_half2"
+    dtypes = frozenset({torch.float16})  # half2 products need float16 storage
 
     def unsupported_reason(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> str | None:
         reason = super().unsupported_reason(x, csr, geometry)
         if reason is not None:
             return reason
-        if x.dtype != torch.float16:
-            return f"half2 products need float16 storage, not {x.dtype}"
         reason = stride_one_reason(geometry)
         return None if reason is None else f"half2 products run on the tile kernel: {reason}"
 
