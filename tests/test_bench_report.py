@@ -684,8 +684,10 @@ def test_a_switched_layout_is_reported_beside_the_single_layouts_and_a_loss_is_c
     assert "planned 9.500 ms, dense fused - ms (none: not timed or its output disagreed)" in markdown_report(
         {**result, "targets": evaluate_targets(result)})
     record |= {"dense_fused_switched_error": "RuntimeError: no engine", "dense_fused_layout_switch": "pool1"}
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert ("switched after `maxpool` (the dense fused model after `pool1`): planned 9.500 ms, dense fused - ms "
-            "(none: RuntimeError: no engine)") in markdown_report({**result, "targets": evaluate_targets(result)})
+            "(none: RuntimeError: no engine)") in text
+    assert "plan's entries; a planned model whose pools are fused switches after the conv that applies" in text
 
 
 def test_a_switched_layout_timed_on_both_sides_is_a_third_layout_of_the_ratios_and_the_target(result):
@@ -726,3 +728,6 @@ def test_a_switched_layout_timed_on_both_sides_is_a_third_layout_of_the_ratios_a
     assert ("end to end resnet50 fp16 b128: the planned model's fastest layout (switched) runs every conv on cuDNN, "
             "so sparsity gains nothing in this run; the NCHW plan, with 1 of 3 convs on sparse kernels, takes "
             "9.000 ms.") in text
+    assert "plan's entries; a planned model whose pools are fused" not in text  # both switch after `maxpool`
+    record["dense_fused_ms"] = None  # a fused dense model timed (its output off): its paragraph says "fastest"
+    assert "its pools still apart), eager, in its fastest layout" in judged()[1]

@@ -632,7 +632,8 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                     "`torch.cudnn_convolution_add_relu`, as the planned model's cuDNN layers do)"
                     if any(r.get("fused_residual") for r in records) else "")
         lines += ["Dense fused: the dense model with each convolution, its bias and its ReLU in one cuDNN call "
-                  f"(`torch.cudnn_convolution_relu`; its pools still apart){residual}, eager, in its faster layout, "
+                  f"(`torch.cudnn_convolution_relu`; its pools still apart){residual}, eager, in its "
+                  f"{'fastest' if any('dense_switched_ms' in r for r in records) else 'faster'} layout, "
                   "timed in the same run: the dense model a deployment could run instead of PyTorch's eager one. "
                   "Best planned / "
                   "dense fused below 1: the sparse model is slower than it (see \"Where sparse is slower\", which "
@@ -683,7 +684,11 @@ def _switched_lines(records: Sequence[dict[str, Any]]) -> list[str]:
                "ratios above.")
     lines = ["", "Layout switched: the planned model and the dense fused model fed NCHW, in NCHW up to the model's "
              "first max pool and in channels-last after it (the planned model's layers after it run the channels-last "
-             f"plan's entries){counted}", ""]
+             "plan's entries" + ("; a planned model whose pools are fused switches after the conv that applies the "
+                                 "first one" if any(r.get("layout_switch") and r.get("dense_fused_layout_switch")
+                                                    and r["layout_switch"] != r["dense_fused_layout_switch"]
+                                                    for r in switched) else "")
+             + f"){counted}", ""]
     for r in switched:
         planned_switch, dense_switch = r.get("layout_switch"), r.get("dense_fused_layout_switch")
         run = f"- {r['model']} {precision_label(r)} b{r['batch']}, switched after `{planned_switch or dense_switch}`"
