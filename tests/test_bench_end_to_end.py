@@ -259,6 +259,8 @@ def test_the_dense_model_fused_by_cudnn_is_timed_in_both_layouts_beside_the_plan
     assert plain["dense_fused_convs"] == 0 and plain["dense_fused_ms"] is plain["dense_fused_nhwc_ms"] is None
     assert plain["dense_fused_passes"] is None
     assert plain["best_dense_fused_layout"] is plain["best_speedup_vs_dense_fused"] is None
+    assert {key for key in plain if key.startswith("dense_fused")} == {key for key in record
+                                                                       if key.startswith("dense_fused")}
 
 
 def pooled_model() -> nn.Module:

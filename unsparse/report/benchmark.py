@@ -38,6 +38,18 @@ LAYOUT_WORDS = {"nchw": "NCHW", "nhwc": "channels-last", "switched": "switched"}
 """Layout -> the word a page's sentence uses for it ("the channels-last plan", "the dense model in NCHW")."""
 
 
+def counts_switched(record: dict[str, Any]) -> bool:
+    """Whether an end-to-end record's best layouts count switched as a third layout: the run also timed the eager
+    dense model switched (``dense_switched_ms``, runs since the fifty-third session), so both sides of its ratios
+    choose among the same three layouts."""
+    return "dense_switched_ms" in record
+
+
+def comparative(layouts: int) -> str:
+    """``"faster"`` for the better of two layouts, ``"fastest"`` for the best of three: how a sentence names it."""
+    return "faster" if layouts < 3 else "fastest"
+
+
 def in_layout_text(layout: str) -> str:
     """``in NCHW``, ``in channels-last`` or ``switched to channels-last after the first max pool``: where a
     sentence says a model ran."""
@@ -126,10 +138,10 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
     without its ``margin`` (a result written before the check recorded one) that kept a slower plan is said to be
     slower and kept, with :data:`~unsparse.report.document.MARGIN_NOT_RECORDED`, as the job report says it: today's
     :data:`PLAN_MARGIN` need not be the one it was checked against, so neither "within the margin" nor SLOWER is
-    said. Then the planned
-    model in its fastest layout slower than the dense model fused by cuDNN (:func:`dense_fused_ms`), where timed;
-    last, a fastest plan with no conv off cuDNN (:func:`_all_on_cudnn`). Records that timed two layouts of each model
-    say "faster layout", those that timed three (switched too) "fastest"."""
+    said. Then the planned model in its fastest layout slower than the dense model fused by cuDNN
+    (:func:`dense_fused_ms`), where timed; last, a fastest plan with no conv off cuDNN (:func:`_all_on_cudnn`).
+    Records that timed two layouts of each model say "faster layout", those that timed three (switched too)
+    "fastest" (:func:`comparative`)."""
     lines = []
     for r in records:
         run = f"end to end {r['model']} {precision_label(r)} b{r['batch']}"
@@ -162,7 +174,7 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
                              f"({_fmt(planned_ms)} against {_fmt(dense_ms)} ms)"
                              f"{f', {noise_text(PLAN_MARGIN)}' if eager == 'slower' else ''}{host}.")
         dense_layout, planned_layout = fastest_layout(r, "dense"), fastest_layout(r, "planned")
-        fastest = "faster" if len(layout_times(r, "planned")) < 3 else "fastest"
+        fastest = comparative(len(layout_times(r, "planned")))
         if slower_overall:
             host = _host_time(r, LAYOUT_SUFFIXES[planned_layout], LAYOUT_SUFFIXES[dense_layout])
             lines.append(f"- {run}: the planned model ({_fmt(planned)} ms in its {fastest} layout) is SLOWER than the "
@@ -185,8 +197,8 @@ def _slower_end_to_end(records: Sequence[dict[str, Any]]) -> list[str]:
 def _fused_graph_text(record: dict[str, Any], planned_layout: str) -> str:
     """``; as CUDA graphs ...``: the planned model's graph time in ``planned_layout`` (a :data:`LAYOUT_SUFFIXES`
     key) against the dense fused model's in its fastest layout, where both were timed (records from before the fused
-    model's graphs were timed have none, and no model is replayed switched), else ``""``. Where the eager gap is host
-    time, the two graph times are close."""
+    model's graphs were timed have none, and switched models are replayed since the fifty-third session's fourth
+    call), else ``""``. Where the eager gap is host time, the two graph times are close."""
     fused_tag = LAYOUT_SUFFIXES[record["best_dense_fused_layout"]]
     planned_graph = record.get(f"planned{LAYOUT_SUFFIXES[planned_layout]}_graph_ms")
     fused_graph = record.get(f"dense_fused{fused_tag}_graph_ms")
@@ -205,7 +217,7 @@ def _all_on_cudnn(record: dict[str, Any], run: str, planned_layout: str) -> list
     if not record.get("backend_counts" + suffix) or sparse_convs(record, suffix):
         return []
     times = layout_times(record, "planned")
-    line = (f"- {run}: the planned model's {'faster' if len(times) < 3 else 'fastest'} layout "
+    line = (f"- {run}: the planned model's {comparative(len(times))} layout "
             f"({LAYOUT_WORDS[planned_layout]}) runs every conv on cuDNN, so sparsity gains nothing in this run")
     for layout, ms in times.items():
         off = sparse_convs(record, LAYOUT_SUFFIXES[layout]) if layout != planned_layout else {}
@@ -304,7 +316,7 @@ def layout_times(record: dict[str, Any], model: str, switched: bool = True) -> d
     Raises:
         ValueError: a ``"dense"`` or ``"planned"`` model without its NCHW time (``dense_ms``/``planned_ms`` null).
     """
-    layouts = ("nchw", "nhwc", "switched") if switched and "dense_switched_ms" in record else ("nchw", "nhwc")
+    layouts = ("nchw", "nhwc", "switched") if switched and counts_switched(record) else ("nchw", "nhwc")
     times = {layout: record.get(f"{model}{LAYOUT_SUFFIXES[layout]}_ms") for layout in layouts}
     if model != "dense_fused" and times["nchw"] is None:
         raise ValueError(f"end-to-end record {record.get('model')!r}: {model}_ms is null, expected a time in ms")
@@ -597,7 +609,7 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
              "and return NHWC; the direct kernels' conversions are part of their planned time). Speedup (NCHW): "
              "planned over dense, both NCHW; best planned / best dense: the faster layout of each"
              + (" (of three in the runs that timed every model switched too, \"Layout switched\" below; best "
-                "planned / dense fused likewise)" if any("dense_switched_ms" in r for r in records) else "")
+                "planned / dense fused likewise)" if any(map(counts_switched, records)) else "")
              + ".", ""]
     fused = [r for r in records if r.get("fused_relu") or r.get("fused_max_pool")]
     if fused:
@@ -633,7 +645,7 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                     if any(r.get("fused_residual") for r in records) else "")
         lines += ["Dense fused: the dense model with each convolution, its bias and its ReLU in one cuDNN call "
                   f"(`torch.cudnn_convolution_relu`; its pools still apart){residual}, eager, in its "
-                  f"{'fastest' if any('dense_switched_ms' in r for r in records) else 'faster'} layout, "
+                  f"{comparative(3 if any(map(counts_switched, records)) else 2)} layout, "
                   "timed in the same run: the dense model a deployment could run instead of PyTorch's eager one. "
                   "Best planned / "
                   "dense fused below 1: the sparse model is slower than it (see \"Where sparse is slower\", which "
@@ -680,7 +692,7 @@ def _switched_lines(records: Sequence[dict[str, Any]]) -> list[str]:
         return []
     counted = ("; timed in the same run. Where a line gives the eager dense model's switched time too, the ratios "
                "above count switched as a third layout of every model; in the other runs it enters none of them."
-               if any("dense_switched_ms" in r for r in switched) else "; timed in the same run, in none of the "
+               if any(map(counts_switched, switched)) else "; timed in the same run, in none of the "
                "ratios above.")
     lines = ["", "Layout switched: the planned model and the dense fused model fed NCHW, in NCHW up to the model's "
              "first max pool and in channels-last after it (the planned model's layers after it run the channels-last "
@@ -709,7 +721,7 @@ def _switched_lines(records: Sequence[dict[str, Any]]) -> list[str]:
                          "NCHW stem)" + single)
             continue
         verdict = _slower(planned, dense, PLAN_MARGIN)
-        eager = f", eager dense {_fmt(r['dense_switched_ms'])} ms" if "dense_switched_ms" in r else ""
+        eager = f", eager dense {_fmt(r['dense_switched_ms'])} ms" if counts_switched(r) else ""
         graphs = [r.get(f"{model}_switched_graph_ms") for model in ("planned", "dense_fused")]
         graph = (f"; as CUDA graphs {_fmt(graphs[0])} against {_fmt(graphs[1])} ms ({_fmt(graphs[1] / graphs[0], 2)}x)"
                  if all(graphs) else "")
@@ -869,14 +881,14 @@ def plot_results(result: dict[str, Any], out_dir: Path, prefix: str = "") -> lis
                 "dense (cuDNN, NCHW)": lambda r: r.get("dense_ms"),
                 "dense (cuDNN, NHWC)": lambda r: r.get("dense_nhwc_ms"),
                 "planned (NCHW)": lambda r: r.get("planned_ms"), "planned (NHWC)": lambda r: r.get("planned_nhwc_ms")}
-            if any("dense_switched_ms" in r for r in runs):
+            three = any(map(counts_switched, runs))
+            if three:
                 bars |= {"dense (cuDNN, switched after the first pool)": lambda r: r.get("dense_switched_ms"),
                          "planned (switched)": lambda r: r.get("planned_switched_ms")}
             if any(dense_fused_ms(r) is not None for r in runs):
                 folded = any(r.get("dense_folded_batch_norm") for r in runs)
-                three = any("dense_switched_ms" in r for r in runs)
                 bars["dense, " + ("BatchNorms folded, " if folded else "")
-                     + f"conv+bias+ReLU fused by cuDNN ({'fastest' if three else 'faster'} layout)"] = dense_fused_ms
+                     + f"conv+bias+ReLU fused by cuDNN ({comparative(3 if three else 2)} layout)"] = dense_fused_ms
             width = 0.8 / len(bars)
             for i, (label, value) in enumerate(bars.items()):
                 ax.bar([x + (i - (len(bars) - 1) / 2) * width for x in xs], [value(r) or 0 for r in runs], width,

@@ -354,7 +354,7 @@ def plan_backends(precision: str, also: Sequence[str] = ()) -> list[str]:
         KeyError: ``precision`` not in :data:`PRECISIONS`, or an unknown backend in ``also``.
     """
     dtype = PRECISIONS[precision].dtype
-    runs_dtype = [name for name in also if get_backend(name).dtypes is None or dtype in get_backend(name).dtypes]
+    runs_dtype = [name for name in also if dtype in (get_backend(name).dtypes or {dtype})]
     return list(dict.fromkeys(("cudnn", PRECISIONS[precision].sparse, *runs_dtype)))
 
 

@@ -373,9 +373,8 @@ def dense_fused_timings(dense: nn.Module, x: torch.Tensor, dense_out: torch.Tens
     record: dict[str, Any] = {"dense_fused_convs": count, "dense_folded_batch_norm": folded, **dict.fromkeys(
         ("dense_fused_passes", "dense_fused_nhwc_passes", "dense_fused_ms", "dense_fused_nhwc_ms",
          "dense_fused_rel_error", "dense_fused_nhwc_rel_error",
-         "dense_fused_error", "dense_fused_graph_ms", "dense_fused_nhwc_graph_ms", "dense_fused_graph_error",
-         "dense_fused_switched_ms", "dense_fused_switched_rel_error", "dense_fused_layout_switch",
-         "dense_fused_switched_error"))}
+         "dense_fused_error", "dense_fused_graph_ms", "dense_fused_nhwc_graph_ms", "dense_fused_graph_error")),
+        **_switched_fields("dense_fused")}
     if not count and not folded:
         return record
 
@@ -425,9 +424,7 @@ def switched_dense_timing(model_nchw: nn.Module, model_nhwc: nn.Module, x: torch
         recorded), ``{prefix}_switched_graph_ms`` and ``{prefix}_switched_graph_error`` (:class:`SwitchedTiming`;
         since the fifty-third session), each None where not applicable.
     """
-    record: dict[str, Any] = dict.fromkeys(f"{prefix}_{field}" for field in (
-        "switched_ms", "switched_rel_error", "layout_switch", "switched_error", "switched_graph_ms",
-        "switched_graph_error"))
+    record = _switched_fields(prefix)
     if layout_of(x.contiguous(memory_format=torch.channels_last)) != "nhwc":
         return record
     try:
@@ -441,6 +438,14 @@ def switched_dense_timing(model_nchw: nn.Module, model_nhwc: nn.Module, x: torch
     except RuntimeError as error:
         record[f"{prefix}_switched_error"] = _first_line(error)
     return record
+
+
+def _switched_fields(prefix: str) -> dict[str, Any]:
+    """The fields :func:`switched_dense_timing` returns for a dense model named ``prefix``, each None: a record's
+    defaults, also where nothing was timed switched."""
+    return dict.fromkeys(f"{prefix}_{field}" for field in ("switched_ms", "switched_rel_error", "layout_switch",
+                                                           "switched_error", "switched_graph_ms",
+                                                           "switched_graph_error"))
 
 
 def _switched_dense(model_nchw: nn.Module, model_nhwc: nn.Module,
