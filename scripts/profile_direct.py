@@ -37,7 +37,9 @@ def main() -> None:
     parser.add_argument("--out-channels", type=positive_integer_argument, required=True)
     parser.add_argument("--kernel", type=positive_integer_argument, default=3)
     parser.add_argument("--stride", type=positive_integer_argument, default=1,
-                        help="both directions; padding is kernel // 2")
+                        help="both directions")
+    parser.add_argument("--padding", type=int, default=None,
+                        help="both directions (default: kernel // 2)")
     parser.add_argument("--sparsity", type=sparsity_argument, default=0.9, help="in [0, 1) (default %(default)s)")
     parser.add_argument("--dtype", choices=("float32", "float16"), default="float32")
     parser.add_argument("--backend", choices=("direct", "generated"), default="direct")
@@ -61,7 +63,7 @@ def main() -> None:
     magnitude_prune_(conv, args.sparsity)
     csr = UniformCSR.from_dense(conv.weight.detach().to(device, dtype))
     x = torch.randn(N, C, H, W, device=device, dtype=dtype)
-    geometry = ConvGeometry.of(args.stride, args.kernel // 2)
+    geometry = ConvGeometry.of(args.stride, args.kernel // 2 if args.padding is None else args.padding)
     backend = get_backend(args.backend)
     for params in args.params:
         backend.conv(x, csr, None, geometry, **params)
