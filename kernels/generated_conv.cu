@@ -26,8 +26,9 @@
 // it, since a conversion per load (cuda_fp16.hpp's __half2float is inline PTX) made NVRTC take 3-4x as long on a
 // body of 14.6 k products (kernels/NOTES.md, thirty-fourth session); y: (N, M, E, F) output of T, rows k0 .. k0 + KT
 // - 1 written; bias: (M,) of T or nullptr; total = N * E * F; relu: nonzero to apply the ReLU that follows the
-// layer in the epilogue. Stride 1, dilation 1, groups 1 only (the caller checks). Every address is inside xp for
-// p < total: oy + r < HP and ox + s < WP.
+// layer in the epilogue. Stride 1, dilation 1, groups 1 only (the caller checks; a strided layer arrives as its
+// phase split, and E x F is then the strided layer's plane, the top-left corner of the split's). Every address is
+// inside xp for p < total: oy + r < HP and ox + s < WP.
 //
 // pool: nonzero to apply the 2x2, stride-2 max pool that follows the layer (after its ReLU, if any) in the epilogue:
 // y is then (N, M, E / 2, F / 2) (floor, as nn.MaxPool2d(2)), total = N * (E / 2) * (F / 2) * 4, and four

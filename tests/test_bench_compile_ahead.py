@@ -14,11 +14,11 @@ from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 
 
-def conv_layer(name: str, out_channels: int, channels: int, stride: int = 1) -> bench.ConvLayer:
+def conv_layer(name: str, out_channels: int, channels: int, stride: int = 1, dilation: int = 1) -> bench.ConvLayer:
     generator = torch.Generator().manual_seed(out_channels)
     weight = torch.randn(out_channels, channels, 3, 3, generator=generator)
     weight *= torch.rand(weight.shape, generator=generator) < 0.3
-    return bench.ConvLayer(name, weight, None, ConvGeometry.of(stride, 1), (channels, 10, 10), 1, False)
+    return bench.ConvLayer(name, weight, None, ConvGeometry.of(stride, 1, dilation), (channels, 10, 10), 1, False)
 
 
 @pytest.fixture
@@ -37,19 +37,20 @@ def compiles(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[str, str]]]:
 
 
 def test_every_supported_layer_is_compiled_in_one_pass(compiles) -> None:
-    layers = [conv_layer("a", 40, 8), conv_layer("b", 70, 16), conv_layer("strided", 40, 8, stride=2)]
+    layers = [conv_layer("a", 40, 8), conv_layer("b", 70, 16), conv_layer("strided", 40, 8, stride=2),
+              conv_layer("dilated", 40, 8, dilation=2)]
     ahead = bench.compile_ahead(layers, ["fp32_generated", "tf32_generated", "fp32"], torch.device("cpu"))
     backend = generated.GeneratedBackend()
     expected = []
-    for layer in layers[:2]:
+    for layer in layers[:3]:
         csr = UniformCSR.from_dense(layer.weight)
         x = torch.empty(1, *layer.in_chw)
         expected += backend.kernel_sources(x, csr, layer.geometry, backend.tuning_space(x, csr, layer.geometry))
     assert len(compiles) == 1
-    # the two float32 precisions list each layer's kernels once; the stride-2 layer, which the backend refuses, and
-    # the direct backend of "fp32" add none
+    # the two float32 precisions list each layer's kernels once (the stride-2 layer's, of its phase split, too); the
+    # dilated layer, which the backend refuses, and the direct backend of "fp32" add none
     assert sorted(compiles[0]) == sorted(expected)
-    assert ahead["layers"] == 2 and ahead["kernels"] == len(set(expected)) and ahead["seconds"] >= 0
+    assert ahead["layers"] == 3 and ahead["kernels"] == len(set(expected)) and ahead["seconds"] >= 0
     assert ahead["skipped"] == 0
 
 
@@ -138,7 +139,7 @@ def test_plans_among_the_same_backends_share_a_key_and_the_plan_files_is_direct_
 def test_a_backend_added_to_a_precision_compiles_its_kernels_ahead_too(compiles) -> None:
     """At ``fp32`` alone nothing compiles ahead (``direct`` lists no kernels); with ``generated`` added, as whole
     models planned on both do, its kernels of each layer it supports are compiled in the one pass."""
-    layers = [conv_layer("a", 40, 8), conv_layer("strided", 40, 8, stride=2)]
+    layers = [conv_layer("a", 40, 8), conv_layer("dilated", 40, 8, dilation=2)]
     assert bench.compile_ahead(layers, ["fp32"], torch.device("cpu"))["kernels"] == 0
     ahead = bench.compile_ahead(layers, ["fp32"], torch.device("cpu"), also=["generated"])
     backend = generated.GeneratedBackend()

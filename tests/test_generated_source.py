@@ -106,11 +106,31 @@ def test_the_cuda_text_performs_exactly_the_programs_products() -> None:
     (np.ones((2, 2, 3, 3), np.float32), {"padding": (-1, 0)}, "padding"),
     (np.ones((2, 2, 3, 3), np.float32), {"in_hw": (1, 5), "padding": (0, 0)}, "in_hw"),
     (np.ones((1, 2, 1, 1), np.float32), {"in_hw": (2**15, 2**15), "padding": (0, 0)}, "in_hw"),
+    (np.ones((2, 2, 3, 3), np.float32), {"out_hw": (5, 4)}, "out_hw"),
+    (np.ones((2, 2, 3, 3), np.float32), {"out_hw": (4, 0)}, "out_hw"),
+    (np.ones((2, 2, 3, 3), np.float32), {"out_hw": (4,)}, "out_hw"),
 ])
 def test_bad_inputs_are_refused_naming_the_field(weight: np.ndarray, kwargs: dict, field: str) -> None:
-    arguments = {"padding": (1, 1), "in_hw": (4, 4), "rows": 2, **kwargs}
+    arguments = {"padding": (1, 1), "in_hw": (4, 4), "rows": 2, "out_hw": None, **kwargs}
     with pytest.raises(ValueError, match=f"^{field}:"):
-        gs.programs(weight, arguments["padding"], arguments["in_hw"], arguments["rows"])
+        gs.programs(weight, arguments["padding"], arguments["in_hw"], arguments["rows"], arguments["out_hw"])
+
+
+def test_a_smaller_output_plane_is_the_top_left_corner_of_the_whole_one() -> None:
+    """``out_hw`` (a strided layer's plane, computed through its phase split) keeps the offsets and the padded plane
+    and shrinks only what the kernel computes, E and F in its header."""
+    rng = np.random.default_rng(5)
+    weight = random_weight(rng, (6, 3, 4, 4), 0.4)
+    padded = rng.standard_normal((2, 3, 11, 12))
+    whole = gs.programs(weight, (1, 1), (9, 10), 4)
+    corner = gs.programs(weight, (1, 1), (9, 10), 4, (5, 7))
+    assert [p.taps for p in whole] == [p.taps for p in corner] and corner[0].padded_hw == (11, 12)
+    assert whole[0].out_hw == gs.full_out_hw((4, 4), (1, 1), (9, 10)) == (8, 9) and corner[0].out_hw == (5, 7)
+    for full, part in zip(whole, corner, strict=True):
+        np.testing.assert_array_equal(gs.run_program(part, padded), gs.run_program(full, padded)[:, :, :5, :7])
+    assert "#define E 5" in gs.kernel_source(corner[0], torch.float32).split("\n")
+    with pytest.raises(ValueError, match=r"^kernel_programs:"):
+        gs.shared_kernel_source([whole[0], corner[1]], 6, torch.float32)
 
 
 def test_kernel_source_refuses_other_dtypes_and_holds_no_launch_size() -> None:

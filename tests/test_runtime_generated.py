@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -45,8 +46,8 @@ def test_it_runs_on_cuda_only_and_is_not_compared_by_default() -> None:
 
 
 @pytest.mark.parametrize(("change", "expected"), [
-    ({"stride": 2}, "stride 1 and dilation 1"),
-    ({"dilation": 2}, "stride 1 and dilation 1"),
+    ({"dilation": 2}, "dilation 1"),
+    ({"stride": 2, "conv1d": True}, "on Conv2d only"),
     ({"groups": 2}, "groups=2"),
     ({"x_dtype": torch.float64}, "generated kernels exist for torch.float32, torch.float16, not torch.float64"),
     ({"csr_dtype": torch.float16}, "differs from input dtype"),
@@ -63,14 +64,54 @@ def test_unsupported_layers_are_refused_with_a_reason(on_cpu: GeneratedBackend, 
     if change.get("many_rows"):  # 2**28 one-pixel outputs, but 2**28 * 4 * 3 padded rows
         x = torch.empty(1).expand(2**28, 4, 1, 1)
     geometry = ConvGeometry.of(change.get("stride", 1), 1, change.get("dilation", 1), change.get("groups", 1))
+    if change.get("conv1d"):
+        csr, x = layer(kernel=1), x[:, :, :1]
+        geometry = ConvGeometry.of(2, 0, spatial_dims=1)
     reason = on_cpu.unsupported_reason(x, csr, geometry)
     assert reason is not None and expected in reason
     assert on_cpu.unsupported_reason(torch.randn(2, 4, 6, 6), layer(), ConvGeometry.of(1, 1)) is None
 
 
 def test_conv_refuses_what_unsupported_reason_refuses(on_cpu: GeneratedBackend) -> None:
-    with pytest.raises(ValueError, match=r"^generated: generated kernels run stride 1"):
-        on_cpu.conv(torch.randn(1, 4, 6, 6), layer(), None, ConvGeometry.of(2, 1))
+    with pytest.raises(ValueError, match=r"^generated: generated kernels run dilation 1"):
+        on_cpu.conv(torch.randn(1, 4, 6, 6), layer(), None, ConvGeometry.of(1, 1, 2))
+
+
+STRIDED = [  # (N, C, H, W, M, kernel, stride, padding, density)
+    (2, 3, 29, 27, 9, 7, 2, 3, 0.1),  # a ResNet stem at a small plane
+    (2, 3, 35, 33, 7, 11, 4, 2, 0.1),  # an AlexNet stem
+    (3, 5, 13, 11, 6, 3, 2, 1, 0.5),  # odd planes: the split's plane has a row and column more
+    (2, 4, 9, 9, 5, 1, 2, 0, 0.6),  # a downsampling 1x1: one phase
+    (2, 2, 3, 2, 4, 5, 5, 2, 0.7),  # a stride beyond the input: one pixel per phase image
+]
+
+
+@pytest.mark.parametrize("case", STRIDED)
+def test_a_strided_layer_runs_as_its_phase_split(on_cpu: GeneratedBackend, case: tuple) -> None:
+    """The stride-1 layer the kernels run (:meth:`GeneratedBackend.stride_one_layer`), its padded input
+    (``kernel_input``) and its programs of the strided layer's plane, run on the CPU as the kernels index them, give
+    ``conv2d`` with the stride in float64, for every row: one all-zero and one fully dense among them."""
+    from unsparse.runtime import generated_source as gs
+
+    N, C, H, W, M, kernel, stride, padding, density = case
+    generator = torch.Generator().manual_seed(sum(case[:8]))
+    weight = torch.randn(M, C, kernel, kernel, generator=generator, dtype=torch.float64)
+    weight *= torch.rand(weight.shape, generator=generator, dtype=torch.float64) < density
+    weight[0], weight[1] = 0.0, torch.randn(C, kernel, kernel, generator=generator, dtype=torch.float64)
+    csr = UniformCSR.from_dense(weight.float())
+    x = torch.randn(N, C, H, W, generator=generator)
+    geometry = ConvGeometry.of(stride, padding)
+    assert on_cpu.unsupported_reason(x, csr, geometry) is None
+    layer_one = on_cpu.stride_one_layer(x, csr, geometry)
+    expected = F.conv2d(x.double(), weight.float().double(), stride=stride, padding=padding)
+    assert layer_one.split is not None and layer_one.geometry.stride == (1, 1)
+    assert layer_one.out_hw == tuple(expected.shape[2:])
+    padded = layer_one.kernel_input(x).numpy()
+    weight_one = layer_one.csr.to_conv2d_weight().numpy()
+    programs = gs.programs(weight_one, layer_one.geometry.padding, layer_one.in_hw, 4, layer_one.out_hw)
+    out = torch.from_numpy(np.concatenate([gs.run_program(p, padded) for p in programs], axis=1))
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    assert on_cpu.stride_one_layer(x, csr, geometry).split is layer_one.split  # split once per weight
 
 
 def test_tuning_space_bounds_the_generated_body() -> None:

@@ -1,5 +1,6 @@
 """The ``generated`` backend's kernels against a float64 CPU reference, on the cases of ``test_gpu_backends`` it
-supports (stride 1, dilation 1), every setting of its tuning space, with the output poisoned before each call."""
+supports (dilation 1; strided Conv2d layers through their phase split), every setting of its tuning space, with the
+output poisoned before each call."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from unsparse.runtime.comparator import compare_layer, relative_error, tolerance
 from unsparse.runtime.precision import precision_mode
 from unsparse.sparse.geometry import ConvGeometry
 
-SUPPORTED = sorted(name for name, case in CASES.items() if case[7] == 1 and case[9] == 1)
-"""Cases with stride 1 and dilation 1 (odd shapes, 1x1, 5x5, a Conv1d, all-zero, fully dense and empty rows)."""
+SUPPORTED = sorted(name for name, case in CASES.items() if case[9] == 1)
+"""Cases with dilation 1 (odd shapes, 1x1, 5x5, a Conv1d, all-zero, fully dense and empty rows; strided ones, the
+AlexNet stem and a stride beyond the input among them, through their phase split)."""
 
 PROGRAMS_CASE = (2, 6, 5, 7, 230, 3, 3, 1, 1, 1, 0.8, 1, 1)
 """A 3x3 layer of 230 output channels: 8 programs of 32 rows, the last partial."""
@@ -146,6 +148,26 @@ def test_the_max_pool_in_the_epilogue_matches_the_float64_reference(monkeypatch:
     assert last.is_contiguous(memory_format=torch.channels_last) and torch.equal(last, out)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("params", [SETTINGS[0], {"rows": 64, "programs": 1}, *CHUNKED])
+def test_a_stem_through_its_phase_split_with_its_relu_and_pool(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                                               params: dict) -> None:
+    """A ResNet-like stem (3 input channels, 7x7, stride 2, padding 3, 64 output channels at 0.9, one empty and one
+    dense row) on an odd 37x41 input, so its phase split's plane has a row more than the 19x21 output: run plain, with
+    its ReLU, and with its ReLU and a 2x2 max pool in the epilogue, from NCHW and channels-last inputs."""
+    monkeypatch.setitem(CASES, "stem", (4, 3, 37, 41, 64, 7, 7, 2, 3, 1, 0.9, 1, 1))
+    x, csr, bias, geometry, ref = make_case("stem", dtype, seed=46)
+    backend = get_backend("generated")
+    for relu, max_pool in ((False, False), (True, False), (True, True)):
+        expected = torch.relu(ref) if relu else ref
+        expected = F.max_pool2d(expected, 2) if max_pool else expected
+        for source in (x, x.contiguous(memory_format=torch.channels_last)):
+            poison_allocator(expected.numel(), dtype)
+            out = backend.run(source, csr, bias, geometry, relu=relu, max_pool=max_pool, **params)
+            assert out.shape == expected.shape and torch.isfinite(out).all()
+            assert relative_error(out.cpu(), expected) <= tolerance(dtype), (relu, max_pool, params)
+
+
 def test_the_pooled_kernels_loop_over_windows_keep_nan_and_refuse_a_plane_below_2x2(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """One block of 64 threads for 3 x 6 x 5 = 90 windows (360 lanes: the grid-stride loop runs six times, its last
@@ -245,12 +267,13 @@ def test_generated_sees_a_weight_changed_in_place() -> None:
     assert relative_error(after.cpu(), expected.cpu().double()) <= tolerance(torch.float32)
 
 
-def test_comparator_times_generated_when_named_and_refuses_a_strided_layer() -> None:
-    x, csr, bias, geometry, _ = make_case("groups_tiles_chunks", torch.float32, seed=13)
-    comparison = compare_layer(x, csr, bias, geometry, ["cudnn", "generated"], runs=3, warmup=1)
-    assert comparison.fastest("generated") is not None
-    x, csr, bias, geometry, _ = make_case("stride2_3x3", torch.float32, seed=14)
-    assert "stride 1" in get_backend("generated").unsupported_reason(x.to(CUDA), csr, geometry)
+def test_comparator_times_generated_when_named_and_refuses_a_dilated_layer() -> None:
+    for case, seed in (("groups_tiles_chunks", 13), ("stride2_3x3", 14)):
+        x, csr, bias, geometry, _ = make_case(case, torch.float32, seed=seed)
+        comparison = compare_layer(x, csr, bias, geometry, ["cudnn", "generated"], runs=3, warmup=1)
+        assert comparison.fastest("generated") is not None
+    x, csr, bias, geometry, _ = make_case("dilation2", torch.float32, seed=15)
+    assert "dilation 1" in get_backend("generated").unsupported_reason(x.to(CUDA), csr, geometry)
 
 
 def test_generated_converts_a_bias_of_another_dtype() -> None:

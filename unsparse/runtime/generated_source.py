@@ -13,7 +13,8 @@ padded input (:func:`run_program`), which is what the CPU tests check against ``
 
 Shapes: weight ``(M, C, R, S)`` float32 (FP16 layers pass their float16 weight converted to float32, exactly),
 input ``(N, C, H, W)``, zero-padded input ``(N, C, H + 2 pad_h, W + 2 pad_w)``, output ``(N, M, E, F)``, all NCHW;
-stride 1, dilation 1, groups 1.
+stride 1, dilation 1, groups 1 (a strided layer arrives as its stride-1 phase split, :mod:`unsparse.sparse.phases`,
+with the strided layer's ``(E, F)``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,9 @@ class Program:
         width: KT of the split (the accumulators each thread keeps).
         channels: C. kernel: (R, S). padding: (pad_h, pad_w). in_hw: (H, W).
         taps: every input value read per output pixel, in the order the kernel reads them.
+        out_hw: (E, F), the output plane the kernel computes: the stride-1 layer's whole plane
+            (:func:`full_out_hw`), or its top-left corner of a strided layer's size where the program runs the
+            layer's phase split (:mod:`unsparse.sparse.phases`, whose stride-1 plane may have a row or column more).
     """
 
     first: int
@@ -84,6 +88,7 @@ class Program:
     padding: tuple[int, int]
     in_hw: tuple[int, int]
     taps: tuple[Tap, ...]
+    out_hw: tuple[int, int]
 
     @property
     def padded_hw(self) -> tuple[int, int]:
@@ -91,27 +96,32 @@ class Program:
         return (self.in_hw[0] + 2 * self.padding[0], self.in_hw[1] + 2 * self.padding[1])
 
     @property
-    def out_hw(self) -> tuple[int, int]:
-        """(E, F): the output plane."""
-        return (self.padded_hw[0] - self.kernel[0] + 1, self.padded_hw[1] - self.kernel[1] + 1)
-
-    @property
     def products(self) -> int:
         """Multiply-adds per output pixel: the nonzeros of this program's rows."""
         return sum(len(tap.products) for tap in self.taps)
 
 
-def programs(weight: np.ndarray, padding: tuple[int, int], in_hw: tuple[int, int], rows: int) -> list[Program]:
+def full_out_hw(kernel: tuple[int, int], padding: tuple[int, int], in_hw: tuple[int, int]) -> tuple[int, int]:
+    """``(HP - R + 1, WP - S + 1)``: the whole output plane of a stride-1 ``R x S`` layer over an ``in_hw`` input
+    zero-padded by ``padding`` on each side."""
+    return (in_hw[0] + 2 * padding[0] - kernel[0] + 1, in_hw[1] + 2 * padding[1] - kernel[1] + 1)
+
+
+def programs(weight: np.ndarray, padding: tuple[int, int], in_hw: tuple[int, int], rows: int,
+             out_hw: tuple[int, int] | None = None) -> list[Program]:
     """Split a dense ``(M, C, R, S)`` weight into one :class:`Program` per ``rows`` output channels.
 
     Args:
         weight: float32, finite (the caller validated it: a sparse file is untrusted).
         padding: (pad_h, pad_w), each at least 0. in_hw: the input plane (H, W); the output must not be empty.
         rows: KT, output channels per program (register accumulators per thread), at least 1.
+        out_hw: the output plane to compute, at least 1x1 and within :func:`full_out_hw` (None: all of it); a
+            strided layer run through its phase split passes its own ``(E, F)``.
 
     Raises:
         ValueError: naming the field, for a weight that is not a finite float32 4-D array, a negative padding, an
-            empty output, ``rows`` below 1, or an input plane of :data:`OFFSET_LIMIT` elements or more.
+            empty output, ``rows`` below 1, an input plane of :data:`OFFSET_LIMIT` elements or more, or an
+            ``out_hw`` outside the whole plane.
     """
     if not isinstance(weight, np.ndarray) or weight.ndim != 4 or weight.dtype != np.float32:
         raise ValueError("weight: expected a 4-D float32 array (M, C, R, S)")
@@ -127,6 +137,10 @@ def programs(weight: np.ndarray, padding: tuple[int, int], in_hw: tuple[int, int
         raise ValueError(f"in_hw: {in_hw} with padding {padding} is smaller than the kernel {(r_size, s_size)}")
     if channels * padded_h * padded_w >= OFFSET_LIMIT:
         raise ValueError(f"in_hw: C * HP * WP = {channels * padded_h * padded_w} does not fit an int32 offset")
+    full = full_out_hw((r_size, s_size), padding, in_hw)
+    out_hw = full if out_hw is None else tuple(out_hw)
+    if not (len(out_hw) == 2 and 1 <= out_hw[0] <= full[0] and 1 <= out_hw[1] <= full[1]):
+        raise ValueError(f"out_hw: {out_hw} is not within the whole output plane {full}")
     result = []
     for first in range(0, out_channels, rows):
         block = weight[first:first + rows]
@@ -140,7 +154,7 @@ def programs(weight: np.ndarray, padding: tuple[int, int], in_hw: tuple[int, int
                         taps.append(Tap((c * padded_h + r) * padded_w + s,
                                         tuple((int(k), float(column[k])) for k in nonzero)))
         result.append(Program(first, block.shape[0], rows, channels, (r_size, s_size), padding, tuple(in_hw),
-                              tuple(taps)))
+                              tuple(taps), out_hw))
     return result
 
 
@@ -183,8 +197,8 @@ def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, 
     if len(kernel_programs) < 2:
         raise ValueError(f"kernel_programs: {len(kernel_programs)} programs, a shared kernel holds at least two")
     first = kernel_programs[0]
-    layer = (first.width, first.channels, first.kernel, first.padding, first.in_hw)
-    if any((p.width, p.channels, p.kernel, p.padding, p.in_hw) != layer for p in kernel_programs):
+    layer = (first.width, first.channels, first.kernel, first.padding, first.in_hw, first.out_hw)
+    if any((p.width, p.channels, p.kernel, p.padding, p.in_hw, p.out_hw) != layer for p in kernel_programs):
         raise ValueError("kernel_programs: not all of one layer and split")
     if out_channels < max(p.first + p.rows for p in kernel_programs):
         raise ValueError(f"out_channels: {out_channels} is below the programs' last row")

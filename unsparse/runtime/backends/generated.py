@@ -4,8 +4,11 @@ Each nonzero of the layer's weight is compiled into the kernel as one fused mult
 (:mod:`unsparse.runtime.generated_source`), one kernel per ``rows`` output channels, each looping over output pixels
 (paper 004 §5 deploys one kernel per layer; Escoin paper 000 §3 is the direct method it specialises). The weight is
 read once, on the host, when the kernels are generated; the kernels read no index at run time, so nothing from an
-untrusted sparse file reaches a GPU address. Stride 1, dilation 1, groups 1, float32 or float16 storage (float32
-arithmetic); other layers are refused with a reason and the comparator keeps cuDNN there.
+untrusted sparse file reaches a GPU address. Dilation 1, groups 1, float32 or float16 storage (float32 arithmetic);
+a strided Conv2d runs as its stride-1 phase split (:mod:`unsparse.sparse.phases`: the input copied into its phase
+images inside the call, the kernels computing the strided layer's output plane), which is where a network's stem
+(3 input channels, 7x7 or 11x11, stride 2 or 4) gets one loaded input value to feed every nonzero of the KT rows at
+that tap. Other layers are refused with a reason and the comparator keeps cuDNN there.
 
 Compiling costs seconds to minutes per layer (NVRTC, one module per kernel, compiled concurrently; CuPy also keeps
 them in its disk cache), so the comparator leaves this backend out unless it is named
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +36,7 @@ from unsparse.runtime.backends.base import ConvBackend, WeightCache, kernel_inpu
 from unsparse.runtime.launch_geometry import Launch
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
+from unsparse.sparse.phases import PhaseSplit, phase_split
 
 SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
             {"rows": 32, "programs": 4}, {"rows": 32, "programs": 8}, {"rows": 32, "programs": 1, "streams": 8},
@@ -167,6 +172,32 @@ class Setting(NamedTuple):
     max_pool: bool
 
 
+class StrideOneLayer(NamedTuple):
+    """The stride-1 layer the generated kernels run for a layer and input plane.
+
+    Attributes:
+        csr, geometry: the layer itself (stride 1), or its phase split's (phase channels, ``R' x S'`` filter,
+            top/left padding, stride 1).
+        split: the :class:`~unsparse.sparse.phases.PhaseSplit` of a strided layer, None at stride 1.
+        in_hw: ``(H, W)`` of the input the kernels' padding reads (the phase images' size for a split).
+        out_hw: ``(E, F)`` of the original layer, the outputs the kernels compute.
+        original: the original layer's geometry; with ``in_hw`` it determines the rest for a weight, so the two
+            key the weight's cached programs and launches.
+    """
+
+    csr: UniformCSR
+    geometry: ConvGeometry
+    split: PhaseSplit | None
+    in_hw: tuple[int, int]
+    out_hw: tuple[int, int]
+    original: ConvGeometry
+
+    def kernel_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The padded float32 input the kernels read (:func:`padded_float32`) of ``x``, ``(n, C, H, W)`` of the
+        original layer: of its phase images (:meth:`~unsparse.sparse.phases.PhaseSplit.input`) for a split."""
+        return padded_float32(x if self.split is None else self.split.input(x), self.geometry.padding)
+
+
 @functools.cache
 def side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, ...]:
     """``count`` CUDA streams on ``device``, created once per process, that :meth:`GeneratedBackend.conv` spreads a
@@ -197,17 +228,35 @@ class GeneratedBackend(ConvBackend):
             reason = kernel_input_reason(self.name, x, csr, gs.STORAGE_TYPES)
         if reason is not None:
             return reason
-        if geometry.stride != (1, 1) or geometry.dilation != (1, 1):
-            return f"generated kernels run stride 1 and dilation 1, not {geometry.stride} and {geometry.dilation}"
+        if geometry.dilation != (1, 1) or (geometry.stride != (1, 1) and geometry.spatial_dims != 2):
+            return (f"generated kernels run dilation 1 and strides other than 1 on Conv2d only (its phase split), "
+                    f"not stride {geometry.stride} and dilation {geometry.dilation} on a Conv{geometry.spatial_dims}d")
         if csr.row_length * SETTINGS[0]["rows"] > MAX_PRODUCTS:
             return (f"{csr.row_length} nonzeros per row x {SETTINGS[0]['rows']} rows exceed {MAX_PRODUCTS} products "
                     "per generated program")
-        N, C, H, W = x.shape
-        E, F_ = geometry.output_size(H, W, csr.kernel_size)
-        padded_h, padded_w = H + 2 * geometry.padding[0], W + 2 * geometry.padding[1]
-        if N * E * F_ >= INDEX_LIMIT or C * padded_h * padded_w >= INDEX_LIMIT or N * C * padded_h >= INDEX_LIMIT:
+        layer = self.stride_one_layer(x, csr, geometry)
+        N, C = x.shape[0], layer.csr.in_channels_per_group
+        padded_h = layer.in_hw[0] + 2 * layer.geometry.padding[0]
+        padded_w = layer.in_hw[1] + 2 * layer.geometry.padding[1]
+        if (N * math.prod(layer.out_hw) >= INDEX_LIMIT or C * padded_h * padded_w >= INDEX_LIMIT
+                or N * C * padded_h >= INDEX_LIMIT):
             return "tensor too large for the generated kernels' 32-bit pixel, offset and padded row indexing"
         return None
+
+    def stride_one_layer(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> StrideOneLayer:
+        """The :class:`StrideOneLayer` of a dilation-1 layer on input ``x`` (``(N, C, H, W)``): the layer itself at
+        stride 1, else its phase split (cached per weight and geometry; paper 004 §5 deploys one kernel per layer,
+        and the split keeps every nonzero and the uniform row length).
+
+        Raises:
+            ValueError: from :func:`~unsparse.sparse.phases.phase_split`, for a strided Conv1d or a dilated layer.
+        """
+        out_hw = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
+        if geometry.stride == (1, 1):
+            return StrideOneLayer(csr, geometry, None, (x.shape[2], x.shape[3]), out_hw, geometry)
+        split = self._cache.get(csr, ("phases", geometry), lambda: phase_split(csr, geometry))
+        return StrideOneLayer(split.csr, split.geometry, split, split.input_size(x.shape[2], x.shape[3]), out_hw,
+                              geometry)
 
     def tuning_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
         """The settings of :data:`SETTINGS` within :data:`MAX_PRODUCTS` per program; beyond the first, only those
@@ -235,8 +284,9 @@ class GeneratedBackend(ConvBackend):
         plane; the batch size and the threads per block are not in the source, so one list serves every batch),
         for :func:`compile_all`: :meth:`precompile` compiles one layer's, a benchmark can compile several layers'
         together (:func:`~unsparse.runtime.bench.compile_ahead`)."""
+        layer = self.stride_one_layer(x, csr, geometry)
         return [kernel for params in space for kernel in
-                self._sources(x, csr, self._kernels(x, csr, geometry, params["rows"], params["programs"]))]
+                self._sources(x, layer, self._kernels(csr, layer, params["rows"], params["programs"]))]
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
@@ -248,7 +298,8 @@ class GeneratedBackend(ConvBackend):
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
              streams: int = 1, chunks: int = 1, relu: bool = False, max_pool: bool = False) -> torch.Tensor:
         """Pad the input in float32 (:func:`padded_float32`, timed with the call: the kernels read float32, since a
-        conversion per load made NVRTC 3-4x slower), then run the layer's programs of ``rows`` output channels,
+        conversion per load made NVRTC 3-4x slower; a strided layer's phase images, :meth:`stride_one_layer`, copied
+        first, also in the call), then run the layer's programs of ``rows`` output channels,
         ``programs`` per kernel: a kernel of one program is v27's ``generated_conv``, one of several is
         ``generated_conv_shared``, whose tile counters (int32, zeroed here) are allocated with each call that has one.
 
@@ -280,7 +331,8 @@ class GeneratedBackend(ConvBackend):
         if chunks < 1:
             raise ValueError(f"generated: chunks must be at least 1, got {chunks}")
         N = x.shape[0]
-        E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
+        layer = self.stride_one_layer(x, csr, geometry)
+        E, F_ = layer.out_hw
         if max_pool and min(E, F_) < 2:
             raise ValueError(f"generated: max_pool needs an output plane of at least 2x2, not {E}x{F_}")
         y = torch.empty(N, csr.out_channels, *((E // 2, F_ // 2) if max_pool else (E, F_)), dtype=x.dtype,
@@ -289,7 +341,7 @@ class GeneratedBackend(ConvBackend):
         size = -(-N // chunks)
         setting = Setting(rows, programs, streams, relu, max_pool)
         if size == N:
-            self._run_kernels(x, padded_float32(x, geometry.padding), bias, y, csr, geometry, setting)
+            self._run_kernels(x, layer.kernel_input(x), bias, y, csr, layer, setting)
             return y
         current = torch.cuda.current_stream(x.device)
         padder = side_streams(x.device, 1)[0]
@@ -297,18 +349,18 @@ class GeneratedBackend(ConvBackend):
         for start in range(0, N, size):
             part = x[start:start + size]
             with torch.cuda.stream(padder):
-                padded = padded_float32(part, geometry.padding)
+                padded = layer.kernel_input(part)
             padded.record_stream(current)
             current.wait_stream(padder)
-            self._run_kernels(part, padded, bias, y[start:start + size], csr, geometry, setting)
+            self._run_kernels(part, padded, bias, y[start:start + size], csr, layer, setting)
         return y
 
     def _run_kernels(self, x: torch.Tensor, padded: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-                     csr: UniformCSR, geometry: ConvGeometry, setting: Setting) -> None:
+                     csr: UniformCSR, layer: StrideOneLayer, setting: Setting) -> None:
         """Queue the kernels of ``setting`` that compute ``y`` (``(n, M, E, F)``, or pooled, contiguous) from
-        ``padded``, the padded float32 copy of ``x`` (``(n, C, H, W)``), after what the current stream holds
+        ``padded``, ``layer.kernel_input(x)`` of ``x`` (``(n, C, H, W)``), after what the current stream holds
         (:meth:`conv`)."""
-        launches = self._launches(x, csr, geometry, setting)
+        launches = self._launches(x, csr, layer, setting)
         counters = (torch.zeros(len(launches), setting.programs, dtype=torch.int32, device=x.device)
                     if any(shared for _, shared in launches) else None)
         current = torch.cuda.current_stream(x.device)
@@ -322,47 +374,46 @@ class GeneratedBackend(ConvBackend):
         for side in sides:
             current.wait_stream(side)
 
-    def _programs(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int) -> list[gs.Program]:
-        """The layer's programs for input plane ``x.shape[2:]`` (cached per weight)."""
-        in_hw = (x.shape[2], x.shape[3])
+    def _programs(self, csr: UniformCSR, layer: StrideOneLayer, rows: int) -> list[gs.Program]:
+        """The programs of ``layer`` (the stride-1 layer of ``csr``) for its input plane (cached per weight)."""
 
         def build() -> list[gs.Program]:
-            weight = csr.to_conv2d_weight().float().cpu().numpy()
-            return gs.programs(weight, geometry.padding, in_hw, rows)
+            weight = layer.csr.to_conv2d_weight().float().cpu().numpy()
+            return gs.programs(weight, layer.geometry.padding, layer.in_hw, rows, layer.out_hw)
 
-        return self._cache.get(csr, ("programs", rows, in_hw, geometry.padding), build)
+        return self._cache.get(csr, ("programs", rows, layer.in_hw, layer.original), build)
 
-    def _kernels(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, rows: int,
-                 programs: int) -> list[list[gs.Program]]:
-        """The layer's programs, ``programs`` per kernel (fewer in the last)."""
-        layer = self._programs(x, csr, geometry, rows)
-        return [layer[start:start + programs] for start in range(0, len(layer), programs)]
+    def _kernels(self, csr: UniformCSR, layer: StrideOneLayer, rows: int, programs: int) -> list[list[gs.Program]]:
+        """The programs of ``layer``, ``programs`` per kernel (fewer in the last)."""
+        every = self._programs(csr, layer, rows)
+        return [every[start:start + programs] for start in range(0, len(every), programs)]
 
     @staticmethod
-    def _sources(x: torch.Tensor, csr: UniformCSR, kernels: list[list[gs.Program]]) -> list[tuple[str, str]]:
+    def _sources(x: torch.Tensor, layer: StrideOneLayer,
+                 kernels: list[list[gs.Program]]) -> list[tuple[str, str]]:
         """The CUDA source and entry name of each of ``kernels`` (:meth:`_kernels`) at ``x``'s dtype."""
         return [(gs.kernel_source(kernel[0], x.dtype), gs.ENTRY) if len(kernel) == 1 else
-                (gs.shared_kernel_source(kernel, csr.out_channels, x.dtype), gs.SHARED_ENTRY)
+                (gs.shared_kernel_source(kernel, layer.csr.out_channels, x.dtype), gs.SHARED_ENTRY)
                 for kernel in kernels]
 
-    def _launches(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
+    def _launches(self, x: torch.Tensor, csr: UniformCSR, layer: StrideOneLayer,
                   setting: Setting) -> list[tuple[cl.BoundLaunch, bool]]:
         """The bound launches of a setting, each with whether it takes tile counters (cached per weight, input
-        shape, dtype, device, rows, programs and epilogue flags)."""
-        key = ("launches", setting.rows, setting.programs, tuple(x.shape), x.dtype, x.device, geometry.padding,
+        shape, dtype, device, stride-1 layer, rows, programs and epilogue flags)."""
+        key = ("launches", setting.rows, setting.programs, tuple(x.shape), x.dtype, x.device, layer.original,
                setting.relu, setting.max_pool)
-        return self._cache.get(csr, key, lambda: self._bind(x, csr, geometry, setting))
+        return self._cache.get(csr, key, lambda: self._bind(x, csr, layer, setting))
 
-    def _bind(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
+    def _bind(self, x: torch.Tensor, csr: UniformCSR, layer: StrideOneLayer,
               setting: Setting) -> list[tuple[cl.BoundLaunch, bool]]:
         """Compile (:func:`compile_all`) and bind each kernel: x, bias, y (and the counters of a shared kernel) per
         call, the sizes and the epilogue flags fixed. A shared kernel's grid is every block that stays resident,
         since its blocks take their tiles from the counters. The pixel count ``total`` is the output's, or four per
         pooled output with ``max_pool`` (the pooled-out last row and column of an odd plane are not computed)."""
-        kernels = self._kernels(x, csr, geometry, setting.rows, setting.programs)
-        sources = self._sources(x, csr, kernels)
+        kernels = self._kernels(csr, layer, setting.rows, setting.programs)
+        sources = self._sources(x, layer, kernels)
         functions = compile_all(sources)
-        E, F_ = geometry.output_size(x.shape[2], x.shape[3], csr.kernel_size)
+        E, F_ = layer.out_hw
         total = x.shape[0] * ((E // 2) * (F_ // 2) * 4 if setting.max_pool else E * F_)
         sms = torch.cuda.get_device_properties(x.device).multi_processor_count
         threads = gs.choose_threads(total, sms)
