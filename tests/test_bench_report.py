@@ -731,3 +731,17 @@ def test_a_switched_layout_timed_on_both_sides_is_a_third_layout_of_the_ratios_a
     assert "plan's entries; a planned model whose pools are fused" not in text  # both switch after `maxpool`
     record["dense_fused_ms"] = None  # a fused dense model timed (its output off): its paragraph says "fastest"
     assert "its pools still apart), eager, in its fastest layout" in judged()[1]
+
+
+def test_a_run_where_nothing_was_slower_says_so(result) -> None:
+    """"Where sparse is slower" is never an empty heading: a run whose layers and whole models were all faster says
+    that nothing was, and one slower record takes that line away."""
+    nothing = "- nothing in this run: no layer setting ran slower than cuDNN"
+    assert nothing not in markdown_report({**result, "targets": evaluate_targets(result)})
+    result["layers"], result["end_to_end"] = [], result["end_to_end"][:1]
+    record = result["end_to_end"][0]
+    record |= {"planned_ms": 8.0, "speedup": 10 / 8, "speedup_vs_best_dense": 10 / 8, "backend_counts": {"direct": 3}}
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "## Where sparse is slower\n\n" + nothing in text
+    record |= {"dense_nhwc_ms": 7.0, "speedup_vs_best_dense": 7 / 8}
+    assert nothing not in markdown_report({**result, "targets": evaluate_targets(result)})

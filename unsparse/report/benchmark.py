@@ -511,6 +511,7 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
                          "limit): the records below are those it wrote, and what it would have measured next is "
                          "missing")
     lines += ["", "## Where sparse is slower", ""]
+    heading = len(lines)
     for precision in PRECISIONS:
         records = [r for r in result["layers"] if r["precision"] == precision]
         for key, against, base in (("speedup_vs_cudnn", "cuDNN (alone, best layout)", "cuDNN alone"),
@@ -532,6 +533,9 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
                 lines.append(f"- {precision}: no speedup on any of its {len(records)} layer settings: "
                              f"{_no_speedup(records, 'speedup_vs_cudnn', 'cuDNN alone')}.")
     lines += _slower_end_to_end(result["end_to_end"])
+    if len(lines) == heading:
+        lines.append("- nothing in this run: no layer setting ran slower than cuDNN, and no whole model's plan "
+                     "slower than the dense models timed beside it.")
     if plots:
         lines += ["", "## Plots", ""]
         for plot in plots:
