@@ -278,3 +278,17 @@ def test_padded_float32_is_the_zero_padded_float32_input(dtype: torch.dtype, pad
     assert torch.equal(padded, expected)
     if dtype == torch.float32 and padding == (0, 0) and not channels_last:
         assert padded.data_ptr() == x.data_ptr()
+
+
+def test_one_weight_at_two_paddings_gets_two_phase_splits(on_cpu: GeneratedBackend) -> None:
+    """The programs and launches of a weight are cached by its original geometry: stride 2 with padding 3 and with
+    padding 4 split the taps into the same phase-channel count and padding but other columns, so each gets its own
+    kernels, and asking again gives the first ones."""
+    csr, x = layer(out_channels=6, channels=3, kernel=7, density=0.3), torch.randn(2, 3, 20, 20)
+    space = [dict(SETTINGS[0])]
+    three, four = ConvGeometry.of(2, 3), ConvGeometry.of(2, 4)
+    assert on_cpu.stride_one_layer(x, csr, three).geometry.padding == (2, 2)
+    assert on_cpu.stride_one_layer(x, csr, four).geometry.padding == (2, 2)
+    first = on_cpu.kernel_sources(x, csr, three, space)
+    assert on_cpu.kernel_sources(x, csr, four, space) != first
+    assert on_cpu.kernel_sources(x, csr, three, space) == first
