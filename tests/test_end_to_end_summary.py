@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from unsparse.report.end_to_end_summary import latest_rows, summary_markdown, summary_row, summary_rows
+from unsparse.report.end_to_end_summary import (
+    best_rows,
+    dense_mode,
+    latest_rows,
+    summary_markdown,
+    summary_row,
+    summary_rows,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "end_to_end_summary.md"
@@ -174,3 +181,23 @@ def test_a_run_that_timed_every_model_switched_reads_switched_as_a_third_layout(
     two = summary_row(earlier, "r")
     assert (two["planned_ms"], two["planned_layout"], two["off_cudnn"]) == (12.0, "NCHW", 10)
     assert two["best_dense_ms"] == 12.2
+
+
+def test_the_best_table_keeps_the_highest_ratio_per_model_and_cudnn_precision_among_runs_with_a_fused_dense_model():
+    """Runs against cuDNN's fused dense model only (an older run, eager dense alone, would overstate the ratio); the
+    precision labels of one cuDNN mode are one group whatever sparse backends the plan chose among; another batch or
+    cuDNN mode is a group of its own; of equal ratios the first."""
+    fused = {"dense_fused_ms": 14.0, "dense_fused_convs": 13, "best_dense_fused_layout": "nchw"}
+    unfused = summary_row(record(precision="fp32", planned_ms=2.0), "old")  # 7.5x against eager dense only
+    generated = summary_row(record(precision="fp32_generated", planned_ms=3.0, **fused), "g")
+    combined = summary_row(record(precision="fp32", sparse_backends=["direct", "generated"], planned_ms=2.8,
+                                  **fused), "c")
+    tf32 = summary_row(record(precision="tf32_generated", **fused), "t")
+    again = summary_row(record(precision="tf32", **fused), "t2")
+    batch_1 = summary_row(record(precision="fp32", batch=1, **fused), "b1")
+    assert [row["run"] for row in best_rows([unfused, generated, combined, tf32, again, batch_1])] == ["b1", "c", "t"]
+    assert [dense_mode(label) for label in ("fp32_generated", "tf32 (direct+generated)", "fp16_half2", "fp16")] == [
+        "fp32", "tf32", "fp16", "fp16"]
+    page = summary_markdown([unfused, generated, combined], "made")
+    best = page.split("## Best run of each model and precision", 1)[1].split("## Latest run")[0]
+    assert [line.split("`")[1] for line in best.splitlines() if line.startswith("| `")] == ["c"]

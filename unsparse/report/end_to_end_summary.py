@@ -4,7 +4,8 @@ cuDNN where the run timed one), and whether any sparse kernel is in the faster p
 
 The per-run pages (:func:`~unsparse.report.benchmark.markdown_report`) hold each run's details; this page answers the
 question a reader brings to them (UnSparse-Opt paper 004 §6, Escoin paper 000 §5: does the sparse model beat the dense
-one on this GPU?) for every run at once, with the ratio against the strongest dense baseline each run measured.
+one on this GPU?) for every run at once, with the ratio against the strongest dense baseline each run measured, and
+first, per model and cuDNN precision, the run where sparsity paid most (:func:`best_rows`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from unsparse.report.benchmark import (
 from unsparse.report.document import markdown_table
 from unsparse.report.results import load_result
 from unsparse.runtime.comparator import PLAN_MARGIN
+from unsparse.runtime.precision import DENSE_PRECISIONS, PRECISIONS
 
 HEADER = ("run", "model", "weights", "sparsity", "batch", "precision", "folded / fused", "eager dense ms",
           "dense fused ms", "planned ms", "best dense / planned", "eager dense / planned (CUDA graphs)",
@@ -173,14 +175,42 @@ def latest_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                                                                           else "") for value in key))]
 
 
+def dense_mode(precision: str) -> str:
+    """The dense precision (one of :data:`~unsparse.runtime.precision.DENSE_PRECISIONS`: fp32, tf32, fp16) whose
+    cuDNN mode a row's ``precision`` label (:func:`~unsparse.report.benchmark.precision_label`) was timed against:
+    ``tf32_generated`` and ``tf32 (direct+generated)`` are both ``tf32``, ``fp16_half2`` is ``fp16``.
+
+    Raises:
+        KeyError: a label whose first word is no key of :data:`~unsparse.runtime.precision.PRECISIONS`."""
+    mode = PRECISIONS[precision.split()[0]]
+    return next(name for name in DENSE_PRECISIONS if (PRECISIONS[name].dtype, PRECISIONS[name].tf32) == (
+        mode.dtype, mode.tf32))
+
+
+def best_rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Of ``rows`` (:func:`summary_row`) that timed the dense model fused by cuDNN beside the plan (the strongest
+    dense baseline), the one with the highest ``speedup`` for each model, weights, dense precision
+    (:func:`dense_mode`: whichever sparse backends the plan chose among) and batch, at any sparsity; the first of
+    equal ones; sorted by those. The best of several runs leans to the lucky side of their noise."""
+    best: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in rows:
+        if row["dense_fused_ms"] is None:
+            continue
+        key = (row["model"], row["weights"], dense_mode(row["precision"]), row["batch"])
+        if key not in best or row["speedup"] > best[key]["speedup"]:
+            best[key] = row
+    return [best[key] for key in sorted(best)]
+
+
 def _residual_text(row: dict[str, Any]) -> str:
     """`` (16 residual)`` after a row's fused ReLUs where that many of them take the residual add too, else ``""``."""
     return f" ({row['fused_residual']} residual)" if row.get("fused_residual") else ""
 
 
 def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
-    """The summary page: what the columns mean, ``command`` (how the page was made), the latest run of each setting
-    (:func:`latest_rows`) and the table of all ``rows``."""
+    """The summary page: what the columns mean, ``command`` (how the page was made), the best run of each model and
+    precision (:func:`best_rows`), the latest run of each setting (:func:`latest_rows`) and the table of all
+    ``rows``."""
     def cell(ms: float | None, layout: str | None) -> str:
         return "-" if ms is None else f"{ms:.3f} ({layout})"
 
@@ -220,6 +250,13 @@ def summary_markdown(rows: Sequence[dict[str, Any]], command: str) -> str:
         "channels-last after it (runs since the fifty-first session), against the fastest dense model of the run "
         "(eager, fused, or fused and switched alike), with its own verdict and count of convs on sparse kernels "
         "in runs since the fifty-second session; the verdict column does not read it.", "",
+        "## Best run of each model and precision", "",
+        "Of the runs that timed the dense model fused by cuDNN beside the plan, the one with the highest best dense / "
+        "planned ratio for each model, weights, cuDNN precision (FP32, TF32 or FP16, whichever sparse backends its "
+        "plan chose among) and batch, "
+        "at any sparsity: where sparsity has paid most on this GPU so far, and where it has not paid at all. The best "
+        f"of several runs leans to the lucky side of their noise (about {PLAN_MARGIN:.0%}).", "",
+        table(best_rows(rows)), "",
         "## Latest run of each setting", "",
         "The last run below (files in name order: date, then session) of each model, weights, precision, sparsity "
         "and batch; what it folded and fused is in its row.", "",
