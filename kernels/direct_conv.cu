@@ -715,41 +715,56 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 }
 
-// pad_planes: the zero-padded float32 copy of P planes of T, (P, H, W) to (P, H + 2 pad_h, W + 2 pad_w): the input of
-// the generated kernels (unsparse/runtime/backends/generated.py, P = N * C). One pass: each padded element is written
-// once and each input element read once (8 bytes per float32 element, 6 per float16), where F.pad fills its whole
-// output and then copies the input into it (12 bytes per float32 element: 1.595 ms of VGG16 features.2's 3.0 ms at
-// 0.98, batch 128, on the H200; kernels/NOTES.md, thirty-fifth session). Each warp writes ROWS consecutive padded
-// rows of the P * HP (fewer than 2**31, checked on the Python side), its lanes along the row's WP columns
-// (coalesced), loading the ROWS rows' elements of a 32-column step before storing them (ROWS loads in flight per
-// lane). Grid ceil(P * HP / (ROWS * warps per block)): a block per padded row of each plane (HP blocks of one warp
-// row each) spent more time being scheduled than moving bytes (kernels/NOTES.md, thirty-sixth session).
+// pad_planes: the zero-padded float32 copy of the phase images of P planes of T, (P, H, W) to
+// (P * PH * PW, HQ + 2 pad_h, WQ + 2 pad_w): the input of the generated kernels (unsparse/runtime/backends/generated.py,
+// P = N * C). Output plane (p * PH + a) * PW + b holds rows SH * q + FH + a and columns SW * u + FW + b of plane p at
+// (q, u), zero beyond the input (unsparse/sparse/phases.py, PhaseSplit.input: phases FH + a and FW + b, one run per
+// axis); a stride-1 layer has SH = SW = PH = PW = 1, FH = FW = 0, HQ = H, WQ = W, the plain padded copy. One pass:
+// each padded element is written once and each input element read once (8 bytes per float32 element, 6 per float16),
+// where F.pad fills its whole output and then copies the input into it (12 bytes per float32 element: 1.595 ms of
+// VGG16 features.2's 3.0 ms at 0.98, batch 128, on the H200; kernels/NOTES.md, thirty-fifth session), and a strided
+// layer's phase split first copied its input once more (kernels/NOTES.md, fifty-fifth session). Each warp writes ROWS
+// consecutive padded rows of the P * PH * PW * HP (fewer than 2**31, checked on the Python side), its lanes along the
+// row's WP columns (coalesced stores; the loads of a phase plane step by SW, the other column phases' planes read the
+// rest of those sectors), loading the ROWS rows' elements of a 32-column step before storing them (ROWS loads in
+// flight per lane). Grid ceil(P * PH * PW * HP / (ROWS * warps per block)): a block per padded row of each plane (HP
+// blocks of one warp row each) spent more time being scheduled than moving bytes (kernels/NOTES.md, thirty-sixth
+// session).
 template <typename T, int ROWS>
 __global__ void pad_planes(const T* __restrict__ x, float* __restrict__ out, int planes, int H, int W, int pad_h,
-                           int pad_w) {
-  const unsigned HP = H + 2 * pad_h;
-  const int WP = W + 2 * pad_w;
-  const unsigned rows = static_cast<unsigned>(planes) * HP;
+                           int pad_w, int SH, int SW, int FH, int FW, int PH, int PW, int HQ, int WQ) {
+  const unsigned HP = HQ + 2 * pad_h;
+  const int WP = WQ + 2 * pad_w;
+  const unsigned phases = static_cast<unsigned>(PH) * PW;
+  const unsigned rows = static_cast<unsigned>(planes) * phases * HP;
   const unsigned first = (blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32) * ROWS;
   const int lane = threadIdx.x % 32;
-  long long source[ROWS];  // each row's first input element, or -1 for a border row (and a row past the end)
+  long long source[ROWS];  // each row's element of phase column 0, or -1 for a border row (and a row past the end)
+  long long first_column[ROWS];  // each row's column phase FW + b
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const unsigned row = first + r;
-    const unsigned plane = row / HP;
-    const int y = static_cast<int>(row - plane * HP) - pad_h;
-    source[r] = row < rows && static_cast<unsigned>(y) < static_cast<unsigned>(H)
-                    ? (static_cast<long long>(plane) * H + y) * W
+    const unsigned out_plane = row / HP;
+    const unsigned plane = out_plane / phases;
+    const unsigned phase = out_plane - plane * phases;
+    const int q = static_cast<int>(row - out_plane * HP) - pad_h;
+    const long long y = static_cast<long long>(SH) * q + FH + static_cast<int>(phase / PW);
+    first_column[r] = static_cast<long long>(FW) + phase % PW;
+    source[r] = row < rows && static_cast<unsigned>(q) < static_cast<unsigned>(HQ) && y < H
+                    ? (static_cast<long long>(plane) * H + y) * W + first_column[r]
                     : -1;
   }
   for (int step = 0; step < WP; step += 32) {
     const int xx = step + lane;
-    const int column = xx - pad_w;
-    const bool inside_column = xx < WP && static_cast<unsigned>(column) < static_cast<unsigned>(W);
+    const int u = xx - pad_w;
+    const bool inside_column = xx < WP && static_cast<unsigned>(u) < static_cast<unsigned>(WQ);
+    const long long offset = static_cast<long long>(SW) * u;
     float value[ROWS];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
-      value[r] = inside_column && source[r] >= 0 ? unsparse::load_float(x + source[r] + column) : 0.f;
+      value[r] = inside_column && source[r] >= 0 && offset + first_column[r] < W
+                     ? unsparse::load_float(x + source[r] + offset)
+                     : 0.f;
 #pragma unroll
     for (int r = 0; r < ROWS; ++r)
       if (xx < WP && first + r < rows) out[static_cast<long long>(first + r) * WP + xx] = value[r];

@@ -79,6 +79,17 @@ def test_sizes_of_the_resnet_layers() -> None:
     assert torch.equal(one.input(image), image[:, :, ::2, ::2])
 
 
+def test_phases_form_one_run_per_axis_except_where_they_wrap_around() -> None:
+    """The generated kernels' padding pass gathers phases ``first + i`` (``one_run_per_axis``); the filters smaller
+    than the stride whose read phases wrap around the stride (the last three cases) are not."""
+    wrapped = {(2, 3, 14, 13, 4, 2, 2, (4, 3), (1, 2)), (2, 3, 3, 2, 4, 3, 3, (5, 4), (1, 1)),
+               (1, 2, 224, 224, 3, 3, 3, (2**40, 2**40), (1, 1))}
+    for case in CASES:
+        weight, geometry = layer(case, seed=0)[1:]
+        split = phase_split(UniformCSR.from_dense(weight), geometry)
+        assert split.one_run_per_axis == (case not in wrapped), case
+
+
 def test_dilated_or_one_dimensional_layers_are_refused() -> None:
     csr = UniformCSR.from_dense(torch.randn(2, 2, 3, 3))
     with pytest.raises(ValueError, match="geometry"):

@@ -10,11 +10,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.gpu.test_gpu_backends import CASES, CUDA, make_case, poison_allocator
+from tests.test_phases import CASES as PHASE_CASES
 from unsparse.runtime import get_backend, sparse_layers, sparsify
 from unsparse.runtime.backends.generated import SETTINGS, GeneratedBackend, side_streams
 from unsparse.runtime.comparator import compare_layer, relative_error, tolerance
 from unsparse.runtime.precision import precision_mode
+from unsparse.sparse import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
+from unsparse.sparse.phases import phase_split
 
 SUPPORTED = sorted(name for name, case in CASES.items() if case[9] == 1)
 """Cases with dilation 1 (odd shapes, 1x1, 5x5, a Conv1d, all-zero, fully dense and empty rows; strided ones, the
@@ -319,4 +322,25 @@ def test_padded_float32_on_the_gpu_is_the_zero_padded_float32_input(shape: tuple
     poison_allocator(N * C * (H + 2 * padding[0]) * (W + 2 * padding[1]), torch.float32)
     out = padded_float32(x, padding)
     expected = torch.nn.functional.pad(x.float(), (padding[1], padding[1], padding[0], padding[0]))
+    assert out.dtype == torch.float32 and out.is_contiguous() and torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", PHASE_CASES)
+def test_padded_float32_gathers_the_padded_phase_images_in_one_pass(case: tuple, dtype: torch.dtype) -> None:
+    """``pad_planes`` with a phase split (a strided layer's input to the generated kernels) against ``F.pad`` of the
+    float32 phase images (:meth:`PhaseSplit.input`), on the phase tests' layers: stems, odd planes whose last phase
+    rows and columns are zero, one phase of a 1x1 layer (also at an odd phase), inputs smaller than the stride, and
+    wrapped phases or a stride beyond 32 bits (those take the two-copy path); one input channels-last."""
+    from unsparse.runtime.backends.generated import padded_float32
+
+    N, C, H, W, M, R, S, stride, padding = case
+    split = phase_split(UniformCSR.from_dense(torch.randn(M, C, R, S)), ConvGeometry.of(stride, padding))
+    x = torch.randn(N, C, H, W, device=CUDA).to(dtype)
+    if (H, W) == (13, 11):
+        x = x.contiguous(memory_format=torch.channels_last)
+    pad_h, pad_w = split.geometry.padding
+    expected = torch.nn.functional.pad(split.input(x).float(), (pad_w, pad_w, pad_h, pad_h))
+    poison_allocator(expected.numel(), torch.float32)
+    out = padded_float32(x, split.geometry.padding, split)
     assert out.dtype == torch.float32 and out.is_contiguous() and torch.equal(out, expected)

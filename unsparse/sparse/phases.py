@@ -81,6 +81,13 @@ class PhaseSplit:
         stride): the phase channels are then all ``C * s_h * s_w`` in order."""
         return (len(self.phases_h), len(self.phases_w)) == self.stride
 
+    @property
+    def one_run_per_axis(self) -> bool:
+        """Whether the phases of each axis are consecutive (always in practice): phase image ``(i, j)`` is then
+        the input at row phase ``phases_h[0] + i`` and column phase ``phases_w[0] + j``, which the generated
+        kernels' padding pass reads directly (``pad_planes``, ``kernels/direct_conv.cu``)."""
+        return all(phases[-1] - phases[0] + 1 == len(phases) for phases in (self.phases_h, self.phases_w))
+
     def input_size(self, height: int, width: int) -> tuple[int, int]:
         """``(ceil(H / s_h), ceil(W / s_w))``: the size of each phase image of an ``H x W`` input."""
         return -(-height // self.stride[0]), -(-width // self.stride[1])  # in integers: a float rounds past 2^53

@@ -5,8 +5,8 @@ Each nonzero of the layer's weight is compiled into the kernel as one fused mult
 (paper 004 §5 deploys one kernel per layer; Escoin paper 000 §3 is the direct method it specialises). The weight is
 read once, on the host, when the kernels are generated; the kernels read no index at run time, so nothing from an
 untrusted sparse file reaches a GPU address. Dilation 1, groups 1, float32 or float16 storage (float32 arithmetic);
-a strided Conv2d runs as its stride-1 phase split (:mod:`unsparse.sparse.phases`: the input copied into its phase
-images inside the call, the kernels computing the strided layer's output plane), which is where a network's stem
+a strided Conv2d runs as its stride-1 phase split (:mod:`unsparse.sparse.phases`: the input gathered into its padded
+phase images inside the call, the kernels computing the strided layer's output plane), which is where a network's stem
 (3 input channels, 7x7 or 11x11, stride 2 or 4) gets one loaded input value to feed every nonzero of the KT rows at
 that tap. Other layers are refused with a reason and the comparator keeps cuDNN there.
 
@@ -86,9 +86,10 @@ INDEX_LIMIT = 2**31
 padded input's rows (``N * C * HP``) in 32 bits."""
 
 
-def padded_float32(x: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
-    """The ``(N, C, H + 2 * padding[0], W + 2 * padding[1])`` contiguous float32 copy of ``x`` (``(N, C, H, W)``, any
-    float dtype and layout) zero-padded on each side, as the generated kernels read it.
+def padded_float32(x: torch.Tensor, padding: tuple[int, int], split: PhaseSplit | None = None) -> torch.Tensor:
+    """The contiguous float32 copy of ``x`` (``(N, C, H, W)``, any float dtype and layout), or with ``split`` of its
+    phase images (:meth:`~unsparse.sparse.phases.PhaseSplit.input`, ``(N, C * P_h * P_w, HQ, WQ)``), zero-padded by
+    ``padding`` on each side, as the generated kernels read it: ``(N, C', HQ + 2 * padding[0], WQ + 2 * padding[1])``.
 
     On CUDA one pass of ``pad_planes`` (``kernels/direct_conv.cu``), converting a float16 input on the way: each
     element read once and each padded element written once (8 bytes per float32 element, 6 per float16). ``F.pad``
@@ -96,29 +97,46 @@ def padded_float32(x: torch.Tensor, padding: tuple[int, int]) -> torch.Tensor:
     1.595 ms of features.2's 3.0 ms at 0.98, batch 128 (its 1.64 GB input;
     ``benchmarks/results/h200_2026-11-29_v35_probe_border_vgg16_s098.json``), and torch's copy into the interior
     after zeroing the border strips ran 4 % faster than ``F.pad`` there but 3-10 % slower on the 112x112 and 56x56
-    layers (``kernels/NOTES.md``, thirty-fifth session). Elsewhere ``F.pad`` of the float32 input. An unpadded
-    float32 input is returned itself (made contiguous).
+    layers (``kernels/NOTES.md``, thirty-fifth session). The same pass gathers a split's phase images where their
+    phases form one run per axis (:attr:`~unsparse.sparse.phases.PhaseSplit.one_run_per_axis`) and the stride fits
+    32 bits, which saves the split's own copy of the input (``kernels/NOTES.md``, fifty-fifth session). Elsewhere
+    ``F.pad`` of the float32 input (of the phase images). An unpadded float32 input without a split is returned
+    itself (made contiguous).
     """
     pad_h, pad_w = padding
-    if x.dtype == torch.float32 and not (pad_h or pad_w):
+    if split is None and x.dtype == torch.float32 and not (pad_h or pad_w):
         return x.contiguous()
-    if x.device.type != "cuda":
+    fused = split is None or (split.one_run_per_axis and max(split.stride) < INDEX_LIMIT)
+    if x.device.type != "cuda" or not fused:
+        x = x if split is None else split.input(x)
         return F.pad(x.contiguous().float(), (pad_w, pad_w, pad_h, pad_h))
     x = x.contiguous()
     N, C, H, W = x.shape
-    out = torch.empty(N, C, H + 2 * pad_h, W + 2 * pad_w, dtype=torch.float32, device=x.device)
-    bound_padding(N * C, (H, W), padding, x.dtype, x.device)(cl.current_stream(x.device), x, out)
+    if split is None:
+        phases, in_hw = ((1, 1), (0, 0), (1, 1)), (H, W)
+    else:
+        in_hw = split.input_size(H, W)
+        phases = ((min(split.stride[0], H), min(split.stride[1], W)), (split.phases_h[0], split.phases_w[0]),
+                  (len(split.phases_h), len(split.phases_w)))
+    out = torch.empty(N, C * phases[2][0] * phases[2][1], in_hw[0] + 2 * pad_h, in_hw[1] + 2 * pad_w,
+                      dtype=torch.float32, device=x.device)
+    bound_padding(N * C, (H, W), padding, phases, in_hw, x.dtype, x.device)(cl.current_stream(x.device), x, out)
     return out
 
 
 @functools.lru_cache(maxsize=256)
-def bound_padding(planes: int, in_hw: tuple[int, int], padding: tuple[int, int], dtype: torch.dtype,
-                  device: torch.device) -> cl.BoundLaunch:
-    """``pad_planes`` bound for ``planes`` input planes of ``in_hw`` and ``padding`` on ``device`` (per call: the
-    contiguous input, then the ``(planes, HP, WP)`` float32 output), once per size (:func:`padded_float32`)."""
-    padded_hw = (in_hw[0] + 2 * padding[0], in_hw[1] + 2 * padding[1])
-    spec = lg.padding_launch(dtype, planes, padded_hw)
-    return cl.bind(spec, (cl.PER_CALL, cl.PER_CALL, planes, *in_hw, *padding), device)
+def bound_padding(planes: int, in_hw: tuple[int, int], padding: tuple[int, int],
+                  phases: tuple[tuple[int, int], tuple[int, int], tuple[int, int]], phase_hw: tuple[int, int],
+                  dtype: torch.dtype, device: torch.device) -> cl.BoundLaunch:
+    """``pad_planes`` bound for ``planes`` input planes of ``in_hw`` on ``device``, gathering the phase images of
+    ``phase_hw`` given by ``phases`` (the stride, the first row and column phases, the number of each; ``(1, 1), (0,
+    0), (1, 1)`` and ``phase_hw = in_hw`` without a split) and padding them by ``padding`` (per call: the contiguous
+    input, then the float32 output), once per size (:func:`padded_float32`)."""
+    (stride_h, stride_w), (first_h, first_w), (count_h, count_w) = phases
+    padded_hw = (phase_hw[0] + 2 * padding[0], phase_hw[1] + 2 * padding[1])
+    spec = lg.padding_launch(dtype, planes * count_h * count_w, padded_hw)
+    return cl.bind(spec, (cl.PER_CALL, cl.PER_CALL, planes, *in_hw, *padding, stride_h, stride_w, first_h, first_w,
+                          count_h, count_w, *phase_hw), device)
 
 
 @functools.cache
@@ -194,8 +212,9 @@ class StrideOneLayer(NamedTuple):
 
     def kernel_input(self, x: torch.Tensor) -> torch.Tensor:
         """The padded float32 input the kernels read (:func:`padded_float32`) of ``x``, ``(n, C, H, W)`` of the
-        original layer: of its phase images (:meth:`~unsparse.sparse.phases.PhaseSplit.input`) for a split."""
-        return padded_float32(x if self.split is None else self.split.input(x), self.geometry.padding)
+        original layer: of its phase images (:meth:`~unsparse.sparse.phases.PhaseSplit.input`) for a split, in the
+        same pass on CUDA."""
+        return padded_float32(x, self.geometry.padding, self.split)
 
 
 @functools.cache
@@ -298,8 +317,8 @@ class GeneratedBackend(ConvBackend):
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
              streams: int = 1, chunks: int = 1, relu: bool = False, max_pool: bool = False) -> torch.Tensor:
         """Pad the input in float32 (:func:`padded_float32`, timed with the call: the kernels read float32, since a
-        conversion per load made NVRTC 3-4x slower; a strided layer's phase images, :meth:`stride_one_layer`, copied
-        first, also in the call), then run the layer's programs of ``rows`` output channels,
+        conversion per load made NVRTC 3-4x slower; a strided layer's phase images, :meth:`stride_one_layer`, gathered
+        in the same pass), then run the layer's programs of ``rows`` output channels,
         ``programs`` per kernel: a kernel of one program is v27's ``generated_conv``, one of several is
         ``generated_conv_shared``, whose tile counters (int32, zeroed here) are allocated with each call that has one.
 
