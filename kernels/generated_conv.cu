@@ -18,6 +18,8 @@
 //   KT: output channels of this kernel; C: input channels; HP, WP: the padded input plane (H + 2 pad_h,
 //     W + 2 pad_w); E, F: the output plane; MAX_THREADS: the most threads per block a launch may use (the launch
 //     bound; the launch picks its own count up to it, blockDim.x, so a batch size needs no kernel of its own);
+//     MIN_BLOCKS: the blocks of MAX_THREADS each SM should hold (the launch bound's second part: ptxas caps the
+//     registers per thread to fit them, 1 leaves them uncapped; kernels/NOTES.md, fifty-fifth session);
 //     T: storage type of the output and the bias (float or __half);
 //   products(base, acc): the generated body, one float load of base[offset] per (channel, tap) with a nonzero among
 //     the KT rows (offset = (c * HP + r) * WP + s, a compile-time constant below 2^31) and its fused multiply-adds.
@@ -122,7 +124,7 @@ __device__ __forceinline__ void store_rows(T* __restrict__ y, const T* __restric
 #ifndef G
 __device__ __forceinline__ void products(const float* __restrict__ base, float* acc);
 
-extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv(
+extern "C" __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) generated_conv(
     const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int M, int k0, int relu,
     int pool) {
   for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < total; p += gridDim.x * blockDim.x) {
@@ -149,7 +151,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv(
 
 __device__ __forceinline__ int run(int program, const float* __restrict__ base, float* acc);
 
-extern "C" __global__ void __launch_bounds__(MAX_THREADS) generated_conv_shared(
+extern "C" __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) generated_conv_shared(
     const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int relu, int pool,
     unsigned int* __restrict__ counters) {
   __shared__ unsigned int s_tile;

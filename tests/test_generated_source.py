@@ -5,6 +5,9 @@ says, bad weights and sizes are refused naming the field, and the source compile
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +16,8 @@ import torch.nn.functional as F
 
 from tests.test_kernels_nvrtc import compile_with_nvrtc, nvrtc_library
 from unsparse.runtime import generated_source as gs
+from unsparse.sparse import ConvGeometry, UniformCSR
+from unsparse.sparse.phases import phase_split
 
 
 def random_weight(rng: np.random.Generator, shape: tuple[int, int, int, int], density: float) -> np.ndarray:
@@ -144,6 +149,37 @@ def test_kernel_source_refuses_other_dtypes_and_holds_no_launch_size() -> None:
     # the launch picks its threads per block: the body strides by blockDim.x, bounded by the largest choice
     assert "THREADS" not in source.replace("MAX_THREADS", "") and "blockDim.x" in source
     assert max(gs.THREAD_CHOICES) == 256
+
+
+def test_min_blocks_is_the_launch_bounds_second_part_and_at_least_one() -> None:
+    layer = gs.programs(np.ones((5, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)
+    assert "#define MIN_BLOCKS 1" in gs.kernel_source(layer[0], torch.float32).split("\n")
+    assert "#define MIN_BLOCKS 3" in gs.shared_kernel_source(layer, 5, torch.float16, 3).split("\n")
+    assert "__launch_bounds__(MAX_THREADS, MIN_BLOCKS)" in gs.kernel_source(layer[0], torch.float32, 3)
+    for make in (lambda: gs.kernel_source(layer[0], torch.float32, 0),
+                 lambda: gs.shared_kernel_source(layer, 5, torch.float32, 0)):
+        with pytest.raises(ValueError, match=r"^min_blocks:"):
+            make()
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
+def test_min_blocks_caps_the_registers_of_a_stem_program(tmp_path: Path) -> None:
+    """ResNet-50's stem at 0.9 (7x7, stride 2, through its phase split), 64 rows: uncapped, ptxas gives the program
+    more registers than three 256-thread blocks per SM leave (85 each); with ``min_blocks`` 3 it fits them."""
+    weight = torch.from_numpy(random_weight(np.random.default_rng(5), (64, 3, 7, 7), 0.1))
+    split = phase_split(UniformCSR.from_dense(weight), ConvGeometry.of(2, 3))
+    program = gs.programs(split.csr.to_conv2d_weight().numpy(), split.geometry.padding, (112, 112), 64,
+                          (112, 112))[0]
+
+    def registers(min_blocks: int) -> int:
+        source = tmp_path / f"stem_{min_blocks}.cu"
+        source.write_text(gs.kernel_source(program, torch.float32, min_blocks))
+        result = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(source), "-o", str(tmp_path / "stem.o"),
+                                 "-Xptxas", "-v"], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
+        return int(re.findall(r"Used (\d+) registers", result.stderr)[-1])
+
+    assert registers(1) > 65536 // (3 * 256) >= registers(3)
 
 
 def test_every_storage_type_reads_a_float32_input_and_converts_nothing_per_load() -> None:

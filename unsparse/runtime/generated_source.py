@@ -171,28 +171,31 @@ def products_source(program: Program, name: str = "products") -> str:
     return "\n".join(lines)
 
 
-def kernel_source(program: Program, dtype: torch.dtype) -> str:
+def kernel_source(program: Program, dtype: torch.dtype, min_blocks: int = 1) -> str:
     """The whole CUDA source of one program (:data:`ENTRY`): constants, the skeleton and ``products``. It holds no
     batch size and no threads per block (the launch picks those, :func:`choose_threads`), so one compiled kernel
-    serves every batch.
+    serves every batch. ``min_blocks``: the blocks of the launch bound's threads each SM should hold, which caps the
+    registers per thread (1: uncapped).
 
     Raises:
-        ValueError: for a dtype other than float32 or float16 (naming ``dtype``).
+        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), or ``min_blocks`` below 1.
     """
-    return "\n".join([*_header(program, dtype), _skeleton(), products_source(program)])
+    return "\n".join([*_header(program, dtype, min_blocks), _skeleton(), products_source(program)])
 
 
-def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, dtype: torch.dtype) -> str:
+def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, dtype: torch.dtype,
+                         min_blocks: int = 1) -> str:
     """The CUDA source of :data:`SHARED_ENTRY` (v31): G = ``len(kernel_programs)`` programs of one layer in one
     kernel, each block running the program of the SM it runs on (``kernels/generated_conv.cu``).
 
     Args:
         kernel_programs: at least two consecutive programs of one layer split (the same KT, C, kernel, padding and
-            input plane). out_channels: M, the layer's.
+            input plane). out_channels: M, the layer's. min_blocks: as :func:`kernel_source`'s.
 
     Raises:
         ValueError: naming the field, for fewer than two programs or programs of different layers or splits, an
-            ``out_channels`` below the last program's rows, or a dtype :func:`kernel_source` refuses.
+            ``out_channels`` below the last program's rows, or a dtype or ``min_blocks`` :func:`kernel_source`
+            refuses.
     """
     if len(kernel_programs) < 2:
         raise ValueError(f"kernel_programs: {len(kernel_programs)} programs, a shared kernel holds at least two")
@@ -202,7 +205,7 @@ def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, 
         raise ValueError("kernel_programs: not all of one layer and split")
     if out_channels < max(p.first + p.rows for p in kernel_programs):
         raise ValueError(f"out_channels: {out_channels} is below the programs' last row")
-    header = [*_header(first, dtype), f"#define G {len(kernel_programs)}", f"#define M {out_channels}"]
+    header = [*_header(first, dtype, min_blocks), f"#define G {len(kernel_programs)}", f"#define M {out_channels}"]
     bodies = [products_source(p, f"products_{index}") for index, p in enumerate(kernel_programs)]
     cases = [f"    case {index}: products_{index}(base, acc); return {p.first};"
              for index, p in enumerate(kernel_programs)]
@@ -211,16 +214,20 @@ def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, 
     return "\n".join([*header, _skeleton(), *bodies, *run])
 
 
-def _header(program: Program, dtype: torch.dtype) -> list[str]:
-    """The constants and storage type before the skeleton; the launch bound is :data:`THREAD_CHOICES`' largest.
+def _header(program: Program, dtype: torch.dtype, min_blocks: int) -> list[str]:
+    """The constants and storage type before the skeleton; the launch bound is :data:`THREAD_CHOICES`' largest
+    threads and ``min_blocks`` blocks per SM.
 
     Raises:
-        ValueError: for a dtype other than float32 or float16 (naming ``dtype``).
+        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), or ``min_blocks`` below 1.
     """
     if dtype not in STORAGE_TYPES:
         raise ValueError(f"dtype: {dtype} not supported (float32 or float16)")
+    if min_blocks < 1:
+        raise ValueError(f"min_blocks: must be at least 1, got {min_blocks}")
     constants = {"KT": program.width, "C": program.channels, "HP": program.padded_hw[0], "WP": program.padded_hw[1],
-                 "E": program.out_hw[0], "F": program.out_hw[1], "MAX_THREADS": max(THREAD_CHOICES)}
+                 "E": program.out_hw[0], "F": program.out_hw[1], "MAX_THREADS": max(THREAD_CHOICES),
+                 "MIN_BLOCKS": min_blocks}
     header = [f"#define {name} {value}" for name, value in constants.items()]
     return [*header, "#include <cuda_fp16.h>", f"typedef {STORAGE_TYPES[dtype]} T;"]
 

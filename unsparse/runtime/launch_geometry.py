@@ -512,9 +512,9 @@ PADDING_ROWS = 4
 
 def padding_launch(dtype: torch.dtype, planes: int, padded_hw: tuple[int, int]) -> Launch:
     """Geometry of ``pad_planes``, the kernel that writes ``planes`` zero-padded float32 planes of a padded size
-    ``(HP, WP)``: the ``N * C`` input planes, or their ``N * C * P_h * P_w`` phase images for a strided layer: :data:`PADDING_THREADS` threads per block, each warp writing
-    :data:`PADDING_ROWS` consecutive rows of the ``planes * HP`` padded rows, grid
-    ``ceil(planes * HP / (PADDING_ROWS * PADDING_THREADS / 32))``.
+    ``(HP, WP)``, the ``N * C`` input planes or their ``N * C * P_h * P_w`` phase images for a strided layer:
+    :data:`PADDING_THREADS` threads per block, each warp writing :data:`PADDING_ROWS` consecutive rows of the
+    ``planes * HP`` padded rows, grid ``ceil(planes * HP / (PADDING_ROWS * PADDING_THREADS / 32))``.
 
     Raises:
         ValueError: for a non-positive size, a dtype without an instantiation (:func:`cuda_type`), or

@@ -40,7 +40,7 @@ from unsparse.sparse.phases import PhaseSplit, phase_split
 
 SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
             {"rows": 32, "programs": 4}, {"rows": 32, "programs": 8}, {"rows": 32, "programs": 1, "streams": 8},
-            {"rows": 64, "programs": 1, "chunks": 4})
+            {"rows": 64, "programs": 1, "chunks": 4}, {"rows": 64, "programs": 1, "min_blocks": 3})
 """The settings the comparator times, the first the default: output channels per program (KT, the register
 accumulators per thread), programs per kernel (G; G > 1 runs ``generated_conv_shared``, v31, each program on its
 share of the SMs), ``streams``, how many of the layer's kernels may run at once (default 1, one after another; a
@@ -56,7 +56,11 @@ high sparsity (a tap, an input channel and kernel position, has a nonzero among 
 = 0.96 at 0.95) at half the warps per SM (about 197 registers per thread). On the H200 (thirty-fifth session, VGG16,
 FP32) they lost at batch 128 in all four layers where admitted (features.5 at 0.95 1.19x slower than 64 rows;
 features.5, .7, .10 at 0.98 1.18-1.31x slower than the best) and won at batch 1 at 0.98 (features.5 0.021 against
-0.026 ms, features.7 0.0285 against 0.031 ms: one kernel instead of two or four)."""
+0.026 ms, features.7 0.0285 against 0.031 ms: one kernel instead of two or four). ``min_blocks`` (default 1) asks
+ptxas to fit that many 256-thread blocks per SM by capping the registers: ResNet-50's stem program of 64 rows takes
+128 registers uncapped, two blocks and a quarter of the warps per SM, and under ``ncu`` its warps spent 71 % of their
+cycles waiting on loads (``kernels/NOTES.md``, fifty-fifth session); capped for three blocks it takes 80 and spills
+28 bytes."""
 
 MAX_PRODUCTS = 2**17
 """Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
@@ -188,6 +192,7 @@ class Setting(NamedTuple):
     streams: int
     relu: bool
     max_pool: bool
+    min_blocks: int
 
 
 class StrideOneLayer(NamedTuple):
@@ -284,7 +289,7 @@ class GeneratedBackend(ConvBackend):
         programs, ``ceil(M / rows)``, a kernel of several programs within :data:`MAX_SHARED_PRODUCTS` (its
         compile time), several ``streams`` only for a layer of several kernels, and ``chunks`` only for a batch of at
         least two images per chunk (a chunked setting runs its twin's kernels, so the space's kernels do not depend
-        on the batch)."""
+        on the batch); a ``min_blocks`` setting passes by its uncapped twin's rules."""
         return [dict(params) for params in SETTINGS if params["rows"] * csr.row_length <= MAX_PRODUCTS
                 and (params == SETTINGS[0] or (
                     params["rows"] < 2 * csr.out_channels
@@ -305,7 +310,8 @@ class GeneratedBackend(ConvBackend):
         together (:func:`~unsparse.runtime.bench.compile_ahead`)."""
         layer = self.stride_one_layer(x, csr, geometry)
         return [kernel for params in space for kernel in
-                self._sources(x, layer, self._kernels(csr, layer, params["rows"], params["programs"]))]
+                self._sources(x, layer, self._kernels(csr, layer, params["rows"], params["programs"]),
+                              params.get("min_blocks", 1))]
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
@@ -315,7 +321,8 @@ class GeneratedBackend(ConvBackend):
 
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
-             streams: int = 1, chunks: int = 1, relu: bool = False, max_pool: bool = False) -> torch.Tensor:
+             streams: int = 1, chunks: int = 1, relu: bool = False, max_pool: bool = False,
+             min_blocks: int = 1) -> torch.Tensor:
         """Pad the input in float32 (:func:`padded_float32`, timed with the call: the kernels read float32, since a
         conversion per load made NVRTC 3-4x slower; a strided layer's phase images, :meth:`stride_one_layer`, gathered
         in the same pass), then run the layer's programs of ``rows`` output channels,
@@ -340,15 +347,16 @@ class GeneratedBackend(ConvBackend):
             ``(N, M, E, F)`` NCHW output of ``x``'s dtype; with ``max_pool`` ``(N, M, E // 2, F // 2)``.
 
         Raises:
-            ValueError: for a layer :meth:`unsupported_reason` refuses, ``chunks`` < 1, ``max_pool`` on an output
+            ValueError: for a layer :meth:`unsupported_reason` refuses, ``chunks`` or ``min_blocks`` < 1, ``max_pool``
+                on an output
                 plane below 2x2, or from
                 :func:`~unsparse.runtime.generated_source.programs` (a weight that is not finite).
         """
         reason = self.unsupported_reason(x, csr, geometry)
         if reason is not None:
             raise ValueError(f"generated: {reason}")
-        if chunks < 1:
-            raise ValueError(f"generated: chunks must be at least 1, got {chunks}")
+        if min(chunks, min_blocks) < 1:
+            raise ValueError(f"generated: chunks and min_blocks must be at least 1, got {chunks} and {min_blocks}")
         N = x.shape[0]
         layer = self.stride_one_layer(x, csr, geometry)
         E, F_ = layer.out_hw
@@ -358,7 +366,7 @@ class GeneratedBackend(ConvBackend):
                         device=x.device)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
         size = -(-N // chunks)
-        setting = Setting(rows, programs, streams, relu, max_pool)
+        setting = Setting(rows, programs, streams, relu, max_pool, min_blocks)
         if size == N:
             self._run_kernels(x, layer.kernel_input(x), bias, y, csr, layer, setting)
             return y
@@ -408,19 +416,20 @@ class GeneratedBackend(ConvBackend):
         return [every[start:start + programs] for start in range(0, len(every), programs)]
 
     @staticmethod
-    def _sources(x: torch.Tensor, layer: StrideOneLayer,
-                 kernels: list[list[gs.Program]]) -> list[tuple[str, str]]:
-        """The CUDA source and entry name of each of ``kernels`` (:meth:`_kernels`) at ``x``'s dtype."""
-        return [(gs.kernel_source(kernel[0], x.dtype), gs.ENTRY) if len(kernel) == 1 else
-                (gs.shared_kernel_source(kernel, layer.csr.out_channels, x.dtype), gs.SHARED_ENTRY)
+    def _sources(x: torch.Tensor, layer: StrideOneLayer, kernels: list[list[gs.Program]],
+                 min_blocks: int) -> list[tuple[str, str]]:
+        """The CUDA source and entry name of each of ``kernels`` (:meth:`_kernels`) at ``x``'s dtype and
+        ``min_blocks``."""
+        return [(gs.kernel_source(kernel[0], x.dtype, min_blocks), gs.ENTRY) if len(kernel) == 1 else
+                (gs.shared_kernel_source(kernel, layer.csr.out_channels, x.dtype, min_blocks), gs.SHARED_ENTRY)
                 for kernel in kernels]
 
     def _launches(self, x: torch.Tensor, csr: UniformCSR, layer: StrideOneLayer,
                   setting: Setting) -> list[tuple[cl.BoundLaunch, bool]]:
         """The bound launches of a setting, each with whether it takes tile counters (cached per weight, input
-        shape, dtype, device, stride-1 layer, rows, programs and epilogue flags)."""
+        shape, dtype, device, stride-1 layer, rows, programs, epilogue flags and ``min_blocks``)."""
         key = ("launches", setting.rows, setting.programs, tuple(x.shape), x.dtype, x.device, layer.original,
-               setting.relu, setting.max_pool)
+               setting.relu, setting.max_pool, setting.min_blocks)
         return self._cache.get(csr, key, lambda: self._bind(x, csr, layer, setting))
 
     def _bind(self, x: torch.Tensor, csr: UniformCSR, layer: StrideOneLayer,
@@ -430,7 +439,7 @@ class GeneratedBackend(ConvBackend):
         since its blocks take their tiles from the counters. The pixel count ``total`` is the output's, or four per
         pooled output with ``max_pool`` (the pooled-out last row and column of an odd plane are not computed)."""
         kernels = self._kernels(csr, layer, setting.rows, setting.programs)
-        sources = self._sources(x, layer, kernels)
+        sources = self._sources(x, layer, kernels, setting.min_blocks)
         functions = compile_all(sources)
         E, F_ = layer.out_hw
         total = x.shape[0] * ((E // 2) * (F_ // 2) * 4 if setting.max_pool else E * F_)
