@@ -18,8 +18,9 @@
 //   KT: output channels of this kernel; C: input channels; HP, WP: the padded input plane (H + 2 pad_h,
 //     W + 2 pad_w); E, F: the output plane; MAX_THREADS: the most threads per block a launch may use (the launch
 //     bound; the launch picks its own count up to it, blockDim.x, so a batch size needs no kernel of its own);
-//     MIN_BLOCKS: the blocks of MAX_THREADS each SM should hold (the launch bound's second part: ptxas caps the
-//     registers per thread to fit them, 1 leaves them uncapped; kernels/NOTES.md, fifty-fifth session);
+//     MIN_BLOCKS: the blocks of MAX_THREADS each SM should hold, the launch bound's second part (ptxas fits the
+//     registers per thread to it), or 0 for none. A bound of 1 is not the absence of one: ResNet-50's stem program
+//     of 64 rows took 224 registers under (256, 1) and 128 under (256) (kernels/NOTES.md, fifty-fifth session);
 //     T: storage type of the output and the bias (float or __half);
 //   products(base, acc): the generated body, one float load of base[offset] per (channel, tap) with a nonzero among
 //     the KT rows (offset = (c * HP + r) * WP + s, a compile-time constant below 2^31) and its fused multiply-adds.
@@ -121,10 +122,16 @@ __device__ __forceinline__ void store_rows(T* __restrict__ y, const T* __restric
   }
 }
 
+#if MIN_BLOCKS > 0
+#define LAUNCH_BOUNDS __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
+#else
+#define LAUNCH_BOUNDS __launch_bounds__(MAX_THREADS)
+#endif
+
 #ifndef G
 __device__ __forceinline__ void products(const float* __restrict__ base, float* acc);
 
-extern "C" __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) generated_conv(
+extern "C" __global__ void LAUNCH_BOUNDS generated_conv(
     const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int M, int k0, int relu,
     int pool) {
   for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < total; p += gridDim.x * blockDim.x) {
@@ -151,7 +158,7 @@ extern "C" __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) generated_
 
 __device__ __forceinline__ int run(int program, const float* __restrict__ base, float* acc);
 
-extern "C" __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS) generated_conv_shared(
+extern "C" __global__ void LAUNCH_BOUNDS generated_conv_shared(
     const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int relu, int pool,
     unsigned int* __restrict__ counters) {
   __shared__ unsigned int s_tile;

@@ -151,13 +151,12 @@ def test_kernel_source_refuses_other_dtypes_and_holds_no_launch_size() -> None:
     assert max(gs.THREAD_CHOICES) == 256
 
 
-def test_min_blocks_is_the_launch_bounds_second_part_and_at_least_one() -> None:
+def test_min_blocks_is_the_launch_bounds_second_part_and_not_negative() -> None:
     layer = gs.programs(np.ones((5, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)
-    assert "#define MIN_BLOCKS 1" in gs.kernel_source(layer[0], torch.float32).split("\n")
+    assert "#define MIN_BLOCKS 0" in gs.kernel_source(layer[0], torch.float32).split("\n")
     assert "#define MIN_BLOCKS 3" in gs.shared_kernel_source(layer, 5, torch.float16, 3).split("\n")
-    assert "__launch_bounds__(MAX_THREADS, MIN_BLOCKS)" in gs.kernel_source(layer[0], torch.float32, 3)
-    for make in (lambda: gs.kernel_source(layer[0], torch.float32, 0),
-                 lambda: gs.shared_kernel_source(layer, 5, torch.float32, 0)):
+    for make in (lambda: gs.kernel_source(layer[0], torch.float32, -1),
+                 lambda: gs.shared_kernel_source(layer, 5, torch.float32, -1)):
         with pytest.raises(ValueError, match=r"^min_blocks:"):
             make()
 
@@ -165,21 +164,25 @@ def test_min_blocks_is_the_launch_bounds_second_part_and_at_least_one() -> None:
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")
 def test_min_blocks_caps_the_registers_of_a_stem_program(tmp_path: Path) -> None:
     """ResNet-50's stem at 0.9 (7x7, stride 2, through its phase split), 64 rows: uncapped, ptxas gives the program
-    more registers than three 256-thread blocks per SM leave (85 each); with ``min_blocks`` 3 it fits them."""
+    more registers than three 256-thread blocks per SM leave (85 each); with ``min_blocks`` 3 it fits them, and
+    ``min_blocks`` 0 is no bound (the same cubin as the skeleton's bound without a second part)."""
     weight = torch.from_numpy(random_weight(np.random.default_rng(5), (64, 3, 7, 7), 0.1))
     split = phase_split(UniformCSR.from_dense(weight), ConvGeometry.of(2, 3))
     program = gs.programs(split.csr.to_conv2d_weight().numpy(), split.geometry.padding, (112, 112), 64,
                           (112, 112))[0]
 
-    def registers(min_blocks: int) -> int:
-        source = tmp_path / f"stem_{min_blocks}.cu"
-        source.write_text(gs.kernel_source(program, torch.float32, min_blocks))
-        result = subprocess.run(["nvcc", "-arch=sm_90", "-c", str(source), "-o", str(tmp_path / "stem.o"),
+    def registers(name: str, text: str) -> int:
+        source = tmp_path / f"stem_{name}.cu"
+        source.write_text(text)
+        result = subprocess.run(["nvcc", "-arch=sm_90", "-cubin", str(source), "-o", str(tmp_path / f"{name}.cubin"),
                                  "-Xptxas", "-v"], capture_output=True, text=True)
         assert result.returncode == 0, result.stderr
         return int(re.findall(r"Used (\d+) registers", result.stderr)[-1])
 
-    assert registers(1) > 65536 // (3 * 256) >= registers(3)
+    text = gs.kernel_source(program, torch.float32)
+    assert registers("0", text) > 65536 // (3 * 256) >= registers("3", gs.kernel_source(program, torch.float32, 3))
+    registers("none", text.replace("LAUNCH_BOUNDS generated_conv(", "__launch_bounds__(MAX_THREADS) generated_conv("))
+    assert (tmp_path / "0.cubin").read_bytes() == (tmp_path / "none.cubin").read_bytes()
 
 
 def test_every_storage_type_reads_a_float32_input_and_converts_nothing_per_load() -> None:

@@ -119,18 +119,20 @@ def test_tuning_space_bounds_the_generated_body() -> None:
     x = torch.randn(1, 4, 6, 6)
     assert SETTINGS[0] == {"rows": 32, "programs": 1}
     assert backend.tuning_space(x, layer(out_channels=256), ConvGeometry.of(1, 1)) == [  # batch 1: no chunks
-        params for params in SETTINGS if "chunks" not in params]
+        params for params in SETTINGS if "chunks" not in params and "min_blocks" not in params]  # stride 1
     assert backend.tuning_space(x, layer(out_channels=10), ConvGeometry.of(1, 1)) == [SETTINGS[0]]
     assert backend.tuning_space(x, layer(out_channels=100), ConvGeometry.of(1, 1)) == [  # 4 programs of 32 rows
         {"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
-        {"rows": 32, "programs": 4}, {"rows": 32, "programs": 1, "streams": 8},
-        {"rows": 64, "programs": 1, "min_blocks": 3}]
+        {"rows": 32, "programs": 4}, {"rows": 32, "programs": 1, "streams": 8}]
     assert {"rows": 128, "programs": 1} not in backend.tuning_space(x, layer(out_channels=64), ConvGeometry.of(1, 1))
     assert backend.tuning_space(x, layer(out_channels=20), ConvGeometry.of(1, 1)) == [SETTINGS[0]]  # one kernel
     dense = layer(out_channels=256, channels=256, kernel=3, density=1.0)  # 2304 per row: 32 rows fit, 64 do not
     assert dense.row_length * 64 > MAX_PRODUCTS >= dense.row_length * 32
     assert backend.tuning_space(x, dense, ConvGeometry.of(1, 1)) == [{"rows": 32, "programs": 1},
                                                                      {"rows": 32, "programs": 1, "streams": 8}]
+    stem = backend.tuning_space(x, layer(out_channels=64), ConvGeometry.of(2, 1))  # strided: also the bounded 64
+    assert [params for params in stem if "min_blocks" in params] == [
+        {"rows": 64, "programs": 1, "min_blocks": 1}, {"rows": 64, "programs": 1, "min_blocks": 3}]
 
 
 def dense_rows(out_channels: int, row_length: int) -> UniformCSR:
@@ -181,9 +183,10 @@ def test_chunked_settings_need_two_images_per_chunk() -> None:
         assert all((params in space) == admitted for params in chunked), batch
 
 
-@pytest.mark.parametrize(("chunks", "min_blocks"), [(0, 1), (1, 0)])
-def test_conv_refuses_fewer_than_one_chunk_or_block(on_cpu: GeneratedBackend, chunks: int, min_blocks: int) -> None:
-    with pytest.raises(ValueError, match=f"chunks and min_blocks must be at least 1, got {chunks} and {min_blocks}"):
+@pytest.mark.parametrize(("chunks", "min_blocks"), [(0, 0), (1, -1)])
+def test_conv_refuses_fewer_than_one_chunk_or_negative_blocks(on_cpu: GeneratedBackend, chunks: int,
+                                                              min_blocks: int) -> None:
+    with pytest.raises(ValueError, match=f"min_blocks at least 0, got {chunks} and {min_blocks}"):
         on_cpu.conv(torch.randn(2, 4, 6, 6), layer(), None, ConvGeometry.of(1, 1), chunks=chunks,
                     min_blocks=min_blocks)
 
@@ -253,10 +256,13 @@ def test_kernel_sources_do_not_depend_on_the_batch_and_are_what_precompile_compi
     assert sources == on_cpu.kernel_sources(large, csr, geometry, space)
     assert set(on_cpu.kernel_sources(large, csr, geometry, chunked)) == set(sources)
     # 200 rows: 7 programs of 32 (listed again for the streams setting), 4 of 64, 2 of 128, 2 kernels of 4
-    # programs of 32, 4 of 64 capped at three blocks per SM (other sources: their launch bound differs)
-    assert [(p["rows"], p["programs"], p.get("streams", 1), p.get("min_blocks", 1)) for p in space] == [
-        (32, 1, 1, 1), (64, 1, 1, 1), (128, 1, 1, 1), (32, 4, 1, 1), (32, 1, 8, 1), (64, 1, 1, 3)]
-    assert len(sources) == 7 + 4 + 2 + 2 + 7 + 4 and len(set(sources)) == 7 + 4 + 2 + 2 + 4
+    # programs of 32
+    assert [(p["rows"], p["programs"], p.get("streams", 1)) for p in space] == [
+        (32, 1, 1), (64, 1, 1), (128, 1, 1), (32, 4, 1), (32, 1, 8)]
+    assert len(sources) == 7 + 4 + 2 + 2 + 7 and len(set(sources)) == 7 + 4 + 2 + 2
+    strided = on_cpu.kernel_sources(small, csr, ConvGeometry.of(2, 1), on_cpu.tuning_space(
+        small, csr, ConvGeometry.of(2, 1)))  # the two min_blocks settings: 4 programs of 64 each, other bounds
+    assert len(strided) == len(sources) + 2 * 4 and len(set(strided)) == len(set(sources)) + 2 * 4
     compiled: list[list[tuple[str, str]]] = []
     monkeypatch.setattr(generated, "compile_all", lambda kernels: compiled.append(kernels))
     on_cpu.precompile(large, csr, geometry, space)

@@ -171,20 +171,21 @@ def products_source(program: Program, name: str = "products") -> str:
     return "\n".join(lines)
 
 
-def kernel_source(program: Program, dtype: torch.dtype, min_blocks: int = 1) -> str:
+def kernel_source(program: Program, dtype: torch.dtype, min_blocks: int = 0) -> str:
     """The whole CUDA source of one program (:data:`ENTRY`): constants, the skeleton and ``products``. It holds no
     batch size and no threads per block (the launch picks those, :func:`choose_threads`), so one compiled kernel
-    serves every batch. ``min_blocks``: the blocks of the launch bound's threads each SM should hold, which caps the
-    registers per thread (1: uncapped).
+    serves every batch. ``min_blocks``: the blocks of the launch bound's threads each SM should hold, the bound's
+    second part, to which ptxas fits the registers per thread, or 0 for none (1 is not none: ResNet-50's stem program
+    of 64 rows took 224 registers at 1 and 128 without, ``kernels/generated_conv.cu``).
 
     Raises:
-        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), or ``min_blocks`` below 1.
+        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), or a negative ``min_blocks``.
     """
     return "\n".join([*_header(program, dtype, min_blocks), _skeleton(), products_source(program)])
 
 
 def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, dtype: torch.dtype,
-                         min_blocks: int = 1) -> str:
+                         min_blocks: int = 0) -> str:
     """The CUDA source of :data:`SHARED_ENTRY` (v31): G = ``len(kernel_programs)`` programs of one layer in one
     kernel, each block running the program of the SM it runs on (``kernels/generated_conv.cu``).
 
@@ -216,15 +217,15 @@ def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, 
 
 def _header(program: Program, dtype: torch.dtype, min_blocks: int) -> list[str]:
     """The constants and storage type before the skeleton; the launch bound is :data:`THREAD_CHOICES`' largest
-    threads and ``min_blocks`` blocks per SM.
+    threads and ``min_blocks`` blocks per SM (0: no second part).
 
     Raises:
-        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), or ``min_blocks`` below 1.
+        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), or a negative ``min_blocks``.
     """
     if dtype not in STORAGE_TYPES:
         raise ValueError(f"dtype: {dtype} not supported (float32 or float16)")
-    if min_blocks < 1:
-        raise ValueError(f"min_blocks: must be at least 1, got {min_blocks}")
+    if min_blocks < 0:
+        raise ValueError(f"min_blocks: must be at least 0, got {min_blocks}")
     constants = {"KT": program.width, "C": program.channels, "HP": program.padded_hw[0], "WP": program.padded_hw[1],
                  "E": program.out_hw[0], "F": program.out_hw[1], "MAX_THREADS": max(THREAD_CHOICES),
                  "MIN_BLOCKS": min_blocks}

@@ -40,7 +40,8 @@ from unsparse.sparse.phases import PhaseSplit, phase_split
 
 SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
             {"rows": 32, "programs": 4}, {"rows": 32, "programs": 8}, {"rows": 32, "programs": 1, "streams": 8},
-            {"rows": 64, "programs": 1, "chunks": 4}, {"rows": 64, "programs": 1, "min_blocks": 3})
+            {"rows": 64, "programs": 1, "chunks": 4}, {"rows": 64, "programs": 1, "min_blocks": 1},
+            {"rows": 64, "programs": 1, "min_blocks": 3})
 """The settings the comparator times, the first the default: output channels per program (KT, the register
 accumulators per thread), programs per kernel (G; G > 1 runs ``generated_conv_shared``, v31, each program on its
 share of the SMs), ``streams``, how many of the layer's kernels may run at once (default 1, one after another; a
@@ -56,11 +57,12 @@ high sparsity (a tap, an input channel and kernel position, has a nonzero among 
 = 0.96 at 0.95) at half the warps per SM (about 197 registers per thread). On the H200 (thirty-fifth session, VGG16,
 FP32) they lost at batch 128 in all four layers where admitted (features.5 at 0.95 1.19x slower than 64 rows;
 features.5, .7, .10 at 0.98 1.18-1.31x slower than the best) and won at batch 1 at 0.98 (features.5 0.021 against
-0.026 ms, features.7 0.0285 against 0.031 ms: one kernel instead of two or four). ``min_blocks`` (default 1) asks
-ptxas to fit that many 256-thread blocks per SM by capping the registers: ResNet-50's stem program of 64 rows takes
-128 registers uncapped, two blocks and a quarter of the warps per SM, and under ``ncu`` its warps spent 71 % of their
-cycles waiting on loads (``kernels/NOTES.md``, fifty-fifth session); capped for three blocks it takes 80 and spills
-28 bytes."""
+0.026 ms, features.7 0.0285 against 0.031 ms: one kernel instead of two or four). ``min_blocks`` (default 0, none)
+is the launch bound's blocks per SM, to which ptxas fits the registers per thread; timed on strided layers only (the
+stems, where the generated kernels pay; :meth:`GeneratedBackend.tuning_space`). ResNet-50's stem program of 64 rows
+takes 128 registers without it (two blocks, a quarter of the warps per SM; under ``ncu`` its warps waited on loads 71
+% of their cycles), 224 at 1 and 80 at 3 (spilling 28 bytes); AlexNet's takes 80 without (``kernels/NOTES.md``,
+fifty-fifth session)."""
 
 MAX_PRODUCTS = 2**17
 """Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
@@ -289,7 +291,8 @@ class GeneratedBackend(ConvBackend):
         programs, ``ceil(M / rows)``, a kernel of several programs within :data:`MAX_SHARED_PRODUCTS` (its
         compile time), several ``streams`` only for a layer of several kernels, and ``chunks`` only for a batch of at
         least two images per chunk (a chunked setting runs its twin's kernels, so the space's kernels do not depend
-        on the batch); a ``min_blocks`` setting passes by its uncapped twin's rules."""
+        on the batch); ``min_blocks`` settings only for a strided layer (a stem, where they were measured), by their
+        unbounded twin's rules."""
         return [dict(params) for params in SETTINGS if params["rows"] * csr.row_length <= MAX_PRODUCTS
                 and (params == SETTINGS[0] or (
                     params["rows"] < 2 * csr.out_channels
@@ -300,7 +303,8 @@ class GeneratedBackend(ConvBackend):
                          or params["rows"] * params["programs"] * csr.row_length <= MAX_SHARED_PRODUCTS)
                     and (params.get("streams", 1) == 1
                          or -(-csr.out_channels // params["rows"]) > params["programs"])
-                    and (params.get("chunks", 1) == 1 or x.shape[0] >= 2 * params["chunks"])))]
+                    and (params.get("chunks", 1) == 1 or x.shape[0] >= 2 * params["chunks"])
+                    and ("min_blocks" not in params or geometry.stride != (1, 1))))]
 
     def kernel_sources(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                        space: list[dict[str, Any]]) -> list[tuple[str, str]]:
@@ -311,7 +315,7 @@ class GeneratedBackend(ConvBackend):
         layer = self.stride_one_layer(x, csr, geometry)
         return [kernel for params in space for kernel in
                 self._sources(x, layer, self._kernels(csr, layer, params["rows"], params["programs"]),
-                              params.get("min_blocks", 1))]
+                              params.get("min_blocks", 0))]
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
@@ -322,7 +326,7 @@ class GeneratedBackend(ConvBackend):
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
              streams: int = 1, chunks: int = 1, relu: bool = False, max_pool: bool = False,
-             min_blocks: int = 1) -> torch.Tensor:
+             min_blocks: int = 0) -> torch.Tensor:
         """Pad the input in float32 (:func:`padded_float32`, timed with the call: the kernels read float32, since a
         conversion per load made NVRTC 3-4x slower; a strided layer's phase images, :meth:`stride_one_layer`, gathered
         in the same pass), then run the layer's programs of ``rows`` output channels,
@@ -347,16 +351,17 @@ class GeneratedBackend(ConvBackend):
             ``(N, M, E, F)`` NCHW output of ``x``'s dtype; with ``max_pool`` ``(N, M, E // 2, F // 2)``.
 
         Raises:
-            ValueError: for a layer :meth:`unsupported_reason` refuses, ``chunks`` or ``min_blocks`` < 1, ``max_pool``
-                on an output
+            ValueError: for a layer :meth:`unsupported_reason` refuses, ``chunks`` < 1, ``min_blocks`` < 0,
+                ``max_pool`` on an output
                 plane below 2x2, or from
                 :func:`~unsparse.runtime.generated_source.programs` (a weight that is not finite).
         """
         reason = self.unsupported_reason(x, csr, geometry)
         if reason is not None:
             raise ValueError(f"generated: {reason}")
-        if min(chunks, min_blocks) < 1:
-            raise ValueError(f"generated: chunks and min_blocks must be at least 1, got {chunks} and {min_blocks}")
+        if chunks < 1 or min_blocks < 0:
+            raise ValueError(f"generated: chunks must be at least 1 and min_blocks at least 0, got {chunks} and "
+                             f"{min_blocks}")
         N = x.shape[0]
         layer = self.stride_one_layer(x, csr, geometry)
         E, F_ = layer.out_hw
