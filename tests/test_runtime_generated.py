@@ -132,7 +132,7 @@ def test_tuning_space_bounds_the_generated_body() -> None:
                                                                      {"rows": 32, "programs": 1, "streams": 8}]
     stem = backend.tuning_space(x, layer(out_channels=64), ConvGeometry.of(2, 1))  # strided: also the bounded 64
     assert [params for params in stem if "min_blocks" in params] == [
-        {"rows": 64, "programs": 1, "min_blocks": 1}, {"rows": 64, "programs": 1, "min_blocks": 3}]
+        {"rows": 64, "programs": 1, "min_blocks": 1}, {"rows": 64, "programs": 1, "min_blocks": 2}]
 
 
 def dense_rows(out_channels: int, row_length: int) -> UniformCSR:

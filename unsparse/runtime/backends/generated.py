@@ -41,7 +41,7 @@ from unsparse.sparse.phases import PhaseSplit, phase_split
 SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
             {"rows": 32, "programs": 4}, {"rows": 32, "programs": 8}, {"rows": 32, "programs": 1, "streams": 8},
             {"rows": 64, "programs": 1, "chunks": 4}, {"rows": 64, "programs": 1, "min_blocks": 1},
-            {"rows": 64, "programs": 1, "min_blocks": 3})
+            {"rows": 64, "programs": 1, "min_blocks": 2})
 """The settings the comparator times, the first the default: output channels per program (KT, the register
 accumulators per thread), programs per kernel (G; G > 1 runs ``generated_conv_shared``, v31, each program on its
 share of the SMs), ``streams``, how many of the layer's kernels may run at once (default 1, one after another; a
@@ -59,9 +59,11 @@ FP32) they lost at batch 128 in all four layers where admitted (features.5 at 0.
 features.5, .7, .10 at 0.98 1.18-1.31x slower than the best) and won at batch 1 at 0.98 (features.5 0.021 against
 0.026 ms, features.7 0.0285 against 0.031 ms: one kernel instead of two or four). ``min_blocks`` (default 0, none)
 is the launch bound's blocks per SM, to which ptxas fits the registers per thread; timed on strided layers only (the
-stems, where the generated kernels pay; :meth:`GeneratedBackend.tuning_space`). ResNet-50's stem program of 64 rows
-takes 128 registers without it (two blocks, a quarter of the warps per SM; under ``ncu`` its warps waited on loads 71
-% of their cycles), 224 at 1 and 80 at 3 (spilling 28 bytes); AlexNet's takes 80 without (``kernels/NOTES.md``,
+stems, where the generated kernels pay; :meth:`GeneratedBackend.tuning_space`). On the stems at 0.9 (local ptxas,
+64 rows) AlexNet's program takes 80 registers without it, 255 at 1 and 128 at 2, and ran fastest at 1 or 2 in the
+H200 runs (0.189 -> 0.172 ms FP32 at batch 128 in the benchmark); ResNet-50's takes 128 without it or at 2 and 224
+at 1, which lost. At 3 both took 80 and spilled, and lost (under ``ncu`` the ResNet-50 program's warps waited on
+loads 71 % of their cycles at 128 registers; 80 gave it a third more warps but no faster run; ``kernels/NOTES.md``,
 fifty-fifth session)."""
 
 MAX_PRODUCTS = 2**17
