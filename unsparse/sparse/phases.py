@@ -13,7 +13,9 @@ Why: the stride-1 direct kernels (input tiles with halos in shared memory, conti
 serve the strided layers too, instead of the strided ``rows`` kernel (Escoin §3, one global load per FMA),
 whose stride-2 loads halve the useful bytes of every transaction; and the weight-specialised ``generated`` kernels,
 stride 1 only, run the strided stems this way (``unsparse/runtime/backends/generated.py``). The price is one copy of
-the input into its phases per call (:meth:`PhaseSplit.input`); the runtime times it with the kernel. This is the
+the input into its phases per call (:meth:`PhaseSplit.input`), which the runtime times with the kernel; the
+``generated`` backend gathers the phases in its padding pass instead (``pad_planes``), and ``direct`` in its image
+pairing where it pairs (``phase_pair_images``). This is the
 space-to-depth rewriting of strided convolutions; neither source paper uses it (Escoin §3.4 lists stride only as a
 parameter to specialise kernels on).
 """
