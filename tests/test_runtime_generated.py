@@ -22,7 +22,7 @@ from unsparse.runtime.backends.generated import (
 from unsparse.runtime.comparator import COMPARED_BY_DEFAULT_EXCLUDES
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
-from unsparse.sparse.phases import PhaseSplit, phase_split
+from unsparse.sparse.phases import phase_split
 
 
 def layer(out_channels: int = 8, channels: int = 4, kernel: int = 3, density: float = 0.3,
@@ -291,23 +291,18 @@ def test_padded_float32_is_the_zero_padded_float32_input(dtype: torch.dtype, pad
         assert padded.data_ptr() == x.data_ptr()
 
 
-def emulate_pad_planes(x: torch.Tensor, padding: tuple[int, int], split: PhaseSplit | None,
+def emulate_pad_planes(x: torch.Tensor, padding: tuple[int, int], gather: tuple,
                        monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
     """``pad_planes`` in Python, line by line and vectorised over every warp's rows and lanes, run with the launch
-    and arguments :func:`~unsparse.runtime.backends.generated.bound_padding` binds for ``x`` (``(N, C, H, W)``) as
-    :func:`~unsparse.runtime.backends.generated.padded_float32` asks on CUDA (its phase arguments restated here:
-    that branch runs on CUDA only, where the GPU test checks it): per padded row its plane, phase and input row (or
-    -1), per lane its column, the loads inside the input and the stores inside the output."""
+    and arguments :func:`~unsparse.runtime.backends.generated.bound_padding` binds for ``x`` (``(N, C, H, W)``) and
+    ``gather`` (:func:`~unsparse.runtime.backends.generated.padding_phases`), as
+    :func:`~unsparse.runtime.backends.generated.padded_float32` asks on CUDA: per padded row its plane, phase and
+    input row (or -1), per lane its column, the loads inside the input and the stores inside the output."""
     from unsparse.runtime import cupy_launcher as cl
     from unsparse.runtime.backends import generated
 
     N, C, H, W = x.shape
-    if split is None:
-        phases, phase_hw = ((1, 1), (0, 0), (1, 1)), (H, W)
-    else:
-        phase_hw = split.input_size(H, W)
-        phases = ((min(split.stride[0], H), min(split.stride[1], W)), (split.phases_h[0], split.phases_w[0]),
-                  (len(split.phases_h), len(split.phases_w)))
+    phases, phase_hw = gather
     bound: list[tuple] = []
     monkeypatch.setattr(cl, "bind", lambda spec, args, device: bound.append((spec, args)))
     generated.bound_padding.__wrapped__(N * C, (H, W), padding, phases, phase_hw, x.dtype, torch.device("cpu"))
@@ -338,23 +333,27 @@ def emulate_pad_planes(x: torch.Tensor, padding: tuple[int, int], split: PhaseSp
 def test_padding_kernel_emulation_gathers_the_padded_phase_images(dtype: torch.dtype,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """``pad_planes`` (emulated, with the arguments the Python side binds) writes ``F.pad`` of the float32 phase
-    images (:meth:`PhaseSplit.input`) on every layer of the phase tests whose phases form one run per axis and whose
-    stride fits 32 bits (the others keep the two copies), and the plain padded copy without a split."""
+    images (:meth:`PhaseSplit.input`) on every layer of the phase tests that ``padding_phases`` gathers in one pass
+    (phases in one run per axis, a stride within 32 bits; the other three keep the two copies), and the plain padded
+    copy without a split."""
     from tests.test_phases import CASES as PHASE_CASES
+    from unsparse.runtime.backends.generated import padding_phases
 
     gathered = 0
     for N, C, H, W, M, R, S, stride, padding in PHASE_CASES:
         split = phase_split(UniformCSR.from_dense(torch.randn(M, C, R, S)), ConvGeometry.of(stride, padding))
-        if not split.one_run_per_axis or max(split.stride) >= 2**31:
-            continue
         x = torch.randn(N, C, H, W).to(dtype)
+        gather = padding_phases(x.shape, split)
+        if gather is None:
+            continue
         pad_h, pad_w = split.geometry.padding
         expected = F.pad(split.input(x).float(), (pad_w, pad_w, pad_h, pad_h))
-        assert torch.equal(emulate_pad_planes(x, split.geometry.padding, split, monkeypatch), expected), stride
+        assert torch.equal(emulate_pad_planes(x, split.geometry.padding, gather, monkeypatch), expected), stride
         gathered += 1
     assert gathered == 10
     x = torch.randn(3, 5, 13, 70).to(dtype)  # rows wider than two warps
-    assert torch.equal(emulate_pad_planes(x, (2, 1), None, monkeypatch), F.pad(x.float(), (1, 1, 2, 2)))
+    gather = padding_phases(x.shape, None)
+    assert torch.equal(emulate_pad_planes(x, (2, 1), gather, monkeypatch), F.pad(x.float(), (1, 1, 2, 2)))
 
 
 def test_one_weight_at_two_paddings_gets_two_phase_splits(on_cpu: GeneratedBackend) -> None:

@@ -21,7 +21,7 @@ import functools
 import hashlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -57,14 +57,14 @@ high sparsity (a tap, an input channel and kernel position, has a nonzero among 
 = 0.96 at 0.95) at half the warps per SM (about 197 registers per thread). On the H200 (thirty-fifth session, VGG16,
 FP32) they lost at batch 128 in all four layers where admitted (features.5 at 0.95 1.19x slower than 64 rows;
 features.5, .7, .10 at 0.98 1.18-1.31x slower than the best) and won at batch 1 at 0.98 (features.5 0.021 against
-0.026 ms, features.7 0.0285 against 0.031 ms: one kernel instead of two or four). ``min_blocks`` (default 0, none)
-is the launch bound's blocks per SM, to which ptxas fits the registers per thread; timed on strided layers only (the
-stems, where the generated kernels pay; :meth:`GeneratedBackend.tuning_space`). On the stems at 0.9 (local ptxas,
-64 rows) AlexNet's program takes 80 registers without it, 255 at 1 and 128 at 2, and ran fastest at 1 or 2 in the
-H200 runs (0.189 -> 0.172 ms FP32 at batch 128 in the benchmark); ResNet-50's takes 128 without it or at 2 and 224
-at 1, which lost. At 3 both took 80 and spilled, and lost (under ``ncu`` the ResNet-50 program's warps waited on
-loads 71 % of their cycles at 128 registers; 80 gave it a third more warps but no faster run; ``kernels/NOTES.md``,
-fifty-fifth session)."""
+0.026 ms, features.7 0.0285 against 0.031 ms: one kernel instead of two or four). ``min_blocks`` (default 0, none) is
+the launch bound's blocks per SM, to which ptxas fits the registers per thread; timed on strided layers only (the stems,
+where the generated kernels pay; :meth:`GeneratedBackend.tuning_space`). On the stems at 0.9 (local ptxas, 64 rows)
+AlexNet's program takes 80 registers without it, 255 at 1 and 128 at 2, and ran fastest at 1 or 2 in the H200 runs (FP32
+at batch 128 in the benchmark runs of 4eb2d81, d4c83bb and d630b0d: 0.189 ms unbounded, 0.172 at 1, 0.142 at 2);
+ResNet-50's takes 128 without it or at 2 and 224 at 1, which lost. At 3 both took 80 and spilled, and lost (under
+``ncu`` the ResNet-50 program's warps waited on loads 71 % of their cycles at 128 registers; 80 gave it a third more
+warps but no faster run; ``kernels/NOTES.md``, fifty-fifth session)."""
 
 MAX_PRODUCTS = 2**17
 """Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
@@ -114,22 +114,34 @@ def padded_float32(x: torch.Tensor, padding: tuple[int, int], split: PhaseSplit 
     pad_h, pad_w = padding
     if split is None and x.dtype == torch.float32 and not (pad_h or pad_w):
         return x.contiguous()
-    fused = split is None or (split.one_run_per_axis and max(split.stride) < INDEX_LIMIT)
-    if x.device.type != "cuda" or not fused:
+    gather = padding_phases(x.shape, split)
+    if x.device.type != "cuda" or gather is None:
         x = x if split is None else split.input(x)
         return F.pad(x.contiguous().float(), (pad_w, pad_w, pad_h, pad_h))
     x = x.contiguous()
     N, C, H, W = x.shape
-    if split is None:
-        phases, in_hw = ((1, 1), (0, 0), (1, 1)), (H, W)
-    else:
-        in_hw = split.input_size(H, W)
-        phases = ((min(split.stride[0], H), min(split.stride[1], W)), (split.phases_h[0], split.phases_w[0]),
-                  (len(split.phases_h), len(split.phases_w)))
-    out = torch.empty(N, C * phases[2][0] * phases[2][1], in_hw[0] + 2 * pad_h, in_hw[1] + 2 * pad_w,
+    phases, phase_hw = gather
+    out = torch.empty(N, C * phases[2][0] * phases[2][1], phase_hw[0] + 2 * pad_h, phase_hw[1] + 2 * pad_w,
                       dtype=torch.float32, device=x.device)
-    bound_padding(N * C, (H, W), padding, phases, in_hw, x.dtype, x.device)(cl.current_stream(x.device), x, out)
+    bound_padding(N * C, (H, W), padding, phases, phase_hw, x.dtype, x.device)(cl.current_stream(x.device), x, out)
     return out
+
+
+def padding_phases(shape: Sequence[int], split: PhaseSplit | None) -> tuple[
+        tuple[tuple[int, int], tuple[int, int], tuple[int, int]], tuple[int, int]] | None:
+    """What ``pad_planes`` gathers from an input of ``shape`` ``(N, C, H, W)``: ``(phases, phase_hw)``, with
+    ``phases`` the stride (clipped to the input, which changes nothing there: an axis no longer than its stride has
+    one phase row or column), the first row and column phases and the number of each, for :func:`bound_padding`;
+    ``((1, 1), (0, 0), (1, 1))`` and ``(H, W)`` without a split. None where the split's phases are not one run per
+    axis or its stride does not fit the kernel's 32-bit arguments (:func:`padded_float32` then copies twice)."""
+    H, W = shape[2], shape[3]
+    if split is None:
+        return ((1, 1), (0, 0), (1, 1)), (H, W)
+    if not split.one_run_per_axis or max(split.stride) >= INDEX_LIMIT:
+        return None
+    phases = ((min(split.stride[0], H), min(split.stride[1], W)), (split.phases_h[0], split.phases_w[0]),
+              (len(split.phases_h), len(split.phases_w)))
+    return phases, split.input_size(H, W)
 
 
 @functools.lru_cache(maxsize=256)
@@ -354,8 +366,7 @@ class GeneratedBackend(ConvBackend):
 
         Raises:
             ValueError: for a layer :meth:`unsupported_reason` refuses, ``chunks`` < 1, ``min_blocks`` < 0,
-                ``max_pool`` on an output
-                plane below 2x2, or from
+                ``max_pool`` on an output plane below 2x2, or from
                 :func:`~unsparse.runtime.generated_source.programs` (a weight that is not finite).
         """
         reason = self.unsupported_reason(x, csr, geometry)
