@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from unsparse.runtime import bench
+from unsparse.runtime import generated_source as gs
 from unsparse.runtime.backends import generated, get_backend
 from unsparse.runtime.backends.generated import GeneratedBackend
 from unsparse.sparse.format import UniformCSR
@@ -37,19 +38,24 @@ def compiles(monkeypatch: pytest.MonkeyPatch) -> list[list[tuple[str, str]]]:
 
 
 def test_every_supported_layer_is_compiled_in_one_pass(compiles) -> None:
-    layers = [conv_layer("a", 40, 8), conv_layer("b", 70, 16), conv_layer("strided", 40, 8, stride=2),
+    layers = [conv_layer("a", 40, 8), conv_layer("b", 160, 16), conv_layer("strided", 40, 8, stride=2),
               conv_layer("dilated", 40, 8, dilation=2)]
     ahead = bench.compile_ahead(layers, ["fp32_generated", "tf32_generated", "fp32"], torch.device("cpu"))
     backend = generated.GeneratedBackend()
-    expected = []
+    expected, shared = [], []
     for layer in layers[:3]:
         csr = UniformCSR.from_dense(layer.weight)
         x = torch.empty(1, *layer.in_chw)
-        expected += backend.kernel_sources(x, csr, layer.geometry, backend.tuning_space(x, csr, layer.geometry))
+        space = backend.tuning_space(x, csr, layer.geometry)
+        expected += backend.kernel_sources(x, csr, layer.geometry, [p for p in space if p["programs"] == 1])
+        shared += backend.kernel_sources(x, csr, layer.geometry, [p for p in space if p["programs"] > 1])
     assert len(compiles) == 1
-    # the two float32 precisions list each layer's kernels once (the stride-2 layer's, of its phase split, too); the
-    # dilated layer, which the backend refuses, and the direct backend of "fp32" add none
+    # the two float32 precisions list each layer's one-program kernels once (the stride-2 layer's, of its phase
+    # split, too); layer b's kernels of several programs wait for its comparison (screening), and the dilated layer,
+    # which the backend refuses, and the direct backend of "fp32" add none
     assert sorted(compiles[0]) == sorted(expected)
+    assert {entry for _, entry in shared} == {gs.ENTRY, gs.SHARED_ENTRY}
+    assert {entry for _, entry in compiles[0]} == {gs.ENTRY}
     assert ahead["layers"] == 3 and ahead["kernels"] == len(set(expected)) and ahead["seconds"] >= 0
     assert ahead["skipped"] == 0
 

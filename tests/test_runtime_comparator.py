@@ -73,8 +73,9 @@ class Slow(ConvBackend):
 
 
 def costs(**ms: float) -> Callable[[str, UniformCSR, dict[str, Any]], float]:
-    """A ``virtual_clock`` cost: ``ms[backend name]`` per call, a :class:`Slow` setting its ``cost_ms``."""
-    return lambda name, csr, params: params["cost_ms"] if name == Slow.name else ms[name]
+    """A ``virtual_clock`` cost: ``ms[backend name]`` per call, a setting of a backend not named (:class:`Slow` and
+    its subclasses) its ``cost_ms``."""
+    return lambda name, csr, params: ms[name] if name in ms else params["cost_ms"]
 
 
 @pytest.fixture
@@ -610,3 +611,73 @@ def test_the_dense_default_is_timed_in_full_even_when_its_screening_ranks_it_las
     assert default.timing.median_ms == 1.00 and sum(m.timing is not None for m in result.measurements) == 4
     assert result.best.params == {"memory_format": default_format, "epilogue": "passes"}
     assert result.chosen() is default
+
+
+class Screening(Slow):
+    """A cheap setting (2 ms) and a dear one (0.5 ms, built only when asked: ``precompile`` records each space it
+    is handed), as ``generated``'s one-program and several-program kernels; its calls cost their ``cost_ms``."""
+
+    name = "test_screening"
+
+    def __init__(self) -> None:
+        self.built: list[list[dict[str, Any]]] = []
+
+    def tuning_space(self, x, csr, geometry) -> list[dict[str, Any]]:
+        return [{"cost_ms": 2.0}, {"cost_ms": 0.5, "dear": True}]
+
+    def screen_space(self, x, csr, geometry) -> list[dict[str, Any]]:
+        return [params for params in self.tuning_space(x, csr, geometry) if "dear" not in params]
+
+    def precompile(self, x, csr, geometry, space) -> None:
+        self.built.append(space)
+
+    def conv(self, x, csr, bias, geometry, cost_ms: float = 0.0, dear: bool = False, **params: Any) -> torch.Tensor:
+        assert not dear or {"cost_ms": cost_ms, "dear": True} in self.built[-1], "a dear setting ran unbuilt"
+        return super().conv(x, csr, bias, geometry, cost_ms)
+
+
+@pytest.fixture
+def screening(monkeypatch: pytest.MonkeyPatch, virtual_clock: VirtualClock) -> Screening:
+    backend = Screening()
+    monkeypatch.setitem(base._REGISTRY, Screening.name, Screening)
+    monkeypatch.setitem(base._INSTANCES, Screening.name, backend)
+    return backend
+
+
+@pytest.mark.parametrize(("rival_ms", "built"), [(1.0, False), (1.6, True)])
+def test_dear_settings_are_built_only_where_the_cheap_ones_come_near_the_backends_timed_before(
+        screening: Screening, virtual_clock: VirtualClock, rival_ms: float, built: bool) -> None:
+    """Against a rival of 1.0 ms the cheap setting's 2.0 ms is beyond 1.3x: the dear setting is never built nor run,
+    and is recorded as screened with both medians; against 1.6 ms it is within, so the dear one is built after the
+    cheap one and wins."""
+    virtual_clock.charge(costs(im2col_cublas=rival_ms), Screening, LoweringBackend)
+    x, csr, bias = small_layer(batch=4)
+    result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["im2col_cublas", Screening.name], runs=5,
+                           screen_runs=2, screen_ratio=1.3)
+    dear = next(m for m in result.measurements if m.params.get("dear"))
+    cheap = next(m for m in result.measurements if m.params == {"cost_ms": 2.0})
+    assert cheap.status == "ok" and cheap.screen.median_ms == pytest.approx(2.0)
+    if built:
+        assert screening.built == [[{"cost_ms": 2.0}], [{"cost_ms": 0.5, "dear": True}]]
+        assert dear.status == "ok" and result.best is dear and dear.timing.median_ms == pytest.approx(0.5)
+    else:
+        assert screening.built == [[{"cost_ms": 2.0}]]
+        assert dear.status == "screened" and dear.timing is None and dear.screen is None
+        assert "2 ms" in dear.reason and "1.3 x" in dear.reason and f"{rival_ms:g} ms" in dear.reason
+        assert result.best.backend == "im2col_cublas"
+        assert json.loads(json.dumps(result.to_dict()))["measurements"][-1]["status"] == "screened"
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_every_setting_is_built_at_once_without_a_rival_or_without_screening(
+        screening: Screening, virtual_clock: VirtualClock, first: bool) -> None:
+    """The backend timed first has nothing to come near, and ``screen_ratio=None`` asks for every setting: both
+    build the whole space in one ``precompile`` and time it, the dear setting winning."""
+    virtual_clock.charge(costs(im2col_cublas=1.0), Screening, LoweringBackend)
+    x, csr, bias = small_layer(batch=4)
+    names = [Screening.name, "im2col_cublas"] if first else ["im2col_cublas", Screening.name]
+    result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), names, runs=5, screen_runs=2,
+                           screen_ratio=1.3 if first else None)
+    assert screening.built == [[{"cost_ms": 2.0}, {"cost_ms": 0.5, "dear": True}]]
+    assert result.best.params == {"cost_ms": 0.5, "dear": True}
+    assert all(m.status == "ok" for m in result.measurements)

@@ -200,16 +200,36 @@ def test_the_pooled_kernels_loop_over_windows_keep_nan_and_refuse_a_plane_below_
 def test_the_comparator_times_a_fused_layer_on_the_pooled_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """A layer fused with its ReLU and pool, compared on cuDNN (pool and ReLU after it) and the generated kernels
     (in their epilogue): every generated setting passes the check against the pooled float64 reference, the key
-    names the epilogue, and the baseline (the convolution alone) is timed too."""
+    names the epilogue, and the baseline (the convolution alone) is timed too (no screening: the kernels of several
+    programs are checked whatever the one-program ones time)."""
     monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
     x, csr, bias, geometry, _ = make_case("programs", torch.float32, seed=48)
     with precision_mode(False):
         result = compare_layer(x, csr, bias, geometry, ["cudnn", "generated"], runs=3, warmup=1, baseline=True,
-                               relu=True, max_pool=True)
+                               relu=True, max_pool=True, screen_ratio=None)
     assert result.key.endswith("|epilogue=relu+max_pool")
     generated = [m for m in result.measurements if m.backend == "generated"]
     assert generated and all(m.status == "ok" for m in generated), [m.reason for m in generated]
     assert result.default_measurement("cudnn") is not None and result.baseline.median_ms > 0
+
+
+def test_the_comparator_builds_the_kernels_of_several_programs_only_near_cudnn(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With screening (the default), the layer's one-program settings run first; its settings of several programs
+    are either all checked and timed, where the best one-program setting screened within ``SCREEN_RATIO`` of
+    cuDNN's full median, or all recorded as screened otherwise: never built and left unrecorded."""
+    from unsparse.runtime.comparator import SCREEN_RATIO
+
+    monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
+    x, csr, bias, geometry, _ = make_case("programs", torch.float32, seed=49)
+    with precision_mode(True):
+        result = compare_layer(x, csr, bias, geometry, ["cudnn", "generated"], runs=3, warmup=1)
+    generated = [m for m in result.measurements if m.backend == "generated"]
+    shared = [m for m in generated if m.params["programs"] > 1]
+    single = [m for m in generated if m.params["programs"] == 1]
+    assert shared and all(m.status == "ok" and m.screen is not None for m in single), [m.reason for m in generated]
+    near = min(m.screen.median_ms for m in single) <= SCREEN_RATIO * result.fastest("cudnn").median_ms
+    assert {m.status for m in shared} == ({"ok"} if near else {"screened"}), [m.reason for m in shared]
 
 
 def test_side_streams_are_made_once_per_device_and_count() -> None:

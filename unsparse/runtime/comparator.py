@@ -3,7 +3,9 @@
 For one layer and input it runs every applicable backend over its tuning space, checks each setting's
 output against a float64 reference, times the correct ones, and names the fastest. Large tuning spaces
 are screened first (a few runs each) and only the best settings are timed with the full run count; both
-measurements are recorded. :func:`plan_model` does this for every sparse layer of a model and fills a
+measurements are recorded. A backend's settings that are dear to build (``generated``'s kernels of several programs)
+wait for its cheap ones, and are built only where those come near the backends timed before (:data:`SCREEN_RATIO`).
+:func:`plan_model` does this for every sparse layer of a model and fills a
 :class:`~unsparse.runtime.plan.Plan`, reusing entries already planned.
 """
 
@@ -62,6 +64,16 @@ DISTURBED_RATIO = 1.5
 disturbed one and repeated once (:class:`Measurement` keeps both): on an H100 a tiling screened at 0.241 ms timed a
 median of 0.543 ms (its maximum 1.71 ms) and lost to one of 0.239 ms; in two quiet runs the full and screening
 medians of all 30 settings timed both ways agreed within 1.4 % (``h100_2026-11-25_twentyfirst_{final,retime}_*``)."""
+
+SCREEN_RATIO = 1.3
+"""How much slower than the fastest backend timed before it (cuDNN, which :func:`compare_layer` times first in the
+benchmarks' order) the best of a backend's :meth:`~unsparse.runtime.backends.base.ConvBackend.screen_space` may be
+for its other settings to be built and timed (:func:`compare_layer`'s ``screen_ratio``). In the committed H200
+per-layer results (246 comparisons that timed ``generated``'s kernels of several programs, VGG16 and ResNet-50, FP32,
+TF32 and FP16, batch 1 and 128), such a kernel was the fastest setting in 115, at 0.49-1.00x the time of the best
+one-program setting; at this ratio 63 of the 246 would have skipped them, and 2 of the 115 wins with them, VGG16
+features.24 at 0.98 in TF32 (0.975 and 0.984 of cuDNN, inside :data:`PLAN_MARGIN`, so no plan changes;
+``kernels/NOTES.md``, fifty-sixth session)."""
 
 
 def is_dense_default(backend: str, params: dict[str, Any], layout: str) -> bool:
@@ -149,7 +161,8 @@ class Measurement:
 
     Attributes:
         backend, params: what ran. status: ``"ok"`` (correct and timed), ``"wrong"`` (failed the check),
-            ``"unsupported"``, ``"error"`` (raised). rel_error: against the float64 reference.
+            ``"unsupported"``, ``"error"`` (raised), ``"screened"`` (not built: the backend's first settings were
+            too slow, :data:`SCREEN_RATIO`). rel_error: against the float64 reference.
         screen: timing of the screening pass (few runs), if any. timing: full timing (>= 20 runs), if any.
         disturbed: a first full timing whose median was more than :data:`DISTURBED_RATIO` times the screening
             median (the machine was busy meanwhile), kept for the record; ``timing`` is then a second one.
@@ -259,7 +272,8 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
                   backends: list[str] | None = None, runs: int = MIN_RUNS, warmup: int = 3,
                   screen_runs: int = 3, keep: int = 3, tol: float | None = None,
                   timing: str = "eager", baseline: bool = False, relu: bool = False,
-                  max_pool: bool = False, residual: torch.Tensor | None = None) -> LayerComparison:
+                  max_pool: bool = False, residual: torch.Tensor | None = None,
+                  screen_ratio: float | None = SCREEN_RATIO) -> LayerComparison:
     """Compare backends on one layer (DESIGN.md, Runtime and comparator).
 
     Args:
@@ -279,7 +293,11 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
             :data:`COMPARED_BY_DEFAULT_EXCLUDES`.
         runs, warmup: full timing of each backend's ``keep`` best settings (runs >= 1; the protocol wants
             >= 20), repeated once where it reads as disturbed (:data:`DISTURBED_RATIO`). screen_runs: runs per
-            setting when a backend has more than ``keep`` settings.
+            setting when a backend has more than ``keep`` settings, or before its settings beyond its
+            :meth:`~unsparse.runtime.backends.base.ConvBackend.screen_space` are built.
+        screen_ratio: a backend's settings beyond its ``screen_space`` are built and timed only where the best of
+            that space screens at most this many times the fastest full median of the backends before it (in
+            ``backends``' order), else recorded as ``"screened"`` (:data:`SCREEN_RATIO`); None: all are timed.
         tol: relative error bound; default :func:`tolerance` of ``x.dtype`` (TF32-aware).
         timing: one of :data:`TIMINGS`; a setting whose graph capture fails is recorded as an error.
         baseline: also time the dense convolution alone in each layout
@@ -310,8 +328,11 @@ def compare_layer(x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, g
         if residual is not None:
             epilogue["residual"] = residual
         for name in names:
+            rival_ms = min((m.timing.median_ms for m in result.measurements if m.status == "ok" and m.timing),
+                           default=None)
             measured, seconds = _measure_backend(name, inputs, csr, bias, geometry, checked, images, bound, runs,
-                                                 warmup, screen_runs, keep, timing == "graph", epilogue)
+                                                 warmup, screen_runs, keep, timing == "graph", epilogue, rival_ms,
+                                                 screen_ratio)
             result.measurements += measured
             if seconds is not None:
                 result.compile_s[name] = seconds
@@ -333,49 +354,51 @@ def _checked_images(residual: Any, images: list[int], batch: int) -> Any:
 
 def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bias: torch.Tensor | None,
                      geometry: ConvGeometry, ref: torch.Tensor, images: list[int], bound: float, runs: int,
-                     warmup: int, screen_runs: int, keep: int, graphs: bool,
-                     epilogue: dict[str, Any]) -> tuple[list[Measurement], float | None]:
+                     warmup: int, screen_runs: int, keep: int, graphs: bool, epilogue: dict[str, Any],
+                     rival_ms: float | None = None,
+                     screen_ratio: float | None = SCREEN_RATIO) -> tuple[list[Measurement], float | None]:
     """The measurements of backend ``name``, each setting run with ``epilogue`` (``relu``, ``max_pool`` and
     ``residual`` of :meth:`~unsparse.runtime.backends.base.ConvBackend.run`; ``ref`` is the reference through them),
     and the seconds its ``precompile`` took (None without one). Of more than ``keep`` correct settings the ``keep``
     fastest in a short screening are timed in full, and the dense default (:func:`is_dense_default`) whatever its
     screening: :meth:`LayerComparison.chosen` holds every other setting to :data:`PLAN_MARGIN` against its full
-    timing (cuDNN has four settings for a layer fused with its ReLU, so its default could be screened out)."""
+    timing (cuDNN has four settings for a layer fused with its ReLU, so its default could be screened out).
+
+    Where the backend's :meth:`~unsparse.runtime.backends.base.ConvBackend.screen_space` leaves settings out, those
+    are built (``precompile``), checked and timed only if the best screening median of the others is at most
+    ``screen_ratio`` times ``rival_ms`` (the fastest full median of the layer's backends timed before); otherwise
+    each is recorded with status ``"screened"`` and both medians in its reason. ``rival_ms`` or ``screen_ratio``
+    None: every setting runs."""
     backend = get_backend(name)
     x = inputs[0]
     reason = backend.unsupported_reason(x, csr, geometry)
     if reason is not None:
         return [Measurement(name, {}, "unsupported", reason=reason)], None
-    measurements = []
     space = backend.settings(x, csr, geometry, epilogue["relu"])
-    precompile = getattr(backend, "precompile", None)
-    compile_s = None
-    if precompile is not None:
-        started = time.perf_counter()
-        precompile(x, csr, geometry, space)
-        compile_s = time.perf_counter() - started
-    for params in space:
-        try:
-            out = backend.run(x, csr, bias, geometry, **epilogue, **params)
-            error = check_error(out[images], ref, bound)
-        except (RuntimeError, ValueError) as exc:
-            measurements.append(Measurement(name, params, "error", reason=f"{type(exc).__name__}: {exc}"))
-            continue
-        if error > bound:
-            measurements.append(Measurement(name, params, "wrong", error,
-                                            reason=f"relative error {error:.3g} > {bound:.3g}"))
-            continue
-        measurements.append(Measurement(name, params, "ok", error))
-
+    first = backend.settings(x, csr, geometry, epilogue["relu"], backend.screen_space(x, csr, geometry))
+    rest = [params for params in space if params not in first]
+    if rival_ms is None or screen_ratio is None:
+        first, rest = space, []
     replays: dict[int, list[torch.cuda.CUDAGraph]] = {}
-    if graphs:
-        for m in [m for m in measurements if m.status == "ok"]:
-            try:
-                replays[id(m)] = [capture_graph(lambda v=v, m=m: backend.run(v, csr, bias, geometry, **epilogue,
-                                                                             **m.params))
-                                  for v in inputs]
-            except RuntimeError as exc:
-                m.status, m.reason = "error", f"graph capture: {type(exc).__name__}: {exc}"
+    compile_s: list[float] = []
+
+    def checked(settings: list[dict[str, Any]]) -> list[Measurement]:
+        precompile = getattr(backend, "precompile", None)
+        if precompile is not None:
+            started = time.perf_counter()
+            precompile(x, csr, geometry, settings)
+            compile_s.append(time.perf_counter() - started)
+        measured = [_check_setting(backend, x, csr, bias, geometry, ref, images, bound, epilogue, params)
+                    for params in settings]
+        for m in measured if graphs else []:
+            if m.status == "ok":
+                try:
+                    replays[id(m)] = [capture_graph(lambda v=v, m=m: backend.run(v, csr, bias, geometry, **epilogue,
+                                                                                 **m.params))
+                                      for v in inputs]
+                except RuntimeError as exc:
+                    m.status, m.reason = "error", f"graph capture: {type(exc).__name__}: {exc}"
+        return measured
 
     def timed(m: Measurement, count: int, warm: int) -> Timing:
         if not graphs:
@@ -385,18 +408,48 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
         captured = replays[id(m)]
         return time_fn(lambda i: captured[i % len(captured)].replay(), x.device, runs=count, warmup=warm,
                        rotation=len(captured))
+
+    def screened(measured: list[Measurement]) -> list[Measurement]:
+        for m in measured:
+            if m.status == "ok" and m.screen is None:
+                m.screen = timed(m, screen_runs, 1)
+        return [m for m in measured if m.status == "ok"]
+
+    measurements = checked(first)
+    if rest:
+        cheap = screened(measurements)
+        best_ms = min((m.screen.median_ms for m in cheap), default=float("inf"))
+        if best_ms <= screen_ratio * rival_ms:
+            measurements += checked(rest)
+        else:
+            why = (f"screened out: the best setting timed first took {best_ms:.4g} ms, more than {screen_ratio:g} "
+                   f"x the fastest other backend's {rival_ms:.4g} ms")
+            measurements += [Measurement(name, params, "screened", reason=why) for params in rest]
     correct = [m for m in measurements if m.status == "ok"]
     if len(correct) > keep:
-        for m in correct:
-            m.screen = timed(m, screen_runs, 1)
-        ranked = sorted(correct, key=lambda m: m.screen.median_ms)
+        ranked = sorted(screened(correct), key=lambda m: m.screen.median_ms)
         layout = layout_of(x)  # the dense default is timed in full whatever its screening: the margin reads it
         correct = ranked[:keep] + [m for m in ranked[keep:] if is_dense_default(name, m.params, layout)]
     for m in correct:
         m.timing = timed(m, runs, warmup)
         if m.screen is not None and m.timing.median_ms > DISTURBED_RATIO * m.screen.median_ms:
             m.disturbed, m.timing = m.timing, timed(m, runs, warmup)
-    return measurements, compile_s
+    return measurements, sum(compile_s) if compile_s else None
+
+
+def _check_setting(backend: Any, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None,
+                   geometry: ConvGeometry, ref: torch.Tensor, images: list[int], bound: float,
+                   epilogue: dict[str, Any], params: dict[str, Any]) -> Measurement:
+    """One setting of ``backend`` run once on ``x`` and its ``images`` checked against ``ref``: a measurement of
+    status ``"ok"`` (untimed), ``"wrong"`` or ``"error"`` (a ``RuntimeError`` or ``ValueError`` raised)."""
+    try:
+        out = backend.run(x, csr, bias, geometry, **epilogue, **params)
+        error = check_error(out[images], ref, bound)
+    except (RuntimeError, ValueError) as exc:
+        return Measurement(backend.name, params, "error", reason=f"{type(exc).__name__}: {exc}")
+    if error > bound:
+        return Measurement(backend.name, params, "wrong", error, reason=f"relative error {error:.3g} > {bound:.3g}")
+    return Measurement(backend.name, params, "ok", error)
 
 
 def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None,

@@ -79,17 +79,25 @@ class ConvBackend(ABC):
         """Parameter settings worth timing for this layer and input; ``[{}]`` when there is nothing to tune."""
         return [{}]
 
+    def screen_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
+        """The entries of :meth:`tuning_space` the comparator times first, before it decides whether the rest are
+        worth their cost (:func:`~unsparse.runtime.comparator.compare_layer`, ``screen_ratio``): here the whole space,
+        so nothing waits; a backend whose other settings are dear to build (``generated``'s kernels of several
+        programs, minutes of NVRTC) names its cheap ones."""
+        return self.tuning_space(x, csr, geometry)
+
     def epilogue_space(self, relu: bool) -> list[dict[str, Any]]:
         """How a backend may run the epilogue of a layer fused with the ReLU after it (``relu``), as parameters
         crossed with :meth:`tuning_space` by :meth:`settings`; ``[{}]`` (one way) here."""
         return [{}]
 
-    def settings(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
-                 relu: bool = False) -> list[dict[str, Any]]:
+    def settings(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, relu: bool = False,
+                 tuning: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
         """Every setting the comparator times and a plan may name for this layer and input: each entry of
-        :meth:`tuning_space` with each of :meth:`epilogue_space` (``relu``: the layer is fused with its ReLU)."""
-        return [{**params, **epilogue} for params in self.tuning_space(x, csr, geometry)
-                for epilogue in self.epilogue_space(relu)]
+        ``tuning`` (default :meth:`tuning_space`; :meth:`screen_space` for those timed first) with each of
+        :meth:`epilogue_space` (``relu``: the layer is fused with its ReLU)."""
+        tuning = self.tuning_space(x, csr, geometry) if tuning is None else tuning
+        return [{**params, **epilogue} for params in tuning for epilogue in self.epilogue_space(relu)]
 
     @abstractmethod
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,

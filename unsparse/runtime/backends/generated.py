@@ -320,6 +320,13 @@ class GeneratedBackend(ConvBackend):
                     and (params.get("chunks", 1) == 1 or x.shape[0] >= 2 * params["chunks"])
                     and ("min_blocks" not in params or geometry.stride != (1, 1))))]
 
+    def screen_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
+        """The settings of :meth:`tuning_space` whose kernels hold one program each: they compile side by side, at
+        most :data:`MAX_WIDE_PRODUCTS` products each beyond the first ``rows``, while a kernel of several programs
+        (up to :data:`MAX_SHARED_PRODUCTS`) compiles as one unit on one core for up to minutes. The comparator
+        compiles and times those only where the best of these comes near the layer's fastest other backend."""
+        return [params for params in self.tuning_space(x, csr, geometry) if params["programs"] == 1]
+
     def kernel_sources(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                        space: list[dict[str, Any]]) -> list[tuple[str, str]]:
         """The ``(source, entry)`` of every kernel of every setting in ``space`` for input ``x`` (its dtype and
