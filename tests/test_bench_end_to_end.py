@@ -40,6 +40,7 @@ def test_end_to_end_compares_both_planned_layouts_with_both_dense_layouts() -> N
     assert record["best_planned_layout"] == ("nchw" if best_planned == record["planned_ms"] else "nhwc")
     assert record["best_speedup"] == pytest.approx(best / best_planned)
     assert record["layers_planned_now"] == 4 and len(plan.entries) == 4  # two layers, each in both layouts
+    assert record["layers_screened"] == 0 and record["planning_compile_s"] == 0  # no backend here compiles
     assert sum(record["backend_counts_nhwc"].values()) == 2
     for check in (record["plan_check"], record["plan_check_nhwc"]):
         assert check["planned_ms"] > 0 and check["default_ms"] > 0 and isinstance(check["reverted"], tuple)

@@ -745,3 +745,16 @@ def test_a_run_where_nothing_was_slower_says_so(result) -> None:
     assert "## Where sparse is slower\n\n" + nothing in text
     record |= {"dense_nhwc_ms": 7.0, "speedup_vs_best_dense": 7 / 8}
     assert nothing not in markdown_report({**result, "targets": evaluate_targets(result)})
+
+
+def test_report_says_what_planning_compiled_and_screened(result):
+    """A whole-model run that compiled kernels while planning, or screened a backend's dear settings out, gets a
+    line saying how many layer keys, seconds and screened layers; a run that did neither (all the runs before the
+    fifty-sixth session) gets none."""
+    record = result["end_to_end"][0]
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "Planning, per whole-model run" not in text
+    record.update(layers_planned_now=114, layers_screened=40, planning_compile_s=61.27)
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert "Planning, per whole-model run" in text
+    assert "- vgg16 fp32 b128: 114 layer keys compared, 61.3 s of compiles, settings screened out on 40" in text

@@ -26,6 +26,7 @@ from unsparse.runtime.comparator import (
     check_plan,
     compare_layer,
     plan_model,
+    planning_summary,
     relative_error,
     tolerance,
 )
@@ -681,3 +682,17 @@ def test_every_setting_is_built_at_once_without_a_rival_or_without_screening(
     assert screening.built == [[{"cost_ms": 2.0}, {"cost_ms": 0.5, "dear": True}]]
     assert result.best.params == {"cost_ms": 0.5, "dear": True}
     assert all(m.status == "ok" for m in result.measurements)
+
+
+def test_the_planning_summary_counts_layers_screened_and_the_seconds_compiled(
+        screening: Screening, virtual_clock: VirtualClock) -> None:
+    """Two layers compared against a 1 ms rival: the one whose cheap setting is too slow counts as screened, and
+    the seconds each ``precompile`` took add up over layers and backends."""
+    virtual_clock.charge(costs(im2col_cublas=1.0), Screening, LoweringBackend)
+    x, csr, bias = small_layer(batch=4)
+    comparisons = [compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["im2col_cublas", Screening.name], runs=3,
+                                 screen_runs=2, screen_ratio=ratio) for ratio in (1.3, 3.0)]
+    comparisons[0].compile_s, comparisons[1].compile_s = {Screening.name: 1.5}, {Screening.name: 2.0, "x": 0.25}
+    assert planning_summary(comparisons) == {"layers_planned_now": 2, "layers_screened": 1,
+                                             "planning_compile_s": 3.75}
+    assert planning_summary([]) == {"layers_planned_now": 0, "layers_screened": 0, "planning_compile_s": 0}

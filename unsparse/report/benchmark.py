@@ -553,6 +553,7 @@ def markdown_report(result: dict[str, Any], plots: Sequence[str | Path] = ()) ->
             f"{_fmt(a['seconds'], 1)} s" + (" (a layer's direct compile s counts what was left)." if result["layers"]
                                             else ".")
             for a in result["compile_ahead"]]
+    lines += _planning_lines(result["end_to_end"])
     if result["layers"]:
         lines += _layer_table(result["layers"])
     if result["end_to_end"]:
@@ -603,6 +604,19 @@ def _layer_table(records: Sequence[dict[str, Any]]) -> list[str]:
                      f"{_fmt(r['direct_useful_tflops'], 1)} | {json.dumps(r['direct_params'])} |"
                      + (f" {_fmt(r.get('direct_compile_s'), 1)} |" if compile_column else ""))
     return lines
+
+
+def _planning_lines(records: Sequence[dict[str, Any]]) -> list[str]:
+    """A line per end-to-end record that says what its planning compiled and screened (records since the fifty-sixth
+    session: ``planning_compile_s``, ``layers_screened``); none for older records or where nothing was compiled."""
+    shown = [r for r in records if r.get("planning_compile_s") or r.get("layers_screened")]
+    if not shown:
+        return []
+    return ["", "Planning, per whole-model run (layer keys of both layouts; kernels compiled while comparing, beyond "
+                "those compiled ahead; a backend's settings screened out are not built, `SCREEN_RATIO`):", ""] + [
+        f"- {r['model']} {precision_label(r)} b{r['batch']}: {r['layers_planned_now']} layer keys compared, "
+        f"{_fmt(r['planning_compile_s'], 1)} s of compiles, settings screened out on {r['layers_screened']}"
+        for r in shown]
 
 
 def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:

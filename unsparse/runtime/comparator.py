@@ -506,6 +506,16 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
     return plan, comparisons
 
 
+def planning_summary(comparisons: Sequence[LayerComparison]) -> dict[str, Any]:
+    """What planning the layers of ``comparisons`` took, for a benchmark's record: ``layers_planned_now`` (their
+    number), ``layers_screened`` (those where a backend's settings beyond its ``screen_space`` were recorded as
+    ``"screened"``, not built: :data:`SCREEN_RATIO`) and ``planning_compile_s`` (the seconds their ``precompile``
+    calls took, wall clock, summed over layers and backends: kernels compiled during planning, not ahead)."""
+    return {"layers_planned_now": len(comparisons),
+            "layers_screened": sum(any(m.status == "screened" for m in c.measurements) for c in comparisons),
+            "planning_compile_s": sum(sum(c.compile_s.values()) for c in comparisons)}
+
+
 @dataclass(frozen=True)
 class PlanCheck:
     """A planned model timed end to end against the same model with every layer on its dense default.

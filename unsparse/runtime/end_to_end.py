@@ -34,6 +34,7 @@ from unsparse.runtime.comparator import (
     epilogue_passes,
     plan_model,
     planned_backends,
+    planning_summary,
     relative_error,
     tolerance,
 )
@@ -87,11 +88,13 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
     disagrees (errors recorded either way; a one-channel input cannot carry the layout, so the sparse model is then not
     planned in it: ``planned_nhwc_ms`` and its error None); ``speedup_vs_best_dense``: the NCHW planned model against
     the fastest dense layout; ``best_planned_layout`` and ``best_speedup``: the fastest planned layout against the
-    fastest dense layout, what a user who runs the planner's best model gets. ``backend_counts`` / ``off_cudnn`` name
-    the planned backends per layer (NCHW), ``backend_counts_nhwc`` / ``off_cudnn_nhwc`` the channels-last plan's;
-    ``epilogue_passes`` / ``epilogue_passes_nhwc`` name the ``cudnn`` layers planned with their fused ReLU as passes
-    after cuDNN's convolution, where that timed faster than cuDNN's fused call
-    (:func:`~unsparse.runtime.comparator.epilogue_passes`). A
+    fastest dense layout, what a user who runs the planner's best model gets. ``layers_planned_now``,
+    ``layers_screened`` and ``planning_compile_s`` (s) count what planning both copies took
+    (:func:`~unsparse.runtime.comparator.planning_summary`; ``plan_entries_reused``: the entries it found).
+    ``backend_counts`` / ``off_cudnn`` name the planned backends per layer (NCHW), ``backend_counts_nhwc`` /
+    ``off_cudnn_nhwc`` the channels-last plan's; ``epilogue_passes`` / ``epilogue_passes_nhwc`` name the ``cudnn``
+    layers planned with their fused ReLU as passes after cuDNN's convolution, where that timed faster than cuDNN's fused
+    call (:func:`~unsparse.runtime.comparator.epilogue_passes`). A
     stronger dense baseline is timed in the same run: the dense model with each convolution, its bias and its ReLU as
     one cuDNN call, or as the convolution and passes where those are faster on the layer (:func:`dense_fused_timings`:
     ``dense_fused_convs``, ``dense_fused_passes``, ``dense_fused_ms``, ``dense_fused_nhwc_ms`` and their errors),
@@ -241,7 +244,7 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
             "best_speedup_vs_dense_fused": (fused_times[best_fused] / planned_times[best_planned]
                                             if best_fused is not None else None),
             "plan_check": asdict(check), "plan_check_nhwc": None if check_nhwc is None else asdict(check_nhwc),
-            "tolerance": bound, "layers_planned_now": len(comparisons) + len(comparisons_nhwc),
+            "tolerance": bound, **planning_summary(comparisons + comparisons_nhwc),
             "plan_entries_reused": reused_before, **graphs, "dense_timing": dense_t.to_dict(),
             "fused_relu": sum(layer.relu for layer in sparse_layers(sparse).values()),
             "fused_residual": sum(layer.residual for layer in sparse_layers(sparse).values()),
@@ -547,6 +550,6 @@ def bench_end_to_end_sparse(model: nn.Module, input_shape: Sequence[int], batch:
     return {"batch": batch, "precision": precision, "dense_ms": dense_t.median_ms, "planned_ms": sparse_t.median_ms,
             "speedup": dense_t.median_ms / sparse_t.median_ms, "layers": layer_records,
             "rel_error": relative_error(sparse_out.double(), dense_out.double()),
-            "tolerance": 10 * tolerance(dtype), "layers_planned_now": len(comparisons),
+            "tolerance": 10 * tolerance(dtype), **planning_summary(comparisons),
             "plan_entries_reused": reused_before, "plan_check": asdict(check), "dense_timing": dense_t.to_dict(),
             "planned_timing": sparse_t.to_dict(), **graphs}
