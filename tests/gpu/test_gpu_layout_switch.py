@@ -71,3 +71,14 @@ def test_the_switched_dense_model_computes_its_stem_in_nchw_on_cuda() -> None:
         switched(x)
     first, last = next(iter(layouts)), list(layouts)[-1]
     assert layouts[first] == "nchw" and layouts[last] == "nhwc", layouts
+
+
+def test_a_whole_model_planned_on_generated_records_what_planning_compiled() -> None:
+    """The record of a whole model planned with the generated kernels counts the seconds its comparisons compiled
+    (each layer's one-program kernels at least, none compiled ahead here) and the layer keys where the kernels of
+    several programs were screened out, at most every key, and the planned model still agrees with the dense one."""
+    record = end_to_end.bench_end_to_end(stem_and_block(), (3, 64, 48), 4, "tf32", CUDA, 5, Plan(),
+                                         ["cudnn", "generated"], fuse_relu=True, fold_batch_norm="all")
+    assert record["layers_planned_now"] == 6 and record["planning_compile_s"] > 0
+    assert 0 <= record["layers_screened"] <= record["layers_planned_now"]
+    assert record["planned_switched_rel_error"] <= record["tolerance"]
