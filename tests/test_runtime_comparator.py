@@ -669,6 +669,27 @@ def test_dear_settings_are_built_only_where_the_cheap_ones_come_near_the_backend
         assert json.loads(json.dumps(result.to_dict()))["measurements"][-1]["status"] == "screened"
 
 
+def test_dear_settings_are_screened_out_where_no_cheap_setting_runs_correctly(
+        screening: Screening, virtual_clock: VirtualClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A backend whose settings timed first all fail the check shows no promise: its dear settings are not built,
+    and their reason says why rather than quoting a time."""
+    conv = Screening.conv
+
+    def wrong_when_cheap(self, x, csr, bias, geometry, cost_ms=0.0, dear=False, **params):
+        out = conv(self, x, csr, bias, geometry, cost_ms, dear, **params)
+        return out if dear else out + 1.0
+
+    monkeypatch.setattr(Screening, "conv", wrong_when_cheap)
+    virtual_clock.charge(costs(im2col_cublas=1.0), Screening, LoweringBackend)
+    x, csr, bias = small_layer(batch=4)
+    result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["im2col_cublas", Screening.name], runs=3,
+                           screen_runs=2, screen_ratio=1.3)
+    statuses = {m.params.get("dear", False): m for m in result.measurements if m.backend == Screening.name}
+    assert statuses[False].status == "wrong" and statuses[True].status == "screened"
+    assert statuses[True].reason == "screened out: no setting timed first ran correctly"
+    assert screening.built == [[{"cost_ms": 2.0}]]
+
+
 @pytest.mark.parametrize("first", [True, False])
 def test_every_setting_is_built_at_once_without_a_rival_or_without_screening(
         screening: Screening, virtual_clock: VirtualClock, first: bool) -> None:

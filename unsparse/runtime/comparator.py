@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unsparse.runtime.backends import available_backends, get_backend
-from unsparse.runtime.backends.base import EPILOGUE_PARAMETER
+from unsparse.runtime.backends.base import EPILOGUE_PARAMETER, ConvBackend
 from unsparse.runtime.backends.dense import MEMORY_FORMATS
 from unsparse.runtime.baseline import Baseline, time_baseline
 from unsparse.runtime.layout import layout_of
@@ -70,10 +70,10 @@ SCREEN_RATIO = 1.3
 benchmarks' order) the best of a backend's :meth:`~unsparse.runtime.backends.base.ConvBackend.screen_space` may be
 for its other settings to be built and timed (:func:`compare_layer`'s ``screen_ratio``). In the committed H200
 per-layer results (246 comparisons that timed ``generated``'s kernels of several programs, VGG16 and ResNet-50, FP32,
-TF32 and FP16, batch 1 and 128), such a kernel was the fastest setting in 115, at 0.49-1.00x the time of the best
-one-program setting; at this ratio 63 of the 246 would have skipped them, and 2 of the 115 wins with them, VGG16
-features.24 at 0.98 in TF32 (0.975 and 0.984 of cuDNN, inside :data:`PLAN_MARGIN`, so no plan changes;
-``kernels/NOTES.md``, fifty-sixth session)."""
+TF32 and FP16, batch 1 and 128), such a kernel was the fastest setting in 115; at this ratio 63 of the 246 would
+have skipped them, and 2 of the 115 wins with them, VGG16 features.24 at 0.98 in TF32 (0.975 and 0.984 of cuDNN,
+inside :data:`PLAN_MARGIN`, so no plan changes; ``scripts/screening_what_if.py`` replays this,
+:mod:`unsparse.report.screening`)."""
 
 
 def is_dense_default(backend: str, params: dict[str, Any], layout: str) -> bool:
@@ -375,10 +375,9 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
     if reason is not None:
         return [Measurement(name, {}, "unsupported", reason=reason)], None
     space = backend.settings(x, csr, geometry, epilogue["relu"])
-    first = backend.settings(x, csr, geometry, epilogue["relu"], backend.screen_space(x, csr, geometry))
+    first = (space if rival_ms is None or screen_ratio is None
+             else backend.settings(x, csr, geometry, epilogue["relu"], backend.screen_space(x, csr, geometry)))
     rest = [params for params in space if params not in first]
-    if rival_ms is None or screen_ratio is None:
-        first, rest = space, []
     replays: dict[int, list[torch.cuda.CUDAGraph]] = {}
     compile_s: list[float] = []
 
@@ -418,13 +417,15 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
     measurements = checked(first)
     if rest:
         cheap = screened(measurements)
-        best_ms = min((m.screen.median_ms for m in cheap), default=float("inf"))
-        if best_ms <= screen_ratio * rival_ms:
+        best_ms = min((m.screen.median_ms for m in cheap), default=None)
+        if best_ms is not None and best_ms <= screen_ratio * rival_ms:
             measurements += checked(rest)
         else:
-            why = (f"screened out: the best setting timed first took {best_ms:.4g} ms, more than {screen_ratio:g} "
-                   f"x the fastest other backend's {rival_ms:.4g} ms")
-            measurements += [Measurement(name, params, "screened", reason=why) for params in rest]
+            took = ("no setting timed first ran correctly" if best_ms is None
+                    else f"the best setting timed first took {best_ms:.4g} ms, more than {screen_ratio:g} x the "
+                         f"fastest other backend's {rival_ms:.4g} ms")
+            measurements += [Measurement(name, params, "screened", reason=f"screened out: {took}")
+                             for params in rest]
     correct = [m for m in measurements if m.status == "ok"]
     if len(correct) > keep:
         ranked = sorted(screened(correct), key=lambda m: m.screen.median_ms)
@@ -437,7 +438,7 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
     return measurements, sum(compile_s) if compile_s else None
 
 
-def _check_setting(backend: Any, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None,
+def _check_setting(backend: ConvBackend, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None,
                    geometry: ConvGeometry, ref: torch.Tensor, images: list[int], bound: float,
                    epilogue: dict[str, Any], params: dict[str, Any]) -> Measurement:
     """One setting of ``backend`` run once on ``x`` and its ``images`` checked against ``ref``: a measurement of

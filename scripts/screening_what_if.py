@@ -1,0 +1,31 @@
+"""Replay the comparator's screening of ``generated``'s dear settings on committed per-layer results
+(``unsparse.report.screening``): per ratio, the layers that would skip their kernels of several programs and the wins
+that would be lost. Prints JSON.
+
+Example: ``python scripts/screening_what_if.py benchmarks/results/h200_*.json --ratios 1.1 1.2 1.3 1.5``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from unsparse.report.results import load_result
+from unsparse.report.screening import replay, screened_layers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", help="bench.json results (.json or .json.xz)")
+    parser.add_argument("--ratios", nargs="+", type=float, default=[1.1, 1.2, 1.3, 1.5])
+    args = parser.parse_args(argv)
+    layers = screened_layers((Path(path).name, load_result(path)) for path in sorted(args.results))
+    print(json.dumps([replay(layers, ratio) for ratio in args.ratios], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
