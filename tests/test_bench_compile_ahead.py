@@ -42,19 +42,21 @@ def test_every_supported_layer_is_compiled_in_one_pass(compiles) -> None:
               conv_layer("dilated", 40, 8, dilation=2)]
     ahead = bench.compile_ahead(layers, ["fp32_generated", "tf32_generated", "fp32"], torch.device("cpu"))
     backend = generated.GeneratedBackend()
-    expected, shared = [], []
+    expected, every = [], []
     for layer in layers[:3]:
         csr = UniformCSR.from_dense(layer.weight)
         x = torch.empty(1, *layer.in_chw)
         space = backend.tuning_space(x, csr, layer.geometry)
-        expected += backend.kernel_sources(x, csr, layer.geometry, [p for p in space if p["programs"] == 1])
-        shared += backend.kernel_sources(x, csr, layer.geometry, [p for p in space if p["programs"] > 1])
+        expected += backend.kernel_sources(x, csr, layer.geometry, [p for p in space if p["programs"] == 1],
+                                           probes=True)
+        every += backend.kernel_sources(x, csr, layer.geometry, space)
     assert len(compiles) == 1
-    # the two float32 precisions list each layer's one-program kernels once (the stride-2 layer's, of its phase
-    # split, too); layer b's kernels of several programs wait for its comparison (screening), and the dilated layer,
-    # which the backend refuses, and the direct backend of "fp32" add none
-    assert sorted(compiles[0]) == sorted(expected)
-    assert {entry for _, entry in shared} == {gs.ENTRY, gs.SHARED_ENTRY}
+    # the two float32 precisions list each layer's probes once, one kernel per setting of one program per kernel
+    # (the stride-2 layer's, of its phase split, too); the rest of each setting's kernels and those of several
+    # programs wait for its comparison (its estimates), and the dilated layer, which the backend refuses, and the
+    # direct backend of "fp32" add none
+    assert sorted(compiles[0]) == sorted(expected) and set(expected) < set(every)
+    assert {entry for _, entry in every} == {gs.ENTRY, gs.SHARED_ENTRY}
     assert {entry for _, entry in compiles[0]} == {gs.ENTRY}
     assert ahead["layers"] == 3 and ahead["kernels"] == len(set(expected)) and ahead["seconds"] >= 0
     assert ahead["skipped"] == 0
@@ -69,7 +71,8 @@ def test_each_dtype_lists_a_layers_kernels_once(compiles) -> None:
     per_dtype = []
     for dtype in (torch.float32, torch.float16):
         csr, x = UniformCSR.from_dense(layer.weight.to(dtype)), torch.empty(1, *layer.in_chw, dtype=dtype)
-        per_dtype.append(backend.kernel_sources(x, csr, layer.geometry, backend.tuning_space(x, csr, layer.geometry)))
+        per_dtype.append(backend.kernel_sources(x, csr, layer.geometry, backend.screen_space(x, csr, layer.geometry),
+                                                probes=True))
     assert not set(per_dtype[0]) & set(per_dtype[1])
     assert len(compiles) == 1 and sorted(compiles[0]) == sorted(per_dtype[0] + per_dtype[1])
 
@@ -82,20 +85,20 @@ def test_nothing_is_compiled_without_a_backend_that_lists_its_kernels(compiles) 
 def test_the_deadline_reaches_compile_all_and_the_kernels_left_are_counted_once(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each distinct kernel that ``compile_all`` did not start by the deadline counts once in ``skipped``, though
-    both float32 precisions list it."""
+    both float32 precisions list it (a 70-channel layer has a probe of 32, 64 and 128 rows)."""
     monkeypatch.setattr(GeneratedBackend, "device_types", frozenset({"cpu", "cuda"}))
     monkeypatch.setitem(sys.modules, "cupy", object())
     deadlines: list[float | None] = []
 
-    def compile_the_first_three(kernels: list[tuple[str, str]], deadline: float | None = None) -> list[str | None]:
+    def compile_the_first_two(kernels: list[tuple[str, str]], deadline: float | None = None) -> list[str | None]:
         deadlines.append(deadline)
-        first = list(dict.fromkeys(kernels))[:3]
+        first = list(dict.fromkeys(kernels))[:2]
         return ["kernel" if kernel in first else None for kernel in kernels]
 
-    monkeypatch.setattr(generated, "compile_all", compile_the_first_three)
+    monkeypatch.setattr(generated, "compile_all", compile_the_first_two)
     ahead = bench.compile_ahead([conv_layer("a", 70, 8)], ["fp32_generated", "tf32_generated"], torch.device("cpu"),
                                 deadline=12.5)
-    assert deadlines == [12.5] and ahead["kernels"] > 3 and ahead["skipped"] == ahead["kernels"] - 3
+    assert deadlines == [12.5] and ahead["kernels"] > 2 and ahead["skipped"] == ahead["kernels"] - 2
 
 
 def test_a_whole_model_keeps_every_conv_with_its_own_weights() -> None:
@@ -150,7 +153,8 @@ def test_a_backend_added_to_a_precision_compiles_its_kernels_ahead_too(compiles)
     ahead = bench.compile_ahead(layers, ["fp32"], torch.device("cpu"), also=["generated"])
     backend = generated.GeneratedBackend()
     csr, x = UniformCSR.from_dense(layers[0].weight), torch.empty(1, *layers[0].in_chw)
-    expected = backend.kernel_sources(x, csr, layers[0].geometry, backend.tuning_space(x, csr, layers[0].geometry))
+    expected = backend.kernel_sources(x, csr, layers[0].geometry, backend.screen_space(x, csr, layers[0].geometry),
+                                      probes=True)
     assert compiles == [expected] and ahead["layers"] == 1 and ahead["kernels"] == len(set(expected))
 
 

@@ -705,6 +705,79 @@ def test_every_setting_is_built_at_once_without_a_rival_or_without_screening(
     assert all(m.status == "ok" for m in result.measurements)
 
 
+class Estimating(Screening):
+    """:class:`Screening` with a second cheap setting (1.2 ms) and estimates of its cheap ones before their build:
+    their ``cost_ms`` times :attr:`error` (each call to ``estimate_ms`` is recorded in :attr:`estimated`)."""
+
+    name = "test_estimating"
+    error = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.estimated: list[list[dict[str, Any]]] = []
+
+    def tuning_space(self, x, csr, geometry) -> list[dict[str, Any]]:
+        return [{"cost_ms": 2.0}, {"cost_ms": 1.2}, {"cost_ms": 0.5, "dear": True}]
+
+    def estimate_ms(self, x, csr, geometry, settings, relu=False, max_pool=False) -> list[float | None]:
+        self.estimated.append(settings)
+        return [params["cost_ms"] * self.error for params in settings]
+
+
+@pytest.fixture
+def estimating(monkeypatch: pytest.MonkeyPatch, virtual_clock: VirtualClock) -> Estimating:
+    backend = Estimating()
+    monkeypatch.setitem(base._REGISTRY, Estimating.name, Estimating)
+    monkeypatch.setitem(base._INSTANCES, Estimating.name, backend)
+    virtual_clock.charge(costs(im2col_cublas=1.0), Estimating, LoweringBackend)
+    return backend
+
+
+def test_a_setting_estimated_beyond_the_ratio_is_not_built_and_the_estimate_is_recorded(
+        estimating: Estimating) -> None:
+    """Against a 1.0 ms rival at 1.3x the 2.0 ms estimate screens its setting out before any build (its reason
+    quotes the estimate), the 1.2 ms one is built, timed and keeps its estimate beside its timing; it comes within
+    the ratio, so the dear setting is built too, and wins."""
+    x, csr, bias = small_layer(batch=4)
+    result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["im2col_cublas", Estimating.name], runs=5,
+                           screen_runs=2, screen_ratio=1.3)
+    by_cost = {m.params["cost_ms"]: m for m in result.measurements if m.backend == Estimating.name}
+    assert estimating.estimated == [[{"cost_ms": 2.0}, {"cost_ms": 1.2}]]
+    assert estimating.built == [[{"cost_ms": 1.2}], [{"cost_ms": 0.5, "dear": True}]]
+    assert by_cost[2.0].status == "screened" and by_cost[2.0].estimate_ms == 2.0 and by_cost[2.0].timing is None
+    assert by_cost[2.0].reason == ("screened out: estimated before its build at 2 ms, more than 1.3 x the fastest "
+                                   "other backend's 1 ms")
+    assert by_cost[1.2].status == "ok" and by_cost[1.2].estimate_ms == 1.2
+    assert by_cost[1.2].timing.median_ms == pytest.approx(1.2)
+    assert by_cost[0.5].estimate_ms is None and result.best is by_cost[0.5]
+    assert json.loads(json.dumps(result.to_dict()))["measurements"][-2]["estimate_ms"] == 2.0
+
+
+def test_where_every_estimate_is_beyond_the_ratio_nothing_is_built(estimating: Estimating) -> None:
+    """Estimates of 3.0 and 1.8 ms against a 1.0 ms rival: no setting is built nor run, and the dear one's reason
+    quotes the best estimate."""
+    estimating.error = 1.5
+    x, csr, bias = small_layer(batch=4)
+    result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["im2col_cublas", Estimating.name], runs=5,
+                           screen_runs=2, screen_ratio=1.3)
+    mine = [m for m in result.measurements if m.backend == Estimating.name]
+    assert estimating.built == [] and [m.status for m in mine] == ["screened"] * 3
+    assert [m.estimate_ms for m in mine] == [pytest.approx(3.0), pytest.approx(1.8), None]
+    assert mine[-1].reason == ("screened out: the best setting tried first was estimated at 1.8 ms, more than 1.3 x "
+                               "the fastest other backend's 1 ms")
+    assert result.best.backend == "im2col_cublas" and Estimating.name in result.compile_s
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_nothing_is_estimated_without_a_rival_or_without_screening(estimating: Estimating, first: bool) -> None:
+    x, csr, bias = small_layer(batch=4)
+    names = [Estimating.name, "im2col_cublas"] if first else ["im2col_cublas", Estimating.name]
+    result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), names, runs=5, screen_runs=2,
+                           screen_ratio=1.3 if first else None)
+    assert estimating.estimated == [] and len(estimating.built) == 1
+    assert all(m.status == "ok" and m.estimate_ms is None for m in result.measurements)
+
+
 def test_the_planning_summary_counts_layers_screened_and_the_seconds_compiled(
         screening: Screening, virtual_clock: VirtualClock) -> None:
     """Two layers compared against a 1 ms rival: the one whose cheap setting is too slow counts as screened, and

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from unsparse.report.results import load_result
-from unsparse.report.screening import replay, screened_layers
+from unsparse.report.screening import estimate_errors, replay, screened_layers
 from unsparse.runtime.comparator import SCREEN_RATIO
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -49,3 +49,19 @@ def test_the_committed_results_give_the_figures_the_ratio_is_documented_with() -
     at = replay(screened_layers((path.name, load_result(path)) for path in paths), SCREEN_RATIO)
     assert (at["layers"], at["shared_wins"], at["skipped"], len(at["lost"])) == (246, 115, 63, 2)
     assert all(0.97 <= lost["shared_over_rival"] < 1 for lost in at["lost"]), json.dumps(at["lost"])
+
+
+def test_estimate_errors_set_each_estimate_beside_its_full_median() -> None:
+    """Only correct, fully timed measurements with an estimate count: a screened one (estimate, no timing) and one
+    built without an estimate do not; the ratio is median over estimate."""
+    measurements = [{"backend": "generated", "params": {"rows": 32, "programs": 1}, "status": "ok",
+                     "estimate_ms": 2.0, "timing": {"median_ms": 2.5}},
+                    {"backend": "generated", "params": {"rows": 64, "programs": 1}, "status": "screened",
+                     "estimate_ms": 9.0, "timing": None},
+                    {"backend": "generated", "params": {"rows": 32, "programs": 4}, "status": "ok",
+                     "estimate_ms": None, "timing": {"median_ms": 1.0}}]
+    result = {"layers": [{"layer": "stem", "precision": "fp16_generated", "batch": 128,
+                          "comparison": {"measurements": measurements}}, {"layer": "refused"}]}
+    assert estimate_errors([("run.json", result)]) == [
+        {"source": "run.json", "layer": "stem", "precision": "fp16_generated", "batch": 128, "backend": "generated",
+         "params": {"rows": 32, "programs": 1}, "estimate_ms": 2.0, "median_ms": 2.5, "ratio": 1.25}]

@@ -215,21 +215,48 @@ def test_the_comparator_times_a_fused_layer_on_the_pooled_kernels(monkeypatch: p
 
 def test_the_comparator_builds_the_kernels_of_several_programs_only_near_cudnn(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """With screening (the default), the layer's one-program settings run first; its settings of several programs
-    are either all checked and timed, where the best one-program setting screened within ``SCREEN_RATIO`` of
-    cuDNN's full median, or all recorded as screened otherwise: never built and left unrecorded."""
+    """With screening (the default), the layer's one-program settings are estimated first, and built and screened
+    only where the estimate comes within ``SCREEN_RATIO`` of cuDNN's full median (else recorded as screened with
+    it); its settings of several programs are either all checked and timed, where the best one-program setting
+    (screened, or estimated where not built) comes within the ratio, or all recorded as screened otherwise: never
+    built and left unrecorded."""
     from unsparse.runtime.comparator import SCREEN_RATIO
 
     monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
     x, csr, bias, geometry, _ = make_case("programs", torch.float32, seed=49)
     with precision_mode(True):
         result = compare_layer(x, csr, bias, geometry, ["cudnn", "generated"], runs=3, warmup=1)
+    limit = SCREEN_RATIO * result.fastest("cudnn").median_ms
     generated = [m for m in result.measurements if m.backend == "generated"]
     shared = [m for m in generated if m.params["programs"] > 1]
     single = [m for m in generated if m.params["programs"] == 1]
-    assert shared and all(m.status == "ok" and m.screen is not None for m in single), [m.reason for m in generated]
-    near = min(m.screen.median_ms for m in single) <= SCREEN_RATIO * result.fastest("cudnn").median_ms
+    assert shared and single and all(m.estimate_ms > 0 for m in single)
+    for m in single:
+        assert m.status == ("ok" if m.estimate_ms <= limit else "screened"), m.reason
+        assert (m.screen is not None) == (m.status == "ok")
+    near = min(m.screen.median_ms if m.screen else m.estimate_ms for m in single) <= limit
     assert {m.status for m in shared} == ({"ok"} if near else {"screened"}), [m.reason for m in shared]
+
+
+@pytest.mark.parametrize(("case", "max_pool"), [("programs", False), ("programs", True), ("alexnet_11x11_s4", False),
+                                                ("stride2_1x1_odd", True)])
+def test_estimates_time_one_program_per_setting_and_leave_its_kernels_correct(
+        monkeypatch: pytest.MonkeyPatch, case: str, max_pool: bool) -> None:
+    """On a layer of several programs and on stems through their phase split, with and without the pooled
+    epilogue: each setting of one program per kernel gets a finite, positive estimate and those of several none;
+    every setting then runs correctly (the probes are its own kernels, compiled once)."""
+    monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
+    x, csr, bias, geometry, ref = make_case(case, torch.float32, seed=50)
+    backend = get_backend("generated")
+    space = backend.tuning_space(x, csr, geometry)
+    estimates = backend.estimate_ms(x, csr, geometry, space, relu=True, max_pool=max_pool)
+    for params, estimate in zip(space, estimates, strict=True):
+        assert (estimate is None) == (params["programs"] > 1), params
+        assert estimate is None or 0 < estimate < float("inf")
+    pooled = F.max_pool2d(torch.relu(ref), 2) if max_pool else torch.relu(ref)
+    for params in space:
+        out = backend.run(x, csr, bias, geometry, relu=True, max_pool=max_pool, **params)
+        assert relative_error(out.cpu(), pooled) <= tolerance(torch.float32), params
 
 
 def test_side_streams_are_made_once_per_device_and_count() -> None:

@@ -1,10 +1,15 @@
-"""What screening ``generated``'s dear settings would have cost, replayed on committed per-layer results.
+"""What screening ``generated``'s dear settings would have cost, replayed on committed per-layer results, and how
+close its estimates came to the settings' full timings.
 
 :data:`~unsparse.runtime.comparator.SCREEN_RATIO` decides whether a layer's kernels of several programs (``programs``
 above 1, minutes of NVRTC each) are built: only where the best one-program setting comes within the ratio of the
 backends timed before ``generated`` (cuDNN, then ``direct``). This replays that rule on benchmark records that timed
 both kinds, so a ratio is chosen from measurements, not guessed: how many layers would have skipped the dear kernels,
 and how many of their wins would have been lost, with how close each lost win was to the rival.
+
+The comparator also estimates ``generated``'s one-program settings before building them
+(:meth:`~unsparse.runtime.backends.base.ConvBackend.estimate_ms`) and records each estimate; :func:`estimate_errors`
+sets those beside the full medians of the settings it built.
 """
 
 from __future__ import annotations
@@ -69,3 +74,20 @@ def replay(layers: Sequence[ScreenedLayer], ratio: float) -> dict[str, Any]:
             "lost": [{"source": layer.source, "layer": layer.layer, "precision": layer.precision,
                       "batch": layer.batch, "shared_over_rival": layer.shared_ms / layer.rival_ms}
                      for layer in skipped if layer.shared_wins]}
+
+
+def estimate_errors(results: Iterable[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every correct, fully timed measurement of ``results`` (``(name, bench.json)`` pairs, per-layer comparisons)
+    that carries an estimate: ``source``, ``layer``, ``precision``, ``batch``, ``backend``, ``params``,
+    ``estimate_ms``, ``median_ms`` and ``ratio`` (median over estimate: above 1 the estimate was optimistic)."""
+    errors = []
+    for source, result in results:
+        for record in result.get("layers") or []:
+            for m in (record.get("comparison") or {}).get("measurements") or []:
+                if m["status"] == "ok" and m.get("timing") and m.get("estimate_ms"):
+                    median = m["timing"]["median_ms"]
+                    errors.append({"source": source, "layer": record["layer"], "precision": record["precision"],
+                                   "batch": record["batch"], "backend": m["backend"], "params": m["params"],
+                                   "estimate_ms": m["estimate_ms"], "median_ms": median,
+                                   "ratio": median / m["estimate_ms"]})
+    return errors

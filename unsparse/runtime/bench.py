@@ -392,8 +392,9 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
                   deadline: float | None = None, also: Sequence[str] = ()) -> dict[str, Any]:
     """Compile, in one :func:`~unsparse.runtime.backends.generated.compile_all`, every kernel the comparisons of
     ``layers`` at ``precisions`` will time first for a sparse backend that lists its kernels (``kernel_sources``: the
-    ``generated`` backend), each precision's own or one of ``also`` (:func:`plan_backends`): those of its
-    ``screen_space``, as a comparison builds the rest only where they may win
+    ``generated`` backend), each precision's own or one of ``also`` (:func:`plan_backends`): the probes of its
+    ``screen_space`` (``kernel_sources``' ``probes``, one kernel per setting that ``estimate_ms`` times), as a
+    comparison builds the rest only where the estimates say they may win
     (:data:`~unsparse.runtime.comparator.SCREEN_RATIO`). So NVRTC's compiles of all layers share the CPU's cores,
     the longest first, instead of each layer waiting for its own largest kernel; each comparison's ``precompile``
     then finds its kernels compiled. A kernel's source holds no batch size, so one pass serves every batch, and
@@ -425,7 +426,8 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
             csr = UniformCSR.from_dense(layer.weight.to(device, dtype))
             x = torch.empty(1, *layer.in_chw, device=device, dtype=dtype)
             if backend.unsupported_reason(x, csr, layer.geometry) is None:
-                sources += list_kernels(x, csr, layer.geometry, backend.screen_space(x, csr, layer.geometry))
+                sources += list_kernels(x, csr, layer.geometry, backend.screen_space(x, csr, layer.geometry),
+                                        probes=True)
                 compiled_layers.add(layer.name)
     started = time.perf_counter()
     functions = compile_all(sources, deadline=deadline) if sources else []

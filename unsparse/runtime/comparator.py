@@ -166,6 +166,9 @@ class Measurement:
         screen: timing of the screening pass (few runs), if any. timing: full timing (>= 20 runs), if any.
         disturbed: a first full timing whose median was more than :data:`DISTURBED_RATIO` times the screening
             median (the machine was busy meanwhile), kept for the record; ``timing`` is then a second one.
+        estimate_ms: the time (ms) the backend expected of this setting before building it
+            (:meth:`~unsparse.runtime.backends.base.ConvBackend.estimate_ms`), where it estimated one: a screened
+            setting's reason, and beside a built one's timings the estimate's accuracy.
         reason: why it is not ``"ok"``.
     """
 
@@ -176,6 +179,7 @@ class Measurement:
     screen: Timing | None = None
     timing: Timing | None = None
     disturbed: Timing | None = None
+    estimate_ms: float | None = None
     reason: str | None = None
 
     @property
@@ -198,9 +202,10 @@ class LayerComparison:
     ``baseline``: cuDNN's convolution alone in its fastest layout (:mod:`unsparse.runtime.baseline`), when asked
     for; speedups are reported against it, while plans choose among the measurements. ``layout``: the input's
     (:func:`~unsparse.runtime.layout.layout_of`); every measured output was returned in it. ``compile_s``: seconds
-    (wall clock) each backend's ``precompile`` took before its settings ran, the kernel compiles of the weight-
-    specialised backend above all (NVRTC; near 0 where CuPy's kernel cache or this process already held them);
-    backends without ``precompile`` have no entry.
+    (wall clock) each backend's ``precompile`` took before its settings ran, with its estimates
+    (:meth:`~unsparse.runtime.backends.base.ConvBackend.estimate_ms`, whose probes compile too), the kernel compiles
+    of the weight-specialised backend above all (NVRTC; near 0 where CuPy's kernel cache or this process already
+    held them); backends with neither have no entry.
     """
 
     key: str
@@ -359,31 +364,34 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
                      screen_ratio: float | None = SCREEN_RATIO) -> tuple[list[Measurement], float | None]:
     """The measurements of backend ``name``, each setting run with ``epilogue`` (``relu``, ``max_pool`` and
     ``residual`` of :meth:`~unsparse.runtime.backends.base.ConvBackend.run`; ``ref`` is the reference through them),
-    and the seconds its ``precompile`` took (None without one). Of more than ``keep`` correct settings the ``keep``
-    fastest in a short screening are timed in full, and the dense default (:func:`is_dense_default`) whatever its
-    screening: :meth:`LayerComparison.chosen` holds every other setting to :data:`PLAN_MARGIN` against its full
-    timing (cuDNN has four settings for a layer fused with its ReLU, so its default could be screened out).
+    and the seconds its ``precompile`` and estimates took (None without either). Of more than ``keep`` correct settings
+    the ``keep`` fastest in a short screening are timed in full, and the dense default (:func:`is_dense_default`)
+    whatever its screening: :meth:`LayerComparison.chosen` holds every other setting to :data:`PLAN_MARGIN` against its
+    full timing (cuDNN has four settings for a layer fused with its ReLU, so its default could be screened out).
 
-    Where the backend's :meth:`~unsparse.runtime.backends.base.ConvBackend.screen_space` leaves settings out, those
-    are built (``precompile``), checked and timed only if the best screening median of the others is at most
-    ``screen_ratio`` times ``rival_ms`` (the fastest full median of the layer's backends timed before); otherwise
-    each is recorded with status ``"screened"`` and both medians in its reason. ``rival_ms`` or ``screen_ratio``
-    None: every setting runs."""
+    With ``rival_ms`` (the fastest full median of the layer's backends timed before) and ``screen_ratio``, the
+    settings of the backend's :meth:`~unsparse.runtime.backends.base.ConvBackend.screen_space` are first estimated
+    (:meth:`~unsparse.runtime.backends.base.ConvBackend.estimate_ms`; its seconds count as compile seconds), and one
+    estimated at more than ``screen_ratio`` times ``rival_ms`` is not built but recorded with status ``"screened"``,
+    its estimate and both times in its reason. The settings the screen space leaves out are built (``precompile``),
+    checked and timed only if the best screening median or estimate of the others is at most ``screen_ratio`` times
+    ``rival_ms``, else recorded the same way. ``rival_ms`` or ``screen_ratio`` None: every setting runs."""
     backend = get_backend(name)
     x = inputs[0]
     reason = backend.unsupported_reason(x, csr, geometry)
     if reason is not None:
         return [Measurement(name, {}, "unsupported", reason=reason)], None
     space = backend.settings(x, csr, geometry, epilogue["relu"])
-    first = (space if rival_ms is None or screen_ratio is None
-             else backend.settings(x, csr, geometry, epilogue["relu"], backend.screen_space(x, csr, geometry)))
+    screening = rival_ms is not None and screen_ratio is not None
+    first = (backend.settings(x, csr, geometry, epilogue["relu"], backend.screen_space(x, csr, geometry))
+             if screening else space)
     rest = [params for params in space if params not in first]
     replays: dict[int, list[torch.cuda.CUDAGraph]] = {}
     compile_s: list[float] = []
 
     def checked(settings: list[dict[str, Any]]) -> list[Measurement]:
         precompile = getattr(backend, "precompile", None)
-        if precompile is not None:
+        if precompile is not None and settings:
             started = time.perf_counter()
             precompile(x, csr, geometry, settings)
             compile_s.append(time.perf_counter() - started)
@@ -414,18 +422,34 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
                 m.screen = timed(m, screen_runs, 1)
         return [m for m in measured if m.status == "ok"]
 
-    measurements = checked(first)
+    def too_slow(what: str, ms: float) -> str:
+        return (f"screened out: {what} {ms:.4g} ms, more than {screen_ratio:g} x the fastest other backend's "
+                f"{rival_ms:.4g} ms")
+
+    estimates = [None] * len(first)
+    if screening:
+        started = time.perf_counter()
+        estimates = backend.estimate_ms(x, csr, geometry, first, epilogue["relu"], epilogue["max_pool"])
+        if any(estimate is not None for estimate in estimates):
+            compile_s.append(time.perf_counter() - started)
+    promising = [e is None or e <= screen_ratio * rival_ms for e in estimates]
+    measurements = checked([params for params, keep in zip(first, promising, strict=True) if keep])
+    for m, estimate in zip(measurements, [e for e, keep in zip(estimates, promising, strict=True) if keep],
+                           strict=True):
+        m.estimate_ms = estimate
+    probed = [Measurement(name, params, "screened", estimate_ms=estimate,
+                          reason=too_slow("estimated before its build at", estimate))
+              for params, estimate, keep in zip(first, estimates, promising, strict=True) if not keep]
+    measurements += probed
     if rest:
-        cheap = screened(measurements)
-        best_ms = min((m.screen.median_ms for m in cheap), default=None)
+        best_ms, how = min([(m.screen.median_ms, "timed") for m in screened(measurements)]
+                           + [(m.estimate_ms, "estimated") for m in probed], default=(None, None))
         if best_ms is not None and best_ms <= screen_ratio * rival_ms:
             measurements += checked(rest)
         else:
-            took = ("no setting timed first ran correctly" if best_ms is None
-                    else f"the best setting timed first took {best_ms:.4g} ms, more than {screen_ratio:g} x the "
-                         f"fastest other backend's {rival_ms:.4g} ms")
-            measurements += [Measurement(name, params, "screened", reason=f"screened out: {took}")
-                             for params in rest]
+            reason = ("screened out: no setting timed first ran correctly" if best_ms is None
+                      else too_slow(f"the best setting tried first was {how} at", best_ms))
+            measurements += [Measurement(name, params, "screened", reason=reason) for params in rest]
     correct = [m for m in measurements if m.status == "ok"]
     if len(correct) > keep:
         ranked = sorted(screened(correct), key=lambda m: m.screen.median_ms)

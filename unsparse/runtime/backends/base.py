@@ -86,6 +86,16 @@ class ConvBackend(ABC):
         programs, minutes of NVRTC) names its cheap ones."""
         return self.tuning_space(x, csr, geometry)
 
+    def estimate_ms(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, settings: list[dict[str, Any]],
+                    relu: bool = False, max_pool: bool = False) -> list[float | None]:
+        """Per entry of ``settings`` (of :meth:`screen_space`), the time (ms) a call on ``x`` with that setting and
+        epilogue (``relu``, ``max_pool``) is expected to take, estimated before its build, or None where this
+        backend does not estimate it; the comparator builds only the settings whose estimate comes near the
+        backends timed before (:func:`~unsparse.runtime.comparator.compare_layer`, ``screen_ratio``). Here None for
+        every one: building costs little; ``generated``, whose kernels take seconds each to compile, times one
+        program's kernel per setting."""
+        return [None] * len(settings)
+
     def epilogue_space(self, relu: bool) -> list[dict[str, Any]]:
         """How a backend may run the epilogue of a layer fused with the ReLU after it (``relu``), as parameters
         crossed with :meth:`tuning_space` by :meth:`settings`; ``[{}]`` (one way) here."""

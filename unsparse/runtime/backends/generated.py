@@ -34,6 +34,7 @@ from unsparse.runtime import generated_source as gs
 from unsparse.runtime import launch_geometry as lg
 from unsparse.runtime.backends.base import ConvBackend, WeightCache, kernel_input_reason, register_backend
 from unsparse.runtime.launch_geometry import Launch
+from unsparse.runtime.timing import time_fn
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 from unsparse.sparse.phases import PhaseSplit, phase_split
@@ -88,6 +89,10 @@ FP32; ``kernels/NOTES.md``, thirty-first and thirty-third sessions) kernels of a
 layer's one-program kernels on eight streams, while those of 65-70 k (features.19 G = 4: 2-3 minutes of NVRTC each)
 came within 1.3 % of the next best setting (features.12 G = 8 against G = 4; features.19 G = 4, 1 % slower than
 streams). The bound, 49,152, keeps the first and leaves out the second."""
+
+PROBE_RUNS = 5
+"""Timed calls of each probe of :meth:`GeneratedBackend.estimate_ms` (the padding, one program's kernel), each after
+one warm-up call: the estimate takes their median (CUDA events)."""
 
 INDEX_LIMIT = 2**31
 """The kernels index output pixels (``N * E * F``), the padded input plane of one image and (``pad_planes``) the
@@ -328,15 +333,54 @@ class GeneratedBackend(ConvBackend):
         return [params for params in self.tuning_space(x, csr, geometry) if params["programs"] == 1]
 
     def kernel_sources(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
-                       space: list[dict[str, Any]]) -> list[tuple[str, str]]:
+                       space: list[dict[str, Any]], probes: bool = False) -> list[tuple[str, str]]:
         """The ``(source, entry)`` of every kernel of every setting in ``space`` for input ``x`` (its dtype and
         plane; the batch size and the threads per block are not in the source, so one list serves every batch),
         for :func:`compile_all`: :meth:`precompile` compiles one layer's, a benchmark can compile several layers'
-        together (:func:`~unsparse.runtime.bench.compile_ahead`)."""
+        together (:func:`~unsparse.runtime.bench.compile_ahead`). With ``probes``, only the kernel
+        :meth:`estimate_ms` times for each setting of one program per kernel (one of that setting's kernels)."""
         layer = self.stride_one_layer(x, csr, geometry)
+        if probes:
+            return [self._sources(x, layer, [[self._probe(csr, layer, params["rows"])]], params.get("min_blocks", 0))[0]
+                    for params in space if params["programs"] == 1]
         return [kernel for params in space for kernel in
                 self._sources(x, layer, self._kernels(csr, layer, params["rows"], params["programs"]),
                               params.get("min_blocks", 0))]
+
+    def estimate_ms(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, settings: list[dict[str, Any]],
+                    relu: bool = False, max_pool: bool = False) -> list[float | None]:
+        """Per setting of one program per kernel, the call's time (ms) estimated as the padding's
+        (:func:`padded_float32` of ``x``) plus the layer's programs times one program's kernel's, each timed alone
+        on ``x`` (:data:`PROBE_RUNS`, CUDA events) with the epilogue flags ``relu`` and ``max_pool``: every program
+        of a layer holds about the same number of products, ``rows`` x the uniform row length less the padding's
+        zeros (paper 004 §5), so the program of median products stands for each (:meth:`kernel_sources` with
+        ``probes`` lists these kernels; they compile first, concurrently, and a setting built later finds its own
+        compiled). A setting on several ``streams`` or in ``chunks`` runs its one-stream twin's kernels and gets
+        its estimate (kernels one after another, padding before them), an upper bound where they overlap. A
+        residual add after the convolution (:meth:`~unsparse.runtime.backends.base.ConvBackend.run`'s separate
+        pass) is not in the estimate.
+
+        None for a setting of several programs per kernel (its kernel compiles as one unit: its probe would cost
+        what the estimate saves), and for every setting where the call would fail (:meth:`unsupported_reason`, a
+        pooled plane below 2x2): the check then records why."""
+        layer = self.stride_one_layer(x, csr, geometry) if self.unsupported_reason(x, csr, geometry) is None else None
+        if layer is None or (max_pool and min(layer.out_hw) < 2):
+            return [None] * len(settings)
+        groups = dict.fromkeys((params["rows"], params.get("min_blocks", 0)) for params in settings
+                               if params["programs"] == 1)
+        probes = {group: self._probe(csr, layer, group[0]) for group in groups}
+        compile_all([self._sources(x, layer, [[probe]], min_blocks)[0] for (_, min_blocks), probe in probes.items()])
+        padding_ms = time_fn(lambda i: layer.kernel_input(x), x.device, runs=PROBE_RUNS, warmup=1).median_ms
+        padded, y = layer.kernel_input(x), self._output(x, csr, layer, max_pool)
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+        kernel_ms = {}
+        for (rows, min_blocks), probe in probes.items():
+            [(launch, _)] = self._bind(x, csr, layer, Setting(rows, 1, 1, relu, max_pool, min_blocks), [[probe]])
+            kernel_ms[rows, min_blocks] = time_fn(lambda i, launch=launch: launch(stream, padded, None, y), x.device,
+                                                  runs=PROBE_RUNS, warmup=1).median_ms
+        return [padding_ms + len(self._programs(csr, layer, params["rows"]))
+                * kernel_ms[params["rows"], params.get("min_blocks", 0)] if params["programs"] == 1 else None
+                for params in settings]
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
@@ -384,11 +428,9 @@ class GeneratedBackend(ConvBackend):
                              f"{min_blocks}")
         N = x.shape[0]
         layer = self.stride_one_layer(x, csr, geometry)
-        E, F_ = layer.out_hw
-        if max_pool and min(E, F_) < 2:
-            raise ValueError(f"generated: max_pool needs an output plane of at least 2x2, not {E}x{F_}")
-        y = torch.empty(N, csr.out_channels, *((E // 2, F_ // 2) if max_pool else (E, F_)), dtype=x.dtype,
-                        device=x.device)
+        if max_pool and min(layer.out_hw) < 2:
+            raise ValueError(f"generated: max_pool needs an output plane of at least 2x2, not {layer.out_hw}")
+        y = self._output(x, csr, layer, max_pool)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
         size = -(-N // chunks)
         setting = Setting(rows, programs, streams, relu, max_pool, min_blocks)
@@ -426,6 +468,14 @@ class GeneratedBackend(ConvBackend):
         for side in sides:
             current.wait_stream(side)
 
+    @staticmethod
+    def _output(x: torch.Tensor, csr: UniformCSR, layer: StrideOneLayer, max_pool: bool) -> torch.Tensor:
+        """An empty ``(N, M, E, F)`` output of ``x``'s dtype and device, ``(N, M, E // 2, F // 2)`` with
+        ``max_pool``."""
+        E, F_ = layer.out_hw
+        return torch.empty(x.shape[0], csr.out_channels, *((E // 2, F_ // 2) if max_pool else (E, F_)),
+                           dtype=x.dtype, device=x.device)
+
     def _programs(self, csr: UniformCSR, layer: StrideOneLayer, rows: int) -> list[gs.Program]:
         """The programs of ``layer`` (the stride-1 layer of ``csr``) for its input plane (cached per weight)."""
 
@@ -434,6 +484,13 @@ class GeneratedBackend(ConvBackend):
             return gs.programs(weight, layer.geometry.padding, layer.in_hw, rows, layer.out_hw)
 
         return self._cache.get(csr, ("programs", rows, layer.in_hw, layer.original), build)
+
+    def _probe(self, csr: UniformCSR, layer: StrideOneLayer, rows: int) -> gs.Program:
+        """The program of ``rows`` output channels of ``layer`` that :meth:`estimate_ms` times: the median by
+        products (the upper one of an even count), so the last program, partial where ``rows`` does not divide the
+        output channels, stands for the rest only in a layer of one or two."""
+        every = sorted(self._programs(csr, layer, rows), key=lambda program: program.products)
+        return every[len(every) // 2]
 
     def _kernels(self, csr: UniformCSR, layer: StrideOneLayer, rows: int, programs: int) -> list[list[gs.Program]]:
         """The programs of ``layer``, ``programs`` per kernel (fewer in the last)."""
@@ -455,15 +512,16 @@ class GeneratedBackend(ConvBackend):
         shape, dtype, device, stride-1 layer, rows, programs, epilogue flags and ``min_blocks``)."""
         key = ("launches", setting.rows, setting.programs, tuple(x.shape), x.dtype, x.device, layer.original,
                setting.relu, setting.max_pool, setting.min_blocks)
-        return self._cache.get(csr, key, lambda: self._bind(x, csr, layer, setting))
+        return self._cache.get(csr, key, lambda: self._bind(
+            x, csr, layer, setting, self._kernels(csr, layer, setting.rows, setting.programs)))
 
-    def _bind(self, x: torch.Tensor, csr: UniformCSR, layer: StrideOneLayer,
-              setting: Setting) -> list[tuple[cl.BoundLaunch, bool]]:
-        """Compile (:func:`compile_all`) and bind each kernel: x, bias, y (and the counters of a shared kernel) per
-        call, the sizes and the epilogue flags fixed. A shared kernel's grid is every block that stays resident,
-        since its blocks take their tiles from the counters. The pixel count ``total`` is the output's, or four per
-        pooled output with ``max_pool`` (the pooled-out last row and column of an odd plane are not computed)."""
-        kernels = self._kernels(csr, layer, setting.rows, setting.programs)
+    def _bind(self, x: torch.Tensor, csr: UniformCSR, layer: StrideOneLayer, setting: Setting,
+              kernels: list[list[gs.Program]]) -> list[tuple[cl.BoundLaunch, bool]]:
+        """Compile (:func:`compile_all`) and bind each of ``kernels`` (programs per kernel, :meth:`_kernels`): x,
+        bias, y (and the counters of a shared kernel) per call, the sizes and the epilogue flags fixed. A shared
+        kernel's grid is every block that stays resident, since its blocks take their tiles from the counters. The
+        pixel count ``total`` is the output's, or four per pooled output with ``max_pool`` (the pooled-out last row
+        and column of an odd plane are not computed)."""
         sources = self._sources(x, layer, kernels, setting.min_blocks)
         functions = compile_all(sources)
         E, F_ = layer.out_hw

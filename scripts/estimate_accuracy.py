@@ -1,0 +1,106 @@
+"""How close the ``generated`` backend's estimates come to its settings' full timings, on chosen layers of a
+torchvision model with synthetic weights magnitude-pruned to a stated sparsity (``bench.build_model``,
+``bench.magnitude_prune_``).
+
+Per layer and dtype, at one batch size, in one process: every one-program setting of the layer's screen space is
+estimated (``GeneratedBackend.estimate_ms``: the padding plus the layer's programs times one program's kernel, paper
+004 §5's uniform row length), then built, checked against ``F.conv2d`` in float64 (first, middle and last image) and
+timed in full the way the comparator times it (CUDA events, median of ``--runs`` after warm-up, inputs rotated past
+the L2); cuDNN's convolution (NCHW, TF32 off in float32) is timed beside it, so each record also says whether the
+comparator, at ``SCREEN_RATIO``, would have built the setting. Writes ``estimate_accuracy.json`` under ``--out``
+(atomically, after every layer) with the environment (GPU, driver, torch/CUDA/cuDNN/CuPy versions, commit).
+
+    PYTHONPATH=. python3 scripts/estimate_accuracy.py --out $OUT/est --model resnet50 --sparsity 0.9 \\
+        --layers conv1 layer4.0.conv3 --dtypes float32 float16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from unsparse.atomic import atomic_write_text
+from unsparse.runtime import bench
+from unsparse.runtime.backends import get_backend
+from unsparse.runtime.comparator import SCREEN_RATIO, check_error, check_images, reference_output, tolerance
+from unsparse.runtime.precision import precision_mode
+from unsparse.runtime.timing import MIN_RUNS, cache_bytes, rotated_inputs, rotation_count, time_fn
+from unsparse.sparse.format import UniformCSR
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+
+def layer_records(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: int,
+                  device: torch.device) -> list[dict[str, Any]]:
+    """One record per one-program setting of ``layer``'s screen space at ``dtype`` and ``batch``: the setting, its
+    estimate and full median (ms), their ratio (median over estimate), its relative error against the float64
+    reference, cuDNN's median (ms) and whether the estimate is within ``SCREEN_RATIO`` of it."""
+    backend = get_backend("generated")
+    csr = UniformCSR.from_dense(layer.weight.to(device, dtype))
+    bias = None if layer.bias is None else layer.bias.to(device, dtype)
+    x = torch.randn(batch, *layer.in_chw, device=device, dtype=dtype)
+    inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(device)))
+    space = [params for params in backend.screen_space(x, csr, layer.geometry) if params["programs"] == 1]
+    estimates = backend.estimate_ms(x, csr, layer.geometry, space)
+    backend.precompile(x, csr, layer.geometry, space)
+    images = check_images(batch)
+    ref = reference_output(x, csr, bias, layer.geometry, images)
+    weight = csr.to_conv2d_weight()
+    g = layer.geometry
+    cudnn_ms = time_fn(lambda i: F.conv2d(inputs[i % len(inputs)], weight, bias, g.stride, g.padding, g.dilation),
+                       device, runs=runs, rotation=len(inputs)).median_ms
+    records = []
+    for params, estimate in zip(space, estimates, strict=True):
+        out = backend.run(x, csr, bias, layer.geometry, **params)
+        error = check_error(out[images], ref, tolerance(dtype))
+        median = time_fn(lambda i, p=params: backend.run(inputs[i % len(inputs)], csr, bias, layer.geometry, **p),
+                         device, runs=runs, rotation=len(inputs)).median_ms
+        records.append({"layer": layer.name, "dtype": str(dtype).removeprefix("torch."), "batch": batch,
+                        "params": params, "estimate_ms": estimate, "median_ms": median, "ratio": median / estimate,
+                        "rel_error": error, "correct": error <= tolerance(dtype), "cudnn_ms": cudnn_ms,
+                        "built_at_screen_ratio": estimate <= SCREEN_RATIO * cudnn_ms})
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")) / "estimate_accuracy")
+    parser.add_argument("--model", choices=bench.MODELS, default="resnet50")
+    parser.add_argument("--layers", nargs="+", required=True, help="conv module names, as in the model")
+    parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32", "float16"])
+    parser.add_argument("--runs", type=int, default=MIN_RUNS)
+    args = parser.parse_args(argv)
+    bench.require_cuda("estimate_accuracy.py")
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = bench.magnitude_prune_(bench.build_model(args.model), args.sparsity)
+    layers = {layer.name: layer for layer in bench.conv_layers(model, (3, 224, 224), merge=False)}
+    unknown = sorted(set(args.layers) - set(layers))
+    if unknown:
+        parser.error(f"--layers: {unknown} are not convs of {args.model}")
+    result: dict[str, Any] = {"environment": bench.environment(os.environ.get("UNSPARSE_COMMIT")),
+                              "model": args.model, "sparsity": args.sparsity, "weights": "synthetic, magnitude-pruned",
+                              "screen_ratio": SCREEN_RATIO, "tf32": False, "records": []}
+    args.out.mkdir(parents=True, exist_ok=True)
+    with precision_mode(False):
+        for name in tqdm(args.layers, desc="layers"):
+            for dtype in args.dtypes:
+                result["records"] += layer_records(layers[name], DTYPES[dtype], args.batch, args.runs, device)
+                atomic_write_text(args.out / "estimate_accuracy.json", json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
