@@ -272,8 +272,9 @@ def test_kernel_sources_do_not_depend_on_the_batch_and_are_what_precompile_compi
 
 
 class ProbeRun:
-    """Stands in for the GPU under :meth:`GeneratedBackend.estimate_ms`: the padding "takes" 0.25 ms and a probe
-    kernel 0.001 ms per product of its program; records the kernels compiled and the programs bound."""
+    """Stands in for the GPU under :meth:`GeneratedBackend.estimate_ms`: a launch "takes" 0.001 ms per product of
+    its program and a call the sum of its launches; records the kernels compiled, the programs bound and the
+    launches of each timed call."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from unsparse.runtime.backends import generated
@@ -281,56 +282,57 @@ class ProbeRun:
 
         self.compiled: list[list[tuple[str, str]]] = []
         self.bound: list[tuple[int, int, int, bool, bool]] = []
-        ran: list[float] = []
+        self.calls: list[list[tuple[int, int]]] = []
 
         def bind(backend, x, csr, layer, setting, kernels):
             [[program]] = kernels
             self.bound.append((program.first, setting.rows, setting.min_blocks, setting.relu, setting.max_pool))
-            return [(lambda stream, padded, bias, y: ran.append(0.001 * program.products), False)]
+            return [(lambda stream, padded, bias, y: self.calls[-1].append((setting.rows, program.first)), False)]
 
         def time_fn(fn, device, runs=20, warmup=3, rotation=1):
-            ran.clear()
+            self.calls.append([])
             fn(0)
-            median = ran[0] if ran else 0.25
+            median = 0.001 * self.products[self.calls[-1][0]] * len(self.calls[-1])
             return Timing(median, median, median, runs, rotation)
 
         monkeypatch.setattr(generated, "compile_all", self.compiled.append)
         monkeypatch.setattr(GeneratedBackend, "_bind", bind)
         monkeypatch.setattr(generated, "time_fn", time_fn)
         monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 0}))
+        self.products: dict[tuple[int, int], int] = {}
 
 
 @pytest.mark.parametrize("stride", [1, 2])
-def test_a_setting_is_estimated_as_its_padding_plus_its_programs_times_the_median_programs_kernel(
+def test_a_setting_is_estimated_by_a_call_of_its_medians_kernel_once_per_kernel(
         on_cpu: GeneratedBackend, monkeypatch: pytest.MonkeyPatch, stride: int) -> None:
-    """Per (rows, min_blocks) one probe, the program of median products, compiled first (one of the setting's own
-    kernels) and bound with the epilogue flags; each setting of one program per kernel is estimated as 0.25 ms of
-    padding plus its programs times the probe's time, its streams twin the same; kernels of several programs are
-    not estimated."""
+    """Per setting of one program per kernel, one timed call that launches the kernel of the program of median
+    products (compiled first, one of the setting's own kernels, bound with the epilogue flags) once per kernel of
+    the setting; kernels of several programs are not estimated. Settings on several streams or in chunks need the
+    GPU's streams and run in ``tests/gpu``."""
     from unsparse.runtime import generated_source as gs
 
     probe_run = ProbeRun(monkeypatch)
     csr, geometry, x = layer(out_channels=200, channels=8), ConvGeometry.of(stride, 1), torch.randn(2, 8, 9, 9)
-    space = on_cpu.tuning_space(x, csr, geometry)
-    estimates = on_cpu.estimate_ms(x, csr, geometry, space, relu=True)
+    space = [params for params in on_cpu.tuning_space(x, csr, geometry) if params.get("streams", 1) == 1]
     stride_one = on_cpu.stride_one_layer(x, csr, geometry)
     weight = stride_one.csr.to_conv2d_weight().float().numpy()
-    expected, probes = [], {}
+    expected, probes = [], []
     for params in space:
         every = gs.programs(weight, stride_one.geometry.padding, stride_one.in_hw, params["rows"], stride_one.out_hw)
         median = sorted(every, key=lambda program: program.products)[len(every) // 2]
-        probes[params["rows"], params.get("min_blocks", 0)] = median
-        expected.append(0.25 + len(every) * 0.001 * median.products if params["programs"] == 1 else None)
+        probe_run.products[params["rows"], median.first] = median.products
         if params["programs"] == 1:
+            probes.append((median.first, params["rows"], params.get("min_blocks", 0), True, False))
             source = gs.kernel_source(median, x.dtype, params.get("min_blocks", 0)), gs.ENTRY
             assert source in on_cpu.kernel_sources(x, csr, geometry, [params])
+        expected.append(len(every) * 0.001 * median.products if params["programs"] == 1 else None)
+    estimates = on_cpu.estimate_ms(x, csr, geometry, space, relu=True)
     assert estimates == pytest.approx(expected)
     assert sum(estimate is None for estimate in estimates) == sum(params["programs"] > 1 for params in space) > 0
-    single = list(dict.fromkeys((p["rows"], p.get("min_blocks", 0)) for p in space if p["programs"] == 1))
-    assert probe_run.bound == [(probes[key].first, *key, True, False) for key in single]
-    assert probe_run.compiled == [[(gs.kernel_source(probes[key], x.dtype, key[1]), gs.ENTRY) for key in single]]
-    assert probe_run.compiled[0] == on_cpu.kernel_sources(
-        x, csr, geometry, [p for p in space if p["programs"] == 1 and p.get("streams", 1) == 1], probes=True)
+    assert probe_run.bound == probes
+    assert [set(call) for call in probe_run.calls] == [{(rows, first)} for first, rows, *_ in probes]
+    assert probe_run.compiled == [on_cpu.kernel_sources(x, csr, geometry, [p for p in space if p["programs"] == 1],
+                                                        probes=True)]
 
 
 def test_nothing_is_estimated_where_the_call_would_fail(on_cpu: GeneratedBackend,

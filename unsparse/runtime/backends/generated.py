@@ -91,8 +91,8 @@ came within 1.3 % of the next best setting (features.12 G = 8 against G = 4; fea
 streams). The bound, 49,152, keeps the first and leaves out the second."""
 
 PROBE_RUNS = 5
-"""Timed calls of each probe of :meth:`GeneratedBackend.estimate_ms` (the padding, one program's kernel), each after
-one warm-up call: the estimate takes their median (CUDA events)."""
+"""Timed calls of each setting's probe call (:meth:`GeneratedBackend.estimate_ms`), after two warm-up calls: the
+estimate is their median (CUDA events)."""
 
 INDEX_LIMIT = 2**31
 """The kernels index output pixels (``N * E * F``), the padded input plane of one image and (``pad_planes``) the
@@ -206,7 +206,9 @@ def compile_all(kernels: list[tuple[str, str]], workers: int = 16,
 
 class Setting(NamedTuple):
     """One call's setting of :meth:`GeneratedBackend.conv`: its tuning parameters (:data:`SETTINGS`) and the
-    epilogue's flags (the ReLU and the 2x2 max pool that follow the layer)."""
+    epilogue's flags (the ReLU and the 2x2 max pool that follow the layer). ``probe``: each of the setting's
+    kernels replaced by its probe (:meth:`GeneratedBackend.estimate_ms`), so the call's output is wrong but its time
+    the estimate."""
 
     rows: int
     programs: int
@@ -214,6 +216,7 @@ class Setting(NamedTuple):
     relu: bool
     max_pool: bool
     min_blocks: int
+    probe: bool = False
 
 
 class StrideOneLayer(NamedTuple):
@@ -349,16 +352,15 @@ class GeneratedBackend(ConvBackend):
 
     def estimate_ms(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, settings: list[dict[str, Any]],
                     relu: bool = False, max_pool: bool = False) -> list[float | None]:
-        """Per setting of one program per kernel, the call's time (ms) estimated as the padding's
-        (:func:`padded_float32` of ``x``) plus the layer's programs times one program's kernel's, each timed alone
-        on ``x`` (:data:`PROBE_RUNS`, CUDA events) with the epilogue flags ``relu`` and ``max_pool``: every program
-        of a layer holds about the same number of products, ``rows`` x the uniform row length less the padding's
-        zeros (paper 004 §5), so the program of median products stands for each (:meth:`kernel_sources` with
-        ``probes`` lists these kernels; they compile first, concurrently, and a setting built later finds its own
-        compiled). A setting on several ``streams`` or in ``chunks`` runs its one-stream twin's kernels and gets
-        its estimate (kernels one after another, padding before them), an upper bound where they overlap. A
-        residual add after the convolution (:meth:`~unsparse.runtime.backends.base.ConvBackend.run`'s separate
-        pass) is not in the estimate.
+        """Per setting of one program per kernel, the call's time (ms) on ``x`` with the epilogue flags ``relu`` and
+        ``max_pool``, estimated by the call itself with one kernel standing in for all of the setting's: every
+        program of a layer holds about the same number of products, ``rows`` x the uniform row length less the
+        padding's zeros (paper 004 §5), so the kernel of the program of median products (:meth:`kernel_sources`
+        with ``probes`` lists these; they compile first, concurrently, and a setting built later finds its own
+        compiled) is launched as many times as the setting has kernels, with the setting's padding, ``streams``
+        and ``chunks`` (its output is then wrong and dropped). Median of :data:`PROBE_RUNS` calls after two
+        warm-ups, CUDA events, as the comparator times a call. A residual add after the convolution
+        (:meth:`~unsparse.runtime.backends.base.ConvBackend.run`'s separate pass) is not in the estimate.
 
         None for a setting of several programs per kernel (its kernel compiles as one unit: its probe would cost
         what the estimate saves), and for every setting where the call would fail (:meth:`unsupported_reason`, a
@@ -366,21 +368,16 @@ class GeneratedBackend(ConvBackend):
         layer = self.stride_one_layer(x, csr, geometry) if self.unsupported_reason(x, csr, geometry) is None else None
         if layer is None or (max_pool and min(layer.out_hw) < 2):
             return [None] * len(settings)
-        groups = dict.fromkeys((params["rows"], params.get("min_blocks", 0)) for params in settings
-                               if params["programs"] == 1)
-        probes = {group: self._probe(csr, layer, group[0]) for group in groups}
-        compile_all([self._sources(x, layer, [[probe]], min_blocks)[0] for (_, min_blocks), probe in probes.items()])
-        padding_ms = time_fn(lambda i: layer.kernel_input(x), x.device, runs=PROBE_RUNS, warmup=1).median_ms
-        padded, y = layer.kernel_input(x), self._output(x, csr, layer, max_pool)
-        stream = torch.cuda.current_stream(x.device).cuda_stream
-        kernel_ms = {}
-        for (rows, min_blocks), probe in probes.items():
-            [(launch, _)] = self._bind(x, csr, layer, Setting(rows, 1, 1, relu, max_pool, min_blocks), [[probe]])
-            kernel_ms[rows, min_blocks] = time_fn(lambda i, launch=launch: launch(stream, padded, None, y), x.device,
-                                                  runs=PROBE_RUNS, warmup=1).median_ms
-        return [padding_ms + len(self._programs(csr, layer, params["rows"]))
-                * kernel_ms[params["rows"], params.get("min_blocks", 0)] if params["programs"] == 1 else None
-                for params in settings]
+        single = [params for params in settings if params["programs"] == 1]
+        compile_all(self.kernel_sources(x, csr, geometry, single, probes=True))
+
+        def estimate(params: dict[str, Any]) -> float:
+            setting = Setting(params["rows"], 1, params.get("streams", 1), relu, max_pool,
+                              params.get("min_blocks", 0), probe=True)
+            return time_fn(lambda i: self._call(x, csr, None, layer, setting, params.get("chunks", 1)), x.device,
+                           runs=PROBE_RUNS, warmup=2).median_ms
+
+        return [estimate(params) if params["programs"] == 1 else None for params in settings]
 
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
@@ -426,14 +423,20 @@ class GeneratedBackend(ConvBackend):
         if chunks < 1 or min_blocks < 0:
             raise ValueError(f"generated: chunks must be at least 1 and min_blocks at least 0, got {chunks} and "
                              f"{min_blocks}")
-        N = x.shape[0]
         layer = self.stride_one_layer(x, csr, geometry)
         if max_pool and min(layer.out_hw) < 2:
-            raise ValueError(f"generated: max_pool needs an output plane of at least 2x2, not {layer.out_hw}")
-        y = self._output(x, csr, layer, max_pool)
+            raise ValueError("generated: max_pool needs an output plane of at least 2x2, not "
+                             f"{layer.out_hw[0]}x{layer.out_hw[1]}")
         bias = None if bias is None else bias.to(x.dtype).contiguous()
+        return self._call(x, csr, bias, layer, Setting(rows, programs, streams, relu, max_pool, min_blocks), chunks)
+
+    def _call(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, layer: StrideOneLayer,
+              setting: Setting, chunks: int) -> torch.Tensor:
+        """:meth:`conv` of a checked layer ``csr`` (its :meth:`stride_one_layer` ``layer``) and setting (``bias`` of
+        ``x``'s dtype, contiguous, or None)."""
+        N = x.shape[0]
+        y = self._output(x, csr, layer, setting.max_pool)
         size = -(-N // chunks)
-        setting = Setting(rows, programs, streams, relu, max_pool, min_blocks)
         if size == N:
             self._run_kernels(x, layer.kernel_input(x), bias, y, csr, layer, setting)
             return y
@@ -509,11 +512,18 @@ class GeneratedBackend(ConvBackend):
     def _launches(self, x: torch.Tensor, csr: UniformCSR, layer: StrideOneLayer,
                   setting: Setting) -> list[tuple[cl.BoundLaunch, bool]]:
         """The bound launches of a setting, each with whether it takes tile counters (cached per weight, input
-        shape, dtype, device, stride-1 layer, rows, programs, epilogue flags and ``min_blocks``)."""
+        shape, dtype, device, stride-1 layer, rows, programs, epilogue flags, ``min_blocks`` and ``probe``: a probe
+        setting launches its probe, :meth:`_probe`, once per kernel of the setting)."""
         key = ("launches", setting.rows, setting.programs, tuple(x.shape), x.dtype, x.device, layer.original,
-               setting.relu, setting.max_pool, setting.min_blocks)
-        return self._cache.get(csr, key, lambda: self._bind(
-            x, csr, layer, setting, self._kernels(csr, layer, setting.rows, setting.programs)))
+               setting.relu, setting.max_pool, setting.min_blocks, setting.probe)
+
+        def bind() -> list[tuple[cl.BoundLaunch, bool]]:
+            kernels = self._kernels(csr, layer, setting.rows, setting.programs)
+            if setting.probe:
+                return self._bind(x, csr, layer, setting, [[self._probe(csr, layer, setting.rows)]]) * len(kernels)
+            return self._bind(x, csr, layer, setting, kernels)
+
+        return self._cache.get(csr, key, bind)
 
     def _bind(self, x: torch.Tensor, csr: UniformCSR, layer: StrideOneLayer, setting: Setting,
               kernels: list[list[gs.Program]]) -> list[tuple[cl.BoundLaunch, bool]]:
