@@ -3,12 +3,14 @@ torchvision model with synthetic weights magnitude-pruned to a stated sparsity (
 ``bench.magnitude_prune_``).
 
 Per layer and dtype, at one batch size, in one process: every one-program setting of the layer's screen space is
-estimated (``GeneratedBackend.estimate_ms``: the padding plus the layer's programs times one program's kernel, paper
-004 §5's uniform row length), then built, checked against ``F.conv2d`` in float64 (first, middle and last image) and
-timed in full the way the comparator times it (CUDA events, median of ``--runs`` after warm-up, inputs rotated past
-the L2); cuDNN's convolution (NCHW, TF32 off in float32) is timed beside it, so each record also says whether the
-comparator, at ``SCREEN_RATIO``, would have built the setting. Writes ``estimate_accuracy.json`` under ``--out``
-(atomically, after every layer) with the environment (GPU, driver, torch/CUDA/cuDNN/CuPy versions, commit).
+estimated (``GeneratedBackend.estimate_ms``: the setting's call with one program's kernel launched once per kernel,
+paper 004 §5's uniform row length) on the inputs rotated past the L2, as the comparator estimates it, and on the layer's
+input alone; then built, checked against ``F.conv2d`` in float64 (first, middle and last image) and timed in full the
+way the comparator times it (CUDA events, median of ``--runs`` after warm-up, inputs rotated past the L2), and on the
+one input too, so that the two ratios (full over estimate, each on the same inputs) separate what the rotation changes
+from what the probe misses. cuDNN's convolution (NCHW, TF32 off in float32) is timed beside it, so each record also says
+whether the comparator, at ``SCREEN_RATIO``, would have built the setting. Writes ``estimate_accuracy.json`` under
+``--out`` (atomically, after every layer) with the environment (GPU, driver, torch/CUDA/cuDNN/CuPy versions, commit).
 
     PYTHONPATH=. python3 scripts/estimate_accuracy.py --out $OUT/est --model resnet50 --sparsity 0.9 \\
         --layers conv1 layer4.0.conv3 --dtypes float32 float16
@@ -43,15 +45,17 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16}
 def layer_records(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: int,
                   device: torch.device) -> list[dict[str, Any]]:
     """One record per one-program setting of ``layer``'s screen space at ``dtype`` and ``batch``: the setting, its
-    estimate and full median (ms), their ratio (median over estimate), its relative error against the float64
-    reference, cuDNN's median (ms) and whether the estimate is within ``SCREEN_RATIO`` of it."""
+    estimate and full median (ms) on the rotated inputs and on the first input alone (``*_one_input_ms``), each pair's
+    ratio (median over estimate), its relative error against the float64 reference, cuDNN's median (ms) and whether
+    the estimate is within ``SCREEN_RATIO`` of it."""
     backend = get_backend("generated")
     csr = UniformCSR.from_dense(layer.weight.to(device, dtype))
     bias = None if layer.bias is None else layer.bias.to(device, dtype)
     x = torch.randn(batch, *layer.in_chw, device=device, dtype=dtype)
     inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(device)))
     space = [params for params in backend.screen_space(x, csr, layer.geometry) if params["programs"] == 1]
-    estimates = backend.estimate_ms(x, csr, layer.geometry, space)
+    estimates = backend.estimate_ms(inputs, csr, layer.geometry, space)
+    one_input_estimates = backend.estimate_ms([x], csr, layer.geometry, space)
     backend.precompile(x, csr, layer.geometry, space)
     images = check_images(batch)
     ref = reference_output(x, csr, bias, layer.geometry, images)
@@ -60,13 +64,17 @@ def layer_records(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: 
     cudnn_ms = time_fn(lambda i: F.conv2d(inputs[i % len(inputs)], weight, bias, g.stride, g.padding, g.dilation),
                        device, runs=runs, rotation=len(inputs)).median_ms
     records = []
-    for params, estimate in zip(space, estimates, strict=True):
+    for params, estimate, one_input_estimate in zip(space, estimates, one_input_estimates, strict=True):
         out = backend.run(x, csr, bias, layer.geometry, **params)
         error = check_error(out[images], ref, tolerance(dtype))
         median = time_fn(lambda i, p=params: backend.run(inputs[i % len(inputs)], csr, bias, layer.geometry, **p),
                          device, runs=runs, rotation=len(inputs)).median_ms
+        one_input = time_fn(lambda i, p=params: backend.run(x, csr, bias, layer.geometry, **p), device,
+                            runs=runs).median_ms
         records.append({"layer": layer.name, "dtype": str(dtype).removeprefix("torch."), "batch": batch,
                         "params": params, "estimate_ms": estimate, "median_ms": median, "ratio": median / estimate,
+                        "estimate_one_input_ms": one_input_estimate, "median_one_input_ms": one_input,
+                        "ratio_one_input": one_input / one_input_estimate, "rotation": len(inputs),
                         "rel_error": error, "correct": error <= tolerance(dtype), "cudnn_ms": cudnn_ms,
                         "built_at_screen_ratio": estimate <= SCREEN_RATIO * cudnn_ms})
     return records

@@ -273,8 +273,9 @@ def test_kernel_sources_do_not_depend_on_the_batch_and_are_what_precompile_compi
 
 class ProbeRun:
     """Stands in for the GPU under :meth:`GeneratedBackend.estimate_ms`: a launch "takes" 0.001 ms per product of
-    its program and a call the sum of its launches; records the kernels compiled, the programs bound and the
-    launches of each timed call."""
+    its program and a call the sum of its launches; records the kernels compiled, the programs bound, the launches
+    of each timing's first call and the padded input each call of a timing read (one call per rotated input and one
+    past them, which wraps to the first)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         from unsparse.runtime.backends import generated
@@ -283,15 +284,28 @@ class ProbeRun:
         self.compiled: list[list[tuple[str, str]]] = []
         self.bound: list[tuple[int, int, int, bool, bool]] = []
         self.calls: list[list[tuple[int, int]]] = []
+        self.padded: list[list[torch.Tensor]] = []
 
         def bind(backend, x, csr, layer, setting, kernels):
             [[program]] = kernels
+
+            def launch(stream, padded, bias, y):
+                self.calls[-1].append((setting.rows, program.first))
+                self.padded[-1].append(padded)
+
             self.bound.append((program.first, setting.rows, setting.min_blocks, setting.relu, setting.max_pool))
-            return [(lambda stream, padded, bias, y: self.calls[-1].append((setting.rows, program.first)), False)]
+            return [(launch, False)]
 
         def time_fn(fn, device, runs=20, warmup=3, rotation=1):
-            self.calls.append([])
-            fn(0)
+            read = []
+            for i in range(rotation + 1):
+                self.calls.append([])
+                self.padded.append([])
+                fn(i)
+                read.append(self.padded.pop()[0])
+                if i:
+                    self.calls.pop()
+            self.padded.append(read)
             median = 0.001 * self.products[self.calls[-1][0]] * len(self.calls[-1])
             return Timing(median, median, median, runs, rotation)
 
@@ -307,8 +321,8 @@ def test_a_setting_is_estimated_by_a_call_of_its_medians_kernel_once_per_kernel(
         on_cpu: GeneratedBackend, monkeypatch: pytest.MonkeyPatch, stride: int) -> None:
     """Per setting of one program per kernel, one timed call that launches the kernel of the program of median
     products (compiled first, one of the setting's own kernels, bound with the epilogue flags) once per kernel of
-    the setting; kernels of several programs are not estimated. Settings on several streams or in chunks need the
-    GPU's streams and run in ``tests/gpu``."""
+    the setting, call i on input i of the rotation; kernels of several programs are not estimated. Settings on
+    several streams or in chunks need the GPU's streams and run in ``tests/gpu``."""
     from unsparse.runtime import generated_source as gs
 
     probe_run = ProbeRun(monkeypatch)
@@ -326,8 +340,12 @@ def test_a_setting_is_estimated_by_a_call_of_its_medians_kernel_once_per_kernel(
             source = gs.kernel_source(median, x.dtype, params.get("min_blocks", 0)), gs.ENTRY
             assert source in on_cpu.kernel_sources(x, csr, geometry, [params])
         expected.append(len(every) * 0.001 * median.products if params["programs"] == 1 else None)
-    estimates = on_cpu.estimate_ms(x, csr, geometry, space, relu=True)
+    inputs = [x, x + 1.0]
+    estimates = on_cpu.estimate_ms(inputs, csr, geometry, space, relu=True)
     assert estimates == pytest.approx(expected)
+    padded = [stride_one.kernel_input(v) for v in inputs]
+    assert all(len(read) == 3 and all(torch.equal(read[i], padded[i % 2]) for i in range(3))
+               for read in probe_run.padded), "the calls rotate through the inputs as the comparator's timings do"
     assert sum(estimate is None for estimate in estimates) == sum(params["programs"] > 1 for params in space) > 0
     assert probe_run.bound == probes
     assert [set(call) for call in probe_run.calls] == [{(rows, first)} for first, rows, *_ in probes]
@@ -342,8 +360,8 @@ def test_nothing_is_estimated_where_the_call_would_fail(on_cpu: GeneratedBackend
     probe_run = ProbeRun(monkeypatch)
     csr = layer(out_channels=40)
     space = [dict(SETTINGS[0])]
-    assert on_cpu.estimate_ms(torch.randn(1, 4, 9, 9), csr, ConvGeometry.of(1, 1, 2), space) == [None]
-    assert on_cpu.estimate_ms(torch.randn(1, 4, 1, 1), csr, ConvGeometry.of(1, 1), space, max_pool=True) == [None]
+    assert on_cpu.estimate_ms([torch.randn(1, 4, 9, 9)], csr, ConvGeometry.of(1, 1, 2), space) == [None]
+    assert on_cpu.estimate_ms([torch.randn(1, 4, 1, 1)], csr, ConvGeometry.of(1, 1), space, max_pool=True) == [None]
     assert probe_run.compiled == [] and probe_run.bound == []
 
 

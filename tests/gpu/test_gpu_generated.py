@@ -249,7 +249,7 @@ def test_estimates_time_one_program_per_setting_and_leave_its_kernels_correct(
     x, csr, bias, geometry, ref = make_case(case, torch.float32, seed=50)
     backend = get_backend("generated")
     space = backend.tuning_space(x, csr, geometry)
-    estimates = backend.estimate_ms(x, csr, geometry, space, relu=True, max_pool=max_pool)
+    estimates = backend.estimate_ms([x, x.flip(0)], csr, geometry, space, relu=True, max_pool=max_pool)
     for params, estimate in zip(space, estimates, strict=True):
         assert (estimate is None) == (params["programs"] > 1), params
         assert estimate is None or 0 < estimate < float("inf")

@@ -429,7 +429,7 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
     estimates = [None] * len(first)
     if screening:
         started = time.perf_counter()
-        estimates = backend.estimate_ms(x, csr, geometry, first, epilogue["relu"], epilogue["max_pool"])
+        estimates = backend.estimate_ms(inputs, csr, geometry, first, epilogue["relu"], epilogue["max_pool"])
         if any(estimate is not None for estimate in estimates):
             compile_s.append(time.perf_counter() - started)
     promising = [e is None or e <= screen_ratio * rival_ms for e in estimates]

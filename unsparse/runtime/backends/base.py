@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import weakref
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Collection, Hashable, Mapping
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import Any, ClassVar, TypeVar
 
 import torch
@@ -86,12 +86,14 @@ class ConvBackend(ABC):
         programs, minutes of NVRTC) names its cheap ones."""
         return self.tuning_space(x, csr, geometry)
 
-    def estimate_ms(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, settings: list[dict[str, Any]],
-                    relu: bool = False, max_pool: bool = False) -> list[float | None]:
-        """Per entry of ``settings`` (of :meth:`screen_space`), the time (ms) a call on ``x`` with that setting and
-        epilogue (``relu``, ``max_pool``) is expected to take, estimated before its build, or None where this
-        backend does not estimate it; the comparator builds only the settings whose estimate comes near the
-        backends timed before (:func:`~unsparse.runtime.comparator.compare_layer`, ``screen_ratio``). Here None for
+    def estimate_ms(self, inputs: Sequence[torch.Tensor], csr: UniformCSR, geometry: ConvGeometry,
+                    settings: list[dict[str, Any]], relu: bool = False, max_pool: bool = False) -> list[float | None]:
+        """Per entry of ``settings`` (of :meth:`screen_space`), the time (ms) a call with that setting and epilogue
+        (``relu``, ``max_pool``) is expected to take on the layer's input, estimated before its build, or None where
+        this backend does not estimate it; the comparator builds only the settings whose estimate comes near the
+        backends timed before (:func:`~unsparse.runtime.comparator.compare_layer`, ``screen_ratio``). ``inputs``:
+        the layer's input ``x`` (``(N, C, H, W)``) first, then the copies the comparator's timings rotate through
+        past the L2 (:func:`~unsparse.runtime.timing.rotated_inputs`; ``[x]`` alone times on one input). Here None for
         every one: building costs little; ``generated``, whose kernels take seconds each to compile, times one
         program's kernel per setting."""
         return [None] * len(settings)

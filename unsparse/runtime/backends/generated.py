@@ -350,21 +350,23 @@ class GeneratedBackend(ConvBackend):
                 self._sources(x, layer, self._kernels(csr, layer, params["rows"], params["programs"]),
                               params.get("min_blocks", 0))]
 
-    def estimate_ms(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry, settings: list[dict[str, Any]],
-                    relu: bool = False, max_pool: bool = False) -> list[float | None]:
-        """Per setting of one program per kernel, the call's time (ms) on ``x`` with the epilogue flags ``relu`` and
+    def estimate_ms(self, inputs: Sequence[torch.Tensor], csr: UniformCSR, geometry: ConvGeometry,
+                    settings: list[dict[str, Any]], relu: bool = False, max_pool: bool = False) -> list[float | None]:
+        """Per setting of one program per kernel, the call's time (ms) with the epilogue flags ``relu`` and
         ``max_pool``, estimated by the call itself with one kernel standing in for all of the setting's: every
         program of a layer holds about the same number of products, ``rows`` x the uniform row length less the
         padding's zeros (paper 004 §5), so the kernel of the program of median products (:meth:`kernel_sources`
         with ``probes`` lists these; they compile first, concurrently, and a setting built later finds its own
         compiled) is launched as many times as the setting has kernels, with the setting's padding, ``streams``
         and ``chunks`` (its output is then wrong and dropped). Median of :data:`PROBE_RUNS` calls after two
-        warm-ups, CUDA events, as the comparator times a call. A residual add after the convolution
+        warm-ups, CUDA events, call ``i`` on ``inputs[i % len(inputs)]`` (``(N, C, H, W)`` each, the layer's input
+        first), as the comparator times a call on its rotated inputs. A residual add after the convolution
         (:meth:`~unsparse.runtime.backends.base.ConvBackend.run`'s separate pass) is not in the estimate.
 
         None for a setting of several programs per kernel (its kernel compiles as one unit: its probe would cost
         what the estimate saves), and for every setting where the call would fail (:meth:`unsupported_reason`, a
         pooled plane below 2x2): the check then records why."""
+        x = inputs[0]
         layer = self.stride_one_layer(x, csr, geometry) if self.unsupported_reason(x, csr, geometry) is None else None
         if layer is None or (max_pool and min(layer.out_hw) < 2):
             return [None] * len(settings)
@@ -374,8 +376,9 @@ class GeneratedBackend(ConvBackend):
         def estimate(params: dict[str, Any]) -> float:
             setting = Setting(params["rows"], 1, params.get("streams", 1), relu, max_pool,
                               params.get("min_blocks", 0), probe=True)
-            return time_fn(lambda i: self._call(x, csr, None, layer, setting, params.get("chunks", 1)), x.device,
-                           runs=PROBE_RUNS, warmup=2).median_ms
+            return time_fn(lambda i: self._call(inputs[i % len(inputs)], csr, None, layer, setting,
+                                                params.get("chunks", 1)),
+                           x.device, runs=PROBE_RUNS, warmup=2, rotation=len(inputs)).median_ms
 
         return [estimate(params) if params["programs"] == 1 else None for params in settings]
 
