@@ -20,6 +20,7 @@ GPU_SCRIPTS = {
     "profile_end_to_end.py": ["--out", "OUT"],
     "profile_launch.py": ["--out", "OUT"],
     "time_pairing.py": [],
+    "time_side_streams.py": ["--before", "2,1"],
     "probe_instruction_fetch.py": ["--out", "OUT"],
     "time_cudnn_layouts.py": ["--models", "alexnet", "--layer-filter", "^none$", "--out", "OUT"],
     "time_dense_baselines.py": ["--out", "OUT"],
