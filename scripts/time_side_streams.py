@@ -10,7 +10,9 @@ behind another that it does not depend on.
 
 One process per call: it takes ``side_streams(device, k)`` for each ``k`` of ``--before`` (none by default), then
 times the layer's 8-stream and one-stream settings (CUDA events, median of ``--runs`` after warm-up, inputs rotated
-past the L2) and prints one JSON line with the environment (GPU, driver, versions, commit) and
+past the L2), each also as CUDA graph replays (the GPU time alone, ``*_graph_ms``) and by the host's time to issue
+one call (``*_host_ms``: ``--runs`` calls issued without waiting, then the wall clock over the count, before the
+queue fills), and prints one JSON line with the environment (GPU, driver, versions, commit) and
 ``CUDA_DEVICE_MAX_CONNECTIONS``. Synthetic He-normal weights magnitude-pruned to ``--sparsity``.
 
     for before in "" "2,1"; do PYTHONPATH=. python3 scripts/time_side_streams.py --before "$before"; done
@@ -22,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,7 +35,7 @@ from unsparse.runtime import bench
 from unsparse.runtime.backends import get_backend
 from unsparse.runtime.backends.generated import side_streams
 from unsparse.runtime.precision import precision_mode
-from unsparse.runtime.timing import cache_bytes, rotated_inputs, rotation_count, time_fn
+from unsparse.runtime.timing import cache_bytes, capture_graph, rotated_inputs, rotation_count, time_fn
 from unsparse.sparse.format import UniformCSR
 
 
@@ -66,9 +69,19 @@ def main(argv: list[str] | None = None) -> int:
     with precision_mode(False):
         for streams in (args.streams, 1):
             settings = {"rows": 32, "programs": 1, "streams": streams}
-            result[f"streams_{streams}_ms"] = time_fn(
-                lambda i, s=settings: backend.run(inputs[i % len(inputs)], csr, None, layer.geometry, **s), device,
-                runs=args.runs, rotation=len(inputs)).median_ms
+            def call(i: int, s: dict[str, int] = settings) -> torch.Tensor:
+                return backend.run(inputs[i % len(inputs)], csr, None, layer.geometry, **s)
+
+            result[f"streams_{streams}_ms"] = time_fn(call, device, runs=args.runs, rotation=len(inputs)).median_ms
+            graphs = [capture_graph(lambda i=i, c=call: c(i)) for i in range(len(inputs))]
+            result[f"streams_{streams}_graph_ms"] = time_fn(lambda i, g=graphs: g[i % len(g)].replay(), device,
+                                                             runs=args.runs, rotation=len(graphs)).median_ms
+            torch.cuda.synchronize(device)
+            started = time.perf_counter()
+            for i in range(args.runs):
+                call(i)
+            result[f"streams_{streams}_host_ms"] = (time.perf_counter() - started) * 1e3 / args.runs
+            torch.cuda.synchronize(device)
     print(json.dumps(result))
     return 0
 
