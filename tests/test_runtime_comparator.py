@@ -719,7 +719,8 @@ class Estimating(Screening):
     def tuning_space(self, x, csr, geometry) -> list[dict[str, Any]]:
         return [{"cost_ms": 2.0}, {"cost_ms": 1.2}, {"cost_ms": 0.5, "dear": True}]
 
-    def estimate_ms(self, inputs, csr, geometry, settings, relu=False, max_pool=False) -> list[float | None]:
+    def estimate_ms(self, inputs, csr, geometry, settings, relu=False, max_pool=False,
+                    graphs=False) -> list[float | None]:
         self.estimated.append(settings)
         return [params["cost_ms"] * self.error for params in settings]
 

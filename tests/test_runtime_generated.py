@@ -4,6 +4,7 @@ comparator leaves it out unless named. Its kernels run in ``tests/gpu/test_gpu_g
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -351,6 +352,37 @@ def test_a_setting_is_estimated_by_a_call_of_its_medians_kernel_once_per_kernel(
     assert [set(call) for call in probe_run.calls] == [{(rows, first)} for first, rows, *_ in probes]
     assert probe_run.compiled == [on_cpu.kernel_sources(x, csr, geometry, [p for p in space if p["programs"] == 1],
                                                         probes=True)]
+
+
+def test_under_graph_timing_a_setting_is_estimated_by_replays_of_each_inputs_captured_call(
+        on_cpu: GeneratedBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``graphs`` (the comparator's ``timing="graph"``), each rotated input's probe call is captured once and
+    the timed calls are replays, input i % len on call i, with the same estimates as eager calls of the stub."""
+    from unsparse.runtime.backends import generated
+
+    probe_run = ProbeRun(monkeypatch)
+    captured: list[Any] = []
+
+    class Captured:
+        def __init__(self, forward: Any) -> None:
+            self.replay = forward
+            captured.append(self)
+
+    monkeypatch.setattr(generated, "capture_graph", Captured)
+    csr, geometry, x = layer(out_channels=200, channels=8), ConvGeometry.of(1, 1), torch.randn(2, 8, 9, 9)
+    space = [params for params in on_cpu.tuning_space(x, csr, geometry)
+             if params.get("streams", 1) == 1 and params["programs"] == 1]
+    inputs = [x, x + 1.0]
+    for params in space:
+        every = on_cpu._programs(csr, on_cpu.stride_one_layer(x, csr, geometry), params["rows"])
+        median = sorted(every, key=lambda program: program.products)[len(every) // 2]
+        probe_run.products[params["rows"], median.first] = median.products
+    eager = on_cpu.estimate_ms(inputs, csr, geometry, space)
+    assert captured == []
+    assert on_cpu.estimate_ms(inputs, csr, geometry, space, graphs=True) == eager
+    assert len(captured) == len(inputs) * len(space)
+    padded = [on_cpu.stride_one_layer(x, csr, geometry).kernel_input(v) for v in inputs]
+    assert all(torch.equal(read[i], padded[i % 2]) for read in probe_run.padded[len(space):] for i in range(3))
 
 
 def test_nothing_is_estimated_where_the_call_would_fail(on_cpu: GeneratedBackend,

@@ -243,16 +243,18 @@ def test_the_comparator_builds_the_kernels_of_several_programs_only_near_cudnn(
 def test_estimates_time_one_program_per_setting_and_leave_its_kernels_correct(
         monkeypatch: pytest.MonkeyPatch, case: str, max_pool: bool) -> None:
     """On a layer of several programs and on stems through their phase split, with and without the pooled
-    epilogue: each setting of one program per kernel gets a finite, positive estimate and those of several none;
-    every setting then runs correctly (the probes are its own kernels, compiled once)."""
+    epilogue, eager and as graph replays: each setting of one program per kernel gets a finite, positive estimate
+    and those of several none; every setting then runs correctly (the probes are its own kernels, compiled once)."""
     monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
     x, csr, bias, geometry, ref = make_case(case, torch.float32, seed=50)
     backend = get_backend("generated")
     space = backend.tuning_space(x, csr, geometry)
-    estimates = backend.estimate_ms([x, x.flip(0)], csr, geometry, space, relu=True, max_pool=max_pool)
-    for params, estimate in zip(space, estimates, strict=True):
-        assert (estimate is None) == (params["programs"] > 1), params
-        assert estimate is None or 0 < estimate < float("inf")
+    for graphs in (False, True):
+        estimates = backend.estimate_ms([x, x.flip(0)], csr, geometry, space, relu=True, max_pool=max_pool,
+                                        graphs=graphs)
+        for params, estimate in zip(space, estimates, strict=True):
+            assert (estimate is None) == (params["programs"] > 1), (params, graphs)
+            assert estimate is None or 0 < estimate < float("inf")
     pooled = F.max_pool2d(torch.relu(ref), 2) if max_pool else torch.relu(ref)
     for params in space:
         out = backend.run(x, csr, bias, geometry, relu=True, max_pool=max_pool, **params)

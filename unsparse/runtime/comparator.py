@@ -371,7 +371,8 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
 
     With ``rival_ms`` (the fastest full median of the layer's backends timed before) and ``screen_ratio``, the
     settings of the backend's :meth:`~unsparse.runtime.backends.base.ConvBackend.screen_space` are first estimated
-    (:meth:`~unsparse.runtime.backends.base.ConvBackend.estimate_ms`; its seconds count as compile seconds), and one
+    (:meth:`~unsparse.runtime.backends.base.ConvBackend.estimate_ms`, as graph replays with ``graphs``; its seconds
+    count as compile seconds), and one
     estimated at more than ``screen_ratio`` times ``rival_ms`` is not built but recorded with status ``"screened"``,
     its estimate and both times in its reason. The settings the screen space leaves out are built (``precompile``),
     checked and timed only if the best screening median or estimate of the others is at most ``screen_ratio`` times
@@ -429,7 +430,7 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
     estimates = [None] * len(first)
     if screening:
         started = time.perf_counter()
-        estimates = backend.estimate_ms(inputs, csr, geometry, first, epilogue["relu"], epilogue["max_pool"])
+        estimates = backend.estimate_ms(inputs, csr, geometry, first, epilogue["relu"], epilogue["max_pool"], graphs)
         if any(estimate is not None for estimate in estimates):
             compile_s.append(time.perf_counter() - started)
     promising = [e is None or e <= screen_ratio * rival_ms for e in estimates]

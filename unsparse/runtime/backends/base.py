@@ -87,13 +87,15 @@ class ConvBackend(ABC):
         return self.tuning_space(x, csr, geometry)
 
     def estimate_ms(self, inputs: Sequence[torch.Tensor], csr: UniformCSR, geometry: ConvGeometry,
-                    settings: list[dict[str, Any]], relu: bool = False, max_pool: bool = False) -> list[float | None]:
+                    settings: list[dict[str, Any]], relu: bool = False, max_pool: bool = False,
+                    graphs: bool = False) -> list[float | None]:
         """Per entry of ``settings`` (of :meth:`screen_space`), the time (ms) a call with that setting and epilogue
         (``relu``, ``max_pool``) is expected to take on the layer's input, estimated before its build, or None where
         this backend does not estimate it; the comparator builds only the settings whose estimate comes near the
         backends timed before (:func:`~unsparse.runtime.comparator.compare_layer`, ``screen_ratio``). ``inputs``:
         the layer's input ``x`` (``(N, C, H, W)``) first, then the copies the comparator's timings rotate through
-        past the L2 (:func:`~unsparse.runtime.timing.rotated_inputs`; ``[x]`` alone times on one input). Here None for
+        past the L2 (:func:`~unsparse.runtime.timing.rotated_inputs`; ``[x]`` alone times on one input); ``graphs``:
+        estimate the GPU time of CUDA graph replays, as the comparator's ``timing="graph"`` times. Here None for
         every one: building costs little; ``generated``, whose kernels take seconds each to compile, times one
         program's kernel per setting."""
         return [None] * len(settings)

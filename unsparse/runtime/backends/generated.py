@@ -34,7 +34,7 @@ from unsparse.runtime import generated_source as gs
 from unsparse.runtime import launch_geometry as lg
 from unsparse.runtime.backends.base import ConvBackend, WeightCache, kernel_input_reason, register_backend
 from unsparse.runtime.launch_geometry import Launch
-from unsparse.runtime.timing import time_fn
+from unsparse.runtime.timing import capture_graph, time_fn
 from unsparse.sparse.format import UniformCSR
 from unsparse.sparse.geometry import ConvGeometry
 from unsparse.sparse.phases import PhaseSplit, phase_split
@@ -351,7 +351,8 @@ class GeneratedBackend(ConvBackend):
                               params.get("min_blocks", 0))]
 
     def estimate_ms(self, inputs: Sequence[torch.Tensor], csr: UniformCSR, geometry: ConvGeometry,
-                    settings: list[dict[str, Any]], relu: bool = False, max_pool: bool = False) -> list[float | None]:
+                    settings: list[dict[str, Any]], relu: bool = False, max_pool: bool = False,
+                    graphs: bool = False) -> list[float | None]:
         """Per setting of one program per kernel, the call's time (ms) with the epilogue flags ``relu`` and
         ``max_pool``, estimated by the call itself with one kernel standing in for all of the setting's: every
         program of a layer holds about the same number of products, ``rows`` x the uniform row length less the
@@ -360,7 +361,12 @@ class GeneratedBackend(ConvBackend):
         compiled) is launched as many times as the setting has kernels, with the setting's padding, ``streams``
         and ``chunks`` (its output is then wrong and dropped). Median of :data:`PROBE_RUNS` calls after two
         warm-ups, CUDA events, call ``i`` on ``inputs[i % len(inputs)]`` (``(N, C, H, W)`` each, the layer's input
-        first), as the comparator times a call on its rotated inputs. A residual add after the convolution
+        first), as the comparator times a call on its rotated inputs; with ``graphs``, each input's call captured
+        as a CUDA graph (:func:`~unsparse.runtime.timing.capture_graph`) and replayed, as the comparator times
+        under ``timing="graph"``: a setting of many kernels is host-bound when run eagerly (ResNet-50's
+        layer4.0.conv3 at 0.9 on 8 streams, 64 launches: 0.245 ms as a graph in every process, 0.54-1.11 ms eagerly,
+        the host's time to issue them; kernels/NOTES.md, fifty-eighth session), so an eager estimate would screen
+        it out of a graph-timed comparison. A residual add after the convolution
         (:meth:`~unsparse.runtime.backends.base.ConvBackend.run`'s separate pass) is not in the estimate.
 
         None for a setting of several programs per kernel (its kernel compiles as one unit: its probe would cost
@@ -376,9 +382,12 @@ class GeneratedBackend(ConvBackend):
         def estimate(params: dict[str, Any]) -> float:
             setting = Setting(params["rows"], 1, params.get("streams", 1), relu, max_pool,
                               params.get("min_blocks", 0), probe=True)
-            return time_fn(lambda i: self._call(inputs[i % len(inputs)], csr, None, layer, setting,
-                                                params.get("chunks", 1)),
-                           x.device, runs=PROBE_RUNS, warmup=2, rotation=len(inputs)).median_ms
+            calls = [functools.partial(self._call, v, csr, None, layer, setting, params.get("chunks", 1))
+                     for v in inputs]
+            if graphs:
+                calls = [capture_graph(call).replay for call in calls]
+            return time_fn(lambda i: calls[i % len(calls)](), x.device, runs=PROBE_RUNS, warmup=2,
+                           rotation=len(calls)).median_ms
 
         return [estimate(params) if params["programs"] == 1 else None for params in settings]
 
