@@ -126,16 +126,41 @@ def test_tuning_space_bounds_the_generated_body() -> None:
     assert backend.tuning_space(x, layer(out_channels=10), ConvGeometry.of(1, 1)) == [SETTINGS[0]]
     assert backend.tuning_space(x, layer(out_channels=100), ConvGeometry.of(1, 1)) == [  # 4 programs of 32 rows
         {"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
-        {"rows": 32, "programs": 4}, {"rows": 32, "programs": 1, "streams": 8}]
+        {"rows": 32, "programs": 4}, {"rows": 32, "programs": 1, "streams": 8},
+        {"rows": 32, "programs": 1, "streams": 8, "graph": True}]
     assert {"rows": 128, "programs": 1} not in backend.tuning_space(x, layer(out_channels=64), ConvGeometry.of(1, 1))
     assert backend.tuning_space(x, layer(out_channels=20), ConvGeometry.of(1, 1)) == [SETTINGS[0]]  # one kernel
     dense = layer(out_channels=256, channels=256, kernel=3, density=1.0)  # 2304 per row: 32 rows fit, 64 do not
     assert dense.row_length * 64 > MAX_PRODUCTS >= dense.row_length * 32
-    assert backend.tuning_space(x, dense, ConvGeometry.of(1, 1)) == [{"rows": 32, "programs": 1},
-                                                                     {"rows": 32, "programs": 1, "streams": 8}]
+    assert backend.tuning_space(x, dense, ConvGeometry.of(1, 1)) == [
+        {"rows": 32, "programs": 1}, {"rows": 32, "programs": 1, "streams": 8},
+        {"rows": 32, "programs": 1, "streams": 8, "graph": True}]
     stem = backend.tuning_space(x, layer(out_channels=64), ConvGeometry.of(2, 1))  # strided: also the bounded 64
     assert [params for params in stem if "min_blocks" in params] == [
         {"rows": 64, "programs": 1, "min_blocks": 1}, {"rows": 64, "programs": 1, "min_blocks": 2}]
+
+
+@pytest.mark.parametrize(("dtype", "stride"), [(torch.float32, 1), (torch.float16, 1), (torch.float32, 2)])
+def test_graph_settings_are_timed_only_within_the_bytes_their_capture_holds(
+        monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, stride: int) -> None:
+    """A ``graph`` setting keeps a copy of the input, the float32 padded input and the output between calls: it is
+    timed only while those bytes stay within GRAPH_BYTES; its twin on 8 streams stays."""
+    from unsparse.runtime.backends import generated
+
+    backend = get_backend("generated")
+    csr, geometry = layer(out_channels=100, dtype=dtype), ConvGeometry.of(stride, 1)
+    x = torch.randn(3, 4, 9, 7).to(dtype)
+    E, F_ = (9 + 2 - 3) // stride + 1, (7 + 2 - 3) // stride + 1
+    element = x.element_size()
+    padded = (4 * 11 * 9 if stride == 1  # padded by 1; a split: 4 phase images of 5x4, of 2x2 filters, padded by 1
+              else 4 * 4 * (5 + 2) * (4 + 2))
+    expected = 3 * (4 * 9 * 7 * element + padded * 4 + 100 * E * F_ * element)
+    assert backend.graph_bytes(x, csr, geometry) == expected
+    twin = {"rows": 32, "programs": 1, "streams": 8}
+    for bound, admitted in ((expected, True), (expected - 1, False)):
+        monkeypatch.setattr(generated, "GRAPH_BYTES", bound)
+        space = backend.tuning_space(x, csr, geometry)
+        assert ({**twin, "graph": True} in space) == admitted and twin in space
 
 
 def dense_rows(out_channels: int, row_length: int) -> UniformCSR:
@@ -258,11 +283,12 @@ def test_kernel_sources_do_not_depend_on_the_batch_and_are_what_precompile_compi
     sources = on_cpu.kernel_sources(small, csr, geometry, space)
     assert sources == on_cpu.kernel_sources(large, csr, geometry, space)
     assert set(on_cpu.kernel_sources(large, csr, geometry, chunked)) == set(sources)
-    # 200 rows: 7 programs of 32 (listed again for the streams setting), 4 of 64, 2 of 128, 2 kernels of 4
-    # programs of 32
-    assert [(p["rows"], p["programs"], p.get("streams", 1)) for p in space] == [
-        (32, 1, 1), (64, 1, 1), (128, 1, 1), (32, 4, 1), (32, 1, 8)]
-    assert len(sources) == 7 + 4 + 2 + 2 + 7 and len(set(sources)) == 7 + 4 + 2 + 2
+    # 200 rows: 7 programs of 32 (listed again for the streams setting and its graph), 4 of 64, 2 of 128, 2 kernels
+    # of 4 programs of 32
+    assert [(p["rows"], p["programs"], p.get("streams", 1), p.get("graph", False)) for p in space] == [
+        (32, 1, 1, False), (64, 1, 1, False), (128, 1, 1, False), (32, 4, 1, False), (32, 1, 8, False),
+        (32, 1, 8, True)]
+    assert len(sources) == 7 + 4 + 2 + 2 + 7 + 7 and len(set(sources)) == 7 + 4 + 2 + 2
     strided = on_cpu.kernel_sources(small, csr, ConvGeometry.of(2, 1), on_cpu.tuning_space(
         small, csr, ConvGeometry.of(2, 1)))  # the two min_blocks settings: 4 programs of 64 each, other bounds
     assert len(strided) == len(sources) + 2 * 4 and len(set(strided)) == len(set(sources)) + 2 * 4

@@ -367,7 +367,9 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
     and the seconds its ``precompile`` and estimates took (None without either). Of more than ``keep`` correct settings
     the ``keep`` fastest in a short screening are timed in full, and the dense default (:func:`is_dense_default`)
     whatever its screening: :meth:`LayerComparison.chosen` holds every other setting to :data:`PLAN_MARGIN` against its
-    full timing (cuDNN has four settings for a layer fused with its ReLU, so its default could be screened out).
+    full timing (cuDNN has four settings for a layer fused with its ReLU, so its default could be screened out). With
+    ``graphs`` the settings that replay their own CUDA graph (``graph``, the ``generated`` backend's) are left out:
+    inside the timed capture they run as their twin without it.
 
     With ``rival_ms`` (the fastest full median of the layer's backends timed before) and ``screen_ratio``, the
     settings of the backend's :meth:`~unsparse.runtime.backends.base.ConvBackend.screen_space` are first estimated
@@ -382,9 +384,11 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
     reason = backend.unsupported_reason(x, csr, geometry)
     if reason is not None:
         return [Measurement(name, {}, "unsupported", reason=reason)], None
-    space = backend.settings(x, csr, geometry, epilogue["relu"])
+    space = [params for params in backend.settings(x, csr, geometry, epilogue["relu"])
+             if not (graphs and params.get("graph"))]
     screening = rival_ms is not None and screen_ratio is not None
-    first = (backend.settings(x, csr, geometry, epilogue["relu"], backend.screen_space(x, csr, geometry))
+    first = ([params for params in backend.settings(x, csr, geometry, epilogue["relu"],
+                                                    backend.screen_space(x, csr, geometry)) if params in space]
              if screening else space)
     rest = [params for params in space if params not in first]
     replays: dict[int, list[torch.cuda.CUDAGraph]] = {}

@@ -42,7 +42,7 @@ from unsparse.sparse.phases import PhaseSplit, phase_split
 SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
             {"rows": 32, "programs": 4}, {"rows": 32, "programs": 8}, {"rows": 32, "programs": 1, "streams": 8},
             {"rows": 64, "programs": 1, "chunks": 4}, {"rows": 64, "programs": 1, "min_blocks": 1},
-            {"rows": 64, "programs": 1, "min_blocks": 2})
+            {"rows": 64, "programs": 1, "min_blocks": 2}, {"rows": 32, "programs": 1, "streams": 8, "graph": True})
 """The settings the comparator times, the first the default: output channels per program (KT, the register
 accumulators per thread), programs per kernel (G; G > 1 runs ``generated_conv_shared``, v31, each program on its
 share of the SMs), ``streams``, how many of the layer's kernels may run at once (default 1, one after another; a
@@ -65,7 +65,17 @@ AlexNet's program takes 80 registers without it, 255 at 1 and 128 at 2, and ran 
 at batch 128 in the benchmark runs of 4eb2d81, d4c83bb and d630b0d: 0.189 ms unbounded, 0.172 at 1, 0.142 at 2);
 ResNet-50's takes 128 without it or at 2 and 224 at 1, which lost. At 3 both took 80 and spilled, and lost (under
 ``ncu`` the ResNet-50 program's warps waited on loads 71 % of their cycles at 128 registers; 80 gave it a third more
-warps but no faster run; ``kernels/NOTES.md``, fifty-fifth session)."""
+warps but no faster run; ``kernels/NOTES.md``, fifty-fifth session). ``graph`` (default False) replays the call as a
+CUDA graph captured once per input shape (:meth:`GeneratedBackend.conv`), timed on the 8-stream setting only, whose
+many short kernels are host-bound when launched one by one (ResNet-50's layer4.0.conv3 at 0.9, batch 128, FP32: 64
+launches, 0.245 ms as a graph, 0.54-1.11 ms eagerly; ``kernels/NOTES.md``, fifty-eighth session), and only within
+:data:`GRAPH_BYTES`."""
+
+GRAPH_BYTES = 2**28
+"""Most bytes a ``graph`` setting's captured call may hold for the comparator to time it: the input's copy, the
+padded input and the output (:meth:`GeneratedBackend.graph_bytes`), which the graph keeps between calls, one per
+layer; 256 MiB admits ResNet-50's layers of 28x28 planes and smaller at batch 128 in FP32, where the calls are short
+and the host's launches count, and leaves out the 56x56 layers, whose kernels are longer than their launches."""
 
 MAX_PRODUCTS = 2**17
 """Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
@@ -206,7 +216,8 @@ def compile_all(kernels: list[tuple[str, str]], workers: int = 16,
 
 class Setting(NamedTuple):
     """One call's setting of :meth:`GeneratedBackend.conv`: its tuning parameters (:data:`SETTINGS`) and the
-    epilogue's flags (the ReLU and the 2x2 max pool that follow the layer). ``probe``: each of the setting's
+    epilogue's flags (the ReLU and the 2x2 max pool that follow the layer). ``graph``: the call replayed as a CUDA
+graph (:meth:`GeneratedBackend.conv`). ``probe``: each of the setting's
     kernels replaced by its probe (:meth:`GeneratedBackend.estimate_ms`), so the call's output is wrong but its time
     the estimate."""
 
@@ -216,6 +227,7 @@ class Setting(NamedTuple):
     relu: bool
     max_pool: bool
     min_blocks: int
+    graph: bool = False
     probe: bool = False
 
 
@@ -314,7 +326,7 @@ class GeneratedBackend(ConvBackend):
         compile time), several ``streams`` only for a layer of several kernels, and ``chunks`` only for a batch of at
         least two images per chunk (a chunked setting runs its twin's kernels, so the space's kernels do not depend
         on the batch); ``min_blocks`` settings only for a strided layer (a stem, where they were measured), by their
-        unbounded twin's rules."""
+        unbounded twin's rules; ``graph`` settings only within :data:`GRAPH_BYTES` (:meth:`graph_bytes`)."""
         return [dict(params) for params in SETTINGS if params["rows"] * csr.row_length <= MAX_PRODUCTS
                 and (params == SETTINGS[0] or (
                     params["rows"] < 2 * csr.out_channels
@@ -326,7 +338,17 @@ class GeneratedBackend(ConvBackend):
                     and (params.get("streams", 1) == 1
                          or -(-csr.out_channels // params["rows"]) > params["programs"])
                     and (params.get("chunks", 1) == 1 or x.shape[0] >= 2 * params["chunks"])
-                    and ("min_blocks" not in params or geometry.stride != (1, 1))))]
+                    and ("min_blocks" not in params or geometry.stride != (1, 1))
+                    and (not params.get("graph") or self.graph_bytes(x, csr, geometry) <= GRAPH_BYTES)))]
+
+    def graph_bytes(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> int:
+        """Bytes a ``graph`` call's capture holds for input ``x`` (``(N, C, H, W)``): the copy of the input (``x``'s
+        dtype), the float32 padded input the kernels read (:meth:`StrideOneLayer.kernel_input`, counted also where
+        that is the input's copy itself) and the unpooled ``(N, M, E, F)`` output (``x``'s dtype): an upper bound."""
+        layer = self.stride_one_layer(x, csr, geometry)
+        padded = (layer.in_hw[0] + 2 * layer.geometry.padding[0]) * (layer.in_hw[1] + 2 * layer.geometry.padding[1])
+        return x.shape[0] * (math.prod(x.shape[1:]) * x.element_size() + layer.csr.in_channels_per_group * padded * 4
+                             + csr.out_channels * math.prod(layer.out_hw) * x.element_size())
 
     def screen_space(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> list[dict[str, Any]]:
         """The settings of :meth:`tuning_space` whose kernels hold one program each: they compile side by side, at
@@ -381,7 +403,7 @@ class GeneratedBackend(ConvBackend):
 
         def estimate(params: dict[str, Any]) -> float:
             setting = Setting(params["rows"], 1, params.get("streams", 1), relu, max_pool,
-                              params.get("min_blocks", 0), probe=True)
+                              params.get("min_blocks", 0), params.get("graph", False), probe=True)
             calls = [functools.partial(self._call, v, csr, None, layer, setting, params.get("chunks", 1))
                      for v in inputs]
             if graphs:
@@ -400,7 +422,7 @@ class GeneratedBackend(ConvBackend):
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
              streams: int = 1, chunks: int = 1, relu: bool = False, max_pool: bool = False,
-             min_blocks: int = 0) -> torch.Tensor:
+             min_blocks: int = 0, graph: bool = False) -> torch.Tensor:
         """Pad the input in float32 (:func:`padded_float32`, timed with the call: the kernels read float32, since a
         conversion per load made NVRTC 3-4x slower; a strided layer's phase images, :meth:`stride_one_layer`, gathered
         in the same pass), then run the layer's programs of ``rows`` output channels,
@@ -421,6 +443,14 @@ class GeneratedBackend(ConvBackend):
         also apply the 2x2, stride-2 max pool that follows it (:attr:`fuses_max_pool`; four lanes per pool window,
         ``kernels/generated_conv.cu``), which saves the pool's pass and three quarters of the output's writes.
 
+        With ``graph`` the call (padding, kernels, streams) runs as a CUDA graph, captured at the first call of each
+        input shape and dtype on a static copy of the input and replayed afterwards: each call then costs the host
+        four launches (the input's and the bias's copies in, the replay, the output's copy out) instead of one per
+        kernel, and the GPU the copies (reads and writes of the input and output). The capture, one per weight and
+        setting, holds up to :meth:`graph_bytes` of device memory until the input's shape changes or the weight is
+        edited; inside another capture (a model timed or run as a CUDA graph) the call is queued as without
+        ``graph``.
+
         Returns:
             ``(N, M, E, F)`` NCHW output of ``x``'s dtype; with ``max_pool`` ``(N, M, E // 2, F // 2)``.
 
@@ -440,12 +470,51 @@ class GeneratedBackend(ConvBackend):
             raise ValueError("generated: max_pool needs an output plane of at least 2x2, not "
                              f"{layer.out_hw[0]}x{layer.out_hw[1]}")
         bias = None if bias is None else bias.to(x.dtype).contiguous()
-        return self._call(x, csr, bias, layer, Setting(rows, programs, streams, relu, max_pool, min_blocks), chunks)
+        return self._call(x, csr, bias, layer, Setting(rows, programs, streams, relu, max_pool, min_blocks, graph),
+                          chunks)
 
     def _call(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, layer: StrideOneLayer,
               setting: Setting, chunks: int) -> torch.Tensor:
         """:meth:`conv` of a checked layer ``csr`` (its :meth:`stride_one_layer` ``layer``) and setting (``bias`` of
-        ``x``'s dtype, contiguous, or None)."""
+        ``x``'s dtype, contiguous, or None): replayed (:meth:`_replay`) for a ``graph`` setting outside a capture,
+        else queued (:meth:`_queue`)."""
+        if setting.graph and not torch.cuda.is_current_stream_capturing():
+            return self._replay(x, csr, bias, layer, setting, chunks)
+        return self._queue(x, csr, bias, layer, setting, chunks)
+
+    def _replay(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, layer: StrideOneLayer,
+                setting: Setting, chunks: int) -> torch.Tensor:
+        """:meth:`_queue` as a replay of its CUDA graph, captured (:func:`~unsparse.runtime.timing.capture_graph`)
+        on static copies of ``x`` and ``bias`` at the first call of an input shape and dtype and kept per weight and
+        setting (one capture: another shape replaces it). Each call copies ``x`` and ``bias`` in, replays and
+        returns a copy of the static output, all on the current stream, after the previous call's copy out, so that
+        calls from several streams do not overwrite each other's static tensors."""
+        state = self._cache.get(csr, ("graph", layer.original, setting, chunks), dict)
+        signature = (tuple(x.shape), x.dtype, x.device, None if bias is None else bias.dtype)
+        with torch.cuda.device(x.device):
+            current = torch.cuda.current_stream(x.device)
+            if state.get("signature") != signature:
+                state.clear()
+                static = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+                static_bias = None if bias is None else torch.empty_like(bias)
+                outputs: list[torch.Tensor] = []
+                graph = capture_graph(lambda: outputs.append(
+                    self._queue(static, csr, static_bias, layer, setting, chunks)))
+                state.update(signature=signature, graph=graph, x=static, bias=static_bias, y=outputs[-1],
+                             done=torch.cuda.Event())
+            else:
+                current.wait_event(state["done"])
+            state["x"].copy_(x)
+            if bias is not None:
+                state["bias"].copy_(bias)
+            state["graph"].replay()
+            y = state["y"].clone()
+            state["done"].record(current)
+        return y
+
+    def _queue(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, layer: StrideOneLayer,
+               setting: Setting, chunks: int) -> torch.Tensor:
+        """Queue :meth:`conv`'s work for a checked layer and setting on the current stream (:meth:`_call`)."""
         N = x.shape[0]
         y = self._output(x, csr, layer, setting.max_pool)
         size = -(-N // chunks)
