@@ -72,10 +72,14 @@ launches, 0.245 ms as a graph, 0.54-1.11 ms eagerly; ``kernels/NOTES.md``, fifty
 :data:`GRAPH_BYTES`."""
 
 GRAPH_BYTES = 2**28
-"""Most bytes a ``graph`` setting's captured call may hold for the comparator to time it: the input's copy, the
-padded input and the output (:meth:`GeneratedBackend.graph_bytes`), which the graph keeps between calls, one per
-layer; 256 MiB admits ResNet-50's layers of 28x28 planes and smaller at batch 128 in FP32, where the calls are short
-and the host's launches count, and leaves out the 56x56 layers, whose kernels are longer than their launches."""
+"""Most bytes a ``graph`` setting's captured call may hold for the comparator to time it: the input's copy, the padded
+input and the output (:meth:`GeneratedBackend.graph_bytes`), which the capture keeps between calls, one per layer and
+setting timed. At batch 128 in FP32, 256 MiB admits ResNet-50's 14x14 and 7x7 layers and its 28x28 3x3 layers, where the
+calls are short and the host's launches count, and leaves out its 56x56 layers and 28x28 1x1 layers (294-980 MiB, copies
+of 0.2-0.6 ms at the H200's 3.3 TB/s), where no setting was measured host-bound; the captures of the admitted layers
+hold 4.1 GiB in all once each is timed. On the H200 (``kernels/NOTES.md``, fifty-ninth session; ResNet-50 at 0.9, batch
+128, FP32, eager) the setting ran layer4.0.conv3 in 0.263 ms (its eager twin estimated at 1.09 ms, cuDNN 0.426) and
+layer3.0.conv3 in 0.192 ms (twin 0.616 estimated, cuDNN 0.345), the fastest setting of both."""
 
 MAX_PRODUCTS = 2**17
 """Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
