@@ -85,6 +85,30 @@ def fakes(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setitem(base._REGISTRY, cls.name, cls)
 
 
+def test_a_backend_releases_what_it_held_for_its_timings_once_they_are_all_done(monkeypatch: pytest.MonkeyPatch,
+                                                                                  fakes: None) -> None:
+    """The comparator calls each backend's ``release`` with the layer's weight once, after every setting of that
+    backend was checked and timed, not before."""
+    events: list[tuple[str, Any]] = []
+
+    class Releasing(Slow):
+        name = "test_releasing"
+
+        def conv(self, x, csr, bias, geometry, cost_ms: float = 0.0, **params: Any) -> torch.Tensor:
+            events.append(("call", cost_ms))
+            return super().conv(x, csr, bias, geometry, cost_ms, **params)
+
+        def release(self, csr: UniformCSR) -> None:
+            events.append(("release", csr))
+
+    monkeypatch.setitem(base._REGISTRY, Releasing.name, Releasing)
+    x, csr, bias = small_layer(3)
+    result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), ["test_releasing"], runs=2, warmup=0)
+    assert result.best is not None and result.best.timing is not None
+    assert events[-1] == ("release", csr) and [kind for kind, _ in events].count("release") == 1
+    assert {cost for kind, cost in events if kind == "call"} == {80.0, 1.0, 100.0, 2.0, 60.0}
+
+
 def test_time_fn_counts_runs_and_reports_milliseconds(virtual_clock: VirtualClock) -> None:
     """Run ``i`` takes ``(i + 1) ** 2`` ms on the virtual clock (median 110.5, mean 143.5), each warm-up call 1000 ms
     (not timed)."""

@@ -163,6 +163,24 @@ def test_graph_settings_are_timed_only_within_the_bytes_their_capture_holds(
         assert ({**twin, "graph": True} in space) == admitted and twin in space
 
 
+def test_release_drops_the_graph_captures_and_keeps_the_rest(on_cpu: GeneratedBackend) -> None:
+    """After the comparator's timings only the chosen setting runs: ``release`` drops the weight's ``graph``
+    captures (rebuilt by the next call that needs one) and keeps its programs, launches and other weights'."""
+    csr, other = layer(), layer(out_channels=16)
+    builds: list[Any] = []
+
+    def entry(weight: UniformCSR, key: tuple) -> object:
+        return on_cpu._cache.get(weight, key, lambda: builds.append(key) or object())
+
+    keys = [("graph", 1), ("programs", 32), ("graph", 2), ("launches", 32)]
+    before = [entry(csr, key) for key in keys] + [entry(other, ("graph", 1))]
+    on_cpu.release(csr)
+    on_cpu.release(layer(out_channels=12))  # nothing cached for it: nothing happens
+    after = [entry(csr, key) for key in keys] + [entry(other, ("graph", 1))]
+    assert [a is b for a, b in zip(before, after, strict=True)] == [False, True, False, True, True]
+    assert builds == [*keys, ("graph", 1), ("graph", 1), ("graph", 2)]
+
+
 def dense_rows(out_channels: int, row_length: int) -> UniformCSR:
     """A 3x3 layer whose every row holds ``row_length`` nonzeros."""
     weight = torch.zeros(out_channels, -(-row_length // 9), 3, 3)

@@ -369,7 +369,8 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
     whatever its screening: :meth:`LayerComparison.chosen` holds every other setting to :data:`PLAN_MARGIN` against its
     full timing (cuDNN has four settings for a layer fused with its ReLU, so its default could be screened out). With
     ``graphs`` the settings that replay their own CUDA graph (``graph``, the ``generated`` backend's) are left out:
-    inside the timed capture they run as their twin without it.
+    inside the timed capture they run as their twin without it. Once all are timed, the backend releases what
+    it held for them alone (:meth:`~unsparse.runtime.backends.base.ConvBackend.release`).
 
     With ``rival_ms`` (the fastest full median of the layer's backends timed before) and ``screen_ratio``, the
     settings of the backend's :meth:`~unsparse.runtime.backends.base.ConvBackend.screen_space` are first estimated
@@ -464,6 +465,7 @@ def _measure_backend(name: str, inputs: list[torch.Tensor], csr: UniformCSR, bia
         m.timing = timed(m, runs, warmup)
         if m.screen is not None and m.timing.median_ms > DISTURBED_RATIO * m.screen.median_ms:
             m.disturbed, m.timing = m.timing, timed(m, runs, warmup)
+    backend.release(csr)
     return measurements, sum(compile_s) if compile_s else None
 
 

@@ -100,6 +100,12 @@ class ConvBackend(ABC):
         program's kernel per setting."""
         return [None] * len(settings)
 
+    def release(self, csr: UniformCSR) -> None:
+        """Drop what this backend holds for weight ``csr`` only while its settings are timed, once the comparator
+        has timed them all (:func:`~unsparse.runtime.comparator.compare_layer`): a chosen setting builds it again on
+        its first call. Nothing here; ``generated`` drops its ``graph`` settings' captures (device memory)."""
+        return
+
     def epilogue_space(self, relu: bool) -> list[dict[str, Any]]:
         """How a backend may run the epilogue of a layer fused with the ReLU after it (``relu``), as parameters
         crossed with :meth:`tuning_space` by :meth:`settings`; ``[{}]`` (one way) here."""
@@ -236,6 +242,12 @@ class WeightCache:
         if key not in entries:
             entries[key] = build()
         return entries[key]
+
+    def drop(self, csr: UniformCSR, which: Callable[[Hashable], bool]) -> None:
+        """Drop the entries of ``csr`` whose key ``which`` selects (none cached: nothing happens)."""
+        cached = self._entries.get(csr)
+        for key in [key for key in cached[1] if which(key)] if cached is not None else []:
+            del cached[1][key]
 
 
 def check_bias(bias: torch.Tensor | None, csr: UniformCSR) -> None:

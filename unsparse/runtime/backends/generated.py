@@ -417,6 +417,12 @@ class GeneratedBackend(ConvBackend):
 
         return [estimate(params) if params["programs"] == 1 else None for params in settings]
 
+    def release(self, csr: UniformCSR) -> None:
+        """Drop the CUDA-graph captures of ``csr``'s ``graph`` settings (:meth:`conv`; up to :meth:`graph_bytes`
+        each): after the comparator's timings only a plan's chosen setting runs, and captures again on its first
+        call."""
+        self._cache.drop(csr, lambda key: key[0] == "graph")
+
     def precompile(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry,
                    space: list[dict[str, Any]]) -> None:
         """Compile every kernel of every setting in ``space`` (:meth:`kernel_sources`), concurrently, before anything
