@@ -234,7 +234,7 @@ def test_whole_models_planned_on_added_backends_compile_per_dtype_and_plan_apart
         ahead.append((list(precisions), list(also)))
         return {"layers": 0, "kernels": 0, "skipped": 0, "seconds": 0.0}
 
-    def bench_end_to_end(model, shape, batch, precision, device, runs, plan, backends, *options):
+    def bench_end_to_end(model, shape, batch, precision, device, runs, plan, backends, *options, checkpoint):
         plan.entries[f"layer at {precision}"] = PlanEntry("generated", median_ms=1.0)
         planned.append((precision, backends, id(plan)))
         return {"batch": batch, "precision": precision, "dense_ms": 2.0, "planned_ms": 1.0}
@@ -255,3 +255,46 @@ def test_whole_models_planned_on_added_backends_compile_per_dtype_and_plan_apart
     assert Plan.load(tmp_path / "plan.json").entries == {}
     assert set(Plan.load(tmp_path / "plan_direct+generated.json").entries) == {
         "layer at fp32", "layer at tf32", "layer at fp16"}
+
+
+def test_a_run_killed_while_planning_a_whole_model_resumes_from_the_layers_planned(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    """Every plan is saved after each layer its planning adds (``checkpoint``), so a run killed mid-plan (here a
+    KeyboardInterrupt after the first layer) leaves those layers in its plan file, and a second run in the same
+    folder starts from them; the direct plan file and the added backends' one stay apart."""
+    from unsparse.runtime.plan import Plan, PlanEntry
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "environment", lambda commit=None: {})
+    monkeypatch.setattr(bench, "device_name", lambda device: "a GPU")
+    monkeypatch.setattr(bench, "build_model", lambda name: conv_batch_norm_relu())
+    seen: list[set[str]] = []
+
+    def bench_end_to_end(model, shape, batch, precision, device, runs, plan, backends, *options, checkpoint):
+        seen.append(set(plan.entries))
+        for layer in ("first", "second"):
+            if layer not in plan.entries:
+                plan.entries[layer] = PlanEntry("generated", median_ms=1.0)
+                checkpoint(plan)
+                if len(seen) == 1:
+                    raise KeyboardInterrupt
+        return {"batch": batch, "precision": precision, "dense_ms": 2.0, "planned_ms": 1.0}
+
+    for name, replacement in (("compile_ahead", lambda *args, **kwargs: {"kernels": 0, "skipped": 0}),
+                              ("bench_end_to_end", bench_end_to_end), ("evaluate_targets", lambda result: {}),
+                              ("plot_results", lambda result, out_dir: []),
+                              ("markdown_report", lambda result, plots=(): "page")):
+        monkeypatch.setattr(bench, name, replacement)
+    Plan({"a direct layer": PlanEntry("direct", median_ms=1.0)}).save(tmp_path / "plan.json")
+
+    def run() -> dict:
+        return bench.run_bench(tmp_path, models=[], end_to_end=["vgg16"], precisions=["fp32"],
+                               end_to_end_backends=["generated"])
+
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    assert set(Plan.load(tmp_path / "plan_direct+generated.json").entries) == {"first"}
+    assert run()["end_to_end"][0]["planned_ms"] == 1.0
+    assert seen == [set(), {"first"}]
+    assert set(Plan.load(tmp_path / "plan_direct+generated.json").entries) == {"first", "second"}
+    assert set(Plan.load(tmp_path / "plan.json").entries) == {"a direct layer"}

@@ -405,6 +405,22 @@ def test_plan_model_on_cpu_matches_dense_and_reuses_plan() -> None:
     assert comparisons == []
 
 
+def test_plan_model_checkpoints_the_plan_after_each_layer_it_adds() -> None:
+    """``checkpoint`` sees the plan once per new entry, holding the entries so far (what a killed run resumes from),
+    and not for entries reused."""
+    torch.manual_seed(3)
+    model, x = Net().eval(), torch.randn(2, 3, 12, 12)
+    saved: list[list[str]] = []
+    plan, _ = plan_model(sparsify(model), x, backends=["dense_cpu"], runs=3,
+                         checkpoint=lambda plan: saved.append(list(plan.entries)))
+    assert [len(entries) for entries in saved] == [1, 2, 3, 4] and saved[-1] == list(plan.entries)
+    partial = Plan({key: plan.entries[key] for key in saved[1]})
+    saved.clear()
+    plan_model(sparsify(model), x, partial, backends=["dense_cpu"], runs=3,
+               checkpoint=lambda plan: saved.append(list(plan.entries)))
+    assert [len(entries) for entries in saved] == [3, 4]
+
+
 def test_auto_backend_follows_a_changed_plan() -> None:
     from unsparse.runtime.backends import get_backend
     from unsparse.runtime.plan import layer_key, use_plan

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import glob
 import inspect
 import json
 import math
@@ -358,6 +359,12 @@ def plan_backends(precision: str, also: Sequence[str] = ()) -> list[str]:
     return list(dict.fromkeys(("cudnn", PRECISIONS[precision].sparse, *runs_dtype)))
 
 
+def plan_file(plan_path: Path, key: str) -> Path:
+    """Where :func:`run_bench` keeps the plan of :func:`plan_key` ``key``: ``plan_path`` for ``direct``, else the file
+    ``<stem>_<key>.json`` beside it (e.g. ``plan_direct+generated.json``)."""
+    return plan_path if key == "direct" else plan_path.with_name(f"{plan_path.stem}_{key}.json")
+
+
 def plan_key(precision: str, also: Sequence[str] = ()) -> str:
     """The name under which :func:`run_bench` keeps the plan of ``precision`` with the sparse backends ``also``: its
     sparse backends (:func:`plan_backends`) sorted and joined by ``+`` (``direct``: the plan file's;
@@ -468,9 +475,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             baseline folds every one unless ``"off"``.
         end_to_end_backends: sparse backends those models' plans also choose from, beside each precision's own
             (:func:`plan_backends`; e.g. ``["generated"]`` at ``fp32``: ``cudnn``, ``direct`` or ``generated`` per
-            layer), their kernels compiled ahead with the model's. Such a plan starts empty and stays in memory,
-            apart from the plan file, whose choices were made among fewer backends (saved beside it,
-            :func:`plan_key`); each record names its backends (``sparse_backends``).
+            layer), their kernels compiled ahead with the model's. Such a plan is kept apart from the plan file,
+            whose choices were made among fewer backends (beside it, :func:`plan_file`); each record names its
+            backends (``sparse_backends``).
         runs: timed runs per setting (>= 20 per the protocol).
         sparse_file, sparse_input_shape: a trained sparse model (``unsparse.sparse.io.load_sparse``) and its
             per-sample input shape, e.g. ``(1, 28, 28)``; planned and timed end to end at each batch size.
@@ -478,8 +485,10 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             anything is written (a file :meth:`~unsparse.runtime.plan.Plan.load` refuses is a refusal). It holds
             the plans of the ``direct`` precisions; a precision with another sparse backend (``fp16_half2``), or
             whole models with ``end_to_end_backends``, plan apart, since their layer keys equal those of the same
-            dtype (``fp16``): from an empty plan, saved at the end beside the file as ``<stem>_<key>.json``
-            (:func:`plan_key`, e.g. ``plan_direct+generated.json``).
+            dtype (``fp16``): beside the file as ``<stem>_<key>.json`` (:func:`plan_file`, e.g.
+            ``plan_direct+generated.json``), read at the start like it. Every plan is saved (atomically) after each
+            per-layer record and after each layer a whole model's planning adds, so that a run killed in its
+            planning resumes, with the same ``out_dir`` or ``plan_path``, from the layers planned so far.
         commit: git commit recorded in the results. seed: torch seed.
         layer_filter: only per-layer records whose layer name matches this regular expression
             (``re.search``: a plain name such as ``features.1`` matches as a substring).
@@ -510,16 +519,23 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     plan_path = Path(plan_path) if plan_path is not None else out_dir / "plan.json"
     try:
         plan = Plan.load(plan_path) if plan_path.exists() else Plan()
+        plans = {"direct": plan} | {  # per sparse backends ("+"-joined): fp16_half2's keys equal fp16's (same dtype)
+            path.stem[len(plan_path.stem) + 1:]: Plan.load(path)
+            for path in sorted(plan_path.parent.glob(f"{glob.escape(plan_path.stem)}_*.json"))}
     except (PlanError, OSError) as error:
         raise BenchRefusedError(f"plan_path: {error}") from error
     torch.manual_seed(seed)
     device = torch.device("cuda", 0)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_record(out_dir, record)
-    plans = {"direct": plan}  # per sparse backends ("+"-joined): fp16_half2's layer keys equal fp16's (same dtype)
 
     def plan_for(precision: str, also: Sequence[str] = ()) -> Plan:
         return plans.setdefault(plan_key(precision, also), Plan())
+
+    def save_plans() -> None:
+        for key, kept in plans.items():
+            if kept is plan or kept.entries:
+                kept.save(plan_file(plan_path, key))
     result: dict[str, Any] = {"environment": environment(commit), "device": device_name(device),
                               "weights": "synthetic (He-normal random conv weights, per-layer magnitude pruning, "
                                          "kept weights rescaled to the layer norm)",
@@ -564,6 +580,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                         result["layers"].append(record)
                         _progress(record)
                         _write_json(result, out_dir)
+                        save_plans()
                         torch.cuda.empty_cache()
     for name in end_to_end:
         model = magnitude_prune_(build_model(name), end_to_end_sparsity)
@@ -583,7 +600,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                 record = bench_end_to_end(model, (3, 224, 224), end_to_end_batch, precision, device, runs,
                                           plan_for(precision, end_to_end_backends), backends,
                                           end_to_end_fuse_relu, end_to_end_fuse_max_pool,
-                                          end_to_end_fold_batch_norm)
+                                          end_to_end_fold_batch_norm, checkpoint=lambda _: save_plans())
             except RuntimeError as exc:  # e.g. no backend matched the reference on some layer: say so, go on
                 result["failed"].append({"what": f"end to end {name} {precision}", "error": str(exc)})
                 print(f"e2e {name} {precision}: FAILED: {exc}")
@@ -604,10 +621,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             record = bench_end_to_end_sparse(trained, sparse_input_shape, batch, device, runs, plan)
             record.update(model=str(sparse_file), weights="trained")
             result["end_to_end"].append(record)
-    plan.save(plan_path)
-    for key, other in plans.items():
-        if other is not plan and other.entries:
-            other.save(plan_path.with_name(f"{plan_path.stem}_{key}.json"))
+    save_plans()
     result["targets"] = evaluate_targets(result)
     result["complete"] = not result["stopped_early"] and not result["failed"]
     _write_json(result, out_dir)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -485,7 +485,8 @@ def _check_setting(backend: ConvBackend, x: torch.Tensor, csr: UniformCSR, bias:
 
 
 def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None,
-               backends: list[str] | None = None, **compare_kwargs: Any) -> tuple[Plan, list[LayerComparison]]:
+               backends: list[str] | None = None, checkpoint: Callable[[Plan], Any] | None = None,
+               **compare_kwargs: Any) -> tuple[Plan, list[LayerComparison]]:
     """Plan every :class:`SparseConv` of ``model`` for input ``example`` and switch them to ``"auto"``.
 
     One forward pass runs the layers on their dense fallback; before each sparse layer runs, its actual
@@ -506,6 +507,8 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
             (:func:`~unsparse.runtime.layout.layout_of`): a one-channel model input therefore keeps the model in
             NCHW.
         plan: earlier plan to extend; a new one if None. backends, compare_kwargs: for :func:`compare_layer`.
+        checkpoint: called with the plan after each entry this call adds (e.g. to save it, so that a run killed
+            while planning resumes from the layers planned so far: their keys are then in ``plan``).
 
     Returns:
         The plan and the comparisons made in this call (empty for fully reused plans).
@@ -525,12 +528,14 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
             comparisons.append(comparison)
             if comparison.chosen() is not None:
                 plan.entries[key] = comparison.plan_entry()
-                return
-            fallback = dense_fallback_backend(x.device)
-            outcomes = sorted({f"{m.backend} {m.status}" for m in comparison.measurements})
-            log.warning("%s: no backend compared computed this layer correctly (%s); planned on the dense default, "
-                        "%s", key, ", ".join(outcomes) or "none ran", fallback)
-            plan.entries[key] = comparison.default_entry(fallback)
+            else:
+                fallback = dense_fallback_backend(x.device)
+                outcomes = sorted({f"{m.backend} {m.status}" for m in comparison.measurements})
+                log.warning("%s: no backend compared computed this layer correctly (%s); planned on the dense "
+                            "default, %s", key, ", ".join(outcomes) or "none ran", fallback)
+                plan.entries[key] = comparison.default_entry(fallback)
+            if checkpoint is not None:
+                checkpoint(plan)
 
     visit_layer_inputs(model, example, before)
     set_backend(model, "auto")

@@ -74,14 +74,14 @@ def graph_timings(dense: Callable[[], Any], planned: Callable[[], Any], device: 
 def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, precision: str,
                      device: torch.device, runs: int, plan: Plan, backends: list[str] | None,
                      fuse_relu: bool = False, fuse_max_pool: bool = False,
-                     fold_batch_norm: str = "off") -> dict[str, Any]:
+                     fold_batch_norm: str = "off", checkpoint: Callable[[Plan], Any] | None = None) -> dict[str, Any]:
     """Time the dense model (cuDNN) against its sparsified copy running the plan ("auto"), same precision, each
     in NCHW and in channels-last from end to end.
 
     The sparse copy is planned with :func:`~unsparse.runtime.comparator.plan_model` (entries already in ``plan`` are
-    reused) once on an NCHW input and once on the same input in channels-last (a second copy; its layers receive and
-    return NHWC, and each direct layer's conversions are part of its measured time). Outputs are compared with the dense
-    NCHW model's within 10x the dtype's tolerance (TF32-aware).
+    reused; ``checkpoint`` called with the plan after each new entry) once on an NCHW input and once on the same input
+    in channels-last (a second copy; its layers receive and return NHWC, and each direct layer's conversions are part of
+    its measured time). Outputs are compared with the dense NCHW model's within 10x the dtype's tolerance (TF32-aware).
 
     Record fields, times in ms (eager medians): ``dense_ms`` / ``planned_ms`` and ``speedup`` (NCHW, as before layouts
     were planned); ``dense_nhwc_ms`` (:func:`channels_last_copy`) and ``planned_nhwc_ms``, each None if its output
@@ -184,8 +184,9 @@ def bench_end_to_end(model: nn.Module, input_shape: Sequence[int], batch: int, p
         nhwc_planned = layout_of(x_nhwc) == "nhwc"  # one channel: the same bytes, so the layers would run NCHW
         reused_before = len(plan.entries)
         by_plan = fold_batch_norm == "epilogue"
-        plan, comparisons, check = _plan_check_fold(sparse, x, plan, backends, runs, by_plan)
-        plan, comparisons_nhwc, check_nhwc = (_plan_check_fold(sparse_nhwc, x_nhwc, plan, backends, runs, by_plan)
+        plan, comparisons, check = _plan_check_fold(sparse, x, plan, backends, runs, by_plan, checkpoint)
+        plan, comparisons_nhwc, check_nhwc = (_plan_check_fold(sparse_nhwc, x_nhwc, plan, backends, runs, by_plan,
+                                                               checkpoint)
                                               if nhwc_planned else (plan, [], None))
         folded = getattr(sparse, FOLDED_ATTRIBUTE, [])
         unfused = sparsify(dense) if fuse_relu or fuse_max_pool else None
@@ -304,7 +305,8 @@ def switched_backends(by_layer: dict[str, str], by_layer_nhwc: dict[str, str],
 
 
 def _plan_check_fold(model: nn.Module, x: torch.Tensor, plan: Plan, backends: list[str] | None, runs: int,
-                     fold_into_epilogues: bool) -> tuple[Plan, list[LayerComparison], PlanCheck]:
+                     fold_into_epilogues: bool, checkpoint: Callable[[Plan], Any] | None = None,
+                     ) -> tuple[Plan, list[LayerComparison], PlanCheck]:
     """:func:`~unsparse.runtime.comparator.plan_model` on ``model`` (mutated: planned) and
     :func:`~unsparse.runtime.comparator.check_plan`; then with ``fold_into_epilogues``
     :func:`~unsparse.runtime.batch_norm_folding.fold_batch_norm_into_epilogues_` by the checked plan. The layers keep
@@ -312,8 +314,9 @@ def _plan_check_fold(model: nn.Module, x: torch.Tensor, plan: Plan, backends: li
     keeps its BatchNorm); for the same reason no fusion that folding exposes is made (a ReLU after a folded BatchNorm
     stays a pass: fusing it would re-key the layer onto an entry of its own, possibly one that adds the bias in a
     pass). The check compares the unfolded plan with the unfolded dense default; the folds then only take passes
-    out of the planned side. Returns the plan, the comparisons made and the check."""
-    plan, comparisons = plan_model(model, x, plan, backends)
+    out of the planned side. ``checkpoint``: :func:`~unsparse.runtime.comparator.plan_model`'s, called with the plan
+    after each new entry. Returns the plan, the comparisons made and the check."""
+    plan, comparisons = plan_model(model, x, plan, backends, checkpoint)
     check = check_plan(model, x, plan, comparisons, runs)
     if fold_into_epilogues:
         fold_batch_norm_into_epilogues_(model, plan)
