@@ -486,8 +486,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             the plans of the ``direct`` precisions; a precision with another sparse backend (``fp16_half2``), or
             whole models with ``end_to_end_backends``, plan apart, since their layer keys equal those of the same
             dtype (``fp16``): beside the file as ``<stem>_<key>.json`` (:func:`plan_file`, e.g.
-            ``plan_direct+generated.json``), read at the start like it. Every plan is saved (atomically) after each
-            per-layer record and after each layer a whole model's planning adds, so that a run killed in its
+            ``plan_direct+generated.json``), read at the start like it. A plan is saved (atomically) after each
+            per-layer record and after each layer a whole model's planning adds to it, so that a run killed in its
             planning resumes, with the same ``out_dir`` or ``plan_path``, from the layers planned so far.
         commit: git commit recorded in the results. seed: torch seed.
         layer_filter: only per-layer records whose layer name matches this regular expression
@@ -532,10 +532,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     def plan_for(precision: str, also: Sequence[str] = ()) -> Plan:
         return plans.setdefault(plan_key(precision, also), Plan())
 
-    def save_plans() -> None:
-        for key, kept in plans.items():
-            if kept is plan or kept.entries:
-                kept.save(plan_file(plan_path, key))
+    def save_plan(key: str) -> None:
+        plans[key].save(plan_file(plan_path, key))
     result: dict[str, Any] = {"environment": environment(commit), "device": device_name(device),
                               "weights": "synthetic (He-normal random conv weights, per-layer magnitude pruning, "
                                          "kept weights rescaled to the layer norm)",
@@ -580,7 +578,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                         result["layers"].append(record)
                         _progress(record)
                         _write_json(result, out_dir)
-                        save_plans()
+                        save_plan(plan_key(precision))
                         torch.cuda.empty_cache()
     for name in end_to_end:
         model = magnitude_prune_(build_model(name), end_to_end_sparsity)
@@ -596,11 +594,12 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             if out_of_time(f"end to end {name} {precision}"):
                 continue
             backends = plan_backends(precision, end_to_end_backends)
+            key = plan_key(precision, end_to_end_backends)
             try:
                 record = bench_end_to_end(model, (3, 224, 224), end_to_end_batch, precision, device, runs,
                                           plan_for(precision, end_to_end_backends), backends,
                                           end_to_end_fuse_relu, end_to_end_fuse_max_pool,
-                                          end_to_end_fold_batch_norm, checkpoint=lambda _: save_plans())
+                                          end_to_end_fold_batch_norm, checkpoint=lambda _, key=key: save_plan(key))
             except RuntimeError as exc:  # e.g. no backend matched the reference on some layer: say so, go on
                 result["failed"].append({"what": f"end to end {name} {precision}", "error": str(exc)})
                 print(f"e2e {name} {precision}: FAILED: {exc}")
@@ -621,7 +620,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             record = bench_end_to_end_sparse(trained, sparse_input_shape, batch, device, runs, plan)
             record.update(model=str(sparse_file), weights="trained")
             result["end_to_end"].append(record)
-    save_plans()
+    for key, kept in plans.items():
+        if kept is plan or kept.entries:
+            save_plan(key)
     result["targets"] = evaluate_targets(result)
     result["complete"] = not result["stopped_early"] and not result["failed"]
     _write_json(result, out_dir)

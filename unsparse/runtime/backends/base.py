@@ -246,8 +246,9 @@ class WeightCache:
     def drop(self, csr: UniformCSR, which: Callable[[Hashable], bool]) -> None:
         """Drop the entries of ``csr`` whose key ``which`` selects (none cached: nothing happens)."""
         cached = self._entries.get(csr)
-        for key in [key for key in cached[1] if which(key)] if cached is not None else []:
-            del cached[1][key]
+        if cached is not None:
+            for key in [key for key in cached[1] if which(key)]:
+                del cached[1][key]
 
 
 def check_bias(bias: torch.Tensor | None, csr: UniformCSR) -> None:

@@ -75,11 +75,11 @@ GRAPH_BYTES = 2**28
 """Most bytes a ``graph`` setting's captured call may hold for the comparator to time it: the input's copy, the padded
 input and the output (:meth:`GeneratedBackend.graph_bytes`), which the capture keeps between calls, one per layer and
 setting timed. At batch 128 in FP32, 256 MiB admits ResNet-50's 14x14 and 7x7 layers and its 28x28 3x3 layers, where the
-calls are short and the host's launches count, and leaves out its 56x56 layers and 28x28 1x1 layers (294-980 MiB, copies
-of 0.2-0.6 ms at the H200's 3.3 TB/s), where no setting was measured host-bound; the captures of the admitted layers
-hold 4.1 GiB in all once each is timed. On the H200 (``kernels/NOTES.md``, fifty-ninth session; ResNet-50 at 0.9, batch
-128, FP32, eager) the setting ran layer4.0.conv3 in 0.263 ms (its eager twin estimated at 1.09 ms, cuDNN 0.426) and
-layer3.0.conv3 in 0.192 ms (twin 0.616 estimated, cuDNN 0.345), the fastest setting of both."""
+calls are short and the host's launches count, and leaves out its 56x56 layers and 28x28 1x1 layers (294-980 MiB), where
+no setting was measured host-bound; the captures of the admitted layers hold 4.1 GiB in all once each is timed. On the
+H200 (``kernels/NOTES.md``, fifty-ninth session; ResNet-50 at 0.9, batch 128, FP32, eager) the setting ran
+layer4.0.conv3 in 0.263 ms (its eager twin estimated at 1.09 ms, cuDNN 0.426) and layer3.0.conv3 in 0.192 ms (twin 0.616
+estimated, cuDNN 0.345), the fastest setting of both."""
 
 MAX_PRODUCTS = 2**17
 """Most multiply-adds one program's body may hold (``rows`` x the row length): bounds the generated source (about 50
@@ -221,9 +221,8 @@ def compile_all(kernels: list[tuple[str, str]], workers: int = 16,
 class Setting(NamedTuple):
     """One call's setting of :meth:`GeneratedBackend.conv`: its tuning parameters (:data:`SETTINGS`) and the
     epilogue's flags (the ReLU and the 2x2 max pool that follow the layer). ``graph``: the call replayed as a CUDA
-graph (:meth:`GeneratedBackend.conv`). ``probe``: each of the setting's
-    kernels replaced by its probe (:meth:`GeneratedBackend.estimate_ms`), so the call's output is wrong but its time
-    the estimate."""
+    graph (:meth:`GeneratedBackend.conv`). ``probe``: each of the setting's kernels replaced by its probe
+    (:meth:`GeneratedBackend.estimate_ms`), so the call's output is wrong but its time the estimate."""
 
     rows: int
     programs: int
@@ -500,7 +499,7 @@ class GeneratedBackend(ConvBackend):
         returns a copy of the static output, all on the current stream, after the previous call's copy out, so that
         calls from several streams do not overwrite each other's static tensors."""
         state = self._cache.get(csr, ("graph", layer.original, setting, chunks), dict)
-        signature = (tuple(x.shape), x.dtype, x.device, None if bias is None else bias.dtype)
+        signature = (tuple(x.shape), x.dtype, x.device, bias is None)
         with torch.cuda.device(x.device):
             current = torch.cuda.current_stream(x.device)
             if state.get("signature") != signature:
