@@ -325,9 +325,12 @@ def test_generated_sees_a_weight_changed_in_place() -> None:
 
 
 def test_comparator_times_generated_when_named_and_refuses_a_dilated_layer() -> None:
+    """Named, ``generated`` is timed, not screened out: on layers this small its probe's estimate against cuDNN's
+    time is noise, so screening is off here (``screen_ratio=None``)."""
     for case, seed in (("groups_tiles_chunks", 13), ("stride2_3x3", 14)):
         x, csr, bias, geometry, _ = make_case(case, torch.float32, seed=seed)
-        comparison = compare_layer(x, csr, bias, geometry, ["cudnn", "generated"], runs=3, warmup=1)
+        comparison = compare_layer(x, csr, bias, geometry, ["cudnn", "generated"], runs=3, warmup=1,
+                                   screen_ratio=None)
         assert comparison.fastest("generated") is not None
     x, csr, bias, geometry, _ = make_case("dilation2", torch.float32, seed=15)
     assert "dilation 1" in get_backend("generated").unsupported_reason(x.to(CUDA), csr, geometry)
