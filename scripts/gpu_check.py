@@ -1,7 +1,8 @@
 """The one script the GPU machine runs: GPU tests (``pytest -m gpu``), then the benchmark.
 
 Writes under ``--out`` (default ``$OUT``): ``gpu_check.log`` (environment, pytest output), and the
-benchmark's ``bench.json``, ``bench.md``, ``plan.json`` and PNG plots. The git commit comes from
+benchmark's ``bench.json``, ``bench.md``, ``plan.json`` and PNG plots; INFO log lines (each layer planned, with
+its seconds) go to standard error. The git commit comes from
 ``UNSPARSE_COMMIT`` (pass it in: ``.git`` does not travel to the device machine) or ``git rev-parse``.
 
 Usage (repository root): ``PYTHONPATH=. python3 scripts/gpu_check.py --quick``
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -118,4 +120,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     sys.exit(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from unsparse.runtime.comparator import (
     tolerance,
 )
 from unsparse.runtime.layout import layout_of
+from unsparse.runtime.modules import SparseConv
 from unsparse.runtime.plan import Plan, PlanEntry, PlanError, layer_key, precision_tag, use_plan
 from unsparse.runtime.precision import tf32_flags
 from unsparse.runtime.timing import Timing, host_enqueue_ms, host_profile, rotation_count, time_backend, time_fn
@@ -419,6 +421,23 @@ def test_plan_model_checkpoints_the_plan_after_each_layer_it_adds() -> None:
     plan_model(sparsify(model), x, partial, backends=["dense_cpu"], runs=3,
                checkpoint=lambda plan: saved.append(list(plan.entries)))
     assert [len(entries) for entries in saved] == [3, 4]
+
+
+def test_plan_model_logs_each_layer_it_plans_by_name(caplog: pytest.LogCaptureFixture) -> None:
+    """One INFO line per entry added, naming the layer, its backend and the seconds it took; none for a reused one."""
+    torch.manual_seed(4)
+    net, x = Net().eval(), torch.randn(2, 3, 12, 12)
+    model = sparsify(net)
+    layer_names = [name for name, module in model.named_modules() if isinstance(module, SparseConv)]
+    with caplog.at_level(logging.INFO, logger="unsparse.runtime.comparator"):
+        plan, _ = plan_model(model, x, backends=["dense_cpu"], runs=3)
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("planned ")]
+    assert [line.split()[1] for line in lines] == layer_names
+    assert all(" s of it compiling: dense_cpu " in line for line in lines)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="unsparse.runtime.comparator"):
+        plan_model(sparsify(net), x, plan, backends=["dense_cpu"], runs=3)
+    assert not [record for record in caplog.records if record.getMessage().startswith("planned ")]
 
 
 def test_auto_backend_follows_a_changed_plan() -> None:

@@ -510,6 +510,10 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
         checkpoint: called with the plan after each entry this call adds (e.g. to save it, so that a run killed
             while planning resumes from the layers planned so far: their keys are then in ``plan``).
 
+    Each entry added is logged at INFO: the layer's name in ``model``, its entry's backend, parameters and median
+    (ms), and the seconds its comparison took, wall clock, with the part its backends spent compiling
+    (``LayerComparison.compile_s``), so a long planning run shows where its time goes as it goes.
+
     Returns:
         The plan and the comparisons made in this call (empty for fully reused plans).
     """
@@ -517,12 +521,14 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
 
     plan = plan if plan is not None else Plan()
     comparisons: list[LayerComparison] = []
+    names = {id(module): name for name, module in model.named_modules()}
 
     def before(layer: SparseConv, x: torch.Tensor, residual: torch.Tensor | None = None) -> None:
         epilogue = {"relu": layer.relu, "max_pool": layer.max_pool}
         key = layer_key(x, layer.csr, layer.geometry, **epilogue, residual=residual is not None)
         layer.plan_key = key
         if plan.get(key) is None:
+            started = time.perf_counter()
             comparison = compare_layer(x, layer.csr, layer.bias, layer.geometry, backends, **epilogue,
                                        residual=residual, **compare_kwargs)
             comparisons.append(comparison)
@@ -534,6 +540,10 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
                 log.warning("%s: no backend compared computed this layer correctly (%s); planned on the dense "
                             "default, %s", key, ", ".join(outcomes) or "none ran", fallback)
                 plan.entries[key] = comparison.default_entry(fallback)
+            entry = plan.entries[key]
+            log.info("planned %s (%d in this call) in %.1f s, %.1f s of it compiling: %s %s, %.4f ms",
+                     names.get(id(layer), key), len(comparisons), time.perf_counter() - started,
+                     sum(comparison.compile_s.values()), entry.backend, entry.params, entry.median_ms)
             if checkpoint is not None:
                 checkpoint(plan)
 
