@@ -101,6 +101,44 @@ def test_the_deadline_reaches_compile_all_and_the_kernels_left_are_counted_once(
     assert deadlines == [12.5] and ahead["kernels"] > 2 and ahead["skipped"] == ahead["kernels"] - 2
 
 
+def test_the_settings_a_plan_chose_compile_ahead_with_the_probes(compiles) -> None:
+    """A resumed run's planned layers: each layer whose input plane and weight a plan's ``generated`` entry names
+    (whatever that entry's batch, epilogue or TF32 flags) has that setting's kernels compiled ahead from its own
+    weights, beside every layer's probes; an entry of another backend, or of another layer, adds none."""
+    from unsparse.runtime.plan import Plan, PlanEntry, layer_key
+
+    layers = [conv_layer("a", 160, 16), conv_layer("b", 40, 8), conv_layer("a_again", 160, 16)]
+    layers[2] = bench.ConvLayer("a_again", -layers[0].weight, None, layers[0].geometry, layers[0].in_chw, 1, False)
+    backend = generated.GeneratedBackend()
+    csrs = [UniformCSR.from_dense(layer.weight) for layer in layers]
+    xs = [torch.empty(1, *layer.in_chw) for layer in layers]
+    space = backend.tuning_space(xs[0], csrs[0], layers[0].geometry)
+    shared = max(space, key=lambda params: params["programs"])
+    assert shared["programs"] > 1
+    key = layer_key(torch.empty(128, *layers[0].in_chw), csrs[0], layers[0].geometry, device="a GPU", relu=True)
+    other = layer_key(torch.empty(128, *layers[1].in_chw), csrs[1], layers[1].geometry, device="a GPU")
+    plan = Plan({key: PlanEntry("generated", shared, 0.1), other: PlanEntry("direct", {"variant": "tile"}, 0.1)})
+    ahead = bench.compile_ahead(layers, ["fp32_generated"], torch.device("cpu"), plans=[plan, plan])
+    probes = [kernel for layer, csr, x in zip(layers, csrs, xs, strict=True)
+              for kernel in backend.kernel_sources(x, csr, layer.geometry,
+                                                   backend.screen_space(x, csr, layer.geometry), probes=True)]
+    first, again = (backend.kernel_sources(xs[i], csrs[i], layers[i].geometry, [shared]) for i in (0, 2))
+    planned = first + again
+    assert set(planned).isdisjoint(probes) and set(first).isdisjoint(again)  # each from its layer's own weights
+    assert len(compiles) == 1 and sorted(compiles[0]) == sorted(probes + planned)
+    assert ahead["planned_layers"] == 2 and ahead["kernels"] == len(set(probes + planned))
+
+
+def test_a_kernel_signature_keeps_what_the_source_holds() -> None:
+    """Batch, GPU, TF32 flags, epilogue and layout go; the plane, weight, row length and geometry stay."""
+    key = "H200|float32+tf32|x=128x64x56x56|w=64x64x3x3|L=71|s=1x1|p=1x1|d=1x1|g=1|dims=2|epilogue=relu|fmt=nhwc"
+    signature = bench.kernel_signature(key)
+    assert signature == ("float32", "64x56x56", "w=64x64x3x3", "L=71", "s=1x1", "p=1x1", "d=1x1", "g=1", "dims=2")
+    assert bench.kernel_signature("cpu|float32|x=1x64x56x56|w=64x64x3x3|L=71|s=1x1|p=1x1|d=1x1|g=1|dims=2") == signature
+    assert bench.kernel_signature(key.replace("L=71", "L=72")) != signature
+    assert bench.kernel_signature(key.replace("float32+tf32", "float16")) != signature
+
+
 def test_a_whole_model_keeps_every_conv_with_its_own_weights() -> None:
     """Merged, the two equal 3x3 convs of a small model are one layer of count 2 (a per-layer benchmark times the
     shape once); unmerged, as a whole model's compile ahead needs them, each is its own layer with its own weights, in
@@ -230,8 +268,8 @@ def test_whole_models_planned_on_added_backends_compile_per_dtype_and_plan_apart
         folded.append((dtype, fold_batch_norm))
         return bench.conv_layers(model, input_shape, False)
 
-    def compile_ahead(layers, precisions, device, deadline=None, also=()):
-        ahead.append((list(precisions), list(also)))
+    def compile_ahead(layers, precisions, device, deadline=None, also=(), plans=()):
+        ahead.append((list(precisions), list(also), {id(plan) for plan in plans}))
         return {"layers": 0, "kernels": 0, "skipped": 0, "seconds": 0.0}
 
     def bench_end_to_end(model, shape, batch, precision, device, runs, plan, backends, *options, checkpoint):
@@ -247,10 +285,12 @@ def test_whole_models_planned_on_added_backends_compile_per_dtype_and_plan_apart
     result = bench.run_bench(tmp_path, models=[], end_to_end=["vgg16"], precisions=["fp32", "tf32", "fp16"],
                              end_to_end_fold_batch_norm="all", end_to_end_backends=["generated"])
     assert folded == [(torch.float32, "all"), (torch.float16, "all")]
-    assert ahead == [(["fp32", "tf32"], ["generated"]), (["fp16"], ["generated"])]
+    assert [(precisions, also) for precisions, also, _ in ahead] == [(["fp32", "tf32"], ["generated"]),
+                                                                     (["fp16"], ["generated"])]
     assert [(precision, backends) for precision, backends, _ in planned] == [
         (precision, ["cudnn", "direct", "generated"]) for precision in ("fp32", "tf32", "fp16")]
     assert len({plan for _, _, plan in planned}) == 1
+    assert all(plans == {planned[0][2]} for _, _, plans in ahead)  # the plan the layers will be planned in
     assert [r["sparse_backends"] for r in result["end_to_end"]] == [["direct", "generated"]] * 3
     assert Plan.load(tmp_path / "plan.json").entries == {}
     assert set(Plan.load(tmp_path / "plan_direct+generated.json").entries) == {

@@ -343,10 +343,13 @@ def compiled_ahead(record: dict[str, Any]) -> str:
     """What a ``compile_ahead`` record of :func:`~unsparse.runtime.bench.run_bench` compiled, in words: "161 kernels
     of 13 layers", or "16 of 109 kernels of 9 layers" where the time budget left ``skipped`` kernels unstarted
     (records before the budget reached the compile have no ``skipped``), "... of the whole model" for the convs of a
-    model timed end to end (``end_to_end``)."""
+    model timed end to end (``end_to_end``), and "(with the settings a plan already chose for 38 of them)" where a
+    resumed run also compiled its planned layers' kernels (``planned_layers``)."""
     skipped = record.get("skipped", 0)
     done = f"{record['kernels'] - skipped} of {record['kernels']}" if skipped else f"{record['kernels']}"
-    return f"{done} kernels of {record['layers']} layers" + " of the whole model" * record.get("end_to_end", False)
+    planned = record.get("planned_layers", 0)
+    return (f"{done} kernels of {record['layers']} layers" + " of the whole model" * record.get("end_to_end", False)
+            + f" (with the settings a plan already chose for {planned} of them)" * bool(planned))
 
 
 def _no_speedup(records: Sequence[dict[str, Any]], key: str, base: str) -> str:

@@ -35,7 +35,7 @@ from unsparse.runtime.batch_norm_folding import FOLD_POLICIES, fold_batch_norm_
 from unsparse.runtime.comparator import TIMINGS, best_times, compare_layer
 from unsparse.runtime.end_to_end import bench_end_to_end, bench_end_to_end_sparse
 from unsparse.runtime.modules import set_backend
-from unsparse.runtime.plan import Plan, PlanError, device_name
+from unsparse.runtime.plan import Plan, PlanError, device_name, layer_key, without_epilogue
 from unsparse.runtime.precision import PRECISIONS, SPARSE_BACKENDS, precision_mode
 from unsparse.runtime.timing import MIN_RUNS
 from unsparse.settings import check_integer, check_number, check_seed
@@ -395,8 +395,19 @@ def end_to_end_layers(model: nn.Module, input_shape: Sequence[int], dtype: torch
             for layer in layers]
 
 
+def kernel_signature(key: str) -> tuple[str, ...]:
+    """The parts of a plan key (:func:`~unsparse.runtime.plan.layer_key`) that decide a ``generated`` kernel's
+    source besides the weights' values: the input's dtype and plane ``C x H x W``, the weight's shape, row length,
+    stride, padding, dilation, groups, dimensions and dtype; not the GPU, the TF32 flags, the batch size, the
+    epilogue or the layout, which the source does not hold."""
+    _, precision, shape, *rest = without_epilogue(key).split("|")
+    return (precision.split("+")[0], shape.removeprefix("x=").split("x", 1)[1],
+            *(part for part in rest if not part.startswith("fmt=")))
+
+
 def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device: torch.device,
-                  deadline: float | None = None, also: Sequence[str] = ()) -> dict[str, Any]:
+                  deadline: float | None = None, also: Sequence[str] = (),
+                  plans: Sequence[Plan] = ()) -> dict[str, Any]:
     """Compile, in one :func:`~unsparse.runtime.backends.generated.compile_all`, every kernel the comparisons of
     ``layers`` at ``precisions`` will time first for a sparse backend that lists its kernels (``kernel_sources``: the
     ``generated`` backend), each precision's own or one of ``also`` (:func:`plan_backends`): the probes of its
@@ -408,6 +419,12 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
     precisions of one dtype (``fp32`` and ``tf32``) list a layer's kernels once. Layers the backend refuses are left
     to their comparison, which records why.
 
+    With ``plans``, also the kernels of every setting of the backend that an entry of one of them already chose for a
+    layer of the same :func:`kernel_signature` (any batch, epilogue or layout), built from that layer's own weights:
+    a run resumed from a saved plan skips those comparisons but runs those settings in its first forward, where the
+    layers would compile one after another, each waiting for its longest kernel (a ResNet-50 layer4 kernel of 8
+    programs takes minutes), while the rest of the CPU's cores idle.
+
     Args:
         layers: from :func:`conv_layers`. precisions: keys of :data:`PRECISIONS`. device: where the kernels run.
         deadline: ``time.monotonic()`` seconds after which no further kernel's compile starts (None: none).
@@ -415,12 +432,19 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
 
     Returns:
         ``{"layers": layers with kernels, "kernels": distinct kernels, "skipped": distinct kernels left uncompiled
-        at the deadline, "seconds": wall seconds of the compile}`` (all 0 where no backend compiles ahead).
+        at the deadline, "seconds": wall seconds of the compile, "planned_layers": layers with kernels of a
+        planned setting}`` (all 0 where no backend compiles ahead).
     """
     from unsparse.runtime.backends.generated import compile_all
 
     sources: list[tuple[str, str]] = []
     compiled_layers: set[str] = set()
+    planned_layers: set[str] = set()
+    chosen: dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]] = {}
+    for plan in plans:
+        for key, entry in plan.entries.items():
+            settings = chosen.setdefault((entry.backend, kernel_signature(key)), [])
+            settings += [entry.params] if entry.params not in settings else []
     # (dtype, backend) pairs in order, each once: precisions of one dtype time the same kernels
     pairs = dict.fromkeys((PRECISIONS[precision].dtype, name) for precision in precisions
                           for name in plan_backends(precision, also)[1:])
@@ -436,11 +460,15 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
                 sources += list_kernels(x, csr, layer.geometry, backend.screen_space(x, csr, layer.geometry),
                                         probes=True)
                 compiled_layers.add(layer.name)
+                planned = chosen.get((name, kernel_signature(layer_key(x, csr, layer.geometry, device="any"))))
+                if planned:
+                    sources += list_kernels(x, csr, layer.geometry, planned)
+                    planned_layers.add(layer.name)
     started = time.perf_counter()
     functions = compile_all(sources, deadline=deadline) if sources else []
     skipped = {source for source, function in zip(sources, functions, strict=True) if function is None}
     return {"layers": len(compiled_layers), "kernels": len(set(sources)), "skipped": len(skipped),
-            "seconds": time.perf_counter() - started}
+            "seconds": time.perf_counter() - started, "planned_layers": len(planned_layers)}
 
 
 def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: Sequence[float] = (0.8, 0.9, 0.95),
@@ -552,7 +580,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                              also: Sequence[str] = (), **where: Any) -> None:
         if out_of_time(f"{label}: compile ahead"):
             return
-        ahead = compile_ahead(layers, chosen, device, deadline, also)
+        ahead = compile_ahead(layers, chosen, device, deadline, also, [plan_for(p, also) for p in chosen])
         if ahead["skipped"]:
             result["stopped_early"].append(f"{label}: compile ahead, {ahead['skipped']} of {ahead['kernels']} "
                                            "kernels not started")
