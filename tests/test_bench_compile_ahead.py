@@ -104,7 +104,8 @@ def test_the_deadline_reaches_compile_all_and_the_kernels_left_are_counted_once(
 def test_the_settings_a_plan_chose_compile_ahead_with_the_probes(compiles) -> None:
     """A resumed run's planned layers: each layer whose input plane and weight a plan's ``generated`` entry names
     (whatever that entry's batch, epilogue or TF32 flags) has that setting's kernels compiled ahead from its own
-    weights, beside every layer's probes; an entry of another backend, or of another layer, adds none."""
+    weights, beside every layer's probes; an entry of another backend, of no layer key, or of a setting the layer's
+    tuning space does not offer (a tampered plan) adds none."""
     from unsparse.runtime.plan import Plan, PlanEntry, layer_key
 
     layers = [conv_layer("a", 160, 16), conv_layer("b", 40, 8), conv_layer("a_again", 160, 16)]
@@ -117,7 +118,10 @@ def test_the_settings_a_plan_chose_compile_ahead_with_the_probes(compiles) -> No
     assert shared["programs"] > 1
     key = layer_key(torch.empty(128, *layers[0].in_chw), csrs[0], layers[0].geometry, device="a GPU", relu=True)
     other = layer_key(torch.empty(128, *layers[1].in_chw), csrs[1], layers[1].geometry, device="a GPU")
-    plan = Plan({key: PlanEntry("generated", shared, 0.1), other: PlanEntry("direct", {"variant": "tile"}, 0.1)})
+    tampered = layer_key(torch.empty(2, *layers[1].in_chw), csrs[1], layers[1].geometry, device="a GPU")
+    plan = Plan({key: PlanEntry("generated", shared, 0.1), other: PlanEntry("direct", {"variant": "tile"}, 0.1),
+                 "not a layer key": PlanEntry("generated", shared, 0.1),
+                 tampered: PlanEntry("generated", {"rows": 10**9, "programs": 1}, 0.1)})
     ahead = bench.compile_ahead(layers, ["fp32_generated"], torch.device("cpu"), plans=[plan, plan])
     probes = [kernel for layer, csr, x in zip(layers, csrs, xs, strict=True)
               for kernel in backend.kernel_sources(x, csr, layer.geometry,
@@ -137,6 +141,7 @@ def test_a_kernel_signature_keeps_what_the_source_holds() -> None:
     assert bench.kernel_signature("cpu|float32|x=1x64x56x56|w=64x64x3x3|L=71|s=1x1|p=1x1|d=1x1|g=1|dims=2") == signature
     assert bench.kernel_signature(key.replace("L=71", "L=72")) != signature
     assert bench.kernel_signature(key.replace("float32+tf32", "float16")) != signature
+    assert bench.kernel_signature("x") == ("", "") and bench.kernel_signature("a|b|c") == ("b", "")
 
 
 def test_a_whole_model_keeps_every_conv_with_its_own_weights() -> None:

@@ -399,10 +399,17 @@ def kernel_signature(key: str) -> tuple[str, ...]:
     """The parts of a plan key (:func:`~unsparse.runtime.plan.layer_key`) that decide a ``generated`` kernel's
     source besides the weights' values: the input's dtype and plane ``C x H x W``, the weight's shape, row length,
     stride, padding, dilation, groups, dimensions and dtype; not the GPU, the TF32 flags, the batch size, the
-    epilogue or the layout, which the source does not hold."""
-    _, precision, shape, *rest = without_epilogue(key).split("|")
-    return (precision.split("+")[0], shape.removeprefix("x=").split("x", 1)[1],
-            *(part for part in rest if not part.startswith("fmt=")))
+    epilogue or the layout, which the source does not hold. A plan file is untrusted: a key of another form gives a
+    signature no layer has, not an error."""
+    parts = without_epilogue(key).split("|")[1:]
+    precision, shape = [*parts, "", ""][:2]
+    return (precision.partition("+")[0], shape.removeprefix("x=").partition("x")[2],
+            *(part for part in parts[2:] if not part.startswith("fmt=")))
+
+
+def _kernel_parameters(params: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What of a ``generated`` setting decides its kernels (:meth:`GeneratedBackend.kernel_sources`)."""
+    return params.get("rows"), params.get("programs"), params.get("min_blocks", 0)
 
 
 def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device: torch.device,
@@ -420,7 +427,8 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
     to their comparison, which records why.
 
     With ``plans``, also the kernels of every setting of the backend that an entry of one of them already chose for a
-    layer of the same :func:`kernel_signature` (any batch, epilogue or layout), built from that layer's own weights:
+    layer of the same :func:`kernel_signature` (any batch, epilogue or layout), built from that layer's own weights
+    and only where the backend's tuning space offers a setting of those kernels (a plan file is untrusted):
     a run resumed from a saved plan skips those comparisons but runs those settings in its first forward, where the
     layers would compile one after another, each waiting for its longest kernel (a ResNet-50 layer4 kernel of 8
     programs takes minutes), while the rest of the CPU's cores idle.
@@ -440,11 +448,10 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
     sources: list[tuple[str, str]] = []
     compiled_layers: set[str] = set()
     planned_layers: set[str] = set()
-    chosen: dict[tuple[str, tuple[str, ...]], list[dict[str, Any]]] = {}
+    chosen: dict[tuple[str, tuple[str, ...]], set[tuple[Any, ...]]] = {}
     for plan in plans:
         for key, entry in plan.entries.items():
-            settings = chosen.setdefault((entry.backend, kernel_signature(key)), [])
-            settings += [entry.params] if entry.params not in settings else []
+            chosen.setdefault((entry.backend, kernel_signature(key)), set()).add(_kernel_parameters(entry.params))
     # (dtype, backend) pairs in order, each once: precisions of one dtype time the same kernels
     pairs = dict.fromkeys((PRECISIONS[precision].dtype, name) for precision in precisions
                           for name in plan_backends(precision, also)[1:])
@@ -460,7 +467,9 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
                 sources += list_kernels(x, csr, layer.geometry, backend.screen_space(x, csr, layer.geometry),
                                         probes=True)
                 compiled_layers.add(layer.name)
-                planned = chosen.get((name, kernel_signature(layer_key(x, csr, layer.geometry, device="any"))))
+                wanted = chosen.get((name, kernel_signature(layer_key(x, csr, layer.geometry, device="any"))), set())
+                planned = [params for params in backend.tuning_space(x, csr, layer.geometry)
+                           if _kernel_parameters(params) in wanted]
                 if planned:
                     sources += list_kernels(x, csr, layer.geometry, planned)
                     planned_layers.add(layer.name)
