@@ -467,12 +467,14 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
                 sources += list_kernels(x, csr, layer.geometry, backend.screen_space(x, csr, layer.geometry),
                                         probes=True)
                 compiled_layers.add(layer.name)
-                wanted = chosen.get((name, kernel_signature(layer_key(x, csr, layer.geometry, device="any"))), set())
-                planned = [params for params in backend.tuning_space(x, csr, layer.geometry)
-                           if _kernel_parameters(params) in wanted]
-                if planned:
-                    sources += list_kernels(x, csr, layer.geometry, planned)
-                    planned_layers.add(layer.name)
+                wanted = chosen.get((name, kernel_signature(layer_key(x, csr, layer.geometry, device="any"))))
+                if wanted:  # one offered setting per planned set of kernels (streams, chunks, graph share them)
+                    planned = {_kernel_parameters(params): params
+                               for params in backend.tuning_space(x, csr, layer.geometry)
+                               if _kernel_parameters(params) in wanted}
+                    if planned:
+                        sources += list_kernels(x, csr, layer.geometry, list(planned.values()))
+                        planned_layers.add(layer.name)
     started = time.perf_counter()
     functions = compile_all(sources, deadline=deadline) if sources else []
     skipped = {source for source, function in zip(sources, functions, strict=True) if function is None}
