@@ -761,4 +761,18 @@ def test_report_says_what_planning_compiled_and_screened(result):
     record.update(layers_planned_now=114, layers_screened=40, planning_compile_s=61.27)
     text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert "Planning, per whole-model run" in text
-    assert "- vgg16 fp32 b128: 114 layer keys compared, 61.3 s of compiles, settings screened out on 40" in text
+    assert "- vgg16 fp32 b128: 114 layer keys compared, 61.3 s of compiles, settings screened out on 40\n" in text
+
+
+def test_report_says_how_many_plan_entries_a_resumed_run_read(result):
+    """A run resumed from a saved plan says how many entries the plan held when it began, beside what it compared
+    itself, and one that compared nothing (every entry found) still gets its line."""
+    record = result["end_to_end"][0]
+    record.update(layers_planned_now=11, layers_screened=10, planning_compile_s=60.46, plan_entries_reused=81)
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("- vgg16 fp32 b128: 11 layer keys compared, 60.5 s of compiles, settings screened out on 10; "
+            "the plan held 81 entries when it began\n") in text
+    record.update(layers_planned_now=0, layers_screened=0, planning_compile_s=0, plan_entries_reused=92)
+    text = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("- vgg16 fp32 b128: 0 layer keys compared, 0.0 s of compiles, settings screened out on 0; "
+            "the plan held 92 entries when it began\n") in text

@@ -611,14 +611,23 @@ def _layer_table(records: Sequence[dict[str, Any]]) -> list[str]:
 
 def _planning_lines(records: Sequence[dict[str, Any]]) -> list[str]:
     """A line per end-to-end record that says what its planning compiled and screened (records since the fifty-sixth
-    session: ``planning_compile_s``, ``layers_screened``); none for older records or where nothing was compiled."""
-    shown = [r for r in records if r.get("planning_compile_s") or r.get("layers_screened")]
+    session: ``planning_compile_s``, ``layers_screened``) and how many entries its plan held when it began
+    (``plan_entries_reused``: read from a saved plan, whose earlier runs' compiles are not counted here, or left by an
+    earlier run of the same process, possibly for another model or precision, whose layers it does not reuse);
+    none for older records (which have no ``planning_compile_s``) or where nothing was compiled, screened or
+    reused."""
+    shown = [r for r in records if "planning_compile_s" in r
+             and (r["planning_compile_s"] or r.get("layers_screened") or r.get("plan_entries_reused"))]
     if not shown:
         return []
     return ["", "Planning, per whole-model run (layer keys of both layouts; kernels compiled while comparing, beyond "
-                "those compiled ahead; a backend's settings screened out are not built, `SCREEN_RATIO`):", ""] + [
+                "those compiled ahead; a backend's settings screened out are not built, `SCREEN_RATIO`; the entries a "
+                "plan held when the run began were compared by earlier runs, whose compiles these seconds do not "
+                "count):", ""] + [
         f"- {r['model']} {precision_label(r)} b{r['batch']}: {r['layers_planned_now']} layer keys compared, "
         f"{_fmt(r['planning_compile_s'], 1)} s of compiles, settings screened out on {r['layers_screened']}"
+        + (f"; the plan held {r['plan_entries_reused']} entries when it began" if r.get("plan_entries_reused")
+           else "")
         for r in shown]
 
 
