@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -172,18 +173,24 @@ def test_compare_layer_rejects_wrong_backend_and_picks_fastest(fakes: None, virt
     assert json.loads(json.dumps(result.to_dict()))["best"]["backend"] == "test_slow"
 
 
-def test_compare_layer_records_the_seconds_each_backend_compiled(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A backend with ``precompile`` gets its wall seconds in ``compile_s`` (and in the JSON form); one without has no
-    entry."""
+class Compiling(Slow):
+    """:class:`Slow` with a ``precompile`` that takes 50 ms of wall time."""
 
-    class Compiling(Slow):
-        name = "test_compiling"
+    name = "test_compiling"
 
-        def precompile(self, x, csr, geometry, space) -> None:
-            time.sleep(0.05)
+    def precompile(self, x, csr, geometry, space) -> None:
+        time.sleep(0.05)
 
+
+@pytest.fixture
+def compiling(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(base._REGISTRY, Compiling.name, Compiling)
     monkeypatch.setitem(base._INSTANCES, Compiling.name, Compiling())
+
+
+def test_compare_layer_records_the_seconds_each_backend_compiled(compiling: None) -> None:
+    """A backend with ``precompile`` gets its wall seconds in ``compile_s`` (and in the JSON form); one without has no
+    entry."""
     x, csr, bias = small_layer()
     result = compare_layer(x, csr, bias, ConvGeometry.of(1, 1), [Compiling.name, "dense_cpu"], runs=1,
                            screen_runs=1)
@@ -438,6 +445,18 @@ def test_plan_model_logs_each_layer_it_plans_by_name(caplog: pytest.LogCaptureFi
     with caplog.at_level(logging.INFO, logger="unsparse.runtime.comparator"):
         plan_model(sparsify(net), x, plan, backends=["dense_cpu"], runs=3)
     assert not [record for record in caplog.records if record.getMessage().startswith("planned ")]
+
+
+def test_plan_model_log_line_splits_the_compile_seconds_by_backend(caplog: pytest.LogCaptureFixture,
+                                                                   compiling: None) -> None:
+    """Where a backend compiled while its layer was compared, the layer's line names it with its seconds; a backend
+    that compiles nothing is not named."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 3, 12, 12)
+    with caplog.at_level(logging.INFO, logger="unsparse.runtime.comparator"):
+        plan_model(sparsify(Net().eval()), x, backends=[Compiling.name, "dense_cpu"], runs=1)
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("planned ")]
+    assert lines and all(re.search(r" s of it compiling \(test_compiling 0\.\d\): ", line) for line in lines)
 
 
 def test_auto_backend_follows_a_changed_plan() -> None:

@@ -541,9 +541,11 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
                             "default, %s", key, ", ".join(outcomes) or "none ran", fallback)
                 plan.entries[key] = comparison.default_entry(fallback)
             entry = plan.entries[key]
-            log.info("planned %s (%d in this call) in %.1f s, %.1f s of it compiling: %s %s, %.4f ms",
+            split = ", ".join(f"{name} {seconds:.1f}" for name, seconds in comparison.compile_s.items())
+            log.info("planned %s (%d in this call) in %.1f s, %.1f s of it compiling%s: %s %s, %.4f ms",
                      names.get(id(layer), key), len(comparisons), time.perf_counter() - started,
-                     sum(comparison.compile_s.values()), entry.backend, entry.params, entry.median_ms)
+                     sum(comparison.compile_s.values()), f" ({split})" if split else "", entry.backend, entry.params,
+                     entry.median_ms)
             if checkpoint is not None:
                 checkpoint(plan)
 
