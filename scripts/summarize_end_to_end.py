@@ -2,7 +2,8 @@
 sparse model in its faster layout against the best dense model of its run, per end-to-end record.
 
 Example: ``python scripts/summarize_end_to_end.py benchmarks/results/h200_*_end_to_end_*.json
---out docs/end_to_end_summary.md``. Files without end-to-end records add no row. The page is written atomically.
+--out docs/end_to_end_summary.md``. Files without end-to-end records add no row; a file that cannot be read or is
+not a result is refused in one line naming it (exit status 2). The page is written atomically.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("results", nargs="+", help="bench.json results (.json or .json.xz)")
     parser.add_argument("--out", required=True, help="Markdown page to write")
     args = parser.parse_args(argv)
-    rows = summary_rows(sorted(args.results))
+    try:
+        rows = summary_rows(sorted(args.results))
+    except (OSError, ValueError) as error:
+        parser.error(str(error))
     if not rows:
         parser.error("no end-to-end record in the results given")
     names = " ".join(shlex.quote(path) for path in sorted(args.results))

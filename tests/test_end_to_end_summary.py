@@ -201,3 +201,15 @@ def test_the_best_table_keeps_the_highest_ratio_per_model_and_cudnn_precision_am
     page = summary_markdown([unfused, generated, combined], "made")
     best = page.split("## Best run of each model and precision", 1)[1].split("## Latest run")[0]
     assert [line.split("`")[1] for line in best.splitlines() if line.startswith("| `")] == ["c"]
+
+
+def test_the_script_refuses_a_missing_or_malformed_file_in_one_line(tmp_path, load_script, run_script) -> None:
+    """A result file that cannot be read or is no JSON is refused with exit status 2 and its name, no traceback, and
+    nothing is written."""
+    script = load_script("summarize_end_to_end")
+    broken, out = tmp_path / "broken.json", tmp_path / "page.md"
+    broken.write_text("{not json")
+    for path in (tmp_path / "missing.json", broken):
+        code, text = run_script(script, [str(path), "--out", str(out)])
+        assert code == 2 and path.name in text and "Traceback" not in text
+    assert not out.exists()

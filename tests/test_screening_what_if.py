@@ -65,3 +65,18 @@ def test_estimate_errors_set_each_estimate_beside_its_full_median() -> None:
     assert estimate_errors([("run.json", result)]) == [
         {"source": "run.json", "layer": "stem", "precision": "fp16_generated", "batch": 128, "backend": "generated",
          "params": {"rows": 32, "programs": 1}, "estimate_ms": 2.0, "median_ms": 2.5, "ratio": 1.25}]
+
+
+def test_the_script_refuses_a_missing_or_malformed_file_in_one_line(tmp_path, load_script, run_script) -> None:
+    """A file that cannot be read or is no JSON object is refused with exit status 2 and its name, no traceback; a
+    readable result still replays."""
+    script = load_script("screening_what_if")
+    good = tmp_path / "run.json"
+    good.write_text(json.dumps({"layers": [record("a", 1.0, 1.4, 0.9)]}))
+    code, text = run_script(script, [str(good), "--ratios", "1.3"])
+    assert code == 0 and json.loads(text)[0]["skipped"] == 1
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    for path in (tmp_path / "missing.json", broken):
+        code, text = run_script(script, [str(good), str(path)])
+        assert code == 2 and path.name in text and "Traceback" not in text
