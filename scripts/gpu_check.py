@@ -1,6 +1,7 @@
 """The one script the GPU machine runs: GPU tests (``pytest -m gpu``), then the benchmark.
 
-Writes under ``--out`` (default ``$OUT``): ``gpu_check.log`` (environment, pytest output), and the
+Writes under ``--out`` (default ``$OUT``): ``gpu_check.log`` (environment, pytest output with the 30 slowest GPU
+tests' seconds, where a session's device budget goes first), and the
 benchmark's ``bench.json``, ``bench.md``, ``plan.json`` and PNG plots; INFO log lines (each layer planned, with
 its seconds) go to standard error. The git commit comes from
 ``UNSPARSE_COMMIT`` (pass it in: ``.git`` does not travel to the device machine) or ``git rev-parse``.
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.skip_tests:
         tests = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-x", "-p", "no:cacheprovider",
-                                "tests/gpu"], capture_output=True, text=True)
+                                "--durations=30", "tests/gpu"], capture_output=True, text=True)
         with log.open("a") as handle:
             handle.write(tests.stdout + tests.stderr)
         print(tests.stdout[-3000:] + tests.stderr[-2000:], flush=True)
