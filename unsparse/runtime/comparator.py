@@ -511,8 +511,9 @@ def plan_model(model: nn.Module, example: torch.Tensor, plan: Plan | None = None
             while planning resumes from the layers planned so far: their keys are then in ``plan``).
 
     Each entry added is logged at INFO: the layer's name in ``model``, its entry's backend, parameters and median
-    (ms), and the seconds its comparison took, wall clock, with the part its backends spent compiling
-    (``LayerComparison.compile_s``), so a long planning run shows where its time goes as it goes.
+    (ms), and the seconds its comparison took, wall clock, with the part its backends spent compiling, in all and per
+    backend that compiled (``LayerComparison.compile_s``), so a long planning run shows where its time goes as it
+    goes.
 
     Returns:
         The plan and the comparisons made in this call (empty for fully reused plans).
