@@ -41,6 +41,10 @@ CASES = (
     ("vgg16.features.19", 512, 512, 28, 3, 1, 0.9, "float32", 32),
     ("resnet50.layer3.1.conv1", 1024, 256, 14, 1, 0, 0.9, "float32", 32),
     ("vgg16.features.12", 256, 256, 56, 3, 1, 0.95, "float16", 32),
+    ("resnet50.layer1.0.conv2", 64, 64, 56, 3, 1, 0.9, "float32", 32),
+    ("resnet50.layer2.1.conv2", 128, 128, 28, 3, 1, 0.9, "float32", 32),
+    ("resnet50.layer3.1.conv2", 256, 256, 14, 3, 1, 0.9, "float32", 32),
+    ("vgg16.features.12", 256, 256, 56, 3, 1, 0.9, "float16", 32),
 )
 """(layer, C, M, H = W, R = S, padding, sparsity, dtype, KT)."""
 
@@ -59,10 +63,12 @@ def uniform_weight(out_channels: int, channels: int, kernel: int, sparsity: floa
     return weight.reshape(out_channels, channels, kernel, kernel)
 
 
-def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...]) -> dict[str, Any]:
-    """Compile with the NVRTC ``options``, check and time one case; the record holds every figure and how it was
-    obtained (``compile_s`` is NVRTC's time only where CuPy's kernel cache misses: give the run an empty
-    ``CUPY_CACHE_DIR``)."""
+def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...],
+             load_batch: int = gs.LOAD_BATCH) -> dict[str, Any]:
+    """Compile with the NVRTC ``options`` and ``load_batch`` taps per group of loads
+    (:func:`~unsparse.runtime.generated_source.products_source`), check and time one case; the record holds every
+    figure and how it was obtained (``compile_s`` is NVRTC's time only where CuPy's kernel cache misses: give the
+    run an empty ``CUPY_CACHE_DIR``)."""
     import cupy
 
     name, channels, out_channels, size, kernel, padding, sparsity, dtype_name, rows = case
@@ -75,8 +81,8 @@ def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...]) -> di
     started = time.perf_counter()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     threads = gs.choose_threads(batch * size * size, sms)
-    functions = compile_all([(gs.kernel_source(program, dtype), gs.ENTRY) for program in programs],
-                            options=options)
+    sources = [(gs.kernel_source(program, dtype, load_batch=load_batch), gs.ENTRY) for program in programs]
+    functions = compile_all(sources, options=options)
     compile_s = time.perf_counter() - started
     x = torch.randn(batch, channels, size, size, device=device).to(dtype)
     y = torch.empty(batch, out_channels, size, size, device=device, dtype=dtype)
@@ -105,7 +111,8 @@ def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...]) -> di
         "dtype": dtype_name, "target_sparsity": sparsity,
         "measured_sparsity": 1 - np.count_nonzero(weight) / weight.size,
         "weights": "synthetic: uniform nnz per output channel, random positions, seed 0",
-        "rows_per_kernel": rows, "nvrtc_options": list(options), "threads": threads, "kernels": len(programs),
+        "rows_per_kernel": rows, "load_batch": load_batch, "nvrtc_options": list(options), "threads": threads,
+        "kernels": len(programs),
         "grids": [g[0] for g in grids],
         "body_instructions": [len(p.taps) + p.products for p in programs], "compile_s": compile_s,
         "rel_error": rel_error,
@@ -192,6 +199,8 @@ def main() -> None:
     parser.add_argument("--nvrtc-option", action="append", default=[],
                         help="an NVRTC option added to COMPILE_OPTIONS (repeatable), e.g. --Ofast-compile=mid")
     parser.add_argument("--skip-icache", action="store_true", help="leave out the instruction-cache probe")
+    parser.add_argument("--load-batches", type=int, nargs="+", default=[gs.LOAD_BATCH],
+                        help="taps per group of loads in the generated bodies; each case runs once per value")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     result: dict[str, Any] = {"environment": environment(), "commit": args.commit, "batch": args.batch,
@@ -201,13 +210,15 @@ def main() -> None:
     result["icache"] = [] if args.skip_icache else icache_probe(args.runs)
     atomic_write_text(args.out / "probe.json", json.dumps(result, indent=1))
     for index in args.cases if args.cases is not None else range(len(CASES)):
-        try:
-            record = run_case(CASES[index], args.batch, args.runs, options)
-        except Exception as error:  # a failed case is recorded, and the next one still runs
-            record = {"case": list(CASES[index]), "error": f"{type(error).__name__}: {error}"}
-        result["records"].append(record)
-        print(json.dumps({k: v for k, v in record.items() if not k.startswith("cudnn_")}), flush=True)
-        atomic_write_text(args.out / "probe.json", json.dumps(result, indent=1))
+        for load_batch in args.load_batches:
+            try:
+                record = run_case(CASES[index], args.batch, args.runs, options, load_batch)
+            except Exception as error:  # a failed case is recorded, and the next one still runs
+                record = {"case": list(CASES[index]), "load_batch": load_batch,
+                          "error": f"{type(error).__name__}: {error}"}
+            result["records"].append(record)
+            print(json.dumps({k: v for k, v in record.items() if not k.startswith("cudnn_")}), flush=True)
+            atomic_write_text(args.out / "probe.json", json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

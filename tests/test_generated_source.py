@@ -80,25 +80,46 @@ def test_an_all_zero_weight_gives_programs_without_taps() -> None:
 
 
 def parse_products(source: str) -> list[tuple[int, tuple[tuple[int, float], ...]]]:
-    """The (offset, products) pairs the CUDA text of ``products`` performs, read back from the text."""
+    """The (offset, products) pairs the CUDA text of ``products`` performs, in order, read back from the text: each
+    group's loads name their values ``v<i>``, and each product names the value it multiplies."""
     taps = []
-    for block in re.findall(r"\{ const float v = __ldg\(base \+ (\d+)\);\n(.*?)\n  \}", source, re.S):
-        products = tuple((int(row), float.fromhex(value)) for row, value, again in
-                         re.findall(r"acc\[(\d+)\] = fmaf\(v, (\S+)f, acc\[(\d+)\]\);", block[1]))
-        taps.append((int(block[0]), products))
+    for group in re.findall(r"\n  \{\n(.*?)\n  \}", source, re.S):
+        loads = {int(index): int(offset) for index, offset in
+                 re.findall(r"const float v(\d+) = __ldg\(base \+ (\d+)\);", group)}
+        products: dict[int, list[tuple[int, float]]] = {index: [] for index in loads}
+        for row, index, value, again in re.findall(r"acc\[(\d+)\] = fmaf\(v(\d+), (\S+)f, acc\[(\d+)\]\);", group):
+            assert row == again
+            products[int(index)].append((int(row), float.fromhex(value)))
+        taps += [(loads[index], tuple(products[index])) for index in sorted(loads)]
     return taps
 
 
-def test_the_cuda_text_performs_exactly_the_programs_products() -> None:
+@pytest.mark.parametrize("load_batch", [1, 2, 5, 64])
+def test_the_cuda_text_performs_exactly_the_programs_products(load_batch: int) -> None:
+    """Whatever the taps per group of loads, each tap is loaded once and feeds exactly its products, in order."""
     rng = np.random.default_rng(5)
     weight = random_weight(rng, (6, 3, 3, 3), 0.4)
     weight[2, 1, 1, 1] = np.float32(1e-40)  # a float32 subnormal survives the literal exactly
     for program in gs.programs(weight, (1, 1), (5, 7), 3):
-        source = gs.products_source(program)
+        source = gs.products_source(program, load_batch=load_batch)
         assert parse_products(source) == [(tap.offset, tap.products) for tap in program.taps]
-        assert source.count("fmaf") == program.products
+        assert source.count("fmaf") == program.products and source.count("__ldg") == len(program.taps)
+        groups = re.findall(r"\n  \{\n(.*?)\n  \}", source, re.S)
+        assert [group.count("__ldg") for group in groups] == [
+            min(load_batch, len(program.taps) - start) for start in range(0, len(program.taps), load_batch)]
+        for group in groups:  # every load of a group before its first product
+            assert group.rfind("__ldg") < group.find("fmaf")
     products = [value for p in gs.programs(weight, (1, 1), (5, 7), 3) for tap in p.taps for _, value in tap.products]
     assert np.float32(1e-40) in np.array(products, dtype=np.float32)
+
+
+def test_a_load_batch_below_one_is_refused() -> None:
+    layer = gs.programs(np.ones((5, 2, 3, 3), np.float32), (1, 1), (4, 4), 2)
+    for make in (lambda: gs.products_source(layer[0], load_batch=0),
+                 lambda: gs.kernel_source(layer[0], torch.float32, load_batch=0),
+                 lambda: gs.shared_kernel_source(layer, 5, torch.float32, load_batch=-1)):
+        with pytest.raises(ValueError, match=r"^load_batch:"):
+            make()
 
 
 @pytest.mark.parametrize(("weight", "kwargs", "field"), [
@@ -235,13 +256,16 @@ def test_launch_sizes() -> None:
 
 
 @pytest.mark.skipif(nvrtc_library() is None, reason="no NVRTC library in the nvidia wheels")
-@pytest.mark.parametrize(("shared", "rows"), [(False, 8), (True, 8), (False, 6)])
+@pytest.mark.parametrize(("shared", "rows", "load_batch"), [(False, 8, 1), (True, 8, 1), (False, 6, 1), (False, 8, 16),
+                                                           (True, 8, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_generated_source_compiles_under_nvrtc_for_sm90(dtype: torch.dtype, shared: bool, rows: int) -> None:
+def test_generated_source_compiles_under_nvrtc_for_sm90(dtype: torch.dtype, shared: bool, rows: int,
+                                                       load_batch: int) -> None:
     """Rows 6 are no multiple of four: the pooled epilogue's butterfly pads them to 8 (``KQ``)."""
     rng = np.random.default_rng(7)
     layer = gs.programs(random_weight(rng, (20, 16, 3, 3), 0.2), (1, 1), (9, 9), rows)
-    source = gs.shared_kernel_source(layer, 20, dtype) if shared else gs.kernel_source(layer[0], dtype)
+    source = (gs.shared_kernel_source(layer, 20, dtype, load_batch=load_batch) if shared else
+              gs.kernel_source(layer[0], dtype, load_batch=load_batch))
     library = nvrtc_library()
     include = library.parent.parent / "include"
     status, log = compile_with_nvrtc(library, source, [], ["-std=c++17", "-arch=sm_90", f"-I{include}"])

@@ -47,6 +47,9 @@ THREAD_CHOICES = (256, 128, 64)
 largest is every kernel's launch bound, which leaves a thread up to 255 registers (64 K per SM over 256 threads), as
 a bound of 64 or 128 would."""
 
+LOAD_BATCH = 1
+"""Taps per group of loads in a program's body (:func:`products_source`), every kernel's unless a caller says."""
+
 OFFSET_LIMIT = 2**31
 """Offsets into the padded input are int32 immediates: the input plane of one image, C * HP * WP, must stay below."""
 
@@ -158,45 +161,63 @@ def programs(weight: np.ndarray, padding: tuple[int, int], in_hw: tuple[int, int
     return result
 
 
-def products_source(program: Program, name: str = "products") -> str:
+def products_source(program: Program, name: str = "products", load_batch: int = 1) -> str:
     """CUDA text of the device function ``name``, the program's body: per tap one float32 load of ``base[offset]``
     (the padded input is float32 for every storage type, ``kernels/generated_conv.cu``), then one ``fmaf`` per
-    product with the weight as an exact hexadecimal float literal."""
+    product with the weight as an exact hexadecimal float literal.
+
+    ``load_batch`` taps form a group whose loads (``v0`` .. ``v{load_batch - 1}``) come before all of the group's
+    products, so that each thread has that many loads in flight. With one load per group, ptxas scheduled some
+    programs' loads 13 instructions ahead of their first use at 48 registers and others 71 ahead at 64, and the same
+    instruction count ran 2x as long (ResNet-50's layer2.1.conv2 at 0.9, FP32 b128: 82 against 40 us per program;
+    ``kernels/NOTES.md``, sixty-second session).
+
+    Raises:
+        ValueError: for a ``load_batch`` below 1.
+    """
+    if load_batch < 1:
+        raise ValueError(f"load_batch: must be at least 1, got {load_batch}")
     lines = [f"__device__ __forceinline__ void {name}(const float* __restrict__ base, float* acc) {{"]
-    for tap in program.taps:
-        lines.append(f"  {{ const float v = __ldg(base + {tap.offset});")
-        lines.extend(f"    acc[{row}] = fmaf(v, {value.hex()}f, acc[{row}]);" for row, value in tap.products)
+    for start in range(0, len(program.taps), load_batch):
+        group = program.taps[start:start + load_batch]
+        lines.append("  {")
+        lines.extend(f"    const float v{index} = __ldg(base + {tap.offset});" for index, tap in enumerate(group))
+        lines.extend(f"    acc[{row}] = fmaf(v{index}, {value.hex()}f, acc[{row}]);"
+                     for index, tap in enumerate(group) for row, value in tap.products)
         lines.append("  }")
     lines.append("}")
     return "\n".join(lines)
 
 
-def kernel_source(program: Program, dtype: torch.dtype, min_blocks: int = 0) -> str:
+def kernel_source(program: Program, dtype: torch.dtype, min_blocks: int = 0, load_batch: int = LOAD_BATCH) -> str:
     """The whole CUDA source of one program (:data:`ENTRY`): constants, the skeleton and ``products``. It holds no
     batch size and no threads per block (the launch picks those, :func:`choose_threads`), so one compiled kernel
     serves every batch. ``min_blocks``: the blocks of the launch bound's threads each SM should hold, the bound's
     second part, to which ptxas fits the registers per thread, or 0 for none (1 is not none: ResNet-50's stem program
-    of 64 rows took 224 registers at 1 and 128 without, ``kernels/generated_conv.cu``).
+    of 64 rows took 224 registers at 1 and 128 without, ``kernels/generated_conv.cu``). ``load_batch``: taps whose
+    loads come together (:func:`products_source`).
 
     Raises:
-        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), or a negative ``min_blocks``.
+        ValueError: for a dtype other than float32 or float16 (naming ``dtype``), a negative ``min_blocks`` or a
+            ``load_batch`` below 1.
     """
-    return "\n".join([*_header(program, dtype, min_blocks), _skeleton(), products_source(program)])
+    body = products_source(program, load_batch=load_batch)
+    return "\n".join([*_header(program, dtype, min_blocks), _skeleton(), body])
 
 
 def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, dtype: torch.dtype,
-                         min_blocks: int = 0) -> str:
+                         min_blocks: int = 0, load_batch: int = LOAD_BATCH) -> str:
     """The CUDA source of :data:`SHARED_ENTRY` (v31): G = ``len(kernel_programs)`` programs of one layer in one
     kernel, each block running the program of the SM it runs on (``kernels/generated_conv.cu``).
 
     Args:
         kernel_programs: at least two consecutive programs of one layer split (the same KT, C, kernel, padding and
-            input plane). out_channels: M, the layer's. min_blocks: as :func:`kernel_source`'s.
+            input plane). out_channels: M, the layer's. min_blocks, load_batch: as :func:`kernel_source`'s.
 
     Raises:
         ValueError: naming the field, for fewer than two programs or programs of different layers or splits, an
-            ``out_channels`` below the last program's rows, or a dtype or ``min_blocks`` :func:`kernel_source`
-            refuses.
+            ``out_channels`` below the last program's rows, or a dtype, ``min_blocks`` or ``load_batch``
+            :func:`kernel_source` refuses.
     """
     if len(kernel_programs) < 2:
         raise ValueError(f"kernel_programs: {len(kernel_programs)} programs, a shared kernel holds at least two")
@@ -207,7 +228,7 @@ def shared_kernel_source(kernel_programs: Sequence[Program], out_channels: int, 
     if out_channels < max(p.first + p.rows for p in kernel_programs):
         raise ValueError(f"out_channels: {out_channels} is below the programs' last row")
     header = [*_header(first, dtype, min_blocks), f"#define G {len(kernel_programs)}", f"#define M {out_channels}"]
-    bodies = [products_source(p, f"products_{index}") for index, p in enumerate(kernel_programs)]
+    bodies = [products_source(p, f"products_{index}", load_batch) for index, p in enumerate(kernel_programs)]
     cases = [f"    case {index}: products_{index}(base, acc); return {p.first};"
              for index, p in enumerate(kernel_programs)]
     run = ["__device__ __forceinline__ int run(int program, const float* __restrict__ base, float* acc) {",
