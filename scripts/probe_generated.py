@@ -95,7 +95,8 @@ def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...],
         padded_cp = cupy.from_dlpack(padded)
         for program, function, grid in zip(programs, functions, grids, strict=True):
             function(grid, (threads, 1, 1), (padded_cp, np.uint64(0), y_cp, np.int32(batch * size * size),
-                                                np.int32(out_channels), np.int32(program.first), np.int32(0)))
+                                                np.int32(out_channels), np.int32(program.first), np.int32(0),
+                                                np.int32(0)))  # relu, pool off
         return y
 
     dense = torch.from_numpy(weight).to(device)
