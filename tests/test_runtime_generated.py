@@ -117,6 +117,10 @@ def test_a_strided_layer_runs_as_its_phase_split(on_cpu: GeneratedBackend, case:
     assert on_cpu.stride_one_layer(x, csr, geometry).split is layer_one.split  # split once per weight
 
 
+LOAD_BATCHES = ({"rows": 32, "programs": 1, "load_batch": 16}, {"rows": 32, "programs": 1, "load_batch": 32})
+"""The settings of 32 rows whose bodies group their loads: timed wherever the first setting is."""
+
+
 def test_tuning_space_bounds_the_generated_body() -> None:
     backend = get_backend("generated")
     x = torch.randn(1, 4, 6, 6)
@@ -127,14 +131,15 @@ def test_tuning_space_bounds_the_generated_body() -> None:
     assert backend.tuning_space(x, layer(out_channels=100), ConvGeometry.of(1, 1)) == [  # 4 programs of 32 rows
         {"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
         {"rows": 32, "programs": 4}, {"rows": 32, "programs": 1, "streams": 8},
-        {"rows": 32, "programs": 1, "streams": 8, "graph": True}]
+        {"rows": 32, "programs": 1, "streams": 8, "graph": True}, *LOAD_BATCHES]
     assert {"rows": 128, "programs": 1} not in backend.tuning_space(x, layer(out_channels=64), ConvGeometry.of(1, 1))
-    assert backend.tuning_space(x, layer(out_channels=20), ConvGeometry.of(1, 1)) == [SETTINGS[0]]  # one kernel
+    assert backend.tuning_space(x, layer(out_channels=20), ConvGeometry.of(1, 1)) == [  # one kernel
+        SETTINGS[0], *LOAD_BATCHES]
     dense = layer(out_channels=256, channels=256, kernel=3, density=1.0)  # 2304 per row: 32 rows fit, 64 do not
     assert dense.row_length * 64 > MAX_PRODUCTS >= dense.row_length * 32
     assert backend.tuning_space(x, dense, ConvGeometry.of(1, 1)) == [
         {"rows": 32, "programs": 1}, {"rows": 32, "programs": 1, "streams": 8},
-        {"rows": 32, "programs": 1, "streams": 8, "graph": True}]
+        {"rows": 32, "programs": 1, "streams": 8, "graph": True}, *LOAD_BATCHES]
     stem = backend.tuning_space(x, layer(out_channels=64), ConvGeometry.of(2, 1))  # strided: also the bounded 64
     assert [params for params in stem if "min_blocks" in params] == [
         {"rows": 64, "programs": 1, "min_blocks": 1}, {"rows": 64, "programs": 1, "min_blocks": 2}]
@@ -229,12 +234,12 @@ def test_chunked_settings_need_two_images_per_chunk() -> None:
         assert all((params in space) == admitted for params in chunked), batch
 
 
-@pytest.mark.parametrize(("chunks", "min_blocks"), [(0, 0), (1, -1)])
-def test_conv_refuses_fewer_than_one_chunk_or_negative_blocks(on_cpu: GeneratedBackend, chunks: int,
-                                                              min_blocks: int) -> None:
-    with pytest.raises(ValueError, match=f"min_blocks at least 0, got {chunks} and {min_blocks}"):
+@pytest.mark.parametrize(("chunks", "load_batch", "min_blocks"), [(0, 1, 0), (1, 0, 0), (1, 1, -1)])
+def test_conv_refuses_fewer_than_one_chunk_or_load_or_negative_blocks(on_cpu: GeneratedBackend, chunks: int,
+                                                                      load_batch: int, min_blocks: int) -> None:
+    with pytest.raises(ValueError, match=f"min_blocks at least 0, got {chunks}, {load_batch} and {min_blocks}"):
         on_cpu.conv(torch.randn(2, 4, 6, 6), layer(), None, ConvGeometry.of(1, 1), chunks=chunks,
-                    min_blocks=min_blocks)
+                    min_blocks=min_blocks, load_batch=load_batch)
 
 
 def test_compile_all_compiles_each_distinct_kernel_once(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -302,11 +307,12 @@ def test_kernel_sources_do_not_depend_on_the_batch_and_are_what_precompile_compi
     assert sources == on_cpu.kernel_sources(large, csr, geometry, space)
     assert set(on_cpu.kernel_sources(large, csr, geometry, chunked)) == set(sources)
     # 200 rows: 7 programs of 32 (listed again for the streams setting and its graph), 4 of 64, 2 of 128, 2 kernels
-    # of 4 programs of 32
-    assert [(p["rows"], p["programs"], p.get("streams", 1), p.get("graph", False)) for p in space] == [
-        (32, 1, 1, False), (64, 1, 1, False), (128, 1, 1, False), (32, 4, 1, False), (32, 1, 8, False),
-        (32, 1, 8, True)]
-    assert len(sources) == 7 + 4 + 2 + 2 + 7 + 7 and len(set(sources)) == 7 + 4 + 2 + 2
+    # of 4 programs of 32, and 7 programs of 32 at each of two groupings of their loads, sources of their own
+    assert [(p["rows"], p["programs"], p.get("streams", 1), p.get("graph", False), p.get("load_batch", 1))
+            for p in space] == [
+        (32, 1, 1, False, 1), (64, 1, 1, False, 1), (128, 1, 1, False, 1), (32, 4, 1, False, 1), (32, 1, 8, False, 1),
+        (32, 1, 8, True, 1), (32, 1, 1, False, 16), (32, 1, 1, False, 32)]
+    assert len(sources) == 7 + 4 + 2 + 2 + 7 + 7 + 7 + 7 and len(set(sources)) == 7 + 4 + 2 + 2 + 7 + 7
     strided = on_cpu.kernel_sources(small, csr, ConvGeometry.of(2, 1), on_cpu.tuning_space(
         small, csr, ConvGeometry.of(2, 1)))  # the two min_blocks settings: 4 programs of 64 each, other bounds
     assert len(strided) == len(sources) + 2 * 4 and len(set(strided)) == len(set(sources)) + 2 * 4
@@ -327,7 +333,7 @@ class ProbeRun:
         from unsparse.runtime.timing import Timing
 
         self.compiled: list[list[tuple[str, str]]] = []
-        self.bound: list[tuple[int, int, int, bool, bool]] = []
+        self.bound: list[tuple[int, int, int, bool, bool, int]] = []
         self.calls: list[list[tuple[int, int]]] = []
         self.padded: list[list[torch.Tensor]] = []
 
@@ -338,7 +344,8 @@ class ProbeRun:
                 self.calls[-1].append((setting.rows, program.first))
                 self.padded[-1].append(padded)
 
-            self.bound.append((program.first, setting.rows, setting.min_blocks, setting.relu, setting.max_pool))
+            self.bound.append((program.first, setting.rows, setting.min_blocks, setting.relu, setting.max_pool,
+                               setting.load_batch))
             return [(launch, False)]
 
         def time_fn(fn, device, runs=20, warmup=3, rotation=1):
@@ -381,8 +388,10 @@ def test_a_setting_is_estimated_by_a_call_of_its_medians_kernel_once_per_kernel(
         median = sorted(every, key=lambda program: program.products)[len(every) // 2]
         probe_run.products[params["rows"], median.first] = median.products
         if params["programs"] == 1:
-            probes.append((median.first, params["rows"], params.get("min_blocks", 0), True, False))
-            source = gs.kernel_source(median, x.dtype, params.get("min_blocks", 0)), gs.ENTRY
+            probes.append((median.first, params["rows"], params.get("min_blocks", 0), True, False,
+                           params.get("load_batch", 1)))
+            source = (gs.kernel_source(median, x.dtype, params.get("min_blocks", 0), params.get("load_batch", 1)),
+                      gs.ENTRY)
             assert source in on_cpu.kernel_sources(x, csr, geometry, [params])
         expected.append(len(every) * 0.001 * median.products if params["programs"] == 1 else None)
     inputs = [x, x + 1.0]

@@ -63,11 +63,12 @@ def test_shared_kernels_match_float64_reference(monkeypatch: pytest.MonkeyPatch,
     zero); 2 x 5 x 7 = 70 pixels leave threads past the last pixel; one empty and one dense row. The launch-bound
     settings (``min_blocks``) change no code path; they run on the strided cases, whose tuning space holds them."""
     monkeypatch.setitem(CASES, "programs", (*PROGRAMS_CASE[:4], out_channels, *PROGRAMS_CASE[5:]))
-    settings = [params for params in SETTINGS if "min_blocks" not in params]
+    settings = [*(params for params in SETTINGS if "min_blocks" not in params),
+                {"rows": 32, "programs": 4, "load_batch": 16}]  # a shared kernel's bodies group their loads too
     check_settings("programs", dtype, seed=out_channels, settings=settings, repeats=2)
 
 
-GRAPHED = SETTINGS[-1]
+GRAPHED = next(params for params in SETTINGS if params.get("graph"))
 """The setting that replays its call as a CUDA graph of its own."""
 
 CHUNKED = [*(params for params in SETTINGS if params.get("chunks", 1) > 1), {"rows": 32, "programs": 8, "chunks": 4}]
@@ -133,7 +134,8 @@ def test_the_relu_in_the_epilogue_matches_the_float64_reference(monkeypatch: pyt
 
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("params", [SETTINGS[0], {"rows": 32, "programs": 4}, {"rows": 6, "programs": 1}, *CHUNKED])
+@pytest.mark.parametrize("params", [SETTINGS[0], {"rows": 32, "programs": 4}, {"rows": 6, "programs": 1},
+                                    {"rows": 32, "programs": 1, "load_batch": 16}, *CHUNKED])
 def test_the_max_pool_in_the_epilogue_matches_the_float64_reference(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                                                     params: dict, relu: bool) -> None:
     """``max_pool=True`` (a layer fused with the 2x2 max pool after it, with and without its ReLU) in one-program,

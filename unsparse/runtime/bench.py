@@ -34,6 +34,7 @@ from unsparse.runtime.backends import get_backend
 from unsparse.runtime.batch_norm_folding import FOLD_POLICIES, fold_batch_norm_
 from unsparse.runtime.comparator import TIMINGS, best_times, compare_layer
 from unsparse.runtime.end_to_end import bench_end_to_end, bench_end_to_end_sparse
+from unsparse.runtime.generated_source import LOAD_BATCH
 from unsparse.runtime.modules import set_backend
 from unsparse.runtime.plan import Plan, PlanError, device_name, layer_key, without_epilogue
 from unsparse.runtime.precision import PRECISIONS, SPARSE_BACKENDS, precision_mode
@@ -409,7 +410,7 @@ def kernel_signature(key: str) -> tuple[str, ...]:
 
 def _kernel_parameters(params: Mapping[str, Any]) -> tuple[Any, ...]:
     """What of a ``generated`` setting decides its kernels (:meth:`GeneratedBackend.kernel_sources`)."""
-    return params.get("rows"), params.get("programs"), params.get("min_blocks", 0)
+    return params.get("rows"), params.get("programs"), params.get("min_blocks", 0), params.get("load_batch", LOAD_BATCH)
 
 
 def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device: torch.device,

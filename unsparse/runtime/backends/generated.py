@@ -42,7 +42,8 @@ from unsparse.sparse.phases import PhaseSplit, phase_split
 SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
             {"rows": 32, "programs": 4}, {"rows": 32, "programs": 8}, {"rows": 32, "programs": 1, "streams": 8},
             {"rows": 64, "programs": 1, "chunks": 4}, {"rows": 64, "programs": 1, "min_blocks": 1},
-            {"rows": 64, "programs": 1, "min_blocks": 2}, {"rows": 32, "programs": 1, "streams": 8, "graph": True})
+            {"rows": 64, "programs": 1, "min_blocks": 2}, {"rows": 32, "programs": 1, "streams": 8, "graph": True},
+            {"rows": 32, "programs": 1, "load_batch": 16}, {"rows": 32, "programs": 1, "load_batch": 32})
 """The settings the comparator times, the first the default: output channels per program (KT, the register
 accumulators per thread), programs per kernel (G; G > 1 runs ``generated_conv_shared``, v31, each program on its
 share of the SMs), ``streams``, how many of the layer's kernels may run at once (default 1, one after another; a
@@ -69,7 +70,14 @@ warps but no faster run; ``kernels/NOTES.md``, fifty-fifth session). ``graph`` (
 CUDA graph captured once per input shape (:meth:`GeneratedBackend.conv`), timed on the 8-stream setting only, whose
 many short kernels are host-bound when launched one by one (ResNet-50's layer4.0.conv3 at 0.9, batch 128, FP32: 64
 launches, 0.245 ms as a graph, 0.54-1.11 ms eagerly; ``kernels/NOTES.md``, fifty-eighth session), and only within
-:data:`GRAPH_BYTES`."""
+:data:`GRAPH_BYTES`. ``load_batch`` (default :data:`~unsparse.runtime.generated_source.LOAD_BATCH`, 1) is the taps
+whose loads each body issues together before their products
+(:func:`~unsparse.runtime.generated_source.products_source`), which raises the loads in flight per thread and the
+registers: on the H200 (sixty-second session, synthetic uniform
+weights at 0.9, FP32 b128, 32 rows) it ran ResNet-50's layer2.1.conv2 1.61x faster at 16 (ptxas had given three of
+its four programs 48 registers and loads 13 instructions ahead of their use) and layer1.0.conv2 1.34x at 32, but
+VGG16's features.12 6 % slower at 16 and 1.5x slower at 32, and layer3.1.conv2 8 % slower at 16 and 4 % faster at 32:
+a choice per layer, timed beside the others."""
 
 GRAPH_BYTES = 2**28
 """Most bytes a ``graph`` setting's captured call may hold for the comparator to time it: the input's copy, the padded
@@ -232,6 +240,7 @@ class Setting(NamedTuple):
     min_blocks: int
     graph: bool = False
     probe: bool = False
+    load_batch: int = gs.LOAD_BATCH
 
 
 class StrideOneLayer(NamedTuple):
@@ -369,11 +378,12 @@ class GeneratedBackend(ConvBackend):
         :meth:`estimate_ms` times for each setting of one program per kernel (one of that setting's kernels)."""
         layer = self.stride_one_layer(x, csr, geometry)
         if probes:
-            return [self._sources(x, layer, [[self._probe(csr, layer, params["rows"])]], params.get("min_blocks", 0))[0]
+            return [self._sources(x, layer, [[self._probe(csr, layer, params["rows"])]], params.get("min_blocks", 0),
+                                  params.get("load_batch", gs.LOAD_BATCH))[0]
                     for params in space if params["programs"] == 1]
         return [kernel for params in space for kernel in
                 self._sources(x, layer, self._kernels(csr, layer, params["rows"], params["programs"]),
-                              params.get("min_blocks", 0))]
+                              params.get("min_blocks", 0), params.get("load_batch", gs.LOAD_BATCH))]
 
     def estimate_ms(self, inputs: Sequence[torch.Tensor], csr: UniformCSR, geometry: ConvGeometry,
                     settings: list[dict[str, Any]], relu: bool = False, max_pool: bool = False,
@@ -406,7 +416,8 @@ class GeneratedBackend(ConvBackend):
 
         def estimate(params: dict[str, Any]) -> float:
             setting = Setting(params["rows"], 1, params.get("streams", 1), relu, max_pool,
-                              params.get("min_blocks", 0), params.get("graph", False), probe=True)
+                              params.get("min_blocks", 0), params.get("graph", False), probe=True,
+                              load_batch=params.get("load_batch", gs.LOAD_BATCH))
             calls = [functools.partial(self._call, v, csr, None, layer, setting, params.get("chunks", 1))
                      for v in inputs]
             if graphs:
@@ -431,7 +442,7 @@ class GeneratedBackend(ConvBackend):
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
              streams: int = 1, chunks: int = 1, relu: bool = False, max_pool: bool = False,
-             min_blocks: int = 0, graph: bool = False) -> torch.Tensor:
+             min_blocks: int = 0, graph: bool = False, load_batch: int = gs.LOAD_BATCH) -> torch.Tensor:
         """Pad the input in float32 (:func:`padded_float32`, timed with the call: the kernels read float32, since a
         conversion per load made NVRTC 3-4x slower; a strided layer's phase images, :meth:`stride_one_layer`, gathered
         in the same pass), then run the layer's programs of ``rows`` output channels,
@@ -460,27 +471,31 @@ class GeneratedBackend(ConvBackend):
         edited; inside another capture (a model timed or run as a CUDA graph) the call is queued as without
         ``graph``.
 
+        ``load_batch``: the taps whose loads each kernel's body issues together before their products
+        (:func:`~unsparse.runtime.generated_source.products_source`; more loads in flight, more registers).
+
         Returns:
             ``(N, M, E, F)`` NCHW output of ``x``'s dtype; with ``max_pool`` ``(N, M, E // 2, F // 2)``.
 
         Raises:
             ValueError: for a layer :meth:`unsupported_reason` refuses, ``chunks`` < 1, ``min_blocks`` < 0,
+                ``load_batch`` < 1,
                 ``max_pool`` on an output plane below 2x2, or from
                 :func:`~unsparse.runtime.generated_source.programs` (a weight that is not finite).
         """
         reason = self.unsupported_reason(x, csr, geometry)
         if reason is not None:
             raise ValueError(f"generated: {reason}")
-        if chunks < 1 or min_blocks < 0:
-            raise ValueError(f"generated: chunks must be at least 1 and min_blocks at least 0, got {chunks} and "
-                             f"{min_blocks}")
+        if chunks < 1 or min_blocks < 0 or load_batch < 1:
+            raise ValueError(f"generated: chunks and load_batch must be at least 1 and min_blocks at least 0, got "
+                             f"{chunks}, {load_batch} and {min_blocks}")
         layer = self.stride_one_layer(x, csr, geometry)
         if max_pool and min(layer.out_hw) < 2:
             raise ValueError("generated: max_pool needs an output plane of at least 2x2, not "
                              f"{layer.out_hw[0]}x{layer.out_hw[1]}")
         bias = None if bias is None else bias.to(x.dtype).contiguous()
-        return self._call(x, csr, bias, layer, Setting(rows, programs, streams, relu, max_pool, min_blocks, graph),
-                          chunks)
+        setting = Setting(rows, programs, streams, relu, max_pool, min_blocks, graph, load_batch=load_batch)
+        return self._call(x, csr, bias, layer, setting, chunks)
 
     def _call(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, layer: StrideOneLayer,
               setting: Setting, chunks: int) -> torch.Tensor:
@@ -592,20 +607,22 @@ class GeneratedBackend(ConvBackend):
 
     @staticmethod
     def _sources(x: torch.Tensor, layer: StrideOneLayer, kernels: list[list[gs.Program]],
-                 min_blocks: int) -> list[tuple[str, str]]:
-        """The CUDA source and entry name of each of ``kernels`` (:meth:`_kernels`) at ``x``'s dtype and
-        ``min_blocks``."""
-        return [(gs.kernel_source(kernel[0], x.dtype, min_blocks), gs.ENTRY) if len(kernel) == 1 else
-                (gs.shared_kernel_source(kernel, layer.csr.out_channels, x.dtype, min_blocks), gs.SHARED_ENTRY)
+                 min_blocks: int, load_batch: int) -> list[tuple[str, str]]:
+        """The CUDA source and entry name of each of ``kernels`` (:meth:`_kernels`) at ``x``'s dtype, ``min_blocks``
+        and ``load_batch``."""
+        return [(gs.kernel_source(kernel[0], x.dtype, min_blocks, load_batch), gs.ENTRY) if len(kernel) == 1 else
+                (gs.shared_kernel_source(kernel, layer.csr.out_channels, x.dtype, min_blocks, load_batch),
+                 gs.SHARED_ENTRY)
                 for kernel in kernels]
 
     def _launches(self, x: torch.Tensor, csr: UniformCSR, layer: StrideOneLayer,
                   setting: Setting) -> list[tuple[cl.BoundLaunch, bool]]:
         """The bound launches of a setting, each with whether it takes tile counters (cached per weight, input
-        shape, dtype, device, stride-1 layer, rows, programs, epilogue flags, ``min_blocks`` and ``probe``: a probe
+        shape, dtype, device, stride-1 layer, rows, programs, epilogue flags, ``min_blocks``, ``load_batch`` and
+        ``probe``: a probe
         setting launches its probe, :meth:`_probe`, once per kernel of the setting)."""
         key = ("launches", setting.rows, setting.programs, tuple(x.shape), x.dtype, x.device, layer.original,
-               setting.relu, setting.max_pool, setting.min_blocks, setting.probe)
+               setting.relu, setting.max_pool, setting.min_blocks, setting.probe, setting.load_batch)
 
         def bind() -> list[tuple[cl.BoundLaunch, bool]]:
             kernels = self._kernels(csr, layer, setting.rows, setting.programs)
@@ -622,7 +639,7 @@ class GeneratedBackend(ConvBackend):
         kernel's grid is every block that stays resident, since its blocks take their tiles from the counters. The
         pixel count ``total`` is the output's, or four per pooled output with ``max_pool`` (the pooled-out last row
         and column of an odd plane are not computed)."""
-        sources = self._sources(x, layer, kernels, setting.min_blocks)
+        sources = self._sources(x, layer, kernels, setting.min_blocks, setting.load_batch)
         functions = compile_all(sources)
         E, F_ = layer.out_hw
         total = x.shape[0] * ((E // 2) * (F_ // 2) * 4 if setting.max_pool else E * F_)
