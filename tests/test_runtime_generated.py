@@ -120,6 +120,9 @@ def test_a_strided_layer_runs_as_its_phase_split(on_cpu: GeneratedBackend, case:
 LOAD_BATCHES = ({"rows": 32, "programs": 1, "load_batch": 16}, {"rows": 32, "programs": 1, "load_batch": 32})
 """The settings of 32 rows whose bodies group their loads: timed wherever the first setting is."""
 
+WIDE_LOAD_BATCH = {"rows": 64, "programs": 1, "load_batch": 16}
+"""The setting of 64 rows whose body groups its loads: timed where 64 rows are."""
+
 
 def test_tuning_space_bounds_the_generated_body() -> None:
     backend = get_backend("generated")
@@ -131,7 +134,7 @@ def test_tuning_space_bounds_the_generated_body() -> None:
     assert backend.tuning_space(x, layer(out_channels=100), ConvGeometry.of(1, 1)) == [  # 4 programs of 32 rows
         {"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 128, "programs": 1},
         {"rows": 32, "programs": 4}, {"rows": 32, "programs": 1, "streams": 8},
-        {"rows": 32, "programs": 1, "streams": 8, "graph": True}, *LOAD_BATCHES]
+        {"rows": 32, "programs": 1, "streams": 8, "graph": True}, *LOAD_BATCHES, WIDE_LOAD_BATCH]
     assert {"rows": 128, "programs": 1} not in backend.tuning_space(x, layer(out_channels=64), ConvGeometry.of(1, 1))
     assert backend.tuning_space(x, layer(out_channels=20), ConvGeometry.of(1, 1)) == [  # one kernel
         SETTINGS[0], *LOAD_BATCHES]
@@ -307,12 +310,13 @@ def test_kernel_sources_do_not_depend_on_the_batch_and_are_what_precompile_compi
     assert sources == on_cpu.kernel_sources(large, csr, geometry, space)
     assert set(on_cpu.kernel_sources(large, csr, geometry, chunked)) == set(sources)
     # 200 rows: 7 programs of 32 (listed again for the streams setting and its graph), 4 of 64, 2 of 128, 2 kernels
-    # of 4 programs of 32, and 7 programs of 32 at each of two groupings of their loads, sources of their own
+    # of 4 programs of 32, and 7 programs of 32 at each of two groupings of their loads and 4 of 64 at one, sources
+    # of their own
     assert [(p["rows"], p["programs"], p.get("streams", 1), p.get("graph", False), p.get("load_batch", 1))
             for p in space] == [
         (32, 1, 1, False, 1), (64, 1, 1, False, 1), (128, 1, 1, False, 1), (32, 4, 1, False, 1), (32, 1, 8, False, 1),
-        (32, 1, 8, True, 1), (32, 1, 1, False, 16), (32, 1, 1, False, 32)]
-    assert len(sources) == 7 + 4 + 2 + 2 + 7 + 7 + 7 + 7 and len(set(sources)) == 7 + 4 + 2 + 2 + 7 + 7
+        (32, 1, 8, True, 1), (32, 1, 1, False, 16), (32, 1, 1, False, 32), (64, 1, 1, False, 16)]
+    assert len(sources) == 7 + 4 + 2 + 2 + 7 + 7 + 7 + 7 + 4 and len(set(sources)) == 7 + 4 + 2 + 2 + 7 + 7 + 4
     strided = on_cpu.kernel_sources(small, csr, ConvGeometry.of(2, 1), on_cpu.tuning_space(
         small, csr, ConvGeometry.of(2, 1)))  # the two min_blocks settings: 4 programs of 64 each, other bounds
     assert len(strided) == len(sources) + 2 * 4 and len(set(strided)) == len(set(sources)) + 2 * 4

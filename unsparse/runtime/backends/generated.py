@@ -43,7 +43,8 @@ SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 1
             {"rows": 32, "programs": 4}, {"rows": 32, "programs": 8}, {"rows": 32, "programs": 1, "streams": 8},
             {"rows": 64, "programs": 1, "chunks": 4}, {"rows": 64, "programs": 1, "min_blocks": 1},
             {"rows": 64, "programs": 1, "min_blocks": 2}, {"rows": 32, "programs": 1, "streams": 8, "graph": True},
-            {"rows": 32, "programs": 1, "load_batch": 16}, {"rows": 32, "programs": 1, "load_batch": 32})
+            {"rows": 32, "programs": 1, "load_batch": 16}, {"rows": 32, "programs": 1, "load_batch": 32},
+            {"rows": 64, "programs": 1, "load_batch": 16})
 """The settings the comparator times, the first the default: output channels per program (KT, the register
 accumulators per thread), programs per kernel (G; G > 1 runs ``generated_conv_shared``, v31, each program on its
 share of the SMs), ``streams``, how many of the layer's kernels may run at once (default 1, one after another; a
@@ -77,7 +78,11 @@ registers: on the H200 (sixty-second session, synthetic uniform
 weights at 0.9, FP32 b128, 32 rows) it ran ResNet-50's layer2.1.conv2 1.61x faster at 16 (ptxas had given three of
 its four programs 48 registers and loads 13 instructions ahead of their use) and layer1.0.conv2 1.34x at 32, but
 VGG16's features.12 6 % slower at 16 and 1.5x slower at 32, and layer3.1.conv2 8 % slower at 16 and 4 % faster at 32:
-a choice per layer, timed beside the others."""
+a choice per layer, timed beside the others. At 64 rows VGG16's features.12 ran 1.25x faster at 16 (still slower than
+32 rows ungrouped); local ptxas puts ResNet-50's layer1.0.conv2 program of 64 rows, that layer's winner in the fp32
+plan of the sixty-first session, at 80 registers and loads 22 instructions ahead ungrouped, 120 and 90 at 16. A
+kernel of several programs is not grouped: its bodies share the registers of the most demanding one (layer2.1.conv2's
+four: 64 registers, loads 71 instructions ahead, ungrouped)."""
 
 GRAPH_BYTES = 2**28
 """Most bytes a ``graph`` setting's captured call may hold for the comparator to time it: the input's copy, the padded
