@@ -63,6 +63,15 @@ def uniform_weight(out_channels: int, channels: int, kernel: int, sparsity: floa
     return weight.reshape(out_channels, channels, kernel, kernel)
 
 
+def kernel_arguments(padded: Any, y: Any, total: int, out_channels: int, first: int) -> tuple[Any, ...]:
+    """``generated_conv``'s arguments, in the order of its signature (``kernels/generated_conv.cu``): the padded
+    float32 input, no bias, the output, ``N * E * F`` pixels, the layer's output channels, the program's first row, and
+    the ReLU and max-pool flags off. A launch that passes fewer than the kernel takes reads past its argument array
+    (the first run of the sixty-second session segfaulted so, its launch predating v39's ``pool``)."""
+    return (padded, np.uint64(0), y, np.int32(total), np.int32(out_channels), np.int32(first), np.int32(0),
+            np.int32(0))
+
+
 def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...],
              load_batch: int = gs.LOAD_BATCH) -> dict[str, Any]:
     """Compile with the NVRTC ``options`` and ``load_batch`` taps per group of loads
@@ -94,9 +103,8 @@ def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...],
         padded = padded_float32(x, (padding, padding))  # the backend's padded float32 input (pad_planes)
         padded_cp = cupy.from_dlpack(padded)
         for program, function, grid in zip(programs, functions, grids, strict=True):
-            function(grid, (threads, 1, 1), (padded_cp, np.uint64(0), y_cp, np.int32(batch * size * size),
-                                                np.int32(out_channels), np.int32(program.first), np.int32(0),
-                                                np.int32(0)))  # relu, pool off
+            function(grid, (threads, 1, 1), kernel_arguments(padded_cp, y_cp, batch * size * size, out_channels,
+                                                                program.first))
         return y
 
     dense = torch.from_numpy(weight).to(device)

@@ -65,3 +65,20 @@ def test_probe_generated_builds_its_icache_kernel_with_the_same_generator(
     assert ".visible .entry icache(.param .u64 out, .param .u32 iterations) {" in source
     assert len(re.findall(r"fma\.rn\.f32", source)) == 64 and "%smid" not in source and "START1" not in source
     assemble(source, tmp_path)
+
+
+def test_probe_generated_passes_every_argument_of_the_kernels_signature(
+        load_script: Callable[[str], ModuleType], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe launches ``generated_conv`` itself: it must pass as many arguments as the kernel takes, each of the
+    parameter's width (a pointer 64 bits, an int 32)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "scripts"))
+    skeleton = (Path(__file__).resolve().parent.parent / "kernels" / "generated_conv.cu").read_text()
+    signature = re.search(r"LAUNCH_BOUNDS generated_conv\((.*?)\)", skeleton, re.S).group(1)
+    parameters = [" ".join(parameter.split()) for parameter in signature.split(",")]
+    arguments = load_script("probe_generated").kernel_arguments(object(), object(), 10, 4, 2)
+    assert len(arguments) == len(parameters) == 8
+    for parameter, argument in zip(parameters, arguments, strict=True):
+        if "*" in parameter:
+            assert not isinstance(argument, np.int32), parameter
+        else:
+            assert parameter.startswith("int ") and isinstance(argument, np.int32), parameter
