@@ -48,6 +48,27 @@ def test_end_to_end_compares_both_planned_layouts_with_both_dense_layouts() -> N
     # one input every call, as the page says of end-to-end runs (per-layer timings rotate theirs)
     assert record["dense_timing"]["rotation"] == record["planned_timing"]["rotation"] == 1
     assert record["planned_nhwc_timing"]["rotation"] == 1
+    assert record["channels_last_plan"] == "planned"
+
+
+def test_a_model_planned_in_nchw_only_still_times_the_dense_model_in_both_layouts() -> None:
+    """``channels_last=False`` skips the channels-last plan (its planning's device time) and what needs it, the
+    planned NHWC and switched times, and says so; the dense baselines keep every layout."""
+    torch.manual_seed(3)
+    pooled = bench.magnitude_prune_(nn.Sequential(nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+                                                  nn.Conv2d(4, 4, 3), nn.ReLU()).eval(), 0.5)
+    plan = Plan()
+    record = end_to_end.bench_end_to_end(pooled, (3, 12, 10), 2, "fp32", torch.device("cpu"), 3, plan,
+                                         ["dense_cpu", "im2col_cublas"], channels_last=False)
+    assert record["channels_last_plan"] == "not asked"
+    assert len(plan.entries) == record["layers_planned_now"] == 2  # each layer once, in NCHW
+    assert all("fmt=nhwc" not in key for key in plan.entries)
+    assert record["planned_nhwc_ms"] is None and record["planned_nhwc_rel_error"] is None
+    assert record["plan_check_nhwc"] is None and record["backend_counts_nhwc"] == {}
+    assert record["layout_switch"] is None and record["planned_switched_ms"] is None
+    assert record["best_planned_layout"] == "nchw"
+    assert record["dense_nhwc_ms"] > 0 and record["dense_switched_ms"] > 0
+    assert record["planned_ms"] > 0 and record["rel_error"] < 1e-5
 
 
 def test_the_callers_model_keeps_its_device_dtype_and_weights_after_a_half_precision_run() -> None:
@@ -119,6 +140,7 @@ def test_a_one_channel_model_is_not_planned_in_channels_last() -> None:
     assert record["planned_nhwc_ms"] is None and record["planned_nhwc_rel_error"] is None
     assert record["plan_check_nhwc"] is None
     assert record["layers_planned_now"] == 2 and record["best_planned_layout"] == "nchw"
+    assert record["channels_last_plan"] == "one channel"
 
 
 COSTS_MS = {("dense_cpu", 8): 1.0, ("im2col_cublas", 8): 0.99, ("im2col_cusparse", 8): 2.0,

@@ -776,3 +776,16 @@ def test_report_says_how_many_plan_entries_a_resumed_run_read(result):
     text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert ("- vgg16 fp32 b128: 0 layer keys compared, 0.0 s of compiles, settings screened out on 0; "
             "the plan held 92 entries when it began\n") in text
+
+
+def test_a_model_planned_in_nchw_only_by_request_is_named_under_the_table(result):
+    """An end-to-end record without a channels-last plan because the run did not ask for one says so below the
+    table, so its missing NHWC and switched planned times do not read as lost or slower; one whose input has one
+    channel (no layout to plan in) is not named there."""
+    record = result["end_to_end"][0]
+    record["channels_last_plan"] = "one channel"
+    assert "Planned in NCHW only" not in markdown_report({**result, "targets": evaluate_targets(result)})
+    record["channels_last_plan"] = "not asked"
+    page = markdown_report({**result, "targets": evaluate_targets(result)})
+    assert ("Planned in NCHW only, as the run asked (`end_to_end_channels_last` false): vgg16 fp32 b128; their planned "
+            "NHWC and switched times were not measured, not found slower.") in page

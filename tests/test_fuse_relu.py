@@ -116,3 +116,6 @@ def test_the_benchmark_refuses_a_fuse_flag_that_is_not_a_bool() -> None:
     with pytest.raises(bench.BenchRefusedError, match="end_to_end_fuse_relu: expected true or false, got 'yes'"):
         bench.check_run_settings(end_to_end_fuse_relu="yes")
     bench.check_run_settings(end_to_end_fuse_relu=True)
+    with pytest.raises(bench.BenchRefusedError, match="end_to_end_channels_last: expected true or false, got 0"):
+        bench.check_run_settings(end_to_end_channels_last=0)
+    bench.check_run_settings(end_to_end_channels_last=False)

@@ -705,10 +705,15 @@ def _end_to_end_table(records: Sequence[dict[str, Any]]) -> list[str]:
                      f"{_fmt(r.get('dense_nhwc_graph_ms'))} | {_fmt(r.get('planned_nhwc_graph_ms'))} | "
                      f"{_error_text(r['rel_error'])} | {r.get('backend_counts', '')}{_off_cudnn(r)}"
                      + _fusion_text(r) + _passes_text(r) + " | "
-                     f"{r.get('backend_counts_nhwc', '-')}{_off_cudnn(r, '_nhwc')}" + _passes_text(r, "_nhwc")
+                     f"{r.get('backend_counts_nhwc') or '-'}{_off_cudnn(r, '_nhwc')}" + _passes_text(r, "_nhwc")
                      + ("; " + _fold_text(r, "_nhwc") if fold_policy(r) == "epilogue" and r.get("backend_counts_nhwc")
                         else "")
                      + " |")
+    unasked = [f"{r['model']} {precision_label(r)} b{r['batch']}" for r in records
+               if r.get("channels_last_plan") == "not asked"]
+    if unasked:
+        lines += ["", "Planned in NCHW only, as the run asked (`end_to_end_channels_last` false): "
+                  f"{', '.join(unasked)}; their planned NHWC and switched times were not measured, not found slower."]
     return lines + _switched_lines(records)
 
 

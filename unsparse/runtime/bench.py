@@ -112,7 +112,7 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
                    sparse_input_shape: Sequence[int] | None, layer_filter: str | None, time_budget_s: float | None,
                    timing: str, seed: int, end_to_end_fuse_relu: bool = False,
                    end_to_end_fuse_max_pool: bool = False, end_to_end_fold_batch_norm: str = "off",
-                   end_to_end_backends: Sequence[str] = ()) -> None:
+                   end_to_end_backends: Sequence[str] = (), end_to_end_channels_last: bool = True) -> None:
     """Check :func:`run_bench`'s settings (same meanings) before any GPU work, so that a typo does not surface
     after minutes of timings or as a traceback deep inside them: model names from :data:`MODELS`, precisions from
     :data:`~unsparse.runtime.precision.PRECISIONS`, sparsities in ``[0, 1)`` (the range of :func:`magnitude_prune_`),
@@ -120,8 +120,8 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
     ``sparse_file`` an existing file with a non-empty ``sparse_input_shape`` (positive integers), ``layer_filter`` a
     regular expression, ``time_budget_s`` > 0, ``timing`` one of :data:`~unsparse.runtime.comparator.TIMINGS`, ``seed``
     an integer in ``[0, 2^32)``, the seeds torch's CPU generator tells apart (:func:`~unsparse.settings.check_seed`;
-    ``seed=1.5`` reached ``torch.manual_seed``, which took it as 1), ``end_to_end_fuse_relu`` and
-    ``end_to_end_fuse_max_pool`` bools, ``end_to_end_fold_batch_norm`` one of
+    ``seed=1.5`` reached ``torch.manual_seed``, which took it as 1), ``end_to_end_fuse_relu``,
+    ``end_to_end_fuse_max_pool`` and ``end_to_end_channels_last`` bools, ``end_to_end_fold_batch_norm`` one of
     :data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`, ``end_to_end_backends`` a list of sparse backends
     (:data:`~unsparse.runtime.precision.SPARSE_BACKENDS`; ``auto`` among them would resolve to itself).
 
@@ -159,7 +159,8 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
                 check_integer(value, "sparse_input_shape")
         check_seed(seed)
         for field, value in (("end_to_end_fuse_relu", end_to_end_fuse_relu),
-                             ("end_to_end_fuse_max_pool", end_to_end_fuse_max_pool)):
+                             ("end_to_end_fuse_max_pool", end_to_end_fuse_max_pool),
+                             ("end_to_end_channels_last", end_to_end_channels_last)):
             if not isinstance(value, bool):
                 raise ValueError(f"{field}: expected true or false, got {value!r}")
         if not isinstance(end_to_end_fold_batch_norm, str) or end_to_end_fold_batch_norm not in FOLD_POLICIES:
@@ -492,7 +493,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
               layer_filter: str | None = None, time_budget_s: float | None = None,
               timing: str = "eager", record: Mapping[str, str] | None = None,
               end_to_end_fuse_relu: bool = False, end_to_end_fuse_max_pool: bool = False,
-              end_to_end_fold_batch_norm: str = "off", end_to_end_backends: Sequence[str] = ()) -> dict[str, Any]:
+              end_to_end_fold_batch_norm: str = "off", end_to_end_backends: Sequence[str] = (),
+              end_to_end_channels_last: bool = True) -> dict[str, Any]:
     """Run the benchmark on ``cuda:0`` and write ``bench.json``, ``bench.md`` and plots to ``out_dir``.
 
     Before the layers of a model and sparsity are compared, and before a model is timed whole, the kernels a sparse
@@ -518,6 +520,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             layer), their kernels compiled ahead with the model's. Such a plan is kept apart from the plan file,
             whose choices were made among fewer backends (beside it, :func:`plan_file`); each record names its
             backends (``sparse_backends``).
+        end_to_end_channels_last: False plans those models in NCHW only (no channels-last or switched planned
+            times; :func:`~unsparse.runtime.end_to_end.bench_end_to_end`'s ``channels_last``).
         runs: timed runs per setting (>= 20 per the protocol).
         sparse_file, sparse_input_shape: a trained sparse model (``unsparse.sparse.io.load_sparse``) and its
             per-sample input shape, e.g. ``(1, 28, 28)``; planned and timed end to end at each batch size.
@@ -552,7 +556,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     """
     check_settings(models, sparsities, batches, precisions, lowering_models, end_to_end, end_to_end_sparsity,
                    end_to_end_batch, runs, sparse_file, sparse_input_shape, layer_filter, time_budget_s, timing, seed,
-                   end_to_end_fuse_relu, end_to_end_fuse_max_pool, end_to_end_fold_batch_norm, end_to_end_backends)
+                   end_to_end_fuse_relu, end_to_end_fuse_max_pool, end_to_end_fold_batch_norm, end_to_end_backends,
+                   end_to_end_channels_last)
     if not torch.cuda.is_available():
         raise BenchRefusedError("run_bench needs a CUDA GPU, and torch sees none here")
     out_dir = Path(out_dir)
@@ -639,7 +644,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                 record = bench_end_to_end(model, (3, 224, 224), end_to_end_batch, precision, device, runs,
                                           plan_for(precision, end_to_end_backends), backends,
                                           end_to_end_fuse_relu, end_to_end_fuse_max_pool,
-                                          end_to_end_fold_batch_norm, checkpoint=lambda _, key=key: save_plan(key))
+                                          end_to_end_fold_batch_norm, checkpoint=lambda _, key=key: save_plan(key),
+                                          channels_last=end_to_end_channels_last)
             except RuntimeError as exc:  # e.g. no backend matched the reference on some layer: say so, go on
                 result["failed"].append({"what": f"end to end {name} {precision}", "error": str(exc)})
                 print(f"e2e {name} {precision}: FAILED: {exc}")
