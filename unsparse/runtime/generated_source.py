@@ -161,7 +161,7 @@ def programs(weight: np.ndarray, padding: tuple[int, int], in_hw: tuple[int, int
     return result
 
 
-def products_source(program: Program, name: str = "products", load_batch: int = 1) -> str:
+def products_source(program: Program, name: str = "products", load_batch: int = LOAD_BATCH) -> str:
     """CUDA text of the device function ``name``, the program's body: per tap one float32 load of ``base[offset]``
     (the padded input is float32 for every storage type, ``kernels/generated_conv.cu``), then one ``fmaf`` per
     product with the weight as an exact hexadecimal float literal.
