@@ -393,8 +393,8 @@ def test_a_setting_is_estimated_by_a_call_of_its_medians_kernel_once_per_kernel(
         probe_run.products[params["rows"], median.first] = median.products
         if params["programs"] == 1:
             probes.append((median.first, params["rows"], params.get("min_blocks", 0), True, False,
-                           params.get("load_batch", 1)))
-            source = (gs.kernel_source(median, x.dtype, params.get("min_blocks", 0), params.get("load_batch", 1)),
+                           params.get("load_batch", gs.LOAD_BATCH)))
+            source = (gs.kernel_source(median, x.dtype, params.get("min_blocks", 0), params.get("load_batch", gs.LOAD_BATCH)),
                       gs.ENTRY)
             assert source in on_cpu.kernel_sources(x, csr, geometry, [params])
         expected.append(len(every) * 0.001 * median.products if params["programs"] == 1 else None)
