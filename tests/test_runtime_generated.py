@@ -392,10 +392,9 @@ def test_a_setting_is_estimated_by_a_call_of_its_medians_kernel_once_per_kernel(
         median = sorted(every, key=lambda program: program.products)[len(every) // 2]
         probe_run.products[params["rows"], median.first] = median.products
         if params["programs"] == 1:
-            probes.append((median.first, params["rows"], params.get("min_blocks", 0), True, False,
-                           params.get("load_batch", gs.LOAD_BATCH)))
-            source = (gs.kernel_source(median, x.dtype, params.get("min_blocks", 0), params.get("load_batch", gs.LOAD_BATCH)),
-                      gs.ENTRY)
+            load_batch = params.get("load_batch", gs.LOAD_BATCH)
+            probes.append((median.first, params["rows"], params.get("min_blocks", 0), True, False, load_batch))
+            source = gs.kernel_source(median, x.dtype, params.get("min_blocks", 0), load_batch), gs.ENTRY
             assert source in on_cpu.kernel_sources(x, csr, geometry, [params])
         expected.append(len(every) * 0.001 * median.products if params["programs"] == 1 else None)
     inputs = [x, x + 1.0]
