@@ -168,7 +168,7 @@ def products_source(program: Program, name: str = "products", load_batch: int = 
 
     ``load_batch`` taps form a group whose loads (``v0`` .. ``v{load_batch - 1}``) come before all of the group's
     products, so that each thread has that many loads in flight. With one load per group, ptxas scheduled some
-    programs' loads 13 instructions ahead of their first use at 48 registers and others 71 ahead at 64, and the same
+    programs' loads 11 instructions ahead of their first use at 48 registers and others 68 ahead at 64, and the same
     instruction count ran 2x as long (ResNet-50's layer2.1.conv2 at 0.9, FP32 b128: 82 against 40 us per program;
     ``kernels/NOTES.md``, sixty-second session).
 
