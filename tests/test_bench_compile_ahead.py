@@ -277,7 +277,8 @@ def test_whole_models_planned_on_added_backends_compile_per_dtype_and_plan_apart
         ahead.append((list(precisions), list(also), {id(plan) for plan in plans}))
         return {"layers": 0, "kernels": 0, "skipped": 0, "seconds": 0.0}
 
-    def bench_end_to_end(model, shape, batch, precision, device, runs, plan, backends, *options, checkpoint):
+    def bench_end_to_end(model, shape, batch, precision, device, runs, plan, backends, *options, checkpoint,
+                         channels_last):
         plan.entries[f"layer at {precision}"] = PlanEntry("generated", median_ms=1.0)
         planned.append((precision, backends, id(plan)))
         return {"batch": batch, "precision": precision, "dense_ms": 2.0, "planned_ms": 1.0}
@@ -315,7 +316,8 @@ def test_a_run_killed_while_planning_a_whole_model_resumes_from_the_layers_plann
     monkeypatch.setattr(bench, "build_model", lambda name: conv_batch_norm_relu())
     seen: list[set[str]] = []
 
-    def bench_end_to_end(model, shape, batch, precision, device, runs, plan, backends, *options, checkpoint):
+    def bench_end_to_end(model, shape, batch, precision, device, runs, plan, backends, *options, checkpoint,
+                         channels_last):
         seen.append(set(plan.entries))
         for layer in ("first", "second"):
             if layer not in plan.entries:
