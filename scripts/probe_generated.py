@@ -14,6 +14,7 @@ convolution alone in FP32 (TF32 off), TF32 and FP16 (faster of NCHW and NHWC) wi
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import platform
@@ -73,11 +74,12 @@ def kernel_arguments(padded: Any, y: Any, total: int, out_channels: int, first: 
 
 
 def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...],
-             load_batch: int = gs.LOAD_BATCH) -> dict[str, Any]:
-    """Compile with the NVRTC ``options`` and ``load_batch`` taps per group of loads
-    (:func:`~unsparse.runtime.generated_source.products_source`), check and time one case; the record holds every
-    figure and how it was obtained (``compile_s`` is NVRTC's time only where CuPy's kernel cache misses: give the
-    run an empty ``CUPY_CACHE_DIR``)."""
+             load_batch: int = gs.LOAD_BATCH, min_blocks: int = 0) -> dict[str, Any]:
+    """Compile with the NVRTC ``options``, ``load_batch`` taps per group of loads
+    (:func:`~unsparse.runtime.generated_source.products_source`) and ``min_blocks`` blocks per SM in the launch
+    bound (0: none; ptxas fits the registers to it, :func:`~unsparse.runtime.generated_source.kernel_source`), check
+    and time one case; the record holds every figure and how it was obtained (``compile_s`` is NVRTC's time only
+    where CuPy's kernel cache misses: give the run an empty ``CUPY_CACHE_DIR``)."""
     import cupy
 
     name, channels, out_channels, size, kernel, padding, sparsity, dtype_name, rows = case
@@ -90,7 +92,7 @@ def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...],
     started = time.perf_counter()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     threads = gs.choose_threads(batch * size * size, sms)
-    sources = [(gs.kernel_source(program, dtype, load_batch=load_batch), gs.ENTRY) for program in programs]
+    sources = [(gs.kernel_source(program, dtype, min_blocks, load_batch), gs.ENTRY) for program in programs]
     functions = compile_all(sources, options=options)
     compile_s = time.perf_counter() - started
     x = torch.randn(batch, channels, size, size, device=device).to(dtype)
@@ -120,7 +122,8 @@ def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...],
         "dtype": dtype_name, "target_sparsity": sparsity,
         "measured_sparsity": 1 - np.count_nonzero(weight) / weight.size,
         "weights": "synthetic: uniform nnz per output channel, random positions, seed 0",
-        "rows_per_kernel": rows, "load_batch": load_batch, "nvrtc_options": list(options), "threads": threads,
+        "rows_per_kernel": rows, "load_batch": load_batch, "min_blocks": min_blocks, "nvrtc_options": list(options),
+        "threads": threads,
         "kernels": len(programs),
         "grids": [g[0] for g in grids],
         "body_instructions": [len(p.taps) + p.products for p in programs], "compile_s": compile_s,
@@ -210,6 +213,9 @@ def main() -> None:
     parser.add_argument("--skip-icache", action="store_true", help="leave out the instruction-cache probe")
     parser.add_argument("--load-batches", type=int, nargs="+", default=[gs.LOAD_BATCH],
                         help="taps per group of loads in the generated bodies; each case runs once per value")
+    parser.add_argument("--min-blocks", type=int, nargs="+", default=[0],
+                        help="blocks per SM of the kernels' launch bound (0: none); each case runs once per value "
+                             "and --load-batches value")
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     result: dict[str, Any] = {"environment": environment(), "commit": args.commit, "batch": args.batch,
@@ -219,11 +225,11 @@ def main() -> None:
     result["icache"] = [] if args.skip_icache else icache_probe(args.runs)
     atomic_write_text(args.out / "probe.json", json.dumps(result, indent=1))
     for index in args.cases if args.cases is not None else range(len(CASES)):
-        for load_batch in args.load_batches:
+        for load_batch, min_blocks in itertools.product(args.load_batches, args.min_blocks):
             try:
-                record = run_case(CASES[index], args.batch, args.runs, options, load_batch)
+                record = run_case(CASES[index], args.batch, args.runs, options, load_batch, min_blocks)
             except Exception as error:  # a failed case is recorded, and the next one still runs
-                record = {"case": list(CASES[index]), "load_batch": load_batch,
+                record = {"case": list(CASES[index]), "load_batch": load_batch, "min_blocks": min_blocks,
                           "error": f"{type(error).__name__}: {error}"}
             result["records"].append(record)
             print(json.dumps({k: v for k, v in record.items() if not k.startswith("cudnn_")}), flush=True)
