@@ -92,12 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     bench.require_cuda("estimate_accuracy.py")
     device = torch.device("cuda")
-    torch.manual_seed(0)
-    model = bench.magnitude_prune_(bench.build_model(args.model), args.sparsity)
-    layers = {layer.name: layer for layer in bench.conv_layers(model, (3, 224, 224), merge=False)}
-    unknown = sorted(set(args.layers) - set(layers))
-    if unknown:
-        parser.error(f"--layers: {unknown} are not convs of {args.model}")
+    try:
+        layers = bench.pruned_layers(args.model, args.sparsity, args.layers)
+    except ValueError as error:
+        parser.error(f"--layers: {error}")
     result: dict[str, Any] = {"environment": bench.environment(os.environ.get("UNSPARSE_COMMIT")),
                               "model": args.model, "sparsity": args.sparsity, "weights": "synthetic, magnitude-pruned",
                               "screen_ratio": SCREEN_RATIO, "tf32": False, "records": []}

@@ -1,9 +1,10 @@
 """How far ahead of their first use the ``generated`` kernels' loads are scheduled, from the compiled SASS, on the CPU.
 
 For chosen conv layers of a torchvision model with synthetic weights magnitude-pruned to a stated sparsity
-(``bench.build_model``, ``bench.magnitude_prune_``) and chosen settings (``rows``, ``load_batch``, ``min_blocks``),
-every program's one-program kernel source (``generated_source.kernel_source``) is compiled for sm_90 with the local
-``nvcc -cubin -Xptxas -v`` (the registers ptxas gives it) and disassembled with ``cuobjdump -sass``; per program the
+(``bench.pruned_layers``) and chosen settings (``rows``, ``load_batch``, ``min_blocks``), every program's
+one-program kernel source, as the backend lists it (``GeneratedBackend.kernel_sources``), is compiled for sm_90 with
+the local ``nvcc -cubin -Xptxas -v`` (the registers ptxas gives it) and disassembled with ``cuobjdump -sass``; per
+program the
 record holds the registers, the counts of LDG and FFMA instructions and of all instructions, and the load-to-use
 distance: for each LDG, the instructions until the first one that reads its destination register (median and mean
 over the program's loads). With one loaded value feeding a few FMAs, the distance is what hides the load's latency:
@@ -37,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from unsparse.atomic import atomic_write_text
 from unsparse.runtime import bench
-from unsparse.runtime import generated_source as gs
 from unsparse.runtime.backends import get_backend
 from unsparse.sparse.format import UniformCSR
 
@@ -172,27 +172,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.nvcc is None or args.cuobjdump is None:
         parser.error("needs nvcc and cuobjdump (on the PATH, or --nvcc / --cuobjdump)")
-    torch.manual_seed(0)
-    model = bench.magnitude_prune_(bench.build_model(args.model), args.sparsity)
-    layers = {layer.name: layer for layer in bench.conv_layers(model, (3, 224, 224), merge=False)}
-    unknown = sorted(set(args.layers) - set(layers))
-    if unknown:
-        parser.error(f"--layers: {unknown} are not convs of {args.model}")
+    try:
+        layers = bench.pruned_layers(args.model, args.sparsity, args.layers)
+    except ValueError as error:
+        parser.error(f"--layers: {error}")
     backend = get_backend("generated")
     dtype = getattr(torch, args.dtype)
     jobs = []
     for name in args.layers:
         layer = layers[name]
-        csr = UniformCSR.from_dense(layer.weight.float())
-        stride_one = backend.stride_one_layer(torch.empty(1, *layer.in_chw), csr, layer.geometry)
-        weight = stride_one.csr.to_conv2d_weight().float().numpy()
+        csr = UniformCSR.from_dense(layer.weight.to(dtype))
+        x = torch.empty(1, *layer.in_chw, dtype=dtype)  # the sources hold no batch size
         for setting in args.settings:
-            programs = gs.programs(weight, stride_one.geometry.padding, stride_one.in_hw, setting["rows"],
-                                   stride_one.out_hw)
-            jobs += [({"layer": name, "setting": setting, "program": index},
-                      gs.kernel_source(program, dtype, setting.get("min_blocks", 0),
-                                       setting.get("load_batch", gs.LOAD_BATCH)))
-                     for index, program in enumerate(programs)]
+            sources = backend.kernel_sources(x, csr, layer.geometry, [{**setting, "programs": 1}])
+            jobs += [({"layer": name, "setting": setting, "program": index}, source)
+                     for index, (source, _) in enumerate(sources)]
     with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(args.workers) as pool:
         measured = list(pool.map(lambda job: compile_program(job[1][1], Path(folder), f"k{job[0]}", args.nvcc,
                                                              args.cuobjdump), enumerate(jobs)))

@@ -58,9 +58,10 @@ def main(argv: list[str] | None = None) -> int:
     before = [int(count) for count in args.before.split(",") if count]
     for count in before:
         side_streams(device, count)
-    torch.manual_seed(0)
-    model = bench.magnitude_prune_(bench.build_model(args.model), args.sparsity)
-    layer = {conv.name: conv for conv in bench.conv_layers(model, (3, 224, 224), merge=False)}[args.layer]
+    try:
+        layer = bench.pruned_layers(args.model, args.sparsity, [args.layer])[args.layer]
+    except ValueError as error:
+        parser.error(f"--layer: {error}")
     csr = UniformCSR.from_dense(layer.weight.to(device))
     x = torch.randn(args.batch, *layer.in_chw, device=device)
     inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(device)))

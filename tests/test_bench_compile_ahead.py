@@ -345,3 +345,17 @@ def test_a_run_killed_while_planning_a_whole_model_resumes_from_the_layers_plann
     assert seen == [set(), {"first"}]
     assert set(Plan.load(tmp_path / "plan_direct+generated.json").entries) == {"first", "second"}
     assert set(Plan.load(tmp_path / "plan.json").entries) == {"a direct layer"}
+
+
+def test_pruned_layers_are_the_named_convs_with_their_own_pruned_weights_in_the_order_asked() -> None:
+    """The scripts that time or compile chosen layers (estimate_accuracy, load_distance, time_side_streams) take them
+    from one place: the same seed gives the same weights, and a name that is no conv is refused naming it."""
+    layers = bench.pruned_layers("alexnet", 0.9, ["features.3", "features.0"])
+    assert list(layers) == ["features.3", "features.0"]
+    assert layers["features.3"].weight.shape == (192, 64, 5, 5) and layers["features.0"].in_chw == (3, 224, 224)
+    density = (layers["features.3"].weight != 0).float().mean().item()
+    assert density == pytest.approx(0.1, abs=0.01)
+    again = bench.pruned_layers("alexnet", 0.9, ["features.3"])["features.3"]
+    assert torch.equal(again.weight, layers["features.3"].weight)
+    with pytest.raises(ValueError, match=r"\['classifier.1', 'features.1'\] are not convs of alexnet"):
+        bench.pruned_layers("alexnet", 0.9, ["features.1", "features.3", "classifier.1"])

@@ -285,6 +285,23 @@ def conv_layers(model: nn.Module, input_shape: Sequence[int], merge: bool = True
     return [seen[key] for key in order]
 
 
+def pruned_layers(model: str, sparsity: float, names: Sequence[str]) -> dict[str, ConvLayer]:
+    """The convs ``names`` of the torchvision ``model`` (:func:`build_model`) with synthetic weights magnitude-pruned
+    to ``sparsity`` (:func:`magnitude_prune_`) after ``torch.manual_seed(0)``, each with its own weights at 224x224
+    (:func:`conv_layers` unmerged), by name, in the order of ``names``.
+
+    Raises:
+        ValueError: naming those of ``names`` that are no conv of the model.
+    """
+    torch.manual_seed(0)
+    layers = {layer.name: layer for layer in conv_layers(magnitude_prune_(build_model(model), sparsity), (3, 224, 224),
+                                                          merge=False)}
+    unknown = sorted(set(names) - set(layers))
+    if unknown:
+        raise ValueError(f"{unknown} are not convs of {model}")
+    return {name: layers[name] for name in names}
+
+
 def layer_backends(layer: ConvLayer, batch: int, dtype: torch.dtype, lowering: bool,
                    sparse: str = "direct") -> tuple[list[str], str | None]:
     """Backends to compare on a layer (cuDNN, the ``sparse`` direct backend, the lowering baselines), and why

@@ -71,20 +71,19 @@ warps but no faster run; ``kernels/NOTES.md``, fifty-fifth session). ``graph`` (
 CUDA graph captured once per input shape (:meth:`GeneratedBackend.conv`), timed on the 8-stream setting only, whose
 many short kernels are host-bound when launched one by one (ResNet-50's layer4.0.conv3 at 0.9, batch 128, FP32: 64
 launches, 0.245 ms as a graph, 0.54-1.11 ms eagerly; ``kernels/NOTES.md``, fifty-eighth session), and only within
-:data:`GRAPH_BYTES`. ``load_batch`` (default :data:`~unsparse.runtime.generated_source.LOAD_BATCH`, 1) is the taps
-whose loads each body issues together before their products
-(:func:`~unsparse.runtime.generated_source.products_source`), which raises the loads in flight per thread and the
-registers: on the H200 (sixty-second session, synthetic uniform
-weights at 0.9, FP32 b128, 32 rows) it ran ResNet-50's layer2.1.conv2 1.61x faster at 16 (ptxas had given three of
-its four programs 48 registers and loads 11 instructions ahead of their use) and layer1.0.conv2 1.34x at 32, but
-VGG16's features.12 6 % slower at 16 and 1.5x slower at 32, and layer3.1.conv2 8 % slower at 16 and 4 % faster at 32:
-a choice per layer, timed beside the others. At 64 rows VGG16's features.12 ran 1.25x faster at 16 (still slower than
-32 rows ungrouped); local ptxas puts ResNet-50's layer1.0.conv2 program of 64 rows, that layer's winner in the fp32
-plan of the sixty-first session, at 80 registers and loads 19 instructions ahead ungrouped, 120 and 85 at 16. A
-kernel of several programs is not grouped: its bodies share the registers of the most demanding one (layer2.1.conv2's
-four: 64 registers, loads 69 instructions ahead, ungrouped). In the comparator (same session, a939c0e, ResNet-50 at 0.9,
-FP32 b128) 64 rows at 16 became layer1.0.conv2's best, 0.213 ms against 0.245 ungrouped, and layer1.0.conv1's, 0.105
-against 0.111; layer2.1.conv2's 4-program kernel stayed best (0.192 ms; one program at 16: 0.228)."""
+:data:`GRAPH_BYTES`. ``load_batch`` (default :data:`~unsparse.runtime.generated_source.LOAD_BATCH`, 1) is the taps whose
+loads each body issues together before their products (:func:`~unsparse.runtime.generated_source.products_source`),
+which raises the loads in flight per thread and the registers: on the H200 (sixty-second session, synthetic uniform
+weights at 0.9, FP32 b128, 32 rows) it ran ResNet-50's layer2.1.conv2 1.61x faster at 16 (ptxas had given three of its
+four programs 48 registers and loads 11 instructions ahead of their use) and layer1.0.conv2 1.34x at 32, but VGG16's
+features.12 6 % slower at 16 and 1.5x slower at 32, and layer3.1.conv2 8 % slower at 16 and 4 % faster at 32: a choice
+per layer, timed beside the others. At 64 rows VGG16's features.12 ran 1.25x faster at 16 (still slower than 32 rows
+ungrouped); local ptxas puts ResNet-50's layer1.0.conv2 program of 64 rows, that layer's winner in the fp32 plan of the
+sixty-first session, at 80 registers and loads 19 instructions ahead ungrouped, 120 and 85 at 16. A kernel of several
+programs is not grouped: its bodies share the registers of the most demanding one (layer2.1.conv2's four: 64 registers,
+loads 69 instructions ahead, ungrouped). In the comparator (same session, a939c0e, ResNet-50 at 0.9, FP32 b128) 64 rows
+at 16 became layer1.0.conv2's best, 0.213 ms against 0.245 ungrouped, and layer1.0.conv1's, 0.105 against 0.111;
+layer2.1.conv2's 4-program kernel stayed best (0.192 ms; one program at 16: 0.228)."""
 
 GRAPH_BYTES = 2**28
 """Most bytes a ``graph`` setting's captured call may hold for the comparator to time it: the input's copy, the padded
