@@ -133,6 +133,38 @@ def test_the_settings_a_plan_chose_compile_ahead_with_the_probes(compiles) -> No
     assert ahead["planned_layers"] == 2 and ahead["kernels"] == len(set(probes + planned))
 
 
+def test_every_setting_compiles_each_unplanned_layers_whole_tuning_space_and_a_planned_layers_choice(
+        compiles) -> None:
+    """With ``every_setting`` a layer no plan entry names gets every kernel of its tuning space ahead, those of
+    several programs among them, beside its probes; a layer a plan entry names gets its probes and the chosen
+    setting's kernels only, as without the flag (its comparison is skipped); a refused layer gets none."""
+    from unsparse.runtime.plan import Plan, PlanEntry, layer_key
+
+    layers = [conv_layer("planned", 40, 8), conv_layer("new", 160, 16), conv_layer("dilated", 40, 8, dilation=2)]
+    backend = generated.GeneratedBackend()
+    csrs = [UniformCSR.from_dense(layer.weight) for layer in layers[:2]]
+    xs = [torch.empty(1, *layer.in_chw) for layer in layers[:2]]
+    spaces = [backend.tuning_space(x, csr, layer.geometry) for x, csr, layer in zip(xs, csrs, layers, strict=False)]
+    chosen = spaces[0][0]
+    plan = Plan({layer_key(torch.empty(128, *layers[0].in_chw), csrs[0], layers[0].geometry, device="a GPU"):
+                 PlanEntry("generated", chosen, 0.1)})
+    ahead = bench.compile_ahead(layers, ["fp32_generated"], torch.device("cpu"), plans=[plan], every_setting=True)
+    probes = [kernel for x, csr, layer in zip(xs, csrs, layers, strict=False)
+              for kernel in backend.kernel_sources(x, csr, layer.geometry,
+                                                   backend.screen_space(x, csr, layer.geometry), probes=True)]
+    planned = backend.kernel_sources(xs[0], csrs[0], layers[0].geometry, [chosen])
+    every = backend.kernel_sources(xs[1], csrs[1], layers[1].geometry, spaces[1])
+    assert {entry for _, entry in every} == {gs.ENTRY, gs.SHARED_ENTRY}  # kernels of several programs too
+    assert len(compiles) == 1 and sorted(compiles[0]) == sorted(probes + planned + every)
+    assert ahead["every_setting"] is True and ahead["planned_layers"] == 1 and ahead["layers"] == 2
+    assert ahead["kernels"] == len(set(probes + planned + every))
+    whole = set(backend.kernel_sources(xs[0], csrs[0], layers[0].geometry, spaces[0]))
+    assert not whole <= set(compiles[0])  # the planned layer's other settings are left out
+    compiles.clear()
+    assert bench.compile_ahead(layers, ["fp32_generated"], torch.device("cpu"))["every_setting"] is False
+    assert not set(every) <= set(compiles[0])
+
+
 def test_a_kernel_signature_keeps_what_the_source_holds() -> None:
     """Batch, GPU, TF32 flags, epilogue and layout go; the plane, weight, row length and geometry stay."""
     key = "H200|float32+tf32|x=128x64x56x56|w=64x64x3x3|L=71|s=1x1|p=1x1|d=1x1|g=1|dims=2|epilogue=relu|fmt=nhwc"
@@ -273,8 +305,8 @@ def test_whole_models_planned_on_added_backends_compile_per_dtype_and_plan_apart
         folded.append((dtype, fold_batch_norm))
         return bench.conv_layers(model, input_shape, False)
 
-    def compile_ahead(layers, precisions, device, deadline=None, also=(), plans=()):
-        ahead.append((list(precisions), list(also), {id(plan) for plan in plans}))
+    def compile_ahead(layers, precisions, device, deadline=None, also=(), plans=(), every_setting=False):
+        ahead.append((list(precisions), list(also), {id(plan) for plan in plans}, every_setting))
         return {"layers": 0, "kernels": 0, "skipped": 0, "seconds": 0.0}
 
     def bench_end_to_end(model, shape, batch, precision, device, runs, plan, backends, *options, checkpoint,
@@ -289,14 +321,15 @@ def test_whole_models_planned_on_added_backends_compile_per_dtype_and_plan_apart
                               ("markdown_report", lambda result, plots=(): "page")):
         monkeypatch.setattr(bench, name, replacement)
     result = bench.run_bench(tmp_path, models=[], end_to_end=["vgg16"], precisions=["fp32", "tf32", "fp16"],
-                             end_to_end_fold_batch_norm="all", end_to_end_backends=["generated"])
+                             end_to_end_fold_batch_norm="all", end_to_end_backends=["generated"],
+                             compile_every_setting=True)
     assert folded == [(torch.float32, "all"), (torch.float16, "all")]
-    assert [(precisions, also) for precisions, also, _ in ahead] == [(["fp32", "tf32"], ["generated"]),
-                                                                     (["fp16"], ["generated"])]
+    assert [(precisions, also, every) for precisions, also, _, every in ahead] == [
+        (["fp32", "tf32"], ["generated"], True), (["fp16"], ["generated"], True)]
     assert [(precision, backends) for precision, backends, _ in planned] == [
         (precision, ["cudnn", "direct", "generated"]) for precision in ("fp32", "tf32", "fp16")]
     assert len({plan for _, _, plan in planned}) == 1
-    assert all(plans == {planned[0][2]} for _, _, plans in ahead)  # the plan the layers will be planned in
+    assert all(plans == {planned[0][2]} for _, _, plans, _ in ahead)  # the plan the layers will be planned in
     assert [r["sparse_backends"] for r in result["end_to_end"]] == [["direct", "generated"]] * 3
     assert Plan.load(tmp_path / "plan.json").entries == {}
     assert set(Plan.load(tmp_path / "plan_direct+generated.json").entries) == {

@@ -110,7 +110,7 @@ def test_a_sparse_conv_with_relu_runs_on_the_plan_s_dispatch() -> None:
     assert get_backend("auto").fuses_relu is False  # it hands the flag to the planned backend's run
 
 
-def test_the_benchmark_refuses_a_fuse_flag_that_is_not_a_bool() -> None:
+def test_the_benchmark_refuses_a_flag_that_is_not_a_bool() -> None:
     from unsparse.runtime import bench
 
     with pytest.raises(bench.BenchRefusedError, match="end_to_end_fuse_relu: expected true or false, got 'yes'"):
@@ -119,3 +119,6 @@ def test_the_benchmark_refuses_a_fuse_flag_that_is_not_a_bool() -> None:
     with pytest.raises(bench.BenchRefusedError, match="end_to_end_channels_last: expected true or false, got 0"):
         bench.check_run_settings(end_to_end_channels_last=0)
     bench.check_run_settings(end_to_end_channels_last=False)
+    with pytest.raises(bench.BenchRefusedError, match="compile_every_setting: expected true or false, got 'yes'"):
+        bench.check_run_settings(compile_every_setting="yes")
+    bench.check_run_settings(compile_every_setting=True)

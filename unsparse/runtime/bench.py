@@ -112,7 +112,8 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
                    sparse_input_shape: Sequence[int] | None, layer_filter: str | None, time_budget_s: float | None,
                    timing: str, seed: int, end_to_end_fuse_relu: bool = False,
                    end_to_end_fuse_max_pool: bool = False, end_to_end_fold_batch_norm: str = "off",
-                   end_to_end_backends: Sequence[str] = (), end_to_end_channels_last: bool = True) -> None:
+                   end_to_end_backends: Sequence[str] = (), end_to_end_channels_last: bool = True,
+                   compile_every_setting: bool = False) -> None:
     """Check :func:`run_bench`'s settings (same meanings) before any GPU work, so that a typo does not surface
     after minutes of timings or as a traceback deep inside them: model names from :data:`MODELS`, precisions from
     :data:`~unsparse.runtime.precision.PRECISIONS`, sparsities in ``[0, 1)`` (the range of :func:`magnitude_prune_`),
@@ -121,9 +122,10 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
     regular expression, ``time_budget_s`` > 0, ``timing`` one of :data:`~unsparse.runtime.comparator.TIMINGS`, ``seed``
     an integer in ``[0, 2^32)``, the seeds torch's CPU generator tells apart (:func:`~unsparse.settings.check_seed`;
     ``seed=1.5`` reached ``torch.manual_seed``, which took it as 1), ``end_to_end_fuse_relu``,
-    ``end_to_end_fuse_max_pool`` and ``end_to_end_channels_last`` bools, ``end_to_end_fold_batch_norm`` one of
-    :data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`, ``end_to_end_backends`` a list of sparse backends
-    (:data:`~unsparse.runtime.precision.SPARSE_BACKENDS`; ``auto`` among them would resolve to itself).
+    ``end_to_end_fuse_max_pool``, ``end_to_end_channels_last`` and ``compile_every_setting`` bools,
+    ``end_to_end_fold_batch_norm`` one of :data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`,
+    ``end_to_end_backends`` a list of sparse backends (:data:`~unsparse.runtime.precision.SPARSE_BACKENDS`; ``auto``
+    among them would resolve to itself).
 
     Raises:
         BenchRefusedError: (a ``ValueError``) naming the setting and the value.
@@ -160,7 +162,8 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
         check_seed(seed)
         for field, value in (("end_to_end_fuse_relu", end_to_end_fuse_relu),
                              ("end_to_end_fuse_max_pool", end_to_end_fuse_max_pool),
-                             ("end_to_end_channels_last", end_to_end_channels_last)):
+                             ("end_to_end_channels_last", end_to_end_channels_last),
+                             ("compile_every_setting", compile_every_setting)):
             if not isinstance(value, bool):
                 raise ValueError(f"{field}: expected true or false, got {value!r}")
         if not isinstance(end_to_end_fold_batch_norm, str) or end_to_end_fold_batch_norm not in FOLD_POLICIES:
@@ -433,7 +436,7 @@ def _kernel_parameters(params: Mapping[str, Any]) -> tuple[Any, ...]:
 
 def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device: torch.device,
                   deadline: float | None = None, also: Sequence[str] = (),
-                  plans: Sequence[Plan] = ()) -> dict[str, Any]:
+                  plans: Sequence[Plan] = (), every_setting: bool = False) -> dict[str, Any]:
     """Compile, in one :func:`~unsparse.runtime.backends.generated.compile_all`, every kernel the comparisons of
     ``layers`` at ``precisions`` will time first for a sparse backend that lists its kernels (``kernel_sources``: the
     ``generated`` backend), each precision's own or one of ``also`` (:func:`plan_backends`): the probes of its
@@ -452,15 +455,24 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
     layers would compile one after another, each waiting for its longest kernel (a ResNet-50 layer4 kernel of 8
     programs takes minutes), while the rest of the CPU's cores idle.
 
+    With ``every_setting``, also the kernels of every other setting of the backend's ``tuning_space`` for each layer
+    no such plan entry names: the kernels a comparison builds only where the estimates pass its screen, among them
+    those of several programs, which NVRTC compiles on one core for up to minutes each. Where most layers pass the
+    screen, as a whole model's do, their comparisons then find their kernels compiled instead of each compiling its
+    own in turn: on the H200 (sixty-third session, ResNet-50 at 0.9, FP32, batch 128, NCHW) the 38 layers planned
+    in two calls spent 727 of their 762 s compiling, one layer after another, after a compile ahead of the probes in
+    73 s on the machine's 16 cores. The price is the kernels of settings that a screen would have dropped.
+
     Args:
         layers: from :func:`conv_layers`. precisions: keys of :data:`PRECISIONS`. device: where the kernels run.
         deadline: ``time.monotonic()`` seconds after which no further kernel's compile starts (None: none).
         also: sparse backends timed beside each precision's own (``end_to_end_backends`` of :func:`run_bench`).
+        plans: plans whose entries' settings compile ahead (above). every_setting: see above.
 
     Returns:
         ``{"layers": layers with kernels, "kernels": distinct kernels, "skipped": distinct kernels left uncompiled
         at the deadline, "seconds": wall seconds of the compile, "planned_layers": layers with kernels of a
-        planned setting}`` (all 0 where no backend compiles ahead).
+        planned setting, "every_setting": the flag}`` (the counts 0 where no backend compiles ahead).
     """
     from unsparse.runtime.backends.generated import compile_all
 
@@ -487,18 +499,21 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
                                         probes=True)
                 compiled_layers.add(layer.name)
                 wanted = chosen.get((name, kernel_signature(layer_key(x, csr, layer.geometry, device="any"))))
+                space = backend.tuning_space(x, csr, layer.geometry)
                 if wanted:  # one offered setting per planned set of kernels (streams, chunks, graph share them)
-                    planned = {_kernel_parameters(params): params
-                               for params in backend.tuning_space(x, csr, layer.geometry)
+                    planned = {_kernel_parameters(params): params for params in space
                                if _kernel_parameters(params) in wanted}
                     if planned:
                         sources += list_kernels(x, csr, layer.geometry, list(planned.values()))
                         planned_layers.add(layer.name)
+                elif every_setting:
+                    sources += list_kernels(x, csr, layer.geometry, space)
     started = time.perf_counter()
     functions = compile_all(sources, deadline=deadline) if sources else []
     skipped = {source for source, function in zip(sources, functions, strict=True) if function is None}
     return {"layers": len(compiled_layers), "kernels": len(set(sources)), "skipped": len(skipped),
-            "seconds": time.perf_counter() - started, "planned_layers": len(planned_layers)}
+            "seconds": time.perf_counter() - started, "planned_layers": len(planned_layers),
+            "every_setting": every_setting}
 
 
 def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: Sequence[float] = (0.8, 0.9, 0.95),
@@ -511,7 +526,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
               timing: str = "eager", record: Mapping[str, str] | None = None,
               end_to_end_fuse_relu: bool = False, end_to_end_fuse_max_pool: bool = False,
               end_to_end_fold_batch_norm: str = "off", end_to_end_backends: Sequence[str] = (),
-              end_to_end_channels_last: bool = True) -> dict[str, Any]:
+              end_to_end_channels_last: bool = True, compile_every_setting: bool = False) -> dict[str, Any]:
     """Run the benchmark on ``cuda:0`` and write ``bench.json``, ``bench.md`` and plots to ``out_dir``.
 
     Before the layers of a model and sparsity are compared, and before a model is timed whole, the kernels a sparse
@@ -539,6 +554,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             backends (``sparse_backends``).
         end_to_end_channels_last: False plans those models in NCHW only (no channels-last or switched planned
             times; :func:`~unsparse.runtime.end_to_end.bench_end_to_end`'s ``channels_last``).
+        compile_every_setting: each compile ahead also compiles the kernels of every setting a comparison may build
+            after its screen, not only its probes (:func:`compile_ahead`'s ``every_setting``): for whole models,
+            whose layers mostly pass the screen.
         runs: timed runs per setting (>= 20 per the protocol).
         sparse_file, sparse_input_shape: a trained sparse model (``unsparse.sparse.io.load_sparse``) and its
             per-sample input shape, e.g. ``(1, 28, 28)``; planned and timed end to end at each batch size.
@@ -574,7 +592,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     check_settings(models, sparsities, batches, precisions, lowering_models, end_to_end, end_to_end_sparsity,
                    end_to_end_batch, runs, sparse_file, sparse_input_shape, layer_filter, time_budget_s, timing, seed,
                    end_to_end_fuse_relu, end_to_end_fuse_max_pool, end_to_end_fold_batch_norm, end_to_end_backends,
-                   end_to_end_channels_last)
+                   end_to_end_channels_last, compile_every_setting)
     if not torch.cuda.is_available():
         raise BenchRefusedError("run_bench needs a CUDA GPU, and torch sees none here")
     out_dir = Path(out_dir)
@@ -614,7 +632,8 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
                              also: Sequence[str] = (), **where: Any) -> None:
         if out_of_time(f"{label}: compile ahead"):
             return
-        ahead = compile_ahead(layers, chosen, device, deadline, also, [plan_for(p, also) for p in chosen])
+        ahead = compile_ahead(layers, chosen, device, deadline, also, [plan_for(p, also) for p in chosen],
+                              compile_every_setting)
         if ahead["skipped"]:
             result["stopped_early"].append(f"{label}: compile ahead, {ahead['skipped']} of {ahead['kernels']} "
                                            "kernels not started")
