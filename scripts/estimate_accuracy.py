@@ -12,8 +12,14 @@ from what the probe misses. cuDNN's convolution (NCHW, TF32 off in float32) is t
 whether the comparator, at ``SCREEN_RATIO``, would have built the setting. Writes ``estimate_accuracy.json`` under
 ``--out`` (atomically, after every layer) with the environment (GPU, driver, torch/CUDA/cuDNN/CuPy versions, commit).
 
+``--settings`` times the given settings instead (JSON objects of ``GeneratedBackend.conv``'s parameters, any the
+backend accepts, also outside its tuning space, e.g. a launch bound on a stride-1 layer): those of one program per
+kernel are estimated as above, those of several programs have no estimate (null) and are built and timed alone.
+
     PYTHONPATH=. python3 scripts/estimate_accuracy.py --out $OUT/est --model resnet50 --sparsity 0.9 \\
         --layers conv1 layer4.0.conv3 --dtypes float32 float16
+    PYTHONPATH=. python3 scripts/estimate_accuracy.py --out $OUT/est --layers layer2.1.conv2 --dtypes float32 \\
+        --settings '{"rows": 32, "programs": 4}' '{"rows": 32, "programs": 4, "min_blocks": 3}'
 """
 
 from __future__ import annotations
@@ -42,20 +48,24 @@ from unsparse.sparse.format import UniformCSR
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
-def layer_records(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: int,
-                  device: torch.device) -> list[dict[str, Any]]:
-    """One record per one-program setting of ``layer``'s screen space at ``dtype`` and ``batch``: the setting, its
-    estimate and full median (ms) on the rotated inputs and on the first input alone (``*_one_input_ms``), each pair's
-    ratio (median over estimate), its relative error against the float64 reference, cuDNN's median (ms) and whether
-    the estimate is within ``SCREEN_RATIO`` of it."""
+def layer_records(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: int, device: torch.device,
+                  settings: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """One record per one-program setting of ``layer``'s screen space at ``dtype`` and ``batch``, or per setting of
+    ``settings``: the setting, its estimate and full median (ms) on the rotated inputs and on the first input alone
+    (``*_one_input_ms``), each pair's ratio (median over estimate), its relative error against the float64 reference,
+    cuDNN's median (ms) and whether the estimate is within ``SCREEN_RATIO`` of it (estimate fields null for a setting
+    of several programs per kernel, which has no probe)."""
     backend = get_backend("generated")
     csr = UniformCSR.from_dense(layer.weight.to(device, dtype))
     bias = None if layer.bias is None else layer.bias.to(device, dtype)
     x = torch.randn(batch, *layer.in_chw, device=device, dtype=dtype)
     inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(device)))
-    space = [params for params in backend.screen_space(x, csr, layer.geometry) if params["programs"] == 1]
-    estimates = backend.estimate_ms(inputs, csr, layer.geometry, space)
-    one_input_estimates = backend.estimate_ms([x], csr, layer.geometry, space)
+    space = settings or [params for params in backend.screen_space(x, csr, layer.geometry) if params["programs"] == 1]
+    probed = [params for params in space if params["programs"] == 1]
+    estimates = dict(zip(map(json.dumps, probed), backend.estimate_ms(inputs, csr, layer.geometry, probed),
+                         strict=True)) if probed else {}
+    one_input_estimates = dict(zip(map(json.dumps, probed), backend.estimate_ms([x], csr, layer.geometry, probed),
+                                   strict=True)) if probed else {}
     backend.precompile(x, csr, layer.geometry, space)
     images = check_images(batch)
     ref = reference_output(x, csr, bias, layer.geometry, images)
@@ -64,7 +74,8 @@ def layer_records(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: 
     cudnn_ms = time_fn(lambda i: F.conv2d(inputs[i % len(inputs)], weight, bias, g.stride, g.padding, g.dilation),
                        device, runs=runs, rotation=len(inputs)).median_ms
     records = []
-    for params, estimate, one_input_estimate in zip(space, estimates, one_input_estimates, strict=True):
+    for params in space:
+        estimate, one_input_estimate = estimates.get(json.dumps(params)), one_input_estimates.get(json.dumps(params))
         out = backend.run(x, csr, bias, layer.geometry, **params)
         error = check_error(out[images], ref, tolerance(dtype))
         median = time_fn(lambda i, p=params: backend.run(inputs[i % len(inputs)], csr, bias, layer.geometry, **p),
@@ -72,12 +83,30 @@ def layer_records(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: 
         one_input = time_fn(lambda i, p=params: backend.run(x, csr, bias, layer.geometry, **p), device,
                             runs=runs).median_ms
         records.append({"layer": layer.name, "dtype": str(dtype).removeprefix("torch."), "batch": batch,
-                        "params": params, "estimate_ms": estimate, "median_ms": median, "ratio": median / estimate,
+                        "params": params, "estimate_ms": estimate, "median_ms": median,
+                        "ratio": None if estimate is None else median / estimate,
                         "estimate_one_input_ms": one_input_estimate, "median_one_input_ms": one_input,
-                        "ratio_one_input": one_input / one_input_estimate, "rotation": len(inputs),
-                        "rel_error": error, "correct": error <= tolerance(dtype), "cudnn_ms": cudnn_ms,
-                        "built_at_screen_ratio": estimate <= SCREEN_RATIO * cudnn_ms})
+                        "ratio_one_input": None if one_input_estimate is None else one_input / one_input_estimate,
+                        "rotation": len(inputs), "rel_error": error, "correct": error <= tolerance(dtype),
+                        "cudnn_ms": cudnn_ms,
+                        "built_at_screen_ratio": None if estimate is None else estimate <= SCREEN_RATIO * cudnn_ms})
     return records
+
+
+def setting(text: str) -> dict[str, Any]:
+    """One ``--settings`` value: a JSON object with integer ``rows`` and ``programs`` (the rest is checked by the
+    backend's ``conv`` when it runs).
+
+    Raises:
+        argparse.ArgumentTypeError: for text that is no such object, naming what is wrong.
+    """
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from None
+    if not isinstance(params, dict) or not all(type(params.get(key)) is int for key in ("rows", "programs")):
+        raise argparse.ArgumentTypeError(f"expected an object with integer rows and programs, got {text!r}")
+    return params
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32", "float16"])
     parser.add_argument("--runs", type=int, default=MIN_RUNS)
+    parser.add_argument("--settings", nargs="+", type=setting,
+                        help="JSON objects of the generated backend's parameters to time instead of the screen space, "
+                        "e.g. '{\"rows\": 32, \"programs\": 4, \"min_blocks\": 3}'")
     args = parser.parse_args(argv)
     bench.require_cuda("estimate_accuracy.py")
     device = torch.device("cuda")
@@ -103,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     with precision_mode(False):
         for name in tqdm(args.layers, desc="layers"):
             for dtype in args.dtypes:
-                result["records"] += layer_records(layers[name], DTYPES[dtype], args.batch, args.runs, device)
+                result["records"] += layer_records(layers[name], DTYPES[dtype], args.batch, args.runs, device,
+                                                   args.settings)
                 atomic_write_text(args.out / "estimate_accuracy.json", json.dumps(result, indent=1))
     return 0
 
