@@ -66,9 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                         "its epilogue (the fused dense baseline folds every one unless 'off')")
     parser.add_argument("--no-channels-last-plan", action="store_true",
                         help="plan the models timed whole in NCHW only (no channels-last or switched planned times)")
-    parser.add_argument("--compile-every-setting", action="store_true",
-                        help="compile ahead the kernels of every setting a comparison may build, not only the probes "
-                        "that screen them (for whole models, whose layers mostly pass the screen)")
+    parser.add_argument("--compile-shared-kernels", action="store_true",
+                        help="compile ahead the layers' kernels of several programs too, not only the probes that "
+                        "screen them (for whole models, whose layers mostly pass the screen)")
     parser.add_argument("--end-to-end-backends", nargs="*", default=[],
                         choices=SPARSE_BACKENDS,
                         help="sparse backends the models timed whole may also be planned on, beside each precision's "
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 "end_to_end_fuse_relu": args.fuse_relu, "end_to_end_fuse_max_pool": args.fuse_max_pool,
                 "end_to_end_fold_batch_norm": args.fold_batch_norm, "end_to_end_backends": args.end_to_end_backends,
                 "end_to_end_channels_last": not args.no_channels_last_plan,
-                "compile_every_setting": args.compile_every_setting,
+                "compile_shared_kernels": args.compile_shared_kernels,
                 **(bench.QUICK if args.quick else {}),
                 **{name: getattr(args, name) for name in ("models", "sparsities", "batches", "precisions",
                                                            "end_to_end", "end_to_end_sparsity",

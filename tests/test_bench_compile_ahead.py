@@ -133,11 +133,11 @@ def test_the_settings_a_plan_chose_compile_ahead_with_the_probes(compiles) -> No
     assert ahead["planned_layers"] == 2 and ahead["kernels"] == len(set(probes + planned))
 
 
-def test_every_setting_compiles_each_unplanned_layers_whole_tuning_space_and_a_planned_layers_choice(
+def test_shared_compiles_each_unplanned_layers_kernels_of_several_programs_and_a_planned_layers_choice(
         compiles) -> None:
-    """With ``every_setting`` a layer no plan entry names gets every kernel of its tuning space ahead, those of
-    several programs among them, beside its probes; a layer a plan entry names gets its probes and the chosen
-    setting's kernels only, as without the flag (its comparison is skipped); a refused layer gets none."""
+    """With ``shared`` a layer no plan entry names gets its kernels of several programs ahead beside its probes (its
+    other one-program kernels still wait for the screen); a layer a plan entry names gets its probes and the chosen
+    setting's kernels only, as without the flag; a refused layer gets none."""
     from unsparse.runtime.plan import Plan, PlanEntry, layer_key
 
     layers = [conv_layer("planned", 40, 8), conv_layer("new", 160, 16), conv_layer("dilated", 40, 8, dilation=2)]
@@ -148,21 +148,21 @@ def test_every_setting_compiles_each_unplanned_layers_whole_tuning_space_and_a_p
     chosen = spaces[0][0]
     plan = Plan({layer_key(torch.empty(128, *layers[0].in_chw), csrs[0], layers[0].geometry, device="a GPU"):
                  PlanEntry("generated", chosen, 0.1)})
-    ahead = bench.compile_ahead(layers, ["fp32_generated"], torch.device("cpu"), plans=[plan], every_setting=True)
+    ahead = bench.compile_ahead(layers, ["fp32_generated"], torch.device("cpu"), plans=[plan], shared=True)
     probes = [kernel for x, csr, layer in zip(xs, csrs, layers, strict=False)
               for kernel in backend.kernel_sources(x, csr, layer.geometry,
                                                    backend.screen_space(x, csr, layer.geometry), probes=True)]
     planned = backend.kernel_sources(xs[0], csrs[0], layers[0].geometry, [chosen])
-    every = backend.kernel_sources(xs[1], csrs[1], layers[1].geometry, spaces[1])
-    assert {entry for _, entry in every} == {gs.ENTRY, gs.SHARED_ENTRY}  # kernels of several programs too
-    assert len(compiles) == 1 and sorted(compiles[0]) == sorted(probes + planned + every)
-    assert ahead["every_setting"] is True and ahead["planned_layers"] == 1 and ahead["layers"] == 2
-    assert ahead["kernels"] == len(set(probes + planned + every))
-    whole = set(backend.kernel_sources(xs[0], csrs[0], layers[0].geometry, spaces[0]))
-    assert not whole <= set(compiles[0])  # the planned layer's other settings are left out
+    several = backend.kernel_sources(xs[1], csrs[1], layers[1].geometry, [p for p in spaces[1] if p["programs"] > 1])
+    assert gs.SHARED_ENTRY in {entry for _, entry in several}  # (and the one-program rest of 5 programs of 32 rows)
+    assert len(compiles) == 1 and sorted(compiles[0]) == sorted(probes + planned + several)
+    assert ahead["shared"] is True and ahead["planned_layers"] == 1 and ahead["layers"] == 2
+    assert ahead["kernels"] == len(set(probes + planned + several))
+    for x, csr, layer, space in zip(xs, csrs, layers, spaces, strict=False):  # the rest waits for the screen
+        assert not set(backend.kernel_sources(x, csr, layer.geometry, space)) <= set(compiles[0])
     compiles.clear()
-    assert bench.compile_ahead(layers, ["fp32_generated"], torch.device("cpu"))["every_setting"] is False
-    assert not set(every) <= set(compiles[0])
+    assert bench.compile_ahead(layers, ["fp32_generated"], torch.device("cpu"))["shared"] is False
+    assert set(compiles[0]).isdisjoint(several)
 
 
 def test_a_kernel_signature_keeps_what_the_source_holds() -> None:
@@ -305,8 +305,8 @@ def test_whole_models_planned_on_added_backends_compile_per_dtype_and_plan_apart
         folded.append((dtype, fold_batch_norm))
         return bench.conv_layers(model, input_shape, False)
 
-    def compile_ahead(layers, precisions, device, deadline=None, also=(), plans=(), every_setting=False):
-        ahead.append((list(precisions), list(also), {id(plan) for plan in plans}, every_setting))
+    def compile_ahead(layers, precisions, device, deadline=None, also=(), plans=(), shared=False):
+        ahead.append((list(precisions), list(also), {id(plan) for plan in plans}, shared))
         return {"layers": 0, "kernels": 0, "skipped": 0, "seconds": 0.0}
 
     def bench_end_to_end(model, shape, batch, precision, device, runs, plan, backends, *options, checkpoint,
@@ -322,7 +322,7 @@ def test_whole_models_planned_on_added_backends_compile_per_dtype_and_plan_apart
         monkeypatch.setattr(bench, name, replacement)
     result = bench.run_bench(tmp_path, models=[], end_to_end=["vgg16"], precisions=["fp32", "tf32", "fp16"],
                              end_to_end_fold_batch_norm="all", end_to_end_backends=["generated"],
-                             compile_every_setting=True)
+                             compile_shared_kernels=True)
     assert folded == [(torch.float32, "all"), (torch.float16, "all")]
     assert [(precisions, also, every) for precisions, also, _, every in ahead] == [
         (["fp32", "tf32"], ["generated"], True), (["fp16"], ["generated"], True)]

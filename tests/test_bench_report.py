@@ -114,9 +114,10 @@ def test_report_says_what_was_compiled_ahead(result):
     text = markdown_report({**result, "targets": evaluate_targets(result)})
     assert ("vgg16 at 0.95: 109 kernels of 13 layers of the whole model (with the settings a plan already chose for 4 "
             "of them) compiled together") in text
-    result["compile_ahead"][0].update(planned_layers=0, every_setting=True)
+    result["compile_ahead"][0].update(planned_layers=0, shared=True)
     text = markdown_report({**result, "targets": evaluate_targets(result)})
-    assert "vgg16 at 0.95: 109 kernels of every setting of 13 layers of the whole model compiled together" in text
+    assert ("vgg16 at 0.95: 109 kernels, those of several programs too, of 13 layers of the whole model compiled "
+            "together") in text
 
 
 def test_report_says_where_sparse_is_slower(result, tmp_path):

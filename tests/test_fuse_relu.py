@@ -119,6 +119,6 @@ def test_the_benchmark_refuses_a_flag_that_is_not_a_bool() -> None:
     with pytest.raises(bench.BenchRefusedError, match="end_to_end_channels_last: expected true or false, got 0"):
         bench.check_run_settings(end_to_end_channels_last=0)
     bench.check_run_settings(end_to_end_channels_last=False)
-    with pytest.raises(bench.BenchRefusedError, match="compile_every_setting: expected true or false, got 'yes'"):
-        bench.check_run_settings(compile_every_setting="yes")
-    bench.check_run_settings(compile_every_setting=True)
+    with pytest.raises(bench.BenchRefusedError, match="compile_shared_kernels: expected true or false, got 'yes'"):
+        bench.check_run_settings(compile_shared_kernels="yes")
+    bench.check_run_settings(compile_shared_kernels=True)

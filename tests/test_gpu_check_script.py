@@ -35,10 +35,10 @@ def test_benchmark_options_reach_run_bench(load_script: Callable[[str], ModuleTy
     assert gpu_check.main([*common, "--end-to-end", "resnet50", "--fold-batch-norm", "epilogue"]) == 0
     assert gpu_check.main([*common, "--end-to-end", "resnet50", "--end-to-end-backends", "generated"]) == 0
     assert gpu_check.main([*common, "--end-to-end", "resnet50", "--no-channels-last-plan"]) == 0
-    assert gpu_check.main([*common, "--end-to-end", "resnet50", "--compile-every-setting"]) == 0
-    first, second, filtered, filtered_named, plain, fused, folded, combined, nchw_only, every = calls
+    assert gpu_check.main([*common, "--end-to-end", "resnet50", "--compile-shared-kernels"]) == 0
+    first, second, filtered, filtered_named, plain, fused, folded, combined, nchw_only, shared = calls
     assert nchw_only["end_to_end_channels_last"] is False and plain["end_to_end_channels_last"] is True
-    assert every["compile_every_setting"] is True and plain["compile_every_setting"] is False
+    assert shared["compile_shared_kernels"] is True and plain["compile_shared_kernels"] is False
     assert combined["end_to_end_backends"] == ["generated"] and plain["end_to_end_backends"] == []
     assert fused["end_to_end_fuse_relu"] is True and plain["end_to_end_fuse_relu"] is False
     assert folded["end_to_end_fold_batch_norm"] == "epilogue" and plain["end_to_end_fold_batch_norm"] == "off"

@@ -344,12 +344,12 @@ def compiled_ahead(record: dict[str, Any]) -> str:
     of 13 layers", or "16 of 109 kernels of 9 layers" where the time budget left ``skipped`` kernels unstarted
     (records before the budget reached the compile have no ``skipped``), "... of the whole model" for the convs of a
     model timed end to end (``end_to_end``), and "(with the settings a plan already chose for 38 of them)" where a
-    resumed run also compiled its planned layers' kernels (``planned_layers``); "161 kernels of every setting of 13
-    layers" where it compiled every setting's kernels, not only the probes (``every_setting``)."""
+    resumed run also compiled its planned layers' kernels (``planned_layers``); "161 kernels, those of several
+    programs too, of 13 layers" where it compiled those beside the probes (``shared``)."""
     skipped = record.get("skipped", 0)
     done = f"{record['kernels'] - skipped} of {record['kernels']}" if skipped else f"{record['kernels']}"
     planned = record.get("planned_layers", 0)
-    kernels = "kernels of every setting" if record.get("every_setting", False) else "kernels"
+    kernels = "kernels, those of several programs too," if record.get("shared", False) else "kernels"
     return (f"{done} {kernels} of {record['layers']} layers" + " of the whole model" * record.get("end_to_end", False)
             + f" (with the settings a plan already chose for {planned} of them)" * bool(planned))
 

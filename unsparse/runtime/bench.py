@@ -113,7 +113,7 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
                    timing: str, seed: int, end_to_end_fuse_relu: bool = False,
                    end_to_end_fuse_max_pool: bool = False, end_to_end_fold_batch_norm: str = "off",
                    end_to_end_backends: Sequence[str] = (), end_to_end_channels_last: bool = True,
-                   compile_every_setting: bool = False) -> None:
+                   compile_shared_kernels: bool = False) -> None:
     """Check :func:`run_bench`'s settings (same meanings) before any GPU work, so that a typo does not surface
     after minutes of timings or as a traceback deep inside them: model names from :data:`MODELS`, precisions from
     :data:`~unsparse.runtime.precision.PRECISIONS`, sparsities in ``[0, 1)`` (the range of :func:`magnitude_prune_`),
@@ -122,7 +122,7 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
     regular expression, ``time_budget_s`` > 0, ``timing`` one of :data:`~unsparse.runtime.comparator.TIMINGS`, ``seed``
     an integer in ``[0, 2^32)``, the seeds torch's CPU generator tells apart (:func:`~unsparse.settings.check_seed`;
     ``seed=1.5`` reached ``torch.manual_seed``, which took it as 1), ``end_to_end_fuse_relu``,
-    ``end_to_end_fuse_max_pool``, ``end_to_end_channels_last`` and ``compile_every_setting`` bools,
+    ``end_to_end_fuse_max_pool``, ``end_to_end_channels_last`` and ``compile_shared_kernels`` bools,
     ``end_to_end_fold_batch_norm`` one of :data:`~unsparse.runtime.batch_norm_folding.FOLD_POLICIES`,
     ``end_to_end_backends`` a list of sparse backends (:data:`~unsparse.runtime.precision.SPARSE_BACKENDS`; ``auto``
     among them would resolve to itself).
@@ -163,7 +163,7 @@ def check_settings(models: Sequence[str], sparsities: Sequence[float], batches: 
         for field, value in (("end_to_end_fuse_relu", end_to_end_fuse_relu),
                              ("end_to_end_fuse_max_pool", end_to_end_fuse_max_pool),
                              ("end_to_end_channels_last", end_to_end_channels_last),
-                             ("compile_every_setting", compile_every_setting)):
+                             ("compile_shared_kernels", compile_shared_kernels)):
             if not isinstance(value, bool):
                 raise ValueError(f"{field}: expected true or false, got {value!r}")
         if not isinstance(end_to_end_fold_batch_norm, str) or end_to_end_fold_batch_norm not in FOLD_POLICIES:
@@ -436,7 +436,7 @@ def _kernel_parameters(params: Mapping[str, Any]) -> tuple[Any, ...]:
 
 def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device: torch.device,
                   deadline: float | None = None, also: Sequence[str] = (),
-                  plans: Sequence[Plan] = (), every_setting: bool = False) -> dict[str, Any]:
+                  plans: Sequence[Plan] = (), shared: bool = False) -> dict[str, Any]:
     """Compile, in one :func:`~unsparse.runtime.backends.generated.compile_all`, every kernel the comparisons of
     ``layers`` at ``precisions`` will time first for a sparse backend that lists its kernels (``kernel_sources``: the
     ``generated`` backend), each precision's own or one of ``also`` (:func:`plan_backends`): the probes of its
@@ -455,24 +455,26 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
     layers would compile one after another, each waiting for its longest kernel (a ResNet-50 layer4 kernel of 8
     programs takes minutes), while the rest of the CPU's cores idle.
 
-    With ``every_setting``, also the kernels of every other setting of the backend's ``tuning_space`` for each layer
-    no such plan entry names: the kernels a comparison builds only where the estimates pass its screen, among them
-    those of several programs, which NVRTC compiles on one core for up to minutes each. Where most layers pass the
-    screen, as a whole model's do, their comparisons then find their kernels compiled instead of each compiling its
-    own in turn: on the H200 (sixty-third session, ResNet-50 at 0.9, FP32, batch 128, NCHW) the 38 layers planned
-    in two calls spent 727 of their 762 s compiling, one layer after another, after a compile ahead of the probes in
-    73 s on the machine's 16 cores. The price is the kernels of settings that a screen would have dropped.
+    With ``shared``, also the kernels of each unplanned layer's settings of several programs (those of its
+    ``tuning_space`` with ``programs`` > 1, ``generated_conv_shared``; a layer no plan entry names), which a comparison
+    builds only where its probes' estimates pass the screen, and which NVRTC compiles on one core each, for up to
+    minutes. Compiled one layer after another, each layer waits for its longest while the other cores idle: on the
+    H200 (sixty-third session, ResNet-50 at 0.9, FP32, batch 128, NCHW) the 38 layers planned in two calls spent 727 of
+    their 762 s compiling, the 3x3 layers of layer3 57-63 s each. Where most layers pass the screen, as a whole model's
+    do, the pass over all cores saves that wait; its price is the kernels of layers whose screen would have failed.
+    (Every setting's one-program kernels are no option: ResNet-50's at 0.9 are 3,191 kernels, 632 MB of source in
+    FP32, against 274 kernels and 188 MB for its settings of several programs and 245 probes, 50 MB.)
 
     Args:
         layers: from :func:`conv_layers`. precisions: keys of :data:`PRECISIONS`. device: where the kernels run.
         deadline: ``time.monotonic()`` seconds after which no further kernel's compile starts (None: none).
         also: sparse backends timed beside each precision's own (``end_to_end_backends`` of :func:`run_bench`).
-        plans: plans whose entries' settings compile ahead (above). every_setting: see above.
+        plans: plans whose entries' settings compile ahead (above). shared: see above.
 
     Returns:
         ``{"layers": layers with kernels, "kernels": distinct kernels, "skipped": distinct kernels left uncompiled
         at the deadline, "seconds": wall seconds of the compile, "planned_layers": layers with kernels of a
-        planned setting, "every_setting": the flag}`` (the counts 0 where no backend compiles ahead).
+        planned setting, "shared": the flag}`` (the counts 0 where no backend compiles ahead).
     """
     from unsparse.runtime.backends.generated import compile_all
 
@@ -506,14 +508,15 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
                     if planned:
                         sources += list_kernels(x, csr, layer.geometry, list(planned.values()))
                         planned_layers.add(layer.name)
-                elif every_setting:
-                    sources += list_kernels(x, csr, layer.geometry, space)
+                elif shared:
+                    sources += list_kernels(x, csr, layer.geometry, [params for params in space
+                                                                     if params["programs"] > 1])
     started = time.perf_counter()
     functions = compile_all(sources, deadline=deadline) if sources else []
     skipped = {source for source, function in zip(sources, functions, strict=True) if function is None}
     return {"layers": len(compiled_layers), "kernels": len(set(sources)), "skipped": len(skipped),
             "seconds": time.perf_counter() - started, "planned_layers": len(planned_layers),
-            "every_setting": every_setting}
+            "shared": shared}
 
 
 def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: Sequence[float] = (0.8, 0.9, 0.95),
@@ -526,7 +529,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
               timing: str = "eager", record: Mapping[str, str] | None = None,
               end_to_end_fuse_relu: bool = False, end_to_end_fuse_max_pool: bool = False,
               end_to_end_fold_batch_norm: str = "off", end_to_end_backends: Sequence[str] = (),
-              end_to_end_channels_last: bool = True, compile_every_setting: bool = False) -> dict[str, Any]:
+              end_to_end_channels_last: bool = True, compile_shared_kernels: bool = False) -> dict[str, Any]:
     """Run the benchmark on ``cuda:0`` and write ``bench.json``, ``bench.md`` and plots to ``out_dir``.
 
     Before the layers of a model and sparsity are compared, and before a model is timed whole, the kernels a sparse
@@ -554,9 +557,9 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
             backends (``sparse_backends``).
         end_to_end_channels_last: False plans those models in NCHW only (no channels-last or switched planned
             times; :func:`~unsparse.runtime.end_to_end.bench_end_to_end`'s ``channels_last``).
-        compile_every_setting: each compile ahead also compiles the kernels of every setting a comparison may build
-            after its screen, not only its probes (:func:`compile_ahead`'s ``every_setting``): for whole models,
-            whose layers mostly pass the screen.
+        compile_shared_kernels: each compile ahead also compiles the layers' kernels of several programs, which a
+            comparison builds after its screen (:func:`compile_ahead`'s ``shared``): for whole models, whose layers
+            mostly pass the screen.
         runs: timed runs per setting (>= 20 per the protocol).
         sparse_file, sparse_input_shape: a trained sparse model (``unsparse.sparse.io.load_sparse``) and its
             per-sample input shape, e.g. ``(1, 28, 28)``; planned and timed end to end at each batch size.
@@ -592,7 +595,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
     check_settings(models, sparsities, batches, precisions, lowering_models, end_to_end, end_to_end_sparsity,
                    end_to_end_batch, runs, sparse_file, sparse_input_shape, layer_filter, time_budget_s, timing, seed,
                    end_to_end_fuse_relu, end_to_end_fuse_max_pool, end_to_end_fold_batch_norm, end_to_end_backends,
-                   end_to_end_channels_last, compile_every_setting)
+                   end_to_end_channels_last, compile_shared_kernels)
     if not torch.cuda.is_available():
         raise BenchRefusedError("run_bench needs a CUDA GPU, and torch sees none here")
     out_dir = Path(out_dir)
@@ -633,7 +636,7 @@ def run_bench(out_dir: str | Path, models: Sequence[str] = MODELS, sparsities: S
         if out_of_time(f"{label}: compile ahead"):
             return
         ahead = compile_ahead(layers, chosen, device, deadline, also, [plan_for(p, also) for p in chosen],
-                              compile_every_setting)
+                              compile_shared_kernels)
         if ahead["skipped"]:
             result["stopped_early"].append(f"{label}: compile ahead, {ahead['skipped']} of {ahead['kernels']} "
                                            "kernels not started")
