@@ -12,9 +12,10 @@ from what the probe misses. cuDNN's convolution (NCHW, TF32 off in float32) is t
 whether the comparator, at ``SCREEN_RATIO``, would have built the setting. Writes ``estimate_accuracy.json`` under
 ``--out`` (atomically, after every layer) with the environment (GPU, driver, torch/CUDA/cuDNN/CuPy versions, commit).
 
-``--settings`` times the given settings instead (JSON objects of ``GeneratedBackend.conv``'s parameters, any the
-backend accepts, also outside its tuning space, e.g. a launch bound on a stride-1 layer): those of one program per
-kernel are estimated as above, those of several programs have no estimate (null) and are built and timed alone.
+``--settings`` times the given settings instead (JSON objects of :data:`SETTING_KEYS`, any values
+``GeneratedBackend.conv`` accepts, also outside the tuning space, e.g. a launch bound on a stride-1 layer): those of
+one program per kernel are estimated as above, those of several programs have no estimate (null) and are built and
+timed alone.
 
     PYTHONPATH=. python3 scripts/estimate_accuracy.py --out $OUT/est --model resnet50 --sparsity 0.9 \\
         --layers conv1 layer4.0.conv3 --dtypes float32 float16
@@ -25,6 +26,7 @@ kernel are estimated as above, those of several programs have no estimate (null)
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -43,9 +45,14 @@ from unsparse.runtime.backends import get_backend
 from unsparse.runtime.comparator import SCREEN_RATIO, check_error, check_images, reference_output, tolerance
 from unsparse.runtime.precision import precision_mode
 from unsparse.runtime.timing import MIN_RUNS, cache_bytes, rotated_inputs, rotation_count, time_fn
+from unsparse.settings import generated_setting_argument
 from unsparse.sparse.format import UniformCSR
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16}
+
+SETTING_KEYS = ("rows", "programs", "streams", "chunks", "min_blocks", "load_batch")
+"""What a ``--settings`` entry may set (:func:`~unsparse.settings.generated_setting_argument`): ``rows`` required,
+``programs`` 1 unless given."""
 
 
 def layer_records(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: int, device: torch.device,
@@ -93,22 +100,6 @@ def layer_records(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: 
     return records
 
 
-def setting(text: str) -> dict[str, Any]:
-    """One ``--settings`` value: a JSON object with integer ``rows`` and ``programs`` (the rest is checked by the
-    backend's ``conv`` when it runs).
-
-    Raises:
-        argparse.ArgumentTypeError: for text that is no such object, naming what is wrong.
-    """
-    try:
-        params = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON ({error}): {text!r}") from None
-    if not isinstance(params, dict) or not all(type(params.get(key)) is int for key in ("rows", "programs")):
-        raise argparse.ArgumentTypeError(f"expected an object with integer rows and programs, got {text!r}")
-    return params
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")) / "estimate_accuracy")
@@ -118,10 +109,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32", "float16"])
     parser.add_argument("--runs", type=int, default=MIN_RUNS)
-    parser.add_argument("--settings", nargs="+", type=setting,
+    parser.add_argument("--settings", nargs="+", type=functools.partial(generated_setting_argument, keys=SETTING_KEYS),
                         help="JSON objects of the generated backend's parameters to time instead of the screen space, "
                         "e.g. '{\"rows\": 32, \"programs\": 4, \"min_blocks\": 3}'")
     args = parser.parse_args(argv)
+    settings = [{"programs": 1, **setting} for setting in args.settings] if args.settings else None
     bench.require_cuda("estimate_accuracy.py")
     device = torch.device("cuda")
     try:
@@ -136,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in tqdm(args.layers, desc="layers"):
             for dtype in args.dtypes:
                 result["records"] += layer_records(layers[name], DTYPES[dtype], args.batch, args.runs, device,
-                                                   args.settings)
+                                                   settings)
                 atomic_write_text(args.out / "estimate_accuracy.json", json.dumps(result, indent=1))
     return 0
 

@@ -1,26 +1,29 @@
 """How far ahead of their first use the ``generated`` kernels' loads are scheduled, from the compiled SASS, on the CPU.
 
 For chosen conv layers of a torchvision model with synthetic weights magnitude-pruned to a stated sparsity
-(``bench.pruned_layers``) and chosen settings (``rows``, ``load_batch``, ``min_blocks``), every program's
-one-program kernel source, as the backend lists it (``GeneratedBackend.kernel_sources``), is compiled for sm_90 with
+(``bench.pruned_layers``) and chosen settings (``rows``, ``programs``, ``load_batch``, ``min_blocks``), every kernel
+source of the setting, as the backend lists it (``GeneratedBackend.kernel_sources``: one per program, or with
+``programs`` > 1 one per group of programs, whose bodies share the kernel's registers), is compiled for sm_90 with
 the local ``nvcc -cubin -Xptxas -v`` (the registers ptxas gives it) and disassembled with ``cuobjdump -sass``; per
-program the
-record holds the registers, the counts of LDG and FFMA instructions and of all instructions, and the load-to-use
-distance: for each LDG, the instructions until the first one that reads its destination register (median and mean
-over the program's loads). With one loaded value feeding a few FMAs, the distance is what hides the load's latency:
-ResNet-50's layer2.1.conv2 at 0.9 ran a program of distance about 70 in half the time of its siblings at about 12,
-at the same instruction count (``kernels/NOTES.md``, sixty-second session). The NVRTC of the GPU machine and this
-nvcc are both CUDA 13.0; their registers agreed on that layer.
+kernel (its ``program`` field: the index in that list) the record holds the registers, the counts of LDG and FFMA
+instructions and of all instructions, and the load-to-use distance: for each LDG, the instructions until the first
+one that reads its destination register (median and mean over the kernel's loads). With one loaded value feeding a
+few FMAs, the distance is what hides the load's latency: ResNet-50's layer2.1.conv2 at 0.9 ran a program of distance
+about 70 in half the time of its siblings at about 12, at the same instruction count (``kernels/NOTES.md``,
+sixty-second session). The NVRTC of the GPU machine and this nvcc are both CUDA 13.0; their registers agreed on that
+layer.
 
 Writes ``load_distance.json`` and ``load_distance.md`` under ``--out`` (atomically).
 
     PYTHONPATH=. python scripts/load_distance.py --layers layer2.1.conv2 --settings '{"rows": 32}' \\
-        '{"rows": 32, "load_batch": 16}' '{"rows": 32, "min_blocks": 4}' --out build/distance
+        '{"rows": 32, "load_batch": 16}' '{"rows": 32, "min_blocks": 4}' '{"rows": 32, "programs": 4}' \\
+        --out build/distance
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import shutil
@@ -39,10 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from unsparse.atomic import atomic_write_text
 from unsparse.runtime import bench
 from unsparse.runtime.backends import get_backend
+from unsparse.settings import generated_setting_argument
 from unsparse.sparse.format import UniformCSR
 
-SETTING_KEYS = {"rows", "load_batch", "min_blocks"}
-"""What a ``--settings`` entry may set; ``rows`` is required."""
+SETTING_KEYS = ("rows", "programs", "load_batch", "min_blocks")
+"""What a ``--settings`` entry may set (:func:`~unsparse.settings.generated_setting_argument`); ``rows`` is required,
+``programs`` is 1 unless given (more: the kernels of several programs, ``generated_conv_shared``)."""
 
 
 def sass_instructions(sass: str) -> list[str]:
@@ -115,25 +120,6 @@ def compile_program(source: str, folder: Path, name: str, nvcc: str, cuobjdump: 
             "distance_mean": statistics.fmean(distances) if distances else None}
 
 
-def parse_setting(text: str) -> dict[str, int]:
-    """A ``--settings`` entry: a JSON object of :data:`SETTING_KEYS`, ``rows`` required, each a positive integer
-    (``min_blocks`` may be 0).
-
-    Raises:
-        argparse.ArgumentTypeError: naming the entry.
-    """
-    try:
-        setting = json.loads(text)
-    except json.JSONDecodeError:
-        raise argparse.ArgumentTypeError(f"setting {text!r}: not JSON") from None
-    if (not isinstance(setting, dict) or "rows" not in setting or set(setting) - SETTING_KEYS
-            or any(type(value) is not int or value < (0 if key == "min_blocks" else 1)
-                   for key, value in setting.items())):
-        raise argparse.ArgumentTypeError(f"setting {text!r}: expected an object of {sorted(SETTING_KEYS)} with rows, "
-                                         "positive integers (min_blocks >= 0)")
-    return setting
-
-
 def find_cuobjdump() -> str | None:
     """``cuobjdump`` on the PATH, else the one Triton's wheel bundles, else None."""
     found = shutil.which("cuobjdump")
@@ -164,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", choices=bench.MODELS, default="resnet50")
     parser.add_argument("--layers", nargs="+", required=True, help="conv module names, as in the model")
     parser.add_argument("--sparsity", type=float, default=0.9)
-    parser.add_argument("--settings", nargs="+", type=parse_setting, default=[{"rows": 32}])
+    parser.add_argument("--settings", nargs="+", type=functools.partial(generated_setting_argument, keys=SETTING_KEYS),
+                        default=[{"rows": 32}])
     parser.add_argument("--dtype", choices=["float32", "float16"], default="float32")
     parser.add_argument("--nvcc", default=shutil.which("nvcc"))
     parser.add_argument("--cuobjdump", default=find_cuobjdump())
@@ -184,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
         csr = UniformCSR.from_dense(layer.weight.to(dtype))
         x = torch.empty(1, *layer.in_chw, dtype=dtype)  # the sources hold no batch size
         for setting in args.settings:
-            sources = backend.kernel_sources(x, csr, layer.geometry, [{**setting, "programs": 1}])
+            sources = backend.kernel_sources(x, csr, layer.geometry, [{"programs": 1, **setting}])
             jobs += [({"layer": name, "setting": setting, "program": index}, source)
                      for index, (source, _) in enumerate(sources)]
     with tempfile.TemporaryDirectory() as folder, ThreadPoolExecutor(args.workers) as pool:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,16 +11,6 @@ import torch.nn.functional as F
 
 from unsparse.runtime import bench
 from unsparse.sparse.geometry import ConvGeometry
-
-
-def test_a_setting_is_a_json_object_with_integer_rows_and_programs(load_script) -> None:
-    script = load_script("estimate_accuracy")
-    assert script.setting('{"rows": 32, "programs": 4, "min_blocks": 3}') == {"rows": 32, "programs": 4,
-                                                                             "min_blocks": 3}
-    for text, message in (('{"rows": 32}', "integer rows and programs"), ("[32, 4]", "integer rows and programs"),
-                          ('{"rows": 32.0, "programs": 4}', "integer rows and programs"), ("rows=32", "not JSON")):
-        with pytest.raises(argparse.ArgumentTypeError, match=message):
-            script.setting(text)
 
 
 class Backend:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -38,20 +37,6 @@ def test_each_load_counts_the_instructions_until_its_register_is_read(load_scrip
     assert script.ptxas_registers("ptxas info    : Used 48 registers, used 0 barriers") == 48
     with pytest.raises(ValueError, match="no 'Used N registers' line"):
         script.ptxas_registers("ptxas info    : Compiling entry function")
-
-
-@pytest.mark.parametrize(("text", "accepted"), [
-    ('{"rows": 32}', True), ('{"rows": 32, "load_batch": 16, "min_blocks": 0}', True),
-    ('{"load_batch": 16}', False), ('{"rows": 0}', False), ('{"rows": 32, "streams": 8}', False),
-    ('{"rows": 32.0}', False), ('[32]', False), ("rows=32", False)])
-def test_a_setting_is_a_json_object_of_rows_load_batch_and_min_blocks(load_script: Callable[[str], ModuleType],
-                                                                        text: str, accepted: bool) -> None:
-    script = load_script("load_distance")
-    if accepted:
-        assert script.parse_setting(text)["rows"] == 32
-    else:
-        with pytest.raises(argparse.ArgumentTypeError, match="setting"):
-            script.parse_setting(text)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not installed")

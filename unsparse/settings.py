@@ -9,6 +9,7 @@ numbers only (numpy's float64 is a Python float).
 from __future__ import annotations
 
 import argparse
+import json
 import math
 from collections.abc import Callable, Collection
 from pathlib import Path
@@ -145,3 +146,25 @@ def sparsity_argument(text: str) -> float:
     if not 0 <= value < 1:
         raise argparse.ArgumentTypeError(f"expected a sparsity in [0, 1), got {text!r}")
     return value
+
+
+def generated_setting_argument(text: str, keys: Collection[str]) -> dict[str, int]:
+    """A setting of the ``generated`` backend given on a command line (an argparse ``type``, through
+    ``functools.partial`` for ``keys``), e.g. ``{"rows": 32, "programs": 4, "min_blocks": 3}``: a JSON object of
+    ``keys`` with ``rows`` among them, each value an integer >= 1 (``min_blocks`` >= 0: 0 is no launch bound). Whether
+    the backend offers the setting for a layer is the backend's check, when it runs
+    (:meth:`~unsparse.runtime.backends.generated.GeneratedBackend.conv`).
+
+    Raises:
+        argparse.ArgumentTypeError: naming the entry and what is expected.
+    """
+    try:
+        setting = json.loads(text)
+    except (ValueError, RecursionError):  # not JSON, an integer beyond Python's 4300 digits, or nested too deep
+        raise argparse.ArgumentTypeError(f"setting {quote(text)}: not JSON") from None
+    if (not isinstance(setting, dict) or "rows" not in setting or set(setting) - set(keys)
+            or any(type(value) is not int or value < (0 if key == "min_blocks" else 1)
+                   for key, value in setting.items())):
+        raise argparse.ArgumentTypeError(f"setting {quote(text)}: expected an object of {sorted(keys)} with rows, "
+                                         "positive integers (min_blocks >= 0)")
+    return setting
