@@ -69,10 +69,8 @@ def layer_records(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: 
     inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(device)))
     space = settings or [params for params in backend.screen_space(x, csr, layer.geometry) if params["programs"] == 1]
     probed = [params for params in space if params["programs"] == 1]
-    estimates = dict(zip(map(json.dumps, probed), backend.estimate_ms(inputs, csr, layer.geometry, probed),
-                         strict=True)) if probed else {}
-    one_input_estimates = dict(zip(map(json.dumps, probed), backend.estimate_ms([x], csr, layer.geometry, probed),
-                                   strict=True)) if probed else {}
+    estimates, one_input_estimates = (iter(backend.estimate_ms(v, csr, layer.geometry, probed) if probed else [])
+                                      for v in (inputs, [x]))
     backend.precompile(x, csr, layer.geometry, space)
     images = check_images(batch)
     ref = reference_output(x, csr, bias, layer.geometry, images)
@@ -82,7 +80,8 @@ def layer_records(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: 
                        device, runs=runs, rotation=len(inputs)).median_ms
     records = []
     for params in space:
-        estimate, one_input_estimate = estimates.get(json.dumps(params)), one_input_estimates.get(json.dumps(params))
+        estimate, one_input_estimate = ((next(estimates), next(one_input_estimates)) if params["programs"] == 1
+                                        else (None, None))
         out = backend.run(x, csr, bias, layer.geometry, **params)
         error = check_error(out[images], ref, tolerance(dtype))
         median = time_fn(lambda i, p=params: backend.run(inputs[i % len(inputs)], csr, bias, layer.geometry, **p),

@@ -460,7 +460,7 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
     builds only where its probes' estimates pass the screen, and which NVRTC compiles on one core each, for up to
     minutes. Compiled one layer after another, each layer waits for its longest while the other cores idle: on the
     H200 (sixty-third session, ResNet-50 at 0.9, FP32, batch 128, NCHW) the 38 layers planned in two calls spent 727 of
-    their 762 s compiling, the 3x3 layers of layer3 57-63 s each. Where most layers pass the screen, as a whole model's
+    their 762 s compiling, the 3x3 layers of layer3 49-62 s each. Where most layers pass the screen, as a whole model's
     do, the pass over all cores saves that wait; its price is the kernels of layers whose screen would have failed.
     (Every setting's one-program kernels are no option: ResNet-50's at 0.9 are 3,191 kernels, 632 MB of source in
     FP32, against 274 kernels and 188 MB for its settings of several programs and 245 probes, 50 MB.)
@@ -501,16 +501,16 @@ def compile_ahead(layers: Sequence[ConvLayer], precisions: Sequence[str], device
                                         probes=True)
                 compiled_layers.add(layer.name)
                 wanted = chosen.get((name, kernel_signature(layer_key(x, csr, layer.geometry, device="any"))))
-                space = backend.tuning_space(x, csr, layer.geometry)
                 if wanted:  # one offered setting per planned set of kernels (streams, chunks, graph share them)
-                    planned = {_kernel_parameters(params): params for params in space
+                    planned = {_kernel_parameters(params): params
+                               for params in backend.tuning_space(x, csr, layer.geometry)
                                if _kernel_parameters(params) in wanted}
                     if planned:
                         sources += list_kernels(x, csr, layer.geometry, list(planned.values()))
                         planned_layers.add(layer.name)
                 elif shared:
-                    sources += list_kernels(x, csr, layer.geometry, [params for params in space
-                                                                     if params["programs"] > 1])
+                    sources += list_kernels(x, csr, layer.geometry, [
+                        params for params in backend.tuning_space(x, csr, layer.geometry) if params["programs"] > 1])
     started = time.perf_counter()
     functions = compile_all(sources, deadline=deadline) if sources else []
     skipped = {source for source, function in zip(sources, functions, strict=True) if function is None}
