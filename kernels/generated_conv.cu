@@ -28,12 +28,14 @@
 // xp: (N, C, HP, WP) zero-padded input in float32 whatever T is: the caller converts a float16 input while padding
 // it, since a conversion per load (cuda_fp16.hpp's __half2float is inline PTX) made NVRTC take 3-4x as long on a
 // body of 14.6 k products (kernels/NOTES.md, thirty-fourth session); y: (N, M, E, F) output of T, rows k0 .. k0 + KT
-// - 1 written; bias: (M,) of T or nullptr; total = N * E * F; relu: nonzero to apply the ReLU that follows the
-// layer in the epilogue. Stride 1, dilation 1, groups 1 only (the caller checks; a strided layer arrives as its
+// - 1 written; bias: (M,) of T or nullptr; residual: (N, M, E, F) of T, contiguous, added after the bias and before
+// the ReLU (a residual block's relu(conv3(x) + identity), in float32 and rounded once with the rest), or nullptr for
+// none; total = N * E * F; relu: nonzero to apply the ReLU that follows the layer in the epilogue. Stride 1, dilation 1, groups 1 only (the caller checks; a strided layer arrives as its
 // phase split, and E x F is then the strided layer's plane, the top-left corner of the split's). Every address is
 // inside xp for p < total: oy + r < HP and ox + s < WP.
 //
-// pool: nonzero to apply the 2x2, stride-2 max pool that follows the layer (after its ReLU, if any) in the epilogue:
+// pool: nonzero to apply the 2x2, stride-2 max pool that follows the layer (after its ReLU, if any) in the epilogue
+// (residual is then nullptr: a pooled layer has no residual add, unsparse/runtime/backends/generated.py refuses both):
 // y is then (N, M, E / 2, F / 2) (floor, as nn.MaxPool2d(2)), total = N * (E / 2) * (F / 2) * 4, and four
 // consecutive pixel indices are one pool window's four outputs, computed by four adjacent lanes that reduce their
 // sums to the window's maxima and store them (store_rows). Bias and ReLU are applied to the maximum: both are
@@ -75,8 +77,10 @@ constexpr int KQ = (KT + 3) / 4 * 4;
 // acc[k], or 0 for a row k past KT (only where KT is not a multiple of four; resolved at compile time once unrolled).
 __device__ __forceinline__ float row_sum(const float* acc, int k) { return k < KT ? acc[k] : 0.0f; }
 
-// Rows k0 .. k0 + KT - 1 below out_channels of pixel q, with the bias, and with the ReLU that follows the layer where
-// relu is nonzero (a negative sum stored as 0; NaN kept, as torch.relu keeps it).
+// Rows k0 .. k0 + KT - 1 below out_channels of pixel q, with the bias, the residual's value at the same output index
+// where residual is not nullptr (v64), and with the ReLU that follows the layer where relu is nonzero (a negative sum
+// stored as 0; NaN kept, as torch.relu keeps it). The residual is read with a branch, not as + 0 when absent, so that
+// a sum of -0 stays -0 without one.
 //
 // With pool, the four lanes of pixel q's pool window (all four call this together) hold the window's four sums of
 // each row and reduce them as a butterfly (v40): the two lanes of each pair (bit 0 of the lane) swap half of their
@@ -84,15 +88,17 @@ __device__ __forceinline__ float row_sum(const float* acc, int k) { return k < K
 // (b1 b0) ends with the window's maxima of rows b0 * KQ / 2 + b1 * KQ / 4 + j, j < KQ / 4, and all four lanes store
 // at the window's place in the pooled plane: 3 KQ / 4 shuffles and KQ / 4 stores per lane. v39 reduced every row in
 // every lane (2 KT shuffles) and stored KT rows from one lane of four while the other three waited.
-__device__ __forceinline__ void store_rows(T* __restrict__ y, const T* __restrict__ bias, Pixel q, int out_channels,
-                                           int k0, const float* acc, int relu, int pool) {
+__device__ __forceinline__ void store_rows(T* __restrict__ y, const T* __restrict__ bias,
+                                           const T* __restrict__ residual, Pixel q, int out_channels, int k0,
+                                           const float* acc, int relu, int pool) {
   if (!pool) {
-    T* out = y + (static_cast<size_t>(q.n) * out_channels + k0) * (E * F) + q.oy * F + q.ox;
+    const size_t at = (static_cast<size_t>(q.n) * out_channels + k0) * (E * F) + q.oy * F + q.ox;
 #pragma unroll
     for (int k = 0; k < KT; ++k) {
       if (k0 + k < out_channels) {
-        const float v = acc[k] + (bias ? to_float(bias[k0 + k]) : 0.0f);
-        store(out + static_cast<size_t>(k) * (E * F), relu && v < 0.0f ? 0.0f : v);
+        float v = acc[k] + (bias ? to_float(bias[k0 + k]) : 0.0f);
+        if (residual) v += to_float(residual[at + static_cast<size_t>(k) * (E * F)]);
+        store(y + at + static_cast<size_t>(k) * (E * F), relu && v < 0.0f ? 0.0f : v);
       }
     }
     return;
@@ -132,15 +138,15 @@ __device__ __forceinline__ void store_rows(T* __restrict__ y, const T* __restric
 __device__ __forceinline__ void products(const float* __restrict__ base, float* acc);
 
 extern "C" __global__ void LAUNCH_BOUNDS generated_conv(
-    const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int M, int k0, int relu,
-    int pool) {
+    const float* __restrict__ xp, const T* __restrict__ bias, const T* __restrict__ residual, T* __restrict__ y,
+    int total, int M, int k0, int relu, int pool) {
   for (int p = blockIdx.x * blockDim.x + threadIdx.x; p < total; p += gridDim.x * blockDim.x) {
     const Pixel q = locate(p, pool);
     float acc[KT];
 #pragma unroll
     for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
     products(window(xp, q), acc);
-    store_rows(y, bias, q, M, k0, acc, relu, pool);
+    store_rows(y, bias, residual, q, M, k0, acc, relu, pool);
   }
 }
 #else
@@ -159,8 +165,8 @@ extern "C" __global__ void LAUNCH_BOUNDS generated_conv(
 __device__ __forceinline__ int run(int program, const float* __restrict__ base, float* acc);
 
 extern "C" __global__ void LAUNCH_BOUNDS generated_conv_shared(
-    const float* __restrict__ xp, const T* __restrict__ bias, T* __restrict__ y, int total, int relu, int pool,
-    unsigned int* __restrict__ counters) {
+    const float* __restrict__ xp, const T* __restrict__ bias, const T* __restrict__ residual, T* __restrict__ y,
+    int total, int relu, int pool, unsigned int* __restrict__ counters) {
   __shared__ unsigned int s_tile;
   unsigned int smid;
   asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
@@ -181,7 +187,7 @@ extern "C" __global__ void LAUNCH_BOUNDS generated_conv_shared(
 #pragma unroll
       for (int k = 0; k < KT; ++k) acc[k] = 0.0f;
       const int k0 = run(program, window(xp, q), acc);
-      if (p < total) store_rows(y, bias, q, M, k0, acc, relu, pool);
+      if (p < total) store_rows(y, bias, residual, q, M, k0, acc, relu, pool);
     }
   }
 }

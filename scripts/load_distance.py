@@ -61,9 +61,12 @@ def _registers(text: str) -> set[str]:
     return set(re.findall(r"\bR(\d+)\b", text))
 
 
-def load_distances(instructions: list[str]) -> list[int]:
+def load_distances(instructions: list[str], readers: tuple[str, ...] = ("FFMA",)) -> list[int]:
     """For each LDG in ``instructions`` (straight-line order), how many instructions later its destination register
-    is first read; an LDG whose register is overwritten first, or never read, is left out."""
+    is first read, where that first reader's opcode starts with one of ``readers`` (default: a product of the body;
+    the epilogue's bias and residual loads, v64, feed additions and would otherwise swamp a short body's few
+    loads); an LDG whose register is overwritten first, never read, or first read by another instruction is left
+    out."""
     distances = []
     for index, instruction in enumerate(instructions):
         load = re.match(r"LDG\S*\s+R(\d+)", instruction)
@@ -75,7 +78,8 @@ def load_distances(instructions: list[str]) -> list[int]:
             fields = [field.strip() for field in operands.split(",")]
             reads = operands if opcode.startswith(("ST", "BRA", "RET", "EXIT")) else ", ".join(fields[1:])
             if register in _registers(reads):
-                distances.append(later - index)
+                if opcode.startswith(readers):
+                    distances.append(later - index)
                 break
             if fields and register in _registers(fields[0]):
                 break

@@ -66,11 +66,12 @@ def uniform_weight(out_channels: int, channels: int, kernel: int, sparsity: floa
 
 def kernel_arguments(padded: Any, y: Any, total: int, out_channels: int, first: int) -> tuple[Any, ...]:
     """``generated_conv``'s arguments, in the order of its signature (``kernels/generated_conv.cu``): the padded
-    float32 input, no bias, the output, ``N * E * F`` pixels, the layer's output channels, the program's first row, and
-    the ReLU and max-pool flags off. A launch that passes fewer than the kernel takes reads past its argument array
-    (the first run of the sixty-second session segfaulted so, its launch predating v39's ``pool``)."""
-    return (padded, np.uint64(0), y, np.int32(total), np.int32(out_channels), np.int32(first), np.int32(0),
-            np.int32(0))
+    float32 input, no bias, no residual, the output, ``N * E * F`` pixels, the layer's output channels, the
+    program's first row, and the ReLU and max-pool flags off. A launch that passes fewer than the kernel takes reads
+    past its argument array (the first run of the sixty-second session segfaulted so, its launch predating v39's
+    ``pool``)."""
+    return (padded, np.uint64(0), np.uint64(0), y, np.int32(total), np.int32(out_channels), np.int32(first),
+            np.int32(0), np.int32(0))
 
 
 def run_case(case: tuple, batch: int, runs: int, options: tuple[str, ...],

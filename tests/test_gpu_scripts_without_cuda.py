@@ -21,6 +21,7 @@ GPU_SCRIPTS = {
     "profile_launch.py": ["--out", "OUT"],
     "time_pairing.py": [],
     "time_side_streams.py": ["--before", "2,1"],
+    "time_residual_fusion.py": ["--layers", "layer1.0.conv3", "--out", "OUT"],
     "probe_instruction_fetch.py": ["--out", "OUT"],
     "time_cudnn_layouts.py": ["--models", "alexnet", "--layer-filter", "^none$", "--out", "OUT"],
     "time_dense_baselines.py": ["--out", "OUT"],

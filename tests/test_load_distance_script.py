@@ -21,19 +21,23 @@ SASS = """
         /*0140*/                   FFMA R10, R4, -1, R10 ;
         /*0150*/                   LDG.E.CONSTANT R6, desc[UR6][R2.64+0x18] ;
         /*0160*/                   MOV R6, RZ ;
-        /*0170*/                   STG.E desc[UR6][R12.64], R8 ;
-        /*0180*/                   EXIT ;
+        /*0170*/                   LDG.E R7, desc[UR6][R14.64] ;
+        /*0180*/                   FADD R8, R8, R7 ;
+        /*0190*/                   STG.E desc[UR6][R12.64], R8 ;
+        /*01a0*/                   EXIT ;
 """
 
 
 def test_each_load_counts_the_instructions_until_its_register_is_read(load_script: Callable[[str], ModuleType]
                                                                       ) -> None:
     """R4 is first read four instructions on, R5 one (``.reuse`` is the same register), and R6 is overwritten
-    before any read, so it has no distance; a predicate does not hide an instruction's operands."""
+    before any read, so it has no distance; a predicate does not hide an instruction's operands. R7, an epilogue's
+    load read by an addition, counts only where additions are asked for."""
     script = load_script("load_distance")
     instructions = script.sass_instructions(SASS)
-    assert instructions[3] == "FFMA R9, R9, 2, R9" and len(instructions) == 9
+    assert instructions[3] == "FFMA R9, R9, 2, R9" and len(instructions) == 11
     assert script.load_distances(instructions) == [4, 1]
+    assert script.load_distances(instructions, ("FFMA", "FADD")) == [4, 1, 1]
     assert script.ptxas_registers("ptxas info    : Used 48 registers, used 0 barriers") == 48
     with pytest.raises(ValueError, match="no 'Used N registers' line"):
         script.ptxas_registers("ptxas info    : Compiling entry function")

@@ -76,7 +76,7 @@ def test_probe_generated_passes_every_argument_of_the_kernels_signature(
     signature = re.search(r"LAUNCH_BOUNDS generated_conv\((.*?)\)", skeleton, re.S).group(1)
     parameters = [" ".join(parameter.split()) for parameter in signature.split(",")]
     arguments = load_script("probe_generated").kernel_arguments(object(), object(), 10, 4, 2)
-    assert len(arguments) == len(parameters) == 8
+    assert len(arguments) == len(parameters) == 9
     for parameter, argument in zip(parameters, arguments, strict=True):
         if "*" in parameter:
             assert not isinstance(argument, np.int32), parameter

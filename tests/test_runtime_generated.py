@@ -146,6 +146,14 @@ def test_tuning_space_bounds_the_generated_body() -> None:
     stem = backend.tuning_space(x, layer(out_channels=64), ConvGeometry.of(2, 1))  # strided: also the bounded 64
     assert [params for params in stem if "min_blocks" in params] == [
         {"rows": 64, "programs": 1, "min_blocks": 1}, {"rows": 64, "programs": 1, "min_blocks": 2}]
+    bounded_shared = {"rows": 32, "programs": 4, "min_blocks": 3}
+    pointwise = backend.tuning_space(x, layer(out_channels=100, kernel=1), ConvGeometry.of(1, 0))
+    assert [params for params in pointwise if "min_blocks" in params] == [bounded_shared]  # 1x1: the bounded 4
+    assert pointwise.index(bounded_shared) == len(pointwise) - 1 and {"rows": 32, "programs": 4} in pointwise
+    strided_pointwise = backend.tuning_space(x, layer(out_channels=100, kernel=1), ConvGeometry.of(2, 0))
+    assert [params for params in strided_pointwise if "min_blocks" in params] == [
+        {"rows": 64, "programs": 1, "min_blocks": 1}, {"rows": 64, "programs": 1, "min_blocks": 2}, bounded_shared]
+    assert bounded_shared not in backend.tuning_space(x, layer(out_channels=96, kernel=1), ConvGeometry.of(1, 0))
 
 
 @pytest.mark.parametrize(("dtype", "stride"), [(torch.float32, 1), (torch.float16, 1), (torch.float32, 2)])
@@ -344,7 +352,7 @@ class ProbeRun:
         def bind(backend, x, csr, layer, setting, kernels):
             [[program]] = kernels
 
-            def launch(stream, padded, bias, y):
+            def launch(stream, padded, bias, residual, y):
                 self.calls[-1].append((setting.rows, program.first))
                 self.padded[-1].append(padded)
 

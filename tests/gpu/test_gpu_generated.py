@@ -132,6 +132,39 @@ def test_the_relu_in_the_epilogue_matches_the_float64_reference(monkeypatch: pyt
     assert relative_error(plain, ref) <= tolerance(dtype), params
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("params", [SETTINGS[0], {"rows": 32, "programs": 4}, SETTINGS[-1], SETTINGS[5], GRAPHED,
+                                    *CHUNKED])
+def test_the_residual_in_the_epilogue_matches_the_float64_reference(monkeypatch: pytest.MonkeyPatch,
+                                                                    dtype: torch.dtype, params: dict) -> None:
+    """A layer fused with its residual add and the ReLU after it, prepared once as ``SparseConv`` keeps it
+    (``prepare(..., relu=True, residual=...)``), in one-program, shared (also bounded to 3 blocks per SM), 8-stream,
+    graph-replayed and chunked kernels: two calls with two residuals each give ``relu(conv + residual)`` of the
+    float64 reference (a graph copies each residual in; a stale one would fail the second), a channels-last residual
+    the same; in float32 bit for bit the unfused ``relu(out + residual)`` of the same kernels (one rounding either
+    way). A residual with a fused max pool, or of another shape, is refused naming it."""
+    monkeypatch.setitem(CASES, "programs", PROGRAMS_CASE)
+    x, csr, bias, geometry, ref = make_case("programs", dtype, seed=46)
+    backend = get_backend("generated")
+    residuals = [torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+                 for seed in (7, 8)]
+    call = backend.prepare(x, csr, bias, geometry, relu=True, residual=residuals[0].to(CUDA), **params)
+    plain = backend.run(x, csr, bias, geometry, **params)
+    for residual in residuals:
+        expected = torch.relu(ref + residual.double())
+        assert (ref < 0).any() and (expected == 0).any()
+        for layout in (torch.contiguous_format, torch.channels_last):
+            poison_allocator(ref.numel(), dtype)
+            out = call(x, residual.to(CUDA).contiguous(memory_format=layout))
+            assert relative_error(out.cpu(), expected) <= tolerance(dtype), (params, layout)
+            if dtype == torch.float32:
+                assert torch.equal(out, torch.relu(plain + residual.to(CUDA))), (params, layout)
+    with pytest.raises(ValueError, match="residual"):
+        backend.conv(x, csr, bias, geometry, max_pool=True, residual=residuals[0].to(CUDA), **params)
+    with pytest.raises(ValueError, match="residual"):
+        backend.conv(x, csr, bias, geometry, residual=residuals[0][:1].to(CUDA), **params)
+
+
 @pytest.mark.parametrize("relu", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("params", [SETTINGS[0], {"rows": 32, "programs": 4}, {"rows": 6, "programs": 1},

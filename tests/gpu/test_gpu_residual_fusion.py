@@ -1,7 +1,9 @@
 """A convolution fused with a residual add and the ReLU after it, on the GPU: ``cudnn`` in one call
 (``torch.cudnn_convolution_add_relu``, or its logged fallback), ``direct`` in its kernels' epilogue (every setting:
-``tests/gpu/test_gpu_backends.py``), the lowering backends with the add and the ReLU in passes after their GEMMs,
-and the dense baseline's module, each against torch's float64 convolution plus the residual on the CPU."""
+``tests/gpu/test_gpu_backends.py``), ``generated`` in its kernels' epilogue (its settings of several programs, streams,
+graphs and chunks: ``tests/gpu/test_gpu_generated.py``), the lowering backends with the add and the ReLU in passes
+after their GEMMs, and the dense baseline's module, each against torch's float64 convolution plus the residual on the
+CPU."""
 
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ def residual_case(name: str, dtype: torch.dtype, seed: int):
 @pytest.mark.parametrize("memory_format", [torch.contiguous_format, torch.channels_last])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("name", sorted(LAYERS))
-@pytest.mark.parametrize("backend", ["cudnn", "direct", "im2col_cublas"])
+@pytest.mark.parametrize("backend", ["cudnn", "direct", "generated", "im2col_cublas"])
 def test_a_backend_adds_the_residual_before_the_relu(backend: str, name: str, dtype: torch.dtype,
                                                       memory_format: torch.memory_format) -> None:
     x, csr, bias, geometry, residual, reference = residual_case(name, dtype, seed=len(name))

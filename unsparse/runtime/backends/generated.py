@@ -21,7 +21,7 @@ import functools
 import hashlib
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
@@ -33,6 +33,7 @@ from unsparse.runtime import cupy_launcher as cl
 from unsparse.runtime import generated_source as gs
 from unsparse.runtime import launch_geometry as lg
 from unsparse.runtime.backends.base import ConvBackend, WeightCache, kernel_input_reason, register_backend
+from unsparse.runtime.backends.direct import kernel_residual
 from unsparse.runtime.launch_geometry import Launch
 from unsparse.runtime.timing import capture_graph, time_fn
 from unsparse.sparse.format import UniformCSR
@@ -44,7 +45,7 @@ SETTINGS = ({"rows": 32, "programs": 1}, {"rows": 64, "programs": 1}, {"rows": 1
             {"rows": 64, "programs": 1, "chunks": 4}, {"rows": 64, "programs": 1, "min_blocks": 1},
             {"rows": 64, "programs": 1, "min_blocks": 2}, {"rows": 32, "programs": 1, "streams": 8, "graph": True},
             {"rows": 32, "programs": 1, "load_batch": 16}, {"rows": 32, "programs": 1, "load_batch": 32},
-            {"rows": 64, "programs": 1, "load_batch": 16})
+            {"rows": 64, "programs": 1, "load_batch": 16}, {"rows": 32, "programs": 4, "min_blocks": 3})
 """The settings the comparator times, the first the default: output channels per program (KT, the register
 accumulators per thread), programs per kernel (G; G > 1 runs ``generated_conv_shared``, v31, each program on its
 share of the SMs), ``streams``, how many of the layer's kernels may run at once (default 1, one after another; a
@@ -61,8 +62,11 @@ high sparsity (a tap, an input channel and kernel position, has a nonzero among 
 FP32) they lost at batch 128 in all four layers where admitted (features.5 at 0.95 1.19x slower than 64 rows;
 features.5, .7, .10 at 0.98 1.18-1.31x slower than the best) and won at batch 1 at 0.98 (features.5 0.021 against
 0.026 ms, features.7 0.0285 against 0.031 ms: one kernel instead of two or four). ``min_blocks`` (default 0, none) is
-the launch bound's blocks per SM, to which ptxas fits the registers per thread; timed on strided layers only (the stems,
-where the generated kernels pay; :meth:`GeneratedBackend.tuning_space`). On the stems at 0.9 (local ptxas, 64 rows)
+the launch bound's blocks per SM, to which ptxas fits the registers per thread; timed with one program per kernel on
+strided layers only (the stems, where the generated kernels pay; :meth:`GeneratedBackend.tuning_space`), and with four
+on 1x1 layers only: on the H200 (sixty-fourth session, ResNet-50 at 0.9, FP32 b128, synthetic weights) the kernel of
+four programs of 32 rows at 3 blocks per SM (80 registers instead of 64) ran the 1x1 layer2.2.conv1 and layer2.3.conv1
+in 0.110 ms against 0.127, the 3x3 layer2.1.conv2 in 0.206 against 0.194. On the stems at 0.9 (local ptxas, 64 rows)
 AlexNet's program takes 80 registers without it, 255 at 1 and 128 at 2, and ran fastest at 1 or 2 in the H200 runs (FP32
 at batch 128 in the benchmark runs of 4eb2d81, d4c83bb and d630b0d: 0.189 ms unbounded, 0.172 at 1, 0.142 at 2);
 ResNet-50's takes 128 without it or at 2 and 224 at 1, which lost. At 3 both took 80 and spilled, and lost (under
@@ -292,6 +296,7 @@ class GeneratedBackend(ConvBackend):
     device_types = frozenset({"cuda"})
     fuses_relu = True
     fuses_max_pool = True
+    fuses_residual_relu = True
 
     def __init__(self) -> None:
         self._cache = WeightCache()
@@ -343,8 +348,9 @@ class GeneratedBackend(ConvBackend):
         programs, ``ceil(M / rows)``, a kernel of several programs within :data:`MAX_SHARED_PRODUCTS` (its
         compile time), several ``streams`` only for a layer of several kernels, and ``chunks`` only for a batch of at
         least two images per chunk (a chunked setting runs its twin's kernels, so the space's kernels do not depend
-        on the batch); ``min_blocks`` settings only for a strided layer (a stem, where they were measured), by their
-        unbounded twin's rules; ``graph`` settings only within :data:`GRAPH_BYTES` (:meth:`graph_bytes`)."""
+        on the batch); ``min_blocks`` settings of one program per kernel only for a strided layer (a stem), those of
+        several only for a 1x1 layer (where each was measured faster), by their unbounded twin's rules; ``graph``
+        settings only within :data:`GRAPH_BYTES` (:meth:`graph_bytes`)."""
         return [dict(params) for params in SETTINGS if params["rows"] * csr.row_length <= MAX_PRODUCTS
                 and (params == SETTINGS[0] or (
                     params["rows"] < 2 * csr.out_channels
@@ -356,7 +362,8 @@ class GeneratedBackend(ConvBackend):
                     and (params.get("streams", 1) == 1
                          or -(-csr.out_channels // params["rows"]) > params["programs"])
                     and (params.get("chunks", 1) == 1 or x.shape[0] >= 2 * params["chunks"])
-                    and ("min_blocks" not in params or geometry.stride != (1, 1))
+                    and ("min_blocks" not in params or (geometry.stride != (1, 1) if params["programs"] == 1
+                                                        else csr.kernel_size == (1, 1)))
                     and (not params.get("graph") or self.graph_bytes(x, csr, geometry) <= GRAPH_BYTES)))]
 
     def graph_bytes(self, x: torch.Tensor, csr: UniformCSR, geometry: ConvGeometry) -> int:
@@ -407,8 +414,8 @@ class GeneratedBackend(ConvBackend):
         under ``timing="graph"``: a setting of many kernels is host-bound when run eagerly (ResNet-50's
         layer4.0.conv3 at 0.9 on 8 streams, 64 launches: 0.245 ms as a graph in every process, 0.54-1.11 ms eagerly,
         the host's time to issue them; kernels/NOTES.md, fifty-eighth session), so an eager estimate would screen
-        it out of a graph-timed comparison. A residual add after the convolution
-        (:meth:`~unsparse.runtime.backends.base.ConvBackend.run`'s separate pass) is not in the estimate.
+        it out of a graph-timed comparison. A residual add after the convolution (in the kernels' epilogue,
+        :meth:`conv`'s ``residual``: one more load per output) is not in the estimate.
 
         None for a setting of several programs per kernel (its kernel compiles as one unit: its probe would cost
         what the estimate saves), and for every setting where the call would fail (:meth:`unsupported_reason`, a
@@ -448,7 +455,8 @@ class GeneratedBackend(ConvBackend):
     def conv(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
              rows: int = SETTINGS[0]["rows"], programs: int = SETTINGS[0]["programs"],
              streams: int = 1, chunks: int = 1, relu: bool = False, max_pool: bool = False,
-             min_blocks: int = 0, graph: bool = False, load_batch: int = gs.LOAD_BATCH) -> torch.Tensor:
+             min_blocks: int = 0, graph: bool = False, load_batch: int = gs.LOAD_BATCH,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
         """Pad the input in float32 (:func:`padded_float32`, timed with the call: the kernels read float32, since a
         conversion per load made NVRTC 3-4x slower; a strided layer's phase images, :meth:`stride_one_layer`, gathered
         in the same pass), then run the layer's programs of ``rows`` output channels,
@@ -480,13 +488,21 @@ class GeneratedBackend(ConvBackend):
         ``load_batch``: the taps whose loads each kernel's body issues together before their products
         (:func:`~unsparse.runtime.generated_source.products_source`; more loads in flight, more registers).
 
+        ``residual`` (``(N, M, E, F)`` of ``x``'s dtype and device, any layout; None: none) is added by the kernels'
+        epilogue after the bias and before the ReLU, in float32, rounded once with the rest (a residual block's
+        ``relu(conv3(x) + identity)``, :attr:`fuses_residual_relu`; v64): one load per output instead of the add's
+        pass over the output (a read of each of the two and a write). It is read in NCHW (a channels-last one is
+        copied first, :func:`~unsparse.runtime.backends.direct.kernel_residual`); under ``graph`` it is copied into the
+        capture's own residual with each call, as the input is, and with ``chunks`` each sub-batch's kernels read its
+        part.
+
         Returns:
             ``(N, M, E, F)`` NCHW output of ``x``'s dtype; with ``max_pool`` ``(N, M, E // 2, F // 2)``.
 
         Raises:
             ValueError: for a layer :meth:`unsupported_reason` refuses, ``chunks`` < 1, ``min_blocks`` < 0,
-                ``load_batch`` < 1,
-                ``max_pool`` on an output plane below 2x2, or from
+                ``load_batch`` < 1, ``max_pool`` on an output plane below 2x2 or with a ``residual``, a
+                ``residual`` not of the output's shape, dtype and device (naming ``residual``), or from
                 :func:`~unsparse.runtime.generated_source.programs` (a weight that is not finite).
         """
         reason = self.unsupported_reason(x, csr, geometry)
@@ -499,57 +515,75 @@ class GeneratedBackend(ConvBackend):
         if max_pool and min(layer.out_hw) < 2:
             raise ValueError("generated: max_pool needs an output plane of at least 2x2, not "
                              f"{layer.out_hw[0]}x{layer.out_hw[1]}")
+        if residual is not None:
+            if max_pool:
+                raise ValueError("generated: residual: a residual add before a fused max pool is not supported")
+            residual = kernel_residual(residual, (x.shape[0], csr.out_channels, *layer.out_hw), x)
         bias = None if bias is None else bias.to(x.dtype).contiguous()
         setting = Setting(rows, programs, streams, relu, max_pool, min_blocks, graph, load_batch=load_batch)
-        return self._call(x, csr, bias, layer, setting, chunks)
+        return self._call(x, csr, bias, layer, setting, chunks, residual)
+
+    def conv_call(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, geometry: ConvGeometry,
+                  residual: bool = False, **params: Any) -> Callable[..., torch.Tensor]:
+        """:meth:`conv` bound but for the input (:meth:`~unsparse.runtime.backends.base.ConvBackend.conv_call`), and
+        with ``residual`` True but for the input and the residual: ``f(x2, residual2)`` adds ``residual2`` in the
+        kernels' epilogue (:meth:`conv`'s ``residual``), as :meth:`~unsparse.runtime.backends.base.ConvBackend.prepare`
+        calls it for a layer fused with its residual add and ReLU."""
+        if not residual:
+            return super().conv_call(x, csr, bias, geometry, **params)
+        return lambda x, residual: self.conv(x, csr, bias, geometry, residual=residual, **params)
 
     def _call(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, layer: StrideOneLayer,
-              setting: Setting, chunks: int) -> torch.Tensor:
+              setting: Setting, chunks: int, residual: torch.Tensor | None = None) -> torch.Tensor:
         """:meth:`conv` of a checked layer ``csr`` (its :meth:`stride_one_layer` ``layer``) and setting (``bias`` of
-        ``x``'s dtype, contiguous, or None): replayed (:meth:`_replay`) for a ``graph`` setting outside a capture,
-        else queued (:meth:`_queue`)."""
+        ``x``'s dtype, contiguous, or None; ``residual`` as the kernels read it, or None): replayed (:meth:`_replay`)
+        for a ``graph`` setting outside a capture, else queued (:meth:`_queue`)."""
         if setting.graph and not torch.cuda.is_current_stream_capturing():
-            return self._replay(x, csr, bias, layer, setting, chunks)
-        return self._queue(x, csr, bias, layer, setting, chunks)
+            return self._replay(x, csr, bias, layer, setting, chunks, residual)
+        return self._queue(x, csr, bias, layer, setting, chunks, residual)
 
     def _replay(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, layer: StrideOneLayer,
-                setting: Setting, chunks: int) -> torch.Tensor:
+                setting: Setting, chunks: int, residual: torch.Tensor | None) -> torch.Tensor:
         """:meth:`_queue` as a replay of its CUDA graph, captured (:func:`~unsparse.runtime.timing.capture_graph`)
-        on static copies of ``x`` and ``bias`` at the first call of an input shape and dtype and kept per weight and
-        setting (one capture: another shape replaces it). Each call copies ``x`` and ``bias`` in, replays and
+        on static copies of ``x``, ``bias`` and ``residual`` at the first call of an input shape and dtype and kept
+        per weight and setting (one capture: another shape, or a call with or without a bias or a residual, replaces
+        it). Each call copies ``x``, ``bias`` and ``residual`` in, replays and
         returns a copy of the static output, all on the current stream, after the previous call's copy out, so that
         calls from several streams do not overwrite each other's static tensors."""
         state = self._cache.get(csr, ("graph", layer.original, setting, chunks), dict)
-        signature = (tuple(x.shape), x.dtype, x.device, bias is None)
+        signature = (tuple(x.shape), x.dtype, x.device, bias is None, residual is None)
         with torch.cuda.device(x.device):
             current = torch.cuda.current_stream(x.device)
             if state.get("signature") != signature:
                 state.clear()
                 static = torch.empty(x.shape, dtype=x.dtype, device=x.device)
                 static_bias = None if bias is None else torch.empty_like(bias)
+                static_residual = None if residual is None else torch.empty_like(residual)
                 outputs: list[torch.Tensor] = []
                 graph = capture_graph(lambda: outputs.append(
-                    self._queue(static, csr, static_bias, layer, setting, chunks)))
-                state.update(signature=signature, graph=graph, x=static, bias=static_bias, y=outputs[-1],
-                             done=torch.cuda.Event())
+                    self._queue(static, csr, static_bias, layer, setting, chunks, static_residual)))
+                state.update(signature=signature, graph=graph, x=static, bias=static_bias, residual=static_residual,
+                             y=outputs[-1], done=torch.cuda.Event())
             else:
                 current.wait_event(state["done"])
             state["x"].copy_(x)
             if bias is not None:
                 state["bias"].copy_(bias)
+            if residual is not None:
+                state["residual"].copy_(residual)
             state["graph"].replay()
             y = state["y"].clone()
             state["done"].record(current)
         return y
 
     def _queue(self, x: torch.Tensor, csr: UniformCSR, bias: torch.Tensor | None, layer: StrideOneLayer,
-               setting: Setting, chunks: int) -> torch.Tensor:
+               setting: Setting, chunks: int, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Queue :meth:`conv`'s work for a checked layer and setting on the current stream (:meth:`_call`)."""
         N = x.shape[0]
         y = self._output(x, csr, layer, setting.max_pool)
         size = -(-N // chunks)
         if size == N:
-            self._run_kernels(x, layer.kernel_input(x), bias, y, csr, layer, setting)
+            self._run_kernels(x, layer.kernel_input(x), bias, residual, y, csr, layer, setting)
             return y
         current = torch.cuda.current_stream(x.device)
         padder = side_streams(x.device, 1)[0]
@@ -560,14 +594,16 @@ class GeneratedBackend(ConvBackend):
                 padded = layer.kernel_input(part)
             padded.record_stream(current)
             current.wait_stream(padder)
-            self._run_kernels(part, padded, bias, y[start:start + size], csr, layer, setting)
+            self._run_kernels(part, padded, bias, None if residual is None else residual[start:start + size],
+                              y[start:start + size], csr, layer, setting)
         return y
 
-    def _run_kernels(self, x: torch.Tensor, padded: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
-                     csr: UniformCSR, layer: StrideOneLayer, setting: Setting) -> None:
+    def _run_kernels(self, x: torch.Tensor, padded: torch.Tensor, bias: torch.Tensor | None,
+                     residual: torch.Tensor | None, y: torch.Tensor, csr: UniformCSR, layer: StrideOneLayer,
+                     setting: Setting) -> None:
         """Queue the kernels of ``setting`` that compute ``y`` (``(n, M, E, F)``, or pooled, contiguous) from
-        ``padded``, ``layer.kernel_input(x)`` of ``x`` (``(n, C, H, W)``), after what the current stream holds
-        (:meth:`conv`)."""
+        ``padded``, ``layer.kernel_input(x)`` of ``x`` (``(n, C, H, W)``), adding ``residual`` (contiguous, of
+        ``y``'s shape, or None), after what the current stream holds (:meth:`conv`)."""
         launches = self._launches(x, csr, layer, setting)
         counters = (torch.zeros(len(launches), setting.programs, dtype=torch.int32, device=x.device)
                     if any(shared for _, shared in launches) else None)
@@ -578,7 +614,8 @@ class GeneratedBackend(ConvBackend):
             side.wait_stream(current)
         targets = [side.cuda_stream for side in sides] or [current.cuda_stream]
         for index, (launch, shared) in enumerate(launches):
-            launch(targets[index % len(targets)], padded, bias, y, *((counters[index],) if shared else ()))
+            launch(targets[index % len(targets)], padded, bias, residual, y,
+                   *((counters[index],) if shared else ()))
         for side in sides:
             current.wait_stream(side)
 
@@ -641,10 +678,10 @@ class GeneratedBackend(ConvBackend):
     def _bind(self, x: torch.Tensor, csr: UniformCSR, layer: StrideOneLayer, setting: Setting,
               kernels: list[list[gs.Program]]) -> list[tuple[cl.BoundLaunch, bool]]:
         """Compile (:func:`compile_all`) and bind each of ``kernels`` (programs per kernel, :meth:`_kernels`): x,
-        bias, y (and the counters of a shared kernel) per call, the sizes and the epilogue flags fixed. A shared
-        kernel's grid is every block that stays resident, since its blocks take their tiles from the counters. The
-        pixel count ``total`` is the output's, or four per pooled output with ``max_pool`` (the pooled-out last row
-        and column of an odd plane are not computed)."""
+        bias, residual, y (and the counters of a shared kernel) per call, the sizes and the epilogue flags fixed. A
+        shared kernel's grid is every block that stays resident, since its blocks take their tiles from the
+        counters. The pixel count ``total`` is the output's, or four per pooled output with ``max_pool`` (the
+        pooled-out last row and column of an odd plane are not computed)."""
         sources = self._sources(x, layer, kernels, setting.min_blocks, setting.load_batch)
         functions = compile_all(sources)
         E, F_ = layer.out_hw
@@ -661,7 +698,7 @@ class GeneratedBackend(ConvBackend):
             name = f"{entry}[{hashlib.sha256(source.encode()).hexdigest()[:12]}]"
             spec = Launch(name, grid, (threads, 1, 1))
             flags = (int(setting.relu), int(setting.max_pool))
-            arguments = (cl.PER_CALL, cl.PER_CALL, cl.PER_CALL, total,
+            arguments = (cl.PER_CALL, cl.PER_CALL, cl.PER_CALL, cl.PER_CALL, total,
                          *((*flags, cl.PER_CALL) if shared else (csr.out_channels, kernel_programs[0].first, *flags)))
             parameters = cl.KernelParameters(arguments, x.device)
             with cupy.cuda.Device(x.device.index):
