@@ -13,11 +13,14 @@ and dtype, in one process: a random residual of the output's shape; the comparat
 past the L2, CUDA events, median of ``--runs`` after warm-up, TF32 off); then, for the fastest setting of ``direct``
 and of ``generated``, the same setting with the residual in the epilogue and with the add and the ReLU in passes after
 it (``run(..., relu=False).add_(residual).relu_()``), timed back to back on the same inputs, so the fusion's gain is a
-ratio of one run. Writes ``residual_fusion.json`` under ``--out`` (atomically, after every layer) with the
+ratio of one run. ``--all-settings`` times every setting, also the ``generated`` kernels of several programs that the
+comparator's screen leaves out where the one-program ones come too far behind (``SCREEN_RATIO``): its first run, on
+5b70756, screened them out of all three layers, whose fastest ``generated`` setting was then one program per kernel
+on 8 streams. Writes ``residual_fusion.json`` under ``--out`` (atomically, after every layer) with the
 environment (GPU, driver, torch/CUDA/cuDNN/CuPy versions, commit).
 
     PYTHONPATH=. python3 scripts/time_residual_fusion.py --out $OUT/residual \\
-        --layers layer1.0.conv3 layer2.0.conv3 layer3.0.conv3 layer4.0.conv3 --dtypes float32
+        --layers layer1.0.conv3 layer2.0.conv3 layer3.0.conv3 layer4.0.conv3 --dtypes float32 --all-settings
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from unsparse.atomic import atomic_write_text
 from unsparse.runtime import bench
 from unsparse.runtime.backends import get_backend
-from unsparse.runtime.comparator import compare_layer
+from unsparse.runtime.comparator import SCREEN_RATIO, compare_layer
 from unsparse.runtime.precision import precision_mode
 from unsparse.runtime.timing import MIN_RUNS, cache_bytes, rotated_inputs, rotation_count, time_fn
 from unsparse.sparse.format import UniformCSR
@@ -51,12 +54,13 @@ FUSING = ("direct", "generated")
 """The backends whose fastest setting is also timed with the add and the ReLU in passes."""
 
 
-def layer_record(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: int,
-                 device: torch.device) -> dict[str, Any]:
+def layer_record(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: int, device: torch.device,
+                 screen_ratio: float | None = SCREEN_RATIO) -> dict[str, Any]:
     """The comparison of ``layer`` fused with a random residual and its ReLU at ``dtype`` and ``batch``: per backend
     of :data:`BACKENDS` its fastest correct setting and median (ms, residual in the epilogue where the backend fuses
     it); per backend of :data:`FUSING` that setting's median with the residual in the epilogue (``fused_ms``) and with
-    the add and ReLU in passes after it (``passes_ms``), timed back to back; the fastest backend."""
+    the add and ReLU in passes after it (``passes_ms``), timed back to back; the fastest backend. ``screen_ratio``:
+    the comparator's (None: every setting built and timed)."""
     csr = UniformCSR.from_dense(layer.weight.to(device, dtype))
     bias = None if layer.bias is None else layer.bias.to(device, dtype)
     geometry = layer.geometry
@@ -65,7 +69,7 @@ def layer_record(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: i
     residual = torch.randn(batch, csr.out_channels, *out_hw, device=device, dtype=dtype)
     inputs = rotated_inputs(x, rotation_count(x.numel() * x.element_size(), cache_bytes(device)))
     comparison = compare_layer(x, csr, bias, geometry, backends=list(BACKENDS), runs=runs, relu=True,
-                               residual=residual)
+                               residual=residual, screen_ratio=screen_ratio)
     best = comparison.best
     record: dict[str, Any] = {"layer": layer.name, "dtype": str(dtype).removeprefix("torch."), "batch": batch,
                               "nnz_per_row": csr.row_length, "rotation": len(inputs),
@@ -98,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=128)
     parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32"])
     parser.add_argument("--runs", type=int, default=MIN_RUNS)
+    parser.add_argument("--all-settings", action="store_true",
+                        help="time every setting, also those the comparator's screen would leave out")
     args = parser.parse_args(argv)
     bench.require_cuda("time_residual_fusion.py")
     device = torch.device("cuda")
@@ -108,12 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"environment": bench.environment(os.environ.get("UNSPARSE_COMMIT")),
                               "model": args.model, "sparsity": args.sparsity, "weights": "synthetic, magnitude-pruned",
                               "residual": "random normal, the output's shape", "tf32": False, "runs": args.runs,
-                              "records": []}
+                              "screen_ratio": None if args.all_settings else SCREEN_RATIO, "records": []}
     args.out.mkdir(parents=True, exist_ok=True)
     with precision_mode(False):
         for name in tqdm(args.layers, desc="layers"):
             for dtype in args.dtypes:
-                result["records"].append(layer_record(layers[name], DTYPES[dtype], args.batch, args.runs, device))
+                result["records"].append(layer_record(layers[name], DTYPES[dtype], args.batch, args.runs, device,
+                                                      result["screen_ratio"]))
                 atomic_write_text(args.out / "residual_fusion.json", json.dumps(result, indent=1))
     return 0
 

@@ -18,7 +18,7 @@ def test_the_fused_and_the_passes_calls_compute_the_same_block_end(load_script, 
                                                                    ) -> None:
     """Both timed calls of a fusing backend's fastest setting compute ``relu(conv(x) + bias + residual)`` on the
     inputs the timing rotates (so the ratio compares the same work), and the record names the backends' settings, the
-    fastest backend and the layer's nonzeros per row."""
+    fastest backend and the layer's nonzeros per row; the comparator gets the screen ratio asked for."""
     script = load_script("time_residual_fusion")
     outputs: list[torch.Tensor] = []
 
@@ -30,13 +30,22 @@ def test_the_fused_and_the_passes_calls_compute_the_same_block_end(load_script, 
     monkeypatch.setattr(script, "BACKENDS", ("reference",))
     monkeypatch.setattr(script, "FUSING", ("reference",))
     monkeypatch.setattr(script, "rotation_count", lambda nbytes, cache: 2)
+    real_compare = script.compare_layer
+    screens: list[float | None] = []
+
+    def compare_layer(*arguments, screen_ratio, **keywords):
+        screens.append(screen_ratio)
+        return real_compare(*arguments, screen_ratio=screen_ratio, **keywords)
+
+    monkeypatch.setattr(script, "compare_layer", compare_layer)
     generator = torch.Generator().manual_seed(3)
     weight = torch.randn(12, 6, 1, 1, generator=generator)
     weight *= torch.rand(weight.shape, generator=generator) < 0.5
     layer = bench.ConvLayer("block.conv3", weight, torch.randn(12, generator=generator), ConvGeometry.of(1, 0),
                             (6, 5, 7), 1, False)
     torch.manual_seed(11)
-    record = script.layer_record(layer, torch.float32, 3, 20, torch.device("cpu"))
+    record = script.layer_record(layer, torch.float32, 3, 20, torch.device("cpu"), None)
+    assert screens == [None]  # --all-settings: nothing screened out
     assert record["layer"] == "block.conv3" and record["best_backend"] == "reference" and record["rotation"] == 2
     assert record["nnz_per_row"] == int((weight != 0).sum(dim=(1, 2, 3)).max())
     entry = record["backends"]["reference"]
