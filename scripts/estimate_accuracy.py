@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import sys
 from pathlib import Path
@@ -35,20 +34,15 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from unsparse.atomic import atomic_write_text
 from unsparse.runtime import bench
 from unsparse.runtime.backends import get_backend
 from unsparse.runtime.comparator import SCREEN_RATIO, check_error, check_images, reference_output, tolerance
-from unsparse.runtime.precision import precision_mode
-from unsparse.runtime.timing import MIN_RUNS, cache_bytes, rotated_inputs, rotation_count, time_fn
+from unsparse.runtime.timing import cache_bytes, rotated_inputs, rotation_count, time_fn
 from unsparse.settings import generated_setting_argument
 from unsparse.sparse.format import UniformCSR
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 SETTING_KEYS = ("rows", "programs", "streams", "chunks", "min_blocks", "load_batch")
 """What a ``--settings`` entry may set (:func:`~unsparse.settings.generated_setting_argument`): ``rows`` required,
@@ -101,13 +95,7 @@ def layer_records(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")) / "estimate_accuracy")
-    parser.add_argument("--model", choices=bench.MODELS, default="resnet50")
-    parser.add_argument("--layers", nargs="+", required=True, help="conv module names, as in the model")
-    parser.add_argument("--sparsity", type=float, default=0.9)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32", "float16"])
-    parser.add_argument("--runs", type=int, default=MIN_RUNS)
+    bench.add_layer_arguments(parser, "estimate_accuracy")
     parser.add_argument("--settings", nargs="+", type=functools.partial(generated_setting_argument, keys=SETTING_KEYS),
                         help="JSON objects of the generated backend's parameters to time instead of the screen space, "
                         "e.g. '{\"rows\": 32, \"programs\": 4, \"min_blocks\": 3}'")
@@ -115,20 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     settings = [{"programs": 1, **setting} for setting in args.settings] if args.settings else None
     bench.require_cuda("estimate_accuracy.py")
     device = torch.device("cuda")
-    try:
-        layers = bench.pruned_layers(args.model, args.sparsity, args.layers)
-    except ValueError as error:
-        parser.error(f"--layers: {error}")
     result: dict[str, Any] = {"environment": bench.environment(os.environ.get("UNSPARSE_COMMIT")),
                               "model": args.model, "sparsity": args.sparsity, "weights": "synthetic, magnitude-pruned",
                               "screen_ratio": SCREEN_RATIO, "tf32": False, "records": []}
-    args.out.mkdir(parents=True, exist_ok=True)
-    with precision_mode(False):
-        for name in tqdm(args.layers, desc="layers"):
-            for dtype in args.dtypes:
-                result["records"] += layer_records(layers[name], DTYPES[dtype], args.batch, args.runs, device,
-                                                   settings)
-                atomic_write_text(args.out / "estimate_accuracy.json", json.dumps(result, indent=1))
+    bench.time_layers(parser, args, result, "estimate_accuracy.json",
+                      lambda layer, dtype: layer_records(layer, dtype, args.batch, args.runs, device, settings))
     return 0
 
 

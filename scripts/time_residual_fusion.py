@@ -26,26 +26,20 @@ environment (GPU, driver, torch/CUDA/cuDNN/CuPy versions, commit).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from unsparse.atomic import atomic_write_text
 from unsparse.runtime import bench
 from unsparse.runtime.backends import get_backend
 from unsparse.runtime.comparator import SCREEN_RATIO, compare_layer
-from unsparse.runtime.precision import precision_mode
-from unsparse.runtime.timing import MIN_RUNS, cache_bytes, rotated_inputs, rotation_count, time_fn
+from unsparse.runtime.timing import cache_bytes, rotated_inputs, rotation_count, time_fn
 from unsparse.sparse.format import UniformCSR
-
-DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 BACKENDS = ("cudnn", "direct", "generated")
 """What the comparator times on each layer: the dense default and the two sparse backends that fuse the residual."""
@@ -95,33 +89,19 @@ def layer_record(layer: bench.ConvLayer, dtype: torch.dtype, batch: int, runs: i
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, compare every layer and dtype, write the JSON after each."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")) / "residual_fusion")
-    parser.add_argument("--model", choices=bench.MODELS, default="resnet50")
-    parser.add_argument("--layers", nargs="+", required=True, help="conv module names, as in the model")
-    parser.add_argument("--sparsity", type=float, default=0.9)
-    parser.add_argument("--batch", type=int, default=128)
-    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=["float32"])
-    parser.add_argument("--runs", type=int, default=MIN_RUNS)
+    bench.add_layer_arguments(parser, "residual_fusion", dtypes=["float32"])
     parser.add_argument("--all-settings", action="store_true",
                         help="time every setting, also those the comparator's screen would leave out")
     args = parser.parse_args(argv)
     bench.require_cuda("time_residual_fusion.py")
     device = torch.device("cuda")
-    try:
-        layers = bench.pruned_layers(args.model, args.sparsity, args.layers)
-    except ValueError as error:
-        parser.error(f"--layers: {error}")
+    screen_ratio = None if args.all_settings else SCREEN_RATIO
     result: dict[str, Any] = {"environment": bench.environment(os.environ.get("UNSPARSE_COMMIT")),
                               "model": args.model, "sparsity": args.sparsity, "weights": "synthetic, magnitude-pruned",
                               "residual": "random normal, the output's shape", "tf32": False, "runs": args.runs,
-                              "screen_ratio": None if args.all_settings else SCREEN_RATIO, "records": []}
-    args.out.mkdir(parents=True, exist_ok=True)
-    with precision_mode(False):
-        for name in tqdm(args.layers, desc="layers"):
-            for dtype in args.dtypes:
-                result["records"].append(layer_record(layers[name], DTYPES[dtype], args.batch, args.runs, device,
-                                                      result["screen_ratio"]))
-                atomic_write_text(args.out / "residual_fusion.json", json.dumps(result, indent=1))
+                              "screen_ratio": screen_ratio, "records": []}
+    bench.time_layers(parser, args, result, "residual_fusion.json",
+                      lambda layer, dtype: [layer_record(layer, dtype, args.batch, args.runs, device, screen_ratio)])
     return 0
 
 

@@ -10,22 +10,25 @@ with PNG plots (:mod:`unsparse.report.benchmark`) in ``out_dir``.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import dataclasses
 import glob
 import inspect
 import json
 import math
+import os
 import platform
 import re
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from unsparse.atomic import atomic_write_text, write_record
 from unsparse.job import git_commit, git_tree_modified
@@ -303,6 +306,42 @@ def pruned_layers(model: str, sparsity: float, names: Sequence[str]) -> dict[str
     if unknown:
         raise ValueError(f"{unknown} are not convs of {model}")
     return {name: layers[name] for name in names}
+
+
+LAYER_DTYPES = {"float32": torch.float32, "float16": torch.float16}
+"""The dtypes a script timing chosen layers (:func:`add_layer_arguments`) takes by name."""
+
+
+def add_layer_arguments(parser: argparse.ArgumentParser, out_name: str,
+                        dtypes: Sequence[str] = tuple(LAYER_DTYPES)) -> None:
+    """Add the options of a script that times chosen convs of a torchvision model with synthetic pruned weights
+    (:func:`pruned_layers`, :func:`time_layers`): ``--out`` (default ``$OUT/<out_name>``), ``--model``, ``--layers``,
+    ``--sparsity``, ``--batch``, ``--dtypes`` (names of :data:`LAYER_DTYPES`, default ``dtypes``), ``--runs``."""
+    parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "gpu_out")) / out_name)
+    parser.add_argument("--model", choices=MODELS, default="resnet50")
+    parser.add_argument("--layers", nargs="+", required=True, help="conv module names, as in the model")
+    parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--dtypes", nargs="+", choices=list(LAYER_DTYPES), default=list(dtypes))
+    parser.add_argument("--runs", type=int, default=MIN_RUNS)
+
+
+def time_layers(parser: argparse.ArgumentParser, args: argparse.Namespace, result: dict[str, Any], file_name: str,
+                records: Callable[[ConvLayer, torch.dtype], list[dict[str, Any]]]) -> None:
+    """For each layer of ``args.layers`` (:func:`pruned_layers`; an unknown name ends the script through
+    ``parser.error`` naming ``--layers``) and dtype of ``args.dtypes``, TF32 off, append ``records(layer, dtype)`` to
+    ``result["records"]`` and write ``result`` to ``args.out / file_name`` (atomically, after every one), showing
+    progress."""
+    try:
+        layers = pruned_layers(args.model, args.sparsity, args.layers)
+    except ValueError as error:
+        parser.error(f"--layers: {error}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    with precision_mode(False):
+        for name in tqdm(args.layers, desc="layers"):
+            for dtype in args.dtypes:
+                result["records"] += records(layers[name], LAYER_DTYPES[dtype])
+                atomic_write_text(args.out / file_name, json.dumps(result, indent=1))
 
 
 def layer_backends(layer: ConvLayer, batch: int, dtype: torch.dtype, lowering: bool,
